@@ -1,0 +1,64 @@
+"""The interface every engine presents to its worker."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class EngineItem:
+    """One request's step, with its input tensors gathered by the worker."""
+
+    request_id: str
+    op: str
+    iteration: int
+    inputs: dict[str, torch.Tensor]
+    params: dict[str, Any]
+
+
+@dataclass
+class EngineOutput:
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+    finish_reason: str | None = None
+
+
+class Engine(ABC):
+    """Runs the batched steps of one node. ``run`` gets every ready item of the node in a
+    plan (several requests, possibly several ops) and returns one output per item, in
+    order. An exception fails the batch; the worker then retries each item alone, so
+    only the request that causes it fails."""
+
+    @abstractmethod
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]: ...
+
+    def release(self, request_id: str) -> None:
+        """Free everything the engine holds for the request (KV pages, state slots)."""
+
+    def stats(self) -> dict[str, float]:
+        """Resource gauges for /metrics (pages in use, ...)."""
+        return {}
+
+
+class StatelessEngine(Engine):
+    """Runs a plain function of tensors per item: encoders, vocoders, VAEs. Items with
+    the same op are handed over together so the function may batch them."""
+
+    def __init__(self, fn):
+        self.fn = fn  # fn(op, list[EngineItem]) -> list[dict[str, Tensor]]
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        outputs: list[EngineOutput | None] = [None] * len(items)
+        by_op: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            by_op.setdefault(item.op, []).append(i)
+        for op, indices in by_op.items():
+            with torch.inference_mode():
+                results = self.fn(op, [items[i] for i in indices])
+            for i, result in zip(indices, results):
+                outputs[i] = EngineOutput(result)
+        return outputs  # type: ignore[return-value]

@@ -1,0 +1,212 @@
+"""Batched next-token sampling with per-row parameters.
+
+Each row is processed like Hugging Face transformers' ``generate`` would process it alone:
+repetition penalty -> temperature -> top-k -> top-p -> min-p, then a categorical draw
+(or argmax when ``temperature == 0``). All filtering is vectorised over the batch with
+per-row parameter tensors, so a row's result depends only on its own logits, parameters,
+generator and seen tokens.
+
+Randomness uses the exponential race: with ``q_i ~ Exp(1)`` i.i.d.,
+``argmax_i p_i / q_i`` is distributed as ``Categorical(p)``. A row with a generator draws
+its ``V`` exponentials from that generator alone (a fixed amount per step), which makes
+seeded requests reproducible whatever they are batched with; rows without one share a
+single draw from the global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from mstar.engine.sampling_params import SamplingParams
+
+_MAX_TEMPERATURE = 100.0
+_MAX_REPETITION_PENALTY = 100.0
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise ``ValueError`` naming the offending field if ``params`` is unusable.
+
+    Accepted ranges: ``0 <= temperature <= 100`` (0 is greedy), ``0 < top_p <= 1``,
+    ``top_k >= -1`` (0 and -1 both disable top-k; the sampler treats any ``top_k <= 0``
+    as disabled), ``0 <= min_p <= 1``, ``0 < repetition_penalty <= 100``. All floats
+    must be finite.
+    """
+    t = params.temperature
+    if not (math.isfinite(t) and 0.0 <= t <= _MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be finite and in [0, {_MAX_TEMPERATURE:g}], got {t}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if isinstance(params.top_k, bool) or not isinstance(params.top_k, int):
+        raise ValueError(f"top_k must be an int, got {params.top_k!r}")
+    if params.top_k < -1:
+        raise ValueError(f"top_k must be >= 0 (or -1 to disable), got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    rp = params.repetition_penalty
+    if not (math.isfinite(rp) and 0.0 < rp <= _MAX_REPETITION_PENALTY):
+        raise ValueError(
+            f"repetition_penalty must be finite and in (0, {_MAX_REPETITION_PENALTY:g}], got {rp}"
+        )
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0
+
+
+class Sampler:
+    """Turns a batch of logits into next-token ids, one ``SamplingParams`` per row."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        seen_tokens: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """Return ``[B]`` int64 token ids for ``[B, V]`` logits.
+
+        ``generators[i]`` (on ``logits.device``) supplies row ``i``'s randomness; ``None``
+        uses the global RNG. ``seen_tokens[i]`` (prompt + generated ids) feeds the
+        repetition penalty; ids outside ``[0, V)`` are ignored.
+        """
+        self._check_batch(logits, params, seen_tokens)
+        if len(generators) != len(params):
+            raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
+        penalty_active = seen_tokens is not None and any(_penalised(p) for p in params)
+        if all(p.greedy for p in params) and not penalty_active:
+            return logits.argmax(dim=-1)
+
+        scores = self.processed_logits(logits, params, seen_tokens)
+        tokens = scores.argmax(dim=-1)
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            row_gens = [generators[i] for i in sample_rows]
+            tokens[sample_rows] = self._sample(scores[sample_rows], row_gens)
+        return tokens
+
+    def processed_logits(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seen_tokens: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """The float32 ``[B, V]`` scores each row is sampled from; filtered tokens are -inf.
+
+        ``log_softmax`` of a sampling row is its sampling distribution. Greedy rows get
+        only the repetition penalty (their token is the argmax). ``logits`` is not modified.
+        """
+        self._check_batch(logits, params, seen_tokens)
+        scores = logits.to(torch.float32, copy=True)
+        if seen_tokens is not None and any(_penalised(p) for p in params):
+            scores = self._apply_repetition_penalty(scores, params, seen_tokens)
+
+        if all(p.greedy for p in params):
+            return scores
+        temps = [1.0 if p.greedy else p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            temps_t = torch.tensor(temps, dtype=torch.float32, device=scores.device)
+            scores = scores / temps_t[:, None]
+        return self._apply_filters(scores, params)
+
+    # ------------------------------------------------------------------ steps
+    @staticmethod
+    def _check_batch(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seen_tokens: Sequence[Sequence[int]] | None,
+    ) -> None:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        if len(params) != logits.shape[0]:
+            raise ValueError(f"got {len(params)} params for {logits.shape[0]} rows")
+        if seen_tokens is not None and len(seen_tokens) != logits.shape[0]:
+            raise ValueError(f"got {len(seen_tokens)} seen_tokens for {logits.shape[0]} rows")
+
+    @staticmethod
+    def _apply_repetition_penalty(
+        scores: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seen_tokens: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Divide positive / multiply negative scores of seen tokens by the row's penalty."""
+        batch, vocab = scores.shape
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, seen) in enumerate(zip(params, seen_tokens)):
+            if _penalised(p):
+                ids = [t for t in set(seen) if 0 <= t < vocab]
+                rows.extend([i] * len(ids))
+                cols.extend(ids)
+        if not cols:
+            return scores
+        device = scores.device
+        mask = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+        penalty = torch.tensor(
+            [p.repetition_penalty for p in params], dtype=torch.float32, device=device
+        )[:, None]
+        penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return torch.where(mask, penalised, scores)
+
+    @staticmethod
+    def _apply_filters(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Top-k, then top-p, then min-p, each only on rows that enable it (never greedy ones)."""
+        batch, vocab = scores.shape
+        device = scores.device
+        sampling = [not p.greedy for p in params]
+        use_k = [s and 0 < p.top_k < vocab for s, p in zip(sampling, params)]
+        use_p = [s and p.top_p < 1.0 for s, p in zip(sampling, params)]
+        use_min_p = [s and p.min_p > 0.0 for s, p in zip(sampling, params)]
+        neg_inf = float("-inf")
+
+        if any(use_k) or any(use_p):
+            # One ascending sort serves both filters: top-k only masks a prefix of it.
+            sorted_scores, order = scores.sort(dim=-1)
+            remove = torch.zeros_like(sorted_scores, dtype=torch.bool)
+            if any(use_k):
+                # Index of the k-th largest score; disabled rows use index 0 (the minimum).
+                kth_index = [vocab - p.top_k if on else 0 for on, p in zip(use_k, params)]
+                kth = sorted_scores.gather(1, torch.tensor(kth_index, device=device)[:, None])
+                remove |= sorted_scores < kth
+            if any(use_p):
+                probs = sorted_scores.masked_fill(remove, neg_inf).softmax(dim=-1)
+                # Drop the low tail whose total mass is <= 1 - top_p; -1 never matches.
+                tail = [1.0 - p.top_p if on else -1.0 for on, p in zip(use_p, params)]
+                tail_t = torch.tensor(tail, dtype=torch.float32, device=device)[:, None]
+                drop = probs.cumsum(dim=-1) <= tail_t
+                drop[:, -1] = False  # always keep the most likely token
+                remove |= drop
+            unsorted_remove = torch.empty_like(remove).scatter_(1, order, remove)
+            scores = scores.masked_fill(unsorted_remove, neg_inf)
+
+        if any(use_min_p):
+            probs = scores.softmax(dim=-1)
+            min_p = torch.tensor(
+                [p.min_p if on else 0.0 for on, p in zip(use_min_p, params)],
+                dtype=torch.float32,
+                device=device,
+            )[:, None]
+            # The most likely token always passes since min_p <= 1.
+            scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), neg_inf)
+        return scores
+
+    @staticmethod
+    def _sample(
+        scores: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Draw one token per row from ``softmax(scores)`` by the exponential race."""
+        probs = scores.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            draw = torch.empty(len(shared), probs.shape[1], device=probs.device)
+            noise[shared] = draw.exponential_()
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        # Guard against a zero draw (p / 0 would be inf, or nan for a filtered token).
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,133 @@
+"""Chunk policies: when a stream edge has enough of its source to run its consumer.
+
+A policy is a pure function of how many items the stream holds, how many chunks were
+already taken and whether the producer has finished. It answers with the next chunk's
+window ``[start, end)`` over the stream and the part of the consumer's output to keep,
+or ``None`` when the consumer must wait. A closed stream always flushes what is left, so
+a consumer never waits for a chunk that will not come.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One consumer run: items ``[start, end)`` of the stream; of the consumer's output
+    for those items keep the items ``[keep_start, keep_end)`` (stream coordinates)."""
+
+    index: int
+    start: int
+    end: int
+    keep_start: int
+    keep_end: int
+    last: bool
+
+
+class ChunkPolicy(ABC):
+    @abstractmethod
+    def next_chunk(self, available: int, taken: int, covered: int, closed: bool) -> Chunk | None:
+        """``taken`` chunks were emitted so far and they kept items up to ``covered``."""
+
+
+@dataclass(frozen=True)
+class FixedFrames(ChunkPolicy):
+    """Chunks of exactly ``size`` new items (the last one may be short)."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"FixedFrames.size must be >= 1, got {self.size}")
+
+    def next_chunk(self, available, taken, covered, closed):
+        if available - covered >= self.size:
+            end = covered + self.size
+        elif closed and available > covered:
+            end = available
+        else:
+            return None
+        return Chunk(taken, covered, end, covered, end, closed and end == available)
+
+
+@dataclass(frozen=True)
+class GrowingChunks(ChunkPolicy):
+    """Chunk sizes ``first, first*growth, ...`` capped at ``max_size``: a small first
+    chunk for low latency, larger later ones for throughput. ``context`` earlier items
+    are given to the consumer as left context and not kept."""
+
+    first: int
+    growth: float = 2.0
+    max_size: int = 1 << 30
+    context: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first < 1 or self.growth < 1 or self.max_size < self.first or self.context < 0:
+            raise ValueError("GrowingChunks needs first >= 1, growth >= 1, max_size >= first, context >= 0")
+
+    def size_of(self, index: int) -> int:
+        try:
+            size = self.first * self.growth**index
+        except OverflowError:  # a float growth**index past ~1e308: long since capped
+            return self.max_size
+        return int(min(self.max_size, size))
+
+    def next_chunk(self, available, taken, covered, closed):
+        want = self.size_of(taken)
+        if available - covered >= want:
+            end = covered + want
+        elif closed and available > covered:
+            end = available
+        else:
+            return None
+        start = max(0, covered - self.context)
+        return Chunk(taken, start, end, covered, end, closed and end == available)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(ChunkPolicy):
+    """Decode a ``window`` of items every ``stride`` new items and keep only the region
+    the window decodes well (``keep="middle"``: the ``stride`` items before the last
+    ``(window - stride) // 2`` items of look-ahead; ``"last"``: the newest ``stride``).
+
+    The first chunk also keeps everything before its kept region, and the last chunk
+    (when the producer closes) keeps everything after it, so the kept regions tile the
+    whole stream exactly once.
+    """
+
+    window: int
+    stride: int
+    keep: str = "middle"
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.stride <= self.window):
+            raise ValueError(f"SlidingWindow needs 1 <= stride <= window, got stride={self.stride}, window={self.window}")
+        if self.keep not in ("middle", "last"):
+            raise ValueError(f"SlidingWindow.keep must be 'middle' or 'last', got {self.keep!r}")
+
+    @property
+    def lookahead(self) -> int:
+        return (self.window - self.stride) // 2 if self.keep == "middle" else 0
+
+    def next_chunk(self, available, taken, covered, closed):
+        if closed:
+            if covered >= available:
+                return None
+            start = max(0, available - self.window)
+            if start <= covered:
+                return Chunk(taken, start, available, covered, available, True)
+            # More is left than one window can hold (the producer closed while the
+            # consumer lagged): keep taking regular chunks until the rest fits.
+        # An open stream runs once the window reaches `lookahead` items past a full stride.
+        end = covered + self.stride + self.lookahead
+        if taken == 0:
+            end = max(end, self.window)
+            keep_end = end - self.lookahead
+        else:
+            keep_end = covered + self.stride
+        if available < end:
+            return None
+        start = max(0, end - self.window)
+        return Chunk(taken, start, end, covered, keep_end, False)

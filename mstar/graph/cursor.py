@@ -1,0 +1,132 @@
+"""Where a request is in its walk: an immutable cursor and the pure functions that move it.
+
+The cursor mirrors the walk's tree. A step is ``PENDING`` (ready to dispatch), ``RUNNING``
+or ``DONE``; a Sequential remembers its current part, a Parallel the state of every
+branch, a Loop its iteration. Every function returns a new cursor; nothing is mutated,
+so the conductor can compute plans as pure functions of (state, events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from mstar.graph.nodes import Step
+from mstar.graph.walk import Loop, Parallel, Section, Sequential
+
+PENDING = "pending"
+RUNNING = "running"
+DONE = "done"
+
+
+@dataclass(frozen=True)
+class LoopContext:
+    """What a Loop consults at each iteration boundary."""
+
+    flags: frozenset[str]
+    params: Mapping[str, Any]
+
+    def loop_exits(self, loop: Loop, iteration: int) -> bool:
+        if loop.until is not None and loop.until in self.flags:
+            return True
+        limit = loop.max_iters
+        if isinstance(limit, str):
+            limit = int(self.params[limit])
+        return limit is not None and iteration >= limit
+
+
+@dataclass(frozen=True)
+class ReadyStep:
+    step: Step
+    iteration: int  # iteration of the innermost enclosing Loop (0 outside loops)
+
+
+def start(section: Section, ctx: LoopContext) -> Any:
+    """The cursor of a section that is just entered (may already be DONE)."""
+    if isinstance(section, Step):
+        return PENDING
+    if isinstance(section, Sequential):
+        return _seq_from(section, 0, ctx)
+    if isinstance(section, Parallel):
+        return _par(tuple(start(b, ctx) for b in section.branches))
+    if isinstance(section, Loop):
+        return _loop_from(section, 0, ctx)
+    raise TypeError(f"not a walk section: {section!r}")
+
+
+def is_done(cursor: Any) -> bool:
+    return cursor == DONE
+
+
+def ready(section: Section, cursor: Any, iteration: int = 0) -> list[ReadyStep]:
+    """The steps that can be dispatched now."""
+    if cursor == DONE:
+        return []
+    if isinstance(section, Step):
+        return [ReadyStep(section, iteration)] if cursor == PENDING else []
+    if isinstance(section, Sequential):
+        _, index, child = cursor
+        return ready(section.parts[index], child, iteration)
+    if isinstance(section, Parallel):
+        out: list[ReadyStep] = []
+        for branch, child in zip(section.branches, cursor[1]):
+            out += ready(branch, child, iteration)
+        return out
+    if isinstance(section, Loop):
+        _, it, child = cursor
+        return ready(section.body, child, it)
+    raise TypeError(f"not a walk section: {section!r}")
+
+
+def mark_running(section: Section, cursor: Any, step: Step) -> Any:
+    return _update(section, cursor, step, lambda state: RUNNING if state == PENDING else state, None)
+
+
+def complete(section: Section, cursor: Any, step: Step, ctx: LoopContext) -> Any:
+    """The cursor after ``step`` finished; sequences and loops advance past it."""
+    return _update(section, cursor, step, lambda state: DONE, ctx)
+
+
+def _update(section: Section, cursor: Any, step: Step, change, ctx: LoopContext | None) -> Any:
+    if cursor == DONE:
+        return cursor
+    if isinstance(section, Step):
+        return change(cursor) if section is step else cursor
+    if isinstance(section, Sequential):
+        _, index, child = cursor
+        child = _update(section.parts[index], child, step, change, ctx)
+        if child == DONE and ctx is not None:
+            return _seq_from(section, index + 1, ctx)
+        return ("seq", index, child)
+    if isinstance(section, Parallel):
+        children = tuple(_update(b, c, step, change, ctx) for b, c in zip(section.branches, cursor[1]))
+        return _par(children)
+    if isinstance(section, Loop):
+        _, it, child = cursor
+        child = _update(section.body, child, step, change, ctx)
+        if child == DONE and ctx is not None:
+            return _loop_from(section, it + 1, ctx)
+        return ("loop", it, child)
+    raise TypeError(f"not a walk section: {section!r}")
+
+
+def _seq_from(section: Sequential, index: int, ctx: LoopContext) -> Any:
+    while index < len(section.parts):
+        child = start(section.parts[index], ctx)
+        if child != DONE:
+            return ("seq", index, child)
+        index += 1
+    return DONE
+
+
+def _par(children: tuple) -> Any:
+    return DONE if all(c == DONE for c in children) else ("par", children)
+
+
+def _loop_from(section: Loop, iteration: int, ctx: LoopContext) -> Any:
+    if ctx.loop_exits(section, iteration):
+        return DONE
+    child = start(section.body, ctx)
+    if child == DONE:  # a body with nothing to do would spin forever
+        return DONE
+    return ("loop", iteration, child)

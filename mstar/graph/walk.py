@@ -1,0 +1,108 @@
+"""Walk composition: Sequential, Parallel, Loop, StreamEdge and the named Walk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+from mstar.graph.chunking import ChunkPolicy
+from mstar.graph.nodes import Emit, Step
+
+
+@dataclass(frozen=True, eq=False)
+class Sequential:
+    """Run the parts in order; a later part reads what an earlier one wrote."""
+
+    parts: tuple["Section", ...]
+
+    def __init__(self, *parts: "Section"):
+        object.__setattr__(self, "parts", tuple(parts))
+
+
+@dataclass(frozen=True, eq=False)
+class Parallel:
+    """Independent branches that may run at the same time; joined by variable name."""
+
+    branches: tuple["Section", ...]
+
+    def __init__(self, *branches: "Section"):
+        object.__setattr__(self, "branches", tuple(branches))
+
+
+@dataclass(frozen=True, eq=False)
+class Loop:
+    """Repeat ``body`` until a step raises the flag ``until`` or ``max_iters`` is reached.
+
+    ``max_iters`` is a number or the name of a per-request walk parameter (e.g. the
+    decode budget of a chat request). The flag is checked before every iteration,
+    including the first, so a request already done (EOS at prefill) skips the loop.
+    """
+
+    body: "Section"
+    until: str | None = None
+    max_iters: int | str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class StreamEdge:
+    """A cross-partition edge: every value of ``source`` is appended to a stream whose
+    chunks (chosen by ``policy``) run ``into`` asynchronously, until the producer ends."""
+
+    source: str
+    into: Step
+    policy: ChunkPolicy
+    port: str = ""  # the port of ``into`` that receives the chunk; default: its first read
+
+    @property
+    def chunk_port(self) -> str:
+        return self.port or (self.into.reads[0][0] if self.into.reads else self.source)
+
+
+Section = Union[Step, Sequential, Parallel, Loop]
+
+
+@dataclass(frozen=True, eq=False)
+class Walk:
+    """A named path through the graph that one request follows.
+
+    ``inputs`` are the variables the request brings (made by the model's ``prepare``);
+    ``outputs`` are variables returned at the end in addition to emitted ones.
+    """
+
+    name: str
+    body: Section
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...] = ()
+    streams: tuple[StreamEdge, ...] = field(default_factory=tuple)
+
+    def __init__(self, name, body, inputs, outputs=(), streams=()):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "inputs", (inputs,) if isinstance(inputs, str) else tuple(inputs))
+        object.__setattr__(self, "outputs", (outputs,) if isinstance(outputs, str) else tuple(outputs))
+        object.__setattr__(self, "streams", tuple(streams))
+
+    def steps(self) -> Iterator[Step]:
+        """Every step of the walk, stream consumers included, in declaration order."""
+        yield from iter_steps(self.body)
+        for edge in self.streams:
+            yield edge.into
+
+    def emits(self) -> Iterator[Emit]:
+        for step in self.steps():
+            yield from step.emit
+
+
+def iter_steps(section: Section) -> Iterator[Step]:
+    if isinstance(section, Step):
+        yield section
+    elif isinstance(section, Sequential):
+        for part in section.parts:
+            yield from iter_steps(part)
+    elif isinstance(section, Parallel):
+        for branch in section.branches:
+            yield from iter_steps(branch)
+    elif isinstance(section, Loop):
+        yield from iter_steps(section.body)
+    else:
+        raise TypeError(f"not a walk section: {section!r}")

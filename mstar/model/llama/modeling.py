@@ -1,0 +1,157 @@
+"""Llama-architecture decoder on a paged KV cache.
+
+Parameter names are exactly the Hugging Face checkpoint keys, so a ``model.safetensors``
+state dict loads with ``strict=True``. With tied embeddings there is no ``lm_head`` at all:
+the logits reuse ``model.embed_tokens.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.attention import PagedAttentionMetadata, paged_attention
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rotary import RotaryEmbedding, apply_rotary
+from mstar.model.llama.config import LlamaConfig
+
+
+def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of the model's KV cache."""
+    assert config.num_key_value_heads is not None and config.head_dim is not None
+    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with RoPE, reading and writing one layer's paged cache."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        _, self.num_kv_heads, self.head_dim = kv_cache_shape(config)
+        self.num_heads = config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, -1, self.head_dim)
+        k = self.k_proj(x).view(tokens, -1, self.head_dim)
+        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (the ``model.`` prefix of HF keys)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        _, _, head_dim = kv_cache_shape(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        meta: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        cos_sin = self.rotary_emb.cos_sin(meta.positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos_sin, meta, kv_cache)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with a language-model head, running one paged step per ``forward``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        meta: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of the ``T`` new tokens of the step.
+
+        ``inputs_embeds [T, hidden]``, when given, replaces the embedding lookup.
+        """
+        return self.model(input_ids, meta, kv_caches, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
+        return self.model.embed_tokens(input_ids)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]`` projection used for logits (tied to embeddings or ``lm_head``)."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
+        return F.linear(hidden, self.output_weight)
