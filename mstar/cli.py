@@ -1,0 +1,164 @@
+"""Command line: ``mstar serve <model> ...`` and ``mstar-serve --config FILE ...``.
+
+This module only parses arguments and sets up logging; ``mstar.runtime.launch.serve``
+(imported lazily, so ``--help`` stays fast) starts the workers and the HTTP server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from mstar import __version__
+from mstar.server.options import DEVICES, LOG_LEVELS, TENSOR_COMM_PROTOCOLS, ServeOptions
+
+LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+
+
+def _gpu_list(value: str) -> list[int]:
+    parts = [v.strip() for v in value.split(",") if v.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU indices, got {value!r}")
+    return [int(p) for p in parts]
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
+def _existing_file(value: str) -> str:
+    if not os.path.isfile(value):
+        raise argparse.ArgumentTypeError(f"no such file: {value}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: bool) -> None:
+    """The options shared by ``mstar serve`` and ``mstar-serve``."""
+    parser.add_argument(
+        "--config", type=_existing_file, required=config_required, metavar="FILE",
+        help="YAML deployment config; explicit options override its settings",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=8000, help="port to bind (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--device", choices=DEVICES, default=None,
+        help="device to run the model on (default: cuda if available, else cpu)",
+    )
+    parser.add_argument(
+        "--gpus", type=_gpu_list, default=None, metavar="0,1",
+        help="comma-separated GPU indices for the workers (default: all visible)",
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, metavar="DIR",
+        help="where model weights are downloaded and cached (default: chosen by the runtime)",
+    )
+    parser.add_argument(
+        "--tensor-comm-protocol", choices=TENSOR_COMM_PROTOCOLS, default="SHM", type=str.upper,
+        help="how workers exchange tensors (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--served-model-name", action="append", default=None, metavar="NAME",
+        help="a name the API accepts and lists for the model (repeatable; default: the model id)",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
+        help="logging level (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-stats", action="store_true", help="periodically log serving statistics"
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("MSTAR_API_KEY"), metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on the API (default: $MSTAR_API_KEY, if set)",
+    )
+    parser.add_argument(
+        "--in-process", action="store_true",
+        help="run the model inside the server process instead of worker processes (debugging)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mstar`` command and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="mstar",
+        description="M*: serve composite multimodal models over an OpenAI-compatible API.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP",
+        description="Serve a model over HTTP (OpenAI-compatible API).",
+    )
+    serve.add_argument("model", help="model registry name or local path")
+    add_serve_arguments(serve, config_required=False)
+    return parser
+
+
+def build_config_parser() -> argparse.ArgumentParser:
+    """The ``mstar-serve`` command: the model comes from the config file."""
+    parser = argparse.ArgumentParser(
+        prog="mstar-serve", description="Serve the model that a deployment config names."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_serve_arguments(parser, config_required=True)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        model=getattr(args, "model", None),
+        config=args.config,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        gpus=args.gpus,
+        cache_dir=args.cache_dir,
+        tensor_comm_protocol=args.tensor_comm_protocol,
+        log_level=args.log_level,
+        log_stats=args.log_stats,
+        api_key=args.api_key,
+        in_process=args.in_process,
+        served_model_names=list(args.served_model_name or []),
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, datefmt="%H:%M:%S", force=True)
+
+
+def _run(options: ServeOptions) -> int:
+    setup_logging(options.log_level)
+    from mstar.runtime.launch import serve  # lazy: pulls in torch and the workers
+
+    serve(options)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mstar``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return _run(options_from_args(args))
+
+
+def serve_from_config(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mstar-serve``."""
+    return _run(options_from_args(build_config_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Python client for an M* server."""
+
+from mstar.client.sdk import (
+    ChatEvent,
+    ChatResult,
+    GenerateEvent,
+    GenerateResult,
+    MStarClient,
+    MStarError,
+)
+
+__all__ = ["ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError"]

@@ -1,0 +1,326 @@
+"""A small synchronous client for an M* server (chat completions and /generate).
+
+    >>> client = MStarClient("http://localhost:8000")
+    >>> client.chat("Hello!", max_tokens=32).text
+    >>> for event in client.chat("Tell me a story", stream=True):
+    ...     print(event.text, end="", flush=True)
+
+Streams are opened eagerly (HTTP errors raise at the call); closing the returned iterator
+(``events.close()`` or leaving a ``for`` loop and dropping it) closes the connection,
+which cancels the request on the server.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import httpx
+
+FileLike = str | PathLike | tuple[str, bytes]
+
+
+class MStarError(Exception):
+    """An error from the server (``status`` is its HTTP status; 0: no response at all)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(f"[{status}] {message}")
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass
+class ChatResult:
+    text: str
+    finish_reason: str | None
+    usage: dict[str, int]
+    raw: dict
+
+
+@dataclass
+class ChatEvent:
+    """One streamed chunk: ``text`` is the new text (delta); the last chunk carries
+    ``finish_reason``; a final event carries ``usage``."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    raw: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    text: str
+    finish_reason: str | None
+    usage: dict[str, int]
+    data: dict[str, bytes]  # non-text outputs by modality
+    raw: dict
+
+
+@dataclass
+class GenerateEvent:
+    request_id: str = ""
+    modality: str = "text"
+    text: str = ""
+    data: bytes | None = None
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    raw: dict = field(default_factory=dict)
+
+
+def _error_of(status: int, body: Any) -> MStarError:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        return MStarError(status, str(err.get("message", "")), err.get("param"))
+    return MStarError(status, str(body))
+
+
+_STATUS_OF_TYPE = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "not_found_error": 404,
+}
+
+
+def _in_band_error(body: dict) -> MStarError:
+    """An error the server sent inside a stream that had already started."""
+    err = body.get("error")
+    kind = err.get("type") if isinstance(err, dict) else None
+    return _error_of(_STATUS_OF_TYPE.get(str(kind), 500), body)
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    response.read()
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    raise _error_of(response.status_code, body)
+
+
+def _as_messages(text_or_messages: str | Sequence[Mapping[str, Any]]) -> list[dict]:
+    if isinstance(text_or_messages, str):
+        return [{"role": "user", "content": text_or_messages}]
+    return [dict(m) for m in text_or_messages]
+
+
+def _as_upload(item: FileLike) -> tuple[str, bytes]:
+    if isinstance(item, tuple):
+        name, content = item
+        return name, bytes(content)
+    path = Path(item)
+    return path.name, path.read_bytes()
+
+
+class MStarClient:
+    """Synchronous client; usable as a context manager (closes its connection pool)."""
+
+    def __init__(
+        self,
+        base_url: str = "http://localhost:8000",
+        timeout: float = 600,
+        api_key: str | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MStarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _send(
+        self, method: str, url: str, *, stream: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        request = self._http.build_request(method, url, **kwargs)
+        try:
+            response = self._http.send(request, stream=stream)
+        except httpx.TransportError as exc:
+            raise MStarError(0, f"cannot reach {self.base_url}: {exc}") from exc
+        try:
+            _raise_for_status(response)
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    def _json(self, method: str, url: str, **kwargs: Any) -> Any:
+        return self._send(method, url, **kwargs).json()
+
+    # ---------------------------------------------------------------------- API
+
+    def health(self) -> bool:
+        """True when the server answers and its backend is healthy."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def models(self) -> list[str]:
+        """The model names the server accepts."""
+        return [m["id"] for m in self._json("GET", "/v1/models")["data"]]
+
+    @overload
+    def chat(
+        self, text_or_messages: str | Sequence[Mapping[str, Any]], *,
+        stream: Literal[False] = False, **kwargs: Any,
+    ) -> ChatResult: ...
+
+    @overload
+    def chat(
+        self, text_or_messages: str | Sequence[Mapping[str, Any]], *,
+        stream: Literal[True], **kwargs: Any,
+    ) -> Iterator[ChatEvent]: ...
+
+    def chat(
+        self,
+        text_or_messages: str | Sequence[Mapping[str, Any]],
+        *,
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        model: str | None = None,
+        **extra: Any,
+    ) -> ChatResult | Iterator[ChatEvent]:
+        """A chat completion; ``extra`` goes into the request body as is (e.g. min_p)."""
+        body: dict[str, Any] = {"messages": _as_messages(text_or_messages), "stream": stream}
+        optional = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "stop": stop,
+        }
+        body.update({k: v for k, v in optional.items() if v is not None})
+        body.update(extra)
+        if not stream:
+            raw = self._json("POST", "/v1/chat/completions", json=body)
+            choice = raw["choices"][0]
+            return ChatResult(
+                text=choice["message"].get("content") or "",
+                finish_reason=choice.get("finish_reason"),
+                usage=raw.get("usage") or {},
+                raw=raw,
+            )
+        body.setdefault("stream_options", {"include_usage": True})
+        response = self._send("POST", "/v1/chat/completions", json=body, stream=True)
+        return self._chat_events(response)
+
+    @staticmethod
+    def _chat_events(response: httpx.Response) -> Iterator[ChatEvent]:
+        try:
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise _in_band_error(chunk)
+                choices = chunk.get("choices") or []
+                if choices:
+                    delta = choices[0].get("delta") or {}
+                    yield ChatEvent(
+                        text=delta.get("content") or "",
+                        finish_reason=choices[0].get("finish_reason"),
+                        usage=chunk.get("usage"),
+                        raw=chunk,
+                    )
+                elif chunk.get("usage"):
+                    yield ChatEvent(usage=chunk["usage"], raw=chunk)
+        except httpx.TransportError as exc:
+            raise MStarError(0, f"the stream broke off: {exc}") from exc
+        finally:
+            response.close()
+
+    @overload
+    def generate(
+        self, text: str | None = None, files: Sequence[FileLike] | None = None,
+        output_modalities: Sequence[str] = ..., model_kwargs: Mapping[str, Any] | None = None,
+        stream: Literal[False] = False,
+    ) -> GenerateResult: ...
+
+    @overload
+    def generate(
+        self, text: str | None = None, files: Sequence[FileLike] | None = None,
+        output_modalities: Sequence[str] = ..., model_kwargs: Mapping[str, Any] | None = None,
+        *, stream: Literal[True],
+    ) -> Iterator[GenerateEvent]: ...
+
+    def generate(
+        self,
+        text: str | None = None,
+        files: Sequence[FileLike] | None = None,
+        output_modalities: Sequence[str] = ("text",),
+        model_kwargs: Mapping[str, Any] | None = None,
+        stream: bool = False,
+    ) -> GenerateResult | Iterator[GenerateEvent]:
+        """The native multimodal endpoint. ``files`` are paths or ``(name, bytes)`` pairs."""
+        form = {
+            "text": text or "",
+            "output_modalities": json.dumps(list(output_modalities)),
+            "streaming": "true" if stream else "false",
+            "model_kwargs": json.dumps(dict(model_kwargs or {})),
+        }
+        uploads = [("files", _as_upload(f)) for f in files or []]
+        kwargs: dict[str, Any] = {"data": form}
+        if uploads:
+            kwargs["files"] = uploads
+        if not stream:
+            raw = self._json("POST", "/generate", **kwargs)
+            return GenerateResult(
+                request_id=raw.get("request_id", ""),
+                text=raw.get("text", ""),
+                finish_reason=raw.get("finish_reason"),
+                usage=raw.get("usage") or {},
+                data={m: base64.b64decode(b) for m, b in (raw.get("data") or {}).items()},
+                raw=raw,
+            )
+        return self._generate_events(self._send("POST", "/generate", stream=True, **kwargs))
+
+    @staticmethod
+    def _generate_events(response: httpx.Response) -> Iterator[GenerateEvent]:
+        try:
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "error" in item:
+                    raise _in_band_error(item)
+                data = item.get("data")
+                yield GenerateEvent(
+                    request_id=item.get("request_id", ""),
+                    modality=item.get("modality", "text"),
+                    text=item.get("text") or "",
+                    data=base64.b64decode(data) if data else None,
+                    finish_reason=item.get("finish_reason"),
+                    usage=item.get("usage"),
+                    raw=item,
+                )
+        except httpx.TransportError as exc:
+            raise MStarError(0, f"the stream broke off: {exc}") from exc
+        finally:
+            response.close()

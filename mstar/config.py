@@ -1,0 +1,90 @@
+"""The deployment config: one typed object, validated at startup, errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot start; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeGroupConfig(_Strict):
+    node_names: list[str] = Field(min_length=1)
+    ranks: list[int] = Field(min_length=1)
+    graph_walks: list[str] = Field(default_factory=list)
+    tp_size: int = Field(1, ge=1)
+
+
+class KVCacheConfig(_Strict):
+    max_num_pages: int = Field(1024, ge=1)
+    page_size: int = Field(16, ge=1)
+
+
+class ResourcesConfig(_Strict):
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+
+
+class DeploymentConfig(_Strict):
+    model: str
+    model_path: str | None = None  # HF id or local directory; None: the registry default
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["cpu", "cuda"] = "cpu"
+    max_seq_len: int = Field(2048, ge=2)
+    max_concurrent_requests: int = Field(16, ge=1)
+    node_groups: list[NodeGroupConfig] = Field(default_factory=list)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    cache_dir: str | None = None
+    tensor_comm_protocol: Literal["INPROC", "SHM", "TCP"] = "SHM"
+    request_timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _ranks_are_dense(self) -> "DeploymentConfig":
+        ranks = sorted({r for g in self.node_groups for r in g.ranks})
+        if ranks and ranks != list(range(len(ranks))):
+            raise ValueError(f"node_groups: ranks must be 0..N-1 with none skipped, got {ranks}")
+        return self
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 + max((r for g in self.node_groups for r in g.ranks), default=0)
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> DeploymentConfig:
+    try:
+        return DeploymentConfig.model_validate(data)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors():
+            key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+            problems.append(f"{key}: {e['msg']}")
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot read the config: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys")
+    data.update(overrides or {})
+    return parse_config(data, str(path))

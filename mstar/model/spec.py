@@ -1,0 +1,95 @@
+"""What a model family declares: its graph, how to build its engines, and how a request
+maps to a walk (``prepare``) and back (``OutputStream``). No scheduling or transport here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from mstar.graph import Graph
+from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent
+
+if TYPE_CHECKING:
+    from mstar.config import DeploymentConfig
+    from mstar.engine.base import Engine
+
+
+@dataclass
+class WalkRequest:
+    """A request mapped onto the graph: which walk, its input tensors, its parameters and
+    the resources it holds while admitted."""
+
+    walk: str
+    inputs: dict[str, torch.Tensor]
+    params: dict[str, Any]
+    cost: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+
+class OutputStream(ABC):
+    """Turns one request's emitted tensors into client events (detokenising, encoding)."""
+
+    @abstractmethod
+    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        """An event for the client, or None when there is nothing to show yet."""
+
+    def finish(self, reason: str) -> OutputEvent | None:
+        """Flush what is held back when the request ends."""
+        return None
+
+    @property
+    def generated(self) -> int:
+        """How many output units (tokens) the request produced so far."""
+        return 0
+
+    @property
+    def stopped(self) -> bool:
+        """True once the stream decided on its own that the request is done (a stop
+        string): the runtime then cancels the walk."""
+        return False
+
+
+class ModelSpec(ABC):
+    """One model family. The frontend calls ``load_frontend`` (tokenizer, limits), each
+    worker calls ``build_engines`` for the nodes placed on it."""
+
+    key: ClassVar[str]
+    default_weights: ClassVar[str | None] = None
+
+    def __init__(self, config: "DeploymentConfig"):
+        self.config = config
+
+    @abstractmethod
+    def graph(self) -> Graph: ...
+
+    @abstractmethod
+    def load_frontend(self) -> None:
+        """Load what the API server needs: tokenizer, processor, limits. Must be light."""
+
+    @abstractmethod
+    def build_engines(self, nodes: set[str], device: torch.device) -> dict[str, "Engine"]:
+        """Load weights and build the engine of every node in ``nodes``."""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_seq_len
+
+    def default_capacity(self) -> dict[str, int]:
+        """Resource pools the conductor admits against (e.g. KV pages)."""
+        return {}
+
+    def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
+        from mstar.server.backend import RequestError
+
+        raise RequestError("model", f"model {self.key!r} does not serve chat", 400)
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        from mstar.server.backend import RequestError
+
+        raise RequestError("model", f"model {self.key!r} does not serve /generate", 400)
+
+    @abstractmethod
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream: ...

@@ -1,0 +1,208 @@
+"""Model-agnostic weight loading: locating checkpoints, reading safetensors, filling modules.
+
+Model modules name their parameters exactly like the Hugging Face checkpoint keys, so loading is
+a by-name copy. ``load_weights`` checks coverage both ways (every parameter filled, every
+checkpoint tensor used) and leaves room for per-parameter ``weight_loader`` hooks, which
+tensor-parallel layers use to take their shard of a full tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import huggingface_hub
+import torch
+from huggingface_hub import constants as hf_constants
+from safetensors import safe_open
+from torch import nn
+
+__all__ = [
+    "ModelPathError",
+    "WeightLoadError",
+    "init_dummy_weights",
+    "iter_safetensors",
+    "load_weights",
+    "resolve_model_path",
+]
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+
+NameMap = Callable[[str], str | None]
+"""Maps a checkpoint tensor name to a module name; ``None`` drops the tensor on purpose."""
+
+_MAX_LISTED = 8
+
+
+class WeightLoadError(RuntimeError):
+    """A checkpoint does not fit the module it is loaded into."""
+
+
+class ModelPathError(FileNotFoundError):
+    """A model path is neither a local directory/file nor a reachable Hugging Face hub repo."""
+
+
+def _offline() -> bool:
+    """Offline mode, read at call time (huggingface_hub reads ``HF_HUB_OFFLINE`` at import)."""
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return hf_constants.HF_HUB_OFFLINE or env in {"1", "ON", "YES", "TRUE"}
+
+
+def resolve_model_path(
+    model_path: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str] | None = None,
+    allow_patterns: str | Sequence[str] | None = None,
+) -> Path:
+    """Return a local path for ``model_path``.
+
+    An existing local directory (or file, e.g. a ``.gguf``) is returned as is. Anything else is
+    taken as a hub repo id and resolved with ``huggingface_hub.snapshot_download``, which serves
+    from the hub cache under ``cache_dir`` without network access when ``HF_HUB_OFFLINE=1``.
+    """
+    local = Path(model_path).expanduser()
+    if local.exists():
+        return local
+    repo_id = os.fspath(model_path)
+    patterns = [allow_patterns] if isinstance(allow_patterns, str) else allow_patterns
+    where = f"hub cache {os.fspath(cache_dir) if cache_dir else hf_constants.HF_HUB_CACHE}"
+    wanted = f" (files matching {list(patterns)})" if patterns else ""
+    if repo_id.startswith(("/", ".", "~")) or repo_id.count("/") > 1:
+        raise ModelPathError(
+            f"model path {repo_id!r} does not exist, and is not a hub repo id of the form 'org/name'"
+        )
+    try:
+        snapshot = huggingface_hub.snapshot_download(
+            repo_id,
+            cache_dir=cache_dir,
+            allow_patterns=list(patterns) if patterns else None,
+            local_files_only=_offline(),
+        )
+    except Exception as exc:  # hub errors are many and version dependent; re-raise uniformly
+        mode = "offline, cache only" if _offline() else "online"
+        raise ModelPathError(
+            f"model {repo_id!r} is not a local path and could not be resolved as a Hugging Face hub "
+            f"repo{wanted} ({mode}, {where}): {type(exc).__name__}: {exc}"
+        ) from exc
+    return Path(snapshot)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, index first, then single file, then any."""
+    index = directory / SAFETENSORS_INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+        return files
+    single = directory / SAFETENSORS_FILE
+    if single.is_file():
+        return [single]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no safetensors checkpoint in {directory}: looked for {SAFETENSORS_INDEX_FILE}, "
+            f"{SAFETENSORS_FILE} and *.safetensors"
+        )
+    return files
+
+
+def iter_safetensors(directory: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``directory``, one at a time."""
+    for file in _safetensors_files(Path(directory)):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _loadable(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name (tied aliases included) of the parameters and persistent buffers of ``module``."""
+    targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                targets[f"{prefix}.{name}" if prefix else name] = buf
+    return targets
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:_MAX_LISTED])
+    more = f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+    return f"{len(names)}: {shown}{more}"
+
+
+@torch.no_grad()
+def load_weights(
+    module: nn.Module,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    name_map: NameMap | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+) -> None:
+    """Copy checkpoint tensors into ``module``'s parameters and persistent buffers by name.
+
+    ``name_map`` renames checkpoint names (returning ``None`` skips a tensor). Tensors are cast
+    to ``dtype`` if given, else to the target's dtype. A parameter with a ``weight_loader``
+    attribute gets ``param.weight_loader(param, tensor)`` instead of a copy (shape checks are then
+    the hook's job). With ``strict``, a ``WeightLoadError`` lists the parameters the checkpoint
+    left unfilled and the checkpoint tensors that fill nothing. Tied parameters count as filled
+    when any of their names is.
+    """
+    targets = _loadable(module)
+    filled: set[int] = set()
+    unexpected: list[str] = []
+    for ckpt_name, tensor in named_tensors:
+        name = name_map(ckpt_name) if name_map is not None else ckpt_name
+        if name is None:
+            continue
+        target = targets.get(name)
+        if target is None:
+            unexpected.append(ckpt_name if name == ckpt_name else f"{ckpt_name} (as {name})")
+            continue
+        loader = getattr(target, "weight_loader", None)
+        if loader is not None:
+            loader(target, tensor if dtype is None else tensor.to(dtype))
+        else:
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightLoadError(
+                    f"shape mismatch for {name!r}: checkpoint tensor {ckpt_name!r} has shape "
+                    f"{tuple(tensor.shape)}, the module expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(dtype or target.dtype))
+        filled.add(id(target))
+    if not strict:
+        return
+    missing = [name for name, t in targets.items() if id(t) not in filled]
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"parameters the checkpoint did not fill ({_listing(missing)})")
+        if unexpected:
+            problems.append(f"checkpoint tensors nothing loads ({_listing(unexpected)})")
+        raise WeightLoadError(
+            f"checkpoint does not match {type(module).__name__}: " + "; ".join(problems)
+        )
+
+
+@torch.no_grad()
+def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights at the real shapes, for ``load_format: dummy`` (no checkpoint).
+
+    Matrices and embeddings get ``N(0, std)``, 1-D norm weights get ones and other 1-D tensors
+    (biases) zeros. The result depends only on ``seed`` and the parameter names and shapes.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in module.named_parameters():
+        if param.dim() >= 2:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            param.copy_(values.to(param.dtype))
+        elif "norm" in name and name.endswith("weight"):
+            param.fill_(1.0)
+        else:
+            param.zero_()

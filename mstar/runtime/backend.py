@@ -1,0 +1,56 @@
+"""The real ServingBackend: requests go through the model's ``prepare`` onto the runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.runtime.runtime import AsyncSink, Runtime
+from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent, RequestError
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeBackend:
+    def __init__(self, spec: ModelSpec, runtime: Runtime, *, timeout_s: float | None = None):
+        self.spec = spec
+        self.runtime = runtime
+        self.model_id = spec.config.model
+        self.max_model_len = spec.max_model_len
+        self.timeout_s = timeout_s
+
+    def healthy(self) -> bool:
+        return self.runtime.healthy
+
+    def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
+        return self._run(spec.request_id, lambda: self.spec.prepare_chat(spec), spec.stop)
+
+    def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
+        stop = spec.model_kwargs.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        return self._run(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+
+    async def _run(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
+        # Tokenising and applying templates can take a while: keep it off the event loop.
+        request: WalkRequest = await asyncio.to_thread(prepare)
+        capacity = self.runtime.conductor.capacity
+        for name, units in request.cost.items():
+            if units > capacity.get(name, units):
+                raise RequestError("max_tokens", f"the request needs {units} {name} but the deployment holds "
+                                                 f"{capacity[name]}; ask for fewer tokens")
+        sink = AsyncSink(asyncio.get_running_loop())
+        self.runtime.submit(request_id, request, self.spec.output_stream(request, stop), sink, self.timeout_s)
+        finished = False
+        try:
+            while True:
+                event = await sink.queue.get()
+                if event is None:
+                    finished = True
+                    return
+                yield event
+        finally:
+            if not finished:
+                self.runtime.cancel(request_id)

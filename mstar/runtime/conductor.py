@@ -1,0 +1,242 @@
+"""The conductor: holds each request's walk cursor and decides what runs next.
+
+Its core has no sockets, clocks, threads or torch: events go in (``submit``, ``cancel``,
+``on_result``, ``on_rank_failed``), and ``tick(now)`` returns the plans to send and the
+requests that ended. It is tested with fabricated step results; the runtime loop that
+owns sockets calls it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar.graph import Graph, Step
+from mstar.graph import cursor as walk_cursor
+from mstar.runtime.placement import Placement, Routes, all_routes
+from mstar.runtime.protocol import ItemResult, StepPlan, StepResult, VarRef, WorkItem
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request as the conductor sees it: metadata only, never tensors."""
+
+    request_id: str
+    walk: str
+    params: dict[str, Any]
+    cost: dict[str, int] = field(default_factory=dict)  # resource -> units held while admitted
+    deadline: float | None = None  # absolute time after which it fails with "timeout"
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    reason: str  # the last finish_reason a step gave, "cancelled", "error" or "timeout"
+    error: str | None
+    emitted: int  # emit messages the frontend must have received before closing
+    profile: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Live:
+    spec: RequestSpec
+    cursor: Any
+    flags: frozenset[str] = frozenset()
+    versions: dict[str, int] = field(default_factory=dict)
+    next_version: int = 1
+    in_flight: dict[int, tuple[int, dict[str, int]]] = field(default_factory=dict)  # id(step) -> (rank, writes)
+    ranks_seen: set[int] = field(default_factory=set)
+    emitted: int = 0
+    finish_reason: str = "stop"
+    ending: Finished | None = None  # set once it must end; released when nothing is in flight
+    profile: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Decisions:
+    plans: dict[int, StepPlan] = field(default_factory=dict)
+    finished: list[Finished] = field(default_factory=list)
+
+
+class AdmissionError(ValueError):
+    """A request that can never be admitted (it needs more than the whole pool)."""
+
+
+class Conductor:
+    def __init__(self, graph: Graph, placement: Placement, *, max_concurrent_requests: int,
+                 capacity: dict[str, int] | None = None):
+        self.graph = graph
+        self.routes: dict[str, Routes] = all_routes(graph, placement)
+        self.ranks = placement.ranks
+        self.max_concurrent = max_concurrent_requests
+        self.capacity = dict(capacity or {})
+        self.in_use = {name: 0 for name in self.capacity}
+        self.waiting: deque[RequestSpec] = deque()
+        self.live: dict[str, _Live] = {}
+        self.busy: dict[int, int] = {}  # rank -> plan id in flight
+        self.releases: dict[int, list[str]] = {rank: [] for rank in self.ranks}
+        self.failed_ranks: dict[int, str] = {}
+        self._plan_ids = 0
+        self._ended: list[Finished] = []
+
+    # ----------------------------------------------------------------- events
+    def submit(self, spec: RequestSpec) -> None:
+        self.graph.walk(spec.walk)  # unknown walk: GraphError now, not later
+        for name, units in spec.cost.items():
+            if name not in self.capacity:
+                raise AdmissionError(f"request needs resource {name!r}, which this deployment does not have")
+            if units > self.capacity[name]:
+                raise AdmissionError(
+                    f"request needs {units} units of {name!r} but the whole pool holds {self.capacity[name]}"
+                )
+        if spec.request_id in self.live or any(w.request_id == spec.request_id for w in self.waiting):
+            raise AdmissionError(f"request id {spec.request_id!r} is already in use")
+        self.waiting.append(spec)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        for spec in self.waiting:
+            if spec.request_id == request_id:
+                self.waiting.remove(spec)
+                self._ended.append(Finished(request_id, reason, None, 0))
+                return
+        live = self.live.get(request_id)
+        if live is not None and live.ending is None:
+            live.ending = Finished(request_id, reason, None, live.emitted, live.profile)
+
+    def on_result(self, result: StepResult) -> None:
+        if self.busy.get(result.rank) == result.plan_id:
+            del self.busy[result.rank]
+        for node, seconds in result.profile.items():
+            for item in result.results:
+                if item.request_id in self.live:
+                    prof = self.live[item.request_id].profile
+                    prof[node] = prof.get(node, 0.0) + seconds / max(1, len(result.results))
+        for item in result.results:
+            self._apply(item)
+
+    def on_rank_failed(self, rank: int, error: str) -> None:
+        """A worker died: every request with work there fails, and none is sent there again."""
+        self.failed_ranks[rank] = error
+        self.busy.pop(rank, None)
+        for live in self.live.values():
+            if rank in live.ranks_seen:
+                live.in_flight = {k: v for k, v in live.in_flight.items() if v[0] != rank}
+                if live.ending is None:
+                    live.ending = Finished(live.spec.request_id, "error", f"worker rank {rank} failed: {error}",
+                                           live.emitted, live.profile)
+
+    # ------------------------------------------------------------- scheduling
+    def tick(self, now: float) -> Decisions:
+        self._expire(now)
+        self._admit()
+        items: dict[int, list[WorkItem]] = {rank: [] for rank in self.ranks}
+        for live in list(self.live.values()):
+            if live.ending is not None:
+                if not live.in_flight:
+                    self._release(live)
+                continue
+            walk = self.graph.walk(live.spec.walk)
+            routes = self.routes[walk.name]
+            for ready in walk_cursor.ready(walk.body, live.cursor):
+                rank = routes.rank(ready.step)
+                if rank in self.busy or rank in self.failed_ranks:
+                    continue
+                items[rank].append(self._dispatch(live, ready.step, ready.iteration, rank, routes))
+        decisions = Decisions(finished=self._ended)
+        self._ended = []
+        for rank in self.ranks:
+            if rank in self.busy or rank in self.failed_ranks:
+                continue
+            if items[rank] or self.releases[rank]:
+                self._plan_ids += 1
+                decisions.plans[rank] = StepPlan(self._plan_ids, items[rank], self.releases[rank])
+                self.releases[rank] = []
+                if items[rank]:
+                    self.busy[rank] = self._plan_ids
+        return decisions
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.live) < self.max_concurrent:
+            spec = self.waiting[0]
+            if any(self.in_use[name] + units > self.capacity[name] for name, units in spec.cost.items()):
+                return  # first come, first served: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            for name, units in spec.cost.items():
+                self.in_use[name] += units
+            walk = self.graph.walk(spec.walk)
+            ctx = walk_cursor.LoopContext(frozenset(), spec.params)
+            live = _Live(spec, walk_cursor.start(walk.body, ctx))
+            live.versions = {var: 0 for var in walk.inputs}
+            self.live[spec.request_id] = live
+
+    def _dispatch(self, live: _Live, step: Step, iteration: int, rank: int, routes: Routes) -> WorkItem:
+        walk = self.graph.walk(live.spec.walk)
+        live.cursor = walk_cursor.mark_running(walk.body, live.cursor, step)
+        reads = {port: VarRef(var, live.versions[var]) for port, var in step.reads}
+        writes: dict[str, VarRef] = {}
+        for port, var in step.writes:
+            writes[port] = VarRef(var, live.next_version)
+            live.next_version += 1
+        live.in_flight[id(step)] = (rank, {ref.var: ref.version for ref in writes.values()})
+        send = {port: dests for port, var in step.writes if (dests := routes.destinations(var, exclude=rank))}
+        emit = {port: e.modality.value for e in step.emit for port, var in step.writes if var == e.var}
+        first = rank not in live.ranks_seen
+        live.ranks_seen.add(rank)
+        return WorkItem(live.spec.request_id, step.node, step.op, step.name, iteration, reads, writes,
+                        send, emit, live.spec.params if first else None)
+
+    def _apply(self, item: ItemResult) -> None:
+        live = self.live.get(item.request_id)
+        if live is None:
+            return
+        walk = self.graph.walk(live.spec.walk)
+        step = next((s for s in walk.steps() if s.name == item.step and id(s) in live.in_flight), None)
+        if step is None:
+            return
+        _, written = live.in_flight.pop(id(step))
+        live.emitted += item.emitted
+        if item.finish_reason:
+            live.finish_reason = item.finish_reason
+        if live.ending is not None:
+            live.ending = Finished(live.ending.request_id, live.ending.reason, live.ending.error,
+                                   live.emitted, live.profile)
+            return
+        if item.error is not None:
+            live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile)
+            return
+        live.versions.update(written)
+        live.flags = live.flags | frozenset(item.flags)
+        ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
+        live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
+        if walk_cursor.is_done(live.cursor) and not live.in_flight:
+            live.ending = Finished(item.request_id, live.finish_reason, None, live.emitted, live.profile)
+
+    def _release(self, live: _Live) -> None:
+        del self.live[live.spec.request_id]
+        for name, units in live.spec.cost.items():
+            self.in_use[name] -= units
+        for rank in live.ranks_seen:
+            if rank not in self.failed_ranks:
+                self.releases[rank].append(live.spec.request_id)
+        assert live.ending is not None
+        self._ended.append(live.ending)
+
+    def _expire(self, now: float) -> None:
+        for spec in list(self.waiting):
+            if spec.deadline is not None and now >= spec.deadline:
+                self.waiting.remove(spec)
+                self._ended.append(Finished(spec.request_id, "timeout", "request timed out in the queue", 0))
+        for live in self.live.values():
+            if live.ending is None and live.spec.deadline is not None and now >= live.spec.deadline:
+                live.ending = Finished(live.spec.request_id, "timeout", "request timed out", live.emitted, live.profile)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.live and not any(self.releases.values())
+
+    def has_work_for_idle_rank(self) -> bool:
+        return bool(self.waiting) or any(self.releases.values()) or any(
+            live.ending is not None and not live.in_flight for live in self.live.values()
+        )

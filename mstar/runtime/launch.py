@@ -1,0 +1,113 @@
+"""Start a deployment: frontend model spec, conductor, workers; then the HTTP server."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mstar.config import ConfigError, DeploymentConfig, load_config, parse_config
+from mstar.model.registry import model_class
+from mstar.model.spec import ModelSpec
+from mstar.runtime.backend import RuntimeBackend
+from mstar.runtime.conductor import Conductor
+from mstar.runtime.placement import build_placement
+from mstar.runtime.runtime import Runtime
+from mstar.runtime.transport import make_transport
+from mstar.runtime.transport.inproc import InProcessHub
+from mstar.runtime.workers import InProcessWorkers, ProcessWorkers, build_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deployment:
+    config: DeploymentConfig
+    spec: ModelSpec
+    runtime: Runtime
+    backend: RuntimeBackend
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def start(config: DeploymentConfig, *, in_process: bool = False) -> Deployment:
+    """Load the model and start its runtime. ``in_process`` keeps every worker rank in this
+    process (fast, deterministic; tests); otherwise one worker process per rank."""
+    spec = model_class(config.model)(config)
+    graph = spec.graph()
+    try:
+        placement = build_placement(graph, config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    capacity = spec.default_capacity()
+    if "kv_pages" in capacity and capacity["kv_pages"] < config.max_concurrent_requests:
+        raise ConfigError(
+            f"resources.kv_cache.max_num_pages ({capacity['kv_pages']}) cannot hold max_concurrent_requests "
+            f"({config.max_concurrent_requests}) requests of even one page each"
+        )
+    started = time.monotonic()
+    log.info("loading %s (frontend: tokenizer and limits)", config.model)
+    spec.load_frontend()
+    conductor = Conductor(graph, placement, max_concurrent_requests=config.max_concurrent_requests,
+                          capacity=capacity)
+    num_ranks = max(placement.ranks) + 1
+    frontend_rank = num_ranks
+    config_data = config.model_dump()
+    if in_process:
+        hub = InProcessHub()
+        frontend = make_transport("inproc", frontend_rank, hub=hub)
+        workers = {}
+        for rank in range(num_ranks):
+            log.info("loading rank %d: %s", rank, sorted(placement.nodes_on(rank)))
+            workers[rank] = build_worker(config_data, rank, make_transport("inproc", rank, hub=hub), frontend_rank)
+        endpoints = {rank: w.transport for rank, w in workers.items()} | {frontend_rank: frontend}
+        addresses = {rank: t.address for rank, t in endpoints.items()}
+        for rank, transport in endpoints.items():
+            transport.connect({r: a for r, a in addresses.items() if r != rank})
+        pool: Any = InProcessWorkers(workers)
+    else:
+        frontend = make_transport(config.tensor_comm_protocol, frontend_rank)
+        log.info("starting %d worker process(es)", num_ranks)
+        pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend)
+    runtime = Runtime(conductor, placement, pool, frontend)
+    backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
+    log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
+    return Deployment(config, spec, runtime, backend)
+
+
+def config_for(model: str | None, config_path: str | None, overrides: dict[str, Any]) -> DeploymentConfig:
+    """The deployment config: a YAML file, else the model's defaults; options override."""
+    if config_path:
+        data_overrides = dict(overrides)
+        if model:
+            data_overrides["model"] = model
+        return load_config(config_path, data_overrides)
+    return parse_config({"model": model, **overrides}, f"model {model}")
+
+
+def serve(options) -> None:
+    """Entry point behind ``mstar serve``: start everything and run uvicorn until stopped."""
+    import uvicorn
+
+    from mstar.server.app import create_app
+
+    overrides: dict[str, Any] = {}
+    if options.device:
+        overrides["device"] = options.device
+    if options.cache_dir:
+        overrides["cache_dir"] = options.cache_dir
+    if options.tensor_comm_protocol:
+        if options.tensor_comm_protocol == "RDMA":
+            raise ConfigError("--tensor-comm-protocol: RDMA is not available in this build; use SHM or TCP")
+        overrides["tensor_comm_protocol"] = options.tensor_comm_protocol
+    config = config_for(options.model, options.config, overrides)
+    deployment = start(config, in_process=options.in_process)
+    app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
+                     api_key=options.api_key)
+    log.info("serving %s on http://%s:%d", config.model, options.host, options.port)
+    try:
+        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+    finally:
+        deployment.close()

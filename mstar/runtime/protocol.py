@@ -1,0 +1,105 @@
+"""Every message that crosses between runtime roles, as compact msgspec structs.
+
+Two records carry the work: a ``StepPlan`` going down from the conductor to a worker and
+a ``StepResult`` coming back up. Tensors never ride in these: they travel worker to worker
+on the tensor transport, keyed by ``tensor_key``. A request's parameters cross to a worker
+once, with its first work item there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class VarRef(msgspec.Struct, frozen=True, array_like=True):
+    """A version of one walk variable of one request."""
+
+    var: str
+    version: int
+
+
+class WorkItem(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Run one step of one request.
+
+    ``reads`` gives, per input port, the variable version to wait for; ``writes``, per
+    output port, the variable and version to stamp; ``send`` where each output must go
+    (ranks other than this one); ``emit`` the outputs that stream to the client.
+    """
+
+    request_id: str
+    node: str
+    op: str
+    step: str
+    iteration: int
+    reads: dict[str, VarRef]
+    writes: dict[str, VarRef]
+    send: dict[str, list[int]] = {}  # output port -> destination ranks
+    emit: dict[str, str] = {}  # output port -> modality
+    params: dict[str, Any] | None = None  # the request's parameters, on first contact only
+
+
+class StepPlan(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    plan_id: int
+    items: list[WorkItem] = []
+    release: list[str] = []  # requests whose state the worker must free now
+
+
+class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    request_id: str
+    step: str
+    flags: list[str] = []
+    finish_reason: str | None = None
+    error: str | None = None
+    emitted: int = 0  # how many emit messages this item sent to the frontend
+
+
+class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    rank: int
+    plan_id: int
+    results: list[ItemResult] = []
+    profile: dict[str, float] = {}  # node -> seconds spent in this plan
+
+
+class WorkerReady(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    tensor_address: str
+
+
+class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    error: str
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    reason: str = ""
+
+
+class PeerTable(msgspec.Struct, tag=True, frozen=True):
+    """Sent to every worker once all are up: how to reach each other's tensor endpoint."""
+
+    addresses: dict[int, str]
+
+
+ControlMessage = StepPlan | StepResult | WorkerReady | WorkerFailed | Shutdown | PeerTable
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ControlMessage)
+
+
+def encode(message: ControlMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> ControlMessage:
+    return _decoder.decode(data)
+
+
+def tensor_key(request_id: str, var: str, version: int) -> str:
+    return f"{request_id}\x1f{var}\x1f{version}"
+
+
+def parse_tensor_key(key: str) -> tuple[str, str, int]:
+    request_id, var, version = key.split("\x1f")
+    return request_id, var, int(version)

@@ -1,0 +1,210 @@
+"""The runtime: the conductor's loop and the frontend's receiving end, in the API server.
+
+Two threads. The *loop* thread owns the conductor: it takes submissions and cancellations,
+sends plans to the workers and feeds their results back. The *emit* thread receives the
+tensors workers emit straight to the frontend and turns them into client events. Neither
+runs torch models: the workers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mstar.model.spec import OutputStream, WalkRequest
+from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
+from mstar.runtime.placement import Placement, Routes
+from mstar.runtime.protocol import StepResult, WorkerFailed, parse_tensor_key, tensor_key
+from mstar.runtime.worker import modality_of
+from mstar.server.backend import OutputEvent, RequestError
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[OutputEvent | None], None]  # receives events; None closes the stream
+
+
+@dataclass
+class _Tracked:
+    """The frontend's view of one request while it streams."""
+
+    stream: OutputStream
+    sink: Sink
+    prompt_tokens: int
+    received: int = 0
+    expected: int | None = None  # known once the conductor says it finished
+    finished: Finished | None = None
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Runtime:
+    def __init__(self, conductor: Conductor, placement: Placement, workers, frontend_transport):
+        self.conductor = conductor
+        self.placement = placement
+        self.workers = workers
+        self.transport = frontend_transport
+        self.tracked: dict[str, _Tracked] = {}
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.healthy = True
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._threads = [threading.Thread(target=self._loop, name="mstar-conductor", daemon=True),
+                         threading.Thread(target=self._receive_emits, name="mstar-emits", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # ----------------------------------------------------------- client side
+    def submit(self, request_id: str, request: WalkRequest, stream: OutputStream, sink: Sink,
+               timeout_s: float | None = None) -> None:
+        if not self.healthy:
+            raise RequestError("model", f"the server is unhealthy: {self.failure}", 503)
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline)
+        self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens)
+        routes: Routes = self.conductor.routes[request.walk]
+        for var, value in request.inputs.items():
+            for rank in routes.destinations(var):
+                self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
+        self.commands.put(("submit", spec))
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self.commands.put(("cancel", (request_id, reason)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.commands.put(("wake", None))
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self.workers.close()
+        self.transport.close()
+
+    # ------------------------------------------------------------ loop thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=self.conductor.idle and not self.conductor.busy)
+                for event in self.workers.poll(0.0 if self._has_ready_work() else 0.05):
+                    if isinstance(event, StepResult):
+                        self.conductor.on_result(event)
+                    elif isinstance(event, WorkerFailed):
+                        self._rank_failed(event)
+                decisions = self.conductor.tick(time.monotonic())
+                for rank, plan in decisions.plans.items():
+                    self.workers.send(rank, plan)
+                for done in decisions.finished:
+                    self._finished(done)
+        except Exception as err:  # a bug in the conductor: fail everything loudly, never hang
+            log.exception("conductor loop crashed")
+            self.healthy = False
+            self.failure = f"conductor crashed: {err}"
+            for request_id in list(self.tracked):
+                self._finished(Finished(request_id, "error", self.failure, 0))
+
+    def _has_ready_work(self) -> bool:
+        return self.conductor.has_work_for_idle_rank() or (bool(self.conductor.live) and not self.conductor.busy)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+            while True:
+                kind, arg = command
+                if kind == "submit":
+                    try:
+                        self.conductor.submit(arg)
+                    except (AdmissionError, ValueError) as err:
+                        self._finished(Finished(arg.request_id, "error", f"rejected: {err}", 0))
+                elif kind == "cancel":
+                    self.conductor.cancel(*arg)
+                command = self.commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _rank_failed(self, event: WorkerFailed) -> None:
+        log.error("worker rank %d failed: %s", event.rank, event.error)
+        self.healthy = False
+        self.failure = f"worker rank {event.rank} failed: {event.error}"
+        self.conductor.on_rank_failed(event.rank, event.error)
+
+    def _finished(self, done: Finished) -> None:
+        tracked = self.tracked.get(done.request_id)
+        if tracked is None:
+            return
+        with tracked.lock:
+            tracked.finished = done
+            tracked.expected = done.emitted
+            ready = tracked.received >= done.emitted or done.error is not None
+        if ready:
+            self._close(done.request_id, tracked)
+
+    # ------------------------------------------------------------ emit thread
+    def _receive_emits(self) -> None:
+        while not self._stop.is_set():
+            try:
+                messages = self.transport.recv(timeout=0.5)
+            except Exception:
+                if self._stop.is_set():
+                    return
+                raise
+            for key, tensors in messages:
+                request_id, _, _ = parse_tensor_key(key)
+                tracked = self.tracked.get(request_id)
+                if tracked is not None:
+                    self._emit(request_id, tracked, modality_of(tensors["modality"]), tensors["value"])
+
+    def _emit(self, request_id: str, tracked: _Tracked, modality: str, value) -> None:
+        with tracked.lock:
+            if tracked.closed:
+                return
+            tracked.received += 1
+            try:
+                event = tracked.stream.feed(modality, value)
+            except Exception as err:
+                log.exception("output processing failed for %s", request_id)
+                event = OutputEvent(finish_reason="error", error=f"output processing failed: {err}")
+            if event is not None:
+                event.prompt_tokens = tracked.prompt_tokens
+                tracked.sink(event)
+            stopped = tracked.stream.stopped or (event is not None and event.error is not None)
+            complete = tracked.expected is not None and tracked.received >= tracked.expected
+        if stopped:
+            self.cancel(request_id, "stop")
+            self._close(request_id, tracked, reason="stop" if event is None or event.error is None else "error")
+        elif complete:
+            self._close(request_id, tracked)
+
+    def _close(self, request_id: str, tracked: _Tracked, reason: str | None = None) -> None:
+        with tracked.lock:
+            if tracked.closed:
+                return
+            tracked.closed = True
+            done = tracked.finished
+            reason = reason or (done.reason if done else "stop")
+            error = done.error if done and reason == done.reason else None
+            tail = None if error else tracked.stream.finish(reason)
+            final = OutputEvent(finish_reason=reason, error=error, prompt_tokens=tracked.prompt_tokens,
+                                text=tail.text if tail else "",
+                                completion_tokens=tracked.stream.generated)
+            tracked.sink(final)
+            tracked.sink(None)
+        self.tracked.pop(request_id, None)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+
+
+class AsyncSink:
+    """A sink that hands events to an asyncio queue from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, event: OutputEvent | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)

@@ -1,0 +1,170 @@
+"""A worker: owns the nodes placed on its rank, runs the plans the conductor sends.
+
+For each plan it frees released requests, waits for the input tensors its items read,
+runs every node's items as one batch through the node's engine, sends outputs straight to
+the ranks that read them next, streams emitted outputs straight to the frontend, and
+returns one ``StepResult``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import torch
+
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.runtime.protocol import ItemResult, StepPlan, StepResult, WorkItem, parse_tensor_key, tensor_key
+from mstar.runtime.transport import TensorTransport
+
+log = logging.getLogger(__name__)
+
+INPUT_TIMEOUT_S = 60.0
+
+
+class TensorStore:
+    """The worker's copy of walk variables, by (request, variable) -> (version, tensor)."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, str], tuple[int, torch.Tensor]] = {}
+        self._released: set[str] = set()
+
+    def put(self, request_id: str, var: str, version: int, value: torch.Tensor) -> None:
+        if request_id in self._released:
+            return  # a late arrival for a request that already ended
+        current = self._values.get((request_id, var))
+        if current is None or current[0] <= version:
+            self._values[(request_id, var)] = (version, value)
+
+    def get(self, request_id: str, var: str, version: int) -> torch.Tensor | None:
+        current = self._values.get((request_id, var))
+        if current is None or current[0] != version:
+            return None
+        return current[1]
+
+    def drop(self, request_id: str) -> None:
+        self._released.add(request_id)
+        for key in [k for k in self._values if k[0] == request_id]:
+            del self._values[key]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class Worker:
+    def __init__(self, rank: int, engines: dict[str, Engine], transport: TensorTransport, frontend_rank: int):
+        self.rank = rank
+        self.engines = engines
+        self.transport = transport
+        self.frontend_rank = frontend_rank
+        self.store = TensorStore()
+        self.params: dict[str, dict] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.release:
+            self._release(request_id)
+        for item in plan.items:
+            if item.params is not None:
+                self.params[item.request_id] = item.params
+        inputs = self._gather(plan.items)
+        results: list[ItemResult] = []
+        profile: dict[str, float] = {}
+        by_node: dict[str, list[WorkItem]] = {}
+        for item in plan.items:
+            by_node.setdefault(item.node, []).append(item)
+        for node, items in by_node.items():
+            ready = [i for i in items if i.request_id in inputs]
+            failed = [i for i in items if i.request_id not in inputs]
+            results += [ItemResult(i.request_id, i.step, error="timed out waiting for inputs") for i in failed]
+            start = time.perf_counter()
+            results += self._run_node(node, ready, inputs)
+            profile[node] = time.perf_counter() - start
+        return StepResult(self.rank, plan.plan_id, results, profile)
+
+    def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
+        engine = self.engines[node]
+        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[i.request_id], self.params.get(i.request_id, {}))
+                 for i in items]
+        try:
+            outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
+        except Exception:
+            if len(batch) == 1:
+                outputs = [RuntimeError(_describe_error())]
+            else:  # find the culprit: every item alone, so only it fails
+                outputs = []
+                for one in batch:
+                    try:
+                        outputs += engine.run([one])
+                    except Exception:
+                        outputs.append(RuntimeError(_describe_error()))
+        return [self._deliver(item, out) for item, out in zip(items, outputs)]
+
+    def _deliver(self, item: WorkItem, out: EngineOutput | BaseException) -> ItemResult:
+        if isinstance(out, BaseException):
+            log.warning("request %s failed in %s: %s", item.request_id, item.step, out)
+            return ItemResult(item.request_id, item.step, error=str(out))
+        emitted = 0
+        for port, ref in item.writes.items():
+            value = out.outputs[port]
+            self.store.put(item.request_id, ref.var, ref.version, value)
+            key = tensor_key(item.request_id, ref.var, ref.version)
+            for dst in item.send.get(port, ()):
+                self.transport.send(dst, key, {"value": value})
+            if port in item.emit:
+                self.transport.send(self.frontend_rank, key, {"value": value, "modality": _modality_tag(item.emit[port])})
+                emitted += 1
+        return ItemResult(item.request_id, item.step, list(out.flags), out.finish_reason, emitted=emitted)
+
+    def _gather(self, items: list[WorkItem]) -> dict[str, dict[str, torch.Tensor]]:
+        """Wait until every item's inputs are in the store; give up after a timeout."""
+        deadline = time.monotonic() + INPUT_TIMEOUT_S
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        pending = list(items)
+        while True:
+            still = []
+            for item in pending:
+                values = {port: self.store.get(item.request_id, ref.var, ref.version) for port, ref in item.reads.items()}
+                if all(v is not None for v in values.values()):
+                    found[item.request_id] = values  # type: ignore[assignment]
+                else:
+                    still.append(item)
+            pending = still
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                return found
+            for key, tensors in self.transport.recv(timeout=min(remaining, 0.5)):
+                self.accept(key, tensors)
+
+    def accept(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        request_id, var, version = parse_tensor_key(key)
+        self.store.put(request_id, var, version, tensors["value"])
+
+    def _release(self, request_id: str) -> None:
+        self.store.drop(request_id)
+        self.params.pop(request_id, None)
+        for engine in self.engines.values():
+            engine.release(request_id)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for node, engine in self.engines.items():
+            for name, value in engine.stats().items():
+                out[f"{node}.{name}"] = value
+        return out
+
+
+MODALITIES = ("text", "audio", "image", "video", "action", "latent")
+
+
+def _modality_tag(modality: str) -> torch.Tensor:
+    return torch.tensor(MODALITIES.index(modality), dtype=torch.int8)
+
+
+def modality_of(tag: torch.Tensor) -> str:
+    return MODALITIES[int(tag)]
+
+
+def _describe_error() -> str:
+    lines = traceback.format_exc().strip().splitlines()
+    return lines[-1] if lines else "unknown error"

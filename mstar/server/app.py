@@ -1,0 +1,477 @@
+"""The HTTP front end: OpenAI-compatible chat completions, model list, health, /generate.
+
+``create_app(backend)`` builds a FastAPI app over any ``ServingBackend``. Every error has
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}``. However a request ends
+(finished, failed, client gone), the backend's event iterator is closed: that is how the
+backend learns to cancel a request.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from mstar import __version__
+from mstar.server.backend import GenerateSpec, OutputEvent, RequestError, ServingBackend
+from mstar.server.schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+    now,
+    parse_model_kwargs,
+    parse_output_modalities,
+)
+
+log = logging.getLogger(__name__)
+
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_LOC_ROOTS = {"body", "query", "path", "header", "cookie"}
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error"}
+
+Events = AsyncIterator[OutputEvent]
+
+# ----------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An HTTP error raised by the app itself (unknown model, bad API key, ...)."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class BackendFailure(Exception):
+    """The backend reported a failure through an event (``error`` or finish "error")."""
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _param_of(loc: Sequence[Any]) -> str | None:
+    parts = list(loc)
+    if parts and parts[0] in _LOC_ROOTS:
+        parts = parts[1:]
+    return ".".join(str(p) for p in parts) or None
+
+
+def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
+    """A 400 naming the first offending field; the message lists the violated rules."""
+    if not errors:
+        return error_response(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return error_response(400, f"malformed JSON body: {reason}", "body", "invalid_json")
+    rules = []
+    for err in errors[:8]:
+        param = _param_of(err.get("loc", ()))
+        rules.append(f"{param}: {err.get('msg')}" if param else str(err.get("msg")))
+    return error_response(400, "; ".join(rules), _param_of(first.get("loc", ())), "invalid_value")
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    """The response for an exception: its own status for RequestError/APIError, else 500."""
+    if isinstance(exc, RequestError):
+        return error_response(exc.status, f"{exc.field}: {exc.message}", exc.field)
+    if isinstance(exc, APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+    if not isinstance(exc, BackendFailure):
+        log.error("request failed", exc_info=exc)
+    return error_response(500, f"internal error: {exc}" if str(exc) else "internal error")
+
+
+def _in_band_error(exc: BaseException) -> dict:
+    """The ``{"error": ...}`` object sent inside a stream that has already started."""
+    return json.loads(bytes(exception_response(exc).body))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_: Request, exc: RequestValidationError) -> Response:
+        return validation_error_response(exc.errors())
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def on_other(_: Request, exc: Exception) -> Response:
+        return exception_response(exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    for kind in (APIError, RequestError, Exception):
+        app.add_exception_handler(kind, on_other)
+
+
+# ------------------------------------------------------------------ backend iterators
+
+
+async def _next(events: Events) -> OutputEvent | None:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _aclose(events: Events) -> None:
+    """Close the backend's iterator (cancelling its request), even inside a cancelled scope."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await aclose()
+        except Exception:  # a backend failing to clean up must not break the response
+            log.exception("closing the backend's event iterator failed")
+
+
+@dataclass
+class Tally:
+    """What a request produced so far. Token counts in events are running totals."""
+
+    text: list[str] = field(default_factory=list)
+    data: dict[str, bytearray] = field(default_factory=dict)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counted_tokens: int = 0  # fallback when the backend leaves completion_tokens at 0
+
+    def add(self, event: OutputEvent) -> None:
+        self.prompt_tokens = max(self.prompt_tokens, event.prompt_tokens)
+        self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
+        self.counted_tokens += len(event.token_ids)
+        if event.text:
+            self.text.append(event.text)
+        if event.data is not None:
+            self.data.setdefault(event.modality, bytearray()).extend(event.data)
+        self.finish_reason = event.finish_reason or self.finish_reason
+
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.completion_tokens or self.counted_tokens)
+
+
+async def _start(open_events: Callable[[], Events]) -> tuple[OutputEvent | None, Events]:
+    """Open the backend's stream and take its first event, so that a RequestError raised
+    on the first advance still becomes a plain HTTP error, before any stream starts."""
+    events = open_events()
+    try:
+        return await _next(events), events
+    except BaseException:
+        await _aclose(events)
+        raise
+
+
+async def _walk(first: OutputEvent | None, events: Events, tally: Tally) -> Events:
+    """The backend's events from ``first`` on, added to ``tally``. Stops after the event
+    with a finish_reason, raises BackendFailure on an error event, always closes ``events``."""
+    try:
+        event = first
+        while event is not None:
+            if event.error or event.finish_reason == "error":
+                raise BackendFailure(event.error or "the backend failed to complete the request")
+            tally.add(event)
+            yield event
+            if event.finish_reason:
+                return
+            event = await _next(events)
+    finally:
+        await _aclose(events)
+
+
+async def _collect(first: OutputEvent | None, events: Events) -> Tally:
+    tally = Tally()
+    async with aclosing(_walk(first, events, tally)) as walk:
+        async for _ in walk:
+            pass
+    tally.finish_reason = tally.finish_reason or "stop"
+    return tally
+
+
+async def _unless_disconnected(
+    request: Request, work: Callable[[], Awaitable[Response]]
+) -> Response:
+    """Run ``work``, cancelling it if the client disconnects first (the request body must
+    have been read). Cancelling closes the backend's iterator (``_walk``'s finally)."""
+    result = error_response(499, "client closed the request")
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        log.info("client disconnected; cancelling the request")
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        result = await work()
+        tg.cancel_scope.cancel()
+    return result
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator when it is done, whatever
+    the ASGI server's disconnect handling (so the generator's finally runs now, not at GC)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def _stream(body: AsyncIterator[str], media_type: str) -> Response:
+    return _ClosingStreamingResponse(body, media_type=media_type, headers=_STREAM_HEADERS)
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def _backend(request: Request) -> ServingBackend:
+    return request.app.state.backend
+
+
+def _resolve_model(request: Request, requested: str | None) -> str:
+    names: list[str] = request.app.state.model_names
+    if requested is None:
+        return names[0]
+    if requested not in {*names, _backend(request).model_id}:
+        message = f"model: the model {requested!r} does not exist; served: {', '.join(names)}"
+        raise APIError(404, message, "model", "model_not_found")
+    return requested
+
+
+async def list_models(request: Request) -> ModelList:
+    max_len = _backend(request).max_model_len
+    names: list[str] = request.app.state.model_names
+    return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in names])
+
+
+async def health(request: Request) -> Response:
+    try:
+        ok = bool(_backend(request).healthy())
+    except Exception:
+        log.exception("backend health check failed")
+        ok = False
+    if not ok:
+        return error_response(503, "the backend is not healthy")
+    return JSONResponse({"status": "ok"})
+
+
+async def chat_completions(request: Request) -> Response:
+    try:
+        payload = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error_response(400, f"malformed JSON body: {exc}", "body", "invalid_json")
+    if not isinstance(payload, dict):
+        message = "the request body must be a JSON object"
+        return error_response(400, message, "body", "invalid_value")
+    try:
+        req = ChatCompletionRequest.model_validate(payload)
+    except ValidationError as exc:
+        return validation_error_response(exc.errors())
+    model = _resolve_model(request, req.model)
+    backend = _backend(request)
+    max_tokens = req.effective_max_tokens
+    if max_tokens is not None and max_tokens > backend.max_model_len:
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        message = f"{param}: must be at most the context length ({backend.max_model_len})"
+        raise APIError(400, message, param, "invalid_value")
+
+    request_id = new_id("chatcmpl")
+    spec = req.to_spec(request_id)
+    try:
+        first, events = await _start(lambda: backend.chat(spec))
+    except Exception as exc:
+        return exception_response(exc)
+    if req.stream:
+        body = _chat_sse(request_id, model, first, events, req.include_usage)
+        return _stream(body, "text/event-stream")
+
+    async def complete() -> Response:
+        try:
+            out = await _collect(first, events)
+        except Exception as exc:
+            return exception_response(exc)
+        message = AssistantMessage(content="".join(out.text))
+        choice = Choice(message=message, finish_reason=out.finish_reason)
+        result = ChatCompletion(id=request_id, model=model, choices=[choice], usage=out.usage())
+        return JSONResponse(result.model_dump())
+
+    return await _unless_disconnected(request, complete)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _chat_sse(
+    request_id: str, model: str, first: OutputEvent | None, events: Events, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE chunks: the role, content deltas, finish_reason, [usage], then ``[DONE]``."""
+    created = now()
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return _sse(body.model_dump())
+
+    tally = Tally()
+    try:
+        yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
+        async with aclosing(_walk(first, events, tally)) as walk:
+            async for event in walk:
+                if event.modality == "text" and event.text:
+                    yield chunk([ChunkChoice(delta=Delta(content=event.text))])
+        yield chunk([ChunkChoice(delta=Delta(), finish_reason=tally.finish_reason or "stop")])
+        if include_usage:
+            yield chunk([], usage=tally.usage())
+    except Exception as exc:  # the stream has started: report in band, then end it
+        yield _sse(_in_band_error(exc))
+    yield _sse("[DONE]")
+
+
+async def generate(
+    request: Request,
+    text: str = Form(""),
+    files: list[UploadFile] | None = File(None),
+    output_modalities: str | None = Form(None),
+    streaming: bool = Form(False),
+    model_kwargs: str | None = Form(None),
+) -> Response:
+    """Native multimodal endpoint (multipart form); a JSON result or NDJSON events."""
+    uploads = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(files or [])]
+    spec = GenerateSpec(
+        request_id=new_id("gen"),
+        text=text,
+        files=uploads,
+        output_modalities=parse_output_modalities(output_modalities),
+        model_kwargs=parse_model_kwargs(model_kwargs),
+    )
+    backend = _backend(request)
+    try:
+        first, events = await _start(lambda: backend.generate(spec))
+    except Exception as exc:
+        return exception_response(exc)
+    if streaming:
+        return _stream(_generate_ndjson(spec.request_id, first, events), "application/x-ndjson")
+
+    async def complete() -> Response:
+        try:
+            out = await _collect(first, events)
+        except Exception as exc:
+            return exception_response(exc)
+        result: dict[str, Any] = {
+            "request_id": spec.request_id,
+            "text": "".join(out.text),
+            "finish_reason": out.finish_reason,
+            "usage": out.usage().model_dump(),
+        }
+        if out.data:
+            result["data"] = {m: base64.b64encode(b).decode() for m, b in out.data.items()}
+        return JSONResponse(result)
+
+    return await _unless_disconnected(request, complete)
+
+
+async def _generate_ndjson(
+    request_id: str, first: OutputEvent | None, events: Events
+) -> AsyncIterator[str]:
+    """One JSON line per event; the last line carries finish_reason and usage."""
+    tally = Tally()
+
+    def line(**payload: Any) -> str:
+        return json.dumps({"request_id": request_id, **payload}) + "\n"
+
+    try:
+        async with aclosing(_walk(first, events, tally)) as walk:
+            async for event in walk:
+                payload: dict[str, Any] = {
+                    "modality": event.modality,
+                    "text": event.text,
+                    "finish_reason": event.finish_reason,
+                }
+                if event.data is not None:
+                    payload["data"] = base64.b64encode(event.data).decode()
+                if event.finish_reason:
+                    payload["usage"] = tally.usage().model_dump()
+                yield line(**payload)
+        if tally.finish_reason is None:  # the backend ended without saying why
+            usage = tally.usage().model_dump()
+            yield line(modality="text", text="", finish_reason="stop", usage=usage)
+    except Exception as exc:
+        yield line(**_in_band_error(exc))
+
+
+# ------------------------------------------------------------------------------- app
+
+
+def _require_api_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    expected = api_key.encode()
+
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        valid = secrets.compare_digest(token.strip().encode(), expected)
+        if scheme.lower() != "bearer" or not valid:
+            message = "missing or invalid API key (send 'Authorization: Bearer <key>')"
+            raise APIError(401, message, None, "invalid_api_key")
+
+    return check
+
+
+def create_app(
+    backend: ServingBackend,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The HTTP app over ``backend``.
+
+    ``served_model_names``: the names /v1/models lists and requests may use (default: the
+    backend's ``model_id``, which is always accepted too). ``api_key``: if set, every route
+    but /health needs ``Authorization: Bearer <api_key>``.
+    """
+    app = FastAPI(title="M*", version=__version__)
+    app.state.backend = backend
+    app.state.model_names = list(dict.fromkeys(served_model_names or [backend.model_id]))
+    _install_error_handlers(app)
+
+    router = APIRouter(dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
+    router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route("/generate", generate, methods=["POST"])
+    app.include_router(router)
+    app.add_api_route("/health", health, methods=["GET"])
+    return app

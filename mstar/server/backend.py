@@ -1,0 +1,77 @@
+"""The contract between the HTTP layer and the runtime.
+
+The FastAPI app (``mstar.server.app``) talks only to a ``ServingBackend``; the runtime
+provides the real one, tests can provide a fake. Validation that needs the model (prompt
+too long for the context, unknown voice, ...) raises ``RequestError`` from the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from mstar.engine.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A client mistake: becomes an HTTP 4xx whose body names ``field`` and the rule."""
+
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """One chat request, validated by the HTTP layer."""
+
+    request_id: str
+    messages: list[dict]  # [{"role": ..., "content": str}]
+    sampling: SamplingParams
+    max_tokens: int | None  # None: up to the context limit
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One native /generate request."""
+
+    request_id: str
+    text: str
+    files: list[tuple[str, bytes]]  # (filename, content)
+    output_modalities: list[str]
+    model_kwargs: dict
+
+
+@dataclass
+class OutputEvent:
+    """A piece of a request's output as it streams out.
+
+    ``text`` is the newly decoded text of this event (a delta). The last event of a
+    request has ``finish_reason`` set ("stop", "length", "cancelled" or "error").
+    ``data`` carries non-text payloads (audio, image bytes) with ``modality``.
+    """
+
+    modality: str = "text"
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    data: bytes | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ServingBackend(Protocol):
+    model_id: str  # the served model's name (registry key), as /v1/models lists it
+    max_model_len: int
+
+    def healthy(self) -> bool: ...
+
+    def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
+        """Stream the request's events. Closing the iterator early cancels the request."""
+
+    def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]: ...

@@ -1,0 +1,52 @@
+"""What ``mstar serve`` / ``mstar-serve`` hand to ``mstar.runtime.launch.serve``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+TensorCommProtocol = Literal["SHM", "TCP", "RDMA"]
+TENSOR_COMM_PROTOCOLS: tuple[str, ...] = ("SHM", "TCP", "RDMA")
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class ServeOptions:
+    """Everything needed to start a server; the runtime fills in what is left as None.
+
+    ``model`` is a registry name or a local path (None: the one ``config`` names).
+    ``config`` is a YAML deployment file whose settings the explicit options override.
+    ``device`` None lets the runtime pick (cuda when available). ``gpus`` are device
+    indices for the workers (None: all visible). ``in_process`` runs the model in the
+    server process instead of separate workers (debugging, tests).
+    """
+
+    model: str | None = None
+    config: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str | None = None
+    gpus: list[int] | None = None
+    cache_dir: str | None = None
+    tensor_comm_protocol: TensorCommProtocol = "SHM"
+    log_level: str = "info"
+    log_stats: bool = False
+    api_key: str | None = None
+    in_process: bool = False
+    served_model_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.model is None and self.config is None:
+            raise ValueError("a model or a config file is required")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.device is not None and self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.tensor_comm_protocol not in TENSOR_COMM_PROTOCOLS:
+            raise ValueError(
+                f"tensor_comm_protocol must be one of {', '.join(TENSOR_COMM_PROTOCOLS)}, "
+                f"got {self.tensor_comm_protocol!r}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")

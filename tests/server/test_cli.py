@@ -1,0 +1,113 @@
+"""Argument parsing of ``mstar serve`` / ``mstar-serve`` (no runtime is started)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from mstar import __version__, cli
+from mstar.server.options import ServeOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_options(*argv: str) -> ServeOptions:
+    return cli.options_from_args(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_defaults() -> None:
+    options = _serve_options("smollm2-135m")
+    assert options == ServeOptions(model="smollm2-135m", api_key=options.api_key)
+    assert (options.host, options.port, options.tensor_comm_protocol) == ("127.0.0.1", 8000, "SHM")
+    assert options.device is None and options.gpus is None and not options.in_process
+
+
+def test_serve_all_options(tmp_path: Path) -> None:
+    config = tmp_path / "deploy.yaml"
+    config.write_text("model: x\n")
+    options = _serve_options(
+        "llama", "--config", str(config), "--port", "9001", "--host", "0.0.0.0", "--device", "cuda",
+        "--gpus", "0,1", "--cache-dir", "/tmp/c", "--tensor-comm-protocol", "tcp",
+        "--log-level", "DEBUG", "--log-stats", "--api-key", "k", "--in-process",
+        "--served-model-name", "a", "--served-model-name", "b",
+    )
+    assert options == ServeOptions(
+        model="llama", config=str(config), host="0.0.0.0", port=9001, device="cuda", gpus=[0, 1],
+        cache_dir="/tmp/c", tensor_comm_protocol="TCP", log_level="debug", log_stats=True,
+        api_key="k", in_process=True, served_model_names=["a", "b"],
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no model
+        ["m", "--port", "0"],
+        ["m", "--port", "http"],
+        ["m", "--gpus", "a,b"],
+        ["m", "--device", "tpu"],
+        ["m", "--tensor-comm-protocol", "UDP"],
+        ["m", "--config", "/no/such/file.yaml"],
+    ],
+)
+def test_serve_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["serve", *argv])
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--config", "--port", "--gpus", "--tensor-comm-protocol", "--api-key", "--in-process"):
+        assert flag in help_text
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["--version"])
+    assert info.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_config_parser_requires_config(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_config_parser().parse_args([])
+    config = tmp_path / "c.yaml"
+    config.write_text("")
+    args = cli.build_config_parser().parse_args(["--config", str(config), "--port", "8100"])
+    options = cli.options_from_args(args)
+    assert options.model is None and options.config == str(config) and options.port == 8100
+
+
+def test_entry_points_call_the_runtime(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[ServeOptions] = []
+    levels: list[str] = []
+    launch = types.ModuleType("mstar.runtime.launch")
+    launch.serve = calls.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mstar.runtime.launch", launch)
+    monkeypatch.setattr(cli, "setup_logging", levels.append)
+
+    assert cli.main(["serve", "m", "--log-level", "warning"]) == 0
+    assert calls[-1].model == "m" and levels == ["warning"]
+    config = tmp_path / "c.yaml"
+    config.write_text("")
+    assert cli.serve_from_config(["--config", str(config), "--in-process"]) == 0
+    assert calls[-1].config == str(config) and calls[-1].in_process
+    assert cli.main([]) == 2  # no command: help, usage error
+
+
+def test_module_runs_as_script() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mstar.cli", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0 and __version__ in result.stdout
+
+
+def test_options_validate() -> None:
+    with pytest.raises(ValueError):
+        ServeOptions()
+    with pytest.raises(ValueError):
+        ServeOptions(model="m", tensor_comm_protocol="UDP")  # type: ignore[arg-type]
