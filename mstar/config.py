@@ -39,6 +39,7 @@ class DeploymentConfig(_Strict):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
+    gpus: list[int] | None = None  # CUDA device index of each rank (default: rank r -> cuda:r)
     max_seq_len: int = Field(2048, ge=2)
     max_concurrent_requests: int = Field(16, ge=1)
     node_groups: list[NodeGroupConfig] = Field(default_factory=list)
@@ -54,6 +55,17 @@ class DeploymentConfig(_Strict):
         if ranks and ranks != list(range(len(ranks))):
             raise ValueError(f"node_groups: ranks must be 0..N-1 with none skipped, got {ranks}")
         return self
+
+    def device_of(self, rank: int):
+        import torch
+
+        if self.device == "cpu":
+            return torch.device("cpu")
+        if self.gpus is not None:
+            if rank >= len(self.gpus):
+                raise ConfigError(f"gpus: {len(self.gpus)} GPUs given for {rank + 1}+ ranks")
+            return torch.device("cuda", self.gpus[rank])
+        return torch.device("cuda", rank)
 
     @property
     def num_ranks(self) -> int:

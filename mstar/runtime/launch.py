@@ -96,6 +96,8 @@ def serve(options) -> None:
     overrides: dict[str, Any] = {}
     if options.device:
         overrides["device"] = options.device
+    if options.gpus:
+        overrides["gpus"] = list(options.gpus)
     if options.cache_dir:
         overrides["cache_dir"] = options.cache_dir
     if options.tensor_comm_protocol:

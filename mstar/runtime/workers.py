@@ -36,7 +36,7 @@ def build_worker(config_data: dict[str, Any], rank: int, transport, frontend_ran
     config = parse_config(config_data)
     spec = model_class(config.model)(config)
     placement = build_placement(spec.graph(), config)
-    device = torch.device(config.device)
+    device = config.device_of(rank)
     engines = spec.build_engines(placement.nodes_on(rank), device)
     return Worker(rank, engines, transport, frontend_rank)
 
