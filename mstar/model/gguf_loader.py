@@ -70,8 +70,9 @@ class GGUFCheckpoint:
         for t in self._reader.tensors:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(n) for n in reversed(t.shape))  # GGML ne[0] is the innermost dim
-            array = np.array(values, dtype=np.float32, copy=True).reshape(shape)
-            yield t.name, torch.from_numpy(array)
+            # Copies only what is not already a fresh float32 array (e.g. F32 views of the file).
+            array = np.require(values, dtype=np.float32, requirements=["C", "W"])
+            yield t.name, torch.from_numpy(array.reshape(shape))
 
 
 # --- Llama weights ---------------------------------------------------------------------------

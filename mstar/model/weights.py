@@ -71,7 +71,8 @@ def resolve_model_path(
     wanted = f" (files matching {list(patterns)})" if patterns else ""
     if repo_id.startswith(("/", ".", "~")) or repo_id.count("/") > 1:
         raise ModelPathError(
-            f"model path {repo_id!r} does not exist, and is not a hub repo id of the form 'org/name'"
+            f"model path {repo_id!r} does not exist, and is not a hub repo id "
+            "of the form 'org/name'"
         )
     try:
         snapshot = huggingface_hub.snapshot_download(
@@ -83,8 +84,8 @@ def resolve_model_path(
     except Exception as exc:  # hub errors are many and version dependent; re-raise uniformly
         mode = "offline, cache only" if _offline() else "online"
         raise ModelPathError(
-            f"model {repo_id!r} is not a local path and could not be resolved as a Hugging Face hub "
-            f"repo{wanted} ({mode}, {where}): {type(exc).__name__}: {exc}"
+            f"model {repo_id!r} is not a local path and could not be resolved as a "
+            f"Hugging Face hub repo{wanted} ({mode}, {where}): {type(exc).__name__}: {exc}"
         ) from exc
     return Path(snapshot)
 
@@ -112,7 +113,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def iter_safetensors(directory: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``directory``, one at a time."""
+    """Yield ``(name, tensor)`` for each tensor of the checkpoint in ``directory``, lazily."""
     for file in _safetensors_files(Path(directory)):
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
@@ -200,8 +201,8 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> N
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in module.named_parameters():
         if param.dim() >= 2:
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-            param.copy_(values.to(param.dtype))
+            values = torch.empty(param.shape, dtype=torch.float32)
+            param.copy_(values.normal_(0.0, std, generator=generator).to(param.dtype))
         elif "norm" in name and name.endswith("weight"):
             param.fill_(1.0)
         else:

@@ -68,7 +68,8 @@ def test_llama_name_map() -> None:
     assert llama_name_map("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
     assert llama_name_map("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
     assert llama_name_map("blk.3.attn_norm.weight") == "model.layers.3.input_layernorm.weight"
-    assert llama_name_map("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    post_norm = "model.layers.3.post_attention_layernorm.weight"
+    assert llama_name_map("blk.3.ffn_norm.weight") == post_norm
     assert llama_name_map("rope_freqs.weight") is None
     assert llama_name_map("blk.0.mystery.weight") == "blk.0.mystery.weight"
 
@@ -127,7 +128,8 @@ def tokenizer(checkpoint: GGUFCheckpoint) -> transformers.PreTrainedTokenizerFas
 
 @pytest.fixture(scope="module")
 def reference_tokenizer(gguf_path: Path) -> transformers.PreTrainedTokenizerBase:
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    directory, name = str(gguf_path.parent), gguf_path.name
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
 def test_config(config: dict, reference: transformers.LlamaForCausalLM) -> None:
@@ -156,7 +158,8 @@ def test_metadata_is_plain_python(checkpoint: GGUFCheckpoint) -> None:
     assert md["general.architecture"] == "llama"
     assert isinstance(md["llama.block_count"], int)
     assert isinstance(md["llama.rope.freq_base"], float)
-    assert isinstance(md["tokenizer.ggml.tokens"], list) and md["tokenizer.ggml.tokens"][0] == "<|endoftext|>"
+    assert isinstance(md["tokenizer.ggml.tokens"], list)
+    assert md["tokenizer.ggml.tokens"][0] == "<|endoftext|>"
     assert "output.weight" not in checkpoint.tensor_names
 
 
@@ -175,10 +178,11 @@ def test_logits_equal_transformers_gguf(model, reference, tokenizer) -> None:
 
 
 def test_tokenizer_matches_transformers_gguf(tokenizer, reference_tokenizer) -> None:
-    chat = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    ref_chat = reference_tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    assert chat == ref_chat
-    assert chat.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    options = {"add_generation_prompt": True, "tokenize": False}
+    chat = tokenizer.apply_chat_template(PROMPT, **options)
+    assert chat == reference_tokenizer.apply_chat_template(PROMPT, **options)
+    turn = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    assert chat.endswith(turn + "<|im_start|>assistant\n")
     for text in [*TEXTS, chat]:
         ids = tokenizer.encode(text)
         assert ids == reference_tokenizer.encode(text), text
@@ -195,16 +199,16 @@ def test_tokenizer_matches_transformers_gguf(tokenizer, reference_tokenizer) -> 
 
 
 def test_greedy_answer_mentions_paris(model, tokenizer) -> None:
-    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer.encode(text)])
+    stop = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=8, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, **stop)
     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
-def test_mstar_llama_end_to_end(config: dict, checkpoint: GGUFCheckpoint, reference, tokenizer) -> None:
+def test_mstar_llama_end_to_end(config: dict, checkpoint, reference, tokenizer) -> None:
     """Our paged Llama, loaded from the GGUF, gives transformers' logits on one prefill."""
     modeling = pytest.importorskip("mstar.model.llama.modeling")
     from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache
@@ -223,8 +227,10 @@ def test_mstar_llama_end_to_end(config: dict, checkpoint: GGUFCheckpoint, refere
         page_table=torch.arange(pages)[None],
         page_size=page_size,
     )
-    caches = allocate_kv_cache(config["num_hidden_layers"], pages, page_size,
-                               config["num_key_value_heads"], config["head_dim"], torch.float32, "cpu")
+    caches = allocate_kv_cache(
+        config["num_hidden_layers"], pages, page_size, config["num_key_value_heads"],
+        config["head_dim"], torch.float32, "cpu",
+    )
     with torch.no_grad():
         logits = ours.compute_logits(ours(torch.tensor(ids), meta, caches))
         ref = reference(torch.tensor([ids])).logits[0]

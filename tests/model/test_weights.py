@@ -129,7 +129,8 @@ def test_missing_tensor_is_named(tmp_path: Path, source) -> None:
     state = dict(source.state_dict())
     del state["model.layers.1.mlp.down_proj.weight"]
     ckpt = write_state(tmp_path / "missing", state)
-    with pytest.raises(WeightLoadError, match=r"did not fill \(1: model\.layers\.1\.mlp\.down_proj"):
+    expected = r"did not fill \(1: model\.layers\.1\.mlp\.down_proj\.weight\)"
+    with pytest.raises(WeightLoadError, match=expected):
         load_weights(tiny_llama(seed=1), iter_safetensors(ckpt))
 
 
@@ -137,7 +138,8 @@ def test_extra_tensor_is_named(tmp_path: Path, source) -> None:
     state = dict(source.state_dict())
     state["model.layers.7.mlp.surprise.weight"] = torch.zeros(3)
     ckpt = write_state(tmp_path / "extra", state)
-    with pytest.raises(WeightLoadError, match=r"nothing loads \(1: model\.layers\.7\.mlp\.surprise"):
+    expected = r"nothing loads \(1: model\.layers\.7\.mlp\.surprise\.weight\)"
+    with pytest.raises(WeightLoadError, match=expected):
         load_weights(tiny_llama(seed=1), iter_safetensors(ckpt))
     # Non-strict loading accepts it and still fills everything else.
     target = tiny_llama(seed=1)

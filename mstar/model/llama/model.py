@@ -130,7 +130,10 @@ class LlamaChat(ModelSpec):
         if self.config.load_format == "dummy":
             init_dummy_weights(model, seed=int(self.config.model_kwargs.get("seed", 0)))
         else:
-            load_weights(model, ckpt.tensors(), dtype=dtype)
+            from tqdm import tqdm
+
+            tensors = tqdm(ckpt.tensors(), desc=f"loading {self.key} weights", unit=" tensors", mininterval=1.0)
+            load_weights(model, tensors, dtype=dtype)
         model.eval()
         kv = self.config.resources.kv_cache
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
