@@ -119,6 +119,7 @@ class Conductor:
         """A worker died: every request with work there fails, and none is sent there again."""
         self.failed_ranks[rank] = error
         self.busy.pop(rank, None)
+        self.releases[rank] = []  # never sent: releases still owed to it would keep idle False
         for live in self.live.values():
             if rank in live.ranks_seen:
                 live.in_flight = {k: v for k, v in live.in_flight.items() if v[0] != rank}
@@ -138,7 +139,16 @@ class Conductor:
                 continue
             walk = self.graph.walk(live.spec.walk)
             routes = self.routes[walk.name]
-            for ready in walk_cursor.ready(walk.body, live.cursor):
+            steps = walk_cursor.ready(walk.body, live.cursor)
+            dead = next((r for r in (routes.rank(s.step) for s in steps) if r in self.failed_ranks), None)
+            if dead is not None:  # its next step needs a dead rank: fail it rather than wait forever
+                live.ending = Finished(live.spec.request_id, "error",
+                                       f"worker rank {dead} failed: {self.failed_ranks[dead]}",
+                                       live.emitted, live.profile)
+                if not live.in_flight:
+                    self._release(live)
+                continue
+            for ready in steps:
                 rank = routes.rank(ready.step)
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
@@ -168,6 +178,8 @@ class Conductor:
             ctx = walk_cursor.LoopContext(frozenset(), spec.params)
             live = _Live(spec, walk_cursor.start(walk.body, ctx))
             live.versions = {var: 0 for var in walk.inputs}
+            if walk_cursor.is_done(live.cursor):  # nothing to run (e.g. a Loop with a zero budget)
+                live.ending = Finished(spec.request_id, live.finish_reason, None, 0)
             self.live[spec.request_id] = live
 
     def _dispatch(self, live: _Live, step: Step, iteration: int, rank: int, routes: Routes) -> WorkItem:

@@ -32,7 +32,7 @@ class Deployment:
         self.runtime.close()
 
 
-def start(config: DeploymentConfig, *, in_process: bool = False) -> Deployment:
+def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool = False) -> Deployment:
     """Load the model and start its runtime. ``in_process`` keeps every worker rank in this
     process (fast, deterministic; tests); otherwise one worker process per rank."""
     spec = model_class(config.model)(config)
@@ -71,7 +71,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False) -> Deployment:
         frontend = make_transport(config.tensor_comm_protocol, frontend_rank)
         log.info("starting %d worker process(es)", num_ranks)
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend)
-    runtime = Runtime(conductor, placement, pool, frontend)
+    runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats)
     backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
     log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
     return Deployment(config, spec, runtime, backend)
@@ -105,7 +105,7 @@ def serve(options) -> None:
             raise ConfigError("--tensor-comm-protocol: RDMA is not available in this build; use SHM or TCP")
         overrides["tensor_comm_protocol"] = options.tensor_comm_protocol
     config = config_for(options.model, options.config, overrides)
-    deployment = start(config, in_process=options.in_process)
+    deployment = start(config, in_process=options.in_process, log_stats=options.log_stats)
     app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
                      api_key=options.api_key)
     log.info("serving %s on http://%s:%d", config.model, options.host, options.port)

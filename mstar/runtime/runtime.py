@@ -44,8 +44,10 @@ class _Tracked:
 
 
 class Runtime:
-    def __init__(self, conductor: Conductor, placement: Placement, workers, frontend_transport):
+    def __init__(self, conductor: Conductor, placement: Placement, workers, frontend_transport,
+                 *, log_stats: bool = False):
         self.conductor = conductor
+        self.log_stats = log_stats
         self.placement = placement
         self.workers = workers
         self.transport = frontend_transport
@@ -133,6 +135,9 @@ class Runtime:
         self.conductor.on_rank_failed(event.rank, event.error)
 
     def _finished(self, done: Finished) -> None:
+        if self.log_stats:
+            nodes = ", ".join(f"{node} {seconds * 1e3:.1f} ms" for node, seconds in sorted(done.profile.items()))
+            log.info("request %s finished (%s): %s", done.request_id, done.reason, nodes or "no steps")
         tracked = self.tracked.get(done.request_id)
         if tracked is None:
             return

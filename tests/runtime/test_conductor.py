@@ -1,0 +1,987 @@
+"""The conductor, driven with fabricated step results (no workers, sockets or torch).
+
+Every test goes through ``Rig``: it submits requests, ticks the conductor, keeps the
+plans each rank has in flight and answers them with chosen flags, finish reasons, errors
+and emit counts. On every tick it checks the scheduling contract independently of the
+conductor's own bookkeeping: one plan in flight per rank, nothing sent to a failed rank,
+items on the rank the placement names, ``send``/``emit``/params/versions as specified,
+no ready step left on an idle rank, FIFO admission within the limits, every request
+finished once with its emit count, releases exactly once, after in-flight work, and only
+on ranks the request touched.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any, Callable
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from mstar.graph import Emit, EngineKind, Graph, GraphError, Loop, Node, Parallel, Sequential, Step, Walk
+from mstar.graph import cursor as walk_cursor
+from mstar.runtime.conductor import AdmissionError, Conductor, Decisions, Finished, RequestSpec
+from mstar.runtime.placement import NodeGroup, Placement, single_rank
+from mstar.runtime.protocol import ItemResult, StepPlan, StepResult, VarRef, WorkItem
+
+# ---------------------------------------------------------------- the model graph
+
+
+def make_graph() -> Graph:
+    nodes = [
+        Node("encoder", EngineKind.STATELESS, inputs=("image",), outputs=("out",)),
+        Node("llm", EngineKind.AUTOREGRESSIVE, inputs=("ids", "embeds", "tok"), outputs=("tok",),
+             ops=("prefill", "decode"), flags=("stop",)),
+        Node("left", EngineKind.STATELESS, inputs=("x",), outputs=("y",)),
+        Node("right", EngineKind.STATELESS, inputs=("x",), outputs=("y",)),
+        Node("join", EngineKind.STATELESS, inputs=("a", "b"), outputs=("z",)),
+        Node("painter", EngineKind.DENOISE, inputs=("x",), outputs=("img",)),
+    ]
+
+    def decode_loop() -> Loop:
+        return Loop(Step("llm", "decode", reads="tok", writes="tok", emit=Emit("tok", "text")),
+                    until="stop", max_iters="max_decode_steps")
+
+    chat = Walk("chat", Sequential(
+        Step("llm", "prefill", reads={"ids": "prompt"}, writes="tok", emit=Emit("tok", "text")),
+        decode_loop(),
+    ), inputs="prompt")
+    vision = Walk("vision", Sequential(
+        Step("encoder", reads="image", writes={"out": "emb"}),
+        Step("llm", "prefill", reads={"ids": "prompt", "embeds": "emb"}, writes="tok", emit=Emit("tok", "text")),
+        decode_loop(),
+    ), inputs=("image", "prompt"))
+    fork = Walk("fork", Sequential(
+        Parallel(Step("left", reads="x", writes={"y": "ya"}),
+                 Step("right", reads="x", writes={"y": "yb"})),
+        Step("join", reads={"a": "ya", "b": "yb"}, writes="z", emit=Emit("z", "image")),
+    ), inputs="x")
+    # A walk that may have nothing to do at all (zero images asked for).
+    paint = Walk("paint", Loop(Step("painter", reads="x", writes="img", emit=Emit("img", "image")),
+                               max_iters="n"), inputs="x")
+    return Graph.build(nodes, [chat, vision, fork, paint])
+
+
+GRAPH = make_graph()
+
+
+def two_ranks(graph: Graph = GRAPH) -> Placement:
+    """encoder and left on rank 0; llm, right and join on rank 1."""
+    return Placement(graph, (
+        NodeGroup(("encoder", "left", "painter"), (0,)),
+        NodeGroup(("llm", "right", "join"), (1,)),
+    ))
+
+
+# ------------------------------------------------------------------------ the rig
+
+How = dict[str, Any] | Callable[[WorkItem], dict[str, Any]] | None
+
+
+class Rig:
+    def __init__(self, placement: Placement | None = None, *, max_concurrent: int = 16,
+                 capacity: dict[str, int] | None = None, graph: Graph = GRAPH):
+        self.graph = graph
+        self.placement = placement or single_rank(graph)
+        self.c = Conductor(graph, self.placement, max_concurrent_requests=max_concurrent, capacity=capacity)
+        self.max_concurrent = max_concurrent
+        self.capacity = dict(capacity or {})
+        self.now = 0.0
+        self.outstanding: dict[int, StepPlan] = {}  # rank -> plan with items, not answered yet
+        self.failed: set[int] = set()
+        self.specs: dict[str, RequestSpec] = {}
+        self.order: list[str] = []  # submission order
+        self.admitted: list[str] = []
+        self.finished: dict[str, Finished] = {}
+        self.touched: dict[str, set[int]] = {}
+        self.contacted: set[tuple[str, int]] = set()
+        self.released: Counter[tuple[str, int]] = Counter()
+        self.latest: dict[str, dict[str, int]] = {}  # request -> var -> last completed version
+        self.used_versions: dict[str, set[int]] = {}
+        self.emitted: Counter[str] = Counter()
+        self.items: dict[str, list[WorkItem]] = {}  # every item dispatched, per request
+        self.plans: list[tuple[int, StepPlan]] = []  # every plan sent
+        self.release_only: list[StepResult] = []  # answers owed for plans without items
+
+    # ------------------------------------------------------------------ events
+    def submit(self, rid: str, walk: str = "chat", *, cost: dict[str, int] | None = None,
+               deadline: float | None = None, **params) -> None:
+        if walk in ("chat", "vision"):
+            params.setdefault("max_decode_steps", 4)
+        if walk == "paint":
+            params.setdefault("n", 2)
+        spec = RequestSpec(rid, walk, params, dict(cost or {}), deadline)
+        self.c.submit(spec)
+        if rid in self.finished:  # an id reused once the earlier request ended
+            self.assert_released(rid)
+            for book in (self.finished, self.touched, self.latest, self.used_versions, self.items):
+                book.pop(rid, None)
+            self.emitted.pop(rid, None)
+            self.contacted = {(r, k) for r, k in self.contacted if r != rid}
+            self.released = Counter({(r, k): n for (r, k), n in self.released.items() if r != rid})
+            self.order.remove(rid)
+            self.admitted.remove(rid)
+        self.specs[rid] = spec
+        self.order.append(rid)
+        self.touched[rid] = set()
+        self.latest[rid] = {var: 0 for var in self.graph.walk(walk).inputs}
+        self.used_versions[rid] = {0}
+        self.items[rid] = []
+
+    def cancel(self, rid: str, reason: str = "cancelled") -> None:
+        self.c.cancel(rid, reason)
+
+    def fail_rank(self, rank: int, error: str = "segfault") -> None:
+        self.c.on_rank_failed(rank, error)
+        self.failed.add(rank)
+        self.outstanding.pop(rank, None)  # its results never come
+
+    def tick(self, now: float | None = None) -> Decisions:
+        if now is not None:
+            self.now = now
+        queued = [w.request_id for w in self.c.waiting]
+        d = self.c.tick(self.now)
+        for done in d.finished:
+            self._finished(done)
+        # Admitted this tick: left the queue without timing out there (a request admitted
+        # this tick cannot time out in it: deadlines are checked before admission).
+        still = {w.request_id for w in self.c.waiting}
+        timed_out = {f.request_id for f in d.finished if f.reason == "timeout"}
+        for rid in queued:
+            if rid not in still and rid not in timed_out:
+                self._admitted(rid)
+        for rank, plan in d.plans.items():
+            self._check_plan(rank, plan)
+        self._check_state()
+        return d
+
+    def answer(self, rank: int, how: How = None, **per_request: How) -> StepResult:
+        """Answer ``rank``'s plan in flight. ``how`` (or ``per_request[request_id]``) is a
+        dict of ItemResult fields, or a function of the WorkItem returning one. By default
+        an item succeeds and reports one emit message per emitted port, like a worker."""
+        plan = self.outstanding.pop(rank)
+        results = []
+        for item in plan.items:
+            spec = per_request.get(item.request_id, how)
+            fields = spec(item) if callable(spec) else dict(spec or {})
+            fields = dict(fields or {})
+            fields.setdefault("emitted", 0 if fields.get("error") else len(item.emit))
+            results.append(ItemResult(item.request_id, item.step, **fields))
+            self.emitted[item.request_id] += fields["emitted"]
+            if not fields.get("error"):
+                for ref in item.writes.values():
+                    self.latest[item.request_id][ref.var] = ref.version
+        result = StepResult(rank, plan.plan_id, results)
+        self.c.on_result(result)
+        return result
+
+    def answer_all(self, how: How = None, **per_request: How) -> None:
+        for rank in sorted(self.outstanding):
+            self.answer(rank, how, **per_request)
+
+    def step(self, how: How = None, **per_request: How) -> Decisions:
+        """Answer everything in flight, then tick."""
+        self.answer_all(how, **per_request)
+        return self.tick()
+
+    def drain(self, how: How = None, max_ticks: int = 1000, **per_request: How) -> None:
+        """Tick and answer until nothing is left to do."""
+        for _ in range(max_ticks):
+            self.tick()
+            if not self.outstanding and self.c.idle:
+                return
+            self.answer_all(how, **per_request)
+        raise AssertionError("the conductor did not go idle")
+
+    # --------------------------------------------------------------- checks
+    def _admitted(self, rid: str) -> None:
+        # FIFO: everything submitted earlier was admitted already or left the queue.
+        for earlier in self.order[: self.order.index(rid)]:
+            assert earlier in self.admitted or earlier in self.finished, f"{rid} overtook {earlier}"
+        self.admitted.append(rid)
+
+    def _finished(self, done: Finished) -> None:
+        rid = done.request_id
+        assert rid in self.specs, f"finished unknown request {rid}"
+        assert rid not in self.finished, f"{rid} finished twice"
+        self.finished[rid] = done
+        assert done.emitted == self.emitted[rid], (rid, done.emitted, self.emitted[rid])
+        assert not self._in_flight(rid), f"{rid} finished with work in flight"
+        if done.reason == "error":
+            assert done.error
+        assert rid not in self.c.live and all(w.request_id != rid for w in self.c.waiting)
+
+    def _in_flight(self, rid: str) -> list[WorkItem]:
+        return [i for plan in self.outstanding.values() for i in plan.items if i.request_id == rid]
+
+    def _check_plan(self, rank: int, plan: StepPlan) -> None:
+        assert rank not in self.failed, f"plan sent to failed rank {rank}"
+        assert rank not in self.outstanding, f"plan sent to rank {rank} while its plan {self.outstanding[rank].plan_id} is in flight"
+        assert plan.items or plan.release, "empty plan"
+        assert all(plan.plan_id > p.plan_id for _, p in self.plans), "plan ids must grow"
+        self.plans.append((rank, plan))
+        for rid in plan.release:
+            assert rid in self.finished, f"release of {rid}, which has not finished"
+            assert rank in self.touched[rid], f"release of {rid} on rank {rank}, which it never touched"
+            assert not self._in_flight(rid), f"release of {rid} while its work is in flight"
+            self.released[(rid, rank)] += 1
+            assert self.released[(rid, rank)] == 1, f"{rid} released twice on rank {rank}"
+        seen_steps = set()
+        for item in plan.items:
+            self._check_item(rank, item)
+            assert (item.request_id, item.step) not in seen_steps
+            seen_steps.add((item.request_id, item.step))
+        if plan.items:
+            self.outstanding[rank] = plan
+        else:
+            self.release_only.append(StepResult(rank, plan.plan_id))
+
+    def _check_item(self, rank: int, item: WorkItem) -> None:
+        rid = item.request_id
+        assert rid in self.admitted and rid not in self.finished, f"work for {rid}, which is not running"
+        walk = self.graph.walk(self.specs[rid].walk)
+        steps = [s for s in walk.steps() if s.name == item.step]
+        assert len(steps) == 1, item.step
+        step = steps[0]
+        assert (item.node, item.op) == (step.node, step.op)
+        assert self.placement.rank_of(walk.name, step.node) == rank, f"{item.step} sent to rank {rank}"
+        assert all(i.step != item.step for i in self._in_flight(rid)), f"{item.step} dispatched twice"
+        # params on first contact with this rank only
+        first = (rid, rank) not in self.contacted
+        assert (item.params is not None) == first, (rid, rank, item.params)
+        if first:
+            assert item.params == self.specs[rid].params
+        self.contacted.add((rid, rank))
+        self.touched[rid].add(rank)
+        # reads: the latest completed version; writes: fresh versions
+        assert {p: ref.var for p, ref in item.reads.items()} == dict(step.reads)
+        for ref in item.reads.values():
+            assert ref.version == self.latest[rid][ref.var], (item.step, ref, self.latest[rid])
+        assert {p: ref.var for p, ref in item.writes.items()} == dict(step.writes)
+        for ref in item.writes.values():
+            assert ref.version not in self.used_versions[rid], f"version {ref.version} reused"
+            self.used_versions[rid].add(ref.version)
+        # send: every other rank that reads the variable; emit: the emitted ports
+        for port, var in step.writes:
+            readers = {self.placement.rank_of(walk.name, s.node) for s in walk.steps() if var in s.read_vars}
+            assert item.send.get(port, []) == sorted(readers - {rank}), (item.step, port, item.send)
+        assert set(item.send) <= {p for p, _ in step.writes}
+        emits = {e.var: e.modality.value for e in step.emit}
+        assert item.emit == {p: emits[v] for p, v in step.writes if v in emits}
+        self.items[rid].append(item)
+
+    def _check_state(self) -> None:
+        c = self.c
+        assert len(c.live) <= self.max_concurrent
+        for name, cap in self.capacity.items():
+            held = sum(live.spec.cost.get(name, 0) for live in c.live.values())
+            assert c.in_use[name] == held <= cap, (name, c.in_use[name], held, cap)
+        # busy ranks are exactly the ranks whose plan with items is in flight
+        assert set(c.busy) == set(self.outstanding), (c.busy, set(self.outstanding))
+        for rank, plan in self.outstanding.items():
+            assert c.busy[rank] == plan.plan_id
+        # continuous batching: no ready step is left behind on an idle rank
+        for rid, live in c.live.items():
+            if live.ending is not None:
+                continue
+            walk = self.graph.walk(live.spec.walk)
+            for ready in walk_cursor.ready(walk.body, live.cursor):
+                rank = self.placement.rank_of(walk.name, ready.step.node)
+                assert rank in self.outstanding or rank in self.failed, f"{rid}: {ready.step.name} left on idle rank {rank}"
+
+    def assert_released(self, rid: str) -> None:
+        for rank in self.touched[rid]:
+            # a rank that failed gets its release only if it was sent before the failure
+            expected = (0, 1) if rank in self.failed else (1,)
+            assert self.released[(rid, rank)] in expected, (rid, rank, self.released[(rid, rank)])
+
+    def assert_quiescent(self) -> None:
+        assert not self.outstanding
+        assert self.c.idle
+        assert not self.c.live and not self.c.waiting and not self.c.busy
+        assert all(v == 0 for v in self.c.in_use.values()), self.c.in_use
+        assert not self.c.has_work_for_idle_rank()
+        for rid in self.order:
+            assert rid in self.finished, f"{rid} never finished"
+            self.assert_released(rid)
+        assert not self.tick().plans  # nothing more to say
+
+    # ------------------------------------------------------------- queries
+    def ops(self, d: Decisions, rank: int = 0) -> list[tuple[str, str, int]]:
+        plan = d.plans.get(rank)
+        return [(i.request_id, i.op if i.node == "llm" else i.step, i.iteration) for i in (plan.items if plan else [])]
+
+    def releases(self, d: Decisions, rank: int = 0) -> list[str]:
+        plan = d.plans.get(rank)
+        return list(plan.release) if plan else []
+
+    def reasons(self, d: Decisions) -> dict[str, str]:
+        return {f.request_id: f.reason for f in d.finished}
+
+
+STOP = {"flags": ["stop"], "finish_reason": "stop"}
+
+
+# ------------------------------------------------------------------ the chat walk
+
+
+def test_chat_walk_prefill_then_decode_until_stop() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=10, temperature=0.5)
+    d = rig.tick()
+    [item] = d.plans[0].items
+    assert item == WorkItem("a", "llm", "prefill", "llm.prefill", 0,
+                            reads={"ids": VarRef("prompt", 0)}, writes={"tok": VarRef("tok", 1)},
+                            send={}, emit={"tok": "text"}, params={"max_decode_steps": 10, "temperature": 0.5})
+    assert d.plans[0].release == [] and d.finished == []
+
+    d = rig.step()
+    [item] = d.plans[0].items
+    assert (item.op, item.step, item.iteration, item.params) == ("decode", "llm.decode", 0, None)
+    assert item.reads == {"tok": VarRef("tok", 1)} and item.writes == {"tok": VarRef("tok", 2)}
+    assert item.emit == {"tok": "text"} and item.send == {}
+
+    d = rig.step()
+    [item] = d.plans[0].items
+    assert (item.iteration, item.reads["tok"].version, item.writes["tok"].version) == (1, 2, 3)
+
+    d = rig.step(STOP)
+    assert d.finished == [Finished("a", "stop", None, 3, {})]
+    assert d.plans[0] == StepPlan(d.plans[0].plan_id, [], ["a"])
+    assert [i.op for i in rig.items["a"]] == ["prefill", "decode", "decode"]
+    rig.assert_quiescent()
+
+
+def test_loop_ends_at_max_iters_and_reports_length() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=3)
+    last = lambda item: {"finish_reason": "length"} if item.op == "decode" and item.iteration == 2 else {}
+    rig.drain(last)
+    assert [(i.op, i.iteration) for i in rig.items["a"]] == [("prefill", 0), ("decode", 0), ("decode", 1), ("decode", 2)]
+    assert rig.finished["a"] == Finished("a", "length", None, 4, {})
+    rig.assert_quiescent()
+
+
+def test_max_iters_without_finish_reason_defaults_to_stop() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=2)
+    rig.drain()
+    assert [i.op for i in rig.items["a"]] == ["prefill", "decode", "decode"]
+    assert rig.finished["a"].reason == "stop" and rig.finished["a"].error is None
+    rig.assert_quiescent()
+
+
+def test_stop_at_prefill_skips_the_loop() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=50)
+    rig.tick()
+    d = rig.step(STOP)
+    assert rig.reasons(d) == {"a": "stop"}
+    assert rig.releases(d) == ["a"] and rig.ops(d) == []
+    assert [i.op for i in rig.items["a"]] == ["prefill"]
+    rig.assert_quiescent()
+
+
+def test_zero_decode_budget_skips_the_loop() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=0)
+    rig.drain()
+    assert [i.op for i in rig.items["a"]] == ["prefill"]
+    assert rig.finished["a"].reason == "stop"
+    rig.assert_quiescent()
+
+
+def test_walk_with_nothing_to_do_finishes_at_once() -> None:
+    """A walk whose cursor is done on admission (a Loop with a zero budget) must still
+    finish, and never hold a slot or resources."""
+    rig = Rig(max_concurrent=1, capacity={"kv": 4})
+    rig.submit("empty", "paint", n=0, cost={"kv": 4})
+    rig.submit("next", "paint", n=1, cost={"kv": 4})
+    rig.drain()
+    assert rig.finished["empty"] == Finished("empty", "stop", None, 0, {})
+    assert rig.items["empty"] == []
+    assert [i.step for i in rig.items["next"]] == ["painter.forward"]
+    assert rig.finished["next"].reason == "stop" and rig.finished["next"].emitted == 1
+    assert rig.released[("empty", 0)] == 0  # it touched no rank, so nothing to free
+    rig.assert_quiescent()
+
+
+def test_emitted_counts_are_summed() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=3)
+    counts = iter([2, 0, 5, 1])
+    rig.drain(lambda item: {"emitted": next(counts)})
+    assert rig.finished["a"].emitted == 8
+    rig.assert_quiescent()
+
+
+# ------------------------------------------------------------------ admission
+
+
+def test_admission_by_max_concurrent_requests_is_fifo() -> None:
+    rig = Rig(max_concurrent=2)
+    for rid in "abcd":
+        rig.submit(rid, max_decode_steps=5)
+    d = rig.tick()
+    assert rig.ops(d) == [("a", "prefill", 0), ("b", "prefill", 0)]
+    assert [w.request_id for w in rig.c.waiting] == ["c", "d"]
+    # b stops at prefill; c takes its place (in this tick or the next), d keeps waiting.
+    d = rig.step(b=STOP)
+    assert rig.reasons(d) == {"b": "stop"}
+    if ("c", "prefill", 0) not in rig.ops(d):
+        d = rig.step()
+    assert ("c", "prefill", 0) in rig.ops(d)
+    assert set(rig.c.live) == {"a", "c"} and [w.request_id for w in rig.c.waiting] == ["d"]
+    rig.drain(STOP)
+    assert rig.admitted == ["a", "b", "c", "d"]
+    rig.assert_quiescent()
+
+
+def test_admission_by_capacity_head_of_queue_is_never_overtaken() -> None:
+    rig = Rig(capacity={"kv": 10})
+    rig.submit("a", cost={"kv": 6})
+    rig.submit("b", cost={"kv": 6})  # must wait for a
+    rig.submit("c", cost={"kv": 3})  # would fit now, but b is first in line
+    d = rig.tick()
+    assert rig.ops(d) == [("a", "prefill", 0)]
+    assert rig.c.in_use == {"kv": 6}
+    for _ in range(3):  # a decodes; b and c keep waiting
+        d = rig.step()
+        assert [r for r, _, _ in rig.ops(d)] == ["a"]
+        assert [w.request_id for w in rig.c.waiting] == ["b", "c"]
+    d = rig.step(STOP)
+    assert rig.reasons(d) == {"a": "stop"}
+    if not rig.ops(d):
+        d = rig.step()
+    assert rig.ops(d) == [("b", "prefill", 0), ("c", "prefill", 0)]
+    assert rig.c.in_use == {"kv": 9}
+    rig.drain(STOP)
+    assert rig.c.in_use == {"kv": 0}
+    rig.assert_quiescent()
+
+
+def test_request_needing_more_than_the_pool_is_rejected_at_submit() -> None:
+    rig = Rig(capacity={"kv": 10})
+    with pytest.raises(AdmissionError, match="whole pool"):
+        rig.c.submit(RequestSpec("big", "chat", {"max_decode_steps": 1}, {"kv": 11}))
+    with pytest.raises(AdmissionError, match="does not have"):
+        rig.c.submit(RequestSpec("odd", "chat", {"max_decode_steps": 1}, {"gpu_seconds": 1}))
+    assert not rig.c.waiting and rig.c.idle
+    rig.submit("exact", cost={"kv": 10})  # exactly the whole pool is fine
+    rig.drain(STOP)
+    rig.assert_quiescent()
+
+
+def test_duplicate_request_id_and_unknown_walk_are_rejected() -> None:
+    rig = Rig(max_concurrent=1)
+    rig.submit("a")
+    rig.submit("b")
+    with pytest.raises(AdmissionError, match="already in use"):  # b is waiting
+        rig.c.submit(RequestSpec("b", "chat", {"max_decode_steps": 1}))
+    rig.tick()
+    with pytest.raises(AdmissionError, match="already in use"):  # a is running
+        rig.c.submit(RequestSpec("a", "chat", {"max_decode_steps": 1}))
+    with pytest.raises(GraphError, match="unknown walk"):
+        rig.c.submit(RequestSpec("c", "no-such-walk", {}))
+    assert [w.request_id for w in rig.c.waiting] == ["b"] and set(rig.c.live) == {"a"}
+    rig.drain(STOP)
+    # once ended and released, the id may be used again
+    rig.submit("a", max_decode_steps=1)
+    rig.drain()
+    assert rig.finished["a"].reason == "stop"
+    rig.assert_quiescent()
+
+
+# ----------------------------------------------------------- continuous batching
+
+
+def test_continuous_batching_new_prefill_joins_running_decodes() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=10)
+    rig.submit("b", max_decode_steps=10)
+    d = rig.tick()
+    assert rig.ops(d) == [("a", "prefill", 0), ("b", "prefill", 0)]
+    d = rig.step()
+    assert rig.ops(d) == [("a", "decode", 0), ("b", "decode", 0)]
+    rig.submit("c", max_decode_steps=10)
+    d = rig.step()
+    assert rig.ops(d) == [("a", "decode", 1), ("b", "decode", 1), ("c", "prefill", 0)]
+    assert [i.params is not None for i in d.plans[0].items] == [False, False, True]
+    # one finishes in the middle of the batch; the rest go on in the same plan as its release
+    d = rig.step(a=STOP)
+    assert rig.reasons(d) == {"a": "stop"}
+    assert rig.ops(d) == [("b", "decode", 2), ("c", "decode", 0)] and rig.releases(d) == ["a"]
+    rig.drain(STOP)
+    rig.assert_quiescent()
+
+
+def test_busy_rank_gets_no_plan_until_its_result_arrives() -> None:
+    rig = Rig()
+    rig.submit("a")
+    d = rig.tick()
+    first = d.plans[0]
+    rig.submit("b")
+    rig.submit("c")
+    rig.cancel("c")  # admitted but never dispatched: nothing to release
+    for _ in range(3):
+        d = rig.tick()
+        assert d.plans == {}
+    assert rig.reasons(d) == {} and rig.finished["c"].reason == "cancelled"
+    # a stale result (not the plan in flight) does not free the rank
+    rig.c.on_result(StepResult(0, first.plan_id + 1000))
+    assert rig.tick().plans == {}
+    rig.answer(0)
+    d = rig.tick()
+    assert rig.ops(d) == [("a", "decode", 0), ("b", "prefill", 0)]
+    rig.drain(STOP)
+    assert rig.released[("c", 0)] == 0
+    rig.assert_quiescent()
+
+
+def test_results_of_release_only_plans_are_harmless() -> None:
+    rig = Rig()
+    rig.submit("a")
+    rig.submit("b")
+    rig.tick()
+    d = rig.step(a=STOP)
+    assert rig.releases(d) == ["a"]
+    d = rig.step(b=STOP)
+    assert rig.releases(d) == ["b"] and d.plans[0].items == []
+    assert not rig.c.busy  # a release-only plan does not hold the rank
+    for result in rig.release_only:  # the worker still answers them
+        rig.c.on_result(result)
+    rig.assert_quiescent()
+
+
+# ------------------------------------------------------------- finish reasons
+
+
+def test_step_error_fails_only_that_request() -> None:
+    rig = Rig(capacity={"kv": 8})
+    rig.submit("a", cost={"kv": 4})
+    rig.submit("b", cost={"kv": 4})
+    rig.tick()
+    rig.step()
+    d = rig.step(a={"error": "CUDA error: device-side assert"})
+    assert d.finished == [Finished("a", "error", "CUDA error: device-side assert", 1, {})]
+    assert rig.ops(d) == [("b", "decode", 1)] and rig.releases(d) == ["a"]
+    assert rig.c.in_use == {"kv": 4}
+    rig.drain(STOP)
+    assert rig.finished["b"].reason == "stop"
+    rig.assert_quiescent()
+
+
+def test_cancel_waiting_request() -> None:
+    rig = Rig(max_concurrent=1)
+    rig.submit("a")
+    rig.submit("b")
+    rig.tick()
+    rig.cancel("b")
+    d = rig.tick()
+    assert d.finished == [Finished("b", "cancelled", None, 0)]
+    rig.drain(STOP)
+    assert rig.items["b"] == [] and not any(rid == "b" for rid, _ in rig.released)
+    rig.assert_quiescent()
+
+
+def test_cancel_running_request_waits_for_its_work_in_flight() -> None:
+    rig = Rig(capacity={"kv": 1})
+    rig.submit("a", cost={"kv": 1})
+    rig.tick()
+    rig.step()  # decode 0 in flight
+    rig.cancel("a")
+    rig.cancel("a", "something else")  # a second cancel changes nothing
+    d = rig.tick()
+    assert d.finished == [] and d.plans == {}  # rank 0 still runs a's decode
+    assert rig.c.in_use == {"kv": 1}
+    d = rig.step({"emitted": 3})  # the late result still counts its emits
+    assert d.finished == [Finished("a", "cancelled", None, 4, {})]
+    assert d.plans[0] == StepPlan(d.plans[0].plan_id, [], ["a"])
+    assert [i.op for i in rig.items["a"]] == ["prefill", "decode"]
+    rig.assert_quiescent()
+
+
+def test_cancel_with_reason_and_cancel_of_unknown_or_finished_request() -> None:
+    rig = Rig()
+    rig.cancel("ghost")
+    rig.submit("a")
+    rig.tick()
+    rig.answer(0)
+    rig.cancel("a", "stop")  # e.g. the frontend saw a stop string
+    d = rig.tick()
+    assert d.finished == [Finished("a", "stop", None, 1, {})]
+    rig.cancel("a")
+    assert rig.tick().finished == []
+    rig.assert_quiescent()
+
+
+def test_cancel_after_the_last_step_keeps_the_natural_reason() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=1)
+    rig.tick()
+    rig.answer(0)
+    rig.tick()
+    rig.answer(0, {"finish_reason": "length"})  # the walk is done now
+    rig.cancel("a")
+    d = rig.tick()
+    assert d.finished == [Finished("a", "length", None, 2, {})]
+    rig.assert_quiescent()
+
+
+def test_deadline_times_out_running_request_after_its_work_returns() -> None:
+    rig = Rig(capacity={"kv": 2})
+    rig.submit("a", deadline=5.0, cost={"kv": 2}, max_decode_steps=100)
+    rig.tick(0.0)
+    for t in range(1, 5):
+        rig.answer(0)
+        d = rig.tick(float(t))
+        assert d.finished == [] and rig.ops(d)
+    d = rig.tick(5.0)  # expired, but a decode is still in flight
+    assert d.finished == [] and d.plans == {}
+    rig.answer(0)
+    d = rig.tick(5.5)
+    assert [(f.request_id, f.reason) for f in d.finished] == [("a", "timeout")]
+    assert d.finished[0].error and d.finished[0].emitted == 5
+    assert rig.releases(d) == ["a"] and rig.c.in_use == {"kv": 0}
+    rig.assert_quiescent()
+
+
+def test_deadline_times_out_idle_running_request_at_once() -> None:
+    rig = Rig()
+    rig.submit("a", deadline=2.0)
+    rig.submit("b")
+    rig.tick(0.0)
+    rig.answer(0, a={"emitted": 0})
+    d = rig.tick(2.0)  # a has nothing in flight: it ends now, b goes on
+    assert rig.reasons(d) == {"a": "timeout"}
+    assert rig.ops(d) == [("b", "decode", 0)] and rig.releases(d) == ["a"]
+    rig.drain(STOP)
+    rig.assert_quiescent()
+
+
+def test_deadline_times_out_waiting_request() -> None:
+    rig = Rig(max_concurrent=1)
+    rig.submit("a")
+    rig.submit("b", deadline=3.0)
+    rig.submit("c")
+    rig.tick(0.0)
+    d = rig.tick(2.9)
+    assert d.finished == []
+    d = rig.tick(3.0)
+    assert [(f.request_id, f.reason, f.emitted) for f in d.finished] == [("b", "timeout", 0)]
+    assert "queue" in d.finished[0].error
+    rig.now = 3.0
+    rig.drain(STOP)
+    assert rig.items["b"] == [] and rig.admitted == ["a", "c"]
+    rig.assert_quiescent()
+
+
+# ------------------------------------------------------------- two ranks
+
+
+def test_two_rank_walk_sends_encoder_output_to_the_llm_rank() -> None:
+    rig = Rig(two_ranks())
+    rig.submit("v", "vision", max_decode_steps=2)
+    d = rig.tick()
+    assert set(d.plans) == {0}
+    [enc] = d.plans[0].items
+    assert enc == WorkItem("v", "encoder", "forward", "encoder.forward", 0,
+                           reads={"image": VarRef("image", 0)}, writes={"out": VarRef("emb", 1)},
+                           send={"out": [1]}, emit={}, params={"max_decode_steps": 2})
+    d = rig.step()
+    assert set(d.plans) == {1}
+    [pre] = d.plans[1].items
+    assert pre == WorkItem("v", "llm", "prefill", "llm.prefill", 0,
+                           reads={"ids": VarRef("prompt", 0), "embeds": VarRef("emb", 1)},
+                           writes={"tok": VarRef("tok", 2)}, send={}, emit={"tok": "text"},
+                           params={"max_decode_steps": 2})  # first contact with rank 1
+    d = rig.step()
+    [dec] = d.plans[1].items
+    assert (dec.params, dec.reads, dec.writes) == (None, {"tok": VarRef("tok", 2)}, {"tok": VarRef("tok", 3)})
+    rig.step()
+    d = rig.step()
+    assert rig.reasons(d) == {"v": "stop"}
+    assert rig.releases(d, 0) == ["v"] and rig.releases(d, 1) == ["v"]
+    rig.assert_quiescent()
+
+
+def test_release_only_on_ranks_the_request_touched() -> None:
+    rig = Rig(two_ranks())
+    rig.submit("t", "chat", max_decode_steps=1)  # llm only: rank 1
+    rig.submit("v", "vision", max_decode_steps=1)
+    d = rig.tick()
+    assert rig.ops(d, 0) == [("v", "encoder.forward", 0)] and rig.ops(d, 1) == [("t", "prefill", 0)]
+    rig.cancel("v")  # encoder in flight: v has touched rank 0 only
+    d = rig.step()
+    assert rig.reasons(d) == {"v": "cancelled"}
+    assert rig.releases(d, 0) == ["v"] and rig.releases(d, 1) == []
+    d = rig.step()
+    assert rig.reasons(d) == {"t": "stop"}
+    assert rig.releases(d, 1) == ["t"] and 0 not in d.plans
+    rig.assert_quiescent()
+    assert rig.released == Counter({("v", 0): 1, ("t", 1): 1})
+
+
+def test_release_waits_until_the_touched_rank_is_free() -> None:
+    rig = Rig(two_ranks())
+    rig.submit("a", "vision", max_decode_steps=5)
+    rig.tick()
+    rig.step()  # a's prefill on rank 1
+    rig.submit("b", "vision", max_decode_steps=5)
+    d = rig.tick()
+    assert rig.ops(d, 0) == [("b", "encoder.forward", 0)]
+    rig.answer(1, STOP)  # a ends; rank 0 still runs b's encoder
+    d = rig.tick()
+    assert rig.reasons(d) == {"a": "stop"}
+    assert rig.releases(d, 1) == ["a"] and 0 not in d.plans
+    rig.answer(0)
+    d = rig.tick()
+    assert d.plans[0] == StepPlan(d.plans[0].plan_id, [], ["a"])
+    assert rig.ops(d, 1) == [("b", "prefill", 0)]
+    rig.drain(STOP)
+    rig.assert_quiescent()
+
+
+# ------------------------------------------------------------- parallel walk
+
+
+def test_parallel_branches_share_a_plan_and_the_join_reads_both() -> None:
+    rig = Rig()
+    rig.submit("p", "fork", seed=7)
+    d = rig.tick()
+    left, right = d.plans[0].items
+    assert (left.step, right.step) == ("left.forward", "right.forward")
+    assert left.reads == right.reads == {"x": VarRef("x", 0)}
+    assert left.writes == {"y": VarRef("ya", 1)} and right.writes == {"y": VarRef("yb", 2)}
+    assert left.params == {"seed": 7} and right.params is None  # once per rank, even in one plan
+    d = rig.step()
+    [join] = d.plans[0].items
+    assert join.reads == {"a": VarRef("ya", 1), "b": VarRef("yb", 2)}
+    assert join.writes == {"z": VarRef("z", 3)} and join.emit == {"z": "image"} and join.send == {}
+    d = rig.step()
+    assert d.finished == [Finished("p", "stop", None, 1, {})]
+    rig.assert_quiescent()
+
+
+def test_parallel_branches_on_two_ranks_join_waits_for_both() -> None:
+    rig = Rig(two_ranks())
+    rig.submit("p", "fork")
+    d = rig.tick()
+    [left] = d.plans[0].items
+    [right] = d.plans[1].items
+    assert left.send == {"y": [1]} and right.send == {}  # join runs on rank 1
+    assert left.params is not None and right.params is not None
+    rig.answer(0)
+    assert rig.tick().plans == {}  # right still running: no join yet
+    rig.answer(1)
+    d = rig.tick()
+    [join] = d.plans[1].items
+    assert join.params is None and join.reads == {"a": VarRef("ya", 1), "b": VarRef("yb", 2)}
+    d = rig.step()
+    assert rig.reasons(d) == {"p": "stop"}
+    assert rig.releases(d, 0) == ["p"] and rig.releases(d, 1) == ["p"]
+    rig.assert_quiescent()
+
+
+def test_error_in_one_branch_waits_for_the_other_before_release() -> None:
+    rig = Rig(two_ranks(), capacity={"kv": 1})
+    rig.submit("p", "fork", cost={"kv": 1})
+    rig.tick()
+    rig.answer(0, {"error": "left exploded"})
+    d = rig.tick()
+    assert d.finished == [] and d.plans == {}  # right is still in flight on rank 1
+    assert rig.c.in_use == {"kv": 1}
+    rig.answer(1)
+    d = rig.tick()
+    assert d.finished == [Finished("p", "error", "left exploded", 0, {})]
+    assert rig.releases(d, 0) == ["p"] and rig.releases(d, 1) == ["p"]
+    assert all(i.step != "join.forward" for i in rig.items["p"])
+    rig.assert_quiescent()
+
+
+# ------------------------------------------------------------- rank failure
+
+
+def test_rank_failure_fails_requests_that_touched_it_and_nothing_is_sent_there() -> None:
+    rig = Rig(two_ranks(), capacity={"kv": 10})
+    rig.submit("a", "vision", cost={"kv": 2})
+    rig.tick()
+    rig.step()  # a's prefill runs on rank 1
+    rig.submit("b", "vision", cost={"kv": 2})
+    rig.submit("p", "fork", cost={"kv": 2})
+    d = rig.tick()  # rank 0: b's encoder and p's left; rank 1 busy with a
+    assert rig.ops(d, 0) == [("b", "encoder.forward", 0), ("p", "left.forward", 0)]
+    rig.fail_rank(1, "out of memory")
+    d = rig.tick()
+    assert [(f.request_id, f.reason) for f in d.finished] == [("a", "error")]
+    assert "rank 1" in d.finished[0].error and "out of memory" in d.finished[0].error
+    assert 1 not in d.plans and 0 not in d.plans  # rank 0 still busy; its release waits
+    rig.answer(0)
+    # b and p never touched rank 1, but their next steps need it: they must fail, not hang
+    for _ in range(3):
+        rig.tick()
+        rig.answer_all()
+    for rid in "bp":
+        assert rig.finished[rid].reason == "error" and "rank 1" in rig.finished[rid].error
+    # a request arriving later that needs rank 1 fails too; rank 0 alone still serves
+    rig.submit("c", "chat")
+    rig.submit("e", "paint", n=1)
+    rig.drain()
+    assert rig.finished["c"].reason == "error" and rig.items["c"] == []
+    assert rig.finished["e"].reason == "stop"
+    assert rig.released[("a", 1)] == 0 and rig.released[("a", 0)] == 1
+    rig.assert_quiescent()
+
+
+def test_rank_failure_drops_releases_still_owed_to_it_and_ignores_its_late_results() -> None:
+    rig = Rig(two_ranks())
+    rig.submit("a", "chat")
+    rig.submit("b", "chat")
+    rig.tick()
+    rig.answer(1, a=STOP)  # a ends
+    d = rig.tick()
+    assert rig.releases(d, 1) == ["a"]
+    plan = rig.outstanding[1]
+    assert [i.request_id for i in plan.items] == ["b"]
+    rig.cancel("b")
+    late = StepResult(1, plan.plan_id, [ItemResult("b", "llm.decode", emitted=1)])
+    rig.fail_rank(1, "lost")
+    d = rig.tick()
+    assert rig.reasons(d) == {"b": "cancelled"}  # it was cancelled before the failure
+    rig.c.on_result(late)  # the dead rank's result turns up anyway
+    d = rig.tick()
+    assert d.finished == [] and d.plans == {}
+    assert rig.c.idle
+    rig.assert_quiescent()
+
+
+def test_rank_failure_while_a_release_is_pending_there_leaves_the_conductor_idle() -> None:
+    rig = Rig(two_ranks())
+    rig.submit("a", "vision", max_decode_steps=3)
+    rig.tick()
+    rig.step()  # a on rank 1 now
+    rig.submit("b", "vision", max_decode_steps=3)
+    rig.tick()  # b's encoder busies rank 0
+    rig.answer(1, STOP)
+    d = rig.tick()
+    assert rig.reasons(d) == {"a": "stop"} and 0 not in d.plans  # a's release owed to rank 0
+    rig.fail_rank(0, "gone")
+    d = rig.tick()
+    assert rig.reasons(d) == {"b": "error"}
+    assert not rig.c.releases.get(0)
+    rig.assert_quiescent()
+
+
+# ------------------------------------------------------------- randomized
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 14))
+    requests = []
+    for i in range(n):
+        walk = draw(st.sampled_from(["chat", "chat", "vision", "fork", "paint"]))
+        requests.append(dict(
+            rid=f"r{i}",
+            walk=walk,
+            arrive=draw(st.integers(0, 12)),
+            budget=draw(st.integers(0, 6)),
+            stop_at=draw(st.one_of(st.none(), st.integers(0, 7))),
+            cost=draw(st.integers(0, 5)),
+            cancel_at=draw(st.one_of(st.none(), st.integers(0, 25))),
+            error_at=draw(st.one_of(st.none(), st.integers(0, 8))),
+            deadline=draw(st.one_of(st.none(), st.integers(1, 40))),
+        ))
+    return dict(
+        requests=requests,
+        two_ranks=draw(st.booleans()),
+        max_concurrent=draw(st.integers(1, 6)),
+        capacity=draw(st.integers(5, 12)),
+        fail=draw(st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, 30)))),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_traffic_every_request_finishes_once_and_resources_return(sc) -> None:
+    rng = random.Random(sc["seed"])
+    placement = two_ranks() if sc["two_ranks"] else single_rank(GRAPH)
+    rig = Rig(placement, max_concurrent=sc["max_concurrent"], capacity={"kv": sc["capacity"]})
+    reqs = {r["rid"]: r for r in sc["requests"]}
+    count: Counter[str] = Counter()  # items answered per request
+    cancelled: set[str] = set()
+
+    def behave(item: WorkItem) -> dict:
+        r = reqs[item.request_id]
+        k = count[item.request_id]
+        count[item.request_id] += 1
+        if r["error_at"] is not None and k == r["error_at"]:
+            return {"error": f"failed at item {k}"}
+        out: dict = {"emitted": rng.randint(0, 2)}
+        if item.node == "llm":
+            llm_step = 0 if item.op == "prefill" else item.iteration + 1
+            if r["stop_at"] == llm_step:
+                out.update(flags=["stop"], finish_reason="stop")
+            elif item.op == "decode" and item.iteration == r["budget"] - 1:
+                out["finish_reason"] = "length"
+        return out
+
+    def submit_due(t: int) -> None:
+        for r in sc["requests"]:
+            if r["arrive"] == t:
+                params = {"max_decode_steps": r["budget"]} if r["walk"] in ("chat", "vision") else {}
+                if r["walk"] == "paint":
+                    params = {"n": r["budget"] % 3}
+                deadline = None if r["deadline"] is None else float(t + r["deadline"])
+                rig.submit(r["rid"], r["walk"], cost={"kv": r["cost"]}, deadline=deadline, **params)
+
+    for t in range(2000):
+        rig.now = float(t)
+        submit_due(t)
+        for r in sc["requests"]:
+            if r["cancel_at"] == t and r["rid"] in rig.specs:
+                rig.cancel(r["rid"])
+                if r["rid"] not in rig.finished:
+                    cancelled.add(r["rid"])
+        if sc["fail"] is not None and sc["fail"][1] == t:
+            rig.fail_rank(sc["fail"][0] % len(placement.ranks), "injected")
+        rig.tick()
+        for rank in sorted(rig.outstanding):
+            if rng.random() < 0.75:
+                rig.answer(rank, behave)
+        if rng.random() < 0.3:  # the worker's answers to release-only plans, late
+            for result in rig.release_only:
+                rig.c.on_result(result)
+            rig.release_only.clear()
+        if t > 12 and not rig.outstanding and rig.c.idle:
+            break
+    else:
+        raise AssertionError("traffic did not drain")
+
+    rig.assert_quiescent()
+    assert set(rig.finished) == set(reqs)
+    for rid, r in reqs.items():
+        done = rig.finished[rid]
+        event(f"finish reason {done.reason}")
+        assert done.reason in ("stop", "length", "error", "cancelled", "timeout"), done
+        assert (done.error is not None) == (done.reason in ("error", "timeout")), done
+        if done.reason == "cancelled":
+            assert rid in cancelled
+        if done.reason == "timeout":
+            assert r["deadline"] is not None
+        if done.reason == "error" and "injected" not in (done.error or ""):
+            assert r["error_at"] is not None and done.error == f"failed at item {r['error_at']}"
+        if done.reason in ("stop", "length") and r["walk"] in ("chat", "vision"):
+            # the walk ran to its natural end: the loop stopped by flag or by budget
+            decodes = [i for i in rig.items[rid] if i.op == "decode"]
+            budget, stop_at = r["budget"], r["stop_at"]
+            natural = min(stop_at, budget) if stop_at is not None else budget
+            assert len(decodes) == natural, (rid, len(decodes), natural)
+            assert [i.iteration for i in decodes] == list(range(natural))
+            expected = "stop" if (stop_at is not None and stop_at <= budget) or budget == 0 else "length"
+            assert done.reason == expected, (rid, done.reason, expected)
+        if r["walk"] == "fork" and done.reason == "stop":
+            assert [i.step for i in rig.items[rid]][-1] == "join.forward"
