@@ -18,6 +18,7 @@ class EngineItem:
     iteration: int
     inputs: dict[str, torch.Tensor]
     params: dict[str, Any]
+    chunk: Any = None  # a ChunkRef when the step consumes a stream edge (keep range, last)
 
 
 @dataclass

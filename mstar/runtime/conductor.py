@@ -15,7 +15,8 @@ from typing import Any
 from mstar.graph import Graph, Step
 from mstar.graph import cursor as walk_cursor
 from mstar.runtime.placement import Placement, Routes, all_routes
-from mstar.runtime.protocol import ItemResult, StepPlan, StepResult, VarRef, WorkItem
+from mstar.runtime.protocol import ChunkRef, ItemResult, StepPlan, StepResult, VarRef, WorkItem
+from mstar.runtime.streams import StreamState
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class _Live:
     ranks_seen: set[int] = field(default_factory=set)
     emitted: int = 0
     finish_reason: str = "stop"
+    streams: list[StreamState] = field(default_factory=list)
     ending: Finished | None = None  # set once it must end; released when nothing is in flight
     profile: dict[str, float] = field(default_factory=dict)
 
@@ -153,6 +155,15 @@ class Conductor:
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
                 items[rank].append(self._dispatch(live, ready.step, ready.iteration, rank, routes))
+            for stream in live.streams:
+                rank = routes.rank(stream.edge.into)
+                if rank in self.busy or rank in self.failed_ranks:
+                    continue
+                chunk = stream.next_chunk()
+                if chunk is not None:
+                    ref = stream.take(chunk)
+                    items[rank].append(self._dispatch(live, stream.edge.into, chunk.index, rank, routes, ref))
+            self._check_done(live)
         decisions = Decisions(finished=self._ended)
         self._ended = []
         for rank in self.ranks:
@@ -178,14 +189,18 @@ class Conductor:
             ctx = walk_cursor.LoopContext(frozenset(), spec.params)
             live = _Live(spec, walk_cursor.start(walk.body, ctx))
             live.versions = {var: 0 for var in walk.inputs}
+            live.streams = [StreamState(edge) for edge in walk.streams]
             if walk_cursor.is_done(live.cursor):  # nothing to run (e.g. a Loop with a zero budget)
                 live.ending = Finished(spec.request_id, live.finish_reason, None, 0)
             self.live[spec.request_id] = live
 
-    def _dispatch(self, live: _Live, step: Step, iteration: int, rank: int, routes: Routes) -> WorkItem:
+    def _dispatch(self, live: _Live, step: Step, iteration: int, rank: int, routes: Routes,
+                  chunk: ChunkRef | None = None) -> WorkItem:
         walk = self.graph.walk(live.spec.walk)
-        live.cursor = walk_cursor.mark_running(walk.body, live.cursor, step)
-        reads = {port: VarRef(var, live.versions[var]) for port, var in step.reads}
+        if chunk is None:
+            live.cursor = walk_cursor.mark_running(walk.body, live.cursor, step)
+        reads = {port: VarRef(var, live.versions[var]) for port, var in step.reads
+                 if chunk is None or port != chunk.port}
         writes: dict[str, VarRef] = {}
         for port, var in step.writes:
             writes[port] = VarRef(var, live.next_version)
@@ -196,7 +211,7 @@ class Conductor:
         first = rank not in live.ranks_seen
         live.ranks_seen.add(rank)
         return WorkItem(live.spec.request_id, step.node, step.op, step.name, iteration, reads, writes,
-                        send, emit, live.spec.params if first else None)
+                        send, emit, live.spec.params if first else None, chunk)
 
     def _apply(self, item: ItemResult) -> None:
         live = self.live.get(item.request_id)
@@ -218,11 +233,25 @@ class Conductor:
             live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile)
             return
         live.versions.update(written)
+        for stream in live.streams:
+            if stream.edge.into is step:
+                stream.running = False
+            elif stream.edge.source in written:
+                stream.versions.append(written[stream.edge.source])
         live.flags = live.flags | frozenset(item.flags)
-        ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
-        live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
-        if walk_cursor.is_done(live.cursor) and not live.in_flight:
-            live.ending = Finished(item.request_id, live.finish_reason, None, live.emitted, live.profile)
+        if all(stream.edge.into is not step for stream in live.streams):
+            ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
+            live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
+        self._check_done(live)
+
+    def _check_done(self, live: _Live) -> None:
+        """The body's end closes its streams; the request ends once they are drained."""
+        if live.ending is not None or not walk_cursor.is_done(live.cursor):
+            return
+        for stream in live.streams:
+            stream.closed = True
+        if not live.in_flight and all(stream.drained for stream in live.streams):
+            live.ending = Finished(live.spec.request_id, live.finish_reason, None, live.emitted, live.profile)
 
     def _release(self, live: _Live) -> None:
         del self.live[live.spec.request_id]

@@ -75,6 +75,8 @@ class Routes:
             step_rank[id(step)] = rank
             for var in step.read_vars:
                 readers.setdefault(var, set()).add(rank)
+        for edge in walk.streams:  # a stream's consumer reads every item of its source
+            readers.setdefault(edge.source, set()).add(step_rank[id(edge.into)])
         return cls({v: frozenset(r) for v, r in readers.items()}, step_rank)
 
     def rank(self, step: Step) -> int:

@@ -20,6 +20,20 @@ class VarRef(msgspec.Struct, frozen=True, array_like=True):
     version: int
 
 
+class ChunkRef(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A stream-edge chunk: the consumer's ``port`` gets the items of ``var`` with these
+    versions, concatenated; of its output it keeps items ``[keep_start, keep_end)``
+    (relative to the window)."""
+
+    port: str
+    var: str
+    versions: list[int]
+    index: int
+    keep_start: int
+    keep_end: int
+    last: bool = False
+
+
 class WorkItem(msgspec.Struct, frozen=True, omit_defaults=True):
     """Run one step of one request.
 
@@ -38,6 +52,7 @@ class WorkItem(msgspec.Struct, frozen=True, omit_defaults=True):
     send: dict[str, list[int]] = {}  # output port -> destination ranks
     emit: dict[str, str] = {}  # output port -> modality
     params: dict[str, Any] | None = None  # the request's parameters, on first contact only
+    chunk: ChunkRef | None = None  # set when the step consumes a stream edge
 
 
 class StepPlan(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -24,24 +24,26 @@ INPUT_TIMEOUT_S = 60.0
 
 
 class TensorStore:
-    """The worker's copy of walk variables, by (request, variable) -> (version, tensor)."""
+    """The worker's copy of walk variables: the latest version of each (request, variable),
+    and every version of stream-edge sources (their items are consumed in chunks)."""
 
-    def __init__(self) -> None:
-        self._values: dict[tuple[str, str], tuple[int, torch.Tensor]] = {}
+    def __init__(self, stream_vars: frozenset[str] = frozenset()) -> None:
+        self.stream_vars = stream_vars
+        self._values: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         self._released: set[str] = set()
 
     def put(self, request_id: str, var: str, version: int, value: torch.Tensor) -> None:
         if request_id in self._released:
             return  # a late arrival for a request that already ended
-        current = self._values.get((request_id, var))
-        if current is None or current[0] <= version:
-            self._values[(request_id, var)] = (version, value)
+        versions = self._values.setdefault((request_id, var), {})
+        if var not in self.stream_vars:
+            if versions and max(versions) > version:
+                return
+            versions.clear()
+        versions[version] = value
 
     def get(self, request_id: str, var: str, version: int) -> torch.Tensor | None:
-        current = self._values.get((request_id, var))
-        if current is None or current[0] != version:
-            return None
-        return current[1]
+        return self._values.get((request_id, var), {}).get(version)
 
     def drop(self, request_id: str) -> None:
         self._released.add(request_id)
@@ -53,12 +55,13 @@ class TensorStore:
 
 
 class Worker:
-    def __init__(self, rank: int, engines: dict[str, Engine], transport: TensorTransport, frontend_rank: int):
+    def __init__(self, rank: int, engines: dict[str, Engine], transport: TensorTransport, frontend_rank: int,
+                 stream_vars: frozenset[str] = frozenset()):
         self.rank = rank
         self.engines = engines
         self.transport = transport
         self.frontend_rank = frontend_rank
-        self.store = TensorStore()
+        self.store = TensorStore(stream_vars)
         self.params: dict[str, dict] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -84,8 +87,8 @@ class Worker:
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
-        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[i.request_id], self.params.get(i.request_id, {}))
-                 for i in items]
+        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[i.request_id], self.params.get(i.request_id, {}),
+                            i.chunk) for i in items]
         try:
             outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
         except Exception:
@@ -125,6 +128,8 @@ class Worker:
             still = []
             for item in pending:
                 values = {port: self.store.get(item.request_id, ref.var, ref.version) for port, ref in item.reads.items()}
+                if item.chunk is not None:
+                    values[item.chunk.port] = self._chunk_input(item)
                 if all(v is not None for v in values.values()):
                     found[item.request_id] = values  # type: ignore[assignment]
                 else:
@@ -135,6 +140,14 @@ class Worker:
                 return found
             for key, tensors in self.transport.recv(timeout=min(remaining, 0.5)):
                 self.accept(key, tensors)
+
+    def _chunk_input(self, item: WorkItem) -> torch.Tensor | None:
+        """The chunk's items concatenated along the first dimension, once all are here."""
+        chunk = item.chunk
+        parts = [self.store.get(item.request_id, chunk.var, v) for v in chunk.versions]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts])
 
     def accept(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         request_id, var, version = parse_tensor_key(key)

@@ -38,7 +38,9 @@ def build_worker(config_data: dict[str, Any], rank: int, transport, frontend_ran
     placement = build_placement(spec.graph(), config)
     device = config.device_of(rank)
     engines = spec.build_engines(placement.nodes_on(rank), device)
-    return Worker(rank, engines, transport, frontend_rank)
+    graph = spec.graph()
+    stream_vars = frozenset(edge.source for walk in graph.walks.values() for edge in walk.streams)
+    return Worker(rank, engines, transport, frontend_rank, stream_vars)
 
 
 class InProcessWorkers:
