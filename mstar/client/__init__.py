@@ -7,6 +7,15 @@ from mstar.client.sdk import (
     GenerateResult,
     MStarClient,
     MStarError,
+    TranscriptionResult,
 )
 
-__all__ = ["ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError"]
+__all__ = [
+    "ChatEvent",
+    "ChatResult",
+    "GenerateEvent",
+    "GenerateResult",
+    "MStarClient",
+    "MStarError",
+    "TranscriptionResult",
+]

@@ -1,4 +1,4 @@
-"""A small synchronous client for an M* server (chat completions and /generate).
+"""A small synchronous client for an M* server (chat completions, /generate, speech to text).
 
     >>> client = MStarClient("http://localhost:8000")
     >>> client.chat("Hello!", max_tokens=32).text
@@ -52,6 +52,18 @@ class ChatEvent:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     raw: dict = field(default_factory=dict)
+
+
+@dataclass
+class TranscriptionResult:
+    """Speech to text. For ``text``/``srt``/``vtt`` formats ``text`` is the raw body (and
+    so is ``raw``); ``language``, ``duration`` and ``segments`` come with ``verbose_json``."""
+
+    text: str
+    language: str | None = None
+    duration: float | None = None
+    segments: list[dict] = field(default_factory=list)
+    raw: dict | str = field(default_factory=dict)
 
 
 @dataclass
@@ -300,6 +312,47 @@ class MStarClient:
                 raw=raw,
             )
         return self._generate_events(self._send("POST", "/generate", stream=True, **kwargs))
+
+    def transcribe(
+        self,
+        file: str | PathLike | bytes,
+        *,
+        model: str | None = None,
+        language: str | None = None,
+        prompt: str | None = None,
+        response_format: str = "json",
+        temperature: float | None = None,
+        translate: bool = False,
+        filename: str | None = None,
+    ) -> TranscriptionResult:
+        """Speech to text (``translate=True``: to English) from a path or the file's bytes."""
+        if translate and language is not None:
+            raise ValueError("translations take no language (the output is English)")
+        if isinstance(file, bytes):
+            name, content = filename or "audio", file
+        else:
+            name, content = _as_upload(file)
+            name = filename or name
+        form = {
+            "model": model,
+            "language": language,
+            "prompt": prompt,
+            "response_format": response_format,
+            "temperature": None if temperature is None else str(temperature),
+        }
+        data = {k: v for k, v in form.items() if v is not None}
+        url = "/v1/audio/translations" if translate else "/v1/audio/transcriptions"
+        response = self._send("POST", url, data=data, files={"file": (name, content)})
+        if response_format not in ("json", "verbose_json"):
+            return TranscriptionResult(text=response.text, raw=response.text)
+        raw = response.json()
+        return TranscriptionResult(
+            text=raw.get("text", ""),
+            language=raw.get("language"),
+            duration=raw.get("duration"),
+            segments=list(raw.get("segments") or []),
+            raw=raw,
+        )
 
     @staticmethod
     def _generate_events(response: httpx.Response) -> Iterator[GenerateEvent]:

@@ -472,6 +472,10 @@ def create_app(
     router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
+    if hasattr(backend, "transcribe"):  # speech-to-text backends get OpenAI's audio routes
+        from mstar.server.audio_routes import audio_router  # it imports this module
+
+        router.include_router(audio_router(backend))  # type: ignore[arg-type]
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
     return app

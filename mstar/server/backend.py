@@ -75,3 +75,44 @@ class ServingBackend(Protocol):
         """Stream the request's events. Closing the iterator early cancels the request."""
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]: ...
+
+
+@dataclass(frozen=True)
+class TranscriptionSpec:
+    """One speech-to-text request (/v1/audio/transcriptions, /v1/audio/translations)."""
+
+    request_id: str
+    audio: bytes  # the uploaded file, undecoded
+    filename: str
+    task: str = "transcribe"  # or "translate" (to English)
+    language: str | None = None  # ISO-639-1 code; None: detect
+    prompt: str | None = None  # initial context for the decoder
+    temperature: float | None = None  # None: greedy with temperature fallback
+    model_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TranscriptionSegment:
+    id: int
+    start: float  # seconds
+    end: float
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+
+
+@dataclass(frozen=True)
+class Transcription:
+    text: str
+    language: str  # ISO-639-1 code
+    duration: float  # seconds of audio
+    segments: list[TranscriptionSegment] = field(default_factory=list)
+
+
+class TranscribingBackend(Protocol):
+    """A backend whose model turns speech into text."""
+
+    async def transcribe(self, spec: TranscriptionSpec) -> Transcription: ...
