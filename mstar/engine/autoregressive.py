@@ -33,7 +33,7 @@ class KVLayout:
 
 
 @dataclass
-class _Sequence:
+class Sequence:
     tokens: list[int]
     prompt_len: int
     computed: int = 0  # tokens whose K/V are in the cache
@@ -41,6 +41,7 @@ class _Sequence:
     generator: torch.Generator | None = None
     max_new_tokens: int = 1 << 30
     stop_ids: frozenset[int] = frozenset()
+    extra: dict[str, Any] = field(default_factory=dict)  # state of a model-specific engine
 
     @property
     def generated(self) -> int:
@@ -60,7 +61,7 @@ class AutoregressiveEngine(Engine):
         self.kv_caches = allocate_kv_cache(layout.num_layers, num_pages, page_size, layout.num_kv_heads,
                                            layout.head_dim, dtype, device)
         self.sampler = Sampler()
-        self.seqs: dict[str, _Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}
 
     # ------------------------------------------------------------------ steps
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
@@ -78,18 +79,26 @@ class AutoregressiveEngine(Engine):
             self.pool.reserve(item.request_id, len(seq.tokens))
         with torch.inference_mode():
             meta, input_ids = self._metadata(items, seqs)
-            hidden = self.model.forward(input_ids, meta, self.kv_caches)
+            hidden = self.forward(input_ids, meta, items)
             last_rows = meta.query_start_loc[1:] - 1
             logits = self.model.compute_logits(hidden[last_rows])
-            next_ids = self.sampler(
-                logits,
-                [s.sampling for s in seqs],
-                [s.generator for s in seqs],
-                [s.tokens for s in seqs] if any(s.sampling.repetition_penalty != 1.0 for s in seqs) else None,
-            ).tolist()
+            next_ids = self.choose(logits, seqs)
         return [self._advance(seq, token) for seq, token in zip(seqs, next_ids)]
 
-    def _admit(self, item: EngineItem) -> _Sequence:
+    # Hooks a model-specific engine may override (an encoder-decoder adds cross-attention
+    # state; a speech recogniser constrains which tokens may come next).
+    def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem]) -> torch.Tensor:
+        return self.model.forward(input_ids, meta, self.kv_caches)
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return self.sampler(
+            logits,
+            [s.sampling for s in seqs],
+            [s.generator for s in seqs],
+            [s.tokens for s in seqs] if any(s.sampling.repetition_penalty != 1.0 for s in seqs) else None,
+        ).tolist()
+
+    def _admit(self, item: EngineItem) -> Sequence:
         seq = self.seqs.get(item.request_id)
         if item.op == "prefill":
             if seq is not None:
@@ -100,6 +109,7 @@ class AutoregressiveEngine(Engine):
             if len(prompt) >= self.max_seq_len:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq_len {self.max_seq_len}")
             seq = self.seqs[item.request_id] = self._new_sequence(prompt, item.params)
+            seq.extra["request_id"] = item.request_id
         elif item.op == "decode":
             if seq is None:
                 raise RuntimeError(f"request {item.request_id} decodes before its prefill")
@@ -110,13 +120,13 @@ class AutoregressiveEngine(Engine):
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
         return seq
 
-    def _new_sequence(self, prompt: list[int], params: dict[str, Any]) -> _Sequence:
+    def _new_sequence(self, prompt: list[int], params: dict[str, Any]) -> Sequence:
         sampling = SamplingParams(**params.get("sampling", {}))
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(sampling.seed)
-        return _Sequence(
+        return Sequence(
             tokens=prompt,
             prompt_len=len(prompt),
             sampling=sampling,
@@ -125,7 +135,7 @@ class AutoregressiveEngine(Engine):
             stop_ids=frozenset(int(t) for t in params.get("stop_token_ids", ())),
         )
 
-    def _metadata(self, items: list[EngineItem], seqs: list[_Sequence]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+    def _metadata(self, items: list[EngineItem], seqs: list[Sequence]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -158,7 +168,7 @@ class AutoregressiveEngine(Engine):
         )
         return meta, as_tensor(input_ids)
 
-    def _advance(self, seq: _Sequence, token: int) -> EngineOutput:
+    def _advance(self, seq: Sequence, token: int) -> EngineOutput:
         seq.computed = len(seq.tokens)
         seq.tokens.append(token)
         reason = None

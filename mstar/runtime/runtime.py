@@ -212,4 +212,11 @@ class AsyncSink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def __call__(self, event: OutputEvent | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
+            # The consumer's event loop is gone (it abandoned the request and its loop
+            # ended): nobody can read this event. Raising here would kill the runtime's
+            # emit or conductor thread and hang every later request.
