@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.runtime.runtime import AsyncSink, Runtime
-from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent, RequestError
+from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent, RequestError, Transcription, TranscriptionSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,29 @@ class RuntimeBackend:
         if isinstance(stop, str):
             stop = [stop]
         return self._run(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+
+    async def transcribe(self, spec: TranscriptionSpec) -> Transcription:
+        transcribe = getattr(self.spec, "transcribe", None)
+        if transcribe is None:
+            raise RequestError("model", f"model {self.model_id!r} does not transcribe speech")
+        counter = iter(range(1 << 30))
+
+        async def run_walk(request: WalkRequest) -> tuple[str, list[int]]:
+            text, ids, error = [], [], None
+            async for event in self._run(f"{spec.request_id}-{next(counter)}", lambda: request, []):
+                text.append(event.text)
+                ids += event.token_ids
+                error = event.error or error
+            if error:
+                raise RuntimeError(error)
+            return "".join(text), ids
+
+        from mstar.audio import AudioError
+
+        try:
+            return await transcribe(spec, run_walk)
+        except AudioError as err:
+            raise RequestError(err.field, err.message, err.status) from None
 
     async def _run(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
         # Tokenising and applying templates can take a while: keep it off the event loop.

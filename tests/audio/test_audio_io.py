@@ -81,7 +81,7 @@ def test_other_target_rate() -> None:
 
 def test_speech_clip_decodes() -> None:
     audio = decode_audio(SPEECH.read_bytes(), **LIMITS)
-    assert 5.0 <= audio.duration <= 8.0 and audio.sample_rate == 16000
+    assert 8.0 <= audio.duration <= 9.5 and audio.sample_rate == 16000
     assert SPEECH.stat().st_size < 300_000
     assert np.abs(audio.samples).max() > 0.3  # not silence
 
