@@ -90,6 +90,10 @@ class AutoregressiveEngine(Engine):
     def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem]) -> torch.Tensor:
         return self.model.forward(input_ids, meta, self.kv_caches)
 
+    def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
+        """What a step writes: the sampled token (a subclass may add derived outputs)."""
+        return {"token": torch.tensor([token], dtype=torch.int64)}
+
     def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         return self.sampler(
             logits,
@@ -176,7 +180,7 @@ class AutoregressiveEngine(Engine):
             reason = "stop"
         elif seq.generated >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
-        out = {"token": torch.tensor([token], dtype=torch.int64)}
+        out = self.outputs(seq, token)
         if reason is None:
             return EngineOutput(out)
         return EngineOutput(out, ("stop",), reason)

@@ -23,6 +23,10 @@ class EngineItem:
 
 @dataclass
 class EngineOutput:
+    """One item's result. An output port missing from ``outputs`` produced nothing this step
+    (e.g. an LLM step whose token is not an audio code): it is not sent, and a stream fed
+    by it gets no item."""
+
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
     finish_reason: str | None = None

@@ -95,27 +95,40 @@ class SlidingWindow(ChunkPolicy):
     The first chunk also keeps everything before its kept region, and the last chunk
     (when the producer closes) keeps everything after it, so the kept regions tile the
     whole stream exactly once.
+
+    ``ahead`` sets the look-ahead of ``keep="middle"`` explicitly. ``align`` makes every
+    window start a multiple of ``align`` items (a codec frame of several tokens): then
+    window, stride and look-ahead must be multiples of it, and a final window may be up to
+    ``align - 1`` items longer than ``window``.
     """
 
     window: int
     stride: int
     keep: str = "middle"
+    ahead: int | None = None
+    align: int = 1
 
     def __post_init__(self) -> None:
         if not (1 <= self.stride <= self.window):
             raise ValueError(f"SlidingWindow needs 1 <= stride <= window, got stride={self.stride}, window={self.window}")
         if self.keep not in ("middle", "last"):
             raise ValueError(f"SlidingWindow.keep must be 'middle' or 'last', got {self.keep!r}")
+        if self.ahead is not None and not (0 <= self.ahead <= self.window - self.stride):
+            raise ValueError(f"SlidingWindow.ahead must be in [0, window - stride], got {self.ahead}")
+        if self.align < 1 or any(n % self.align for n in (self.window, self.stride, self.lookahead)):
+            raise ValueError(f"SlidingWindow: window, stride and look-ahead must be multiples of align={self.align}")
 
     @property
     def lookahead(self) -> int:
-        return (self.window - self.stride) // 2 if self.keep == "middle" else 0
+        if self.keep == "last":
+            return 0
+        return (self.window - self.stride) // 2 if self.ahead is None else self.ahead
 
     def next_chunk(self, available, taken, covered, closed):
         if closed:
             if covered >= available:
                 return None
-            start = max(0, available - self.window)
+            start = max(0, available - self.window) // self.align * self.align
             if start <= covered:
                 return Chunk(taken, start, available, covered, available, True)
             # More is left than one window can hold (the producer closed while the

@@ -8,7 +8,9 @@ from typing import AsyncIterator
 
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.runtime.runtime import AsyncSink, Runtime
-from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent, RequestError, Transcription, TranscriptionSpec
+from mstar.server.backend import (
+    ChatSpec, GenerateSpec, OutputEvent, RequestError, SpeechSpec, Transcription, TranscriptionSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,21 @@ class RuntimeBackend:
         if isinstance(stop, str):
             stop = [stop]
         return self._run(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+
+    # ------------------------------------------------------------ speech out
+    @property
+    def sample_rate(self) -> int:
+        return int(getattr(self.spec, "sample_rate", 0))
+
+    def voices(self) -> list[str]:
+        voices = getattr(self.spec, "voices", None)
+        return voices() if voices else []
+
+    def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]:
+        prepare = getattr(self.spec, "prepare_speech", None)
+        if prepare is None:
+            raise RequestError("model", f"model {self.model_id!r} does not synthesise speech")
+        return self._run(spec.request_id, lambda: prepare(spec), [])
 
     async def _generate_transcription(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
         """/generate with an audio file on a speech recogniser: the transcript as text."""

@@ -222,6 +222,8 @@ class Conductor:
         if step is None:
             return
         _, written = live.in_flight.pop(id(step))
+        silent = {var for port, var in step.writes if port in item.silent}
+        written = {var: version for var, version in written.items() if var not in silent}
         live.emitted += item.emitted
         if item.finish_reason:
             live.finish_reason = item.finish_reason

@@ -68,6 +68,7 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None = None
     error: str | None = None
     emitted: int = 0  # how many emit messages this item sent to the frontend
+    silent: list[str] = []  # output ports that produced nothing this step
 
 
 class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

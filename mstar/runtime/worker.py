@@ -77,8 +77,8 @@ class Worker:
         for item in plan.items:
             by_node.setdefault(item.node, []).append(item)
         for node, items in by_node.items():
-            ready = [i for i in items if i.request_id in inputs]
-            failed = [i for i in items if i.request_id not in inputs]
+            ready = [i for i in items if id(i) in inputs]
+            failed = [i for i in items if id(i) not in inputs]
             results += [ItemResult(i.request_id, i.step, error="timed out waiting for inputs") for i in failed]
             start = time.perf_counter()
             results += self._run_node(node, ready, inputs)
@@ -87,7 +87,7 @@ class Worker:
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
-        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[i.request_id], self.params.get(i.request_id, {}),
+        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[id(i)], self.params.get(i.request_id, {}),
                             i.chunk) for i in items]
         try:
             outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
@@ -108,7 +108,10 @@ class Worker:
             log.warning("request %s failed in %s: %s", item.request_id, item.step, out)
             return ItemResult(item.request_id, item.step, error=str(out))
         emitted = 0
+        silent = [port for port in item.writes if port not in out.outputs]
         for port, ref in item.writes.items():
+            if port in silent:
+                continue
             value = out.outputs[port]
             self.store.put(item.request_id, ref.var, ref.version, value)
             key = tensor_key(item.request_id, ref.var, ref.version)
@@ -117,12 +120,13 @@ class Worker:
             if port in item.emit:
                 self.transport.send(self.frontend_rank, key, {"value": value, "modality": _modality_tag(item.emit[port])})
                 emitted += 1
-        return ItemResult(item.request_id, item.step, list(out.flags), out.finish_reason, emitted=emitted)
+        return ItemResult(item.request_id, item.step, list(out.flags), out.finish_reason, emitted=emitted,
+                          silent=silent)
 
-    def _gather(self, items: list[WorkItem]) -> dict[str, dict[str, torch.Tensor]]:
+    def _gather(self, items: list[WorkItem]) -> dict[int, dict[str, torch.Tensor]]:
         """Wait until every item's inputs are in the store; give up after a timeout."""
         deadline = time.monotonic() + INPUT_TIMEOUT_S
-        found: dict[str, dict[str, torch.Tensor]] = {}
+        found: dict[int, dict[str, torch.Tensor]] = {}  # id(item) -> its inputs
         pending = list(items)
         while True:
             still = []
@@ -131,7 +135,7 @@ class Worker:
                 if item.chunk is not None:
                     values[item.chunk.port] = self._chunk_input(item)
                 if all(v is not None for v in values.values()):
-                    found[item.request_id] = values  # type: ignore[assignment]
+                    found[id(item)] = values  # type: ignore[assignment]
                 else:
                     still.append(item)
             pending = still

@@ -116,3 +116,25 @@ class TranscribingBackend(Protocol):
     """A backend whose model turns speech into text."""
 
     async def transcribe(self, spec: TranscriptionSpec) -> Transcription: ...
+
+
+@dataclass(frozen=True)
+class SpeechSpec:
+    """One text-to-speech request (/v1/audio/speech)."""
+
+    request_id: str
+    input: str
+    voice: str | None = None  # None: the model's default voice
+    speed: float = 1.0
+    model_kwargs: dict = field(default_factory=dict)  # temperature, top_p, repetition_penalty, seed, max_tokens
+
+
+class SpeakingBackend(Protocol):
+    """A backend whose model turns text into speech. ``speech`` streams events whose
+    ``data`` is mono float32 little-endian PCM at ``sample_rate`` (modality "audio")."""
+
+    sample_rate: int
+
+    def voices(self) -> list[str]: ...
+
+    def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]: ...
