@@ -7,6 +7,8 @@ from mstar.client.sdk import (
     GenerateResult,
     MStarClient,
     MStarError,
+    SpeechResult,
+    SpeechStream,
     TranscriptionResult,
 )
 
@@ -17,5 +19,7 @@ __all__ = [
     "GenerateResult",
     "MStarClient",
     "MStarError",
+    "SpeechResult",
+    "SpeechStream",
     "TranscriptionResult",
 ]

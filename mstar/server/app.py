@@ -385,8 +385,10 @@ async def generate(
         first, events = await _start(lambda: backend.generate(spec))
     except Exception as exc:
         return exception_response(exc)
+    rate: int | None = getattr(backend, "sample_rate", None)  # of "audio" data, if any
     if streaming:
-        return _stream(_generate_ndjson(spec.request_id, first, events), "application/x-ndjson")
+        body = _generate_ndjson(spec.request_id, first, events, rate)
+        return _stream(body, "application/x-ndjson")
 
     async def complete() -> Response:
         try:
@@ -401,15 +403,18 @@ async def generate(
         }
         if out.data:
             result["data"] = {m: base64.b64encode(b).decode() for m, b in out.data.items()}
+            if "audio" in out.data and rate:
+                result["sample_rate"] = rate
         return JSONResponse(result)
 
     return await _unless_disconnected(request, complete)
 
 
 async def _generate_ndjson(
-    request_id: str, first: OutputEvent | None, events: Events
+    request_id: str, first: OutputEvent | None, events: Events, sample_rate: int | None = None
 ) -> AsyncIterator[str]:
-    """One JSON line per event; the last line carries finish_reason and usage."""
+    """One JSON line per event; the last line carries finish_reason and usage. Binary
+    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one."""
     tally = Tally()
 
     def line(**payload: Any) -> str:
@@ -425,6 +430,8 @@ async def _generate_ndjson(
                 }
                 if event.data is not None:
                     payload["data"] = base64.b64encode(event.data).decode()
+                    if event.modality == "audio" and sample_rate:
+                        payload["sample_rate"] = sample_rate
                 if event.finish_reason:
                     payload["usage"] = tally.usage().model_dump()
                 yield line(**payload)
@@ -476,6 +483,10 @@ def create_app(
         from mstar.server.audio_routes import audio_router  # it imports this module
 
         router.include_router(audio_router(backend))  # type: ignore[arg-type]
+    if hasattr(backend, "speech"):  # text-to-speech backends get /v1/audio/speech
+        from mstar.server.speech_routes import speech_router  # it imports this module
+
+        router.include_router(speech_router(backend))  # type: ignore[arg-type]
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
     return app

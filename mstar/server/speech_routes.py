@@ -1,0 +1,222 @@
+"""OpenAI's text-to-speech route, /v1/audio/speech, and a voice list, /v1/audio/voices.
+
+The JSON body follows OpenAI (``model``, ``input``, ``voice``, ``response_format``,
+``speed``, ``stream_format``) plus M* extras: ``stream`` (send the audio as it is
+produced, chunked) and the sampling knobs ``temperature``, ``top_p``,
+``repetition_penalty``, ``seed``, ``max_tokens`` (they go into ``model_kwargs``).
+What the model cannot do (a speed other than 1.0, ``instructions``, SSE streaming) is
+refused with a 400 naming the field, never silently ignored.
+
+The backend's first event is awaited before the response starts, so a ``RequestError``
+from the backend is still a plain 4xx. Once audio is flowing, a failure is logged and
+the connection is dropped (a truncated body, never a clean-looking short file). However
+the request ends, the backend's iterator is closed, which cancels its work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mstar.audio.encode import AudioEncoder
+from mstar.audio.io import AudioError
+from mstar.server.app import (
+    _STREAM_HEADERS,
+    APIError,
+    BackendFailure,
+    Events,
+    _ClosingStreamingResponse,
+    _aclose,
+    _next,
+    _resolve_model,
+    _start,
+    _unless_disconnected,
+    error_response,
+    exception_response,
+    validation_error_response,
+)
+from mstar.server.backend import OutputEvent, SpeakingBackend, SpeechSpec
+from mstar.server.schemas import new_id
+
+log = logging.getLogger(__name__)
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit
+Chunks = AsyncGenerator[bytes, None]
+_MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens")
+
+
+class SpeechRequest(BaseModel):
+    """The body of POST /v1/audio/speech (OpenAI's fields plus M* extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS)
+    voice: str | None = None
+    instructions: str | None = None
+    response_format: str = "wav"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: str | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, value: Any) -> Any:
+        """OpenAI also takes a custom voice as ``{"id": ...}``."""
+        if isinstance(value, dict) and isinstance(value.get("id"), str):
+            return value["id"]
+        return value
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {k: v for k in _MODEL_KWARGS if (v := getattr(self, k)) is not None}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param, "invalid_value")
+
+
+def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
+    """Refuse what the JSON schema lets through but this server cannot honour."""
+    if not req.input.strip():
+        raise _bad("input", "must contain text, not only whitespace")
+    if req.speed != 1.0:
+        raise _bad("speed", f"{req.speed:g} is not supported by this model; only 1.0 is")
+    if req.instructions:
+        raise _bad("instructions", "voice instructions are not supported by this model")
+    if req.stream_format not in (None, "audio"):
+        if req.stream_format == "sse":
+            raise _bad("stream_format", "'sse' is not supported; use 'audio' (raw bytes)")
+        raise _bad("stream_format", f"{req.stream_format!r} is not supported; use 'audio'")
+    if req.voice is not None:
+        voices = list(backend.voices())
+        if req.voice not in voices:
+            known = f"use one of {', '.join(voices)}" if voices else "this model has no voices"
+            raise _bad("voice", f"unknown voice {req.voice!r}; {known}")
+
+
+async def _parse(request: Request) -> SpeechRequest:
+    try:
+        payload = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", "body", "invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object", "body", "invalid_value")
+    return SpeechRequest.model_validate(payload)
+
+
+async def _pcm(first: OutputEvent | None, events: Events) -> Chunks:
+    """The float32 PCM chunks of the backend's audio events, from ``first`` on; stops
+    after the event with a finish_reason and always closes ``events``."""
+    try:
+        event = first
+        while event is not None:
+            if event.error or event.finish_reason == "error":
+                raise BackendFailure(event.error or "the backend failed to synthesize speech")
+            if event.data and event.modality == "audio":
+                yield event.data
+            if event.finish_reason:
+                return
+            event = await _next(events)
+    finally:
+        await _aclose(events)
+
+
+async def _encoded(
+    encoder: AudioEncoder, first: OutputEvent | None, events: Events
+) -> Chunks:
+    """The response body, encoded as the audio comes."""
+    async with aclosing(_pcm(first, events)) as chunks:
+        async for chunk in chunks:
+            if out := encoder.feed(chunk):
+                yield out
+    if tail := encoder.finish():
+        yield tail
+
+
+async def _logged(body: Chunks, request_id: str) -> Chunks:
+    """``body`` for a response already under way: a failure is logged and re-raised, so
+    that the server drops the connection and the client sees a broken transfer."""
+    try:
+        async with aclosing(body) as parts:
+            async for part in parts:
+                yield part
+    except Exception as exc:  # one line here; the ASGI server logs the traceback
+        log.error("speech request %s failed mid-stream, dropping it: %s", request_id, exc)
+        raise BackendFailure(f"speech request {request_id} failed mid-stream") from exc
+
+
+def _headers(encoder: AudioEncoder) -> dict[str, str]:
+    return {"X-Sample-Rate": str(encoder.sample_rate), "X-Audio-Format": encoder.format}
+
+
+async def _speech(request: Request, backend: SpeakingBackend) -> Response:
+    try:
+        req = await _parse(request)
+        _resolve_model(request, req.model)
+        _check(req, backend)
+        encoder = AudioEncoder(req.response_format, backend.sample_rate, streaming=req.stream)
+    except ValidationError as exc:
+        return validation_error_response(exc.errors())
+    except AudioError as exc:
+        return error_response(exc.status, f"{exc.field}: {exc.message}", exc.field)
+    except Exception as exc:
+        return exception_response(exc)
+
+    spec = SpeechSpec(
+        request_id=new_id("speech"),
+        input=req.input,
+        voice=req.voice,
+        speed=req.speed,
+        model_kwargs=req.model_kwargs(),
+    )
+    try:
+        first, events = await _start(lambda: backend.speech(spec))
+    except Exception as exc:
+        return exception_response(exc)
+    body = _encoded(encoder, first, events)
+    if req.stream:
+        headers = {**_STREAM_HEADERS, **_headers(encoder)}
+        streamed = _logged(body, spec.request_id)
+        return _ClosingStreamingResponse(streamed, media_type=encoder.media_type, headers=headers)
+
+    async def complete() -> Response:
+        parts: list[bytes] = []
+        try:
+            async with aclosing(body) as chunks:
+                async for part in chunks:
+                    parts.append(part)
+        except Exception as exc:
+            return exception_response(exc)
+        return Response(b"".join(parts), media_type=encoder.media_type, headers=_headers(encoder))
+
+    return await _unless_disconnected(request, complete)
+
+
+def speech_router(backend: SpeakingBackend) -> APIRouter:
+    """The text-to-speech routes over ``backend`` (which must have ``speech``)."""
+    router = APIRouter()
+
+    async def speech(request: Request) -> Response:
+        """Text to speech (OpenAI's JSON body); the audio file, or chunks with stream."""
+        return await _speech(request, backend)
+
+    async def voices() -> JSONResponse:
+        """The voices ``voice`` may name."""
+        names = list(backend.voices())
+        return JSONResponse({"voices": [{"voice_id": n, "name": n} for n in names]})
+
+    router.add_api_route("/v1/audio/speech", speech, methods=["POST"])
+    router.add_api_route("/v1/audio/voices", voices, methods=["GET"])
+    return router
