@@ -19,9 +19,19 @@ def register(cls: type[ModelSpec]) -> type[ModelSpec]:
     return cls
 
 
+_UNAVAILABLE: dict[str, str] = {}  # family module -> why it could not be imported
+
+
 def _load_families() -> None:
+    """Import every family; one whose optional dependencies are missing (soundfile for the
+    speech families, say) is skipped, and named if its key is asked for."""
     for module in _FAMILIES:
-        importlib.import_module(module)
+        if module in _UNAVAILABLE:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            _UNAVAILABLE[module] = str(err)
 
 
 def model_class(key: str) -> type[ModelSpec]:
@@ -29,7 +39,8 @@ def model_class(key: str) -> type[ModelSpec]:
     try:
         return _REGISTRY[key]
     except KeyError:
-        raise ValueError(f"model: unknown model {key!r}; registered: {sorted(_REGISTRY)}") from None
+        missing = "".join(f"; {m} is unavailable ({why})" for m, why in _UNAVAILABLE.items())
+        raise ValueError(f"model: unknown model {key!r}; registered: {sorted(_REGISTRY)}{missing}") from None
 
 
 def registered() -> list[str]:

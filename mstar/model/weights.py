@@ -196,13 +196,17 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> N
     """Deterministic random weights at the real shapes, for ``load_format: dummy`` (no checkpoint).
 
     Matrices and embeddings get ``N(0, std)``, 1-D norm weights get ones and other 1-D tensors
-    (biases) zeros. The result depends only on ``seed`` and the parameter names and shapes.
+    (biases) zeros. The result depends only on ``seed``, the parameter names and shapes, and
+    the device kind (values are drawn where the parameters live: billions of them on one CPU
+    thread would take minutes).
     """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
         if param.dim() >= 2:
-            values = torch.empty(param.shape, dtype=torch.float32)
-            param.copy_(values.normal_(0.0, std, generator=generator).to(param.dtype))
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            param.copy_(values.normal_(0.0, std, generator=generators[param.device]).to(param.dtype))
         elif "norm" in name and name.endswith("weight"):
             param.fill_(1.0)
         else:

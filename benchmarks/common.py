@@ -1,0 +1,331 @@
+"""Shared helpers of the M* benchmarks: the machine, its measured bounds, result records.
+
+Every scenario script reports metrics as rows of one table::
+
+    | scenario | metric | ours | baseline | ours/baseline | floor | ours/floor |
+
+``ours/baseline`` is the plain quotient of the two values (read it with the metric's unit:
+for a time, < 1 means M* is faster; for a rate, > 1 means M* is faster). ``floor`` is the
+hardware bound of the metric (the least time, or the greatest rate, the machine allows) and
+``ours/floor`` is the fraction of that bound M* reaches: ``floor_time / ours_time``, so it is
+at most 1 for both kinds of metric and 1.0 means running at the bound.
+
+This module imports no part of the HTTP server (the GPU machine has no FastAPI/uvicorn).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TABLE_HEADER = "| scenario | metric | ours | baseline | ours/baseline | floor | ours/floor |"
+TABLE_RULE = "|---|---|---|---|---|---|---|"
+
+
+# --------------------------------------------------------------------------- the machine
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_smi(query: str) -> list[str]:
+    """One ``nvidia-smi --query-gpu`` field per GPU, or ``[]`` where nvidia-smi is missing."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def hardware() -> dict[str, Any]:
+    """What the numbers were measured on: GPUs, driver and CUDA, library versions, CPU."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": _package_version("transformers"),
+        "triton": _package_version("triton"),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        driver = _nvidia_smi("driver_version")
+        info.update({
+            "gpu": torch.cuda.get_device_name(0),
+            "gpu_count": count,
+            "gpu_names": [torch.cuda.get_device_name(i) for i in range(count)],
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "gpu_sm_count": props.multi_processor_count,
+            "gpu_capability": f"{props.major}.{props.minor}",
+            "cuda_runtime": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "driver": driver[0] if driver else None,
+        })
+    else:
+        info.update({"gpu": None, "gpu_count": 0})
+    return info
+
+
+# ------------------------------------------------------------------------ timing helpers
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(op, device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Seconds each of ``repeats`` calls of ``op`` took (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        op()
+    synchronize(device)
+    times: list[float] = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_memory_bandwidth(device: torch.device | str, size_bytes: int | None = None,
+                             repeats: int = 10) -> float:
+    """Device memory bandwidth in GB/s (1e9 bytes): the median of ``repeats`` copies of one
+    large buffer into another on ``device``, counting the bytes read plus the bytes written.
+
+    The default buffer is 2 GiB on a GPU (far beyond its L2) and 256 MiB on the CPU.
+    """
+    device = torch.device(device)
+    if size_bytes is None:
+        size_bytes = 2 * 2**30 if device.type == "cuda" else 256 * 2**20
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = statistics.median(_time_op(lambda: dst.copy_(src), device, repeats, warmup=3))
+    del src, dst
+    return 2 * size_bytes / seconds / 1e9
+
+
+def measure_matmul_tflops(device: torch.device | str, dtype: torch.dtype, n: int | None = None,
+                          repeats: int = 10) -> float:
+    """Dense matrix-product rate in TFLOP/s: the median of ``repeats`` ``n x n @ n x n``
+    products of random ``dtype`` matrices on ``device`` (n = 8192 on a GPU, 1024 on the CPU)."""
+    device = torch.device(device)
+    if n is None:
+        n = 8192 if device.type == "cuda" else 1024
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    seconds = statistics.median(_time_op(lambda: torch.mm(a, b), device, repeats, warmup=3))
+    return 2 * n**3 / seconds / 1e12
+
+
+# ------------------------------------------------------------------------------ records
+Better = Literal["lower", "higher"]
+
+
+@dataclass
+class Metric:
+    """One row of the results table.
+
+    ``better`` says which way the metric improves: ``"lower"`` for a time (ms/token),
+    ``"higher"`` for a rate (tokens/s). ``floor`` is the hardware bound in the same unit.
+    """
+
+    scenario: str
+    metric: str
+    unit: str
+    better: Better
+    ours: float | None = None
+    baseline: float | None = None
+    floor: float | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vs_baseline(self) -> float | None:
+        """``ours / baseline``, the plain quotient."""
+        if self.ours is None or not self.baseline:
+            return None
+        return self.ours / self.baseline
+
+    @property
+    def floor_fraction(self) -> float | None:
+        """The fraction of the hardware bound reached: ``floor_time / ours_time`` (<= 1)."""
+        if not self.ours or not self.floor:
+            return None
+        return self.floor / self.ours if self.better == "lower" else self.ours / self.floor
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ours/baseline"] = self.vs_baseline
+        out["ours/floor"] = self.floor_fraction
+        return out
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:.1f}"
+    if abs(value) >= 1:
+        return f"{value:.3f}"
+    return f"{value:.4f}"
+
+
+def table_line(row: Metric | dict[str, Any]) -> str:
+    """``| scenario | metric | ours | baseline | ours/baseline | floor | ours/floor |``."""
+    if isinstance(row, Metric):
+        row = row.as_dict()
+    metric = f"{row['metric']} ({row['unit']})" if row.get("unit") else row["metric"]
+    cells = [row["scenario"], metric, _fmt(row.get("ours")), _fmt(row.get("baseline")),
+             _fmt(row.get("ours/baseline")), _fmt(row.get("floor")), _fmt(row.get("ours/floor"))]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (torch.dtype, torch.device, Path)):
+        return str(value)
+    if isinstance(value, Metric):
+        return value.as_dict()
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def write_record(name: str, record: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``record`` as JSON and print its metrics as table lines; returns the file.
+
+    The file is ``<out_dir>/<name>-<UTC date and time>.json``; ``out_dir`` defaults to
+    ``$OUT`` when that is set, else ``benchmarks/results``. ``record["metrics"]`` is a list of
+    ``Metric`` (or of their ``as_dict()``); each becomes one printed table line.
+    """
+    now = datetime.now(timezone.utc)
+    record = {"name": name, "date": now.isoformat(timespec="seconds"), **record}
+    record["metrics"] = [m.as_dict() if isinstance(m, Metric) else m for m in record.get("metrics", [])]
+    directory = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
+    print(TABLE_HEADER)
+    print(TABLE_RULE)
+    for row in record["metrics"]:
+        print(table_line(row))
+    print(f"wrote {path}", file=sys.stderr)
+    return path
+
+
+# --------------------------------------------------------------------- tiny checkpoints
+def _filler_token(index: int) -> str:
+    """A distinct byte-level token for ids past the 256 byte tokens: a space then a
+    lowercase word (bijective base 26 of ``index``), so random ids decode to plain text."""
+    letters = []
+    index += 1
+    while index:
+        index, rest = divmod(index - 1, 26)
+        letters.append(chr(ord("a") + rest))
+    return "\u0120" + "".join(reversed(letters))  # "Ġ" is the byte-level form of " "
+
+
+LLAMA_TINY: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+    "tie_word_embeddings": False,
+}
+
+LLAMA_3_1_8B: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_llama_dir(tmp: str | os.PathLike[str], **overrides: Any) -> Path:
+    """Write a Llama ``config.json`` and a byte-level BPE tokenizer into ``tmp``; return it.
+
+    The result is a checkpoint directory without weights: a ``llama`` deployment with
+    ``load_format: dummy`` starts from it with no download, and transformers reads the same
+    ``config.json``. The config is :data:`LLAMA_TINY` updated with ``overrides`` (pass
+    ``**LLAMA_3_1_8B`` for the real shapes). The tokenizer has exactly ``vocab_size`` ids:
+    the 256 byte tokens, filler words, then ``<|bos|>`` and ``<|eos|>`` as the last two ids
+    (the config's ``bos_token_id`` / ``eos_token_id`` unless overridden).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mstar.model.llama.config import LlamaConfig
+
+    values = {**LLAMA_TINY, **overrides}
+    vocab_size = int(values["vocab_size"])
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < len(alphabet) + 2:
+        raise ValueError(f"vocab_size must be at least {len(alphabet) + 2}, got {vocab_size}")
+    vocab = {token: i for i, token in enumerate(alphabet)}
+    for i in range(len(alphabet), vocab_size - 2):
+        vocab[_filler_token(i)] = i
+    vocab["<|bos|>"], vocab["<|eos|>"] = vocab_size - 2, vocab_size - 1
+    values.setdefault("bos_token_id", vocab_size - 2)
+    values.setdefault("eos_token_id", vocab_size - 1)
+
+    path = Path(tmp)
+    path.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**values).to_hf_dict()
+    config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                            pad_token="<|eos|>").save_pretrained(path)
+    return path
