@@ -24,10 +24,12 @@ def _quietest_cut(energy_of: np.ndarray, lo: int, hi: int, frame: int) -> int:
     means = (sums[frame:] - sums[:-frame]) / frame  # means[i]: frame starting at first+i
     best = int(np.argmin(means))
     quiet = means <= means[best] * (1 + 1e-6) + 1e-12
-    loud_before = np.flatnonzero(~quiet[:best])
-    loud_after = np.flatnonzero(~quiet[best:])
-    left = int(loud_before[-1]) + 1 if loud_before.size else 0
-    right = best + int(loud_after[0]) - 1 if loud_after.size else len(quiet) - 1
+    # Several stretches can be equally quiet (digital silence: a stop closure inside a
+    # word as well as a real pause); the longest run of them is the pause.
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], quiet.astype(np.int8), [0]))))
+    starts, ends = edges[0::2], edges[1::2]  # run i: frames starts[i] .. ends[i] - 1
+    longest = int(np.argmax(ends - starts))
+    left, right = int(starts[longest]), int(ends[longest]) - 1
     cut = first + (left + right) // 2 + half
     return min(max(cut, lo), hi)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,8 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
             transport.connect({r: a for r, a in addresses.items() if r != rank})
         pool: Any = InProcessWorkers(workers)
     else:
+        # The API server process only tokenises and prepares inputs: leave the cores to the workers.
+        torch.set_num_threads(1)
         frontend = make_transport(config.tensor_comm_protocol, frontend_rank)
         log.info("starting %d worker process(es)", num_ranks)
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend)

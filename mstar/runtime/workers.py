@@ -167,10 +167,13 @@ class ProcessWorkers:
 
 def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
                 plan_addr: str, result_addr: str) -> None:
+    num_ranks = frontend_rank  # ranks are 0..N-1 and the frontend is N
     """Entry point of a worker process."""
     logging.basicConfig(level=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
-    torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
+    # Share the cores between the ranks of this host: oversubscribed BLAS threads thrash.
+    fair_share = max(1, (os.cpu_count() or 1) // num_ranks)
+    torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", fair_share))))
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plans.connect(plan_addr)

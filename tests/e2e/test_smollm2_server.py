@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from live_server import Server, launch_server
 
 from mstar.client import MStarClient
 
@@ -29,58 +25,6 @@ MODEL = "smollm2"
 QUESTION = "What is the capital of France?"
 STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, chars: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError as err:
-            return f"(cannot read {self.log_path}: {err})"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - a recycled group id we do not own
-        return False
-    return True
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (uvicorn shuts down, the workers are joined),
-    then SIGKILL whatever of the group is still there."""
-    pgid = proc.pid  # start_new_session: the server leads its own group
-    if proc.poll() is None:
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 5
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _group_cpu_seconds(pgid: int) -> float:
@@ -117,34 +61,9 @@ def _wait_until_idle(server: Server, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    workdir = tmp_path_factory.mktemp("smollm2-server")
-    log_path = workdir / "server.log"
-    port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MSTAR_API_KEY", None)  # it would make the server require a bearer token
-    cmd = [sys.executable, "-m", "mstar.cli", "serve", MODEL, "--port", str(port)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    live = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with code {proc.returncode} during startup; log tail:\n"
-                            f"{live.log_tail()}")
-            try:
-                if httpx.get(f"{live.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not become healthy in {STARTUP_TIMEOUT_S:.0f} s; log tail:\n"
-                            f"{live.log_tail()}")
-            time.sleep(0.25)
+    with launch_server(MODEL, tmp_path_factory.mktemp("smollm2-server"),
+                       startup_timeout=STARTUP_TIMEOUT_S) as live:
         yield live
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(scope="module")
