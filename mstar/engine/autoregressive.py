@@ -9,7 +9,7 @@ the per-request token history; the conductor only admits requests against the po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -17,7 +17,10 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.page_pool import PagePool
 from mstar.engine.sampler import Sampler
 from mstar.engine.sampling_params import SamplingParams
-from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.attention import ATTENTION_BACKENDS, PagedAttentionMetadata, allocate_kv_cache
+
+if TYPE_CHECKING:
+    from mstar.engine.cuda_graphs import DecodeGraphRunner
 
 
 class Decoder(Protocol):
@@ -50,16 +53,32 @@ class Sequence:
 
 class AutoregressiveEngine(Engine):
     """Request parameters it reads: ``sampling`` (SamplingParams fields), ``max_new_tokens``,
-    ``stop_token_ids`` (EOS and friends; empty to ignore EOS)."""
+    ``stop_token_ids`` (EOS and friends; empty to ignore EOS).
+
+    ``attention_backend`` names the paged-attention implementation put into every step's
+    metadata (``"torch"`` reference or ``"triton"``). With a ``graph_runner``
+    (``mstar.engine.cuda_graphs.DecodeGraphRunner``), decode-only steps it can run replay a
+    CUDA graph for forward + logits; the last KV page is then reserved as its scratch page.
+    """
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
-                 max_seq_len: int, device: torch.device, dtype: torch.dtype):
+                 max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                 graph_runner: DecodeGraphRunner | None = None, attention_backend: str = "torch"):
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}")
+        if graph_runner is not None and graph_runner.page_size != page_size:
+            raise ValueError(f"graph runner page size {graph_runner.page_size} != {page_size}")
         self.model = model
-        self.pool = PagePool(num_pages, page_size)
+        self.attention_backend = attention_backend
+        self.graph_runner = graph_runner
+        # The graph runner's padded rows write into the last page: keep it out of the pool.
+        self.pool = PagePool(num_pages - 1 if graph_runner is not None else num_pages, page_size)
         self.max_seq_len = max_seq_len
         self.device = device
         self.kv_caches = allocate_kv_cache(layout.num_layers, num_pages, page_size, layout.num_kv_heads,
                                            layout.head_dim, dtype, device)
+        if graph_runner is not None:
+            graph_runner.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
 
@@ -79,9 +98,13 @@ class AutoregressiveEngine(Engine):
             self.pool.reserve(item.request_id, len(seq.tokens))
         with torch.inference_mode():
             meta, input_ids = self._metadata(items, seqs)
-            hidden = self.forward(input_ids, meta, items)
-            last_rows = meta.query_start_loc[1:] - 1
-            logits = self.model.compute_logits(hidden[last_rows])
+            if self._graph_runs(items, meta):
+                assert self.graph_runner is not None
+                logits = self.graph_runner.run(input_ids, meta)
+            else:
+                hidden = self.forward(input_ids, meta, items)
+                last_rows = meta.query_start_loc[1:] - 1
+                logits = self.model.compute_logits(hidden[last_rows])
             next_ids = self.choose(logits, seqs)
         return [self._advance(seq, token) for seq, token in zip(seqs, next_ids)]
 
@@ -89,6 +112,12 @@ class AutoregressiveEngine(Engine):
     # state; a speech recogniser constrains which tokens may come next).
     def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem]) -> torch.Tensor:
         return self.model.forward(input_ids, meta, self.kv_caches)
+
+    def _graph_runs(self, items: list[EngineItem], meta: PagedAttentionMetadata) -> bool:
+        """Whether the graph runner takes this step (never when a subclass hooks ``forward``)."""
+        return (self.graph_runner is not None
+                and type(self).forward is AutoregressiveEngine.forward
+                and self.graph_runner.can_run(items, meta))
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
         """What a step writes: the sampled token (a subclass may add derived outputs)."""
@@ -169,6 +198,7 @@ class AutoregressiveEngine(Engine):
             seq_lens=as_tensor(seq_lens),
             page_table=table.to(self.device),
             page_size=self.pool.page_size,
+            backend=self.attention_backend,
         )
         return meta, as_tensor(input_ids)
 

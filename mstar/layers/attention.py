@@ -3,6 +3,11 @@
 The KV cache of one attention layer is one tensor of shape
 ``[2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 = keys, 1 = values).
 A step runs ``T`` new tokens belonging to ``B`` sequences, flattened in sequence order.
+
+``paged_attention`` dispatches on ``PagedAttentionMetadata.backend``: ``"torch"`` is the
+reference below (any device, host-synchronising); ``"triton"`` runs the Triton kernels of
+``mstar.layers.triton_attention`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), imported only
+when first used so that Triton stays an optional dependency.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class PagedAttentionMetadata:
     seq_lens: torch.Tensor  # [B] int64: KV length of each sequence after this step
     page_table: torch.Tensor  # [B, max_pages] int64: page ids, padded with 0
     page_size: int
+    backend: str = "torch"  # attention implementation: "torch" (reference) or "triton"
 
     @property
     def num_seqs(self) -> int:
@@ -55,7 +61,32 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
 def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention with the implementation named by ``meta.backend``.
+
+    Every backend has the contract of ``torch_paged_attention``: write the new K/V into
+    ``kv_cache`` at ``meta.slot_mapping``, then attend. Returns ``[T, Hq, D]``.
+    """
+    if meta.backend == "torch":
+        return torch_paged_attention(q, k, v, kv_cache, meta, scale)
+    if meta.backend == "triton":
+        from mstar.layers.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k, v, kv_cache, meta, scale)
+    raise ValueError(f"unknown attention backend {meta.backend!r}; expected one of {ATTENTION_BACKENDS}")
+
+
+def torch_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -137,9 +137,26 @@ class LlamaChat(ModelSpec):
         model.eval()
         kv = self.config.resources.kv_cache
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        engine = AutoregressiveEngine(model, layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                      max_seq_len=self.config.max_seq_len, device=device, dtype=dtype)
-        return {LLM: engine}
+        return {LLM: AutoregressiveEngine(model, layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
+                                          max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
+                                          **decode_fast_paths(self.config, model, device))}
+
+
+def decode_fast_paths(config, model, device: torch.device) -> dict:
+    """The engine's GPU switches from ``model_kwargs``: ``attention_backend`` ("torch", the
+    reference, or "triton") and ``cuda_graphs`` (capture decode steps per batch bucket; CUDA
+    and the Triton backend only). Eager torch stays the default and the reference."""
+    kwargs = config.model_kwargs
+    backend = kwargs.get("attention_backend", "torch")
+    if not kwargs.get("cuda_graphs", False):
+        return {"attention_backend": backend}
+    if device.type != "cuda":
+        raise ValueError("model_kwargs.cuda_graphs needs device: cuda")
+    from mstar.engine.cuda_graphs import DecodeGraphRunner
+
+    page_size = config.resources.kv_cache.page_size
+    runner = DecodeGraphRunner(model, None, page_size, -(-config.max_seq_len // page_size), backend="triton")
+    return {"attention_backend": "triton", "graph_runner": runner}
 
 
 @register

@@ -1,0 +1,190 @@
+"""CUDA-graph decode (``DecodeGraphRunner``) and the Triton backend on the GPU.
+
+The GPU tests are skipped without CUDA (or Triton). The engine wiring is also checked on
+the CPU with a stand-in runner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+from mstar.engine.base import EngineItem
+from mstar.engine.page_pool import PagePool
+from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache, paged_attention
+from mstar.model.llama import LlamaConfig, LlamaForCausalLM
+
+# Not imported here: on CPU, test_triton_attention must be first to import triton (after
+# setting TRITON_INTERPRET).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON),
+                               reason="needs CUDA and triton")
+
+PAGE_SIZE = 16
+NUM_PAGES = 64  # the last one is the graph runner's scratch page
+MAX_PAGES = 8
+
+
+def tiny_llama(device: torch.device | str, dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(param, 0.5, 1.5)
+    return model.to(dtype).eval()
+
+
+def step_meta(pool: PagePool, chunks: list[tuple[str, int, int]], device: torch.device,
+              backend: str = "torch") -> PagedAttentionMetadata:
+    """Metadata for ``(seq, start, end)`` new-token ranges (pages reserved up to ``end``)."""
+    positions, slots, starts, seq_lens, tables = [], [], [0], [], []
+    for seq, start, end in chunks:
+        pool.reserve(seq, end)
+        positions += range(start, end)
+        slots += pool.slots(seq, start, end)
+        starts.append(starts[-1] + end - start)
+        seq_lens.append(end)
+        tables.append(pool.page_table(seq))
+    table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
+    for row, pages in enumerate(tables):
+        table[row, : len(pages)] = torch.tensor(pages)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return PagedAttentionMetadata(ints(positions), ints(slots), ints(starts), ints(seq_lens),
+                                  table.to(device), pool.page_size, backend)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@needs_gpu
+def test_graph_decode_matches_eager() -> None:
+    from mstar.engine.cuda_graphs import DecodeGraphRunner
+
+    device = torch.device("cuda")
+    model = tiny_llama(device, torch.bfloat16)
+    caches = allocate_kv_cache(2, NUM_PAGES, PAGE_SIZE, 2, 64, torch.bfloat16, device)
+    graph_caches = [c.clone() for c in caches]
+    runner = DecodeGraphRunner(model, graph_caches, PAGE_SIZE, MAX_PAGES, batch_sizes=(1, 2, 4, 8, 16, 32))
+    rng = random.Random(0)
+    with torch.inference_mode():
+        for batch in (1, 3, 17):
+            pool = PagePool(NUM_PAGES - 1, PAGE_SIZE)
+            lens = {f"s{i}": rng.randint(1, 40) for i in range(batch)}
+            prompt = torch.randint(0, 512, (sum(lens.values()),), device=device)
+            meta = step_meta(pool, [(s, 0, n) for s, n in lens.items()], device)
+            model(prompt, meta, caches)
+            for layer, cache in enumerate(caches):
+                graph_caches[layer].copy_(cache)
+            for _ in range(2):  # two steps: the second replays with updated buffers
+                tokens = torch.randint(0, 512, (batch,), device=device)
+                meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], device)
+                eager = model.compute_logits(model(tokens, meta, caches))
+                graphed = runner.run(tokens, replace(meta, backend="triton"))
+                assert graphed.shape == eager.shape
+                assert rel_err(graphed, eager) < 2e-2, (batch, rel_err(graphed, eager))
+                lens = {s: n + 1 for s, n in lens.items()}
+                for cache, graph_cache in zip(caches, graph_caches):
+                    real = slice(0, NUM_PAGES - 1)  # the scratch page differs, by design
+                    assert rel_err(graph_cache[:, real], cache[:, real]) < 2e-2
+    assert runner.captured_batch_sizes == (1, 4, 32)
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunks", [[(1, 300), (1, 17), (1, 1000), (1, 64)], [(37, 0), (1, 500), (80, 200)]],
+                         ids=["decode", "mixed"])
+def test_triton_backend_matches_torch_on_gpu(chunks: list[tuple[int, int]]) -> None:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    pool = PagePool(512, PAGE_SIZE)
+    meta = step_meta(pool, [(f"s{i}", old, old + new) for i, (new, old) in enumerate(chunks)], device)
+    tokens = meta.positions.shape[0]
+    q = torch.randn(tokens, 32, 128, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(tokens, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    cache = torch.randn(2, 512, PAGE_SIZE, 8, 128, device=device, dtype=torch.bfloat16)
+    ref_cache = cache.clone()
+    ref = paged_attention(q, k, v, ref_cache, meta, 128**-0.5)
+    out = paged_attention(q, k, v, cache, replace(meta, backend="triton"), 128**-0.5)
+    assert torch.equal(cache, ref_cache)
+    assert rel_err(out, ref) < 2e-2
+
+
+@needs_gpu
+def test_engine_with_graph_runner_generates_like_eager() -> None:
+    from mstar.engine.cuda_graphs import DecodeGraphRunner
+
+    device = torch.device("cuda")
+    model = tiny_llama(device, torch.float32)
+    layout = KVLayout(2, 2, 64)
+    runner = DecodeGraphRunner(model, None, PAGE_SIZE, MAX_PAGES, batch_sizes=(1, 2, 4))
+    engines = [
+        AutoregressiveEngine(model, layout, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128,
+                             device=device, dtype=torch.float32),
+        AutoregressiveEngine(model, layout, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128,
+                             device=device, dtype=torch.float32, graph_runner=runner,
+                             attention_backend="triton"),
+    ]
+    assert engines[1].pool.num_pages == NUM_PAGES - 1
+    prompts = {"a": [5, 6, 7], "b": list(range(40, 73)), "c": [9]}
+    histories = [generate(engine, prompts, steps=6) for engine in engines]
+    assert histories[0] == histories[1]
+    assert runner.captured_batch_sizes == (4,)
+
+
+def generate(engine: AutoregressiveEngine, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+    params: dict[str, Any] = {"sampling": {"temperature": 0.0}}
+    items = [EngineItem(rid, "prefill", 0, {"prompt_ids": torch.tensor(p)}, params) for rid, p in prompts.items()]
+    out = {rid: [int(o.outputs["token"])] for rid, o in zip(prompts, engine.run(items))}
+    for step in range(1, steps):
+        items = [EngineItem(rid, "decode", step, {"token": torch.tensor([t[-1]])}, params) for rid, t in out.items()]
+        for rid, o in zip(out, engine.run(items)):
+            out[rid].append(int(o.outputs["token"]))
+    return out
+
+
+class _EagerStandIn:
+    """CPU stand-in for ``DecodeGraphRunner``: same interface, runs the model eagerly."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model, self.page_size, self.calls = model, PAGE_SIZE, 0
+        self.kv_caches: list[torch.Tensor] = []
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    def can_run(self, items: list[EngineItem], meta: PagedAttentionMetadata) -> bool:
+        return all(item.op == "decode" for item in items)
+
+    def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+        self.calls += 1
+        return self.model.compute_logits(self.model(input_ids, meta, self.kv_caches))
+
+
+def test_engine_wiring_on_cpu() -> None:
+    model = tiny_llama("cpu", torch.float32)
+    layout = KVLayout(2, 2, 64)
+    stand_in = _EagerStandIn(model)
+    kwargs: dict[str, Any] = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128,
+                                  device=torch.device("cpu"), dtype=torch.float32)
+    plain = AutoregressiveEngine(model, layout, **kwargs)
+    graphed = AutoregressiveEngine(model, layout, graph_runner=stand_in, **kwargs)  # type: ignore[arg-type]
+    assert plain.pool.num_pages == NUM_PAGES and graphed.pool.num_pages == NUM_PAGES - 1
+    assert stand_in.kv_caches is graphed.kv_caches
+    prompts = {"a": [1, 2, 3], "b": list(range(10, 30))}
+    assert generate(plain, prompts, 4) == generate(graphed, prompts, 4)
+    assert stand_in.calls == 3  # every decode step, no prefill
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        AutoregressiveEngine(model, layout, attention_backend="nope", **kwargs)

@@ -1,0 +1,181 @@
+"""The Triton paged-attention backend against the PyTorch reference.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter: ``TRITON_INTERPRET``
+is set here before ``mstar.layers.triton_attention`` (which applies ``triton.jit``) is first
+imported. With CUDA the same comparisons run the compiled kernels. Skipped without Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":  # before triton's first import: its own jit'd helpers read it too
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from mstar.layers import triton_attention  # noqa: E402
+from mstar.layers.attention import (  # noqa: E402
+    PagedAttentionMetadata,
+    paged_attention,
+    torch_paged_attention,
+    write_kv_cache,
+)
+from mstar.layers.triton_attention import triton_paged_attention  # noqa: E402
+
+if DEVICE.type == "cpu" and not (
+    triton_attention.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
+):
+    pytest.skip("triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
+
+
+def _interpreter_numpy_shim() -> None:
+    """Triton's interpreter turns scalars into 1-element arrays and ``int()``s them, which
+    NumPy >= 2.4 refuses (``range(start, end)`` on runtime bounds); index the element."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_mstar_shim", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._mstar_shim = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if triton_attention.INTERPRET:
+    _interpreter_numpy_shim()
+
+# Max error relative to the reference's largest magnitude. The interpreter rounds fp32 to
+# bf16 by truncation (up to one ulp, 2**-7); compiled kernels also round P to 16 bits.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def make_step(
+    new_tokens: list[int],
+    cached: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    page_size: int = 4,
+    num_pages: int = 96,
+    extra_width: int = 0,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+    """Random q/k/v, a random cache (stale data everywhere) and the metadata of one step.
+
+    Sequence ``b`` already holds ``cached[b]`` tokens and appends ``new_tokens[b]``; pages are
+    taken from a shuffled free list; the page table is ``extra_width`` columns wider than needed.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    positions, slots, starts, seq_lens, tables = [], [], [0], [], []
+    for n_new, n_old in zip(new_tokens, cached):
+        length = n_old + n_new
+        pages = [free.pop() for _ in range(-(-length // page_size))]
+        tables.append(pages)
+        for p in range(n_old, length):
+            positions.append(p)
+            slots.append(pages[p // page_size] * page_size + p % page_size)
+        starts.append(starts[-1] + n_new)
+        seq_lens.append(length)
+    table = torch.zeros(len(tables), max(map(len, tables)) + extra_width, dtype=torch.int64)
+    for row, pages in enumerate(tables):
+        table[row, : len(pages)] = torch.tensor(pages)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+    meta = PagedAttentionMetadata(ints(positions), ints(slots), ints(starts), ints(seq_lens),
+                                  table.to(DEVICE), page_size)
+    tokens = starts[-1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+    q, k, v = rand(tokens, num_heads, head_dim), rand(tokens, num_kv_heads, head_dim), rand(tokens, num_kv_heads, head_dim)
+    cache = rand(2, num_pages, page_size, num_kv_heads, head_dim)
+    return q, k, v, cache, meta
+
+
+def check_against_reference(q, k, v, cache, meta, *, num_kv_splits: int | None = None) -> None:
+    scale = q.shape[-1] ** -0.5
+    ref_cache = cache.float()
+    ref = torch_paged_attention(q.float(), k.float(), v.float(), ref_cache, meta, scale)
+    expected_cache = cache.clone()
+    write_kv_cache(k, v, expected_cache, meta.slot_mapping)
+
+    out = triton_paged_attention(q, k, v, cache, meta, scale, num_kv_splits=num_kv_splits)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.equal(cache, expected_cache), "cache writes differ"
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.2e} > {TOLERANCE[q.dtype]:.0e}"
+
+
+# seq_lens 1, 4, 18, 41, 64 over shuffled 4-slot pages: several KV blocks per sequence
+DECODE = ([1] * 5, [0, 3, 17, 40, 63])
+PREFILL = ([5, 23, 40], [0, 0, 0])
+MIXED = ([1, 17, 1, 6, 1], [30, 0, 9, 0, 2])
+CHUNKED = ([9, 20, 1], [13, 35, 20])  # new tokens after cached ones, plus a decode
+GQA = [(4, 4), (4, 2), (8, 2)]  # (query heads, KV heads): ratios 1, 2, 4
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 3])
+def test_decode(heads: tuple[int, int], head_dim: int, num_kv_splits: int | None) -> None:
+    num_heads, num_kv_heads = heads
+    step = make_step(*DECODE, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    check_against_reference(*step, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("case", [PREFILL, MIXED, CHUNKED], ids=["prefill", "mixed", "chunked"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
+def test_prefill_and_mixed(case: tuple[list[int], list[int]], heads: tuple[int, int], head_dim: int) -> None:
+    num_heads, num_kv_heads = heads
+    step = make_step(*case, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seed=1)
+    check_against_reference(*step, num_kv_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [DECODE, MIXED, CHUNKED], ids=["decode", "mixed", "chunked"])
+def test_half_precision(case: tuple[list[int], list[int]], dtype: torch.dtype) -> None:
+    step = make_step(*case, num_heads=8, num_kv_heads=2, dtype=dtype, seed=2)
+    check_against_reference(*step, num_kv_splits=3)
+
+
+def test_decode_with_wide_page_table_and_large_pages() -> None:
+    """As under a CUDA graph: the table is padded far beyond the longest sequence."""
+    step = make_step([1] * 3, [0, 20, 47], page_size=16, num_pages=32, extra_width=6, seed=3)
+    check_against_reference(*step)
+    check_against_reference(*make_step([1] * 3, [0, 20, 47], page_size=16, num_pages=32,
+                                       extra_width=6, seed=4), num_kv_splits=5)
+
+
+def test_odd_head_dim_and_single_sequence() -> None:
+    check_against_reference(*make_step([1], [33], head_dim=80, seed=5), num_kv_splits=2)
+    check_against_reference(*make_step([21], [0], head_dim=80, seed=6))
+
+
+def test_dispatch_through_paged_attention() -> None:
+    q, k, v, cache, meta = make_step(*MIXED, seed=7)
+    ref_cache = cache.clone()
+    ref = paged_attention(q, k, v, ref_cache, meta, 0.125)
+    out = paged_attention(q, k, v, cache, replace(meta, backend="triton"), 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(cache, ref_cache)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        paged_attention(q, k, v, cache, replace(meta, backend="nope"), 0.125)
