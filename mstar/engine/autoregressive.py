@@ -71,11 +71,13 @@ class AutoregressiveEngine(Engine):
         self.model = model
         self.attention_backend = attention_backend
         self.graph_runner = graph_runner
-        # The graph runner's padded rows write into the last page: keep it out of the pool.
-        self.pool = PagePool(num_pages - 1 if graph_runner is not None else num_pages, page_size)
+        # The graph runner's padded rows write into one extra page past the pool's, so the
+        # pool still holds the num_pages the conductor admits against.
+        self.pool = PagePool(num_pages, page_size)
         self.max_seq_len = max_seq_len
         self.device = device
-        self.kv_caches = allocate_kv_cache(layout.num_layers, num_pages, page_size, layout.num_kv_heads,
+        cache_pages = num_pages + 1 if graph_runner is not None else num_pages
+        self.kv_caches = allocate_kv_cache(layout.num_layers, cache_pages, page_size, layout.num_kv_heads,
                                            layout.head_dim, dtype, device)
         if graph_runner is not None:
             graph_runner.bind_kv_caches(self.kv_caches)

@@ -137,7 +137,8 @@ def test_engine_with_graph_runner_generates_like_eager() -> None:
                              device=device, dtype=torch.float32, graph_runner=runner,
                              attention_backend="triton"),
     ]
-    assert engines[1].pool.num_pages == NUM_PAGES - 1
+    assert engines[1].pool.num_pages == NUM_PAGES  # the scratch page is an extra one
+    assert engines[1].kv_caches[0].shape[1] == NUM_PAGES + 1
     prompts = {"a": [5, 6, 7], "b": list(range(40, 73)), "c": [9]}
     histories = [generate(engine, prompts, steps=6) for engine in engines]
     assert histories[0] == histories[1]
@@ -181,7 +182,8 @@ def test_engine_wiring_on_cpu() -> None:
                                   device=torch.device("cpu"), dtype=torch.float32)
     plain = AutoregressiveEngine(model, layout, **kwargs)
     graphed = AutoregressiveEngine(model, layout, graph_runner=stand_in, **kwargs)  # type: ignore[arg-type]
-    assert plain.pool.num_pages == NUM_PAGES and graphed.pool.num_pages == NUM_PAGES - 1
+    assert plain.pool.num_pages == graphed.pool.num_pages == NUM_PAGES
+    assert graphed.kv_caches[0].shape[1] == NUM_PAGES + 1
     assert stand_in.kv_caches is graphed.kv_caches
     prompts = {"a": [1, 2, 3], "b": list(range(10, 30))}
     assert generate(plain, prompts, 4) == generate(graphed, prompts, 4)
