@@ -23,6 +23,15 @@ class RequestError(Exception):
         self.status = status
 
 
+class Overloaded(RequestError):
+    """The server cannot take the request now (its wait queue is full): an HTTP 429 with a
+    ``Retry-After`` of ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__("server", message, 429)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True)
 class ChatSpec:
     """One chat request, validated by the HTTP layer."""
@@ -52,7 +61,9 @@ class OutputEvent:
 
     ``text`` is the newly decoded text of this event (a delta). The last event of a
     request has ``finish_reason`` set ("stop", "length", "cancelled" or "error").
-    ``data`` carries non-text payloads (audio, image bytes) with ``modality``.
+    ``data`` carries non-text payloads (audio, image bytes) with ``modality``. An event
+    with ``error`` ends the request; ``error_status`` is the HTTP status that error maps to
+    (504 timed out, 503 a worker died; None: 500).
     """
 
     modality: str = "text"
@@ -63,9 +74,15 @@ class OutputEvent:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    error_status: int | None = None
 
 
 class ServingBackend(Protocol):
+    """What the app needs. Optional extras it uses when present: ``failure`` (a property:
+    why the backend is unhealthy, for /health) and ``gauges()`` (a ``dict[str, float]`` of
+    live values for /metrics: ``requests_waiting``, ``requests_running`` and per-engine
+    ``rank<R>.<node>.<stat>``)."""
+
     model_id: str  # the served model's name (registry key), as /v1/models lists it
     max_model_len: int
 
@@ -138,3 +155,25 @@ class SpeakingBackend(Protocol):
     def voices(self) -> list[str]: ...
 
     def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]: ...
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One image request (/v1/images/generations, /v1/images/edits, /generate)."""
+
+    request_id: str
+    prompt: str
+    width: int = 1024
+    height: int = 1024
+    n: int = 1
+    seed: int | None = None
+    num_inference_steps: int | None = None  # None: the model's default
+    guidance_scale: float | None = None
+    images: list[bytes] = field(default_factory=list)  # reference images to edit from, undecoded
+    model_kwargs: dict = field(default_factory=dict)
+
+
+class ImagingBackend(Protocol):
+    """A backend whose model makes images: ``generate_images`` returns one PNG per image."""
+
+    async def generate_images(self, spec: ImageSpec) -> list[bytes]: ...
