@@ -32,6 +32,16 @@ def _port(value: str) -> int:
     return port
 
 
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"timeout must be a positive number of seconds, got {value}")
+    return seconds
+
+
 def _existing_file(value: str) -> str:
     if not os.path.isfile(value):
         raise argparse.ArgumentTypeError(f"no such file: {value}")
@@ -75,7 +85,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: boo
         help="logging level (default: %(default)s)",
     )
     parser.add_argument(
-        "--log-stats", action="store_true", help="periodically log serving statistics"
+        "--log-stats", action="store_true",
+        help="log each request's time per graph node when it finishes",
+    )
+    parser.add_argument(
+        "--timeout", type=_seconds, default=None, metavar="SECONDS",
+        help="fail requests that take longer, queueing included, with a 504 "
+             "(default: the config's request_timeout_s, else none)",
     )
     parser.add_argument(
         "--api-key", default=os.environ.get("MSTAR_API_KEY"), metavar="KEY",
@@ -130,6 +146,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         api_key=args.api_key,
         in_process=args.in_process,
         served_model_names=list(args.served_model_name or []),
+        timeout=args.timeout,
     )
 
 

@@ -42,6 +42,9 @@ class DeploymentConfig(_Strict):
     gpus: list[int] | None = None  # CUDA device index of each rank (default: rank r -> cuda:r)
     max_seq_len: int = Field(2048, ge=2)
     max_concurrent_requests: int = Field(16, ge=1)
+    # Requests allowed to wait for admission beyond the running ones; past it the API
+    # answers 429. None: 4 x max_concurrent_requests.
+    max_queue_size: int | None = Field(None, ge=0)
     node_groups: list[NodeGroupConfig] = Field(default_factory=list)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -66,6 +69,11 @@ class DeploymentConfig(_Strict):
                 raise ConfigError(f"gpus: {len(self.gpus)} GPUs given for {rank + 1}+ ranks")
             return torch.device("cuda", self.gpus[rank])
         return torch.device("cuda", rank)
+
+    @property
+    def queue_limit(self) -> int:
+        """How many requests may wait for admission (``max_queue_size`` or its default)."""
+        return self.max_queue_size if self.max_queue_size is not None else 4 * self.max_concurrent_requests
 
     @property
     def num_ranks(self) -> int:

@@ -1,5 +1,6 @@
 """Python client for an M* server."""
 
+from mstar.client.images import ImageInput, ImagesMixin
 from mstar.client.sdk import (
     ChatEvent,
     ChatResult,
@@ -7,18 +8,20 @@ from mstar.client.sdk import (
     GenerateResult,
     MStarClient,
     MStarError,
-    SpeechResult,
-    SpeechStream,
     TranscriptionResult,
 )
+from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
 
 __all__ = [
     "ChatEvent",
     "ChatResult",
     "GenerateEvent",
     "GenerateResult",
+    "ImageInput",
+    "ImagesMixin",
     "MStarClient",
     "MStarError",
+    "SpeechMixin",
     "SpeechResult",
     "SpeechStream",
     "TranscriptionResult",

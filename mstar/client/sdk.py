@@ -1,11 +1,12 @@
 """A small synchronous client for an M* server (chat completions, /generate, speech to
-text, text to speech).
+text, text to speech, images).
 
     >>> client = MStarClient("http://localhost:8000")
     >>> client.chat("Hello!", max_tokens=32).text
     >>> for event in client.chat("Tell me a story", stream=True):
     ...     print(event.text, end="", flush=True)
     >>> client.tts("Hello there.").to_wav("hello.wav")
+    >>> Path("cat.png").write_bytes(client.generate_image("a cat", width=512, height=512))
 
 Streams are opened eagerly (HTTP errors raise at the call); closing the returned iterator
 (``events.close()`` or leaving a ``for`` loop and dropping it) closes the connection,
@@ -15,9 +16,7 @@ which cancels the request on the server.
 from __future__ import annotations
 
 import base64
-import io
 import json
-import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
@@ -25,6 +24,14 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import httpx
+
+from mstar.client.images import ImagesMixin
+from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
+
+__all__ = [
+    "ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError",
+    "SpeechResult", "SpeechStream", "TranscriptionResult",
+]
 
 FileLike = str | PathLike | tuple[str, bytes]
 
@@ -76,7 +83,7 @@ class GenerateResult:
     text: str
     finish_reason: str | None
     usage: dict[str, int]
-    data: dict[str, bytes]  # non-text outputs by modality
+    data: dict[str, bytes | list[bytes]]  # non-text outputs by modality (images: a list if n > 1)
     raw: dict
     sample_rate: int | None = None  # of data["audio"] (float32 mono), when there is audio
 
@@ -91,114 +98,6 @@ class GenerateEvent:
     usage: dict[str, int] | None = None
     raw: dict = field(default_factory=dict)
     sample_rate: int | None = None  # of audio ``data`` (float32 mono)
-
-
-# ------------------------------------------------------------------- text to speech
-
-_PCM_RATE = 24000  # OpenAI's documented rate for "pcm", when the server does not say
-_UNKNOWN_SIZE = 0xFFFFFFFF
-
-
-def _wav_header(sample_rate: int, data_bytes: int) -> bytes:
-    """A RIFF/WAVE header for mono PCM16 data of ``data_bytes``."""
-    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    riff = b"RIFF" + struct.pack("<I", 36 + data_bytes) + b"WAVE"
-    return riff + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", data_bytes)
-
-
-def _fix_wav_sizes(wav: bytes) -> bytes:
-    """A WAV whose RIFF and data sizes match its length (a streamed WAV declares an
-    unknown length, 0xFFFFFFFF, which not every reader accepts)."""
-    if wav[:4] != b"RIFF" or wav[8:12] != b"WAVE":
-        raise ValueError("not a WAV file")
-    out = bytearray(wav)
-    pos = 12
-    while pos + 8 <= len(out):
-        size = struct.unpack_from("<I", out, pos + 4)[0]
-        if out[pos : pos + 4] == b"data":
-            if size == _UNKNOWN_SIZE or pos + 8 + size > len(out):
-                struct.pack_into("<I", out, pos + 4, len(out) - pos - 8)
-            break
-        pos += 8 + size + (size & 1)
-    struct.pack_into("<I", out, 4, len(out) - 8)
-    return bytes(out)
-
-
-@dataclass
-class SpeechResult:
-    """A synthesized clip: ``audio`` is the file's bytes in ``format`` (raw PCM16 for
-    "pcm"); ``sample_rate`` is what the server reported (None: unknown)."""
-
-    audio: bytes
-    format: str
-    sample_rate: int | None = None
-
-    def wav_bytes(self) -> bytes:
-        """The clip as a WAV file (converted from pcm, flac or mp3 as needed)."""
-        if self.format == "wav":
-            return _fix_wav_sizes(self.audio)
-        if self.format == "pcm":
-            usable = self.audio[: len(self.audio) - len(self.audio) % 2]
-            return _wav_header(self.sample_rate or _PCM_RATE, len(usable)) + usable
-        try:
-            import soundfile as sf  # only needed to convert compressed formats
-        except ImportError as exc:
-            raise RuntimeError(f"converting {self.format} to WAV needs soundfile") from exc
-        samples, rate = sf.read(io.BytesIO(self.audio), dtype="float32")
-        buf = io.BytesIO()
-        sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
-        return buf.getvalue()
-
-    def to_wav(self, path: str | PathLike) -> Path:
-        """Write the clip to ``path`` as a WAV file; returns the path."""
-        target = Path(path)
-        target.write_bytes(self.wav_bytes())
-        return target
-
-
-def _speech_meta(response: httpx.Response, fmt: str) -> tuple[str, int | None]:
-    fmt = response.headers.get("x-audio-format", fmt)
-    rate = response.headers.get("x-sample-rate", "")
-    return fmt, int(rate) if rate.isdigit() else None
-
-
-class SpeechStream:
-    """Streamed speech: iterate for the bytes as they arrive (a WAV stream starts with
-    its header), or ``read()`` / ``to_wav(path)`` to take it all. Single use; closing
-    it early cancels the synthesis on the server."""
-
-    def __init__(self, response: httpx.Response, fmt: str) -> None:
-        self._response = response
-        self.format, self.sample_rate = _speech_meta(response, fmt)
-        self._consumed = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        if self._consumed:
-            raise RuntimeError("this speech stream was already consumed")
-        self._consumed = True
-        try:
-            yield from self._response.iter_bytes()
-        except httpx.TransportError as exc:
-            raise MStarError(0, f"the stream broke off: {exc}") from exc
-        finally:
-            self._response.close()
-
-    def read(self) -> SpeechResult:
-        """All the (remaining) audio as one ``SpeechResult``."""
-        return SpeechResult(b"".join(self), self.format, self.sample_rate)
-
-    def to_wav(self, path: str | PathLike) -> Path:
-        """Consume the stream and write it to ``path`` as a WAV file."""
-        return self.read().to_wav(path)
-
-    def close(self) -> None:
-        self._response.close()
-
-    def __enter__(self) -> SpeechStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _error_of(status: int, body: Any) -> MStarError:
@@ -233,6 +132,13 @@ def _raise_for_status(response: httpx.Response) -> None:
     raise _error_of(response.status_code, body)
 
 
+def _decode_data(encoded: str | list[str]) -> bytes | list[bytes]:
+    """A /generate result's base64 data (a list of them for several images)."""
+    if isinstance(encoded, list):
+        return [base64.b64decode(item) for item in encoded]
+    return base64.b64decode(encoded)
+
+
 def _as_messages(text_or_messages: str | Sequence[Mapping[str, Any]]) -> list[dict]:
     if isinstance(text_or_messages, str):
         return [{"role": "user", "content": text_or_messages}]
@@ -247,8 +153,10 @@ def _as_upload(item: FileLike) -> tuple[str, bytes]:
     return path.name, path.read_bytes()
 
 
-class MStarClient:
-    """Synchronous client; usable as a context manager (closes its connection pool)."""
+class MStarClient(SpeechMixin, ImagesMixin):
+    """Synchronous client; usable as a context manager (closes its connection pool).
+    Text to speech (``tts``, ``voices``) and images (``generate_image``, ``edit_image``)
+    come from the mixins in ``mstar.client.speech`` and ``mstar.client.images``."""
 
     def __init__(
         self,
@@ -422,51 +330,11 @@ class MStarClient:
                 text=raw.get("text", ""),
                 finish_reason=raw.get("finish_reason"),
                 usage=raw.get("usage") or {},
-                data={m: base64.b64decode(b) for m, b in (raw.get("data") or {}).items()},
+                data={m: _decode_data(b) for m, b in (raw.get("data") or {}).items()},
                 raw=raw,
                 sample_rate=raw.get("sample_rate"),
             )
         return self._generate_events(self._send("POST", "/generate", stream=True, **kwargs))
-
-    @overload
-    def tts(
-        self, text: str, *, voice: str | None = None, model: str | None = None,
-        response_format: str = "wav", stream: Literal[False] = False, **extra: Any,
-    ) -> SpeechResult: ...
-
-    @overload
-    def tts(
-        self, text: str, *, voice: str | None = None, model: str | None = None,
-        response_format: str = "wav", stream: Literal[True], **extra: Any,
-    ) -> SpeechStream: ...
-
-    def tts(
-        self,
-        text: str,
-        *,
-        voice: str | None = None,
-        model: str | None = None,
-        response_format: str = "wav",
-        stream: bool = False,
-        **extra: Any,
-    ) -> SpeechResult | SpeechStream:
-        """Text to speech. ``extra`` goes into the body as is (speed, temperature, top_p,
-        repetition_penalty, seed, max_tokens). ``stream=True``: a ``SpeechStream`` of the
-        bytes as they are produced."""
-        body: dict[str, Any] = {"input": text, "response_format": response_format}
-        body.update({k: v for k, v in {"voice": voice, "model": model}.items() if v is not None})
-        body.update(extra)
-        if stream:
-            body["stream"] = True
-            response = self._send("POST", "/v1/audio/speech", json=body, stream=True)
-            return SpeechStream(response, response_format)
-        response = self._send("POST", "/v1/audio/speech", json=body)
-        fmt, rate = _speech_meta(response, response_format)
-        return SpeechResult(response.content, fmt, rate)
-
-    def voices(self) -> list[str]:
-        """The voices the server's speech model offers."""
-        return [v["voice_id"] for v in self._json("GET", "/v1/audio/voices")["voices"]]
 
     def transcribe(
         self,

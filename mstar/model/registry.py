@@ -9,7 +9,8 @@ from mstar.model.spec import ModelSpec
 _REGISTRY: dict[str, type[ModelSpec]] = {}
 
 # Families are imported on first lookup so that `import mstar` stays light.
-_FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.model.orpheus.model")
+_FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.model.orpheus.model",
+             "mstar.model.flux2.model")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:

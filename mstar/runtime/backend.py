@@ -9,7 +9,8 @@ from typing import AsyncIterator
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.runtime.runtime import AsyncSink, Runtime
 from mstar.server.backend import (
-    ChatSpec, GenerateSpec, OutputEvent, RequestError, SpeechSpec, Transcription, TranscriptionSpec,
+    ChatSpec, GenerateSpec, ImageSpec, OutputEvent, RequestError, ServiceError, SpeechSpec, Transcription,
+    TranscriptionSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,14 @@ class RuntimeBackend:
     def healthy(self) -> bool:
         return self.runtime.healthy
 
+    @property
+    def failure(self) -> str | None:
+        """Why the runtime is unhealthy (a dead worker names its rank and process)."""
+        return self.runtime.failure
+
+    def gauges(self) -> dict[str, float]:
+        return self.runtime.gauges()
+
     def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
         return self._run(spec.request_id, lambda: self.spec.prepare_chat(spec), spec.stop)
 
@@ -36,6 +45,26 @@ class RuntimeBackend:
         if isinstance(stop, str):
             stop = [stop]
         return self._run(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+
+    # ---------------------------------------------------------------- images
+    async def generate_images(self, spec: ImageSpec) -> list[bytes]:
+        """``n`` walks (seeds seed, seed + 1, ...) run together; one PNG each."""
+        prepare = getattr(self.spec, "prepare_image", None)
+        if prepare is None:
+            raise RequestError("model", f"model {self.model_id!r} does not make images")
+
+        async def one(index: int) -> bytes:
+            data, failed = None, None
+            async for event in self._run(f"{spec.request_id}-{index}", lambda: prepare(spec, index), []):
+                data = event.data or data
+                failed = event if event.error else failed
+            if failed is not None:
+                raise ServiceError(failed.error, failed.error_status or 500)
+            if data is None:
+                raise ServiceError("the model produced no image")
+            return data
+
+        return list(await asyncio.gather(*[one(i) for i in range(spec.n)]))
 
     # ------------------------------------------------------------ speech out
     @property
@@ -79,13 +108,13 @@ class RuntimeBackend:
         counter = iter(range(1 << 30))
 
         async def run_walk(request: WalkRequest) -> tuple[str, list[int]]:
-            text, ids, error = [], [], None
+            text, ids, failed = [], [], None
             async for event in self._run(f"{spec.request_id}-{next(counter)}", lambda: request, []):
                 text.append(event.text)
                 ids += event.token_ids
-                error = event.error or error
-            if error:
-                raise RuntimeError(error)
+                failed = event if event.error else failed
+            if failed is not None:
+                raise ServiceError(failed.error, failed.error_status or 500)
             return "".join(text), ids
 
         from mstar.audio import AudioError

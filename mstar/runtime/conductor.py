@@ -37,6 +37,7 @@ class Finished:
     error: str | None
     emitted: int  # emit messages the frontend must have received before closing
     profile: dict[str, float] = field(default_factory=dict)
+    failed_rank: int | None = None  # set when it failed because this worker rank died
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Conductor:
                 live.in_flight = {k: v for k, v in live.in_flight.items() if v[0] != rank}
                 if live.ending is None:
                     live.ending = Finished(live.spec.request_id, "error", f"worker rank {rank} failed: {error}",
-                                           live.emitted, live.profile)
+                                           live.emitted, live.profile, failed_rank=rank)
 
     # ------------------------------------------------------------- scheduling
     def tick(self, now: float) -> Decisions:
@@ -146,7 +147,7 @@ class Conductor:
             if dead is not None:  # its next step needs a dead rank: fail it rather than wait forever
                 live.ending = Finished(live.spec.request_id, "error",
                                        f"worker rank {dead} failed: {self.failed_ranks[dead]}",
-                                       live.emitted, live.profile)
+                                       live.emitted, live.profile, failed_rank=dead)
                 if not live.in_flight:
                     self._release(live)
                 continue
@@ -229,7 +230,7 @@ class Conductor:
             live.finish_reason = item.finish_reason
         if live.ending is not None:
             live.ending = Finished(live.ending.request_id, live.ending.reason, live.ending.error,
-                                   live.emitted, live.profile)
+                                   live.emitted, live.profile, live.ending.failed_rank)
             return
         if item.error is not None:
             live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile)
@@ -275,6 +276,16 @@ class Conductor:
                 live.ending = Finished(live.spec.request_id, "timeout", "request timed out", live.emitted, live.profile)
 
     # ---------------------------------------------------------------- queries
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not admitted yet (safe to read from another thread)."""
+        return len(self.waiting)
+
+    @property
+    def num_live(self) -> int:
+        """Requests admitted and not released yet (safe to read from another thread)."""
+        return len(self.live)
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.live and not any(self.releases.values())

@@ -29,9 +29,13 @@ class Deployment:
     spec: ModelSpec
     runtime: Runtime
     backend: RuntimeBackend
+    closed: bool = False
 
     def close(self) -> None:
-        self.runtime.close()
+        """Stop the runtime and its workers (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.runtime.close()
 
 
 def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool = False) -> Deployment:
@@ -75,7 +79,8 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         frontend = make_transport(config.tensor_comm_protocol, frontend_rank)
         log.info("starting %d worker process(es)", num_ranks)
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend)
-    runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats)
+    runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats,
+                      max_queue_size=config.queue_limit)
     backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
     log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
     return Deployment(config, spec, runtime, backend)
@@ -91,12 +96,9 @@ def config_for(model: str | None, config_path: str | None, overrides: dict[str, 
     return parse_config({"model": model, **overrides}, f"model {model}")
 
 
-def serve(options) -> None:
-    """Entry point behind ``mstar serve``: start everything and run uvicorn until stopped."""
-    import uvicorn
-
-    from mstar.server.app import create_app
-
+def config_from_options(options) -> DeploymentConfig:
+    """The deployment config ``mstar serve`` runs: the file or model defaults, then the
+    explicit command-line options (a ``ServeOptions``) on top."""
     overrides: dict[str, Any] = {}
     if options.device:
         overrides["device"] = options.device
@@ -104,14 +106,25 @@ def serve(options) -> None:
         overrides["gpus"] = list(options.gpus)
     if options.cache_dir:
         overrides["cache_dir"] = options.cache_dir
+    if options.timeout is not None:
+        overrides["request_timeout_s"] = options.timeout
     if options.tensor_comm_protocol:
         if options.tensor_comm_protocol == "RDMA":
             raise ConfigError("--tensor-comm-protocol: RDMA is not available in this build; use SHM or TCP")
         overrides["tensor_comm_protocol"] = options.tensor_comm_protocol
-    config = config_for(options.model, options.config, overrides)
+    return config_for(options.model, options.config, overrides)
+
+
+def serve(options) -> None:
+    """Entry point behind ``mstar serve``: start everything and run uvicorn until stopped."""
+    import uvicorn
+
+    from mstar.server.app import create_app
+
+    config = config_from_options(options)
     deployment = start(config, in_process=options.in_process, log_stats=options.log_stats)
     app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
-                     api_key=options.api_key)
+                     api_key=options.api_key, on_shutdown=deployment.close)
     log.info("serving %s on http://%s:%d", config.model, options.host, options.port)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)

@@ -76,11 +76,13 @@ class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     plan_id: int
     results: list[ItemResult] = []
     profile: dict[str, float] = {}  # node -> seconds spent in this plan
+    gauges: dict[str, float] = {}  # "node.stat" -> value after the plan (KV pages in use, ...)
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     rank: int
     tensor_address: str
+    gauges: dict[str, float] = {}  # the engines' gauges before any work ("node.stat" -> value)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mstar.model.spec import OutputStream, WalkRequest
+from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
 from mstar.runtime.placement import Placement, Routes
 from mstar.runtime.protocol import StepResult, WorkerFailed, parse_tensor_key, tensor_key
@@ -44,9 +45,13 @@ class _Tracked:
 
 
 class Runtime:
+    """``max_queue_size``: how many requests may wait for admission before ``submit``
+    refuses more (``Overloaded``); None: no limit."""
+
     def __init__(self, conductor: Conductor, placement: Placement, workers, frontend_transport,
-                 *, log_stats: bool = False):
+                 *, log_stats: bool = False, max_queue_size: int | None = None):
         self.conductor = conductor
+        self.admission = AdmissionGate(conductor, max_queue_size)
         self.log_stats = log_stats
         self.placement = placement
         self.workers = workers
@@ -55,6 +60,8 @@ class Runtime:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.healthy = True
         self.failure: str | None = None
+        # each rank's latest engine gauges ("node.stat" -> value), replaced on every result
+        self.rank_gauges: dict[int, dict[str, float]] = dict(workers.stats())
         self._stop = threading.Event()
         self._ids = itertools.count()
         self._threads = [threading.Thread(target=self._loop, name="mstar-conductor", daemon=True),
@@ -67,17 +74,32 @@ class Runtime:
                timeout_s: float | None = None) -> None:
         if not self.healthy:
             raise RequestError("model", f"the server is unhealthy: {self.failure}", 503)
-        deadline = time.monotonic() + timeout_s if timeout_s else None
-        spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline)
-        self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens)
-        routes: Routes = self.conductor.routes[request.walk]
-        for var, value in request.inputs.items():
-            for rank in routes.destinations(var):
-                self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
+        self.admission.enter()  # raises Overloaded when the wait queue is full
+        try:
+            deadline = time.monotonic() + timeout_s if timeout_s else None
+            spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline)
+            self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens)
+            routes: Routes = self.conductor.routes[request.walk]
+            for var, value in request.inputs.items():
+                for rank in routes.destinations(var):
+                    self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
+        except BaseException:
+            self.tracked.pop(request_id, None)
+            self.admission.withdraw()
+            raise
         self.commands.put(("submit", spec))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         self.commands.put(("cancel", (request_id, reason)))
+
+    def gauges(self) -> dict[str, float]:
+        """Live values for /metrics: requests waiting and running, and every rank's engine
+        gauges as ``rank<R>.<node>.<stat>`` (as of that rank's latest step)."""
+        out = {"requests_waiting": float(self.admission.waiting),
+               "requests_running": float(self.conductor.num_live)}
+        for rank, gauges in list(self.rank_gauges.items()):
+            out.update({f"rank{rank}.{name}": float(value) for name, value in gauges.items()})
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -94,6 +116,8 @@ class Runtime:
                 self._drain_commands(block=self.conductor.idle and not self.conductor.busy)
                 for event in self.workers.poll(0.0 if self._has_ready_work() else 0.05):
                     if isinstance(event, StepResult):
+                        if event.gauges:
+                            self.rank_gauges[event.rank] = dict(event.gauges)
                         self.conductor.on_result(event)
                     elif isinstance(event, WorkerFailed):
                         self._rank_failed(event)
@@ -122,6 +146,8 @@ class Runtime:
                         self.conductor.submit(arg)
                     except (AdmissionError, ValueError) as err:
                         self._finished(Finished(arg.request_id, "error", f"rejected: {err}", 0))
+                    finally:
+                        self.admission.handed_over()
                 elif kind == "cancel":
                     self.conductor.cancel(*arg)
                 command = self.commands.get_nowait()
@@ -195,13 +221,25 @@ class Runtime:
             tail = None if error else tracked.stream.finish(reason)
             final = OutputEvent(finish_reason=reason, error=error, prompt_tokens=tracked.prompt_tokens,
                                 text=tail.text if tail else "",
-                                completion_tokens=tracked.stream.generated)
+                                completion_tokens=tracked.stream.generated,
+                                error_status=_error_status(done) if error else None)
             tracked.sink(final)
             tracked.sink(None)
         self.tracked.pop(request_id, None)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+
+
+def _error_status(done: Finished | None) -> int | None:
+    """The HTTP status of a failed request: 504 timed out, 503 its worker died, else 500."""
+    if done is None:
+        return None
+    if done.reason == "timeout":
+        return 504
+    if done.failed_rank is not None:
+        return 503
+    return None
 
 
 class AsyncSink:

@@ -83,7 +83,7 @@ class Worker:
             start = time.perf_counter()
             results += self._run_node(node, ready, inputs)
             profile[node] = time.perf_counter() - start
-        return StepResult(self.rank, plan.plan_id, results, profile)
+        return StepResult(self.rank, plan.plan_id, results, profile, self.stats())
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
@@ -164,6 +164,7 @@ class Worker:
             engine.release(request_id)
 
     def stats(self) -> dict[str, float]:
+        """Every engine's gauges, as ``"node.stat" -> value`` (they ride on each StepResult)."""
         out: dict[str, float] = {}
         for node, engine in self.engines.items():
             for name, value in engine.stats().items():

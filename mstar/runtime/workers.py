@@ -1,7 +1,8 @@
 """The worker side of the runtime: worker ranks in this process, or one process per rank.
 
-Both pools present the same three calls to the runtime loop: ``send(rank, plan)``,
-``poll(timeout)`` for step results and failures, and ``close()``.
+Both pools present the same calls to the runtime loop: ``send(rank, plan)``,
+``poll(timeout)`` for step results and failures, ``stats()`` (each rank's engine gauges
+before any work; later ones ride on every ``StepResult``) and ``close()``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from typing import Any
@@ -25,6 +27,8 @@ from mstar.runtime.worker import Worker
 log = logging.getLogger(__name__)
 
 Event = StepResult | WorkerFailed
+
+PARENT_CHECK_MS = 1000  # how often an idle worker process checks that its server still lives
 
 
 def build_worker(config_data: dict[str, Any], rank: int, transport, frontend_rank: int) -> Worker:
@@ -66,11 +70,8 @@ class InProcessWorkers:
         except queue.Empty:
             return out
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for rank, worker in self.workers.items():
-            out.update({f"rank{rank}.{k}": v for k, v in worker.stats().items()})
-        return out
+    def stats(self) -> dict[int, dict[str, float]]:
+        return {rank: worker.stats() for rank, worker in self.workers.items()}
 
     def alive(self) -> bool:
         return True
@@ -93,6 +94,7 @@ class ProcessWorkers:
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.plans: dict[int, zmq.Socket] = {}
         self.failed: set[int] = set()
+        self.ready_gauges: dict[int, dict[str, float]] = {}
         frontend_rank = num_ranks
         for rank in range(num_ranks):
             sock = self.ctx.socket(zmq.PUSH)
@@ -120,6 +122,7 @@ class ProcessWorkers:
                     raise RuntimeError(f"worker rank {msg.rank} failed to start: {msg.error}")
                 if isinstance(msg, WorkerReady):
                     addresses[msg.rank] = msg.tensor_address
+                    self.ready_gauges[msg.rank] = dict(msg.gauges)
                     log.info("worker rank %d is ready", msg.rank)
         table = protocol.encode(PeerTable(addresses))
         for sock in self.plans.values():
@@ -127,7 +130,19 @@ class ProcessWorkers:
         frontend_transport.connect({r: a for r, a in addresses.items() if r != frontend_rank})
 
     def send(self, rank: int, plan: StepPlan) -> None:
-        self.plans[rank].send(protocol.encode(plan))
+        """Queue the plan for the rank. Never blocks on a dead worker: a bound PUSH socket
+        whose only peer is gone would wait forever; the plan is dropped instead and the
+        next ``poll`` reports the death."""
+        data = protocol.encode(plan)
+        sock = self.plans[rank]
+        while True:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if not self.procs[rank].is_alive():
+                    return
+                sock.poll(100, zmq.POLLOUT)
 
     def poll(self, timeout: float) -> list[Event]:
         out: list[Event] = []
@@ -142,11 +157,12 @@ class ProcessWorkers:
         for rank, proc in self.procs.items():
             if rank not in self.failed and not proc.is_alive():
                 self.failed.add(rank)
-                out.append(WorkerFailed(rank, f"worker process exited with code {proc.exitcode}"))
+                out.append(WorkerFailed(rank, f"worker process {proc.name} (pid {proc.pid}) "
+                                              f"{_exit_description(proc.exitcode)}"))
         return out
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> dict[int, dict[str, float]]:
+        return {rank: dict(gauges) for rank, gauges in self.ready_gauges.items()}
 
     def alive(self) -> bool:
         return not self.failed
@@ -163,6 +179,15 @@ class ProcessWorkers:
                 proc.kill()
         for sock in [*self.plans.values(), self.results]:
             sock.close(linger=0)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
@@ -187,8 +212,14 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
         results.send(protocol.encode(WorkerFailed(rank, f"{type(err).__name__}: {err}")))
         time.sleep(0.5)
         return
-    results.send(protocol.encode(WorkerReady(rank, transport.address)))
+    results.send(protocol.encode(WorkerReady(rank, transport.address, worker.stats())))
+    server = os.getppid()
     while True:
+        if not plans.poll(PARENT_CHECK_MS):
+            if os.getppid() != server:  # the server died without stopping us: do not linger
+                log.error("worker %d: the server process %d is gone; exiting", rank, server)
+                break
+            continue
         msg = protocol.decode(plans.recv())
         if isinstance(msg, PeerTable):
             transport.connect({r: a for r, a in msg.addresses.items() if r != rank})

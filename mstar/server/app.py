@@ -1,9 +1,11 @@
-"""The HTTP front end: OpenAI-compatible chat completions, model list, health, /generate.
+"""The HTTP front end: OpenAI-compatible chat completions, model list, health, /generate,
+/metrics.
 
 ``create_app(backend)`` builds a FastAPI app over any ``ServingBackend``. Every error has
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``. However a request ends
 (finished, failed, client gone), the backend's event iterator is closed: that is how the
-backend learns to cancel a request.
+backend learns to cancel a request. A backend that is full raises ``Overloaded`` (429
+with Retry-After); an error event carries its status (504 timed out, 503 worker died).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from mstar import __version__
-from mstar.server.backend import GenerateSpec, OutputEvent, RequestError, ServingBackend
+from mstar.server.backend import GenerateSpec, OutputEvent, Overloaded, RequestError, ServingBackend
+from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint, observe_first_output
 from mstar.server.schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _LOC_ROOTS = {"body", "query", "path", "header", "cookie"}
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error"}
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 Events = AsyncIterator[OutputEvent]
 
@@ -69,6 +72,14 @@ class APIError(Exception):
 
 class BackendFailure(Exception):
     """The backend reported a failure through an event (``error`` or finish "error")."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @classmethod
+    def of(cls, event: OutputEvent, default: str = "the backend failed to complete the request") -> BackendFailure:
+        return cls(event.error or default, event.error_status or 500)
 
 
 def error_response(
@@ -102,11 +113,19 @@ def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
 
 
 def exception_response(exc: BaseException) -> JSONResponse:
-    """The response for an exception: its own status for RequestError/APIError, else 500."""
+    """The response for an exception: its own status for RequestError/APIError, a failed
+    request's status for BackendFailure (500 unless it says otherwise), else 500."""
+    if isinstance(exc, Overloaded):
+        response = error_response(429, exc.message, None, "queue_full")
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
     if isinstance(exc, RequestError):
-        return error_response(exc.status, f"{exc.field}: {exc.message}", exc.field)
+        message = f"{exc.field}: {exc.message}" if exc.field else exc.message
+        return error_response(exc.status, message, exc.field)
     if isinstance(exc, APIError):
         return error_response(exc.status, exc.message, exc.param, exc.code)
+    if isinstance(exc, BackendFailure) and exc.status != 500:
+        return error_response(exc.status, str(exc))
     if not isinstance(exc, BackendFailure):
         log.error("request failed", exc_info=exc)
     return error_response(500, f"internal error: {exc}" if str(exc) else "internal error")
@@ -180,15 +199,23 @@ class Tally:
         return Usage.of(self.prompt_tokens, self.completion_tokens or self.counted_tokens)
 
 
-async def _start(open_events: Callable[[], Events]) -> tuple[OutputEvent | None, Events]:
+async def _start(
+    open_events: Callable[[], Events], request: Request | None = None
+) -> tuple[OutputEvent | None, Events]:
     """Open the backend's stream and take its first event, so that a RequestError raised
-    on the first advance still becomes a plain HTTP error, before any stream starts."""
+    on the first advance, or a first event that is an error (a timeout in the queue, a
+    dead worker), still becomes a plain HTTP error, before any stream starts."""
     events = open_events()
     try:
-        return await _next(events), events
+        first = await _next(events)
+        if first is not None and (first.error or first.finish_reason == "error"):
+            raise BackendFailure.of(first)
     except BaseException:
         await _aclose(events)
         raise
+    if request is not None and first is not None:
+        observe_first_output(request)
+    return first, events
 
 
 async def _walk(first: OutputEvent | None, events: Events, tally: Tally) -> Events:
@@ -198,7 +225,7 @@ async def _walk(first: OutputEvent | None, events: Events, tally: Tally) -> Even
         event = first
         while event is not None:
             if event.error or event.finish_reason == "error":
-                raise BackendFailure(event.error or "the backend failed to complete the request")
+                raise BackendFailure.of(event)
             tally.add(event)
             yield event
             if event.finish_reason:
@@ -279,13 +306,17 @@ async def list_models(request: Request) -> ModelList:
 
 
 async def health(request: Request) -> Response:
+    """200 while the backend serves; 503 naming the failure (e.g. the dead worker) after."""
+    backend = _backend(request)
     try:
-        ok = bool(_backend(request).healthy())
-    except Exception:
+        ok = bool(backend.healthy())
+        failure = getattr(backend, "failure", None) if not ok else None
+    except Exception as exc:
         log.exception("backend health check failed")
-        ok = False
+        ok, failure = False, f"the health check failed: {exc}"
     if not ok:
-        return error_response(503, "the backend is not healthy")
+        return error_response(503, f"the backend is not healthy: {failure}" if failure
+                              else "the backend is not healthy")
     return JSONResponse({"status": "ok"})
 
 
@@ -312,7 +343,7 @@ async def chat_completions(request: Request) -> Response:
     request_id = new_id("chatcmpl")
     spec = req.to_spec(request_id)
     try:
-        first, events = await _start(lambda: backend.chat(spec))
+        first, events = await _start(lambda: backend.chat(spec), request)
     except Exception as exc:
         return exception_response(exc)
     if req.stream:
@@ -381,8 +412,12 @@ async def generate(
         model_kwargs=parse_model_kwargs(model_kwargs),
     )
     backend = _backend(request)
+    if "image" in spec.output_modalities and hasattr(backend, "generate_images"):
+        from mstar.server.image_routes import generate_images  # it imports this module
+
+        return await generate_images(request, backend, spec, streaming)  # type: ignore[arg-type]
     try:
-        first, events = await _start(lambda: backend.generate(spec))
+        first, events = await _start(lambda: backend.generate(spec), request)
     except Exception as exc:
         return exception_response(exc)
     rate: int | None = getattr(backend, "sample_rate", None)  # of "audio" data, if any
@@ -463,15 +498,30 @@ def create_app(
     *,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The HTTP app over ``backend``.
 
     ``served_model_names``: the names /v1/models lists and requests may use (default: the
     backend's ``model_id``, which is always accepted too). ``api_key``: if set, every route
-    but /health needs ``Authorization: Bearer <api_key>``.
+    but /health needs ``Authorization: Bearer <api_key>`` (/metrics included).
+    ``on_shutdown``: called (in a thread) when the ASGI server shuts the app down, e.g. to
+    stop the workers: uvicorn re-raises SIGTERM once it has stopped, so code after
+    ``uvicorn.run`` never runs then.
     """
-    app = FastAPI(title="M*", version=__version__)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await anyio.to_thread.run_sync(on_shutdown)
+
+    app = FastAPI(title="M*", version=__version__, lifespan=lifespan)
     app.state.backend = backend
+    app.state.metrics = ServerMetrics(backend)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.state.model_names = list(dict.fromkeys(served_model_names or [backend.model_id]))
     _install_error_handlers(app)
 
@@ -479,6 +529,7 @@ def create_app(
     router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
+    router.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
     if hasattr(backend, "transcribe"):  # speech-to-text backends get OpenAI's audio routes
         from mstar.server.audio_routes import audio_router  # it imports this module
 
@@ -487,6 +538,10 @@ def create_app(
         from mstar.server.speech_routes import speech_router  # it imports this module
 
         router.include_router(speech_router(backend))  # type: ignore[arg-type]
+    if hasattr(backend, "generate_images"):  # image models get OpenAI's image routes
+        from mstar.server.image_routes import image_router  # it imports this module
+
+        router.include_router(image_router(backend))  # type: ignore[arg-type]
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
     return app

@@ -137,7 +137,8 @@ async def _serve(request: Request, backend: TranscribingBackend, task: str) -> R
         try:
             result = await backend.transcribe(spec)
         except AudioError as exc:
-            return error_response(exc.status, f"{exc.field}: {exc.message}", exc.field)
+            message = f"{exc.field}: {exc.message}" if exc.field else exc.message
+            return error_response(exc.status, message, exc.field)
         except Exception as exc:
             return exception_response(exc)
         body, media_type = render_transcription(result, fmt, task)

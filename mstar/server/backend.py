@@ -32,6 +32,17 @@ class Overloaded(RequestError):
         self.retry_after_s = retry_after_s
 
 
+class ServiceError(RequestError):
+    """The server could not finish the request (a timeout: 504, a dead worker: 503). Routes
+    answer it like a ``RequestError`` with its status, naming no field."""
+
+    def __init__(self, message: str, status: int = 500):
+        Exception.__init__(self, message)
+        self.field = None
+        self.message = message
+        self.status = status
+
+
 @dataclass(frozen=True)
 class ChatSpec:
     """One chat request, validated by the HTTP layer."""

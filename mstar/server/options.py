@@ -19,7 +19,8 @@ class ServeOptions:
     ``config`` is a YAML deployment file whose settings the explicit options override.
     ``device`` None lets the runtime pick (cuda when available). ``gpus`` are device
     indices for the workers (None: all visible). ``in_process`` runs the model in the
-    server process instead of separate workers (debugging, tests).
+    server process instead of separate workers (debugging, tests). ``timeout`` caps each
+    request's seconds, queueing included (None: the config's ``request_timeout_s``).
     """
 
     model: str | None = None
@@ -35,6 +36,7 @@ class ServeOptions:
     api_key: str | None = None
     in_process: bool = False
     served_model_names: list[str] = field(default_factory=list)
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.model is None and self.config is None:
@@ -48,5 +50,7 @@ class ServeOptions:
                 f"tensor_comm_protocol must be one of {', '.join(TENSOR_COMM_PROTOCOLS)}, "
                 f"got {self.tensor_comm_protocol!r}"
             )
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")

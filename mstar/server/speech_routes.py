@@ -123,7 +123,7 @@ async def _pcm(first: OutputEvent | None, events: Events) -> Chunks:
         event = first
         while event is not None:
             if event.error or event.finish_reason == "error":
-                raise BackendFailure(event.error or "the backend failed to synthesize speech")
+                raise BackendFailure.of(event, "the backend failed to synthesize speech")
             if event.data and event.modality == "audio":
                 yield event.data
             if event.finish_reason:
@@ -182,7 +182,7 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
         model_kwargs=req.model_kwargs(),
     )
     try:
-        first, events = await _start(lambda: backend.speech(spec))
+        first, events = await _start(lambda: backend.speech(spec), request)
     except Exception as exc:
         return exception_response(exc)
     body = _encoded(encoder, first, events)

@@ -111,3 +111,23 @@ def test_options_validate() -> None:
         ServeOptions()
     with pytest.raises(ValueError):
         ServeOptions(model="m", tensor_comm_protocol="UDP")  # type: ignore[arg-type]
+
+
+def test_timeout_option_becomes_the_request_timeout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mstar.runtime.launch import config_from_options
+
+    options = cli.options_from_args(cli.build_parser().parse_args(["serve", "smollm2", "--timeout", "2.5"]))
+    assert options.timeout == 2.5
+    assert config_from_options(options).request_timeout_s == 2.5
+    assert config_from_options(ServeOptions(model="smollm2")).request_timeout_s is None
+    config = tmp_path / "c.yaml"
+    config.write_text("model: smollm2\nrequest_timeout_s: 30\nmax_queue_size: 7\n")
+    from_file = config_from_options(ServeOptions(config=str(config)))
+    assert (from_file.request_timeout_s, from_file.queue_limit) == (30, 7)
+    assert config_from_options(ServeOptions(config=str(config), timeout=4)).request_timeout_s == 4
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["serve", "smollm2", "--timeout", bad])
+        assert "--timeout" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="timeout"):
+        ServeOptions(model="m", timeout=0)

@@ -1,0 +1,144 @@
+"""Prometheus metrics for the HTTP server: ``GET /metrics`` in the text format.
+
+* ``mstar_http_requests_total{route, method, status}`` and
+  ``mstar_http_request_duration_seconds{route}`` (end to end, until the last byte of a
+  stream): counted by ``MetricsMiddleware``, a plain ASGI middleware (it does not
+  interfere with streaming or disconnect detection).
+* ``mstar_time_to_first_output_seconds{route}``: from the request's arrival to the
+  backend's first output event (``observe_first_output``).
+* Gauges read from the backend at scrape time (its optional ``gauges()``):
+  ``mstar_requests_waiting`` (queue depth), ``mstar_requests_running``, and every engine
+  gauge ``rank<R>.<node>.<stat>`` as ``mstar_<stat>{rank, node}`` (e.g.
+  ``mstar_kv_pages_used`` and ``mstar_kv_pages_total`` per KV pool); ``mstar_healthy``.
+
+Each app has its own registry, so several apps in one process never clash.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable
+
+from fastapi import Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ARRIVAL = "mstar.arrival"  # scope key: perf_counter() when the request arrived
+_UNMATCHED = "unmatched"  # the route label of requests that matched no route (bounded cardinality)
+
+_DOCS = {
+    "requests_waiting": "Requests accepted and waiting for admission (the queue depth)",
+    "requests_running": "Requests admitted and running",
+    "kv_pages_used": "KV cache pages in use, per worker rank and node (pool)",
+    "kv_pages_total": "KV cache pages in the pool, per worker rank and node",
+}
+
+
+def _metric_name(name: str) -> str:
+    return "mstar_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+class _BackendGauges(Collector):
+    """Turns the backend's ``gauges()`` into Prometheus gauges on every scrape."""
+
+    def __init__(self, backend: object):
+        self.backend = backend
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # the names depend on the engines: registration must not scrape
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, GaugeMetricFamily] = {}
+        try:
+            healthy = bool(self.backend.healthy())  # type: ignore[attr-defined]
+            gauges = getattr(self.backend, "gauges", None)
+            values = gauges() if gauges is not None else {}
+        except Exception:  # a scrape must never fail the server
+            log.exception("reading the backend's gauges failed")
+            return []
+        families["healthy"] = GaugeMetricFamily("mstar_healthy", "1 while the backend serves, 0 once it failed",
+                                                value=float(healthy))
+        for key, value in sorted(values.items()):
+            rank, _, rest = key.partition(".")
+            node, _, stat = rest.partition(".")
+            if rank.startswith("rank") and rank[4:].isdigit() and node and stat:
+                family = families.get(stat)
+                if family is None:
+                    doc = _DOCS.get(stat, f"Engine gauge {stat}, per worker rank and node")
+                    family = families[stat] = GaugeMetricFamily(_metric_name(stat), doc, labels=["rank", "node"])
+                family.add_metric([rank[4:], node], float(value))
+            elif key not in families:
+                families[key] = GaugeMetricFamily(_metric_name(key), _DOCS.get(key, key), value=float(value))
+        return list(families.values())
+
+
+class ServerMetrics:
+    def __init__(self, backend: object):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("mstar_http_requests", "HTTP requests by route, method and status code",
+                                ["route", "method", "status"], registry=self.registry)
+        self.duration = Histogram("mstar_http_request_duration_seconds",
+                                  "End-to-end latency of HTTP requests (until the last byte of a stream)",
+                                  ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.first_output = Histogram("mstar_time_to_first_output_seconds",
+                                      "Time from a request's arrival to the model's first output",
+                                      ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_BackendGauges(backend))
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+def _route_of(scope: Scope) -> str:
+    route = scope.get("route")
+    return getattr(route, "path", None) or _UNMATCHED
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route and status and times it end to end."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = scope[_ARRIVAL] = time.perf_counter()
+        status = 500  # if the app raises before it starts a response
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = _route_of(scope)  # the router put the matched route into the scope
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.duration.labels(route).observe(time.perf_counter() - started)
+
+
+def observe_first_output(request: Request) -> None:
+    """Record the time to first output of ``request`` (call it when the first event came)."""
+    metrics: ServerMetrics | None = getattr(request.app.state, "metrics", None)
+    arrival = request.scope.get(_ARRIVAL)
+    if metrics is not None and arrival is not None:
+        metrics.first_output.labels(_route_of(request.scope)).observe(time.perf_counter() - arrival)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    """``GET /metrics``: the Prometheus text exposition format."""
+    return request.app.state.metrics.render()

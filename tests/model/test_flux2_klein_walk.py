@@ -1,0 +1,119 @@
+"""FLUX.2 [klein] through the in-process runtime (text encoder node, denoise Loop, VAE node)
+on a tiny random checkpoint laid out like the diffusers repository, against diffusers'
+Flux2KleinPipeline with the same weights, prompt, seed and steps."""
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from test_qwen3_encoder import make_qwen_tokenizer
+
+from mstar.config import parse_config
+from mstar.runtime.launch import start
+from mstar.server.backend import ImageSpec, RequestError
+
+VAE = {"block_out_channels": (8, 16), "down_block_types": ("DownEncoderBlock2D",) * 2,
+       "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "latent_channels": 4,
+       "norm_num_groups": 4}
+DIT = {"in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+       "num_attention_heads": 2, "joint_attention_dim": 48, "timestep_guidance_channels": 32,
+       "axes_dims_rope": (4, 4, 4, 4), "guidance_embeds": False}
+QWEN = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 28, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
+def randomize(module, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * (0.2 if p.dim() > 1 else 0.05) + (1.0 if "norm" in name and p.dim() == 1 else 0.0))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A tiny diffusers-layout checkpoint written from diffusers/transformers modules."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("klein")
+    tok = make_qwen_tokenizer()
+    tok.save_pretrained(root / "tokenizer")
+    vae = AutoencoderKLFlux2(**VAE).eval()
+    dit = Flux2Transformer2DModel(**DIT).eval()
+    text = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), **QWEN)).eval()
+    for i, module in enumerate((vae, dit, text)):
+        randomize(module, i)
+    with torch.no_grad():
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    for folder, module in (("vae", vae), ("transformer", dit)):
+        (root / folder).mkdir()
+        (root / folder / "config.json").write_text(json.dumps(dict(module.config), default=list))
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()},
+                  root / folder / "diffusion_pytorch_model.safetensors")
+    text.save_pretrained(root / "text_encoder")
+    return root, vae, dit, text, tok
+
+
+@pytest.fixture(scope="module")
+def deployment(reference):
+    root = reference[0]
+    d = start(parse_config({"model": "flux2_klein", "model_path": str(root), "max_concurrent_requests": 4,
+                            "model_kwargs": {"max_image_area": 128 * 128}}), in_process=True)
+    yield d
+    d.close()
+
+
+def generate(d, spec):
+    return asyncio.run(d.backend.generate_images(spec))
+
+
+def test_runtime_matches_diffusers_pipeline(reference, deployment):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+
+    root, vae, dit, text, tok = reference
+    prompt, seed, steps, height, width = "a cat", 7, 3, 32, 48
+    [png] = generate(deployment, ImageSpec("k-1", prompt, width, height, 1, seed, steps))
+    ours = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
+    pipe = Flux2KleinPipeline(scheduler, vae, text, tok, dit, is_distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=1.0,
+                generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    want = np.round(want * 255).astype(np.int16)
+    assert ours.shape == want.shape == (height, width, 3)
+    assert np.abs(ours - want).max() <= 1  # uint8 rounding of the same image
+
+
+def test_concurrent_sizes_and_seeds(deployment):
+    async def go():
+        specs = [ImageSpec(f"c-{i}", "a dog", 32 + 16 * (i % 2), 32, 1, i, 2) for i in range(4)]
+        return await asyncio.gather(*[deployment.backend.generate_images(s) for s in specs])
+
+    results = asyncio.run(go())
+    alone = generate(deployment, ImageSpec("c-alone", "a dog", 48, 32, 1, 1, 2))
+    assert results[1] == alone  # batching does not change a request's image
+    sizes = [Image.open(io.BytesIO(r[0])).size for r in results]
+    assert sizes == [(32, 32), (48, 32), (32, 32), (48, 32)]
+    dit = deployment.runtime.workers.workers[0].engines["dit"]
+    assert not dit.schedules  # per-request state released
+
+
+@pytest.mark.parametrize("spec, field", [
+    (ImageSpec("e-1", " "), "prompt"),
+    (ImageSpec("e-2", "x", 42, 32), "size"),  # not a multiple of 2 x the VAE scale (4 here)
+    (ImageSpec("e-3", "x", 256, 256), "size"),
+    (ImageSpec("e-4", "x", 32, 32, num_inference_steps=0), "num_inference_steps"),
+    (ImageSpec("e-5", "x", 32, 32, guidance_scale=4.0), "guidance_scale"),
+])
+def test_bad_requests_name_the_field(deployment, spec, field):
+    with pytest.raises(RequestError) as err:
+        generate(deployment, spec)
+    assert err.value.field == field
