@@ -11,53 +11,22 @@ import json
 import re
 from collections.abc import Callable
 
+from mstar.audio.languages import CODE_OF_NAME, LANGUAGES
 from mstar.server.backend import Transcription, TranscriptionSegment
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 
-# ISO-639-1 (and a few ISO-639-3) codes to the lowercase English names OpenAI reports.
-LANGUAGE_NAMES: dict[str, str] = {
-    "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ru": "russian",
-    "ko": "korean", "fr": "french", "ja": "japanese", "pt": "portuguese", "tr": "turkish",
-    "pl": "polish", "ca": "catalan", "nl": "dutch", "ar": "arabic", "sv": "swedish",
-    "it": "italian", "id": "indonesian", "hi": "hindi", "fi": "finnish", "vi": "vietnamese",
-    "he": "hebrew", "uk": "ukrainian", "el": "greek", "ms": "malay", "cs": "czech",
-    "ro": "romanian", "da": "danish", "hu": "hungarian", "ta": "tamil", "no": "norwegian",
-    "th": "thai", "ur": "urdu", "hr": "croatian", "bg": "bulgarian", "lt": "lithuanian",
-    "la": "latin", "mi": "maori", "ml": "malayalam", "cy": "welsh", "sk": "slovak",
-    "te": "telugu", "fa": "persian", "lv": "latvian", "bn": "bengali", "sr": "serbian",
-    "az": "azerbaijani", "sl": "slovenian", "kn": "kannada", "et": "estonian",
-    "mk": "macedonian", "br": "breton", "eu": "basque", "is": "icelandic", "hy": "armenian",
-    "ne": "nepali", "mn": "mongolian", "bs": "bosnian", "kk": "kazakh", "sq": "albanian",
-    "sw": "swahili", "gl": "galician", "mr": "marathi", "pa": "punjabi", "si": "sinhala",
-    "km": "khmer", "sn": "shona", "yo": "yoruba", "so": "somali", "af": "afrikaans",
-    "oc": "occitan", "ka": "georgian", "be": "belarusian", "tg": "tajik", "sd": "sindhi",
-    "gu": "gujarati", "am": "amharic", "yi": "yiddish", "lo": "lao", "uz": "uzbek",
-    "fo": "faroese", "ht": "haitian creole", "ps": "pashto", "tk": "turkmen",
-    "nn": "nynorsk", "mt": "maltese", "sa": "sanskrit", "lb": "luxembourgish",
-    "my": "myanmar", "bo": "tibetan", "tl": "tagalog", "mg": "malagasy", "as": "assamese",
-    "tt": "tatar", "haw": "hawaiian", "ln": "lingala", "ha": "hausa", "ba": "bashkir",
-    "jw": "javanese", "su": "sundanese", "yue": "cantonese",
-}  # fmt: skip
-
-_ALIASES = {
-    "burmese": "my", "valencian": "ca", "flemish": "nl", "haitian": "ht",
-    "letzeburgesch": "lb", "pushto": "ps", "panjabi": "pa", "moldavian": "ro",
-    "moldovan": "ro", "sinhalese": "si", "castilian": "es", "mandarin": "zh",
-}  # fmt: skip
-_CODE_OF_NAME = {name: code for code, name in LANGUAGE_NAMES.items()} | _ALIASES
-
 
 def language_name(code: str) -> str:
     """The English name OpenAI reports for ``code`` ("en" -> "english"); else ``code``."""
-    return LANGUAGE_NAMES.get(code.lower(), code)
+    return LANGUAGES.get(code.lower(), code)
 
 
 def language_code(value: str) -> str:
     """A language given as a code or an English name ("English") as its code ("en");
     anything unrecognised is returned lowercased, for the backend to judge."""
     key = value.strip().lower()
-    return _CODE_OF_NAME.get(key, key)
+    return CODE_OF_NAME.get(key, key)
 
 
 # ------------------------------------------------------------------ subtitles

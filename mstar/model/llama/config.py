@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-
-def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Canonical ``rope_scaling``: ``None`` for plain RoPE, else a dict keyed by ``rope_type``
-    (the legacy ``type`` key is renamed, ``rope_theta`` is dropped)."""
-    if not scaling:
-        return None
-    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return None
-    out["rope_type"] = rope_type
-    return out
+from mstar.model.hf_config import config_dict, config_kwargs, normalize_rope_scaling
 
 
 @dataclass
@@ -50,7 +39,7 @@ class LlamaConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise NotImplementedError(f"unsupported hidden_act {self.hidden_act!r}")
-        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "llama3":
             self.rope_scaling.setdefault(
                 "original_max_position_embeddings", self.max_position_embeddings
@@ -63,28 +52,8 @@ class LlamaConfig:
         RoPE settings are read from ``rope_parameters`` (transformers 5) or from the older
         ``rope_theta`` / ``rope_scaling`` pair.
         """
-        names = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
-        nullable = {"bos_token_id", "eos_token_id"}  # null is meaningful for these only
-        kwargs = {k: d[k] for k in names if k in d and (d[k] is not None or k in nullable)}
-        rope_params = d.get("rope_parameters")
-        if isinstance(rope_params, dict) and rope_params:
-            theta = rope_params.get("rope_theta", d.get("rope_theta"))
-            kwargs["rope_scaling"] = rope_params
-        else:
-            theta = d.get("rope_theta")
-            kwargs["rope_scaling"] = d.get("rope_scaling")
-        if theta is not None:
-            kwargs["rope_theta"] = float(theta)
-        return cls(**kwargs)
+        return cls(**config_kwargs(cls, d, nullable={"bos_token_id", "eos_token_id"}))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face ``config.json`` dict, RoPE as transformers 5 ``rope_parameters``."""
-        out: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-        for f in fields(self):
-            if f.name not in ("rope_theta", "rope_scaling"):
-                out[f.name] = getattr(self, f.name)
-        rope: dict[str, Any] = {"rope_type": "default"}
-        rope.update(self.rope_scaling or {})
-        rope["rope_theta"] = self.rope_theta
-        out["rope_parameters"] = rope
-        return out
+        return config_dict(self, "LlamaForCausalLM", "llama")

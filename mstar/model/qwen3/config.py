@@ -6,10 +6,11 @@ same thing here as there (notably ``head_dim`` defaults to 128, not ``hidden / h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from mstar.model.llama.config import _normalize_rope_scaling
+from mstar.model.hf_config import config_dict, config_kwargs, normalize_rope_scaling
+
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Qwen3Config:
             raise NotImplementedError(f"unsupported hidden_act {self.hidden_act!r}")
         if self.use_sliding_window:
             raise NotImplementedError("Qwen3 sliding-window attention is not supported")
-        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
 
     @property
     def num_kv_heads(self) -> int:
@@ -59,28 +60,8 @@ class Qwen3Config:
         RoPE settings are read from ``rope_parameters`` (transformers 5) or from the older
         ``rope_theta`` / ``rope_scaling`` pair.
         """
-        names = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
-        nullable = {"pad_token_id", "bos_token_id", "eos_token_id"}
-        kwargs = {k: d[k] for k in names if k in d and (d[k] is not None or k in nullable)}
-        rope_params = d.get("rope_parameters")
-        if isinstance(rope_params, dict) and rope_params:
-            theta = rope_params.get("rope_theta", d.get("rope_theta"))
-            kwargs["rope_scaling"] = rope_params
-        else:
-            theta = d.get("rope_theta")
-            kwargs["rope_scaling"] = d.get("rope_scaling")
-        if theta is not None:
-            kwargs["rope_theta"] = float(theta)
-        return cls(**kwargs)
+        return cls(**config_kwargs(cls, d, nullable={"pad_token_id", "bos_token_id", "eos_token_id"}))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face ``config.json`` dict, RoPE as transformers 5 ``rope_parameters``."""
-        out: dict[str, Any] = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-        for f in fields(self):
-            if f.name not in ("rope_theta", "rope_scaling"):
-                out[f.name] = getattr(self, f.name)
-        rope: dict[str, Any] = {"rope_type": "default"}
-        rope.update(self.rope_scaling or {})
-        rope["rope_theta"] = self.rope_theta
-        out["rope_parameters"] = rope
-        return out
+        return config_dict(self, "Qwen3ForCausalLM", "qwen3")

@@ -21,41 +21,13 @@ from typing import Any
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
+from mstar.audio.languages import CODE_OF_NAME as _NAME_TO_CODE
+from mstar.audio.languages import LANGUAGE_ALIASES, LANGUAGES
+
 __all__ = ["LANGUAGES", "LANGUAGE_ALIASES", "WhisperTokens", "repair_bpe_merges"]
 
 logger = logging.getLogger(__name__)
 
-# ISO-ish code -> English name, in Whisper's token order (the first 99 are in every multilingual
-# checkpoint; "yue" only in large-v3).
-LANGUAGES: dict[str, str] = {
-    "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ru": "russian",
-    "ko": "korean", "fr": "french", "ja": "japanese", "pt": "portuguese", "tr": "turkish",
-    "pl": "polish", "ca": "catalan", "nl": "dutch", "ar": "arabic", "sv": "swedish",
-    "it": "italian", "id": "indonesian", "hi": "hindi", "fi": "finnish", "vi": "vietnamese",
-    "he": "hebrew", "uk": "ukrainian", "el": "greek", "ms": "malay", "cs": "czech",
-    "ro": "romanian", "da": "danish", "hu": "hungarian", "ta": "tamil", "no": "norwegian",
-    "th": "thai", "ur": "urdu", "hr": "croatian", "bg": "bulgarian", "lt": "lithuanian",
-    "la": "latin", "mi": "maori", "ml": "malayalam", "cy": "welsh", "sk": "slovak",
-    "te": "telugu", "fa": "persian", "lv": "latvian", "bn": "bengali", "sr": "serbian",
-    "az": "azerbaijani", "sl": "slovenian", "kn": "kannada", "et": "estonian", "mk": "macedonian",
-    "br": "breton", "eu": "basque", "is": "icelandic", "hy": "armenian", "ne": "nepali",
-    "mn": "mongolian", "bs": "bosnian", "kk": "kazakh", "sq": "albanian", "sw": "swahili",
-    "gl": "galician", "mr": "marathi", "pa": "punjabi", "si": "sinhala", "km": "khmer",
-    "sn": "shona", "yo": "yoruba", "so": "somali", "af": "afrikaans", "oc": "occitan",
-    "ka": "georgian", "be": "belarusian", "tg": "tajik", "sd": "sindhi", "gu": "gujarati",
-    "am": "amharic", "yi": "yiddish", "lo": "lao", "uz": "uzbek", "fo": "faroese",
-    "ht": "haitian creole", "ps": "pashto", "tk": "turkmen", "nn": "nynorsk", "mt": "maltese",
-    "sa": "sanskrit", "lb": "luxembourgish", "my": "myanmar", "bo": "tibetan", "tl": "tagalog",
-    "mg": "malagasy", "as": "assamese", "tt": "tatar", "haw": "hawaiian", "ln": "lingala",
-    "ha": "hausa", "ba": "bashkir", "jw": "javanese", "su": "sundanese", "yue": "cantonese",
-}
-# Other English names people use for the same languages.
-LANGUAGE_ALIASES: dict[str, str] = {
-    "burmese": "my", "valencian": "ca", "flemish": "nl", "haitian": "ht", "letzeburgesch": "lb",
-    "pushto": "ps", "panjabi": "pa", "moldavian": "ro", "moldovan": "ro", "sinhalese": "si",
-    "castilian": "es", "mandarin": "zh", "farsi": "fa", "norwegian nynorsk": "nn",
-}
-_NAME_TO_CODE = {name: code for code, name in LANGUAGES.items()} | LANGUAGE_ALIASES
 TASKS = ("transcribe", "translate")
 MAX_PROMPT_TOKENS = 223  # Whisper keeps the last n_text_ctx // 2 - 1 previous-text tokens
 
