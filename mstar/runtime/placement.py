@@ -7,7 +7,6 @@ static per (walk, step), so the conductor computes it once at load time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from mstar.graph import Graph, Step, Walk
 
@@ -88,10 +87,6 @@ class Routes:
 
 def all_routes(graph: Graph, placement: Placement) -> dict[str, Routes]:
     return {name: Routes.of(walk, placement) for name, walk in graph.walks.items()}
-
-
-def ranks_of(groups: Iterable[NodeGroup]) -> set[int]:
-    return {rank for group in groups for rank in group.ranks}
 
 
 def build_placement(graph: Graph, config) -> Placement:

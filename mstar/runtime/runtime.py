@@ -9,7 +9,6 @@ runs torch models: the workers do.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -63,7 +62,6 @@ class Runtime:
         # each rank's latest engine gauges ("node.stat" -> value), replaced on every result
         self.rank_gauges: dict[int, dict[str, float]] = dict(workers.stats())
         self._stop = threading.Event()
-        self._ids = itertools.count()
         self._threads = [threading.Thread(target=self._loop, name="mstar-conductor", daemon=True),
                          threading.Thread(target=self._receive_emits, name="mstar-emits", daemon=True)]
         for thread in self._threads:
@@ -227,8 +225,6 @@ class Runtime:
             tracked.sink(None)
         self.tracked.pop(request_id, None)
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
 
 
 def _error_status(done: Finished | None) -> int | None:

@@ -73,9 +73,6 @@ class InProcessWorkers:
     def stats(self) -> dict[int, dict[str, float]]:
         return {rank: worker.stats() for rank, worker in self.workers.items()}
 
-    def alive(self) -> bool:
-        return True
-
     def close(self) -> None:
         for worker in self.workers.values():
             worker.transport.close()
@@ -163,9 +160,6 @@ class ProcessWorkers:
 
     def stats(self) -> dict[int, dict[str, float]]:
         return {rank: dict(gauges) for rank, gauges in self.ready_gauges.items()}
-
-    def alive(self) -> bool:
-        return not self.failed
 
     def close(self) -> None:
         for rank, sock in self.plans.items():
