@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention import PagedAttentionMetadata, paged_attention
+from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 from mstar.model.llama.config import LlamaConfig
@@ -54,27 +55,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
