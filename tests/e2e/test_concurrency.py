@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from inprocess import Recorder, poll_drained, record_batches
+
 from mstar.config import parse_config
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.sampling_params import SamplingParams
@@ -62,16 +64,6 @@ class Outcome:
             self.finish_reason = event.finish_reason
 
 
-@dataclass
-class Recorder:
-    """Every batch the engine ran, as (request_id, op) pairs."""
-
-    batches: list[list[tuple[str, str]]] = field(default_factory=list)
-
-    def since(self, mark: int) -> list[list[tuple[str, str]]]:
-        return self.batches[mark:]
-
-
 def _engine(d: Deployment) -> AutoregressiveEngine:
     return d.runtime.workers.workers[0].engines["llm"]
 
@@ -87,19 +79,8 @@ def deployment() -> Iterator[Deployment]:
 
 @pytest.fixture(scope="module")
 def recorder(deployment: Deployment) -> Iterator[Recorder]:
-    engine = _engine(deployment)
-    original = engine.run
-    rec = Recorder()
-
-    def recording_run(items):
-        rec.batches.append([(item.request_id, item.op) for item in items])
-        return original(items)
-
-    engine.run = recording_run  # the worker calls engine.run(batch): the instance attribute wins
-    try:
+    with record_batches(_engine(deployment)) as rec:
         yield rec
-    finally:
-        del engine.run
 
 
 def _spec(question: str, tag: str, max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> ChatSpec:
@@ -127,11 +108,7 @@ async def _collect(d: Deployment, spec: ChatSpec) -> Outcome:
 def _wait_drained(d: Deployment, timeout: float = 10.0) -> None:
     """Pages are released on the conductor's next plan after a request ends: poll."""
     engine = _engine(d)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.pool.num_used_pages == 0 and d.runtime.conductor.idle and not d.runtime.tracked:
-            break
-        time.sleep(0.02)
+    poll_drained(d, engine, timeout=timeout)
     conductor = d.runtime.conductor
     assert engine.pool.num_used_pages == 0, f"KV pages still held by {engine.pool.seq_ids()}"
     assert engine.seqs == {}

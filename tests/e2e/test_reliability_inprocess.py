@@ -20,6 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inprocess import poll_drained
+
 from mstar.config import parse_config
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.runtime.launch import Deployment, start
@@ -122,11 +124,7 @@ def _content(payloads: list) -> str:
 
 def _wait_drained(d: Deployment, timeout: float = 20.0) -> None:
     engine = _engine(d)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.pool.num_used_pages == 0 and d.runtime.conductor.idle and not d.runtime.tracked:
-            break
-        time.sleep(0.02)
+    poll_drained(d, engine, timeout=timeout)
     assert engine.pool.num_used_pages == 0, f"KV pages still held by {engine.pool.seq_ids()}"
     assert d.runtime.conductor.idle and d.runtime.tracked == {}
     assert d.runtime.admission.waiting == 0

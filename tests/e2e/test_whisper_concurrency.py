@@ -5,13 +5,13 @@ took (self-attention KV pages, the cross-attention cache) must come back afterwa
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from inprocess import Recorder, poll_drained, record_batches
 
 from mstar.config import parse_config
 from mstar.runtime.launch import Deployment, start
@@ -26,13 +26,6 @@ VARIANTS = [
     ("en", "A pangram, then a sentence about speech recognition."),
 ]
 CONCURRENT = 8
-
-
-@dataclass
-class Recorder:
-    """Every batch the decoder ran, as (request_id, op) pairs."""
-
-    batches: list[list[tuple[str, str]]] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +43,8 @@ def _decoder(d: Deployment):
 
 @pytest.fixture(scope="module")
 def recorder(deployment: Deployment) -> Iterator[Recorder]:
-    engine = _decoder(deployment)
-    original = engine.run
-    rec = Recorder()
-
-    def recording_run(items):
-        rec.batches.append([(item.request_id, item.op) for item in items])
-        return original(items)
-
-    engine.run = recording_run  # the worker calls engine.run(batch): the instance attribute wins
-    try:
+    with record_batches(_decoder(deployment)) as rec:
         yield rec
-    finally:
-        del engine.run
 
 
 def _spec(audio: bytes, variant: int, tag: str) -> TranscriptionSpec:
@@ -76,12 +58,7 @@ def _wait_drained(d: Deployment, timeout: float = 10.0) -> None:
     """Pages and cross-attention entries are released on the conductor's next plan after
     a request ends: poll."""
     engine = _decoder(d)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.pool.num_used_pages == 0 and engine.cross == {} and d.runtime.conductor.idle \
-                and not d.runtime.tracked:
-            break
-        time.sleep(0.02)
+    poll_drained(d, engine, also=lambda: engine.cross == {}, timeout=timeout)
     conductor = d.runtime.conductor
     assert engine.pool.num_used_pages == 0, f"KV pages still held by {engine.pool.seq_ids()}"
     assert engine.cross == {}, f"cross-attention KV still held for {list(engine.cross)}"
