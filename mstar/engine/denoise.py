@@ -2,34 +2,74 @@
 
 A request's loop-carried state is its latent tokens, which travel as a walk variable, and
 the loop's iteration index, which the runtime hands to every step; the schedule (sigmas,
-timesteps) is a pure function of the request's parameters, kept per request. Requests with
-the same latent and text shapes run as one batch, each at its own step.
+timesteps) is a pure function of the request's parameters, kept per request. DiT rows with
+the same latent and text shapes run as one forward, each at its own step.
+
+Classifier-free guidance comes in two forms, both ending in the same arithmetic:
+
+- **batched pair**: op ``step`` of a request whose ``guidance_scale`` param is above 1 and
+  which reads ``negative_text`` puts two rows in the forward (conditional and
+  unconditional), combines them (``mstar.diffusion.guidance.guide``) and takes the Euler step.
+- **parallel branches**: op ``velocity`` runs one row and writes the raw prediction, so a
+  walk can run ``Parallel(velocity on text -> v_cond, velocity on negative_text -> v_uncond)``
+  on one rank or two, then op ``guide`` combines ``v_cond`` and ``v_uncond`` and steps.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from mstar.diffusion.flow_match import FlowMatchEuler
+from mstar.diffusion.guidance import guide
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 
 # velocity(latents [B, N, C], text [B, L, D], timesteps [B] in [0, 1], params of each row) -> [B, N, C]
 Velocity = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]], torch.Tensor]
 
+STEP, VELOCITY, GUIDE = "step", "velocity", "guide"
+OPS = (STEP, VELOCITY, GUIDE)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One DiT row of a forward: item ``item``'s latents with the text in input ``text``."""
+
+    item: int
+    text: str  # "text" (conditional) or "negative_text" (unconditional)
+
+
+def guidance_scale(item: EngineItem) -> float:
+    return float(item.params.get("guidance_scale", 1.0))
+
 
 class DenoiseEngine(Engine):
-    """Op ``step`` reads ``latents`` and ``text`` and writes ``latents``. Request params:
-    ``num_steps`` and ``image_seq_len`` (they fix the schedule)."""
+    """Ops (ports in brackets; request params ``num_steps`` and ``image_seq_len`` fix the
+    schedule, ``guidance_scale`` the guidance):
 
-    def __init__(self, velocity: Velocity, scheduler: FlowMatchEuler, device: torch.device, dtype: torch.dtype):
+    - ``step`` [latents, text, optional negative_text -> latents]: a whole Euler step; guided
+      as a batched pair when ``guidance_scale > 1``.
+    - ``velocity`` [latents, text -> velocity]: the DiT's prediction for one branch.
+    - ``guide`` [latents, v_cond, v_uncond -> latents]: combine two branches and step.
+
+    ``max_batch_size`` caps the rows of one DiT forward (a guided ``step`` counts two); the
+    rest run in further forwards. None: every row of one shape in one forward.
+    """
+
+    def __init__(self, velocity: Velocity, scheduler: FlowMatchEuler, device: torch.device, dtype: torch.dtype,
+                 max_batch_size: int | None = None):
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.velocity = velocity
         self.scheduler = scheduler
         self.device = device
         self.dtype = dtype
+        self.max_batch_size = max_batch_size
         self.schedules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
         if item.request_id not in self.schedules:
@@ -38,27 +78,85 @@ class DenoiseEngine(Engine):
         return self.schedules[item.request_id]
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
-        if any(item.op != "step" for item in items):
-            raise ValueError("the denoise engine has one op, 'step'")
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, item in enumerate(items):
-            groups[(tuple(item.inputs["latents"].shape), tuple(item.inputs["text"].shape))].append(i)
+        for item in items:
+            if item.op not in OPS:
+                raise ValueError(f"the denoise engine has no op {item.op!r} (it has {list(OPS)})")
+        with torch.inference_mode():
+            return self._run(items)
+
+    def _run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        predicted = self._predict(items, self._rows(items))
         outputs: list[EngineOutput | None] = [None] * len(items)
-        for rows in groups.values():
-            batch = [items[i] for i in rows]
-            schedules = [self._schedule(item) for item in batch]
-            steps = [item.iteration for item in batch]
-            sigma = torch.stack([s[0][k] for s, k in zip(schedules, steps)]).to(self.device)
-            sigma_next = torch.stack([s[0][k + 1] for s, k in zip(schedules, steps)]).to(self.device)
-            t = torch.stack([s[1][k] for s, k in zip(schedules, steps)]).to(self.device) / 1000
-            latents = torch.stack([item.inputs["latents"] for item in batch]).to(self.device)
-            text = torch.stack([item.inputs["text"] for item in batch]).to(self.device, self.dtype)
-            with torch.inference_mode():
-                v = self.velocity(latents.to(self.dtype), text, t.to(self.dtype), [item.params for item in batch])
-                stepped = FlowMatchEuler.step(latents, v.to(latents.dtype), sigma, sigma_next)
-            for row, i in enumerate(rows):
-                outputs[i] = EngineOutput({"latents": stepped[row]})
+        moves: dict[int, torch.Tensor] = {}  # item -> the velocity its Euler step takes
+        for i, item in enumerate(items):
+            if item.op == VELOCITY:
+                outputs[i] = EngineOutput({"velocity": predicted[_Row(i, "text")]})
+            elif item.op == GUIDE:
+                v_cond, v_uncond = (item.inputs[k].to(self.device) for k in ("v_cond", "v_uncond"))
+                moves[i] = guide(v_cond, v_uncond, guidance_scale(item))
+            elif _Row(i, "negative_text") in predicted:
+                moves[i] = guide(predicted[_Row(i, "text")], predicted[_Row(i, "negative_text")], guidance_scale(item))
+            else:
+                moves[i] = predicted[_Row(i, "text")]
+        for i, latents in self._euler(items, moves).items():
+            outputs[i] = EngineOutput({"latents": latents})
         return outputs  # type: ignore[return-value]
+
+    def _rows(self, items: list[EngineItem]) -> list[_Row]:
+        """The DiT rows the items need: one per ``velocity`` or unguided ``step``, two per
+        guided ``step`` (the pair sits side by side)."""
+        rows = []
+        for i, item in enumerate(items):
+            if item.op == GUIDE:
+                continue
+            rows.append(_Row(i, "text"))
+            if item.op == STEP and guidance_scale(item) > 1:
+                if "negative_text" not in item.inputs:
+                    raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs "
+                                     "a negative_text input to the step")
+                rows.append(_Row(i, "negative_text"))
+        return rows
+
+    def _predict(self, items: list[EngineItem], rows: list[_Row]) -> dict[_Row, torch.Tensor]:
+        """Every row's velocity (in its latents' dtype): rows of one shape share forwards of
+        at most ``max_batch_size`` rows."""
+        groups: dict[tuple, list[_Row]] = defaultdict(list)
+        for row in rows:
+            item = items[row.item]
+            groups[(tuple(item.inputs["latents"].shape), tuple(item.inputs[row.text].shape))].append(row)
+        out: dict[_Row, torch.Tensor] = {}
+        for group in groups.values():
+            size = self.max_batch_size or len(group)
+            for start in range(0, len(group), size):
+                chunk = group[start:start + size]
+                for row, v in zip(chunk, self._forward(items, chunk)):
+                    out[row] = v
+        return out
+
+    def _forward(self, items: list[EngineItem], rows: list[_Row]) -> torch.Tensor:
+        batch = [items[row.item] for row in rows]
+        t = torch.stack([self._schedule(item)[1][item.iteration] for item in batch]).to(self.device) / 1000
+        latents = torch.stack([item.inputs["latents"] for item in batch]).to(self.device)
+        text = torch.stack([item.inputs[row.text] for item, row in zip(batch, rows)]).to(self.device, self.dtype)
+        self.forward_rows.append(len(rows))
+        v = self.velocity(latents.to(self.dtype), text, t.to(self.dtype), [item.params for item in batch])
+        return v.to(latents.dtype)
+
+    def _euler(self, items: list[EngineItem], moves: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One Euler step for every item in ``moves``, batched by latent shape."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i in moves:
+            groups[tuple(items[i].inputs["latents"].shape)].append(i)
+        out: dict[int, torch.Tensor] = {}
+        for indices in groups.values():
+            batch = [items[i] for i in indices]
+            sigmas = [self._schedule(item)[0] for item in batch]
+            sigma = torch.stack([s[item.iteration] for s, item in zip(sigmas, batch)]).to(self.device)
+            sigma_next = torch.stack([s[item.iteration + 1] for s, item in zip(sigmas, batch)]).to(self.device)
+            latents = torch.stack([item.inputs["latents"] for item in batch]).to(self.device)
+            stepped = FlowMatchEuler.step(latents, torch.stack([moves[i] for i in indices]), sigma, sigma_next)
+            out.update(zip(indices, stepped))
+        return out
 
     def release(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
