@@ -1,8 +1,16 @@
-"""FLUX.2 [klein] text-to-image: the declaration.
+"""FLUX.2 [klein] text-to-image and editing: the declaration.
 
 Three nodes: the Qwen3 text encoder (only the layers whose hidden states the DiT reads),
 the DiT as a denoise engine (a Loop of flow-matching Euler steps whose loop-carried state
-is the latent tokens), and the VAE decoder. Requests at the same size batch at every node.
+is the latent tokens), and the VAE (``decode``; ``encode`` for reference images). Two walks:
+``t2i``, and ``edit``, which VAE-encodes up to four reference images beside the text encoder
+and conditions every denoise step on their tokens (see ``mstar.model.flux2.edit``). Requests
+at the same size (and, for edits, the same reference sizes) batch at every node.
+
+Deployment knobs (``model_kwargs``): ``max_image_area`` (pixels, default 2048x2048),
+``num_inference_steps`` (default 4), ``max_batch_size`` (DiT rows per forward), ``compile``
+(torch.compile the DiT, with ``compile_backend``, default inductor; eager is the reference),
+``lora`` (adapters folded into the DiT at load, ``mstar.model.lora``).
 """
 
 from __future__ import annotations
@@ -16,12 +24,23 @@ import torch
 
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.engine.base import StatelessEngine
-from mstar.engine.denoise import DenoiseEngine
-from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
+from mstar.media.images import ImageError, decode_image
 from mstar.model.flux2.config import Flux2TransformerConfig
+from mstar.model.flux2.edit import (
+    MAX_REFERENCES,
+    ReferenceDenoiseEngine,
+    encode_references,
+    pack_pixels,
+    prepare_reference,
+    reference_grids,
+    reference_ids,
+)
+from mstar.model.flux2.lora_layout import flux2_lora_targets
 from mstar.model.flux2.text import KleinText
 from mstar.model.flux2.transformer import Flux2Transformer
 from mstar.model.flux2.vae import Flux2VAE, Flux2VAEConfig, token_grid, to_tokens, unpack_latents
+from mstar.model.lora import LoraAdapter, fold_adapters, parse_adapters
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.server.backend import GenerateSpec, ImageSpec, OutputEvent, RequestError
@@ -44,6 +63,39 @@ def image_ids(rows: int, cols: int) -> torch.Tensor:
     ids[:, 1] = torch.arange(rows).repeat_interleave(cols)
     ids[:, 2] = torch.arange(cols).repeat(rows)
     return ids
+
+
+def token_ids(params: dict) -> torch.Tensor:
+    """Positions of a request's DiT tokens: its image grid, then its references (if any)."""
+    ids = image_ids(params["rows"], params["cols"])
+    grids = params.get("reference_grids")
+    return torch.cat([ids, reference_ids(grids)]) if grids else ids
+
+
+class Knobs:
+    """The deployment knobs of ``model_kwargs``, checked at startup (errors name the key)."""
+
+    def __init__(self, kwargs: dict):
+        def integer(name: str, default: int | None, low: int = 1) -> int | None:
+            value = kwargs.get(name, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"model_kwargs.{name}: must be an integer >= {low}, got {value!r}")
+            return value
+
+        self.max_area = integer("max_image_area", 2048 * 2048)
+        self.default_steps = integer("num_inference_steps", DEFAULT_STEPS)
+        self.max_batch_size = integer("max_batch_size", None)
+        self.seed = integer("seed", 0, low=0)
+        self.compile = kwargs.get("compile", False)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"model_kwargs.compile: must be true or false, got {self.compile!r}")
+        self.compile_backend = kwargs.get("compile_backend", "inductor")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"model_kwargs.compile_backend: must be a torch.compile backend name, "
+                             f"got {self.compile_backend!r}")
+        self.lora: list[LoraAdapter] = parse_adapters(kwargs.get("lora"))
 
 
 class PngStream(OutputStream):
@@ -73,14 +125,28 @@ class Flux2Klein(ModelSpec):
 
     def graph(self) -> Graph:
         text_encoder = Node("text_encoder", "stateless", inputs=("prompt_ids", "prompt_mask"), outputs=("text",))
-        dit = Node("dit", "denoise", inputs=("latents", "text"), outputs=("latents",), ops=("step",))
-        vae = Node("vae", "stateless", inputs=("latents",), outputs=("image",), ops=("decode",))
+        dit = Node("dit", "denoise", inputs=("latents", "text", "references"), outputs=("latents",), ops=("step",))
+        vae = Node("vae", "stateless", inputs=("latents", "reference_pixels"), outputs=("image", "references"),
+                   ops=("decode", "encode"))
+
+        def encode_text() -> Step:
+            return Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes="text")
+
+        def decode() -> Step:
+            return Step("vae", "decode", reads="latents", writes="image", emit=Emit("image", "image"))
+
         t2i = Walk("t2i", Sequential(
-            Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes="text"),
+            encode_text(),
             Loop(Step("dit", "step", reads=("latents", "text"), writes="latents"), max_iters="num_steps"),
-            Step("vae", "decode", reads="latents", writes="image", emit=Emit("image", "image")),
+            decode(),
         ), inputs=("prompt_ids", "prompt_mask", "latents"))
-        return Graph.build([text_encoder, dit, vae], [t2i])
+        edit = Walk("edit", Sequential(
+            Parallel(encode_text(), Step("vae", "encode", reads="reference_pixels", writes="references")),
+            Loop(Step("dit", "step", reads=("latents", "text", "references"), writes="latents"),
+                 max_iters="num_steps"),
+            decode(),
+        ), inputs=("prompt_ids", "prompt_mask", "latents", "reference_pixels"))
+        return Graph.build([text_encoder, dit, vae], [t2i, edit])
 
     # -------------------------------------------------------------- frontend
     def directory(self) -> Path:
@@ -92,15 +158,12 @@ class Flux2Klein(ModelSpec):
         root = self.directory()
         self.text = KleinText.from_directory(root)
         self.vae_config = Flux2VAEConfig.from_dict(json.loads((root / "vae" / "config.json").read_text()))
-        kwargs = self.config.model_kwargs
-        self.max_area = int(kwargs.get("max_image_area", 2048 * 2048))
-        self.default_steps = int(kwargs.get("num_inference_steps", DEFAULT_STEPS))
+        knobs = Knobs(self.config.model_kwargs)
+        self.max_area, self.default_steps = knobs.max_area, knobs.default_steps
 
     def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
         if not spec.prompt.strip():
             raise RequestError("prompt", "must not be empty")
-        if spec.images:
-            raise RequestError("image", f"model {self.key!r} does not edit images yet")
         width, height = spec.width, spec.height
         multiple = 2 * self.vae_config.scale_factor
         if width % multiple or height % multiple or width < multiple or height < multiple:
@@ -117,7 +180,25 @@ class Flux2Klein(ModelSpec):
         seed = (spec.seed if spec.seed is not None else torch.seed() % (1 << 31)) + index
         noise = FlowMatchEuler.initial_noise((1, 4 * self.vae_config.latent_channels, rows, cols), seed)
         params = {"num_steps": steps, "image_seq_len": rows * cols, "rows": rows, "cols": cols}
-        return WalkRequest("t2i", {"prompt_ids": ids, "prompt_mask": mask, "latents": to_tokens(noise)[0]}, params)
+        inputs = {"prompt_ids": ids, "prompt_mask": mask, "latents": to_tokens(noise)[0]}
+        if not spec.images:
+            return WalkRequest("t2i", inputs, params)
+        inputs["reference_pixels"], sizes = pack_pixels(self.references(spec.images))
+        params.update(reference_sizes=sizes, reference_grids=reference_grids(sizes, self.vae_config.scale_factor))
+        return WalkRequest("edit", inputs, params)
+
+    def references(self, uploads: list[bytes]) -> list[torch.Tensor]:
+        """The reference images, decoded and prepared as the pipeline conditions on them."""
+        if len(uploads) > MAX_REFERENCES:
+            raise RequestError("image", f"at most {MAX_REFERENCES} reference images, got {len(uploads)}")
+        prepared = []
+        for data in uploads:
+            try:
+                image = decode_image(data, field="image")
+            except ImageError as err:
+                raise RequestError(err.field, err.message, err.status) from None
+            prepared.append(prepare_reference(image, 2 * self.vae_config.scale_factor))
+        return prepared
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) != {"image"}:
@@ -125,7 +206,8 @@ class Flux2Klein(ModelSpec):
         kw = spec.model_kwargs
         return self.prepare_image(ImageSpec(spec.request_id, spec.text, int(kw.get("width", 1024)),
                                             int(kw.get("height", 1024)), 1, kw.get("seed"),
-                                            kw.get("num_inference_steps"), kw.get("guidance_scale")))
+                                            kw.get("num_inference_steps"), kw.get("guidance_scale"),
+                                            [data for _, data in spec.files]))
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> PngStream:
         return PngStream()
@@ -137,7 +219,8 @@ class Flux2Klein(ModelSpec):
         root = self.directory()
         dtype = self.config.torch_dtype()
         dummy = self.config.load_format == "dummy"
-        seed = int(self.config.model_kwargs.get("seed", 0))
+        knobs = Knobs(self.config.model_kwargs)
+        seed = knobs.seed
 
         def build(module: torch.nn.Module, folder: str, offset: int, **load) -> torch.nn.Module:
             module = module.to(device=device, dtype=dtype)
@@ -158,24 +241,39 @@ class Flux2Klein(ModelSpec):
         if "dit" in nodes:
             config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
             dit = build(Flux2Transformer(config), "transformer", 2)
+            fold_adapters(dit, knobs.lora, targets=flux2_lora_targets)  # in fp32, one rounding per weight
+            forward = torch.compile(dit, backend=knobs.compile_backend) if knobs.compile else dit
 
             def velocity(latents, text, t, params):
-                img = image_ids(params[0]["rows"], params[0]["cols"]).to(device)
-                return dit(latents, text, t, img, text_ids(text.shape[1]).to(device), guidance=None)
+                ids = torch.stack([token_ids(p) for p in params]).to(device)
+                return forward(latents, text, t, ids, text_ids(text.shape[1]).to(device), guidance=None)
 
-            engines["dit"] = DenoiseEngine(velocity, FlowMatchEuler(), device, dtype)
+            batching = {} if knobs.max_batch_size is None else {"max_batch_size": knobs.max_batch_size}
+            engines["dit"] = ReferenceDenoiseEngine(velocity, FlowMatchEuler(), device, dtype, **batching)
         if "vae" in nodes:
             vae = build(Flux2VAE(Flux2VAEConfig.from_dict(json.loads((root / "vae" / "config.json").read_text()))),
                         "vae", 3)
 
-            def decode(op, items):
+            def run(op, items):
                 out = []
-                for item in items:  # sizes differ between requests; decode each
+                for item in items:  # sizes differ between requests; one at a time
                     p = item.params
+                    if op == "encode":
+                        tokens = encode_references(vae, item.inputs["reference_pixels"], p["reference_sizes"])
+                        out.append({"references": tokens})
+                        continue
                     latents = unpack_latents(item.inputs["latents"][None].to(device, dtype), p["rows"], p["cols"],
                                              *vae.latent_norm())
                     out.append({"image": vae.decode(latents)[0].float().cpu()})
                 return out
 
-            engines["vae"] = StatelessEngine(decode)
+            engines["vae"] = StatelessEngine(run)
         return engines
+
+
+@register
+class Flux2Klein9B(Flux2Klein):
+    """FLUX.2 [klein] 9B: the same model class at another size (Qwen3-8B encoder, 4096-wide DiT)."""
+
+    key = "flux2_klein_9b"
+    default_weights = "black-forest-labs/FLUX.2-klein-9B"
