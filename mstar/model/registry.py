@@ -10,7 +10,9 @@ _REGISTRY: dict[str, type[ModelSpec]] = {}
 
 # Families are imported on first lookup so that `import mstar` stays light.
 _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.model.orpheus.model",
-             "mstar.model.flux2.model")
+             "mstar.model.flux2.model", "mstar.model.flux2.guided",
+             "mstar.model.qwen3_5.model",
+             "mstar.model.z_image.model")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:
