@@ -22,6 +22,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -124,6 +125,12 @@ def _time_op(op, device: torch.device, repeats: int, warmup: int) -> list[float]
     return times
 
 
+def time_calls(op, device: torch.device | str, repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds each of ``repeats`` calls of ``op`` took after ``warmup`` untimed calls (CUDA
+    events on a GPU, wall time on the CPU)."""
+    return _time_op(op, torch.device(device), repeats, warmup)
+
+
 def measure_memory_bandwidth(device: torch.device | str, size_bytes: int | None = None,
                              repeats: int = 10) -> float:
     """Device memory bandwidth in GB/s (1e9 bytes): the median of ``repeats`` copies of one
@@ -153,6 +160,48 @@ def measure_matmul_tflops(device: torch.device | str, dtype: torch.dtype, n: int
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     seconds = statistics.median(_time_op(lambda: torch.mm(a, b), device, repeats, warmup=3))
     return 2 * n**3 / seconds / 1e12
+
+
+@dataclass
+class TimedSink:
+    """A runtime sink (``Runtime.submit``'s ``sink``) that timestamps one request's events as
+    the frontend gets them: every token, and the first event carrying data (audio, an image)."""
+
+    submitted: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    first_data: float | None = None
+    data_bytes: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, event) -> None:
+        now = time.perf_counter()
+        if event is None:
+            self.done.set()
+            return
+        if event.token_ids:
+            self.token_times.extend([now] * len(event.token_ids))
+        if event.data:
+            self.first_data = self.first_data or now
+            self.data_bytes += len(event.data)
+        if event.error:
+            self.error = event.error
+        if event.finish_reason:
+            self.finish_reason = event.finish_reason
+
+    @property
+    def last_s(self) -> float:
+        """When the request's last token arrived (``perf_counter`` time)."""
+        return self.token_times[-1]
+
+
+def wait_all(sinks: list[TimedSink], timeout_s: float) -> None:
+    """Block until every sink's request has ended; ``TimeoutError`` past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for sink in sinks:
+        if not sink.done.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"{len(sinks)} requests did not finish in {timeout_s:.0f} s")
 
 
 # ------------------------------------------------------------------------------ records
@@ -328,4 +377,92 @@ def tiny_llama_dir(tmp: str | os.PathLike[str], **overrides: Any) -> Path:
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
                             pad_token="<|eos|>").save_pretrained(path)
+    return path
+
+
+# ------------------------------------------------------------------------- Whisper layout
+WHISPER_LARGE_V3: dict[str, Any] = {
+    "vocab_size": 51866,
+    "num_mel_bins": 128,
+    "d_model": 1280,
+    "encoder_layers": 32,
+    "decoder_layers": 32,
+    "encoder_attention_heads": 20,
+    "decoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "decoder_ffn_dim": 5120,
+    "max_source_positions": 1500,
+    "max_target_positions": 448,
+}
+
+WHISPER_TINY: dict[str, Any] = {
+    **WHISPER_LARGE_V3,
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+}
+
+
+def whisper_special_tokens() -> list[str]:
+    """Whisper large-v3's special tokens in id order from 50257: end of text, start of
+    transcript, the 100 language tokens, the task and control tokens, then the 1501
+    timestamps ``<|0.00|>`` ... ``<|30.00|>``."""
+    from mstar.audio.languages import LANGUAGES
+
+    controls = ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                "<|notimestamps|>"]
+    stamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+    return ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{code}|>" for code in LANGUAGES), *controls, *stamps]
+
+
+def whisper_dir(tmp: str | os.PathLike[str], **shape: Any) -> Path:
+    """A Hugging Face Whisper directory without weights: ``config.json`` of ``shape``
+    (:data:`WHISPER_LARGE_V3` by default), ``generation_config.json`` (language and task ids,
+    as transformers' ``generate`` needs them) and a byte-level tokenizer laid out like
+    large-v3's (50257 text ids, then the special tokens of :func:`whisper_special_tokens`).
+
+    A ``whisper`` deployment with ``load_format: dummy`` starts from it with no download, and
+    transformers reads the same files.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, WhisperConfig
+
+    values = {**WHISPER_LARGE_V3, **shape}
+    specials = whisper_special_tokens()
+    text_ids = 50257
+    if values["vocab_size"] != text_ids + len(specials):
+        raise ValueError(f"vocab_size must be {text_ids + len(specials)} (large-v3's layout), got {values['vocab_size']}")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(alphabet)}
+    for i in range(len(alphabet), text_ids):
+        vocab[_filler_token(i)] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": specials[1:]})
+    ids = {token: fast.convert_tokens_to_ids(token) for token in specials}
+    if ids["<|endoftext|>"] != text_ids or ids[specials[-1]] != values["vocab_size"] - 1:
+        raise RuntimeError("the special tokens did not land on large-v3's ids")
+
+    path = Path(tmp)
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    config = WhisperConfig(**values, pad_token_id=eot, bos_token_id=eot, eos_token_id=eot,
+                           decoder_start_token_id=sot, begin_suppress_tokens=None, suppress_tokens=None)
+    config.save_pretrained(path)
+    languages = specials[2:specials.index("<|translate|>")]
+    GenerationConfig(
+        decoder_start_token_id=sot, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
+        lang_to_id={t: ids[t] for t in languages}, is_multilingual=True,
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
+        suppress_tokens=[], begin_suppress_tokens=[220, eot], max_length=values["max_target_positions"],
+    ).save_pretrained(path)
     return path

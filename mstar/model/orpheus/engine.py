@@ -24,10 +24,31 @@ TOKENS_PER_FRAME = 7
 SAMPLES_PER_FRAME = 2048
 
 
+def audio_code_range(count: int) -> tuple[int, int]:
+    """The token ids ``[lo, hi)`` that are a valid code at the ``count``-th audio position."""
+    lo = AUDIO_BASE + (count % TOKENS_PER_FRAME) * CODEBOOK
+    return lo, lo + CODEBOOK
+
+
 class OrpheusTalkerEngine(AutoregressiveEngine):
     """The Llama decoder; its ``code`` output carries the SNAC code of an audio token (the
     token's offset for its position in the frame removed) and stays silent otherwise, as
-    the reference streaming decoder skips tokens that are not a valid code there."""
+    the reference streaming decoder skips tokens that are not a valid code there.
+
+    Request param ``audio_only`` (set by the deployment's benchmarking knob
+    ``model_kwargs.benchmark_audio_only``): every token is sampled among the valid codes of
+    its position in the frame, so each step yields one code however the weights look.
+    """
+
+    def _new_sequence(self, prompt: list[int], params: dict) -> Sequence:
+        seq = super()._new_sequence(prompt, params)
+        seq.extra["audio_only"] = bool(params.get("audio_only", False))
+        return seq
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if any(seq.extra.get("audio_only") for seq in seqs):
+            logits = restrict_to_audio_codes(logits, seqs)
+        return super().choose(logits, seqs)
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
         out = super().outputs(seq, token)
@@ -42,6 +63,18 @@ class OrpheusTalkerEngine(AutoregressiveEngine):
             seq.extra["codes"] = count + 1
             out["code"] = torch.tensor([code], dtype=torch.int64)
         return out
+
+
+def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``logits [B, V]`` with every id outside the next valid code range set to -inf, for the
+    rows whose sequence is ``audio_only`` (other rows unchanged)."""
+    vocab = logits.shape[-1]
+    bounds = [audio_code_range(seq.extra.get("codes", 0)) if seq.extra.get("audio_only") else (0, vocab)
+              for seq in seqs]
+    lo, hi = torch.tensor(bounds, dtype=torch.int64, device=logits.device).unbind(-1)
+    ids = torch.arange(vocab, device=logits.device)
+    keep = (ids >= lo[:, None]) & (ids < hi[:, None])
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def snac_fn(decoder: SnacDecoder):

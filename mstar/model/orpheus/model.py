@@ -79,6 +79,10 @@ class Orpheus(ModelSpec):
     def load_frontend(self) -> None:
         self.tokenizer = self.checkpoint().tokenizer()
         self.max_new_tokens = int(self.config.model_kwargs.get("max_new_tokens", 1200))
+        # Benchmarking only: every request speaks its whole token budget as audio codes
+        # (sampling restricted to the valid code of each position, END_OF_SPEECH ignored), so
+        # that dummy weights produce a fixed amount of audio. Never set it to serve users.
+        self.benchmark_audio_only = bool(self.config.model_kwargs.get("benchmark_audio_only", False))
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
@@ -119,7 +123,8 @@ class Orpheus(ModelSpec):
             "sampling": {f: getattr(sampling, f) for f in sampling.__struct_fields__},
             "max_new_tokens": max_tokens,
             "max_decode_steps": max_tokens - 1,
-            "stop_token_ids": [talk.END_OF_SPEECH],
+            "stop_token_ids": [] if self.benchmark_audio_only else [talk.END_OF_SPEECH],
+            "audio_only": self.benchmark_audio_only,
         }
         pages = -(-(len(ids) + max_tokens) // self.config.resources.kv_cache.page_size)
         return WalkRequest("tts", {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, params,

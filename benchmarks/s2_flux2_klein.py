@@ -1,0 +1,488 @@
+"""S2: FLUX.2 [klein] 4B: seconds per DiT step and per 1024x1024 image, against diffusers.
+
+FLUX.2-klein-4B shapes (DiT: 5 double-stream + 20 single-stream blocks, 24 heads of 128,
+text width 3 x 2560; Qwen3-4B text encoder run to layer 27; the FLUX.2 VAE), random ("dummy")
+weights, bf16 on one GPU, 1024x1024 images (64 x 64 = 4096 latent tokens beside 512 text
+tokens), 4 steps, batch 1 and 4.
+
+* **DiT step**: one forward of the transformer on random latents and text features.
+  ``ours`` is ``mstar.model.flux2.Flux2Transformer`` eager and compiled; ``baseline`` is
+  diffusers' ``Flux2Transformer2DModel`` with the same weights (copied from ours), eager and
+  compiled the same way (``--compile-mode regional``: every block compiled, as diffusers'
+  ``compile_repeated_blocks`` does; ``full``: ``torch.compile`` of the whole model). Their
+  outputs are compared, as a check that both compute the same function.
+* **image**: a whole text-to-image request (text encoder, 4-step denoise Loop, VAE decode,
+  PNG) through an in-process M* deployment of ``flux2_klein``; seconds per image with one
+  request, and with 4 submitted at once (wall time / 4). No baseline is run for it.
+* **floor**: DiT FLOPs per step (matmuls and attention, counted from the shapes) over the
+  measured bf16 matmul rate; per image, the steps' floor plus the text encoder's and the VAE
+  decoder's FLOPs (counted by torch's FLOP counter on the meta device) over the same rate.
+
+``--smoke`` runs the same code paths with a tiny model on the CPU in seconds.
+See benchmarks/README.md for the command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a file: the repository root must be importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import (
+    Metric, hardware, measure_matmul_tflops, synchronize, time_calls, write_record,
+)
+
+NAME = "s2_flux2_klein"
+SCENARIO = "S2 flux2-klein-4B"
+TEXT_TOKENS = 512  # the klein pipeline pads every prompt to 512 tokens
+PROMPT = "a lighthouse on a cliff at dusk, waves breaking on the rocks below"
+
+log = logging.getLogger("s2")
+
+# Transformer: diffusers' FLUX.2 conversion script's "klein-4b" config (also the checkpoint's
+# transformer/config.json as third-party loaders quote it); mstar's preset holds the same.
+KLEIN_4B_DIT: dict[str, Any] = {
+    "patch_size": 1, "in_channels": 128, "out_channels": None, "num_layers": 5, "num_single_layers": 20,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 7680,
+    "timestep_guidance_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000,
+    "eps": 1e-6, "guidance_embeds": False,
+}
+# Text encoder: Qwen3-4B's config.json (the pipeline reads hidden states 9, 18 and 27 of its 36 layers).
+QWEN3_4B: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+}
+FLUX2_VAE: dict[str, Any] = {}  # AutoencoderKLFlux2's defaults are the FLUX.2 VAE
+
+TINY_DIT: dict[str, Any] = {**KLEIN_4B_DIT, "in_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                            "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 48,
+                            "timestep_guidance_channels": 32, "axes_dims_rope": [4, 4, 4, 4]}
+TINY_QWEN3: dict[str, Any] = {**QWEN3_4B, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 28,
+                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                              "max_position_embeddings": 1024}
+TINY_VAE: dict[str, Any] = {"block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4,
+                            "norm_num_groups": 4}
+
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+# ------------------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class Settings:
+    """Everything one run depends on (recorded in the JSON)."""
+
+    smoke: bool
+    device: str
+    dtype: torch.dtype
+    dit: dict[str, Any]
+    text: dict[str, Any]
+    vae: dict[str, Any]
+    height: int
+    width: int
+    steps: int
+    batches: tuple[int, ...]
+    step_runs: int
+    image_runs: int
+    compile: bool
+    compile_mode: str
+    compile_backend: str
+    runtime_compile: bool
+    seed: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["dtype"] = str(self.dtype).removeprefix("torch.")
+        out["batches"] = list(self.batches)
+        out["text_tokens"] = TEXT_TOKENS
+        return out
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    batches = tuple(sorted({int(b) for b in args.batches.split(",")})) if args.batches else (1, 4)
+    if args.smoke:
+        device, dtype, dit, text, vae = "cpu", torch.float32, TINY_DIT, TINY_QWEN3, TINY_VAE
+        size = args.size or 32
+        step_runs, image_runs = args.step_runs or 2, args.image_runs or 1
+        backend = "eager"  # dynamo's tracing without inductor's C++ code generation
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("S2 needs a CUDA GPU; use --smoke to run the tiny configuration on the CPU")
+        device, dtype, dit, text, vae = "cuda", torch.bfloat16, KLEIN_4B_DIT, QWEN3_4B, FLUX2_VAE
+        size = args.size or 1024
+        step_runs, image_runs, backend = args.step_runs or 10, args.image_runs or 2, "inductor"
+    return Settings(smoke=args.smoke, device=device, dtype=dtype, dit=dict(dit), text=dict(text), vae=dict(vae),
+                    height=size, width=size, steps=args.steps, batches=batches, step_runs=step_runs,
+                    image_runs=image_runs, compile=not args.no_compile, compile_mode=args.compile_mode,
+                    compile_backend=backend, runtime_compile=args.runtime_compile, seed=args.seed)
+
+
+def vae_config(settings: Settings):
+    from mstar.model.flux2.vae import Flux2VAEConfig
+
+    return Flux2VAEConfig.from_dict(settings.vae)
+
+
+def token_rows_cols(settings: Settings) -> tuple[int, int]:
+    from mstar.model.flux2.vae import token_grid
+
+    return token_grid(settings.height, settings.width, vae_config(settings).scale_factor)
+
+
+# --------------------------------------------------------------------------- the bound
+def dit_step_flops(dit: dict[str, Any], image_tokens: int, text_tokens: int, batch: int) -> float:
+    """FLOPs of one DiT forward, counted from the shapes: every matrix product (2 per
+    multiply-add) and the attention products ``QK^T`` and ``PV``; norms, modulation of the
+    activations, RoPE and softmax are left out (they are not matmuls)."""
+    d = dit["num_attention_heads"] * dit["attention_head_dim"]
+    hidden = int(d * dit["mlp_ratio"])
+    s = image_tokens + text_tokens
+    per_token_block = 4 * d * d + 3 * d * hidden  # q, k, v, out + SwiGLU in (2 x hidden) and out
+    attention = 4 * s * s * d  # QK^T and PV over the joint sequence
+    double = 2 * s * per_token_block + attention  # the two streams' weights together see s tokens
+    single = 2 * s * (d * (3 * d + 2 * hidden) + (d + hidden) * d) + attention
+    embed = 2 * image_tokens * dit["in_channels"] * d + 2 * text_tokens * dit["joint_attention_dim"] * d
+    out = 2 * image_tokens * d * dit["patch_size"] ** 2 * (dit["out_channels"] or dit["in_channels"])
+    per_sample = dit["num_layers"] * double + dit["num_single_layers"] * single + embed + out
+    return float(batch * per_sample)
+
+
+def counted_flops(build: Callable[[], torch.nn.Module], run: Callable[[torch.nn.Module], Any]) -> float:
+    """FLOPs of ``run(build())`` counted by torch's FLOP counter on the meta device (no memory,
+    no compute: only the shapes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        module = build()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            run(module)
+    return float(counter.get_total_flops())
+
+
+def text_encoder_flops(settings: Settings) -> float:
+    from mstar.model.qwen3 import KLEIN_TAP_LAYERS, Qwen3Config, Qwen3TextEncoder
+
+    config = Qwen3Config(**settings.text)
+    ids = lambda: torch.zeros(1, TEXT_TOKENS, dtype=torch.int64)  # noqa: E731
+    return counted_flops(lambda: Qwen3TextEncoder(config, tap_layers=KLEIN_TAP_LAYERS),
+                         lambda m: m(ids()))  # no padding mask: the same products
+
+
+def vae_decode_flops(settings: Settings) -> float:
+    from mstar.model.flux2.vae import Flux2VAE
+
+    cfg = vae_config(settings)
+    f = cfg.scale_factor
+    latents = lambda: torch.zeros(1, cfg.latent_channels, settings.height // f, settings.width // f)  # noqa: E731
+    return counted_flops(lambda: Flux2VAE(cfg), lambda m: m.decode(latents()))
+
+
+# ---------------------------------------------------------------------------- DiT step
+def dit_inputs(settings: Settings, batch: int) -> dict[str, torch.Tensor]:
+    from mstar.model.flux2.model import text_ids
+
+    rows, cols = token_rows_cols(settings)
+    device, dtype = torch.device(settings.device), settings.dtype
+    generator = torch.Generator(device=device).manual_seed(settings.seed + batch)
+    img = torch.zeros(rows * cols, 4, dtype=torch.int64)
+    img[:, 1] = torch.arange(rows).repeat_interleave(cols)
+    img[:, 2] = torch.arange(cols).repeat(rows)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=generator).to(dtype)
+
+    return {"hidden_states": randn(batch, rows * cols, settings.dit["in_channels"]),
+            "encoder_hidden_states": randn(batch, TEXT_TOKENS, settings.dit["joint_attention_dim"]),
+            "timestep": torch.full((batch,), 0.75, device=device, dtype=dtype),
+            "img_ids": img.to(device), "txt_ids": text_ids(TEXT_TOKENS).to(device)}
+
+
+def build_dits(settings: Settings) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Ours (dummy weights drawn on the device) and diffusers' model holding the same weights."""
+    from diffusers import Flux2Transformer2DModel
+
+    from mstar.model.flux2 import Flux2Transformer, Flux2TransformerConfig
+    from mstar.model.weights import init_dummy_weights
+
+    device = torch.device(settings.device)
+    with torch.device(device):
+        ours = Flux2Transformer(Flux2TransformerConfig.from_dict(settings.dit)).to(settings.dtype)
+    init_dummy_weights(ours, seed=settings.seed)
+    with torch.device("meta"):
+        theirs = Flux2Transformer2DModel(**settings.dit)
+    theirs = theirs.to(settings.dtype).to_empty(device=device)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    return ours.eval(), theirs.eval()
+
+
+def compiled(model: torch.nn.Module, mode: str, backend: str) -> Callable[..., Any]:
+    """``model`` compiled: every repeated block in place (``regional``), or the whole of it."""
+    if mode == "full":
+        return torch.compile(model, dynamic=False, backend=backend)
+    for name in ("transformer_blocks", "single_transformer_blocks"):
+        for block in getattr(model, name):
+            block.compile(dynamic=False, backend=backend)
+    return model
+
+
+def run_dit(settings: Settings) -> dict[str, Any]:
+    """Seconds per DiT step of each variant at each batch size, and the ours/diffusers gap."""
+    out: dict[str, Any] = {"compile_s": {}}
+    t0 = time.perf_counter()
+    ours, theirs = build_dits(settings)
+    out["build_s"] = time.perf_counter() - t0
+    device = torch.device(settings.device)
+    variants: dict[str, Callable[..., Any]] = {
+        "ours_eager": ours, "baseline_eager": lambda **kw: theirs(**kw, return_dict=False)[0]}
+    inputs = {n: dit_inputs(settings, n) for n in settings.batches}
+    with torch.inference_mode():
+        a = ours(**inputs[settings.batches[0]]).float()
+        b = theirs(**inputs[settings.batches[0]], return_dict=False)[0].float()
+    out["ours_vs_baseline_rel_err"] = ((a - b).abs().max() / b.abs().max()).item()
+    log.info("DiT: ours vs diffusers max relative difference %.2e", out["ours_vs_baseline_rel_err"])
+    for name, fn in list(variants.items()):
+        out[name] = _time_dit(settings, fn, inputs, device)
+    if settings.compile:
+        # Compiling in place changes the eager modules, so the eager variants were timed first.
+        for name, model in (("ours_compiled", ours), ("baseline_compiled", theirs)):
+            fn = compiled(model, settings.compile_mode, settings.compile_backend)
+            call = fn if name.startswith("ours") else (lambda f: lambda **kw: f(**kw, return_dict=False)[0])(fn)
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    for n in settings.batches:
+                        call(**inputs[n])
+                synchronize(device)
+                out["compile_s"][name] = time.perf_counter() - t0
+                out[name] = _time_dit(settings, call, inputs, device)
+            except Exception as err:  # record and go on: the other variants still count
+                log.exception("%s failed", name)
+                out[name] = {"error": f"{type(err).__name__}: {err}"}
+    del ours, theirs, variants
+    _free(settings)
+    return out
+
+
+def _time_dit(settings: Settings, fn: Callable[..., Any], inputs: dict[int, dict], device: torch.device) -> dict:
+    result = {}
+    with torch.inference_mode():
+        for n in settings.batches:
+            times = time_calls(lambda: fn(**inputs[n]), device, settings.step_runs, warmup=1)
+            result[n] = statistics.median(times)
+            log.info("DiT step, batch %d: %.2f ms", n, result[n] * 1e3)
+    return result
+
+
+# ------------------------------------------------------------------------------ image
+def klein_dir(tmp: str | Path, settings: Settings) -> Path:
+    """A diffusers-layout FLUX.2 [klein] directory without weights: tokenizer (byte-level,
+    Qwen's special tokens and chat template), and the text encoder's, transformer's and VAE's
+    ``config.json``; a ``flux2_klein`` deployment with ``load_format: dummy`` starts from it."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    from mstar.model.qwen3 import Qwen3Config
+
+    root = Path(tmp)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for char in sorted(ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    (root / "tokenizer").mkdir(parents=True, exist_ok=True)
+    (root / "tokenizer" / "vocab.json").write_text(json.dumps(vocab))
+    (root / "tokenizer" / "merges.txt").write_text("#version: 0.2\n")
+    tok = Qwen2Tokenizer(vocab_file=str(root / "tokenizer" / "vocab.json"),
+                         merges_file=str(root / "tokenizer" / "merges.txt"))
+    tok.add_tokens(specials[1:], special_tokens=True)
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(root / "tokenizer")
+    configs = {"text_encoder": Qwen3Config(**settings.text).to_hf_dict(),
+               "transformer": {"_class_name": "Flux2Transformer2DModel", **settings.dit},
+               "vae": {"_class_name": "AutoencoderKLFlux2", **asdict(vae_config(settings))}}
+    for folder, config in configs.items():
+        (root / folder).mkdir(exist_ok=True)
+        (root / folder / "config.json").write_text(json.dumps(config, indent=2, default=list))
+    return root
+
+
+def run_images(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """Seconds per image through the runtime: one request, then N submitted at once."""
+    import mstar.model.flux2.model  # noqa: F401  (registers flux2_klein)
+    from mstar.config import parse_config
+    from mstar.runtime.launch import start
+    from mstar.server.backend import ImageSpec
+
+    kwargs: dict[str, Any] = {"max_image_area": settings.height * settings.width,
+                              "num_inference_steps": settings.steps, "seed": settings.seed}
+    if settings.runtime_compile:
+        kwargs["compile"] = True
+    config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
+                           "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
+                           "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs}, "s2 config")
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    d = start(config, in_process=True)
+    out["startup_s"] = time.perf_counter() - t0
+    log.info("ours: flux2_klein deployment ready in %.1f s", out["startup_s"])
+    counter = iter(range(1 << 30))
+
+    async def one(seed: int) -> float:
+        spec = ImageSpec(f"s2-{next(counter)}", PROMPT, settings.width, settings.height, 1, seed, settings.steps)
+        start_s = time.perf_counter()
+        [png] = await d.backend.generate_images(spec)
+        if not png.startswith(b"\x89PNG"):
+            raise RuntimeError("the runtime returned no PNG")
+        return time.perf_counter() - start_s
+
+    async def batch(n: int) -> tuple[float, list[float]]:
+        start_s = time.perf_counter()
+        latencies = await asyncio.gather(*[one(i) for i in range(n)])
+        return time.perf_counter() - start_s, list(latencies)
+
+    try:
+        t0 = time.perf_counter()
+        for n in settings.batches:
+            asyncio.run(batch(n))
+        out["warmup_s"] = time.perf_counter() - t0
+        for n in settings.batches:
+            runs = [asyncio.run(batch(n)) for _ in range(settings.image_runs)]
+            walls = [wall for wall, _ in runs]
+            out[n] = {"wall_s": walls, "s_per_image": statistics.median(walls) / n,
+                      "latency_s_median": statistics.median(x for _, lat in runs for x in lat)}
+            log.info("ours: %d image(s) at once: %.3f s per image", n, out[n]["s_per_image"])
+    finally:
+        d.close()
+        del d
+        _free(settings)
+    return out
+
+
+def _free(settings: Settings) -> None:
+    gc.collect()
+    if settings.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- report
+def scenario_name(settings: Settings) -> str:
+    return f"{SCENARIO} (smoke: tiny model, CPU)" if settings.smoke else SCENARIO
+
+
+def metrics_from(settings: Settings, tflops: float, flops: dict[str, Any], dit: dict | None,
+                 images: dict | None) -> list[Metric]:
+    rows: list[Metric] = []
+    scenario = scenario_name(settings)
+    rate = tflops * 1e12
+    for n in settings.batches:
+        floor_ms = flops["dit_step"][n] / rate * 1e3
+        for kind in ("eager", "compiled"):
+            if kind == "compiled" and not settings.compile:
+                continue
+            row = Metric(scenario, f"dit_step@{n} {kind}", "ms", "lower", floor=floor_ms)
+            for side in ("ours", "baseline"):
+                value = (dit or {}).get(f"{side}_{kind}", {})
+                if n in value:
+                    setattr(row, side, value[n] * 1e3)
+                elif "error" in value:
+                    row.notes[f"{side}_error"] = value["error"]
+            rows.append(row)
+    for n in settings.batches:
+        floor_s = (settings.steps * flops["dit_step"][n] + n * (flops["text_encoder"] + flops["vae_decode"])) / rate
+        row = Metric(scenario, f"image@{n}", "s/image", "lower", floor=floor_s / n)
+        row.notes["runtime_compile"] = settings.runtime_compile
+        if images and n in images:
+            row.ours = images[n]["s_per_image"]
+            row.notes.update({f"ours_{k}": v for k, v in images[n].items()})
+        rows.append(row)
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the code paths)")
+    p.add_argument("--batches", default=None, help="DiT batch sizes and concurrent images (default 1,4)")
+    p.add_argument("--size", type=int, default=None, help="image width = height (default 1024; smoke 32)")
+    p.add_argument("--steps", type=int, default=4, help="denoising steps per image")
+    p.add_argument("--step-runs", type=int, default=None,
+                   help="timed DiT steps per variant and batch size, median (default 10; smoke 2)")
+    p.add_argument("--image-runs", type=int, default=None, help="timed runs per concurrency, median (default 2; smoke 1)")
+    p.add_argument("--no-compile", action="store_true", help="time the eager DiTs only")
+    p.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
+                   help="compile every block (as diffusers' compile_repeated_blocks) or the whole model")
+    p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile=true for the image runs")
+    p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
+    p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
+    p.add_argument("--verbose", action="store_true", help="log M* at INFO level")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("mstar").setLevel(logging.WARNING)
+    settings = settings_from(args)
+    started = time.perf_counter()
+    log.info("S2 settings: %s", settings.describe())
+
+    tflops = measure_matmul_tflops(settings.device, settings.dtype)
+    rows, cols = token_rows_cols(settings)
+    flops = {"dit_step": {n: dit_step_flops(settings.dit, rows * cols, TEXT_TOKENS, n) for n in settings.batches},
+             "text_encoder": text_encoder_flops(settings), "vae_decode": vae_decode_flops(settings)}
+    log.info("measured %.1f TFLOP/s; DiT step %.1f TFLOP per image, text encoder %.2f, VAE decode %.2f",
+             tflops, flops["dit_step"][settings.batches[0]] / settings.batches[0] / 1e12,
+             flops["text_encoder"] / 1e12, flops["vae_decode"] / 1e12)
+
+    dit = images = None
+    errors: dict[str, str] = {}
+    if not args.skip_dit:
+        dit = run_dit(settings)
+    if not args.skip_images:
+        with tempfile.TemporaryDirectory(prefix="s2-klein-") as tmp:
+            images = run_images(settings, klein_dir(tmp, settings))
+
+    record = {
+        "scenario": scenario_name(settings),
+        "hardware": hardware(),
+        "settings": settings.describe(),
+        "roofline": {"matmul_tflops": tflops, "image_tokens": rows * cols, "text_tokens": TEXT_TOKENS,
+                     "flops": {k: ({str(n): f for n, f in v.items()} if isinstance(v, dict) else v)
+                               for k, v in flops.items()}},
+        "metrics": metrics_from(settings, tflops, flops, dit, images),
+        "dit": None if dit is None else {k: ({str(n): x for n, x in v.items()} if isinstance(v, dict) else v)
+                                         for k, v in dit.items()},
+        "images": None if images is None else {str(k): v for k, v in images.items()},
+        "errors": errors,
+        "total_s": time.perf_counter() - started,
+    }
+    write_record(NAME, record, args.out)
+    log.info("S2 done in %.1f s", record["total_s"])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""S3: Orpheus 3B text-to-speech over HTTP: time to first audio and real-time factor.
+
+Orpheus-3B shapes (Llama 3.2 3B: 28 layers, hidden 3072, 24 heads / 8 KV heads, FFN 8192,
+vocabulary 156940, tied embeddings) with the SNAC 24 kHz decoder, random ("dummy") weights,
+bf16 on one GPU (SNAC in float32), served by a real ``mstar serve`` (a subprocess with its
+worker processes) and driven by N concurrent streaming ``POST /v1/audio/speech`` requests
+(``response_format: pcm``, ``stream: true``).
+
+Dummy weights would rarely say an audio token, so the deployment sets Orpheus's benchmarking
+knob ``model_kwargs.benchmark_audio_only``: every token is sampled (Orpheus's default
+temperature 0.6, top-p 0.8, repetition penalty 1.1) among the valid codes of its position in
+the SNAC frame and END_OF_SPEECH is ignored, so each request speaks exactly
+``--audio-tokens`` codes (7 per 2048-sample frame) through the real talker, stream edge, codec
+and HTTP paths.
+
+* **ours**: time to first audio byte (TTFA) per request, median; real-time factor = audio
+  seconds received by all N streams / wall time from sending them to the last byte.
+* **baseline**: none in this environment (vLLM is not available); the column stays empty.
+* **floor**: the talker's bound: one decode step of N streams can be no faster than its
+  weight bytes over the measured bandwidth (or N tokens' FLOPs over the matmul rate); TTFA
+  adds the prefill and the codes the first SNAC window needs. SNAC's own cost is left out.
+
+``--smoke`` runs the same code paths (server subprocess included) with a tiny model on the
+CPU. See benchmarks/README.md for the command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: the repository root must be importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import (
+    LLAMA_TINY, Metric, hardware, measure_matmul_tflops, measure_memory_bandwidth, tiny_llama_dir, write_record,
+)
+
+NAME = "s3_orpheus"
+SCENARIO = "S3 orpheus-3B + SNAC (HTTP)"
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 2048
+TOKENS_PER_FRAME = 7
+PAGE_SIZE = 16
+TEXT = "Hello! This is a benchmark of streaming speech synthesis, one sentence long."
+
+log = logging.getLogger("s3")
+
+ORPHEUS_3B: dict[str, Any] = {
+    "vocab_size": 156940, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+    "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True,
+}
+ORPHEUS_TINY: dict[str, Any] = {**LLAMA_TINY, "vocab_size": 156940, "tie_word_embeddings": True}
+SNAC_TINY: dict[str, Any] = {"encoder_dim": 8, "decoder_dim": 32, "codebook_size": 4096}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one run depends on (recorded in the JSON)."""
+
+    smoke: bool
+    device: str
+    dtype: torch.dtype
+    model: dict[str, Any]
+    snac: dict[str, Any]  # SnacConfig overrides ({}: snac_24khz)
+    streams: tuple[int, ...]
+    audio_tokens: int
+    warmup_tokens: int
+    runs: int
+    seed: int = 0
+
+    @property
+    def audio_s(self) -> float:
+        """Seconds of audio one request speaks."""
+        return self.audio_tokens // TOKENS_PER_FRAME * SAMPLES_PER_FRAME / SAMPLE_RATE
+
+    def describe(self) -> dict[str, Any]:
+        return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
+                "model": self.model, "snac": self.snac or "snac_24khz", "streams": list(self.streams),
+                "audio_tokens": self.audio_tokens, "audio_s_per_request": self.audio_s,
+                "warmup_tokens": self.warmup_tokens, "runs": self.runs, "seed": self.seed, "text": TEXT,
+                "model_kwargs": {"benchmark_audio_only": True}, "response_format": "pcm (s16le)"}
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    streams = tuple(sorted({int(s) for s in args.streams.split(",")})) if args.streams else None
+    if args.smoke:
+        device, dtype, model, snac = "cpu", torch.float32, dict(ORPHEUS_TINY), dict(SNAC_TINY)
+        streams, tokens = streams or (1, 2), args.audio_tokens or 28
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("S3 needs a CUDA GPU; use --smoke to run the tiny configuration on the CPU")
+        device, dtype, model, snac = "cuda", torch.bfloat16, dict(ORPHEUS_3B), {}
+        streams, tokens = streams or (1, 8, 32), args.audio_tokens or 350
+    if tokens < 4 * TOKENS_PER_FRAME or tokens % TOKENS_PER_FRAME:
+        raise SystemExit(f"--audio-tokens must be a multiple of {TOKENS_PER_FRAME}, at least {4 * TOKENS_PER_FRAME}")
+    return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, snac=snac, streams=streams,
+                    audio_tokens=tokens, warmup_tokens=4 * TOKENS_PER_FRAME, runs=args.runs, seed=args.seed)
+
+
+# --------------------------------------------------------------------------- the bound
+@dataclass(frozen=True)
+class Roofline:
+    """The talker's per-step bound on the measured machine."""
+
+    bandwidth_gbs: float
+    matmul_tflops: float
+    weight_bytes_read: int  # per step: every weight but the embedding rows looked up (tied head read once)
+    flops_per_token: float
+
+    @classmethod
+    def of(cls, m: dict[str, Any], dtype: torch.dtype, bandwidth_gbs: float, matmul_tflops: float) -> "Roofline":
+        h, heads, kv = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"]
+        head_dim = m.get("head_dim") or h // heads
+        per_layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * m["intermediate_size"]
+        matmul = m["num_hidden_layers"] * per_layer + m["vocab_size"] * h  # + the (tied) output head
+        norms = (2 * m["num_hidden_layers"] + 1) * h
+        return cls(bandwidth_gbs, matmul_tflops, (matmul + norms) * (torch.finfo(dtype).bits // 8), 2.0 * matmul)
+
+    def step_s(self, tokens: int) -> float:
+        """Least time of one forward over ``tokens`` tokens (decode: one per stream)."""
+        return max(self.weight_bytes_read / (self.bandwidth_gbs * 1e9),
+                   tokens * self.flops_per_token / (self.matmul_tflops * 1e12))
+
+
+def first_chunk_codes() -> int:
+    """Codes the talker must say before Orpheus's stream edge sends its first SNAC window."""
+    from mstar.model.orpheus.model import Orpheus
+
+    [edge] = Orpheus.graph(Orpheus.__new__(Orpheus)).walks["tts"].streams
+    for available in range(1, 10_000):
+        if edge.policy.next_chunk(available, 0, 0, False) is not None:
+            return available
+    raise RuntimeError("the stream edge never sends a chunk")
+
+
+# ----------------------------------------------------------------------------- server
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``mstar serve orpheus --config FILE`` in a subprocess (its own process group)."""
+
+    def __init__(self, settings: Settings, workdir: Path, model_dir: Path, startup_timeout_s: float = 600.0):
+        import httpx
+        import yaml
+
+        prompt_room = 64
+        pages = -(-(prompt_room + settings.audio_tokens) // PAGE_SIZE)
+        kwargs: dict[str, Any] = {"benchmark_audio_only": True, "max_new_tokens": settings.audio_tokens,
+                                  "seed": settings.seed}
+        if settings.snac:
+            kwargs["snac_config"] = settings.snac
+        config = {"model": "orpheus", "model_path": str(model_dir), "load_format": "dummy",
+                  "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
+                  "max_seq_len": max(2048, prompt_room + settings.audio_tokens),
+                  "max_concurrent_requests": max(settings.streams),
+                  "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8,
+                                             "page_size": PAGE_SIZE}},
+                  "model_kwargs": kwargs}
+        (workdir / "orpheus.yaml").write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "server.log"
+        self.url = f"http://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "mstar.cli", "serve", "orpheus", "--config", str(workdir / "orpheus.yaml"),
+               "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("MSTAR_API_KEY", None)
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the server was not healthy in {startup_timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError as err:
+            return f"(no log: {err})"
+
+    def close(self) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left of it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------------------------ client
+@dataclass
+class StreamTiming:
+    sent: float
+    first_audio: float | None
+    end: float
+    audio_bytes: int
+
+
+async def speak(client, url: str, tokens: int, seed: int) -> StreamTiming:
+    """One streaming speech request; times its first audio byte and its end."""
+    body = {"model": "orpheus", "input": TEXT, "voice": "tara", "response_format": "pcm", "stream": True,
+            "max_tokens": tokens, "seed": seed}
+    sent = time.perf_counter()
+    first, size = None, 0
+    async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"speech request failed: {response.status_code} {(await response.aread())[:500]!r}")
+        async for chunk in response.aiter_raw():
+            if chunk:
+                first = first or time.perf_counter()
+                size += len(chunk)
+    return StreamTiming(sent, first, time.perf_counter(), size)
+
+
+def run_streams(url: str, streams: int, tokens: int, seed: int) -> tuple[float, list[StreamTiming]]:
+    """``streams`` requests sent at once; the wall time to the last byte and each timing."""
+    import httpx
+
+    async def go() -> tuple[float, list[StreamTiming]]:
+        limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+            start = time.perf_counter()
+            timings = await asyncio.gather(*[speak(client, url, tokens, seed + i) for i in range(streams)])
+            return max(t.end for t in timings) - start, list(timings)
+
+    return asyncio.run(go())
+
+
+def run_ours(settings: Settings, workdir: Path, model_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    server = Server(settings, workdir, model_dir)
+    out["startup_s"] = time.perf_counter() - t0
+    log.info("ours: server healthy in %.1f s", out["startup_s"])
+    expected = settings.audio_tokens // TOKENS_PER_FRAME * SAMPLES_PER_FRAME * 2  # s16le bytes
+    try:
+        t0 = time.perf_counter()
+        for n in settings.streams:
+            run_streams(server.url, n, settings.warmup_tokens, settings.seed)
+        out["warmup_s"] = time.perf_counter() - t0
+        for n in settings.streams:
+            runs = [run_streams(server.url, n, settings.audio_tokens, settings.seed + 100 * r)
+                    for r in range(settings.runs)]
+            for _, timings in runs:
+                short = [t.audio_bytes for t in timings if t.audio_bytes != expected]
+                if short:
+                    raise RuntimeError(f"{n} streams: audio of {short} bytes, expected {expected} each")
+            ttfa = [t.first_audio - t.sent for _, timings in runs for t in timings]
+            rtf = [n * settings.audio_s / wall for wall, _ in runs]
+            per_stream = [settings.audio_s / (t.end - t.sent) for _, timings in runs for t in timings]
+            out[n] = {"ttfa_ms_median": statistics.median(ttfa) * 1e3, "ttfa_ms_max": max(ttfa) * 1e3,
+                      "rtf": statistics.median(rtf), "rtf_per_stream_median": statistics.median(per_stream),
+                      "wall_s": [wall for wall, _ in runs], "audio_s_per_stream": settings.audio_s}
+            log.info("ours: %d stream(s): TTFA %.0f ms, %.1fx real time", n, out[n]["ttfa_ms_median"], out[n]["rtf"])
+    except Exception:
+        log.error("server log tail:\n%s", server.log_tail())
+        raise
+    finally:
+        server.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+def scenario_name(settings: Settings) -> str:
+    return f"{SCENARIO} (smoke: tiny model, CPU)" if settings.smoke else SCENARIO
+
+
+def metrics_from(settings: Settings, roof: Roofline, prompt_tokens: int, first_codes: int,
+                 ours: dict | None) -> list[Metric]:
+    rows = []
+    scenario = scenario_name(settings)
+    for n in settings.streams:
+        ttfa_floor = roof.step_s(n * prompt_tokens) + (first_codes - 1) * roof.step_s(n)
+        ttfa = Metric(scenario, f"ttfa@{n}", "ms", "lower", floor=ttfa_floor * 1e3)
+        rtf_floor = n * SAMPLES_PER_FRAME / TOKENS_PER_FRAME / SAMPLE_RATE / roof.step_s(n)
+        rtf = Metric(scenario, f"rtf@{n}", "x real time", "higher", floor=rtf_floor)
+        for row in (ttfa, rtf):
+            row.notes["baseline"] = "none: vLLM is not available in this environment"
+        if ours and n in ours:
+            ttfa.ours, rtf.ours = ours[n]["ttfa_ms_median"], ours[n]["rtf"]
+            ttfa.notes.update({f"ours_{k}": v for k, v in ours[n].items()})
+            rtf.notes.update({f"ours_{k}": v for k, v in ours[n].items()})
+        rows += [ttfa, rtf]
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the code paths)")
+    p.add_argument("--streams", default=None, help="concurrent requests, comma separated (default 1,8,32; smoke 1,2)")
+    p.add_argument("--audio-tokens", type=int, default=None,
+                   help="audio codes per request, a multiple of 7 (default 350 = 50 frames, 4.27 s; smoke 28)")
+    p.add_argument("--runs", type=int, default=1, help="timed batches per stream count (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings = settings_from(args)
+    device = torch.device(settings.device)
+    started = time.perf_counter()
+    log.info("S3 settings: %s", settings.describe())
+
+    bandwidth = measure_memory_bandwidth(device)
+    tflops = measure_matmul_tflops(device, settings.dtype)
+    roof = Roofline.of(settings.model, settings.dtype, bandwidth, tflops)
+    first_codes = first_chunk_codes()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # leave the GPU to the server
+    log.info("measured %.0f GB/s, %.1f TFLOP/s; %.2f GB of weights per step; first audio after %d codes",
+             bandwidth, tflops, roof.weight_bytes_read / 1e9, first_codes)
+
+    with tempfile.TemporaryDirectory(prefix="s3-orpheus-") as tmp:
+        model_dir = tiny_llama_dir(Path(tmp) / "model", **settings.model)
+        from transformers import AutoTokenizer
+
+        prompt_tokens = len(AutoTokenizer.from_pretrained(model_dir).encode(f"tara: {TEXT}")) + 3
+        ours = run_ours(settings, Path(tmp), model_dir)
+
+    record = {
+        "scenario": scenario_name(settings),
+        "hardware": hardware(),
+        "settings": settings.describe(),
+        "roofline": {"memory_bandwidth_gbs": bandwidth, "matmul_tflops": tflops,
+                     "weight_bytes_read_per_step": roof.weight_bytes_read, "flops_per_token": roof.flops_per_token,
+                     "prompt_tokens": prompt_tokens, "first_chunk_codes": first_codes},
+        "metrics": metrics_from(settings, roof, prompt_tokens, first_codes, ours),
+        "ours": {str(k): v for k, v in ours.items()},
+        "baseline": None,
+        "errors": {},
+        "total_s": time.perf_counter() - started,
+    }
+    write_record(NAME, record, args.out)
+    log.info("S3 done in %.1f s", record["total_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

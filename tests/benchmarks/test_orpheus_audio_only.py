@@ -1,0 +1,105 @@
+"""Orpheus's benchmarking knob ``model_kwargs.benchmark_audio_only``: with dummy weights every
+token of the budget becomes an audio code (sampling restricted to the valid code range of its
+position in the frame, END_OF_SPEECH ignored), so a benchmark gets a fixed amount of audio."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from mstar.config import parse_config
+from mstar.engine.autoregressive import Sequence
+from mstar.engine.sampler import Sampler
+from mstar.engine.sampling_params import SamplingParams
+from mstar.model.orpheus import engine as talk
+from mstar.model.orpheus.model import pcm_to_array
+from mstar.runtime.launch import start
+from mstar.server.backend import SpeechSpec
+
+SNAC = {"encoder_dim": 8, "decoder_dim": 32, "codebook_size": 4096}
+VOCAB = 156940
+
+
+def audio_only_seq(codes: int, audio_only: bool = True) -> Sequence:
+    seq = Sequence(tokens=[1, 2, 3], prompt_len=3, sampling=SamplingParams(temperature=0.0))
+    seq.extra.update(codes=codes, audio_only=audio_only)
+    return seq
+
+
+def test_restrict_keeps_only_the_next_code_range():
+    logits = torch.randn(3, VOCAB)
+    seqs = [audio_only_seq(0), audio_only_seq(9), audio_only_seq(4, audio_only=False)]
+    out = talk.restrict_to_audio_codes(logits, seqs)
+    for row, count in ((0, 0), (1, 9)):
+        lo, hi = talk.audio_code_range(count)
+        assert lo == talk.AUDIO_BASE + (count % 7) * talk.CODEBOOK and hi - lo == talk.CODEBOOK
+        finite = torch.isfinite(out[row]).nonzero().flatten()
+        assert finite.min().item() == lo and finite.max().item() == hi - 1 and finite.numel() == hi - lo
+        assert torch.equal(out[row, lo:hi], logits[row, lo:hi])
+    assert torch.equal(out[2], logits[2])  # a row without the knob is untouched
+
+
+def test_greedy_choice_ignores_end_of_speech_only_with_the_knob():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, talk.END_OF_SPEECH] = 100.0  # the weights want to stop
+    logits[:, talk.AUDIO_BASE + 2 * talk.CODEBOOK + 17] = 5.0  # best valid code at position 2
+    engine = talk.OrpheusTalkerEngine.__new__(talk.OrpheusTalkerEngine)  # choose needs no model
+    engine.sampler = Sampler()
+    picks = engine.choose(logits, [audio_only_seq(2), audio_only_seq(2, audio_only=False)])
+    assert picks == [talk.AUDIO_BASE + 2 * talk.CODEBOOK + 17, talk.END_OF_SPEECH]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("orpheus-knob")
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "max_position_embeddings": 1024, "tie_word_embeddings": True,
+              "bos_token_id": 128000, "eos_token_id": talk.END_OF_SPEECH}
+    (path / "config.json").write_text(json.dumps(config))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    return path
+
+
+def deploy(model_dir, audio_only: bool):
+    return start(parse_config({
+        "model": "orpheus", "model_path": str(model_dir), "load_format": "dummy", "max_seq_len": 512,
+        "model_kwargs": {"snac_config": SNAC, "benchmark_audio_only": audio_only},
+        "resources": {"kv_cache": {"max_num_pages": 128, "page_size": 16}}}), in_process=True)
+
+
+def speak(d, rid, max_tokens):
+    async def go():
+        return [e async for e in d.backend.speech(SpeechSpec(rid, "Hello there", "tara", 1.0,
+                                                             {"max_tokens": max_tokens, "seed": 3}))]
+    return asyncio.run(go())
+
+
+def test_every_token_of_the_budget_becomes_audio(model_dir):
+    d = deploy(model_dir, audio_only=True)
+    try:
+        request = d.spec.prepare_speech(SpeechSpec("p", "Hi", "tara", 1.0, {}))
+        assert request.params["stop_token_ids"] == [] and request.params["audio_only"] is True
+        for frames in (4, 6):
+            audio = pcm_to_array(speak(d, f"k-{frames}", frames * 7))
+            assert audio.shape == (frames * talk.SAMPLES_PER_FRAME,)  # every token was a code
+        assert not d.runtime.workers.workers[0].engines["llm"].seqs  # released
+    finally:
+        d.close()
+
+
+def test_without_the_knob_requests_stop_at_end_of_speech(model_dir):
+    d = deploy(model_dir, audio_only=False)
+    try:
+        request = d.spec.prepare_speech(SpeechSpec("p", "Hi", "tara", 1.0, {}))
+        assert request.params["stop_token_ids"] == [talk.END_OF_SPEECH]
+        assert request.params["audio_only"] is False
+    finally:
+        d.close()
