@@ -21,7 +21,8 @@ class NodeGroupConfig(_Strict):
     node_names: list[str] = Field(min_length=1)
     ranks: list[int] = Field(min_length=1)
     graph_walks: list[str] = Field(default_factory=list)
-    tp_size: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1)  # tensor parallel: heads and weights split over ranks
+    sp_size: int = Field(1, ge=1)  # Ulysses sequence parallel (DiT attention); ranks = tp x sp
 
 
 class KVCacheConfig(_Strict):
@@ -29,8 +30,16 @@ class KVCacheConfig(_Strict):
     page_size: int = Field(16, ge=1)
 
 
+class StatePoolConfig(_Strict):
+    """A recurrent-state pool (gated DeltaNet, Mamba): slots per request, sink included."""
+
+    max_slots: int = Field(ge=2)
+    state_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
 class ResourcesConfig(_Strict):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    gdn_state: StatePoolConfig | None = None  # None: max_concurrent_requests + 1 slots
 
 
 class DeploymentConfig(_Strict):
@@ -57,6 +66,22 @@ class DeploymentConfig(_Strict):
         ranks = sorted({r for g in self.node_groups for r in g.ranks})
         if ranks and ranks != list(range(len(ranks))):
             raise ValueError(f"node_groups: ranks must be 0..N-1 with none skipped, got {ranks}")
+        return self
+
+    @model_validator(mode="after")
+    def _group_ranks_exist(self) -> "DeploymentConfig":
+        for i, g in enumerate(self.node_groups):
+            twice = sorted({r for r in g.ranks if g.ranks.count(r) > 1})
+            if twice:
+                raise ValueError(f"node_groups[{i}].ranks: rank {twice[0]} is listed twice")
+            if len(g.ranks) != g.tp_size * g.sp_size:
+                raise ValueError(f"node_groups[{i}].tp_size: tp_size ({g.tp_size}) x sp_size ({g.sp_size}) "
+                                 f"needs {g.tp_size * g.sp_size} ranks, node_groups[{i}].ranks lists {len(g.ranks)}")
+            if self.device == "cuda" and self.gpus is not None:
+                missing = [r for r in g.ranks if r >= len(self.gpus)]
+                if missing:
+                    raise ValueError(f"node_groups[{i}].ranks: rank {missing[0]} does not exist: "
+                                     f"gpus lists {len(self.gpus)} device(s)")
         return self
 
     def device_of(self, rank: int):

@@ -14,6 +14,7 @@ from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent
 
 if TYPE_CHECKING:
     from mstar.config import DeploymentConfig
+    from mstar.distributed.dims import ParallelDims
     from mstar.engine.base import Engine
 
 
@@ -76,6 +77,13 @@ class ModelSpec(ABC):
     @property
     def max_model_len(self) -> int:
         return self.config.max_seq_len
+
+    def parallel_dims(self) -> dict[str, "ParallelDims"]:
+        """Per node, the sizes its ``tp_size`` / ``sp_size`` must divide (heads, MLP width).
+
+        Placement reads it at startup only when a node group asks for ``tp_size`` or
+        ``sp_size`` above 1; a node missing here cannot be split."""
+        return {}
 
     def default_capacity(self) -> dict[str, int]:
         """Resource pools the conductor admits against (e.g. KV pages)."""

@@ -167,8 +167,11 @@ def load_weights(
             unexpected.append(ckpt_name if name == ckpt_name else f"{ckpt_name} (as {name})")
             continue
         loader = getattr(target, "weight_loader", None)
-        if loader is not None:
-            loader(target, tensor if dtype is None else tensor.to(dtype))
+        if loader is not None:  # a sharded parameter takes its part of the full tensor
+            try:
+                loader(target, tensor if dtype is None else tensor.to(dtype))
+            except ValueError as err:
+                raise WeightLoadError(f"cannot load {name!r} from checkpoint tensor {ckpt_name!r}: {err}") from None
         else:
             if tuple(tensor.shape) != tuple(target.shape):
                 raise WeightLoadError(

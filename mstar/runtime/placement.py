@@ -1,7 +1,9 @@
 """Placement: which worker rank runs each node, optionally per walk, and where tensors go.
 
 Built from the deployment YAML's ``node_groups``; the routing table derived from it is
-static per (walk, step), so the conductor computes it once at load time.
+static per (walk, step), so the conductor computes it once at load time. A group split over
+several ranks (``tp_size`` x ``sp_size``) is led by its first rank: plans go there and the
+group's other ranks follow it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ class NodeGroup:
     ranks: tuple[int, ...]
     graph_walks: tuple[str, ...] = ()  # empty: every walk
     tp_size: int = 1
+    sp_size: int = 1
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
 
 
 @dataclass
@@ -25,32 +32,56 @@ class Placement:
 
     graph: Graph
     groups: tuple[NodeGroup, ...]
+    _group: dict[tuple[str, str], NodeGroup] = field(default_factory=dict, init=False)
     _owner: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         for walk in self.graph.walks.values():
-            for node in {step.node for step in walk.steps()}:
-                self._owner[(walk.name, node)] = self._find(walk.name, node)
+            for node in sorted({step.node for step in walk.steps()}):
+                group = self._group[(walk.name, node)] = self._find(walk.name, node)
+                self._owner[(walk.name, node)] = group.leader
 
-    def _find(self, walk: str, node: str) -> int:
-        specific = [g for g in self.groups if node in g.node_names and walk in g.graph_walks]
-        general = [g for g in self.groups if node in g.node_names and not g.graph_walks]
+    def _find(self, walk: str, node: str) -> NodeGroup:
+        specific = [i for i, g in enumerate(self.groups) if node in g.node_names and walk in g.graph_walks]
+        general = [i for i, g in enumerate(self.groups) if node in g.node_names and not g.graph_walks]
         chosen = specific or general
         if not chosen:
             raise ValueError(f"node_groups: node {node!r} (used by walk {walk!r}) is placed on no rank")
         if len(chosen) > 1:
-            raise ValueError(f"node_groups: node {node!r} is placed twice for walk {walk!r}")
-        return chosen[0].ranks[0]
+            raise ValueError(f"node_groups[{chosen[1]}].node_names: node {node!r} is placed twice for walk "
+                             f"{walk!r} (also by node_groups[{chosen[0]}])")
+        return self.groups[chosen[0]]
 
     def rank_of(self, walk: str, node: str) -> int:
+        """The rank plans for ``node`` go to in ``walk`` (its group's leader)."""
         return self._owner[(walk, node)]
+
+    def group_of(self, walk: str, node: str) -> NodeGroup:
+        """The node group running ``node`` in ``walk`` (all its ranks, tp and sp sizes)."""
+        return self._group[(walk, node)]
 
     @property
     def ranks(self) -> list[int]:
         return sorted(set(self._owner.values()))
 
     def nodes_on(self, rank: int) -> set[str]:
+        """The nodes whose plans go to ``rank`` (it leads their group)."""
         return {node for (_, node), r in self._owner.items() if r == rank}
+
+    def groups_on(self, rank: int) -> dict[NodeGroup, set[str]]:
+        """Every group ``rank`` is a member of, leader or not, with the nodes it runs for some
+        walk: a worker builds each group's engines under that group's parallel state."""
+        found: dict[NodeGroup, set[str]] = {}
+        for (_, node), group in self._group.items():
+            if rank in group.ranks:
+                found.setdefault(group, set()).add(node)
+        return found
+
+    def split_groups(self) -> list[NodeGroup]:
+        """The groups run over several ranks (``tp_size x sp_size > 1``) in config order:
+        every worker process creates their process groups in this order
+        (``mstar.distributed.build_mesh`` is collective over the whole world)."""
+        return [g for g in self.groups if len(g.ranks) > 1]
 
 
 def single_rank(graph: Graph) -> Placement:
@@ -89,8 +120,13 @@ def all_routes(graph: Graph, placement: Placement) -> dict[str, Routes]:
     return {name: Routes.of(walk, placement) for name, walk in graph.walks.items()}
 
 
-def build_placement(graph: Graph, config) -> Placement:
-    """The placement a deployment config asks for; every node on rank 0 when it names none."""
+def build_placement(graph: Graph, config, spec=None) -> Placement:
+    """The placement a deployment config asks for; every node on rank 0 when it names none.
+
+    ``spec`` (the model's ``ModelSpec``) lets a split group (``tp_size`` or ``sp_size`` > 1)
+    be checked against the sizes its nodes can be split by (``ModelSpec.parallel_dims``).
+    Errors are ``ValueError``s naming the config key.
+    """
     if not config.node_groups:
         return single_rank(graph)
     groups = []
@@ -98,12 +134,50 @@ def build_placement(graph: Graph, config) -> Placement:
         for name in g.node_names:
             if name not in graph.nodes:
                 raise ValueError(f"node_groups[{i}].node_names: unknown node {name!r}; nodes are {sorted(graph.nodes)}")
+            if g.node_names.count(name) > 1:
+                raise ValueError(f"node_groups[{i}].node_names: node {name!r} is listed twice")
         for walk in g.graph_walks:
             if walk not in graph.walks:
                 raise ValueError(f"node_groups[{i}].graph_walks: unknown walk {walk!r}; walks are {sorted(graph.walks)}")
-        if len(g.ranks) != g.tp_size:
-            raise ValueError(f"node_groups[{i}].ranks: {len(g.ranks)} ranks given for tp_size {g.tp_size}")
-        if g.tp_size > 1:
-            raise ValueError(f"node_groups[{i}].tp_size: tensor parallelism is not available yet")
-        groups.append(NodeGroup(tuple(g.node_names), tuple(g.ranks), tuple(g.graph_walks), g.tp_size))
-    return Placement(graph, tuple(groups))
+        if len(g.ranks) != g.tp_size * g.sp_size:  # also checked when the config is parsed
+            raise ValueError(f"node_groups[{i}].tp_size: tp_size ({g.tp_size}) x sp_size ({g.sp_size}) "
+                             f"needs {g.tp_size * g.sp_size} ranks, node_groups[{i}].ranks lists {len(g.ranks)}")
+        groups.append(NodeGroup(tuple(g.node_names), tuple(g.ranks), tuple(g.graph_walks), g.tp_size, g.sp_size))
+    _check_devices(config)
+    placement = Placement(graph, tuple(groups))
+    split = [(i, g) for i, g in enumerate(groups) if g.tp_size * g.sp_size > 1]
+    if split and spec is not None:
+        _check_divisible(split, spec.parallel_dims())
+    for i, g in split:
+        key = "tp_size" if g.tp_size > 1 else "sp_size"
+        raise ValueError(f"node_groups[{i}].{key}: the runtime cannot run one node group over several worker "
+                         f"processes yet (the parallel layers and models exist, the worker wiring does not); "
+                         f"use tp_size: 1 and sp_size: 1")
+    return placement
+
+
+def _check_divisible(split: list[tuple[int, NodeGroup]], dims: dict) -> None:
+    for i, g in split:
+        key = "tp_size" if g.tp_size > 1 else "sp_size"
+        for node in g.node_names:
+            if node not in dims:
+                raise ValueError(f"node_groups[{i}].{key}: node {node!r} cannot be split over ranks "
+                                 f"(tp_size and sp_size must be 1)")
+            problems = dims[node].problems(g.tp_size, g.sp_size)
+            if problems:
+                raise ValueError(f"node_groups[{i}].{key}: node {node!r}: " + "; ".join(problems))
+
+
+def _check_devices(config) -> None:
+    """Every rank needs a device: with ``device: cuda`` and no ``gpus`` list, rank r runs on
+    ``cuda:r``, which must exist (a ``gpus`` list is checked when the config is parsed)."""
+    if config.device != "cuda" or config.gpus is not None:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    for i, g in enumerate(config.node_groups):
+        missing = [r for r in g.ranks if r >= count]
+        if missing:
+            raise ValueError(f"node_groups[{i}].ranks: rank {missing[0]} does not exist: "
+                             f"this machine has {count} CUDA device(s)")

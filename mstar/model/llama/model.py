@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from mstar.distributed.dims import ParallelDims
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.sampler import validate_sampling
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
@@ -65,6 +66,12 @@ class LlamaChat(ModelSpec):
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
+
+    def parallel_dims(self) -> dict[str, ParallelDims]:
+        config = self.checkpoint().config()
+        return {LLM: ParallelDims(tensor={"num_attention_heads": config.num_attention_heads,
+                                          "num_key_value_heads": config.num_key_value_heads,
+                                          "intermediate_size": config.intermediate_size})}
 
     def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
         try:
@@ -136,7 +143,7 @@ class LlamaChat(ModelSpec):
             load_weights(model, tensors, dtype=dtype)
         model.eval()
         kv = self.config.resources.kv_cache
-        layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        layout = KVLayout(*model.cache_shape())  # a tensor-parallel rank caches its KV heads
         return {LLM: AutoregressiveEngine(model, layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
                                           max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
                                           **decode_fast_paths(self.config, model, device))}
@@ -148,15 +155,16 @@ def decode_fast_paths(config, model, device: torch.device) -> dict:
     and the Triton backend only). Eager torch stays the default and the reference."""
     kwargs = config.model_kwargs
     backend = kwargs.get("attention_backend", "torch")
+    overlap = bool(kwargs.get("overlap_scheduling", False))  # launch decode k+1 before step k's bookkeeping
     if not kwargs.get("cuda_graphs", False):
-        return {"attention_backend": backend}
+        return {"attention_backend": backend, "overlap_scheduling": overlap}
     if device.type != "cuda":
         raise ValueError("model_kwargs.cuda_graphs needs device: cuda")
     from mstar.engine.cuda_graphs import DecodeGraphRunner
 
     page_size = config.resources.kv_cache.page_size
     runner = DecodeGraphRunner(model, None, page_size, -(-config.max_seq_len // page_size), backend="triton")
-    return {"attention_backend": "triton", "graph_runner": runner}
+    return {"attention_backend": "triton", "graph_runner": runner, "overlap_scheduling": overlap}
 
 
 @register

@@ -3,15 +3,20 @@
 Parameter names are exactly the Hugging Face checkpoint keys, so a ``model.safetensors``
 state dict loads with ``strict=True``. With tied embeddings there is no ``lm_head`` at all:
 the logits reuse ``model.embed_tokens.weight``.
+
+Tensor parallelism lives in the layers (``mstar.layers.linear``): built under a parallel
+state (``mstar.distributed.use_parallel``), each rank holds its share of the heads, MLP
+features and vocabulary, and the head counts here are read back from the layers. Built
+outside one, every layer is its plain ``torch.nn`` counterpart.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention import PagedAttentionMetadata, paged_attention
+from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
@@ -19,24 +24,30 @@ from mstar.model.llama.config import LlamaConfig
 
 
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of the model's KV cache."""
+    """``(num_layers, num_kv_heads, head_dim)`` of the whole model's KV cache (a
+    tensor-parallel rank holds a share of the heads: see ``LlamaForCausalLM.cache_shape``)."""
     assert config.num_key_value_heads is not None and config.head_dim is not None
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with RoPE, reading and writing one layer's paged cache."""
+    """Grouped-query self-attention with RoPE, reading and writing one layer's paged cache.
+
+    ``num_heads`` and ``num_kv_heads`` are the heads this module holds (all of them, or a
+    tensor-parallel rank's share)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        _, self.num_kv_heads, self.head_dim = kv_cache_shape(config)
-        self.num_heads = config.num_attention_heads
+        _, kv_heads, self.head_dim = kv_cache_shape(config)
         self.scale = self.head_dim**-0.5
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        hidden, bias, d = config.hidden_size, config.attention_bias, self.head_dim
+        heads = config.num_attention_heads
+        self.q_proj = ColumnParallelLinear(hidden, heads * d, bias=bias, block=d)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, block=d)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, block=d)
+        self.o_proj = RowParallelLinear(heads * d, hidden, bias=bias, block=d)
+        self.num_heads = self.q_proj.out_features // d
+        self.num_kv_heads = self.k_proj.out_features // d
 
     def forward(
         self,
@@ -82,7 +93,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         _, _, head_dim = kv_cache_shape(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
@@ -113,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(
         self,
@@ -132,13 +143,15 @@ class LlamaForCausalLM(nn.Module):
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
         return self.model.embed_tokens(input_ids)
 
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """``[vocab, hidden]`` projection used for logits (tied to embeddings or ``lm_head``)."""
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+    def cache_shape(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` of the paged KV cache this module fills:
+        a tensor-parallel rank caches the KV heads it holds."""
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
-        return F.linear(hidden, self.output_weight)
+        """Logits ``[N, vocab]`` (the whole vocabulary, on every rank) for hidden states
+        ``[N, hidden]``; with tied embeddings the projection is ``model.embed_tokens``."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.logits(hidden)
+        return self.lm_head(hidden)
