@@ -94,7 +94,8 @@ def test_batched_pair_equals_two_separate_forwards_combined(velocity):
     assert list(e.forward_rows) == [6]  # 2 + 1 + 2 + 1 rows in one forward
     for item, out in zip(items, got):
         want = by_hand(velocity, item)
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        # guidance multiplies the rounding of a batched GEMM by up to 2g + 1
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     # guidance matters: the guided result is far from the conditional-only step
     plain = by_hand(velocity, make_item("g4", 1, iteration=1))
     assert (got[0] - plain).abs().max() > 1e-2
