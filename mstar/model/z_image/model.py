@@ -1,0 +1,184 @@
+"""Z-Image-Turbo text-to-image: the declaration.
+
+Three nodes, as for FLUX.2 [klein]: the Qwen3 caption encoder (layers up to the penultimate
+one), the single-stream DiT as a denoise engine (a Loop of flow-match Euler steps; the
+loop-carried state is the VAE-shaped latents ``[16, H/8, W/8]``), and the FLUX.1 VAE decoder.
+Requests at the same size batch at every node, whatever their prompt lengths.
+
+The Turbo checkpoint is distilled: 8 steps by default, no classifier-free guidance, static
+shift 3 (its ``scheduler/scheduler_config.json``). Deployment knobs (``model_kwargs``):
+``max_image_area`` (pixels, default 2048x2048), ``num_inference_steps`` (default 8),
+``max_batch_size`` (DiT rows per forward), ``seed`` (of dummy weights).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from mstar.diffusion.flow_match import FlowMatchEuler
+from mstar.engine.base import StatelessEngine
+from mstar.engine.denoise import DenoiseEngine
+from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.flux2.model import PngStream
+from mstar.model.registry import register
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.z_image.config import ZImageTransformerConfig
+from mstar.model.z_image.schedule import TURBO_SCHEDULER, ZImageSchedule
+from mstar.model.z_image.text import ZImageText
+from mstar.model.z_image.transformer import ZImageTransformer
+from mstar.model.z_image.vae import ZImageVAE, ZImageVAEConfig
+from mstar.server.backend import GenerateSpec, ImageSpec, RequestError
+
+DEFAULT_STEPS = 8  # the distilled Turbo checkpoint (diffusers' example and the model card)
+MAX_STEPS = 100
+
+
+class Knobs:
+    """The deployment knobs of ``model_kwargs``, checked at startup (errors name the key)."""
+
+    def __init__(self, kwargs: dict):
+        def integer(name: str, default: int | None, low: int = 1) -> int | None:
+            value = kwargs.get(name, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"model_kwargs.{name}: must be an integer >= {low}, got {value!r}")
+            return value
+
+        self.max_area = integer("max_image_area", 2048 * 2048)
+        self.default_steps = integer("num_inference_steps", DEFAULT_STEPS)
+        if self.default_steps > MAX_STEPS:
+            raise ValueError(f"model_kwargs.num_inference_steps: must be at most {MAX_STEPS}")
+        self.max_batch_size = integer("max_batch_size", None)
+        self.seed = integer("seed", 0, low=0)
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@register
+class ZImageTurbo(ModelSpec):
+    key = "z_image_turbo"
+    default_weights = "Tongyi-MAI/Z-Image-Turbo"
+
+    def graph(self) -> Graph:
+        text_encoder = Node("text_encoder", "stateless", inputs=("prompt_ids", "prompt_mask"), outputs=("text",))
+        dit = Node("dit", "denoise", inputs=("latents", "text"), outputs=("latents",), ops=("step",))
+        vae = Node("vae", "stateless", inputs=("latents",), outputs=("image",), ops=("decode",))
+        t2i = Walk("t2i", Sequential(
+            Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes="text"),
+            Loop(Step("dit", "step", reads=("latents", "text"), writes="latents"), max_iters="num_steps"),
+            Step("vae", "decode", reads="latents", writes="image", emit=Emit("image", "image")),
+        ), inputs=("prompt_ids", "prompt_mask", "latents"))
+        return Graph.build([text_encoder, dit, vae], [t2i])
+
+    # -------------------------------------------------------------- frontend
+    def directory(self) -> Path:
+        from mstar.model.weights import resolve_model_path
+
+        return resolve_model_path(self.config.model_path or self.default_weights, cache_dir=self.config.cache_dir)
+
+    def load_frontend(self) -> None:
+        root = self.directory()
+        self.text = ZImageText.from_directory(root)
+        self.vae_config = ZImageVAEConfig.from_dict(_json(root / "vae" / "config.json"))
+        self.latent_channels = int(_json(root / "transformer" / "config.json").get("in_channels", 16))
+        self.knobs = Knobs(self.config.model_kwargs)
+
+    def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
+        if not spec.prompt.strip():
+            raise RequestError("prompt", "must not be empty")
+        if spec.images:
+            raise RequestError("image", f"model {self.key!r} generates from text only; it does not edit images")
+        width, height = spec.width, spec.height
+        multiple = 2 * self.vae_config.scale_factor
+        if width % multiple or height % multiple or width < multiple or height < multiple:
+            raise RequestError("size", f"width and height must be positive multiples of {multiple}")
+        if width * height > self.knobs.max_area:
+            raise RequestError("size", f"{width}x{height} is over max_image_area ({self.knobs.max_area} pixels)")
+        steps = self.knobs.default_steps if spec.num_inference_steps is None else spec.num_inference_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise RequestError("num_inference_steps", f"must be between 1 and {MAX_STEPS}")
+        if spec.guidance_scale not in (None, 0.0, 1.0):
+            raise RequestError("guidance_scale", f"model {self.key!r} is distilled and takes no guidance "
+                                                 "(leave it unset, 0 or 1)")
+        ids, mask = self.text.tokenize(spec.prompt)
+        scale = self.vae_config.scale_factor
+        seed = (spec.seed if spec.seed is not None else torch.seed() % (1 << 31)) + index
+        noise = FlowMatchEuler.initial_noise((1, self.latent_channels, height // scale, width // scale), seed)[0]
+        params = {"num_steps": steps, "image_seq_len": (height // multiple) * (width // multiple),
+                  "caption_len": int(mask.sum())}
+        return WalkRequest("t2i", {"prompt_ids": ids, "prompt_mask": mask, "latents": noise}, params)
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        if set(spec.output_modalities) != {"image"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs images only")
+        kw = spec.model_kwargs
+        return self.prepare_image(ImageSpec(spec.request_id, spec.text, int(kw.get("width", 1024)),
+                                            int(kw.get("height", 1024)), 1, kw.get("seed"),
+                                            kw.get("num_inference_steps"), kw.get("guidance_scale"),
+                                            [data for _, data in spec.files]))
+
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> PngStream:
+        return PngStream()
+
+    # ---------------------------------------------------------------- worker
+    def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.model.weights import init_dummy_weights, iter_safetensors, load_weights
+
+        root = self.directory()
+        dtype = self.config.torch_dtype()
+        knobs = Knobs(self.config.model_kwargs)
+
+        def build(module: torch.nn.Module, folder: str, offset: int, **load) -> torch.nn.Module:
+            module = module.to(device=device, dtype=dtype)
+            if self.config.load_format == "dummy":
+                init_dummy_weights(module, seed=knobs.seed + offset)
+            else:
+                load_weights(module, iter_safetensors(root / folder), dtype=dtype, **load)
+            return module.eval()
+
+        engines = {}
+        if "text_encoder" in nodes:
+            text = ZImageText.from_directory(root)
+            encoder = text.build_encoder()
+            encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
+            engines["text_encoder"] = StatelessEngine(lambda op, items: [
+                {"text": e} for e in text.encode(encoder, [i.inputs["prompt_ids"] for i in items],
+                                                 [i.inputs["prompt_mask"] for i in items])])
+        if "dit" in nodes:
+            dit_config = ZImageTransformerConfig.from_dict(_json(root / "transformer" / "config.json"))
+            dit = build(ZImageTransformer(dit_config), "transformer", 2)
+            scheduler_file = root / "scheduler" / "scheduler_config.json"
+            schedule = ZImageSchedule.from_config(_json(scheduler_file) if scheduler_file.exists() else TURBO_SCHEDULER)
+
+            def velocity(latents, text, t, params):
+                # The engine keeps latents, captions and time in float32 (as the pipeline does);
+                # the DiT runs in the deployment dtype and predicts the negated velocity.
+                captions = [row[: p["caption_len"]].to(dtype) for row, p in zip(text, params)]
+                return -dit(latents.to(dtype), t, captions)
+
+            engines["dit"] = DenoiseEngine(velocity, schedule, device, torch.float32,
+                                           max_batch_size=knobs.max_batch_size)
+        if "vae" in nodes:
+            vae = build(ZImageVAE(ZImageVAEConfig.from_dict(_json(root / "vae" / "config.json"))), "vae", 3)
+
+            def decode(op, items):
+                by_size = defaultdict(list)
+                for i, item in enumerate(items):
+                    by_size[tuple(item.inputs["latents"].shape)].append(i)
+                out = [None] * len(items)
+                for rows in by_size.values():
+                    latents = torch.stack([items[i].inputs["latents"] for i in rows]).to(device, dtype)
+                    images = vae.decode(vae.denormalize(latents)).float().cpu()
+                    for i, image in zip(rows, images):
+                        out[i] = {"image": image}
+                return out
+
+            engines["vae"] = StatelessEngine(decode)
+        return engines
