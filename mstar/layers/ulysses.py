@@ -11,6 +11,9 @@ In a TP x SP mesh the heads are split by TP first (column-parallel projections),
 all-to-all runs within the SP group, over the ``H / tp`` heads of this TP rank. Shards may
 have different lengths (``torch.tensor_split`` of an odd sequence); the sequence is
 reassembled in rank order, which full attention does not care about.
+
+A model marks its sequence-parallel region with ``SequenceShards``: ``shard`` at the entry
+(tokens and their position ids), ``gather`` at the exit.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class UlyssesAttention(nn.Module):
 def shard_sequence(x: torch.Tensor, group: Group, dim: int = SEQ_DIM) -> torch.Tensor:
     """This rank's contiguous shard of ``x`` along ``dim`` (``torch.tensor_split``: the
     first ``S % sp`` ranks hold one token more)."""
+    if group.size == 1:
+        return x
     return torch.tensor_split(x, group.size, dim=dim)[group.rank]
 
 
@@ -93,3 +98,23 @@ def gather_sequence(x: torch.Tensor, group: Group, dim: int = SEQ_DIM) -> torch.
     gathered = all_gather(F.pad(x, pad), group, dim=dim)
     parts = gathered.split([longest] * group.size, dim=dim)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lens)], dim=dim)
+
+
+class SequenceShards(nn.Module):
+    """The entry and exit of a model's sequence-parallel region, over the SP group it is
+    built under: ``shard`` keeps this rank's tokens of a whole sequence (hidden states and
+    their position ids alike), ``gather`` puts the whole sequence back together on every
+    rank. With one SP rank both return their input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sp = current_parallel().sp
+
+    def shard(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        return shard_sequence(x, self.sp, dim)
+
+    def gather(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        return gather_sequence(x, self.sp, dim)
+
+    def extra_repr(self) -> str:
+        return f"sp={self.sp.rank}/{self.sp.size}"

@@ -212,6 +212,18 @@ class Flux2Klein(ModelSpec):
     def output_stream(self, request: WalkRequest, stop: list[str]) -> PngStream:
         return PngStream()
 
+    def parallel_dims(self) -> dict:
+        """Every DiT node (``dit``, and ``dit_uncond`` of the guided walks) splits its heads
+        over ``tp_size`` (and ``tp_size x sp_size`` with Ulysses) and its MLP width over
+        ``tp_size``; the text encoder and the VAE run whole."""
+        from mstar.distributed.dims import ParallelDims
+
+        config_file = self.directory() / "transformer" / "config.json"
+        c = Flux2TransformerConfig.from_dict(json.loads(config_file.read_text()))
+        heads = {"num_attention_heads": c.num_attention_heads}
+        dims = ParallelDims(tensor={**heads, "mlp_hidden_dim": int(c.inner_dim * c.mlp_ratio)}, sequence=heads)
+        return {name: dims for name, node in self.graph().nodes.items() if node.kind == "denoise"}
+
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
         from mstar.model.weights import init_dummy_weights, iter_safetensors, load_weights

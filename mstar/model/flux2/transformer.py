@@ -13,6 +13,19 @@ Data flow for ``N_txt`` text and ``N_img`` image tokens of width ``D = heads * h
 * Single-stream block on ``[text; image]``: one projection yields q, k, v and the MLP input,
   one projection maps ``[attention; swiglu(mlp)]`` back (a "parallel" block).
 * Output: adaptive LayerNorm on the image tokens and a linear projection.
+
+Parallelism lives in the layers (``mstar.layers.linear``, ``mstar.layers.ulysses``): built
+under a parallel state (``mstar.distributed.use_parallel``), the q/k/v and MLP input
+projections are column-parallel (whole heads per tensor-parallel rank), the output
+projections row-parallel, and modulation, embedders and norms replicated. With sequence
+parallelism each rank keeps a shard of the text and of the image tokens (and of their
+position ids) from the entry of the DiT on; attention exchanges heads for sequence around
+its core (Ulysses all-to-all), and the image tokens are gathered whole at the exit. A rank's
+joint sequence is ``[its text shard; its image shard]``: attention does not care about token
+order, and every other step is per token. Heads must divide by ``tp_size x sp_size`` and the
+MLP width by ``tp_size``; token counts need not divide (shards may be uneven, and a rank may
+hold no token of one stream).
+Built outside a parallel state, every layer is its plain ``torch.nn`` counterpart.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from mstar.layers.ulysses import SequenceShards, UlyssesAttention
 from mstar.model.flux2.config import Flux2TransformerConfig
 from mstar.model.flux2.rope import Flux2RotaryEmbedding, apply_rope
 
@@ -115,37 +130,52 @@ class Modulation(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP; ``linear_in`` packs gate and value projections."""
+    """SwiGLU MLP; ``linear_in`` packs gate and value projections (a tensor-parallel rank
+    holds its share of each, so ``swiglu`` pairs them on the rank)."""
 
     def __init__(self, dim: int, mlp_ratio: float) -> None:
         super().__init__()
         hidden = int(dim * mlp_ratio)
-        self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
-        self.linear_out = nn.Linear(hidden, dim, bias=False)
+        self.linear_in = MergedColumnParallelLinear(dim, [hidden, hidden], bias=False)
+        self.linear_out = RowParallelLinear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_out(swiglu(self.linear_in(x)))
 
 
+def _heads_in(dim: int, inner: int, head_dim: int) -> ColumnParallelLinear:
+    """A projection to heads: column-parallel, whole heads per rank."""
+    return ColumnParallelLinear(dim, inner, bias=False, block=head_dim)
+
+
+def _heads_out(inner: int, dim: int, head_dim: int) -> RowParallelLinear:
+    """A projection from heads back to the residual stream: row-parallel."""
+    return RowParallelLinear(inner, dim, bias=False, block=head_dim)
+
+
 class JointAttention(nn.Module):
-    """Attention of the double-stream block: image (``to_*``) and text (``add_*``) projections."""
+    """Attention of the double-stream block: image (``to_*``) and text (``add_*``) projections.
+
+    Inputs and outputs are this rank's tokens; ``self.attention`` sees the whole joint
+    sequence (``UlyssesAttention``)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
         super().__init__()
         self.head_dim = head_dim
         inner = heads * head_dim
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_q = _heads_in(dim, inner, head_dim)
+        self.to_k = _heads_in(dim, inner, head_dim)
+        self.to_v = _heads_in(dim, inner, head_dim)
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=False)])
+        self.to_out = nn.ModuleList([_heads_out(inner, dim, head_dim)])
         self.norm_added_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_added_k = nn.RMSNorm(head_dim, eps=eps)
-        self.add_q_proj = nn.Linear(dim, inner, bias=False)
-        self.add_k_proj = nn.Linear(dim, inner, bias=False)
-        self.add_v_proj = nn.Linear(dim, inner, bias=False)
-        self.to_add_out = nn.Linear(inner, dim, bias=False)
+        self.add_q_proj = _heads_in(dim, inner, head_dim)
+        self.add_k_proj = _heads_in(dim, inner, head_dim)
+        self.add_v_proj = _heads_in(dim, inner, head_dim)
+        self.to_add_out = _heads_out(inner, dim, head_dim)
+        self.attention = UlyssesAttention(attention)
 
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, rope: Rope
@@ -159,7 +189,7 @@ class JointAttention(nn.Module):
         v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads),
                        self.to_v(img).unflatten(-1, heads)], dim=1)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v).flatten(2).to(q.dtype)
+        out = self.attention(q, k, v).flatten(2).to(q.dtype)
         txt_out, img_out = out.split([txt.shape[1], img.shape[1]], dim=1)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
 
@@ -205,24 +235,32 @@ class Flux2DoubleStreamBlock(nn.Module):
 
 class ParallelSelfAttention(nn.Module):
     """Fused projections of the single-stream block: ``to_qkv_mlp_proj`` yields
-    ``[q | k | v | gate | value]``, ``to_out`` maps ``[attention | swiglu]`` back."""
+    ``[q | k | v | gate | value]``, ``to_out`` maps ``[attention | swiglu]`` back.
+
+    Under tensor parallelism each of the five output segments is split on its own (whole
+    heads for q, k, v) and ``to_out`` splits its two input segments to match, so a rank
+    computes ``[its heads | its MLP features]`` and the partial outputs are summed."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, eps: float) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.inner_dim = heads * head_dim
         self.mlp_hidden_dim = int(dim * mlp_ratio)
-        self.split_sizes = [3 * self.inner_dim, 2 * self.mlp_hidden_dim]
-        self.to_qkv_mlp_proj = nn.Linear(dim, sum(self.split_sizes), bias=False)
+        self.to_qkv_mlp_proj = MergedColumnParallelLinear(
+            dim, [self.inner_dim] * 3 + [self.mlp_hidden_dim] * 2, bias=False, blocks=[head_dim] * 3 + [1, 1])
+        local = self.to_qkv_mlp_proj.local_sizes
+        self.split_sizes = [sum(local[:3]), sum(local[3:])]  # [q | k | v], [gate | value] on this rank
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
-        self.to_out = nn.Linear(self.inner_dim + self.mlp_hidden_dim, dim, bias=False)
+        self.to_out = RowParallelLinear(self.inner_dim + self.mlp_hidden_dim, dim, bias=False,
+                                        input_sizes=[self.inner_dim, self.mlp_hidden_dim])
+        self.attention = UlyssesAttention(attention)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         qkv, mlp = self.to_qkv_mlp_proj(x).split(self.split_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
         q, k = apply_rope(self.norm_q(q), *rope), apply_rope(self.norm_k(k), *rope)
-        out = attention(q, k, v).flatten(2).to(q.dtype)
+        out = self.attention(q, k, v).flatten(2).to(q.dtype)
         return self.to_out(torch.cat([out, swiglu(mlp)], dim=-1))
 
 
@@ -283,6 +321,7 @@ class Flux2Transformer(nn.Module):
         )
         self.norm_out = AdaNormOut(dim, c.eps)
         self.proj_out = nn.Linear(dim, c.patch_size**2 * c.resolved_out_channels, bias=False)
+        self.sequence = SequenceShards()
 
     def rope(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> Rope:
         """Rotary tables for the joint ``[text; image]`` sequence.
@@ -318,6 +357,9 @@ class Flux2Transformer(nn.Module):
 
         Returns:
             ``[B, N_img, patch_size**2 * out_channels]``.
+
+        Under sequence parallelism every rank of the SP group takes the whole inputs and
+        returns the whole output; in between it holds only its shard of the tokens.
         """
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
@@ -328,9 +370,10 @@ class Flux2Transformer(nn.Module):
         mod_txt = self.double_stream_modulation_txt(temb)
         mod_single = self.single_stream_modulation(temb)
 
-        img = self.x_embedder(hidden_states)
-        txt = self.context_embedder(encoder_hidden_states)
-        rope = self.rope(txt_ids, img_ids)
+        shard = self.sequence.shard
+        img = self.x_embedder(shard(hidden_states))
+        txt = self.context_embedder(shard(encoder_hidden_states))
+        rope = self.rope(shard(txt_ids, dim=-2), shard(img_ids, dim=-2))  # this rank's [text; image]
 
         for block in self.transformer_blocks:
             img, txt = block(img, txt, mod_img, mod_txt, rope)
@@ -338,4 +381,4 @@ class Flux2Transformer(nn.Module):
         x = torch.cat([txt, img], dim=1)
         for block in self.single_transformer_blocks:
             x = block(x, mod_single, rope)
-        return self.proj_out(self.norm_out(x[:, n_txt:], temb))
+        return self.sequence.gather(self.proj_out(self.norm_out(x[:, n_txt:], temb)))
