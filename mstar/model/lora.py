@@ -12,11 +12,12 @@ first) of an ``adapter_config.json`` or ``config.json`` next to the weights, els
 The config's ``use_rslora`` switches to the rsLoRA scaling.
 
 Key layouts: PEFT / diffusers (``<module>.lora_A.weight``, ``<module>.lora_B.weight``) and the
-``lora_down`` / ``lora_up`` spelling, under any of the usual prefixes (``transformer.``,
-``base_model.model.``, ``diffusion_model.``). A family whose checkpoint layout differs from its
-module names passes ``targets``: a function from the adapter's module name to the module
-names it updates, each with the share of the update's output rows it takes (a fused ``qkv``
-LoRA splits into ``q``, ``k`` and ``v``: chunks 0, 1 and 2 of 3).
+``lora_down`` / ``lora_up`` (or ``lora.down`` / ``lora.up``) spelling, under any of the usual
+prefixes (``transformer.``, ``base_model.model.``, ``diffusion_model.``). A family whose
+checkpoint layout differs from its module names passes ``targets``: a function from the
+adapter's module name to the module names it updates, each with the share of the update's
+output rows it takes (a fused ``qkv`` LoRA splits into ``q``, ``k`` and ``v``: chunks 0, 1 and
+2 of 3).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ __all__ = ["LoraAdapter", "LoraError", "LoraPair", "fold_adapter", "fold_adapter
 PREFIXES = ("base_model.model.", "transformer.", "diffusion_model.")
 _WEIGHT_FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
 _CONFIG_FILES = ("adapter_config.json", "config.json")
-_PAIR = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(\.[^.]+)?\.weight$")
+_PAIR = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_down|lora_up|lora\.down|lora\.up)"
+                   r"(\.[^.]+)?\.weight$")
 _ALPHA = re.compile(r"^(?P<module>.+)\.alpha$")
 
 # An adapter module name -> the target modules, each as (name, chunk, chunks): the target takes
@@ -157,7 +159,7 @@ def read_adapter(path: str | Path, key: str = "model_kwargs.lora",
     for name, tensor in tensors.items():
         name = _strip(name, prefixes)
         if match := _PAIR.match(name):
-            part = "down" if match["part"] in ("lora_A", "lora_down") else "up"
+            part = "down" if match["part"] in ("lora_A", "lora_down", "lora.down") else "up"
             halves.setdefault(match["module"], {})[part] = tensor
         elif match := _ALPHA.match(name):
             alphas[match["module"]] = float(tensor.float().item())

@@ -8,7 +8,14 @@ Requests at the same size batch at every node, whatever their prompt lengths.
 The Turbo checkpoint is distilled: 8 steps by default, no classifier-free guidance, static
 shift 3 (its ``scheduler/scheduler_config.json``). Deployment knobs (``model_kwargs``):
 ``max_image_area`` (pixels, default 2048x2048), ``num_inference_steps`` (default 8),
-``max_batch_size`` (DiT rows per forward), ``seed`` (of dummy weights).
+``max_batch_size`` (DiT rows per forward), ``compile`` (torch.compile each DiT block, with
+``compile_backend``, default inductor; eager is the reference), ``lora`` (adapters folded into
+the DiT at load, ``mstar.model.z_image.lora_layout``), ``seed`` (of dummy weights).
+
+``compile`` compiles the transformer blocks, not the whole DiT: the blocks see padded
+``[rows, tokens, dim]`` batches whose token counts are multiples of 32, so a few traces cover
+every request, while the ragged per-request work around them (patches, caption padding, rotary
+tables) stays eager.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from mstar.engine.base import StatelessEngine
 from mstar.engine.denoise import DenoiseEngine
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.flux2.model import PngStream
+from mstar.model.lora import LoraAdapter, parse_adapters
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.z_image.config import ZImageTransformerConfig
+from mstar.model.z_image.lora_layout import fold_z_image_adapters
 from mstar.model.z_image.schedule import TURBO_SCHEDULER, ZImageSchedule
 from mstar.model.z_image.text import ZImageText
 from mstar.model.z_image.transformer import ZImageTransformer
@@ -55,6 +64,15 @@ class Knobs:
             raise ValueError(f"model_kwargs.num_inference_steps: must be at most {MAX_STEPS}")
         self.max_batch_size = integer("max_batch_size", None)
         self.seed = integer("seed", 0, low=0)
+        self.compile = kwargs.get("compile", False)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"model_kwargs.compile: must be true or false, got {self.compile!r}")
+        self.compile_backend = kwargs.get("compile_backend", "inductor")
+        if not isinstance(self.compile_backend, str) or (
+                self.compile and self.compile_backend not in torch.compiler.list_backends(exclude_tags=())):
+            raise ValueError("model_kwargs.compile_backend: must name a registered torch.compile backend "
+                             f"(inductor, aot_eager, cudagraphs, ...), got {self.compile_backend!r}")
+        self.lora: list[LoraAdapter] = parse_adapters(kwargs.get("lora"))
 
 
 def _json(path: Path) -> dict:
@@ -154,6 +172,10 @@ class ZImageTurbo(ModelSpec):
         if "dit" in nodes:
             dit_config = ZImageTransformerConfig.from_dict(_json(root / "transformer" / "config.json"))
             dit = build(ZImageTransformer(dit_config), "transformer", 2)
+            fold_z_image_adapters(dit, knobs.lora)  # in fp32, one rounding per weight
+            if knobs.compile:
+                for block in (*dit.noise_refiner, *dit.context_refiner, *dit.layers):
+                    block.compile(backend=knobs.compile_backend)
             scheduler_file = root / "scheduler" / "scheduler_config.json"
             schedule = ZImageSchedule.from_config(_json(scheduler_file) if scheduler_file.exists() else TURBO_SCHEDULER)
 
