@@ -42,6 +42,12 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _count(value: str) -> int:
+    if not value.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number, 0 or more, got {value!r}")
+    return int(value)
+
+
 def _existing_file(value: str) -> str:
     if not os.path.isfile(value):
         raise argparse.ArgumentTypeError(f"no such file: {value}")
@@ -92,6 +98,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: boo
         "--timeout", type=_seconds, default=None, metavar="SECONDS",
         help="fail requests that take longer, queueing included, with a 504 "
              "(default: the config's request_timeout_s, else none)",
+    )
+    parser.add_argument(
+        "--max-worker-restarts", type=_count, default=3, metavar="N",
+        help="restart a worker process that dies at most N times per rank, then shut the "
+             "server down with exit status 1 (default: %(default)s)",
     )
     parser.add_argument(
         "--api-key", default=os.environ.get("MSTAR_API_KEY"), metavar="KEY",
@@ -147,6 +158,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         in_process=args.in_process,
         served_model_names=list(args.served_model_name or []),
         timeout=args.timeout,
+        max_worker_restarts=args.max_worker_restarts,
     )
 
 
@@ -158,8 +170,7 @@ def _run(options: ServeOptions) -> int:
     setup_logging(options.log_level)
     from mstar.runtime.launch import serve  # lazy: pulls in torch and the workers
 
-    serve(options)
-    return 0
+    return serve(options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

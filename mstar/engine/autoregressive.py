@@ -8,6 +8,7 @@ the per-request token history; the conductor only admits requests against the po
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,6 +52,15 @@ class Sequence:
         return len(self.tokens) - self.prompt_len
 
 
+@dataclass
+class _Ahead:
+    """A decode step launched before the host knew its sequences continue (overlap
+    scheduling): its input tokens came straight from the previous step on the device."""
+
+    rows: dict[str, int]  # request id -> row of ``tokens``
+    tokens: torch.Tensor  # [B] the ids it sampled, on the device, not yet read by the host
+
+
 class AutoregressiveEngine(Engine):
     """Request parameters it reads: ``sampling`` (SamplingParams fields), ``max_new_tokens``,
     ``stop_token_ids`` (EOS and friends; empty to ignore EOS).
@@ -59,18 +69,31 @@ class AutoregressiveEngine(Engine):
     metadata (``"torch"`` reference or ``"triton"``). With a ``graph_runner``
     (``mstar.engine.cuda_graphs.DecodeGraphRunner``), decode-only steps it can run replay a
     CUDA graph for forward + logits; the last KV page is then reserved as its scratch page.
+
+    ``overlap_scheduling``: after launching a step, and before reading its tokens back, the
+    engine launches the next decode step of every sequence that may continue, fed by the
+    sampled ids still on the device. The device works on step k+1 while the host finishes
+    step k (results, the conductor's next plan); when that plan comes, its decodes are
+    already running. A sequence the plan leaves out (it stopped) has the extra step
+    discarded and its pages rolled back. Eager, one step per plan, is the reference.
     """
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
                  max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                 graph_runner: DecodeGraphRunner | None = None, attention_backend: str = "torch"):
+                 graph_runner: DecodeGraphRunner | None = None, attention_backend: str = "torch",
+                 overlap_scheduling: bool = False):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         if graph_runner is not None and graph_runner.page_size != page_size:
             raise ValueError(f"graph runner page size {graph_runner.page_size} != {page_size}")
+        if overlap_scheduling and (type(self).forward is not AutoregressiveEngine.forward
+                                   or type(self).choose is not AutoregressiveEngine.choose):
+            raise ValueError(f"overlap_scheduling: {type(self).__name__} hooks forward or choose, "
+                             "which the steps launched ahead would bypass")
         self.model = model
         self.attention_backend = attention_backend
         self.graph_runner = graph_runner
+        self.overlap = overlap_scheduling
         # The graph runner's padded rows write into one extra page past the pool's, so the
         # pool still holds the num_pages the conductor admits against.
         self.pool = PagePool(num_pages, page_size)
@@ -83,32 +106,74 @@ class AutoregressiveEngine(Engine):
             graph_runner.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
+        self._ahead: _Ahead | None = None
 
     # ------------------------------------------------------------------ steps
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         fresh = [item.request_id for item in items if item.request_id not in self.seqs]
         try:
-            return self._run(items)
+            return self._run(items) if self.overlap else self._run_eager(items)
         except BaseException:
+            self._drop_ahead()
+            for item in items:  # pages reserved for a step that did not complete
+                self._roll_back(item.request_id)
             for request_id in fresh:  # undo, so the worker can retry each item alone
                 self.release(request_id)
             raise
 
-    def _run(self, items: list[EngineItem]) -> list[EngineOutput]:
+    def _run_eager(self, items: list[EngineItem]) -> list[EngineOutput]:
+        """The reference: one step per plan, its tokens read back before ``run`` returns."""
         seqs = [self._admit(item) for item in items]
+        with torch.inference_mode():
+            logits = self._logits(items, seqs)
+            next_ids = self.choose(logits, seqs)
+        values = self._token_values(torch.tensor(next_ids, dtype=torch.int64))
+        return [self._advance(seq, token, value) for seq, token, value in zip(seqs, next_ids, values)]
+
+    def _run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        """Overlapped: decodes launched ahead by the previous plan are taken as they are; the
+        rest run now; then the next step is launched before this one's tokens are read."""
+        ahead, self._ahead = self._ahead, None
+        covered = self._take_ahead(ahead, items)
+        seqs = [self._admit(item) for item in items]
+        rest = [i for i in range(len(items)) if i not in covered]
+        order = list(covered) + rest  # rows of next_ids, as plan indices
+        with torch.inference_mode():
+            parts = []
+            if covered:
+                rows = list(covered.values())
+                parts.append(ahead.tokens if rows == list(range(len(ahead.tokens))) else
+                             ahead.tokens[self._to_device(torch.tensor(rows, dtype=torch.int64))])
+            if rest:
+                chosen = [seqs[i] for i in rest]
+                parts.append(self._sample(self._logits([items[i] for i in rest], chosen), chosen))
+            next_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+            host, copied = self._fetch(next_ids)
+            self._launch_ahead([items[i] for i in order], [seqs[i] for i in order], next_ids)
+            if copied is not None:
+                copied.synchronize()
+            tokens = host.tolist()
+        values = self._token_values(host)
+        outputs: list[EngineOutput | None] = [None] * len(items)
+        for row, i in enumerate(order):
+            outputs[i] = self._advance(seqs[i], tokens[row], values[row])
+        return outputs  # type: ignore[return-value]
+
+    def _logits(self, items: list[EngineItem], seqs: list[Sequence]) -> torch.Tensor:
+        """Reserve the pages of the items' new tokens, run them, and return each sequence's
+        last-position logits ``[B, V]``."""
         for item, seq in zip(items, seqs):
             self.pool.reserve(item.request_id, len(seq.tokens))
-        with torch.inference_mode():
-            meta, input_ids = self._metadata(items, seqs)
-            if self._graph_runs(items, meta):
-                assert self.graph_runner is not None
-                logits = self.graph_runner.run(input_ids, meta)
-            else:
-                hidden = self.forward(input_ids, meta, items)
-                last_rows = meta.query_start_loc[1:] - 1
-                logits = self.model.compute_logits(hidden[last_rows])
-            next_ids = self.choose(logits, seqs)
-        return [self._advance(seq, token) for seq, token in zip(seqs, next_ids)]
+        spans = [(item.request_id, seq.computed, len(seq.tokens)) for item, seq in zip(items, seqs)]
+        input_ids = [t for seq in seqs for t in seq.tokens[seq.computed:]]
+        meta, ids = self._metadata(spans, input_ids)
+        if self._graph_runs(items, meta):
+            assert self.graph_runner is not None
+            return self.graph_runner.run(ids, meta)
+        hidden = self.forward(ids, meta, items)
+        if len(input_ids) == len(items):  # one new token per sequence: every row is a last one
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
 
     # Hooks a model-specific engine may override (an encoder-decoder adds cross-attention
     # state; a speech recogniser constrains which tokens may come next).
@@ -126,19 +191,85 @@ class AutoregressiveEngine(Engine):
         return {"token": torch.tensor([token], dtype=torch.int64)}
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return self.sampler(
-            logits,
-            [s.sampling for s in seqs],
-            [s.generator for s in seqs],
-            [s.tokens for s in seqs] if any(s.sampling.repetition_penalty != 1.0 for s in seqs) else None,
-        ).tolist()
+        return self._sample(logits, seqs).tolist()
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The next id of every row, left on the logits' device."""
+        penalised = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
+        return self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                            [s.tokens for s in seqs] if penalised else None)
+
+    # ---------------------------------------------------------- overlap ahead
+    def _take_ahead(self, ahead: _Ahead | None, items: list[EngineItem]) -> dict[int, int]:
+        """Plan index -> row of ``ahead`` for the plan's decodes it already ran; the pages of
+        the rows the plan leaves out (their sequences stopped) are rolled back."""
+        if ahead is None:
+            return {}
+        covered = {i: ahead.rows[item.request_id] for i, item in enumerate(items)
+                   if item.op == "decode" and item.request_id in ahead.rows}
+        taken = {items[i].request_id for i in covered}
+        for request_id in ahead.rows.keys() - taken:
+            self._roll_back(request_id)
+        return covered
+
+    def _continues(self, seq: Sequence) -> bool:
+        """Whether a sequence, one token longer than it is now, may take another step:
+        not at its length limits, and sampled without state the host must see first (a
+        repetition penalty reads the unknown token; a seeded generator must not draw for
+        a step that may be discarded)."""
+        return (seq.generated + 1 < seq.max_new_tokens and len(seq.tokens) + 1 < self.max_seq_len
+                and seq.sampling.repetition_penalty == 1.0 and seq.generator is None)
+
+    def _launch_ahead(self, items: list[EngineItem], seqs: list[Sequence], next_ids: torch.Tensor) -> None:
+        """Launch the decode step after this one for every sequence that may continue, its
+        input the ids just sampled (``next_ids``, row per item, still on the device)."""
+        rows = [row for row, seq in enumerate(seqs) if self._continues(seq)]
+        rows = [row for row in rows if self.pool.can_reserve(items[row].request_id, len(seqs[row].tokens) + 1)]
+        if not rows:
+            return
+        spans = []
+        for row in rows:
+            length = len(seqs[row].tokens) + 1  # the token being read back now, then one more
+            self.pool.reserve(items[row].request_id, length)
+            spans.append((items[row].request_id, length - 1, length))
+        ids = next_ids if len(rows) == len(seqs) else next_ids[self._to_device(torch.tensor(rows))]
+        meta, _ = self._metadata(spans, [])
+        chosen = [seqs[row] for row in rows]
+        if self.graph_runner is not None and self.graph_runner.fits(len(rows), meta):
+            logits = self.graph_runner.run(ids, meta)
+        else:
+            logits = self.model.compute_logits(self.model.forward(ids, meta, self.kv_caches))
+        self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)}, self._sample(logits, chosen))
+
+    def _roll_back(self, request_id: str) -> None:
+        """Give back pages reserved past the sequence's known tokens (a step launched ahead)."""
+        seq = self.seqs.get(request_id)
+        if seq is not None and self.pool.has(request_id) and self.pool.seq_len(request_id) > len(seq.tokens):
+            self.pool.truncate(request_id, len(seq.tokens))
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            for request_id in self._ahead.rows:
+                self._roll_back(request_id)
+            self._ahead = None
+
+    def _fetch(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying ``tokens`` to the host; the event marks when the copy is done."""
+        if tokens.device.type != "cuda":
+            return tokens.cpu(), None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    # ---------------------------------------------------------------- metadata
     def _admit(self, item: EngineItem) -> Sequence:
         seq = self.seqs.get(item.request_id)
         if item.op == "prefill":
             if seq is not None:
                 raise RuntimeError(f"request {item.request_id} is prefilled twice")
-            prompt = [int(t) for t in item.inputs["prompt_ids"].reshape(-1).tolist()]
+            prompt = item.inputs["prompt_ids"].reshape(-1).tolist()
             if not prompt:
                 raise ValueError("empty prompt")
             if len(prompt) >= self.max_seq_len:
@@ -148,8 +279,9 @@ class AutoregressiveEngine(Engine):
         elif item.op == "decode":
             if seq is None:
                 raise RuntimeError(f"request {item.request_id} decodes before its prefill")
-            token = int(item.inputs["token"].reshape(-1)[0])
-            if seq.tokens[-1] != token or seq.computed != len(seq.tokens) - 1:
+            token = item.inputs["token"]
+            if seq.computed != len(seq.tokens) - 1 or seq.tokens[-1] != (token.item() if token.numel() == 1 else
+                                                                         int(token.reshape(-1)[0])):
                 raise RuntimeError(f"request {item.request_id}: decode input does not follow its history")
         else:
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
@@ -170,41 +302,63 @@ class AutoregressiveEngine(Engine):
             stop_ids=frozenset(int(t) for t in params.get("stop_token_ids", ())),
         )
 
-    def _metadata(self, items: list[EngineItem], seqs: list[Sequence]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        for item, seq in zip(items, seqs):
-            start, end = seq.computed, len(seq.tokens)
-            input_ids += seq.tokens[start:end]
-            positions += range(start, end)
-            slots += self.pool.slots(item.request_id, start, end)
-            starts.append(starts[-1] + end - start)
-            seq_lens.append(end)
-            tables.append(self.pool.page_table(item.request_id))
+    def _metadata(self, spans: list[tuple[str, int, int]],
+                  input_ids: list[int]) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+        """The attention metadata of a step whose row ``r`` runs positions ``[start, end)`` of
+        its sequence (``spans[r] = (request_id, start, end)``), and ``input_ids`` on the
+        device. Host work is per row, never per token (a prefill's positions and slots come
+        from whole-batch tensor ops), and everything reaches the device in one copy."""
+        page_size = self.pool.page_size
+        tables = [self.pool.page_table(request_id) for request_id, _, _ in spans]
         width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int64)
-        for row, pages in enumerate(tables):
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
+        batch = len(spans)
+        lens = [end for _, _, end in spans]
+        query_start_loc = [0, *itertools.accumulate(end - start for _, start, end in spans)]
+        total = query_start_loc[-1]
+        table = [page for t in tables for page in (t + [0] * (width - len(t)) if len(t) < width else t)]
+        tail = query_start_loc + lens + input_ids + table
+        if total == batch:  # one token per row (decodes): positions and slots per row
+            positions = [start for _, start, _ in spans]
+            slots = [t[p // page_size] * page_size + p % page_size for t, p in zip(tables, positions)]
+            packed = torch.tensor(positions + slots + tail, dtype=torch.int64)
+        else:
+            starts = torch.tensor([start for _, start, _ in spans], dtype=torch.int64)
+            host_table = torch.tensor(table, dtype=torch.int64).view(batch, width)
+            counts = torch.tensor(lens, dtype=torch.int64) - starts
+            row_of = torch.repeat_interleave(torch.arange(batch), counts)
+            first = torch.tensor(query_start_loc[:-1], dtype=torch.int64)
+            positions_t = starts[row_of] + torch.arange(total) - first[row_of]
+            slots_t = host_table[row_of, positions_t // page_size] * page_size + positions_t % page_size
+            packed = torch.cat([positions_t, slots_t, torch.tensor(tail, dtype=torch.int64)])
+        on_device = self._to_device(packed)
+        sizes = [total, total, batch + 1, batch, len(input_ids), batch * width]
+        positions_d, slots_d, qsl_d, lens_d, ids_d, table_d = on_device.split(sizes)
         meta = PagedAttentionMetadata(
-            positions=as_tensor(positions),
-            slot_mapping=as_tensor(slots),
-            query_start_loc=as_tensor(starts),
-            seq_lens=as_tensor(seq_lens),
-            page_table=table.to(self.device),
-            page_size=self.pool.page_size,
+            positions=positions_d,
+            slot_mapping=slots_d,
+            query_start_loc=qsl_d,
+            seq_lens=lens_d,
+            page_table=table_d.view(batch, width),
+            page_size=page_size,
             backend=self.attention_backend,
         )
-        return meta, as_tensor(input_ids)
+        return meta, ids_d
 
-    def _advance(self, seq: Sequence, token: int) -> EngineOutput:
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device, copied without waiting for the device
+        (pinned memory, non-blocking), so launching a step never stalls on the previous."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _token_values(self, tokens: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each row's ``token`` output as a ``[1]`` view of the step's ids (one op for the
+        batch), when ``outputs`` is not hooked; else Nones (the hook builds them)."""
+        if type(self).outputs is not AutoregressiveEngine.outputs:
+            return [None] * tokens.shape[0]
+        return list(tokens.view(-1, 1).unbind(0))
+
+    def _advance(self, seq: Sequence, token: int, value: torch.Tensor | None = None) -> EngineOutput:
         seq.computed = len(seq.tokens)
         seq.tokens.append(token)
         reason = None
@@ -212,7 +366,7 @@ class AutoregressiveEngine(Engine):
             reason = "stop"
         elif seq.generated >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
-        out = self.outputs(seq, token)
+        out = self.outputs(seq, token) if value is None else {"token": value}
         if reason is None:
             return EngineOutput(out)
         return EngineOutput(out, ("stop",), reason)
@@ -221,6 +375,10 @@ class AutoregressiveEngine(Engine):
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
         self.pool.free(request_id)
+        if self._ahead is not None:
+            self._ahead.rows.pop(request_id, None)
+            if not self._ahead.rows:
+                self._ahead = None
 
     def stats(self) -> dict[str, float]:
         return {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,

@@ -124,14 +124,19 @@ class DecodeGraphRunner:
     def can_run(self, items: Sequence[Any], meta: PagedAttentionMetadata | None = None) -> bool:
         """True for a non-empty batch of ``decode`` items, on CUDA, within the largest bucket
         (and, given the step's metadata, one token per sequence and a page table that fits)."""
-        if self.kv_caches is None or not self.kv_caches[0].is_cuda:
-            return False
-        if not 0 < len(items) <= self.max_batch_size:
-            return False
         if any(getattr(item, "op", None) != "decode" for item in items):
             return False
+        return self.fits(len(items), meta)
+
+    def fits(self, batch: int, meta: PagedAttentionMetadata | None = None) -> bool:
+        """True for a step of ``batch`` sequences, one token each, that a bucket holds (on
+        CUDA; given the step's metadata, with a page table that fits)."""
+        if self.kv_caches is None or not self.kv_caches[0].is_cuda:
+            return False
+        if not 0 < batch <= self.max_batch_size:
+            return False
         if meta is not None:
-            if meta.positions.shape[0] != meta.seq_lens.shape[0] or meta.seq_lens.shape[0] != len(items):
+            if meta.positions.shape[0] != meta.seq_lens.shape[0] or meta.seq_lens.shape[0] != batch:
                 return False
             if meta.page_table.shape[1] > self.max_pages_per_seq or meta.page_size != self.page_size:
                 return False

@@ -5,8 +5,10 @@ The KV cache is a flat array of ``num_pages * page_size`` token slots, cut into 
 token ``position`` of a sequence lives in slot
 ``page_table[position // page_size] * page_size + position % page_size``.
 
-Sequences only grow (``reserve``) or are released whole (``free``); preemption is a
-``free`` followed, later, by a fresh ``reserve``. Pages are handed out from a FIFO free list.
+Sequences grow (``reserve``), give back a tail they reserved ahead but did not use
+(``truncate``: a decode step launched before its sequence was known to continue), or are
+released whole (``free``); preemption is a ``free`` followed, later, by a fresh
+``reserve``. Pages are handed out from a FIFO free list.
 """
 
 from __future__ import annotations
@@ -94,6 +96,22 @@ class PagePool:
         self._tables.setdefault(seq_id, []).extend(new_pages)
         self._lens[seq_id] = new_len
         return new_pages
+
+    def truncate(self, seq_id: str, new_len: int) -> int:
+        """Shrink ``seq_id`` to ``new_len`` tokens, returning the pages past them to the free
+        list; returns how many. Unknown ids are a no-op; growing is ``reserve``'s job."""
+        _check_length("new_len", new_len)
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        if new_len > self._lens[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} from {self._lens[seq_id]} up to {new_len} tokens")
+        keep = self.pages_needed(new_len)
+        dropped = table[keep:]
+        del table[keep:]
+        self._lens[seq_id] = new_len
+        self._free.extend(dropped)
+        return len(dropped)
 
     def free(self, seq_id: str) -> int:
         """Release every page of ``seq_id``; returns how many. Unknown ids are a no-op."""

@@ -52,6 +52,15 @@ def validate_sampling(params: SamplingParams) -> None:
         )
 
 
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row values as a tensor on ``device``; on a GPU through pinned memory without
+    waiting for the device, so sampling never stalls a step launched ahead of it."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0
 
@@ -82,9 +91,11 @@ class Sampler:
         scores = self.processed_logits(logits, params, seen_tokens)
         tokens = scores.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sample_rows) == len(params):
+            return self._sample(scores, generators)
         if sample_rows:
-            row_gens = [generators[i] for i in sample_rows]
-            tokens[sample_rows] = self._sample(scores[sample_rows], row_gens)
+            rows = _on(scores.device, sample_rows, torch.int64)
+            tokens[rows] = self._sample(scores[rows], [generators[i] for i in sample_rows])
         return tokens
 
     def processed_logits(
@@ -107,7 +118,7 @@ class Sampler:
             return scores
         temps = [1.0 if p.greedy else p.temperature for p in params]
         if any(t != 1.0 for t in temps):
-            temps_t = torch.tensor(temps, dtype=torch.float32, device=scores.device)
+            temps_t = _on(scores.device, temps, torch.float32)
             scores = scores / temps_t[:, None]
         return self._apply_filters(scores, params)
 
@@ -169,13 +180,13 @@ class Sampler:
             if any(use_k):
                 # Index of the k-th largest score; disabled rows use index 0 (the minimum).
                 kth_index = [vocab - p.top_k if on else 0 for on, p in zip(use_k, params)]
-                kth = sorted_scores.gather(1, torch.tensor(kth_index, device=device)[:, None])
+                kth = sorted_scores.gather(1, _on(device, kth_index, torch.int64)[:, None])
                 remove |= sorted_scores < kth
             if any(use_p):
                 probs = sorted_scores.masked_fill(remove, neg_inf).softmax(dim=-1)
                 # Drop the low tail whose total mass is <= 1 - top_p; -1 never matches.
                 tail = [1.0 - p.top_p if on else -1.0 for on, p in zip(use_p, params)]
-                tail_t = torch.tensor(tail, dtype=torch.float32, device=device)[:, None]
+                tail_t = _on(device, tail, torch.float32)[:, None]
                 drop = probs.cumsum(dim=-1) <= tail_t
                 drop[:, -1] = False  # always keep the most likely token
                 remove |= drop
@@ -184,11 +195,7 @@ class Sampler:
 
         if any(use_min_p):
             probs = scores.softmax(dim=-1)
-            min_p = torch.tensor(
-                [p.min_p if on else 0.0 for on, p in zip(use_min_p, params)],
-                dtype=torch.float32,
-                device=device,
-            )[:, None]
+            min_p = _on(device, [p.min_p if on else 0.0 for on, p in zip(use_min_p, params)], torch.float32)[:, None]
             # The most likely token always passes since min_p <= 1.
             scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), neg_inf)
         return scores
@@ -201,9 +208,11 @@ class Sampler:
         probs = scores.softmax(dim=-1)
         noise = torch.empty_like(probs)
         shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
+        if len(shared) == len(generators):
+            noise.exponential_()
+        elif shared:
             draw = torch.empty(len(shared), probs.shape[1], device=probs.device)
-            noise[shared] = draw.exponential_()
+            noise[_on(probs.device, shared, torch.int64)] = draw.exponential_()
         for i, gen in enumerate(generators):
             if gen is not None:
                 noise[i].exponential_(generator=gen)

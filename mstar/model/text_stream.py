@@ -9,7 +9,13 @@ from mstar.server.backend import OutputEvent
 
 
 class TextStream(OutputStream):
-    """Decodes the generated ids so far and hands out only the new text.
+    """Decodes the generated ids incrementally and hands out only the new text.
+
+    Each token is decoded in a short window, not with the whole history: the ids from
+    ``prefix`` (already turned into text, kept as context so a tokenizer that drops a
+    word's leading space at the start of a string still renders it) up to the newest. The
+    window's text past that of ``ids[prefix:read]`` is the new text. So a token costs the
+    same at the thousandth position as at the first.
 
     Text that could still become part of a stop string, or an incomplete UTF-8 sequence,
     is held back until it is settled. When a stop string appears the text is cut before
@@ -21,9 +27,17 @@ class TextStream(OutputStream):
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] are decoded already: the window's context
+        self.read = 0  # ids from here on are not text yet
         self.sent = 0  # characters of the decoded text already handed out
         self.text = ""
         self._stopped = False
+        # A fast tokenizer whose decode adds nothing to its Rust backend's (no clean-up of
+        # spaces) is asked directly: the wrapper's argument conversion costs more than
+        # decoding a short window.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend = backend if plain else None
 
     @property
     def generated(self) -> int:
@@ -36,11 +50,14 @@ class TextStream(OutputStream):
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
         if self._stopped:
             return None
-        new = [int(t) for t in value.reshape(-1).tolist()]
+        new = value.reshape(-1).tolist()
         self.ids += new
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        seen = self._decode(self.ids[self.prefix:self.read])
+        window = self._decode(self.ids[self.prefix:])
+        if window.endswith("\ufffd") or len(window) <= len(seen):
             return OutputEvent(token_ids=new, completion_tokens=len(self.ids))  # wait for the rest of the character
+        self.prefix, self.read = self.read, len(self.ids)
+        text = self.text + window[len(seen):]
         self.text = text
         cut = self._find_stop(text)
         if cut is not None:
@@ -53,6 +70,13 @@ class TextStream(OutputStream):
         if self.sent < len(self.text):
             return self._delta(len(self.text), [])
         return None
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _find_stop(self, text: str) -> int | None:
         start = max(0, self.sent - self.hold)

@@ -82,6 +82,10 @@ class Conductor:
         self.failed_ranks: dict[int, str] = {}
         self._plan_ids = 0
         self._ended: list[Finished] = []
+        # Per-step constants, computed once: walk -> step name -> its steps; (step, rank) ->
+        # where its outputs go and which of them stream to the client.
+        self._steps_named = {name: _steps_by_name(walk) for name, walk in graph.walks.items()}
+        self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
 
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
@@ -110,11 +114,13 @@ class Conductor:
     def on_result(self, result: StepResult) -> None:
         if self.busy.get(result.rank) == result.plan_id:
             del self.busy[result.rank]
-        for node, seconds in result.profile.items():
-            for item in result.results:
-                if item.request_id in self.live:
-                    prof = self.live[item.request_id].profile
-                    prof[node] = prof.get(node, 0.0) + seconds / max(1, len(result.results))
+        share = {node: seconds / max(1, len(result.results)) for node, seconds in result.profile.items()}
+        for item in result.results:
+            live = self.live.get(item.request_id)
+            if live is not None:
+                prof = live.profile
+                for node, seconds in share.items():
+                    prof[node] = prof.get(node, 0.0) + seconds
         for item in result.results:
             self._apply(item)
 
@@ -130,6 +136,19 @@ class Conductor:
                     live.ending = Finished(live.spec.request_id, "error", f"worker rank {rank} failed: {error}",
                                            live.emitted, live.profile, failed_rank=rank)
 
+    def on_rank_restarted(self, rank: int) -> None:
+        """A new worker process serves ``rank``: plans go there again. Live requests whose
+        walk uses the rank fail (what they sent it died with the old process); the rank's
+        pending releases are dropped (the new process holds nothing)."""
+        error = self.failed_ranks.pop(rank, "restarted")
+        self.busy.pop(rank, None)
+        self.releases[rank] = []
+        for live in self.live.values():
+            uses_rank = rank in self.routes[live.spec.walk].step_rank.values()
+            if uses_rank and live.ending is None:
+                live.ending = Finished(live.spec.request_id, "error", f"worker rank {rank} failed: {error}",
+                                       live.emitted, live.profile, failed_rank=rank)
+
     # ------------------------------------------------------------- scheduling
     def tick(self, now: float) -> Decisions:
         self._expire(now)
@@ -143,7 +162,8 @@ class Conductor:
             walk = self.graph.walk(live.spec.walk)
             routes = self.routes[walk.name]
             steps = walk_cursor.ready(walk.body, live.cursor)
-            dead = next((r for r in (routes.rank(s.step) for s in steps) if r in self.failed_ranks), None)
+            dead = next((r for r in (routes.rank(s.step) for s in steps) if r in self.failed_ranks),
+                        None) if self.failed_ranks else None
             if dead is not None:  # its next step needs a dead rank: fail it rather than wait forever
                 live.ending = Finished(live.spec.request_id, "error",
                                        f"worker rank {dead} failed: {self.failed_ranks[dead]}",
@@ -207,8 +227,12 @@ class Conductor:
             writes[port] = VarRef(var, live.next_version)
             live.next_version += 1
         live.in_flight[id(step)] = (rank, {ref.var: ref.version for ref in writes.values()})
-        send = {port: dests for port, var in step.writes if (dests := routes.destinations(var, exclude=rank))}
-        emit = {port: e.modality.value for e in step.emit for port, var in step.writes if var == e.var}
+        outlets = self._outlets.get((id(step), rank))
+        if outlets is None:
+            send = {port: dests for port, var in step.writes if (dests := routes.destinations(var, exclude=rank))}
+            emit = {port: e.modality.value for e in step.emit for port, var in step.writes if var == e.var}
+            outlets = self._outlets[(id(step), rank)] = (send, emit)
+        send, emit = outlets
         first = rank not in live.ranks_seen
         live.ranks_seen.add(rank)
         return WorkItem(live.spec.request_id, step.node, step.op, step.name, iteration, reads, writes,
@@ -219,12 +243,13 @@ class Conductor:
         if live is None:
             return
         walk = self.graph.walk(live.spec.walk)
-        step = next((s for s in walk.steps() if s.name == item.step and id(s) in live.in_flight), None)
+        step = next((s for s in self._steps_named[walk.name].get(item.step, ()) if id(s) in live.in_flight), None)
         if step is None:
             return
         _, written = live.in_flight.pop(id(step))
-        silent = {var for port, var in step.writes if port in item.silent}
-        written = {var: version for var, version in written.items() if var not in silent}
+        if item.silent:
+            silent = {var for port, var in step.writes if port in item.silent}
+            written = {var: version for var, version in written.items() if var not in silent}
         live.emitted += item.emitted
         if item.finish_reason:
             live.finish_reason = item.finish_reason
@@ -241,7 +266,8 @@ class Conductor:
                 stream.running = False
             elif stream.edge.source in written:
                 stream.versions.append(written[stream.edge.source])
-        live.flags = live.flags | frozenset(item.flags)
+        if item.flags:
+            live.flags = live.flags | frozenset(item.flags)
         if all(stream.edge.into is not step for stream in live.streams):
             ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
             live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
@@ -294,3 +320,10 @@ class Conductor:
         return bool(self.waiting) or any(self.releases.values()) or any(
             live.ending is not None and not live.in_flight for live in self.live.values()
         )
+
+
+def _steps_by_name(walk) -> dict[str, list[Step]]:
+    named: dict[str, list[Step]] = {}
+    for step in walk.steps():
+        named.setdefault(step.name, []).append(step)
+    return named

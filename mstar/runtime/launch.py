@@ -7,7 +7,7 @@ import time
 
 import torch
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from mstar.config import ConfigError, DeploymentConfig, load_config, parse_config
 from mstar.model.registry import model_class
@@ -21,6 +21,9 @@ from mstar.runtime.transport.inproc import InProcessHub
 from mstar.runtime.workers import InProcessWorkers, ProcessWorkers, build_worker
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_WORKER_RESTARTS = 3
+SHUTDOWN_GRACE_S = 10  # how long a stopping server waits for responses still under way
 
 
 @dataclass
@@ -38,13 +41,21 @@ class Deployment:
             self.runtime.close()
 
 
-def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool = False) -> Deployment:
+def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool = False,
+          max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
+          on_give_up: Callable[[str], None] | None = None) -> Deployment:
     """Load the model and start its runtime. ``in_process`` keeps every worker rank in this
-    process (fast, deterministic; tests); otherwise one worker process per rank."""
+    process (fast, deterministic; tests); otherwise one worker process per rank.
+
+    A worker process that dies is restarted, at most ``max_worker_restarts`` times per rank;
+    past that, or when a restart fails to load (or the workers are in-process), every request
+    fails and ``on_give_up(reason)`` is called from the conductor thread (see
+    ``Runtime.supervise``); without it the server stays up, unhealthy.
+    """
     spec = model_class(config.model)(config)
     graph = spec.graph()
     try:
-        placement = build_placement(graph, config)
+        placement = build_placement(graph, config, spec)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     capacity = spec.default_capacity()
@@ -81,6 +92,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend)
     runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats,
                       max_queue_size=config.queue_limit)
+    runtime.supervise(max_worker_restarts, on_give_up)
     backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
     log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
     return Deployment(config, spec, runtime, backend)
@@ -115,18 +127,44 @@ def config_from_options(options) -> DeploymentConfig:
     return config_for(options.model, options.config, overrides)
 
 
-def serve(options) -> None:
-    """Entry point behind ``mstar serve``: start everything and run uvicorn until stopped."""
+class _StopServer:
+    """``on_give_up`` for ``serve``: remember why and make uvicorn shut down."""
+
+    def __init__(self) -> None:
+        self.server = None
+        self.reason: str | None = None
+
+    def __call__(self, reason: str) -> None:
+        self.reason = reason
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+def serve(options) -> int:
+    """Entry point behind ``mstar serve``: start everything and run uvicorn until stopped.
+    Returns the process exit status: 0 when stopped, 1 when the workers could not be kept
+    alive (see ``start``) and the server shut itself down."""
     import uvicorn
 
     from mstar.server.app import create_app
 
     config = config_from_options(options)
-    deployment = start(config, in_process=options.in_process, log_stats=options.log_stats)
+    stop = _StopServer()
+    deployment = start(config, in_process=options.in_process, log_stats=options.log_stats,
+                       max_worker_restarts=options.max_worker_restarts, on_give_up=stop)
     app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
                      api_key=options.api_key, on_shutdown=deployment.close)
     log.info("serving %s on http://%s:%d", config.model, options.host, options.port)
+    stop.server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+                                                log_level=options.log_level,
+                                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    if stop.reason is not None:  # it gave up while the app was being built
+        stop.server.should_exit = True
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+        stop.server.run()
     finally:
         deployment.close()
+    if stop.reason is not None:
+        log.critical("the server shut down: %s", stop.reason)
+        return 1
+    return 0

@@ -121,3 +121,23 @@ def tensor_key(request_id: str, var: str, version: int) -> str:
 def parse_tensor_key(key: str) -> tuple[str, str, int]:
     request_id, var, version = key.split("\x1f")
     return request_id, var, int(version)
+
+
+def emit_key(key: str, modality: str) -> str:
+    """The key of an output streamed to the frontend: its tensor key and its modality."""
+    return f"{key}\x1f{modality}"
+
+
+def emit_batch_key(keys: list[str]) -> str:
+    """One frontend message carries every output a plan streamed: its key lists their
+    ``emit_key`` in order; tensor ``str(i)`` is the value of the ``i``-th."""
+    return "\x1e".join(keys)
+
+
+def parse_emit_batch(key: str) -> list[tuple[str, str]]:
+    """``(request_id, modality)`` of every output of an ``emit_batch_key``, in order."""
+    out = []
+    for one in key.split("\x1e"):
+        request_id, _, _, modality = one.split("\x1f")
+        out.append((request_id, modality))
+    return out

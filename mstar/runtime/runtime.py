@@ -20,8 +20,7 @@ from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
 from mstar.runtime.placement import Placement, Routes
-from mstar.runtime.protocol import StepResult, WorkerFailed, parse_tensor_key, tensor_key
-from mstar.runtime.worker import modality_of
+from mstar.runtime.protocol import StepResult, WorkerFailed, parse_emit_batch, tensor_key
 from mstar.server.backend import OutputEvent, RequestError
 
 log = logging.getLogger(__name__)
@@ -157,6 +156,61 @@ class Runtime:
         self.healthy = False
         self.failure = f"worker rank {event.rank} failed: {event.error}"
         self.conductor.on_rank_failed(event.rank, event.error)
+        if self._recovery is not None:
+            self._recover(event.rank, event.error)
+
+    # -------------------------------------------------------- worker recovery
+    _recovery: _Recovery | None = None  # None: a dead rank stays down, the server unhealthy
+
+    def supervise(self, max_restarts: int, on_give_up: Callable[[str], None] | None = None) -> None:
+        """Restart a rank whose worker process dies, at most ``max_restarts`` times per rank.
+        Past that, when a restarted worker fails to load, or when the workers cannot be
+        restarted at all, every request fails (503) and ``on_give_up(reason)`` runs on the
+        conductor thread: it should make the server shut down (it must not block)."""
+        self._recovery = _Recovery(max_restarts, on_give_up)
+
+    def _recover(self, rank: int, error: str) -> None:
+        recovery = self._recovery
+        assert recovery is not None
+        restart = getattr(self.workers, "restart", None)
+        attempts = recovery.attempts.get(rank, 0)
+        if rank in recovery.loading:
+            self._give_up(rank, f"worker rank {rank} failed to load after a restart: {error}")
+        elif restart is None:
+            self._give_up(rank, f"worker rank {rank} failed and in-process workers cannot be restarted: {error}")
+        elif attempts >= recovery.max_restarts:
+            self._give_up(rank, f"worker rank {rank} failed and was restarted {attempts} time(s) already "
+                          f"(--max-worker-restarts {recovery.max_restarts}): {error}")
+        else:
+            recovery.attempts[rank] = attempts + 1
+            recovery.loading.add(rank)
+            self.failure = (f"worker rank {rank} failed: {error}; restarting it "
+                            f"(attempt {attempts + 1} of {recovery.max_restarts})")
+            restart(rank, self._rank_restarted)
+
+    def _rank_restarted(self, rank: int, gauges: dict[str, float]) -> None:
+        """The restarted rank loaded its engines (called inside ``workers.poll``)."""
+        recovery = self._recovery
+        assert recovery is not None
+        recovery.loading.discard(rank)
+        self.rank_gauges[rank] = dict(gauges)
+        self.conductor.on_rank_restarted(rank)
+        log.warning("worker rank %d restarted", rank)
+        if not self.conductor.failed_ranks and not recovery.gave_up:
+            self.healthy, self.failure = True, None
+
+    def _give_up(self, rank: int, reason: str) -> None:
+        """No more restarts: fail every tracked request (503) and ask the server to stop."""
+        recovery = self._recovery
+        assert recovery is not None
+        log.critical("giving up: %s", reason)
+        recovery.gave_up = True
+        self.healthy = False
+        self.failure = f"{reason}; the server is shutting down"
+        for request_id in list(self.tracked):
+            self._finished(Finished(request_id, "error", self.failure, 0, failed_rank=rank))
+        if recovery.on_give_up is not None:
+            recovery.on_give_up(self.failure)
 
     def _finished(self, done: Finished) -> None:
         if self.log_stats:
@@ -181,11 +235,11 @@ class Runtime:
                 if self._stop.is_set():
                     return
                 raise
-            for key, tensors in messages:
-                request_id, _, _ = parse_tensor_key(key)
-                tracked = self.tracked.get(request_id)
-                if tracked is not None:
-                    self._emit(request_id, tracked, modality_of(tensors["modality"]), tensors["value"])
+            for key, tensors in messages:  # one message per plan: every output it streamed
+                for i, (request_id, modality) in enumerate(parse_emit_batch(key)):
+                    tracked = self.tracked.get(request_id)
+                    if tracked is not None:
+                        self._emit(request_id, tracked, modality, tensors[str(i)])
 
     def _emit(self, request_id: str, tracked: _Tracked, modality: str, value) -> None:
         with tracked.lock:
@@ -225,6 +279,17 @@ class Runtime:
             tracked.sink(None)
         self.tracked.pop(request_id, None)
 
+
+
+@dataclass
+class _Recovery:
+    """The restart policy (``Runtime.supervise``) and what it has done so far."""
+
+    max_restarts: int
+    on_give_up: Callable[[str], None] | None
+    attempts: dict[int, int] = field(default_factory=dict)  # rank -> restarts so far
+    loading: set[int] = field(default_factory=set)  # ranks restarted and not ready yet
+    gave_up: bool = False
 
 
 def _error_status(done: Finished | None) -> int | None:

@@ -2,8 +2,8 @@
 
 For each plan it frees released requests, waits for the input tensors its items read,
 runs every node's items as one batch through the node's engine, sends outputs straight to
-the ranks that read them next, streams emitted outputs straight to the frontend, and
-returns one ``StepResult``.
+the ranks that read them next, streams emitted outputs straight to the frontend (one
+message per plan), and returns one ``StepResult``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import traceback
 import torch
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.runtime.protocol import ItemResult, StepPlan, StepResult, WorkItem, parse_tensor_key, tensor_key
+from mstar.runtime.protocol import (
+    ItemResult, StepPlan, StepResult, WorkItem, emit_batch_key, emit_key, parse_tensor_key, tensor_key,
+)
 from mstar.runtime.transport import TensorTransport
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,10 @@ class Worker:
         self.frontend_rank = frontend_rank
         self.store = TensorStore(stream_vars)
         self.params: dict[str, dict] = {}
+        self._emits: list[tuple[str, torch.Tensor]] = []  # (emit key, value) streamed by this plan
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self._emits = []
         for request_id in plan.release:
             self._release(request_id)
         for item in plan.items:
@@ -83,6 +87,7 @@ class Worker:
             start = time.perf_counter()
             results += self._run_node(node, ready, inputs)
             profile[node] = time.perf_counter() - start
+        self._flush_emits()
         return StepResult(self.rank, plan.plan_id, results, profile, self.stats())
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
@@ -108,20 +113,32 @@ class Worker:
             log.warning("request %s failed in %s: %s", item.request_id, item.step, out)
             return ItemResult(item.request_id, item.step, error=str(out))
         emitted = 0
-        silent = [port for port in item.writes if port not in out.outputs]
+        silent = []
         for port, ref in item.writes.items():
-            if port in silent:
+            value = out.outputs.get(port)
+            if value is None:
+                silent.append(port)
                 continue
-            value = out.outputs[port]
             self.store.put(item.request_id, ref.var, ref.version, value)
+            if not item.send and not item.emit:
+                continue
             key = tensor_key(item.request_id, ref.var, ref.version)
             for dst in item.send.get(port, ()):
                 self.transport.send(dst, key, {"value": value})
             if port in item.emit:
-                self.transport.send(self.frontend_rank, key, {"value": value, "modality": _modality_tag(item.emit[port])})
+                self._emits.append((emit_key(key, item.emit[port]), value))
                 emitted += 1
         return ItemResult(item.request_id, item.step, list(out.flags), out.finish_reason, emitted=emitted,
                           silent=silent)
+
+    def _flush_emits(self) -> None:
+        """Stream the plan's outputs to the frontend as one message (one send, one wake-up
+        of its receiving thread, however many requests the plan ran)."""
+        if self._emits:
+            keys, values = zip(*self._emits)
+            self._emits = []
+            self.transport.send(self.frontend_rank, emit_batch_key(list(keys)),
+                                {str(i): value for i, value in enumerate(values)})
 
     def _gather(self, items: list[WorkItem]) -> dict[int, dict[str, torch.Tensor]]:
         """Wait until every item's inputs are in the store; give up after a timeout."""
@@ -170,17 +187,6 @@ class Worker:
             for name, value in engine.stats().items():
                 out[f"{node}.{name}"] = value
         return out
-
-
-MODALITIES = ("text", "audio", "image", "video", "action", "latent")
-
-
-def _modality_tag(modality: str) -> torch.Tensor:
-    return torch.tensor(MODALITIES.index(modality), dtype=torch.int8)
-
-
-def modality_of(tag: torch.Tensor) -> str:
-    return MODALITIES[int(tag)]
 
 
 def _describe_error() -> str:

@@ -2,7 +2,8 @@
 
 Both pools present the same calls to the runtime loop: ``send(rank, plan)``,
 ``poll(timeout)`` for step results and failures, ``stats()`` (each rank's engine gauges
-before any work; later ones ride on every ``StepResult``) and ``close()``.
+before any work; later ones ride on every ``StepResult``) and ``close()``. The process
+pool can also ``restart`` a rank whose process died.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import queue
 import signal
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,101 +81,182 @@ class InProcessWorkers:
             worker.transport.close()
 
 
+@dataclass
+class _Process:
+    """One worker process of a rank and its own control sockets. A restart makes a new one
+    (new sockets too), so nothing a dead process sent can pass for its successor's."""
+
+    proc: mp.process.BaseProcess
+    plans: zmq.Socket  # PUSH, bound here; the process connects
+    results: zmq.Socket  # PULL, bound here; the process connects
+    deadline: float  # when it must have reported ready
+    ready: bool = False
+    failed: bool = False
+    on_ready: Callable[[int, dict[str, float]], None] | None = None  # set by a restart
+
+
 class ProcessWorkers:
-    """One spawned process per rank, driven over ZeroMQ (plans down, results up)."""
+    """One spawned process per rank, driven over ZeroMQ (plans down, results up).
+
+    ``restart(rank, on_ready)`` replaces a dead rank's process without blocking: the new
+    one loads its engines while the others keep working; once it reports ready, every rank
+    and the frontend transport get the new peer table and ``on_ready(rank, gauges)`` runs
+    (inside ``poll``, on the caller's thread). A restarted process that fails to load, dies
+    or misses its startup deadline is reported by ``poll`` as a ``WorkerFailed``.
+    """
 
     def __init__(self, config_data: dict[str, Any], num_ranks: int, protocol_name: str,
                  frontend_transport, startup_timeout: float = 600.0):
         self.ctx = zmq.Context.instance()
-        self.results = self.ctx.socket(zmq.PULL)
-        port = self.results.bind_to_random_port("tcp://127.0.0.1")
-        result_addr = f"tcp://127.0.0.1:{port}"
-        spawn = mp.get_context("spawn")
-        self.procs: dict[int, mp.process.BaseProcess] = {}
-        self.plans: dict[int, zmq.Socket] = {}
-        self.failed: set[int] = set()
+        self.config_data = config_data
+        self.num_ranks = num_ranks
+        self.protocol_name = protocol_name
+        self.frontend = frontend_transport
+        self.startup_timeout = startup_timeout
+        self.ranks: dict[int, _Process] = {}
+        self.addresses: dict[int, str] = {num_ranks: frontend_transport.address}  # the frontend is rank N
         self.ready_gauges: dict[int, dict[str, float]] = {}
-        frontend_rank = num_ranks
-        for rank in range(num_ranks):
-            sock = self.ctx.socket(zmq.PUSH)
-            plan_port = sock.bind_to_random_port("tcp://127.0.0.1")
-            self.plans[rank] = sock
-            proc = spawn.Process(target=worker_main, name=f"mstar-worker-{rank}", daemon=True,
-                                 args=(config_data, rank, frontend_rank, protocol_name,
-                                       f"tcp://127.0.0.1:{plan_port}", result_addr))
-            proc.start()
-            self.procs[rank] = proc
-        addresses = {frontend_rank: frontend_transport.address}
-        deadline = time.monotonic() + startup_timeout
-        while len(addresses) <= num_ranks:
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("workers did not start in time")
-            dead = [r for r, p in self.procs.items() if not p.is_alive()]
-            if dead:
-                self.close()
-                raise RuntimeError(f"worker rank {dead[0]} exited during startup (see its log above)")
-            if self.results.poll(500):
-                msg = protocol.decode(self.results.recv())
-                if isinstance(msg, WorkerFailed):
-                    self.close()
-                    raise RuntimeError(f"worker rank {msg.rank} failed to start: {msg.error}")
-                if isinstance(msg, WorkerReady):
-                    addresses[msg.rank] = msg.tensor_address
-                    self.ready_gauges[msg.rank] = dict(msg.gauges)
-                    log.info("worker rank %d is ready", msg.rank)
-        table = protocol.encode(PeerTable(addresses))
-        for sock in self.plans.values():
-            sock.send(table)
-        frontend_transport.connect({r: a for r, a in addresses.items() if r != frontend_rank})
+        self._closed = False
+        try:
+            for rank in range(num_ranks):
+                self.ranks[rank] = self._spawn(rank)
+            while not all(p.ready for p in self.ranks.values()):
+                for event in self._receive(0.5):
+                    if isinstance(event, WorkerFailed):
+                        raise RuntimeError(f"worker rank {event.rank} failed to start: {event.error}")
+        except BaseException:
+            self.close()
+            raise
+        self._publish_peers()
 
+    # ------------------------------------------------------------ the runtime's calls
     def send(self, rank: int, plan: StepPlan) -> None:
         """Queue the plan for the rank. Never blocks on a dead worker: a bound PUSH socket
         whose only peer is gone would wait forever; the plan is dropped instead and the
         next ``poll`` reports the death."""
+        process = self.ranks[rank]
+        if process.failed or not process.ready:
+            return
         data = protocol.encode(plan)
-        sock = self.plans[rank]
         while True:
             try:
-                sock.send(data, zmq.NOBLOCK)
+                process.plans.send(data, zmq.NOBLOCK)
                 return
             except zmq.Again:
-                if not self.procs[rank].is_alive():
+                if not process.proc.is_alive():
                     return
-                sock.poll(100, zmq.POLLOUT)
+                process.plans.poll(100, zmq.POLLOUT)
 
     def poll(self, timeout: float) -> list[Event]:
-        out: list[Event] = []
-        if self.results.poll(int(timeout * 1000)):
-            while True:
-                try:
-                    msg = protocol.decode(self.results.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, (StepResult, WorkerFailed)):
-                    out.append(msg)
-        for rank, proc in self.procs.items():
-            if rank not in self.failed and not proc.is_alive():
-                self.failed.add(rank)
-                out.append(WorkerFailed(rank, f"worker process {proc.name} (pid {proc.pid}) "
-                                              f"{_exit_description(proc.exitcode)}"))
-        return out
+        """Step results and failures (each death reported once, per process)."""
+        return [e for e in self._receive(timeout) if isinstance(e, (StepResult, WorkerFailed))]
+
+    def restart(self, rank: int, on_ready: Callable[[int, dict[str, float]], None]) -> None:
+        """Start a new process for ``rank`` (whose process failed); see the class doc."""
+        old = self.ranks[rank]
+        self._stop(old)
+        log.warning("restarting worker rank %d (the old process %s, pid %s, is gone)", rank, old.proc.name,
+                    old.proc.pid)
+        self.ready_gauges.pop(rank, None)
+        self.ranks[rank] = self._spawn(rank, on_ready)
 
     def stats(self) -> dict[int, dict[str, float]]:
         return {rank: dict(gauges) for rank, gauges in self.ready_gauges.items()}
 
     def close(self) -> None:
-        for rank, sock in self.plans.items():
-            try:
-                sock.send(protocol.encode(Shutdown("server stopping")), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        for proc in self.procs.values():
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-        for sock in [*self.plans.values(), self.results]:
+        if self._closed:
+            return
+        self._closed = True
+        for process in self.ranks.values():
+            if process.proc.is_alive():
+                try:
+                    process.plans.send(protocol.encode(Shutdown("server stopping")), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        for process in self.ranks.values():
+            self._stop(process, grace_s=5.0)
+
+    # ------------------------------------------------------------------- internals
+    def _spawn(self, rank: int, on_ready=None) -> _Process:
+        plans, results = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        plan_port = plans.bind_to_random_port("tcp://127.0.0.1")
+        result_port = results.bind_to_random_port("tcp://127.0.0.1")
+        proc = mp.get_context("spawn").Process(
+            target=worker_main, name=f"mstar-worker-{rank}", daemon=True,
+            args=(self.config_data, rank, self.num_ranks, self.protocol_name,
+                  f"tcp://127.0.0.1:{plan_port}", f"tcp://127.0.0.1:{result_port}"))
+        proc.start()
+        return _Process(proc, plans, results, time.monotonic() + self.startup_timeout, on_ready=on_ready)
+
+    def _stop(self, process: _Process, grace_s: float = 0.0) -> None:
+        """Make sure the process is gone (joined, killed past ``grace_s``) and close its sockets."""
+        process.failed = True
+        process.proc.join(timeout=grace_s)
+        if process.proc.is_alive():
+            process.proc.kill()
+            process.proc.join(timeout=5)
+        for sock in (process.plans, process.results):
             sock.close(linger=0)
+
+    def _receive(self, timeout: float) -> list[Event | WorkerReady]:
+        """Every message from the live processes (waiting up to ``timeout`` for the first),
+        then a ``WorkerFailed`` for each process found dead or late since the last call."""
+        live = {p.results: rank for rank, p in self.ranks.items() if not p.failed}
+        out: list[Event | WorkerReady] = []
+        poller = zmq.Poller()
+        for sock in live:
+            poller.register(sock, zmq.POLLIN)
+        if live:
+            readable = [sock for sock, _ in poller.poll(int(timeout * 1000))]
+        else:  # every rank is down: nothing to wait for but the caller's timeout
+            readable = []
+            time.sleep(timeout)
+        for sock in readable:
+            while True:
+                try:
+                    msg = protocol.decode(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                out.append(msg)
+                if isinstance(msg, WorkerReady):
+                    self._ready(live[sock], msg)
+                elif isinstance(msg, WorkerFailed):
+                    self.ranks[live[sock]].failed = True
+        for rank, process in self.ranks.items():
+            if process.failed:
+                continue
+            if not process.proc.is_alive():
+                process.failed = True
+                when = "" if process.ready else " while loading"
+                out.append(WorkerFailed(rank, f"worker process {process.proc.name} (pid {process.proc.pid}) "
+                                              f"{_exit_description(process.proc.exitcode)}{when}"))
+            elif not process.ready and time.monotonic() > process.deadline:
+                process.failed = True
+                process.proc.kill()
+                out.append(WorkerFailed(rank, f"worker process {process.proc.name} (pid {process.proc.pid}) "
+                                              f"did not load within {self.startup_timeout:.0f} s"))
+        return out
+
+    def _ready(self, rank: int, msg: WorkerReady) -> None:
+        process = self.ranks[rank]
+        process.ready = True
+        self.addresses[rank] = msg.tensor_address
+        self.ready_gauges[rank] = dict(msg.gauges)
+        log.info("worker rank %d is ready", rank)
+        if process.on_ready is not None:  # a restart: tell everyone where the rank lives now
+            self._publish_peers()
+            process.on_ready(rank, dict(msg.gauges))
+
+    def _publish_peers(self) -> None:
+        """Send the peer table to every ready rank, and connect the frontend to the ranks."""
+        table = protocol.encode(PeerTable(dict(self.addresses)))
+        for process in self.ranks.values():
+            if process.ready and not process.failed:
+                try:
+                    process.plans.send(table, zmq.NOBLOCK)
+                except zmq.Again:  # it died since: the next poll reports that
+                    pass
+        self.frontend.connect({r: a for r, a in self.addresses.items() if r != self.num_ranks})
 
 
 def _exit_description(code: int | None) -> str:
@@ -186,8 +270,8 @@ def _exit_description(code: int | None) -> str:
 
 def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
                 plan_addr: str, result_addr: str) -> None:
-    num_ranks = frontend_rank  # ranks are 0..N-1 and the frontend is N
     """Entry point of a worker process."""
+    num_ranks = frontend_rank  # ranks are 0..N-1 and the frontend is N
     logging.basicConfig(level=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     # Share the cores between the ranks of this host: oversubscribed BLAS threads thrash.

@@ -21,6 +21,8 @@ class ServeOptions:
     indices for the workers (None: all visible). ``in_process`` runs the model in the
     server process instead of separate workers (debugging, tests). ``timeout`` caps each
     request's seconds, queueing included (None: the config's ``request_timeout_s``).
+    ``max_worker_restarts``: how many times each worker rank's process is restarted after
+    it dies before the server shuts down (exit status 1).
     """
 
     model: str | None = None
@@ -37,6 +39,7 @@ class ServeOptions:
     in_process: bool = False
     served_model_names: list[str] = field(default_factory=list)
     timeout: float | None = None
+    max_worker_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.model is None and self.config is None:
@@ -52,5 +55,7 @@ class ServeOptions:
             )
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout}")
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be 0 or more, got {self.max_worker_restarts}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")

@@ -1,11 +1,13 @@
-"""End to end: the real ``mstar serve smollm2 --timeout 10`` CLI (a worker process) facing
-timeouts and a worker process that dies under load.
+"""End to end: the real ``mstar serve smollm2 --timeout 20 --max-worker-restarts 1`` CLI
+(a worker process) facing timeouts and a worker process that dies under load.
 
-The timeout test runs first; then the worker process is SIGKILLed while streaming and
-plain requests are in flight: each must fail with a 503 naming the worker within 5 s
-(in band for a stream that has started), /health must turn 503 naming it, new requests
-must get a 503 at once, and no client may hang. That leaves the server without a worker,
-so this module has a server of its own.
+The tests run in order on one server. The timeout test runs first; then the worker process
+is SIGKILLed while streaming and plain requests are in flight: each must fail with a 503
+naming the worker within 5 s (in band for a stream that has started), /health must turn
+503 naming it, new requests must get a 503 at once, and no client may hang. The server
+restarts the worker: /health turns 200 again and a new request is answered. Killed once
+more, with its one restart used, the server fails what is in flight and exits with status
+1. This module has a server of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,14 +26,15 @@ import pytest
 from live_server import Server, launch_server
 
 MODEL = "smollm2"
-TIMEOUT_S = 10.0  # long enough for the killed requests to start on a busy machine
+TIMEOUT_S = 20.0  # long enough for the killed requests to start on a busy machine
 FAIL_WITHIN_S = 5.0
 CLIENT_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(MODEL, tmp_path_factory.mktemp("faults-server"), ["--timeout", str(TIMEOUT_S)]) as live:
+    args = ["--timeout", str(TIMEOUT_S), "--max-worker-restarts", "1"]
+    with launch_server(MODEL, tmp_path_factory.mktemp("faults-server"), args) as live:
         yield live
 
 
@@ -145,3 +149,59 @@ def test_killed_worker_fails_requests_with_503_and_no_client_hangs(server: Serve
     metrics = httpx.get(f"{server.url}/metrics", timeout=5)
     assert metrics.status_code == 200 and "mstar_healthy 0.0" in metrics.text
     assert server.proc.poll() is None  # the API server itself stays up to report it
+
+
+def _wait_healthy(server: Server, timeout: float = 240.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        if health.status_code == 200 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.25)
+
+
+def test_the_killed_worker_is_restarted_and_serves_again(server: Server) -> None:
+    health = _wait_healthy(server)
+    assert health.status_code == 200, f"{health.text}\n{server.log_tail()}"
+    assert "restarting worker rank 0" in server.log_tail(200_000)
+    answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=CLIENT_TIMEOUT_S,
+                        json=_body("What is the capital of France?", 16))
+    assert answer.status_code == 200, answer.text
+    assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+    assert len(_worker_pids(server.proc.pid)) == 1
+
+
+def test_with_restarts_used_up_a_dead_worker_shuts_the_server_down(server: Server) -> None:
+    (worker,) = _worker_pids(server.proc.pid)
+
+    async def run() -> tuple[list[str], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            lines: list[str] = []
+            first = asyncio.Event()
+
+            async def stream() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data:"):
+                            lines.append(line)
+                            if len(lines) >= 2:
+                                first.set()
+
+            streaming = asyncio.create_task(stream())
+            plain = asyncio.create_task(client.post("/v1/chat/completions", json=LONG))
+            await asyncio.wait_for(first.wait(), 60)
+            os.kill(worker, signal.SIGKILL)
+            _, response = await asyncio.wait_for(asyncio.gather(streaming, plain), FAIL_WITHIN_S + 10)
+            return lines, response
+
+    lines, response = asyncio.run(run())
+    assert response.status_code == 503, response.text
+    assert "restarted 1 time(s) already" in response.json()["error"]["message"]
+    assert lines[-1] == "data: [DONE]" and "worker rank 0 failed" in lines[-2]
+    try:
+        code = server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit after giving up; log tail:\n{server.log_tail()}")
+    assert code == 1, server.log_tail()
+    assert "the server shut down" in server.log_tail()
+    assert not _worker_pids(server.proc.pid)

@@ -141,6 +141,24 @@ def test_unknown_seq_queries_raise_key_error() -> None:
     assert not pool.has("x")
 
 
+def test_truncate_returns_the_tail_pages() -> None:
+    pool = PagePool(6, 4)
+    pool.reserve("a", 9)  # 3 pages
+    table = pool.page_table("a")
+    assert pool.truncate("a", 8) == 1
+    assert pool.page_table("a") == table[:2] and pool.seq_len("a") == 8
+    assert pool.num_free_pages == 4
+    assert pool.truncate("a", 8) == 0
+    assert pool.truncate("nobody", 0) == 0
+    with pytest.raises(ValueError, match="up to 9"):
+        pool.truncate("a", 9)
+    with pytest.raises(ValueError, match="new_len"):
+        pool.truncate("a", -1)
+    pool.reserve("a", 9)  # grows again from the free list
+    assert len(pool.page_table("a")) == 3
+    pool.check_invariants()
+
+
 def test_page_table_is_a_copy() -> None:
     pool = PagePool(4, 2)
     pool.reserve("a", 2)
@@ -279,6 +297,19 @@ class PagePoolMachine(RuleBasedStateMachine):
         self._try_reserve(seq_id, self.preempted[seq_id])
         if self.pool.has(seq_id):
             del self.preempted[seq_id]
+
+    @precondition(lambda self: self.lens)
+    @rule(data=st.data(), back=st.integers(0, 20))
+    def truncate(self, data: st.DataObject, back: int) -> None:
+        """A step reserved ahead and discarded: the sequence shrinks to what it holds."""
+        seq_id = data.draw(st.sampled_from(sorted(self.lens)))
+        new_len = max(0, self.lens[seq_id] - back)
+        keep = self.pool.page_table(seq_id)[: self.pool.pages_needed(new_len)]
+        before_free = self.pool.num_free_pages
+        returned = self.pool.truncate(seq_id, new_len)
+        assert self.pool.page_table(seq_id) == keep
+        assert self.pool.num_free_pages == before_free + returned
+        self.lens[seq_id] = new_len
 
     @rule()
     def free_unknown(self) -> None:

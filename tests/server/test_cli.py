@@ -86,7 +86,7 @@ def test_entry_points_call_the_runtime(monkeypatch: pytest.MonkeyPatch, tmp_path
     calls: list[ServeOptions] = []
     levels: list[str] = []
     launch = types.ModuleType("mstar.runtime.launch")
-    launch.serve = calls.append  # type: ignore[attr-defined]
+    launch.serve = lambda options: calls.append(options) or 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "mstar.runtime.launch", launch)
     monkeypatch.setattr(cli, "setup_logging", levels.append)
 
@@ -131,3 +131,15 @@ def test_timeout_option_becomes_the_request_timeout(tmp_path: Path, capsys: pyte
         assert "--timeout" in capsys.readouterr().err
     with pytest.raises(ValueError, match="timeout"):
         ServeOptions(model="m", timeout=0)
+
+
+def test_max_worker_restarts_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _serve_options("m").max_worker_restarts == 3
+    assert _serve_options("m", "--max-worker-restarts", "0").max_worker_restarts == 0
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(SystemExit) as info:
+            cli.build_parser().parse_args(["serve", "m", "--max-worker-restarts", bad])
+        assert info.value.code == 2
+        assert "--max-worker-restarts" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_worker_restarts"):
+        ServeOptions(model="m", max_worker_restarts=-1)

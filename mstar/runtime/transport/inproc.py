@@ -2,7 +2,8 @@
 
 An :class:`InProcessHub` maps rank -> inbox queue. Sending clones the tensors (to
 contiguous CPU memory, so the sender may reuse its buffers) and puts ``(key, tensors)``
-into the destination's inbox; nothing is serialized.
+into the destination's inbox; nothing is serialized. A plain CPU tensor takes one clone;
+anything else (device memory, conjugate or negative views) goes the general way.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class InProcessTransport(TensorTransport):
             inbox = self._peers[dst]
         except KeyError:
             raise KeyError(f"rank {self.rank}: destination rank {dst} is not connected") from None
-        inbox.put((key, clone_tensors(tensors)))
+        inbox.put((key, _copies(tensors)))
 
     def recv(self, timeout: float | None = 0.0) -> list[Message]:
         self._check_open()
@@ -122,3 +123,13 @@ class InProcessTransport(TensorTransport):
         if self._closed:
             raise RuntimeError(f"transport of rank {self.rank} is closed")
 
+
+def _copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if (tensor.device.type == "cpu" and tensor.layout == torch.strided
+                and not (tensor.is_conj() or tensor.is_neg() or tensor.is_quantized)):
+            out[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            out.update(clone_tensors({name: tensor}))
+    return out
