@@ -1,0 +1,93 @@
+"""Where a Qwen3.5 model's config, tokenizer and weights come from, and how the
+checkpoint's tensor names map onto ``Qwen3_5ForCausalLM``.
+
+The released checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``): the text
+model under ``model.language_model.``, the vision tower under ``model.visual.``, the
+multi-token-prediction head under ``mtp.``, and ``lm_head.weight``. A text-only checkpoint
+(transformers' ``Qwen3_5ForCausalLM``) has the text model under ``model.``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from mstar.model.qwen3_5.config import Qwen3_5Config, Qwen3_5VisionConfig
+
+log = logging.getLogger(__name__)
+
+TEXT_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
+# Never loaded, on purpose: the multi-token-prediction head (speculative decoding is not
+# implemented). The vision tower loads into its own module (``vision_name``).
+IGNORED_PREFIXES = ("mtp.",)
+
+
+def checkpoint_name(name: str, tie_word_embeddings: bool) -> str | None:
+    """Our text model's parameter name for checkpoint tensor ``name``; None when the text
+    model does not take it (the vision tower's tensors, the MTP head, a tied head)."""
+    if name.startswith(IGNORED_PREFIXES) or name.startswith(VISION_PREFIX):
+        return None
+    if name.startswith(TEXT_PREFIX):
+        return "model." + name[len(TEXT_PREFIX):]
+    if name == "lm_head.weight" and tie_word_embeddings:
+        return None  # some tied checkpoints still store the head: the embeddings are it
+    return name
+
+
+def vision_name(name: str) -> str | None:
+    """The vision tower's parameter name for checkpoint tensor ``name`` (None: not its)."""
+    return name[len(VISION_PREFIX):] if name.startswith(VISION_PREFIX) else None
+
+
+@dataclass
+class Qwen3_5Checkpoint:
+    path: Path
+
+    @classmethod
+    def locate(cls, model_path: str, cache_dir: str | None = None) -> "Qwen3_5Checkpoint":
+        from mstar.model.weights import resolve_model_path
+
+        path = resolve_model_path(model_path, cache_dir=cache_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path {path}: no config.json (expected a Hugging Face Qwen3.5 directory)")
+        return cls(path)
+
+    def hf_config(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+    def config(self) -> Qwen3_5Config:
+        return Qwen3_5Config.from_hf_dict(self.hf_config())
+
+    def vision_config(self) -> Qwen3_5VisionConfig | None:
+        """The ViT tower's config; None for a text-only checkpoint."""
+        return Qwen3_5VisionConfig.from_hf_dict(self.hf_config())
+
+    def processor_config(self, kind: str) -> dict[str, Any]:
+        """``preprocessor_config.json`` (kind ``image``) or ``video_preprocessor_config.json``
+        (``video``); empty when the checkpoint has none."""
+        file = self.path / ("preprocessor_config.json" if kind == "image" else "video_preprocessor_config.json")
+        return json.loads(file.read_text()) if file.is_file() else {}
+
+    def generation_eos(self) -> list[int]:
+        """``eos_token_id`` of ``generation_config.json`` (the chat stop tokens), if any."""
+        file = self.path / "generation_config.json"
+        if not file.is_file():
+            return []
+        eos = json.loads(file.read_text()).get("eos_token_id")
+        return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from mstar.model.weights import iter_safetensors
+
+        return iter_safetensors(self.path)

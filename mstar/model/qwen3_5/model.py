@@ -1,0 +1,335 @@
+"""Qwen3.5 / Qwen3.8 chat with images and videos: the declaration.
+
+Two nodes: ``vision`` (the ViT tower, stateless: the media of many requests in one
+forward) and ``llm`` (the hybrid decoder). A text-only request walks ``chat``, Llama's
+walk: a prefill, then a Loop of decodes until the engine raises ``stop``. A request with
+media walks ``chat_vision``: the vision node turns its pixel patches into one embedding
+per media token, then the prefill reads them with the prompt's MRoPE positions (both made
+by the frontend, ``mstar.model.qwen3_5.prompt``), then the same decode Loop.
+Besides KV pages, every request holds one recurrent-state slot (the DeltaNet layers'
+conv windows and states) from its first step to its release; the pool has
+``resources.gdn_state.max_slots`` slots, one of them the sink, and the conductor admits
+against both. One class serves every size; the keys differ only in default weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mstar.engine.autoregressive import KVLayout
+from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.llama.model import LlamaChat, _field_of, _sampling_from
+from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint, checkpoint_name, vision_name
+from mstar.model.qwen3_5.config import Qwen3_5Config
+from mstar.model.registry import register
+from mstar.model.spec import WalkRequest
+from mstar.server.backend import ChatSpec, GenerateSpec, RequestError
+
+log = logging.getLogger(__name__)
+
+STATE_SLOTS = "state_slots"
+LLM, VISION = "llm", "vision"
+MEDIA_INPUTS = ("pixel_values", "grid_thw", "mrope_positions")
+
+
+@register
+class Qwen3_5Chat(LlamaChat):
+    key = "qwen3_5_4b"
+    default_weights = "Qwen/Qwen3.5-4B"
+    input_modalities = frozenset({"text", "image", "video"})
+
+    def graph(self) -> Graph:
+        vision = Node(VISION, "stateless", inputs=("pixel_values", "grid_thw"), outputs=("vision_embeds",))
+        llm = Node(LLM, "autoregressive", inputs=("prompt_ids", "vision_embeds", "mrope_positions", "token"),
+                   outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
+
+        def decode_loop() -> Loop:
+            decode = Step(LLM, "decode", reads="token", writes="token", emit=Emit("token", "text"))
+            return Loop(decode, until="stop", max_iters="max_decode_steps")
+
+        chat = Walk("chat", Sequential(
+            Step(LLM, "prefill", reads="prompt_ids", writes="token", emit=Emit("token", "text")),
+            decode_loop()), inputs="prompt_ids")
+        chat_vision = Walk("chat_vision", Sequential(
+            Step(VISION, reads=("pixel_values", "grid_thw"), writes="vision_embeds"),
+            Step(LLM, "prefill", reads=("prompt_ids", "vision_embeds", "mrope_positions"), writes="token",
+                 emit=Emit("token", "text")),
+            decode_loop()), inputs=("prompt_ids", *MEDIA_INPUTS))
+        return Graph.build([vision, llm], [chat, chat_vision])
+
+    # -------------------------------------------------------------- frontend
+    def checkpoint(self) -> Qwen3_5Checkpoint:  # type: ignore[override]
+        return Qwen3_5Checkpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir)
+
+    def load_frontend(self) -> None:
+        ckpt = self.checkpoint()
+        self.text_config = ckpt.config()
+        self.tokenizer = ckpt.tokenizer()
+        eos = self.text_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        ids.update(ckpt.generation_eos())
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        self.stop_token_ids = sorted(ids)
+        self._load_media_settings(ckpt)
+
+    def _load_media_settings(self, ckpt: Qwen3_5Checkpoint) -> None:
+        """Processor settings (the checkpoint's, overridden by ``model_kwargs.image_processor``
+        / ``video_processor``) and the per-request media budgets (``model_kwargs``)."""
+        from mstar.config import ConfigError
+        from mstar.model.qwen3_5.media import MediaLimits
+        from mstar.model.qwen3_5.processor import ImageProcessing, VideoProcessing, with_overrides
+        from mstar.model.qwen3_5.prompt import VisionTokens
+
+        self.vision_config = ckpt.vision_config()
+        kwargs = self.config.model_kwargs
+        patching = {}
+        if self.vision_config is not None:  # a checkpoint without processor files: patch as the tower does
+            v = self.vision_config
+            patching = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+                        "merge_size": v.spatial_merge_size}
+            self.vision_tokens = VisionTokens(v.image_token_id, v.video_token_id, v.vision_start_token_id,
+                                              v.vision_end_token_id, v.spatial_merge_size)
+        try:
+            self.image_processing = with_overrides(
+                ImageProcessing.from_hf_dict(patching | ckpt.processor_config("image")),
+                dict(kwargs.get("image_processor") or {}), "model_kwargs.image_processor")
+            self.video_processing = with_overrides(
+                VideoProcessing.from_hf_dict(patching | ckpt.processor_config("video")),
+                dict(kwargs.get("video_processor") or {}), "model_kwargs.video_processor")
+            defaults = MediaLimits()
+            self.media_limits = MediaLimits(
+                int(kwargs.get("max_image_pixels", defaults.max_image_pixels)),
+                int(kwargs.get("max_video_pixels", defaults.max_video_pixels)),
+                int(kwargs.get("max_media_per_request", defaults.max_media)))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+
+    def parallel_dims(self) -> dict:
+        return {}  # no tensor parallelism yet: placement refuses a tp_size above 1
+
+    @property
+    def max_slots(self) -> int:
+        """State slots, the sink included (default: one per admitted request, plus the sink)."""
+        pool = self.config.resources.gdn_state
+        return pool.max_slots if pool is not None else self.config.max_concurrent_requests + 1
+
+    def default_capacity(self) -> dict[str, int]:
+        from mstar.config import ConfigError
+        from mstar.engine.state_pool import check_pool_holds
+
+        try:
+            check_pool_holds(self.max_slots, self.config.max_concurrent_requests, "resources.gdn_state.max_slots")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return super().default_capacity() | {STATE_SLOTS: self.max_slots - 1}
+
+    def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
+        return self._chat(spec, getattr(spec, "enable_thinking", None))
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        if set(spec.output_modalities) - {"text"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
+        if not spec.text:
+            raise RequestError("text", "must not be empty")
+        kwargs = dict(spec.model_kwargs)
+        max_tokens = kwargs.pop("max_tokens", None)
+        thinking = kwargs.pop("enable_thinking", None)
+        chat = kwargs.pop("chat", True)
+        sampling = _sampling_from(kwargs)
+        if not chat:
+            if spec.files:
+                raise RequestError("files", "images and videos need the chat template (chat: true)")
+            ids = self.tokenizer.encode(spec.text, add_special_tokens=False)
+            return self._request(ids, max_tokens, sampling, False)
+        content = spec.text
+        if spec.files:  # the files first, in upload order, then the text
+            content = [_file_part(name, data) for name, data in spec.files] + [{"type": "text", "text": spec.text}]
+        messages = [{"role": "user", "content": content}]
+        return self._chat(ChatSpec(spec.request_id, messages, sampling, max_tokens), thinking)
+
+    def _chat(self, spec: ChatSpec, enable_thinking: object) -> WalkRequest:
+        from mstar.engine.sampler import validate_sampling
+
+        try:
+            validate_sampling(spec.sampling)
+        except ValueError as err:
+            raise RequestError(_field_of(str(err)), str(err)) from None
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise RequestError("enable_thinking", "must be true or false")
+        template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        messages, media = self._split_media(spec.messages)
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                        **template_kwargs)
+        except Exception as err:
+            raise RequestError("messages", f"cannot apply the chat template: {err}") from None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not media and self.vision_config is None:
+            return self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
+        return self._media_request(ids, media, spec)
+
+    def _split_media(self, messages: list[dict]):
+        from mstar.model.qwen3_5.media import split_media
+
+        return split_media(messages, self.media_limits, self.image_processing, self.video_processing,
+                           serves_media=self.vision_config is not None)
+
+    def _media_request(self, ids: list[int], media: list, spec: ChatSpec) -> WalkRequest:
+        """The ``chat_vision`` walk: placeholders expanded, patches and MRoPE positions made;
+        a prompt without media (and no media tokens in its text) stays on ``chat``."""
+        from mstar.model.qwen3_5.prompt import expand_placeholders, mrope_positions
+
+        tokens = self.vision_tokens
+        placeholders = sum(1 for t in ids if t in (tokens.image, tokens.video))
+        if placeholders != len(media):
+            raise RequestError("messages", f"the prompt has {placeholders} image/video placeholder tokens for "
+                                           f"{len(media)} media (text may not contain them)")
+        if not media:
+            return self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
+        try:
+            ids = expand_placeholders(ids, media, tokens, lambda s: self.tokenizer.encode(s, add_special_tokens=False))
+        except ValueError as err:
+            raise RequestError("messages", str(err)) from None
+        grids = [m.grid for m in media]
+        positions, _ = mrope_positions(ids, grids, tokens)
+        request = self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
+        request.walk = "chat_vision"
+        request.inputs.update(pixel_values=torch.cat([m.patches for m in media]),
+                              grid_thw=torch.tensor(grids, dtype=torch.int64), mrope_positions=positions)
+        return request
+
+    def _request(self, ids: list[int], max_tokens: int | None, sampling, ignore_eos: bool) -> WalkRequest:
+        request = super()._request(ids, max_tokens, sampling, ignore_eos)
+        request.cost[STATE_SLOTS] = 1
+        return request
+
+    # ---------------------------------------------------------------- worker
+    def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.engine.base import StatelessEngine
+        from mstar.model.qwen3_5.engine import HybridEngine, vision_fn
+        from mstar.model.qwen3_5.modeling import Qwen3_5ForCausalLM
+        from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
+        from mstar.model.weights import init_dummy_weights
+
+        ckpt = self.checkpoint()
+        config, vision_config = ckpt.config(), ckpt.vision_config()
+        dtype = self.config.torch_dtype()
+        log.info("loading %s weights from %s (%s) for %s", self.key, ckpt.path, self.config.load_format, sorted(nodes))
+        if VISION in nodes and vision_config is None:
+            raise ValueError(f"node {VISION!r} is placed, but {ckpt.path} has no vision_config")
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(config).to(dtype) if LLM in nodes else None
+            tower = Qwen3_5VisionModel(vision_config).to(dtype) if VISION in nodes else None
+        seed = int(self.config.model_kwargs.get("seed", 0))
+        if self.config.load_format == "dummy":
+            for i, module in enumerate(m for m in (model, tower) if m is not None):
+                init_dummy_weights(module, seed=seed + i)
+        else:
+            load_checkpoint(model, ckpt.tensors(), dtype, visual=tower)
+        engines = {}
+        if tower is not None:
+            engines[VISION] = StatelessEngine(vision_fn(tower.eval()))
+        if model is None:
+            return engines
+        model.eval()
+        media_ids = () if vision_config is None else (vision_config.image_token_id, vision_config.video_token_id)
+        kv = self.config.resources.kv_cache
+        layout = KVLayout(len(config.full_layers), config.num_key_value_heads, config.head_dim)
+        engine = HybridEngine(
+            model, layout, num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
+            max_slots=self.max_slots, state_dtype=self._state_dtype(config, dtype), media_token_ids=media_ids,
+            num_pages=kv.max_num_pages, page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
+            device=device, dtype=dtype, attention_backend=self.config.model_kwargs.get("attention_backend", "torch"))
+        return engines | {LLM: engine}
+
+    def _state_dtype(self, config: Qwen3_5Config, dtype: torch.dtype) -> torch.dtype:
+        """``gdn_state.state_dtype``; ``auto``: the checkpoint's ``mamba_ssm_dtype``, else float32."""
+        pool = self.config.resources.gdn_state
+        name = pool.state_dtype if pool is not None else "auto"
+        if name == "auto":
+            name = config.mamba_ssm_dtype or "float32"
+        state_dtype = getattr(torch, name, None)
+        if not isinstance(state_dtype, torch.dtype):
+            raise ValueError(f"mamba_ssm_dtype {name!r} is not a torch dtype")
+        return state_dtype
+
+
+def load_checkpoint(model, tensors, dtype: torch.dtype | None = None, *, visual=None) -> None:
+    """Load a Qwen3.5 checkpoint (multimodal or text-only layout) into ``Qwen3_5ForCausalLM``
+    (``model``) and, if given, the ViT tower (``visual``, from ``model.visual.*``), coverage
+    checked both ways over what is loaded. Either may be None (a rank holding only the other
+    node): that part's tensors are skipped, like the MTP head and a tied head, and counted."""
+    from torch import nn
+
+    from mstar.model.weights import load_weights
+
+    tied = model is not None and model.config.tie_word_embeddings
+    skipped: list[str] = []
+
+    def name_map(name: str) -> str | None:
+        if name.startswith("model.visual."):
+            ours = None if visual is None else "visual." + vision_name(name)
+        else:
+            ours = None if model is None else checkpoint_name(name, tied)
+            ours = None if ours is None else "llm." + ours
+        if ours is None:
+            skipped.append(name)
+        elif target is not parts:
+            ours = ours.split(".", 1)[1]
+        return ours
+
+    parts = nn.Module()
+    for name, module in (("llm", model), ("visual", visual)):
+        if module is not None:
+            parts.add_module(name, module)
+    target = model if visual is None else visual if model is None else parts
+    load_weights(target, tensors, name_map=name_map, dtype=dtype)
+    if skipped:
+        log.info("skipped %d checkpoint tensors not loaded here (MTP head, tied head, a node on another rank)",
+                 len(skipped))
+
+
+def _file_part(name: str, data: bytes) -> dict:
+    """A ``/generate`` upload as a content part: an animated image is a video, else an image."""
+    import io
+
+    from PIL import Image
+
+    try:
+        frames = getattr(Image.open(io.BytesIO(data)), "n_frames", 1)
+    except Exception:
+        raise RequestError("files", f"{name}: not an image or animated image Pillow can read") from None
+    return {"type": "video" if frames > 1 else "image", "data": data}
+
+
+@register
+class Qwen3_5_0_8B(Qwen3_5Chat):
+    key = "qwen3_5_0_8b"
+    default_weights = "Qwen/Qwen3.5-0.8B"
+
+
+@register
+class Qwen3_5_2B(Qwen3_5Chat):
+    key = "qwen3_5_2b"
+    default_weights = "Qwen/Qwen3.5-2B"
+
+
+@register
+class Qwen3_5_9B(Qwen3_5Chat):
+    key = "qwen3_5_9b"
+    default_weights = "Qwen/Qwen3.5-9B"
+
+
+@register
+class Qwen3_5_27B(Qwen3_5Chat):
+    key = "qwen3_5_27b"
+    default_weights = "Qwen/Qwen3.5-27B"
+
+
+@register
+class Qwen3_8_27B(Qwen3_5Chat):
+    key = "qwen3_8_27b"
+    default_weights = "Qwen/Qwen3.8-27B"
