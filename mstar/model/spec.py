@@ -59,6 +59,7 @@ class ModelSpec(ABC):
 
     key: ClassVar[str]
     default_weights: ClassVar[str | None] = None
+    input_modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # what chat content may hold
 
     def __init__(self, config: "DeploymentConfig"):
         self.config = config

@@ -6,10 +6,16 @@ OpenAI's body ``{"error": {"message", "type", "param", "code"}}``. However a req
 (finished, failed, client gone), the backend's event iterator is closed: that is how the
 backend learns to cancel a request. A backend that is full raises ``Overloaded`` (429
 with Retry-After); an error event carries its status (504 timed out, 503 worker died).
+Bodies are read through a byte cap (``capped_body``, ``capped_form``) before any of them is
+decoded; media named by reference (chat's ``image_url`` / ``video_url`` parts, /generate's
+``media``) go through ``mstar.media.fetch``, concurrently, before the backend sees the
+request. Routes that parse their body by hand publish its schema in /openapi.json from the
+pydantic model that describes it. A field is named as a path: ``messages[0].content[1]``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -20,14 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from mstar import __version__
+from mstar.media.fetch import fetch_media
 from mstar.server.backend import GenerateSpec, OutputEvent, Overloaded, RequestError, ServingBackend
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint, observe_first_output
 from mstar.server.schemas import (
@@ -40,9 +48,12 @@ from mstar.server.schemas import (
     Delta,
     ErrorDetail,
     ErrorResponse,
+    GenerateForm,
     ModelCard,
     ModelList,
     Usage,
+    form_body_openapi,
+    json_body_openapi,
     new_id,
     now,
     parse_model_kwargs,
@@ -56,6 +67,13 @@ _LOC_ROOTS = {"body", "query", "path", "header", "cookie"}
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 Events = AsyncIterator[OutputEvent]
+
+MAX_CHAT_BODY_BYTES = 128 * 1024 * 1024  # a chat request's JSON, inline media included
+MAX_CHAT_MEDIA = 32  # image and video parts per chat request
+MAX_CHAT_MEDIA_BYTES = {"image": 20 * 1024 * 1024, "video": 64 * 1024 * 1024}  # per part, once fetched
+MAX_GENERATE_FILES = 16  # files and media references per /generate request
+MAX_GENERATE_FILE_BYTES = 64 * 1024 * 1024  # per input, checked before anything decodes it
+_FORM_OVERHEAD = 1024 * 1024  # room for the text fields and the multipart framing
 
 # ----------------------------------------------------------------------------- errors
 
@@ -91,10 +109,14 @@ def error_response(
 
 
 def _param_of(loc: Sequence[Any]) -> str | None:
+    """A pydantic ``loc`` as a path: ``("body", "messages", 0, "role")`` -> ``messages[0].role``."""
     parts = list(loc)
     if parts and parts[0] in _LOC_ROOTS:
         parts = parts[1:]
-    return ".".join(str(p) for p in parts) or None
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path or None
 
 
 def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
@@ -320,9 +342,62 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+def input_modalities(backend: ServingBackend) -> frozenset[str]:
+    """What the served model's chat content may hold: the backend's ``input_modalities``,
+    else its model spec's (the runtime's backend), else text only."""
+    declared = getattr(backend, "input_modalities", None)
+    if declared is None:
+        declared = getattr(getattr(backend, "spec", None), "input_modalities", None)
+    return frozenset(declared or ("text",))
+
+
+async def capped_body(request: Request, *, max_bytes: int, field: str = "body") -> bytes:
+    """The request body, refused with a 413 naming ``field`` as soon as it is declared or
+    streamed past ``max_bytes``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(field, f"the request is {declared} bytes; the limit is {max_bytes} bytes", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise RequestError(field, f"the request is over the limit of {max_bytes} bytes", 413)
+    return bytes(body)
+
+
+async def fetch_all(refs: Sequence[tuple[str, str, int]]) -> list[bytes]:
+    """Each ``(ref, field, max_bytes)`` resolved by ``fetch_media``, all at once, in order.
+    The first refusal is raised and the fetches still running are cancelled."""
+    tasks = [asyncio.ensure_future(fetch_media(ref, max_bytes=cap, field=name)) for ref, name, cap in refs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for those that finished
+
+
+async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBackend) -> list[bytes] | None:
+    """The bytes of the request's image and video parts, in order; None for a text-only
+    model, which gets a 400 naming the first media part instead."""
+    modalities = input_modalities(backend)
+    parts = req.media_parts()
+    for name, modality, _ in parts:
+        if modality not in modalities:
+            raise RequestError(name, f"model {model!r} does not take {modality}s")
+    if len(parts) > MAX_CHAT_MEDIA:
+        raise RequestError(parts[MAX_CHAT_MEDIA][0], f"at most {MAX_CHAT_MEDIA} images and videos per "
+                                                     f"request, got {len(parts)}")
+    if not modalities - {"text"}:
+        return None
+    return await fetch_all([(url, f"{name}.{modality}_url.url", MAX_CHAT_MEDIA_BYTES[modality])
+                            for name, modality, url in parts])
+
+
 async def chat_completions(request: Request) -> Response:
     try:
-        payload = json.loads(await request.body())
+        payload = json.loads(await capped_body(request, max_bytes=MAX_CHAT_BODY_BYTES))
+    except RequestError as exc:
+        return exception_response(exc)
     except (ValueError, UnicodeDecodeError) as exc:
         return error_response(400, f"malformed JSON body: {exc}", "body", "invalid_json")
     if not isinstance(payload, dict):
@@ -341,8 +416,8 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, message, param, "invalid_value")
 
     request_id = new_id("chatcmpl")
-    spec = req.to_spec(request_id)
     try:
+        spec = req.to_spec(request_id, await _chat_media(req, model, backend))
         first, events = await _start(lambda: backend.chat(spec), request)
     except Exception as exc:
         return exception_response(exc)
@@ -394,23 +469,86 @@ async def _chat_sse(
     yield _sse("[DONE]")
 
 
-async def generate(
-    request: Request,
-    text: str = Form(""),
-    files: list[UploadFile] | None = File(None),
-    output_modalities: str | None = Form(None),
-    streaming: bool = Form(False),
-    model_kwargs: str | None = Form(None),
-) -> Response:
-    """Native multimodal endpoint (multipart form); a JSON result or NDJSON events."""
-    uploads = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(files or [])]
+@asynccontextmanager
+async def capped_form(request: Request, *, max_bytes: int, field: str, max_files: int) -> AsyncIterator[FormData]:
+    """The request's form (multipart or urlencoded), read through a byte counter: a body
+    declared or streamed past ``max_bytes`` is a 413 naming ``field`` before any part of it
+    is decoded; a malformed body is a 400 naming ``field``. Uploads are closed afterwards."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(field, f"the request is {declared} bytes; the limit is {max_bytes} bytes", 413)
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                raise RequestError(field, f"the request is over the limit of {max_bytes} bytes", 413)
+        return message
+
+    try:
+        form = await Request(request.scope, receive).form(max_files=max_files)
+    except StarletteHTTPException as exc:  # a malformed multipart body
+        raise RequestError(field, str(exc.detail), exc.status_code) from None
+    try:
+        yield form
+    finally:
+        await form.close()
+
+
+async def _generate_inputs(form: FormData) -> list[tuple[str, bytes]]:
+    """The uploaded ``files``, each read at most one byte past the cap, then the ``media``
+    references resolved, all at once (data URI, base64, or http(s) when allowed)."""
+    uploads = form.getlist("files")
+    refs = form.getlist("media")
+    if len(uploads) + len(refs) > MAX_GENERATE_FILES:
+        raise RequestError("files", f"at most {MAX_GENERATE_FILES} inputs (files and media), "
+                                    f"got {len(uploads) + len(refs)}")
+    inputs: list[tuple[str, bytes]] = []
+    for i, upload in enumerate(uploads):
+        if not isinstance(upload, UploadFile):
+            raise RequestError(f"files.{i}", "must be a file part, not a text field")
+        data = await upload.read(MAX_GENERATE_FILE_BYTES + 1)
+        if len(data) > MAX_GENERATE_FILE_BYTES:
+            raise RequestError(f"files.{i}", f"{upload.filename or 'the file'} is over the limit of "
+                                             f"{MAX_GENERATE_FILE_BYTES} bytes", 413)
+        inputs.append((upload.filename or f"file{i}", data))
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, str):
+            raise RequestError(f"media.{i}", "must be a text field (a data URI, base64 or URL), not a file")
+    fetched = await fetch_all([(ref, f"media.{i}", MAX_GENERATE_FILE_BYTES) for i, ref in enumerate(refs)])
+    return inputs + [(f"media{i}", data) for i, data in enumerate(fetched)]
+
+
+async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
+    limit = MAX_GENERATE_FILES * MAX_GENERATE_FILE_BYTES + _FORM_OVERHEAD
+    async with capped_form(request, max_bytes=limit, field="files", max_files=MAX_GENERATE_FILES) as form:
+        fields = {name: form.get(name) for name in ("text", "output_modalities", "streaming", "model_kwargs")}
+        for name, value in fields.items():
+            if value is not None and not isinstance(value, str):
+                raise RequestError(name, "must be a text field, not a file")
+        req = GenerateForm.model_validate({k: v for k, v in fields.items() if v is not None})
+        files = await _generate_inputs(form)
     spec = GenerateSpec(
         request_id=new_id("gen"),
-        text=text,
-        files=uploads,
-        output_modalities=parse_output_modalities(output_modalities),
-        model_kwargs=parse_model_kwargs(model_kwargs),
+        text=req.text,
+        files=files,
+        output_modalities=parse_output_modalities(req.output_modalities),
+        model_kwargs=parse_model_kwargs(req.model_kwargs),
     )
+    return spec, req.streaming
+
+
+async def generate(request: Request) -> Response:
+    """Native multimodal endpoint (multipart form); a JSON result or NDJSON events."""
+    try:
+        spec, streaming = await _generate_spec(request)
+    except ValidationError as exc:
+        return validation_error_response(exc.errors())
+    except Exception as exc:
+        return exception_response(exc)
     backend = _backend(request)
     if "image" in spec.output_modalities and hasattr(backend, "generate_images"):
         from mstar.server.image_routes import generate_images  # it imports this module
@@ -527,8 +665,10 @@ def create_app(
 
     router = APIRouter(dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
     router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
-    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    router.add_api_route("/generate", generate, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                         openapi_extra=json_body_openapi(ChatCompletionRequest))
+    router.add_api_route("/generate", generate, methods=["POST"], openapi_extra=form_body_openapi(
+        GenerateForm, {"files": True}, urlencoded=True))
     router.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
     if hasattr(backend, "transcribe"):  # speech-to-text backends get OpenAI's audio routes
         from mstar.server.audio_routes import audio_router  # it imports this module

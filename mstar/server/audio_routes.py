@@ -13,7 +13,6 @@ import math
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.datastructures import FormData, UploadFile
-from starlette.exceptions import HTTPException
 
 from mstar.audio.formats import RESPONSE_FORMATS, language_code, render_transcription
 from mstar.audio.io import AudioError
@@ -21,11 +20,12 @@ from mstar.server.app import (
     APIError,
     _resolve_model,
     _unless_disconnected,
+    capped_form,
     error_response,
     exception_response,
 )
 from mstar.server.backend import TranscribingBackend, TranscriptionSpec
-from mstar.server.schemas import new_id, parse_model_kwargs
+from mstar.server.schemas import TranscriptionForm, form_body_openapi, new_id, parse_model_kwargs
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's limit
 _FORM_OVERHEAD = 1024 * 1024  # room for the other fields and the multipart framing
@@ -126,10 +126,9 @@ async def _spec(request: Request, form: FormData, task: str) -> tuple[Transcript
 async def _serve(request: Request, backend: TranscribingBackend, task: str) -> Response:
     try:
         _check_request(request)
-        async with request.form() as form:
+        async with capped_form(request, max_bytes=MAX_UPLOAD_BYTES + _FORM_OVERHEAD, field="file",
+                               max_files=1) as form:
             spec, fmt = await _spec(request, form, task)
-    except HTTPException as exc:  # a malformed multipart body
-        return error_response(exc.status_code, f"file: {exc.detail}", "file")
     except Exception as exc:
         return exception_response(exc)
 
@@ -159,6 +158,7 @@ def audio_router(backend: TranscribingBackend) -> APIRouter:
         """Speech to English text (OpenAI's multipart form; no ``language``)."""
         return await _serve(request, backend, "translate")
 
-    router.add_api_route("/v1/audio/transcriptions", transcriptions, methods=["POST"])
-    router.add_api_route("/v1/audio/translations", translations, methods=["POST"])
+    form = form_body_openapi(TranscriptionForm, {"file": False}, required_files=("file",))
+    router.add_api_route("/v1/audio/transcriptions", transcriptions, methods=["POST"], openapi_extra=form)
+    router.add_api_route("/v1/audio/translations", translations, methods=["POST"], openapi_extra=form)
     return router

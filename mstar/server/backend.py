@@ -45,14 +45,21 @@ class ServiceError(RequestError):
 
 @dataclass(frozen=True)
 class ChatSpec:
-    """One chat request, validated by the HTTP layer."""
+    """One chat request, validated by the HTTP layer.
+
+    Each message is ``{"role", "content"}``. For a text-only model ``content`` is a string;
+    for a model that reads media (``input_modalities`` beyond text) it may be a list of parts
+    ``{"type": "text", "text": str}`` / ``{"type": "image" | "video", "data": bytes}``, the
+    bytes fetched but not decoded. ``enable_thinking``: the chat template's switch (None: the
+    template's default); models without one ignore it."""
 
     request_id: str
-    messages: list[dict]  # [{"role": ..., "content": str}]
+    messages: list[dict]
     sampling: SamplingParams
     max_tokens: int | None  # None: up to the context limit
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    enable_thinking: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,10 @@ class OutputEvent:
 
 class ServingBackend(Protocol):
     """What the app needs. Optional extras it uses when present: ``failure`` (a property:
-    why the backend is unhealthy, for /health) and ``gauges()`` (a ``dict[str, float]`` of
+    why the backend is unhealthy, for /health), ``gauges()`` (a ``dict[str, float]`` of
     live values for /metrics: ``requests_waiting``, ``requests_running`` and per-engine
-    ``rank<R>.<node>.<stat>``)."""
+    ``rank<R>.<node>.<stat>``) and ``input_modalities`` (what chat content may hold, e.g.
+    ``{"text", "image", "video"}``; absent: the model spec's, else text only)."""
 
     model_id: str  # the served model's name (registry key), as /v1/models lists it
     max_model_len: int

@@ -2,14 +2,17 @@
 from /generate.
 
 Generations take OpenAI's JSON body; edits take its multipart form with 1 to 4 reference
-images (``image``, or ``image[]`` as the official client sends a list). Both accept the
+images: uploaded (``image``, or ``image[]`` as the official client sends a list) or named
+by reference in repeatable ``image_url`` fields (a data URI or base64; an http(s) URL only
+with MSTAR_ALLOW_REMOTE=1), in form order. Both accept the
 M* extras ``seed``, ``num_inference_steps`` and ``guidance_scale``, check everything
 before the backend runs (what this server cannot honour, e.g. ``response_format="url"``,
 is a 400 naming the field, never silently ignored), hand an ``ImageSpec`` to the
 backend's ``generate_images`` and answer OpenAI's ``{"created", "data": [{"b64_json"}]}``.
-Uploads are size-capped before they are read whole and fully decoded (safely, see
-``mstar.media.images``) before the backend sees them. If the client disconnects, the
-backend call is cancelled.
+The edit form is read through a byte cap (``capped_form``) and each image is size-capped
+before it is read whole, then fully decoded (safely, see ``mstar.media.images``) before the
+backend sees it. Both bodies are published in /openapi.json (``ImageRequest``,
+``ImageEditForm``). If the client disconnects, the backend call is cancelled.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import FormData, UploadFile
-from starlette.exceptions import HTTPException
 
 from mstar.media.images import ImageError, check_side, decode_image, fit_size, parse_size
 from mstar.server.app import (
@@ -35,12 +37,14 @@ from mstar.server.app import (
     _resolve_model,
     _stream,
     _unless_disconnected,
+    capped_form,
     error_response,
     exception_response,
+    fetch_all,
     validation_error_response,
 )
 from mstar.server.backend import GenerateSpec, ImageSpec, ImagingBackend
-from mstar.server.schemas import Usage, new_id, now
+from mstar.server.schemas import Usage, form_body_openapi, json_body_openapi, new_id, now
 
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024  # per reference image
 MAX_IMAGE_PIXELS = 6144 * 6144  # per reference image, checked before decoding
@@ -50,6 +54,8 @@ MAX_N = 4
 DEFAULT_SIZE = (1024, 1024)
 _FORM_OVERHEAD = 1024 * 1024  # room for the text fields and the multipart framing
 _IMAGE_FIELD = re.compile(r"^image(\[\d*\])?$")  # image, image[], image[0] ...
+_IMAGE_URL_FIELD = re.compile(r"^image_url(\[\d*\])?$")
+_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 # Fields accepted only with the value(s) OpenAI defaults to (or that change nothing here).
 _DEFAULT_ONLY = {
     "quality": ("auto", "standard"),
@@ -94,6 +100,15 @@ class ImageRequest(ImageKnobs):
         if not value.strip():
             raise ValueError("must contain text, not only whitespace")
         return value
+
+
+class ImageEditForm(ImageRequest):
+    """The text fields of /v1/images/edits (a multipart form; the files are ``image``)."""
+
+    image_url: list[str] = Field(
+        default_factory=list, max_length=MAX_IMAGES,
+        description="reference images by reference, repeatable, after or between the uploads in form order: "
+                    "a data URI or base64; an http(s) URL only when the server sets MSTAR_ALLOW_REMOTE=1")
 
 
 class _ImageKwargs(ImageKnobs):
@@ -237,33 +252,40 @@ async def _generations(request: Request, backend: ImagingBackend) -> Response:
 # --------------------------------------------------------------------------- edits
 
 
-def _check_upload_request(request: Request) -> None:
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise _bad("image", "the request must be multipart/form-data with the images in 'image'")
-    declared = request.headers.get("content-length", "")
-    limit = MAX_IMAGES * MAX_UPLOAD_BYTES + _FORM_OVERHEAD
-    if declared.isdigit() and int(declared) > limit:
-        raise _bad("image", f"the request is {declared} bytes; the limit is {limit}", 413,
-                   "file_too_large")
+def _check_form_request(request: Request) -> None:
+    if not request.headers.get("content-type", "").startswith(_FORM_TYPES):
+        raise _bad("image", "the request must be multipart/form-data with the images in 'image' "
+                            "(or a form naming them in 'image_url')")
+
+
+async def _read_upload(upload: UploadFile | str) -> bytes:
+    """An uploaded image's bytes, read at most one byte past the cap."""
+    if not isinstance(upload, UploadFile):
+        raise _bad("image", "must be a file, not a text field")
+    data = await upload.read(MAX_UPLOAD_BYTES + 1)
+    if len(data) > MAX_UPLOAD_BYTES:
+        message = f"{upload.filename or 'an image'} is over the limit of {MAX_UPLOAD_BYTES} bytes"
+        raise _bad("image", message, 413, "file_too_large")
+    return data
 
 
 async def _read_images(form: FormData) -> list[bytes]:
-    """The uploaded images' bytes, each read at most one byte past the cap."""
-    uploads = [v for k, v in form.multi_items() if _IMAGE_FIELD.match(k)]
-    if not uploads:
-        raise _bad("image", "at least one image file is required", code="missing_file")
-    if len(uploads) > MAX_IMAGES:
-        raise _bad("image", f"at most {MAX_IMAGES} images may be sent, got {len(uploads)}")
-    images = []
-    for upload in uploads:
-        if not isinstance(upload, UploadFile):
-            raise _bad("image", "must be a file, not a text field")
-        data = await upload.read(MAX_UPLOAD_BYTES + 1)
-        if len(data) > MAX_UPLOAD_BYTES:
-            message = f"{upload.filename or 'an image'} is over the limit of {MAX_UPLOAD_BYTES} bytes"
-            raise _bad("image", message, 413, "file_too_large")
-        images.append(data)
-    return images
+    """The reference images in form order: the uploads read first, then the ``image_url``
+    fields fetched, all at once, each capped (field ``image_url.<i>``)."""
+    items = [(k, v) for k, v in form.multi_items() if _IMAGE_FIELD.match(k) or _IMAGE_URL_FIELD.match(k)]
+    if not items:
+        raise _bad("image", "at least one image is required (an 'image' file or an 'image_url')",
+                   code="missing_file")
+    if len(items) > MAX_IMAGES:
+        raise _bad("image", f"at most {MAX_IMAGES} images may be sent (files and image_url), got {len(items)}")
+    uploads = {n: await _read_upload(v) for n, (k, v) in enumerate(items) if _IMAGE_FIELD.match(k)}
+    refs = []
+    for i, value in enumerate(v for k, v in items if _IMAGE_URL_FIELD.match(k)):
+        if not isinstance(value, str):
+            raise _bad(f"image_url.{i}", "must be a text field (a data URI, base64 or URL), not a file")
+        refs.append((value, f"image_url.{i}", MAX_UPLOAD_BYTES))
+    fetched = iter(await fetch_all(refs))
+    return [uploads[n] if n in uploads else next(fetched) for n in range(len(items))]
 
 
 def _form_fields(form: FormData) -> dict[str, str]:
@@ -281,20 +303,19 @@ def _form_fields(form: FormData) -> dict[str, str]:
 
 
 async def _edits(request: Request, backend: ImagingBackend) -> Response:
+    limit = MAX_IMAGES * MAX_UPLOAD_BYTES + _FORM_OVERHEAD
     try:
-        _check_upload_request(request)
-        async with request.form(max_files=4 * MAX_IMAGES) as form:
+        _check_form_request(request)
+        async with capped_form(request, max_bytes=limit, field="image", max_files=4 * MAX_IMAGES) as form:
             if form.get("mask") is not None:
                 raise _bad("mask", "masks are not supported by this model")
-            images = await _read_images(form)
             req = ImageRequest.model_validate(_form_fields(form))
-        _resolve_model(request, req.model)
-        _check_options(req)
-        requested = _size(req.size)  # before decoding: the cheap checks first
+            _resolve_model(request, req.model)
+            _check_options(req)
+            requested = _size(req.size)  # the cheap checks first
+            images = await _read_images(form)
         first = await _decode_all(images, "image")
         size = requested or fit_size(*first)
-    except HTTPException as exc:  # a malformed multipart body
-        return error_response(exc.status_code, f"image: {exc.detail}", "image")
     except ValidationError as exc:
         return validation_error_response(exc.errors())
     except ImageError as exc:
@@ -393,6 +414,8 @@ def image_router(backend: ImagingBackend) -> APIRouter:
         """Image(s) and text to image (OpenAI's multipart form); base64 PNGs."""
         return await _edits(request, backend)
 
-    router.add_api_route("/v1/images/generations", generations, methods=["POST"])
-    router.add_api_route("/v1/images/edits", edits, methods=["POST"])
+    router.add_api_route("/v1/images/generations", generations, methods=["POST"],
+                         openapi_extra=json_body_openapi(ImageRequest))
+    router.add_api_route("/v1/images/edits", edits, methods=["POST"],
+                         openapi_extra=form_body_openapi(ImageEditForm, {"image": True}))
     return router

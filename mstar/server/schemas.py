@@ -12,8 +12,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mstar.engine.sampling_params import SamplingParams
 from mstar.server.backend import ChatSpec, RequestError
@@ -27,41 +27,85 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}  # content part type -> modality
+
+
+class MediaURL(BaseModel):
+    """Where a content part's image or video is: a data URI or base64 (always), an http(s)
+    URL only when the server sets MSTAR_ALLOW_REMOTE=1; paths on the server are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    url: str = Field(min_length=1, description="data:<type>;base64,<data>, bare base64, or an http(s) URL "
+                                              "when the server sets MSTAR_ALLOW_REMOTE=1")
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="accepted for OpenAI compatibility; the model's processor picks the resolution")
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; the field named like its ``type`` is required."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "image_url", "video_url"]
+    text: str | None = None
+    image_url: MediaURL | None = None
+    video_url: MediaURL | None = None
+
+    @model_validator(mode="after")
+    def _has_its_field(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            error = PydanticCustomError("missing", "a part of type '{kind}' needs its '{kind}' field",
+                                        {"kind": self.type})
+            raise ValidationError.from_exception_data(
+                "ContentPart", [InitErrorDetails(type=error, loc=(self.type,), input=None)])
+        return self
+
+    @property
+    def media(self) -> MediaURL | None:
+        """Where an image or video part's bytes are; None for a text part."""
+        return getattr(self, self.type) if self.type in MEDIA_PART_TYPES else None
+
+
+_CONTENT_PARTS = TypeAdapter(list[ContentPart])
+
+
 class ChatMessage(BaseModel):
-    """One message; ``content`` is normalized to a plain string (text parts joined)."""
+    """One message: ``content`` is a string or a list of parts (text, image_url, video_url)."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | list[ContentPart] = ""
 
-    @field_validator("content", mode="before")
+    @field_validator("content", mode="wrap")
     @classmethod
-    def _join_text_parts(cls, value: Any) -> str:
+    def _string_or_parts(cls, value: Any, _: Any) -> str | list[ContentPart]:
+        """Validated here rather than as a union, so that an error names the part
+        (``messages[0].content[1].type``), not a union branch: pydantic roots the parts'
+        ValidationError at this field."""
         if value is None:  # e.g. an assistant turn that only carried tool calls
             return ""
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise PydanticCustomError(
-                "content_type", "content must be a string or a list of content parts"
-            )
-        texts: list[str] = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise PydanticCustomError(
-                    "content_part",
-                    "content part {index} has type {kind}: only 'text' parts are supported",
-                    {"index": i, "kind": repr(kind)},
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise PydanticCustomError(
-                    "content_part", "content part {index} needs a string 'text'", {"index": i}
-                )
-            texts.append(text)
-        return "\n".join(texts)
+            raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
+        return _CONTENT_PARTS.validate_python(value)
+
+    @property
+    def text(self) -> str:
+        """The text parts joined by newlines (the content itself when it is a string)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content if part.type == "text")
+
+
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's ``chat_template_kwargs``: only ``enable_thinking`` is read; other keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    enable_thinking: bool | None = None
 
 
 def _unsupported_unless_zero(value: float | None, name: str) -> float | None:
@@ -95,6 +139,10 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     user: str | None = None  # accepted and ignored
+    enable_thinking: bool | None = Field(
+        None, description="extension: the chat template's thinking switch (None: the template's default)")
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="extension (vLLM's): only enable_thinking is read; the top-level field wins")
 
     @field_validator("n")
     @classmethod
@@ -141,14 +189,42 @@ class ChatCompletionRequest(BaseModel):
             seed=self.seed,
         )
 
-    def to_spec(self, request_id: str) -> ChatSpec:
+    @property
+    def thinking(self) -> bool | None:
+        if self.enable_thinking is not None or self.chat_template_kwargs is None:
+            return self.enable_thinking
+        return self.chat_template_kwargs.enable_thinking
+
+    def media_parts(self) -> list[tuple[str, str, str]]:
+        """``(field, modality, url)`` of every image and video part, in prompt order;
+        ``field`` names the part (``messages[i].content[j]``)."""
+        found = []
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.media is not None:
+                    found.append((f"messages[{i}].content[{j}]", MEDIA_PART_TYPES[part.type], part.media.url))
+        return found
+
+    def to_spec(self, request_id: str, media: list[bytes] | None = None) -> ChatSpec:
+        """``media`` None: every content as one string (text parts joined), for a text-only
+        model. Otherwise the bytes of ``media_parts()`` in order: list contents become the
+        model's parts ``{"type": "text", "text"}`` / ``{"type": "image" | "video", "data"}``."""
+        fetched = iter(media or [])
+
+        def content(message: ChatMessage) -> str | list[dict]:
+            if media is None or isinstance(message.content, str):
+                return message.text
+            return [{"type": "text", "text": part.text} if part.media is None
+                    else {"type": MEDIA_PART_TYPES[part.type], "data": next(fetched)} for part in message.content]
+
         return ChatSpec(
             request_id=request_id,
-            messages=[{"role": m.role, "content": m.content} for m in self.messages],
+            messages=[{"role": m.role, "content": content(m)} for m in self.messages],
             sampling=self.sampling_params(),
             max_tokens=self.effective_max_tokens,
             stop=list(self.stop or []),
             ignore_eos=self.ignore_eos,
+            enable_thinking=self.thinking,
         )
 
 
@@ -282,3 +358,81 @@ def parse_model_kwargs(raw: str | None) -> dict:
     if not isinstance(value, dict):
         raise RequestError("model_kwargs", "must be a JSON object")
     return value
+
+
+class GenerateForm(BaseModel):
+    """The text fields of ``POST /generate`` (a multipart or urlencoded form). Files come as
+    ``files`` parts; ``media`` names more inputs by reference (resolved by
+    ``mstar.media.fetch``), appended to the files in order."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str = Field("", description="the prompt (or the text to speak, ...)")
+    output_modalities: str | None = Field(
+        None, description='modalities to produce: a JSON list (["text","audio"]) or a comma list; default text')
+    streaming: bool = Field(False, description="stream NDJSON events instead of one JSON result")
+    model_kwargs: str | None = Field(None, description="a JSON object of per-model knobs")
+    media: list[str] = Field(
+        default_factory=list,
+        description="inputs by reference: a data URI or base64; an http(s) URL only when the server "
+                    "sets MSTAR_ALLOW_REMOTE=1; paths on the server are refused")
+
+
+class TranscriptionForm(BaseModel):
+    """The text fields of ``POST /v1/audio/transcriptions`` and ``/translations`` (OpenAI's
+    multipart form; the audio is the ``file`` part). Published in the OpenAPI document;
+    the route checks each field with its own messages."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    language: str | None = Field(None, description="ISO-639-1 code or language name (transcriptions only)")
+    prompt: str | None = None
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    timestamp_granularities: list[Literal["segment"]] | None = Field(
+        None, alias="timestamp_granularities[]", description="only 'segment' timestamps are available")
+    model_kwargs: str | None = Field(None, description="a JSON object of per-model knobs")
+
+
+# ------------------------------------------------------------------ OpenAPI bodies
+
+
+def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
+    """``schema`` with every ``{"$ref": "#/$defs/X"}`` replaced by X itself (the OpenAPI
+    document has no ``$defs`` for a schema given in ``openapi_extra``)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline_refs(v, defs) for v in schema]
+    return schema
+
+
+def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True)
+    return _inline_refs(schema, schema.get("$defs", {}))
+
+
+def json_body_openapi(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that validates its JSON body with ``model`` by hand."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _schema_of(model)}}}}
+
+
+def form_body_openapi(model: type[BaseModel], files: dict[str, bool], required_files: tuple[str, ...] = (),
+                      urlencoded: bool = False) -> dict[str, Any]:
+    """``openapi_extra`` for a route that parses a multipart form by hand: ``model``'s
+    fields plus file parts (``files``: part name -> whether it may repeat)."""
+    schema = _schema_of(model)
+    properties = dict(schema.get("properties", {}))
+    for name, many in files.items():
+        binary = {"type": "string", "format": "binary"}
+        properties[name] = {"type": "array", "items": binary} if many else binary
+    body = {"type": "object", "properties": properties,
+            "required": [*schema.get("required", []), *required_files]}
+    content = {"multipart/form-data": {"schema": body}}
+    if urlencoded:  # the same text fields, no files
+        content["application/x-www-form-urlencoded"] = {"schema": {**body, "properties": schema.get("properties", {})}}
+    return {"requestBody": {"required": True, "content": content}}

@@ -43,7 +43,7 @@ from mstar.server.app import (
     validation_error_response,
 )
 from mstar.server.backend import OutputEvent, SpeakingBackend, SpeechSpec
-from mstar.server.schemas import new_id
+from mstar.server.schemas import json_body_openapi, new_id
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,6 @@ def speech_router(backend: SpeakingBackend) -> APIRouter:
         names = list(backend.voices())
         return JSONResponse({"voices": [{"voice_id": n, "name": n} for n in names]})
 
-    router.add_api_route("/v1/audio/speech", speech, methods=["POST"])
+    router.add_api_route("/v1/audio/speech", speech, methods=["POST"], openapi_extra=json_body_openapi(SpeechRequest))
     router.add_api_route("/v1/audio/voices", voices, methods=["GET"])
     return router

@@ -163,8 +163,8 @@ BAD_REQUESTS = [
     ({"messages": _user("x"), "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": _user("x"), "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"messages": _user("x"), "frequency_penalty": 1}, 400, "frequency_penalty"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.0.content"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0].image_url"),
     ({"messages": [{"role": "user"}], "stream": "maybe"}, 400, "stream"),
 ]
 

@@ -259,6 +259,77 @@ def test_edit_upload_cap(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> N
     assert post_error(f"{live.url}/v1/images/edits", 413, **kwargs) == "image"
 
 
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_edit_image_url_fields(live: LiveServer, imager: FakeImager) -> None:
+    """Uploads and ``image_url`` references, in form order; a urlencoded form may carry only
+    references."""
+    first, second, third = png(64, 64), png(96, 32), png(32, 32, (1, 2, 3))
+    parts = [("image_url", (None, data_uri(second))), ("image", ("a.png", first)),  # no filename: a text field
+             ("image_url", (None, base64.b64encode(third).decode()))]
+    response = httpx.post(f"{live.url}/v1/images/edits", data={"prompt": "p"}, files=parts, timeout=10)
+    assert response.status_code == 200, response.text
+    assert imager.image_specs[-1].images == [second, first, third]
+    response = httpx.post(f"{live.url}/v1/images/edits", data={"prompt": "p", "image_url": data_uri(second)},
+                          timeout=10)
+    assert response.status_code == 200, response.text
+    assert imager.image_specs[-1].images == [second]
+
+
+@pytest.mark.parametrize(
+    "fields, files, status, param, rule",
+    [
+        ({"image_url": ["https://example.com/a.png"]}, None, 400, "image_url.0", "MSTAR_ALLOW_REMOTE=1"),
+        ({"image_url": [data_uri(png(8, 8)), "/etc/passwd"]}, None, 400, "image_url.1", "paths on the server"),
+        ({"image_url": ["data:image/png;base64,abcde"]}, None, 400, "image_url.0", "invalid base64"),
+        ({"image_url": [data_uri(b"not an image")]}, None, 400, "image", "image"),
+        ({"image_url": [data_uri(png(8, 8))] * 3}, [("image", ("a.png", png(8, 8)))] * 2, 400, "image",
+         "at most 4 images"),
+        ({}, [("image_url", ("a.png", png(8, 8)))], 400, "image_url.0", "not a file"),
+    ],
+)
+def test_edit_image_url_errors(live: LiveServer, imager: FakeImager, monkeypatch: pytest.MonkeyPatch,
+                               fields: dict, files: list | None, status: int, param: str, rule: str) -> None:
+    monkeypatch.delenv("MSTAR_ALLOW_REMOTE", raising=False)
+    seen = len(imager.image_specs)
+    response = httpx.post(f"{live.url}/v1/images/edits", data={"prompt": "p", **fields}, files=files, timeout=10)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and rule in error["message"], error
+    assert len(imager.image_specs) == seen
+
+
+def test_edit_image_url_capped(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(image_routes, "MAX_UPLOAD_BYTES", 1000)
+    big = data_uri(png(256, 256, fmt="BMP"))
+    assert post_error(f"{live.url}/v1/images/edits", 413, data={"prompt": "p", "image_url": big}) == "image_url.0"
+
+
+def test_edit_body_streamed_past_the_cap_is_refused(imager: FakeImager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Content-Length to check up front: the byte counter stops the body as it arrives,
+    before any image in it is decoded."""
+    monkeypatch.setattr(image_routes, "MAX_UPLOAD_BYTES", 1000)
+    monkeypatch.setattr(image_routes, "_FORM_OVERHEAD", 1000)
+    decoded: list[bytes] = []
+    monkeypatch.setattr(image_routes, "decode_image", lambda data, **kwargs: decoded.append(data))
+    seen = len(imager.image_specs)
+
+    def chunks() -> Iterator[bytes]:
+        yield b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\np\r\n'
+        yield b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
+        for _ in range(8):
+            yield b"x" * 1024
+
+    with LiveServer(create_app(imager)) as server:
+        response = httpx.post(f"{server.url}/v1/images/edits", content=chunks(), timeout=30,
+                              headers={"content-type": "multipart/form-data; boundary=b"})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "image", response.text
+    assert "over the limit" in response.json()["error"]["message"]
+    assert decoded == [] and len(imager.image_specs) == seen
+
+
 def test_openai_edit_error(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oai.images.edit(image=("bomb.png", bomb(), "image/png"), prompt="p")

@@ -186,10 +186,11 @@ def test_api_key_guards_every_route_but_health() -> None:
 @pytest.mark.parametrize("url", ["https://example.com/cat.png", "http://127.0.0.1:8000/health",
                                  "file:///etc/passwd", "/etc/passwd"])
 def test_no_route_fetches_media_by_url_or_path(client: TestClient, backend: GaugedBackend, url: str) -> None:
-    """No route has a media URL field yet: a URL or server path in a content part is refused
-    before the backend sees it (MSTAR_ALLOW_REMOTE has nothing to gate so far)."""
+    """A text-only model refuses an image part, and every model an unknown part type, before
+    anything is fetched or the backend sees the request (tests/server/test_chat_media.py
+    covers the models that take media)."""
     seen = len(backend.chat_specs)
     for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "input_audio", "input_audio": url}):
         response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
-        assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0.content"
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("messages[0].content[0]")
     assert len(backend.chat_specs) == seen
