@@ -92,7 +92,8 @@ def snac_fn(decoder: SnacDecoder):
                     results[i] = {"audio": torch.zeros(0)}
                 continue
             codes = [codes_from_orpheus(items[i].inputs["codes"][: frames * TOKENS_PER_FRAME].tolist()) for i in indices]
-            batch = [torch.cat([c[level] for c in codes]) for level in range(3)]
+            device = next(decoder.parameters()).device
+            batch = [torch.cat([c[level] for c in codes]).to(device) for level in range(3)]
             audio = decoder.decode(batch, noise=False)[:, 0]
             for row, i in enumerate(indices):
                 chunk = items[i].chunk
