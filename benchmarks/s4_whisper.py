@@ -65,6 +65,8 @@ class Settings:
     warmup_tokens: int
     runs: int
     baseline_runs: int
+    attention_backend: str | None = None  # model_kwargs.attention_backend of ours (None: the engine's)
+    cuda_graphs: bool = False  # model_kwargs.cuda_graphs of ours
     seed: int = 0
 
     @property
@@ -76,7 +78,8 @@ class Settings:
             "smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
             "model": self.model, "clip_s": self.clip_s, "new_tokens": self.new_tokens,
             "batches": list(self.batches), "warmup_tokens": self.warmup_tokens, "runs": self.runs,
-            "baseline_runs": self.baseline_runs, "seed": self.seed, "sampling": "greedy",
+            "baseline_runs": self.baseline_runs, "attention_backend": self.attention_backend,
+            "cuda_graphs": self.cuda_graphs, "seed": self.seed, "sampling": "greedy",
             "ignore_eos": True, "prompt": "sot en transcribe notimestamps",
         }
 
@@ -95,7 +98,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--new-tokens must be between 2 and {model['max_target_positions'] - 4}")
     return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, clip_s=args.clip_seconds,
                     new_tokens=new_tokens, batches=batches, warmup_tokens=min(args.warmup_tokens, new_tokens),
-                    runs=args.runs, baseline_runs=args.baseline_runs, seed=args.seed)
+                    runs=args.runs, baseline_runs=args.baseline_runs, attention_backend=args.attention_backend,
+                    cuda_graphs=args.cuda_graphs, seed=args.seed)
 
 
 # --------------------------------------------------------------------------- the bound
@@ -144,6 +148,10 @@ class OursRunner:
 
         self.settings = settings
         pages = -(-(4 + settings.new_tokens) // PAGE_SIZE)
+        model_kwargs: dict[str, Any] = {"max_new_tokens": settings.new_tokens, "seed": settings.seed,
+                                        "cuda_graphs": settings.cuda_graphs}
+        if settings.attention_backend:
+            model_kwargs["attention_backend"] = settings.attention_backend
         self.config = parse_config({
             "model": "whisper_large",
             "model_path": str(model_dir),
@@ -152,7 +160,7 @@ class OursRunner:
             "dtype": str(settings.dtype).removeprefix("torch."),
             "max_concurrent_requests": settings.max_batch,
             "resources": {"kv_cache": {"max_num_pages": settings.max_batch * pages, "page_size": PAGE_SIZE}},
-            "model_kwargs": {"max_new_tokens": settings.new_tokens, "seed": settings.seed},
+            "model_kwargs": model_kwargs,
         }, "s4 config")
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.batches = 0
@@ -319,6 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-runs", type=int, default=2, help="timed generate calls per batch size (median)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
+    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
+                   help="model_kwargs.attention_backend of the M* decoder (default: the engine's)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="model_kwargs.cuda_graphs=true: M* decode steps replay CUDA graphs (implies triton)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
     p.add_argument("--verbose", action="store_true", help="log M* at INFO level")

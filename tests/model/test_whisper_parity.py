@@ -23,6 +23,7 @@ from mstar.model.whisper import (
     mel_filterbank,
     mel_frames,
 )
+from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
 
 TOL = 1e-5
 SR = 16000
@@ -249,9 +250,12 @@ def test_paged_decoder_matches_hf(models: Any, audio_features: dict[str, Any]) -
     caches = allocate_kv_cache(
         num_layers, NUM_PAGES, PAGE_SIZE, num_heads, head_dim, torch.float32, "cpu"
     )
+    assert ours.cross_layout() == (num_layers, 1500, num_heads, head_dim)
+    cross_kv = CrossKVSlots(num_layers, 6, 1500, num_heads, head_dim, torch.float32, "cpu")
+    slot = {"c": 4, "a": 1, "b": 5, "d": 2}  # out of order; d's K/V written while a-c decode
     with torch.no_grad():
-        cross = {k: ours.cross_kv(f) for k, f in audio_features["ours"].items()}
-    assert cross["a"][0][0].shape == (1500, num_heads, head_dim)
+        ours.write_cross_kv(torch.stack([audio_features["ours"][s] for s in "cab"]),
+                            torch.tensor([slot[s] for s in "cab"]), cross_kv.layers)
 
     gen = torch.Generator().manual_seed(1)
     tokens: dict[str, list[int]] = {}  # every token fed so far, per sequence
@@ -266,8 +270,13 @@ def test_paged_decoder_matches_hf(models: Any, audio_features: dict[str, Any]) -
             tokens.setdefault(s, []).extend(new[s])
         meta = pages.step([(s, len(new[s])) for s in seqs])
         ids = torch.tensor([t for s in seqs for t in new[s]])
+        counts = [len(new[s]) for s in seqs]
+        batch = CrossAttentionBatch.build(torch.tensor([slot[s] for s in seqs]), counts, frames=1500,
+                                          sink=cross_kv.sink, backend="torch")
         with torch.no_grad():
-            hidden = ours.decode(ids, meta, caches, [cross[s] for s in seqs])
+            if i == 3:
+                ours.write_cross_kv(audio_features["ours"]["d"][None], torch.tensor([slot["d"]]), cross_kv.layers)
+            hidden = ours.decode(ids, meta, caches, cross_kv.layers, batch)
             logits = ours.compute_logits(hidden)
         assert hidden.shape == (len(ids), TINY["d_model"])
 

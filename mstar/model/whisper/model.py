@@ -11,15 +11,19 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import os
 from typing import Awaitable, Callable
 
 import torch
 
 from mstar.audio import decode_audio, split_at_quiet_points
+from mstar.config import ConfigError
 from mstar.engine.autoregressive import KVLayout
 from mstar.engine.base import StatelessEngine
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.engine.sampling_params import SamplingParams
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.layers.attention import ATTENTION_BACKENDS
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
@@ -92,6 +96,7 @@ class Whisper(ModelSpec):
         self.max_audio_s = float(kwargs.get("max_audio_seconds", 600))
         self.max_upload_bytes = int(kwargs.get("max_upload_bytes", 25 * 1024 * 1024))
         self.max_new_tokens = int(kwargs.get("max_new_tokens", self.whisper_config.max_target_positions // 2))
+        self.decode_fast_paths(torch.device(self.config.device))  # bad switches fail before any worker loads
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
@@ -184,10 +189,42 @@ class Whisper(ModelSpec):
                 suppress=tuple(tokens.suppress_tokens), begin_suppress=tuple(tokens.begin_suppress_tokens))
             kv = self.config.resources.kv_cache
             layers, heads, head_dim = model.kv_layout()
-            engines["decoder"] = WhisperDecoderEngine(
-                model, rules, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
-                page_size=kv.page_size, max_seq_len=config.max_target_positions, device=device, dtype=dtype)
+            try:
+                engines["decoder"] = WhisperDecoderEngine(
+                    model, rules, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
+                    page_size=kv.page_size, max_seq_len=config.max_target_positions, device=device, dtype=dtype,
+                    max_requests=self.config.max_concurrent_requests, **self.decode_fast_paths(device))
+            except ValueError as err:  # the cross-attention slots do not fit max_concurrent_requests
+                raise ConfigError(str(err)) from None
         return engines
+
+    def decode_fast_paths(self, device: torch.device) -> dict:
+        """The decoder's GPU switches from ``model_kwargs``: ``attention_backend`` ("torch", the
+        reference, or "triton": self- and cross-attention) and ``cuda_graphs`` (replay decode
+        steps per batch bucket; CUDA and the Triton backend only; ``cuda_graph_batch_sizes``
+        picks the buckets). Eager torch stays the default and the reference."""
+        kwargs = self.config.model_kwargs
+        graphs = kwargs.get("cuda_graphs", False)
+        if not isinstance(graphs, bool):
+            raise ConfigError(f"model_kwargs.cuda_graphs must be true or false, got {graphs!r}")
+        if graphs and device.type != "cuda":
+            raise ConfigError("model_kwargs.cuda_graphs needs device: cuda")
+        backend = kwargs.get("attention_backend", "triton" if graphs else "torch")
+        if backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"model_kwargs.attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                              f"got {backend!r}")
+        if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise ConfigError("model_kwargs.attention_backend 'triton' needs device: cuda")
+        if not graphs:
+            return {"attention_backend": backend}
+        if backend != "triton":
+            raise ConfigError("model_kwargs.cuda_graphs needs attention_backend 'triton' (the torch "
+                              "reference synchronises with the host and cannot be captured)")
+        sizes = kwargs.get("cuda_graph_batch_sizes", DEFAULT_BATCH_SIZES)
+        if (not isinstance(sizes, (list, tuple)) or not sizes
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)):
+            raise ConfigError(f"model_kwargs.cuda_graph_batch_sizes must be a list of positive ints, got {sizes!r}")
+        return {"attention_backend": backend, "cuda_graphs": True, "graph_batch_sizes": tuple(sizes)}
 
 
 @register

@@ -5,9 +5,10 @@ state dict loads with ``strict=True``. The output projection is tied to
 ``model.decoder.embed_tokens.weight`` (checkpoints store no ``proj_out.weight``).
 
 Serving splits a request's work in three: ``encode`` the 30 s log-mel once (batched across
-requests), compute its per-layer cross-attention keys/values once with ``cross_kv``, then run
-``decode`` steps whose self-attention lives in paged caches and whose cross-attention reads each
-sequence's own cross K/V. As in Hugging Face, queries are scaled before the attention product.
+requests), write its per-layer cross-attention keys/values once into a fixed-shape slot with
+``write_cross_kv``, then run ``decode`` steps whose self-attention lives in paged caches and
+whose cross-attention is one batched attention over the step's slots (``cross_kv.py``). As in
+Hugging Face, queries are scaled before the attention product.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from mstar.layers.attention import PagedAttentionMetadata, paged_attention
 from mstar.model.whisper.config import WhisperConfig
+from mstar.model.whisper.cross_kv import CrossAttentionBatch, cross_attention
 
 CrossKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [S, H, Dh] each
 
@@ -105,8 +107,10 @@ class WhisperEncoder(nn.Module):
             expected = f"[B, n_mels, {self.num_mel_frames}]"
             raise ValueError(f"expected mel {expected}, got {tuple(mel.shape)}")
         x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
-        x = F.gelu(self.conv2(x)).transpose(1, 2)
-        x = x + self.embed_positions.weight
+        x = F.gelu(self.conv2(x))  # [B, d, S]
+        # Positions first: the sum takes their [S, d] layout, so the one pass that adds them
+        # also lays x out as a contiguous [B, S, d] (``contiguous`` is then a no-op).
+        x = (self.embed_positions.weight + x.transpose(1, 2)).contiguous()
         for layer in self.layers:
             x = layer(x)
         return self.layer_norm(x)
@@ -132,28 +136,18 @@ class WhisperDecoderLayer(nn.Module):
         x: torch.Tensor,
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
-        cross: list[CrossKV],
-        starts: list[int],
+        cross_cache: torch.Tensor,
+        cross: CrossAttentionBatch,
     ) -> torch.Tensor:
-        """``x [T, d]``; ``cross[b]`` is this layer's cross K/V of sequence ``b``, whose new
-        tokens are ``x[starts[b]:starts[b + 1]]``."""
+        """``x [T, d]``; ``cross_cache`` ``[2, slots, frames, H, Dh]`` holds this layer's cross
+        K/V of every slot, ``cross`` says which slot each token reads."""
         h = self.self_attn_layer_norm(x)
         q = self.self_attn.query(h)
         k, v = self.self_attn.key_value(h)
         x = x + self.self_attn.output(paged_attention(q, k, v, kv_cache, meta, scale=1.0))
 
         q = self.encoder_attn.query(self.encoder_attn_layer_norm(x))  # [T, H, Dh]
-        o = torch.empty_like(q)
-        for b, (keys, values) in enumerate(cross):
-            start, end = starts[b], starts[b + 1]
-            if end > start:
-                o[start:end] = F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1),
-                    keys.transpose(0, 1),
-                    values.transpose(0, 1),
-                    scale=1.0,
-                ).transpose(0, 1)
-        x = x + self.encoder_attn.output(o)
+        x = x + self.encoder_attn.output(cross_attention(q, cross_cache, cross))
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
@@ -175,17 +169,17 @@ class WhisperDecoder(nn.Module):
         input_ids: torch.Tensor,
         meta: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
-        cross: list[list[CrossKV]],
+        cross_caches: list[torch.Tensor],
+        cross: CrossAttentionBatch,
     ) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
-        if len(cross) != meta.num_seqs:
-            raise ValueError(f"expected cross K/V for {meta.num_seqs} sequences, got {len(cross)}")
-        starts = meta.query_start_loc.tolist()
-        positions = meta.positions.to(input_ids.device)
-        x = self.embed_tokens(input_ids) + self.embed_positions.weight[positions]
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, meta, kv_cache, [seq[i] for seq in cross], starts)
+        if len(kv_caches) != len(self.layers) or len(cross_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV and cross K/V caches, "
+                             f"got {len(kv_caches)} and {len(cross_caches)}")
+        if cross.slots.shape[0] != meta.num_seqs:
+            raise ValueError(f"expected cross K/V slots for {meta.num_seqs} sequences, got {cross.slots.shape[0]}")
+        x = self.embed_tokens(input_ids) + self.embed_positions.weight[meta.positions]
+        for layer, kv_cache, cross_cache in zip(self.layers, kv_caches, cross_caches):
+            x = layer(x, meta, kv_cache, cross_cache, cross)
         return self.layer_norm(x)
 
 
@@ -212,26 +206,40 @@ class WhisperForConditionalGeneration(nn.Module):
 
     def cross_kv(self, audio_features: torch.Tensor) -> list[CrossKV]:
         """Per decoder layer, cross-attention keys and values ``[S, H, Dh]`` of ONE request's
-        audio features ``[S, d_model]`` (computed once, reused by all its decode steps)."""
+        audio features ``[S, d_model]``."""
         if audio_features.dim() != 2:
             raise ValueError(f"expected audio features [S, d], got {tuple(audio_features.shape)}")
         layers = self.model.decoder.layers
         return [layer.encoder_attn.key_value(audio_features) for layer in layers]
+
+    def write_cross_kv(self, audio_features: torch.Tensor, slots: torch.Tensor,
+                       cross_caches: list[torch.Tensor]) -> None:
+        """Project the audio features ``[N, S, d_model]`` of ``N`` requests to every decoder
+        layer's cross-attention keys and values, written once into their ``slots`` ``[N]`` of
+        ``cross_caches`` (per layer ``[2, slots, S, H, Dh]``) for all their decode steps."""
+        if audio_features.dim() != 3 or audio_features.shape[0] != slots.shape[0]:
+            raise ValueError(f"expected audio features [{slots.shape[0]}, S, d], got {tuple(audio_features.shape)}")
+        for layer, cache in zip(self.model.decoder.layers, cross_caches, strict=True):
+            keys, values = layer.encoder_attn.key_value(audio_features)
+            cache[0].index_copy_(0, slots, keys.to(cache.dtype))
+            cache[1].index_copy_(0, slots, values.to(cache.dtype))
 
     def decode(
         self,
         input_ids: torch.Tensor,
         meta: PagedAttentionMetadata,
         kv_caches: list[torch.Tensor],
-        cross: list[list[CrossKV]],
+        cross_caches: list[torch.Tensor],
+        cross: CrossAttentionBatch,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, d_model]`` of the step's ``T`` new tokens.
 
         Tokens sit at ``meta.positions``; causal self-attention reads and writes the paged
-        ``kv_caches`` (one per decoder layer); the tokens of sequence ``b`` cross-attend (no mask)
-        to ``cross[b]``, that request's ``cross_kv`` output.
+        ``kv_caches`` (one per decoder layer); every token cross-attends (no mask) to its
+        sequence's slot of ``cross_caches`` (one per layer, written by ``write_cross_kv``).
+        Decode-only steps run without host synchronisation under the Triton backend.
         """
-        return self.model.decoder(input_ids, meta, kv_caches, cross)
+        return self.model.decoder(input_ids, meta, kv_caches, cross_caches, cross)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` for hidden states ``[N, d_model]`` (tied output projection)."""
@@ -241,3 +249,9 @@ class WhisperForConditionalGeneration(nn.Module):
         """``(num_layers, num_heads, head_dim)`` of the decoder self-attention paged caches."""
         config = self.config
         return config.decoder_layers, config.decoder_attention_heads, config.decoder_head_dim
+
+    def cross_layout(self) -> tuple[int, int, int, int]:
+        """``(num_layers, frames, num_heads, head_dim)`` of one request's cross-attention K/V."""
+        config = self.config
+        return (config.decoder_layers, config.max_source_positions, config.decoder_attention_heads,
+                config.decoder_head_dim)

@@ -1,0 +1,54 @@
+"""Whisper's GPU fast path on CUDA: CUDA-graph decode replays against eager, and the Triton
+cross-attention at whisper-large-v3 shapes in bf16 against the torch path. Skipped without
+CUDA and Triton (the CPU versions are in test_whisper_cross_slots.py / test_whisper_triton.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention
+
+from test_whisper_cross_slots import SOT, compare_graph_runner, drive, features, rel_err, tiny_engine, tiny_model
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None),
+                               reason="needs CUDA and triton")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cuda_graph_replay_matches_eager(dtype: torch.dtype, tol: float) -> None:
+    compare_graph_runner(tiny_model("cuda", dtype), "triton", "cuda", dtype, tol=tol)
+
+
+@needs_gpu
+def test_engine_with_cuda_graphs_matches_eager_engine() -> None:
+    model = tiny_model("cuda")
+    audio = dict(zip("abcd", features(4, seed=5, device="cuda")))
+    prompts = {"a": [SOT, 101, 103, 105], "b": [SOT], "c": [SOT, 102], "d": [SOT, 101, 103]}
+    steps = [["a", "b"], ["a", "b", "c"], ["b", "a", "c"], ["c", "a", "b", "d"], ["d", "c", "a"],
+             ["a", "d"], ["d"], ["d", "a"], ["a"]]
+    want = drive(tiny_engine(model, backend="triton"), audio, prompts, steps)
+    graphed = tiny_engine(model, backend="triton", cuda_graphs=True)
+    assert drive(graphed, audio, prompts, steps) == want
+    assert graphed.graphs is not None and graphed.graphs.captured_batch_sizes == (1, 2, 4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("batch", [1, 32])
+def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
+    """32 slots of 1500 frames x 20 heads x 64 (one layer), bf16: decode queries of ``batch``
+    sequences in shuffled slots."""
+    cross = CrossKVSlots(1, 32, 1500, 20, 64, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    cross.layers[0][:, :32].normal_(generator=gen)
+    slots = torch.randperm(32, device="cuda", generator=gen)[:batch]
+    q = torch.randn(batch, 20, 64, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.125
+    want = cross_attention(q, cross.layers[0], CrossAttentionBatch.build(
+        slots, None, frames=1500, sink=cross.sink, backend="torch"))
+    got = cross_attention(q, cross.layers[0], CrossAttentionBatch.build(
+        slots, None, frames=1500, sink=cross.sink, backend="triton"))
+    assert rel_err(got, want) <= 2e-2

@@ -1,0 +1,138 @@
+"""Whisper's decoder on the Triton attention backend (self-attention through the paged
+kernels, cross-attention through the decode kernel over the slots) against the torch path.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter: ``TRITON_INTERPRET``
+is set before ``mstar.layers.triton_attention`` is first imported (as in
+tests/layers/test_triton_attention.py). When something else imported Triton first in this
+session (``torch._dynamo`` does, e.g. through transformers), the kernel tests skip here and
+``test_kernels_in_a_fresh_interpreter`` runs this file again in a process of its own, so they
+never silently go unrun. Skipped without Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from mstar.engine.page_pool import PagePool  # noqa: E402
+from mstar.layers import triton_attention  # noqa: E402
+from mstar.layers.attention import allocate_kv_cache  # noqa: E402
+from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention  # noqa: E402
+
+from test_whisper_cross_slots import (  # noqa: E402
+    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
+)
+
+# Whether the kernels can run in this process: compiled on CUDA, or interpreted on the CPU
+# when Triton (its own jit'd helpers included) was first imported with TRITON_INTERPRET set.
+RUNNABLE = DEVICE.type == "cuda" or (
+    triton_attention.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction")
+runnable = pytest.mark.skipif(not RUNNABLE, reason="triton was imported before TRITON_INTERPRET was set: "
+                                                   "test_kernels_in_a_fresh_interpreter runs these")
+
+# fp32 products are exact ("ieee") in the kernels; bf16 on the GPU rounds P to 16 bits.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def _index_scalars_in_interpreter() -> None:
+    """NumPy >= 2.4 refuses ``int()`` of the 1-element arrays the interpreter makes of scalar
+    loop bounds; give its tensors an ``__index__`` that reads the element."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "_index_element", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._index_element = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if RUNNABLE and triton_attention.INTERPRET:
+    _index_scalars_in_interpreter()
+
+
+@pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
+def test_kernels_in_a_fresh_interpreter() -> None:
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not fresh_interpreter",
+         str(Path(__file__).resolve())],
+        cwd=root, env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+@runnable
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts", [[1, 1, 1], [2, 1, 3]])
+def test_triton_cross_attention_matches_torch(counts: list[int], dtype: torch.dtype) -> None:
+    heads, head_dim = 4, 16
+    cross = CrossKVSlots(1, 4, FRAMES, heads, head_dim, dtype, DEVICE)
+    gen = torch.Generator().manual_seed(sum(counts))
+    cross.layers[0][:, :4] = torch.randn(2, 4, FRAMES, heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([3, 0, 2], device=DEVICE)
+    q = (torch.randn(sum(counts), heads, head_dim, generator=gen) * 0.5).to(DEVICE, dtype)
+    batches = {backend: CrossAttentionBatch.build(slots, counts, frames=FRAMES, sink=cross.sink, backend=backend)
+               for backend in ("torch", "triton")}
+    want = cross_attention(q, cross.layers[0], batches["torch"])
+    before = cross.layers[0][:, :4].clone()
+    got = cross_attention(q, cross.layers[0], batches["triton"])
+    assert got.dtype == dtype and rel_err(got, want) <= TOL[dtype]
+    assert torch.equal(cross.layers[0][:, :4], before)  # the kernel's writes land in the sink only
+
+
+@runnable
+def test_triton_decoder_matches_torch_over_prefill_and_decodes() -> None:
+    """A mixed prefill, then decodes of sequences at different lengths, through ``decode``
+    with each backend on twin caches (float32)."""
+    model = tiny_model(DEVICE)
+    layers, heads, head_dim = model.kv_layout()
+    cross = CrossKVSlots(layers, 3, FRAMES, heads, head_dim, torch.float32, DEVICE)
+    slot = {"a": 2, "b": 0, "c": 1}
+    with torch.no_grad():
+        model.write_cross_kv(torch.stack(features(3, seed=7, device=DEVICE)),
+                             torch.tensor(list(slot.values()), device=DEVICE), cross.layers)
+    caches = {b: allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE)
+              for b in ("torch", "triton")}
+    pools = {b: PagePool(16, PAGE_SIZE) for b in caches}
+    lens = {"a": 5, "b": 1, "c": 3}
+    gen = torch.Generator().manual_seed(8)
+    steps = [[(r, 0, n) for r, n in lens.items()]]
+    for order in (["c", "a", "b"], ["b", "c"], ["a", "b", "c"]):
+        steps.append([(r, lens[r], lens[r] + 1) for r in order])
+        for r in order:
+            lens[r] += 1
+    for chunks in steps:
+        ids = torch.randint(0, SOT, (sum(end - start for _, start, end in chunks),), generator=gen).to(DEVICE)
+        counts = [end - start for _, start, end in chunks]
+        slots = torch.tensor([slot[r] for r, _, _ in chunks], device=DEVICE)
+        hidden = {}
+        for backend in caches:
+            meta = step_meta(pools[backend], chunks, backend, DEVICE)
+            batch = CrossAttentionBatch.build(slots, counts, frames=FRAMES, sink=cross.sink, backend=backend)
+            with torch.no_grad():
+                hidden[backend] = model.decode(ids, meta, caches[backend], cross.layers, batch)
+        err = rel_err(hidden["triton"], hidden["torch"])
+        assert err <= TOL[torch.float32], (chunks, err)
+
+
+@runnable
+def test_graph_runner_on_triton_matches_eager_triton() -> None:
+    """The bucketed runner (a CUDA graph on the GPU, eager buffers on the CPU) with the Triton
+    backend against eager Triton decodes."""
+    compare_graph_runner(tiny_model(DEVICE), "triton", DEVICE, torch.float32, tol=TOL[torch.float32])
