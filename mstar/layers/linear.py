@@ -138,17 +138,29 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     The full weight stacks the segments ``[s_0 | s_1 | ...]`` (``output_sizes``); a rank holds
     ``[s_0 shard | s_1 shard | ...]``, so ``split(local_sizes)`` of the output gives its
     shard of every segment. ``blocks`` (default 1) are the per-segment block sizes.
+
+    ``segment_names`` (optional) are the names of the unfused sibling layers a checkpoint
+    stores the segments under (``("gate_proj", "up_proj")``): ``load_weights`` then fills
+    segment ``i`` from ``<parent>.<segment_names[i]>.weight`` (and ``.bias``) through
+    ``load_segment``, and counts the fused parameter loaded once every segment is.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = True, *,
-                 blocks: Sequence[int] | None = None) -> None:
+                 blocks: Sequence[int] | None = None, segment_names: Sequence[str] | None = None) -> None:
         tp = current_parallel().tp
         blocks = list(blocks) if blocks is not None else [1] * len(output_sizes)
         local_sizes = [_split(size, tp, block, f"segment {i}")
                        for i, (size, block) in enumerate(zip(output_sizes, blocks))]
+        if segment_names is not None and len(segment_names) != len(output_sizes):
+            raise ValueError(f"{len(segment_names)} segment names for {len(output_sizes)} segments")
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
         self.local_sizes = local_sizes
+        self.segment_names = tuple(segment_names) if segment_names is not None else None
+
+    def split_output(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of every segment of an output ``y [..., sum(local_sizes)]``."""
+        return y.split(self.local_sizes, dim=-1)
 
     @torch.no_grad()
     def _load_rows(self, param: nn.Parameter, full: torch.Tensor) -> None:
@@ -168,9 +180,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Fused ``[q | k | v]`` projection: each rank holds whole heads of each of the three."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True) -> None:
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True, *,
+                 segment_names: Sequence[str] | None = None) -> None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias=bias, blocks=[head_dim] * 3)
+        super().__init__(hidden, sizes, bias=bias, blocks=[head_dim] * 3, segment_names=segment_names)
         self.head_dim = head_dim
         self.num_heads = self.local_sizes[0] // head_dim  # on this rank
         self.num_kv_heads = self.local_sizes[1] // head_dim

@@ -7,21 +7,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mstar.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+GATE_UP = ("gate_proj", "up_proj")
 
 
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, with the Hugging Face parameter names
     (``gate_proj``, ``up_proj``, ``down_proj``) Llama, Qwen and their kin use.
 
+    With ``fused``, gate and up are one GEMM (``gate_up_proj``, segments ``[gate | up]``); it
+    still loads from a checkpoint storing ``gate_proj`` and ``up_proj`` apart, through the
+    layer's segment loader (see ``MergedColumnParallelLinear``), but its state dict differs
+    from the unfused one.
+
     Under tensor parallelism each rank holds a slice of the ``inner`` features (gate and up
     split by output, down by input) and ``down_proj`` sums the partial outputs."""
 
-    def __init__(self, hidden: int, inner: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, inner: int, bias: bool = False, *, fused: bool = False) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, inner, bias=bias)
-        self.up_proj = ColumnParallelLinear(hidden, inner, bias=bias)
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = MergedColumnParallelLinear(hidden, [inner, inner], bias=bias, segment_names=GATE_UP)
+        else:
+            self.gate_proj = ColumnParallelLinear(hidden, inner, bias=bias)
+            self.up_proj = ColumnParallelLinear(hidden, inner, bias=bias)
         self.down_proj = RowParallelLinear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj.split_output(self.gate_up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

@@ -3,7 +3,9 @@
 Model modules name their parameters exactly like the Hugging Face checkpoint keys, so loading is
 a by-name copy. ``load_weights`` checks coverage both ways (every parameter filled, every
 checkpoint tensor used) and leaves room for per-parameter ``weight_loader`` hooks, which
-tensor-parallel layers use to take their shard of a full tensor.
+tensor-parallel layers use to take their shard of a full tensor. A fused layer (one with
+``segment_names`` and ``load_segment``, e.g. ``[q | k | v]`` in one matrix) also loads from
+the unfused checkpoint names, one segment each.
 """
 
 from __future__ import annotations
@@ -130,6 +132,22 @@ def _loadable(module: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+def _segments(module: nn.Module) -> dict[str, tuple[nn.Module, nn.Parameter, int]]:
+    """``{checkpoint name: (layer, parameter, segment index)}`` for the fused layers of
+    ``module``: segment ``i`` of ``<parent>.<fused>.weight`` loads from
+    ``<parent>.<segment_names[i]>.weight`` (likewise ``bias``)."""
+    found: dict[str, tuple[nn.Module, nn.Parameter, int]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        names = getattr(sub, "segment_names", None)
+        if not names:
+            continue
+        parent = prefix.rpartition(".")[0]
+        for param_name, param in sub.named_parameters(recurse=False):
+            for index, segment in enumerate(names):
+                found[".".join(p for p in (parent, segment, param_name) if p)] = (sub, param, index)
+    return found
+
+
 def _listing(names: Iterable[str]) -> str:
     names = sorted(names)
     shown = ", ".join(names[:_MAX_LISTED])
@@ -153,16 +171,28 @@ def load_weights(
     attribute gets ``param.weight_loader(param, tensor)`` instead of a copy (shape checks are then
     the hook's job). With ``strict``, a ``WeightLoadError`` lists the parameters the checkpoint
     left unfilled and the checkpoint tensors that fill nothing. Tied parameters count as filled
-    when any of their names is.
+    when any of their names is; a fused parameter when its own name is, or every one of its
+    segments' names (``_segments``).
     """
     targets = _loadable(module)
+    segments = _segments(module)
     filled: set[int] = set()
+    segments_filled: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in named_tensors:
         name = name_map(ckpt_name) if name_map is not None else ckpt_name
         if name is None:
             continue
         target = targets.get(name)
+        if target is None and name in segments:
+            layer, param, index = segments[name]
+            try:
+                layer.load_segment(param, index, tensor if dtype is None else tensor.to(dtype))
+            except ValueError as err:
+                raise WeightLoadError(f"cannot load segment {index} of a fused parameter from checkpoint "
+                                      f"tensor {ckpt_name!r}: {err}") from None
+            segments_filled.add(name)
+            continue
         if target is None:
             unexpected.append(ckpt_name if name == ckpt_name else f"{ckpt_name} (as {name})")
             continue
@@ -182,7 +212,20 @@ def load_weights(
         filled.add(id(target))
     if not strict:
         return
-    missing = [name for name, t in targets.items() if id(t) not in filled]
+    by_param: dict[int, list[str]] = {}
+    for seg_name, (_, param, _) in segments.items():
+        by_param.setdefault(id(param), []).append(seg_name)
+    partial: dict[int, list[str]] = {}  # a fused parameter filled in part: the segments it lacks
+    for key, seg_names in by_param.items():
+        lacking = [n for n in seg_names if n not in segments_filled]
+        if not lacking:
+            filled.add(key)
+        elif len(lacking) < len(seg_names):
+            partial[key] = lacking
+    missing: list[str] = []
+    for name, t in targets.items():
+        if id(t) not in filled:
+            missing.extend(partial.pop(id(t), [name]))
     if missing or unexpected:
         problems = []
         if missing:

@@ -20,6 +20,7 @@ from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import RotaryEmbedding
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM
 from mstar.model.llama.modeling import kv_cache_shape
+from mstar.model.weights import iter_safetensors, load_weights
 
 TOL = 1e-5
 PAGE_SIZE = 4
@@ -215,7 +216,7 @@ def build_pair(variant: str) -> tuple[HFLlamaForCausalLM, LlamaForCausalLM]:
     state = hf.state_dict()
     if config.tie_word_embeddings:
         del state["lm_head.weight"]
-    ours.load_state_dict(state, strict=True)
+    load_weights(ours, state.items())  # unfused HF keys into the fused q/k/v and gate/up, strictly
     return hf, ours
 
 
@@ -275,9 +276,26 @@ def test_parameter_names_match_checkpoint(tmp_path: Path) -> None:
     for variant, tied in (("tied", True), ("untied", False)):
         hf, ours = build_pair(variant)
         hf.save_pretrained(tmp_path / variant)
-        keys = set(load_file(str(tmp_path / variant / "model.safetensors")))
-        assert set(dict(ours.named_parameters())) == keys
-        assert ("lm_head.weight" in keys) is not tied
+        saved = load_file(str(tmp_path / variant / "model.safetensors"))
+        assert ("lm_head.weight" in saved) is not tied
+        # Every parameter but the fused projections is named like its checkpoint key; the
+        # fused ones are filled, segment by segment, from the unfused keys.
+        fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+        expected = set(saved)
+        for i in range(ours.config.num_hidden_layers):
+            for name, parts in fused.items():
+                parent = f"model.layers.{i}.{name.split('.')[0]}"
+                expected -= {f"{parent}.{part}.weight" for part in parts}
+                expected.add(f"model.layers.{i}.{name}.weight")
+        assert set(dict(ours.named_parameters())) == expected
+        fresh = LlamaForCausalLM(ours.config)
+        load_weights(fresh, iter_safetensors(tmp_path / variant))  # strict: coverage both ways
+        for i in range(ours.config.num_hidden_layers):
+            layer = fresh.model.layers[i]
+            for fused_layer, parent, parts in ((layer.self_attn.qkv_proj, "self_attn", fused["self_attn.qkv_proj"]),
+                                               (layer.mlp.gate_up_proj, "mlp", fused["mlp.gate_up_proj"])):
+                full = torch.cat([saved[f"model.layers.{i}.{parent}.{part}.weight"] for part in parts])
+                assert torch.equal(fused_layer.weight, full)
         with open(tmp_path / variant / "config.json") as f:
             assert LlamaConfig.from_hf_dict(json.load(f)) == ours.config
 

@@ -1,8 +1,11 @@
 """Llama-architecture decoder on a paged KV cache.
 
-Parameter names are exactly the Hugging Face checkpoint keys, so a ``model.safetensors``
-state dict loads with ``strict=True``. With tied embeddings there is no ``lm_head`` at all:
-the logits reuse ``model.embed_tokens.weight``.
+Parameter names are the Hugging Face checkpoint keys, except for the fused projections:
+``self_attn.qkv_proj`` (``[q | k | v]``, one GEMM) and ``mlp.gate_up_proj`` (``[gate | up]``).
+``mstar.model.weights.load_weights`` fills them from the unfused keys (``q_proj``, ``k_proj``,
+``v_proj``, ``gate_proj``, ``up_proj``) through the layers' segment loaders, so HF and GGUF
+checkpoints load unchanged (``load_state_dict`` with HF keys does not). With tied embeddings
+there is no ``lm_head`` at all: the logits reuse ``model.embed_tokens.weight``.
 
 Tensor parallelism lives in the layers (``mstar.layers.linear``): built under a parallel
 state (``mstar.distributed.use_parallel``), each rank holds its share of the heads, MLP
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from mstar.layers.attention import PagedAttentionMetadata, paged_attention
-from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from mstar.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
@@ -42,12 +45,11 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         hidden, bias, d = config.hidden_size, config.attention_bias, self.head_dim
         heads = config.num_attention_heads
-        self.q_proj = ColumnParallelLinear(hidden, heads * d, bias=bias, block=d)
-        self.k_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, block=d)
-        self.v_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, block=d)
+        self.qkv_proj = QKVParallelLinear(hidden, d, heads, kv_heads, bias=bias,
+                                          segment_names=("q_proj", "k_proj", "v_proj"))
         self.o_proj = RowParallelLinear(heads * d, hidden, bias=bias, block=d)
-        self.num_heads = self.q_proj.out_features // d
-        self.num_kv_heads = self.k_proj.out_features // d
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
 
     def forward(
         self,
@@ -57,9 +59,7 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(self.qkv_proj(x)))
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
@@ -72,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, fused=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
