@@ -86,6 +86,7 @@ class Settings:
     warmup_tokens: int
     runs: int
     seed: int = 0
+    fast_paths: tuple[tuple[str, Any], ...] = ()  # model_kwargs: attention_backend / cuda_graphs
 
     @property
     def audio_s(self) -> float:
@@ -97,7 +98,8 @@ class Settings:
                 "model": self.model, "snac": self.snac or "snac_24khz", "streams": list(self.streams),
                 "audio_tokens": self.audio_tokens, "audio_s_per_request": self.audio_s,
                 "warmup_tokens": self.warmup_tokens, "runs": self.runs, "seed": self.seed, "text": TEXT,
-                "model_kwargs": {"benchmark_audio_only": True}, "response_format": "pcm (s16le)"}
+                "model_kwargs": {"benchmark_audio_only": True, **dict(self.fast_paths)},
+                "response_format": "pcm (s16le)"}
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -112,8 +114,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
         streams, tokens = streams or (1, 8, 32), args.audio_tokens or 350
     if tokens < 4 * TOKENS_PER_FRAME or tokens % TOKENS_PER_FRAME:
         raise SystemExit(f"--audio-tokens must be a multiple of {TOKENS_PER_FRAME}, at least {4 * TOKENS_PER_FRAME}")
+    fast: dict[str, Any] = {}
+    if args.attention_backend:
+        fast["attention_backend"] = args.attention_backend
+    if args.cuda_graphs:
+        fast["cuda_graphs"] = True
     return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, snac=snac, streams=streams,
-                    audio_tokens=tokens, warmup_tokens=4 * TOKENS_PER_FRAME, runs=args.runs, seed=args.seed)
+                    audio_tokens=tokens, warmup_tokens=4 * TOKENS_PER_FRAME, runs=args.runs, seed=args.seed,
+                    fast_paths=tuple(sorted(fast.items())))
 
 
 # --------------------------------------------------------------------------- the bound
@@ -169,7 +177,7 @@ class Server:
         prompt_room = 64
         pages = -(-(prompt_room + settings.audio_tokens) // PAGE_SIZE)
         kwargs: dict[str, Any] = {"benchmark_audio_only": True, "max_new_tokens": settings.audio_tokens,
-                                  "seed": settings.seed}
+                                  "seed": settings.seed, **dict(settings.fast_paths)}
         if settings.snac:
             kwargs["snac_config"] = settings.snac
         config = {"model": "orpheus", "model_path": str(model_dir), "load_format": "dummy",
@@ -332,6 +340,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="audio codes per request, a multiple of 7 (default 350 = 50 frames, 4.27 s; smoke 28)")
     p.add_argument("--runs", type=int, default=1, help="timed batches per stream count (median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
+                   help="the talker's model_kwargs.attention_backend (default: the engine's, torch)")
+    p.add_argument("--cuda-graphs", action="store_true", help="the talker's model_kwargs.cuda_graphs (GPU)")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
     return p.parse_args(argv)
 

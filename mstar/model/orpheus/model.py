@@ -21,6 +21,7 @@ from mstar.engine.sampler import validate_sampling
 from mstar.engine.sampling_params import SamplingParams
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, SlidingWindow, Step, StreamEdge, Walk
 from mstar.model.llama.checkpoint import LlamaCheckpoint
+from mstar.model.llama.model import decode_fast_paths
 from mstar.model.llama.modeling import LlamaForCausalLM
 from mstar.model.orpheus import engine as talk
 from mstar.model.registry import register
@@ -167,7 +168,8 @@ class Orpheus(ModelSpec):
         kv = self.config.resources.kv_cache
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
         return talk.OrpheusTalkerEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                        max_seq_len=self.config.max_seq_len, device=device, dtype=dtype)
+                                        max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
+                                        **decode_fast_paths(self.config, model, device))
 
     def _snac(self, device: torch.device) -> SnacDecoder:
         """SNAC in float32 (its convolutions are small; bf16 costs quality for little speed)."""
