@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from mstar.distributed import broadcast, current_parallel
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.page_pool import PagePool
 from mstar.engine.sampler import Sampler
@@ -105,6 +106,7 @@ class AutoregressiveEngine(Engine):
         if graph_runner is not None:
             graph_runner.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
+        self.tp_group = current_parallel().tp  # the model's TP ranks must continue the same ids
         self.seqs: dict[str, Sequence] = {}
         self._ahead: _Ahead | None = None
 
@@ -196,8 +198,9 @@ class AutoregressiveEngine(Engine):
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The next id of every row, left on the logits' device."""
         penalised = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
-        return self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
-                            [s.tokens for s in seqs] if penalised else None)
+        ids = self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                           [s.tokens for s in seqs] if penalised else None)
+        return broadcast(ids, self.tp_group)  # unseeded draws differ per rank: take the first rank's
 
     # ---------------------------------------------------------- overlap ahead
     def _take_ahead(self, ahead: _Ahead | None, items: list[EngineItem]) -> dict[int, int]:
@@ -277,6 +280,8 @@ class AutoregressiveEngine(Engine):
             seq = self.seqs[item.request_id] = self._new_sequence(prompt, item.params)
             seq.extra["request_id"] = item.request_id
         elif item.op == "decode":
+            if seq is None and "kv" in item.inputs:  # first contact: another engine prefilled it
+                seq = self._adopt(item)
             if seq is None:
                 raise RuntimeError(f"request {item.request_id} decodes before its prefill")
             token = item.inputs["token"]
@@ -286,6 +291,15 @@ class AutoregressiveEngine(Engine):
         else:
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
         return seq
+
+    def _adopt(self, item: EngineItem) -> Sequence:
+        """The sequence of a request another engine prefilled (a ``PrefillEngine``), rebuilt
+        from its first decode's inputs: the prompt, the first token, the prompt's K/V and
+        the sampler state after drawing that token."""
+        prompt = item.inputs["prompt_ids"].reshape(-1).tolist()
+        first = int(item.inputs["token"].reshape(-1)[0])
+        return self.import_kv(item.request_id, item.inputs["kv"], prompt + [first], prompt_len=len(prompt),
+                              params=item.params, generator_state=item.inputs.get("rng"))
 
     def _new_sequence(self, prompt: list[int], params: dict[str, Any]) -> Sequence:
         sampling = SamplingParams(**params.get("sampling", {}))
@@ -380,6 +394,88 @@ class AutoregressiveEngine(Engine):
             if not self._ahead.rows:
                 self._ahead = None
 
+    # ------------------------------------------------------- KV hand-off
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """The K/V of the sequence's computed positions, gathered from its pages into one
+        tensor ``[layers, 2, tokens, kv_heads, head_dim]`` (a copy: its pages may be freed)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id} holds no sequence to export")
+        slots = self._to_device(torch.tensor(self.pool.slots(request_id, 0, seq.computed), dtype=torch.int64))
+        return torch.stack([_flat_slots(cache).index_select(1, slots) for cache in self.kv_caches])
+
+    def generator_state(self, request_id: str) -> torch.Tensor:
+        """The request's sampler state (a seeded generator's bytes; empty when unseeded),
+        so another engine continues the same random stream."""
+        generator = self.seqs[request_id].generator
+        return generator.get_state() if generator is not None else torch.empty(0, dtype=torch.uint8)
+
+    def import_kv(self, request_id: str, kv: torch.Tensor, tokens: list[int], *, prompt_len: int,
+                  params: dict[str, Any], generator_state: torch.Tensor | None = None) -> Sequence:
+        """Adopt a request whose first ``kv.shape[2]`` positions another engine computed
+        (``export_kv``): reserve their pages here, write the K/V into them, and continue
+        from ``tokens`` (the whole history, the prompt its first ``prompt_len``) as if this
+        engine had run those steps. ``params`` are the request's; ``generator_state``
+        (``generator_state``) resumes a seeded sampler where the other engine left it."""
+        if request_id in self.seqs:
+            raise RuntimeError(f"request {request_id} already holds a sequence here")
+        layers = len(self.kv_caches)
+        heads, head_dim = self.kv_caches[0].shape[-2:]
+        computed = kv.shape[2] if kv.dim() == 5 else -1
+        if kv.dim() != 5 or tuple(kv.shape[:2]) != (layers, 2) or tuple(kv.shape[3:]) != (heads, head_dim):
+            raise ValueError(f"request {request_id}: KV of shape {tuple(kv.shape)} does not fit this cache "
+                             f"[{layers}, 2, tokens, {heads}, {head_dim}]")
+        if not 0 < computed < len(tokens) or not 0 < prompt_len <= len(tokens):
+            raise ValueError(f"request {request_id}: KV of {computed} positions, {len(tokens)} tokens and a "
+                             f"prompt of {prompt_len} do not make a sequence that can continue")
+        if len(tokens) >= self.max_seq_len:
+            raise ValueError(f"request {request_id}: {len(tokens)} tokens do not fit max_seq_len {self.max_seq_len}")
+        seq = self._new_sequence(list(tokens[:prompt_len]), params)
+        seq.tokens.extend(tokens[prompt_len:])
+        seq.computed = computed
+        seq.extra["request_id"] = request_id
+        if seq.generator is not None and generator_state is not None and generator_state.numel():
+            seq.generator.set_state(generator_state.cpu())
+        self.pool.reserve(request_id, computed)  # OutOfPages leaves the pool as it was
+        try:
+            slots = self._to_device(torch.tensor(self.pool.slots(request_id, 0, computed), dtype=torch.int64))
+            for layer, cache in enumerate(self.kv_caches):
+                _flat_slots(cache).index_copy_(1, slots, kv[layer].to(cache.device, cache.dtype))
+        except BaseException:
+            self.pool.free(request_id)
+            raise
+        self.seqs[request_id] = seq
+        return seq
+
     def stats(self) -> dict[str, float]:
         return {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
                 "sequences": len(self.seqs)}
+
+
+class PrefillEngine(AutoregressiveEngine):
+    """The prefill half of a disaggregated LLM. It prefills each request, samples its first
+    token, and hands the request off: besides ``token`` a step writes ``kv`` (the prompt's
+    K/V, ``export_kv``) and ``rng`` (the sampler state, ``generator_state``), then frees the
+    request's pages at once. The decode engine adopts the request on its first decode
+    (``import_kv``). A request that ends at its first token hands nothing off (``kv`` and
+    ``rng`` stay silent: no decode follows)."""
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        for item in items:
+            if item.op != "prefill":
+                raise ValueError(f"a prefill engine has no op {item.op!r}")
+        outputs = super().run(items)
+        try:
+            for item, out in zip(items, outputs):
+                if "stop" not in out.flags:
+                    out.outputs["kv"] = self.export_kv(item.request_id)
+                    out.outputs["rng"] = self.generator_state(item.request_id)
+        finally:
+            for item in items:
+                self.release(item.request_id)
+        return outputs
+
+
+def _flat_slots(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache ``[2, pages, page_size, H, D]`` viewed as ``[2, slots, H, D]``."""
+    return cache.view(2, -1, cache.shape[-2], cache.shape[-1])

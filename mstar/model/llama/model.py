@@ -3,6 +3,11 @@
 One node, the decoder, with two ops. The chat walk is a prefill, then a Loop of decodes
 until the engine raises ``stop`` (EOS, token budget) or the budget runs out; every sampled
 token streams to the client as text.
+
+Disaggregated prefill/decode: when the deployment places ``llm_prefill`` (the same model
+behind a second engine), chats walk ``chat_pd`` instead: ``llm_prefill`` prefills, emits the
+first token and hands the prompt's K/V (``kv``) and sampler state (``rng``) to ``llm``,
+which adopts them on its first decode and decodes on as in ``chat``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import torch
 
 from mstar.distributed.dims import ParallelDims
-from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout, PrefillEngine
 from mstar.engine.sampler import validate_sampling
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.llama.checkpoint import LlamaCheckpoint, embedded_smollm2_path
@@ -23,6 +28,7 @@ from mstar.model.text_stream import TextStream
 from mstar.server.backend import ChatSpec, GenerateSpec, RequestError
 
 LLM = "llm"
+LLM_PREFILL = "llm_prefill"
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +38,30 @@ class LlamaChat(ModelSpec):
     key = "llama"
 
     def graph(self) -> Graph:
-        llm = Node(LLM, "autoregressive", inputs=("prompt_ids", "token"), outputs=("token",),
+        llm = Node(LLM, "autoregressive", inputs=("prompt_ids", "token", "kv", "rng"), outputs=("token",),
                    ops=("prefill", "decode"), flags=("stop",))
         prefill = Step(LLM, "prefill", reads="prompt_ids", writes="token", emit=Emit("token", "text"))
         decode = Step(LLM, "decode", reads="token", writes="token", emit=Emit("token", "text"))
         chat = Walk("chat", Sequential(prefill, Loop(decode, until="stop", max_iters="max_decode_steps")),
                     inputs="prompt_ids")
-        return Graph.build([llm], [chat])
+        if not self.disaggregated:
+            return Graph.build([llm], [chat])
+        prefiller = Node(LLM_PREFILL, "autoregressive", inputs=("prompt_ids",), outputs=("token", "kv", "rng"),
+                         ops=("prefill",), flags=("stop",))
+        handoff = Step(LLM_PREFILL, "prefill", reads="prompt_ids", writes=("token", "kv", "rng"),
+                       emit=Emit("token", "text"))
+        # The first decode adopts the request from what the prefill handed off; later ones
+        # read the same versions again and the engine, holding the sequence, ignores them.
+        adopt = Step(LLM, "decode", reads=("prompt_ids", "token", "kv", "rng"), writes="token",
+                     emit=Emit("token", "text"))
+        chat_pd = Walk("chat_pd", Sequential(handoff, Loop(adopt, until="stop", max_iters="max_decode_steps")),
+                       inputs="prompt_ids")
+        return Graph.build([llm, prefiller], [chat, chat_pd])
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the deployment places ``llm_prefill``: chats then walk ``chat_pd``."""
+        return any(LLM_PREFILL in group.node_names for group in self.config.node_groups)
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> LlamaCheckpoint:
@@ -118,7 +141,8 @@ class LlamaChat(ModelSpec):
             "stop_token_ids": [] if ignore_eos else self.stop_token_ids,
         }
         pages = -(-(len(ids) + max_tokens) // page_size)
-        return WalkRequest("chat", {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, params,
+        walk = "chat_pd" if self.disaggregated else "chat"
+        return WalkRequest(walk, {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, params,
                            {"kv_pages": pages}, prompt_tokens=len(ids))
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> TextStream:
@@ -144,9 +168,16 @@ class LlamaChat(ModelSpec):
         model.eval()
         kv = self.config.resources.kv_cache
         layout = KVLayout(*model.cache_shape())  # a tensor-parallel rank caches its KV heads
-        return {LLM: AutoregressiveEngine(model, layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                          max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
-                                          **decode_fast_paths(self.config, model, device))}
+        sizes = dict(num_pages=kv.max_num_pages, page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
+                     device=device, dtype=dtype)
+        engines = {}
+        if LLM in nodes:
+            engines[LLM] = AutoregressiveEngine(model, layout, **sizes, **decode_fast_paths(self.config, model, device))
+        if LLM_PREFILL in nodes:  # its own pool, the same size: it holds a request's prompt pages only
+            kwargs = self.config.model_kwargs  # the decoder's attention backend (cuda_graphs runs triton)
+            backend = "triton" if kwargs.get("cuda_graphs", False) else kwargs.get("attention_backend", "torch")
+            engines[LLM_PREFILL] = PrefillEngine(model, layout, **sizes, attention_backend=backend)
+        return engines
 
 
 def decode_fast_paths(config, model, device: torch.device) -> dict:
