@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -80,16 +81,20 @@ def use_parallel(state: ParallelState) -> Iterator[ParallelState]:
         _current.reset(token)
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device | str) -> None:
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device | str,
+                     timeout: timedelta | None = None) -> None:
     """Join the process group of every worker: gloo on the CPU, NCCL on CUDA.
 
     ``init_method`` is a ``torch.distributed`` rendezvous URL (``tcp://host:port`` or
-    ``file:///path``) the launcher chose and handed to every worker.
+    ``file:///path``) the launcher chose and handed to every worker. ``timeout`` bounds the
+    rendezvous (a member that never comes fails the others) and is the default timeout of
+    the collectives of every group created afterwards (torch's default when None).
     """
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    extra = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **extra)
 
 
 def build_mesh(ranks: Sequence[int], tp_size: int, sp_size: int) -> ParallelState | None:

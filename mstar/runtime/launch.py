@@ -58,6 +58,8 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         placement = build_placement(graph, config, spec)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if in_process:
+        _refuse_split_groups(config)
     capacity = spec.default_capacity()
     if "kv_pages" in capacity and capacity["kv_pages"] < config.max_concurrent_requests:
         raise ConfigError(
@@ -69,7 +71,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
     spec.load_frontend()
     conductor = Conductor(graph, placement, max_concurrent_requests=config.max_concurrent_requests,
                           capacity=capacity)
-    num_ranks = max(placement.ranks) + 1
+    num_ranks = 1 + max(r for g in placement.groups for r in g.ranks)  # leaders and followers
     frontend_rank = num_ranks
     config_data = config.model_dump()
     if in_process:
@@ -89,13 +91,24 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         torch.set_num_threads(1)
         frontend = make_transport(config.tensor_comm_protocol, frontend_rank)
         log.info("starting %d worker process(es)", num_ranks)
-        pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend)
+        pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend,
+                              split_groups=placement.split_groups())
     runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats,
                       max_queue_size=config.queue_limit)
     runtime.supervise(max_worker_restarts, on_give_up)
     backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
     log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
     return Deployment(config, spec, runtime, backend)
+
+
+def _refuse_split_groups(config: DeploymentConfig) -> None:
+    """A group split over ranks runs collectives between its ranks: one process each."""
+    for i, g in enumerate(config.node_groups):
+        if g.tp_size * g.sp_size > 1:
+            key = "tp_size" if g.tp_size > 1 else "sp_size"
+            raise ConfigError(f"node_groups[{i}].{key}: a group split over several ranks needs one worker "
+                              f"process per rank and cannot run in-process; run without in-process mode "
+                              f"or set tp_size and sp_size to 1")
 
 
 def config_for(model: str | None, config_path: str | None, overrides: dict[str, Any]) -> DeploymentConfig:

@@ -3,7 +3,7 @@
 Built from the deployment YAML's ``node_groups``; the routing table derived from it is
 static per (walk, step), so the conductor computes it once at load time. A group split over
 several ranks (``tp_size`` x ``sp_size``) is led by its first rank: plans go there and the
-group's other ranks follow it.
+group's other ranks follow it in lockstep (``mstar.distributed.lockstep``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,15 @@ class NodeGroup:
     @property
     def leader(self) -> int:
         return self.ranks[0]
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.ranks) > 1
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], int, int]:
+        """How its nodes are split: (ranks, tp_size, sp_size); groups of one layout share engines."""
+        return self.ranks, self.tp_size, self.sp_size
 
 
 @dataclass
@@ -81,7 +90,11 @@ class Placement:
         """The groups run over several ranks (``tp_size x sp_size > 1``) in config order:
         every worker process creates their process groups in this order
         (``mstar.distributed.build_mesh`` is collective over the whole world)."""
-        return [g for g in self.groups if len(g.ranks) > 1]
+        return [g for g in self.groups if g.is_split]
+
+    def followers(self) -> set[int]:
+        """The ranks that follow the leader of a split group (they get no plans)."""
+        return {r for g in self.split_groups() for r in g.ranks[1:]}
 
 
 def single_rank(graph: Graph) -> Placement:
@@ -148,12 +161,35 @@ def build_placement(graph: Graph, config, spec=None) -> Placement:
     split = [(i, g) for i, g in enumerate(groups) if g.tp_size * g.sp_size > 1]
     if split and spec is not None:
         _check_divisible(split, spec.parallel_dims())
-    for i, g in split:
-        key = "tp_size" if g.tp_size > 1 else "sp_size"
-        raise ValueError(f"node_groups[{i}].{key}: the runtime cannot run one node group over several worker "
-                         f"processes yet (the parallel layers and models exist, the worker wiring does not); "
-                         f"use tp_size: 1 and sp_size: 1")
+    _check_followers(groups)
     return placement
+
+
+def _check_followers(groups: list[NodeGroup]) -> None:
+    """A follower of a split group runs only in lockstep with its leader: it may belong to
+    no other group but split groups of the same leader. A node runs under one layout per
+    rank (its engine on that rank is built once)."""
+    leader_of: dict[int, tuple[int, int]] = {}  # follower rank -> (its leader, the group's index)
+    for i, g in enumerate(groups):
+        for r in g.ranks[1:] if g.is_split else ():
+            leader_of.setdefault(r, (g.leader, i))
+    for j, g in enumerate(groups):
+        for r in g.ranks:
+            if r not in leader_of:
+                continue
+            leader, i = leader_of[r]
+            if not g.is_split or g.leader != leader:
+                raise ValueError(f"node_groups[{j}].ranks: rank {r} follows rank {leader} in the split group "
+                                 f"node_groups[{i}], so it cannot run other nodes (only split groups led by "
+                                 f"rank {leader})")
+    layout_of: dict[tuple[int, str], int] = {}  # (rank, node) -> index of the group that set its layout
+    for j, g in enumerate(groups):
+        for r in g.ranks:
+            for node in g.node_names:
+                i = layout_of.setdefault((r, node), j)
+                if groups[i].layout != g.layout and (groups[i].is_split or g.is_split):
+                    raise ValueError(f"node_groups[{j}].ranks: node {node!r} already runs on rank {r} split "
+                                     f"differently (node_groups[{i}]); a node has one layout per rank")
 
 
 def _check_divisible(split: list[tuple[int, NodeGroup]], dims: dict) -> None:

@@ -12,16 +12,21 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import zmq
 
+from mstar.distributed import SINGLE, use_parallel
+from mstar.distributed.lockstep import Follower, LeaderEngine, World, join_world, stop_followers
 from mstar.runtime import protocol
 from mstar.runtime.protocol import PeerTable, Shutdown, StepPlan, StepResult, WorkerFailed, WorkerReady
 from mstar.runtime.transport import make_transport
@@ -32,20 +37,45 @@ log = logging.getLogger(__name__)
 Event = StepResult | WorkerFailed
 
 PARENT_CHECK_MS = 1000  # how often an idle worker process checks that its server still lives
+DIST_TIMEOUT = timedelta(seconds=300)  # joining the split groups' process groups; their collectives
 
 
-def build_worker(config_data: dict[str, Any], rank: int, transport, frontend_rank: int) -> Worker:
-    """Load the model parts placed on ``rank`` and wrap them in a Worker."""
+def build_worker(config_data: dict[str, Any], rank: int, transport, frontend_rank: int,
+                 rendezvous: str | None = None) -> Worker | Follower:
+    """Load the model parts placed on ``rank`` and wrap them in a Worker, or in a Follower
+    when the rank follows the leader of a split group.
+
+    With split groups (``tp_size x sp_size > 1``) every process first joins their process
+    groups at ``rendezvous`` (a ``torch.distributed`` URL); each group's engines are built
+    under its parallel state, and a leader's engines hand every call to its followers.
+    """
     from mstar.config import parse_config
     from mstar.model.registry import model_class
     from mstar.runtime.placement import build_placement
 
     config = parse_config(config_data)
     spec = model_class(config.model)(config)
-    placement = build_placement(spec.graph(), config)
-    device = config.device_of(rank)
-    engines = spec.build_engines(placement.nodes_on(rank), device)
     graph = spec.graph()
+    placement = build_placement(graph, config)
+    device = config.device_of(rank)
+    split = placement.split_groups()
+    if split and rendezvous is None:
+        raise RuntimeError("a deployment with split node groups needs a rendezvous for its worker processes")
+    world = join_world(rank, [g.layout for g in split], rendezvous, device, DIST_TIMEOUT) if split else World({})
+    by_layout: dict[Any, set[str]] = {}  # layout of a split group (None: this rank alone) -> nodes
+    for group, nodes in placement.groups_on(rank).items():
+        by_layout.setdefault(group.layout if group.is_split else None, set()).update(nodes)
+    engines = {}
+    for layout, nodes in by_layout.items():
+        with use_parallel(world.states[layout] if layout else SINGLE):
+            engines |= spec.build_engines(nodes, device)
+    if world.follows:
+        assert world.channel is not None
+        return Follower(rank, world.channel, engines)
+    if world.leads:
+        assert world.channel is not None
+        led = {node for layout, nodes in by_layout.items() if layout and layout[0][0] == rank for node in nodes}
+        engines = {node: LeaderEngine(node, e, world.channel) if node in led else e for node, e in engines.items()}
     stream_vars = frozenset(edge.source for walk in graph.walks.values() for edge in walk.streams)
     return Worker(rank, engines, transport, frontend_rank, stream_vars)
 
@@ -103,10 +133,16 @@ class ProcessWorkers:
     and the frontend transport get the new peer table and ``on_ready(rank, gauges)`` runs
     (inside ``poll``, on the caller's thread). A restarted process that fails to load, dies
     or misses its startup deadline is reported by ``poll`` as a ``WorkerFailed``.
+
+    ``split_groups`` (``Placement.split_groups()``) are node groups run over several ranks:
+    their ranks, the *world*, join one ``torch.distributed`` rendezvous and fail and restart
+    together (a process group cannot take a new member). A death in the world stops all of
+    it and is reported for each rank that gets plans (followers are invisible to the
+    runtime); restarting any of those ranks restarts the whole world at a new rendezvous.
     """
 
     def __init__(self, config_data: dict[str, Any], num_ranks: int, protocol_name: str,
-                 frontend_transport, startup_timeout: float = 600.0):
+                 frontend_transport, startup_timeout: float = 600.0, split_groups: Sequence = ()):
         self.ctx = zmq.Context.instance()
         self.config_data = config_data
         self.num_ranks = num_ranks
@@ -116,10 +152,16 @@ class ProcessWorkers:
         self.ranks: dict[int, _Process] = {}
         self.addresses: dict[int, str] = {num_ranks: frontend_transport.address}  # the frontend is rank N
         self.ready_gauges: dict[int, dict[str, float]] = {}
+        self.world = frozenset(r for g in split_groups for r in g.ranks)
+        self.followers = frozenset(r for g in split_groups for r in g.ranks[1:])
+        self._world_down = False  # the world failed and is not respawned yet
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="mstar-rendezvous-") if self.world else None
+        self._generation = 0
         self._closed = False
         try:
+            rendezvous = self._rendezvous()
             for rank in range(num_ranks):
-                self.ranks[rank] = self._spawn(rank)
+                self.ranks[rank] = self._spawn(rank, rendezvous=rendezvous if rank in self.world else None)
             while not all(p.ready for p in self.ranks.values()):
                 for event in self._receive(0.5):
                     if isinstance(event, WorkerFailed):
@@ -153,15 +195,20 @@ class ProcessWorkers:
 
     def restart(self, rank: int, on_ready: Callable[[int, dict[str, float]], None]) -> None:
         """Start a new process for ``rank`` (whose process failed); see the class doc."""
-        old = self.ranks[rank]
-        self._stop(old)
-        log.warning("restarting worker rank %d (the old process %s, pid %s, is gone)", rank, old.proc.name,
-                    old.proc.pid)
-        self.ready_gauges.pop(rank, None)
-        self.ranks[rank] = self._spawn(rank, on_ready)
+        if rank in self.world:
+            if self._world_down:  # the first restart asked for since the world failed: all of it
+                self._world_down = False
+                rendezvous = self._rendezvous()
+                log.warning("restarting the worker ranks of the split node groups %s", sorted(self.world))
+                for member in sorted(self.world):
+                    self._replace(member, None, rendezvous)
+            self.ranks[rank].on_ready = on_ready  # another member's restart may have spawned it
+            return
+        self._replace(rank, on_ready, None)
 
     def stats(self) -> dict[int, dict[str, float]]:
-        return {rank: dict(gauges) for rank, gauges in self.ready_gauges.items()}
+        """The gauges of the ranks that get plans (a follower mirrors its leader)."""
+        return {rank: dict(gauges) for rank, gauges in self.ready_gauges.items() if rank not in self.followers}
 
     def close(self) -> None:
         if self._closed:
@@ -175,16 +222,33 @@ class ProcessWorkers:
                     pass
         for process in self.ranks.values():
             self._stop(process, grace_s=5.0)
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------- internals
-    def _spawn(self, rank: int, on_ready=None) -> _Process:
+    def _rendezvous(self) -> str | None:
+        """A fresh rendezvous for the world's processes (a new one per restart of it)."""
+        if self._rendezvous_dir is None:
+            return None
+        self._generation += 1
+        return f"file://{os.path.join(self._rendezvous_dir, f'rendezvous-{self._generation}')}"
+
+    def _replace(self, rank: int, on_ready, rendezvous: str | None) -> None:
+        old = self.ranks[rank]
+        self._stop(old)
+        log.warning("restarting worker rank %d (the old process %s, pid %s, is gone)", rank, old.proc.name,
+                    old.proc.pid)
+        self.ready_gauges.pop(rank, None)
+        self.ranks[rank] = self._spawn(rank, on_ready, rendezvous)
+
+    def _spawn(self, rank: int, on_ready=None, rendezvous: str | None = None) -> _Process:
         plans, results = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
         plan_port = plans.bind_to_random_port("tcp://127.0.0.1")
         result_port = results.bind_to_random_port("tcp://127.0.0.1")
         proc = mp.get_context("spawn").Process(
             target=worker_main, name=f"mstar-worker-{rank}", daemon=True,
             args=(self.config_data, rank, self.num_ranks, self.protocol_name,
-                  f"tcp://127.0.0.1:{plan_port}", f"tcp://127.0.0.1:{result_port}"))
+                  f"tcp://127.0.0.1:{plan_port}", f"tcp://127.0.0.1:{result_port}", rendezvous))
         proc.start()
         return _Process(proc, plans, results, time.monotonic() + self.startup_timeout, on_ready=on_ready)
 
@@ -235,6 +299,25 @@ class ProcessWorkers:
                 process.proc.kill()
                 out.append(WorkerFailed(rank, f"worker process {process.proc.name} (pid {process.proc.pid}) "
                                               f"did not load within {self.startup_timeout:.0f} s"))
+        return self._fail_world_together(out)
+
+    def _fail_world_together(self, events: list[Event | WorkerReady]) -> list[Event | WorkerReady]:
+        """A failure in the world stops all of it; it is reported once, for each of its
+        ranks that gets plans (a follower's death fails its leader's requests)."""
+        out: list[Event | WorkerReady] = []
+        for event in events:
+            if not isinstance(event, WorkerFailed) or event.rank not in self.world:
+                out.append(event)
+                continue
+            if self._world_down:
+                continue
+            self._world_down = True
+            for member in self.world:
+                self._stop(self.ranks[member])
+            for member in sorted(self.world - self.followers):
+                why = event.error if member == event.rank else \
+                    f"rank {event.rank} of its split node group failed: {event.error}"
+                out.append(WorkerFailed(member, why))
         return out
 
     def _ready(self, rank: int, msg: WorkerReady) -> None:
@@ -269,7 +352,7 @@ def _exit_description(code: int | None) -> str:
 
 
 def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
-                plan_addr: str, result_addr: str) -> None:
+                plan_addr: str, result_addr: str, rendezvous: str | None = None) -> None:
     """Entry point of a worker process."""
     num_ranks = frontend_rank  # ranks are 0..N-1 and the frontend is N
     logging.basicConfig(level=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
@@ -284,13 +367,34 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
     results.connect(result_addr)
     transport = make_transport(protocol_name, rank)
     try:
-        worker = build_worker(config_data, rank, transport, frontend_rank)
+        worker = build_worker(config_data, rank, transport, frontend_rank, rendezvous)
     except Exception as err:
         log.exception("worker %d failed to load", rank)
         results.send(protocol.encode(WorkerFailed(rank, f"{type(err).__name__}: {err}")))
         time.sleep(0.5)
         return
     results.send(protocol.encode(WorkerReady(rank, transport.address, worker.stats())))
+    if isinstance(worker, Follower):
+        _follow(worker)
+    else:
+        _serve(worker, rank, plans, results, transport)
+    transport.close()
+    results.close(linger=1000)
+    plans.close(linger=0)
+    ctx.term()
+
+
+def _follow(follower: Follower) -> None:
+    """A follower's life: its leader's calls until it says stop (or its process is gone)."""
+    try:
+        follower.run()
+    except Exception as err:
+        log.error("worker %d: lost its leader (%s); exiting", follower.rank, err)
+        raise SystemExit(1) from None
+
+
+def _serve(worker: Worker, rank: int, plans: zmq.Socket, results: zmq.Socket, transport) -> None:
+    """A worker's loop: plans in, results out, until the server says stop or is gone."""
     server = os.getppid()
     while True:
         if not plans.poll(PARENT_CHECK_MS):
@@ -309,8 +413,8 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
                 results.send(protocol.encode(WorkerFailed(rank, f"{type(err).__name__}: {err}")))
                 break
         elif isinstance(msg, Shutdown):
+            try:  # on a crash or a lost server, followers see this process go instead
+                stop_followers(worker.engines)
+            except RuntimeError as err:
+                log.info("worker %d: its followers are gone already (%s)", rank, err)
             break
-    transport.close()
-    results.close(linger=1000)
-    plans.close(linger=0)
-    ctx.term()

@@ -1,6 +1,7 @@
 """Placement validation at startup: ranks that do not exist, a node placed twice for a walk,
-tp_size x sp_size that does not match the ranks or does not divide the model's heads; each
-error names the config key. A valid split group is refused (not wired in the runtime yet)."""
+tp_size x sp_size that does not match the ranks or does not divide the model's heads, a
+follower of a split group given other work; each error names the config key. A valid split
+group is led by its first rank."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mstar.config import ConfigError, parse_config
 from mstar.model.llama.config import LlamaConfig
 from mstar.model.llama.model import LlamaChat
 from mstar.runtime.launch import start
-from mstar.runtime.placement import NodeGroup, Placement, build_placement
+from mstar.runtime.placement import NodeGroup, Placement, _check_followers, build_placement
 
 
 @pytest.fixture
@@ -82,9 +83,38 @@ def test_placement_errors_name_the_key(llama_dir, groups, message):
     assert message in placement_error(llama_dir, *groups)
 
 
-def test_a_valid_split_is_refused_until_the_runtime_runs_it(llama_dir):
-    message = placement_error(llama_dir, {"node_names": ["llm"], "ranks": [0, 1], "tp_size": 2})
-    assert message.startswith("node_groups[0].tp_size: the runtime cannot run one node group over several")
+def test_a_valid_split_is_led_by_its_first_rank(llama_dir):
+    config = parse_config({"model": "llama", "model_path": llama_dir,
+                           "node_groups": [{"node_names": ["llm"], "ranks": [1, 0], "tp_size": 2}]})
+    spec = LlamaChat(config)
+    placement = build_placement(spec.graph(), config, spec)
+    assert placement.rank_of("chat", "llm") == 1 and placement.ranks == [1]
+    assert placement.followers() == {0}
+    assert [g.layout for g in placement.split_groups()] == [((1, 0), 2, 1)]
+
+
+def test_a_follower_runs_nothing_but_its_leaders_groups():
+    split = NodeGroup(("llm",), (0, 1), ("chat",), tp_size=2)
+    alone = NodeGroup(("llm",), (1,), ("other",))
+    with pytest.raises(ValueError, match=r"node_groups\[1\].ranks: rank 1 follows rank 0 in the split group "
+                                         r"node_groups\[0\], so it cannot run other nodes"):
+        _check_followers([split, alone])
+    _check_followers([split, NodeGroup(("codec",), (0,))])  # its leader may run other nodes
+
+
+def test_a_follower_follows_one_leader(llama_dir):
+    graph = LlamaChat(parse_config({"model": "llama"})).graph()
+    led_by_0 = NodeGroup(("llm",), (0, 1), ("chat",), tp_size=2)
+    led_by_1 = NodeGroup(("llm",), (1, 2), ("other",), tp_size=2)
+    with pytest.raises(ValueError, match=r"node_groups\[1\].ranks: rank 1 follows rank 0"):
+        _check_followers([led_by_0, led_by_1])
+    same_leader = NodeGroup(("llm",), (0, 1), ("other",), tp_size=2)
+    _check_followers([led_by_0, same_leader])  # one engine serves both walks
+    split_differently = NodeGroup(("llm",), (0, 1), ("other",), sp_size=2)
+    with pytest.raises(ValueError, match=r"node_groups\[1\].ranks: node 'llm' already runs on rank 0 split "
+                                         r"differently \(node_groups\[0\]\)"):
+        _check_followers([led_by_0, split_differently])
+    assert Placement(graph, (led_by_0,)).followers() == {1}
 
 
 class Unsplittable(LlamaChat):
@@ -117,7 +147,7 @@ def test_groups_are_led_by_their_first_rank(llama_dir):
 
 
 def test_split_groups_and_their_members(llama_dir):
-    # What the runtime will read once it runs split groups (build_placement refuses them now).
+    # What the workers read: which ranks run a split group, and who gets its plans.
     graph = LlamaChat(parse_config({"model": "llama"})).graph()
     split = NodeGroup(("llm",), (1, 2), ("chat",), tp_size=2)
     placement = Placement(graph, (split,))
@@ -125,3 +155,16 @@ def test_split_groups_and_their_members(llama_dir):
     assert placement.nodes_on(1) == {"llm"} and placement.nodes_on(2) == set()
     assert placement.groups_on(2) == {split: {"llm"}} and placement.groups_on(0) == {}
     assert placement.split_groups() == [split]
+
+
+def test_the_tp2_example_config_places_one_split_group():
+    from pathlib import Path
+
+    from mstar.config import load_config
+
+    config = load_config(Path(__file__).parents[2] / "configs" / "llama_tp2.yaml")
+    assert (config.device, config.gpus, config.num_ranks) == ("cuda", [0, 1], 2)
+    placement = build_placement(LlamaChat(config).graph(), config)  # the weights' head counts: not read here
+    (group,) = placement.split_groups()
+    assert group.layout == ((0, 1), 2, 1) and group.node_names == ("llm",)
+    assert placement.rank_of("chat", "llm") == 0 and placement.followers() == {1}

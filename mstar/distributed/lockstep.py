@@ -1,0 +1,233 @@
+"""Node groups split over several worker processes, run in lockstep.
+
+Plans for a split group (``tp_size x sp_size > 1``) go to its first rank, the *leader*.
+Every other member, a *follower*, holds its own shard of the same engines and must make
+every ``Engine.run`` and ``Engine.release`` call the leader makes, with the same items and
+in the same order, so that the collectives inside the model pair up. The leader's engines
+are wrapped in ``LeaderEngine``, which hands each call to the followers over a ``Channel``
+before making it; a follower's loop (``Follower.run``) does nothing else: it owns no other
+node, receives no plans and sends nothing to the frontend.
+
+``join_world`` is what every member process does at startup, before building engines: join
+the process group of all members, then create the TP x SP groups of every split layout and
+the channel of every leader, in the same order on every member (creating a group is a
+collective over the whole world).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from mstar.distributed.collectives import broadcast
+from mstar.distributed.state import Group, ParallelState, build_mesh, init_distributed
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.runtime.protocol import ChunkRef
+
+log = logging.getLogger(__name__)
+
+# A follower waits on its channel for as long as the server is idle; the leader's process
+# going away closes the connection, so a long wait never hides a dead leader.
+CHANNEL_TIMEOUT = timedelta(days=365)
+
+Layout = tuple[tuple[int, ...], int, int]  # (global ranks, tp_size, sp_size) of a split group
+
+
+# ------------------------------------------------------------------ messages
+class _TensorMeta(msgspec.Struct, array_like=True):
+    port: str
+    dtype: str  # the torch dtype's name, e.g. "int64"
+    shape: list[int]
+
+
+class _Item(msgspec.Struct, array_like=True):
+    request_id: str
+    op: str
+    iteration: int
+    params: dict[str, Any]
+    chunk: ChunkRef | None
+    inputs: list[_TensorMeta]  # their bytes follow the message, in this order
+
+
+class Run(msgspec.Struct, tag=True):
+    node: str
+    items: list[_Item]
+
+
+class Release(msgspec.Struct, tag=True):
+    node: str
+    request_id: str
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+Message = Run | Release | Stop
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class Channel:
+    """Messages from a leader to its followers over a gloo group. Each message is two
+    broadcasts from the leader: its length, then its bytes (msgpack metadata followed by
+    the raw bytes of its tensors)."""
+
+    def __init__(self, group: Group):
+        self.group = group  # the leader is group.ranks[0]
+
+    def send(self, message: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
+        meta = _encoder.encode(message)
+        parts = [torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
+        parts += [_bytes_of(t) for t in tensors]
+        data = torch.cat(parts)
+        broadcast(torch.tensor([len(meta), data.numel()], dtype=torch.int64), self.group)
+        broadcast(data, self.group)
+
+    def recv(self) -> tuple[Message, torch.Tensor]:
+        """The next message and the bytes of its tensors."""
+        header = broadcast(torch.zeros(2, dtype=torch.int64), self.group)
+        meta_len, total = header.tolist()
+        data = broadcast(torch.empty(total, dtype=torch.uint8), self.group)
+        return _decoder.decode(data[:meta_len].numpy().tobytes()), data[meta_len:]
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def encode_run(node: str, items: list[EngineItem]) -> tuple[Run, list[torch.Tensor]]:
+    """The message for ``engine.run(items)`` and the tensors that travel with it."""
+    metas, tensors = [], []
+    for item in items:
+        ports = sorted(item.inputs)
+        metas.append(_Item(item.request_id, item.op, item.iteration, item.params, item.chunk,
+                           [_TensorMeta(p, str(item.inputs[p].dtype).removeprefix("torch."),
+                                        list(item.inputs[p].shape)) for p in ports]))
+        tensors += [item.inputs[p] for p in ports]
+    return Run(node, metas), tensors
+
+
+def decode_run(message: Run, data: torch.Tensor) -> list[EngineItem]:
+    """The items of a ``Run`` message, their tensors cut from ``data`` (on the CPU)."""
+    items, offset = [], 0
+    for meta in message.items:
+        inputs = {}
+        for t in meta.inputs:
+            dtype = getattr(torch, t.dtype)
+            size = dtype.itemsize
+            for dim in t.shape:
+                size *= dim
+            inputs[t.port] = data[offset:offset + size].clone().view(dtype).reshape(t.shape)
+            offset += size
+        items.append(EngineItem(meta.request_id, meta.op, meta.iteration, inputs, meta.params, meta.chunk))
+    return items
+
+
+# ------------------------------------------------------------ both roles
+class LeaderEngine(Engine):
+    """A leader's engine of a split group: every call goes to the followers first."""
+
+    def __init__(self, node: str, engine: Engine, channel: Channel):
+        self.node = node
+        self.engine = engine
+        self.channel = channel
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        self.channel.send(*encode_run(self.node, items))
+        return self.engine.run(items)
+
+    def release(self, request_id: str) -> None:
+        self.channel.send(Release(self.node, request_id))
+        self.engine.release(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+
+class Follower:
+    """A follower's whole job: make the calls its leader makes, until it says stop."""
+
+    def __init__(self, rank: int, channel: Channel, engines: dict[str, Engine]):
+        self.rank = rank
+        self.channel = channel
+        self.engines = engines
+
+    def run(self) -> None:
+        """Returns on ``Stop``; raises when the leader's process is gone."""
+        while True:
+            message, data = self.channel.recv()
+            if isinstance(message, Stop):
+                return
+            engine = self.engines.get(message.node)
+            if engine is None:  # a node of another group this leader runs
+                continue
+            try:
+                if isinstance(message, Release):
+                    engine.release(message.request_id)
+                else:
+                    engine.run(decode_run(message, data))
+            except Exception as err:  # the leader fails the same way, and reports it
+                log.warning("rank %d: %s failed in lockstep with its leader: %s", self.rank, message.node, err)
+
+    def stats(self) -> dict[str, float]:
+        return {f"{node}.{name}": value for node, engine in self.engines.items()
+                for name, value in engine.stats().items()}
+
+
+def stop_followers(engines: dict[str, Engine]) -> None:
+    """Tell the followers of every group these engines lead to end their loops."""
+    for channel in {id(e.channel): e.channel for e in engines.values() if isinstance(e, LeaderEngine)}.values():
+        channel.send(Stop())
+
+
+# ----------------------------------------------------------------- startup
+@dataclass
+class World:
+    """This process's part in the split groups of a deployment."""
+
+    states: dict[Layout, ParallelState]  # the layouts it is a member of
+    channel: Channel | None = None  # the channel it leads or follows
+    leads: bool = False
+
+    @property
+    def follows(self) -> bool:
+        return self.channel is not None and not self.leads
+
+
+def join_world(rank: int, layouts: Sequence[Layout], init_method: str, device: torch.device | str,
+               timeout: timedelta | None = None) -> World:
+    """Join the split ``layouts`` (in the same order on every rank) as global ``rank``.
+
+    The world is every rank of some layout, numbered in rank order; a rank in none joins
+    nothing. A follower must be led by one leader only (placement checks it).
+    """
+    members = sorted({r for ranks, _, _ in layouts for r in ranks})
+    if rank not in members:
+        return World({})
+    init_distributed(members.index(rank), len(members), init_method, device, timeout)
+    states: dict[Layout, ParallelState] = {}
+    for layout in dict.fromkeys(layouts):  # each distinct layout once, in order
+        ranks, tp_size, sp_size = layout
+        state = build_mesh([members.index(r) for r in ranks], tp_size, sp_size)
+        if state is not None:
+            states[layout] = state
+    followers: dict[int, set[int]] = {}
+    for ranks, _, _ in layouts:
+        followers.setdefault(ranks[0], set()).update(ranks[1:])
+    world = World(states)
+    for leader, led in sorted(followers.items()):
+        ranks = [leader, *sorted(led)]
+        process_group = dist.new_group([members.index(r) for r in ranks], timeout=CHANNEL_TIMEOUT, backend="gloo")
+        if rank in ranks:
+            group = Group(ranks.index(rank), len(ranks), tuple(members.index(r) for r in ranks), process_group)
+            world.channel, world.leads = Channel(group), rank == leader
+    return world
