@@ -68,6 +68,7 @@ class Settings:
     cuda_graphs: bool
     overlap: bool = False
     seed: int = 0
+    fused_kernels: bool = False
 
     @property
     def max_streams(self) -> int:
@@ -88,7 +89,8 @@ class Settings:
             "streams": list(self.streams), "warmup_tokens": self.warmup_tokens,
             "latency_runs": self.latency_runs, "baseline_runs": self.baseline_runs,
             "attention_backend": self.attention_backend, "cuda_graphs": self.cuda_graphs,
-            "overlap_scheduling": self.overlap, "seed": self.seed, "sampling": "greedy", "ignore_eos": True,
+            "overlap_scheduling": self.overlap, "fused_kernels": self.fused_kernels,
+            "seed": self.seed, "sampling": "greedy", "ignore_eos": True,
         }
 
 
@@ -111,7 +113,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         new_tokens=new_tokens, streams=streams,
         warmup_tokens=min(args.warmup_tokens, new_tokens), latency_runs=args.latency_runs,
         baseline_runs=args.baseline_runs, attention_backend=args.attention_backend,
-        cuda_graphs=args.cuda_graphs, overlap=args.overlap, seed=args.seed,
+        cuda_graphs=args.cuda_graphs, overlap=args.overlap, seed=args.seed, fused_kernels=args.fused_kernels,
     )
 
 
@@ -215,7 +217,8 @@ class OursRunner:
 
         self.settings = settings
         model_kwargs: dict[str, Any] = {"cuda_graphs": settings.cuda_graphs,
-                                        "overlap_scheduling": settings.overlap}
+                                        "overlap_scheduling": settings.overlap,
+                                        "fused_kernels": settings.fused_kernels}
         if settings.attention_backend:
             model_kwargs["attention_backend"] = settings.attention_backend
         config = parse_config({
@@ -435,6 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                    help="model_kwargs.attention_backend of the M* engine (default: the engine's)")
     p.add_argument("--cuda-graphs", action="store_true", help="model_kwargs.cuda_graphs=true for the M* engine")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="model_kwargs.fused_kernels=true: fused Triton RMSNorm/SiLU/RoPE kernels (CUDA)")
     p.add_argument("--overlap", action="store_true",
                    help="model_kwargs.overlap_scheduling=true: launch decode k+1 before step k's host bookkeeping")
     p.add_argument("--seed", type=int, default=0)

@@ -22,7 +22,12 @@ class SwiGLU(nn.Module):
     from the unfused one.
 
     Under tensor parallelism each rank holds a slice of the ``inner`` features (gate and up
-    split by output, down by input) and ``down_proj`` sums the partial outputs."""
+    split by output, down by input) and ``down_proj`` sums the partial outputs.
+
+    With ``fused`` and ``fused_kernels`` set, ``silu(gate) * up`` is one Triton kernel on the
+    ``gate_up_proj`` output (``mstar.layers.triton_fused.silu_and_mul``)."""
+
+    fused_kernels: bool = False
 
     def __init__(self, hidden: int, inner: int, bias: bool = False, *, fused: bool = False) -> None:
         super().__init__()
@@ -36,7 +41,12 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = self.gate_up_proj.split_output(self.gate_up_proj(x))
+            gate_up = self.gate_up_proj(x)
+            if self.fused_kernels:
+                from mstar.layers.triton_fused import silu_and_mul
+
+                return self.down_proj(silu_and_mul(gate_up))
+            gate, up = self.gate_up_proj.split_output(gate_up)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -11,14 +11,35 @@ class RMSNorm(nn.Module):
 
     The statistics are computed in float32; the normalised activations are cast back to the
     input dtype before the (learned) per-channel scale is applied.
+
+    ``norm(x, residual)`` first adds the residual stream and returns ``(normed, x + residual)``
+    (the pre-norm decoder's "add, then normalise the new residual"). With ``fused_kernels`` set
+    (see ``LlamaForCausalLM.use_fused_kernels``) both forms run as one Triton kernel
+    (``mstar.layers.triton_fused.add_rmsnorm``, same rounding points); the torch code below
+    stays the reference.
     """
+
+    fused_kernels: bool = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_kernels:
+            from mstar.layers.triton_fused import add_rmsnorm
+
+            normed, summed = add_rmsnorm(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)

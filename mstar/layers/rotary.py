@@ -101,3 +101,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x [T, H, D]`` with per-token ``cos``/``sin`` of shape ``[T, D]``."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]``; with ``fused``, in place by one Triton
+    kernel (``mstar.layers.triton_fused.rotary_``), else out of place by ``apply_rotary``."""
+    if not fused:
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    from mstar.layers.triton_fused import rotary_
+
+    rotary_(q, k, cos, sin)
+    return q, k

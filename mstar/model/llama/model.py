@@ -166,6 +166,7 @@ class LlamaChat(ModelSpec):
             tensors = tqdm(ckpt.tensors(), desc=f"loading {self.key} weights", unit=" tensors", mininterval=1.0)
             load_weights(model, tensors, dtype=dtype)
         model.eval()
+        apply_fused_kernels(self.config, model, device)
         kv = self.config.resources.kv_cache
         layout = KVLayout(*model.cache_shape())  # a tensor-parallel rank caches its KV heads
         sizes = dict(num_pages=kv.max_num_pages, page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
@@ -178,6 +179,17 @@ class LlamaChat(ModelSpec):
             backend = "triton" if kwargs.get("cuda_graphs", False) else kwargs.get("attention_backend", "torch")
             engines[LLM_PREFILL] = PrefillEngine(model, layout, **sizes, attention_backend=backend)
         return engines
+
+
+def apply_fused_kernels(config, model, device: torch.device) -> None:
+    """``model_kwargs.fused_kernels`` (default false): run residual add + RMSNorm, SiLU * up
+    and RoPE as fused Triton kernels (CUDA only; eager torch is the reference)."""
+    enabled = config.model_kwargs.get("fused_kernels", False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"model_kwargs.fused_kernels must be a boolean, got {enabled!r}")
+    if enabled and device.type != "cuda":
+        raise ValueError("model_kwargs.fused_kernels needs device: cuda")
+    model.use_fused_kernels(enabled)
 
 
 def decode_fast_paths(config, model, device: torch.device) -> dict:

@@ -11,6 +11,10 @@ Tensor parallelism lives in the layers (``mstar.layers.linear``): built under a 
 state (``mstar.distributed.use_parallel``), each rank holds its share of the heads, MLP
 features and vocabulary, and the head counts here are read back from the layers. Built
 outside one, every layer is its plain ``torch.nn`` counterpart.
+
+``use_fused_kernels(True)`` (``model_kwargs.fused_kernels``) runs the step's element-wise work
+as Triton kernels (``mstar.layers.triton_fused``): residual add + RMSNorm, SiLU * up and RoPE
+in place. The layers pick the kernel themselves; eager torch stays the default and reference.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from mstar.layers.attention import PagedAttentionMetadata, paged_attention
 from mstar.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
-from mstar.layers.rotary import RotaryEmbedding, apply_rotary
+from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
 
@@ -37,7 +41,10 @@ class LlamaAttention(nn.Module):
     """Grouped-query self-attention with RoPE, reading and writing one layer's paged cache.
 
     ``num_heads`` and ``num_kv_heads`` are the heads this module holds (all of them, or a
-    tensor-parallel rank's share)."""
+    tensor-parallel rank's share). With ``fused_kernels``, RoPE rotates q and k in place
+    inside the qkv output (one kernel)."""
+
+    fused_kernels: bool = False
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -61,13 +68,20 @@ class LlamaAttention(nn.Module):
         tokens = x.shape[0]
         q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(self.qkv_proj(x)))
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin, fused=self.fused_kernels)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    The residual stream travels beside the block's output instead of being added at its end:
+    a layer takes ``(delta, residual)`` (the previous layer's MLP output and the stream before
+    it; the embeddings and ``None`` for the first layer) and returns its own pair, so every
+    residual add happens inside the next norm (``norm(delta, residual)``), which fuses the two
+    (one kernel with ``fused_kernels``). The sums and their rounding are those of the plain
+    ``x + ...`` form."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -79,12 +93,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, meta, kv_cache), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -111,9 +130,10 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         cos_sin = self.rotary_emb.cos_sin(meta.positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, meta, kv_cache)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,6 +158,18 @@ class LlamaForCausalLM(nn.Module):
         ``inputs_embeds [T, hidden]``, when given, replaces the embedding lookup.
         """
         return self.model(input_ids, meta, kv_caches, inputs_embeds)
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Switch the element-wise work of every step to the fused Triton kernels (CUDA
+        tensors, or CPU ones under Triton's interpreter) or back to eager torch."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
+                module.fused_kernels = enabled
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether ``use_fused_kernels`` is on."""
+        return self.model.norm.fused_kernels
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""

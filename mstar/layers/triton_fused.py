@@ -1,0 +1,214 @@
+"""Fused Triton kernels for the small element-wise work of a decoder step.
+
+A Llama decode step spends as long in ~250 tiny element-wise kernels (RMSNorm as several
+ops, residual adds, RoPE, SiLU and multiply, casts) as the weight-read floor leaves for them.
+Three kernels replace them, each next to a pure-torch reference with the same rounding points:
+
+* ``add_rmsnorm``: ``s = x + residual`` (rounded to the input dtype, as a torch add is), then
+  RMSNorm of ``s`` with fp32 statistics, the normalised row rounded to the input dtype before
+  the per-channel scale (as ``mstar.layers.norm.RMSNorm`` does). Returns ``(normed, s)``.
+  Without a residual it is a plain RMSNorm.
+* ``silu_and_mul``: ``silu(gate) * up`` on the fused ``[gate | up]`` projection output.
+* ``rotary_``: rotate-half (NeoX) RoPE applied to ``q`` and ``k`` in place, one program per
+  (token, head), reading the per-token ``cos``/``sin`` rows (``[T, head_dim]``, both halves
+  equal, as ``RotaryEmbedding.cos_sin`` makes them).
+
+Every wrapper allocates outputs of sizes fixed by its inputs' shapes and never reads a tensor
+on the host, so a decode step using them can be captured in a CUDA graph. Kernels run on CUDA
+tensors, or on CPU tensors under Triton's interpreter when ``TRITON_INTERPRET=1`` is set
+before this module is first imported. Triton is optional: without it the module imports and
+``HAS_TRITON`` is False (the wrappers then raise).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional dependency
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+#: Whether the kernels below were built for Triton's CPU interpreter.
+INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+_SILU_BLOCK = 1024
+
+
+# ------------------------------------------------------------------ torch references
+def torch_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x + residual), x + residual)``; without ``residual`` the sum is ``x``."""
+    summed = x if residual is None else x + residual
+    x32 = summed.float()
+    x32 = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(summed.dtype), summed
+
+
+def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [..., gate | up]`` (two equal halves)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (see ``mstar.layers.rotary``)."""
+    from mstar.layers.rotary import apply_rotary
+
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+# --------------------------------------------------------------------------- kernels
+if HAS_TRITON:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(
+        X, RESIDUAL, WEIGHT, OUT, SUM_OUT,
+        stride_x, stride_r, stride_o, stride_s,
+        n_cols, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(RESIDUAL + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # the add's rounding
+            tl.store(SUM_OUT + row * stride_s + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        mean_square = tl.sum(x32 * x32, axis=0) / n_cols
+        normed = (x32 * tl.rsqrt(mean_square + eps)).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(GATE_UP, OUT, stride_gu, stride_o, inner, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inner
+        gate = tl.load(GATE_UP + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(GATE_UP + row * stride_gu + inner + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)  # F.silu's rounding
+        tl.store(OUT + row * stride_o + cols, (silu * up).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_head(X, c, s, half_cols, mask, HALF: tl.constexpr):
+        """Rotate one head in place: ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)``, each product
+        rounded to the tensor's dtype before the sum (as the torch reference rounds)."""
+        x1 = tl.load(X + half_cols, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + HALF + half_cols, mask=mask, other=0.0).to(tl.float32)
+        dtype = X.dtype.element_ty
+        x1c = (x1 * c).to(dtype).to(tl.float32)
+        x2s = (x2 * s).to(dtype).to(tl.float32)
+        x2c = (x2 * c).to(dtype).to(tl.float32)
+        x1s = (x1 * s).to(dtype).to(tl.float32)
+        tl.store(X + half_cols, (x1c - x2s).to(dtype), mask=mask)
+        tl.store(X + HALF + half_cols, (x2c + x1s).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        Q, K, COS, SIN,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs,
+        num_q_heads,
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        half_cols = tl.arange(0, BLOCK_HALF)
+        mask = half_cols < HALF
+        c = tl.load(COS + tok * stride_cs + half_cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(SIN + tok * stride_cs + half_cols, mask=mask, other=0.0).to(tl.float32)
+        if head < num_q_heads:
+            _rotate_head(Q + tok * stride_q_tok + head * stride_q_head, c, s, half_cols, mask, HALF)
+        else:
+            kv_head = head - num_q_heads
+            _rotate_head(K + tok * stride_k_tok + kv_head * stride_k_head, c, s, half_cols, mask, HALF)
+
+
+# -------------------------------------------------------------------------- wrappers
+def _check_runnable(x: torch.Tensor) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("fused kernels need the triton package")
+    if not x.is_cuda and not INTERPRET:
+        raise RuntimeError("fused Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set "
+                           "before mstar.layers.triton_fused is imported)")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` (a view when possible) with a contiguous last dimension."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``torch_add_rmsnorm``: ``(rmsnorm(x + residual), x + residual)`` in one kernel."""
+    _check_runnable(x)
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"RMSNorm weight of shape {tuple(weight.shape)} does not fit rows of {n}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    xs = _rows(x)
+    rs = _rows(residual) if residual is not None else xs
+    out = torch.empty(xs.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    summed = torch.empty_like(xs) if residual is not None else xs
+    if xs.shape[0]:
+        _add_rmsnorm_kernel[(xs.shape[0],)](
+            xs, rs, weight, out, summed,
+            xs.stride(0), rs.stride(0), out.stride(0), summed.stride(0),
+            n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n),
+        )
+    return out.view(x.shape), (summed.view(x.shape) if residual is not None else x)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Fused ``torch_silu_and_mul``: ``[..., 2I] -> [..., I]``."""
+    _check_runnable(gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even, got {gate_up.shape[-1]}")
+    inner = gate_up.shape[-1] // 2
+    rows = _rows(gate_up)
+    out = torch.empty(rows.shape[0], inner, dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and inner:
+        grid = (rows.shape[0], triton.cdiv(inner, _SILU_BLOCK))
+        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), inner, BLOCK=_SILU_BLOCK)
+    return out.view(*gate_up.shape[:-1], inner)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Fused ``torch_rotary``, in place: rotates ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (views
+    with a contiguous head dimension, e.g. of the fused qkv output) by ``cos``/``sin [T, D]``."""
+    _check_runnable(q)
+    tokens, num_q_heads, head_dim = q.shape
+    if k.dim() != 3 or k.shape[0] != tokens or k.shape[2] != head_dim or k.dtype != q.dtype:
+        raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
+    if cos.shape != (tokens, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos/sin must both be [{tokens}, {head_dim}] with equal strides, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if head_dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1:
+        raise ValueError("rotary needs an even head_dim and contiguous head and cos/sin dimensions")
+    if tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(tokens, num_q_heads + k.shape[1])](
+        q, k, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        num_q_heads,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+    )
