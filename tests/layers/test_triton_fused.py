@@ -127,15 +127,18 @@ def test_rotary_in_place_matches_torch(dtype: torch.dtype) -> None:
 
 
 def test_wrappers_reject_bad_shapes() -> None:
-    x = torch.randn(3, 8)
+    def t(*shape, ones=False):
+        return (torch.ones if ones else torch.randn)(*shape, device=DEVICE)
+
+    x = t(3, 8)
     with pytest.raises(ValueError, match="weight"):
-        add_rmsnorm(x, None, torch.ones(7), 1e-6)
+        add_rmsnorm(x, None, t(7, ones=True), 1e-6)
     with pytest.raises(ValueError, match="residual"):
-        add_rmsnorm(x, torch.randn(3, 9), torch.ones(8), 1e-6)
+        add_rmsnorm(x, t(3, 9), t(8, ones=True), 1e-6)
     with pytest.raises(ValueError, match="even"):
-        silu_and_mul(torch.randn(3, 7))
+        silu_and_mul(t(3, 7))
     with pytest.raises(ValueError, match="cos/sin"):
-        rotary_(torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 6), torch.randn(2, 6))
+        rotary_(t(2, 4, 8), t(2, 2, 8), t(2, 6), t(2, 6))
 
 
 # ------------------------------------------------------------------------------ model
