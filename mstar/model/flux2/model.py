@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mstar.diffusion.flow_match import FlowMatchEuler
+from mstar.diffusion.knobs import DiffusionKnobs, load_component, text_encoder_engine
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
@@ -40,7 +41,7 @@ from mstar.model.flux2.lora_layout import flux2_lora_targets
 from mstar.model.flux2.text import KleinText
 from mstar.model.flux2.transformer import Flux2Transformer
 from mstar.model.flux2.vae import Flux2VAE, Flux2VAEConfig, token_grid, to_tokens, unpack_latents
-from mstar.model.lora import LoraAdapter, fold_adapters, parse_adapters
+from mstar.model.lora import fold_adapters
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.server.backend import GenerateSpec, ImageSpec, OutputEvent, RequestError
@@ -72,30 +73,11 @@ def token_ids(params: dict) -> torch.Tensor:
     return torch.cat([ids, reference_ids(grids)]) if grids else ids
 
 
-class Knobs:
-    """The deployment knobs of ``model_kwargs``, checked at startup (errors name the key)."""
+class Knobs(DiffusionKnobs):
+    """klein's deployment knobs (mstar/diffusion/knobs.py), 4 steps by default."""
 
     def __init__(self, kwargs: dict):
-        def integer(name: str, default: int | None, low: int = 1) -> int | None:
-            value = kwargs.get(name, default)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"model_kwargs.{name}: must be an integer >= {low}, got {value!r}")
-            return value
-
-        self.max_area = integer("max_image_area", 2048 * 2048)
-        self.default_steps = integer("num_inference_steps", DEFAULT_STEPS)
-        self.max_batch_size = integer("max_batch_size", None)
-        self.seed = integer("seed", 0, low=0)
-        self.compile = kwargs.get("compile", False)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"model_kwargs.compile: must be true or false, got {self.compile!r}")
-        self.compile_backend = kwargs.get("compile_backend", "inductor")
-        if not isinstance(self.compile_backend, str) or not self.compile_backend:
-            raise ValueError(f"model_kwargs.compile_backend: must be a torch.compile backend name, "
-                             f"got {self.compile_backend!r}")
-        self.lora: list[LoraAdapter] = parse_adapters(kwargs.get("lora"))
+        super().__init__(kwargs, DEFAULT_STEPS)
 
 
 class PngStream(OutputStream):
@@ -226,30 +208,20 @@ class Flux2Klein(ModelSpec):
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
-        from mstar.model.weights import init_dummy_weights, iter_safetensors, load_weights
-
         root = self.directory()
         dtype = self.config.torch_dtype()
-        dummy = self.config.load_format == "dummy"
         knobs = Knobs(self.config.model_kwargs)
-        seed = knobs.seed
 
         def build(module: torch.nn.Module, folder: str, offset: int, **load) -> torch.nn.Module:
-            module = module.to(device=device, dtype=dtype)
-            if dummy:
-                init_dummy_weights(module, seed=seed + offset)
-            else:
-                load_weights(module, iter_safetensors(root / folder), dtype=dtype, **load)
-            return module.eval()
+            return load_component(module, root / folder, device=device, dtype=dtype,
+                                  dummy=self.config.load_format == "dummy", seed=knobs.seed + offset, **load)
 
         engines = {}
         if "text_encoder" in nodes:
             text = KleinText.from_directory(root)
             encoder = text.build_encoder()
             encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
-            engines["text_encoder"] = StatelessEngine(lambda op, items: [
-                {"text": e} for e in text.encode(encoder, [i.inputs["prompt_ids"] for i in items],
-                                                 [i.inputs["prompt_mask"] for i in items])])
+            engines["text_encoder"] = text_encoder_engine(text, encoder)
         if "dit" in nodes:
             config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
             dit = build(Flux2Transformer(config), "transformer", 2)
@@ -260,8 +232,7 @@ class Flux2Klein(ModelSpec):
                 ids = torch.stack([token_ids(p) for p in params]).to(device)
                 return forward(latents, text, t, ids, text_ids(text.shape[1]).to(device), guidance=None)
 
-            batching = {} if knobs.max_batch_size is None else {"max_batch_size": knobs.max_batch_size}
-            engines["dit"] = ReferenceDenoiseEngine(velocity, FlowMatchEuler(), device, dtype, **batching)
+            engines["dit"] = ReferenceDenoiseEngine(velocity, FlowMatchEuler(), device, dtype, **knobs.batching)
         if "vae" in nodes:
             vae = build(Flux2VAE(Flux2VAEConfig.from_dict(json.loads((root / "vae" / "config.json").read_text()))),
                         "vae", 3)

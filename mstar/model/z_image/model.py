@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from mstar.diffusion.flow_match import FlowMatchEuler
+from mstar.diffusion.knobs import MAX_STEPS, DiffusionKnobs, load_component, text_encoder_engine
 from mstar.engine.base import StatelessEngine
 from mstar.engine.denoise import DenoiseEngine
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.flux2.model import PngStream
-from mstar.model.lora import LoraAdapter, parse_adapters
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.z_image.config import ZImageTransformerConfig
@@ -43,36 +43,13 @@ from mstar.model.z_image.vae import ZImageVAE, ZImageVAEConfig
 from mstar.server.backend import GenerateSpec, ImageSpec, RequestError
 
 DEFAULT_STEPS = 8  # the distilled Turbo checkpoint (diffusers' example and the model card)
-MAX_STEPS = 100
 
 
-class Knobs:
-    """The deployment knobs of ``model_kwargs``, checked at startup (errors name the key)."""
+class Knobs(DiffusionKnobs):
+    """Z-Image's deployment knobs (mstar/diffusion/knobs.py), 8 steps by default."""
 
     def __init__(self, kwargs: dict):
-        def integer(name: str, default: int | None, low: int = 1) -> int | None:
-            value = kwargs.get(name, default)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"model_kwargs.{name}: must be an integer >= {low}, got {value!r}")
-            return value
-
-        self.max_area = integer("max_image_area", 2048 * 2048)
-        self.default_steps = integer("num_inference_steps", DEFAULT_STEPS)
-        if self.default_steps > MAX_STEPS:
-            raise ValueError(f"model_kwargs.num_inference_steps: must be at most {MAX_STEPS}")
-        self.max_batch_size = integer("max_batch_size", None)
-        self.seed = integer("seed", 0, low=0)
-        self.compile = kwargs.get("compile", False)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"model_kwargs.compile: must be true or false, got {self.compile!r}")
-        self.compile_backend = kwargs.get("compile_backend", "inductor")
-        if not isinstance(self.compile_backend, str) or (
-                self.compile and self.compile_backend not in torch.compiler.list_backends(exclude_tags=())):
-            raise ValueError("model_kwargs.compile_backend: must name a registered torch.compile backend "
-                             f"(inductor, aot_eager, cudagraphs, ...), got {self.compile_backend!r}")
-        self.lora: list[LoraAdapter] = parse_adapters(kwargs.get("lora"))
+        super().__init__(kwargs, DEFAULT_STEPS)
 
 
 def _json(path: Path) -> dict:
@@ -147,28 +124,20 @@ class ZImageTurbo(ModelSpec):
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
-        from mstar.model.weights import init_dummy_weights, iter_safetensors, load_weights
-
         root = self.directory()
         dtype = self.config.torch_dtype()
         knobs = Knobs(self.config.model_kwargs)
 
         def build(module: torch.nn.Module, folder: str, offset: int, **load) -> torch.nn.Module:
-            module = module.to(device=device, dtype=dtype)
-            if self.config.load_format == "dummy":
-                init_dummy_weights(module, seed=knobs.seed + offset)
-            else:
-                load_weights(module, iter_safetensors(root / folder), dtype=dtype, **load)
-            return module.eval()
+            return load_component(module, root / folder, device=device, dtype=dtype,
+                                  dummy=self.config.load_format == "dummy", seed=knobs.seed + offset, **load)
 
         engines = {}
         if "text_encoder" in nodes:
             text = ZImageText.from_directory(root)
             encoder = text.build_encoder()
             encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
-            engines["text_encoder"] = StatelessEngine(lambda op, items: [
-                {"text": e} for e in text.encode(encoder, [i.inputs["prompt_ids"] for i in items],
-                                                 [i.inputs["prompt_mask"] for i in items])])
+            engines["text_encoder"] = text_encoder_engine(text, encoder)
         if "dit" in nodes:
             dit_config = ZImageTransformerConfig.from_dict(_json(root / "transformer" / "config.json"))
             dit = build(ZImageTransformer(dit_config), "transformer", 2)
@@ -185,8 +154,7 @@ class ZImageTurbo(ModelSpec):
                 captions = [row[: p["caption_len"]].to(dtype) for row, p in zip(text, params)]
                 return -dit(latents.to(dtype), t, captions)
 
-            engines["dit"] = DenoiseEngine(velocity, schedule, device, torch.float32,
-                                           max_batch_size=knobs.max_batch_size)
+            engines["dit"] = DenoiseEngine(velocity, schedule, device, torch.float32, **knobs.batching)
         if "vae" in nodes:
             vae = build(ZImageVAE(ZImageVAEConfig.from_dict(_json(root / "vae" / "config.json"))), "vae", 3)
 

@@ -1,0 +1,73 @@
+"""Deployment knobs shared by the diffusion families, and their component loader.
+
+``DiffusionKnobs`` reads ``model_kwargs`` once, at startup, and fails naming the key:
+``max_image_area`` (pixels a request may ask for), ``num_inference_steps`` (the default),
+``max_batch_size`` (rows per denoise forward), ``seed`` (of dummy weights), ``compile`` and
+``compile_backend`` (torch.compile of the DiT), ``lora`` (adapters folded in at load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mstar.model.lora import LoraAdapter, parse_adapters
+
+MAX_STEPS = 100
+
+
+class DiffusionKnobs:
+    def __init__(self, kwargs: dict, default_steps: int):
+        def integer(name: str, default: int | None, low: int = 1) -> int | None:
+            value = kwargs.get(name, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"model_kwargs.{name}: must be an integer >= {low}, got {value!r}")
+            return value
+
+        self.max_area = integer("max_image_area", 2048 * 2048)
+        self.default_steps = integer("num_inference_steps", default_steps)
+        if self.default_steps > MAX_STEPS:
+            raise ValueError(f"model_kwargs.num_inference_steps: must be at most {MAX_STEPS}")
+        self.max_batch_size = integer("max_batch_size", None)
+        self.seed = integer("seed", 0, low=0)
+        self.compile = kwargs.get("compile", False)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"model_kwargs.compile: must be true or false, got {self.compile!r}")
+        self.compile_backend = kwargs.get("compile_backend", "inductor")
+        if not isinstance(self.compile_backend, str) or (
+                self.compile and self.compile_backend not in torch.compiler.list_backends(exclude_tags=())):
+            raise ValueError("model_kwargs.compile_backend: must name a registered torch.compile backend "
+                             f"(inductor, aot_eager, cudagraphs, ...), got {self.compile_backend!r}")
+        self.lora: list[LoraAdapter] = parse_adapters(kwargs.get("lora"))
+
+    @property
+    def batching(self) -> dict:
+        """Keyword arguments of the denoise engine: ``max_batch_size`` when it is set."""
+        return {} if self.max_batch_size is None else {"max_batch_size": self.max_batch_size}
+
+
+def load_component(module: torch.nn.Module, folder: Path, *, device: torch.device, dtype: torch.dtype,
+                   dummy: bool, seed: int, **load) -> torch.nn.Module:
+    """``module`` on ``device`` in ``dtype`` with the weights of a diffusers component folder
+    (coverage checked both ways), or seeded random weights when ``dummy``; in eval mode."""
+    from mstar.model.weights import init_dummy_weights, iter_safetensors, load_weights
+
+    module = module.to(device=device, dtype=dtype)
+    if dummy:
+        init_dummy_weights(module, seed=seed)
+    else:
+        load_weights(module, iter_safetensors(folder), dtype=dtype, **load)
+    return module.eval()
+
+
+def text_encoder_engine(text, encoder: torch.nn.Module):
+    """The text-encoder node of a diffusion family: every request's prompt tokens in one
+    batched ``text.encode(encoder, ids, masks)``; each item gets its ``text`` features."""
+    from mstar.engine.base import StatelessEngine
+
+    return StatelessEngine(lambda op, items: [
+        {"text": e} for e in text.encode(encoder, [i.inputs["prompt_ids"] for i in items],
+                                         [i.inputs["prompt_mask"] for i in items])])
