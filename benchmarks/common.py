@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import logging
 import os
 import platform
 import statistics
@@ -466,3 +467,17 @@ def whisper_dir(tmp: str | os.PathLike[str], **shape: Any) -> Path:
         suppress_tokens=[], begin_suppress_tokens=[220, eot], max_length=values["max_target_positions"],
     ).save_pretrained(path)
     return path
+
+
+def add_run_args(parser) -> None:
+    """The options every scenario takes: ``--seed``, ``--out``, ``--verbose``."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
+    parser.add_argument("--verbose", action="store_true", help="log M* at INFO level")
+
+
+def setup_logging(verbose: bool) -> None:
+    """INFO for the benchmark's own lines; M*'s at WARNING unless ``verbose``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        logging.getLogger("mstar").setLevel(logging.WARNING)

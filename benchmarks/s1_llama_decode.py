@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a file: the repository root must be impo
 import torch
 
 from benchmarks.common import (
+    add_run_args, setup_logging,
     LLAMA_3_1_8B, LLAMA_TINY, Metric, hardware, measure_matmul_tflops, measure_memory_bandwidth,
     synchronize, tiny_llama_dir, write_record,
 )
@@ -442,17 +443,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.fused_kernels=true: fused Triton RMSNorm/SiLU/RoPE kernels (CUDA)")
     p.add_argument("--overlap", action="store_true",
                    help="model_kwargs.overlap_scheduling=true: launch decode k+1 before step k's host bookkeeping")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
-    p.add_argument("--verbose", action="store_true", help="log M* at INFO level")
+    add_run_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        logging.getLogger("mstar").setLevel(logging.WARNING)
+    setup_logging(args.verbose)
     settings = settings_from(args)
     device = torch.device(settings.device)
     started = time.perf_counter()

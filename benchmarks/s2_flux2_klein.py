@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a file: the repository root must be impo
 import torch
 
 from benchmarks.common import (
+    add_run_args, setup_logging,
     Metric, hardware, measure_matmul_tflops, synchronize, time_calls, write_record,
 )
 
@@ -434,17 +435,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile=true for the image runs")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
-    p.add_argument("--verbose", action="store_true", help="log M* at INFO level")
+    add_run_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        logging.getLogger("mstar").setLevel(logging.WARNING)
+    setup_logging(args.verbose)
     settings = settings_from(args)
     started = time.perf_counter()
     log.info("S2 settings: %s", settings.describe())
