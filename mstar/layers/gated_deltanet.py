@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
+                                set_weight_loader)
+
 CHUNK_SIZE = 64
 
 
@@ -208,27 +211,44 @@ class GatedDeltaNet(nn.Module):
     ``in_proj_a`` and ``dt_bias``/``A_log`` give the log decay
     ``g = -exp(A_log) * softplus(a + dt_bias)``, ``in_proj_b`` the write strength
     ``beta = sigmoid(b)``, ``in_proj_z`` the output gate.
+
+    Tensor parallelism (``mstar.layers.linear``, under ``use_parallel``) splits it by heads:
+    a rank holds whole key heads of q and of k and whole value heads of v (each segment of
+    ``in_proj_qkv`` split on its own, so value head ``j`` still meets key head
+    ``j // (num_v_heads / num_k_heads)``), the matching conv channels, rows of
+    ``in_proj_z``/``in_proj_b``/``in_proj_a`` and entries of ``dt_bias``/``A_log``, and
+    ``out_proj`` sums the ranks' partial outputs. Its states hold only its heads. The
+    head counts on the module are this rank's; the gated norm (one ``value_dim`` vector
+    shared by every head) is replicated.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, key_dim: int,
                  value_dim: int, conv_kernel: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.key_dim, self.value_dim = key_dim, value_dim
-        self.conv_channels = 2 * num_k_heads * key_dim + num_v_heads * value_dim
-        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_channels, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, num_v_heads * value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_qkv = MergedColumnParallelLinear(
+            hidden_size, [num_k_heads * key_dim, num_k_heads * key_dim, num_v_heads * value_dim], bias=False,
+            blocks=[key_dim, key_dim, value_dim])
+        self.num_k_heads = self.in_proj_qkv.local_sizes[0] // key_dim  # on this rank
+        self.num_v_heads = self.in_proj_qkv.local_sizes[2] // value_dim
+        self.conv_channels = sum(self.in_proj_qkv.local_sizes)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, num_v_heads * value_dim, bias=False, block=value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_channels, self.conv_channels, conv_kernel,
                                 groups=self.conv_channels, bias=False, padding=conv_kernel - 1)
-        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        # One depthwise filter per channel of in_proj_qkv's output: the same rows, split alike.
+        set_weight_loader(self.conv1d.weight, self.in_proj_qkv.weight.weight_loader)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        for param in (self.dt_bias, self.A_log):
+            set_weight_loader(param, self.in_proj_b.weight.weight_loader)  # one entry per value head
         self.norm = GatedRMSNorm(value_dim, eps)
-        self.out_proj = nn.Linear(num_v_heads * value_dim, hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(num_v_heads * value_dim, hidden_size, bias=False, block=value_dim)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Per-slot shapes of the two states: the conv window and the recurrent state."""
+        """Per-slot shapes of the two states (this rank's heads): the conv window and the
+        recurrent state."""
         return {"conv": (self.conv1d.kernel_size[0] - 1, self.conv_channels),
                 "recurrent": (self.num_v_heads, self.key_dim, self.value_dim)}
 

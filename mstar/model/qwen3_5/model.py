@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from mstar.distributed.dims import ParallelDims
 from mstar.engine.autoregressive import KVLayout
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.llama.model import LlamaChat, _field_of, _sampling_from
@@ -107,8 +108,15 @@ class Qwen3_5Chat(LlamaChat):
         except (TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
 
-    def parallel_dims(self) -> dict:
-        return {}  # no tensor parallelism yet: placement refuses a tp_size above 1
+    def parallel_dims(self) -> dict[str, ParallelDims]:
+        """``llm`` splits by attention heads, KV heads, DeltaNet key and value heads and MLP
+        features; the vision tower is not split (placed on one rank, e.g. the leader's)."""
+        config = self.checkpoint().config()
+        return {LLM: ParallelDims(tensor={"num_attention_heads": config.num_attention_heads,
+                                          "num_key_value_heads": config.num_key_value_heads,
+                                          "linear_num_key_heads": config.linear_num_key_heads,
+                                          "linear_num_value_heads": config.linear_num_value_heads,
+                                          "intermediate_size": config.intermediate_size})}
 
     @property
     def max_slots(self) -> int:
@@ -146,7 +154,7 @@ class Qwen3_5Chat(LlamaChat):
             return self._request(ids, max_tokens, sampling, False)
         content = spec.text
         if spec.files:  # the files first, in upload order, then the text
-            content = [_file_part(name, data) for name, data in spec.files] + [{"type": "text", "text": spec.text}]
+            content = [self._file_part(name, data) for name, data in spec.files] + [{"type": "text", "text": spec.text}]
         messages = [{"role": "user", "content": content}]
         return self._chat(ChatSpec(spec.request_id, messages, sampling, max_tokens), thinking)
 
@@ -171,9 +179,22 @@ class Qwen3_5Chat(LlamaChat):
             return self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
         return self._media_request(ids, media, spec)
 
+    def _file_part(self, name: str, data: bytes) -> dict:
+        part = _file_part(name, data)
+        if part["type"] not in self.input_modalities:
+            raise RequestError("files", f"{name}: an animated image is a video, and model {self.key!r} "
+                                        f"does not take videos")
+        return part
+
     def _split_media(self, messages: list[dict]):
         from mstar.model.qwen3_5.media import split_media
 
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image", "video") and kind not in self.input_modalities:
+                    raise RequestError(f"messages[{i}].content[{j}]", f"model {self.key!r} does not take {kind}s")
         return split_media(messages, self.media_limits, self.image_processing, self.video_processing,
                            serves_media=self.vision_config is not None)
 
@@ -237,7 +258,7 @@ class Qwen3_5Chat(LlamaChat):
         model.eval()
         media_ids = () if vision_config is None else (vision_config.image_token_id, vision_config.video_token_id)
         kv = self.config.resources.kv_cache
-        layout = KVLayout(len(config.full_layers), config.num_key_value_heads, config.head_dim)
+        layout = KVLayout(*model.cache_shape())  # a tensor-parallel rank caches its KV heads
         engine = HybridEngine(
             model, layout, num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
             max_slots=self.max_slots, state_dtype=self._state_dtype(config, dtype), media_token_ids=media_ids,
@@ -331,5 +352,9 @@ class Qwen3_5_27B(Qwen3_5Chat):
 
 @register
 class Qwen3_8_27B(Qwen3_5Chat):
+    """Qwen3.8-27B: the Qwen3.5 architecture on the same code (served at TP4 from
+    ``configs/qwen3_8_27b_tp4.yaml``); video input is refused, images and text are not."""
+
     key = "qwen3_8_27b"
     default_weights = "Qwen/Qwen3.8-27B"
+    input_modalities = frozenset({"text", "image"})

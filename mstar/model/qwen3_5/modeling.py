@@ -6,16 +6,22 @@ MRoPE on part of each head, output gated by ``sigmoid`` of a second query half).
 names are those of transformers' ``Qwen3_5ForCausalLM`` (``model.layers.*``); the
 multimodal checkpoint's ``model.language_model.*`` keys map onto them
 (``mstar.model.qwen3_5.checkpoint``).
+
+Tensor parallelism lives in the layers (``mstar.layers.linear``): built under a parallel
+state (``mstar.distributed.use_parallel``), a rank holds its share of the attention heads,
+the DeltaNet heads (``mstar.layers.gated_deltanet``), the MLP features and the vocabulary,
+and its KV cache and state slots hold only its heads (``cache_shape``, ``state_shapes``).
+Built outside one, every layer is its plain ``torch.nn`` counterpart.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention import PagedAttentionMetadata, paged_attention
 from mstar.layers.gated_deltanet import GatedDeltaNet, StateBatch
+from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from mstar.layers.mlp import SwiGLU
 from mstar.model.qwen3_5.config import FULL, Qwen3_5Config
 from mstar.model.qwen3_5.rope import MRotaryEmbedding, apply_partial_rotary
@@ -37,18 +43,25 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 class Qwen3_5Attention(nn.Module):
     """Grouped-query attention with per-head q/k norms, partial MRoPE and a sigmoid output
-    gate (``q_proj`` yields, per head, the query then its gate)."""
+    gate (``q_proj`` yields, per head, the query then its gate).
+
+    Under tensor parallelism a rank holds whole heads (each query with its gate) and whole
+    KV heads, caches only those, and ``o_proj`` sums the ranks' partial outputs;
+    ``num_heads``/``num_kv_heads`` are this rank's."""
 
     def __init__(self, config: Qwen3_5Config) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim = d
+        self.scale = d**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        # A block of 2 * head_dim keeps each head's query with its gate on one rank.
+        self.q_proj = ColumnParallelLinear(hidden, heads * d * 2, bias=bias, block=2 * d)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, block=d)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, block=d)
+        self.o_proj = RowParallelLinear(heads * d, hidden, bias=bias, block=d)
+        self.num_heads = self.q_proj.out_features // (2 * d)  # on this rank
+        self.num_kv_heads = self.k_proj.out_features // d
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -110,7 +123,7 @@ class Qwen3_5TextModel(nn.Module):
     def __init__(self, config: Qwen3_5Config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
@@ -136,7 +149,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.config = config
         self.model = Qwen3_5TextModel(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, states: StateBatch,
                 caches: HybridCaches, inputs_embeds: torch.Tensor | None = None,
@@ -154,12 +167,24 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
+        """The output projection's weight (this rank's vocabulary rows under TP)."""
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight)
+        """Logits ``[N, vocab]`` (the whole vocabulary, on every rank) of ``hidden [N, hidden]``."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.logits(hidden)
+        return self.lm_head(hidden)
+
+    def cache_shape(self) -> tuple[int, int, int]:
+        """``(full-attention layers, KV heads, head_dim)`` of the paged KV cache this module
+        fills: a tensor-parallel rank caches the KV heads it holds."""
+        attn = [layer.self_attn for layer in self.model.layers if layer.is_full_attention]
+        if not attn:
+            return 0, self.config.num_key_value_heads, self.config.head_dim
+        return len(attn), attn[0].num_kv_heads, attn[0].head_dim
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-slot shapes of one DeltaNet layer's states (all layers are alike)."""
