@@ -136,7 +136,11 @@ class Bench:
         steps: list[tuple[float, float, float, float, float]] = []  # at every engine.run: see below
         original = self.engine.run
 
+        last_prefill = [-1]  # index in steps of the last step that ran a prefill
+
         def counting_run(items):  # on the conductor thread (in-process workers run plans there)
+            if any(item.op != "decode" for item in items):
+                last_prefill[0] = len(steps)
             steps.append((time.perf_counter(), self.clock.seconds, time.thread_time(), self.clock.cpu_seconds,
                           time.clock_gettime(emit_clock)))
             return original(items)
@@ -154,8 +158,11 @@ class Bench:
         for i, sink in enumerate(sinks):
             if sink.error or len(sink.times) != self.new_tokens:
                 raise RuntimeError(f"stream {i}: {len(sink.times)} of {self.new_tokens} tokens, error {sink.error}")
-        first = max(s.times[0] for s in sinks)  # every stream has its first token: decoding only from here
-        decode = [step for step in steps if step[0] >= first]
+        # decoding only: from the first step after every prompt was prefilled (the frontend may
+        # see a first token after later steps ran, so engine steps, not emit times, decide)
+        decode = steps[last_prefill[0] + 1:]
+        if len(decode) < 2:
+            raise RuntimeError(f"only {len(decode)} decode steps after the last prefill: ask for more tokens")
         (t0, model0, cpu0, model_cpu0, emit0), (t1, model1, cpu1, model_cpu1, emit1) = decode[0], decode[-1]
         n = len(decode) - 1
         wall, model_s = t1 - t0, model1 - model0

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mstar.config import parse_config
+from mstar.distributed.state import SINGLE
 from mstar.engine.autoregressive import Sequence
 from mstar.engine.sampler import Sampler
 from mstar.engine.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ def test_greedy_choice_ignores_end_of_speech_only_with_the_knob():
     logits[:, talk.AUDIO_BASE + 2 * talk.CODEBOOK + 17] = 5.0  # best valid code at position 2
     engine = talk.OrpheusTalkerEngine.__new__(talk.OrpheusTalkerEngine)  # choose needs no model
     engine.sampler = Sampler()
+    engine.tp_group = SINGLE.tp  # one rank: nothing to broadcast
     picks = engine.choose(logits, [audio_only_seq(2), audio_only_seq(2, audio_only=False)])
     assert picks == [talk.AUDIO_BASE + 2 * talk.CODEBOOK + 17, talk.END_OF_SPEECH]
 
