@@ -3,7 +3,8 @@
 ``DiffusionKnobs`` reads ``model_kwargs`` once, at startup, and fails naming the key:
 ``max_image_area`` (pixels a request may ask for), ``num_inference_steps`` (the default),
 ``max_batch_size`` (rows per denoise forward), ``seed`` (of dummy weights), ``compile`` and
-``compile_backend`` (torch.compile of the DiT), ``lora`` (adapters folded in at load).
+``compile_backend`` (torch.compile of the DiT), ``vae_compile`` (torch.compile of the VAE
+decode, same backend), ``lora`` (adapters folded in at load). Eager is the reference.
 """
 
 from __future__ import annotations
@@ -33,15 +34,21 @@ class DiffusionKnobs:
             raise ValueError(f"model_kwargs.num_inference_steps: must be at most {MAX_STEPS}")
         self.max_batch_size = integer("max_batch_size", None)
         self.seed = integer("seed", 0, low=0)
-        self.compile = kwargs.get("compile", False)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"model_kwargs.compile: must be true or false, got {self.compile!r}")
+        self.compile, self.vae_compile = kwargs.get("compile", False), kwargs.get("vae_compile", False)
+        for name, value in (("compile", self.compile), ("vae_compile", self.vae_compile)):
+            if not isinstance(value, bool):
+                raise ValueError(f"model_kwargs.{name}: must be true or false, got {value!r}")
         self.compile_backend = kwargs.get("compile_backend", "inductor")
+        compiling = self.compile or self.vae_compile
         if not isinstance(self.compile_backend, str) or (
-                self.compile and self.compile_backend not in torch.compiler.list_backends(exclude_tags=())):
+                compiling and self.compile_backend not in torch.compiler.list_backends(exclude_tags=())):
             raise ValueError("model_kwargs.compile_backend: must name a registered torch.compile backend "
                              f"(inductor, aot_eager, cudagraphs, ...), got {self.compile_backend!r}")
         self.lora: list[LoraAdapter] = parse_adapters(kwargs.get("lora"))
+
+    def vae_decode(self, vae: torch.nn.Module):
+        """The VAE's ``decode``, compiled when ``vae_compile`` is on."""
+        return torch.compile(vae.decode, backend=self.compile_backend) if self.vae_compile else vae.decode
 
     @property
     def batching(self) -> dict:

@@ -79,10 +79,26 @@ def test_max_batch_size_caps_the_rows_of_a_forward(reference):  # noqa: F811
         assert torch.allclose(a.outputs["latents"], b.outputs["latents"], rtol=1e-5, atol=1e-6)
 
 
+def test_vae_compile_switch_matches_eager(reference):  # noqa: F811
+    """vae_compile: true compiles the VAE decode (aot_eager here, as above); same images."""
+    def vae(**kwargs):
+        spec = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(reference[0]),
+                                                        "model_kwargs": kwargs}))
+        return spec.build_engines({"vae"}, torch.device("cpu"))["vae"]
+
+    latents = torch.randn(6, 16, generator=torch.Generator().manual_seed(3))
+    item = EngineItem("v", "decode", 0, {"latents": latents}, {"rows": 2, "cols": 3})
+    [want] = vae().run([item])
+    [got] = vae(vae_compile=True, compile_backend="aot_eager").run([item])
+    assert want.outputs["image"].abs().max() > 0
+    assert torch.allclose(got.outputs["image"], want.outputs["image"], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs, key", [
     ({"max_batch_size": 0}, "model_kwargs.max_batch_size"),
     ({"max_image_area": "big"}, "model_kwargs.max_image_area"),
     ({"compile": "yes"}, "model_kwargs.compile"),
+    ({"vae_compile": 1}, "model_kwargs.vae_compile"),
     ({"lora": [{"scale": 2}]}, "model_kwargs.lora[0]"),
 ])
 def test_bad_knobs_name_the_key(kwargs, key):

@@ -236,6 +236,7 @@ class Flux2Klein(ModelSpec):
         if "vae" in nodes:
             vae = build(Flux2VAE(Flux2VAEConfig.from_dict(json.loads((root / "vae" / "config.json").read_text()))),
                         "vae", 3)
+            decode = knobs.vae_decode(vae)
 
             def run(op, items):
                 out = []
@@ -247,7 +248,7 @@ class Flux2Klein(ModelSpec):
                         continue
                     latents = unpack_latents(item.inputs["latents"][None].to(device, dtype), p["rows"], p["cols"],
                                              *vae.latent_norm())
-                    out.append({"image": vae.decode(latents)[0].float().cpu()})
+                    out.append({"image": decode(latents)[0].float().cpu()})
                 return out
 
             engines["vae"] = StatelessEngine(run)

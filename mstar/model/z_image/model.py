@@ -157,6 +157,7 @@ class ZImageTurbo(ModelSpec):
             engines["dit"] = DenoiseEngine(velocity, schedule, device, torch.float32, **knobs.batching)
         if "vae" in nodes:
             vae = build(ZImageVAE(ZImageVAEConfig.from_dict(_json(root / "vae" / "config.json"))), "vae", 3)
+            vae_decode = knobs.vae_decode(vae)
 
             def decode(op, items):
                 by_size = defaultdict(list)
@@ -165,7 +166,7 @@ class ZImageTurbo(ModelSpec):
                 out = [None] * len(items)
                 for rows in by_size.values():
                     latents = torch.stack([items[i].inputs["latents"] for i in rows]).to(device, dtype)
-                    images = vae.decode(vae.denormalize(latents)).float().cpu()
+                    images = vae_decode(vae.denormalize(latents)).float().cpu()
                     for i, image in zip(rows, images):
                         out[i] = {"image": image}
                 return out
