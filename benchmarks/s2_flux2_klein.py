@@ -337,7 +337,7 @@ def run_images(settings: Settings, model_dir: Path) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"max_image_area": settings.height * settings.width,
                               "num_inference_steps": settings.steps, "seed": settings.seed}
     if settings.runtime_compile:
-        kwargs["compile"] = True
+        kwargs["compile"] = kwargs["vae_compile"] = True
     config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
                            "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
                            "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs}, "s2 config")
@@ -432,7 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="time the eager DiTs only")
     p.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
                    help="compile every block (as diffusers' compile_repeated_blocks) or the whole model")
-    p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile=true for the image runs")
+    p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile and vae_compile=true for the image runs")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")
     add_run_args(p)
