@@ -39,13 +39,7 @@ from mstar.media.fetch import fetch_media
 from mstar.server.backend import GenerateSpec, OutputEvent, Overloaded, RequestError, ServingBackend
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint, observe_first_output
 from mstar.server.schemas import (
-    AssistantMessage,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    Choice,
-    ChunkChoice,
-    Delta,
     ErrorDetail,
     ErrorResponse,
     GenerateForm,
@@ -55,7 +49,6 @@ from mstar.server.schemas import (
     form_body_openapi,
     json_body_openapi,
     new_id,
-    now,
     parse_model_kwargs,
     parse_output_modalities,
 )
@@ -68,9 +61,6 @@ _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_
 
 Events = AsyncIterator[OutputEvent]
 
-MAX_CHAT_BODY_BYTES = 128 * 1024 * 1024  # a chat request's JSON, inline media included
-MAX_CHAT_MEDIA = 32  # image and video parts per chat request
-MAX_CHAT_MEDIA_BYTES = {"image": 20 * 1024 * 1024, "video": 64 * 1024 * 1024}  # per part, once fetched
 MAX_GENERATE_FILES = 16  # files and media references per /generate request
 MAX_GENERATE_FILE_BYTES = 64 * 1024 * 1024  # per input, checked before anything decodes it
 _FORM_OVERHEAD = 1024 * 1024  # room for the text fields and the multipart framing
@@ -342,15 +332,6 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def input_modalities(backend: ServingBackend) -> frozenset[str]:
-    """What the served model's chat content may hold: the backend's ``input_modalities``,
-    else its model spec's (the runtime's backend), else text only."""
-    declared = getattr(backend, "input_modalities", None)
-    if declared is None:
-        declared = getattr(getattr(backend, "spec", None), "input_modalities", None)
-    return frozenset(declared or ("text",))
-
-
 async def capped_body(request: Request, *, max_bytes: int, field: str = "body") -> bytes:
     """The request body, refused with a 413 naming ``field`` as soon as it is declared or
     streamed past ``max_bytes``."""
@@ -374,99 +355,6 @@ async def fetch_all(refs: Sequence[tuple[str, str, int]]) -> list[bytes]:
     finally:
         for task in tasks:
             task.cancel()  # a no-op for those that finished
-
-
-async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBackend) -> list[bytes] | None:
-    """The bytes of the request's image and video parts, in order; None for a text-only
-    model, which gets a 400 naming the first media part instead."""
-    modalities = input_modalities(backend)
-    parts = req.media_parts()
-    for name, modality, _ in parts:
-        if modality not in modalities:
-            raise RequestError(name, f"model {model!r} does not take {modality}s")
-    if len(parts) > MAX_CHAT_MEDIA:
-        raise RequestError(parts[MAX_CHAT_MEDIA][0], f"at most {MAX_CHAT_MEDIA} images and videos per "
-                                                     f"request, got {len(parts)}")
-    if not modalities - {"text"}:
-        return None
-    return await fetch_all([(url, f"{name}.{modality}_url.url", MAX_CHAT_MEDIA_BYTES[modality])
-                            for name, modality, url in parts])
-
-
-async def chat_completions(request: Request) -> Response:
-    try:
-        payload = json.loads(await capped_body(request, max_bytes=MAX_CHAT_BODY_BYTES))
-    except RequestError as exc:
-        return exception_response(exc)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return error_response(400, f"malformed JSON body: {exc}", "body", "invalid_json")
-    if not isinstance(payload, dict):
-        message = "the request body must be a JSON object"
-        return error_response(400, message, "body", "invalid_value")
-    try:
-        req = ChatCompletionRequest.model_validate(payload)
-    except ValidationError as exc:
-        return validation_error_response(exc.errors())
-    model = _resolve_model(request, req.model)
-    backend = _backend(request)
-    max_tokens = req.effective_max_tokens
-    if max_tokens is not None and max_tokens > backend.max_model_len:
-        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        message = f"{param}: must be at most the context length ({backend.max_model_len})"
-        raise APIError(400, message, param, "invalid_value")
-
-    request_id = new_id("chatcmpl")
-    try:
-        spec = req.to_spec(request_id, await _chat_media(req, model, backend))
-        first, events = await _start(lambda: backend.chat(spec), request)
-    except Exception as exc:
-        return exception_response(exc)
-    if req.stream:
-        body = _chat_sse(request_id, model, first, events, req.include_usage)
-        return _stream(body, "text/event-stream")
-
-    async def complete() -> Response:
-        try:
-            out = await _collect(first, events)
-        except Exception as exc:
-            return exception_response(exc)
-        message = AssistantMessage(content="".join(out.text))
-        choice = Choice(message=message, finish_reason=out.finish_reason)
-        result = ChatCompletion(id=request_id, model=model, choices=[choice], usage=out.usage())
-        return JSONResponse(result.model_dump())
-
-    return await _unless_disconnected(request, complete)
-
-
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-async def _chat_sse(
-    request_id: str, model: str, first: OutputEvent | None, events: Events, include_usage: bool
-) -> AsyncIterator[str]:
-    """SSE chunks: the role, content deltas, finish_reason, [usage], then ``[DONE]``."""
-    created = now()
-
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
-        body = ChatCompletionChunk(
-            id=request_id, created=created, model=model, choices=choices, usage=usage
-        )
-        return _sse(body.model_dump())
-
-    tally = Tally()
-    try:
-        yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
-        async with aclosing(_walk(first, events, tally)) as walk:
-            async for event in walk:
-                if event.modality == "text" and event.text:
-                    yield chunk([ChunkChoice(delta=Delta(content=event.text))])
-        yield chunk([ChunkChoice(delta=Delta(), finish_reason=tally.finish_reason or "stop")])
-        if include_usage:
-            yield chunk([], usage=tally.usage())
-    except Exception as exc:  # the stream has started: report in band, then end it
-        yield _sse(_in_band_error(exc))
-    yield _sse("[DONE]")
 
 
 @asynccontextmanager
@@ -665,6 +553,8 @@ def create_app(
 
     router = APIRouter(dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
     router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    from mstar.server.chat_routes import chat_completions  # it imports this module
+
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
                          openapi_extra=json_body_openapi(ChatCompletionRequest))
     router.add_api_route("/generate", generate, methods=["POST"], openapi_extra=form_body_openapi(

@@ -27,7 +27,9 @@ from mstar.media.fetch import MediaError
 from mstar.model.llama.model import LlamaChat
 from mstar.model.qwen3_5.model import Qwen3_5Chat
 from mstar.server import app as app_module
-from mstar.server.app import create_app, input_modalities
+from mstar.server import chat_routes
+from mstar.server.app import create_app
+from mstar.server.chat_routes import input_modalities
 from mstar.server.backend import ChatSpec, OutputEvent
 
 
@@ -262,7 +264,7 @@ def test_private_address_refused_with_remote_on(client: TestClient, media_backen
 
 
 def test_too_many_media(client: TestClient, media_backend: MediaBackend) -> None:
-    cap = app_module.MAX_CHAT_MEDIA
+    cap = chat_routes.MAX_CHAT_MEDIA
     parts = [image(data_uri(PNG))] * (cap + 1)
     message = refused(chat(client, text("x"), *parts), f"messages[0].content[{cap + 1}]")
     assert f"at most {cap} images and videos" in message
@@ -271,10 +273,10 @@ def test_too_many_media(client: TestClient, media_backend: MediaBackend) -> None
 
 def test_each_part_and_the_body_are_capped(client: TestClient, media_backend: MediaBackend,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(app_module.MAX_CHAT_MEDIA_BYTES, "image", len(PNG) - 1)
+    monkeypatch.setitem(chat_routes.MAX_CHAT_MEDIA_BYTES, "image", len(PNG) - 1)
     refused(chat(client, image(data_uri(PNG))), "messages[0].content[0].image_url.url", 413)
     assert chat(client, video(data_uri(PNG))).status_code == 200  # videos have their own cap
-    monkeypatch.setattr(app_module, "MAX_CHAT_BODY_BYTES", 1000)
+    monkeypatch.setattr(chat_routes, "MAX_CHAT_BODY_BYTES", 1000)
     refused(chat(client, text("x" * 1000)), "body", 413)
     assert len(media_backend.chat_specs) == 1
 

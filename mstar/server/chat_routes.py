@@ -1,0 +1,151 @@
+"""/v1/chat/completions: OpenAI's chat route, plain and SSE streaming, with image and video
+content parts for the models that take them (fetched through mstar/media/fetch.py before
+the request is admitted)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from mstar.server.app import (
+    APIError,
+    Events,
+    Tally,
+    _backend,
+    _collect,
+    _in_band_error,
+    _resolve_model,
+    _start,
+    _stream,
+    _unless_disconnected,
+    _walk,
+    capped_body,
+    error_response,
+    exception_response,
+    fetch_all,
+    validation_error_response,
+)
+from mstar.server.backend import OutputEvent, RequestError, ServingBackend
+from mstar.server.schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    Usage,
+    new_id,
+    now,
+)
+
+MAX_CHAT_BODY_BYTES = 128 * 1024 * 1024  # a chat request's JSON, inline media included
+MAX_CHAT_MEDIA = 32  # image and video parts per chat request
+MAX_CHAT_MEDIA_BYTES = {"image": 20 * 1024 * 1024, "video": 64 * 1024 * 1024}  # per part, once fetched
+
+
+def input_modalities(backend: ServingBackend) -> frozenset[str]:
+    """What the served model's chat content may hold: the backend's ``input_modalities``,
+    else its model spec's (the runtime's backend), else text only."""
+    declared = getattr(backend, "input_modalities", None)
+    if declared is None:
+        declared = getattr(getattr(backend, "spec", None), "input_modalities", None)
+    return frozenset(declared or ("text",))
+
+
+async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBackend) -> list[bytes] | None:
+    """The bytes of the request's image and video parts, in order; None for a text-only
+    model, which gets a 400 naming the first media part instead."""
+    modalities = input_modalities(backend)
+    parts = req.media_parts()
+    for name, modality, _ in parts:
+        if modality not in modalities:
+            raise RequestError(name, f"model {model!r} does not take {modality}s")
+    if len(parts) > MAX_CHAT_MEDIA:
+        raise RequestError(parts[MAX_CHAT_MEDIA][0], f"at most {MAX_CHAT_MEDIA} images and videos per "
+                                                     f"request, got {len(parts)}")
+    if not modalities - {"text"}:
+        return None
+    return await fetch_all([(url, f"{name}.{modality}_url.url", MAX_CHAT_MEDIA_BYTES[modality])
+                            for name, modality, url in parts])
+
+
+async def chat_completions(request: Request) -> Response:
+    try:
+        payload = json.loads(await capped_body(request, max_bytes=MAX_CHAT_BODY_BYTES))
+    except RequestError as exc:
+        return exception_response(exc)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error_response(400, f"malformed JSON body: {exc}", "body", "invalid_json")
+    if not isinstance(payload, dict):
+        message = "the request body must be a JSON object"
+        return error_response(400, message, "body", "invalid_value")
+    try:
+        req = ChatCompletionRequest.model_validate(payload)
+    except ValidationError as exc:
+        return validation_error_response(exc.errors())
+    model = _resolve_model(request, req.model)
+    backend = _backend(request)
+    max_tokens = req.effective_max_tokens
+    if max_tokens is not None and max_tokens > backend.max_model_len:
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        message = f"{param}: must be at most the context length ({backend.max_model_len})"
+        raise APIError(400, message, param, "invalid_value")
+
+    request_id = new_id("chatcmpl")
+    try:
+        spec = req.to_spec(request_id, await _chat_media(req, model, backend))
+        first, events = await _start(lambda: backend.chat(spec), request)
+    except Exception as exc:
+        return exception_response(exc)
+    if req.stream:
+        body = _chat_sse(request_id, model, first, events, req.include_usage)
+        return _stream(body, "text/event-stream")
+
+    async def complete() -> Response:
+        try:
+            out = await _collect(first, events)
+        except Exception as exc:
+            return exception_response(exc)
+        message = AssistantMessage(content="".join(out.text))
+        choice = Choice(message=message, finish_reason=out.finish_reason)
+        result = ChatCompletion(id=request_id, model=model, choices=[choice], usage=out.usage())
+        return JSONResponse(result.model_dump())
+
+    return await _unless_disconnected(request, complete)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _chat_sse(
+    request_id: str, model: str, first: OutputEvent | None, events: Events, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE chunks: the role, content deltas, finish_reason, [usage], then ``[DONE]``."""
+    created = now()
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return _sse(body.model_dump())
+
+    tally = Tally()
+    try:
+        yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
+        async with aclosing(_walk(first, events, tally)) as walk:
+            async for event in walk:
+                if event.modality == "text" and event.text:
+                    yield chunk([ChunkChoice(delta=Delta(content=event.text))])
+        yield chunk([ChunkChoice(delta=Delta(), finish_reason=tally.finish_reason or "stop")])
+        if include_usage:
+            yield chunk([], usage=tally.usage())
+    except Exception as exc:  # the stream has started: report in band, then end it
+        yield _sse(_in_band_error(exc))
+    yield _sse("[DONE]")
