@@ -70,10 +70,15 @@ def load_component(module: torch.nn.Module, folder: Path, *, device: torch.devic
     return module.eval()
 
 
-def text_encoder_engine(text, encoder: torch.nn.Module):
-    """The text-encoder node of a diffusion family: every request's prompt tokens in one
-    batched ``text.encode(encoder, ids, masks)``; each item gets its ``text`` features."""
+def text_encoder_engine(text, build):
+    """The text-encoder node of a diffusion family: ``text.build_encoder()`` loaded from the
+    ``text_encoder`` folder by ``build(module, folder, seed_offset, **load)``; every request's
+    prompt tokens in one batched ``text.encode(encoder, ids, masks)``, each item getting its
+    ``text`` features."""
     from mstar.engine.base import StatelessEngine
+
+    encoder = text.build_encoder()
+    encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
 
     return StatelessEngine(lambda op, items: [
         {"text": e} for e in text.encode(encoder, [i.inputs["prompt_ids"] for i in items],

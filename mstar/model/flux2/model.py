@@ -218,10 +218,7 @@ class Flux2Klein(ModelSpec):
 
         engines = {}
         if "text_encoder" in nodes:
-            text = KleinText.from_directory(root)
-            encoder = text.build_encoder()
-            encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
-            engines["text_encoder"] = text_encoder_engine(text, encoder)
+            engines["text_encoder"] = text_encoder_engine(KleinText.from_directory(root), build)
         if "dit" in nodes:
             config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
             dit = build(Flux2Transformer(config), "transformer", 2)

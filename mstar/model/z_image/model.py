@@ -134,10 +134,7 @@ class ZImageTurbo(ModelSpec):
 
         engines = {}
         if "text_encoder" in nodes:
-            text = ZImageText.from_directory(root)
-            encoder = text.build_encoder()
-            encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
-            engines["text_encoder"] = text_encoder_engine(text, encoder)
+            engines["text_encoder"] = text_encoder_engine(ZImageText.from_directory(root), build)
         if "dit" in nodes:
             dit_config = ZImageTransformerConfig.from_dict(_json(root / "transformer" / "config.json"))
             dit = build(ZImageTransformer(dit_config), "transformer", 2)
