@@ -111,6 +111,7 @@ class Settings:
     compile_backend: str
     runtime_compile: bool
     seed: int = 0
+    attention_backend: str = "sdpa"  # ours' model_kwargs.attention_backend (the baseline keeps PyTorch's choice)
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -136,7 +137,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(smoke=args.smoke, device=device, dtype=dtype, dit=dict(dit), text=dict(text), vae=dict(vae),
                     height=size, width=size, steps=args.steps, batches=batches, step_runs=step_runs,
                     image_runs=image_runs, compile=not args.no_compile, compile_mode=args.compile_mode,
-                    compile_backend=backend, runtime_compile=args.runtime_compile, seed=args.seed)
+                    compile_backend=backend, runtime_compile=args.runtime_compile, seed=args.seed,
+                    attention_backend=args.attention_backend)
 
 
 def vae_config(settings: Settings):
@@ -255,10 +257,10 @@ def run_dit(settings: Settings) -> dict[str, Any]:
     out["build_s"] = time.perf_counter() - t0
     device = torch.device(settings.device)
     variants: dict[str, Callable[..., Any]] = {
-        "ours_eager": ours, "baseline_eager": lambda **kw: theirs(**kw, return_dict=False)[0]}
+        "ours_eager": _scoped(settings, ours), "baseline_eager": lambda **kw: theirs(**kw, return_dict=False)[0]}
     inputs = {n: dit_inputs(settings, n) for n in settings.batches}
     with torch.inference_mode():
-        a = ours(**inputs[settings.batches[0]]).float()
+        a = variants["ours_eager"](**inputs[settings.batches[0]]).float()
         b = theirs(**inputs[settings.batches[0]], return_dict=False)[0].float()
     out["ours_vs_baseline_rel_err"] = ((a - b).abs().max() / b.abs().max()).item()
     log.info("DiT: ours vs diffusers max relative difference %.2e", out["ours_vs_baseline_rel_err"])
@@ -268,7 +270,8 @@ def run_dit(settings: Settings) -> dict[str, Any]:
         # Compiling in place changes the eager modules, so the eager variants were timed first.
         for name, model in (("ours_compiled", ours), ("baseline_compiled", theirs)):
             fn = compiled(model, settings.compile_mode, settings.compile_backend)
-            call = fn if name.startswith("ours") else (lambda f: lambda **kw: f(**kw, return_dict=False)[0])(fn)
+            call = (_scoped(settings, fn) if name.startswith("ours") else
+                    (lambda f: lambda **kw: f(**kw, return_dict=False)[0])(fn))
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -283,6 +286,19 @@ def run_dit(settings: Settings) -> dict[str, Any]:
     del ours, theirs, variants
     _free(settings)
     return out
+
+
+def _scoped(settings: Settings, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run in ours' attention scope (the engine's ``attention_backend`` knob)."""
+    from mstar.diffusion.knobs import DiffusionKnobs
+
+    knobs = DiffusionKnobs({"attention_backend": settings.attention_backend}, 4)
+
+    def call(**kwargs):
+        with knobs.attention_scope():
+            return fn(**kwargs)
+
+    return call
 
 
 def _time_dit(settings: Settings, fn: Callable[..., Any], inputs: dict[int, dict], device: torch.device) -> dict:
@@ -327,54 +343,75 @@ def klein_dir(tmp: str | Path, settings: Settings) -> Path:
     return root
 
 
-def run_images(settings: Settings, model_dir: Path) -> dict[str, Any]:
-    """Seconds per image through the runtime: one request, then N submitted at once."""
-    import mstar.model.flux2.model  # noqa: F401  (registers flux2_klein)
-    from mstar.config import parse_config
-    from mstar.runtime.launch import start
-    from mstar.server.backend import ImageSpec
+class ImageRunner:
+    """An in-process M* deployment of ``flux2_klein`` taking whole text-to-image requests."""
 
-    kwargs: dict[str, Any] = {"max_image_area": settings.height * settings.width,
-                              "num_inference_steps": settings.steps, "seed": settings.seed}
-    if settings.runtime_compile:
-        kwargs["compile"] = kwargs["vae_compile"] = True
-    config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
-                           "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
-                           "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs}, "s2 config")
-    out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    d = start(config, in_process=True)
-    out["startup_s"] = time.perf_counter() - t0
-    log.info("ours: flux2_klein deployment ready in %.1f s", out["startup_s"])
-    counter = iter(range(1 << 30))
+    def __init__(self, settings: Settings, model_dir: Path):
+        import mstar.model.flux2.model  # noqa: F401  (registers flux2_klein)
+        from mstar.config import parse_config
+        from mstar.runtime.launch import start
 
-    async def one(seed: int) -> float:
-        spec = ImageSpec(f"s2-{next(counter)}", PROMPT, settings.width, settings.height, 1, seed, settings.steps)
+        kwargs: dict[str, Any] = {"max_image_area": settings.height * settings.width,
+                                  "num_inference_steps": settings.steps, "seed": settings.seed}
+        if settings.runtime_compile:
+            kwargs["compile"] = kwargs["vae_compile"] = True
+        if settings.attention_backend != "sdpa":
+            kwargs["attention_backend"] = settings.attention_backend
+        config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
+                               "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
+                               "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs},
+                              "s2 config")
+        self.settings = settings
+        self.deployment = start(config, in_process=True)
+        self._counter = iter(range(1 << 30))
+
+    async def _one(self, seed: int) -> float:
+        from mstar.server.backend import ImageSpec
+
+        s = self.settings
+        spec = ImageSpec(f"s2-{next(self._counter)}", PROMPT, s.width, s.height, 1, seed, s.steps)
         start_s = time.perf_counter()
-        [png] = await d.backend.generate_images(spec)
+        [png] = await self.deployment.backend.generate_images(spec)
         if not png.startswith(b"\x89PNG"):
             raise RuntimeError("the runtime returned no PNG")
         return time.perf_counter() - start_s
 
-    async def batch(n: int) -> tuple[float, list[float]]:
-        start_s = time.perf_counter()
-        latencies = await asyncio.gather(*[one(i) for i in range(n)])
-        return time.perf_counter() - start_s, list(latencies)
+    def run(self, n: int) -> tuple[float, list[float]]:
+        """``n`` requests at once: the wall time of all and each one's latency."""
 
+        async def batch() -> tuple[float, list[float]]:
+            start_s = time.perf_counter()
+            latencies = await asyncio.gather(*[self._one(i) for i in range(n)])
+            return time.perf_counter() - start_s, list(latencies)
+
+        return asyncio.run(batch())
+
+    def close(self) -> None:
+        self.deployment.close()
+        del self.deployment
+
+
+def run_images(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """Seconds per image through the runtime: one request, then N submitted at once."""
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    runner = ImageRunner(settings, model_dir)
+    out["startup_s"] = time.perf_counter() - t0
+    log.info("ours: flux2_klein deployment ready in %.1f s", out["startup_s"])
     try:
         t0 = time.perf_counter()
         for n in settings.batches:
-            asyncio.run(batch(n))
+            runner.run(n)
         out["warmup_s"] = time.perf_counter() - t0
         for n in settings.batches:
-            runs = [asyncio.run(batch(n)) for _ in range(settings.image_runs)]
+            runs = [runner.run(n) for _ in range(settings.image_runs)]
             walls = [wall for wall, _ in runs]
             out[n] = {"wall_s": walls, "s_per_image": statistics.median(walls) / n,
                       "latency_s_median": statistics.median(x for _, lat in runs for x in lat)}
             log.info("ours: %d image(s) at once: %.3f s per image", n, out[n]["s_per_image"])
     finally:
-        d.close()
-        del d
+        runner.close()
+        del runner
         _free(settings)
     return out
 
@@ -432,6 +469,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="time the eager DiTs only")
     p.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
                    help="compile every block (as diffusers' compile_repeated_blocks) or the whole model")
+    p.add_argument("--attention-backend", choices=("sdpa", "cudnn"), default="sdpa",
+                   help="ours' DiT attention (model_kwargs.attention_backend); diffusers keeps PyTorch's choice")
     p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile and vae_compile=true for the image runs")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")

@@ -1,0 +1,164 @@
+"""Where a scenario's time goes: one warmed-up batch of ours under the torch profiler.
+
+    python3 benchmarks/profile_gpu.py s1 --streams 1 --attention-backend triton --cuda-graphs --overlap
+    python3 benchmarks/profile_gpu.py s4 --batch 1 --cuda-graphs
+    python3 benchmarks/profile_gpu.py s2 --batch 1 [--runtime-compile]
+
+The scenario's own runner (S1's, S2's or S4's ``OursRunner``/``ImageRunner``) starts the
+deployment on dummy weights, runs the batch twice unprofiled (warm-up: kernels compiled,
+graphs captured), then once inside ``torch.profiler``. Printed: the batch's wall time, how
+long the GPU was busy in it (the union of kernel intervals) and so how much of the wall was
+host-bound, the time of each runtime node (``mstar.node.<name>`` ranges the worker opens),
+the kernels by total GPU time and the host ops by self CPU time. ``--out DIR`` also writes
+the full tables and (``--trace``) a Chrome trace there. ``--smoke`` runs on the CPU with the
+scenario's tiny model (no GPU figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a file: the repository root must be importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _s1(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    from benchmarks import s1_llama_decode as s1
+    from benchmarks.common import tiny_llama_dir
+
+    argv = ["--streams", str(args.batch), "--skip-baseline", *args.scenario_args]
+    settings = s1.settings_from(s1.parse_args(argv + (["--smoke"] if args.smoke else [])))
+    runner = s1.OursRunner(settings, tiny_llama_dir(tmp, **settings.model))
+    return (lambda: runner.run(args.batch, settings.new_tokens)), runner.close
+
+
+def _s2(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    from benchmarks import s2_flux2_klein as s2
+
+    argv = ["--batches", str(args.batch), *args.scenario_args]
+    settings = s2.settings_from(s2.parse_args(argv + (["--smoke"] if args.smoke else [])))
+    runner = s2.ImageRunner(settings, s2.klein_dir(tmp, settings))
+    return (lambda: runner.run(args.batch)), runner.close
+
+
+def _s4(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    from benchmarks import s4_whisper as s4
+    from benchmarks.common import whisper_dir
+
+    argv = ["--batches", str(args.batch), "--skip-baseline", *args.scenario_args]
+    settings = s4.settings_from(s4.parse_args(argv + (["--smoke"] if args.smoke else [])))
+    runner = s4.OursRunner(settings, whisper_dir(tmp, **settings.model))
+    return (lambda: runner.run(args.batch, settings.new_tokens)), runner.close
+
+
+SCENARIOS = {"s1": _s1, "s2": _s2, "s4": _s4}
+
+
+def busy_seconds(events) -> float:
+    """Seconds during which at least one GPU kernel ran (the union of their intervals)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy * 1e-6  # microseconds
+
+
+def _device_us(avg) -> float:
+    return getattr(avg, "device_time_total", None) or getattr(avg, "cuda_time_total", 0.0)
+
+
+def summary(prof, wall: float, top: int) -> str:
+    events = prof.events()
+    busy = busy_seconds(events)
+    averages = prof.key_averages()
+    lines = [f"wall {wall * 1e3:.1f} ms; GPU busy {busy * 1e3:.1f} ms ({100 * busy / wall:.0f}% of the wall)"]
+    nodes = sorted((a for a in averages if a.key.startswith("mstar.node.")), key=lambda a: -a.cpu_time_total)
+    for a in nodes:
+        lines.append(f"  node {a.key[11:]:<16} calls {a.count:>5}  host {a.cpu_time_total / 1e3:9.1f} ms  "
+                     f"device {_device_us(a) / 1e3:9.1f} ms")
+    kernels = sorted((a for a in averages if _device_us(a) > 0 and a.self_cpu_time_total == 0 and
+                      not a.key.startswith("mstar.node.")), key=lambda a: -_device_us(a))
+    lines.append(f"top kernels by GPU time (of {busy * 1e3:.1f} ms busy):")
+    for a in kernels[:top]:
+        lines.append(f"  {_device_us(a) / 1e3:8.2f} ms {a.count:>6}x {_device_us(a) / max(a.count, 1):8.1f} us  {a.key[:90]}")
+    host = sorted((a for a in averages if a.self_cpu_time_total > 0), key=lambda a: -a.self_cpu_time_total)
+    lines.append("top host ops by self CPU time:")
+    for a in host[:top]:
+        lines.append(f"  {a.self_cpu_time_total / 1e3:8.2f} ms {a.count:>6}x  {a.key[:90]}")
+    return "\n".join(lines)
+
+
+def _all_threads():
+    """Profile every thread (the runtime's conductor thread runs the engines), where this
+    torch can; else only the calling thread is seen."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        print("this torch profiles the calling thread only: engine work is not seen")
+        return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--batch", type=int, default=1, help="streams, images or clips submitted at once")
+    p.add_argument("--top", type=int, default=20, help="rows per table")
+    p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
+    p.add_argument("--out", default=None, help="directory for the full tables (and the trace)")
+    p.add_argument("--trace", action="store_true", help="also write a Chrome trace to --out")
+    args, rest = p.parse_known_args(argv)
+    args.scenario_args = rest  # the scenario script's own flags (e.g. --cuda-graphs)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
+        run, close = SCENARIOS[args.scenario](args, tmp)
+        try:
+            for _ in range(2):
+                run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            with profile(activities=activities, experimental_config=_all_threads()) as prof:
+                start = time.perf_counter()
+                run()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+        finally:
+            close()
+    text = summary(prof, wall, args.top)
+    print(f"{args.scenario} batch {args.batch} {' '.join(args.scenario_args)}\n{text}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"profile-{args.scenario}-{args.batch}"
+        (out / f"{stem}.txt").write_text(text + "\n\n" + prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=200))
+        (out / f"{stem}.json").write_text(json.dumps({"argv": sys.argv, "wall_s": wall}))
+        if args.trace:
+            prof.export_chrome_trace(str(out / f"{stem}.trace.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
