@@ -15,10 +15,10 @@ LORA_TARGETS = {"transformer_blocks.0.attn.to_q": (32, 32), "proj_out": (16, 32)
                 "single_transformer_blocks.0.attn.to_qkv_mlp_proj": (288, 32)}
 
 
-def build_dit(root, **kwargs):
-    spec = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(root),
-                                                    "model_kwargs": kwargs}))
-    return spec.build_engines({"dit"}, torch.device("cpu"))["dit"]
+def build_dit(root, device="cpu", dtype="float32", **kwargs):
+    spec = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(root), "device": device,
+                                                    "dtype": dtype, "model_kwargs": kwargs}))
+    return spec.build_engines({"dit"}, torch.device(device))["dit"]
 
 
 def step_items(count, seed=0):
@@ -27,6 +27,34 @@ def step_items(count, seed=0):
     return [EngineItem(f"r{i}", "step", 0, {"latents": torch.randn(6, 16, generator=g),
                                            "text": torch.randn(20, 48, generator=g)}, params)
             for i in range(count)]
+
+
+def test_cudnn_attention_switch_runs_the_same_maths(reference):  # noqa: F811
+    """attention_backend: cudnn only reorders which fused kernels may run; where cuDNN
+    cannot (here: the CPU) the DiT's output is the reference's, bit for bit."""
+    want = build_dit(reference[0]).run(step_items(2))
+    got = build_dit(reference[0], attention_backend="cudnn").run(step_items(2))
+    for w, g in zip(want, got):
+        assert torch.equal(g.outputs["latents"], w.outputs["latents"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_attention_and_inductor_on_the_gpu_match_eager(reference):  # noqa: F811
+    """On the GPU in bf16: the DiT step with cuDNN attention, and compiled by inductor with
+    it, equals the eager PyTorch-attention step within bf16 rounding; cuDNN's kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    root = reference[0]
+    want = build_dit(root, "cuda", "bfloat16").run(step_items(2))
+    engine = build_dit(root, "cuda", "bfloat16", attention_backend="cudnn")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = engine.run(step_items(2))
+    assert any("cudnn_attention" in e.key for e in prof.key_averages()), "cuDNN attention did not run"
+    compiled = build_dit(root, "cuda", "bfloat16", attention_backend="cudnn", compile=True).run(step_items(2))
+    for w, g, c in zip(want, got, compiled):
+        w = w.outputs["latents"].float()
+        for out in (g.outputs["latents"].float(), c.outputs["latents"].float()):
+            assert (out - w).norm() / w.norm() < 2e-2
 
 
 def test_lora_is_folded_into_the_served_dit(reference, tmp_path):  # noqa: F811
@@ -99,6 +127,7 @@ def test_vae_compile_switch_matches_eager(reference):  # noqa: F811
     ({"max_image_area": "big"}, "model_kwargs.max_image_area"),
     ({"compile": "yes"}, "model_kwargs.compile"),
     ({"vae_compile": 1}, "model_kwargs.vae_compile"),
+    ({"attention_backend": "flash"}, "model_kwargs.attention_backend"),
     ({"lora": [{"scale": 2}]}, "model_kwargs.lora[0]"),
 ])
 def test_bad_knobs_name_the_key(kwargs, key):

@@ -10,12 +10,12 @@ at the same size (and, for edits, the same reference sizes) batch at every node.
 Deployment knobs (``model_kwargs``): ``max_image_area`` (pixels, default 2048x2048),
 ``num_inference_steps`` (default 4), ``max_batch_size`` (DiT rows per forward), ``compile``
 (torch.compile the DiT, with ``compile_backend``, default inductor; eager is the reference),
+``vae_compile``, ``attention_backend`` (``sdpa`` or ``cudnn``, see ``mstar.diffusion.knobs``),
 ``lora`` (adapters folded into the DiT at load, ``mstar.model.lora``).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from pathlib import Path
@@ -93,11 +93,11 @@ class PngStream(OutputStream):
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
         from PIL import Image
 
+        from mstar.media.images import encode_png
+
         pixels = ((value.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        buffer = io.BytesIO()
-        Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
         self.images += 1
-        return OutputEvent(modality="image", data=buffer.getvalue())
+        return OutputEvent(modality="image", data=encode_png(Image.fromarray(pixels, "RGB")))
 
 
 @register
@@ -227,7 +227,8 @@ class Flux2Klein(ModelSpec):
 
             def velocity(latents, text, t, params):
                 ids = torch.stack([token_ids(p) for p in params]).to(device)
-                return forward(latents, text, t, ids, text_ids(text.shape[1]).to(device), guidance=None)
+                with knobs.attention_scope():
+                    return forward(latents, text, t, ids, text_ids(text.shape[1]).to(device), guidance=None)
 
             engines["dit"] = ReferenceDenoiseEngine(velocity, FlowMatchEuler(), device, dtype, **knobs.batching)
         if "vae" in nodes:

@@ -149,7 +149,8 @@ class ZImageTurbo(ModelSpec):
                 # The engine keeps latents, captions and time in float32 (as the pipeline does);
                 # the DiT runs in the deployment dtype and predicts the negated velocity.
                 captions = [row[: p["caption_len"]].to(dtype) for row, p in zip(text, params)]
-                return -dit(latents.to(dtype), t, captions)
+                with knobs.attention_scope():
+                    return -dit(latents.to(dtype), t, captions)
 
             engines["dit"] = DenoiseEngine(velocity, schedule, device, torch.float32, **knobs.batching)
         if "vae" in nodes:
