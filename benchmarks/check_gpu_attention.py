@@ -103,6 +103,22 @@ def check(name: str, new_tokens: list[int], cached: list[int], device: torch.dev
     return ok
 
 
+def split_sweep(batch: int, context: int, device: torch.device) -> None:
+    """CUDA-graph replay time of a decode step at several forced KV split counts, beside
+    the split count the kernel picks itself (``auto``)."""
+    from mstar.layers.triton_attention import triton_paged_attention
+
+    q, k, v, cache, meta = make_case([1] * batch, [context - 1] * batch, device)
+    times = []
+    for splits in (None, 1, 2, 4, 8, 16):
+        graph = torch.cuda.CUDAGraph()
+        triton_paged_attention(q, k, v, cache, meta, SCALE, num_kv_splits=splits)  # compile first
+        with torch.cuda.graph(graph):
+            triton_paged_attention(q, k, v, cache, meta, SCALE, num_kv_splits=splits)
+        times.append(f"{splits or 'auto'}: {median_ms(graph.replay) * 1e3:.1f} us")
+    print(f"     splits B={batch} ctx={context}: " + ", ".join(times), flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -117,6 +133,8 @@ def main() -> int:
             # lengths spread over [context / 2, context]
             lens = torch.randint(context // 2, context + 1, (batch,), generator=gen).tolist()
             ok &= check(f"decode B={batch:<3} ctx<={context}", [1] * batch, [n - 1 for n in lens], device)
+    for batch, context in ((1, 256), (1, 1500), (16, 256)):  # KV splits at short contexts, replayed
+        split_sweep(batch, context, device)
     ok &= check("prefill B=1 new=2048", [2048], [0], device)
     ok &= check("chunked B=4 new=512 cached=1024", [512] * 4, [1024] * 4, device)
     ok &= check("mixed 16 decodes ctx 2048 + 2x256", [1] * 16 + [256, 256], [2047] * 16 + [0, 512], device)

@@ -64,9 +64,11 @@ SCENARIOS = {"s1": _s1, "s2": _s2, "s4": _s4}
 
 
 def busy_seconds(events) -> float:
-    """Seconds during which at least one GPU kernel ran (the union of their intervals)."""
+    """Seconds during which at least one GPU kernel or copy ran (the union of their
+    intervals; the GPU-side spans of labelled ranges are not work and are left out)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith("mstar."))
     busy, end = 0.0, float("-inf")
     for s, e in spans:
         if s > end:

@@ -71,18 +71,21 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    *,
+    write_kv: bool = True,
 ) -> torch.Tensor:
     """Paged attention with the implementation named by ``meta.backend``.
 
     Every backend has the contract of ``torch_paged_attention``: write the new K/V into
-    ``kv_cache`` at ``meta.slot_mapping``, then attend. Returns ``[T, Hq, D]``.
+    ``kv_cache`` at ``meta.slot_mapping`` (unless ``write_kv`` is False: the caller already
+    did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``.
     """
     if meta.backend == "torch":
-        return torch_paged_attention(q, k, v, kv_cache, meta, scale)
+        return torch_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv)
     if meta.backend == "triton":
         from mstar.layers.triton_attention import triton_paged_attention
 
-        return triton_paged_attention(q, k, v, kv_cache, meta, scale)
+        return triton_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv)
     raise ValueError(f"unknown attention backend {meta.backend!r}; expected one of {ATTENTION_BACKENDS}")
 
 
@@ -93,11 +96,14 @@ def torch_paged_attention(
     kv_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    *,
+    write_kv: bool = True,
 ) -> torch.Tensor:
     """Reference paged attention (pure PyTorch, any device).
 
     ``q`` is ``[T, Hq, D]``, ``k``/``v`` are ``[T, Hkv, D]`` with ``Hq`` a multiple of ``Hkv``.
-    The new keys/values are first written to ``kv_cache`` at ``meta.slot_mapping``; then each
+    The new keys/values are first written to ``kv_cache`` at ``meta.slot_mapping`` (skipped
+    when ``write_kv`` is False: the caller wrote them, and ``k``/``v`` only give shapes); then each
     sequence gathers its first ``seq_lens[b]`` cached entries through its page table and its
     new tokens attend causally (a token at position ``p`` sees KV positions ``<= p``), which
     covers prefill, decode and chunked-prefill continuation alike. Returns ``[T, Hq, D]``.
@@ -107,7 +113,8 @@ def torch_paged_attention(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
 
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    if write_kv:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
 
     page_size = meta.page_size

@@ -227,10 +227,12 @@ def _tiling(device: torch.device, head_dim: int) -> _Tiling:
     if device.type != "cuda":  # the interpreter: small blocks so tests cross block borders
         return _Tiling(16, 16, 16, 32, 1, 1)
     # Picked on an H200 (bf16, head_dim 128): 3 pipeline stages beat 2 by 10-25% in
-    # prefill and slightly in decode; larger blocks or 8 warps did not help.
+    # prefill and slightly in decode; larger blocks or 8 warps did not help. A split may be
+    # as short as one KV block: at one sequence a few hundred tokens long, a decode step is
+    # latency-bound and more, shorter splits finish sooner (see check_gpu_attention's sweep).
     if head_dim <= 128:
-        return _Tiling(64, 64, 64, 256, 4, 3)
-    return _Tiling(32, 64, 32, 256, 4, 2)
+        return _Tiling(64, 64, 64, 64, 4, 3)
+    return _Tiling(32, 64, 32, 64, 4, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,6 +373,7 @@ def triton_paged_attention(
     scale: float,
     *,
     num_kv_splits: int | None = None,
+    write_kv: bool = True,
 ) -> torch.Tensor:
     """Paged attention with Triton kernels; the contract of ``torch_paged_attention``.
 
@@ -380,7 +383,8 @@ def triton_paged_attention(
     decode-only batch (``T == B``) runs without host synchronisation (CUDA-graph safe).
     """
     _check(q, k, v, kv_cache, meta)
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    if write_kv:  # else the caller wrote them (e.g. the fused RoPE kernel)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_tokens, num_seqs = q.shape[0], meta.seq_lens.shape[0]

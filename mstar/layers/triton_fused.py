@@ -106,7 +106,8 @@ if HAS_TRITON:
     @triton.jit
     def _rotate_head(X, c, s, half_cols, mask, HALF: tl.constexpr):
         """Rotate one head in place: ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)``, each product
-        rounded to the tensor's dtype before the sum (as the torch reference rounds)."""
+        rounded to the tensor's dtype before the sum (as the torch reference rounds).
+        Returns the rotated halves (in the tensor's dtype)."""
         x1 = tl.load(X + half_cols, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(X + HALF + half_cols, mask=mask, other=0.0).to(tl.float32)
         dtype = X.dtype.element_ty
@@ -114,16 +115,22 @@ if HAS_TRITON:
         x2s = (x2 * s).to(dtype).to(tl.float32)
         x2c = (x2 * c).to(dtype).to(tl.float32)
         x1s = (x1 * s).to(dtype).to(tl.float32)
-        tl.store(X + half_cols, (x1c - x2s).to(dtype), mask=mask)
-        tl.store(X + HALF + half_cols, (x2c + x1s).to(dtype), mask=mask)
+        r1, r2 = (x1c - x2s).to(dtype), (x2c + x1s).to(dtype)
+        tl.store(X + half_cols, r1, mask=mask)
+        tl.store(X + HALF + half_cols, r2, mask=mask)
+        return r1, r2
 
     @triton.jit
     def _rotary_kernel(
-        Q, K, COS, SIN,
-        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs,
+        Q, K, V, COS, SIN, CACHE_K, CACHE_V, SLOTS,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cs,
+        stride_c_slot, stride_c_head,
         num_q_heads,
-        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
     ):
+        """One (token, head): q heads first, then k heads; with ``WRITE_CACHE`` a k head's
+        program also stores the rotated key and the token's value of that head into the
+        paged cache at the token's slot (the attention then skips its own write)."""
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half_cols = tl.arange(0, BLOCK_HALF)
@@ -134,7 +141,17 @@ if HAS_TRITON:
             _rotate_head(Q + tok * stride_q_tok + head * stride_q_head, c, s, half_cols, mask, HALF)
         else:
             kv_head = head - num_q_heads
-            _rotate_head(K + tok * stride_k_tok + kv_head * stride_k_head, c, s, half_cols, mask, HALF)
+            r1, r2 = _rotate_head(K + tok * stride_k_tok + kv_head * stride_k_head, c, s, half_cols, mask, HALF)
+            if WRITE_CACHE:
+                slot = tl.load(SLOTS + tok).to(tl.int64)
+                dst = slot * stride_c_slot + kv_head * stride_c_head
+                tl.store(CACHE_K + dst + half_cols, r1.to(CACHE_K.dtype.element_ty), mask=mask)
+                tl.store(CACHE_K + dst + HALF + half_cols, r2.to(CACHE_K.dtype.element_ty), mask=mask)
+                src = V + tok * stride_v_tok + kv_head * stride_v_head
+                v1 = tl.load(src + half_cols, mask=mask, other=0.0)
+                v2 = tl.load(src + HALF + half_cols, mask=mask, other=0.0)
+                tl.store(CACHE_V + dst + half_cols, v1.to(CACHE_V.dtype.element_ty), mask=mask)
+                tl.store(CACHE_V + dst + HALF + half_cols, v2.to(CACHE_V.dtype.element_ty), mask=mask)
 
 
 # -------------------------------------------------------------------------- wrappers
@@ -191,9 +208,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], inner)
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+            v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+            slot_mapping: torch.Tensor | None = None) -> None:
     """Fused ``torch_rotary``, in place: rotates ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (views
-    with a contiguous head dimension, e.g. of the fused qkv output) by ``cos``/``sin [T, D]``."""
+    with a contiguous head dimension, e.g. of the fused qkv output) by ``cos``/``sin [T, D]``.
+
+    With ``kv_cache`` (``[2, pages, page_size, Hkv, D]``), ``v`` and ``slot_mapping [T]``, the
+    same kernel also writes the rotated keys and the values into the cache at the tokens'
+    flat slots, as ``mstar.layers.attention.write_kv_cache`` would after the rotation."""
     _check_runnable(q)
     tokens, num_q_heads, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != tokens or k.shape[2] != head_dim or k.dtype != q.dtype:
@@ -203,12 +226,27 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if head_dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1:
         raise ValueError("rotary needs an even head_dim and contiguous head and cos/sin dimensions")
+    write = kv_cache is not None
+    if write:
+        if v is None or slot_mapping is None:
+            raise ValueError("writing the KV cache needs v and slot_mapping")
+        if v.shape != k.shape or v.stride(-1) != 1 or slot_mapping.shape != (tokens,):
+            raise ValueError(f"v {tuple(v.shape)} / slot_mapping {tuple(slot_mapping.shape)} do not fit "
+                             f"k {tuple(k.shape)}")
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != k.shape[1:] \
+                or not kv_cache.is_contiguous():
+            raise ValueError(f"KV cache of shape {tuple(kv_cache.shape)} does not fit keys {tuple(k.shape)}")
+        flat = kv_cache.view(2, -1, k.shape[1], head_dim)
+        cache_k, cache_v, slots = flat[0], flat[1], slot_mapping
+    else:
+        v, cache_k, cache_v, slots = k, k, k, cos  # unused placeholders
     if tokens == 0:
         return
     half = head_dim // 2
     _rotary_kernel[(tokens, num_q_heads + k.shape[1])](
-        q, k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        q, k, v, cos, sin, cache_k, cache_v, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        cache_k.stride(0), cache_k.stride(1) if write else 0,
         num_q_heads,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=write,
     )

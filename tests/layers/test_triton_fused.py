@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton")
 from mstar.config import DeploymentConfig  # noqa: E402
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_fused  # noqa: E402
-from mstar.layers.attention import allocate_kv_cache  # noqa: E402
+from mstar.layers.attention import allocate_kv_cache, write_kv_cache  # noqa: E402
 from mstar.layers.rotary import RotaryEmbedding  # noqa: E402
 from mstar.layers.triton_fused import (  # noqa: E402
     add_rmsnorm,
@@ -124,6 +124,29 @@ def test_rotary_in_place_matches_torch(dtype: torch.dtype) -> None:
     assert rel_err(q, ref_q) < TOL[dtype], rel_err(q, ref_q)
     assert rel_err(k, ref_k) < TOL[dtype], rel_err(k, ref_k)
     assert torch.equal(v, v_before)
+
+
+@runnable
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_writes_the_kv_cache(dtype: torch.dtype) -> None:
+    """With a cache, the same kernel stores the rotated keys and the values at the tokens'
+    slots, as write_kv_cache after the torch rotation does; other slots stay untouched."""
+    tokens, hq, hkv, d, pages, page_size = 3, 4, 2, 32, 6, 4
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
+    q, k, v = (part.view(tokens, -1, d) for part in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    cos, sin = RotaryEmbedding(d, 10000.0).cos_sin(torch.tensor([3, 0, 17], device=DEVICE), dtype)
+    slots = torch.tensor([5, 22, 9], device=DEVICE)
+    want = torch.randn(2, pages, page_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    cache = want.clone()
+    ref_q, ref_k = torch_rotary(q, k, cos, sin)
+    write_kv_cache(ref_k, v, want, slots)
+    rotary_(q, k, cos, sin, v=v, kv_cache=cache, slot_mapping=slots)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
+    assert rel_err(cache, want) < TOL[dtype], rel_err(cache, want)
+    flat, flat_want = cache.view(2, -1, hkv, d), want.view(2, -1, hkv, d)
+    others = [i for i in range(pages * page_size) if i not in (5, 22, 9)]
+    assert torch.equal(flat[:, others], flat_want[:, others])
 
 
 def test_wrappers_reject_bad_shapes() -> None:

@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
 
     ``num_heads`` and ``num_kv_heads`` are the heads this module holds (all of them, or a
     tensor-parallel rank's share). With ``fused_kernels``, RoPE rotates q and k in place
-    inside the qkv output (one kernel)."""
+    inside the qkv output and writes k and v to the paged cache (one kernel)."""
 
     fused_kernels: bool = False
 
@@ -68,8 +68,14 @@ class LlamaAttention(nn.Module):
         tokens = x.shape[0]
         q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(self.qkv_proj(x)))
         cos, sin = cos_sin
-        q, k = apply_rotary_qk(q, k, cos, sin, fused=self.fused_kernels)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if self.fused_kernels:  # one kernel rotates q and k in place and writes k and v to the cache
+            from mstar.layers.triton_fused import rotary_
+
+            rotary_(q, k, cos, sin, v=v, kv_cache=kv_cache, slot_mapping=meta.slot_mapping)
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale, write_kv=False)
+        else:
+            q, k = apply_rotary_qk(q, k, cos, sin)
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
 
