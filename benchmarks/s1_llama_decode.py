@@ -14,6 +14,11 @@ llama3 RoPE scaling), bf16 on one GPU, random ("dummy") weights, 128-token rando
 * **floor**: the hardware bound of one decode step, the larger of (bytes of weights read
   per step / measured memory bandwidth) and (FLOPs per step / measured matmul rate).
 
+``--tp-sizes 1,2`` runs ours once per tensor-parallel size instead, each a deployment with
+one worker process per rank (``llm`` over ranks ``0..N-1`` with ``tp_size: N``; TP=1 in a
+worker process too, so that the sizes compare like for like), and adds a row per stream
+count whose ours/baseline is the throughput at TP=N over TP=1.
+
 ``--smoke`` runs the same code paths with a tiny model on the CPU in well under a minute.
 See benchmarks/README.md for the command lines.
 """
@@ -70,6 +75,7 @@ class Settings:
     overlap: bool = False
     seed: int = 0
     fused_kernels: bool = False
+    tp_sizes: tuple[int, ...] = ()  # empty: one in-process deployment; else one per TP size
 
     @property
     def max_streams(self) -> int:
@@ -92,6 +98,7 @@ class Settings:
             "attention_backend": self.attention_backend, "cuda_graphs": self.cuda_graphs,
             "overlap_scheduling": self.overlap, "fused_kernels": self.fused_kernels,
             "seed": self.seed, "sampling": "greedy", "ignore_eos": True,
+            "tp_sizes": list(self.tp_sizes) or None,
         }
 
 
@@ -109,13 +116,31 @@ def settings_from(args: argparse.Namespace) -> Settings:
         streams = streams or (1, 16, 64)
     if new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (latency is measured between tokens)")
+    tp_sizes = parse_tp_sizes(args.tp_sizes)
+    if device == "cuda" and tp_sizes and max(tp_sizes) > torch.cuda.device_count():
+        raise SystemExit(f"--tp-sizes {args.tp_sizes}: TP={max(tp_sizes)} needs {max(tp_sizes)} GPUs, "
+                         f"this machine has {torch.cuda.device_count()}")
     return Settings(
         smoke=args.smoke, device=device, dtype=dtype, model=model, prompt_len=prompt_len,
         new_tokens=new_tokens, streams=streams,
         warmup_tokens=min(args.warmup_tokens, new_tokens), latency_runs=args.latency_runs,
         baseline_runs=args.baseline_runs, attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs, overlap=args.overlap, seed=args.seed, fused_kernels=args.fused_kernels,
+        tp_sizes=tp_sizes,
     )
+
+
+def parse_tp_sizes(text: str | None) -> tuple[int, ...]:
+    """``"1,2"`` -> ``(1, 2)``; None or empty -> ``()`` (the single in-process run)."""
+    if not text:
+        return ()
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise SystemExit(f"--tp-sizes must be comma-separated whole numbers, got {text!r}") from None
+    if sizes[0] < 1:
+        raise SystemExit(f"--tp-sizes must be at least 1, got {text!r}")
+    return sizes
 
 
 # --------------------------------------------------------------------------- the bound
@@ -209,9 +234,10 @@ class BatchTiming:
 
 
 class OursRunner:
-    """An in-process M* deployment of the llama model, driven through its runtime."""
+    """An M* deployment of the llama model, driven through its runtime: in process, or with
+    ``tp_size`` set, one worker process per rank and ``llm`` split over ranks 0..tp_size-1."""
 
-    def __init__(self, settings: Settings, model_dir: Path):
+    def __init__(self, settings: Settings, model_dir: Path, tp_size: int | None = None):
         from mstar.config import parse_config
         from mstar.engine.sampling_params import SamplingParams
         from mstar.runtime.launch import start
@@ -233,13 +259,14 @@ class OursRunner:
             "resources": {"kv_cache": {"max_num_pages": settings.max_streams * settings.pages_per_request,
                                        "page_size": PAGE_SIZE}},
             "model_kwargs": model_kwargs,
+            "node_groups": [] if tp_size is None else [llm_group(tp_size)],
         }, "s1 config")
         self.config = config
         greedy = SamplingParams(temperature=0.0)
         self.sampling = {f: getattr(greedy, f) for f in greedy.__struct_fields__}
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.batches = 0
-        self.deployment = start(config, in_process=True)
+        self.deployment = start(config, in_process=tp_size is None)
 
     def request(self, new_tokens: int):
         from mstar.model.spec import WalkRequest
@@ -276,19 +303,26 @@ class OursRunner:
         del self.deployment
 
 
-def run_ours(settings: Settings, model_dir: Path) -> dict[str, Any]:
+def llm_group(tp_size: int) -> dict[str, Any]:
+    """The ``node_groups`` entry of the decoder split over ranks ``0..tp_size-1``."""
+    if tp_size == 1:
+        return {"node_names": ["llm"], "ranks": [0]}
+    return {"node_names": ["llm"], "ranks": list(range(tp_size)), "tp_size": tp_size}
+
+
+def run_ours(settings: Settings, model_dir: Path, tp_size: int | None = None) -> dict[str, Any]:
     """Latency at 1 stream and throughput at every other stream count, after a warm-up."""
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
-    runner = OursRunner(settings, model_dir)
+    runner = OursRunner(settings, model_dir, tp_size)
     out["startup_s"] = time.perf_counter() - t0
-    log.info("ours: deployment ready in %.1f s", out["startup_s"])
+    log.info("ours%s: deployment ready in %.1f s", _tp_tag(tp_size), out["startup_s"])
     try:
         t0 = time.perf_counter()
         for n in settings.streams:
             runner.run(n, settings.warmup_tokens)
         out["warmup_s"] = time.perf_counter() - t0
-        log.info("ours: warm-up (%s streams x %d tokens) took %.1f s", list(settings.streams),
+        log.info("ours%s: warm-up (%s streams x %d tokens) took %.1f s", _tp_tag(tp_size), list(settings.streams),
                  settings.warmup_tokens, out["warmup_s"])
         for n in settings.streams:
             # several batches per stream count, the median kept: one batch swings with its prefill
@@ -304,8 +338,8 @@ def run_ours(settings: Settings, model_dir: Path) -> dict[str, Any]:
                 "wall_s": [r.wall_s for r in runs],
                 "tokens": runs[0].tokens,
             }
-            log.info("ours: %d stream(s): ITL median %.2f ms, %.1f tok/s", n, out[n]["inter_token_ms_median"],
-                     out[n]["throughput_tok_s"])
+            log.info("ours%s: %d stream(s): ITL median %.2f ms, %.1f tok/s", _tp_tag(tp_size), n,
+                     out[n]["inter_token_ms_median"], out[n]["throughput_tok_s"])
     finally:
         runner.close()
         del runner
@@ -313,6 +347,10 @@ def run_ours(settings: Settings, model_dir: Path) -> dict[str, Any]:
         if settings.device == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def _tp_tag(tp_size: int | None) -> str:
+    return "" if tp_size is None else f" tp={tp_size}"
 
 
 # --------------------------------------------------------------------------- baseline
@@ -396,15 +434,19 @@ def scenario_name(settings: Settings) -> str:
 
 
 def metrics_from(settings: Settings, roof: Roofline, ours: dict[str, Any] | None,
-                 baseline: dict[str, Any] | None) -> list[Metric]:
+                 baseline: dict[str, Any] | None, tp_size: int | None = None) -> list[Metric]:
+    """One row per stream count. With ``tp_size`` the metric names end in ``tp=N`` and the
+    floor is one GPU's divided by N: weights, KV cache and FLOPs split evenly over N GPUs,
+    the all-reduces taken as free (an ideal no TP run reaches)."""
     rows: list[Metric] = []
     scenario = scenario_name(settings)
     mean_context = settings.prompt_len + (settings.new_tokens - 1) / 2
+    suffix, split = ("", 1) if tp_size is None else (f" tp={tp_size}", tp_size)
     for n in settings.streams:
-        floor_step = roof.step_seconds(n)
-        with_kv = roof.step_seconds(n, mean_context)
+        floor_step = roof.step_seconds(n) / split
+        with_kv = roof.step_seconds(n, mean_context) / split
         if n == 1:
-            row = Metric(scenario, "latency@1", "ms/token", "lower", floor=floor_step * 1e3)
+            row = Metric(scenario, f"latency@1{suffix}", "ms/token", "lower", floor=floor_step * 1e3)
             row.notes["floor_with_kv_cache"] = with_kv * 1e3
             if ours and n in ours:
                 row.ours = ours[n]["inter_token_ms_median"]
@@ -413,7 +455,7 @@ def metrics_from(settings: Settings, roof: Roofline, ours: dict[str, Any] | None
                 row.baseline = baseline[n]["total_ms_per_token"]
                 row.notes.update({f"baseline_{k}": v for k, v in baseline[n].items()})
         else:
-            row = Metric(scenario, f"throughput@{n}", "tok/s", "higher", floor=n / floor_step)
+            row = Metric(scenario, f"throughput@{n}{suffix}", "tok/s", "higher", floor=n / floor_step)
             row.notes["floor_with_kv_cache"] = n / with_kv
             if ours and n in ours:
                 row.ours = ours[n]["throughput_tok_s"]
@@ -422,6 +464,31 @@ def metrics_from(settings: Settings, roof: Roofline, ours: dict[str, Any] | None
                 row.baseline = baseline[n]["throughput_tok_s"]
                 row.notes.update({f"baseline_{k}": v for k, v in baseline[n].items()})
         rows.append(row)
+    return rows
+
+
+def tp_metrics(settings: Settings, roof: Roofline, ours_by_tp: dict[int, dict[str, Any]],
+               baseline: dict[str, Any] | None) -> list[Metric]:
+    """The rows of every TP size, then per larger size and stream count (throughput at 2+
+    streams) a row ``tp=N vs tp=1 throughput@S`` whose *ours* is TP=N's throughput and
+    *baseline* TP=1's (ours too), so its ours/baseline is the speed-up of splitting."""
+    rows = [row for tp, ours in ours_by_tp.items() for row in metrics_from(settings, roof, ours, baseline, tp)]
+    if not ours_by_tp:
+        return rows
+    base_tp = 1 if 1 in ours_by_tp else min(ours_by_tp)
+    base = ours_by_tp[base_tp]
+    for tp, ours in ours_by_tp.items():
+        if tp == base_tp:
+            continue
+        for n in settings.streams:
+            if n == 1 or n not in ours or n not in base:
+                continue
+            row = Metric(scenario_name(settings), f"tp={tp} vs tp={base_tp} throughput@{n}", "tok/s", "higher",
+                         ours=ours[n]["throughput_tok_s"], baseline=base[n]["throughput_tok_s"],
+                         floor=n / (roof.step_seconds(n) / tp))
+            row.notes["baseline_is"] = f"ours at tp={base_tp} (worker processes), not transformers"
+            row.notes["gpus"] = tp
+            rows.append(row)
     return rows
 
 
@@ -444,6 +511,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.fused_kernels=true: fused Triton RMSNorm/SiLU/RoPE kernels (CUDA)")
     p.add_argument("--overlap", action="store_true",
                    help="model_kwargs.overlap_scheduling=true: launch decode k+1 before step k's host bookkeeping")
+    p.add_argument("--tp-sizes", default=None,
+                   help="tensor-parallel sizes, comma separated (e.g. 1,2): ours once per size with worker "
+                        "processes, llm over ranks 0..N-1 (default: one in-process run)")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -463,10 +533,18 @@ def main(argv: list[str] | None = None) -> int:
              bandwidth, tflops, settings.dtype, roof.weight_bytes_read / 1e9)
 
     ours = baseline = None
+    ours_by_tp: dict[int, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="s1-llama-") as tmp:
         model_dir = tiny_llama_dir(tmp, **settings.model)
-        if not args.skip_ours:
+        if not args.skip_ours and settings.tp_sizes:
+            for tp in settings.tp_sizes:
+                try:
+                    ours_by_tp[tp] = run_ours(settings, model_dir, tp)
+                except Exception as err:  # keep the other sizes' numbers
+                    log.exception("ours at tp=%d failed", tp)
+                    errors[f"ours tp={tp}"] = f"{type(err).__name__}: {err}"
+        elif not args.skip_ours:
             ours = run_ours(settings, model_dir)
         if not args.skip_baseline:
             try:
@@ -483,8 +561,10 @@ def main(argv: list[str] | None = None) -> int:
                      "weight_bytes_read_per_step": roof.weight_bytes_read,
                      "flops_per_token": roof.flops_per_token,
                      "kv_bytes_per_position": roof.kv_bytes_per_position},
-        "metrics": metrics_from(settings, roof, ours, baseline),
-        "ours": _jsonable(ours),
+        "metrics": (tp_metrics(settings, roof, ours_by_tp, baseline) if settings.tp_sizes
+                    else metrics_from(settings, roof, ours, baseline)),
+        "ours": ({f"tp={tp}": _jsonable(result) for tp, result in ours_by_tp.items()} if settings.tp_sizes
+                 else _jsonable(ours)),
         "baseline": _jsonable(baseline),
         "errors": errors,
         "total_s": time.perf_counter() - started,

@@ -6,7 +6,9 @@ tokens, a batch of 2 requests at different timesteps) at SP=2, TP=2, TP=2 x SP=2
 equals SP=1 within 1e-5 on every rank. Token counts are odd, so sequence shards differ in
 length, and at SP=4 one rank holds no text token at all. One Euler step of two batched
 requests through the denoise engine that ``Flux2Klein.build_engines`` builds under an SP=2
-state equals the same step at SP=1.
+state equals the same step at SP=1. The same checks run over NCCL on four GPUs (``cuda``;
+skipped without them): each rank builds every layout on its own GPU in float32 without TF32
+and compares it with SP=1 computed there too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mstar.model.flux2.model import Flux2Klein, image_ids, text_ids
 from mstar.model.flux2.transformer import Flux2Transformer
 from mstar.model.weights import iter_safetensors, load_weights
 from mstar.runtime.placement import build_placement
-from tests.distributed.helpers import rel_error, run_ranks
+from tests.distributed.helpers import devices, rank_device, rel_error, run_ranks
 
 TOL = 1e-5
 HEADS, HEAD_DIM, MLP = 4, 8, 96  # inner width 32, mlp_ratio 3
@@ -75,43 +77,52 @@ def step_items() -> list[EngineItem]:
             for i, iteration in enumerate((0, 2))]
 
 
-def build_dit(root: Path, state: ParallelState) -> Flux2Transformer:
+def build_dit(root: Path, state: ParallelState, device: torch.device = torch.device("cpu")) -> Flux2Transformer:
     config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
-    with use_parallel(state):
+    with torch.device(device), use_parallel(state):
         dit = Flux2Transformer(config)
     load_weights(dit, iter_safetensors(root / "transformer"))
     return dit.eval()
 
 
-def denoise_step(root: Path, state: ParallelState) -> tuple[list[torch.Tensor], list[int]]:
-    """One step of ``step_items`` through the DiT engine the model declaration builds."""
-    spec = Flux2Klein(parse_config({"model": "flux2_klein", "model_path": str(root)}))
+def denoise_step(root: Path, state: ParallelState,
+                 device: torch.device = torch.device("cpu")) -> tuple[list[torch.Tensor], list[int]]:
+    """One step of ``step_items`` through the DiT engine the model declaration builds (its
+    latents back on the CPU)."""
+    spec = Flux2Klein(parse_config({"model": "flux2_klein", "model_path": str(root), "dtype": "float32"}))
     with use_parallel(state):
-        engine = spec.build_engines({"dit"}, torch.device("cpu"))["dit"]
+        engine = spec.build_engines({"dit"}, device)["dit"]
     outputs = engine.run(step_items())
-    return [out.outputs["latents"] for out in outputs], list(engine.forward_rows)
+    return [out.outputs["latents"].cpu() for out in outputs], list(engine.forward_rows)
 
 
-def _split_runs(rank: int, world: int, root: Path) -> dict:
+def _split_runs(rank: int, world: int, root: Path, device_kind: str = "cpu") -> dict:
+    device = rank_device(device_kind, rank)
+    inputs = tuple(t.to(device) for t in forward_inputs())
     # Every process creates every group, in the same order (torch.distributed.new_group).
     sp2 = [build_mesh([0, 1], 1, 2), build_mesh([2, 3], 1, 2)][rank // 2]
     tp2 = [build_mesh([0, 1], 2, 1), build_mesh([2, 3], 2, 1)][rank // 2]
     layouts = {"sp=2": sp2, "tp=2": tp2, "tp=2 x sp=2": build_mesh(range(4), 2, 2),
                "sp=4": build_mesh(range(4), 1, 4)}
     result: dict = {"forward": {}, "shapes": {}}
+    if device.type != "cpu":  # SP=1 on this GPU: what every layout is compared with
+        with torch.no_grad():
+            result["reference"] = build_dit(root, SINGLE, device)(*inputs).cpu()
+        result["reference step"] = denoise_step(root, SINGLE, device)
     for name, state in layouts.items():
         assert state is not None
-        dit = build_dit(root, state)
+        dit = build_dit(root, state, device)
         with torch.no_grad():
-            result["forward"][name] = dit(*forward_inputs())
+            result["forward"][name] = dit(*inputs).cpu()
         single = dit.single_transformer_blocks[0].attn
         result["shapes"][name] = (tuple(dit.transformer_blocks[0].attn.to_q.weight.shape),
                                   tuple(single.to_qkv_mlp_proj.weight.shape), tuple(single.to_out.weight.shape))
-    result["step sp=2"] = denoise_step(root, sp2)
+    result["step sp=2"] = denoise_step(root, sp2, device)
     return result
 
 
-def test_dit_split_over_sp_tp_and_tp_x_sp_equals_sp1(checkpoint):
+@pytest.mark.parametrize("device", devices(4))
+def test_dit_split_over_sp_tp_and_tp_x_sp_equals_sp1(checkpoint, device):
     root, reference = checkpoint
     inputs = forward_inputs()
     with torch.no_grad():
@@ -125,18 +136,23 @@ def test_dit_split_over_sp_tp_and_tp_x_sp_equals_sp1(checkpoint):
     inner, fused = HEADS * HEAD_DIM, 3 * HEADS * HEAD_DIM + 2 * MLP
     whole = ((inner, inner), (fused, inner), (inner, inner + MLP))
     halves = ((inner // 2, inner), (fused // 2, inner), (inner, (inner + MLP) // 2))
-    for rank, result in enumerate(run_ranks(_split_runs, 4, root)):
+    for rank, result in enumerate(run_ranks(_split_runs, 4, root, device, device=device)):
+        single, single_step = expected, expected_step
+        if device != "cpu":  # the GPU's own SP=1 (a GPU's sums are not the CPU's: loosely equal)
+            assert rel_error(result["reference"], expected) <= 1e-4
+            single, (single_step, single_rows) = result["reference"], result["reference step"]
+            assert single_rows == [2]
         for name, out in result["forward"].items():
-            err = rel_error(out, expected)
-            print(f"[flux2 rank {rank}] forward {name}: max rel err {err:.2e}")
+            err = rel_error(out, single)
+            print(f"[flux2 {device} rank {rank}] forward {name}: max rel err {err:.2e}")
             assert err <= TOL, f"rank {rank} {name}: {err:.3e}"
         for name, shapes in result["shapes"].items():  # TP really splits the weights
             assert shapes == (halves if "tp=2" in name else whole), (rank, name, shapes)
         latents, rows = result["step sp=2"]
         assert rows == [2]
-        for i, (ours, ref) in enumerate(zip(latents, expected_step)):
+        for i, (ours, ref) in enumerate(zip(latents, single_step)):
             err = rel_error(ours, ref)
-            print(f"[flux2 rank {rank}] denoise step sp=2, request {i}: max rel err {err:.2e}")
+            print(f"[flux2 {device} rank {rank}] denoise step sp=2, request {i}: max rel err {err:.2e}")
             assert err <= TOL
 
 

@@ -2,7 +2,8 @@
 key layout) loads on both, and a batched prefill plus greedy decode steps through the paged
 KV cache give the same logits (1e-5) and the same tokens. The model's engines, built by
 ``LlamaChat.build_engines`` under the parallel state (as a worker rank will), sample the
-same tokens as at TP=1 with per-rank KV pools."""
+same tokens as at TP=1 with per-rank KV pools. The same checks run over NCCL on two GPUs
+(``cuda``; skipped without them), each rank comparing on its own GPU in float32."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mstar.model.llama.checkpoint import LlamaCheckpoint
 from mstar.model.llama.model import LLM, LlamaChat
 from mstar.model.llama.modeling import LlamaForCausalLM
 from mstar.model.weights import load_weights
-from tests.distributed.helpers import mesh, rel_error, run_ranks
+from tests.distributed.helpers import devices, mesh, rank_device, rel_error, run_ranks
 
 TOL = 1e-5
 PAGE_SIZE, NUM_PAGES = 4, 32
@@ -54,7 +55,7 @@ class PagedSteps:
         self.pages: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, chunks: dict[str, int]) -> PagedAttentionMetadata:
+    def step(self, chunks: dict[str, int], device: torch.device) -> PagedAttentionMetadata:
         positions, slots, starts, seq_lens = [], [], [0], []
         for seq, n in chunks.items():
             pages = self.pages.setdefault(seq, [])
@@ -68,18 +69,19 @@ class PagedSteps:
             seq_lens.append(old + n)
         width = max(len(self.pages[s]) for s in chunks)
         table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s in chunks]
-        return PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), torch.tensor(starts),
-                                      torch.tensor(seq_lens), torch.tensor(table), PAGE_SIZE)
+        return PagedAttentionMetadata(*(torch.tensor(v, device=device) for v in (positions, slots, starts, seq_lens,
+                                                                                  table)), PAGE_SIZE)
 
 
 @torch.no_grad()
-def greedy(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
-    """Logits of every step (prefill of both prompts, then decodes) and the greedy tokens."""
+def greedy(model: LlamaForCausalLM, device: torch.device) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
+    """Logits of every step (prefill of both prompts, then decodes; on the CPU) and the
+    greedy tokens, the model and its KV cache on ``device``."""
     layers, kv_heads, head_dim = model.cache_shape()
-    caches = allocate_kv_cache(layers, NUM_PAGES, PAGE_SIZE, kv_heads, head_dim, torch.float32, "cpu")
+    caches = allocate_kv_cache(layers, NUM_PAGES, PAGE_SIZE, kv_heads, head_dim, torch.float32, device)
     steps, tokens = PagedSteps(), {s: [] for s in PROMPTS}
-    meta = steps.step({s: len(p) for s, p in PROMPTS.items()})
-    ids = torch.tensor([t for p in PROMPTS.values() for t in p])
+    meta = steps.step({s: len(p) for s, p in PROMPTS.items()}, device)
+    ids = torch.tensor([t for p in PROMPTS.values() for t in p], device=device)
     hidden = model(ids, meta, caches)
     all_logits = [model.compute_logits(hidden[meta.query_start_loc[1:] - 1])]
     for _ in range(DECODE_STEPS + 1):
@@ -87,18 +89,18 @@ def greedy(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], dict[str, list[
             tokens[seq].append(row)
         if len(all_logits) == DECODE_STEPS + 1:
             break
-        meta = steps.step({s: 1 for s in PROMPTS})
-        last = torch.tensor([tokens[s][-1] for s in PROMPTS])
+        meta = steps.step({s: 1 for s in PROMPTS}, device)
+        last = torch.tensor([tokens[s][-1] for s in PROMPTS], device=device)
         all_logits.append(model.compute_logits(model(last, meta, caches)))
-    return all_logits, tokens
+    return [logits.cpu() for logits in all_logits], tokens
 
 
-def engine_tokens(folder: str) -> tuple[dict[str, list[int]], int]:
+def engine_tokens(folder: str, device: torch.device) -> tuple[dict[str, list[int]], int]:
     """Tokens the node's engine produces for a greedy and a seeded sampled request, and the
     KV heads its cache holds."""
     config = parse_config({"model": "llama", "model_path": folder, "max_seq_len": 64,
                            "resources": {"kv_cache": {"max_num_pages": 16, "page_size": PAGE_SIZE}}})
-    engine = LlamaChat(config).build_engines({LLM}, torch.device("cpu"))[LLM]
+    engine = LlamaChat(config).build_engines({LLM}, device)[LLM]
     sampling = {"a": {"temperature": 0.0}, "b": {"temperature": 0.8, "seed": 7}}
     items = [EngineItem(s, "prefill", 0, {"prompt_ids": torch.tensor(p)},
                         {"sampling": sampling[s], "max_new_tokens": DECODE_STEPS + 1}) for s, p in PROMPTS.items()]
@@ -110,40 +112,43 @@ def engine_tokens(folder: str) -> tuple[dict[str, list[int]], int]:
     return tokens, engine.kv_caches[0].shape[-2]  # [2, pages, page_size, kv_heads, head_dim]
 
 
-def _compare(rank: int, world: int, folders: list[str]) -> list[dict]:
+def _compare(rank: int, world: int, folders: list[str], device_kind: str = "cpu") -> list[dict]:
+    device = rank_device(device_kind, rank)
     results = []
     for folder in folders:
         ckpt = LlamaCheckpoint.locate(folder)
         config = ckpt.config()
-        reference = LlamaForCausalLM(config).eval()  # TP=1: no parallel state
+        with torch.device(device):
+            reference = LlamaForCausalLM(config).eval()  # TP=1: no parallel state
+            with use_parallel(mesh(world)):
+                sharded = LlamaForCausalLM(config).eval()
         load_weights(reference, ckpt.tensors())
-        with use_parallel(mesh(world)):
-            sharded = LlamaForCausalLM(config).eval()
         load_weights(sharded, ckpt.tensors())
-        ref_logits, ref_tokens = greedy(reference)
-        tp_logits, tp_tokens = greedy(sharded)
+        ref_logits, ref_tokens = greedy(reference, device)
+        tp_logits, tp_tokens = greedy(sharded, device)
         results.append({
             "cache_shape": (reference.cache_shape(), sharded.cache_shape()),
             "errors": [rel_error(ours, ref) for ours, ref in zip(tp_logits, ref_logits)],
             "tokens": (ref_tokens, tp_tokens),
         })
-    reference_engine = engine_tokens(folders[0])
+    reference_engine = engine_tokens(folders[0], device)
     with use_parallel(mesh(world)):
-        results[0]["engine"] = (reference_engine, engine_tokens(folders[0]))
+        results[0]["engine"] = (reference_engine, engine_tokens(folders[0], device))
     return results
 
 
+@pytest.mark.parametrize("device", devices(2))
 @pytest.mark.parametrize("world", [2])
-def test_llama_at_tp2_equals_tp1(tmp_path, world):
+def test_llama_at_tp2_equals_tp1(tmp_path, world, device):
     folders = [str(write_checkpoint(tmp_path / kind, tied=kind == "tied")) for kind in ("tied", "untied")]
-    per_rank = run_ranks(_compare, world, folders)
+    per_rank = run_ranks(_compare, world, folders, device, device=device)
     for rank, results in enumerate(per_rank):
         for kind, result in zip(("tied", "untied"), results):
             full, mine = result["cache_shape"]
             assert full == (2, 2, 8) and mine == (2, 2 // world, 8)  # each rank caches its KV heads
             steps = ["prefill"] + [f"decode {i}" for i in range(DECODE_STEPS)]
             for step, err in zip(steps, result["errors"]):
-                print(f"[llama tp={world} rank {rank} {kind}] {step}: max rel err {err:.2e}")
+                print(f"[llama tp={world} {device} rank {rank} {kind}] {step}: max rel err {err:.2e}")
                 assert err <= TOL, f"rank {rank} {kind} {step}: {err:.3e}"
             ref_tokens, tp_tokens = result["tokens"]
             assert tp_tokens == ref_tokens

@@ -7,7 +7,8 @@ decodes of all three; every step's logits agree within 1e-5 relative (fp32) and 
 tokens are the same, with an untied and a tied head. Each rank's KV cache and state slots
 hold only its heads. Through the runtime, two worker processes serve the same tokens as one.
 The shipped Qwen3.8-27B TP4 config parses and places (the vision tower on the leader,
-unsplit), and a split the heads cannot take is refused naming the key."""
+unsplit), and a split the heads cannot take is refused naming the key. The TP checks run
+over NCCL on two GPUs too (``cuda``; skipped without them), in float32 without TF32."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mstar.config import parse_config
 from mstar.distributed import use_parallel
 from mstar.engine.base import EngineItem
 from mstar.model.qwen3_5.model import LLM, Qwen3_5Chat
-from tests.distributed.helpers import mesh, rel_error, run_ranks
+from tests.distributed.helpers import devices, fp32_only, mesh, rank_device, rel_error, run_ranks
 
 TOL = 1e-5
 VOCAB = 161  # odd: the last vocabulary shard is padded
@@ -81,16 +82,17 @@ def _spec(folder: str) -> Qwen3_5Chat:
 
 
 @torch.no_grad()
-def run_steps(folder: str) -> dict:
-    """Logits and greedy tokens of every step, and the per-rank cache and state shapes."""
-    engine = _spec(folder).build_engines({LLM}, torch.device("cpu"))[LLM]
+def run_steps(folder: str, device: torch.device) -> dict:
+    """Logits (on the CPU) and greedy tokens of every step, and the per-rank cache and state
+    shapes, the engine on ``device``."""
+    engine = _spec(folder).build_engines({LLM}, device)[LLM]
     model = engine.model
     recorded: list[torch.Tensor] = []
     compute_logits = model.compute_logits
 
     def recording(hidden: torch.Tensor) -> torch.Tensor:
         logits = compute_logits(hidden)
-        recorded.append(logits.clone())
+        recorded.append(logits.cpu().clone())
         return logits
 
     model.compute_logits = recording
@@ -116,22 +118,24 @@ def run_steps(folder: str) -> dict:
             "conv": tuple(engine.conv_states[0].shape), "recurrent": tuple(engine.recurrent_states[0].shape)}
 
 
-def _compare(rank: int, world: int, folders: list[str]) -> list[dict]:
+def _compare(rank: int, world: int, folders: list[str], device_kind: str = "cpu") -> list[dict]:
+    device = rank_device(device_kind, rank)
     results = []
     for folder in folders:
-        reference = run_steps(folder)  # TP=1: no parallel state
+        reference = run_steps(folder, device)  # TP=1: no parallel state
         with use_parallel(mesh(world)):
-            split = run_steps(folder)
+            split = run_steps(folder, device)
         results.append({"reference": reference, "split": split,
                         "errors": [rel_error(ours, ref) for ours, ref in zip(split["logits"], reference["logits"])]})
     return results
 
 
-def test_qwen3_5_at_tp2_equals_tp1(tmp_path):
+@pytest.mark.parametrize("device", devices(2))
+def test_qwen3_5_at_tp2_equals_tp1(tmp_path, device):
     kinds = ("untied", "tied")  # a tied head takes its logits from the vocabulary-parallel embeddings
     folders = [str(write_checkpoint(tmp_path / kind, tied=kind == "tied")) for kind in kinds]
     world = 2
-    per_rank = run_ranks(_compare, world, folders)
+    per_rank = run_ranks(_compare, world, folders, device, device=device)
     for rank, (kind, result) in ((r, k) for r, results in enumerate(per_rank) for k in zip(kinds, results)):
         reference, split = result["reference"], result["split"]
         # per slot: conv window (kernel - 1, q + k + v channels), recurrent (value heads, K, V)
@@ -140,7 +144,7 @@ def test_qwen3_5_at_tp2_equals_tp1(tmp_path):
         assert (reference["kv_heads"], split["kv_heads"]) == (2, 1)
         assert len(result["errors"]) == 2 + DECODE_STEPS
         for i, err in enumerate(result["errors"]):
-            print(f"[qwen3.5 tp={world} rank {rank} {kind}] step {i}: max rel err {err:.2e}")
+            print(f"[qwen3.5 tp={world} {device} rank {rank} {kind}] step {i}: max rel err {err:.2e}")
             assert err <= TOL, f"rank {rank} {kind} step {i}: {err:.3e}"
         assert split["tokens"] == reference["tokens"]
         assert all(len(t) == 1 + DECODE_STEPS + (rid != "c") for rid, t in reference["tokens"].items())
@@ -196,11 +200,13 @@ def test_qwen3_8_27b_tp4_config_places(tmp_path):
         build_placement(spec.graph(), config, model_class(config.model)(config))
 
 
-def test_tp2_process_workers_match_tp1(tmp_path):
+@pytest.mark.parametrize("device", devices(2))
+def test_tp2_process_workers_match_tp1(tmp_path, device):
     """Through the runtime, a checkpoint in the released multimodal layout: ``llm`` split over
     two worker processes (the vision tower on the leader, unsplit) serves three concurrent
     greedy requests with the same tokens as the in-process TP=1 deployment, and every KV
-    page and state slot comes back."""
+    page and state slot comes back. On ``cuda`` the TP=1 deployment runs on GPU 0 and the
+    split one on GPUs 0 and 1 over NCCL, all in float32 without TF32."""
     from benchmarks.common import tiny_llama_dir
     from mstar.model.spec import WalkRequest
     from mstar.runtime.launch import start
@@ -215,7 +221,7 @@ def test_tp2_process_workers_match_tp1(tmp_path):
     write_multimodal_checkpoint(folder, vocab_size=VOCAB + 140)
 
     def config(node_groups: list[dict]) -> dict:
-        return {"model": "qwen3_5_4b", "model_path": str(folder), "device": "cpu", "dtype": "float32",
+        return {"model": "qwen3_5_4b", "model_path": str(folder), "device": device, "dtype": "float32",
                 "max_seq_len": 128, "max_concurrent_requests": 3, "node_groups": node_groups,
                 "resources": {"kv_cache": {"max_num_pages": 40, "page_size": 8}, "gdn_state": {"max_slots": 4}}}
 
@@ -237,24 +243,25 @@ def test_tp2_process_workers_match_tp1(tmp_path):
             assert out.error is None, out.error
         return [out.token_ids for out in outs]
 
-    reference = start(parse_config(config([])), in_process=True)
-    try:
-        expected = generate(reference, "tp1")
-    finally:
-        reference.close()
-    assert [len(t) for t in expected] == [6, 8, 7]
-    assert len({tuple(t) for t in expected}) == 3  # the prompts lead somewhere different
-    # the placement of the Qwen3.8 TP4 config: the vision tower on the leader, unsplit
-    split = start(parse_config(config([{"node_names": ["vision"], "ranks": [0]},
-                                       {"node_names": ["llm"], "ranks": [0, 1], "tp_size": 2}])))
-    try:
-        assert generate(split, "tp2") == expected
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            gauges = split.runtime.rank_gauges.get(0, {})
-            if split.runtime.conductor.idle and gauges.get("llm.state_slots_used") == 0:
-                break
-            time.sleep(0.05)
-        assert (gauges.get("llm.kv_pages_used"), gauges.get("llm.state_slots_used")) == (0, 0)
-    finally:
-        split.close()
+    with fp32_only(device):  # the TP=1 deployment runs in this process, the TP=2 one in workers
+        reference = start(parse_config(config([])), in_process=True)
+        try:
+            expected = generate(reference, "tp1")
+        finally:
+            reference.close()
+        assert [len(t) for t in expected] == [6, 8, 7]
+        assert len({tuple(t) for t in expected}) == 3  # the prompts lead somewhere different
+        # the placement of the Qwen3.8 TP4 config: the vision tower on the leader, unsplit
+        split = start(parse_config(config([{"node_names": ["vision"], "ranks": [0]},
+                                           {"node_names": ["llm"], "ranks": [0, 1], "tp_size": 2}])))
+        try:
+            assert generate(split, "tp2") == expected
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                gauges = split.runtime.rank_gauges.get(0, {})
+                if split.runtime.conductor.idle and gauges.get("llm.state_slots_used") == 0:
+                    break
+                time.sleep(0.05)
+            assert (gauges.get("llm.kv_pages_used"), gauges.get("llm.state_slots_used")) == (0, 0)
+        finally:
+            split.close()

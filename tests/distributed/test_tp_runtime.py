@@ -6,7 +6,8 @@ rank 1 follows it in lockstep. Three concurrent greedy requests give the same to
 TP=1 deployment of the same checkpoint, and the KV pages come back; a dead follower fails
 and restarts the whole group, which then serves the same tokens. The engines' sampling
 broadcast keeps unseeded draws of the TP ranks together. The configs the runtime cannot
-run are startup errors naming the key.
+run are startup errors naming the key. The runtime checks run on two GPUs too (``cuda``,
+NCCL; skipped without them), in float32 without TF32.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mstar.engine.base import EngineItem
 from mstar.model.llama.model import LLM, LlamaChat
 from mstar.model.spec import WalkRequest
 from mstar.runtime.launch import Deployment, start
-from tests.distributed.helpers import mesh, run_ranks
+from tests.distributed.helpers import devices, fp32_only, mesh, rank_device, run_ranks
 
 PAGE_SIZE = 4
 PROMPTS = [[5, 9, 300, 17], [400, 3, 3, 80, 81, 82, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -66,8 +67,8 @@ def model_dir(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tp_runtime"))
 
 
-def _config(model_dir: Path, node_groups: list[dict], **extra) -> dict:
-    return {"model": "llama", "model_path": str(model_dir), "device": "cpu", "dtype": "float32",
+def _config(model_dir: Path, node_groups: list[dict], device: str = "cpu", **extra) -> dict:
+    return {"model": "llama", "model_path": str(model_dir), "device": device, "dtype": "float32",
             "max_seq_len": 64, "max_concurrent_requests": 4, "node_groups": node_groups,
             "resources": {"kv_cache": {"max_num_pages": 32, "page_size": PAGE_SIZE}}, **extra}
 
@@ -122,8 +123,14 @@ def _leader_gauges_settle(d: Deployment) -> dict[str, float]:
     return d.runtime.rank_gauges[0]
 
 
-def test_tp2_process_workers_match_tp1(model_dir):
-    reference = start(parse_config(_config(model_dir, [])), in_process=True)
+@pytest.mark.parametrize("device", devices(2))
+def test_tp2_process_workers_match_tp1(model_dir, device):
+    with fp32_only(device):  # the TP=1 deployment runs in this process, the TP=2 one in workers
+        _tp2_matches_tp1(model_dir, device)
+
+
+def _tp2_matches_tp1(model_dir: Path, device: str) -> None:
+    reference = start(parse_config(_config(model_dir, [], device)), in_process=True)
     try:
         expected = _generate(reference, "tp1")
     finally:
@@ -131,7 +138,7 @@ def test_tp2_process_workers_match_tp1(model_dir):
     assert [len(t) for t in expected] == MAX_TOKENS
     assert len({tuple(t) for t in expected}) == len(PROMPTS)  # the prompts lead somewhere different
 
-    split = start(parse_config(_config(model_dir, TP2)))
+    split = start(parse_config(_config(model_dir, TP2, device)))
     try:
         assert split.runtime.conductor.ranks == [0]  # plans go to the leader only
         assert set(split.runtime.rank_gauges) == {0}  # the follower reports nothing
@@ -159,13 +166,13 @@ def test_tp2_process_workers_match_tp1(model_dir):
         assert not process.proc.is_alive()
 
 
-def _unseeded_tokens(rank: int, world: int, folder: str) -> list[list[int]]:
+def _unseeded_tokens(rank: int, world: int, folder: str, device_kind: str = "cpu") -> list[list[int]]:
     """Tokens the node's engine samples (temperature 1, no seed) on this TP rank, after
-    seeding torch differently on every rank."""
+    seeding torch differently on every rank (and on every GPU)."""
     config = parse_config(_config(Path(folder), []))
     with use_parallel(mesh(world)):
-        engine = LlamaChat(config).build_engines({LLM}, torch.device("cpu"))[LLM]
-    torch.manual_seed(1000 + rank)
+        engine = LlamaChat(config).build_engines({LLM}, rank_device(device_kind, rank))[LLM]
+    torch.manual_seed(1000 + rank)  # the CPU's and every GPU's generator
     sampling = {"temperature": 1.0, "top_k": 0}
     items = [EngineItem(f"r{i}", "prefill", 0, {"prompt_ids": torch.tensor(p)},
                         {"sampling": sampling, "max_new_tokens": 6}) for i, p in enumerate(PROMPTS)]
@@ -178,8 +185,9 @@ def _unseeded_tokens(rank: int, world: int, folder: str) -> list[list[int]]:
     return tokens
 
 
-def test_tp_ranks_sample_the_same_unseeded_tokens(model_dir):
-    first, second = run_ranks(_unseeded_tokens, 2, str(model_dir))
+@pytest.mark.parametrize("device", devices(2))
+def test_tp_ranks_sample_the_same_unseeded_tokens(model_dir, device):
+    first, second = run_ranks(_unseeded_tokens, 2, str(model_dir), device, device=device)
     assert first == second
     assert len({tuple(t) for t in first}) > 1  # the draws are not degenerate
 

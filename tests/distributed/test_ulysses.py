@@ -6,7 +6,9 @@ TP=2, TP=2 x SP=2 and SP=4 (gloo, 4 processes), equal our unsplit FLUX.2 modules
 FLUX.2's attention calls a module-level function, so it cannot take an injected attention
 without editing the model: the split modules below have the same parameter names and
 maths, built from the tensor-parallel layers with ``UlyssesAttention`` at their core, and
-load the reference modules' state dicts through the layers' weight loaders.
+load the reference modules' state dicts through the layers' weight loaders. The same
+checks run over NCCL on four GPUs (``cuda``; skipped without them), every rank computing
+the unsplit reference and its layouts on its own GPU in float32 without TF32.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from mstar.layers.ulysses import UlyssesAttention, gather_sequence, shard_sequen
 from mstar.model.flux2.rope import apply_rope, rope_cos_sin
 from mstar.model.flux2.transformer import JointAttention, ParallelSelfAttention, swiglu
 from mstar.model.weights import load_weights
-from tests.distributed.helpers import rel_error, run_ranks
+import pytest
+
+from tests.distributed.helpers import devices, rank_device, rel_error, run_ranks
 
 TOL = 1e-5
 DIM, HEADS, HEAD_DIM, EPS, MLP_RATIO = 32, 4, 8, 1e-6, 3.0
@@ -90,9 +94,10 @@ def randomised(module: nn.Module) -> nn.Module:
     return module.eval()
 
 
-def inputs() -> tuple[JointAttention, ParallelSelfAttention, torch.Tensor, torch.Tensor, tuple]:
+def inputs(device: torch.device = torch.device("cpu")
+           ) -> tuple[JointAttention, ParallelSelfAttention, torch.Tensor, torch.Tensor, tuple]:
     """The reference FLUX.2 attentions with random weights, image and text tokens, and the
-    rope tables of the joint ``[text; image]`` sequence."""
+    rope tables of the joint ``[text; image]`` sequence (drawn on the CPU, then on ``device``)."""
     torch.manual_seed(0)
     joint = randomised(JointAttention(DIM, HEADS, HEAD_DIM, EPS))
     single = randomised(ParallelSelfAttention(DIM, HEADS, HEAD_DIM, MLP_RATIO, EPS))
@@ -100,13 +105,14 @@ def inputs() -> tuple[JointAttention, ParallelSelfAttention, torch.Tensor, torch
     txt_ids = torch.stack([torch.zeros(N_TXT), torch.zeros(N_TXT), torch.zeros(N_TXT), torch.arange(N_TXT)], -1)
     rows, cols = torch.arange(N_IMG) // 4, torch.arange(N_IMG) % 4
     img_ids = torch.stack([torch.zeros(N_IMG), rows, cols, torch.zeros(N_IMG)], -1)
-    return joint, single, img, txt, rope_cos_sin(torch.cat([txt_ids, img_ids]), AXES, 10000.0)
+    rope = rope_cos_sin(torch.cat([txt_ids, img_ids]).to(device), AXES, 10000.0)
+    return joint.to(device), single.to(device), img.to(device), txt.to(device), rope
 
 
-def split_forward(state: ParallelState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_forward(state: ParallelState, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split modules on this rank's shard of the tokens, outputs gathered back whole."""
-    joint, single, img, txt, (cos, sin) = inputs()
-    with use_parallel(state):
+    joint, single, img, txt, (cos, sin) = inputs(device)
+    with torch.device(device), use_parallel(state):
         split_joint, split_single = SplitJointAttention().eval(), SplitSelfAttention().eval()
     load_weights(split_joint, joint.state_dict().items())
     load_weights(split_single, single.state_dict().items())
@@ -121,8 +127,9 @@ def split_forward(state: ParallelState) -> tuple[torch.Tensor, torch.Tensor, tor
     return gather_sequence(img_out, sp), gather_sequence(txt_out, sp), gather_sequence(single_out, sp)
 
 
-def _layouts(rank: int, world: int) -> dict[str, float]:
-    joint, single, img, txt, rope = inputs()
+def _layouts(rank: int, world: int, device_kind: str = "cpu") -> dict[str, float]:
+    device = rank_device(device_kind, rank)
+    joint, single, img, txt, rope = inputs(device)
     with torch.no_grad():  # SP=1, TP=1: the unsplit model
         ref_img, ref_txt = joint(img, txt, rope)
         ref_single = single(torch.cat([txt, img], dim=1), rope)
@@ -138,26 +145,27 @@ def _layouts(rank: int, world: int) -> dict[str, float]:
     errors = {}
     for name, state in layouts.items():
         assert state is not None
-        img_out, txt_out, single_out = split_forward(state)
+        img_out, txt_out, single_out = split_forward(state, device)
         errors[f"joint {name}"] = max(rel_error(img_out, ref_img), rel_error(txt_out, ref_txt))
         errors[f"single {name}"] = rel_error(single_out, ref_single)
 
     # The exchange itself: uneven shards go out and come back unchanged.
     sp = layouts["sp=4"].sp
-    x = torch.arange(3 * (rank + 1) * 8, dtype=torch.float32).view(1, rank + 1, 8, 3) + 1000 * rank
+    x = torch.arange(3 * (rank + 1) * 8, dtype=torch.float32, device=device).view(1, rank + 1, 8, 3) + 1000 * rank
     there = all_to_all(x, sp, scatter_dim=2, gather_dim=1, gather_sizes=[1, 2, 3, 4])
     back = all_to_all(there, sp, scatter_dim=1, gather_dim=2, scatter_sizes=[1, 2, 3, 4])
     exchange = {"shape": tuple(there.shape), "round trip": torch.equal(back, x)}
     tp = layouts["tp=2 x sp=2"].tp  # ranks (0, 1) and (2, 3): each gets its group leader's value
-    exchange["broadcast"] = broadcast(torch.tensor([rank]), tp, src=0).item()
+    exchange["broadcast"] = broadcast(torch.tensor([rank], device=device), tp, src=0).item()
     dist.barrier()
     return {"errors": errors, "exchange": exchange}
 
 
-def test_ulysses_sp_and_tp_x_sp_equal_unsplit_attention():
-    for rank, result in enumerate(run_ranks(_layouts, 4)):
+@pytest.mark.parametrize("device", devices(4))
+def test_ulysses_sp_and_tp_x_sp_equal_unsplit_attention(device):
+    for rank, result in enumerate(run_ranks(_layouts, 4, device, device=device)):
         for name, err in result["errors"].items():
-            print(f"[ulysses rank {rank}] {name}: max rel err {err:.2e}")
+            print(f"[ulysses {device} rank {rank}] {name}: max rel err {err:.2e}")
             assert err <= TOL, f"rank {rank} {name}: {err:.3e}"
         # all ranks' sequence pieces (1 + 2 + 3 + 4) of this rank's quarter of the heads
         assert result["exchange"] == {"shape": (1, 10, 2, 3), "round trip": True, "broadcast": rank - rank % 2}

@@ -3,18 +3,24 @@ deployment, with the codes crossing ranks over shared memory or over TCP, throug
 server. Real (random) checkpoints: a tiny talker in safetensors and a SNAC in the
 snac_24khz layout with the snac package's own initialisation, so the audio is not silence;
 the talker speaks audio codes only (``benchmark_audio_only``), so every request carries
-many SNAC frames."""
+many SNAC frames. The same runs on two GPUs (``cuda``: colocated on GPU 0, split over GPUs 0
+and 1, the codes crossing through host memory; skipped without them), in float32 without TF32.
+Without the snac or openai packages the module is skipped (the GPU machine may lack them)."""
 
 import json
 
 import numpy as np
 import pytest
 import torch
-from live_server import launch_server
-from openai import OpenAI
-from test_orpheus_server import write_tiny_orpheus
 
 snac = pytest.importorskip("snac")
+pytest.importorskip("openai")
+
+from live_server import launch_server  # noqa: E402
+from openai import OpenAI  # noqa: E402
+from test_orpheus_server import write_tiny_orpheus  # noqa: E402
+
+from tests.distributed.helpers import devices, fp32_only  # noqa: E402
 
 SNAC = {"sampling_rate": 24000, "encoder_dim": 8, "encoder_rates": [2, 4, 8, 8], "decoder_dim": 32,
         "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096, "codebook_dim": 8,
@@ -40,10 +46,11 @@ def checkpoint(tmp_path_factory):
     return talker, codec
 
 
-def deployment(work, checkpoint, ranks: tuple[int, int]) -> list[str]:
+def deployment(work, checkpoint, ranks: tuple[int, int], device: str = "cpu") -> list[str]:
     talker, codec = checkpoint
     (work / "orpheus.yaml").write_text(
         f"model: orpheus\nmodel_path: {talker}\nmax_seq_len: 2048\nmax_concurrent_requests: 4\n"
+        f"device: {device}\ndtype: float32\n"
         f"node_groups:\n  - {{node_names: [llm], ranks: [{ranks[0]}]}}\n"
         f"  - {{node_names: [snac_decoder], ranks: [{ranks[1]}]}}\n"
         "resources:\n  kv_cache: {max_num_pages: 256, page_size: 16}\n"
@@ -57,13 +64,15 @@ def speak(url: str, seed: int) -> bytes:
                                       response_format="pcm", extra_body={"seed": seed, "temperature": 0.8}).content
 
 
-def test_colocated_shm_and_tcp_deployments_speak_the_same_audio(checkpoint, tmp_path):
+@pytest.mark.parametrize("device", devices(2))
+def test_colocated_shm_and_tcp_deployments_speak_the_same_audio(checkpoint, tmp_path, device):
     audio = {}
     for name, ranks, extra in [("colocated", (0, 0), []), ("shm", (0, 1), []),
                                ("tcp", (0, 1), ["--tensor-comm-protocol", "TCP"])]:
         work = tmp_path / name
         work.mkdir()
-        with launch_server("orpheus", work, deployment(work, checkpoint, ranks) + extra) as live:
+        args = deployment(work, checkpoint, ranks, device) + extra
+        with fp32_only(device), launch_server("orpheus", work, args) as live:
             audio[name] = [speak(live.url, seed) for seed in (5, 6)]
     assert audio["shm"] == audio["colocated"] and audio["tcp"] == audio["colocated"]
     first, second = (np.frombuffer(a, dtype="<i2") for a in audio["colocated"])

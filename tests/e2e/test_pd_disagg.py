@@ -2,7 +2,9 @@
 ``llm_prefill`` on rank 0 and ``llm`` on rank 1 (the prompt's KV pages move between the two
 worker processes over SHM or TCP) answers exactly what the colocated deployment answers for
 the same requests, greedy and seeded, plain and streamed, and leaves every KV page of both
-pools free. In process: both nodes on one rank, and the example configs."""
+pools free. The HTTP checks run on two GPUs too (``cuda``: colocated on GPU 0, prefill on
+GPU 0 and decode on GPU 1, the pages crossing through host memory; skipped without them),
+in float32 without TF32. In process: both nodes on one rank, and the example configs."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from mstar.model.llama.model import LLM, LLM_PREFILL, LlamaChat
 from mstar.runtime.launch import start
 from mstar.runtime.placement import build_placement
 from mstar.server.backend import ChatSpec
+from tests.distributed.helpers import devices, fp32_only
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -45,17 +48,27 @@ def _checkpoint(path: Path) -> Path:
     return path
 
 
-def _deployment(checkpoint: Path, node_groups: list[dict]) -> dict:
-    return {"model": "llama", "model_path": str(checkpoint), "load_format": "dummy", "device": "cpu",
+def _deployment(checkpoint: Path, node_groups: list[dict], device: str = "cpu") -> dict:
+    return {"model": "llama", "model_path": str(checkpoint), "load_format": "dummy", "device": device,
             "dtype": "float32", "max_seq_len": 256, "max_concurrent_requests": 4, "node_groups": node_groups,
             "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 4}}}
 
 
 # ------------------------------------------------------------------ HTTP servers
+@pytest.fixture(scope="module", params=devices(2))
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> dict[str, Server]:
+def servers(tmp_path_factory, device) -> dict[str, Server]:
     """The colocated deployment and the disaggregated one over SHM and over TCP, started
     side by side (startup is most of this module's time)."""
+    with fp32_only(device):  # the servers' worker processes inherit the environment
+        yield from _servers(tmp_path_factory, device)
+
+
+def _servers(tmp_path_factory, device: str):
     checkpoint = _checkpoint(tmp_path_factory.mktemp("pd-llama"))
     layouts = {"colocated": (COLOCATED, "SHM"), "pd-shm": (DISAGGREGATED, "SHM"), "pd-tcp": (DISAGGREGATED, "TCP")}
     running = []  # the launch_server contexts entered, each stopped when the module ends
@@ -63,7 +76,7 @@ def servers(tmp_path_factory) -> dict[str, Server]:
     def start(name: str) -> Server:
         groups, protocol = layouts[name]
         work = tmp_path_factory.mktemp(name)
-        (work / "deploy.yaml").write_text(json.dumps(_deployment(checkpoint, groups)))
+        (work / "deploy.yaml").write_text(json.dumps(_deployment(checkpoint, groups, device)))
         context = launch_server("llama", work, ["--config", str(work / "deploy.yaml"),
                                                 "--tensor-comm-protocol", protocol])
         server = context.__enter__()
