@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -68,6 +69,8 @@ class Settings:
     baseline_runs: int
     attention_backend: str | None = None  # model_kwargs.attention_backend of ours (None: the engine's)
     cuda_graphs: bool = False  # model_kwargs.cuda_graphs of ours
+    overlap: bool = False  # model_kwargs.overlap_scheduling of ours
+    fused_kernels: bool = False  # model_kwargs.fused_kernels of ours
     seed: int = 0
 
     @property
@@ -80,7 +83,8 @@ class Settings:
             "model": self.model, "clip_s": self.clip_s, "new_tokens": self.new_tokens,
             "batches": list(self.batches), "warmup_tokens": self.warmup_tokens, "runs": self.runs,
             "baseline_runs": self.baseline_runs, "attention_backend": self.attention_backend,
-            "cuda_graphs": self.cuda_graphs, "seed": self.seed, "sampling": "greedy",
+            "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
+            "fused_kernels": self.fused_kernels, "seed": self.seed, "sampling": "greedy",
             "ignore_eos": True, "prompt": "sot en transcribe notimestamps",
         }
 
@@ -100,7 +104,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, clip_s=args.clip_seconds,
                     new_tokens=new_tokens, batches=batches, warmup_tokens=min(args.warmup_tokens, new_tokens),
                     runs=args.runs, baseline_runs=args.baseline_runs, attention_backend=args.attention_backend,
-                    cuda_graphs=args.cuda_graphs, seed=args.seed)
+                    cuda_graphs=args.cuda_graphs, overlap=args.overlap, fused_kernels=args.fused_kernels,
+                    seed=args.seed)
 
 
 # --------------------------------------------------------------------------- the bound
@@ -150,7 +155,9 @@ class OursRunner:
         self.settings = settings
         pages = -(-(4 + settings.new_tokens) // PAGE_SIZE)
         model_kwargs: dict[str, Any] = {"max_new_tokens": settings.new_tokens, "seed": settings.seed,
-                                        "cuda_graphs": settings.cuda_graphs}
+                                        "cuda_graphs": settings.cuda_graphs,
+                                        "overlap_scheduling": settings.overlap,
+                                        "fused_kernels": settings.fused_kernels}
         if settings.attention_backend:
             model_kwargs["attention_backend"] = settings.attention_backend
         self.config = parse_config({
@@ -332,6 +339,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.attention_backend of the M* decoder (default: the engine's)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="model_kwargs.cuda_graphs=true: M* decode steps replay CUDA graphs (implies triton)")
+    p.add_argument("--overlap", action="store_true",
+                   help="model_kwargs.overlap_scheduling=true: launch each decode step before the last one's "
+                        "tokens are read back")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="model_kwargs.fused_kernels=true: one q/k/v GEMM, Triton residual add + LayerNorm "
+                        "(--smoke runs them under Triton's CPU interpreter)")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -339,6 +352,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.verbose)
+    if args.smoke and args.fused_kernels:  # the CPU runs the Triton kernels interpreted
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise SystemExit("--smoke --fused-kernels: set TRITON_INTERPRET=1 (triton is already imported)")
+        os.environ["TRITON_INTERPRET"] = "1"
     settings = settings_from(args)
     device = torch.device(settings.device)
     started = time.perf_counter()

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from mstar.engine.cuda_graphs import DecodeGraphRunner
 
 
+# (hook, the hook a subclass overriding it must also override to take part in overlap scheduling)
+_AHEAD_HOOKS = (("forward", "decode_logits"), ("choose", "choose_on_device"))
+
+
 class Decoder(Protocol):
     def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -87,10 +91,13 @@ class AutoregressiveEngine(Engine):
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         if graph_runner is not None and graph_runner.page_size != page_size:
             raise ValueError(f"graph runner page size {graph_runner.page_size} != {page_size}")
-        if overlap_scheduling and (type(self).forward is not AutoregressiveEngine.forward
-                                   or type(self).choose is not AutoregressiveEngine.choose):
-            raise ValueError(f"overlap_scheduling: {type(self).__name__} hooks forward or choose, "
-                             "which the steps launched ahead would bypass")
+        if overlap_scheduling:
+            bypassed = [f"{hook} without {ahead}" for hook, ahead in _AHEAD_HOOKS
+                        if getattr(type(self), hook) is not getattr(AutoregressiveEngine, hook)
+                        and getattr(type(self), ahead) is getattr(AutoregressiveEngine, ahead)]
+            if bypassed:
+                raise ValueError(f"overlap_scheduling: {type(self).__name__} hooks {', '.join(bypassed)}, "
+                                 "which the steps launched ahead would bypass")
         self.model = model
         self.attention_backend = attention_backend
         self.graph_runner = graph_runner
@@ -148,7 +155,7 @@ class AutoregressiveEngine(Engine):
                              ahead.tokens[self._to_device(torch.tensor(rows, dtype=torch.int64))])
             if rest:
                 chosen = [seqs[i] for i in rest]
-                parts.append(self._sample(self._logits([items[i] for i in rest], chosen), chosen))
+                parts.append(self.choose_on_device(self._logits([items[i] for i in rest], chosen), chosen))
             next_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             host, copied = self._fetch(next_ids)
             self._launch_ahead([items[i] for i in order], [seqs[i] for i in order], next_ids)
@@ -195,6 +202,22 @@ class AutoregressiveEngine(Engine):
     def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         return self._sample(logits, seqs).tolist()
 
+    # The hooks of overlap scheduling: a subclass hooking ``forward`` or ``choose`` takes part
+    # by hooking these too (``_AHEAD_HOOKS``).
+    def decode_logits(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+                      items: list[EngineItem]) -> torch.Tensor:
+        """Logits ``[B, V]`` of a decode-only step (one new token per item, the sequences' host
+        state one token behind): the step launched ahead."""
+        if self.graph_runner is not None and self.graph_runner.fits(len(items), meta):
+            return self.graph_runner.run(input_ids, meta)
+        return self.model.compute_logits(self.model.forward(input_ids, meta, self.kv_caches))
+
+    def choose_on_device(self, logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
+        """``choose`` left on the logits' device, with the same ids. ``lead`` is how many tokens
+        the step is ahead of the sequences' host state (1 for a step launched ahead: only
+        sequences ``_continues`` accepted, whose next choice needs nothing from the host)."""
+        return self._sample(logits, seqs)
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The next id of every row, left on the logits' device."""
         penalised = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
@@ -238,11 +261,9 @@ class AutoregressiveEngine(Engine):
         ids = next_ids if len(rows) == len(seqs) else next_ids[self._to_device(torch.tensor(rows))]
         meta, _ = self._metadata(spans, [])
         chosen = [seqs[row] for row in rows]
-        if self.graph_runner is not None and self.graph_runner.fits(len(rows), meta):
-            logits = self.graph_runner.run(ids, meta)
-        else:
-            logits = self.model.compute_logits(self.model.forward(ids, meta, self.kv_caches))
-        self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)}, self._sample(logits, chosen))
+        logits = self.decode_logits(ids, meta, [items[row] for row in rows])
+        self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)},
+                             self.choose_on_device(logits, chosen, lead=1))
 
     def _roll_back(self, request_id: str) -> None:
         """Give back pages reserved past the sequence's known tokens (a step launched ahead)."""

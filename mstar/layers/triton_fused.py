@@ -8,6 +8,9 @@ Three kernels replace them, each next to a pure-torch reference with the same ro
   RMSNorm of ``s`` with fp32 statistics, the normalised row rounded to the input dtype before
   the per-channel scale (as ``mstar.layers.norm.RMSNorm`` does). Returns ``(normed, s)``.
   Without a residual it is a plain RMSNorm.
+* ``add_layernorm``: the same with LayerNorm (mean and variance in fp32, weight and bias
+  applied in fp32, one rounding to the input dtype at the end, as ``torch.nn.LayerNorm`` does
+  on the GPU). Returns ``(normed, s)``; without a residual it is a plain LayerNorm.
 * ``silu_and_mul``: ``silu(gate) * up`` on the fused ``[gate | up]`` projection output.
 * ``rotary_``: rotate-half (NeoX) RoPE applied to ``q`` and ``k`` in place, one program per
   (token, head), reading the per-token ``cos``/``sin`` rows (``[T, head_dim]``, both halves
@@ -54,6 +57,15 @@ def torch_add_rmsnorm(
     return weight * x32.to(summed.dtype), summed
 
 
+def torch_add_layernorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layernorm(x + residual), x + residual)``; without ``residual`` the sum is ``x``."""
+    summed = x if residual is None else x + residual
+    normed = F.layer_norm(summed.float(), summed.shape[-1:], weight.float(), bias.float(), eps)
+    return normed.to(summed.dtype), summed
+
+
 def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [..., gate | up]`` (two equal halves)."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -92,6 +104,29 @@ if HAS_TRITON:
         normed = (x32 * tl.rsqrt(mean_square + eps)).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_layernorm_kernel(
+        X, RESIDUAL, WEIGHT, BIAS, OUT, SUM_OUT,
+        stride_x, stride_r, stride_o, stride_s,
+        n_cols, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(RESIDUAL + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # the add's rounding
+            tl.store(SUM_OUT + row * stride_s + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        mean = tl.sum(x32, axis=0) / n_cols
+        centred = tl.where(mask, x32 - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+        w = tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (centred * rstd * w + b).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(GATE_UP, OUT, stride_gu, stride_o, inner, BLOCK: tl.constexpr):
@@ -187,6 +222,33 @@ def add_rmsnorm(
     if xs.shape[0]:
         _add_rmsnorm_kernel[(xs.shape[0],)](
             xs, rs, weight, out, summed,
+            xs.stride(0), rs.stride(0), out.stride(0), summed.stride(0),
+            n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n),
+        )
+    return out.view(x.shape), (summed.view(x.shape) if residual is not None else x)
+
+
+def add_layernorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``torch_add_layernorm``: ``(layernorm(x + residual), x + residual)`` in one kernel;
+    the normalised rows come out in ``x``'s dtype."""
+    _check_runnable(x)
+    n = x.shape[-1]
+    if weight.shape != (n,) or bias.shape != (n,):
+        raise ValueError(f"LayerNorm weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not fit "
+                         f"rows of {n}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    xs = _rows(x)
+    rs = _rows(residual) if residual is not None else xs
+    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(xs) if residual is not None else xs
+    if xs.shape[0]:
+        _add_layernorm_kernel[(xs.shape[0],)](
+            xs, rs, weight, bias, out, summed,
             xs.stride(0), rs.stride(0), out.stride(0), summed.stride(0),
             n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n),

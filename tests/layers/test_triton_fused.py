@@ -95,6 +95,34 @@ def test_add_rmsnorm_matches_torch(dtype: torch.dtype, with_residual: bool) -> N
 
 
 @runnable
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_layernorm_matches_torch(dtype: torch.dtype, with_residual: bool) -> None:
+    """Whisper's residual add + LayerNorm; rows off zero mean (the mean must come out)."""
+    from mstar.layers.triton_fused import add_layernorm, torch_add_layernorm
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = 80  # not a power of two: the row block is masked, and masked lanes must not skew the variance
+    x = (3 * torch.randn(7, hidden, generator=gen) + 2).to(DEVICE, dtype)
+    residual = torch.randn(7, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
+    weight = torch.empty(hidden).uniform_(0.5, 1.5, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(hidden, generator=gen).to(DEVICE, dtype)
+    kept = None if residual is None else residual.clone()
+    ref, ref_sum = torch_add_layernorm(x, residual, weight, bias, 1e-5)
+    out, summed = add_layernorm(x, residual, weight, bias, 1e-5)
+    assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+    plain = torch.nn.functional.layer_norm(ref_sum.float(), (hidden,), weight.float(), bias.float(), 1e-5)
+    assert rel_err(out, plain) < TOL[dtype]
+    if with_residual:
+        assert torch.equal(residual, kept)
+        exact = dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter truncates to bf16
+        assert torch.equal(summed, ref_sum) if exact else rel_err(summed, ref_sum) < TOL[dtype]
+    else:
+        assert summed is x
+
+
+@runnable
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)

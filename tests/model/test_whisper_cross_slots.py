@@ -65,13 +65,13 @@ def features(n: int, seed: int, device: torch.device | str = "cpu") -> list[torc
 
 
 def tiny_engine(model, *, max_requests: int = 4, num_pages: int = 48, backend: str = "torch",
-                cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4)) -> WhisperDecoderEngine:
+                cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4), **kwargs) -> WhisperDecoderEngine:
     device = next(model.parameters()).device
     return WhisperDecoderEngine(
         model, RULES, layout=KVLayout(*model.kv_layout()), num_pages=num_pages, page_size=PAGE_SIZE,
         max_seq_len=TINY["max_target_positions"], device=device, dtype=next(model.parameters()).dtype,
         max_requests=max_requests, attention_backend=backend, cuda_graphs=cuda_graphs,
-        graph_batch_sizes=graph_batch_sizes)
+        graph_batch_sizes=graph_batch_sizes, **kwargs)
 
 
 def prefill(request_id: str, audio: torch.Tensor, prompt: list[int], new_tokens: int = 40) -> EngineItem:
@@ -154,6 +154,10 @@ def test_deployment_refuses_slots_beyond_free_memory(tmp_path, monkeypatch) -> N
     ({"cuda_graphs": "yes"}, "model_kwargs.cuda_graphs must be true or false"),
     ({"attention_backend": "flash"}, "model_kwargs.attention_backend must be one of"),
     ({"cuda_graph_batch_sizes": [1, 0]}, None),  # ignored without cuda_graphs
+    ({"overlap_scheduling": 1}, "model_kwargs.overlap_scheduling must be true or false"),
+    ({"fused_kernels": "on"}, "model_kwargs.fused_kernels must be true or false"),
+    ({"encoder_cuda_graphs": True}, "model_kwargs.encoder_cuda_graphs needs device: cuda"),
+    ({"encoder_cuda_graphs": None}, "model_kwargs.encoder_cuda_graphs must be true or false"),
 ])
 def test_fast_path_switches_are_checked_at_startup(tmp_path, kwargs, message) -> None:
     from benchmarks.common import WHISPER_TINY, whisper_dir
@@ -164,6 +168,7 @@ def test_fast_path_switches_are_checked_at_startup(tmp_path, kwargs, message) ->
     if message is None:
         spec.load_frontend()
         assert spec.decode_fast_paths(torch.device("cpu")) == {"attention_backend": "torch"}
+        assert spec.model_fast_paths(torch.device("cpu")) == {"fused_kernels": False, "encoder_cuda_graphs": False}
         return
     with pytest.raises(ConfigError, match=message):
         spec.load_frontend()
@@ -291,3 +296,39 @@ def test_engine_with_decode_graphs_matches_eager_engine() -> None:
     assert got == want
     assert graphed.graphs is not None and graphed.graphs.captured_batch_sizes == (1, 2, 4)
     assert graphed.cross == {} and graphed.stats()["kv_pages_used"] == 0
+
+
+def test_switches_reach_the_engines(tmp_path, monkeypatch) -> None:
+    """overlap_scheduling reaches the decoder engine; fused_kernels the model (on the CPU only
+    under Triton's interpreter, refused otherwise)."""
+    from benchmarks.common import WHISPER_TINY, whisper_dir
+    from mstar.model.whisper.model import Whisper
+
+    path = str(whisper_dir(tmp_path, **WHISPER_TINY))
+    spec = Whisper(parse_config({"model": "whisper", "model_path": path, "load_format": "dummy",
+                                 "model_kwargs": {"overlap_scheduling": True}}))
+    spec.load_frontend()
+    engines = spec.build_engines({"encoder", "decoder"}, torch.device("cpu"))
+    assert engines["decoder"].overlap and not engines["decoder"].model.model.decoder.fused_kernels
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fused = Whisper(parse_config({"model": "whisper", "model_path": path, "load_format": "dummy",
+                                  "model_kwargs": {"fused_kernels": True}}))
+    with pytest.raises(ConfigError, match="model_kwargs.fused_kernels needs device: cuda"):
+        fused.load_frontend()
+
+
+def test_encoder_graphs_pad_to_buckets_on_cpu() -> None:
+    """The encoder's bucketed path (eager on the CPU): zero-padded rows dropped, the same
+    features as ``encode``; a batch past the buckets runs eagerly."""
+    from mstar.model.whisper.graphs import WhisperEncoderGraphs
+
+    model = tiny_model()
+    graphs = WhisperEncoderGraphs(model, (1, 4))
+    gen = torch.Generator().manual_seed(6)
+    mel = torch.randn(5, TINY["num_mel_bins"], 2 * FRAMES, generator=gen)
+    with torch.no_grad():
+        want = model.encode(mel)
+    for rows in ([0], [1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]):
+        got = graphs.run(mel[rows])
+        assert got.shape == want[rows].shape and rel_err(got, want[rows]) <= 1e-6
+    assert graphs.captured_batch_sizes == (1, 4)

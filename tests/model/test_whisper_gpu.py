@@ -52,3 +52,37 @@ def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
     got = cross_attention(q, cross.layers[0], CrossAttentionBatch.build(
         slots, None, frames=1500, sink=cross.sink, backend="triton"))
     assert rel_err(got, want) <= 2e-2
+
+
+@needs_gpu
+def test_every_switch_matches_eager_at_large_v3_widths(tmp_path) -> None:
+    """bf16, whisper-large-v3 widths (d_model 1280, 20 heads, 128 mels, 1500 frames, the full
+    vocabulary) with 4 + 4 layers: decode graphs + overlap + fused kernels + encoder graphs give
+    the same greedy tokens as the eager path (Triton attention), clips of a given and a detected language,
+    transcribe and translate."""
+    from benchmarks.common import WHISPER_LARGE_V3, whisper_dir
+    from test_whisper_overlap import deployment_tokens
+
+    model_dir = whisper_dir(tmp_path, **(WHISPER_LARGE_V3 | {"encoder_layers": 4, "decoder_layers": 4}))
+    eager = {"attention_backend": "triton"}  # the same attention kernels: only the switches differ
+    want = deployment_tokens(model_dir, "cuda", "bfloat16", eager, clips=6, new_tokens=24)
+    fast = {"cuda_graphs": True, "overlap_scheduling": True, "fused_kernels": True,
+            "cuda_graph_batch_sizes": [1, 2, 4]}
+    got = deployment_tokens(model_dir, "cuda", "bfloat16", fast, clips=6, new_tokens=24)
+    assert got == want
+
+
+@needs_gpu
+def test_encoder_graphs_match_eager_encoder() -> None:
+    """The encoder replayed per bucket (padded with zero mels) against eager ``encode``."""
+    from mstar.model.whisper.graphs import WhisperEncoderGraphs
+
+    model = tiny_model("cuda", torch.bfloat16)
+    graphs = WhisperEncoderGraphs(model, (1, 4))
+    mel = torch.randn(3, model.config.num_mel_bins, model.config.num_mel_frames, device="cuda",
+                      dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model.encode(mel)
+    for rows in ([0], [0, 1, 2], [2]):
+        assert rel_err(graphs.run(mel[rows]), want[rows]) <= 2e-2
+    assert graphs.captured_batch_sizes == (1, 4)

@@ -156,11 +156,14 @@ class CrossAttentionBatch:
         return cls(slots, token_seq, token_offset, max_new, paged)
 
 
-def cross_attention(q: torch.Tensor, cache: torch.Tensor, batch: CrossAttentionBatch) -> torch.Tensor:
-    """Pre-scaled queries ``[T, H, Dh]`` of a step attend (no mask) to their sequences' slots of
-    one layer's ``cache`` ``[2, slots, frames, H, Dh]``; returns ``[T, H, Dh]``."""
+def cross_attention(q: torch.Tensor, cache: torch.Tensor, batch: CrossAttentionBatch, scale: float = 1.0,
+                    write_sink: bool = True) -> torch.Tensor:
+    """Queries ``[T, H, Dh]`` of a step attend (no mask) to their sequences' slots of one layer's
+    ``cache`` ``[2, slots, frames, H, Dh]``, logits scaled by ``scale`` (1 for pre-scaled
+    queries); returns ``[T, H, Dh]``. ``write_sink`` False skips the paged backend's write of
+    the "new K/V" into the sink (two copies per layer nobody reads)."""
     if batch.paged is not None:  # the "new K/V" its contract writes (q itself) land in the sink
-        return paged_attention(q, q, q, cache, batch.paged, scale=1.0)
+        return paged_attention(q, q, q, cache, batch.paged, scale=scale, write_kv=write_sink)
     keys = cache[0].index_select(0, batch.slots).transpose(1, 2)  # [B, H, frames, Dh]
     values = cache[1].index_select(0, batch.slots).transpose(1, 2)
     if batch.token_seq is None:
@@ -169,5 +172,6 @@ def cross_attention(q: torch.Tensor, cache: torch.Tensor, batch: CrossAttentionB
         padded = q.new_zeros(batch.slots.shape[0], batch.max_new, *q.shape[1:])
         padded[batch.token_seq, batch.token_offset] = q
         queries = padded.transpose(1, 2)  # [B, H, max_new, Dh]
-    out = F.scaled_dot_product_attention(queries, keys, values, scale=1.0).transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, keys, values, scale=scale).transpose(1, 2)
     return out.squeeze(1) if batch.token_seq is None else out[batch.token_seq, batch.token_offset]
+

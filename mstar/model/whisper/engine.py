@@ -12,22 +12,23 @@ from mstar.engine.base import EngineItem
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.layers.attention import PagedAttentionMetadata
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
-from mstar.model.whisper.graphs import WhisperDecodeGraphs
+from mstar.model.whisper.graphs import WhisperDecodeGraphs, WhisperEncoderGraphs
 
 # The sequence holding the scratch page of the CUDA graphs' padded rows in the page pool.
 GRAPH_SCRATCH = "\0whisper-graph-scratch"
 
 
-def encoder_fn(model):
+def encoder_fn(model, graphs: WhisperEncoderGraphs | None = None):
     """The encoder node: every window of the plan in one batched forward, in the model's
-    device and dtype."""
+    device and dtype (a replay of ``graphs`` when given)."""
+    encode = model.encode if graphs is None else graphs.run
 
     def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         weight = model.model.encoder.conv1.weight
         mel = torch.stack([item.inputs["mel"] for item in items])
         if mel.device != weight.device:
             mel = (mel.pin_memory() if weight.is_cuda else mel).to(weight.device, non_blocking=True)
-        features = model.encode(mel.to(weight.dtype))
+        features = encode(mel.to(weight.dtype))
         return [{"audio_features": f} for f in features]
 
     return run
@@ -61,6 +62,10 @@ class WhisperDecoderEngine(AutoregressiveEngine):
     ``cuda_graphs``: decode-only steps replay per-bucket graphs (``WhisperDecodeGraphs``); the
     page pool gets one page more, held as the padded rows' scratch page. On the CPU the same
     bucketed path runs eagerly (tests).
+
+    ``overlap_scheduling`` (the base engine's): the steps launched ahead run ``decode_logits``
+    (cross slots, graphs) and ``choose_on_device`` (suppress masks, then the sampler); a
+    sequence with a forced token pending is never launched ahead (``_continues``).
     """
 
     def __init__(self, model, rules: WhisperRules, *, max_requests: int, cuda_graphs: bool = False,
@@ -97,10 +102,22 @@ class WhisperDecoderEngine(AutoregressiveEngine):
     def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem]) -> torch.Tensor:
         counts = [len(seq.tokens) - seq.computed for seq in (self.seqs[item.request_id] for item in items)]
         slots = self._to_device(torch.tensor(self._slots(items), dtype=torch.int64))
-        one_each = all(n == 1 for n in counts)
-        if self.graphs is not None and one_each and self.graphs.fits(len(items), meta):
+        return self._decode(input_ids, meta, slots, None if all(n == 1 for n in counts) else counts)
+
+    def decode_logits(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+                      items: list[EngineItem]) -> torch.Tensor:
+        """A step launched ahead: every item already holds its cross K/V slot."""
+        slots = self._to_device(torch.tensor([self.cross_slots.slot(item.request_id) for item in items],
+                                             dtype=torch.int64))
+        return self.model.compute_logits(self._decode(input_ids, meta, slots, None))
+
+    def _decode(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, slots: torch.Tensor,
+                counts: list[int] | None) -> torch.Tensor:
+        """Hidden states of a step whose sequence ``b`` reads cross slot ``slots[b]`` and has
+        ``counts[b]`` new tokens (None: one each, a decode-only step the graphs may replay)."""
+        if self.graphs is not None and counts is None and self.graphs.fits(len(slots), meta):
             return self.graphs.run(input_ids, meta, slots)
-        cross = CrossAttentionBatch.build(slots, None if one_each else counts, frames=self.cross_slots.frames,
+        cross = CrossAttentionBatch.build(slots, counts, frames=self.cross_slots.frames,
                                           sink=self.cross_slots.sink, backend=self.attention_backend)
         return self.model.decode(input_ids, meta, self.kv_caches, self.cross_slots.layers, cross)
 
@@ -118,29 +135,55 @@ class WhisperDecoderEngine(AutoregressiveEngine):
         return [self.cross_slots.slot(item.request_id) for item in items]
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        logits = logits.float()
-        chosen: dict[int, int] = {}
-        for row, seq in enumerate(seqs):
-            state = seq.extra
-            if state.get("forced"):
-                chosen[row] = state["forced"].pop(0)
-            elif state["detect"] and seq.generated == 0:
-                lang = int(self.language_ids[logits[row, self.language_ids].argmax()])
-                task = self.rules.translate if state.get("task") == "translate" else self.rules.transcribe
-                state["forced"] = [task, self.rules.no_timestamps]
-                chosen[row] = lang
-        sampled = [row for row in range(len(seqs)) if row not in chosen]
-        if sampled:
-            rows = [seqs[r] for r in sampled]
-            picks = super().choose(self._suppressed(logits if len(sampled) == len(seqs) else logits[sampled], rows),
-                                   rows)
-            chosen.update(zip(sampled, picks))
-        return [chosen[row] for row in range(len(seqs))]
+        return self.choose_on_device(logits, seqs).tolist()
 
-    def _suppressed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def choose_on_device(self, logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
+        """Each row's next id, left on the device: a pending forced token (task, no-timestamps
+        after a detected language); at a detecting sequence's first step the likeliest language
+        (then the task and no-timestamps tokens are forced); else the sampler's pick from the
+        logits with the suppressed tokens at -inf. Host work is one pass over the rows' state;
+        the rows are gathered and scattered by a few batched ops. A step launched ahead
+        (``lead`` 1) only ever holds sampled rows (``_continues``)."""
+        forced: list[tuple[int, int]] = []  # (row, id)
+        detect: list[int] = []
+        if not lead:
+            for row, seq in enumerate(seqs):
+                state = seq.extra
+                if state.get("forced"):
+                    forced.append((row, state["forced"].pop(0)))
+                elif state["detect"] and seq.generated == 0:
+                    task = self.rules.translate if state.get("task") == "translate" else self.rules.transcribe
+                    state["forced"] = [task, self.rules.no_timestamps]
+                    detect.append(row)
+        logits = logits.float()
+        if not forced and not detect:
+            return self._sample(self._suppressed(logits, seqs, lead), seqs)
+        taken = {row for row, _ in forced} | set(detect)
+        sampled = [row for row in range(len(seqs)) if row not in taken]
+        order = [row for row, _ in forced] + detect + sampled
+        index = self._to_device(torch.tensor([token for _, token in forced] + order, dtype=torch.int64))
+        forced_ids, rows = index[:len(forced)], index[len(forced):]
+        parts = [forced_ids]
+        if detect:
+            scores = logits[rows[len(forced):len(forced) + len(detect)]][:, self.language_ids]
+            parts.append(self.language_ids[scores.argmax(-1)])
+        if sampled:
+            chosen = [seqs[row] for row in sampled]
+            parts.append(self._sample(self._suppressed(logits[rows[len(forced) + len(detect):]], chosen), chosen))
+        ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        return ids.index_copy_(0, rows, torch.cat(parts))
+
+    def _continues(self, seq: Sequence) -> bool:
+        """Besides the base's limits, the next choice must need nothing the host decides: no
+        forced token pending. (A language is detected at a request's first step, its prefill,
+        which is never launched ahead; that choice leaves the task and no-timestamps pending.)"""
+        return super()._continues(seq) and not seq.extra.get("forced")
+
+    def _suppressed(self, logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
         """``logits`` with the tokens no row may produce at -inf (the first text token of a
-        sequence also avoids ``begin_suppress``): one masked fill for the batch."""
-        first = [seq.generated == seq.extra.get("text_start", 0) for seq in seqs]
+        sequence also avoids ``begin_suppress``): one masked fill for the batch. ``lead``: the
+        rows choose the token ``lead`` places after their host state's next one."""
+        first = [seq.generated + lead == seq.extra.get("text_start", 0) for seq in seqs]
         if any(first):
             flags = self._to_device(torch.tensor(first)).view(-1, 1)
             mask = torch.where(flags, self.begin_mask, self.suppress_mask)

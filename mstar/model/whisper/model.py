@@ -28,6 +28,7 @@ from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
 from mstar.model.whisper.engine import WhisperDecoderEngine, WhisperRules, encoder_fn
+from mstar.model.whisper.graphs import WhisperEncoderGraphs
 from mstar.model.whisper.features import log_mel_spectrogram
 from mstar.model.whisper.modeling import WhisperForConditionalGeneration
 from mstar.server.backend import OutputEvent, RequestError, Transcription, TranscriptionSegment, TranscriptionSpec
@@ -96,7 +97,9 @@ class Whisper(ModelSpec):
         self.max_audio_s = float(kwargs.get("max_audio_seconds", 600))
         self.max_upload_bytes = int(kwargs.get("max_upload_bytes", 25 * 1024 * 1024))
         self.max_new_tokens = int(kwargs.get("max_new_tokens", self.whisper_config.max_target_positions // 2))
-        self.decode_fast_paths(torch.device(self.config.device))  # bad switches fail before any worker loads
+        device = torch.device(self.config.device)
+        self.decode_fast_paths(device)  # bad switches fail before any worker loads
+        self.model_fast_paths(device)
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
@@ -178,9 +181,16 @@ class Whisper(ModelSpec):
             log.info("loading %s weights (%s)", self.key, ckpt.format)
             load_weights(model, ckpt.tensors(), dtype=dtype)
         model.eval()
+        fast = self.model_fast_paths(device)
+        model.use_fused_kernels(fast["fused_kernels"])
         engines = {}
         if "encoder" in nodes:
-            engines["encoder"] = StatelessEngine(encoder_fn(model))
+            graphs = None
+            if fast["encoder_cuda_graphs"]:
+                sizes = self.decode_fast_paths(device).get("graph_batch_sizes", DEFAULT_BATCH_SIZES)
+                most = self.config.max_concurrent_requests
+                graphs = WhisperEncoderGraphs(model, [n for n in sizes if n < most] + [most])
+            engines["encoder"] = StatelessEngine(encoder_fn(model, graphs))
         if "decoder" in nodes:
             rules = WhisperRules(
                 vocab_size=config.vocab_size, eot=tokens.eot, sot=tokens.sot, no_timestamps=tokens.no_timestamps,
@@ -204,9 +214,8 @@ class Whisper(ModelSpec):
         steps per batch bucket; CUDA and the Triton backend only; ``cuda_graph_batch_sizes``
         picks the buckets). Eager torch stays the default and the reference."""
         kwargs = self.config.model_kwargs
-        graphs = kwargs.get("cuda_graphs", False)
-        if not isinstance(graphs, bool):
-            raise ConfigError(f"model_kwargs.cuda_graphs must be true or false, got {graphs!r}")
+        graphs = _switch(kwargs, "cuda_graphs")
+        overlap = {"overlap_scheduling": True} if _switch(kwargs, "overlap_scheduling") else {}
         if graphs and device.type != "cuda":
             raise ConfigError("model_kwargs.cuda_graphs needs device: cuda")
         backend = kwargs.get("attention_backend", "triton" if graphs else "torch")
@@ -216,7 +225,7 @@ class Whisper(ModelSpec):
         if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise ConfigError("model_kwargs.attention_backend 'triton' needs device: cuda")
         if not graphs:
-            return {"attention_backend": backend}
+            return {"attention_backend": backend} | overlap
         if backend != "triton":
             raise ConfigError("model_kwargs.cuda_graphs needs attention_backend 'triton' (the torch "
                               "reference synchronises with the host and cannot be captured)")
@@ -224,7 +233,22 @@ class Whisper(ModelSpec):
         if (not isinstance(sizes, (list, tuple)) or not sizes
                 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)):
             raise ConfigError(f"model_kwargs.cuda_graph_batch_sizes must be a list of positive ints, got {sizes!r}")
-        return {"attention_backend": backend, "cuda_graphs": True, "graph_batch_sizes": tuple(sizes)}
+        return {"attention_backend": backend, "cuda_graphs": True, "graph_batch_sizes": tuple(sizes)} | overlap
+
+    def model_fast_paths(self, device: torch.device) -> dict[str, bool]:
+        """The model's GPU switches from ``model_kwargs``: ``fused_kernels`` (decode steps with
+        one q/k/v GEMM, the attention scale in the kernels and Triton residual add +
+        LayerNorm; CUDA, or the CPU under ``TRITON_INTERPRET=1``) and ``encoder_cuda_graphs``
+        (replay the encoder per batch bucket; default: ``cuda_graphs``)."""
+        kwargs = self.config.model_kwargs
+        fused = _switch(kwargs, "fused_kernels")
+        if fused and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise ConfigError("model_kwargs.fused_kernels needs device: cuda")
+        graphs = _switch(kwargs, "cuda_graphs")
+        encoder = _switch(kwargs, "encoder_cuda_graphs", default=graphs)
+        if encoder and device.type != "cuda":
+            raise ConfigError("model_kwargs.encoder_cuda_graphs needs device: cuda")
+        return {"fused_kernels": fused, "encoder_cuda_graphs": encoder}
 
 
 @register
@@ -249,6 +273,13 @@ class WhisperLargeV3Turbo(Whisper):
 class WhisperLarge(Whisper):
     key = "whisper_large"
     default_weights = "openai/whisper-large-v3"
+
+
+def _switch(kwargs: dict, key: str, default: bool = False) -> bool:
+    value = kwargs.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"model_kwargs.{key} must be true or false, got {value!r}")
+    return value
 
 
 def _compression_ratio(text: str) -> float:

@@ -47,6 +47,28 @@ class WhisperAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
+    def fuse_qkv(self) -> None:
+        """Concatenate the q, k and v projections into one ``[3 d, d]`` weight and ``[3 d]`` bias
+        (k's slot zero) for ``qkv``; the three parameters become views of them, so loading
+        weights afterwards still fills both."""
+        if hasattr(self, "qkv_weight"):
+            return
+        d = self.q_proj.weight.shape[0]
+        with torch.no_grad():
+            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            bias = torch.cat([self.q_proj.bias, torch.zeros_like(self.q_proj.bias), self.v_proj.bias])
+        for i, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
+            proj.weight.data = weight[i * d:(i + 1) * d]
+            if proj.bias is not None:
+                proj.bias.data = bias[i * d:(i + 1) * d]
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        self.register_buffer("qkv_bias", bias, persistent=False)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unscaled queries, keys and values ``[..., H, Dh]`` in one GEMM (after ``fuse_qkv``)."""
+        fused = F.linear(x, self.qkv_weight, self.qkv_bias).unflatten(-1, (3, self.num_heads, self.head_dim))
+        return fused.unbind(-3)
+
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-scaled queries ``[..., H, Dh]`` (attend with ``scale=1``)."""
         return (self.q_proj(x) * self.scale).unflatten(-1, (self.num_heads, self.head_dim))
@@ -150,6 +172,37 @@ class WhisperDecoderLayer(nn.Module):
         x = x + self.encoder_attn.output(cross_attention(q, cross_cache, cross))
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
+    def forward_fused(
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+        cross_cache: torch.Tensor,
+        cross: CrossAttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with fewer kernels: the residual stream is ``residual + delta`` (the add
+        left pending), each residual add runs in one Triton kernel with the next LayerNorm,
+        q/k/v come from one GEMM, and the attention kernels apply the 1/sqrt(d) scale (q is
+        not multiplied). Cross-attention does not write the sink slot. Returns the pending
+        ``(delta, residual)`` of the block's output."""
+        attn, cross_attn = self.self_attn, self.encoder_attn
+        h, x = _add_norm(delta, residual, self.self_attn_layer_norm)
+        q, k, v = attn.qkv(h)
+        a = attn.output(paged_attention(q, k, v, kv_cache, meta, scale=attn.scale))
+        h, x = _add_norm(a, x, self.encoder_attn_layer_norm)
+        q = cross_attn.q_proj(h).unflatten(-1, (cross_attn.num_heads, cross_attn.head_dim))
+        c = cross_attn.output(cross_attention(q, cross_cache, cross, scale=cross_attn.scale, write_sink=False))
+        h, x = _add_norm(c, x, self.final_layer_norm)
+        return self.fc2(self.act(self.fc1(h))), x
+
+
+def _add_norm(delta: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(residual + delta), residual + delta)`` in one Triton kernel."""
+    from mstar.layers.triton_fused import add_layernorm
+
+    return add_layernorm(delta, residual, norm.weight, norm.bias, norm.eps)
+
 
 class WhisperDecoder(nn.Module):
     """Token and learned position embeddings, decoder layers, final norm (``model.decoder.``)."""
@@ -163,6 +216,7 @@ class WhisperDecoder(nn.Module):
             WhisperDecoderLayer(config) for _ in range(config.decoder_layers)
         )
         self.layer_norm = nn.LayerNorm(d)
+        self.fused_kernels = False  # ``WhisperForConditionalGeneration.use_fused_kernels``
 
     def forward(
         self,
@@ -177,6 +231,11 @@ class WhisperDecoder(nn.Module):
                              f"got {len(kv_caches)} and {len(cross_caches)}")
         if cross.slots.shape[0] != meta.num_seqs:
             raise ValueError(f"expected cross K/V slots for {meta.num_seqs} sequences, got {cross.slots.shape[0]}")
+        if self.fused_kernels:  # the embedding sum is the first pending residual add
+            delta, x = self.embed_tokens(input_ids), self.embed_positions.weight[meta.positions]
+            for layer, kv_cache, cross_cache in zip(self.layers, kv_caches, cross_caches):
+                delta, x = layer.forward_fused(delta, x, meta, kv_cache, cross_cache, cross)
+            return _add_norm(delta, x, self.layer_norm)[0]
         x = self.embed_tokens(input_ids) + self.embed_positions.weight[meta.positions]
         for layer, kv_cache, cross_cache in zip(self.layers, kv_caches, cross_caches):
             x = layer(x, meta, kv_cache, cross_cache, cross)
@@ -199,6 +258,15 @@ class WhisperForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.model = WhisperModel(config)
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Decode steps with fewer kernels (``WhisperDecoderLayer.forward_fused``; Triton: CUDA,
+        or the CPU under ``TRITON_INTERPRET=1``). Turning it on concatenates every decoder
+        self-attention's q/k/v weights (the parameters stay views of them)."""
+        if enabled:
+            for layer in self.model.decoder.layers:
+                layer.self_attn.fuse_qkv()
+        self.model.decoder.fused_kernels = enabled
 
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """Audio features ``[B, 1500, d_model]`` of log-mels ``[B, n_mels, 3000]``."""

@@ -1,0 +1,153 @@
+"""Whisper's decoder with ``fused_kernels`` (one q/k/v GEMM, the attention scale in the
+kernels, residual add + LayerNorm in one Triton kernel, no cross-attention sink writes)
+against the plain decoder, on tiny random models in float32.
+
+Without a GPU the Triton kernels run under the interpreter; as in test_whisper_triton.py, when
+Triton was imported before ``TRITON_INTERPRET`` was set the tests rerun this file in a fresh
+process (``test_kernels_in_a_fresh_interpreter``) rather than go unrun.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from mstar.engine.page_pool import PagePool  # noqa: E402
+from mstar.layers import triton_fused  # noqa: E402
+from mstar.layers.attention import allocate_kv_cache  # noqa: E402
+from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots  # noqa: E402
+
+from test_whisper_cross_slots import (  # noqa: E402
+    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
+)
+from test_whisper_overlap import make_engine, request, serve  # noqa: E402
+
+RUNNABLE = DEVICE.type == "cuda" or (
+    triton_fused.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction")
+runnable = pytest.mark.skipif(not RUNNABLE, reason="triton was imported before TRITON_INTERPRET was set: "
+                                                   "test_kernels_in_a_fresh_interpreter runs these")
+TOL = 1e-5
+
+if RUNNABLE and triton_fused.INTERPRET:
+    from test_whisper_triton import _index_scalars_in_interpreter
+
+    _index_scalars_in_interpreter()
+
+
+@pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
+def test_kernels_in_a_fresh_interpreter() -> None:
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not fresh_interpreter",
+         str(Path(__file__).resolve())],
+        cwd=root, env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def fused_twin(model):
+    twin = copy.deepcopy(model)
+    twin.use_fused_kernels()
+    return twin
+
+
+def test_fused_qkv_weights_stay_the_parameters() -> None:
+    """The q/k/v parameters become views of the concatenated weight: a later load fills both."""
+    model = fused_twin(tiny_model())
+    attn = model.model.decoder.layers[0].self_attn
+    d = attn.q_proj.weight.shape[0]
+    assert torch.equal(attn.qkv_bias[d:2 * d], torch.zeros(d))
+    fresh = tiny_model(seed=9)
+    model.load_state_dict(fresh.state_dict(), strict=True)
+    want = fresh.model.decoder.layers[0].self_attn
+    assert torch.equal(attn.qkv_weight, torch.cat([want.q_proj.weight, want.k_proj.weight, want.v_proj.weight]))
+    assert torch.equal(attn.qkv_bias[2 * d:], want.v_proj.bias)
+
+
+@runnable
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_decoder_matches_plain_over_prefill_and_decodes(backend: str) -> None:
+    """A mixed prefill, then decodes of sequences at different lengths, through ``decode`` with
+    and without fused kernels on twin caches: same hidden states, same K/V, untouched sink."""
+    plain = tiny_model(DEVICE)
+    models = {"plain": plain, "fused": fused_twin(plain)}
+    layers, heads, head_dim = plain.kv_layout()
+    cross = CrossKVSlots(layers, 3, FRAMES, heads, head_dim, torch.float32, DEVICE)
+    slot = {"a": 2, "b": 0, "c": 1}
+    with torch.no_grad():
+        plain.write_cross_kv(torch.stack(features(3, seed=7, device=DEVICE)),
+                             torch.tensor(list(slot.values()), device=DEVICE), cross.layers)
+    caches = {k: allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE) for k in models}
+    pool = PagePool(16, PAGE_SIZE)
+    lens = {"a": 5, "b": 1, "c": 3}
+    gen = torch.Generator().manual_seed(8)
+    steps = [[(r, 0, n) for r, n in lens.items()]]
+    for order in (["c", "a", "b"], ["b", "c"], ["a", "b", "c"]):
+        steps.append([(r, lens[r], lens[r] + 1) for r in order])
+        for r in order:
+            lens[r] += 1
+    for chunks in steps:
+        ids = torch.randint(0, SOT, (sum(end - start for _, start, end in chunks),), generator=gen).to(DEVICE)
+        counts = [end - start for _, start, end in chunks]
+        slots = torch.tensor([slot[r] for r, _, _ in chunks], device=DEVICE)
+        meta = step_meta(pool, chunks, backend, DEVICE)
+        batch = CrossAttentionBatch.build(slots, counts, frames=FRAMES, sink=cross.sink, backend=backend)
+        hidden = {}
+        for name, model in models.items():
+            cross.layers[0][:, cross.sink].zero_()
+            with torch.no_grad():
+                hidden[name] = model.decode(ids, meta, caches[name], cross.layers, batch)
+            if name == "fused":
+                assert not cross.layers[0][:, cross.sink].any()  # no sink writes
+        assert rel_err(hidden["fused"], hidden["plain"]) <= TOL, chunks
+    for fused, want in zip(caches["fused"], caches["plain"]):
+        assert rel_err(fused, want) <= TOL
+
+
+@runnable
+def test_graph_runner_with_fused_kernels() -> None:
+    """The bucketed runner (a CUDA graph on the GPU, eager buffers on the CPU) over the fused
+    decoder against eager fused decodes."""
+    compare_graph_runner(fused_twin(tiny_model(DEVICE)), "triton", DEVICE, torch.float32, tol=TOL)
+
+
+@runnable
+def test_engine_with_every_switch_matches_plain_eager_engine() -> None:
+    """Fused kernels + decode graphs (eager on the CPU) + overlap + Triton attention against the
+    plain eager torch engine: the same greedy tokens, detect_language and translate included."""
+    plain = tiny_model(DEVICE)
+    requests = {"a": request([SOT, 101, 103, 105], 14), "b": request([SOT], 10, detect=True, task="translate"),
+                "c": request([SOT, 102, 103, 105], 6)}
+    joins = {"a": 0, "b": 1, "c": 3}
+    want, _ = serve(make_engine(plain, False), requests, joins)
+    fast = make_engine(fused_twin(plain), True, backend="triton", cuda_graphs=True)
+    got, ahead_used = serve(fast, requests, joins)
+    assert got == want and ahead_used and fast.graphs.captured_batch_sizes
+
+
+def test_s4_smoke_with_overlap_and_fused_kernels(tmp_path) -> None:
+    """benchmarks/s4_whisper.py --smoke --overlap --fused-kernels (a process of its own: the
+    Triton kernels run interpreted on the CPU)."""
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "benchmarks/s4_whisper.py", "--smoke", "--overlap", "--fused-kernels", "--skip-baseline",
+         "--new-tokens", "4", "--warmup-tokens", "2", "--batches", "1,2", "--runs", "1", "--out", str(tmp_path)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in tmp_path.rglob("*.json")]
+    assert records and records[0]["settings"]["overlap_scheduling"] and records[0]["settings"]["fused_kernels"]
+    assert records[0]["ours"]["1"]["rtf"] > 0
