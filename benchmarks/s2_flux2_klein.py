@@ -13,7 +13,9 @@ tokens), 4 steps, batch 1 and 4.
   outputs are compared, as a check that both compute the same function.
 * **image**: a whole text-to-image request (text encoder, 4-step denoise Loop, VAE decode,
   PNG) through an in-process M* deployment of ``flux2_klein``; seconds per image with one
-  request, and with 4 submitted at once (wall time / 4). No baseline is run for it.
+  request, and with 4 submitted at once (wall time / 4). No baseline is run for it. The fast
+  paths: ``--runtime-compile`` (DiT and VAE decode compiled), ``--attention-backend cudnn``,
+  ``--cuda-graphs`` (the text encoder replayed from a CUDA graph).
 * **floor**: DiT FLOPs per step (matmuls and attention, counted from the shapes) over the
   measured bf16 matmul rate; per image, the steps' floor plus the text encoder's and the VAE
   decoder's FLOPs (counted by torch's FLOP counter on the meta device) over the same rate.
@@ -112,6 +114,7 @@ class Settings:
     runtime_compile: bool
     seed: int = 0
     attention_backend: str = "sdpa"  # ours' model_kwargs.attention_backend (the baseline keeps PyTorch's choice)
+    cuda_graphs: bool = False  # model_kwargs.cuda_graphs for the image runs (the text encoder replayed from a graph)
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -138,7 +141,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     height=size, width=size, steps=args.steps, batches=batches, step_runs=step_runs,
                     image_runs=image_runs, compile=not args.no_compile, compile_mode=args.compile_mode,
                     compile_backend=backend, runtime_compile=args.runtime_compile, seed=args.seed,
-                    attention_backend=args.attention_backend)
+                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs and not args.smoke)
 
 
 def vae_config(settings: Settings):
@@ -357,6 +360,8 @@ class ImageRunner:
             kwargs["compile"] = kwargs["vae_compile"] = True
         if settings.attention_backend != "sdpa":
             kwargs["attention_backend"] = settings.attention_backend
+        if settings.cuda_graphs:
+            kwargs["cuda_graphs"] = True
         config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
                                "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
                                "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs},
@@ -449,6 +454,7 @@ def metrics_from(settings: Settings, tflops: float, flops: dict[str, Any], dit: 
         floor_s = (settings.steps * flops["dit_step"][n] + n * (flops["text_encoder"] + flops["vae_decode"])) / rate
         row = Metric(scenario, f"image@{n}", "s/image", "lower", floor=floor_s / n)
         row.notes["runtime_compile"] = settings.runtime_compile
+        row.notes["cuda_graphs"] = settings.cuda_graphs
         if images and n in images:
             row.ours = images[n]["s_per_image"]
             row.notes.update({f"ours_{k}": v for k, v in images[n].items()})
@@ -472,6 +478,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=("sdpa", "cudnn"), default="sdpa",
                    help="ours' DiT attention (model_kwargs.attention_backend); diffusers keeps PyTorch's choice")
     p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile and vae_compile=true for the image runs")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="model_kwargs.cuda_graphs=true for the image runs (GPU only; ignored with --smoke)")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")
     add_run_args(p)

@@ -6,7 +6,9 @@
 ``compile_backend`` (torch.compile of the DiT), ``vae_compile`` (torch.compile of the VAE
 decode, same backend), ``attention_backend`` (``"sdpa"``: PyTorch's own choice of fused
 attention, the reference; ``"cudnn"``: cuDNN's fused attention first, faster on Hopper GPUs,
-the others where it cannot run), ``lora`` (adapters folded in at load). Eager is the reference.
+the others where it cannot run), ``cuda_graphs`` (the text encoder replayed from a CUDA graph
+per prompt shape, for the families whose text side supports it; CUDA only), ``lora``
+(adapters folded in at load). Eager is the reference.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class DiffusionKnobs:
         self.max_batch_size = integer("max_batch_size", None)
         self.seed = integer("seed", 0, low=0)
         self.compile, self.vae_compile = kwargs.get("compile", False), kwargs.get("vae_compile", False)
-        for name, value in (("compile", self.compile), ("vae_compile", self.vae_compile)):
+        self.cuda_graphs = kwargs.get("cuda_graphs", False)
+        for name, value in (("compile", self.compile), ("vae_compile", self.vae_compile),
+                            ("cuda_graphs", self.cuda_graphs)):
             if not isinstance(value, bool):
                 raise ValueError(f"model_kwargs.{name}: must be true or false, got {value!r}")
         self.compile_backend = kwargs.get("compile_backend", "inductor")
@@ -90,16 +94,22 @@ def load_component(module: torch.nn.Module, folder: Path, *, device: torch.devic
     return module.eval()
 
 
-def text_encoder_engine(text, build):
+def text_encoder_engine(text, build, cuda_graphs: bool = False):
     """The text-encoder node of a diffusion family: ``text.build_encoder()`` loaded from the
     ``text_encoder`` folder by ``build(module, folder, seed_offset, **load)``; every request's
     prompt tokens in one batched ``text.encode(encoder, ids, masks)``, each item getting its
-    ``text`` features."""
+    ``text`` features. ``cuda_graphs``: ``text.graphed(encoder)`` replays the forward
+    (``text.encode(..., graphs=...)``); the encoder must be on a CUDA device."""
     from mstar.engine.base import StatelessEngine
 
     encoder = text.build_encoder()
     encoder = build(encoder, "text_encoder", 1, name_map=encoder.checkpoint_name_map)
+    extra = {}
+    if cuda_graphs:
+        if encoder.model.embed_tokens.weight.device.type != "cuda":
+            raise ValueError("model_kwargs.cuda_graphs needs device: cuda")
+        extra["graphs"] = text.graphed(encoder)
 
     return StatelessEngine(lambda op, items: [
         {"text": e} for e in text.encode(encoder, [i.inputs["prompt_ids"] for i in items],
-                                         [i.inputs["prompt_mask"] for i in items])])
+                                         [i.inputs["prompt_mask"] for i in items], **extra)])

@@ -72,9 +72,13 @@ class DenoiseEngine(Engine):
         self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's (sigmas, timesteps), on the device from its first step on: a step
+        then only indexes them there (a host-to-device copy per step would wait for the
+        GPU to finish the previous step before this one could be launched)."""
         if item.request_id not in self.schedules:
             steps, seq_len = int(item.params["num_steps"]), int(item.params["image_seq_len"])
-            self.schedules[item.request_id] = self.scheduler.timesteps(steps, seq_len)
+            self.schedules[item.request_id] = tuple(  # type: ignore[assignment]
+                _to_device(s, self.device) for s in self.scheduler.timesteps(steps, seq_len))
         return self.schedules[item.request_id]
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
@@ -92,7 +96,7 @@ class DenoiseEngine(Engine):
             if item.op == VELOCITY:
                 outputs[i] = EngineOutput({"velocity": predicted[_Row(i, "text")]})
             elif item.op == GUIDE:
-                v_cond, v_uncond = (item.inputs[k].to(self.device) for k in ("v_cond", "v_uncond"))
+                v_cond, v_uncond = (_to_device(item.inputs[k], self.device) for k in ("v_cond", "v_uncond"))
                 moves[i] = guide(v_cond, v_uncond, guidance_scale(item))
             elif _Row(i, "negative_text") in predicted:
                 moves[i] = guide(predicted[_Row(i, "text")], predicted[_Row(i, "negative_text")], guidance_scale(item))
@@ -135,9 +139,10 @@ class DenoiseEngine(Engine):
 
     def _forward(self, items: list[EngineItem], rows: list[_Row]) -> torch.Tensor:
         batch = [items[row.item] for row in rows]
-        t = torch.stack([self._schedule(item)[1][item.iteration] for item in batch]).to(self.device) / 1000
-        latents = torch.stack([item.inputs["latents"] for item in batch]).to(self.device)
-        text = torch.stack([item.inputs[row.text] for item, row in zip(batch, rows)]).to(self.device, self.dtype)
+        t = torch.stack([self._schedule(item)[1][item.iteration] for item in batch]) / 1000
+        latents = _to_device(torch.stack([item.inputs["latents"] for item in batch]), self.device)
+        text = _to_device(torch.stack([item.inputs[row.text] for item, row in zip(batch, rows)]), self.device)
+        text = text.to(self.dtype)
         self.forward_rows.append(len(rows))
         v = self.velocity(latents.to(self.dtype), text, t.to(self.dtype), [item.params for item in batch])
         return v.to(latents.dtype)
@@ -151,12 +156,22 @@ class DenoiseEngine(Engine):
         for indices in groups.values():
             batch = [items[i] for i in indices]
             sigmas = [self._schedule(item)[0] for item in batch]
-            sigma = torch.stack([s[item.iteration] for s, item in zip(sigmas, batch)]).to(self.device)
-            sigma_next = torch.stack([s[item.iteration + 1] for s, item in zip(sigmas, batch)]).to(self.device)
-            latents = torch.stack([item.inputs["latents"] for item in batch]).to(self.device)
+            sigma = torch.stack([s[item.iteration] for s, item in zip(sigmas, batch)])
+            sigma_next = torch.stack([s[item.iteration + 1] for s, item in zip(sigmas, batch)])
+            latents = _to_device(torch.stack([item.inputs["latents"] for item in batch]), self.device)
             stepped = FlowMatchEuler.step(latents, torch.stack([moves[i] for i in indices]), sigma, sigma_next)
             out.update(zip(indices, stepped))
         return out
 
     def release(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without making the host wait for the device's queued work: a
+    host tensor bound for a GPU goes through pinned memory (PyTorch's cached pinned blocks,
+    kept until the copy is done), whose copy is queued like a kernel; a copy from pageable
+    memory can stall the host once it outgrows the driver's staging buffer."""
+    if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

@@ -1,4 +1,4 @@
-"""Images for image models: decode an untrusted upload, encode PNG, parse "WxH" sizes.
+"""Images for image models: decode an untrusted upload, encode PNG (JPEG, WebP), parse "WxH" sizes.
 
 ``decode_image`` is safe on hostile input: the byte length is checked first, the pixel
 count is read from the header and checked before any pixel is decoded (a small file
@@ -14,6 +14,7 @@ import re
 import struct
 import warnings
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
@@ -106,8 +107,40 @@ def decode_image(
 
 def encode_png(image: Image.Image) -> bytes:
     """``image`` as PNG bytes (light compression: the models' outputs are large)."""
+    return encode_image(np.asarray(image.convert("RGB")))
+
+
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+DEFAULT_QUALITY = 100  # OpenAI's default output_compression for jpeg and webp
+
+
+def encode_image(pixels: np.ndarray, output_format: str = "png", quality: int | None = None) -> bytes:
+    """RGB ``pixels`` (``uint8 [H, W, 3]``) as ``output_format`` bytes; ``quality`` (0-100,
+    default 100) for the lossy formats.
+
+    PNG goes through imagecodecs' libpng when it is installed, with the settings OpenCV uses
+    for speed (zlib level 1, run-length strategy, the "sub" filter): a 1024x1024 image in
+    about 20 ms here, noise or smooth, against 85-105 ms for Pillow at its lightest level
+    (whose adaptive per-row filtering costs most of that); Pillow otherwise."""
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"output format must be one of {list(OUTPUT_FORMATS)}, got {output_format!r}")
+    pixels = np.ascontiguousarray(pixels)
+    if output_format == "png":
+        try:
+            import imagecodecs
+        except ImportError:
+            imagecodecs = None
+        if imagecodecs is not None:
+            return bytes(imagecodecs.png_encode(pixels, level=1, strategy=3, filter=16))
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=1)
+    image = Image.fromarray(pixels, "RGB")
+    quality = DEFAULT_QUALITY if quality is None else quality
+    if output_format == "png":
+        image.save(buffer, format="PNG", compress_level=1)
+    elif output_format == "jpeg":
+        image.save(buffer, format="JPEG", quality=max(quality, 1))
+    else:  # webp: quality 100 is still lossy (Pillow's lossless mode is far slower)
+        image.save(buffer, format="WEBP", quality=quality, method=0)
     return buffer.getvalue()
 
 

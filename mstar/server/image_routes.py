@@ -5,7 +5,9 @@ Generations take OpenAI's JSON body; edits take its multipart form with 1 to 4 r
 images: uploaded (``image``, or ``image[]`` as the official client sends a list) or named
 by reference in repeatable ``image_url`` fields (a data URI or base64; an http(s) URL only
 with MSTAR_ALLOW_REMOTE=1), in form order. Both accept the
-M* extras ``seed``, ``num_inference_steps`` and ``guidance_scale``, check everything
+M* extras ``seed``, ``num_inference_steps`` and ``guidance_scale``, and OpenAI's
+``output_format`` (png, the default; jpeg; webp) with ``output_compression`` (0-100, jpeg and
+webp only; default 100), check everything
 before the backend runs (what this server cannot honour, e.g. ``response_format="url"``,
 is a 400 naming the field, never silently ignored), hand an ``ImageSpec`` to the
 backend's ``generate_images`` and answer OpenAI's ``{"created", "data": [{"b64_json"}]}``.
@@ -30,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import FormData, UploadFile
 
-from mstar.media.images import ImageError, check_side, decode_image, fit_size, parse_size
+from mstar.media.images import OUTPUT_FORMATS, ImageError, check_side, decode_image, fit_size, parse_size
 from mstar.server.app import (
     APIError,
     BackendFailure,
@@ -60,18 +62,17 @@ _FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 _DEFAULT_ONLY = {
     "quality": ("auto", "standard"),
     "style": ("vivid",),
-    "output_format": ("png",),
     "background": ("auto", "opaque"),
 }
 _FORM_FIELDS = (
     "prompt", "model", "n", "size", "response_format", "seed", "num_inference_steps",
-    "guidance_scale", "user", *_DEFAULT_ONLY,
+    "guidance_scale", "user", "output_format", "output_compression", *_DEFAULT_ONLY,
 )
 _GENERATE_KWARGS = ("width", "height", "n", "seed", "num_inference_steps", "guidance_scale")
 
 
 class ImageKnobs(BaseModel):
-    """The M* extras shared by every image request."""
+    """The M* extras shared by every image request, and OpenAI's output encoding."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -79,6 +80,25 @@ class ImageKnobs(BaseModel):
     seed: int | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=100)
     guidance_scale: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    output_format: str | None = Field(None, description=f"one of {', '.join(OUTPUT_FORMATS)} (default png)")
+    output_compression: int | None = Field(None, ge=0, le=100,
+                                           description="0-100, for jpeg and webp only (default 100)")
+
+    @field_validator("output_format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        if value is not None and value not in OUTPUT_FORMATS:
+            raise ValueError(f"must be one of {', '.join(OUTPUT_FORMATS)}")
+        return value
+
+    def encoding(self, prefix: str = "") -> dict[str, Any]:
+        """``output_format`` and ``output_compression`` as the backend takes them (in the
+        spec's ``model_kwargs``); compression without a lossy format is refused (the field
+        named with ``prefix``)."""
+        if self.output_compression is not None and self.output_format not in ("jpeg", "webp"):
+            raise _bad(f"{prefix}output_compression", "applies to output_format 'jpeg' or 'webp' only")
+        return {k: v for k, v in (("output_format", self.output_format),
+                                  ("output_compression", self.output_compression)) if v is not None}
 
 
 class ImageRequest(ImageKnobs):
@@ -90,7 +110,6 @@ class ImageRequest(ImageKnobs):
     response_format: str | None = None
     quality: str | None = None
     style: str | None = None
-    output_format: str | None = None
     background: str | None = None
     user: str | None = None  # accepted and ignored, like OpenAI's abuse-tracking id
 
@@ -147,6 +166,7 @@ def _check_options(req: ImageRequest) -> None:
         if value is not None and value not in allowed:
             choices = " or ".join(repr(v) for v in allowed)
             raise _bad(name, f"{value!r} is not supported by this model; only {choices}")
+    req.encoding()
 
 
 def _size(raw: str | None) -> tuple[int, int] | None:
@@ -182,7 +202,7 @@ def _spec(req: ImageKnobs, request_id: str, prompt: str, size: tuple[int, int],
         num_inference_steps=req.num_inference_steps,
         guidance_scale=req.guidance_scale,
         images=images,
-        model_kwargs=model_kwargs or {},
+        model_kwargs={**(model_kwargs or {}), **req.encoding()},
     )
 
 
@@ -215,12 +235,12 @@ def _b64(png: bytes) -> str:
     return base64.b64encode(png).decode()
 
 
-def _openai_render(size: tuple[int, int]) -> Render:
+def _openai_render(size: tuple[int, int], output_format: str | None) -> Render:
     def render(images: list[bytes]) -> Response:
         return JSONResponse({
             "created": now(),
             "data": [{"b64_json": _b64(png)} for png in images],
-            "output_format": "png",
+            "output_format": output_format or "png",
             "size": f"{size[0]}x{size[1]}",
         })
 
@@ -246,7 +266,7 @@ async def _generations(request: Request, backend: ImagingBackend) -> Response:
     except Exception as exc:
         return exception_response(exc)
     spec = _spec(req, new_id("img"), req.prompt, size, [])
-    return await _serve(request, backend, spec, _openai_render(size))
+    return await _serve(request, backend, spec, _openai_render(size, req.output_format))
 
 
 # --------------------------------------------------------------------------- edits
@@ -323,7 +343,7 @@ async def _edits(request: Request, backend: ImagingBackend) -> Response:
     except Exception as exc:
         return exception_response(exc)
     spec = _spec(req, new_id("imgedit"), req.prompt, size, images)
-    return await _serve(request, backend, spec, _openai_render(size))
+    return await _serve(request, backend, spec, _openai_render(size, req.output_format))
 
 
 # ------------------------------------------------------------------------ /generate
@@ -341,6 +361,7 @@ async def _generate_spec(spec: GenerateSpec) -> ImageSpec:
     if len(spec.files) > MAX_IMAGES:
         raise _bad("files", f"at most {MAX_IMAGES} reference images, got {len(spec.files)}")
     knobs = _GenerateKwargs.model_validate({"model_kwargs": spec.model_kwargs}).model_kwargs
+    knobs.encoding("model_kwargs.")
     width, height = knobs.width, knobs.height
     for name, value in (("width", width), ("height", height)):
         if value is not None:

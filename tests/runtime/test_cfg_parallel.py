@@ -24,7 +24,7 @@ SPEC = ImageSpec("cfg", "a cat", 48, 32, 1, 5, 3, guidance_scale=4.0)
 
 
 class KeepImage(OutputStream):
-    """Keeps the emitted image tensor itself (not its PNG): float pixels in [-1, 1]."""
+    """Keeps the emitted image tensor itself (not its PNG): uint8 pixels [H, W, 3]."""
 
     def __init__(self):
         self.image = None
@@ -86,8 +86,8 @@ def test_cfg_split_over_two_ranks_equals_the_batched_pair(reference, device, pai
         finally:
             d.close()
     pair, plain = pair_images
-    assert split.shape == pair.shape == (3, 32, 48)
-    scale = pair.abs().max()
-    assert (split - pair).abs().max() <= 1e-5 * scale
+    assert split.shape == pair.shape == (32, 48, 3)
+    split, split_again, pair, plain = (x.int() for x in (split, split_again, pair, plain))
+    assert (split - pair).abs().max() <= 1  # at most a rounding flip of a pixel at a .5 boundary
     assert torch.equal(split, split_again)
-    assert (plain - pair).abs().max() > 1e-3 * scale  # guidance is visible in the image
+    assert (plain - pair).abs().float().mean() > 1  # guidance is visible in the image

@@ -151,7 +151,11 @@ def test_generate_defaults(live: LiveServer, imager: FakeImager) -> None:
         ({"prompt": "x", "response_format": "url"}, "response_format"),
         ({"prompt": "x", "quality": "hd"}, "quality"),
         ({"prompt": "x", "style": "natural"}, "style"),
-        ({"prompt": "x", "output_format": "webp"}, "output_format"),
+        ({"prompt": "x", "output_format": "gif"}, "output_format"),
+        ({"prompt": "x", "output_compression": 50}, "output_compression"),
+        ({"prompt": "x", "output_format": "png", "output_compression": 50}, "output_compression"),
+        ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, "output_compression"),
+        ({"prompt": "x", "output_format": "webp", "output_compression": -1}, "output_compression"),
         ({"prompt": "x", "seed": "abc"}, "seed"),
         ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
         ({"prompt": "x", "num_inference_steps": 101}, "num_inference_steps"),
@@ -160,6 +164,26 @@ def test_generate_defaults(live: LiveServer, imager: FakeImager) -> None:
 )
 def test_generate_errors(live: LiveServer, body: dict, param: str) -> None:
     assert post_error(f"{live.url}/v1/images/generations", json=body) == param
+
+
+def test_output_format_and_compression_reach_the_backend(live: LiveServer, imager: FakeImager) -> None:
+    """OpenAI's output_format (png, jpeg, webp) and output_compression (jpeg and webp) travel
+    to the backend in the spec's model_kwargs and are echoed in the response; png stays the
+    default. Edits and /generate take them too (the latter in model_kwargs)."""
+    url = f"{live.url}/v1/images/generations"
+    body = httpx.post(url, json={"prompt": "x", "output_format": "jpeg", "output_compression": 80}, timeout=10).json()
+    assert body["output_format"] == "jpeg"
+    assert imager.image_specs[-1].model_kwargs == {"output_format": "jpeg", "output_compression": 80}
+    assert httpx.post(url, json={"prompt": "x"}, timeout=10).json()["output_format"] == "png"
+    assert imager.image_specs[-1].model_kwargs == {}
+    form = {"prompt": "x", "output_format": "webp", "output_compression": "0"}
+    files = {"image": ("a.png", png(64, 64), "image/png")}
+    edited = httpx.post(f"{live.url}/v1/images/edits", data=form, files=files, timeout=10)
+    assert edited.json()["output_format"] == "webp"
+    assert imager.image_specs[-1].model_kwargs == {"output_format": "webp", "output_compression": 0}
+    kwargs = '{"output_format": "png", "output_compression": 5}'
+    form = {"text": "x", "output_modalities": '["image"]', "model_kwargs": kwargs}
+    assert post_error(f"{live.url}/generate", data=form) == "model_kwargs.output_compression"
 
 
 def test_response_format_url_says_why(live: LiveServer) -> None:

@@ -11,11 +11,18 @@ Deployment knobs (``model_kwargs``): ``max_image_area`` (pixels, default 2048x20
 ``num_inference_steps`` (default 4), ``max_batch_size`` (DiT rows per forward), ``compile``
 (torch.compile the DiT, with ``compile_backend``, default inductor; eager is the reference),
 ``vae_compile``, ``attention_backend`` (``sdpa`` or ``cudnn``, see ``mstar.diffusion.knobs``),
-``lora`` (adapters folded into the DiT at load, ``mstar.model.lora``).
+``cuda_graphs`` (the text encoder replayed from a CUDA graph per prompt shape), ``lora``
+(adapters folded into the DiT at load, ``mstar.model.lora``).
+
+Nothing on a request's path waits for the GPU but the VAE node's copy of the finished pixels
+to the host: position ids and schedules are made on the device once and reused, and host
+inputs cross with non-blocking copies. Images leave as ``uint8`` pixels made on the device and
+are encoded in the frontend in the request's ``output_format`` (``mstar.diffusion.output``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -24,6 +31,7 @@ import torch
 
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.diffusion.knobs import DiffusionKnobs, load_component, text_encoder_engine
+from mstar.diffusion.output import ImageStream, output_params, to_pixels
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
@@ -43,8 +51,8 @@ from mstar.model.flux2.transformer import Flux2Transformer
 from mstar.model.flux2.vae import Flux2VAE, Flux2VAEConfig, token_grid, to_tokens, unpack_latents
 from mstar.model.lora import fold_adapters
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
-from mstar.server.backend import GenerateSpec, ImageSpec, OutputEvent, RequestError
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.server.backend import GenerateSpec, ImageSpec, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,29 @@ def token_ids(params: dict) -> torch.Tensor:
     return torch.cat([ids, reference_ids(grids)]) if grids else ids
 
 
+def token_layout(params: dict) -> tuple:
+    """What a request's ``token_ids`` depend on (a cache key)."""
+    return params["rows"], params["cols"], tuple(tuple(g) for g in params.get("reference_grids") or ())
+
+
+class DeviceIds:
+    """The DiT's position ids on the device, made once per layout of a batch's rows and text
+    length (``ids_cache`` layouts kept): a fresh host-to-device copy every step would make
+    the host wait for the GPU's previous step before it could launch this one."""
+
+    def __init__(self, device: torch.device, ids_cache: int = 64):
+        self.device = device
+        self._make = functools.lru_cache(maxsize=ids_cache)(self._build)
+
+    def _build(self, layouts: tuple, text_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [{"rows": r, "cols": c, "reference_grids": [list(g) for g in grids]} for r, c, grids in layouts]
+        image = torch.stack([token_ids(p) for p in rows]).to(self.device, non_blocking=True)
+        return image, text_ids(text_length).to(self.device, non_blocking=True)
+
+    def __call__(self, params: list[dict], text_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._make(tuple(token_layout(p) for p in params), text_length)
+
+
 class Knobs(DiffusionKnobs):
     """klein's deployment knobs (mstar/diffusion/knobs.py), 4 steps by default."""
 
@@ -80,24 +111,7 @@ class Knobs(DiffusionKnobs):
         super().__init__(kwargs, DEFAULT_STEPS)
 
 
-class PngStream(OutputStream):
-    """An emitted image tensor in [-1, 1], [3, H, W] -> one PNG event."""
-
-    def __init__(self):
-        self.images = 0
-
-    @property
-    def generated(self) -> int:
-        return self.images
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        from PIL import Image
-
-        from mstar.media.images import encode_png
-
-        pixels = ((value.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
-        self.images += 1
-        return OutputEvent(modality="image", data=encode_png(Image.fromarray(pixels, "RGB")))
+PngStream = ImageStream  # its former name (a default ImageStream encodes PNG)
 
 
 @register
@@ -161,7 +175,8 @@ class Flux2Klein(ModelSpec):
         rows, cols = token_grid(height, width, self.vae_config.scale_factor)
         seed = (spec.seed if spec.seed is not None else torch.seed() % (1 << 31)) + index
         noise = FlowMatchEuler.initial_noise((1, 4 * self.vae_config.latent_channels, rows, cols), seed)
-        params = {"num_steps": steps, "image_seq_len": rows * cols, "rows": rows, "cols": cols}
+        params = {"num_steps": steps, "image_seq_len": rows * cols, "rows": rows, "cols": cols,
+                  **output_params(spec.model_kwargs)}
         inputs = {"prompt_ids": ids, "prompt_mask": mask, "latents": to_tokens(noise)[0]}
         if not spec.images:
             return WalkRequest("t2i", inputs, params)
@@ -189,10 +204,10 @@ class Flux2Klein(ModelSpec):
         return self.prepare_image(ImageSpec(spec.request_id, spec.text, int(kw.get("width", 1024)),
                                             int(kw.get("height", 1024)), 1, kw.get("seed"),
                                             kw.get("num_inference_steps"), kw.get("guidance_scale"),
-                                            [data for _, data in spec.files]))
+                                            [data for _, data in spec.files], kw))
 
-    def output_stream(self, request: WalkRequest, stop: list[str]) -> PngStream:
-        return PngStream()
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> ImageStream:
+        return ImageStream.for_request(request)
 
     def parallel_dims(self) -> dict:
         """Every DiT node (``dit``, and ``dit_uncond`` of the guided walks) splits its heads
@@ -218,17 +233,18 @@ class Flux2Klein(ModelSpec):
 
         engines = {}
         if "text_encoder" in nodes:
-            engines["text_encoder"] = text_encoder_engine(KleinText.from_directory(root), build)
+            engines["text_encoder"] = text_encoder_engine(KleinText.from_directory(root), build, knobs.cuda_graphs)
         if "dit" in nodes:
             config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
             dit = build(Flux2Transformer(config), "transformer", 2)
             fold_adapters(dit, knobs.lora, targets=flux2_lora_targets)  # in fp32, one rounding per weight
             forward = torch.compile(dit, backend=knobs.compile_backend) if knobs.compile else dit
+            device_ids = DeviceIds(device)
 
             def velocity(latents, text, t, params):
-                ids = torch.stack([token_ids(p) for p in params]).to(device)
+                ids, txt_ids = device_ids(params, text.shape[1])
                 with knobs.attention_scope():
-                    return forward(latents, text, t, ids, text_ids(text.shape[1]).to(device), guidance=None)
+                    return forward(latents, text, t, ids, txt_ids, guidance=None)
 
             engines["dit"] = ReferenceDenoiseEngine(velocity, FlowMatchEuler(), device, dtype, **knobs.batching)
         if "vae" in nodes:
@@ -244,10 +260,11 @@ class Flux2Klein(ModelSpec):
                         tokens = encode_references(vae, item.inputs["reference_pixels"], p["reference_sizes"])
                         out.append({"references": tokens})
                         continue
-                    latents = unpack_latents(item.inputs["latents"][None].to(device, dtype), p["rows"], p["cols"],
-                                             *vae.latent_norm())
-                    out.append({"image": decode(latents)[0].float().cpu()})
-                return out
+                    latents = item.inputs["latents"][None].to(device, non_blocking=True).to(dtype)
+                    latents = unpack_latents(latents, p["rows"], p["cols"], *vae.latent_norm())
+                    out.append({"image": to_pixels(decode(latents)[0])})
+                # every decode queued before the first copy to the host: the one wait for the GPU
+                return [{"image": o["image"].cpu()} if "image" in o else o for o in out]
 
             engines["vae"] = StatelessEngine(run)
         return engines

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mstar.diffusion.graphs import GraphedForward
 from mstar.model.qwen3 import KLEIN_MAX_LENGTH, KLEIN_TAP_LAYERS, Qwen3Config, Qwen3TextEncoder
 from mstar.model.qwen3.klein import _tokenize_chat
 
@@ -38,12 +39,32 @@ class KleinText:
     def build_encoder(self) -> Qwen3TextEncoder:
         return Qwen3TextEncoder(self.config, tap_layers=self.tap_layers)
 
-    def encode(self, encoder: Qwen3TextEncoder, ids: Sequence[torch.Tensor],
-               masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """A batch of tokenised prompts -> ``[L, taps * hidden]`` each (padding kept, as the
-        pipeline gives all positions to the DiT)."""
+    def encode(self, encoder: Qwen3TextEncoder, ids: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+               graphs: GraphedForward | None = None) -> list[torch.Tensor]:
+        """A batch of tokenised prompts (on the host) -> ``[L, taps * hidden]`` each (padding
+        kept, as the pipeline gives all positions to the DiT). Whether anything is padded is
+        read on the host, so the forward never waits for the device; ``graphs`` (from
+        ``graphed``) replays it from CUDA graphs."""
+        ids, masks = torch.stack(list(ids)), torch.stack(list(masks))
+        padded = not bool(masks.bool().all())
         device = encoder.model.embed_tokens.weight.device
+        ids, masks = ids.to(device, non_blocking=True), masks.to(device, non_blocking=True)
         with torch.inference_mode():
-            states = encoder(torch.stack(list(ids)).to(device), torch.stack(list(masks)).to(device),
-                             tap_layers=self.tap_layers)
-        return list(torch.cat(states, dim=-1))
+            if graphs is None:
+                features = self.features(encoder, ids, masks if padded else None)
+            elif padded:
+                features = graphs((tuple(ids.shape), True), ids, masks)
+            else:
+                features = graphs((tuple(ids.shape), False), ids)
+        return list(features)
+
+    def features(self, encoder: Qwen3TextEncoder, ids: torch.Tensor, masks: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The tapped hidden states side by side, ``[B, L, taps * hidden]``; ``masks`` None when
+        nothing is padded (a forward free of host syncs, so it can be captured)."""
+        states = encoder(ids, masks, tap_layers=self.tap_layers, padded=masks is not None)
+        return torch.cat(states, dim=-1)
+
+    def graphed(self, encoder: Qwen3TextEncoder) -> GraphedForward:
+        """``features`` replayed from a CUDA graph per (batch, length, padded)."""
+        return GraphedForward(lambda ids, masks=None: self.features(encoder, ids, masks))

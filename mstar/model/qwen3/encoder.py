@@ -105,12 +105,19 @@ class Qwen3Stack(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-def attention_mask_4d(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """Boolean ``[B, 1, L, L]`` causal-and-not-padding mask, or None when nothing is padded."""
+def attention_mask_4d(attention_mask: torch.Tensor | None, length: int,
+                      padded: bool | None = None) -> torch.Tensor | None:
+    """Boolean ``[B, 1, L, L]`` causal-and-not-padding mask, or None when nothing is padded.
+
+    ``padded``: whether any key is padding, when the caller knows it (a mask built on the
+    host can say so for free); None reads it from the mask, which makes the host wait for
+    the device when the mask lives there (and so cannot be captured in a CUDA graph)."""
     if attention_mask is None:
         return None
     keys = attention_mask.bool()
-    if bool(keys.all()):
+    if padded is None:
+        padded = not bool(keys.all())
+    if not padded:
         return None
     causal = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
     return causal[None, None] & keys[:, None, None, :]
@@ -162,9 +169,11 @@ class Qwen3TextEncoder(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         tap_layers: Sequence[int] | None = None,
+        padded: bool | None = None,
     ) -> list[torch.Tensor]:
         """Hidden states ``[B, L, hidden]`` for each tap (in the order asked), from token ids
-        ``[B, L]`` and an optional padding mask ``[B, L]`` (1/True = real token)."""
+        ``[B, L]`` and an optional padding mask ``[B, L]`` (1/True = real token); ``padded``
+        as in ``attention_mask_4d`` (pass it to keep the forward free of host syncs)."""
         taps = self.tap_layers if tap_layers is None else self.resolve_taps(self.config, tap_layers)
         final = self.config.num_hidden_layers
         for i in taps:
@@ -175,7 +184,7 @@ class Qwen3TextEncoder(nn.Module):
         length = x.shape[1]
         positions = torch.arange(length, device=x.device)
         cos_sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
-        mask = attention_mask_4d(attention_mask, length)
+        mask = attention_mask_4d(attention_mask, length, padded)
         states = {0: x}
         for index, layer in enumerate(self.model.layers[:deepest], start=1):
             x = layer(x, cos_sin, mask)

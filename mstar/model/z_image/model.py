@@ -28,10 +28,10 @@ import torch
 
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.diffusion.knobs import MAX_STEPS, DiffusionKnobs, load_component, text_encoder_engine
+from mstar.diffusion.output import ImageStream, output_params
 from mstar.engine.base import StatelessEngine
 from mstar.engine.denoise import DenoiseEngine
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
-from mstar.model.flux2.model import PngStream
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.z_image.config import ZImageTransformerConfig
@@ -107,7 +107,7 @@ class ZImageTurbo(ModelSpec):
         seed = (spec.seed if spec.seed is not None else torch.seed() % (1 << 31)) + index
         noise = FlowMatchEuler.initial_noise((1, self.latent_channels, height // scale, width // scale), seed)[0]
         params = {"num_steps": steps, "image_seq_len": (height // multiple) * (width // multiple),
-                  "caption_len": int(mask.sum())}
+                  "caption_len": int(mask.sum()), **output_params(spec.model_kwargs)}
         return WalkRequest("t2i", {"prompt_ids": ids, "prompt_mask": mask, "latents": noise}, params)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
@@ -119,8 +119,8 @@ class ZImageTurbo(ModelSpec):
                                             kw.get("num_inference_steps"), kw.get("guidance_scale"),
                                             [data for _, data in spec.files]))
 
-    def output_stream(self, request: WalkRequest, stop: list[str]) -> PngStream:
-        return PngStream()
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> ImageStream:
+        return ImageStream.for_request(request)
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):

@@ -1,0 +1,247 @@
+"""FLUX.2 [klein]'s whole-image fast path (issue 6, S2): pixels made on the device, fast
+image encoding in the request's output format, a text encoder free of host syncs (and
+replayed from CUDA graphs), position ids made once. On the CPU: each piece against the
+eager formula it replaces, exactly. On a GPU: the whole tiny pipeline in bf16 with every
+fast-path knob on against the eager pipeline, and the text encoder and DiT steps running
+without a single host sync. Uses the tiny checkpoint of test_flux2_klein_walk."""
+
+import asyncio
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_flux2_klein_walk import randomize, reference  # noqa: F401  (the tiny checkpoint fixture)
+
+from mstar.config import parse_config
+from mstar.diffusion.output import ImageStream, output_params, to_pixels
+from mstar.engine.base import EngineItem
+from mstar.media import images as media
+from mstar.model.flux2.model import DeviceIds, Knobs, text_ids, token_ids
+from mstar.model.flux2.text import KleinText
+from mstar.model.qwen3 import attention_mask_4d
+from mstar.model.registry import model_class
+from mstar.runtime.launch import start
+from mstar.server.backend import ImageSpec, RequestError
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def decoded(data: bytes) -> tuple[str, np.ndarray]:
+    with Image.open(io.BytesIO(data)) as image:
+        return image.format, np.asarray(image.convert("RGB"))
+
+
+def old_pixels(image: torch.Tensor) -> np.ndarray:
+    """The frontend's former conversion of a float image, on the host."""
+    return ((image.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+# ------------------------------------------------------------------- pixels and encoding
+def test_device_pixels_equal_the_host_conversion():
+    g = torch.Generator().manual_seed(0)
+    image = torch.randn(3, 20, 28, generator=g) * 1.5  # beyond [-1, 1] too
+    image[0, 0, :5] = torch.tensor([-1.0, 1.0, 0.0, 1 / 255, -3.0])  # edges and a .5 rounding case
+    for dtype in (torch.float32, torch.bfloat16):
+        pixels = to_pixels(image.to(dtype))
+        assert pixels.dtype == torch.uint8 and pixels.shape == (20, 28, 3) and pixels.is_contiguous()
+        assert np.array_equal(pixels.numpy(), old_pixels(image.to(dtype)))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_png_is_lossless_with_and_without_imagecodecs(fast, monkeypatch):
+    if not fast:  # the Pillow fallback where imagecodecs is not installed
+        monkeypatch.setitem(__import__("sys").modules, "imagecodecs", None)
+    else:
+        pytest.importorskip("imagecodecs")
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    fmt, back = decoded(media.encode_image(pixels))
+    assert fmt == "PNG" and np.array_equal(back, pixels)
+
+
+def test_png_of_a_1024_image_is_fast():
+    """The reason for the encoder choice: a 1024x1024 noise image (the worst case for deflate)
+    in well under the ~0.1 s Pillow took (a loose bound: this machine's 2 cores are shared)."""
+    pytest.importorskip("imagecodecs")
+    import time
+
+    pixels = np.random.default_rng(2).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
+    media.encode_image(pixels)
+    start = time.perf_counter()
+    media.encode_image(pixels)
+    assert time.perf_counter() - start < 0.06
+
+
+def test_image_stream_encodes_the_requested_format():
+    g = torch.Generator().manual_seed(3)
+    image = torch.rand(3, 32, 48, generator=g) * 2 - 1
+    y, x = torch.meshgrid(torch.linspace(-1, 1, 32), torch.linspace(-1, 1, 48), indexing="ij")
+    smooth = torch.stack([x, y, x * y])
+    for value in (image, to_pixels(image)):  # float images still work (as a family may emit them)
+        fmt, back = decoded(ImageStream().feed("image", value).data)
+        assert fmt == "PNG" and np.array_equal(back, old_pixels(image))
+    sizes = {}
+    for fmt, quality in (("jpeg", 95), ("jpeg", 10), ("webp", 90)):
+        data = ImageStream(fmt, quality).feed("image", to_pixels(smooth)).data
+        kind, back = decoded(data)
+        assert kind == fmt.upper() and back.shape == (32, 48, 3)
+        assert np.abs(back.astype(int) - old_pixels(smooth)).mean() < (4 if quality > 50 else 12)
+        sizes[fmt, quality] = len(data)
+    assert sizes["jpeg", 10] < sizes["jpeg", 95]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"output_format": "gif"}, "output_format"),
+    ({"output_format": "png", "output_compression": 5}, "output_compression"),
+    ({"output_format": "jpeg", "output_compression": 101}, "output_compression"),
+    ({"output_format": "webp", "output_compression": True}, "output_compression"),
+])
+def test_bad_output_encoding_names_the_field(kwargs, field):
+    with pytest.raises(RequestError) as err:
+        output_params(kwargs)
+    assert err.value.field == field
+    assert output_params({}) == {"output_format": "png", "output_compression": None}
+
+
+def test_klein_serves_jpeg(reference):  # noqa: F811
+    d = start(parse_config({"model": "flux2_klein", "model_path": str(reference[0]),
+                            "model_kwargs": {"max_image_area": 64 * 64}}), in_process=True)
+    try:
+        spec = ImageSpec("j", "a red kite", 64, 32, 1, 5, 2)
+        [png] = asyncio.run(d.backend.generate_images(spec))
+        spec = dataclasses.replace(spec, request_id="j2", model_kwargs={"output_format": "jpeg", "output_compression": 90})
+        [jpeg] = asyncio.run(d.backend.generate_images(spec))
+    finally:
+        d.close()
+    (png_kind, pixels), (jpeg_kind, got) = decoded(png), decoded(jpeg)
+    assert (png_kind, jpeg_kind) == ("PNG", "JPEG") and got.shape == pixels.shape == (32, 64, 3)
+    assert jpeg == media.encode_image(pixels, "jpeg", 90)  # the same image (same seed), encoded as asked
+
+
+# ------------------------------------------------------------------- text encoder, ids
+def test_text_encoder_takes_padding_from_the_host(reference):  # noqa: F811
+    """KleinText.encode reads "is anything padded" on the host and passes it down, so the
+    forward never reads the device mask; the features equal the former call's exactly."""
+    text = KleinText.from_directory(reference[0])
+    encoder = text.build_encoder().eval()
+    randomize(encoder, 4)
+    ids, masks = zip(*(text.tokenize(p) for p in ("a red kite", "two kites over a long and windy beach")))
+    got = text.encode(encoder, ids, masks)
+    with torch.inference_mode():  # the former path: the device mask, whose all() the forward read
+        states = encoder(torch.stack(ids), torch.stack(masks), tap_layers=text.tap_layers)
+    want = torch.cat(states, dim=-1)
+    assert torch.equal(torch.stack(got), want)
+    full = torch.ones(2, 5, dtype=torch.long)
+    assert attention_mask_4d(full, 5) is None and attention_mask_4d(full, 5, padded=False) is None
+    assert attention_mask_4d(full, 5, padded=True).all(dim=(0, 1)).equal(torch.ones(5, 5).tril().bool())
+
+
+def test_cuda_graphs_knob_is_checked():
+    assert Knobs({"cuda_graphs": True}).cuda_graphs is True
+    with pytest.raises(ValueError, match="model_kwargs.cuda_graphs"):
+        Knobs({"cuda_graphs": "yes"})
+
+
+def test_cuda_graphs_need_a_cuda_device(reference):  # noqa: F811
+    spec = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(reference[0]),
+                                                    "model_kwargs": {"cuda_graphs": True}}))
+    with pytest.raises(ValueError, match="model_kwargs.cuda_graphs needs device: cuda"):
+        spec.build_engines({"text_encoder"}, torch.device("cpu"))
+
+
+def test_position_ids_are_made_once_per_layout():
+    ids = DeviceIds(torch.device("cpu"))
+    params = [{"rows": 2, "cols": 4}, {"rows": 2, "cols": 3, "reference_grids": [[1, 2]]}]  # 8 tokens each
+    image, text = ids(params, 7)
+    assert torch.equal(image[0], token_ids(params[0])) and torch.equal(image[1], token_ids(params[1]))
+    assert torch.equal(text, text_ids(7))
+    again = ids([dict(p, num_steps=4) for p in params], 7)  # other params, same layout: the same tensors
+    assert again[0] is image and again[1] is text
+    assert ids(params[:1], 7)[0] is not image
+
+
+# ---------------------------------------------------------------------------- the GPU
+def _deployment(root, **kwargs):
+    return start(parse_config({"model": "flux2_klein", "model_path": str(root), "device": "cuda",
+                               "dtype": "bfloat16", "model_kwargs": {"max_image_area": 128 * 128, **kwargs}}),
+                 in_process=True)
+
+
+def _images(d, seeds):
+    out = []
+    for seed in seeds:
+        [png] = asyncio.run(d.backend.generate_images(ImageSpec(f"g{seed}", "a red kite", 128, 96, 1, seed, 4)))
+        out.append(decoded(png)[1].astype(np.int16))
+    return out
+
+
+@CUDA
+def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
+    """The whole tiny pipeline in bf16 on CUDA with every fast-path knob on (text encoder in
+    CUDA graphs, DiT and VAE decode compiled by inductor, cuDNN attention) against the eager
+    pipeline, same seeds. Tolerance: a mean absolute difference of at most 1 uint8 level and a
+    largest one of 16. One level is 2/255 of the [-1, 1] range, about twice bf16's rounding
+    step at 1.0 (2^-8): inductor's fused kernels round intermediates differently from eager's,
+    and four Euler steps and the VAE carry that along, so single pixels may move a few levels
+    while the image as a whole stays put; an actual bug (a wrong mask, stale graph inputs, a
+    mis-laid tensor) moves the mean by tens of levels."""
+    root = reference[0]
+    eager = _deployment(root)
+    try:
+        want = _images(eager, (1, 2))
+    finally:
+        eager.close()
+    fast = _deployment(root, cuda_graphs=True, compile=True, vae_compile=True, attention_backend="cudnn")
+    try:
+        _images(fast, (7,))  # warm-up: compile, capture
+        got = _images(fast, (1, 2))
+    finally:
+        fast.close()
+    for w, g in zip(want, got):
+        diff = np.abs(w - g)
+        assert diff.mean() <= 1.0 and diff.max() <= 16, (diff.mean(), diff.max())
+        assert w.std() > 5  # an image, not a flat field
+
+
+@CUDA
+def test_graphed_text_encoder_equals_eager_and_never_syncs(reference):  # noqa: F811
+    """The text encoder replayed from CUDA graphs gives eager's features bit for bit (the
+    same kernels), one graph per (batch, length, padded); once warm, neither it nor the DiT
+    steps make the host wait for the GPU (torch's sync debug mode turns any wait into an
+    error), so the host can queue a whole image's work ahead of the GPU."""
+    root = reference[0]
+    spec = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(root), "device": "cuda",
+                                                    "dtype": "bfloat16", "model_kwargs": {"cuda_graphs": True}}))
+    engines = spec.build_engines({"text_encoder", "dit"}, torch.device("cuda"))
+    text = KleinText.from_directory(root)
+    eager = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(root), "device": "cuda",
+                                                     "dtype": "bfloat16"})).build_engines(
+        {"text_encoder"}, torch.device("cuda"))["text_encoder"]
+    prompts = [text.tokenize(p) for p in ("a red kite", "two kites over a long and windy beach")]
+
+    def items(rows):
+        return [EngineItem(f"t{i}", "encode", 0, {"prompt_ids": ids, "prompt_mask": mask}, {})
+                for i, (ids, mask) in enumerate(rows)]
+
+    for rows in (prompts[:1], prompts):
+        want = eager.run(items(rows))
+        engines["text_encoder"].run(items(rows))  # capture
+        got = engines["text_encoder"].run(items(rows))
+        for w, g in zip(want, got):
+            assert torch.equal(g.outputs["text"], w.outputs["text"])
+    g = torch.Generator().manual_seed(0)
+    params = {"num_steps": 2, "image_seq_len": 6, "rows": 2, "cols": 3}
+    steps = [EngineItem("d", "step", i, {"latents": torch.randn(6, 16, generator=g), "text": got[0].outputs["text"]},
+                        params) for i in range(2)]
+    engines["dit"].run(steps[:1])  # warm-up (first-use initialisation may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engines["text_encoder"].run(items(prompts))
+        engines["dit"].run(steps[1:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
