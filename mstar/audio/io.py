@@ -14,7 +14,6 @@ from math import gcd
 
 import numpy as np
 import soundfile as sf
-from scipy.signal import resample_poly
 
 SUPPORTED = "WAV, FLAC, OGG or MP3"
 
@@ -107,6 +106,8 @@ def resample(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     if rate == target_rate:
         return samples.astype(np.float32, copy=False)
     g = gcd(rate, target_rate)
+    from scipy.signal import resample_poly  # imported when first needed: scipy is large
+
     out = resample_poly(samples, target_rate // g, rate // g)
     return out.astype(np.float32, copy=False)
 
