@@ -120,6 +120,17 @@ class DecodeGraphRunner:
         self._inputs = None
         self._steps.clear()
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (a deployment does this at startup, so no request waits
+        for a capture or a kernel compile), largest first so the shared pool is sized once.
+        Without CUDA caches there is nothing to capture."""
+        if self.kv_caches is None or not self.kv_caches[0].is_cuda:
+            return
+        with torch.inference_mode():
+            for bucket in sorted(self.batch_sizes, reverse=True):
+                if bucket not in self._steps:
+                    self._capture(bucket)
+
     # ------------------------------------------------------------------ use
     def can_run(self, items: Sequence[Any], meta: PagedAttentionMetadata | None = None) -> bool:
         """True for a non-empty batch of ``decode`` items, on CUDA, within the largest bucket

@@ -53,6 +53,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 _LOG2E = 1.4426950408889634
+# The split count is a runtime argument (not a compile-time constant), so a batch of a new
+# size never waits for a kernel compile; the combine kernel reads up to this many partials.
 _MAX_SPLITS = 32
 
 
@@ -62,10 +64,10 @@ if HAS_TRITON:
     def _decode_kernel(
         Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE,
         SEQ_INDEX, QUERY_START, POSITIONS, SEQ_LENS, PAGE_TABLE,
-        qk_scale, tokens_per_split,
+        qk_scale, tokens_per_split, num_splits,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_c_page, stride_c_slot, stride_c_head, stride_pt_seq,
-        NUM_SPLITS: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
+        SPLIT: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -116,7 +118,7 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             out = acc / l_i[:, None]
             tl.store(OUT + row * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
                      out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
@@ -124,15 +126,15 @@ if HAS_TRITON:
             nonempty = l_i > 0
             safe_l = tl.where(nonempty, l_i, 1.0)
             lse = tl.where(nonempty, m_i + tl.log2(safe_l), float("-inf"))
-            part = (item * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+            part = (item * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
             tl.store(PART_LSE + part, lse, mask=head_ok)
             tl.store(PART_O + part[:, None] * HEAD_DIM + offs_d[None, :], acc / safe_l[:, None],
                      mask=head_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _combine_kernel(
-        PART_O, PART_LSE, OUT, SEQ_INDEX, QUERY_START, stride_o_tok, stride_o_head,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
+        PART_O, PART_LSE, OUT, SEQ_INDEX, QUERY_START, stride_o_tok, stride_o_head, num_splits,
+        BLOCK_S: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """Merge the KV splits of one (decode item, query head) by their log-sum-exps."""
@@ -144,10 +146,10 @@ if HAS_TRITON:
             seq = item.to(tl.int64)
         row = tl.load(QUERY_START + seq).to(tl.int64)
         offs_s = tl.arange(0, BLOCK_S)
-        s_ok = offs_s < NUM_SPLITS
+        s_ok = offs_s < num_splits
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
-        part = (item * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+        part = (item * tl.num_programs(1) + head) * num_splits + offs_s
         lse = tl.load(PART_LSE + part, mask=s_ok, other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
         o = tl.load(PART_O + part[:, None] * HEAD_DIM + offs_d[None, :],
@@ -259,7 +261,7 @@ def _split_plan(
         wanted = math.ceil(2 * _num_sms(device) / max(1, num_items * num_kv_heads))
         worth = math.ceil(max_kv_len / tiling.min_tokens_per_split)
         num_splits = min(wanted, worth, _MAX_SPLITS)
-    num_splits = max(1, num_splits)
+    num_splits = max(1, min(num_splits, _MAX_SPLITS))
     block = tiling.decode_block_n
     per_split = math.ceil(math.ceil(max_kv_len / num_splits) / block) * block
     return max(1, math.ceil(max_kv_len / per_split)), per_split
@@ -287,10 +289,10 @@ def _launch_decode(
     _decode_kernel[(num_items, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         index, meta.query_start_loc, meta.positions, meta.seq_lens, meta.page_table,
-        qk_scale, per_split,
+        qk_scale, per_split, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0),
-        NUM_SPLITS=splits, USE_SEQ_INDEX=use_index,
+        SPLIT=splits > 1, USE_SEQ_INDEX=use_index,
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=meta.page_size, BLOCK_N=tiling.decode_block_n,
@@ -299,8 +301,8 @@ def _launch_decode(
     )
     if splits > 1:
         _combine_kernel[(num_items, num_heads)](
-            part_o, part_lse, out, index, meta.query_start_loc, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits), USE_SEQ_INDEX=use_index,
+            part_o, part_lse, out, index, meta.query_start_loc, out.stride(0), out.stride(1), splits,
+            BLOCK_S=_MAX_SPLITS, USE_SEQ_INDEX=use_index,
             HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=tiling.num_warps,
         )
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
@@ -57,6 +59,8 @@ def test_split_sequence_continues_from_state() -> None:
     assert rel_err(end, final) <= TOL
 
 
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.24"),
+                    reason="older transformers lay out these functions' tensors differently")
 @pytest.mark.parametrize("ours", [chunked_gated_delta_rule, recurrent_gated_delta_rule])
 def test_rules_match_transformers(ours) -> None:
     q, k, v, g, beta, state = _inputs(2, 75, seed=3)

@@ -164,9 +164,9 @@ def test_position_ids_are_made_once_per_layout():
 
 
 # ---------------------------------------------------------------------------- the GPU
-def _deployment(root, **kwargs):
+def _deployment(root, dtype="bfloat16", **kwargs):
     return start(parse_config({"model": "flux2_klein", "model_path": str(root), "device": "cuda",
-                               "dtype": "bfloat16", "model_kwargs": {"max_image_area": 128 * 128, **kwargs}}),
+                               "dtype": dtype, "model_kwargs": {"max_image_area": 128 * 128, **kwargs}}),
                  in_process=True)
 
 
@@ -178,32 +178,38 @@ def _images(d, seeds):
     return out
 
 
+def _run(root, seeds, warm=False, **kwargs):
+    d = _deployment(root, **kwargs)
+    try:
+        if warm:
+            _images(d, (7,))  # warm-up: compile, capture
+        return _images(d, seeds)
+    finally:
+        d.close()
+
+
 @CUDA
 def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
     """The whole tiny pipeline in bf16 on CUDA with every fast-path knob on (text encoder in
     CUDA graphs, DiT and VAE decode compiled by inductor, cuDNN attention) against the eager
-    pipeline, same seeds. Tolerance: a mean absolute difference of at most 1 uint8 level and a
-    largest one of 16. One level is 2/255 of the [-1, 1] range, about twice bf16's rounding
-    step at 1.0 (2^-8): inductor's fused kernels round intermediates differently from eager's,
-    and four Euler steps and the VAE carry that along, so single pixels may move a few levels
-    while the image as a whole stays put; an actual bug (a wrong mask, stale graph inputs, a
-    mis-laid tensor) moves the mean by tens of levels."""
+    bf16 pipeline, both measured against the same pipeline run eagerly in float32 (the exact
+    answer, up to fp32 rounding), same seeds. The tolerance is the eager path's own: the fast
+    path may be no further from float32 than twice eager bf16 is (mean and largest pixel
+    difference), plus one level. Inductor's fused kernels round intermediates differently from
+    eager's, and a tiny random DiT carries that through four Euler steps and the VAE, so the two
+    bf16 images need not agree to a level; what must hold is that the fast path is as good an
+    approximation as eager bf16. A bug (a wrong mask, stale graph inputs, a mis-laid tensor)
+    lands far outside that."""
     root = reference[0]
-    eager = _deployment(root)
-    try:
-        want = _images(eager, (1, 2))
-    finally:
-        eager.close()
-    fast = _deployment(root, cuda_graphs=True, compile=True, vae_compile=True, attention_backend="cudnn")
-    try:
-        _images(fast, (7,))  # warm-up: compile, capture
-        got = _images(fast, (1, 2))
-    finally:
-        fast.close()
-    for w, g in zip(want, got):
-        diff = np.abs(w - g)
-        assert diff.mean() <= 1.0 and diff.max() <= 16, (diff.mean(), diff.max())
-        assert w.std() > 5  # an image, not a flat field
+    seeds = (1, 2)
+    exact = _run(root, seeds, dtype="float32")
+    eager = _run(root, seeds)
+    fast = _run(root, seeds, warm=True, cuda_graphs=True, compile=True, vae_compile=True, attention_backend="cudnn")
+    for x, e, f in zip(exact, eager, fast):
+        assert x.std() > 5  # an image, not a flat field
+        eager_err, fast_err = np.abs(e - x), np.abs(f - x)
+        assert fast_err.mean() <= 2 * eager_err.mean() + 1, (fast_err.mean(), eager_err.mean())
+        assert fast_err.max() <= 2 * eager_err.max() + 1, (fast_err.max(), eager_err.max())
 
 
 @CUDA

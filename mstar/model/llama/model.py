@@ -174,6 +174,8 @@ class LlamaChat(ModelSpec):
         engines = {}
         if LLM in nodes:
             engines[LLM] = AutoregressiveEngine(model, layout, **sizes, **decode_fast_paths(self.config, model, device))
+            if engines[LLM].graph_runner is not None:  # every bucket now: no request waits for a capture
+                engines[LLM].graph_runner.capture_all()
         if LLM_PREFILL in nodes:  # its own pool, the same size: it holds a request's prompt pages only
             kwargs = self.config.model_kwargs  # the decoder's attention backend (cuda_graphs runs triton)
             backend = "triton" if kwargs.get("cuda_graphs", False) else kwargs.get("attention_backend", "torch")

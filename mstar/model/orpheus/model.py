@@ -167,9 +167,12 @@ class Orpheus(ModelSpec):
             load_weights(model, ckpt.tensors(), dtype=dtype)
         kv = self.config.resources.kv_cache
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        return talk.OrpheusTalkerEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                        max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
-                                        **decode_fast_paths(self.config, model, device))
+        engine = talk.OrpheusTalkerEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
+                                          max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
+                                          **decode_fast_paths(self.config, model, device))
+        if engine.graph_runner is not None:  # every bucket now: no request waits for a capture
+            engine.graph_runner.capture_all()
+        return engine
 
     def _snac(self, device: torch.device) -> SnacDecoder:
         """SNAC in float32 (its convolutions are small; bf16 costs quality for little speed)."""

@@ -40,7 +40,32 @@ class _StaticInputs:
     cross_slots: torch.Tensor  # [N] the cross-attention K/V slot of each sequence
 
 
-class WhisperDecodeGraphs:
+class _Buckets:
+    """What both graph sets share: captured steps per batch bucket (``capture`` is False
+    without CUDA, where the steps run eagerly)."""
+
+    capture: bool
+    batch_sizes: tuple[int, ...]
+    _steps: dict[int, Callable[[], torch.Tensor]]
+
+    def _capture(self, bucket: int) -> Callable[[], torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def captured_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._steps))
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (a deployment does this at startup, so no request waits
+        for a capture or a kernel compile), largest first; nothing to do without CUDA."""
+        if self.capture:
+            with torch.inference_mode():
+                for bucket in sorted(self.batch_sizes, reverse=True):
+                    if bucket not in self._steps:
+                        self._capture(bucket)
+
+
+class WhisperDecodeGraphs(_Buckets):
     """Runs decode-only steps of ``model.decode`` as per-bucket graph replays.
 
     ``scratch_page`` is a page of ``kv_caches`` the engine never gives a sequence;
@@ -75,10 +100,6 @@ class WhisperDecodeGraphs:
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
-
-    @property
-    def captured_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._steps))
 
     def fits(self, batch: int, meta: PagedAttentionMetadata) -> bool:
         """True for a step of ``batch`` sequences with one new token each that a bucket holds."""
@@ -177,7 +198,7 @@ class WhisperDecodeGraphs:
         return replay
 
 
-class WhisperEncoderGraphs:
+class WhisperEncoderGraphs(_Buckets):
     """The encoder's forward as per-bucket CUDA-graph replays (``model_kwargs.cuda_graphs``).
 
     At one clip the encoder is launch-bound (hundreds of small kernels over ~6 ms of GPU
@@ -204,10 +225,6 @@ class WhisperEncoderGraphs:
                                 device=weight.device)
         self._steps: dict[int, Callable[[], torch.Tensor]] = {}
         self._pool = None
-
-    @property
-    def captured_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._steps))
 
     def run(self, mel: torch.Tensor) -> torch.Tensor:
         """Audio features ``[B, frames, d_model]`` of log-mels ``[B, n_mels, num_mel_frames]``,

@@ -190,6 +190,7 @@ class Whisper(ModelSpec):
                 sizes = self.decode_fast_paths(device).get("graph_batch_sizes", DEFAULT_BATCH_SIZES)
                 most = self.config.max_concurrent_requests
                 graphs = WhisperEncoderGraphs(model, [n for n in sizes if n < most] + [most])
+                graphs.capture_all()  # every bucket now: no request waits for a capture
             engines["encoder"] = StatelessEngine(encoder_fn(model, graphs))
         if "decoder" in nodes:
             rules = WhisperRules(
@@ -206,6 +207,8 @@ class Whisper(ModelSpec):
                     max_requests=self.config.max_concurrent_requests, **self.decode_fast_paths(device))
             except ValueError as err:  # the cross-attention slots do not fit max_concurrent_requests
                 raise ConfigError(str(err)) from None
+            if engines["decoder"].graphs is not None:
+                engines["decoder"].graphs.capture_all()
         return engines
 
     def decode_fast_paths(self, device: torch.device) -> dict:
