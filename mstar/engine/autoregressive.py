@@ -242,9 +242,9 @@ class AutoregressiveEngine(Engine):
         """Whether a sequence, one token longer than it is now, may take another step:
         not at its length limits, and sampled without state the host must see first (a
         repetition penalty reads the unknown token; a seeded generator must not draw for
-        a step that may be discarded)."""
+        a step that may be discarded; greedy rows never draw, seed or not)."""
         return (seq.generated + 1 < seq.max_new_tokens and len(seq.tokens) + 1 < self.max_seq_len
-                and seq.sampling.repetition_penalty == 1.0 and seq.generator is None)
+                and seq.sampling.repetition_penalty == 1.0 and (seq.generator is None or seq.sampling.greedy))
 
     def _launch_ahead(self, items: list[EngineItem], seqs: list[Sequence], next_ids: torch.Tensor) -> None:
         """Launch the decode step after this one for every sequence that may continue, its

@@ -212,6 +212,26 @@ def test_engine_rolls_back_a_dropped_sequence(model_dir):
     assert results[True] == results[False]
 
 
+def test_greedy_rows_with_a_seed_still_run_ahead(model_dir):
+    """A seed on a greedy request (as a transcription's parameters carry) makes a generator
+    that never draws: the next step is still launched ahead, and the tokens equal eager's."""
+    eager, overlap = _engines(model_dir)
+    results = []
+    for engine in (eager, overlap):
+        item = _prefill("a", PROMPTS[1], 8)
+        item.params["sampling"] = {"temperature": 0.0, "seed": 3}
+        token = engine.run([item])[0].outputs["token"]
+        assert engine.seqs["a"].generator is not None
+        tokens = [int(token)]
+        for _ in range(4):
+            token = engine.run([_decode("a", token)])[0].outputs["token"]
+            tokens.append(int(token))
+            assert (engine._ahead is not None) == (engine is overlap)
+        results.append(tokens)
+        engine.release("a")
+    assert results[0] == results[1]
+
+
 # (plan: request ids that decode, and prompts that join with a prefill)
 SCRIPT = [((), {"a": [5, 6, 7], "b": list(range(40, 73)), "c": [9]}), (("a", "b", "c"), {}), (("a", "b", "c"), {}),
           (("a", "c"), {}), (("a", "c"), {}), (("c", "b", "a"), {"d": [1, 2, 3, 4]}), (("a", "b", "c", "d"), {}),
