@@ -331,8 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per clip (default 100; smoke 8)")
     p.add_argument("--clip-seconds", type=float, default=30.0, help="audio per clip (Whisper's window is 30 s)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per clip of the warm-up batches")
-    p.add_argument("--runs", type=int, default=2, help="timed batches of ours per batch size (median)")
-    p.add_argument("--baseline-runs", type=int, default=2, help="timed generate calls per batch size (median)")
+    p.add_argument("--runs", type=int, default=3, help="timed batches of ours per batch size (median)")
+    p.add_argument("--baseline-runs", type=int, default=3,
+                   help="timed generate calls per batch size (median: one slow first call is dropped)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
     p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
