@@ -85,6 +85,18 @@ def torch_rotary(
 if HAS_TRITON:
 
     @triton.jit
+    def _row_plus_residual(X, RESIDUAL, SUM_OUT, row, stride_x, stride_r, stride_s, cols, mask,
+                           HAS_RESIDUAL: tl.constexpr):
+        """Row ``row`` of ``X``, plus the same row of ``RESIDUAL`` (rounded to X's dtype, as
+        the torch add rounds) stored to ``SUM_OUT`` when ``HAS_RESIDUAL``."""
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(RESIDUAL + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(SUM_OUT + row * stride_s + cols, x, mask=mask)
+        return x
+
+    @triton.jit
     def _add_rmsnorm_kernel(
         X, RESIDUAL, WEIGHT, OUT, SUM_OUT,
         stride_x, stride_r, stride_o, stride_s,
@@ -94,11 +106,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(RESIDUAL + row * stride_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # the add's rounding
-            tl.store(SUM_OUT + row * stride_s + cols, x, mask=mask)
+        x = _row_plus_residual(X, RESIDUAL, SUM_OUT, row, stride_x, stride_r, stride_s, cols, mask, HAS_RESIDUAL)
         x32 = x.to(tl.float32)
         mean_square = tl.sum(x32 * x32, axis=0) / n_cols
         normed = (x32 * tl.rsqrt(mean_square + eps)).to(X.dtype.element_ty).to(tl.float32)
@@ -115,11 +123,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(RESIDUAL + row * stride_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # the add's rounding
-            tl.store(SUM_OUT + row * stride_s + cols, x, mask=mask)
+        x = _row_plus_residual(X, RESIDUAL, SUM_OUT, row, stride_x, stride_r, stride_s, cols, mask, HAS_RESIDUAL)
         x32 = x.to(tl.float32)
         mean = tl.sum(x32, axis=0) / n_cols
         centred = tl.where(mask, x32 - mean, 0.0)

@@ -10,20 +10,13 @@ never silently go unrun. The GPU tests (bf16 model, CUDA-graph capture) skip wit
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":  # before triton's first import: its own jit'd helpers read it too
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
 
 from mstar.config import DeploymentConfig  # noqa: E402
 from mstar.engine.page_pool import PagePool  # noqa: E402
@@ -43,12 +36,8 @@ from mstar.model.llama.model import apply_fused_kernels  # noqa: E402
 
 from test_cuda_graphs import step_meta, tiny_llama as gpu_llama  # noqa: E402
 
-# Whether the kernels can run in this process: compiled on CUDA, or interpreted on the CPU
-# when Triton (its own jit'd helpers included) was first imported with TRITON_INTERPRET set.
-RUNNABLE = DEVICE.type == "cuda" or (
-    triton_fused.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction")
-runnable = pytest.mark.skipif(not RUNNABLE, reason="triton was imported before TRITON_INTERPRET was set: "
-                                                   "test_kernels_in_a_fresh_interpreter runs these")
+RUNNABLE = kernels_runnable(triton_fused)
+runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
 needs_gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
 
 # Max error relative to the reference's largest magnitude. fp32: only the reduction order and
@@ -63,13 +52,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter() -> None:
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not fresh_interpreter",
-         str(Path(__file__).resolve())],
-        cwd=root, env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
+    rerun_in_fresh_interpreter(__file__, allow_skips=True)
 
 
 # ---------------------------------------------------------------------------- kernels

@@ -18,10 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
 
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_fused  # noqa: E402
@@ -33,10 +30,8 @@ from test_whisper_cross_slots import (  # noqa: E402
 )
 from test_whisper_overlap import make_engine, request, serve  # noqa: E402
 
-RUNNABLE = DEVICE.type == "cuda" or (
-    triton_fused.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction")
-runnable = pytest.mark.skipif(not RUNNABLE, reason="triton was imported before TRITON_INTERPRET was set: "
-                                                   "test_kernels_in_a_fresh_interpreter runs these")
+RUNNABLE = kernels_runnable(triton_fused)
+runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
 TOL = 1e-5
 
 if RUNNABLE and triton_fused.INTERPRET:
@@ -47,13 +42,7 @@ if RUNNABLE and triton_fused.INTERPRET:
 
 @pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter() -> None:
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not fresh_interpreter",
-         str(Path(__file__).resolve())],
-        cwd=root, env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+    rerun_in_fresh_interpreter(__file__)
 
 
 def fused_twin(model):

@@ -11,18 +11,11 @@ never silently go unrun. Skipped without Triton.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
 
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_attention  # noqa: E402
@@ -33,12 +26,8 @@ from test_whisper_cross_slots import (  # noqa: E402
     FRAMES, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
 )
 
-# Whether the kernels can run in this process: compiled on CUDA, or interpreted on the CPU
-# when Triton (its own jit'd helpers included) was first imported with TRITON_INTERPRET set.
-RUNNABLE = DEVICE.type == "cuda" or (
-    triton_attention.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction")
-runnable = pytest.mark.skipif(not RUNNABLE, reason="triton was imported before TRITON_INTERPRET was set: "
-                                                   "test_kernels_in_a_fresh_interpreter runs these")
+RUNNABLE = kernels_runnable(triton_attention)
+runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
 
 # fp32 products are exact ("ieee") in the kernels; bf16 on the GPU rounds P to 16 bits.
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -68,13 +57,7 @@ if RUNNABLE and triton_attention.INTERPRET:
 
 @pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter() -> None:
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not fresh_interpreter",
-         str(Path(__file__).resolve())],
-        cwd=root, env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+    rerun_in_fresh_interpreter(__file__)
 
 
 @runnable
