@@ -119,6 +119,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         fast["attention_backend"] = args.attention_backend
     if args.cuda_graphs:
         fast["cuda_graphs"] = True
+    if args.fused_kernels:
+        if args.smoke:
+            raise SystemExit("--fused-kernels needs the GPU")
+        fast["fused_kernels"] = True
     return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, snac=snac, streams=streams,
                     audio_tokens=tokens, warmup_tokens=4 * TOKENS_PER_FRAME, runs=args.runs, seed=args.seed,
                     fast_paths=tuple(sorted(fast.items())))
@@ -343,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                    help="the talker's model_kwargs.attention_backend (default: the engine's, torch)")
     p.add_argument("--cuda-graphs", action="store_true", help="the talker's model_kwargs.cuda_graphs (GPU)")
+    p.add_argument("--fused-kernels", action="store_true", help="the talker's model_kwargs.fused_kernels (GPU)")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
     return p.parse_args(argv)
 

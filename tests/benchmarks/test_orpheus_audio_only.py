@@ -43,6 +43,18 @@ def test_restrict_keeps_only_the_next_code_range():
     assert torch.equal(out[2], logits[2])  # a row without the knob is untouched
 
 
+def test_a_step_launched_ahead_restricts_to_the_next_position():
+    """With ``lead`` 1 (a step overlap scheduling launches before the host has seen the code
+    in flight) an audio_only row is restricted to the range one position further."""
+    logits = torch.randn(2, VOCAB)
+    out = talk.restrict_to_audio_codes(logits, [audio_only_seq(6), audio_only_seq(3, audio_only=False)], lead=1)
+    lo, hi = talk.audio_code_range(7)
+    assert lo == talk.AUDIO_BASE  # position 7 is the next frame's first code
+    finite = torch.isfinite(out[0]).nonzero().flatten()
+    assert finite.min().item() == lo and finite.max().item() == hi - 1
+    assert torch.equal(out[1], logits[1])
+
+
 def test_greedy_choice_ignores_end_of_speech_only_with_the_knob():
     logits = torch.zeros(2, VOCAB)
     logits[:, talk.END_OF_SPEECH] = 100.0  # the weights want to stop
@@ -70,18 +82,38 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def deploy(model_dir, audio_only: bool):
+def deploy(model_dir, audio_only: bool, **knobs):
     return start(parse_config({
         "model": "orpheus", "model_path": str(model_dir), "load_format": "dummy", "max_seq_len": 512,
-        "model_kwargs": {"snac_config": SNAC, "benchmark_audio_only": audio_only},
+        "model_kwargs": {"snac_config": SNAC, "benchmark_audio_only": audio_only, **knobs},
         "resources": {"kv_cache": {"max_num_pages": 128, "page_size": 16}}}), in_process=True)
 
 
-def speak(d, rid, max_tokens):
+def speak(d, rid, max_tokens, **sampling):
     async def go():
         return [e async for e in d.backend.speech(SpeechSpec(rid, "Hello there", "tara", 1.0,
-                                                             {"max_tokens": max_tokens, "seed": 3}))]
+                                                             {"max_tokens": max_tokens, "seed": 3, **sampling}))]
     return asyncio.run(go())
+
+
+def test_overlap_scheduling_speaks_the_same_codes(model_dir):
+    """The talker takes part in overlap scheduling: greedy, unpenalised audio_only requests
+    run steps ahead (each one code further along) and speak exactly what eager speaks."""
+    greedy = {"temperature": 0.0, "repetition_penalty": 1.0}
+    audio = {}
+    for overlap in (False, True):
+        d = deploy(model_dir, audio_only=True, overlap_scheduling=overlap)
+        engine = d.runtime.workers.workers[0].engines["llm"]
+        leads = []
+        choose = engine.choose_on_device
+        engine.choose_on_device = lambda logits, seqs, lead=0: (leads.append(lead), choose(logits, seqs, lead))[1]
+        try:
+            audio[overlap] = pcm_to_array(speak(d, "o", 5 * 7, **greedy))
+        finally:
+            d.close()
+        assert (1 in leads) == overlap
+    assert audio[True].shape == (5 * talk.SAMPLES_PER_FRAME,)
+    assert audio[True].tobytes() == audio[False].tobytes()
 
 
 def test_every_token_of_the_budget_becomes_audio(model_dir):

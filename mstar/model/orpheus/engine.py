@@ -46,9 +46,15 @@ class OrpheusTalkerEngine(AutoregressiveEngine):
         return seq
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return self.choose_on_device(logits, seqs).tolist()
+
+    def choose_on_device(self, logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
+        """The sampler over the valid codes of each ``audio_only`` row's position; a step
+        launched ahead (``lead`` 1) is one audio code further along than the host has seen
+        (such a row's every token is a code)."""
         if any(seq.extra.get("audio_only") for seq in seqs):
-            logits = restrict_to_audio_codes(logits, seqs)
-        return super().choose(logits, seqs)
+            logits = restrict_to_audio_codes(logits, seqs, lead)
+        return super().choose_on_device(logits, seqs, lead)
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
         out = super().outputs(seq, token)
@@ -65,11 +71,12 @@ class OrpheusTalkerEngine(AutoregressiveEngine):
         return out
 
 
-def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """``logits [B, V]`` with every id outside the next valid code range set to -inf, for the
-    rows whose sequence is ``audio_only`` (other rows unchanged)."""
+def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
+    """``logits [B, V]`` with every id outside the valid code range of the position ``lead``
+    codes after the host's count set to -inf, for the rows whose sequence is ``audio_only``
+    (other rows unchanged)."""
     vocab = logits.shape[-1]
-    bounds = [audio_code_range(seq.extra.get("codes", 0)) if seq.extra.get("audio_only") else (0, vocab)
+    bounds = [audio_code_range(seq.extra.get("codes", 0) + lead) if seq.extra.get("audio_only") else (0, vocab)
               for seq in seqs]
     lo, hi = torch.tensor(bounds, dtype=torch.int64, device=logits.device).unbind(-1)
     ids = torch.arange(vocab, device=logits.device)

@@ -21,7 +21,7 @@ from mstar.engine.sampler import validate_sampling
 from mstar.engine.sampling_params import SamplingParams
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, SlidingWindow, Step, StreamEdge, Walk
 from mstar.model.llama.checkpoint import LlamaCheckpoint
-from mstar.model.llama.model import decode_fast_paths
+from mstar.model.llama.model import apply_fused_kernels, decode_fast_paths
 from mstar.model.llama.modeling import LlamaForCausalLM
 from mstar.model.orpheus import engine as talk
 from mstar.model.registry import register
@@ -165,6 +165,7 @@ class Orpheus(ModelSpec):
             init_dummy_weights(model, seed=int(self.config.model_kwargs.get("seed", 0)))
         else:
             load_weights(model, ckpt.tensors(), dtype=dtype)
+        apply_fused_kernels(self.config, model, device)
         kv = self.config.resources.kv_cache
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
         engine = talk.OrpheusTalkerEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
