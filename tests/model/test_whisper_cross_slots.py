@@ -209,6 +209,18 @@ def test_batched_cross_attention_equals_per_request_path(counts: list[int]) -> N
 
 
 # --------------------------------------------------------- decode graphs, run eagerly on the CPU
+def mixed_steps() -> list[list[tuple[str, int, int]]]:
+    """Spans ``(request, start, end)`` of a prefill of three sequences (5, 1 and 3 tokens),
+    then three decode steps in shifting orders."""
+    lens = {"a": 5, "b": 1, "c": 3}
+    steps = [[(r, 0, n) for r, n in lens.items()]]
+    for order in (["c", "a", "b"], ["b", "c"], ["a", "b", "c"]):
+        steps.append([(r, lens[r], lens[r] + 1) for r in order])
+        for r in order:
+            lens[r] += 1
+    return steps
+
+
 def step_meta(pool: PagePool, chunks: list[tuple[str, int, int]], backend: str,
               device: torch.device | str = "cpu") -> PagedAttentionMetadata:
     """Metadata for ``(seq, start, end)`` new-token ranges (pages reserved up to ``end``)."""

@@ -23,7 +23,7 @@ from mstar.layers.attention import allocate_kv_cache  # noqa: E402
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention  # noqa: E402
 
 from test_whisper_cross_slots import (  # noqa: E402
-    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
+    FRAMES, mixed_steps, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
 )
 
 RUNNABLE = kernels_runnable(triton_attention)
@@ -93,13 +93,8 @@ def test_triton_decoder_matches_torch_over_prefill_and_decodes() -> None:
     caches = {b: allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE)
               for b in ("torch", "triton")}
     pools = {b: PagePool(16, PAGE_SIZE) for b in caches}
-    lens = {"a": 5, "b": 1, "c": 3}
     gen = torch.Generator().manual_seed(8)
-    steps = [[(r, 0, n) for r, n in lens.items()]]
-    for order in (["c", "a", "b"], ["b", "c"], ["a", "b", "c"]):
-        steps.append([(r, lens[r], lens[r] + 1) for r in order])
-        for r in order:
-            lens[r] += 1
+    steps = mixed_steps()
     for chunks in steps:
         ids = torch.randint(0, SOT, (sum(end - start for _, start, end in chunks),), generator=gen).to(DEVICE)
         counts = [end - start for _, start, end in chunks]
