@@ -134,10 +134,10 @@ def emit_batch_key(keys: list[str]) -> str:
     return "\x1e".join(keys)
 
 
-def parse_emit_batch(key: str) -> list[tuple[str, str]]:
-    """``(request_id, modality)`` of every output of an ``emit_batch_key``, in order."""
+def parse_emit_batch(key: str) -> list[tuple[str, int, str]]:
+    """``(request_id, version, modality)`` of every output of an ``emit_batch_key``, in order."""
     out = []
     for one in key.split("\x1e"):
-        request_id, _, _, modality = one.split("\x1f")
-        out.append((request_id, modality))
+        request_id, _, version, modality = one.split("\x1f")
+        out.append((request_id, int(version), modality))
     return out

@@ -40,6 +40,15 @@ class _Tracked:
     finished: Finished | None = None
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Emits reach the frontend straight from the workers, so two ranks' (a prefill rank's
+    # first token, the decode rank's next ones) may arrive out of order: each output is
+    # delivered in the order its step was dispatched. ``order``: the versions of the
+    # outputs still to come, in dispatch order; ``held``: arrived early, by version;
+    # ``steps``: step name -> {emitting port: version} of the steps in flight.
+    order: list[int] = field(default_factory=list)
+    held: dict[int, tuple[str, object]] = field(default_factory=dict)
+    steps: dict[str, dict[str, int]] = field(default_factory=dict)
+    delivering: threading.Lock = field(default_factory=threading.Lock)  # one thread delivers at a time
 
 
 class Runtime:
@@ -115,11 +124,13 @@ class Runtime:
                     if isinstance(event, StepResult):
                         if event.gauges:
                             self.rank_gauges[event.rank] = dict(event.gauges)
+                        self._settle_emits(event)
                         self.conductor.on_result(event)
                     elif isinstance(event, WorkerFailed):
                         self._rank_failed(event)
                 decisions = self.conductor.tick(time.monotonic())
                 for rank, plan in decisions.plans.items():
+                    self._expect_emits(plan)
                     self.workers.send(rank, plan)
                 for done in decisions.finished:
                     self._finished(done)
@@ -226,6 +237,33 @@ class Runtime:
         if ready:
             self._close(done.request_id, tracked)
 
+    def _expect_emits(self, plan) -> None:
+        """Note, before the plan leaves, the versions its items will stream to the client."""
+        for item in plan.items:
+            tracked = self.tracked.get(item.request_id) if item.emit else None
+            if tracked is None:
+                continue
+            versions = {port: item.writes[port].version for port in item.emit if port in item.writes}
+            with tracked.lock:
+                tracked.steps[item.step] = versions
+                tracked.order.extend(sorted(versions.values()))
+
+    def _settle_emits(self, result: StepResult) -> None:
+        """A finished step's outputs that will never come (silent ports, a failed step) stop
+        holding back the ones after them."""
+        for item in result.results:
+            tracked = self.tracked.get(item.request_id)
+            if tracked is None:
+                continue
+            with tracked.lock:
+                versions = tracked.steps.pop(item.step, {})
+                gone = {v for port, v in versions.items() if item.error is not None or port in item.silent}
+                if gone:
+                    tracked.order = [v for v in tracked.order if v not in gone]
+            if gone:
+                with tracked.delivering:
+                    self._release_held(item.request_id, tracked)
+
     # ------------------------------------------------------------ emit thread
     def _receive_emits(self) -> None:
         while not self._stop.is_set():
@@ -236,10 +274,32 @@ class Runtime:
                     return
                 raise
             for key, tensors in messages:  # one message per plan: every output it streamed
-                for i, (request_id, modality) in enumerate(parse_emit_batch(key)):
+                for i, (request_id, version, modality) in enumerate(parse_emit_batch(key)):
                     tracked = self.tracked.get(request_id)
                     if tracked is not None:
-                        self._emit(request_id, tracked, modality, tensors[str(i)])
+                        with tracked.delivering:
+                            self._arrived(request_id, tracked, version, modality, tensors[str(i)])
+
+    def _arrived(self, request_id: str, tracked: _Tracked, version: int, modality: str, value) -> None:
+        """Deliver an output now, or hold it while an output dispatched before it is on its way."""
+        with tracked.lock:
+            early = bool(tracked.order) and version in tracked.order and tracked.order[0] != version
+            if early:
+                tracked.held[version] = (modality, value)
+            elif tracked.order and tracked.order[0] == version:
+                tracked.order.pop(0)
+        if not early:
+            self._emit(request_id, tracked, modality, value)
+            self._release_held(request_id, tracked)
+
+    def _release_held(self, request_id: str, tracked: _Tracked) -> None:
+        """Deliver the held outputs whose turn has come (the caller holds ``delivering``)."""
+        while True:
+            with tracked.lock:
+                if not tracked.order or tracked.order[0] not in tracked.held:
+                    return
+                modality, value = tracked.held.pop(tracked.order.pop(0))
+            self._emit(request_id, tracked, modality, value)
 
     def _emit(self, request_id: str, tracked: _Tracked, modality: str, value) -> None:
         with tracked.lock:
