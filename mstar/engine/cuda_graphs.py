@@ -55,7 +55,34 @@ class _CapturedStep:
     logits: torch.Tensor  # [bucket, vocab], overwritten by each replay
 
 
-class DecodeGraphRunner:
+class BucketGraphs:
+    """What the graph runners share: one captured step per batch bucket, captured when first
+    needed or all at once (``capture_all``). ``capture`` is False without CUDA, where a
+    runner's steps run eagerly."""
+
+    capture: bool
+    batch_sizes: tuple[int, ...]
+    _steps: dict[int, Any]
+
+    def _capture(self, bucket: int) -> Any:
+        raise NotImplementedError
+
+    @property
+    def captured_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._steps))
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (a deployment does this at startup, so no request waits
+        for a capture or a kernel compile), largest first so the shared pool is sized once;
+        nothing to do without CUDA."""
+        if self.capture:
+            with torch.inference_mode():
+                for bucket in sorted(self.batch_sizes, reverse=True):
+                    if bucket not in self._steps:
+                        self._capture(bucket)
+
+
+class DecodeGraphRunner(BucketGraphs):
     """Runs decode-only steps as replays of per-bucket CUDA graphs.
 
     ``kv_caches`` may be ``None`` at construction and bound later with ``bind_kv_caches``
@@ -100,8 +127,9 @@ class DecodeGraphRunner:
         return self.batch_sizes[-1]
 
     @property
-    def captured_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._steps))
+    def capture(self) -> bool:
+        """Whether steps are captured: only over CUDA caches (none bound: nothing yet)."""
+        return self.kv_caches is not None and self.kv_caches[0].is_cuda
 
     def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         """Use these per-layer caches (``[2, num_pages, page_size, Hkv, D]``); drops graphs."""
@@ -119,17 +147,6 @@ class DecodeGraphRunner:
         self.scratch_page = num_pages - 1
         self._inputs = None
         self._steps.clear()
-
-    def capture_all(self) -> None:
-        """Capture every bucket now (a deployment does this at startup, so no request waits
-        for a capture or a kernel compile), largest first so the shared pool is sized once.
-        Without CUDA caches there is nothing to capture."""
-        if self.kv_caches is None or not self.kv_caches[0].is_cuda:
-            return
-        with torch.inference_mode():
-            for bucket in sorted(self.batch_sizes, reverse=True):
-                if bucket not in self._steps:
-                    self._capture(bucket)
 
     # ------------------------------------------------------------------ use
     def can_run(self, items: Sequence[Any], meta: PagedAttentionMetadata | None = None) -> bool:

@@ -32,25 +32,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from mstar.layers.attention import PagedAttentionMetadata, write_kv_cache
 
-try:  # optional dependency
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is missing
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAS_TRITON = False
-
-#: Whether the kernels below were built for Triton's CPU interpreter.
-INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 _LOG2E = 1.4426950408889634
 # The split count is a runtime argument (not a compile-time constant), so a batch of a new

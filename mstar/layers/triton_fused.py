@@ -25,23 +25,11 @@ before this module is first imported. Triton is optional: without it the module 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
-try:  # optional dependency
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is missing
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAS_TRITON = False
-
-#: Whether the kernels below were built for Triton's CPU interpreter.
-INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 _SILU_BLOCK = 1024
 

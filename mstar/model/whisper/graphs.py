@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
 from mstar.layers.attention import PagedAttentionMetadata
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
 
@@ -40,32 +40,7 @@ class _StaticInputs:
     cross_slots: torch.Tensor  # [N] the cross-attention K/V slot of each sequence
 
 
-class _Buckets:
-    """What both graph sets share: captured steps per batch bucket (``capture`` is False
-    without CUDA, where the steps run eagerly)."""
-
-    capture: bool
-    batch_sizes: tuple[int, ...]
-    _steps: dict[int, Callable[[], torch.Tensor]]
-
-    def _capture(self, bucket: int) -> Callable[[], torch.Tensor]:
-        raise NotImplementedError
-
-    @property
-    def captured_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._steps))
-
-    def capture_all(self) -> None:
-        """Capture every bucket now (a deployment does this at startup, so no request waits
-        for a capture or a kernel compile), largest first; nothing to do without CUDA."""
-        if self.capture:
-            with torch.inference_mode():
-                for bucket in sorted(self.batch_sizes, reverse=True):
-                    if bucket not in self._steps:
-                        self._capture(bucket)
-
-
-class WhisperDecodeGraphs(_Buckets):
+class WhisperDecodeGraphs(BucketGraphs):
     """Runs decode-only steps of ``model.decode`` as per-bucket graph replays.
 
     ``scratch_page`` is a page of ``kv_caches`` the engine never gives a sequence;
@@ -198,7 +173,7 @@ class WhisperDecodeGraphs(_Buckets):
         return replay
 
 
-class WhisperEncoderGraphs(_Buckets):
+class WhisperEncoderGraphs(BucketGraphs):
     """The encoder's forward as per-bucket CUDA-graph replays (``model_kwargs.cuda_graphs``).
 
     At one clip the encoder is launch-bound (hundreds of small kernels over ~6 ms of GPU

@@ -181,13 +181,13 @@ class Whisper(ModelSpec):
             log.info("loading %s weights (%s)", self.key, ckpt.format)
             load_weights(model, ckpt.tensors(), dtype=dtype)
         model.eval()
-        fast = self.model_fast_paths(device)
+        fast, decode = self.model_fast_paths(device), self.decode_fast_paths(device)
         model.use_fused_kernels(fast["fused_kernels"])
         engines = {}
         if "encoder" in nodes:
             graphs = None
             if fast["encoder_cuda_graphs"]:
-                sizes = self.decode_fast_paths(device).get("graph_batch_sizes", DEFAULT_BATCH_SIZES)
+                sizes = decode.get("graph_batch_sizes", DEFAULT_BATCH_SIZES)
                 most = self.config.max_concurrent_requests
                 graphs = WhisperEncoderGraphs(model, [n for n in sizes if n < most] + [most])
                 graphs.capture_all()  # every bucket now: no request waits for a capture
@@ -204,7 +204,7 @@ class Whisper(ModelSpec):
                 engines["decoder"] = WhisperDecoderEngine(
                     model, rules, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
                     page_size=kv.page_size, max_seq_len=config.max_target_positions, device=device, dtype=dtype,
-                    max_requests=self.config.max_concurrent_requests, **self.decode_fast_paths(device))
+                    max_requests=self.config.max_concurrent_requests, **decode)
             except ValueError as err:  # the cross-attention slots do not fit max_concurrent_requests
                 raise ConfigError(str(err)) from None
             if engines["decoder"].graphs is not None:
