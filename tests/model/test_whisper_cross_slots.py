@@ -209,6 +209,18 @@ def test_batched_cross_attention_equals_per_request_path(counts: list[int]) -> N
 
 
 # --------------------------------------------------------- decode graphs, run eagerly on the CPU
+def written_slots(model: WhisperForConditionalGeneration, device) -> tuple[CrossKVSlots, dict[str, int]]:
+    """Three slots holding the cross K/V of requests "a", "b" and "c" (float32), and which
+    slot each has."""
+    layers, heads, head_dim = model.kv_layout()
+    cross = CrossKVSlots(layers, 3, FRAMES, heads, head_dim, torch.float32, device)
+    slot = {"a": 2, "b": 0, "c": 1}
+    with torch.no_grad():
+        model.write_cross_kv(torch.stack(features(3, seed=7, device=device)),
+                             torch.tensor(list(slot.values()), device=device), cross.layers)
+    return cross, slot
+
+
 def mixed_steps() -> list[list[tuple[str, int, int]]]:
     """Spans ``(request, start, end)`` of a prefill of three sequences (5, 1 and 3 tokens),
     then three decode steps in shifting orders."""

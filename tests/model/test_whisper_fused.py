@@ -23,10 +23,10 @@ from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, r
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_fused  # noqa: E402
 from mstar.layers.attention import allocate_kv_cache  # noqa: E402
-from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots  # noqa: E402
+from mstar.model.whisper.cross_kv import CrossAttentionBatch  # noqa: E402
 
 from test_whisper_cross_slots import (  # noqa: E402
-    FRAMES, mixed_steps, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
+    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, mixed_steps, rel_err, step_meta, tiny_model, written_slots,
 )
 from test_whisper_overlap import make_engine, request, serve  # noqa: E402
 
@@ -72,11 +72,7 @@ def test_fused_decoder_matches_plain_over_prefill_and_decodes(backend: str) -> N
     plain = tiny_model(DEVICE)
     models = {"plain": plain, "fused": fused_twin(plain)}
     layers, heads, head_dim = plain.kv_layout()
-    cross = CrossKVSlots(layers, 3, FRAMES, heads, head_dim, torch.float32, DEVICE)
-    slot = {"a": 2, "b": 0, "c": 1}
-    with torch.no_grad():
-        plain.write_cross_kv(torch.stack(features(3, seed=7, device=DEVICE)),
-                             torch.tensor(list(slot.values()), device=DEVICE), cross.layers)
+    cross, slot = written_slots(plain, DEVICE)
     caches = {k: allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE) for k in models}
     pool = PagePool(16, PAGE_SIZE)
     gen = torch.Generator().manual_seed(8)

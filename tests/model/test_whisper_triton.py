@@ -23,7 +23,7 @@ from mstar.layers.attention import allocate_kv_cache  # noqa: E402
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention  # noqa: E402
 
 from test_whisper_cross_slots import (  # noqa: E402
-    FRAMES, mixed_steps, PAGE_SIZE, SOT, compare_graph_runner, features, rel_err, step_meta, tiny_model,
+    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, mixed_steps, rel_err, step_meta, tiny_model, written_slots,
 )
 
 RUNNABLE = kernels_runnable(triton_attention)
@@ -85,11 +85,7 @@ def test_triton_decoder_matches_torch_over_prefill_and_decodes() -> None:
     with each backend on twin caches (float32)."""
     model = tiny_model(DEVICE)
     layers, heads, head_dim = model.kv_layout()
-    cross = CrossKVSlots(layers, 3, FRAMES, heads, head_dim, torch.float32, DEVICE)
-    slot = {"a": 2, "b": 0, "c": 1}
-    with torch.no_grad():
-        model.write_cross_kv(torch.stack(features(3, seed=7, device=DEVICE)),
-                             torch.tensor(list(slot.values()), device=DEVICE), cross.layers)
+    cross, slot = written_slots(model, DEVICE)
     caches = {b: allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE)
               for b in ("torch", "triton")}
     pools = {b: PagePool(16, PAGE_SIZE) for b in caches}
