@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.engine.cuda_graphs import capture_graph
+
 DEFAULT_MAX_GRAPHS = 16
 WARMUP_RUNS = 2  # before a capture: lazy initialisation (cuBLAS workspaces, kernel choice) stays out of it
 
@@ -54,13 +56,5 @@ class GraphedForward:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static = tuple(x.clone() for x in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self.fn(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self.fn(*static)
+        graph, output = capture_graph(lambda: self.fn(*static), self._pool, warmups=WARMUP_RUNS)
         return _Captured(graph, static, output)

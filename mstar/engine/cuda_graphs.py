@@ -20,15 +20,16 @@ decode path is (its grid depends on shapes only); the ``"torch"`` reference is n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from mstar.layers.attention import ATTENTION_BACKENDS, PagedAttentionMetadata
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+T = TypeVar("T")
 
 
 class GraphableDecoder(Protocol):
@@ -55,6 +56,24 @@ class _CapturedStep:
     logits: torch.Tensor  # [bucket, vocab], overwritten by each replay
 
 
+def capture_graph(step: Callable[[], T], pool: Any, device: torch.device | None = None,
+                  warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``step`` run ``warmups`` times on a side stream (kernels compiled, cuBLAS handles and
+    kernel choices made outside the capture), then captured into a graph on memory ``pool``;
+    the graph and the output tensors it writes at each replay."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output
+
+
 class BucketGraphs:
     """What the graph runners share: one captured step per batch bucket, captured when first
     needed or all at once (``capture_all``). ``capture`` is False without CUDA, where a
@@ -63,9 +82,16 @@ class BucketGraphs:
     capture: bool
     batch_sizes: tuple[int, ...]
     _steps: dict[int, Any]
+    _pool: Any = None
 
     def _capture(self, bucket: int) -> Any:
         raise NotImplementedError
+
+    def _graph_pool(self) -> Any:
+        """The memory pool every graph of this set is captured into (replayed one at a time)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     @property
     def captured_batch_sizes(self) -> tuple[int, ...]:
@@ -254,18 +280,7 @@ class DecodeGraphRunner(BucketGraphs):
         All rows are padding during both, so they write only to the scratch page.
         """
         assert self.kv_caches is not None
-        device = self.kv_caches[0].device
         self._pad(0, bucket)
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._step(bucket)
-        current.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(bucket)
+        graph, logits = capture_graph(lambda: self._step(bucket), self._graph_pool(), self.kv_caches[0].device)
         self._steps[bucket] = step = _CapturedStep(graph, logits)
         return step

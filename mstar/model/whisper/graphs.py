@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs, capture_graph
 from mstar.layers.attention import PagedAttentionMetadata
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
 
@@ -151,19 +151,8 @@ class WhisperDecodeGraphs(BucketGraphs):
         if not self.capture:
             self._steps[bucket] = replay = lambda: self._step(bucket)
             return replay
-        device = self.kv_caches[0].device
         self._pad(0, bucket)
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._step(bucket)
-        current.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self._step(bucket)
+        graph, hidden = capture_graph(lambda: self._step(bucket), self._graph_pool(), self.kv_caches[0].device)
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -219,18 +208,7 @@ class WhisperEncoderGraphs(BucketGraphs):
         if not self.capture:
             self._steps[bucket] = replay = lambda: self.model.encode(mel)
             return replay
-        device = mel.device
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # warm-up: cuBLAS handles, kernel selection
-            self.model.encode(mel)
-        current.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            features = self.model.encode(mel)
+        graph, features = capture_graph(lambda: self.model.encode(mel), self._graph_pool(), mel.device)
 
         def replay() -> torch.Tensor:
             graph.replay()
