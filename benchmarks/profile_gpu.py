@@ -66,18 +66,47 @@ SCENARIOS = {"s1": _s1, "s2": _s2, "s4": _s4}
 def busy_seconds(events) -> float:
     """Seconds during which at least one GPU kernel or copy ran (the union of their
     intervals; the GPU-side spans of labelled ranges are not work and are left out)."""
+    return sum(e - s for s, e in _gpu_spans(events)) * 1e-6  # microseconds
+
+
+def _gpu_spans(events) -> list[tuple[float, float]]:
+    """The merged intervals (microseconds) during which a kernel or copy ran."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
                    and not getattr(e, "is_user_annotation", False) and not e.name.startswith("mstar."))
-    busy, end = 0.0, float("-inf")
+    merged: list[list[float]] = []
     for s, e in spans:
-        if s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    return busy * 1e-6  # microseconds
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def timeline(events, min_gap_ms: float) -> str:
+    """When each runtime node ran on the host, and every stretch of at least ``min_gap_ms``
+    with the GPU idle, with the host work that overlapped it most (times from the first
+    event, ms)."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
+    spans = _gpu_spans(events)
+    origin = min([e.time_range.start for e in cpu] + [s for s, _ in spans])
+    ms = lambda t: (t - origin) / 1e3  # noqa: E731
+    lines = ["host ranges of the nodes (start-end ms):"]
+    for e in sorted((e for e in cpu if e.name.startswith("mstar.node.")), key=lambda e: e.time_range.start):
+        lines.append(f"  {ms(e.time_range.start):8.1f} - {ms(e.time_range.end):8.1f}  {e.name[11:]}")
+    if spans:
+        lines.append(f"GPU busy from {ms(spans[0][0]):.1f} to {ms(spans[-1][1]):.1f} ms; idle stretches >= {min_gap_ms} ms:")
+    edges = [(origin, spans[0][0])] if spans else []
+    edges += [(a[1], b[0]) for a, b in zip(spans, spans[1:])]
+    for g0, g1 in edges:
+        if (g1 - g0) / 1e3 < min_gap_ms:
+            continue
+        overlaps = sorted(((min(e.time_range.end, g1) - max(e.time_range.start, g0), e) for e in cpu
+                           if e.time_range.start < g1 and e.time_range.end > g0
+                           and e.time_range.end - e.time_range.start < 5 * (g1 - g0)), key=lambda p: -p[0])
+        what = "; ".join(f"{e.name[:48]} {o / 1e3:.1f}" for o, e in overlaps[:5])
+        lines.append(f"  {ms(g0):8.1f} - {ms(g1):8.1f} ({(g1 - g0) / 1e3:5.1f} ms)  {what}")
+    return "\n".join(lines)
 
 
 def _device_us(avg) -> float:
@@ -125,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
     p.add_argument("--out", default=None, help="directory for the full tables (and the trace)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace to --out")
+    p.add_argument("--timeline", type=float, default=None, metavar="MS",
+                   help="also print the nodes' host ranges and every GPU-idle stretch of at least MS ms")
     args, rest = p.parse_known_args(argv)
     args.scenario_args = rest  # the scenario script's own flags (e.g. --cuda-graphs)
     return args
@@ -149,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             close()
     text = summary(prof, wall, args.top)
+    if args.timeline is not None:
+        text += "\n" + timeline(prof.events(), args.timeline)
     print(f"{args.scenario} batch {args.batch} {' '.join(args.scenario_args)}\n{text}")
     if args.out:
         out = Path(args.out)
