@@ -73,6 +73,10 @@ def generate(d, spec):
     return asyncio.run(d.backend.generate_images(spec))
 
 
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+
+
 def test_runtime_matches_diffusers_pipeline(reference, deployment):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
@@ -98,8 +102,10 @@ def test_concurrent_sizes_and_seeds(deployment):
         return await asyncio.gather(*[deployment.backend.generate_images(s) for s in specs])
 
     results = asyncio.run(go())
-    alone = generate(deployment, ImageSpec("c-alone", "a dog", 48, 32, 1, 1, 2))
-    assert results[1] == alone  # batching does not change a request's image
+    [alone] = generate(deployment, ImageSpec("c-alone", "a dog", 48, 32, 1, 1, 2))
+    # batching does not change a request's image: the same maths, though a batched fp32 GEMM
+    # may round a pixel one level the other way (so the PNG bytes may differ)
+    assert np.abs(pixels(results[1][0]) - pixels(alone)).max() <= 1
     sizes = [Image.open(io.BytesIO(r[0])).size for r in results]
     assert sizes == [(32, 32), (48, 32), (32, 32), (48, 32)]
     dit = deployment.runtime.workers.workers[0].engines["dit"]
@@ -117,9 +123,6 @@ def test_four_requests_of_one_size_share_denoise_forwards(deployment):
     together = asyncio.run(go())
     shared = list(dit.forward_rows)
     assert sum(shared) == 4 * 3 and max(shared) > 1, shared  # 12 rows in fewer than 12 forwards
-
-    def pixels(png: bytes) -> np.ndarray:
-        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
 
     for spec, [png] in zip(specs, together):
         [alone] = generate(deployment, ImageSpec(spec.request_id + "-alone", spec.prompt, 32, 32, 1, spec.seed, 3))
