@@ -122,10 +122,13 @@ class RowParallelLinear(nn.Linear):
         _expect_shape(param, full, tuple(param.shape))
         param.copy_(full)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+        """``linear`` is the GEMM, ``F.linear`` or a kernel of its signature ``(x, weight,
+        bias=None)`` (e.g. ``mstar.layers.triton_gemv.gemv`` in a small decode step); the
+        all-reduce and the bias stay here, so tensor parallelism works with either."""
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+            return linear(x, self.weight, self.bias)
+        y = all_reduce(linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

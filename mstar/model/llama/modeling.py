@@ -15,6 +15,9 @@ outside one, every layer is its plain ``torch.nn`` counterpart.
 ``use_fused_kernels(True)`` (``model_kwargs.fused_kernels``) runs the step's element-wise work
 as Triton kernels (``mstar.layers.triton_fused``): residual add + RMSNorm, SiLU * up and RoPE
 in place. The layers pick the kernel themselves; eager torch stays the default and reference.
+In steps of at most ``DECODE_GEMV_ROWS`` rows the decoder layer also runs its projections as
+the fused GEMV kernels of ``mstar.layers.triton_gemv`` (norm + qkv, o, norm + gate_up + SiLU *
+up, down: four kernels), with the same sums and rounding points.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
+
+DECODE_GEMV_ROWS = 2
+"""With ``fused_kernels`` on, steps of at most this many rows (tokens) run each decoder layer
+through ``LlamaDecoderLayer.forward_gemv``; larger steps use cuBLAS and the separate fused
+kernels. 0 disables the GEMV path; at most ``mstar.layers.triton_gemv.GEMV_MAX_ROWS``. Set
+from ``benchmarks/check_gemv.py`` on the target GPU: on an H200 at the Llama-3.1-8B shapes
+a layer's projections took 7.0 us less at 1 row, 1.8 us less at 2 and 1.5 us more at 4."""
 
 
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
@@ -65,8 +75,19 @@ class LlamaAttention(nn.Module):
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(self.qkv_proj(x)))
+        return self.o_proj(self.attend(self.qkv_proj(x), cos_sin, meta, kv_cache))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """RoPE, cache write and attention on the ``qkv_proj`` output ``[T, q | k | v]``:
+        the attention output ``[T, heads * head_dim]``, before ``o_proj``."""
+        tokens = qkv.shape[0]
+        q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(qkv))
         cos, sin = cos_sin
         if self.fused_kernels:  # one kernel rotates q and k in place and writes k and v to the cache
             from mstar.layers.triton_fused import rotary_
@@ -76,7 +97,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rotary_qk(q, k, cos, sin)
             out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return out.reshape(tokens, -1)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,7 +108,11 @@ class LlamaDecoderLayer(nn.Module):
     it; the embeddings and ``None`` for the first layer) and returns its own pair, so every
     residual add happens inside the next norm (``norm(delta, residual)``), which fuses the two
     (one kernel with ``fused_kernels``). The sums and their rounding are those of the plain
-    ``x + ...`` form."""
+    ``x + ...`` form.
+
+    With ``fused_kernels``, a step of at most ``DECODE_GEMV_ROWS`` rows takes ``forward_gemv``."""
+
+    fused_kernels: bool = False
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -104,12 +129,36 @@ class LlamaDecoderLayer(nn.Module):
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV_ROWS:
+            return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, meta, kv_cache), residual)
         return self.mlp(h), residual
+
+    def forward_gemv(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a step of a few rows, its projections as fused GEMV kernels:
+        add + norm + qkv, o (+ the all-reduce under tensor parallelism), add + norm + gate_up +
+        SiLU * up, down (+ all-reduce). The weights are this rank's shards, as in ``forward``."""
+        from mstar.layers.triton_gemv import gemv, rmsnorm_gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        norm, qkv_proj = self.input_layernorm, attn.qkv_proj
+        qkv, residual = rmsnorm_gemv(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias)
+        h = attn.o_proj(attn.attend(qkv, cos_sin, meta, kv_cache), linear=gemv)
+        norm, gate_up_proj = self.post_attention_layernorm, mlp.gate_up_proj
+        act, residual = rmsnorm_gemv(h, residual, norm.weight, norm.eps, gate_up_proj.weight, gate_up_proj.bias,
+                                     silu_mul=True)
+        return mlp.down_proj(act, linear=gemv), residual
 
 
 class LlamaModel(nn.Module):
@@ -169,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         """Switch the element-wise work of every step to the fused Triton kernels (CUDA
         tensors, or CPU ones under Triton's interpreter) or back to eager torch."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
+            if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention, LlamaDecoderLayer)):
                 module.fused_kernels = enabled
 
     @property

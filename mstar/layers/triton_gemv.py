@@ -1,0 +1,291 @@
+"""Fused Triton GEMV kernels for decode steps of a few rows.
+
+At one to a few rows a projection ``y = x W^T`` reads every weight once and does two flops
+per weight and row: it is bound by the weight read. The kernel here streams ``W [N, K]``
+once, at about cuBLAS's bandwidth (see ``_config`` for measurements), and folds the element-wise work that sits around the
+decoder's projections into the same pass, so those kernels and their launches disappear:
+
+* ``gemv(x, weight, bias)``: ``F.linear`` for at most ``GEMV_MAX_ROWS`` rows.
+* ``rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias)``: ``torch_add_rmsnorm``
+  (``triton_fused``'s reference, same rounding points) as a prologue, then the GEMV on the
+  normalised rows. Returns ``(y, x + residual)``. Every program recomputes the row sums and
+  their statistics from ``x`` and ``residual`` (a few KB, read from L2), so no program waits
+  on another; the programs of the first output block also store the sum.
+* ``rmsnorm_gemv(..., silu_mul=True)``: for a ``[gate | up]`` weight (``N = 2I``), each
+  program computes a block of gate rows and the matching up rows, rounds both to the dtype
+  (as the GEMM output would be) and returns ``torch_silu_and_mul`` of them: ``[M, I]``.
+
+How: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` steps. The
+few input rows are padded to ``M_PAD = 16`` columns and the step is a tensor-core ``tl.dot``
+of the weight tile ``[BLOCK_N, BLOCK_K]`` with the transposed rows ``[BLOCK_K, 16]`` (the
+"swapped" small-M GEMM: the padding costs arithmetic, which is idle here, never bytes). The
+weight tile is loaded along K (contiguous, so the loads can be vectorised) and
+software-pipelined ``num_stages`` deep. The padding also means any row count up to 16 costs the same weight read, which is
+why ``GEMV_MAX_ROWS`` is 16; callers choose their own, smaller, threshold. No split-K: with a
+prologue or epilogue it would repeat them per split, and the plain GEMV already beats cuBLAS
+without it at the 8B shapes. (The norm + qkv kernel, 96 programs of 64 features on 132 SMs,
+is where it falls short at 2-4 rows; see ``_config``.)
+
+Everything accumulates in fp32; the output is in ``x``'s dtype (all inputs must share it).
+Wrappers allocate outputs of sizes fixed by the inputs' shapes and never read a tensor on the
+host, so they can be captured in a CUDA graph. Kernels run on CUDA tensors, or on CPU tensors
+under Triton's interpreter (see ``mstar.layers.triton_support``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
+
+M_PAD = 16  # the narrowest tl.dot: input rows are padded to it
+GEMV_MAX_ROWS = M_PAD
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: output features per program, K step, warps, pipeline depth."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+_INTERPRETER_CONFIG = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1)
+
+
+def _config(n: int, k: int, norm: bool, silu_mul: bool, element_size: int) -> GemvConfig:
+    """Launch parameters for ``n`` output features (per half for ``silu_mul``) over ``k``;
+    the table is for 2-byte weights (wider ones take the same bytes per step, two stages).
+
+    The best of ``benchmarks/check_gemv.py --sweep`` on an H200 for the Llama-3.1-8B shapes,
+    at 1 and 4 rows (microseconds per launch in a CUDA graph, weights cycled past the L2):
+    o 4096x4096 and down 14336->4096 11.0 and 29.8 us (3.0 and 3.9 TB/s; cuBLAS 12.6 and
+    30.8); norm + qkv 4096->6144 18.6 / 22.3 us; norm + gate_up + SiLU*up 4096->2x14336
+    60.0 / 60.4 us (3.9 TB/s). The norm kernels take wider blocks: their programs each
+    re-derive the normalised rows, a cost per program, not per weight."""
+    if INTERPRET:
+        return _INTERPRETER_CONFIG
+    if silu_mul:  # two weight tiles (gate and up) per step
+        cfg = GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    elif norm:
+        cfg = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
+    else:
+        cfg = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=5)
+    if element_size <= 2:
+        return cfg
+    return replace(cfg, block_k=max(16, cfg.block_k * 2 // element_size), num_stages=2)  # fits shared memory
+
+
+# --------------------------------------------------------------------------- kernels
+if HAS_TRITON:
+
+    @triton.jit
+    def _summed(X, RESIDUAL, x_offs, r_offs, mask, HAS_RESIDUAL: tl.constexpr):
+        """``x + residual`` at the given offsets, rounded to x's dtype as the torch add rounds."""
+        x = tl.load(X + x_offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(RESIDUAL + r_offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        return x
+
+    @triton.jit
+    def _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, store_sum,
+                  K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
+                  M_ROWS: tl.constexpr):
+        """RMSNorm's ``rsqrt(mean(s^2) + eps)`` of the summed rows ``s = x + residual``, as a
+        ``[M_ROWS]`` vector (zero past the ``M_STAT`` rows); ``s`` is stored to ``SUM_OUT``
+        where ``store_sum``. The rows are read as ``[M_STAT, BLOCK_S]`` tiles (only the real
+        rows, padded to a power of two) in an unrolled loop, so the loads go out together:
+        every program pays about one L2 round trip here, not one per step."""
+        rows = tl.arange(0, M_STAT)
+        row_mask = rows < M
+        square_sum = tl.zeros([M_STAT], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_S):
+            ks = k0 + tl.arange(0, BLOCK_S)
+            mask = row_mask[:, None] & (ks[None, :] < K)
+            s = _summed(X, RESIDUAL, rows[:, None] * stride_x + ks[None, :], rows[:, None] * stride_r + ks[None, :],
+                        mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                tl.store(SUM_OUT + rows[:, None] * stride_s + ks[None, :], s, mask=mask & store_sum)
+            s = s.to(tl.float32)
+            square_sum += tl.sum(s * s, axis=1)
+        rstd = tl.where(row_mask, tl.rsqrt(square_sum / K + eps), 0.0)
+        # Spread onto the dot's padded columns: column m takes row m's value.
+        cols = tl.arange(0, M_ROWS)
+        return tl.sum(tl.where(cols[:, None] == rows[None, :], rstd[None, :], 0.0), axis=1)
+
+    @triton.jit
+    def _gemv_kernel(
+        X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT,
+        M, N_OUT, eps,
+        stride_x, stride_r, stride_w, stride_y, stride_s,
+        K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+        M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        """Output features ``[pid * BLOCK_N, +BLOCK_N)`` of ``Y [M, N_OUT]`` for all M rows.
+
+        With ``SILU_MUL`` the weight holds ``2 * N_OUT`` rows ``[gate | up]`` and the program
+        also computes the up rows ``N_OUT + n``. With ``NORM`` the GEMV's input is
+        ``rmsnorm(x + residual) * NORM_W`` (rounded as ``torch_add_rmsnorm``). K is a
+        compile-time constant: one compiled kernel per weight shape, a loop of known length."""
+        pid = tl.program_id(0)
+        rows = tl.arange(0, M_ROWS)
+        row_mask = rows < M
+        offs_k = tl.arange(0, BLOCK_K)
+        ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Out-of-range features read row 0 (always there) and are never stored, so the weight
+        # loads need no feature mask.
+        w_rows = tl.where(ns < N_OUT, ns, 0).to(tl.int64)
+        w_ptrs = W + w_rows[:, None] * stride_w + offs_k[None, :]
+        up_ptrs = w_ptrs + N_OUT * stride_w  # used only with SILU_MUL
+        dtype = X.dtype.element_ty
+
+        if NORM:
+            # Statistics over the whole rows first; then each step re-derives its slice of
+            # the normalised rows from L2 (never stored), its loads issued one step ahead
+            # (``s_next``, ``g_next``) so that their latency hides behind the step before.
+            rstd = _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, pid == 0,
+                             K, HAS_RESIDUAL, M_STAT, BLOCK_S, M_ROWS)
+            x_offs = rows[None, :] * stride_x + offs_k[:, None]
+            r_offs = rows[None, :] * stride_r + offs_k[:, None]
+            s_next = _summed(X, RESIDUAL, x_offs, r_offs, row_mask[None, :] & (offs_k[:, None] < K), HAS_RESIDUAL)
+            g_next = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0)
+
+        acc = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            if NORM:
+                s, g = s_next, g_next
+                ks_next = ks + BLOCK_K
+                x_offs += BLOCK_K
+                r_offs += BLOCK_K
+                s_next = _summed(X, RESIDUAL, x_offs, r_offs, row_mask[None, :] & (ks_next[:, None] < K),
+                                 HAS_RESIDUAL)
+                g_next = tl.load(NORM_W + ks_next, mask=ks_next < K, other=0.0)
+                normed = (s.to(tl.float32) * rstd[None, :]).to(dtype).to(tl.float32)
+                xt = (g.to(tl.float32)[:, None] * normed).to(dtype)
+            else:
+                mask = row_mask[None, :] & (ks[:, None] < K)
+                xt = tl.load(X + rows[None, :] * stride_x + ks[:, None], mask=mask, other=0.0)
+            if K % BLOCK_K == 0:  # no K mask: full-width vector loads
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+            if SILU_MUL:
+                if K % BLOCK_K == 0:  # no K mask: full-width vector loads
+                    w_up = tl.load(up_ptrs)
+                else:
+                    w_up = tl.load(up_ptrs, mask=ks[None, :] < K, other=0.0)
+                acc_up = tl.dot(w_up, xt, acc_up, input_precision="ieee")
+            w_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+
+        out_mask = (ns[:, None] < N_OUT) & row_mask[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + ns, mask=ns < N_OUT, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(dtype)
+        if SILU_MUL:
+            if HAS_BIAS:
+                acc_up += tl.load(BIAS + N_OUT + ns, mask=ns < N_OUT, other=0.0).to(tl.float32)[:, None]
+            # Gate and up rounded as the GEMM output is, then torch_silu_and_mul's rounding.
+            gate = y.to(tl.float32)
+            up = acc_up.to(dtype).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            y = (silu * up).to(dtype)
+        tl.store(Y + rows[None, :] * stride_y + ns[:, None], y, mask=out_mask)
+
+
+# -------------------------------------------------------------------------- wrappers
+def _check_runnable(x: torch.Tensor) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("GEMV kernels need the triton package")
+    if not x.is_cuda and not INTERPRET:
+        raise RuntimeError("GEMV Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set "
+                           "before mstar.layers.triton_gemv is imported)")
+
+
+def _check_same(x: torch.Tensor, name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, K]`` with a contiguous last dimension (a view when possible)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+            weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+            config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate, launch, and return ``(y, summed)`` (``summed`` is ``x`` without a residual
+    or without the norm)."""
+    _check_runnable(x)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (its last is K)")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight [N, K] = {tuple(weight.shape)} expects {k}")
+    _check_same(x, "weight", weight, (n, k))
+    _check_same(x, "bias", bias, (n,))
+    _check_same(x, "residual", residual, tuple(x.shape))
+    _check_same(x, "norm_weight", norm_weight, (k,))
+    if weight.stride(1) != 1:
+        raise ValueError("weight must be contiguous along K (its last dimension)")
+    if silu_mul and n % 2:
+        raise ValueError(f"silu_mul needs a [gate | up] weight with an even number of rows, got {n}")
+    n_out = n // 2 if silu_mul else n
+    xs = _rows(x)
+    m = xs.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"GEMV kernels take at most GEMV_MAX_ROWS={GEMV_MAX_ROWS} rows, got {m}")
+    norm = norm_weight is not None
+    with_sum = norm and residual is not None
+    rs = _rows(residual) if with_sum else xs
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(xs) if with_sum else xs
+    if m and n_out:
+        cfg = config or _config(n_out, k, norm, silu_mul, weight.element_size())
+        m_stat = triton.next_power_of_2(m)
+        block_s = min(triton.next_power_of_2(k), (64 if INTERPRET else 4096) // m_stat)
+        _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+            xs, rs, norm_weight if norm else xs, weight, bias if bias is not None else weight, y, summed,
+            m, n_out, eps,
+            xs.stride(0), rs.stride(0), weight.stride(0), y.stride(0), summed.stride(0),
+            K=k, NORM=norm, HAS_RESIDUAL=with_sum, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+            M_ROWS=M_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    y = y.view(*x.shape[:-1], n_out)
+    return y, (summed.view(x.shape) if with_sum else x)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` of at most ``GEMV_MAX_ROWS`` rows
+    (``config`` overrides the launch table, for benchmarks)."""
+    return _launch(x, None, None, 0.0, weight, bias, False, config)[0]
+
+
+def rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, *,
+                 config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(normed, weight, bias), summed)`` where ``(normed, summed) =
+    torch_add_rmsnorm(x, residual, norm_weight, eps)``, in one kernel. With ``silu_mul`` the
+    weight is ``[gate | up]`` and the first result is ``torch_silu_and_mul`` of the GEMV
+    output, ``[..., N / 2]``. Without ``residual``, ``summed`` is ``x`` itself."""
+    if norm_weight is None:
+        raise ValueError("rmsnorm_gemv needs norm_weight")
+    return _launch(x, residual, norm_weight, eps, weight, bias, silu_mul, config)

@@ -1,0 +1,267 @@
+"""The fused small-batch GEMV kernels (``mstar.layers.triton_gemv``) against their torch
+compositions, and the Llama decoder's GEMV path (``forward_gemv``) against eager torch.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (see
+tests/support/triton_interpreter.py and test_triton_fused.py, which this file follows); when
+something imported Triton first in this session, ``test_kernels_in_a_fresh_interpreter``
+runs this file again in a process of its own. bf16 checks run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
+
+from mstar.layers import triton_gemv  # noqa: E402
+from mstar.layers.triton_fused import torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
+from mstar.layers.triton_gemv import GEMV_MAX_ROWS, gemv, rmsnorm_gemv  # noqa: E402
+from mstar.model.llama import LlamaConfig, LlamaForCausalLM, modeling  # noqa: E402
+
+RUNNABLE = kernels_runnable(triton_gemv)
+runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
+
+# Max error relative to the reference's largest magnitude. fp32: reduction order only.
+# bf16 (CUDA only): an ulp of the output, and of the rounded gate/up and normalised rows.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+N, K = 97, 150  # odd: neither is a multiple of the blocks, so both masks are exercised
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+
+@pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
+def test_kernels_in_a_fresh_interpreter() -> None:
+    rerun_in_fresh_interpreter(__file__, allow_skips=True)  # the GPU test skips on the CPU
+
+
+# ---------------------------------------------------------------------------- kernels
+@runnable
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_matches_linear(dtype: torch.dtype, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = rand(gen, N, K, dtype=dtype, scale=K**-0.5)
+    bias = rand(gen, N, dtype=dtype) if with_bias else None
+    for rows in range(1, 5):
+        x = rand(gen, rows, K, dtype=dtype)
+        y = gemv(x, weight, bias)
+        ref = F.linear(x, weight, bias)
+        assert y.shape == (rows, N) and y.dtype == dtype
+        assert rel_err(y, ref) < TOL[dtype], (rows, rel_err(y, ref))
+
+
+@runnable
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rmsnorm_gemv_matches_norm_then_linear(dtype: torch.dtype, with_bias: bool, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = rand(gen, N, K, dtype=dtype, scale=K**-0.5)
+    bias = rand(gen, N, dtype=dtype) if with_bias else None
+    norm_w = torch.empty(K).uniform_(0.5, 1.5, generator=gen).to(DEVICE, dtype)
+    for rows in range(1, 5):
+        x = rand(gen, rows, K, dtype=dtype, scale=3.0)
+        residual = rand(gen, rows, K, dtype=dtype) if with_residual else None
+        kept = None if residual is None else residual.clone()
+        normed, ref_sum = torch_add_rmsnorm(x, residual, norm_w, 1e-5)
+        y, summed = rmsnorm_gemv(x, residual, norm_w, 1e-5, weight, bias)
+        assert y.shape == (rows, N) and y.dtype == dtype
+        assert rel_err(y, F.linear(normed, weight, bias)) < TOL[dtype], rows
+        if with_residual:
+            assert torch.equal(residual, kept)
+            exact = dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter truncates to bf16
+            assert torch.equal(summed, ref_sum) if exact else rel_err(summed, ref_sum) < TOL[dtype]
+        else:
+            assert summed is x
+
+
+@runnable
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rmsnorm_gemv_silu_mul_matches_torch(dtype: torch.dtype, with_bias: bool) -> None:
+    """``[gate | up]`` weight with an odd half (masked), leading batch dimensions kept."""
+    gen = torch.Generator().manual_seed(2)
+    weight = rand(gen, 2 * N, K, dtype=dtype, scale=2 * K**-0.5)
+    bias = rand(gen, 2 * N, dtype=dtype) if with_bias else None
+    norm_w = torch.empty(K).uniform_(0.5, 1.5, generator=gen).to(DEVICE, dtype)
+    for rows in range(1, 5):
+        x, residual = rand(gen, rows, 1, K, dtype=dtype), rand(gen, rows, 1, K, dtype=dtype)
+        normed, ref_sum = torch_add_rmsnorm(x, residual, norm_w, 1e-5)
+        ref = torch_silu_and_mul(F.linear(normed, weight, bias))
+        y, summed = rmsnorm_gemv(x, residual, norm_w, 1e-5, weight, bias, silu_mul=True)
+        assert y.shape == (rows, 1, N) and y.dtype == dtype and summed.shape == x.shape
+        assert rel_err(y, ref) < TOL[dtype], (rows, rel_err(y, ref))
+        assert rel_err(summed, ref_sum) < TOL[dtype]
+
+
+@runnable
+def test_gemv_takes_up_to_the_row_limit() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = rand(gen, N, K, dtype=torch.float32)
+    x = rand(gen, GEMV_MAX_ROWS, K, dtype=torch.float32)
+    assert rel_err(gemv(x, weight), F.linear(x, weight)) < TOL[torch.float32]
+
+
+def test_wrappers_reject_bad_shapes() -> None:
+    def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, device=DEVICE).to(dtype)
+
+    x, w = t(2, 8), t(6, 8)
+    with pytest.raises(ValueError, match="x has 7 features"):
+        gemv(t(2, 7), w)
+    with pytest.raises(ValueError, match="weight must be"):
+        gemv(x, t(6, 8, 1))
+    with pytest.raises(ValueError, match="bias has shape"):
+        gemv(x, w, t(5))
+    with pytest.raises(ValueError, match="weight is torch.float16"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="at most GEMV_MAX_ROWS"):
+        gemv(t(GEMV_MAX_ROWS + 1, 8), w)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        gemv(x, t(8, 6).t())
+    with pytest.raises(ValueError, match="residual has shape"):
+        rmsnorm_gemv(x, t(3, 8), t(8), 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight has shape"):
+        rmsnorm_gemv(x, None, t(7), 1e-6, w)
+    with pytest.raises(ValueError, match="even number of rows"):
+        rmsnorm_gemv(x, None, t(8), 1e-6, t(7, 8), silu_mul=True)
+
+
+# ------------------------------------------------------------------------------ model
+def tiny_llama(bias: bool = False) -> LlamaForCausalLM:
+    """Two fp32 layers; with ``bias``, random biases on every projection (Qwen-style qkv
+    bias, and o, gate_up and down biases through the row-parallel and SiLU paths)."""
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         attention_bias=bias, mlp_bias=bias)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(param, 0.5, 1.5)
+        elif name.endswith("bias"):
+            torch.nn.init.normal_(param)
+    return model.eval()
+
+
+@runnable
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_llama_gemv_path_matches_eager(rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of ``rows`` rows through ``forward_gemv`` equal the eager model's logits
+    (fp32, interpreter), with biases too; prefills (more rows) take the old path."""
+    monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 4)  # the path, whatever the tuned default
+    model = tiny_llama(bias)
+    calls = []
+    real = triton_gemv.rmsnorm_gemv
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_gemv, "rmsnorm_gemv", spy)
+    steps = run_steps_with_rows(model, rows)
+    eager = steps(fused=False)
+    assert not calls
+    fused = steps(fused=True)
+    assert calls and set(calls) == {rows}  # the prefill (more rows) took the old path
+    assert len(calls) == 2 * 2 * 2  # two decode steps x two layers x two norm + GEMV kernels
+    for step, (a, b) in enumerate(zip(fused, eager)):
+        assert rel_err(a, b) < 1e-5, (step, rel_err(a, b))
+
+
+def run_steps_with_rows(model, rows: int):
+    """``steps(fused)``: logits of a prefill of ``rows`` sequences, then two decode steps."""
+    from mstar.engine.page_pool import PagePool
+    from mstar.layers.attention import allocate_kv_cache
+
+    from test_cuda_graphs import step_meta
+
+    def steps(fused: bool) -> list[torch.Tensor]:
+        model.use_fused_kernels(fused)
+        layers, kv_heads, head_dim = model.cache_shape()
+        caches = allocate_kv_cache(layers, 32, 4, kv_heads, head_dim, torch.float32, DEVICE)
+        pool = PagePool(32, 4)
+        gen = torch.Generator().manual_seed(4)
+        lens = {f"s{i}": 5 + 2 * i for i in range(rows)}  # prefills of more than 4 rows
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (sum(lens.values()),), generator=gen).to(DEVICE)
+        outs = []
+        with torch.inference_mode():
+            meta = step_meta(pool, [(s, 0, n) for s, n in lens.items()], DEVICE)
+            outs.append(model.compute_logits(model(prompt, meta, caches)))
+            for _ in range(2):
+                tokens = torch.randint(0, vocab, (rows,), generator=gen).to(DEVICE)
+                meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], DEVICE)
+                outs.append(model.compute_logits(model(tokens, meta, caches)))
+                lens = {s: n + 1 for s, n in lens.items()}
+        return outs
+
+    return steps
+
+
+@runnable
+def test_llama_rows_above_the_threshold_take_the_old_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the threshold at 2, three-row decode steps never call the GEMV kernels (and still
+    match eager); at 0 the path is off for every step."""
+    model = tiny_llama()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("GEMV kernel called above the threshold")
+
+    monkeypatch.setattr(triton_gemv, "rmsnorm_gemv", refuse)
+    monkeypatch.setattr(triton_gemv, "gemv", refuse)
+    steps = run_steps_with_rows(model, 3)
+    eager = steps(fused=False)
+    for threshold in (2, 0):
+        monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", threshold)
+        fused = steps(fused=True)
+        for a, b in zip(fused, eager):
+            assert rel_err(a, b) < 1e-5
+    monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 3)  # the spy must be able to fail
+    with pytest.raises(AssertionError, match="above the threshold"):
+        steps(fused=True)
+
+
+# -------------------------------------------------------------------------------- GPU
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+def test_llama_gemv_path_bf16_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 decode of three rows (bucket 4) from a captured graph, the GEMV kernels inside,
+    against the eager model."""
+    from mstar.engine.cuda_graphs import DecodeGraphRunner
+    from mstar.engine.page_pool import PagePool
+    from mstar.layers.attention import allocate_kv_cache
+
+    from test_cuda_graphs import step_meta, tiny_llama as gpu_llama
+
+    monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 4)
+    model = gpu_llama(DEVICE, torch.bfloat16)
+    caches = allocate_kv_cache(2, 32, 4, 2, 64, torch.bfloat16, DEVICE)
+    graph_caches = [c.clone() for c in caches]
+    runner = DecodeGraphRunner(model, graph_caches, 4, 8, batch_sizes=(1, 4))
+    pool = PagePool(31, 4)
+    lens = {"a": 5, "b": 9, "c": 2}
+    with torch.inference_mode():
+        prompt = torch.randint(0, 512, (sum(lens.values()),), device=DEVICE)
+        model(prompt, step_meta(pool, [(s, 0, n) for s, n in lens.items()], DEVICE), caches)
+        for layer, cache in enumerate(caches):
+            graph_caches[layer].copy_(cache)
+        for _ in range(2):
+            tokens = torch.randint(0, 512, (len(lens),), device=DEVICE)
+            meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], DEVICE, "triton")
+            model.use_fused_kernels()
+            graphed = runner.run(tokens, meta)
+            model.use_fused_kernels(False)
+            eager = model.compute_logits(model(tokens, meta, caches))
+            assert rel_err(graphed, eager) < 2e-2, rel_err(graphed, eager)
+            lens = {s: n + 1 for s, n in lens.items()}
