@@ -51,6 +51,9 @@ class Sequence:
     max_new_tokens: int = 1 << 30
     stop_ids: frozenset[int] = frozenset()
     extra: dict[str, Any] = field(default_factory=dict)  # state of a model-specific engine
+    # The ``token`` output of its last step: the next decode's input is normally this very
+    # tensor (the worker's store hands it back), which then needs no reading to be checked.
+    written: torch.Tensor | None = None
 
     @property
     def generated(self) -> int:
@@ -306,8 +309,7 @@ class AutoregressiveEngine(Engine):
             if seq is None:
                 raise RuntimeError(f"request {item.request_id} decodes before its prefill")
             token = item.inputs["token"]
-            if seq.computed != len(seq.tokens) - 1 or seq.tokens[-1] != (token.item() if token.numel() == 1 else
-                                                                         int(token.reshape(-1)[0])):
+            if seq.computed != len(seq.tokens) - 1 or (token is not seq.written and _first_id(token) != seq.tokens[-1]):
                 raise RuntimeError(f"request {item.request_id}: decode input does not follow its history")
         else:
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
@@ -344,7 +346,7 @@ class AutoregressiveEngine(Engine):
         device. Host work is per row, never per token (a prefill's positions and slots come
         from whole-batch tensor ops), and everything reaches the device in one copy."""
         page_size = self.pool.page_size
-        tables = [self.pool.page_table(request_id) for request_id, _, _ in spans]
+        tables = self.pool.tables([request_id for request_id, _, _ in spans])
         width = max(len(t) for t in tables)
         batch = len(spans)
         lens = [end for _, _, end in spans]
@@ -402,6 +404,7 @@ class AutoregressiveEngine(Engine):
         elif seq.generated >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
         out = self.outputs(seq, token) if value is None else {"token": value}
+        seq.written = out.get("token")
         if reason is None:
             return EngineOutput(out)
         return EngineOutput(out, ("stop",), reason)
@@ -495,6 +498,11 @@ class PrefillEngine(AutoregressiveEngine):
             for item in items:
                 self.release(item.request_id)
         return outputs
+
+
+def _first_id(token: torch.Tensor) -> int:
+    """The id a decode's ``token`` input holds (its first element)."""
+    return token.item() if token.numel() == 1 else int(token.reshape(-1)[0])
 
 
 def _flat_slots(cache: torch.Tensor) -> torch.Tensor:

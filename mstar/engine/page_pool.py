@@ -69,8 +69,8 @@ class PagePool:
             raise ValueError(
                 f"cannot shrink sequence {seq_id!r} from {cur_len} to {new_len} tokens"
             )
-        have = len(self._tables.get(seq_id, ()))
-        return self.pages_needed(new_len) - have
+        table = self._tables.get(seq_id)
+        return -(-new_len // self.page_size) - (len(table) if table is not None else 0)
 
     def can_reserve(self, seq_id: str, new_len: int) -> bool:
         """Whether ``reserve(seq_id, new_len)`` would succeed now.
@@ -92,9 +92,12 @@ class PagePool:
                 f"sequence {seq_id!r} needs {extra} more pages for {new_len} tokens, "
                 f"only {len(self._free)} free"
             )
-        new_pages = [self._free.popleft() for _ in range(extra)]
-        self._tables.setdefault(seq_id, []).extend(new_pages)
+        table = self._tables.setdefault(seq_id, [])
         self._lens[seq_id] = new_len
+        if extra <= 0:  # the common case of a decode step: its token fits the last page
+            return []
+        new_pages = [self._free.popleft() for _ in range(extra)]
+        table.extend(new_pages)
         return new_pages
 
     def truncate(self, seq_id: str, new_len: int) -> int:
@@ -140,6 +143,14 @@ class PagePool:
     def page_table(self, seq_id: str) -> list[int]:
         """A copy of the ordered page ids of ``seq_id`` (``KeyError`` if unknown)."""
         return list(self._table(seq_id))
+
+    def tables(self, seq_ids: list[str]) -> list[list[int]]:
+        """The page tables of ``seq_ids`` themselves, not copies (one batch step's metadata
+        reads every live sequence's table): read them, never change them."""
+        try:
+            return [self._tables[seq_id] for seq_id in seq_ids]
+        except KeyError as err:
+            raise KeyError(f"unknown sequence {err.args[0]!r}") from None
 
     def seq_ids(self) -> list[str]:
         return list(self._tables)

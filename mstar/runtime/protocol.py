@@ -128,9 +128,14 @@ def emit_key(key: str, modality: str) -> str:
     return f"{key}\x1f{modality}"
 
 
+EMIT_STACKED = "stacked"
+
+
 def emit_batch_key(keys: list[str]) -> str:
     """One frontend message carries every output a plan streamed: its key lists their
-    ``emit_key`` in order; tensor ``str(i)`` is the value of the ``i``-th."""
+    ``emit_key`` in order; tensor ``str(i)`` is the value of the ``i``-th or, when the values
+    all have one shape and dtype (a decode step's tokens), tensor ``EMIT_STACKED`` holds
+    them all along its first dimension (one tensor to copy and frame, not one per request)."""
     return "\x1e".join(keys)
 
 

@@ -20,7 +20,7 @@ from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
 from mstar.runtime.placement import Placement, Routes
-from mstar.runtime.protocol import StepResult, WorkerFailed, parse_emit_batch, tensor_key
+from mstar.runtime.protocol import EMIT_STACKED, StepResult, WorkerFailed, parse_emit_batch, tensor_key
 from mstar.server.backend import OutputEvent, RequestError
 
 log = logging.getLogger(__name__)
@@ -274,11 +274,14 @@ class Runtime:
                     return
                 raise
             for key, tensors in messages:  # one message per plan: every output it streamed
-                for i, (request_id, version, modality) in enumerate(parse_emit_batch(key)):
+                outputs = parse_emit_batch(key)
+                stacked = tensors.get(EMIT_STACKED)
+                values = stacked.unbind(0) if stacked is not None else [tensors[str(i)] for i in range(len(outputs))]
+                for (request_id, version, modality), value in zip(outputs, values):
                     tracked = self.tracked.get(request_id)
                     if tracked is not None:
                         with tracked.delivering:
-                            self._arrived(request_id, tracked, version, modality, tensors[str(i)])
+                            self._arrived(request_id, tracked, version, modality, value)
 
     def _arrived(self, request_id: str, tracked: _Tracked, version: int, modality: str, value) -> None:
         """Deliver an output now, or hold it while an output dispatched before it is on its way."""

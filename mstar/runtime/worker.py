@@ -16,7 +16,8 @@ import torch
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.runtime.protocol import (
-    ItemResult, StepPlan, StepResult, WorkItem, emit_batch_key, emit_key, parse_tensor_key, tensor_key,
+    EMIT_STACKED, ItemResult, StepPlan, StepResult, WorkItem, emit_batch_key, emit_key, parse_tensor_key,
+    tensor_key,
 )
 from mstar.runtime.transport import TensorTransport
 
@@ -134,12 +135,19 @@ class Worker:
 
     def _flush_emits(self) -> None:
         """Stream the plan's outputs to the frontend as one message (one send, one wake-up
-        of its receiving thread, however many requests the plan ran)."""
-        if self._emits:
-            keys, values = zip(*self._emits)
-            self._emits = []
-            self.transport.send(self.frontend_rank, emit_batch_key(list(keys)),
-                                {str(i): value for i, value in enumerate(values)})
+        of its receiving thread, however many requests the plan ran); values of one shape
+        and dtype travel stacked, as one tensor (``emit_batch_key``)."""
+        if not self._emits:
+            return
+        keys, values = zip(*self._emits)
+        self._emits = []
+        first = values[0]
+        if len(values) > 1 and all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device
+                                   for v in values):
+            tensors = {EMIT_STACKED: torch.stack(values)}
+        else:
+            tensors = {str(i): value for i, value in enumerate(values)}
+        self.transport.send(self.frontend_rank, emit_batch_key(list(keys)), tensors)
 
     def _gather(self, items: list[WorkItem]) -> dict[int, dict[str, torch.Tensor]]:
         """Wait until every item's inputs are in the store; give up after a timeout."""
