@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
+from mstar.layers.triton_support import HAS_TRITON, INTERPRET, as_rows, check_runnable, tl, triton
 
 _SILU_BLOCK = 1024
 
@@ -182,33 +182,19 @@ if HAS_TRITON:
 
 
 # -------------------------------------------------------------------------- wrappers
-def _check_runnable(x: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("fused kernels need the triton package")
-    if not x.is_cuda and not INTERPRET:
-        raise RuntimeError("fused Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set "
-                           "before mstar.layers.triton_fused is imported)")
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, last]`` (a view when possible) with a contiguous last dimension."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``torch_add_rmsnorm``: ``(rmsnorm(x + residual), x + residual)`` in one kernel."""
-    _check_runnable(x)
+    check_runnable(x, "fused Triton kernels", __name__)
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"RMSNorm weight of shape {tuple(weight.shape)} does not fit rows of {n}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                          f"x {tuple(x.shape)} {x.dtype}")
-    xs = _rows(x)
-    rs = _rows(residual) if residual is not None else xs
+    xs = as_rows(x)
+    rs = as_rows(residual) if residual is not None else xs
     out = torch.empty(xs.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     summed = torch.empty_like(xs) if residual is not None else xs
     if xs.shape[0]:
@@ -226,7 +212,7 @@ def add_layernorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``torch_add_layernorm``: ``(layernorm(x + residual), x + residual)`` in one kernel;
     the normalised rows come out in ``x``'s dtype."""
-    _check_runnable(x)
+    check_runnable(x, "fused Triton kernels", __name__)
     n = x.shape[-1]
     if weight.shape != (n,) or bias.shape != (n,):
         raise ValueError(f"LayerNorm weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not fit "
@@ -234,8 +220,8 @@ def add_layernorm(
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                          f"x {tuple(x.shape)} {x.dtype}")
-    xs = _rows(x)
-    rs = _rows(residual) if residual is not None else xs
+    xs = as_rows(x)
+    rs = as_rows(residual) if residual is not None else xs
     out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(xs) if residual is not None else xs
     if xs.shape[0]:
@@ -250,11 +236,11 @@ def add_layernorm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Fused ``torch_silu_and_mul``: ``[..., 2I] -> [..., I]``."""
-    _check_runnable(gate_up)
+    check_runnable(gate_up, "fused Triton kernels", __name__)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even, got {gate_up.shape[-1]}")
     inner = gate_up.shape[-1] // 2
-    rows = _rows(gate_up)
+    rows = as_rows(gate_up)
     out = torch.empty(rows.shape[0], inner, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] and inner:
         grid = (rows.shape[0], triton.cdiv(inner, _SILU_BLOCK))
@@ -271,7 +257,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     With ``kv_cache`` (``[2, pages, page_size, Hkv, D]``), ``v`` and ``slot_mapping [T]``, the
     same kernel also writes the rotated keys and the values into the cache at the tokens'
     flat slots, as ``mstar.layers.attention.write_kv_cache`` would after the rotation."""
-    _check_runnable(q)
+    check_runnable(q, "fused Triton kernels", __name__)
     tokens, num_q_heads, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != tokens or k.shape[2] != head_dim or k.dtype != q.dtype:
         raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")

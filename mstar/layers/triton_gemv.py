@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
+from mstar.layers.triton_support import HAS_TRITON, INTERPRET, as_rows, check_runnable, tl, triton
 
 M_PAD = 16  # the narrowest tl.dot: input rows are padded to it
 GEMV_MAX_ROWS = M_PAD
@@ -202,14 +202,6 @@ if HAS_TRITON:
 
 
 # -------------------------------------------------------------------------- wrappers
-def _check_runnable(x: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("GEMV kernels need the triton package")
-    if not x.is_cuda and not INTERPRET:
-        raise RuntimeError("GEMV Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set "
-                           "before mstar.layers.triton_gemv is imported)")
-
-
 def _check_same(x: torch.Tensor, name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> None:
     if t is None:
         return
@@ -219,18 +211,12 @@ def _check_same(x: torch.Tensor, name: str, t: torch.Tensor | None, shape: tuple
         raise ValueError(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, K]`` with a contiguous last dimension (a view when possible)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
             config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate, launch, and return ``(y, summed)`` (``summed`` is ``x`` without a residual
     or without the norm)."""
-    _check_runnable(x)
+    check_runnable(x, "GEMV Triton kernels", __name__)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (its last is K)")
     if weight.dim() != 2:
@@ -247,13 +233,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     if silu_mul and n % 2:
         raise ValueError(f"silu_mul needs a [gate | up] weight with an even number of rows, got {n}")
     n_out = n // 2 if silu_mul else n
-    xs = _rows(x)
+    xs = as_rows(x)
     m = xs.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"GEMV kernels take at most GEMV_MAX_ROWS={GEMV_MAX_ROWS} rows, got {m}")
     norm = norm_weight is not None
     with_sum = norm and residual is not None
-    rs = _rows(residual) if with_sum else xs
+    rs = as_rows(residual) if with_sum else xs
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(xs) if with_sum else xs
     if m and n_out:

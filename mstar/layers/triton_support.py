@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:  # optional dependency
     import triton
     import triton.language as tl
@@ -21,4 +23,21 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-__all__ = ["HAS_TRITON", "INTERPRET", "tl", "triton"]
+
+
+def check_runnable(x: torch.Tensor, kernels: str, module: str) -> None:
+    """Refuse, naming why, to launch ``kernels`` (of ``module``) on ``x`` where they cannot run:
+    without Triton, or on CPU tensors outside the interpreter."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{kernels} need the triton package")
+    if not x.is_cuda and not INTERPRET:
+        raise RuntimeError(f"{kernels} need CUDA tensors (or TRITON_INTERPRET=1 set before {module} is imported)")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` with a contiguous last dimension (a view when possible)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+__all__ = ["HAS_TRITON", "INTERPRET", "as_rows", "check_runnable", "tl", "triton"]
