@@ -69,8 +69,7 @@ class PagePool:
             raise ValueError(
                 f"cannot shrink sequence {seq_id!r} from {cur_len} to {new_len} tokens"
             )
-        table = self._tables.get(seq_id)
-        return -(-new_len // self.page_size) - (len(table) if table is not None else 0)
+        return self.pages_needed(new_len) - len(self._tables.get(seq_id, ()))
 
     def can_reserve(self, seq_id: str, new_len: int) -> bool:
         """Whether ``reserve(seq_id, new_len)`` would succeed now.
