@@ -124,7 +124,9 @@ def _content(payloads: list) -> str:
 
 def _wait_drained(d: Deployment, timeout: float = 20.0) -> None:
     engine = _engine(d)
-    poll_drained(d, engine, timeout=timeout)
+    # The /metrics gauges are the pool as of the rank's latest StepResult, which the runtime
+    # thread takes in just after the worker has freed the pages: wait for it too.
+    poll_drained(d, engine, also=lambda: d.runtime.gauges().get("rank0.llm.kv_pages_used") == 0, timeout=timeout)
     assert engine.pool.num_used_pages == 0, f"KV pages still held by {engine.pool.seq_ids()}"
     assert d.runtime.conductor.idle and d.runtime.tracked == {}
     assert d.runtime.admission.waiting == 0
