@@ -4,6 +4,7 @@ maps to a walk (``prepare``) and back (``OutputStream``). No scheduling or trans
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -21,10 +22,12 @@ if TYPE_CHECKING:
 @dataclass
 class WalkRequest:
     """A request mapped onto the graph: which walk, its input tensors, its parameters and
-    the resources it holds while admitted."""
+    the resources it holds while admitted. An input may be a ``concurrent.futures.Future``
+    of its tensor (still being computed, e.g. seeded noise): the runtime sends it on when it
+    resolves, and only the steps that read it wait for it."""
 
     walk: str
-    inputs: dict[str, torch.Tensor]
+    inputs: dict[str, torch.Tensor | Future]
     params: dict[str, Any]
     cost: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0

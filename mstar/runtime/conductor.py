@@ -101,15 +101,15 @@ class Conductor:
             raise AdmissionError(f"request id {spec.request_id!r} is already in use")
         self.waiting.append(spec)
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, reason: str = "cancelled", error: str | None = None) -> None:
         for spec in self.waiting:
             if spec.request_id == request_id:
                 self.waiting.remove(spec)
-                self._ended.append(Finished(request_id, reason, None, 0))
+                self._ended.append(Finished(request_id, reason, error, 0))
                 return
         live = self.live.get(request_id)
         if live is not None and live.ending is None:
-            live.ending = Finished(request_id, reason, None, live.emitted, live.profile)
+            live.ending = Finished(request_id, reason, error, live.emitted, live.profile)
 
     def on_result(self, result: StepResult) -> None:
         if self.busy.get(result.rank) == result.plan_id:

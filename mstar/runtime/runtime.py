@@ -9,12 +9,16 @@ runs torch models: the workers do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.admission import AdmissionGate
@@ -86,7 +90,11 @@ class Runtime:
             spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline)
             self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens)
             routes: Routes = self.conductor.routes[request.walk]
+            later = []
             for var, value in request.inputs.items():
+                if isinstance(value, Future):
+                    later.append((var, value))
+                    continue
                 for rank in routes.destinations(var):
                     self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
         except BaseException:
@@ -94,6 +102,24 @@ class Runtime:
             self.admission.withdraw()
             raise
         self.commands.put(("submit", spec))
+        # An input still being computed (a Future: seeded noise drawn on a background thread)
+        # is sent on when it is ready; the steps reading it wait for it on their worker, the
+        # others (the text encoder) run meanwhile.
+        for var, value in later:
+            value.add_done_callback(functools.partial(self._send_later, request_id, var, routes.destinations(var)))
+
+    def _send_later(self, request_id: str, var: str, ranks, future: Future) -> None:
+        try:
+            value = future.result()
+        except Exception as err:
+            log.exception("input %r of %s failed", var, request_id)
+            self.commands.put(("cancel", (request_id, "error", f"computing input {var!r} failed: {err}")))
+            value = torch.empty(0)  # a step already waiting for it fails at once instead of timing out
+        for rank in ranks:
+            try:
+                self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
+            except Exception:  # the runtime is closing
+                log.warning("could not send input %r of %s to rank %d", var, request_id, rank)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         self.commands.put(("cancel", (request_id, reason)))
@@ -157,7 +183,7 @@ class Runtime:
                     finally:
                         self.admission.handed_over()
                 elif kind == "cancel":
-                    self.conductor.cancel(*arg)
+                    self.conductor.cancel(*arg)  # (request_id, reason[, error])
                 command = self.commands.get_nowait()
         except queue.Empty:
             return

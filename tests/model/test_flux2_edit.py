@@ -85,7 +85,7 @@ def walk_by_hand(model, images):
 
     text = run("text_encoder", "forward", {k: request.inputs[k] for k in ("prompt_ids", "prompt_mask")})["text"]
     references = run("vae", "encode", {"reference_pixels": request.inputs["reference_pixels"]})["references"]
-    latents = request.inputs["latents"]
+    latents = request.inputs["latents"].result()  # drawn on a background thread
     for k in range(STEPS):
         latents = run("dit", "step", {"latents": latents, "text": text, "references": references}, k)["latents"]
     engines["dit"].release("hand")

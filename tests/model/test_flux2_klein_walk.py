@@ -5,6 +5,7 @@ Flux2KleinPipeline with the same weights, prompt, seed and steps."""
 import asyncio
 import io
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -141,3 +142,54 @@ def test_bad_requests_name_the_field(deployment, spec, field):
     with pytest.raises(RequestError) as err:
         generate(deployment, spec)
     assert err.value.field == field
+
+
+def _with_latents(deployment, monkeypatch, replace):
+    """Requests of ``deployment`` whose latents Future is ``replace(future)`` instead."""
+    prepare = deployment.spec.prepare_image
+
+    def patched(spec, index=0):
+        request = prepare(spec, index)
+        request.inputs["latents"] = replace(request.inputs["latents"])
+        return request
+
+    monkeypatch.setattr(deployment.spec, "prepare_image", patched)
+
+
+def test_latents_that_arrive_late_give_the_same_image(deployment, monkeypatch):
+    """The noise is drawn on a background thread; a request whose latents come long after
+    its text features waits for them on the DiT's worker and makes the same image."""
+    from concurrent.futures import Future
+
+    [prompt_first] = generate(deployment, ImageSpec("late-0", "a dog", 32, 32, 1, 5, 2))
+
+    def late(drawn):
+        future = Future()
+        threading.Timer(0.3, lambda: future.set_result(drawn.result())).start()
+        return future
+
+    _with_latents(deployment, monkeypatch, late)
+    [delayed] = generate(deployment, ImageSpec("late-1", "a dog", 32, 32, 1, 5, 2))
+    assert np.array_equal(pixels(delayed), pixels(prompt_first))
+
+
+def test_latents_that_fail_end_the_request_with_an_error(deployment, monkeypatch):
+    from concurrent.futures import Future
+
+    from mstar.server.backend import ServiceError
+
+    def failing(drawn):
+        drawn.result()
+        future = Future()
+        threading.Timer(0.1, lambda: future.set_exception(RuntimeError("no entropy today"))).start()
+        return future
+
+    _with_latents(deployment, monkeypatch, failing)
+    with pytest.raises(ServiceError) as err:
+        generate(deployment, ImageSpec("fail-1", "a dog", 32, 32, 1, 5, 2))
+    assert "latents" in str(err.value) and "no entropy today" in str(err.value), str(err.value)
+    monkeypatch.undo()
+    [png] = generate(deployment, ImageSpec("fail-2", "a dog", 32, 32, 1, 5, 2))  # the worker is not stuck
+    assert png.startswith(b"\x89PNG")
+    dit = deployment.runtime.workers.workers[0].engines["dit"]
+    assert not dit.schedules

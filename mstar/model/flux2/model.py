@@ -174,10 +174,12 @@ class Flux2Klein(ModelSpec):
         ids, mask = self.text.tokenize(spec.prompt)
         rows, cols = token_grid(height, width, self.vae_config.scale_factor)
         seed = (spec.seed if spec.seed is not None else torch.seed() % (1 << 31)) + index
-        noise = FlowMatchEuler.initial_noise((1, 4 * self.vae_config.latent_channels, rows, cols), seed)
+        # drawn on a background thread while the text encoder runs; the first DiT step waits for it
+        noise = FlowMatchEuler.initial_noise_soon((1, 4 * self.vae_config.latent_channels, rows, cols), seed,
+                                                  finish=lambda n: to_tokens(n)[0])
         params = {"num_steps": steps, "image_seq_len": rows * cols, "rows": rows, "cols": cols,
                   **output_params(spec.model_kwargs)}
-        inputs = {"prompt_ids": ids, "prompt_mask": mask, "latents": to_tokens(noise)[0]}
+        inputs = {"prompt_ids": ids, "prompt_mask": mask, "latents": noise}
         if not spec.images:
             return WalkRequest("t2i", inputs, params)
         inputs["reference_pixels"], sizes = pack_pixels(self.references(spec.images))

@@ -105,7 +105,8 @@ class ZImageTurbo(ModelSpec):
         ids, mask = self.text.tokenize(spec.prompt)
         scale = self.vae_config.scale_factor
         seed = (spec.seed if spec.seed is not None else torch.seed() % (1 << 31)) + index
-        noise = FlowMatchEuler.initial_noise((1, self.latent_channels, height // scale, width // scale), seed)[0]
+        noise = FlowMatchEuler.initial_noise_soon((1, self.latent_channels, height // scale, width // scale), seed,
+                                                  finish=lambda n: n[0])  # drawn while the text encoder runs
         params = {"num_steps": steps, "image_seq_len": (height // multiple) * (width // multiple),
                   "caption_len": int(mask.sum()), **output_params(spec.model_kwargs)}
         return WalkRequest("t2i", {"prompt_ids": ids, "prompt_mask": mask, "latents": noise}, params)
