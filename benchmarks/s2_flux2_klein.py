@@ -15,7 +15,8 @@ tokens), 4 steps, batch 1 and 4.
   PNG) through an in-process M* deployment of ``flux2_klein``; seconds per image with one
   request, and with 4 submitted at once (wall time / 4). No baseline is run for it. The fast
   paths: ``--runtime-compile`` (DiT and VAE decode compiled), ``--attention-backend cudnn``,
-  ``--cuda-graphs`` (the text encoder replayed from a CUDA graph).
+  ``--cuda-graphs`` (the text encoder replayed from a CUDA graph), ``--fused-kernels`` (our
+  QK-norm + RoPE kernel, also in the compiled DiT steps).
 * **floor**: DiT FLOPs per step (matmuls and attention, counted from the shapes) over the
   measured bf16 matmul rate; per image, the steps' floor plus the text encoder's and the VAE
   decoder's FLOPs (counted by torch's FLOP counter on the meta device) over the same rate.
@@ -115,6 +116,7 @@ class Settings:
     seed: int = 0
     attention_backend: str = "sdpa"  # ours' model_kwargs.attention_backend (the baseline keeps PyTorch's choice)
     cuda_graphs: bool = False  # model_kwargs.cuda_graphs for the image runs (the text encoder replayed from a graph)
+    fused_kernels: bool = False  # ours' QK-norm + RoPE kernel: compiled DiT steps and model_kwargs.fused_kernels
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -141,7 +143,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     height=size, width=size, steps=args.steps, batches=batches, step_runs=step_runs,
                     image_runs=image_runs, compile=not args.no_compile, compile_mode=args.compile_mode,
                     compile_backend=backend, runtime_compile=args.runtime_compile, seed=args.seed,
-                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs and not args.smoke)
+                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs and not args.smoke,
+                    fused_kernels=args.fused_kernels and not args.smoke)
 
 
 def vae_config(settings: Settings):
@@ -272,6 +275,10 @@ def run_dit(settings: Settings) -> dict[str, Any]:
     if settings.compile:
         # Compiling in place changes the eager modules, so the eager variants were timed first.
         for name, model in (("ours_compiled", ours), ("baseline_compiled", theirs)):
+            if name == "ours_compiled" and settings.fused_kernels:
+                from mstar.model.flux2.transformer import use_fused_qk_norm_rope
+
+                use_fused_qk_norm_rope(ours)
             fn = compiled(model, settings.compile_mode, settings.compile_backend)
             call = (_scoped(settings, fn) if name.startswith("ours") else
                     (lambda f: lambda **kw: f(**kw, return_dict=False)[0])(fn))
@@ -362,6 +369,8 @@ class ImageRunner:
             kwargs["attention_backend"] = settings.attention_backend
         if settings.cuda_graphs:
             kwargs["cuda_graphs"] = True
+        if settings.fused_kernels:
+            kwargs["fused_kernels"] = True
         config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
                                "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
                                "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs},
@@ -455,6 +464,7 @@ def metrics_from(settings: Settings, tflops: float, flops: dict[str, Any], dit: 
         row = Metric(scenario, f"image@{n}", "s/image", "lower", floor=floor_s / n)
         row.notes["runtime_compile"] = settings.runtime_compile
         row.notes["cuda_graphs"] = settings.cuda_graphs
+        row.notes["fused_kernels"] = settings.fused_kernels
         if images and n in images:
             row.ours = images[n]["s_per_image"]
             row.notes.update({f"ours_{k}": v for k, v in images[n].items()})
@@ -480,6 +490,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile and vae_compile=true for the image runs")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="model_kwargs.cuda_graphs=true for the image runs (GPU only; ignored with --smoke)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="ours' QK-norm + RoPE Triton kernel in the compiled DiT steps and the image runs (GPU only)")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")
     add_run_args(p)

@@ -7,8 +7,9 @@
 decode, same backend), ``attention_backend`` (``"sdpa"``: PyTorch's own choice of fused
 attention, the reference; ``"cudnn"``: cuDNN's fused attention first, faster on Hopper GPUs,
 the others where it cannot run), ``cuda_graphs`` (the text encoder replayed from a CUDA graph
-per prompt shape, for the families whose text side supports it; CUDA only), ``lora``
-(adapters folded in at load). Eager is the reference.
+per prompt shape, for the families whose text side supports it; CUDA only),
+``fused_kernels`` (the DiT's per-head QK-norm and RoPE as one Triton kernel, for the families
+that have it; CUDA only), ``lora`` (adapters folded in at load). Eager is the reference.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class DiffusionKnobs:
         self.seed = integer("seed", 0, low=0)
         self.compile, self.vae_compile = kwargs.get("compile", False), kwargs.get("vae_compile", False)
         self.cuda_graphs = kwargs.get("cuda_graphs", False)
+        self.fused_kernels = kwargs.get("fused_kernels", False)
         for name, value in (("compile", self.compile), ("vae_compile", self.vae_compile),
-                            ("cuda_graphs", self.cuda_graphs)):
+                            ("cuda_graphs", self.cuda_graphs), ("fused_kernels", self.fused_kernels)):
             if not isinstance(value, bool):
                 raise ValueError(f"model_kwargs.{name}: must be true or false, got {value!r}")
         self.compile_backend = kwargs.get("compile_backend", "inductor")

@@ -37,11 +37,22 @@ def test_strips_make_one_valid_zlib_stream(monkeypatch):
     monkeypatch.setattr(png, "_MIN_STRIP_BYTES", 1024)
     pixels = smooth(200, 300)
     data = png.encode_png(pixels, threads=4)
-    length = int.from_bytes(data[33:37], "big")  # after the signature (8) and IHDR (25)
-    assert data[37:41] == b"IDAT"
-    scanlines = zlib.decompress(data[41:41 + length])
+    chunks = list(_chunks(data))
+    assert [kind for kind, _ in chunks] == [b"IHDR"] + [b"IDAT"] * 4 + [b"IEND"]  # one IDAT per strip
+    scanlines = zlib.decompress(b"".join(payload for kind, payload in chunks if kind == b"IDAT"))
     assert len(scanlines) == 200 * (3 * 300 + 1)
     assert scanlines[0] == 1  # every row: the Sub filter
+
+
+def _chunks(data: bytes):
+    """(type, payload) of every chunk after the signature; each chunk's CRC-32 checked."""
+    at = 8
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        kind, payload = data[at + 4:at + 8], data[at + 8:at + 8 + length]
+        assert int.from_bytes(data[at + 8 + length:at + 12 + length], "big") == zlib.crc32(kind + payload), kind
+        yield kind, payload
+        at += 12 + length
 
 
 def test_level_zero_and_non_contiguous_input():

@@ -173,11 +173,11 @@ def _run(root, seeds, warm=False, **kwargs):
 @CUDA
 def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
     """The whole tiny pipeline in bf16 on CUDA with every fast-path knob on (text encoder in
-    CUDA graphs, DiT and VAE decode compiled by inductor, cuDNN attention) against the eager
-    bf16 pipeline, both measured against the same pipeline run eagerly in float32 (the exact
-    answer, up to fp32 rounding), same seeds. The tolerance is the eager path's own: the fast
-    path may be no further from float32 than twice eager bf16 is (mean and largest pixel
-    difference), plus one level. Inductor's fused kernels round intermediates differently from
+    CUDA graphs, DiT and VAE decode compiled by inductor, cuDNN attention, the fused QK-norm +
+    RoPE kernel) against the eager bf16 pipeline, both measured against the same pipeline run
+    eagerly in float32 (the exact answer, up to fp32 rounding), same seeds. The tolerance is
+    the eager path's own: the fast path may be no further from float32 than twice eager bf16
+    is (mean and largest pixel difference), plus one level. Inductor's fused kernels round intermediates differently from
     eager's, and a tiny random DiT carries that through four Euler steps and the VAE, so the two
     bf16 images need not agree to a level; what must hold is that the fast path is as good an
     approximation as eager bf16. A bug (a wrong mask, stale graph inputs, a mis-laid tensor)
@@ -186,7 +186,8 @@ def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
     seeds = (1, 2)
     exact = _run(root, seeds, dtype="float32")
     eager = _run(root, seeds)
-    fast = _run(root, seeds, warm=True, cuda_graphs=True, compile=True, vae_compile=True, attention_backend="cudnn")
+    fast = _run(root, seeds, warm=True, cuda_graphs=True, compile=True, vae_compile=True, attention_backend="cudnn",
+                fused_kernels=True)
     for x, e, f in zip(exact, eager, fast):
         assert x.std() > 5  # an image, not a flat field
         eager_err, fast_err = np.abs(e - x), np.abs(f - x)

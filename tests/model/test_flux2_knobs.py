@@ -129,12 +129,18 @@ def test_vae_compile_switch_matches_eager(reference):  # noqa: F811
     ({"compile": "yes"}, "model_kwargs.compile"),
     ({"vae_compile": 1}, "model_kwargs.vae_compile"),
     ({"cuda_graphs": "on"}, "model_kwargs.cuda_graphs"),
+    ({"fused_kernels": "on"}, "model_kwargs.fused_kernels"),
     ({"attention_backend": "flash"}, "model_kwargs.attention_backend"),
     ({"lora": [{"scale": 2}]}, "model_kwargs.lora[0]"),
 ])
 def test_bad_knobs_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
         Knobs(kwargs)
+
+
+def test_fused_kernels_need_cuda(reference):  # noqa: F811
+    with pytest.raises(ValueError, match="model_kwargs.fused_kernels needs device: cuda"):
+        build_dit(reference[0], fused_kernels=True)
 
 
 def test_missing_adapter_fails_at_load(reference):  # noqa: F811

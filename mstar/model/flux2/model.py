@@ -47,7 +47,7 @@ from mstar.model.flux2.edit import (
 )
 from mstar.model.flux2.lora_layout import flux2_lora_targets
 from mstar.model.flux2.text import KleinText
-from mstar.model.flux2.transformer import Flux2Transformer
+from mstar.model.flux2.transformer import Flux2Transformer, use_fused_qk_norm_rope
 from mstar.model.flux2.vae import Flux2VAE, Flux2VAEConfig, token_grid, to_tokens, unpack_latents
 from mstar.model.lora import fold_adapters
 from mstar.model.registry import register
@@ -240,6 +240,10 @@ class Flux2Klein(ModelSpec):
             config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
             dit = build(Flux2Transformer(config), "transformer", 2)
             fold_adapters(dit, knobs.lora, targets=flux2_lora_targets)  # in fp32, one rounding per weight
+            if knobs.fused_kernels:
+                if device.type != "cuda":
+                    raise ValueError("model_kwargs.fused_kernels needs device: cuda")
+                use_fused_qk_norm_rope(dit)
             forward = torch.compile(dit, backend=knobs.compile_backend) if knobs.compile else dit
             device_ids = DeviceIds(device)
 

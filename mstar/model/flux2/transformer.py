@@ -54,6 +54,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out.transpose(1, 2)
 
 
+def norm_rope(norm: nn.RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``apply_rope(norm(x), cos, sin)``: per-head QK-norm, then the rotation; ``fused``: the
+    two as one Triton kernel (``mstar.layers.triton_qk_norm``, the same rounding points)."""
+    if fused:
+        from mstar.layers.triton_qk_norm import qk_norm_rope
+
+        return qk_norm_rope(x, norm.weight, cos, sin, norm.eps)
+    return apply_rope(norm(x), cos, sin)
+
+
+def use_fused_qk_norm_rope(model: nn.Module, enabled: bool = True) -> None:
+    """Switch every attention of ``model`` to (or back from) the fused QK-norm + RoPE kernel."""
+    for module in model.modules():
+        if isinstance(module, (JointAttention, ParallelSelfAttention)):
+            module.fused_qk = enabled
+
+
 def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """``[B]`` -> float32 ``[B, dim]`` features ``[cos(t f_j), sin(t f_j)]``,
     ``f_j = max_period ** (-j / half)``."""
@@ -159,6 +176,8 @@ class JointAttention(nn.Module):
     Inputs and outputs are this rank's tokens; ``self.attention`` sees the whole joint
     sequence (``UlyssesAttention``)."""
 
+    fused_qk = False  # QK-norm + RoPE as one kernel (use_fused_qk_norm_rope)
+
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -182,13 +201,24 @@ class JointAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``img [B, N_img, D]``, ``txt [B, N_txt, D]``, rope over ``[txt; img]`` -> (img, txt)."""
         heads = (-1, self.head_dim)
-        q = torch.cat([self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
-                       self.norm_q(self.to_q(img).unflatten(-1, heads))], dim=1)
-        k = torch.cat([self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
-                       self.norm_k(self.to_k(img).unflatten(-1, heads))], dim=1)
         v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads),
                        self.to_v(img).unflatten(-1, heads)], dim=1)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.fused_qk:  # each stream normalised and rotated by its slice of the tables
+            n = txt.shape[1]
+            (cos_t, cos_i), (sin_t, sin_i) = (t.split([n, t.shape[-2] - n], dim=-2) for t in rope)
+
+            def both(norm_txt, proj_txt, norm_img, proj_img):
+                return torch.cat([norm_rope(norm_txt, proj_txt(txt).unflatten(-1, heads), cos_t, sin_t, True),
+                                  norm_rope(norm_img, proj_img(img).unflatten(-1, heads), cos_i, sin_i, True)], dim=1)
+
+            q = both(self.norm_added_q, self.add_q_proj, self.norm_q, self.to_q)
+            k = both(self.norm_added_k, self.add_k_proj, self.norm_k, self.to_k)
+        else:
+            q = torch.cat([self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
+                           self.norm_q(self.to_q(img).unflatten(-1, heads))], dim=1)
+            k = torch.cat([self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
+                           self.norm_k(self.to_k(img).unflatten(-1, heads))], dim=1)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.attention(q, k, v).flatten(2).to(q.dtype)
         txt_out, img_out = out.split([txt.shape[1], img.shape[1]], dim=1)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
@@ -241,6 +271,8 @@ class ParallelSelfAttention(nn.Module):
     heads for q, k, v) and ``to_out`` splits its two input segments to match, so a rank
     computes ``[its heads | its MLP features]`` and the partial outputs are summed."""
 
+    fused_qk = False  # QK-norm + RoPE as one kernel (use_fused_qk_norm_rope)
+
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, eps: float) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -259,7 +291,7 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         qkv, mlp = self.to_qkv_mlp_proj(x).split(self.split_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
-        q, k = apply_rope(self.norm_q(q), *rope), apply_rope(self.norm_k(k), *rope)
+        q, k = norm_rope(self.norm_q, q, *rope, self.fused_qk), norm_rope(self.norm_k, k, *rope, self.fused_qk)
         out = self.attention(q, k, v).flatten(2).to(q.dtype)
         return self.to_out(torch.cat([out, swiglu(mlp)], dim=-1))
 
