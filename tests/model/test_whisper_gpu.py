@@ -55,21 +55,35 @@ def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
 
 
 @needs_gpu
-def test_every_switch_matches_eager_at_large_v3_widths(tmp_path) -> None:
-    """bf16, whisper-large-v3 widths (d_model 1280, 20 heads, 128 mels, 1500 frames, the full
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_switch_matches_eager_at_large_v3_widths(tmp_path, dtype: str) -> None:
+    """whisper-large-v3 widths (d_model 1280, 20 heads, 128 mels, 1500 frames, the full
     vocabulary) with 4 + 4 layers: decode graphs + overlap + fused kernels + encoder graphs give
-    the same greedy tokens as the eager path (Triton attention), clips of a given and a detected language,
-    transcribe and translate."""
+    the greedy tokens of the eager path (Triton attention), clips of a given and a detected
+    language, transcribe and translate.
+
+    float32: the same tokens. bf16: the fused kernels round where the module path rounds, but
+    a batch padded to a graph's size may take another GEMM tiling, so a row's logits can move
+    by a bf16 rounding; dummy weights fall into repetitive loops whose top two logits can be
+    that close, and a greedy run flips at such a tie (seen once on the H200: one clip of six
+    switched loop token after 10 tokens). So in bf16 every clip must agree on its first 8
+    tokens and 80% of all tokens must agree; stale graph inputs or a mis-laid tensor change
+    tokens from the first step on."""
     from benchmarks.common import WHISPER_LARGE_V3, whisper_dir
     from test_whisper_overlap import deployment_tokens
 
     model_dir = whisper_dir(tmp_path, **(WHISPER_LARGE_V3 | {"encoder_layers": 4, "decoder_layers": 4}))
     eager = {"attention_backend": "triton"}  # the same attention kernels: only the switches differ
-    want = deployment_tokens(model_dir, "cuda", "bfloat16", eager, clips=6, new_tokens=24)
+    want = deployment_tokens(model_dir, "cuda", dtype, eager, clips=6, new_tokens=24)
     fast = {"cuda_graphs": True, "overlap_scheduling": True, "fused_kernels": True,
             "cuda_graph_batch_sizes": [1, 2, 4]}
-    got = deployment_tokens(model_dir, "cuda", "bfloat16", fast, clips=6, new_tokens=24)
-    assert got == want
+    got = deployment_tokens(model_dir, "cuda", dtype, fast, clips=6, new_tokens=24)
+    if dtype == "float32":
+        assert got == want
+        return
+    assert [g[:8] for g in got] == [w[:8] for w in want]
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert len(got) == len(want) and same >= 0.8 * sum(len(w) for w in want), (got, want)
 
 
 @needs_gpu
