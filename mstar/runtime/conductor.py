@@ -105,7 +105,7 @@ class Conductor:
         for spec in self.waiting:
             if spec.request_id == request_id:
                 self.waiting.remove(spec)
-                self._ended.append(Finished(request_id, reason, error, 0))
+                self._end_waiting(spec, Finished(request_id, reason, error, 0))
                 return
         live = self.live.get(request_id)
         if live is not None and live.ending is None:
@@ -286,17 +286,29 @@ class Conductor:
         del self.live[live.spec.request_id]
         for name, units in live.spec.cost.items():
             self.in_use[name] -= units
-        for rank in live.ranks_seen:
-            if rank not in self.failed_ranks:
-                self.releases[rank].append(live.spec.request_id)
+        self._release_on(live.spec, live.ranks_seen)
         assert live.ending is not None
         self._ended.append(live.ending)
+
+    def _end_waiting(self, spec: RequestSpec, ending: Finished) -> None:
+        """A request that ends before admission: its inputs already sit on the ranks that
+        read them (the runtime sends them at submit), so those ranks release it too."""
+        self._release_on(spec, set())
+        self._ended.append(ending)
+
+    def _release_on(self, spec: RequestSpec, ranks: set[int]) -> None:
+        """Release the request on ``ranks`` and on every rank its walk's variables are sent to
+        (a rank may hold its inputs without having run a step of it)."""
+        readers = self.routes[spec.walk].readers.values()
+        for rank in sorted(ranks.union(*readers)):
+            if rank not in self.failed_ranks:
+                self.releases[rank].append(spec.request_id)
 
     def _expire(self, now: float) -> None:
         for spec in list(self.waiting):
             if spec.deadline is not None and now >= spec.deadline:
                 self.waiting.remove(spec)
-                self._ended.append(Finished(spec.request_id, "timeout", "request timed out in the queue", 0))
+                self._end_waiting(spec, Finished(spec.request_id, "timeout", "request timed out in the queue", 0))
         for live in self.live.values():
             if live.ending is None and live.spec.deadline is not None and now >= live.spec.deadline:
                 live.ending = Finished(live.spec.request_id, "timeout", "request timed out", live.emitted, live.profile)

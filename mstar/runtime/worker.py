@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import OrderedDict
 
 import torch
 
@@ -24,6 +25,7 @@ from mstar.runtime.transport import TensorTransport
 log = logging.getLogger(__name__)
 
 INPUT_TIMEOUT_S = 60.0
+RELEASED_REMEMBERED = 65536  # released request ids a store keeps, to drop their late inputs
 
 
 class TensorStore:
@@ -33,7 +35,8 @@ class TensorStore:
     def __init__(self, stream_vars: frozenset[str] = frozenset()) -> None:
         self.stream_vars = stream_vars
         self._values: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-        self._released: set[str] = set()
+        # the latest released requests (late arrivals for them are dropped), oldest first
+        self._released: OrderedDict[str, None] = OrderedDict()
 
     def put(self, request_id: str, var: str, version: int, value: torch.Tensor) -> None:
         if request_id in self._released:
@@ -49,7 +52,10 @@ class TensorStore:
         return self._values.get((request_id, var), {}).get(version)
 
     def drop(self, request_id: str) -> None:
-        self._released.add(request_id)
+        self._released[request_id] = None
+        self._released.move_to_end(request_id)
+        if len(self._released) > RELEASED_REMEMBERED:
+            self._released.popitem(last=False)
         for key in [k for k in self._values if k[0] == request_id]:
             del self._values[key]
 

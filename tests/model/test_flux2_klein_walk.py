@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -193,3 +194,31 @@ def test_latents_that_fail_end_the_request_with_an_error(deployment, monkeypatch
     assert png.startswith(b"\x89PNG")
     dit = deployment.runtime.workers.workers[0].engines["dit"]
     assert not dit.schedules
+
+
+def test_requests_that_end_in_the_queue_leave_nothing_on_the_workers(reference):
+    """A request cancelled (or timed out) before admission had its inputs sent to the workers
+    at submit: they are released there too."""
+    root = reference[0]
+    d = start(parse_config({"model": "flux2_klein", "model_path": str(root), "max_concurrent_requests": 1,
+                            "model_kwargs": {"max_image_area": 128 * 128}}), in_process=True)
+    try:
+        async def go():
+            tasks = [asyncio.ensure_future(d.backend.generate_images(ImageSpec(f"q-{i}", "a dog", 32, 32, 1, i, 4)))
+                     for i in range(5)]  # one running, four queued (the most the gate lets wait)
+            while len(d.runtime.conductor.waiting) < 3:  # submitted, queued behind the one admitted
+                await asyncio.sleep(0.001)
+            for task in tasks[-2:]:
+                task.cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(go())
+        assert all(isinstance(r, list) for r in results[:3]), results
+        assert all(isinstance(r, asyncio.CancelledError) for r in results[3:])
+        worker = d.runtime.workers.workers[0]
+        deadline = time.monotonic() + 10
+        while len(worker.store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(worker.store) == 0, sorted(worker.store._values)
+    finally:
+        d.close()

@@ -111,7 +111,9 @@ class Rig:
             self.admitted.remove(rid)
         self.specs[rid] = spec
         self.order.append(rid)
-        self.touched[rid] = set()
+        # the runtime sends a request's inputs at submit to every rank reading one of its walk's
+        # variables: those ranks hold something of it from the start, and must release it
+        self.touched[rid] = set().union(*self.c.routes[walk].readers.values())
         self.latest[rid] = {var: 0 for var in self.graph.walk(walk).inputs}
         self.used_versions[rid] = {0}
         self.items[rid] = []

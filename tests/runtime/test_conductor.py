@@ -107,7 +107,7 @@ def test_walk_with_nothing_to_do_finishes_at_once() -> None:
     assert rig.items["empty"] == []
     assert [i.step for i in rig.items["next"]] == ["painter.forward"]
     assert rig.finished["next"].reason == "stop" and rig.finished["next"].emitted == 1
-    assert rig.released[("empty", 0)] == 0  # it touched no rank, so nothing to free
+    assert rig.released[("empty", 0)] == 1  # it ran nothing, but its inputs were sent to rank 0
     rig.assert_quiescent()
 
 
@@ -227,7 +227,7 @@ def test_busy_rank_gets_no_plan_until_its_result_arrives() -> None:
     first = d.plans[0]
     rig.submit("b")
     rig.submit("c")
-    rig.cancel("c")  # admitted but never dispatched: nothing to release
+    rig.cancel("c")  # admitted but never dispatched: only its inputs to release
     for _ in range(3):
         d = rig.tick()
         assert d.plans == {}
@@ -239,7 +239,7 @@ def test_busy_rank_gets_no_plan_until_its_result_arrives() -> None:
     d = rig.tick()
     assert rig.ops(d) == [("a", "decode", 0), ("b", "prefill", 0)]
     rig.drain(STOP)
-    assert rig.released[("c", 0)] == 0
+    assert rig.released[("c", 0)] == 1  # the inputs the runtime sent at submit
     rig.assert_quiescent()
 
 
@@ -285,7 +285,8 @@ def test_cancel_waiting_request() -> None:
     d = rig.tick()
     assert d.finished == [Finished("b", "cancelled", None, 0)]
     rig.drain(STOP)
-    assert rig.items["b"] == [] and not any(rid == "b" for rid, _ in rig.released)
+    assert rig.items["b"] == []
+    assert {rank for rid, rank in rig.released if rid == "b"} == {0}  # the rank holding its inputs
     rig.assert_quiescent()
 
 
@@ -410,21 +411,23 @@ def test_two_rank_walk_sends_encoder_output_to_the_llm_rank() -> None:
     rig.assert_quiescent()
 
 
-def test_release_only_on_ranks_the_request_touched() -> None:
+def test_release_on_the_ranks_that_hold_something_of_the_request() -> None:
+    """A request is released where it ran a step and where its walk's variables are sent
+    (its inputs arrive there at submit), and nowhere else."""
     rig = Rig(two_ranks())
     rig.submit("t", "chat", max_decode_steps=1)  # llm only: rank 1
     rig.submit("v", "vision", max_decode_steps=1)
     d = rig.tick()
     assert rig.ops(d, 0) == [("v", "encoder.forward", 0)] and rig.ops(d, 1) == [("t", "prefill", 0)]
-    rig.cancel("v")  # encoder in flight: v has touched rank 0 only
+    rig.cancel("v")  # encoder in flight: v ran on rank 0 only, but rank 1 holds its prompt
     d = rig.step()
     assert rig.reasons(d) == {"v": "cancelled"}
-    assert rig.releases(d, 0) == ["v"] and rig.releases(d, 1) == []
+    assert rig.releases(d, 0) == ["v"] and rig.releases(d, 1) == ["v"]  # rank 1 with t's decode
     d = rig.step()
     assert rig.reasons(d) == {"t": "stop"}
     assert rig.releases(d, 1) == ["t"] and 0 not in d.plans
     rig.assert_quiescent()
-    assert rig.released == Counter({("v", 0): 1, ("t", 1): 1})
+    assert rig.released == Counter({("v", 0): 1, ("v", 1): 1, ("t", 1): 1})
 
 
 def test_release_waits_until_the_touched_rank_is_free() -> None:
