@@ -37,10 +37,10 @@ _MU_10_STEPS = (8.73809524e-05, 1.89833333)  # (slope per token, intercept)
 _MU_200_STEPS = (0.00016927, 0.45666666)
 _MU_LARGE_IMAGE = 4300  # above this many tokens only the 200-step line is used
 
-# diffusers scheduler options whose non-default values we do not implement.
 # A few threads draw starting noise off the request path (torch releases the GIL while it draws).
 _NOISE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mstar-noise")
 
+# diffusers scheduler options whose non-default values we do not implement.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shift_terminal": None,
     "use_karras_sigmas": False,

@@ -24,7 +24,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-
 def check_runnable(x: torch.Tensor, kernels: str, module: str) -> None:
     """Refuse, naming why, to launch ``kernels`` (of ``module``) on ``x`` where they cannot run:
     without Triton, or on CPU tensors outside the interpreter."""

@@ -201,24 +201,20 @@ class JointAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``img [B, N_img, D]``, ``txt [B, N_txt, D]``, rope over ``[txt; img]`` -> (img, txt)."""
         heads = (-1, self.head_dim)
-        v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads),
-                       self.to_v(img).unflatten(-1, heads)], dim=1)
-        if self.fused_qk:  # each stream normalised and rotated by its slice of the tables
-            n = txt.shape[1]
-            (cos_t, cos_i), (sin_t, sin_i) = (t.split([n, t.shape[-2] - n], dim=-2) for t in rope)
+        n = txt.shape[1]
+        (cos_t, cos_i), (sin_t, sin_i) = (t.split([n, t.shape[-2] - n], dim=-2) for t in rope)
 
-            def both(norm_txt, proj_txt, norm_img, proj_img):
-                return torch.cat([norm_rope(norm_txt, proj_txt(txt).unflatten(-1, heads), cos_t, sin_t, True),
-                                  norm_rope(norm_img, proj_img(img).unflatten(-1, heads), cos_i, sin_i, True)], dim=1)
+        def joint(norm_txt, proj_txt, norm_img, proj_img) -> torch.Tensor:
+            """``[text; image]`` heads of q or k, each stream normalised by its own weights and
+            rotated by its slice of the tables (rotation is per token: the same as rotating the
+            joined sequence)."""
+            return torch.cat([norm_rope(norm_txt, proj_txt(txt).unflatten(-1, heads), cos_t, sin_t, self.fused_qk),
+                              norm_rope(norm_img, proj_img(img).unflatten(-1, heads), cos_i, sin_i, self.fused_qk)],
+                             dim=1)
 
-            q = both(self.norm_added_q, self.add_q_proj, self.norm_q, self.to_q)
-            k = both(self.norm_added_k, self.add_k_proj, self.norm_k, self.to_k)
-        else:
-            q = torch.cat([self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
-                           self.norm_q(self.to_q(img).unflatten(-1, heads))], dim=1)
-            k = torch.cat([self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
-                           self.norm_k(self.to_k(img).unflatten(-1, heads))], dim=1)
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q = joint(self.norm_added_q, self.add_q_proj, self.norm_q, self.to_q)
+        k = joint(self.norm_added_k, self.add_k_proj, self.norm_k, self.to_k)
+        v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads), self.to_v(img).unflatten(-1, heads)], dim=1)
         out = self.attention(q, k, v).flatten(2).to(q.dtype)
         txt_out, img_out = out.split([txt.shape[1], img.shape[1]], dim=1)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
