@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_flux2_klein_walk import reference  # noqa: F401  (the tiny checkpoint fixture)
+from test_flux2_klein_walk import pixels, reference  # noqa: F401  (reference: the tiny checkpoint fixture)
 
 from mstar.config import parse_config
 from mstar.engine.base import EngineItem
@@ -131,7 +131,8 @@ def test_references_change_the_image_and_batch_with_their_solo_result(deployment
     assert max(list(dit.forward_rows)[before:]) > 1  # the three edits shared denoise forwards
     [alone] = asyncio.run(deployment.backend.generate_images(
         ImageSpec("b-alone", PROMPT, WIDTH, HEIGHT, 1, SEED + 1, 2, images=[png(REFERENCES[0])])))
-    assert batched[1][0] == alone
+    # the same maths; a batched fp32 GEMM may round a pixel one level the other way
+    assert np.abs(pixels(batched[1][0]) - pixels(alone)).max() <= 1
     [t2i] = asyncio.run(deployment.backend.generate_images(plain))
     [edited] = asyncio.run(deployment.backend.generate_images(one))
     assert t2i != edited
