@@ -15,11 +15,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
-from mstar.layers.attention import PagedAttentionMetadata, torch_paged_attention
+from mstar.layers.attention import torch_paged_attention
+from mstar.layers.paged_kv import PagedAttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -16,8 +16,8 @@ This module imports no part of the HTTP server (the GPU machine has no FastAPI/u
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import platform
 import statistics

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: the repository root must be importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,9 +43,17 @@ if __package__ in (None, ""):  # run as a file: the repository root must be impo
 import torch
 
 from benchmarks.common import (
-    add_run_args, setup_logging,
-    LLAMA_3_1_8B, LLAMA_TINY, Metric, hardware, measure_matmul_tflops, measure_memory_bandwidth,
-    synchronize, tiny_llama_dir, write_record,
+    LLAMA_3_1_8B,
+    LLAMA_TINY,
+    Metric,
+    add_run_args,
+    hardware,
+    measure_matmul_tflops,
+    measure_memory_bandwidth,
+    setup_logging,
+    synchronize,
+    tiny_llama_dir,
+    write_record,
 )
 
 NAME = "s1_llama_decode"
@@ -239,7 +247,7 @@ class OursRunner:
 
     def __init__(self, settings: Settings, model_dir: Path, tp_size: int | None = None):
         from mstar.config import parse_config
-        from mstar.engine.sampling_params import SamplingParams
+        from mstar.contract import SamplingParams
         from mstar.runtime.launch import start
 
         self.settings = settings

@@ -46,8 +46,14 @@ if __package__ in (None, ""):  # run as a file: the repository root must be impo
 import torch
 
 from benchmarks.common import (
-    add_run_args, setup_logging,
-    Metric, hardware, measure_matmul_tflops, synchronize, time_calls, write_record,
+    Metric,
+    add_run_args,
+    hardware,
+    measure_matmul_tflops,
+    setup_logging,
+    synchronize,
+    time_calls,
+    write_record,
 )
 
 NAME = "s2_flux2_klein"
@@ -300,7 +306,7 @@ def run_dit(settings: Settings) -> dict[str, Any]:
 
 def _scoped(settings: Settings, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run in ours' attention scope (the engine's ``attention_backend`` knob)."""
-    from mstar.diffusion.knobs import DiffusionKnobs
+    from mstar.model.diffusion_knobs import DiffusionKnobs
 
     knobs = DiffusionKnobs({"attention_backend": settings.attention_backend}, 4)
 
@@ -380,7 +386,7 @@ class ImageRunner:
         self._counter = iter(range(1 << 30))
 
     async def _one(self, seed: int) -> float:
-        from mstar.server.backend import ImageSpec
+        from mstar.contract import ImageSpec
 
         s = self.settings
         spec = ImageSpec(f"s2-{next(self._counter)}", PROMPT, s.width, s.height, 1, seed, s.steps)

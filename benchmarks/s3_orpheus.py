@@ -47,7 +47,13 @@ if __package__ in (None, ""):  # run as a file: the repository root must be impo
 import torch
 
 from benchmarks.common import (
-    LLAMA_TINY, Metric, hardware, measure_matmul_tflops, measure_memory_bandwidth, tiny_llama_dir, write_record,
+    LLAMA_TINY,
+    Metric,
+    hardware,
+    measure_matmul_tflops,
+    measure_memory_bandwidth,
+    tiny_llama_dir,
+    write_record,
 )
 
 NAME = "s3_orpheus"

@@ -40,9 +40,19 @@ if __package__ in (None, ""):  # run as a file: the repository root must be impo
 import torch
 
 from benchmarks.common import (
-    add_run_args, setup_logging,
-    WHISPER_LARGE_V3, WHISPER_TINY, Metric, TimedSink, hardware, measure_matmul_tflops,
-    measure_memory_bandwidth, synchronize, wait_all, whisper_dir, write_record,
+    WHISPER_LARGE_V3,
+    WHISPER_TINY,
+    Metric,
+    TimedSink,
+    add_run_args,
+    hardware,
+    measure_matmul_tflops,
+    measure_memory_bandwidth,
+    setup_logging,
+    synchronize,
+    wait_all,
+    whisper_dir,
+    write_record,
 )
 
 NAME = "s4_whisper"
@@ -235,7 +245,11 @@ def run_ours(settings: Settings, model_dir: Path) -> dict[str, Any]:
 def build_baseline(settings: Settings, model_dir: Path) -> torch.nn.Module:
     """transformers' WhisperForConditionalGeneration with the same config, random normal
     weights drawn on the device (built on the meta device, then ``to_empty``)."""
-    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
 
     device = torch.device(settings.device)
     with torch.device("meta"):

@@ -1,6 +1,6 @@
 """Command line: ``mstar serve <model> ...`` and ``mstar-serve --config FILE ...``.
 
-This module only parses arguments and sets up logging; ``mstar.runtime.launch.serve``
+This module only parses arguments and sets up logging; ``mstar.server.serve.serve``
 (imported lazily, so ``--help`` stays fast) starts the workers and the HTTP server.
 """
 
@@ -13,7 +13,12 @@ import sys
 from collections.abc import Sequence
 
 from mstar import __version__
-from mstar.server.options import DEVICES, LOG_LEVELS, TENSOR_COMM_PROTOCOLS, ServeOptions
+from mstar.server.options import (
+    DEVICES,
+    LOG_LEVELS,
+    TENSOR_COMM_PROTOCOLS,
+    ServeOptions,
+)
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 
@@ -168,7 +173,7 @@ def setup_logging(level: str) -> None:
 
 def _run(options: ServeOptions) -> int:
     setup_logging(options.log_level)
-    from mstar.runtime.launch import serve  # lazy: pulls in torch and the workers
+    from mstar.server.serve import serve  # lazy: pulls in torch and the workers
 
     return serve(options)
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 
 from mstar.audio.languages import CODE_OF_NAME, LANGUAGES
-from mstar.server.backend import Transcription, TranscriptionSegment
+from mstar.contract import Transcription, TranscriptionSegment
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 

@@ -25,6 +25,7 @@ from typing import Any, Literal, overload
 
 import httpx
 
+from mstar.client.errors import MStarError, in_band_error, raise_for_status
 from mstar.client.images import ImagesMixin
 from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
 
@@ -34,16 +35,6 @@ __all__ = [
 ]
 
 FileLike = str | PathLike | tuple[str, bytes]
-
-
-class MStarError(Exception):
-    """An error from the server (``status`` is its HTTP status; 0: no response at all)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(f"[{status}] {message}")
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass
@@ -98,38 +89,6 @@ class GenerateEvent:
     usage: dict[str, int] | None = None
     raw: dict = field(default_factory=dict)
     sample_rate: int | None = None  # of audio ``data`` (float32 mono)
-
-
-def _error_of(status: int, body: Any) -> MStarError:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        err = body["error"]
-        return MStarError(status, str(err.get("message", "")), err.get("param"))
-    return MStarError(status, str(body))
-
-
-_STATUS_OF_TYPE = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "not_found_error": 404,
-}
-
-
-def _in_band_error(body: dict) -> MStarError:
-    """An error the server sent inside a stream that had already started."""
-    err = body.get("error")
-    kind = err.get("type") if isinstance(err, dict) else None
-    return _error_of(_STATUS_OF_TYPE.get(str(kind), 500), body)
-
-
-def _raise_for_status(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    response.read()
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = response.text
-    raise _error_of(response.status_code, body)
 
 
 def _decode_data(encoded: str | list[str]) -> bytes | list[bytes]:
@@ -188,7 +147,7 @@ class MStarClient(SpeechMixin, ImagesMixin):
         except httpx.TransportError as exc:
             raise MStarError(0, f"cannot reach {self.base_url}: {exc}") from exc
         try:
-            _raise_for_status(response)
+            raise_for_status(response)
         except BaseException:
             response.close()
             raise
@@ -273,7 +232,7 @@ class MStarClient(SpeechMixin, ImagesMixin):
                     return
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise _in_band_error(chunk)
+                    raise in_band_error(chunk)
                 choices = chunk.get("choices") or []
                 if choices:
                     delta = choices[0].get("delta") or {}
@@ -385,7 +344,7 @@ class MStarClient(SpeechMixin, ImagesMixin):
                     continue
                 item = json.loads(line)
                 if "error" in item:
-                    raise _in_band_error(item)
+                    raise in_band_error(item)
                 data = item.get("data")
                 yield GenerateEvent(
                     request_id=item.get("request_id", ""),

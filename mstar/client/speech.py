@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import httpx
 
+from mstar.client.errors import MStarError
+
 _PCM_RATE = 24000  # OpenAI's documented rate for "pcm", when the server does not say
 _UNKNOWN_SIZE = 0xFFFFFFFF
 
@@ -102,8 +104,6 @@ class SpeechStream:
         try:
             yield from self._response.iter_bytes()
         except httpx.TransportError as exc:
-            from mstar.client.sdk import MStarError  # sdk imports this module
-
             raise MStarError(0, f"the stream broke off: {exc}") from exc
         finally:
             self._response.close()

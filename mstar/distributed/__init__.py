@@ -1,7 +1,13 @@
 """Tensor and sequence parallelism: process groups, collectives and the scoped state that
 parallel layers (``mstar.layers.linear``, ``mstar.layers.ulysses``) are built under."""
 
-from mstar.distributed.collectives import all_gather, all_reduce, all_to_all, broadcast, sizes_of_ranks
+from mstar.distributed.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    sizes_of_ranks,
+)
 from mstar.distributed.dims import ParallelDims
 from mstar.distributed.state import (
     SINGLE,

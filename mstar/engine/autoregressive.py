@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from mstar.contract import SamplingParams
 from mstar.distributed import broadcast, current_parallel
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.page_pool import PagePool
 from mstar.engine.sampler import Sampler
-from mstar.engine.sampling_params import SamplingParams
-from mstar.layers.attention import ATTENTION_BACKENDS, PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import (
+    ATTENTION_BACKENDS,
+    PagedAttentionMetadata,
+    allocate_kv_cache,
+)
 
 if TYPE_CHECKING:
     from mstar.engine.cuda_graphs import DecodeGraphRunner

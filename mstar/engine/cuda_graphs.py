@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from mstar.layers.attention import ATTENTION_BACKENDS, PagedAttentionMetadata
+from mstar.layers.paged_kv import ATTENTION_BACKENDS, PagedAttentionMetadata
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.engine.sampling_params import SamplingParams
+from mstar.contract import SamplingParams
 
 _MAX_TEMPERATURE = 100.0
 _MAX_REPETITION_PENALTY = 100.0

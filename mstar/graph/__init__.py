@@ -4,7 +4,13 @@ Pure Python (no torch): models declare nodes and walks with these primitives, an
 graph is validated when the model loads.
 """
 
-from mstar.graph.chunking import Chunk, ChunkPolicy, FixedFrames, GrowingChunks, SlidingWindow
+from mstar.graph.chunking import (
+    Chunk,
+    ChunkPolicy,
+    FixedFrames,
+    GrowingChunks,
+    SlidingWindow,
+)
 from mstar.graph.graph import Graph, GraphError
 from mstar.graph.nodes import Emit, EngineKind, Modality, Node, Step
 from mstar.graph.walk import Loop, Parallel, Sequential, StreamEdge, Walk

@@ -33,8 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
-                                set_weight_loader)
+from mstar.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    set_weight_loader,
+)
 
 CHUNK_SIZE = 64
 

@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from mstar.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 
 GATE_UP = ("gate_proj", "up_proj")
 

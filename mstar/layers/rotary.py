@@ -104,13 +104,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fused: bool = False
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]``; with ``fused``, in place by one Triton
-    kernel (``mstar.layers.triton_fused.rotary_``), else out of place by ``apply_rotary``."""
-    if not fused:
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    from mstar.layers.triton_fused import rotary_
-
-    rotary_(q, k, cos, sin)
-    return q, k
+    """Rotated copies of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (``apply_rotary`` on each). The
+    fused in-place kernel of the GPU path is ``mstar.layers.triton_fused.rotary_``."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.layers.attention import PagedAttentionMetadata, write_kv_cache
-
+from mstar.layers.paged_kv import PagedAttentionMetadata, write_kv_cache
 from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 _LOG2E = 1.4426950408889634

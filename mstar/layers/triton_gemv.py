@@ -38,7 +38,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mstar.layers.triton_support import HAS_TRITON, INTERPRET, as_rows, check_runnable, tl, triton
+from mstar.layers.triton_support import (
+    HAS_TRITON,
+    INTERPRET,
+    as_rows,
+    check_runnable,
+    tl,
+    triton,
+)
 
 M_PAD = 16  # the narrowest tl.dot: input rows are padded to it
 GEMV_MAX_ROWS = M_PAD

@@ -26,7 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mstar.layers.triton_support import HAS_TRITON, INTERPRET, check_runnable, tl, triton
+from mstar.layers.triton_support import (
+    HAS_TRITON,
+    INTERPRET,
+    check_runnable,
+    tl,
+    triton,
+)
 
 _ROWS = 16  # (token, head) rows per program
 

@@ -27,7 +27,7 @@ from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 import anyio
 import httpx
 
-from mstar.server.backend import RequestError
+from mstar.contract import RequestError
 
 ALLOW_REMOTE_ENV = "MSTAR_ALLOW_REMOTE"
 """Set to ``1`` to let requests name media by http(s) URL (off by default: the server would

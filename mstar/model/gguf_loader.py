@@ -27,7 +27,15 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 from transformers import PreTrainedTokenizerFast
 
 __all__ = [

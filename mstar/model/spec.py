@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from mstar.contract import ChatSpec, GenerateSpec, OutputEvent
 from mstar.graph import Graph
-from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent
 
 if TYPE_CHECKING:
     from mstar.config import DeploymentConfig
@@ -94,12 +94,12 @@ class ModelSpec(ABC):
         return {}
 
     def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
-        from mstar.server.backend import RequestError
+        from mstar.contract import RequestError
 
         raise RequestError("model", f"model {self.key!r} does not serve chat", 400)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
-        from mstar.server.backend import RequestError
+        from mstar.contract import RequestError
 
         raise RequestError("model", f"model {self.key!r} does not serve /generate", 400)
 

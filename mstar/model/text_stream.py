@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mstar.contract import OutputEvent
 from mstar.model.spec import OutputStream
-from mstar.server.backend import OutputEvent
 
 
 class TextStream(OutputStream):

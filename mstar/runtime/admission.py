@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 
+from mstar.contract import Overloaded
 from mstar.runtime.conductor import Conductor
-from mstar.server.backend import Overloaded
 
 RETRY_AFTER_S = 1
 

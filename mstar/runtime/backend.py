@@ -6,12 +6,19 @@ import asyncio
 import logging
 from typing import AsyncIterator
 
-from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.runtime.runtime import AsyncSink, Runtime
-from mstar.server.backend import (
-    ChatSpec, GenerateSpec, ImageSpec, OutputEvent, RequestError, ServiceError, SpeechSpec, Transcription,
+from mstar.contract import (
+    ChatSpec,
+    GenerateSpec,
+    ImageSpec,
+    OutputEvent,
+    RequestError,
+    ServiceError,
+    SpeechSpec,
+    Transcription,
     TranscriptionSpec,
 )
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.runtime.runtime import AsyncSink, Runtime
 
 log = logging.getLogger(__name__)
 

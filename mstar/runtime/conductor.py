@@ -15,7 +15,14 @@ from typing import Any
 from mstar.graph import Graph, Step
 from mstar.graph import cursor as walk_cursor
 from mstar.runtime.placement import Placement, Routes, all_routes
-from mstar.runtime.protocol import ChunkRef, ItemResult, StepPlan, StepResult, VarRef, WorkItem
+from mstar.runtime.protocol import (
+    ChunkRef,
+    ItemResult,
+    StepPlan,
+    StepResult,
+    VarRef,
+    WorkItem,
+)
 from mstar.runtime.streams import StreamState
 
 

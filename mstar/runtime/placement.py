@@ -3,7 +3,7 @@
 Built from the deployment YAML's ``node_groups``; the routing table derived from it is
 static per (walk, step), so the conductor computes it once at load time. A group split over
 several ranks (``tp_size`` x ``sp_size``) is led by its first rank: plans go there and the
-group's other ranks follow it in lockstep (``mstar.distributed.lockstep``).
+group's other ranks follow it in lockstep (``mstar.runtime.lockstep``).
 """
 
 from __future__ import annotations

@@ -20,12 +20,18 @@ from typing import Callable
 
 import torch
 
+from mstar.contract import OutputEvent, RequestError
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
 from mstar.runtime.placement import Placement, Routes
-from mstar.runtime.protocol import EMIT_STACKED, StepResult, WorkerFailed, parse_emit_batch, tensor_key
-from mstar.server.backend import OutputEvent, RequestError
+from mstar.runtime.protocol import (
+    EMIT_STACKED,
+    StepResult,
+    WorkerFailed,
+    parse_emit_batch,
+    tensor_key,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,14 @@ import torch
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.runtime.protocol import (
-    EMIT_STACKED, ItemResult, StepPlan, StepResult, WorkItem, emit_batch_key, emit_key, parse_tensor_key,
+    EMIT_STACKED,
+    ItemResult,
+    StepPlan,
+    StepResult,
+    WorkItem,
+    emit_batch_key,
+    emit_key,
+    parse_tensor_key,
     tensor_key,
 )
 from mstar.runtime.transport import TensorTransport

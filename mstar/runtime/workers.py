@@ -26,9 +26,22 @@ import torch
 import zmq
 
 from mstar.distributed import SINGLE, use_parallel
-from mstar.distributed.lockstep import Follower, LeaderEngine, World, join_world, stop_followers
 from mstar.runtime import protocol
-from mstar.runtime.protocol import PeerTable, Shutdown, StepPlan, StepResult, WorkerFailed, WorkerReady
+from mstar.runtime.lockstep import (
+    Follower,
+    LeaderEngine,
+    World,
+    join_world,
+    stop_followers,
+)
+from mstar.runtime.protocol import (
+    PeerTable,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+)
 from mstar.runtime.transport import make_transport
 from mstar.runtime.worker import Worker
 

@@ -16,16 +16,18 @@ from starlette.datastructures import FormData, UploadFile
 
 from mstar.audio.formats import RESPONSE_FORMATS, language_code, render_transcription
 from mstar.audio.io import AudioError
-from mstar.server.app import (
-    APIError,
-    _resolve_model,
-    _unless_disconnected,
-    capped_form,
-    error_response,
-    exception_response,
+from mstar.contract import TranscriptionSpec
+from mstar.server.backend import TranscribingBackend
+from mstar.server.bodies import capped_form
+from mstar.server.errors import APIError, error_response, exception_response
+from mstar.server.schemas import (
+    TranscriptionForm,
+    form_body_openapi,
+    new_id,
+    parse_model_kwargs,
 )
-from mstar.server.backend import TranscribingBackend, TranscriptionSpec
-from mstar.server.schemas import TranscriptionForm, form_body_openapi, new_id, parse_model_kwargs
+from mstar.server.served import resolve_model
+from mstar.server.streaming import unless_disconnected
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's limit
 _FORM_OVERHEAD = 1024 * 1024  # room for the other fields and the multipart framing
@@ -105,7 +107,7 @@ def _check_request(request: Request) -> None:
 async def _spec(request: Request, form: FormData, task: str) -> tuple[TranscriptionSpec, str]:
     """The backend's spec from the form, and the response format."""
     filename, audio = await _upload(form)
-    _resolve_model(request, _text(form, "model"))
+    resolve_model(request, _text(form, "model"))
     fmt = _response_format(form)
     temperature = _temperature(form)
     _check_granularities(form)
@@ -143,7 +145,7 @@ async def _serve(request: Request, backend: TranscribingBackend, task: str) -> R
         body, media_type = render_transcription(result, fmt, task)
         return Response(body, media_type=media_type)
 
-    return await _unless_disconnected(request, work)
+    return await unless_disconnected(request, work)
 
 
 def audio_router(backend: TranscribingBackend) -> APIRouter:

@@ -1,98 +1,24 @@
-"""The contract between the HTTP layer and the runtime.
+"""What the HTTP layer needs of a backend.
 
 The FastAPI app (``mstar.server.app``) talks only to a ``ServingBackend``; the runtime
 provides the real one, tests can provide a fake. Validation that needs the model (prompt
-too long for the context, unknown voice, ...) raises ``RequestError`` from the backend.
+too long for the context, unknown voice, ...) raises ``RequestError`` from the backend. The
+request and event types themselves are the contract of ``mstar.contract``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from mstar.engine.sampling_params import SamplingParams
-
-
-class RequestError(Exception):
-    """A client mistake: becomes an HTTP 4xx whose body names ``field`` and the rule."""
-
-    def __init__(self, field: str, message: str, status: int = 400):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status
-
-
-class Overloaded(RequestError):
-    """The server cannot take the request now (its wait queue is full): an HTTP 429 with a
-    ``Retry-After`` of ``retry_after_s`` seconds."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__("server", message, 429)
-        self.retry_after_s = retry_after_s
-
-
-class ServiceError(RequestError):
-    """The server could not finish the request (a timeout: 504, a dead worker: 503). Routes
-    answer it like a ``RequestError`` with its status, naming no field."""
-
-    def __init__(self, message: str, status: int = 500):
-        Exception.__init__(self, message)
-        self.field = None
-        self.message = message
-        self.status = status
-
-
-@dataclass(frozen=True)
-class ChatSpec:
-    """One chat request, validated by the HTTP layer.
-
-    Each message is ``{"role", "content"}``. For a text-only model ``content`` is a string;
-    for a model that reads media (``input_modalities`` beyond text) it may be a list of parts
-    ``{"type": "text", "text": str}`` / ``{"type": "image" | "video", "data": bytes}``, the
-    bytes fetched but not decoded. ``enable_thinking``: the chat template's switch (None: the
-    template's default); models without one ignore it."""
-
-    request_id: str
-    messages: list[dict]
-    sampling: SamplingParams
-    max_tokens: int | None  # None: up to the context limit
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    enable_thinking: bool | None = None
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """One native /generate request."""
-
-    request_id: str
-    text: str
-    files: list[tuple[str, bytes]]  # (filename, content)
-    output_modalities: list[str]
-    model_kwargs: dict
-
-
-@dataclass
-class OutputEvent:
-    """A piece of a request's output as it streams out.
-
-    ``text`` is the newly decoded text of this event (a delta). The last event of a
-    request has ``finish_reason`` set ("stop", "length", "cancelled" or "error").
-    ``data`` carries non-text payloads (audio, image bytes) with ``modality``. An event
-    with ``error`` ends the request; ``error_status`` is the HTTP status that error maps to
-    (504 timed out, 503 a worker died; None: 500).
-    """
-
-    modality: str = "text"
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    data: bytes | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error_status: int | None = None
+from mstar.contract import (
+    ChatSpec,
+    GenerateSpec,
+    ImageSpec,
+    OutputEvent,
+    SpeechSpec,
+    Transcription,
+    TranscriptionSpec,
+)
 
 
 class ServingBackend(Protocol):
@@ -113,56 +39,10 @@ class ServingBackend(Protocol):
     def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]: ...
 
 
-@dataclass(frozen=True)
-class TranscriptionSpec:
-    """One speech-to-text request (/v1/audio/transcriptions, /v1/audio/translations)."""
-
-    request_id: str
-    audio: bytes  # the uploaded file, undecoded
-    filename: str
-    task: str = "transcribe"  # or "translate" (to English)
-    language: str | None = None  # ISO-639-1 code; None: detect
-    prompt: str | None = None  # initial context for the decoder
-    temperature: float | None = None  # None: greedy with temperature fallback
-    model_kwargs: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TranscriptionSegment:
-    id: int
-    start: float  # seconds
-    end: float
-    text: str
-    tokens: list[int] = field(default_factory=list)
-    temperature: float = 0.0
-    avg_logprob: float = 0.0
-    compression_ratio: float = 0.0
-    no_speech_prob: float = 0.0
-
-
-@dataclass(frozen=True)
-class Transcription:
-    text: str
-    language: str  # ISO-639-1 code
-    duration: float  # seconds of audio
-    segments: list[TranscriptionSegment] = field(default_factory=list)
-
-
 class TranscribingBackend(Protocol):
     """A backend whose model turns speech into text."""
 
     async def transcribe(self, spec: TranscriptionSpec) -> Transcription: ...
-
-
-@dataclass(frozen=True)
-class SpeechSpec:
-    """One text-to-speech request (/v1/audio/speech)."""
-
-    request_id: str
-    input: str
-    voice: str | None = None  # None: the model's default voice
-    speed: float = 1.0
-    model_kwargs: dict = field(default_factory=dict)  # temperature, top_p, repetition_penalty, seed, max_tokens
 
 
 class SpeakingBackend(Protocol):
@@ -174,22 +54,6 @@ class SpeakingBackend(Protocol):
     def voices(self) -> list[str]: ...
 
     def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]: ...
-
-
-@dataclass(frozen=True)
-class ImageSpec:
-    """One image request (/v1/images/generations, /v1/images/edits, /generate)."""
-
-    request_id: str
-    prompt: str
-    width: int = 1024
-    height: int = 1024
-    n: int = 1
-    seed: int | None = None
-    num_inference_steps: int | None = None  # None: the model's default
-    guidance_scale: float | None = None
-    images: list[bytes] = field(default_factory=list)  # reference images to edit from, undecoded
-    model_kwargs: dict = field(default_factory=dict)
 
 
 class ImagingBackend(Protocol):

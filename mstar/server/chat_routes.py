@@ -12,25 +12,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from mstar.server.app import (
+from mstar.contract import OutputEvent, RequestError
+from mstar.server.backend import ServingBackend
+from mstar.server.bodies import capped_body, fetch_all
+from mstar.server.errors import (
     APIError,
-    Events,
-    Tally,
-    _backend,
-    _collect,
-    _in_band_error,
-    _resolve_model,
-    _start,
-    _stream,
-    _unless_disconnected,
-    _walk,
-    capped_body,
     error_response,
     exception_response,
-    fetch_all,
+    in_band_error,
     validation_error_response,
 )
-from mstar.server.backend import OutputEvent, RequestError, ServingBackend
 from mstar.server.schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -42,6 +33,16 @@ from mstar.server.schemas import (
     Usage,
     new_id,
     now,
+)
+from mstar.server.served import backend_of, resolve_model
+from mstar.server.streaming import (
+    Events,
+    Tally,
+    collect_events,
+    start_events,
+    stream_response,
+    unless_disconnected,
+    walk_events,
 )
 
 MAX_CHAT_BODY_BYTES = 128 * 1024 * 1024  # a chat request's JSON, inline media included
@@ -89,8 +90,8 @@ async def chat_completions(request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(payload)
     except ValidationError as exc:
         return validation_error_response(exc.errors())
-    model = _resolve_model(request, req.model)
-    backend = _backend(request)
+    model = resolve_model(request, req.model)
+    backend = backend_of(request)
     max_tokens = req.effective_max_tokens
     if max_tokens is not None and max_tokens > backend.max_model_len:
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -100,16 +101,16 @@ async def chat_completions(request: Request) -> Response:
     request_id = new_id("chatcmpl")
     try:
         spec = req.to_spec(request_id, await _chat_media(req, model, backend))
-        first, events = await _start(lambda: backend.chat(spec), request)
+        first, events = await start_events(lambda: backend.chat(spec), request)
     except Exception as exc:
         return exception_response(exc)
     if req.stream:
         body = _chat_sse(request_id, model, first, events, req.include_usage)
-        return _stream(body, "text/event-stream")
+        return stream_response(body, "text/event-stream")
 
     async def complete() -> Response:
         try:
-            out = await _collect(first, events)
+            out = await collect_events(first, events)
         except Exception as exc:
             return exception_response(exc)
         message = AssistantMessage(content="".join(out.text))
@@ -117,7 +118,7 @@ async def chat_completions(request: Request) -> Response:
         result = ChatCompletion(id=request_id, model=model, choices=[choice], usage=out.usage())
         return JSONResponse(result.model_dump())
 
-    return await _unless_disconnected(request, complete)
+    return await unless_disconnected(request, complete)
 
 
 def _sse(payload: dict | str) -> str:
@@ -139,7 +140,7 @@ async def _chat_sse(
     tally = Tally()
     try:
         yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
-        async with aclosing(_walk(first, events, tally)) as walk:
+        async with aclosing(walk_events(first, events, tally)) as walk:
             async for event in walk:
                 if event.modality == "text" and event.text:
                     yield chunk([ChunkChoice(delta=Delta(content=event.text))])
@@ -147,5 +148,5 @@ async def _chat_sse(
         if include_usage:
             yield chunk([], usage=tally.usage())
     except Exception as exc:  # the stream has started: report in band, then end it
-        yield _sse(_in_band_error(exc))
+        yield _sse(in_band_error(exc))
     yield _sse("[DONE]")

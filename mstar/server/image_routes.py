@@ -32,21 +32,33 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import FormData, UploadFile
 
-from mstar.media.images import OUTPUT_FORMATS, ImageError, check_side, decode_image, fit_size, parse_size
-from mstar.server.app import (
+from mstar.contract import GenerateSpec, ImageSpec
+from mstar.media.images import (
+    OUTPUT_FORMATS,
+    ImageError,
+    check_side,
+    decode_image,
+    fit_size,
+    parse_size,
+)
+from mstar.server.backend import ImagingBackend
+from mstar.server.bodies import capped_form, fetch_all
+from mstar.server.errors import (
     APIError,
     BackendFailure,
-    _resolve_model,
-    _stream,
-    _unless_disconnected,
-    capped_form,
     error_response,
     exception_response,
-    fetch_all,
     validation_error_response,
 )
-from mstar.server.backend import GenerateSpec, ImageSpec, ImagingBackend
-from mstar.server.schemas import Usage, form_body_openapi, json_body_openapi, new_id, now
+from mstar.server.schemas import (
+    Usage,
+    form_body_openapi,
+    json_body_openapi,
+    new_id,
+    now,
+)
+from mstar.server.served import resolve_model
+from mstar.server.streaming import stream_response, unless_disconnected
 
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024  # per reference image
 MAX_IMAGE_PIXELS = 6144 * 6144  # per reference image, checked before decoding
@@ -228,7 +240,7 @@ async def _serve(
             return exception_response(exc)
         return render(images)
 
-    return await _unless_disconnected(request, work)
+    return await unless_disconnected(request, work)
 
 
 def _b64(png: bytes) -> str:
@@ -256,7 +268,7 @@ async def _generations(request: Request, backend: ImagingBackend) -> Response:
         if not isinstance(payload, dict):
             raise _bad("body", "the request body must be a JSON object")
         req = ImageRequest.model_validate(payload)
-        _resolve_model(request, req.model)
+        resolve_model(request, req.model)
         _check_options(req)
         size = _size(req.size) or DEFAULT_SIZE
     except ValidationError as exc:
@@ -330,7 +342,7 @@ async def _edits(request: Request, backend: ImagingBackend) -> Response:
             if form.get("mask") is not None:
                 raise _bad("mask", "masks are not supported by this model")
             req = ImageRequest.model_validate(_form_fields(form))
-            _resolve_model(request, req.model)
+            resolve_model(request, req.model)
             _check_options(req)
             requested = _size(req.size)  # the cheap checks first
             images = await _read_images(form)
@@ -400,7 +412,7 @@ def _generate_render(spec: ImageSpec, streaming: bool) -> Render:
                     line["usage"] = usage
                 yield json.dumps(line) + "\n"
 
-        return _stream(lines(), "application/x-ndjson")
+        return stream_response(lines(), "application/x-ndjson")
 
     return render
 

@@ -1,4 +1,4 @@
-"""What ``mstar serve`` / ``mstar-serve`` hand to ``mstar.runtime.launch.serve``."""
+"""What ``mstar serve`` / ``mstar-serve`` hand to ``mstar.server.serve.serve``."""
 
 from __future__ import annotations
 

@@ -12,11 +12,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from mstar.engine.sampling_params import SamplingParams
-from mstar.server.backend import ChatSpec, RequestError
+from mstar.contract import ChatSpec, RequestError, SamplingParams
 
 # --------------------------------------------------------------------------- requests
 

@@ -27,23 +27,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mstar.audio.encode import AudioEncoder
 from mstar.audio.io import AudioError
-from mstar.server.app import (
-    _STREAM_HEADERS,
+from mstar.contract import OutputEvent, SpeechSpec
+from mstar.server.backend import SpeakingBackend
+from mstar.server.errors import (
     APIError,
     BackendFailure,
-    Events,
-    _ClosingStreamingResponse,
-    _aclose,
-    _next,
-    _resolve_model,
-    _start,
-    _unless_disconnected,
     error_response,
     exception_response,
     validation_error_response,
 )
-from mstar.server.backend import OutputEvent, SpeakingBackend, SpeechSpec
 from mstar.server.schemas import json_body_openapi, new_id
+from mstar.server.served import resolve_model
+from mstar.server.streaming import (
+    STREAM_HEADERS,
+    ClosingStreamingResponse,
+    Events,
+    close_events,
+    next_event,
+    start_events,
+    unless_disconnected,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +131,9 @@ async def _pcm(first: OutputEvent | None, events: Events) -> Chunks:
                 yield event.data
             if event.finish_reason:
                 return
-            event = await _next(events)
+            event = await next_event(events)
     finally:
-        await _aclose(events)
+        await close_events(events)
 
 
 async def _encoded(
@@ -164,7 +167,7 @@ def _headers(encoder: AudioEncoder) -> dict[str, str]:
 async def _speech(request: Request, backend: SpeakingBackend) -> Response:
     try:
         req = await _parse(request)
-        _resolve_model(request, req.model)
+        resolve_model(request, req.model)
         _check(req, backend)
         encoder = AudioEncoder(req.response_format, backend.sample_rate, streaming=req.stream)
     except ValidationError as exc:
@@ -182,14 +185,14 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
         model_kwargs=req.model_kwargs(),
     )
     try:
-        first, events = await _start(lambda: backend.speech(spec), request)
+        first, events = await start_events(lambda: backend.speech(spec), request)
     except Exception as exc:
         return exception_response(exc)
     body = _encoded(encoder, first, events)
     if req.stream:
-        headers = {**_STREAM_HEADERS, **_headers(encoder)}
+        headers = {**STREAM_HEADERS, **_headers(encoder)}
         streamed = _logged(body, spec.request_id)
-        return _ClosingStreamingResponse(streamed, media_type=encoder.media_type, headers=headers)
+        return ClosingStreamingResponse(streamed, media_type=encoder.media_type, headers=headers)
 
     async def complete() -> Response:
         parts: list[bytes] = []
@@ -201,7 +204,7 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
             return exception_response(exc)
         return Response(b"".join(parts), media_type=encoder.media_type, headers=_headers(encoder))
 
-    return await _unless_disconnected(request, complete)
+    return await unless_disconnected(request, complete)
 
 
 def speech_router(backend: SpeakingBackend) -> APIRouter:

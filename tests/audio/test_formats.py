@@ -14,7 +14,7 @@ from mstar.audio.formats import (
     language_name,
     render_transcription,
 )
-from mstar.server.backend import Transcription, TranscriptionSegment
+from mstar.contract import Transcription, TranscriptionSegment
 
 SEGMENTS = [
     TranscriptionSegment(id=0, start=0.0, end=2.5, text=" Hello there.", tokens=[1, 2]),

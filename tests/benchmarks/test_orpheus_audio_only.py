@@ -11,14 +11,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mstar.config import parse_config
+from mstar.contract import SamplingParams, SpeechSpec
 from mstar.distributed.state import SINGLE
 from mstar.engine.autoregressive import Sequence
 from mstar.engine.sampler import Sampler
-from mstar.engine.sampling_params import SamplingParams
 from mstar.model.orpheus import engine as talk
 from mstar.model.orpheus.model import pcm_to_array
 from mstar.runtime.launch import start
-from mstar.server.backend import SpeechSpec
 
 SNAC = {"encoder_dim": 8, "decoder_dim": 32, "codebook_size": 4096}
 VOCAB = 156940

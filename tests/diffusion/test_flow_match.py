@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
+from diffusers.pipelines.flux2.pipeline_flux2_klein import (
+    compute_empirical_mu,
+    retrieve_timesteps,
+)
 from diffusers.utils.torch_utils import randn_tensor
 
 from mstar.diffusion import FlowMatchEuler, empirical_mu

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from mstar.distributed.lockstep import decode_run, encode_run
 from mstar.engine.base import EngineItem
+from mstar.runtime.lockstep import decode_run, encode_run
 from mstar.runtime.transport import make_transport
 from mstar.runtime.transport.inproc import InProcessHub
 from tests.distributed.helpers import devices, rank_device

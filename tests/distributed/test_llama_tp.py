@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mstar.config import parse_config
 from mstar.distributed import use_parallel
 from mstar.engine.base import EngineItem
-from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.llama.checkpoint import LlamaCheckpoint
 from mstar.model.llama.model import LLM, LlamaChat
 from mstar.model.llama.modeling import LlamaForCausalLM

@@ -18,11 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mstar.config import parse_config
 from mstar.distributed import use_parallel
 from mstar.engine.base import EngineItem
 from mstar.model.qwen3_5.model import LLM, Qwen3_5Chat
-from tests.distributed.helpers import devices, fp32_only, mesh, rank_device, rel_error, run_ranks
+from tests.distributed.helpers import (
+    devices,
+    fp32_only,
+    mesh,
+    rank_device,
+    rel_error,
+    run_ranks,
+)
 
 TOL = 1e-5
 VOCAB = 161  # odd: the last vocabulary shard is padded
@@ -207,11 +215,12 @@ def test_tp2_process_workers_match_tp1(tmp_path, device):
     greedy requests with the same tokens as the in-process TP=1 deployment, and every KV
     page and state slot comes back. On ``cuda`` the TP=1 deployment runs on GPU 0 and the
     split one on GPUs 0 and 1 over NCCL, all in float32 without TF32."""
+    from transformers import PreTrainedTokenizerFast
+
     from benchmarks.common import tiny_llama_dir
     from mstar.model.spec import WalkRequest
     from mstar.runtime.launch import start
     from tests.distributed.test_tp_runtime import CHAT_TEMPLATE, Outcome
-    from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path / "ckpt"
     tiny_llama_dir(folder, vocab_size=VOCAB + 140)  # a tokenizer; its config.json is replaced below

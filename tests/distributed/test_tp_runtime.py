@@ -45,7 +45,6 @@ def write_tiny_llama(path: Path) -> Path:
     flip them)."""
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM as HFLlamaForCausalLM
-
     from transformers import PreTrainedTokenizerFast
 
     tiny_llama_dir(path, num_hidden_layers=2)

@@ -13,18 +13,27 @@ the unsplit reference and its layouts on its own GPU in float32 without TF32.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mstar.distributed import ParallelState, all_to_all, broadcast, build_mesh, use_parallel
-from mstar.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from mstar.distributed import (
+    ParallelState,
+    all_to_all,
+    broadcast,
+    build_mesh,
+    use_parallel,
+)
+from mstar.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from mstar.layers.ulysses import UlyssesAttention, gather_sequence, shard_sequence
 from mstar.model.flux2.rope import apply_rope, rope_cos_sin
 from mstar.model.flux2.transformer import JointAttention, ParallelSelfAttention, swiglu
 from mstar.model.weights import load_weights
-import pytest
-
 from tests.distributed.helpers import devices, rank_device, rel_error, run_ranks
 
 TOL = 1e-5

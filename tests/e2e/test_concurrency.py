@@ -11,14 +11,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
-
 from inprocess import Recorder, poll_drained, record_batches
 
 from mstar.config import parse_config
+from mstar.contract import ChatSpec, OutputEvent, SamplingParams
 from mstar.engine.autoregressive import AutoregressiveEngine
-from mstar.engine.sampling_params import SamplingParams
 from mstar.runtime.launch import Deployment, start
-from mstar.server.backend import ChatSpec, OutputEvent
 
 CONFIG = {
     "model": "smollm2",

@@ -12,12 +12,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mstar.config import parse_config
+from mstar.contract import RequestError, SpeechSpec
 from mstar.model.orpheus import engine as talk
 from mstar.model.orpheus.model import pcm_to_array
 from mstar.model.snac import SnacConfig, SnacDecoder, codes_from_orpheus
 from mstar.model.weights import init_dummy_weights
 from mstar.runtime.launch import start
-from mstar.server.backend import RequestError, SpeechSpec
 
 SNAC = {"encoder_dim": 8, "decoder_dim": 32, "codebook_size": 4096}
 FRAMES = 9

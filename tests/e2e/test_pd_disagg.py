@@ -23,11 +23,10 @@ from live_server import Server, launch_server
 
 from benchmarks.common import tiny_llama_dir
 from mstar.config import load_config, parse_config
-from mstar.engine.sampling_params import SamplingParams
+from mstar.contract import ChatSpec, SamplingParams
 from mstar.model.llama.model import LLM, LLM_PREFILL, LlamaChat
 from mstar.runtime.launch import start
 from mstar.runtime.placement import build_placement
-from mstar.server.backend import ChatSpec
 from tests.distributed.helpers import devices, fp32_only
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

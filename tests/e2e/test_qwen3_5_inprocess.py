@@ -12,16 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from inprocess import poll_drained, record_batches
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer
 from transformers import Qwen3_5Config as HFConfig
 
-from inprocess import poll_drained, record_batches
-
 from mstar.config import ConfigError, parse_config
-from mstar.engine.sampling_params import SamplingParams
+from mstar.contract import ChatSpec, GenerateSpec, RequestError, SamplingParams
 from mstar.runtime.launch import Deployment, start
-from mstar.server.backend import ChatSpec, GenerateSpec, RequestError
 
 TEMPLATE = (
     "{%- for message in messages %}"

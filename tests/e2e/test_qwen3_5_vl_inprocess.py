@@ -14,17 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from inprocess import poll_drained, record_batches
 from PIL import Image
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer
 from transformers import Qwen3_5Config as HFConfig
 
-from inprocess import poll_drained, record_batches
-
 from mstar.config import parse_config
-from mstar.engine.sampling_params import SamplingParams
+from mstar.contract import ChatSpec, RequestError, SamplingParams
 from mstar.runtime.launch import Deployment, start
-from mstar.server.backend import ChatSpec, RequestError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]

@@ -18,9 +18,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from inprocess import poll_drained
+from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.config import parse_config
 from mstar.engine.autoregressive import AutoregressiveEngine

@@ -10,12 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from inprocess import Recorder, poll_drained, record_batches
 
 from mstar.config import parse_config
+from mstar.contract import Transcription, TranscriptionSpec
 from mstar.runtime.launch import Deployment, start
-from mstar.server.backend import Transcription, TranscriptionSpec
 
 CLIP = Path(__file__).resolve().parents[1] / "data" / "speech_en.wav"
 # (language, prompt): detected or forced English, with or without a decoder prompt

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from mstar.contract import SamplingParams
 from mstar.engine.sampler import Sampler, validate_sampling
-from mstar.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 SP = SamplingParams

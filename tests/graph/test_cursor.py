@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mstar.graph import Loop, Parallel, Sequential, Step
-from mstar.graph.walk import iter_steps
 from mstar.graph.cursor import (
     DONE,
     PENDING,
@@ -24,6 +23,7 @@ from mstar.graph.cursor import (
     ready,
     start,
 )
+from mstar.graph.walk import iter_steps
 
 
 def ctx(flags=(), **params) -> LoopContext:

@@ -6,7 +6,15 @@ import itertools
 import pytest
 
 from mstar.graph import Loop, Parallel, Sequential, Step
-from mstar.graph.cursor import LoopContext, ReadyStep, complete, is_done, mark_running, ready, start
+from mstar.graph.cursor import (
+    LoopContext,
+    ReadyStep,
+    complete,
+    is_done,
+    mark_running,
+    ready,
+    start,
+)
 
 CTX = LoopContext(frozenset(), {"num_steps": 3})
 

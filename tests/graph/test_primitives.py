@@ -22,7 +22,6 @@ from mstar.graph import (
 )
 from mstar.graph.walk import iter_steps
 
-
 # --------------------------------------------------------------------------- Node
 
 

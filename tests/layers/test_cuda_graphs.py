@@ -17,7 +17,8 @@ import torch
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
 from mstar.engine.page_pool import PagePool
-from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache, paged_attention
+from mstar.layers.attention import paged_attention
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM
 
 # Not imported here: on CPU, test_triton_attention must be first to import triton (after

@@ -22,7 +22,7 @@ from mstar.layers.linear import (
 )
 from mstar.layers.mlp import SwiGLU
 from mstar.model.weights import WeightLoadError, load_weights
-from tests.distributed.helpers import fake_tp_group, rel_error, mesh, run_ranks
+from tests.distributed.helpers import fake_tp_group, mesh, rel_error, run_ranks
 
 TOL = 1e-6
 

@@ -20,12 +20,8 @@ if DEVICE.type == "cpu":  # before triton's first import: its own jit'd helpers 
 triton = pytest.importorskip("triton")
 
 from mstar.layers import triton_attention  # noqa: E402
-from mstar.layers.attention import (  # noqa: E402
-    PagedAttentionMetadata,
-    paged_attention,
-    torch_paged_attention,
-    write_kv_cache,
-)
+from mstar.layers.attention import paged_attention, torch_paged_attention  # noqa: E402
+from mstar.layers.paged_kv import PagedAttentionMetadata, write_kv_cache  # noqa: E402
 from mstar.layers.triton_attention import triton_paged_attention  # noqa: E402
 
 if DEVICE.type == "cpu" and not (

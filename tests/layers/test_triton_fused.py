@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
+from test_cuda_graphs import step_meta  # noqa: E402
+from test_cuda_graphs import tiny_llama as gpu_llama
 
 from mstar.config import DeploymentConfig  # noqa: E402
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_fused  # noqa: E402
-from mstar.layers.attention import allocate_kv_cache, write_kv_cache  # noqa: E402
+from mstar.layers.paged_kv import allocate_kv_cache, write_kv_cache  # noqa: E402
 from mstar.layers.rotary import RotaryEmbedding  # noqa: E402
 from mstar.layers.triton_fused import (  # noqa: E402
     add_rmsnorm,
@@ -33,8 +33,12 @@ from mstar.layers.triton_fused import (  # noqa: E402
 )
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from mstar.model.llama.model import apply_fused_kernels  # noqa: E402
-
-from test_cuda_graphs import step_meta, tiny_llama as gpu_llama  # noqa: E402
+from tests.support.triton_interpreter import (
+    DEVICE,
+    REASON,
+    kernels_runnable,
+    rerun_in_fresh_interpreter,
+)
 
 RUNNABLE = kernels_runnable(triton_fused)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)

@@ -13,12 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
-
 from mstar.layers import triton_gemv  # noqa: E402
 from mstar.layers.triton_fused import torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
 from mstar.layers.triton_gemv import GEMV_MAX_ROWS, gemv, rmsnorm_gemv  # noqa: E402
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM, modeling  # noqa: E402
+from tests.support.triton_interpreter import (
+    DEVICE,
+    REASON,
+    kernels_runnable,
+    rerun_in_fresh_interpreter,
+)
 
 RUNNABLE = kernels_runnable(triton_gemv)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
@@ -182,10 +186,10 @@ def test_llama_gemv_path_matches_eager(rows: int, bias: bool, monkeypatch: pytes
 
 def run_steps_with_rows(model, rows: int):
     """``steps(fused)``: logits of a prefill of ``rows`` sequences, then two decode steps."""
-    from mstar.engine.page_pool import PagePool
-    from mstar.layers.attention import allocate_kv_cache
-
     from test_cuda_graphs import step_meta
+
+    from mstar.engine.page_pool import PagePool
+    from mstar.layers.paged_kv import allocate_kv_cache
 
     def steps(fused: bool) -> list[torch.Tensor]:
         model.use_fused_kernels(fused)
@@ -238,11 +242,12 @@ def test_llama_rows_above_the_threshold_take_the_old_path(monkeypatch: pytest.Mo
 def test_llama_gemv_path_bf16_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 decode of three rows (bucket 4) from a captured graph, the GEMV kernels inside,
     against the eager model."""
+    from test_cuda_graphs import step_meta
+    from test_cuda_graphs import tiny_llama as gpu_llama
+
     from mstar.engine.cuda_graphs import DecodeGraphRunner
     from mstar.engine.page_pool import PagePool
-    from mstar.layers.attention import allocate_kv_cache
-
-    from test_cuda_graphs import step_meta, tiny_llama as gpu_llama
+    from mstar.layers.paged_kv import allocate_kv_cache
 
     monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 4)
     model = gpu_llama(DEVICE, torch.bfloat16)

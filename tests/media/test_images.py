@@ -12,7 +12,14 @@ import zlib
 import pytest
 from PIL import Image
 
-from mstar.media import ImageError, check_side, decode_image, encode_png, fit_size, parse_size
+from mstar.media import (
+    ImageError,
+    check_side,
+    decode_image,
+    encode_png,
+    fit_size,
+    parse_size,
+)
 
 
 def png(width: int, height: int, colour: tuple = (200, 30, 40), mode: str = "RGB") -> bytes:

@@ -12,12 +12,12 @@ from PIL import Image
 from test_flux2_klein_walk import pixels, reference  # noqa: F401  (reference: the tiny checkpoint fixture)
 
 from mstar.config import parse_config
+from mstar.contract import ImageSpec, RequestError
 from mstar.engine.base import EngineItem
 from mstar.model.flux2.edit import MAX_REFERENCE_AREA, prepare_reference
 from mstar.model.flux2.vae import unpack_latents
 from mstar.model.registry import model_class
 from mstar.runtime.launch import start
-from mstar.server.backend import ImageSpec, RequestError
 
 PROMPT, SEED, STEPS, WIDTH, HEIGHT = "make it blue", 3, 3, 48, 32
 

@@ -16,15 +16,15 @@ from PIL import Image
 from test_flux2_klein_walk import randomize, reference  # noqa: F401  (the tiny checkpoint fixture)
 
 from mstar.config import parse_config
-from mstar.diffusion.output import ImageStream, output_params, to_pixels
+from mstar.contract import ImageSpec, RequestError
 from mstar.engine.base import EngineItem
 from mstar.media import images as media
 from mstar.model.flux2.model import DeviceIds, Knobs, text_ids, token_ids
 from mstar.model.flux2.text import KleinText
+from mstar.model.image_output import ImageStream, output_params, to_pixels
 from mstar.model.qwen3 import attention_mask_4d
 from mstar.model.registry import model_class
 from mstar.runtime.launch import start
-from mstar.server.backend import ImageSpec, RequestError
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,9 +13,9 @@ from PIL import Image
 from test_flux2_klein_walk import reference  # noqa: F401  (the tiny diffusers-layout checkpoint)
 
 from mstar.config import ConfigError, load_config, parse_config
+from mstar.contract import ImageSpec, RequestError
 from mstar.engine.base import Engine
 from mstar.runtime.launch import start
-from mstar.server.backend import ImageSpec, RequestError
 
 PROMPT, SEED, STEPS, HEIGHT, WIDTH = "a cat", 11, 3, 32, 48
 

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from test_qwen3_encoder import make_qwen_tokenizer
 
 from mstar.config import parse_config
+from mstar.contract import ImageSpec, RequestError
 from mstar.runtime.launch import start
-from mstar.server.backend import ImageSpec, RequestError
 
 VAE = {"block_out_channels": (8, 16), "down_block_types": ("DownEncoderBlock2D",) * 2,
        "up_block_types": ("UpDecoderBlock2D",) * 2, "layers_per_block": 1, "latent_channels": 4,
@@ -177,7 +177,7 @@ def test_latents_that_arrive_late_give_the_same_image(deployment, monkeypatch):
 def test_latents_that_fail_end_the_request_with_an_error(deployment, monkeypatch):
     from concurrent.futures import Future
 
-    from mstar.server.backend import ServiceError
+    from mstar.contract import ServiceError
 
     def failing(drawn):
         drawn.result()

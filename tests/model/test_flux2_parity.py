@@ -15,7 +15,12 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from diffusers.models.embeddings import apply_rotary_emb
 
-from mstar.model.flux2 import PRESETS, Flux2Transformer, Flux2TransformerConfig, apply_rope
+from mstar.model.flux2 import (
+    PRESETS,
+    Flux2Transformer,
+    Flux2TransformerConfig,
+    apply_rope,
+)
 
 TOL = 1e-5
 N_TXT = 5

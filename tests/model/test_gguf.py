@@ -211,7 +211,7 @@ def test_greedy_answer_mentions_paris(model, tokenizer) -> None:
 def test_mstar_llama_end_to_end(config: dict, checkpoint, reference, tokenizer) -> None:
     """Our paged Llama, loaded from the GGUF, gives transformers' logits on one prefill."""
     modeling = pytest.importorskip("mstar.model.llama.modeling")
-    from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache
+    from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
     from mstar.model.llama.config import LlamaConfig
 
     ours = modeling.LlamaForCausalLM(LlamaConfig.from_hf_dict(config)).eval()

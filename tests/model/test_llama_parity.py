@@ -15,8 +15,9 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers.models.llama import modeling_llama as hf_llama
 
-from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache, paged_attention
+from mstar.layers.attention import paged_attention
 from mstar.layers.norm import RMSNorm
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.layers.rotary import RotaryEmbedding
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM
 from mstar.model.llama.modeling import kv_cache_shape

@@ -13,7 +13,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mstar.model.flux2.lora_layout import flux2_lora_targets
-from mstar.model.lora import LoraAdapter, LoraError, fold_adapter, fold_adapters, parse_adapters, read_adapter
+from mstar.model.lora import (
+    LoraAdapter,
+    LoraError,
+    fold_adapter,
+    fold_adapters,
+    parse_adapters,
+    read_adapter,
+)
 
 RANK = 3
 
@@ -100,7 +107,9 @@ def test_fold_rounds_once_in_fp32(tmp_path):
 def test_bfl_layout_lands_where_diffusers_converts_it(tmp_path):
     """A LoRA in BFL's layout (fused qkv, linear1/linear2, img_mlp) folds into the same weights
     as its diffusers conversion folded by module name."""
-    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_flux2_lora_to_diffusers
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_flux2_lora_to_diffusers,
+    )
 
     from mstar.model.flux2 import Flux2Transformer, Flux2TransformerConfig
 

@@ -14,9 +14,9 @@ from PIL import Image
 from transformers import Qwen3_5Config as HFConfig
 
 from mstar.config import parse_config
+from mstar.contract import GenerateSpec, RequestError
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
 from mstar.model.registry import model_class
-from mstar.server.backend import GenerateSpec, RequestError
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,39 @@ import torch
 from PIL import Image
 from transformers import Qwen3_5Config as HFConfig
 from transformers import Qwen3_5VisionConfig as HFVisionConfig
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model as HFModel
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel as HFVision
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_smart_resize_video
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+    smart_resize as hf_smart_resize_video,
+)
 from transformers.video_utils import VideoMetadata
 
 from mstar.model.qwen3_5.config import Qwen3_5VisionConfig
-from mstar.model.qwen3_5.processor import (ImageProcessing, Media, MediaError, Video, VideoProcessing,
-                                           _patchify, decode_animation, frame_timestamps, process_image,
-                                           process_video, sample_indices, sampled_video, smart_resize_video)
-from mstar.model.qwen3_5.prompt import VisionTokens, expand_placeholders, mrope_positions
+from mstar.model.qwen3_5.processor import (
+    ImageProcessing,
+    Media,
+    MediaError,
+    Video,
+    VideoProcessing,
+    _patchify,
+    decode_animation,
+    frame_timestamps,
+    process_image,
+    process_video,
+    sample_indices,
+    sampled_video,
+    smart_resize_video,
+)
+from mstar.model.qwen3_5.prompt import (
+    VisionTokens,
+    expand_placeholders,
+    mrope_positions,
+)
 from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
 
 VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4, temporal_patch_size=2,

@@ -23,8 +23,18 @@ from mstar.model.qwen3_5 import Qwen3_5ForCausalLM
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
 from mstar.model.qwen3_5.engine import HybridEngine, vision_fn
 from mstar.model.qwen3_5.model import load_checkpoint
-from mstar.model.qwen3_5.processor import ImageProcessing, Video, VideoProcessing, process_image, process_video
-from mstar.model.qwen3_5.prompt import VisionTokens, expand_placeholders, mrope_positions
+from mstar.model.qwen3_5.processor import (
+    ImageProcessing,
+    Video,
+    VideoProcessing,
+    process_image,
+    process_video,
+)
+from mstar.model.qwen3_5.prompt import (
+    VisionTokens,
+    expand_placeholders,
+    mrope_positions,
+)
 from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
 from mstar.model.weights import WeightLoadError
 

@@ -18,10 +18,14 @@ from mstar.engine.autoregressive import KVLayout
 from mstar.engine.base import EngineItem
 from mstar.engine.page_pool import PagePool
 from mstar.engine.state_pool import OutOfSlots
-from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.whisper import WhisperConfig, WhisperForConditionalGeneration
 from mstar.model.whisper import cross_kv as cross_kv_module
-from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention
+from mstar.model.whisper.cross_kv import (
+    CrossAttentionBatch,
+    CrossKVSlots,
+    cross_attention,
+)
 from mstar.model.whisper.engine import WhisperDecoderEngine, WhisperRules
 from mstar.model.whisper.graphs import WhisperDecodeGraphs
 

@@ -17,18 +17,29 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
+from test_whisper_cross_slots import (  # noqa: E402
+    FRAMES,
+    PAGE_SIZE,
+    SOT,
+    compare_graph_runner,
+    mixed_steps,
+    rel_err,
+    step_meta,
+    tiny_model,
+    written_slots,
+)
+from test_whisper_overlap import make_engine, request, serve  # noqa: E402
 
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_fused  # noqa: E402
-from mstar.layers.attention import allocate_kv_cache  # noqa: E402
+from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
 from mstar.model.whisper.cross_kv import CrossAttentionBatch  # noqa: E402
-
-from test_whisper_cross_slots import (  # noqa: E402
-    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, mixed_steps, rel_err, step_meta, tiny_model, written_slots,
+from tests.support.triton_interpreter import (
+    DEVICE,
+    REASON,
+    kernels_runnable,
+    rerun_in_fresh_interpreter,
 )
-from test_whisper_overlap import make_engine, request, serve  # noqa: E402
 
 RUNNABLE = kernels_runnable(triton_fused)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)

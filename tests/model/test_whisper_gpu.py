@@ -9,10 +9,21 @@ import importlib.util
 
 import pytest
 import torch
+from test_whisper_cross_slots import (
+    SOT,
+    compare_graph_runner,
+    drive,
+    features,
+    rel_err,
+    tiny_engine,
+    tiny_model,
+)
 
-from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention
-
-from test_whisper_cross_slots import SOT, compare_graph_runner, drive, features, rel_err, tiny_engine, tiny_model
+from mstar.model.whisper.cross_kv import (
+    CrossAttentionBatch,
+    CrossKVSlots,
+    cross_attention,
+)
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None),
                                reason="needs CUDA and triton")
@@ -69,8 +80,9 @@ def test_every_switch_matches_eager_at_large_v3_widths(tmp_path, dtype: str) -> 
     switched loop token after 10 tokens). So in bf16 every clip must agree on its first 8
     tokens and 80% of all tokens must agree; stale graph inputs or a mis-laid tensor change
     tokens from the first step on."""
-    from benchmarks.common import WHISPER_LARGE_V3, whisper_dir
     from test_whisper_overlap import deployment_tokens
+
+    from benchmarks.common import WHISPER_LARGE_V3, whisper_dir
 
     model_dir = whisper_dir(tmp_path, **(WHISPER_LARGE_V3 | {"encoder_layers": 4, "decoder_layers": 4}))
     eager = {"attention_backend": "triton"}  # the same attention kernels: only the switches differ

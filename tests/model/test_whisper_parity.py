@@ -15,7 +15,7 @@ from transformers import WhisperForConditionalGeneration as HFWhisper
 from transformers.audio_utils import mel_filter_bank
 from transformers.modeling_outputs import BaseModelOutput
 
-from mstar.layers.attention import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.whisper import (
     WhisperConfig,
     WhisperForConditionalGeneration,

@@ -11,19 +11,33 @@ never silently go unrun. Skipped without Triton.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
+from test_whisper_cross_slots import (  # noqa: E402
+    FRAMES,
+    PAGE_SIZE,
+    SOT,
+    compare_graph_runner,
+    mixed_steps,
+    rel_err,
+    step_meta,
+    tiny_model,
+    written_slots,
+)
 
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_attention  # noqa: E402
-from mstar.layers.attention import allocate_kv_cache  # noqa: E402
-from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots, cross_attention  # noqa: E402
-
-from test_whisper_cross_slots import (  # noqa: E402
-    FRAMES, PAGE_SIZE, SOT, compare_graph_runner, mixed_steps, rel_err, step_meta, tiny_model, written_slots,
+from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
+from mstar.model.whisper.cross_kv import (  # noqa: E402
+    CrossAttentionBatch,
+    CrossKVSlots,
+    cross_attention,
+)
+from tests.support.triton_interpreter import (
+    DEVICE,
+    REASON,
+    kernels_runnable,
+    rerun_in_fresh_interpreter,
 )
 
 RUNNABLE = kernels_runnable(triton_attention)

@@ -6,7 +6,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
-from mstar.graph import Emit, EngineKind, Graph, Loop, Node, Parallel, Sequential, Step, Walk
+from mstar.graph import (
+    Emit,
+    EngineKind,
+    Graph,
+    Loop,
+    Node,
+    Parallel,
+    Sequential,
+    Step,
+    Walk,
+)
 from mstar.graph import cursor as walk_cursor
 from mstar.runtime.conductor import Conductor, Decisions, Finished, RequestSpec
 from mstar.runtime.placement import NodeGroup, Placement, single_rank

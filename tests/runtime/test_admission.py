@@ -6,16 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from test_conductor import GRAPH
 
 from mstar.config import ConfigError, parse_config
+from mstar.contract import Overloaded
 from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import Conductor, Finished, RequestSpec
 from mstar.runtime.placement import single_rank
 from mstar.runtime.protocol import ItemResult, StepResult
 from mstar.runtime.runtime import _error_status
-from mstar.server.backend import Overloaded
-
-from test_conductor import GRAPH
 
 
 @dataclass

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from test_flux2_klein_walk import reference  # noqa: E402, F401  (tiny diffusers-layout checkpoint)
 
 from mstar.config import parse_config  # noqa: E402
+from mstar.contract import ImageSpec  # noqa: E402
 from mstar.model.spec import OutputStream  # noqa: E402
 from mstar.runtime.launch import start  # noqa: E402
-from mstar.server.backend import ImageSpec  # noqa: E402
 from tests.distributed.helpers import devices, fp32_only  # noqa: E402
 
 SPEC = ImageSpec("cfg", "a cat", 48, 32, 1, 5, 3, guidance_scale=4.0)

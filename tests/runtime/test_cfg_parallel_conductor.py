@@ -3,7 +3,17 @@ results; the rig checks versions, routes and params on every tick)."""
 
 from conductor_rig import Rig
 
-from mstar.graph import Emit, EngineKind, Graph, Loop, Node, Parallel, Sequential, Step, Walk
+from mstar.graph import (
+    Emit,
+    EngineKind,
+    Graph,
+    Loop,
+    Node,
+    Parallel,
+    Sequential,
+    Step,
+    Walk,
+)
 from mstar.runtime.placement import NodeGroup, Placement
 
 

@@ -16,6 +16,7 @@ import random
 from collections import Counter
 
 import pytest
+from conductor_rig import GRAPH, STOP, Rig, two_ranks
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -23,9 +24,6 @@ from mstar.graph import GraphError
 from mstar.runtime.conductor import AdmissionError, Finished, RequestSpec
 from mstar.runtime.placement import single_rank
 from mstar.runtime.protocol import ItemResult, StepPlan, StepResult, VarRef, WorkItem
-
-from conductor_rig import GRAPH, Rig, STOP, two_ranks
-
 
 # ------------------------------------------------------------------ the chat walk
 

@@ -13,7 +13,12 @@ from mstar.config import ConfigError, parse_config
 from mstar.model.llama.config import LlamaConfig
 from mstar.model.llama.model import LlamaChat
 from mstar.runtime.launch import start
-from mstar.runtime.placement import NodeGroup, Placement, _check_followers, build_placement
+from mstar.runtime.placement import (
+    NodeGroup,
+    Placement,
+    _check_followers,
+    build_placement,
+)
 
 
 @pytest.fixture

@@ -8,12 +8,22 @@ import pytest
 import torch
 
 from mstar.config import parse_config
+from mstar.contract import GenerateSpec, OutputEvent
 from mstar.engine.base import Engine, EngineOutput, StatelessEngine
-from mstar.graph import Emit, Graph, Loop, Node, Sequential, SlidingWindow, Step, StreamEdge, Walk
+from mstar.graph import (
+    Emit,
+    Graph,
+    Loop,
+    Node,
+    Sequential,
+    SlidingWindow,
+    Step,
+    StreamEdge,
+    Walk,
+)
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.runtime.launch import start
-from mstar.server.backend import GenerateSpec, OutputEvent
 
 EVENTS: list[tuple[str, str, int]] = []  # (request, what, value): the order things happened in
 

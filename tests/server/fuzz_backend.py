@@ -12,8 +12,14 @@ from collections.abc import AsyncIterator
 from conftest import FakeBackend
 from PIL import Image
 
-from mstar.server.backend import (
-    ChatSpec, ImageSpec, OutputEvent, SpeechSpec, Transcription, TranscriptionSegment, TranscriptionSpec,
+from mstar.contract import (
+    ChatSpec,
+    ImageSpec,
+    OutputEvent,
+    SpeechSpec,
+    Transcription,
+    TranscriptionSegment,
+    TranscriptionSpec,
 )
 
 

@@ -18,14 +18,14 @@ from fastapi.testclient import TestClient
 from mstar.audio.io import decode_audio, encode_wav
 from mstar.audio.windows import split_at_quiet_points
 from mstar.client import MStarClient, MStarError, TranscriptionResult
-from mstar.server.app import create_app
-from mstar.server.audio_routes import MAX_UPLOAD_BYTES
-from mstar.server.backend import (
+from mstar.contract import (
     RequestError,
     Transcription,
     TranscriptionSegment,
     TranscriptionSpec,
 )
+from mstar.server.app import create_app
+from mstar.server.audio_routes import MAX_UPLOAD_BYTES
 
 SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech_en.wav"
 

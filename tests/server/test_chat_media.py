@@ -23,14 +23,14 @@ from conftest import MODEL, FakeBackend, LiveServer
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from mstar.contract import ChatSpec, OutputEvent
 from mstar.media.fetch import MediaError
 from mstar.model.llama.model import LlamaChat
 from mstar.model.qwen3_5.model import Qwen3_5Chat
-from mstar.server import app as app_module
+from mstar.server import bodies as bodies_module
 from mstar.server import chat_routes
 from mstar.server.app import create_app
 from mstar.server.chat_routes import input_modalities
-from mstar.server.backend import ChatSpec, OutputEvent
 
 
 def _png(colour: tuple[int, int, int] = (200, 10, 10)) -> bytes:
@@ -304,7 +304,7 @@ def test_media_are_fetched_concurrently_and_a_failure_cancels_the_rest(
         finally:
             running -= 1
 
-    monkeypatch.setattr(app_module, "fetch_media", slow_fetch)
+    monkeypatch.setattr(bodies_module, "fetch_media", slow_fetch)
     client = TestClient(create_app(media_backend))
     started = time.monotonic()
     assert chat(client, *[image("ok")] * 4).status_code == 200

@@ -85,9 +85,9 @@ def test_config_parser_requires_config(tmp_path: Path) -> None:
 def test_entry_points_call_the_runtime(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls: list[ServeOptions] = []
     levels: list[str] = []
-    launch = types.ModuleType("mstar.runtime.launch")
+    launch = types.ModuleType("mstar.server.serve")
     launch.serve = lambda options: calls.append(options) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "mstar.runtime.launch", launch)
+    monkeypatch.setitem(sys.modules, "mstar.server.serve", launch)
     monkeypatch.setattr(cli, "setup_logging", levels.append)
 
     assert cli.main(["serve", "m", "--log-level", "warning"]) == 0
@@ -114,7 +114,7 @@ def test_options_validate() -> None:
 
 
 def test_timeout_option_becomes_the_request_timeout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from mstar.runtime.launch import config_from_options
+    from mstar.server.serve import config_from_options
 
     options = cli.options_from_args(cli.build_parser().parse_args(["serve", "smollm2", "--timeout", "2.5"]))
     assert options.timeout == 2.5

@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from mstar.client import MStarClient, MStarError
+from mstar.contract import ImageSpec, RequestError
 from mstar.server import image_routes
 from mstar.server.app import create_app
-from mstar.server.backend import ImageSpec, RequestError
 
 
 class FakeImager(FakeBackend):

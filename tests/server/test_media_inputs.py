@@ -15,7 +15,7 @@ import pytest
 from conftest import FakeBackend, LiveServer
 from fastapi.testclient import TestClient
 
-from mstar.server import app as app_module
+from mstar.server import generate_routes as generate_module
 from mstar.server.app import create_app
 
 CLIP = b"RIFF\x24\x00\x00\x00WAVEfmt "
@@ -98,7 +98,7 @@ def test_generate_refuses_server_paths(client: TestClient, backend: FakeBackend,
 
 def test_generate_caps_each_upload_before_the_backend_sees_it(client: TestClient, backend: FakeBackend,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_module, "MAX_GENERATE_FILE_BYTES", 1000)
+    monkeypatch.setattr(generate_module, "MAX_GENERATE_FILE_BYTES", 1000)
     files = [("files", ("ok.png", b"x" * 1000, "image/png")), ("files", ("big.png", b"x" * 1001, "image/png"))]
     message = _error(client.post("/generate", data={"text": "x"}, files=files), 413, "files.1")
     assert "big.png is over the limit of 1000 bytes" in message
@@ -110,9 +110,9 @@ def test_generate_caps_each_upload_before_the_backend_sees_it(client: TestClient
 def test_generate_refuses_a_body_over_the_cap_before_reading_it(backend: FakeBackend,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Declared (Content-Length) or streamed (chunked): refused as soon as it passes the cap."""
-    monkeypatch.setattr(app_module, "MAX_GENERATE_FILES", 1)
-    monkeypatch.setattr(app_module, "MAX_GENERATE_FILE_BYTES", 1000)
-    limit = 1000 + app_module._FORM_OVERHEAD
+    monkeypatch.setattr(generate_module, "MAX_GENERATE_FILES", 1)
+    monkeypatch.setattr(generate_module, "MAX_GENERATE_FILE_BYTES", 1000)
+    limit = 1000 + generate_module._FORM_OVERHEAD
     body = b"x" * (limit + 1)
     headers = {"content-type": "multipart/form-data; boundary=b"}
     with LiveServer(create_app(backend)) as live:

@@ -10,6 +10,7 @@ from fuzz_backend import EveryCapabilityBackend
 
 from mstar.server.app import create_app
 
+
 @pytest.fixture(scope="module")
 def client() -> TestClient:
     return TestClient(create_app(EveryCapabilityBackend()))

@@ -22,8 +22,8 @@ from conftest import MODEL, FakeBackend, LiveServer, wait_until
 
 from mstar.audio.encode import mp3_supported
 from mstar.client import MStarClient, MStarError, SpeechResult, SpeechStream
+from mstar.contract import GenerateSpec, OutputEvent, RequestError, SpeechSpec
 from mstar.server.app import create_app
-from mstar.server.backend import GenerateSpec, OutputEvent, RequestError, SpeechSpec
 
 RATE = 24000
 SINE = (0.5 * np.sin(2 * np.pi * 440 * np.arange(RATE // 2) / RATE)).astype(np.float32)

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mstar.contract import RequestError
 from mstar.engine.base import EngineItem, EngineOutput
 from mstar.engine.denoise import DenoiseEngine
 from mstar.model.flux2.vae import Flux2VAE, pack_latents
-from mstar.server.backend import RequestError
 
 MAX_REFERENCES = 4
 MIN_REFERENCE_SIDE = 64  # the pipeline refuses smaller references

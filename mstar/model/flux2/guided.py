@@ -29,11 +29,11 @@ import math
 import torch
 
 from mstar.config import ConfigError
+from mstar.contract import ImageSpec, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
 from mstar.model.flux2.model import Flux2Klein
 from mstar.model.registry import register
 from mstar.model.spec import WalkRequest
-from mstar.server.backend import ImageSpec, RequestError
 
 DEFAULT_STEPS = 50  # diffusers' Flux2KleinPipeline defaults for the base checkpoints
 DEFAULT_GUIDANCE = 4.0

@@ -10,14 +10,14 @@ at the same size (and, for edits, the same reference sizes) batch at every node.
 Deployment knobs (``model_kwargs``): ``max_image_area`` (pixels, default 2048x2048),
 ``num_inference_steps`` (default 4), ``max_batch_size`` (DiT rows per forward), ``compile``
 (torch.compile the DiT, with ``compile_backend``, default inductor; eager is the reference),
-``vae_compile``, ``attention_backend`` (``sdpa`` or ``cudnn``, see ``mstar.diffusion.knobs``),
+``vae_compile``, ``attention_backend`` (``sdpa`` or ``cudnn``, see ``mstar.model.diffusion_knobs``),
 ``cuda_graphs`` (the text encoder replayed from a CUDA graph per prompt shape), ``lora``
 (adapters folded into the DiT at load, ``mstar.model.lora``).
 
 Nothing on a request's path waits for the GPU but the VAE node's copy of the finished pixels
 to the host: position ids and schedules are made on the device once and reused, and host
 inputs cross with non-blocking copies. Images leave as ``uint8`` pixels made on the device and
-are encoded in the frontend in the request's ``output_format`` (``mstar.diffusion.output``).
+are encoded in the frontend in the request's ``output_format`` (``mstar.model.image_output``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ from pathlib import Path
 
 import torch
 
+from mstar.contract import GenerateSpec, ImageSpec, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
-from mstar.diffusion.knobs import DiffusionKnobs, load_component, text_encoder_engine
-from mstar.diffusion.output import ImageStream, output_params, to_pixels
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
+from mstar.model.diffusion_knobs import (
+    DiffusionKnobs,
+    load_component,
+    text_encoder_engine,
+)
 from mstar.model.flux2.config import Flux2TransformerConfig
 from mstar.model.flux2.edit import (
     MAX_REFERENCES,
@@ -48,11 +52,17 @@ from mstar.model.flux2.edit import (
 from mstar.model.flux2.lora_layout import flux2_lora_targets
 from mstar.model.flux2.text import KleinText
 from mstar.model.flux2.transformer import Flux2Transformer, use_fused_qk_norm_rope
-from mstar.model.flux2.vae import Flux2VAE, Flux2VAEConfig, token_grid, to_tokens, unpack_latents
+from mstar.model.flux2.vae import (
+    Flux2VAE,
+    Flux2VAEConfig,
+    to_tokens,
+    token_grid,
+    unpack_latents,
+)
+from mstar.model.image_output import ImageStream, output_params, to_pixels
 from mstar.model.lora import fold_adapters
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.server.backend import GenerateSpec, ImageSpec, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +115,7 @@ class DeviceIds:
 
 
 class Knobs(DiffusionKnobs):
-    """klein's deployment knobs (mstar/diffusion/knobs.py), 4 steps by default."""
+    """klein's deployment knobs (mstar/model/diffusion_knobs.py), 4 steps by default."""
 
     def __init__(self, kwargs: dict):
         super().__init__(kwargs, DEFAULT_STEPS)

@@ -11,8 +11,13 @@ from typing import Any, Sequence
 
 import torch
 
-from mstar.diffusion.graphs import GraphedForward
-from mstar.model.qwen3 import KLEIN_MAX_LENGTH, KLEIN_TAP_LAYERS, Qwen3Config, Qwen3TextEncoder
+from mstar.engine.graphed_forward import GraphedForward
+from mstar.model.qwen3 import (
+    KLEIN_MAX_LENGTH,
+    KLEIN_TAP_LAYERS,
+    Qwen3Config,
+    Qwen3TextEncoder,
+)
 from mstar.model.qwen3.klein import _tokenize_chat
 
 

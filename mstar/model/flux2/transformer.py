@@ -36,7 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from mstar.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from mstar.layers.ulysses import SequenceShards, UlyssesAttention
 from mstar.model.flux2.config import Flux2TransformerConfig
 from mstar.model.flux2.rope import Flux2RotaryEmbedding, apply_rope

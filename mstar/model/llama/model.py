@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from mstar.contract import ChatSpec, GenerateSpec, RequestError
 from mstar.distributed.dims import ParallelDims
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout, PrefillEngine
 from mstar.engine.sampler import validate_sampling
@@ -25,7 +26,6 @@ from mstar.model.llama.modeling import LlamaForCausalLM
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.text_stream import TextStream
-from mstar.server.backend import ChatSpec, GenerateSpec, RequestError
 
 LLM = "llm"
 LLM_PREFILL = "llm_prefill"
@@ -224,7 +224,7 @@ class SmolLM2(LlamaChat):
 
 
 def _sampling_from(kwargs: dict):
-    from mstar.engine.sampling_params import SamplingParams
+    from mstar.contract import SamplingParams
 
     fields = {f: kwargs.pop(f) for f in SamplingParams.__struct_fields__ if f in kwargs}
     try:

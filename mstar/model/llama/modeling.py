@@ -25,10 +25,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.layers.attention import PagedAttentionMetadata, paged_attention
-from mstar.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from mstar.layers.attention import paged_attention
+from mstar.layers.linear import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
+from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 

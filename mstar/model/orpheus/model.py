@@ -15,11 +15,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mstar.contract import (
+    GenerateSpec,
+    OutputEvent,
+    RequestError,
+    SamplingParams,
+    SpeechSpec,
+)
 from mstar.engine.autoregressive import KVLayout
 from mstar.engine.base import StatelessEngine
 from mstar.engine.sampler import validate_sampling
-from mstar.engine.sampling_params import SamplingParams
-from mstar.graph import Emit, Graph, Loop, Node, Sequential, SlidingWindow, Step, StreamEdge, Walk
+from mstar.graph import (
+    Emit,
+    Graph,
+    Loop,
+    Node,
+    Sequential,
+    SlidingWindow,
+    Step,
+    StreamEdge,
+    Walk,
+)
 from mstar.model.llama.checkpoint import LlamaCheckpoint
 from mstar.model.llama.model import apply_fused_kernels, decode_fast_paths
 from mstar.model.llama.modeling import LlamaForCausalLM
@@ -27,7 +43,6 @@ from mstar.model.orpheus import engine as talk
 from mstar.model.registry import register
 from mstar.model.snac import SnacConfig, SnacDecoder, load_snac_state_dict
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
-from mstar.server.backend import GenerateSpec, OutputEvent, RequestError, SpeechSpec
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from typing import Any
 from mstar.model.hf_config import config_dict, config_kwargs, normalize_rope_scaling
 
 
-
 @dataclass
 class Qwen3Config:
     """The hyper-parameters of a Qwen3 decoder; names follow Hugging Face ``config.json``."""

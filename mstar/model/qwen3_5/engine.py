@@ -23,8 +23,8 @@ import torch
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem, EngineOutput
 from mstar.engine.state_pool import StatePool
-from mstar.layers.attention import PagedAttentionMetadata
 from mstar.layers.gated_deltanet import StateBatch
+from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.qwen3_5.modeling import HybridCaches
 
 

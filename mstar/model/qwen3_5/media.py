@@ -17,10 +17,19 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from mstar.model.qwen3_5.processor import (ImageProcessing, Media, MediaError, VideoProcessing, decode_animation,
-                                           frames_to_video, process_image, process_video, sample_indices,
-                                           sampled_video)
-from mstar.server.backend import RequestError
+from mstar.contract import RequestError
+from mstar.model.qwen3_5.processor import (
+    ImageProcessing,
+    Media,
+    MediaError,
+    VideoProcessing,
+    decode_animation,
+    frames_to_video,
+    process_image,
+    process_video,
+    sample_indices,
+    sampled_video,
+)
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,19 @@ import logging
 
 import torch
 
+from mstar.contract import ChatSpec, GenerateSpec, RequestError
 from mstar.distributed.dims import ParallelDims
 from mstar.engine.autoregressive import KVLayout
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.llama.model import LlamaChat, _field_of, _sampling_from
-from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint, checkpoint_name, vision_name
+from mstar.model.qwen3_5.checkpoint import (
+    Qwen3_5Checkpoint,
+    checkpoint_name,
+    vision_name,
+)
 from mstar.model.qwen3_5.config import Qwen3_5Config
 from mstar.model.registry import register
 from mstar.model.spec import WalkRequest
-from mstar.server.backend import ChatSpec, GenerateSpec, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +85,11 @@ class Qwen3_5Chat(LlamaChat):
         / ``video_processor``) and the per-request media budgets (``model_kwargs``)."""
         from mstar.config import ConfigError
         from mstar.model.qwen3_5.media import MediaLimits
-        from mstar.model.qwen3_5.processor import ImageProcessing, VideoProcessing, with_overrides
+        from mstar.model.qwen3_5.processor import (
+            ImageProcessing,
+            VideoProcessing,
+            with_overrides,
+        )
         from mstar.model.qwen3_5.prompt import VisionTokens
 
         self.vision_config = ckpt.vision_config()

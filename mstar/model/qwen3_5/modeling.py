@@ -19,10 +19,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.layers.attention import PagedAttentionMetadata, paged_attention
+from mstar.layers.attention import paged_attention
 from mstar.layers.gated_deltanet import GatedDeltaNet, StateBatch
-from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from mstar.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from mstar.layers.mlp import SwiGLU
+from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.qwen3_5.config import FULL, Qwen3_5Config
 from mstar.model.qwen3_5.rope import MRotaryEmbedding, apply_partial_rotary
 

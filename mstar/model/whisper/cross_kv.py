@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.state_pool import OutOfSlots, StatePool
-from mstar.layers.attention import ATTENTION_BACKENDS, PagedAttentionMetadata, paged_attention
+from mstar.layers.attention import paged_attention
+from mstar.layers.paged_kv import ATTENTION_BACKENDS, PagedAttentionMetadata
 
 
 class CrossKVSlots:

@@ -10,7 +10,7 @@ import torch
 from mstar.engine.autoregressive import AutoregressiveEngine, Sequence
 from mstar.engine.base import EngineItem
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
-from mstar.layers.attention import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
 from mstar.model.whisper.graphs import WhisperDecodeGraphs, WhisperEncoderGraphs
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs, capture_graph
-from mstar.layers.attention import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
 
 

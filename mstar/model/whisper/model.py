@@ -18,20 +18,26 @@ import torch
 
 from mstar.audio import decode_audio, split_at_quiet_points
 from mstar.config import ConfigError
+from mstar.contract import (
+    OutputEvent,
+    RequestError,
+    SamplingParams,
+    Transcription,
+    TranscriptionSegment,
+    TranscriptionSpec,
+)
 from mstar.engine.autoregressive import KVLayout
 from mstar.engine.base import StatelessEngine
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
-from mstar.engine.sampling_params import SamplingParams
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
-from mstar.layers.attention import ATTENTION_BACKENDS
+from mstar.layers.paged_kv import ATTENTION_BACKENDS
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
 from mstar.model.whisper.engine import WhisperDecoderEngine, WhisperRules, encoder_fn
-from mstar.model.whisper.graphs import WhisperEncoderGraphs
 from mstar.model.whisper.features import log_mel_spectrogram
+from mstar.model.whisper.graphs import WhisperEncoderGraphs
 from mstar.model.whisper.modeling import WhisperForConditionalGeneration
-from mstar.server.backend import OutputEvent, RequestError, Transcription, TranscriptionSegment, TranscriptionSpec
 
 log = logging.getLogger(__name__)
 

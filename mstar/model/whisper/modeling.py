@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.attention import PagedAttentionMetadata, paged_attention
+from mstar.layers.attention import paged_attention
+from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.whisper.config import WhisperConfig
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, cross_attention
 

@@ -26,12 +26,18 @@ from pathlib import Path
 
 import torch
 
+from mstar.contract import GenerateSpec, ImageSpec, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
-from mstar.diffusion.knobs import MAX_STEPS, DiffusionKnobs, load_component, text_encoder_engine
-from mstar.diffusion.output import ImageStream, output_params
 from mstar.engine.base import StatelessEngine
 from mstar.engine.denoise import DenoiseEngine
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.diffusion_knobs import (
+    MAX_STEPS,
+    DiffusionKnobs,
+    load_component,
+    text_encoder_engine,
+)
+from mstar.model.image_output import ImageStream, output_params
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.z_image.config import ZImageTransformerConfig
@@ -40,13 +46,12 @@ from mstar.model.z_image.schedule import TURBO_SCHEDULER, ZImageSchedule
 from mstar.model.z_image.text import ZImageText
 from mstar.model.z_image.transformer import ZImageTransformer
 from mstar.model.z_image.vae import ZImageVAE, ZImageVAEConfig
-from mstar.server.backend import GenerateSpec, ImageSpec, RequestError
 
 DEFAULT_STEPS = 8  # the distilled Turbo checkpoint (diffusers' example and the model card)
 
 
 class Knobs(DiffusionKnobs):
-    """Z-Image's deployment knobs (mstar/diffusion/knobs.py), 8 steps by default."""
+    """Z-Image's deployment knobs (mstar/model/diffusion_knobs.py), 8 steps by default."""
 
     def __init__(self, kwargs: dict):
         super().__init__(kwargs, DEFAULT_STEPS)

@@ -16,7 +16,12 @@ from typing import Any, Sequence
 
 import torch
 
-from mstar.model.qwen3 import Z_IMAGE_MAX_LENGTH, Z_IMAGE_TAP_LAYER, Qwen3Config, Qwen3TextEncoder
+from mstar.model.qwen3 import (
+    Z_IMAGE_MAX_LENGTH,
+    Z_IMAGE_TAP_LAYER,
+    Qwen3Config,
+    Qwen3TextEncoder,
+)
 from mstar.model.qwen3.klein import _tokenize_chat
 
 

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    import zmq
-
-    from mstar.runtime.transport.inproc import InProcessHub
 
 __all__ = [
     "Message",
@@ -34,7 +29,6 @@ __all__ = [
     "TensorTransport",
     "dtype_from_str",
     "dtype_to_str",
-    "make_transport",
     "PROTOCOLS",
 ]
 
@@ -230,33 +224,3 @@ class TensorTransport(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, address={self.address!r})"
-
-
-def make_transport(
-    protocol: str,
-    rank: int,
-    *,
-    host: str = "127.0.0.1",
-    ctx: zmq.Context | None = None,
-    hub: InProcessHub | None = None,
-) -> TensorTransport:
-    """Create the transport for ``protocol`` (``"inproc"``, ``"shm"`` or ``"tcp"``).
-
-    ``host`` is the interface TCP binds to (and advertises); ``ctx`` is an optional
-    shared ZeroMQ context (tcp/shm); ``hub`` is the in-process registry (inproc; the
-    process-wide default hub when omitted).
-    """
-    name = protocol.strip().lower() if isinstance(protocol, str) else protocol
-    if name == "inproc":
-        from mstar.runtime.transport.inproc import InProcessTransport, default_hub
-
-        return InProcessTransport(rank, hub if hub is not None else default_hub())
-    if name == "shm":
-        from mstar.runtime.transport.shm import ShmTransport
-
-        return ShmTransport(rank, ctx=ctx)
-    if name == "tcp":
-        from mstar.runtime.transport.tcp import TcpTransport
-
-        return TcpTransport(rank, host=host, ctx=ctx)
-    raise ValueError(f"unknown transport protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")

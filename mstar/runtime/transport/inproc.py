@@ -14,7 +14,12 @@ import threading
 
 import torch
 
-from mstar.runtime.transport.base import Message, TensorTransport, check_message, clone_tensors
+from mstar.runtime.transport.base import (
+    Message,
+    TensorTransport,
+    check_message,
+    clone_tensors,
+)
 
 __all__ = ["InProcessHub", "InProcessTransport", "default_hub"]
 

@@ -12,7 +12,12 @@ from safetensors.torch import load_file
 
 from mstar.model.qwen3 import Qwen3Config
 from mstar.model.weights import WeightLoadError, iter_safetensors, load_weights
-from mstar.model.z_image import ZImageTransformer, ZImageTransformerConfig, ZImageVAE, ZImageVAEConfig
+from mstar.model.z_image import (
+    ZImageTransformer,
+    ZImageTransformerConfig,
+    ZImageVAE,
+    ZImageVAEConfig,
+)
 from mstar.model.z_image.text import ZImageText
 
 

@@ -113,7 +113,9 @@ def original_layout_adapter(g, dotted: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dotted", [False, True], ids=["kohya", "dotted"])
 def test_other_layouts_land_where_diffusers_converts_them(checkpoint, tmp_path, dotted):
-    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_z_image_lora_to_diffusers
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_z_image_lora_to_diffusers,
+    )
 
     tensors = original_layout_adapter(torch.Generator().manual_seed(5), dotted)
     converted = _convert_non_diffusers_z_image_lora_to_diffusers(dict(tensors))  # alphas baked in

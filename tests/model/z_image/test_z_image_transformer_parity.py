@@ -10,7 +10,10 @@ import math
 import pytest
 import torch
 from diffusers import ZImageTransformer2DModel
-from diffusers.models.transformers.transformer_z_image import RopeEmbedder, ZImageTransformerBlock
+from diffusers.models.transformers.transformer_z_image import (
+    RopeEmbedder,
+    ZImageTransformerBlock,
+)
 
 from mstar.model.weights import load_weights
 from mstar.model.z_image.config import ZImageTransformerConfig

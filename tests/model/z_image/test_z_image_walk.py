@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from mstar.config import parse_config
+from mstar.contract import ImageSpec, RequestError
 from mstar.runtime.launch import start
-from mstar.server.backend import ImageSpec, RequestError
 
 HEIGHT, WIDTH = 32, 48  # VAE scale 4 here: sizes are multiples of 8
 

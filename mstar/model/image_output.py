@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from mstar.contract import OutputEvent, RequestError
 from mstar.media.images import OUTPUT_FORMATS, encode_image
 from mstar.model.spec import OutputStream, WalkRequest
-from mstar.server.backend import OutputEvent, RequestError
 
 
 def to_pixels(image: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""``GET /v1/models`` and ``GET /health``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from mstar.server.errors import error_response
+from mstar.server.schemas import ModelCard, ModelList
+from mstar.server.served import backend_of
+
+log = logging.getLogger(__name__)
+
+
+async def list_models(request: Request) -> ModelList:
+    max_len = backend_of(request).max_model_len
+    names: list[str] = request.app.state.model_names
+    return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in names])
+
+
+async def health(request: Request) -> Response:
+    """200 while the backend serves; 503 naming the failure (e.g. the dead worker) after."""
+    backend = backend_of(request)
+    try:
+        ok = bool(backend.healthy())
+        failure = getattr(backend, "failure", None) if not ok else None
+    except Exception as exc:
+        log.exception("backend health check failed")
+        ok, failure = False, f"the health check failed: {exc}"
+    if not ok:
+        return error_response(503, f"the backend is not healthy: {failure}" if failure
+                              else "the backend is not healthy")
+    return JSONResponse({"status": "ok"})
