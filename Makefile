@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PORT ?= 8000
 BIN := $(VENV)/bin
 
-.PHONY: serve test install clean
+.PHONY: serve test test-fast lint install clean
 
 $(BIN)/mstar: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The inner loop: no end-to-end deployments, nothing marked slow (a few minutes on 2 cores).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+
+lint: install
+	$(BIN)/ruff check mstar tests benchmarks
 
 clean:
 	rm -rf $(VENV)

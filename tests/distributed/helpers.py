@@ -8,7 +8,7 @@ the ranks over NCCL instead, in strict float32 (TF32 off, see ``strict_fp32``); 
 builds its models on that GPU and the results come back on the CPU.
 
 ``devices(n)`` parametrizes a test over ``"cpu"`` and ``"cuda"``, the latter skipped (before
-any fixture or model is built) on a machine with fewer than ``n`` GPUs (``needs_gpus``).
+any fixture or model is built) on a machine with fewer than ``n`` GPUs (``needs_cuda``).
 """
 
 from __future__ import annotations
@@ -26,17 +26,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mstar.distributed import Group, ParallelState, build_mesh, init_distributed
-
-
-def needs_gpus(n: int) -> pytest.MarkDecorator:
-    """Skip unless this machine has ``n`` CUDA GPUs (one per rank: NCCL needs a GPU each)."""
-    count = torch.cuda.device_count()  # 0 without CUDA; does not initialise a device
-    return pytest.mark.skipif(count < n, reason=f"needs {n} CUDA GPU(s), this machine has {count}")
+from tests.support.markers import needs_cuda
 
 
 def devices(gpus: int) -> list:
-    """``["cpu", "cuda"]`` as test parameters, ``"cuda"`` marked ``needs_gpus(gpus)``."""
-    return ["cpu", pytest.param("cuda", marks=needs_gpus(gpus))]
+    """``["cpu", "cuda"]`` as test parameters, ``"cuda"`` needing ``gpus`` GPUs (NCCL needs one
+    per rank)."""
+    return ["cpu", pytest.param("cuda", marks=needs_cuda(count=gpus))]
 
 
 def rank_device(device: str, rank: int) -> torch.device:

@@ -20,13 +20,12 @@ from mstar.engine.page_pool import PagePool
 from mstar.layers.attention import paged_attention
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM
+from tests.support.markers import needs_cuda
 
 # Not imported here: on CPU, test_triton_attention must be first to import triton (after
 # setting TRITON_INTERPRET).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON),
-                               reason="needs CUDA and triton")
 
 PAGE_SIZE = 16
 NUM_PAGES = 64  # the last one is the graph runner's scratch page
@@ -71,7 +70,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 def test_graph_decode_matches_eager() -> None:
     from mstar.engine.cuda_graphs import DecodeGraphRunner
 
@@ -104,7 +103,7 @@ def test_graph_decode_matches_eager() -> None:
     assert runner.captured_batch_sizes == (1, 4, 32)
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 @pytest.mark.parametrize("chunks", [[(1, 300), (1, 17), (1, 1000), (1, 64)], [(37, 0), (1, 500), (80, 200)]],
                          ids=["decode", "mixed"])
 def test_triton_backend_matches_torch_on_gpu(chunks: list[tuple[int, int]]) -> None:
@@ -123,7 +122,7 @@ def test_triton_backend_matches_torch_on_gpu(chunks: list[tuple[int, int]]) -> N
     assert rel_err(out, ref) < 2e-2
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 def test_engine_with_graph_runner_generates_like_eager() -> None:
     from mstar.engine.cuda_graphs import DecodeGraphRunner
 

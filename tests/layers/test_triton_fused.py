@@ -39,10 +39,10 @@ from tests.support.triton_interpreter import (
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
+from tests.support.markers import needs_cuda
 
 RUNNABLE = kernels_runnable(triton_fused)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
-needs_gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
 
 # Max error relative to the reference's largest magnitude. fp32: only the reduction order and
 # rsqrt/exp differ. bf16: the interpreter rounds fp32 to bf16 by truncation (one ulp, 2**-7).
@@ -247,7 +247,7 @@ def test_switch_is_read_from_model_kwargs() -> None:
 
 
 # -------------------------------------------------------------------------------- GPU
-@needs_gpu
+@needs_cuda
 def test_llama_fused_matches_eager_bf16_on_gpu() -> None:
     model = gpu_llama(DEVICE, torch.bfloat16)
     eager = run_steps(model, torch.bfloat16, "triton")
@@ -257,7 +257,7 @@ def test_llama_fused_matches_eager_bf16_on_gpu() -> None:
         assert rel_err(a, b) < 2e-2, (step, rel_err(a, b))
 
 
-@needs_gpu
+@needs_cuda
 def test_cuda_graph_decode_with_fused_kernels() -> None:
     from mstar.engine.cuda_graphs import DecodeGraphRunner
 

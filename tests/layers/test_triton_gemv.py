@@ -23,6 +23,7 @@ from tests.support.triton_interpreter import (
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
+from tests.support.markers import needs_cuda
 
 RUNNABLE = kernels_runnable(triton_gemv)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
@@ -238,7 +239,7 @@ def test_llama_rows_above_the_threshold_take_the_old_path(monkeypatch: pytest.Mo
 
 
 # -------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+@needs_cuda
 def test_llama_gemv_path_bf16_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 decode of three rows (bucket 4) from a captured graph, the GEMV kernels inside,
     against the eager model."""

@@ -24,10 +24,10 @@ from tests.support.triton_interpreter import (
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
+from tests.support.markers import needs_cuda
 
 RUNNABLE = kernels_runnable(triton_qk_norm)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
-needs_gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
 
 AXES = (8, 8, 8, 8)  # a 32-wide head, FLUX.2's four rotary axes
 
@@ -136,7 +136,7 @@ def test_dit_with_the_kernel_matches_the_module_path():
     assert ulp_err(got, want) <= 1e-5
 
 
-@needs_gpu
+@needs_cuda
 def test_compiled_bf16_dit_with_the_kernel():
     """No graph break at the custom op; bf16 within a few roundings of the eager module path."""
     model = tiny_dit().to(DEVICE, torch.bfloat16)

@@ -25,8 +25,8 @@ from mstar.model.image_output import ImageStream, output_params, to_pixels
 from mstar.model.qwen3 import attention_mask_4d
 from mstar.model.registry import model_class
 from mstar.runtime.launch import start
+from tests.support.markers import needs_cuda
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def decoded(data: bytes) -> tuple[str, np.ndarray]:
@@ -170,7 +170,7 @@ def _run(root, seeds, warm=False, **kwargs):
         d.close()
 
 
-@CUDA
+@needs_cuda
 def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
     """The whole tiny pipeline in bf16 on CUDA with every fast-path knob on (text encoder in
     CUDA graphs, DiT and VAE decode compiled by inductor, cuDNN attention, the fused QK-norm +
@@ -195,7 +195,7 @@ def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
         assert fast_err.max() <= 2 * eager_err.max() + 1, (fast_err.max(), eager_err.max())
 
 
-@CUDA
+@needs_cuda
 def test_graphed_text_encoder_equals_eager_and_never_syncs(reference):  # noqa: F811
     """The text encoder replayed from CUDA graphs gives eager's features bit for bit (the
     same kernels), one graph per (batch, length, padded); once warm, neither it nor the DiT

@@ -10,6 +10,7 @@ from mstar.config import parse_config
 from mstar.engine.base import EngineItem
 from mstar.model.flux2.model import Flux2Klein, Knobs, image_ids, text_ids
 from mstar.model.registry import model_class
+from tests.support.markers import needs_cuda
 
 LORA_TARGETS = {"transformer_blocks.0.attn.to_q": (32, 32), "proj_out": (16, 32),
                 "single_transformer_blocks.0.attn.to_qkv_mlp_proj": (288, 32)}
@@ -38,7 +39,7 @@ def test_cudnn_attention_switch_runs_the_same_maths(reference):  # noqa: F811
         assert torch.equal(g.outputs["latents"], w.outputs["latents"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_cudnn_attention_and_inductor_on_the_gpu_match_eager(reference):  # noqa: F811
     """On the GPU in bf16: the DiT step with cuDNN attention, and compiled by inductor with
     it, equals the eager PyTorch-attention step within bf16 rounding; cuDNN's kernel ran."""

@@ -24,18 +24,17 @@ from mstar.model.whisper.cross_kv import (
     CrossKVSlots,
     cross_attention,
 )
-
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None),
-                               reason="needs CUDA and triton")
+from tests.support.markers import needs_cuda
 
 
-@needs_gpu
+
+@needs_cuda(triton=True)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cuda_graph_replay_matches_eager(dtype: torch.dtype, tol: float) -> None:
     compare_graph_runner(tiny_model("cuda", dtype), "triton", "cuda", dtype, tol=tol)
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 def test_engine_with_cuda_graphs_matches_eager_engine() -> None:
     model = tiny_model("cuda")
     audio = dict(zip("abcd", features(4, seed=5, device="cuda")))
@@ -48,7 +47,7 @@ def test_engine_with_cuda_graphs_matches_eager_engine() -> None:
     assert graphed.graphs is not None and graphed.graphs.captured_batch_sizes == (1, 2, 4)
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 @pytest.mark.parametrize("batch", [1, 32])
 def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
     """32 slots of 1500 frames x 20 heads x 64 (one layer), bf16: decode queries of ``batch``
@@ -65,7 +64,7 @@ def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
     assert rel_err(got, want) <= 2e-2
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_switch_matches_eager_at_large_v3_widths(tmp_path, dtype: str) -> None:
     """whisper-large-v3 widths (d_model 1280, 20 heads, 128 mels, 1500 frames, the full
@@ -98,7 +97,7 @@ def test_every_switch_matches_eager_at_large_v3_widths(tmp_path, dtype: str) -> 
     assert len(got) == len(want) and same >= 0.8 * sum(len(w) for w in want), (got, want)
 
 
-@needs_gpu
+@needs_cuda(triton=True)
 def test_encoder_graphs_match_eager_encoder() -> None:
     """The encoder replayed per bucket (padded with zero mels) against eager ``encode``."""
     from mstar.model.whisper.graphs import WhisperEncoderGraphs

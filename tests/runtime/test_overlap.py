@@ -23,6 +23,7 @@ from mstar.engine.base import EngineItem
 from mstar.model.registry import model_class
 from mstar.model.spec import WalkRequest
 from mstar.runtime.launch import Deployment, start
+from tests.support.markers import needs_cuda
 
 PAGE_SIZE = 4  # small pages: steps launched ahead often open a page that must be rolled back
 PROMPTS = [[5, 9, 300, 17], [400, 3, 3, 80, 81, 82, 7], [260], [11, 12, 13, 14, 15, 16, 17, 18, 19], [100, 200]]
@@ -257,7 +258,7 @@ def test_engine_script_matches_eager(model_dir):
     assert _drive(overlap) == _drive(eager)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and triton)")
+@needs_cuda(triton=True)
 def test_overlap_with_cuda_graphs_matches_eager_on_gpu():
     """On the GPU: Triton attention, graph-replayed decodes and overlap against the eager
     PyTorch reference, token for token (float32)."""

@@ -14,6 +14,7 @@ import torch
 
 from mstar.runtime.transport import TensorTransport, make_transport
 from mstar.runtime.transport.inproc import InProcessHub
+from tests.support.markers import needs_cuda
 
 PROTOCOLS = ["inproc", "shm", "tcp"]
 WAIT_S = 10.0
@@ -168,7 +169,7 @@ def test_send_does_not_wait_for_receiver(world, protocol: str) -> None:
     assert [int(t["x"]) for _, t in _recv_n(b, n)] == list(range(n))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_cuda_tensors_arrive_on_cpu(world, protocol: str) -> None:
     a, b = world(protocol, 2)
