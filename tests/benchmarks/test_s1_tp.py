@@ -9,6 +9,7 @@ import pytest
 from benchmarks import s1_llama_decode as s1
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_s1_smoke_records_tp2_against_tp1(tmp_path):
     assert s1.main(["--smoke", "--tp-sizes", "2,1", "--skip-baseline", "--latency-runs", "1",
                     "--out", str(tmp_path)]) == 0

@@ -20,6 +20,7 @@ def record(out_dir, name):
     return data, {m["metric"]: m for m in data["metrics"]}
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_s2_flux2_klein_smoke(tmp_path):
     assert s2.main(["--smoke", "--out", str(tmp_path)]) == 0
     data, rows = record(tmp_path, s2.NAME)
@@ -46,6 +47,7 @@ def test_s2_flop_count_matches_torch_counter():
     assert ours <= counted <= 1.1 * ours, (ours, counted)
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_s3_orpheus_smoke(tmp_path):
     assert s3.main(["--smoke", "--streams", "2", "--out", str(tmp_path)]) == 0
     data, rows = record(tmp_path, s3.NAME)
@@ -55,6 +57,7 @@ def test_s3_orpheus_smoke(tmp_path):
     assert data["ours"]["2"]["audio_s_per_stream"] == pytest.approx(4 * 2048 / 24000)
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_s4_whisper_smoke(tmp_path):
     assert s4.main(["--smoke", "--out", str(tmp_path)]) == 0
     data, rows = record(tmp_path, s4.NAME)

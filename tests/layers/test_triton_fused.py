@@ -54,6 +54,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+@pytest.mark.slow  # a whole pytest process of its own
 @pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter() -> None:
     rerun_in_fresh_interpreter(__file__, allow_skips=True)

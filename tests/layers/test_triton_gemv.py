@@ -43,6 +43,7 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1
     return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
 
 
+@pytest.mark.slow  # a whole pytest process of its own
 @pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter() -> None:
     rerun_in_fresh_interpreter(__file__, allow_skips=True)  # the GPU test skips on the CPU

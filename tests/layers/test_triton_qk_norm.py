@@ -150,6 +150,7 @@ def test_compiled_bf16_dit_with_the_kernel():
     assert ulp_err(got, want) <= 3e-2
 
 
+@pytest.mark.slow  # a whole pytest process of its own
 def test_kernels_in_a_fresh_interpreter():
     if RUNNABLE or DEVICE.type == "cuda":
         pytest.skip("the kernels ran in this process")

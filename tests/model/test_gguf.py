@@ -24,6 +24,9 @@ from mstar.model.gguf_loader import (
 )
 from mstar.model.weights import load_weights
 
+# transformers dequantising the whole GGUF for the reference takes ~30 s on 2 cores
+pytestmark = pytest.mark.slow
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = [

@@ -69,6 +69,7 @@ if RUNNABLE and triton_attention.INTERPRET:
     _index_scalars_in_interpreter()
 
 
+@pytest.mark.slow  # a whole pytest process of its own
 @pytest.mark.skipif(RUNNABLE, reason="the kernel tests run in this process")
 def test_kernels_in_a_fresh_interpreter() -> None:
     rerun_in_fresh_interpreter(__file__)
