@@ -22,9 +22,10 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:
     if cls.key in _REGISTRY and _REGISTRY[cls.key] is not cls:
         raise ValueError(f"model key {cls.key!r} is registered twice")
-    if not cls.tasks or not cls.tasks <= set(TASKS):
-        raise ValueError(f"model {cls.key!r}: tasks must name what it serves, of {', '.join(TASKS)}; "
-                         f"got {sorted(cls.tasks)}")
+    tasks = getattr(cls, "tasks", None)
+    if not isinstance(tasks, frozenset) or not tasks <= set(TASKS):
+        raise ValueError(f"model {cls.key!r}: declare tasks, a frozenset of what it serves of {', '.join(TASKS)} "
+                         f"(empty: /generate only); got {tasks!r}")
     _REGISTRY[cls.key] = cls
     return cls
 
@@ -115,7 +116,7 @@ def _weights_here(cls: type[ModelSpec]) -> tuple[bool, str]:
         return False, "needs model_path (no default weights)"
     if _in_hub_cache(cls.default_weights):
         return True, "in the Hugging Face hub cache"
-    return False, f"download {cls.default_weights} first"
+    return False, f"not downloaded (hf download {cls.default_weights})"
 
 
 def _installed(distribution: str) -> bool:
