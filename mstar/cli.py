@@ -78,7 +78,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: boo
     )
     parser.add_argument(
         "--device", choices=DEVICES, default=None,
-        help="device to run the model on (default: cuda if available, else cpu)",
+        help="device to run the model on (default: the config file's, else cpu)",
     )
     parser.add_argument(
         "--gpus", type=_gpu_list, default=None, metavar="0,1",

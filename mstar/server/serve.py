@@ -115,7 +115,7 @@ def _serve(options: ServeOptions, config: DeploymentConfig, sock: socket.socket)
 
         app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
                          api_key=options.api_key, on_shutdown=deployment.close)
-        log.info("serving %s on http://%s:%d", config.model, options.host, options.port)
+        log.info("serving %s on http://%s:%d (Ctrl-C to stop)", config.model, options.host, options.port)
         stop.server = uvicorn.Server(uvicorn.Config(app, log_level=options.log_level,
                                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
         if stop.reason is not None:  # it gave up while the app was being built
