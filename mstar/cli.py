@@ -1,7 +1,12 @@
-"""Command line: ``mstar serve <model> ...`` and ``mstar-serve --config FILE ...``.
+"""Command line: ``mstar serve <model> ...``, ``mstar models`` and ``mstar-serve --config FILE ...``.
 
-This module only parses arguments and sets up logging; ``mstar.server.serve.serve``
+This module only parses arguments, sets up logging and reports errors; ``mstar.server.serve.serve``
 (imported lazily, so ``--help`` stays fast) starts the workers and the HTTP server.
+
+An expected error (a ``ConfigError``: a bad config or option, an unknown model, weights that
+cannot be found, a device or transport that is not there, a port in use) is one line on
+stderr naming the cause and the fix, and exit status 2, as argparse does for bad arguments.
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: boo
     )
     parser.add_argument(
         "--device", choices=DEVICES, default=None,
-        help="device to run the model on (default: cuda if available, else cpu)",
+        help="device to run the model on (default: the config file's, else cpu)",
     )
     parser.add_argument(
         "--gpus", type=_gpu_list, default=None, metavar="0,1",
@@ -132,8 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a model over HTTP",
         description="Serve a model over HTTP (OpenAI-compatible API).",
     )
-    serve.add_argument("model", help="model registry name or local path")
+    serve.add_argument("model", help="model registry name (`mstar models` lists them)")
     add_serve_arguments(serve, config_required=False)
+    commands.add_parser(
+        "models",
+        help="list the models this build serves",
+        description="List every model registry name with what it serves, its default weights and "
+                    "whether it runs offline here (its weights installed or cached). Loads no model.",
+    )
     return parser
 
 
@@ -171,11 +182,33 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, datefmt="%H:%M:%S", force=True)
 
 
-def _run(options: ServeOptions) -> int:
+def _run(prog: str, options: ServeOptions) -> int:
     setup_logging(options.log_level)
-    from mstar.server.serve import serve  # lazy: pulls in torch and the workers
+    from mstar.config import ConfigError
+    from mstar.server.serve import serve  # lazy: pulls in the HTTP server
 
-    return serve(options)
+    try:
+        return serve(options)
+    except ConfigError as err:  # expected: one line, as argparse reports a bad argument
+        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+
+
+def list_models() -> int:
+    """``mstar models``: one row per registry key (no model is loaded)."""
+    from mstar.model.registry import describe, registered
+
+    def listed(names: tuple[str, ...]) -> str:
+        return ",".join(names) or "-"
+
+    rows = [("MODEL", "TASKS", "INPUT -> OUTPUT", "DEFAULT WEIGHTS", "OFFLINE HERE")]
+    for info in map(describe, registered()):
+        rows.append((info.key, listed(info.tasks), f"{listed(info.inputs)} -> {listed(info.outputs)}",
+                     info.default_weights or "-", f"{'yes' if info.offline else 'no'}: {info.why}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,12 +218,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return _run(options_from_args(args))
+    if args.command == "models":
+        return list_models()
+    return _run("mstar serve", options_from_args(args))
 
 
 def serve_from_config(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mstar-serve``."""
-    return _run(options_from_args(build_config_parser().parse_args(argv)))
+    return _run("mstar-serve", options_from_args(build_config_parser().parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,15 @@ class ServiceError(RequestError):
         self.status = status
 
 
+TASKS: tuple[str, ...] = ("chat", "transcription", "translation", "speech", "image_generation", "image_edit")
+"""What a model can serve; each model spec declares its own in ``tasks``. ``chat``: chat
+completions; ``transcription``: speech to text in its language; ``translation``: speech to
+English text; ``speech``: text to speech; ``image_generation``: text to image;
+``image_edit``: images and text to image. The HTTP server checks a request's task against
+the served model's before the model sees it (/generate serves every model: each family maps
+it onto what it does)."""
+
+
 @dataclass(frozen=True)
 class ChatSpec:
     """One chat request, validated by the HTTP layer.

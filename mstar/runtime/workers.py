@@ -8,6 +8,7 @@ pool can also ``restart`` a rank whose process died.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -182,6 +183,9 @@ class ProcessWorkers:
         except BaseException:
             self.close()
             raise
+        # The workers ignore SIGTERM (see worker_main), which is all multiprocessing's exit
+        # handler sends its daemons before joining them: stop them here if no one else did.
+        atexit.register(self.close)
         self._publish_peers()
 
     # ------------------------------------------------------------ the runtime's calls
@@ -224,9 +228,12 @@ class ProcessWorkers:
         return {rank: dict(gauges) for rank, gauges in self.ready_gauges.items() if rank not in self.followers}
 
     def close(self) -> None:
+        """Stop every worker: a ready one finishes its step and exits (killed past 5 s), one
+        still loading is killed at once (it has nothing to finish)."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         for process in self.ranks.values():
             if process.proc.is_alive():
                 try:
@@ -234,7 +241,7 @@ class ProcessWorkers:
                 except zmq.ZMQError:
                     pass
         for process in self.ranks.values():
-            self._stop(process, grace_s=5.0)
+            self._stop(process, grace_s=5.0 if process.ready else 0.0)
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
@@ -366,7 +373,17 @@ def _exit_description(code: int | None) -> str:
 
 def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
                 plan_addr: str, result_addr: str, rendezvous: str | None = None) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process.
+
+    It ignores SIGINT and SIGTERM: a Ctrl-C in a terminal, or a process manager stopping
+    the server, signals the whole process group, and a worker that died of it would be
+    reported (and restarted) while the server drains the requests still running on it. The
+    server stops its workers itself once they are done (``Shutdown``); a worker whose server
+    is gone exits on its own (see ``_serve``), and one the server forgot to stop is stopped
+    when the server exits (``ProcessWorkers`` closes itself then). Before this function runs
+    (while the new process imports torch) the signal still ends it; the server stops too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     num_ranks = frontend_rank  # ranks are 0..N-1 and the frontend is N
     logging.basicConfig(level=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")

@@ -1,9 +1,10 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
 ``ServingBackend`` from the route modules (chat, /generate, audio, speech, images, models and
 health, /metrics) and the shared plumbing they import (``errors``, ``streaming``, ``bodies``,
-``served``). Every error has OpenAI's body; a backend that is full raises ``Overloaded`` (429
-with Retry-After); routes that parse their body by hand publish its schema in /openapi.json
-from the pydantic model that describes it.
+``served``). Every route is there for every model; one the model cannot serve answers a 400
+naming ``model`` (the backend's ``tasks`` say what it serves). Every error has OpenAI's body;
+a backend that is full raises ``Overloaded`` (429 with Retry-After); routes that parse their
+body by hand publish its schema in /openapi.json from the pydantic model that describes it.
 """
 
 from __future__ import annotations
@@ -86,12 +87,11 @@ def create_app(
     router.add_api_route("/generate", generate, methods=["POST"], openapi_extra=form_body_openapi(
         GenerateForm, {"files": True}, urlencoded=True))
     router.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
-    if hasattr(backend, "transcribe"):  # speech-to-text backends get OpenAI's audio routes
-        router.include_router(audio_router(backend))  # type: ignore[arg-type]
-    if hasattr(backend, "speech"):  # text-to-speech backends get /v1/audio/speech
-        router.include_router(speech_router(backend))  # type: ignore[arg-type]
-    if hasattr(backend, "generate_images"):  # image models get OpenAI's image routes
-        router.include_router(image_router(backend))  # type: ignore[arg-type]
+    # Every route is mounted whatever the model: one it cannot serve answers a 400 naming
+    # ``model`` (see ``resolve_model``) before the backend's task method is called.
+    router.include_router(audio_router(backend))  # type: ignore[arg-type]
+    router.include_router(speech_router(backend))  # type: ignore[arg-type]
+    router.include_router(image_router(backend))  # type: ignore[arg-type]
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
     return app

@@ -106,8 +106,8 @@ def _check_request(request: Request) -> None:
 
 async def _spec(request: Request, form: FormData, task: str) -> tuple[TranscriptionSpec, str]:
     """The backend's spec from the form, and the response format."""
+    resolve_model(request, _text(form, "model"), "transcription" if task == "transcribe" else "translation")
     filename, audio = await _upload(form)
-    resolve_model(request, _text(form, "model"))
     fmt = _response_format(form)
     temperature = _temperature(form)
     _check_granularities(form)
@@ -149,7 +149,8 @@ async def _serve(request: Request, backend: TranscribingBackend, task: str) -> R
 
 
 def audio_router(backend: TranscribingBackend) -> APIRouter:
-    """The speech-to-text routes over ``backend`` (which must have ``transcribe``)."""
+    """The speech-to-text routes over ``backend``; its ``transcribe`` is called only once the
+    route has checked that the model serves the task."""
     router = APIRouter()
 
     async def transcriptions(request: Request) -> Response:

@@ -30,6 +30,9 @@ class ServingBackend(Protocol):
 
     model_id: str  # the served model's name (registry key), as /v1/models lists it
     max_model_len: int
+    # what the model serves, of mstar.contract.TASKS: each route checks its task against it
+    # (a backend has the methods of the tasks it serves: ``transcribe``, ``speech``, ...)
+    tasks: frozenset[str]
 
     def healthy(self) -> bool: ...
 

@@ -90,7 +90,7 @@ async def chat_completions(request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(payload)
     except ValidationError as exc:
         return validation_error_response(exc.errors())
-    model = resolve_model(request, req.model)
+    model = resolve_model(request, req.model, "chat")
     backend = backend_of(request)
     max_tokens = req.effective_max_tokens
     if max_tokens is not None and max_tokens > backend.max_model_len:

@@ -96,7 +96,7 @@ async def generate(request: Request) -> Response:
     except Exception as exc:
         return exception_response(exc)
     backend = backend_of(request)
-    if "image" in spec.output_modalities and hasattr(backend, "generate_images"):
+    if "image" in spec.output_modalities and "image_generation" in backend.tasks:
         return await generate_images(request, backend, spec, streaming)  # type: ignore[arg-type]
     try:
         first, events = await start_events(lambda: backend.generate(spec), request)

@@ -268,7 +268,7 @@ async def _generations(request: Request, backend: ImagingBackend) -> Response:
         if not isinstance(payload, dict):
             raise _bad("body", "the request body must be a JSON object")
         req = ImageRequest.model_validate(payload)
-        resolve_model(request, req.model)
+        resolve_model(request, req.model, "image_generation")
         _check_options(req)
         size = _size(req.size) or DEFAULT_SIZE
     except ValidationError as exc:
@@ -342,7 +342,7 @@ async def _edits(request: Request, backend: ImagingBackend) -> Response:
             if form.get("mask") is not None:
                 raise _bad("mask", "masks are not supported by this model")
             req = ImageRequest.model_validate(_form_fields(form))
-            resolve_model(request, req.model)
+            resolve_model(request, req.model, "image_edit")
             _check_options(req)
             requested = _size(req.size)  # the cheap checks first
             images = await _read_images(form)
@@ -436,7 +436,8 @@ async def generate_images(
 
 
 def image_router(backend: ImagingBackend) -> APIRouter:
-    """The image routes over ``backend`` (which must have ``generate_images``)."""
+    """The image routes over ``backend``; its ``generate_images`` is called only once the
+    route has checked that the model serves the task."""
     router = APIRouter()
 
     async def generations(request: Request) -> Response:

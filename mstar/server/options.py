@@ -15,9 +15,9 @@ LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 class ServeOptions:
     """Everything needed to start a server; the runtime fills in what is left as None.
 
-    ``model`` is a registry name or a local path (None: the one ``config`` names).
+    ``model`` is a registry name (None: the one ``config`` names).
     ``config`` is a YAML deployment file whose settings the explicit options override.
-    ``device`` None lets the runtime pick (cuda when available). ``gpus`` are device
+    ``device`` None: the config file's, else cpu. ``gpus`` are device
     indices for the workers (None: all visible). ``in_process`` runs the model in the
     server process instead of separate workers (debugging, tests). ``timeout`` caps each
     request's seconds, queueing included (None: the config's ``request_timeout_s``).

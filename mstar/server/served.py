@@ -1,4 +1,4 @@
-"""Which backend and model a request is for."""
+"""Which backend and model a request is for, and whether that model serves the request."""
 
 from __future__ import annotations
 
@@ -12,11 +12,18 @@ def backend_of(request: Request) -> ServingBackend:
     return request.app.state.backend
 
 
-def resolve_model(request: Request, requested: str | None) -> str:
+def resolve_model(request: Request, requested: str | None, task: str | None = None) -> str:
+    """The name the request is served under (``requested``, else the first served name).
+    A name not served is a 404; a model that cannot do ``task`` (of ``mstar.contract.TASKS``;
+    None: a route every model serves) is a 400 naming ``model``, before the model sees it."""
     names: list[str] = request.app.state.model_names
-    if requested is None:
-        return names[0]
-    if requested not in {*names, backend_of(request).model_id}:
+    backend = backend_of(request)
+    name = names[0] if requested is None else requested
+    if requested is not None and requested not in {*names, backend.model_id}:
         message = f"model: the model {requested!r} does not exist; served: {', '.join(names)}"
         raise APIError(404, message, "model", "model_not_found")
-    return requested
+    if task is not None and task not in backend.tasks:
+        serves = ", ".join(sorted(backend.tasks)) or "nothing but /generate"
+        raise APIError(400, f"model: {name!r} does not serve {task}; it serves {serves}", "model",
+                       "model_not_supported")
+    return name

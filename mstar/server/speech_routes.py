@@ -167,7 +167,7 @@ def _headers(encoder: AudioEncoder) -> dict[str, str]:
 async def _speech(request: Request, backend: SpeakingBackend) -> Response:
     try:
         req = await _parse(request)
-        resolve_model(request, req.model)
+        resolve_model(request, req.model, "speech")
         _check(req, backend)
         encoder = AudioEncoder(req.response_format, backend.sample_rate, streaming=req.stream)
     except ValidationError as exc:
@@ -208,15 +208,17 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
 
 
 def speech_router(backend: SpeakingBackend) -> APIRouter:
-    """The text-to-speech routes over ``backend`` (which must have ``speech``)."""
+    """The text-to-speech routes over ``backend``; its ``speech`` and ``voices`` are called
+    only once the route has checked that the model serves speech."""
     router = APIRouter()
 
     async def speech(request: Request) -> Response:
         """Text to speech (OpenAI's JSON body); the audio file, or chunks with stream."""
         return await _speech(request, backend)
 
-    async def voices() -> JSONResponse:
+    async def voices(request: Request) -> JSONResponse:
         """The voices ``voice`` may name."""
+        resolve_model(request, None, "speech")
         names = list(backend.voices())
         return JSONResponse({"voices": [{"voice_id": n, "name": n} for n in names]})
 

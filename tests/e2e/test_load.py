@@ -68,7 +68,7 @@ def _wait_all_free(server: Server, timeout: float = 30.0) -> dict[tuple[str, tup
 
 def test_binds_the_loopback_by_default(server: Server) -> None:
     port = int(server.url.rsplit(":", 1)[1])
-    assert f"Uvicorn running on http://127.0.0.1:{port}" in server.log_tail(200_000)
+    assert f"on http://127.0.0.1:{port} (Ctrl-C to stop)" in server.log_tail(200_000)
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:

@@ -118,7 +118,7 @@ def test_health_and_models(http: httpx.Client, server: Server) -> None:
     assert MODEL in [m["id"] for m in models["data"]]
     card = next(m for m in models["data"] if m["id"] == MODEL)
     assert card["object"] == "model" and card["max_model_len"] > 0
-    assert "Uvicorn running on" in server.log_tail(200_000)
+    assert f"serving {MODEL} on {server.url}" in server.log_tail(200_000)
 
 
 # ------------------------------------------------------------- raw HTTP (curl)

@@ -74,6 +74,7 @@ class Collect(OutputStream):
 @register
 class ToyStream(ModelSpec):
     key = "toy_stream"
+    tasks = frozenset()  # /generate only
 
     def graph(self):
         producer = Node("producer", "autoregressive", inputs=("seed",), outputs=("item",), ops=("first", "next"), flags=("stop",))

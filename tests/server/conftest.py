@@ -37,6 +37,7 @@ class FakeBackend:
 
     model_id = MODEL
     max_model_len = 4096
+    tasks = frozenset({"chat"})
 
     def __init__(self) -> None:
         self.is_healthy = True

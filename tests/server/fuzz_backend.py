@@ -13,6 +13,7 @@ from conftest import FakeBackend
 from PIL import Image
 
 from mstar.contract import (
+    TASKS,
     ChatSpec,
     ImageSpec,
     OutputEvent,
@@ -31,6 +32,7 @@ def _png() -> bytes:
 
 class EveryCapabilityBackend(FakeBackend):
     sample_rate = 24000
+    tasks = frozenset(TASKS)
     png = _png()
 
     async def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:

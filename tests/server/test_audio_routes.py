@@ -35,6 +35,8 @@ class FakeTranscriber(FakeBackend):
     "window <i>" (prefixed "[en]" for translations). Records every spec. The prompt
     ``reject`` raises a RequestError (422)."""
 
+    tasks = FakeBackend.tasks | {"transcription", "translation"}
+
     def __init__(self) -> None:
         super().__init__()
         self.transcribe_specs: list[TranscriptionSpec] = []
@@ -217,10 +219,10 @@ def test_backend_request_error(live: LiveServer) -> None:
     assert response.status_code == 422 and response.json()["error"]["param"] == "prompt"
 
 
-def test_routes_only_for_transcribing_backends() -> None:
+def test_a_model_that_does_not_transcribe_refuses_the_routes() -> None:
     plain = TestClient(create_app(FakeBackend()))
-    missing = plain.post("/v1/audio/transcriptions", files={"file": ("a.wav", b"x")})
-    assert missing.status_code == 404
+    refused = plain.post("/v1/audio/transcriptions", files={"file": ("a.wav", b"x")})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
     secured = TestClient(create_app(FakeTranscriber(), api_key="k"))
     upload = {"file": ("a.wav", SPEECH.read_bytes())}
     assert secured.post("/v1/audio/transcriptions", files=upload).status_code == 401

@@ -33,6 +33,8 @@ class FakeImager(FakeBackend):
     size (the colour follows the seed). Prompt ``bad`` raises RequestError (422),
     ``forever`` never finishes. Records specs and cancellations."""
 
+    tasks = FakeBackend.tasks | {"image_generation", "image_edit"}
+
     def __init__(self) -> None:
         super().__init__()
         self.image_specs: list[ImageSpec] = []
@@ -466,9 +468,10 @@ def test_sdk_generate_with_images(sdk: MStarClient) -> None:
     assert events[0].finish_reason == "stop"
 
 
-def test_no_image_routes_without_generate_images() -> None:
+def test_a_model_that_makes_no_images_refuses_the_image_routes() -> None:
     client = TestClient(create_app(FakeBackend()))
     response = client.post("/v1/images/generations", json={"prompt": "x"})
-    assert response.status_code == 404
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert "does not serve image_generation; it serves chat" in response.json()["error"]["message"]
     form = _generate_form("plain words")
     assert client.post("/generate", data=form).json()["text"] == "plain words"

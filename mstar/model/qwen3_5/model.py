@@ -42,6 +42,7 @@ MEDIA_INPUTS = ("pixel_values", "grid_thw", "mrope_positions")
 @register
 class Qwen3_5Chat(LlamaChat):
     key = "qwen3_5_4b"
+    tasks = frozenset({"chat"})
     default_weights = "Qwen/Qwen3.5-4B"
     input_modalities = frozenset({"text", "image", "video"})
 

