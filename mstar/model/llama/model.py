@@ -179,7 +179,8 @@ class LlamaChat(ModelSpec):
         if LLM_PREFILL in nodes:  # its own pool, the same size: it holds a request's prompt pages only
             kwargs = self.config.model_kwargs  # the decoder's attention backend (cuda_graphs runs triton)
             backend = "triton" if kwargs.get("cuda_graphs", False) else kwargs.get("attention_backend", "torch")
-            engines[LLM_PREFILL] = PrefillEngine(AutoregressiveEngine(model, layout, **sizes, attention_backend=backend))
+            prefill = AutoregressiveEngine(model, layout, **sizes, attention_backend=backend)
+            engines[LLM_PREFILL] = PrefillEngine(prefill)
         return engines
 
 

@@ -33,9 +33,11 @@ from mstar.model.qwen3_5.modeling import HybridCaches
 
 
 class HybridForward(Forward):
-    """``state_shapes`` are the per-slot shapes of one recurrent layer's ``conv`` window and
-    ``recurrent`` state; ``num_state_layers`` such layers get ``[max_slots, *shape]`` tensors
-    (the conv window in ``dtype``, the recurrent state in ``state_dtype``)."""
+    """Qwen3.5's forward: the recurrent-state slots of its DeltaNet layers, and the media
+    embeddings and MRoPE positions of its prefills. ``state_shapes`` are the per-slot shapes of
+    one recurrent layer's ``conv`` window and ``recurrent`` state; ``num_state_layers`` such
+    layers get ``[max_slots, *shape]`` tensors (the conv window in ``dtype``, the recurrent
+    state in ``state_dtype``)."""
 
     runs_ahead = False
 
