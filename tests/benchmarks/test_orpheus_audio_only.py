@@ -12,8 +12,8 @@ from transformers import PreTrainedTokenizerFast
 
 from mstar.config import parse_config
 from mstar.contract import SamplingParams, SpeechSpec
-from mstar.engine.sequence import Sequence
 from mstar.engine.sampler import Sampler
+from mstar.engine.sequence import Sequence
 from mstar.model.orpheus import engine as talk
 from mstar.model.orpheus.model import pcm_to_array
 from mstar.runtime.launch import start
