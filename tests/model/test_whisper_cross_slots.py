@@ -27,7 +27,11 @@ from mstar.model.whisper.cross_kv import (
     CrossKVSlots,
     cross_attention,
 )
-from mstar.model.whisper.engine import CrossAttentionForward, EncoderGraphs, decoder_engine
+from mstar.model.whisper.engine import (
+    CrossAttentionForward,
+    EncoderGraphs,
+    whisper_decoder_engine,
+)
 from mstar.model.whisper.rules import DecoderTokens
 
 FRAMES = 24  # encoder positions of the tiny model (real Whisper: 1500)
@@ -72,7 +76,7 @@ def features(n: int, seed: int, device: torch.device | str = "cpu") -> list[torc
 def tiny_engine(model, *, max_requests: int = 4, num_pages: int = 48, backend: str = "torch",
                 cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4), **kwargs) -> AutoregressiveEngine:
     device = next(model.parameters()).device
-    return decoder_engine(
+    return whisper_decoder_engine(
         model, TOKENS, layout=KVLayout(*model.kv_layout()), num_pages=num_pages, page_size=PAGE_SIZE,
         max_seq_len=TINY["max_target_positions"], device=device, dtype=next(model.parameters()).dtype,
         max_requests=max_requests, attention_backend=backend, cuda_graphs=cuda_graphs,

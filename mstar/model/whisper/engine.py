@@ -129,9 +129,10 @@ class CrossAttentionForward(Forward):
         return {"cross_kv_slots_used": slots.pool.num_used, "cross_kv_slots_total": slots.capacity}
 
 
-def decoder_engine(model, tokens: DecoderTokens, layout: KVLayout, *, max_requests: int, device: torch.device,
-                   dtype: torch.dtype, attention_backend: str = "torch", cuda_graphs: bool = False,
-                   graph_batch_sizes: Iterable[int] = DEFAULT_BATCH_SIZES, **kwargs) -> AutoregressiveEngine:
+def whisper_decoder_engine(model, tokens: DecoderTokens, layout: KVLayout, *, max_requests: int,
+                           device: torch.device, dtype: torch.dtype, attention_backend: str = "torch",
+                           cuda_graphs: bool = False, graph_batch_sizes: Iterable[int] = DEFAULT_BATCH_SIZES,
+                           **kwargs) -> AutoregressiveEngine:
     """The decoder node (``kwargs``: the engine's pool sizes and ``overlap_scheduling``). Its
     graph buckets stop at ``max_requests``: no more sequences are ever live."""
     forward = CrossAttentionForward(model, max_requests=max_requests, dtype=dtype, device=device,

@@ -34,7 +34,7 @@ from mstar.layers.paged_kv import ATTENTION_BACKENDS
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
-from mstar.model.whisper.engine import EncoderGraphs, decoder_engine, encoder_fn
+from mstar.model.whisper.engine import EncoderGraphs, encoder_fn, whisper_decoder_engine
 from mstar.model.whisper.features import log_mel_spectrogram
 from mstar.model.whisper.modeling import WhisperForConditionalGeneration
 from mstar.model.whisper.rules import DecoderTokens
@@ -207,7 +207,7 @@ class Whisper(ModelSpec):
             kv = self.config.resources.kv_cache
             layers, heads, head_dim = model.kv_layout()
             try:
-                engines["decoder"] = decoder_engine(
+                engines["decoder"] = whisper_decoder_engine(
                     model, ids, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
                     page_size=kv.page_size, max_seq_len=config.max_target_positions, device=device, dtype=dtype,
                     max_requests=self.config.max_concurrent_requests, **decode)
