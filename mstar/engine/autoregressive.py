@@ -4,38 +4,35 @@ Every item of a plan for the node runs in ONE forward pass: prefills (op ``prefi
 port ``prompt_ids``) and decodes (op ``decode``, input port ``token``) of many requests
 flattened together. The engine owns the node's KV pages (a torch-free ``PagePool``) and
 the per-request token history; the conductor only admits requests against the pool.
+
+One engine serves every autoregressive model: it is specialised by what it is given, never by
+subclassing. ``rules`` (``mstar.engine.rules.TokenRules``) choose the tokens and say what a
+step writes; ``forward`` (``mstar.engine.forward.Forward``) runs the model over a step's
+tokens, with any per-request state the model reads besides the KV cache.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mstar.contract import SamplingParams
 from mstar.distributed import broadcast, current_parallel
-from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.base import Engine, EngineItem, EngineOutput, to_device
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from mstar.engine.forward import Decoder, Forward
 from mstar.engine.page_pool import PagePool
+from mstar.engine.rules import TokenRules
 from mstar.engine.sampler import Sampler
+from mstar.engine.sequence import Sequence
 from mstar.layers.paged_kv import (
     ATTENTION_BACKENDS,
     PagedAttentionMetadata,
     allocate_kv_cache,
 )
-
-if TYPE_CHECKING:
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
-
-
-# (hook, the hook a subclass overriding it must also override to take part in overlap scheduling)
-_AHEAD_HOOKS = (("forward", "decode_logits"), ("choose", "choose_on_device"))
-
-
-class Decoder(Protocol):
-    def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor: ...
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -43,25 +40,6 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-
-
-@dataclass
-class Sequence:
-    tokens: list[int]
-    prompt_len: int
-    computed: int = 0  # tokens whose K/V are in the cache
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
-    max_new_tokens: int = 1 << 30
-    stop_ids: frozenset[int] = frozenset()
-    extra: dict[str, Any] = field(default_factory=dict)  # state of a model-specific engine
-    # The ``token`` output of its last step: the next decode's input is normally this very
-    # tensor (the worker's store hands it back), which then needs no reading to be checked.
-    written: torch.Tensor | None = None
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 @dataclass
@@ -75,12 +53,17 @@ class _Ahead:
 
 class AutoregressiveEngine(Engine):
     """Request parameters it reads: ``sampling`` (SamplingParams fields), ``max_new_tokens``,
-    ``stop_token_ids`` (EOS and friends; empty to ignore EOS).
+    ``stop_token_ids`` (EOS and friends; empty to ignore EOS), and whatever its ``rules`` read.
+
+    ``rules`` (default: every token sampled, ``token`` written alone) and ``forward``
+    (default: ``Forward(model)``, a plain decoder) specialise it to a model.
 
     ``attention_backend`` names the paged-attention implementation put into every step's
-    metadata (``"torch"`` reference or ``"triton"``). With a ``graph_runner``
-    (``mstar.engine.cuda_graphs.DecodeGraphRunner``), decode-only steps it can run replay a
-    CUDA graph for forward + logits; the last KV page is then reserved as its scratch page.
+    metadata (``"torch"`` reference or ``"triton"``). ``cuda_graphs``: decode-only steps (one
+    new token per row) replay a CUDA graph per batch bucket of ``graph_batch_sizes``
+    (``self.graphs``, ``mstar.engine.cuda_graphs.DecodeGraphs``; captured on first use, or
+    all at once by ``graphs.capture_all()``); the KV caches get one page more than the pool,
+    the padded rows' scratch page. Off CUDA the same buckets run eagerly.
 
     ``overlap_scheduling``: after launching a step, and before reading its tokens back, the
     engine launches the next decode step of every sequence that may continue, fed by the
@@ -92,47 +75,57 @@ class AutoregressiveEngine(Engine):
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
                  max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                 graph_runner: DecodeGraphRunner | None = None, attention_backend: str = "torch",
-                 overlap_scheduling: bool = False):
+                 rules: TokenRules | None = None, forward: Forward | None = None,
+                 attention_backend: str = "torch", cuda_graphs: bool = False,
+                 graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, overlap_scheduling: bool = False):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}")
-        if graph_runner is not None and graph_runner.page_size != page_size:
-            raise ValueError(f"graph runner page size {graph_runner.page_size} != {page_size}")
-        if overlap_scheduling:
-            bypassed = [f"{hook} without {ahead}" for hook, ahead in _AHEAD_HOOKS
-                        if getattr(type(self), hook) is not getattr(AutoregressiveEngine, hook)
-                        and getattr(type(self), ahead) is getattr(AutoregressiveEngine, ahead)]
-            if bypassed:
-                raise ValueError(f"overlap_scheduling: {type(self).__name__} hooks {', '.join(bypassed)}, "
-                                 "which the steps launched ahead would bypass")
         self.model = model
+        self.rules = rules if rules is not None else TokenRules()
+        self.forward = forward if forward is not None else Forward(model)
+        if self.forward.model is not model:
+            raise ValueError("the engine's forward runs another model than the engine's")
+        name = type(self.forward).__name__
+        if overlap_scheduling and not self.forward.runs_ahead:
+            raise ValueError(f"overlap_scheduling: {name} keeps per-request state that a discarded step "
+                             "launched ahead would leave advanced")
+        if cuda_graphs and self.forward.graph_rows is None:
+            raise ValueError(f"cuda_graphs: {name} cannot replay its decode steps from CUDA graphs")
         self.attention_backend = attention_backend
-        self.graph_runner = graph_runner
         self.overlap = overlap_scheduling
-        # The graph runner's padded rows write into one extra page past the pool's, so the
+        # With CUDA graphs the padded rows write into one extra page past the pool's, so the
         # pool still holds the num_pages the conductor admits against.
         self.pool = PagePool(num_pages, page_size)
         self.max_seq_len = max_seq_len
         self.device = device
-        cache_pages = num_pages + 1 if graph_runner is not None else num_pages
+        cache_pages = num_pages + 1 if cuda_graphs else num_pages
         self.kv_caches = allocate_kv_cache(layout.num_layers, cache_pages, page_size, layout.num_kv_heads,
                                            layout.head_dim, dtype, device)
-        if graph_runner is not None:
-            graph_runner.bind_kv_caches(self.kv_caches)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(
+                lambda ids, meta, rows: self.forward.graph_step(ids, meta, self.kv_caches, rows),
+                device=device, page_size=page_size, max_pages_per_seq=-(-max_seq_len // page_size),
+                scratch_page=num_pages, batch_sizes=graph_batch_sizes, backend=attention_backend,
+                row_pads=self.forward.graph_rows)
         self.sampler = Sampler()
         self.tp_group = current_parallel().tp  # the model's TP ranks must continue the same ids
         self.seqs: dict[str, Sequence] = {}
         self._ahead: _Ahead | None = None
+        self._forward_began = False  # in the step running now
 
     # ------------------------------------------------------------------ steps
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         fresh = [item.request_id for item in items if item.request_id not in self.seqs]
+        self._forward_began = False
         try:
             return self._run(items) if self.overlap else self._run_eager(items)
         except BaseException:
             self._drop_ahead()
             for item in items:  # pages reserved for a step that did not complete
                 self._roll_back(item.request_id)
+            if self._forward_began:
+                self.forward.failed([item.request_id for item in items])
             for request_id in fresh:  # undo, so the worker can retry each item alone
                 self.release(request_id)
             raise
@@ -141,10 +134,11 @@ class AutoregressiveEngine(Engine):
         """The reference: one step per plan, its tokens read back before ``run`` returns."""
         seqs = [self._admit(item) for item in items]
         with torch.inference_mode():
-            logits = self._logits(items, seqs)
-            next_ids = self.choose(logits, seqs)
-        values = self._token_values(torch.tensor(next_ids, dtype=torch.int64))
-        return [self._advance(seq, token, value) for seq, token, value in zip(seqs, next_ids, values)]
+            next_ids = self.rules.choose(self._logits(items, seqs), seqs, self.sample)
+            host = next_ids.cpu()
+        tokens = host.tolist()
+        values = host.view(-1, 1).unbind(0)
+        return [self._advance(seq, token, value) for seq, token, value in zip(seqs, tokens, values)]
 
     def _run(self, items: list[EngineItem]) -> list[EngineOutput]:
         """Overlapped: decodes launched ahead by the previous plan are taken as they are; the
@@ -162,14 +156,14 @@ class AutoregressiveEngine(Engine):
                              ahead.tokens[self._to_device(torch.tensor(rows, dtype=torch.int64))])
             if rest:
                 chosen = [seqs[i] for i in rest]
-                parts.append(self.choose_on_device(self._logits([items[i] for i in rest], chosen), chosen))
+                parts.append(self.rules.choose(self._logits([items[i] for i in rest], chosen), chosen, self.sample))
             next_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             host, copied = self._fetch(next_ids)
             self._launch_ahead([items[i] for i in order], [seqs[i] for i in order], next_ids)
             if copied is not None:
                 copied.synchronize()
             tokens = host.tolist()
-        values = self._token_values(host)
+        values = host.view(-1, 1).unbind(0)
         outputs: list[EngineOutput | None] = [None] * len(items)
         for row, i in enumerate(order):
             outputs[i] = self._advance(seqs[i], tokens[row], values[row])
@@ -183,50 +177,22 @@ class AutoregressiveEngine(Engine):
         spans = [(item.request_id, seq.computed, len(seq.tokens)) for item, seq in zip(items, seqs)]
         input_ids = [t for seq in seqs for t in seq.tokens[seq.computed:]]
         meta, ids = self._metadata(spans, input_ids)
-        if self._graph_runs(items, meta):
-            assert self.graph_runner is not None
-            return self.graph_runner.run(ids, meta)
-        hidden = self.forward(ids, meta, items)
-        if len(input_ids) == len(items):  # one new token per sequence: every row is a last one
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
+        counts = None if len(input_ids) == len(items) else [end - start for _, start, end in spans]
+        return self._forward_logits(ids, meta, items, counts)
 
-    # Hooks a model-specific engine may override (an encoder-decoder adds cross-attention
-    # state; a speech recogniser constrains which tokens may come next).
-    def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem]) -> torch.Tensor:
-        return self.model.forward(input_ids, meta, self.kv_caches)
+    def _forward_logits(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem],
+                        counts: list[int] | None) -> torch.Tensor:
+        """The last-position logits ``[B, V]`` of a step whose item ``b`` has ``counts[b]`` new
+        tokens (None: one each, a decode-only step, which the CUDA graphs may replay)."""
+        inputs = self.forward.prepare(items, input_ids, meta, counts)
+        self._forward_began = True
+        if counts is None and self.graphs is not None and self.graphs.fits(len(items), meta):
+            return self.forward.graph_logits(self.graphs.run(input_ids, meta, inputs))
+        hidden = self.forward.hidden(input_ids, meta, self.kv_caches, inputs, counts)
+        return self.forward.logits(hidden if counts is None else hidden[meta.query_start_loc[1:] - 1])
 
-    def _graph_runs(self, items: list[EngineItem], meta: PagedAttentionMetadata) -> bool:
-        """Whether the graph runner takes this step (never when a subclass hooks ``forward``)."""
-        return (self.graph_runner is not None
-                and type(self).forward is AutoregressiveEngine.forward
-                and self.graph_runner.can_run(items, meta))
-
-    def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
-        """What a step writes: the sampled token (a subclass may add derived outputs)."""
-        return {"token": torch.tensor([token], dtype=torch.int64)}
-
-    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return self._sample(logits, seqs).tolist()
-
-    # The hooks of overlap scheduling: a subclass hooking ``forward`` or ``choose`` takes part
-    # by hooking these too (``_AHEAD_HOOKS``).
-    def decode_logits(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
-                      items: list[EngineItem]) -> torch.Tensor:
-        """Logits ``[B, V]`` of a decode-only step (one new token per item, the sequences' host
-        state one token behind): the step launched ahead."""
-        if self.graph_runner is not None and self.graph_runner.fits(len(items), meta):
-            return self.graph_runner.run(input_ids, meta)
-        return self.model.compute_logits(self.model.forward(input_ids, meta, self.kv_caches))
-
-    def choose_on_device(self, logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
-        """``choose`` left on the logits' device, with the same ids. ``lead`` is how many tokens
-        the step is ahead of the sequences' host state (1 for a step launched ahead: only
-        sequences ``_continues`` accepted, whose next choice needs nothing from the host)."""
-        return self._sample(logits, seqs)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The next id of every row, left on the logits' device."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The next id of every row, left on the logits' device (the rules' ``sample``)."""
         penalised = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
         ids = self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
                            [s.tokens for s in seqs] if penalised else None)
@@ -249,9 +215,11 @@ class AutoregressiveEngine(Engine):
         """Whether a sequence, one token longer than it is now, may take another step:
         not at its length limits, and sampled without state the host must see first (a
         repetition penalty reads the unknown token; a seeded generator must not draw for
-        a step that may be discarded; greedy rows never draw, seed or not)."""
+        a step that may be discarded; greedy rows never draw, seed or not), and its rules'
+        next choice needs nothing from the host."""
         return (seq.generated + 1 < seq.max_new_tokens and len(seq.tokens) + 1 < self.max_seq_len
-                and seq.sampling.repetition_penalty == 1.0 and (seq.generator is None or seq.sampling.greedy))
+                and seq.sampling.repetition_penalty == 1.0 and (seq.generator is None or seq.sampling.greedy)
+                and self.rules.may_run_ahead(seq))
 
     def _launch_ahead(self, items: list[EngineItem], seqs: list[Sequence], next_ids: torch.Tensor) -> None:
         """Launch the decode step after this one for every sequence that may continue, its
@@ -268,9 +236,9 @@ class AutoregressiveEngine(Engine):
         ids = next_ids if len(rows) == len(seqs) else next_ids[self._to_device(torch.tensor(rows))]
         meta, _ = self._metadata(spans, [])
         chosen = [seqs[row] for row in rows]
-        logits = self.decode_logits(ids, meta, [items[row] for row in rows])
+        logits = self._forward_logits(ids, meta, [items[row] for row in rows], None)
         self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)},
-                             self.choose_on_device(logits, chosen, lead=1))
+                             self.rules.choose(logits, chosen, self.sample, lead=1))
 
     def _roll_back(self, request_id: str) -> None:
         """Give back pages reserved past the sequence's known tokens (a step launched ahead)."""
@@ -305,8 +273,7 @@ class AutoregressiveEngine(Engine):
                 raise ValueError("empty prompt")
             if len(prompt) >= self.max_seq_len:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq_len {self.max_seq_len}")
-            seq = self.seqs[item.request_id] = self._new_sequence(prompt, item.params)
-            seq.extra["request_id"] = item.request_id
+            seq = self.seqs[item.request_id] = self._new_sequence(item.request_id, prompt, item.params)
         elif item.op == "decode":
             if seq is None and "kv" in item.inputs:  # first contact: another engine prefilled it
                 seq = self._adopt(item)
@@ -328,7 +295,7 @@ class AutoregressiveEngine(Engine):
         return self.import_kv(item.request_id, item.inputs["kv"], prompt + [first], prompt_len=len(prompt),
                               params=item.params, generator_state=item.inputs.get("rng"))
 
-    def _new_sequence(self, prompt: list[int], params: dict[str, Any]) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> Sequence:
         sampling = SamplingParams(**params.get("sampling", {}))
         generator = None
         if sampling.seed is not None:
@@ -341,6 +308,8 @@ class AutoregressiveEngine(Engine):
             generator=generator,
             max_new_tokens=int(params.get("max_new_tokens", 1 << 30)),
             stop_ids=frozenset(int(t) for t in params.get("stop_token_ids", ())),
+            request_id=request_id,
+            state=self.rules.start(params),
         )
 
     def _metadata(self, spans: list[tuple[str, int, int]],
@@ -386,20 +355,11 @@ class AutoregressiveEngine(Engine):
         return meta, ids_d
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the engine's device, copied without waiting for the device
-        (pinned memory, non-blocking), so launching a step never stalls on the previous."""
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(tensor, self.device)
 
-    def _token_values(self, tokens: torch.Tensor) -> list[torch.Tensor | None]:
-        """Each row's ``token`` output as a ``[1]`` view of the step's ids (one op for the
-        batch), when ``outputs`` is not hooked; else Nones (the hook builds them)."""
-        if type(self).outputs is not AutoregressiveEngine.outputs:
-            return [None] * tokens.shape[0]
-        return list(tokens.view(-1, 1).unbind(0))
-
-    def _advance(self, seq: Sequence, token: int, value: torch.Tensor | None = None) -> EngineOutput:
+    def _advance(self, seq: Sequence, token: int, value: torch.Tensor) -> EngineOutput:
+        """Append the step's ``token`` (``value``: it as a ``[1]`` tensor) to the sequence, and
+        what the step writes and flags."""
         seq.computed = len(seq.tokens)
         seq.tokens.append(token)
         reason = None
@@ -407,8 +367,10 @@ class AutoregressiveEngine(Engine):
             reason = "stop"
         elif seq.generated >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
-        out = self.outputs(seq, token) if value is None else {"token": value}
-        seq.written = out.get("token")
+        out = {"token": value}
+        if self.rules.extra_outputs:
+            out |= self.rules.outputs(seq, token)
+        seq.written = value
         if reason is None:
             return EngineOutput(out)
         return EngineOutput(out, ("stop",), reason)
@@ -417,6 +379,7 @@ class AutoregressiveEngine(Engine):
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
         self.pool.free(request_id)
+        self.forward.release(request_id)
         if self._ahead is not None:
             self._ahead.rows.pop(request_id, None)
             if not self._ahead.rows:
@@ -458,10 +421,9 @@ class AutoregressiveEngine(Engine):
                              f"prompt of {prompt_len} do not make a sequence that can continue")
         if len(tokens) >= self.max_seq_len:
             raise ValueError(f"request {request_id}: {len(tokens)} tokens do not fit max_seq_len {self.max_seq_len}")
-        seq = self._new_sequence(list(tokens[:prompt_len]), params)
+        seq = self._new_sequence(request_id, list(tokens[:prompt_len]), params)
         seq.tokens.extend(tokens[prompt_len:])
         seq.computed = computed
-        seq.extra["request_id"] = request_id
         if seq.generator is not None and generator_state is not None and generator_state.numel():
             seq.generator.set_state(generator_state.cpu())
         self.pool.reserve(request_id, computed)  # OutOfPages leaves the pool as it was
@@ -477,31 +439,40 @@ class AutoregressiveEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         return {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
-                "sequences": len(self.seqs)}
+                "sequences": len(self.seqs)} | self.forward.stats()
 
 
-class PrefillEngine(AutoregressiveEngine):
-    """The prefill half of a disaggregated LLM. It prefills each request, samples its first
-    token, and hands the request off: besides ``token`` a step writes ``kv`` (the prompt's
-    K/V, ``export_kv``) and ``rng`` (the sampler state, ``generator_state``), then frees the
-    request's pages at once. The decode engine adopts the request on its first decode
-    (``import_kv``). A request that ends at its first token hands nothing off (``kv`` and
-    ``rng`` stay silent: no decode follows)."""
+class PrefillEngine(Engine):
+    """The prefill half of a disaggregated LLM, around the ``engine`` that runs its steps. It
+    prefills each request, samples its first token, and hands the request off: besides
+    ``token`` a step writes ``kv`` (the prompt's K/V, ``export_kv``) and ``rng`` (the sampler
+    state, ``generator_state``), then frees the request's pages at once. The decode engine
+    adopts the request on its first decode (``import_kv``). A request that ends at its first
+    token hands nothing off (``kv`` and ``rng`` stay silent: no decode follows)."""
+
+    def __init__(self, engine: AutoregressiveEngine):
+        self.engine = engine
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         for item in items:
             if item.op != "prefill":
                 raise ValueError(f"a prefill engine has no op {item.op!r}")
-        outputs = super().run(items)
+        outputs = self.engine.run(items)
         try:
             for item, out in zip(items, outputs):
                 if "stop" not in out.flags:
-                    out.outputs["kv"] = self.export_kv(item.request_id)
-                    out.outputs["rng"] = self.generator_state(item.request_id)
+                    out.outputs["kv"] = self.engine.export_kv(item.request_id)
+                    out.outputs["rng"] = self.engine.generator_state(item.request_id)
         finally:
             for item in items:
-                self.release(item.request_id)
+                self.engine.release(item.request_id)
         return outputs
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
 
 
 def _first_id(token: torch.Tensor) -> int:

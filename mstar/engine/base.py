@@ -67,3 +67,11 @@ class StatelessEngine(Engine):
             for i, result in zip(indices, results):
                 outputs[i] = EngineOutput(result)
         return outputs  # type: ignore[return-value]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, copied without waiting for the device (pinned memory,
+    non-blocking), so launching a step never stalls on the previous one."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mstar.layers.rotary import apply_rotary_pairs
 from mstar.layers.triton_support import (
     HAS_TRITON,
     INTERPRET,
@@ -42,11 +43,7 @@ def torch_qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: t
     """``x [B, S, H, D]``: RMSNorm over ``D`` (fp32 statistics and scale, rounded to ``x``'s
     dtype), then pair ``(x0, x1)`` -> ``(x0 cos - x1 sin, x1 cos + x0 sin)`` in fp32 with
     tables ``[S, D]`` or ``[B, S, D]`` (each angle repeated for both channels of its pair)."""
-    normed = F.rms_norm(x, x.shape[-1:], weight, eps)
-    pairs = normed.unflatten(-1, (-1, 2))
-    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return (normed.float() * cos + rotated.float() * sin).to(x.dtype)
+    return apply_rotary_pairs(F.rms_norm(x, x.shape[-1:], weight, eps), cos, sin)
 
 
 if HAS_TRITON:

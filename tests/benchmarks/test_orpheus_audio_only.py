@@ -12,9 +12,8 @@ from transformers import PreTrainedTokenizerFast
 
 from mstar.config import parse_config
 from mstar.contract import SamplingParams, SpeechSpec
-from mstar.distributed.state import SINGLE
-from mstar.engine.autoregressive import Sequence
 from mstar.engine.sampler import Sampler
+from mstar.engine.sequence import Sequence
 from mstar.model.orpheus import engine as talk
 from mstar.model.orpheus.model import pcm_to_array
 from mstar.runtime.launch import start
@@ -24,9 +23,8 @@ VOCAB = 156940
 
 
 def audio_only_seq(codes: int, audio_only: bool = True) -> Sequence:
-    seq = Sequence(tokens=[1, 2, 3], prompt_len=3, sampling=SamplingParams(temperature=0.0))
-    seq.extra.update(codes=codes, audio_only=audio_only)
-    return seq
+    return Sequence(tokens=[1, 2, 3], prompt_len=3, sampling=SamplingParams(temperature=0.0),
+                    state=talk.TalkerState(audio_only=audio_only, codes=codes))
 
 
 def test_restrict_keeps_only_the_next_code_range():
@@ -58,10 +56,13 @@ def test_greedy_choice_ignores_end_of_speech_only_with_the_knob():
     logits = torch.zeros(2, VOCAB)
     logits[:, talk.END_OF_SPEECH] = 100.0  # the weights want to stop
     logits[:, talk.AUDIO_BASE + 2 * talk.CODEBOOK + 17] = 5.0  # best valid code at position 2
-    engine = talk.OrpheusTalkerEngine.__new__(talk.OrpheusTalkerEngine)  # choose needs no model
-    engine.sampler = Sampler()
-    engine.tp_group = SINGLE.tp  # one rank: nothing to broadcast
-    picks = engine.choose(logits, [audio_only_seq(2), audio_only_seq(2, audio_only=False)])
+    sampler = Sampler()
+
+    def sample(logits, seqs):
+        return sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs], None)
+
+    picks = talk.TalkerRules().choose(logits, [audio_only_seq(2), audio_only_seq(2, audio_only=False)], sample)
+    picks = picks.tolist()
     assert picks == [talk.AUDIO_BASE + 2 * talk.CODEBOOK + 17, talk.END_OF_SPEECH]
 
 
@@ -104,8 +105,9 @@ def test_overlap_scheduling_speaks_the_same_codes(model_dir):
         d = deploy(model_dir, audio_only=True, overlap_scheduling=overlap)
         engine = d.runtime.workers.workers[0].engines["llm"]
         leads = []
-        choose = engine.choose_on_device
-        engine.choose_on_device = lambda logits, seqs, lead=0: (leads.append(lead), choose(logits, seqs, lead))[1]
+        choose = engine.rules.choose
+        engine.rules.choose = lambda logits, seqs, sample, lead=0: (leads.append(lead),
+                                                                    choose(logits, seqs, sample, lead))[1]
         try:
             audio[overlap] = pcm_to_array(speak(d, "o", 5 * 7, **greedy))
         finally:

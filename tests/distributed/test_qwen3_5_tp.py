@@ -123,7 +123,8 @@ def run_steps(folder: str, device: torch.device) -> dict:
         step(["a", "b", "c"])
     return {"logits": logits, "tokens": tokens,
             "kv_heads": engine.kv_caches[0].shape[-2],  # [2, pages, page_size, kv_heads, head_dim]
-            "conv": tuple(engine.conv_states[0].shape), "recurrent": tuple(engine.recurrent_states[0].shape)}
+            "conv": tuple(engine.forward.conv_states[0].shape),
+            "recurrent": tuple(engine.forward.recurrent_states[0].shape)}
 
 
 def _compare(rank: int, world: int, folders: list[str], device_kind: str = "cpu") -> list[dict]:

@@ -30,8 +30,9 @@ from mstar.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from mstar.layers.rotary import apply_rotary_pairs
 from mstar.layers.ulysses import UlyssesAttention, gather_sequence, shard_sequence
-from mstar.model.flux2.rope import apply_rope, rope_cos_sin
+from mstar.model.flux2.rope import rope_cos_sin
 from mstar.model.flux2.transformer import JointAttention, ParallelSelfAttention, swiglu
 from mstar.model.weights import load_weights
 from tests.distributed.helpers import devices, rank_device, rel_error, run_ranks
@@ -68,7 +69,7 @@ class SplitJointAttention(nn.Module):
         k = torch.cat([self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
                        self.norm_k(self.to_k(img).unflatten(-1, heads))], dim=1)
         v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads), self.to_v(img).unflatten(-1, heads)], dim=1)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rotary_pairs(q, *rope), apply_rotary_pairs(k, *rope)
         out = self.attention(q, k, v).flatten(2)
         txt_out, img_out = out.split([txt.shape[1], img.shape[1]], dim=1)
         return self.to_out[0](img_out), self.to_add_out(txt_out)
@@ -91,7 +92,7 @@ class SplitSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         q, k, v, gate, value = self.to_qkv_mlp_proj(x).split(self.to_qkv_mlp_proj.local_sizes, dim=-1)
         q, k, v = (t.unflatten(-1, (-1, HEAD_DIM)) for t in (q, k, v))
-        q, k = apply_rope(self.norm_q(q), *rope), apply_rope(self.norm_k(k), *rope)
+        q, k = apply_rotary_pairs(self.norm_q(q), *rope), apply_rotary_pairs(self.norm_k(k), *rope)
         out = self.attention(q, k, v).flatten(2)
         return self.to_out(torch.cat([out, swiglu(torch.cat([gate, value], dim=-1))], dim=-1))
 

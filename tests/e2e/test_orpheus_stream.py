@@ -48,10 +48,10 @@ def script_talker(engine, slow: float = 0.0):
     """Make the dummy talker say a fixed code sequence per request, then stop."""
     said: dict[str, int] = {}
 
-    def choose(logits, seqs):
+    def choose(logits, seqs, sample, lead=0):
         out = []
         for seq in seqs:
-            rid = seq.extra["request_id"]
+            rid = seq.request_id
             k = said.get(rid, 0)
             said[rid] = k + 1
             codes = scripted_codes(int(rid.split("-")[-1]))
@@ -64,9 +64,9 @@ def script_talker(engine, slow: float = 0.0):
                 out.append(talk.END_OF_SPEECH)
         time.sleep(slow)
         EVENTS.append(("talk", len(seqs)))
-        return out
+        return torch.tensor(out, device=logits.device)
 
-    engine.choose = choose
+    engine.rules.choose = choose
 
 
 EVENTS: list[tuple[str, int]] = []

@@ -166,8 +166,11 @@ def _in_process_answers(checkpoint: Path, node_groups: list[dict]) -> tuple[list
             chat = ChatSpec(f"q{i}", [{"role": "user", "content": question}], SamplingParams(**sampling), 12,
                             ignore_eos=True)
             answers.append((deployment.spec.prepare_chat(chat).walk, asyncio.run(_token_ids(deployment, chat))))
-        poll_drained(deployment, engines[LLM], also=lambda: all(not e.pool.num_used_pages for e in engines.values()))
-        return answers, {node: engine.pool.num_used_pages for node, engine in engines.items()}
+        def pages() -> dict[str, float]:  # a PrefillEngine holds its pool in its engine: read the gauges
+            return {node: engine.stats()["kv_pages_used"] for node, engine in engines.items()}
+
+        poll_drained(deployment, engines[LLM], also=lambda: not any(pages().values()))
+        return answers, pages()
     finally:
         deployment.close()
 

@@ -102,11 +102,11 @@ async def _tokens(d: Deployment, spec: ChatSpec) -> tuple[list[int], str | None]
 
 def _assert_drained(d: Deployment) -> None:
     engine = _engine(d)
-    poll_drained(d, engine, also=lambda: engine.states.num_used == 0)
-    assert engine.states.num_used == 0, f"state slots still held by {engine.states.request_ids()}"
+    poll_drained(d, engine, also=lambda: engine.forward.states.num_used == 0)
+    assert engine.forward.states.num_used == 0, f"state slots still held by {engine.forward.states.request_ids()}"
     assert engine.pool.num_used_pages == 0 and engine.seqs == {}
     assert all(units == 0 for units in d.runtime.conductor.in_use.values()), d.runtime.conductor.in_use
-    engine.states.check_invariants()
+    engine.forward.states.check_invariants()
 
 
 def test_concurrent_chats_equal_solo_and_free_everything(deployment: Deployment) -> None:

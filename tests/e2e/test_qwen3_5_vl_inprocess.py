@@ -142,8 +142,8 @@ def test_concurrent_media_chats_equal_solo(deployment: Deployment) -> None:
     assert batched == alone
     assert max(len(b) for b in rec.batches) > 1, "the media never shared a vision forward"
     llm = engines["llm"]
-    poll_drained(d, llm, also=lambda: llm.states.num_used == 0)
-    assert llm.states.num_used == 0 and llm.pool.num_used_pages == 0 and llm.rope_deltas == {}
+    poll_drained(d, llm, also=lambda: llm.forward.states.num_used == 0)
+    assert llm.forward.states.num_used == 0 and llm.pool.num_used_pages == 0 and llm.forward.rope_deltas == {}
 
 
 @pytest.mark.parametrize("content,rule", [

@@ -57,10 +57,11 @@ def _wait_drained(d: Deployment, timeout: float = 10.0) -> None:
     """Pages and cross-attention entries are released on the conductor's next plan after
     a request ends: poll."""
     engine = _decoder(d)
-    poll_drained(d, engine, also=lambda: engine.cross == {}, timeout=timeout)
+    held = engine.forward.cross_slots.held
+    poll_drained(d, engine, also=lambda: held() == {}, timeout=timeout)
     conductor = d.runtime.conductor
     assert engine.pool.num_used_pages == 0, f"KV pages still held by {engine.pool.seq_ids()}"
-    assert engine.cross == {}, f"cross-attention KV still held for {list(engine.cross)}"
+    assert held() == {}, f"cross-attention KV still held for {list(held())}"
     assert engine.seqs == {}
     assert conductor.idle, f"waiting={len(conductor.waiting)} live={list(conductor.live)}"
     assert all(units == 0 for units in conductor.in_use.values()), conductor.in_use

@@ -45,7 +45,7 @@ def engines(llama_dir):
 @pytest.fixture(autouse=True)
 def _pools_drained(engines):
     yield
-    for engine in engines.values():
+    for engine in (engines[LLM], engines[LLM_PREFILL].engine):
         for request_id in list(engine.seqs) + engine.pool.seq_ids():
             engine.release(request_id)
 
@@ -70,19 +70,19 @@ class _Logits:
 
     def __init__(self, engine):
         self.rows: list[torch.Tensor] = []
-        self.engine = engine
-        self.original = engine.choose
+        self.rules = engine.rules
+        self.original = engine.rules.choose
 
     def __enter__(self):
-        def choose(logits, seqs):
+        def choose(logits, seqs, sample, lead=0):
             self.rows.append(logits.clone())
-            return self.original(logits, seqs)
+            return self.original(logits, seqs, sample, lead)
 
-        self.engine.choose = choose
+        self.rules.choose = choose
         return self
 
     def __exit__(self, *exc):
-        del self.engine.choose
+        del self.rules.choose
 
 
 def _colocated(engine, rid: str, params: dict) -> tuple[list[int], list[torch.Tensor]]:
@@ -97,9 +97,9 @@ def _colocated(engine, rid: str, params: dict) -> tuple[list[int], list[torch.Te
 
 
 def _disaggregated(prefiller, decoder, rid: str, params: dict, *, move_rng: bool = True):
-    with _Logits(prefiller) as first, _Logits(decoder) as rest:
+    with _Logits(prefiller.engine) as first, _Logits(decoder) as rest:
         out = prefiller.run([_prefill(rid, params)])[0]
-        assert prefiller.pool.num_used_pages == 0 and rid not in prefiller.seqs  # freed at once
+        assert prefiller.engine.pool.num_used_pages == 0 and rid not in prefiller.engine.seqs  # freed at once
         handoff = {"kv": out.outputs["kv"], "rng": out.outputs["rng"] if move_rng else torch.empty(0)}
         tokens = [int(out.outputs["token"])]
         out = decoder.run([_decode(rid, out.outputs["token"], params, handoff)])[0]
@@ -112,9 +112,10 @@ def _disaggregated(prefiller, decoder, rid: str, params: dict, *, move_rng: bool
 
 def test_engines_share_the_model_and_own_their_pools(engines):
     assert isinstance(engines[LLM_PREFILL], PrefillEngine) and not isinstance(engines[LLM], PrefillEngine)
-    assert engines[LLM].model is engines[LLM_PREFILL].model
-    assert engines[LLM].pool is not engines[LLM_PREFILL].pool
-    assert engines[LLM].kv_caches[0].data_ptr() != engines[LLM_PREFILL].kv_caches[0].data_ptr()
+    decoder, prefiller = engines[LLM], engines[LLM_PREFILL].engine
+    assert decoder.model is prefiller.model
+    assert decoder.pool is not prefiller.pool
+    assert decoder.kv_caches[0].data_ptr() != prefiller.kv_caches[0].data_ptr()
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -131,9 +132,9 @@ def test_adopted_request_decodes_like_the_colocated_one(engines, sampling):
     assert seq.tokens == PROMPT + want_tokens and seq.prompt_len == len(PROMPT) and seq.generated == STEPS + 1
     assert decoder.pool.seq_len("pd") == len(PROMPT) + STEPS
     decoder.release("pd")
-    assert decoder.pool.num_used_pages == 0 and prefiller.pool.num_used_pages == 0
+    assert decoder.pool.num_used_pages == 0 and prefiller.engine.pool.num_used_pages == 0
     decoder.pool.check_invariants()
-    prefiller.pool.check_invariants()
+    prefiller.engine.pool.check_invariants()
 
 
 def test_the_sampler_state_must_move_with_the_request(engines):
@@ -163,7 +164,7 @@ def test_request_that_ends_at_its_first_token_hands_nothing_off(engines):
     out = prefiller.run([_prefill("one", _params(GREEDY, max_new=1))])[0]
     assert "stop" in out.flags and out.finish_reason == "length"
     assert set(out.outputs) == {"token"}  # kv and rng silent: no decode follows
-    assert prefiller.pool.num_used_pages == 0 and not prefiller.seqs
+    assert prefiller.engine.pool.num_used_pages == 0 and not prefiller.engine.seqs
 
 
 def test_prefill_engine_refuses_decodes(engines):
@@ -177,10 +178,10 @@ def test_a_failed_export_frees_the_prefill_pages(engines, monkeypatch):
     def broken(request_id):
         raise RuntimeError("export failed")
 
-    monkeypatch.setattr(prefiller, "export_kv", broken)
+    monkeypatch.setattr(prefiller.engine, "export_kv", broken)
     with pytest.raises(RuntimeError, match="export failed"):
         prefiller.run([_prefill("a", _params(GREEDY)), _prefill("b", _params(GREEDY))])
-    assert prefiller.pool.num_used_pages == 0 and not prefiller.seqs
+    assert prefiller.engine.pool.num_used_pages == 0 and not prefiller.engine.seqs
 
 
 @pytest.mark.parametrize("shape, match", [

@@ -1,7 +1,7 @@
-"""CUDA-graph decode (``DecodeGraphRunner``) and the Triton backend on the GPU.
+"""The CUDA-graph runner (``mstar.engine.cuda_graphs``): decode steps replayed per bucket,
+and the Triton backend, on the GPU; the same buckets, padding and keys run eagerly on the CPU.
 
-The GPU tests are skipped without CUDA (or Triton). The engine wiring is also checked on
-the CPU with a stand-in runner.
+The GPU tests are skipped without CUDA (or Triton).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
+from mstar.engine.cuda_graphs import BucketGraphs, DecodeGraphs, ShapeGraphs
+from mstar.engine.forward import Forward
 from mstar.engine.page_pool import PagePool
 from mstar.layers.attention import paged_attention
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
@@ -70,15 +72,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+def decode_graphs(model, caches: list[torch.Tensor], page_size: int, max_pages: int, batch_sizes,
+                  backend: str = "triton") -> DecodeGraphs:
+    """A plain decoder's decode steps (logits) as per-bucket replays over ``caches``, whose last
+    page is the scratch page."""
+    forward = Forward(model)
+    return DecodeGraphs(lambda ids, meta, rows: forward.graph_step(ids, meta, caches, rows),
+                        device=caches[0].device, page_size=page_size, max_pages_per_seq=max_pages,
+                        scratch_page=caches[0].shape[1] - 1, batch_sizes=batch_sizes, backend=backend)
+
+
 @needs_cuda(triton=True)
 def test_graph_decode_matches_eager() -> None:
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
-
     device = torch.device("cuda")
     model = tiny_llama(device, torch.bfloat16)
     caches = allocate_kv_cache(2, NUM_PAGES, PAGE_SIZE, 2, 64, torch.bfloat16, device)
     graph_caches = [c.clone() for c in caches]
-    runner = DecodeGraphRunner(model, graph_caches, PAGE_SIZE, MAX_PAGES, batch_sizes=(1, 2, 4, 8, 16, 32))
+    runner = decode_graphs(model, graph_caches, PAGE_SIZE, MAX_PAGES, batch_sizes=(1, 2, 4, 8, 16, 32))
     rng = random.Random(0)
     with torch.inference_mode():
         for batch in (1, 3, 17):
@@ -124,17 +134,14 @@ def test_triton_backend_matches_torch_on_gpu(chunks: list[tuple[int, int]]) -> N
 
 @needs_cuda(triton=True)
 def test_engine_with_graph_runner_generates_like_eager() -> None:
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
-
     device = torch.device("cuda")
     model = tiny_llama(device, torch.float32)
     layout = KVLayout(2, 2, 64)
-    runner = DecodeGraphRunner(model, None, PAGE_SIZE, MAX_PAGES, batch_sizes=(1, 2, 4))
     engines = [
         AutoregressiveEngine(model, layout, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128,
                              device=device, dtype=torch.float32),
         AutoregressiveEngine(model, layout, num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128,
-                             device=device, dtype=torch.float32, graph_runner=runner,
+                             device=device, dtype=torch.float32, cuda_graphs=True, graph_batch_sizes=(1, 2, 4),
                              attention_backend="triton"),
     ]
     assert engines[1].pool.num_pages == NUM_PAGES  # the scratch page is an extra one
@@ -142,7 +149,7 @@ def test_engine_with_graph_runner_generates_like_eager() -> None:
     prompts = {"a": [5, 6, 7], "b": list(range(40, 73)), "c": [9]}
     histories = [generate(engine, prompts, steps=6) for engine in engines]
     assert histories[0] == histories[1]
-    assert runner.captured_batch_sizes == (4,)
+    assert engines[1].graphs.captured_batch_sizes == (4,)
 
 
 def generate(engine: AutoregressiveEngine, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
@@ -156,37 +163,60 @@ def generate(engine: AutoregressiveEngine, prompts: dict[str, list[int]], steps:
     return out
 
 
-class _EagerStandIn:
-    """CPU stand-in for ``DecodeGraphRunner``: same interface, runs the model eagerly."""
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model, self.page_size, self.calls = model, PAGE_SIZE, 0
-        self.kv_caches: list[torch.Tensor] = []
-
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
-
-    def can_run(self, items: list[EngineItem], meta: PagedAttentionMetadata) -> bool:
-        return all(item.op == "decode" for item in items)
-
-    def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        self.calls += 1
-        return self.model.compute_logits(self.model(input_ids, meta, self.kv_caches))
-
-
-def test_engine_wiring_on_cpu() -> None:
+def test_engine_with_decode_graphs_on_cpu() -> None:
+    """The bucketed decode path run eagerly (off CUDA nothing is captured): the same tokens
+    as the engine without it, every decode step through a bucket, padded rows touching only
+    the scratch page past the pool's pages."""
     model = tiny_llama("cpu", torch.float32)
     layout = KVLayout(2, 2, 64)
-    stand_in = _EagerStandIn(model)
     kwargs: dict[str, Any] = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128,
                                   device=torch.device("cpu"), dtype=torch.float32)
     plain = AutoregressiveEngine(model, layout, **kwargs)
-    graphed = AutoregressiveEngine(model, layout, graph_runner=stand_in, **kwargs)  # type: ignore[arg-type]
+    graphed = AutoregressiveEngine(model, layout, cuda_graphs=True, graph_batch_sizes=(1, 4), **kwargs)
     assert plain.pool.num_pages == graphed.pool.num_pages == NUM_PAGES
     assert graphed.kv_caches[0].shape[1] == NUM_PAGES + 1
-    assert stand_in.kv_caches is graphed.kv_caches
-    prompts = {"a": [1, 2, 3], "b": list(range(10, 30))}
+    prompts = {"a": [1, 2, 3], "b": list(range(10, 30)), "c": [7, 8]}
     assert generate(plain, prompts, 4) == generate(graphed, prompts, 4)
-    assert stand_in.calls == 3  # every decode step, no prefill
+    assert graphed.graphs.captured_batch_sizes == (4,)  # three rows: bucket 4, one padded
+    assert torch.count_nonzero(graphed.kv_caches[0][:, NUM_PAGES]) > 0  # the padded row's K/V
     with pytest.raises(ValueError, match="unknown attention backend"):
         AutoregressiveEngine(model, layout, attention_backend="nope", **kwargs)
+
+
+def test_bucket_graphs_pad_and_copy_out() -> None:
+    """Rows past the batch hold the pads; an input narrower than its buffer fills the leading
+    columns, zeros after; the output is a copy of the batch's rows."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def step(rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        seen.append({name: value.clone() for name, value in rows.items()})
+        return rows["table"].sum(-1) + rows["ids"]
+
+    buffers = {"ids": torch.zeros(4, dtype=torch.int64), "table": torch.zeros(4, 3, dtype=torch.int64)}
+    graphs = BucketGraphs(step, buffers, {"ids": -1, "table": torch.tensor([9, 0, 0])}, (2, 4))
+    out = graphs.run(3, {"ids": torch.tensor([1, 2, 3]), "table": torch.tensor([[5], [6], [7]])})
+    assert out.tolist() == [6, 8, 10] and graphs.captured_batch_sizes == (4,)
+    assert seen[-1]["ids"].tolist() == [1, 2, 3, -1]
+    assert seen[-1]["table"].tolist() == [[5, 0, 0], [6, 0, 0], [7, 0, 0], [9, 0, 0]]
+    graphs.run(1, {"ids": torch.tensor([4]), "table": torch.tensor([[1, 1, 1]])})
+    assert seen[-1]["table"].tolist() == [[1, 1, 1], [9, 0, 0]] and graphs.captured_batch_sizes == (2, 4)
+    with pytest.raises(ValueError, match="does not fit buckets"):
+        graphs.run(5, {"ids": torch.zeros(5, dtype=torch.int64)})
+
+
+def test_shape_graphs_keep_a_static_copy_per_key_and_a_bound() -> None:
+    calls: list[torch.Tensor] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x)
+        return x * 2
+
+    graphs = ShapeGraphs(fn, torch.device("cpu"), max_graphs=2)
+    first = torch.ones(3)
+    assert graphs((3,), first).tolist() == [2, 2, 2] and calls[-1] is not first  # a static copy
+    assert graphs((3,), torch.full((3,), 5.0)).tolist() == [10, 10, 10]
+    assert calls[-1] is calls[0]  # the same static input, refilled
+    graphs((2,), torch.ones(2))
+    third = torch.ones(4)
+    assert graphs((4,), third).tolist() == [2] * 4 and calls[-1] is third  # past the bound: eager
+    assert set(graphs.inputs) == {(3,), (2,)}

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_cuda_graphs import step_meta  # noqa: E402
+from test_cuda_graphs import decode_graphs, step_meta  # noqa: E402
 from test_cuda_graphs import tiny_llama as gpu_llama
 
 from mstar.config import DeploymentConfig  # noqa: E402
@@ -260,12 +260,11 @@ def test_llama_fused_matches_eager_bf16_on_gpu() -> None:
 
 @needs_cuda
 def test_cuda_graph_decode_with_fused_kernels() -> None:
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
 
     model = gpu_llama(DEVICE, torch.bfloat16)  # head_dim 64, as the graph runner's own tests
     caches = allocate_kv_cache(2, 32, 4, 2, 64, torch.bfloat16, DEVICE)
     graph_caches = [c.clone() for c in caches]
-    runner = DecodeGraphRunner(model, graph_caches, 4, 8, batch_sizes=(1, 4))
+    runner = decode_graphs(model, graph_caches, 4, 8, batch_sizes=(1, 4))
     rng = random.Random(0)
     pool = PagePool(31, 4)  # the last page is the runner's scratch page
     lens = {f"s{i}": rng.randint(1, 12) for i in range(3)}

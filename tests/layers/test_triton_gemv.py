@@ -244,10 +244,9 @@ def test_llama_rows_above_the_threshold_take_the_old_path(monkeypatch: pytest.Mo
 def test_llama_gemv_path_bf16_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 decode of three rows (bucket 4) from a captured graph, the GEMV kernels inside,
     against the eager model."""
-    from test_cuda_graphs import step_meta
+    from test_cuda_graphs import decode_graphs, step_meta
     from test_cuda_graphs import tiny_llama as gpu_llama
 
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
     from mstar.engine.page_pool import PagePool
     from mstar.layers.paged_kv import allocate_kv_cache
 
@@ -255,7 +254,7 @@ def test_llama_gemv_path_bf16_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -
     model = gpu_llama(DEVICE, torch.bfloat16)
     caches = allocate_kv_cache(2, 32, 4, 2, 64, torch.bfloat16, DEVICE)
     graph_caches = [c.clone() for c in caches]
-    runner = DecodeGraphRunner(model, graph_caches, 4, 8, batch_sizes=(1, 4))
+    runner = decode_graphs(model, graph_caches, 4, 8, batch_sizes=(1, 4))
     pool = PagePool(31, 4)
     lens = {"a": 5, "b": 9, "c": 2}
     with torch.inference_mode():

@@ -1,5 +1,5 @@
 """The fused QK-norm + interleaved RoPE kernel against its torch reference, the reference
-against FLUX.2's module path (nn.RMSNorm then apply_rope), and the FLUX.2 DiT with the
+against FLUX.2's module path (nn.RMSNorm then apply_rotary_pairs), and the FLUX.2 DiT with the
 kernel against the DiT without it.
 
 Without a GPU the kernel runs on CPU tensors under Triton's interpreter (see
@@ -16,7 +16,8 @@ import torch
 from mstar.layers import triton_qk_norm  # noqa: E402
 from mstar.layers.triton_qk_norm import qk_norm_rope, torch_qk_norm_rope  # noqa: E402
 from mstar.model.flux2.config import Flux2TransformerConfig  # noqa: E402
-from mstar.model.flux2.rope import apply_rope, rope_cos_sin  # noqa: E402
+from mstar.layers.rotary import apply_rotary_pairs  # noqa: E402
+from mstar.model.flux2.rope import rope_cos_sin  # noqa: E402
 from mstar.model.flux2.transformer import Flux2Transformer, use_fused_qk_norm_rope  # noqa: E402
 from tests.support.triton_interpreter import (
     DEVICE,
@@ -53,7 +54,7 @@ def ulp_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_reference_is_the_module_path():
-    """``torch_qk_norm_rope`` rounds where FLUX.2's nn.RMSNorm + apply_rope round: equal bits."""
+    """``torch_qk_norm_rope`` rounds where FLUX.2's nn.RMSNorm + apply_rotary_pairs round: equal bits."""
     for dtype in (torch.float32, torch.bfloat16):
         x, weight = inputs(2, 11, 3, dtype)
         norm = torch.nn.RMSNorm(32, eps=1e-6).to(DEVICE, dtype)
@@ -62,7 +63,8 @@ def test_reference_is_the_module_path():
         for batch in (None, 2):
             cos, sin = tables(batch, 11)
             with torch.no_grad():
-                assert torch.equal(torch_qk_norm_rope(x, weight, 1e-6, cos, sin), apply_rope(norm(x), cos, sin))
+                want = apply_rotary_pairs(norm(x), cos, sin)
+                assert torch.equal(torch_qk_norm_rope(x, weight, 1e-6, cos, sin), want)
 
 
 @runnable

@@ -15,11 +15,11 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from diffusers.models.embeddings import apply_rotary_emb
 
+from mstar.layers.rotary import apply_rotary_pairs as apply_rope
 from mstar.model.flux2 import (
     PRESETS,
     Flux2Transformer,
     Flux2TransformerConfig,
-    apply_rope,
 )
 
 TOL = 1e-5

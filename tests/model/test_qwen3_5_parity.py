@@ -16,13 +16,13 @@ from transformers import Qwen3_5ForCausalLM as HFCausalLM
 from transformers import Qwen3_5ForConditionalGeneration as HFConditional
 from transformers import Qwen3_5TextConfig as HFTextConfig
 
-from mstar.engine.autoregressive import KVLayout
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
+from mstar.layers.rotary import MRotaryEmbedding
 from mstar.model.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
-from mstar.model.qwen3_5.engine import HybridEngine
+from mstar.model.qwen3_5.engine import hybrid_engine
 from mstar.model.qwen3_5.model import load_checkpoint
-from mstar.model.qwen3_5.rope import MRotaryEmbedding
 from mstar.model.weights import WeightLoadError
 
 TOL = 1e-4
@@ -64,12 +64,12 @@ def ours(reference: HFCausalLM) -> Qwen3_5ForCausalLM:
     return model
 
 
-def _engine(model: Qwen3_5ForCausalLM, max_slots: int = 4) -> HybridEngine:
+def _engine(model: Qwen3_5ForCausalLM, max_slots: int = 4) -> AutoregressiveEngine:
     config = model.config
-    return HybridEngine(model, KVLayout(len(config.full_layers), config.num_key_value_heads, config.head_dim),
-                        num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
-                        max_slots=max_slots, state_dtype=torch.float32, num_pages=40, page_size=8,
-                        max_seq_len=256, device=torch.device("cpu"), dtype=torch.float32)
+    return hybrid_engine(model, KVLayout(len(config.full_layers), config.num_key_value_heads, config.head_dim),
+                         num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
+                         max_slots=max_slots, state_dtype=torch.float32, num_pages=40, page_size=8,
+                         max_seq_len=256, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def test_config_reads_nested_text_config() -> None:
@@ -130,8 +130,8 @@ def test_batched_prefill_and_decode_match_transformers(reference: HFCausalLM, ou
         step(["b", "a", "c"])
         for _ in range(5):
             step(["a", "b", "c"])
-        assert engine.states.num_used == 3
-        engine.states.check_invariants()
+        assert engine.forward.states.num_used == 3
+        engine.forward.states.check_invariants()
     finally:
         del ours.compute_logits
 
@@ -145,8 +145,8 @@ def test_batched_prefill_and_decode_match_transformers(reference: HFCausalLM, ou
 
     for rid in prompts:
         engine.release(rid)
-    assert engine.states.num_used == 0 and engine.pool.num_used_pages == 0
-    engine.states.check_invariants()
+    assert engine.forward.states.num_used == 0 and engine.pool.num_used_pages == 0
+    engine.forward.states.check_invariants()
 
 
 @torch.no_grad()
@@ -166,11 +166,11 @@ def test_failed_step_frees_fresh_slots_and_poisons_advanced_ones(ours: Qwen3_5Fo
                         EngineItem("b", "prefill", 0, {"prompt_ids": torch.tensor([4, 5])}, params)])
     finally:
         del ours.forward
-    assert not engine.states.has("b") and engine.states.has("a")  # fresh b gave its slot back
+    assert not engine.forward.states.has("b") and engine.forward.states.has("a")  # fresh b gave its slot back
     with pytest.raises(RuntimeError, match="recurrent state was lost"):
         engine.run([EngineItem("a", "decode", 0, {"token": token}, params)])
     engine.release("a")
-    assert engine.states.num_used == 0 and engine.pool.num_used_pages == 0
+    assert engine.forward.states.num_used == 0 and engine.pool.num_used_pages == 0
 
 
 def test_third_request_waits_for_a_slot(ours: Qwen3_5ForCausalLM) -> None:
@@ -264,5 +264,5 @@ def test_request_refused_before_forward_costs_nobody(ours: Qwen3_5ForCausalLM) -
     with pytest.raises(RuntimeError, match="does not follow its history"):
         engine.run([EngineItem("a", "decode", 0, {"token": token_a}, params),
                     EngineItem("b", "decode", 0, {"token": (token_b + 1) % VOCAB}, params)])
-    assert not engine.lost
+    assert not engine.forward.lost
     engine.run([EngineItem("a", "decode", 0, {"token": token_a}, params)])

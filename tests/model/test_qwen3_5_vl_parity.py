@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 from transformers import Qwen3_5Config as HFConfig
 from transformers import Qwen3_5ForConditionalGeneration as HFConditional
 
-from mstar.engine.autoregressive import KVLayout
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem, StatelessEngine
 from mstar.model.qwen3_5 import Qwen3_5ForCausalLM
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
-from mstar.model.qwen3_5.engine import HybridEngine, vision_fn
+from mstar.model.qwen3_5.engine import hybrid_engine, vision_fn
 from mstar.model.qwen3_5.model import load_checkpoint
 from mstar.model.qwen3_5.processor import (
     ImageProcessing,
@@ -112,12 +112,12 @@ def _picture(rng, height: int, width: int):
     return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
 
 
-def _engine(model: Qwen3_5ForCausalLM) -> HybridEngine:
+def _engine(model: Qwen3_5ForCausalLM) -> AutoregressiveEngine:
     config = model.config
-    return HybridEngine(model, KVLayout(len(config.full_layers), config.num_key_value_heads, config.head_dim),
-                        num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
-                        max_slots=4, state_dtype=torch.float32, media_token_ids=(TOKENS.image, TOKENS.video),
-                        num_pages=40, page_size=8, max_seq_len=256, device=torch.device("cpu"), dtype=torch.float32)
+    return hybrid_engine(model, KVLayout(len(config.full_layers), config.num_key_value_heads, config.head_dim),
+                         num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
+                         max_slots=4, state_dtype=torch.float32, media_token_ids=(TOKENS.image, TOKENS.video),
+                         num_pages=40, page_size=8, max_seq_len=256, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _reference_logits(reference: HFConditional, ids: list[int], media: list) -> torch.Tensor:
@@ -171,7 +171,8 @@ def test_batched_text_image_video_match_transformers(checkpoint, ours) -> None:
                 logits[rid].append(row)
     finally:
         del model.compute_logits
-    assert engine.rope_deltas["image"] < 0 and engine.rope_deltas["video"] < 0 and "text" not in engine.rope_deltas
+    deltas = engine.forward.rope_deltas
+    assert deltas["image"] < 0 and deltas["video"] < 0 and "text" not in deltas
     for rid, (ids, media) in requests.items():
         ref = _reference_logits(reference, ids + tokens[rid][:-1], media)[len(ids) - 1:]
         assert len(logits[rid]) == ref.shape[0]
@@ -179,7 +180,7 @@ def test_batched_text_image_video_match_transformers(checkpoint, ours) -> None:
             assert rel_err(row, ref[i]) <= TOL, f"request {rid} step {i}: relative error {rel_err(row, ref[i]):.2e}"
     for rid in requests:
         engine.release(rid)
-    assert engine.rope_deltas == {} and engine.states.num_used == 0 and engine.pool.num_used_pages == 0
+    assert deltas == {} and engine.forward.states.num_used == 0 and engine.pool.num_used_pages == 0
 
 
 @torch.no_grad()
@@ -191,7 +192,7 @@ def test_vision_embeddings_must_fill_the_media_tokens(ours) -> None:
                                           "mrope_positions": torch.arange(6).expand(3, -1)}, {})
     with pytest.raises(ValueError, match="2 media tokens but 3 vision embeddings"):
         engine.run([item])
-    assert not engine.states.has("x") and "x" not in engine.rope_deltas
+    assert not engine.forward.states.has("x") and "x" not in engine.forward.rope_deltas
 
 
 def test_checkpoint_coverage_both_ways(checkpoint) -> None:

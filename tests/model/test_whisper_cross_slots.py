@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from mstar.config import ConfigError, parse_config
-from mstar.engine.autoregressive import KVLayout
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
+from mstar.engine.cuda_graphs import DecodeGraphs
 from mstar.engine.page_pool import PagePool
 from mstar.engine.state_pool import OutOfSlots
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
@@ -26,14 +27,18 @@ from mstar.model.whisper.cross_kv import (
     CrossKVSlots,
     cross_attention,
 )
-from mstar.model.whisper.engine import WhisperDecoderEngine, WhisperRules
-from mstar.model.whisper.graphs import WhisperDecodeGraphs
+from mstar.model.whisper.engine import (
+    CrossAttentionForward,
+    EncoderGraphs,
+    whisper_decoder_engine,
+)
+from mstar.model.whisper.rules import DecoderTokens
 
 FRAMES = 24  # encoder positions of the tiny model (real Whisper: 1500)
 PAGE_SIZE = 4
 SOT = 100
-RULES = WhisperRules(vocab_size=120, eot=99, sot=SOT, no_timestamps=105, transcribe=103, translate=104,
-                     language_ids=(101, 102), suppress=(7, 8), begin_suppress=(9,))
+TOKENS = DecoderTokens(vocab_size=120, eot=99, sot=SOT, no_timestamps=105, transcribe=103, translate=104,
+                       language_ids=(101, 102), suppress=(7, 8), begin_suppress=(9,))
 TINY = dict(vocab_size=120, num_mel_bins=8, d_model=32, encoder_layers=1, encoder_attention_heads=4,
             decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
             max_source_positions=FRAMES, max_target_positions=64)
@@ -69,10 +74,10 @@ def features(n: int, seed: int, device: torch.device | str = "cpu") -> list[torc
 
 
 def tiny_engine(model, *, max_requests: int = 4, num_pages: int = 48, backend: str = "torch",
-                cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4), **kwargs) -> WhisperDecoderEngine:
+                cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4), **kwargs) -> AutoregressiveEngine:
     device = next(model.parameters()).device
-    return WhisperDecoderEngine(
-        model, RULES, layout=KVLayout(*model.kv_layout()), num_pages=num_pages, page_size=PAGE_SIZE,
+    return whisper_decoder_engine(
+        model, TOKENS, layout=KVLayout(*model.kv_layout()), num_pages=num_pages, page_size=PAGE_SIZE,
         max_seq_len=TINY["max_target_positions"], device=device, dtype=next(model.parameters()).dtype,
         max_requests=max_requests, attention_backend=backend, cuda_graphs=cuda_graphs,
         graph_batch_sizes=graph_batch_sizes, **kwargs)
@@ -84,7 +89,7 @@ def prefill(request_id: str, audio: torch.Tensor, prompt: list[int], new_tokens:
     return EngineItem(request_id, "prefill", 0, inputs, params)
 
 
-def drive(engine: WhisperDecoderEngine, audio: dict[str, torch.Tensor], prompts: dict[str, list[int]],
+def drive(engine: AutoregressiveEngine, audio: dict[str, torch.Tensor], prompts: dict[str, list[int]],
           steps: list[list[str]]) -> dict[str, list[int]]:
     """Run ``steps`` (request ids per batch; a request's first step is its prefill) and return
     every request's generated tokens; requests absent from the rest of the schedule are released."""
@@ -96,7 +101,7 @@ def drive(engine: WhisperDecoderEngine, audio: dict[str, torch.Tensor], prompts:
         for r, result in zip(step, engine.run(items)):
             out.setdefault(r, []).append(int(result.outputs["token"]))
         for r in out:
-            if engine.cross_slots.has(r) and not any(r in later for later in steps[i + 1:]):
+            if engine.forward.cross_slots.has(r) and not any(r in later for later in steps[i + 1:]):
                 engine.release(r)
     return out
 
@@ -105,35 +110,36 @@ def drive(engine: WhisperDecoderEngine, audio: dict[str, torch.Tensor], prompts:
 def test_slots_are_taken_at_prefill_written_once_and_freed() -> None:
     model = tiny_model()
     engine = tiny_engine(model, max_requests=2)
+    slots = engine.forward.cross_slots
     audio = dict(zip("abc", features(3, seed=1)))
-    assert engine.cross == {} and engine.stats()["cross_kv_slots_total"] == 2
+    assert slots.held() == {} and engine.stats()["cross_kv_slots_total"] == 2
     engine.run([prefill("a", audio["a"], [SOT, 101]), prefill("b", audio["b"], [SOT])])
-    held = engine.cross
+    held = slots.held()
     assert sorted(held) == ["a", "b"] and sorted(held.values()) == [0, 1]
     with torch.no_grad():
         for layer, (keys, values) in enumerate(model.cross_kv(audio["b"])):
-            assert torch.equal(engine.cross_slots.layers[layer][0][held["b"]], keys)
-            assert torch.equal(engine.cross_slots.layers[layer][1][held["b"]], values)
+            assert torch.equal(slots.layers[layer][0][held["b"]], keys)
+            assert torch.equal(slots.layers[layer][1][held["b"]], values)
 
     # exhausted: the third request fails alone, holding nothing afterwards
     with pytest.raises(OutOfSlots, match="cross-attention K/V slot; all 2"):
         engine.run([prefill("c", audio["c"], [SOT])])
-    assert "c" not in engine.seqs and not engine.pool.has("c") and sorted(engine.cross) == ["a", "b"]
+    assert "c" not in engine.seqs and not engine.pool.has("c") and sorted(slots.held()) == ["a", "b"]
 
     engine.release("a")
-    assert sorted(engine.cross) == ["b"] and engine.stats()["cross_kv_slots_used"] == 1
+    assert sorted(slots.held()) == ["b"] and engine.stats()["cross_kv_slots_used"] == 1
     engine.run([prefill("c", audio["c"], [SOT])])
-    assert engine.cross["c"] == held["a"]  # a's slot, now c's
+    assert slots.held()["c"] == held["a"]  # a's slot, now c's
 
     # a first step that fails after taking its slot gives it back
     engine.release("b")
     bad = prefill("d", torch.zeros(FRAMES, TINY["d_model"] + 1), [SOT])
     with pytest.raises(RuntimeError):
         engine.run([bad])
-    assert sorted(engine.cross) == ["c"] and "d" not in engine.seqs
+    assert sorted(slots.held()) == ["c"] and "d" not in engine.seqs
     engine.release("c")
-    assert engine.cross == {} and engine.pool.num_used_pages == 0
-    engine.cross_slots.pool.check_invariants()
+    assert slots.held() == {} and engine.pool.num_used_pages == 0
+    slots.pool.check_invariants()
 
 
 def test_slots_that_do_not_fit_are_refused_naming_the_key() -> None:
@@ -259,15 +265,20 @@ def step_meta(pool: PagePool, chunks: list[tuple[str, int, int]], backend: str,
 
 
 def compare_graph_runner(model, backend: str, device: torch.device | str, dtype: torch.dtype, tol: float) -> None:
-    """Decode steps of 3, 4, 1 and 2 sequences (buckets 4, 4, 1, 2) through the runner and
-    through eager ``decode`` on twin caches: same hidden states, same K/V in every real page."""
+    """Decode steps of 3, 4, 1 and 2 sequences (buckets 4, 4, 1, 2) through the decode graphs
+    of Whisper's forward (each row's cross slot a graph input) and through eager ``decode`` on
+    twin caches: same hidden states, same K/V in every real page."""
     layers, heads, head_dim = model.kv_layout()
     num_pages = 40
     eager_kv = allocate_kv_cache(layers, num_pages + 1, PAGE_SIZE, heads, head_dim, dtype, device)
-    cross = CrossKVSlots(layers, 5, FRAMES, heads, head_dim, dtype, device)
+    forward = CrossAttentionForward(model, max_requests=5, dtype=dtype, device=torch.device(device),
+                                    attention_backend=backend)
+    cross = forward.cross_slots
     runner_kv = [c.clone() for c in eager_kv]
-    graphs = WhisperDecodeGraphs(model, runner_kv, cross, page_size=PAGE_SIZE, max_pages_per_seq=16,
-                                 scratch_page=num_pages, batch_sizes=(1, 2, 4), backend=backend)
+    graphs = DecodeGraphs(lambda ids, meta, rows: forward.graph_step(ids, meta, runner_kv, rows),
+                          device=torch.device(device), page_size=PAGE_SIZE, max_pages_per_seq=16,
+                          scratch_page=num_pages, batch_sizes=(1, 2, 4), backend=backend,
+                          row_pads=forward.graph_rows)
     pool = PagePool(num_pages, PAGE_SIZE)
     names = ["a", "b", "c", "d"]
     slot = {r: cross.acquire(r) for r in ["x", *names]}  # x only shifts the slots
@@ -293,7 +304,7 @@ def compare_graph_runner(model, backend: str, device: torch.device | str, dtype:
         with torch.no_grad():
             batch = CrossAttentionBatch.build(slots, None, frames=FRAMES, sink=cross.sink, backend=backend)
             want = model.decode(ids, meta, eager_kv, cross.layers, batch)
-            got = graphs.run(ids, meta, slots)
+            got = graphs.run(ids, meta, {"cross_slots": slots})
         assert got.shape == want.shape
         err = rel_err(got, want)
         assert err <= tol, (step, err)
@@ -323,7 +334,7 @@ def test_engine_with_decode_graphs_matches_eager_engine() -> None:
     got = drive(graphed, audio, prompts, steps)
     assert got == want
     assert graphed.graphs is not None and graphed.graphs.captured_batch_sizes == (1, 2, 4)
-    assert graphed.cross == {} and graphed.stats()["kv_pages_used"] == 0
+    assert graphed.forward.cross_slots.held() == {} and graphed.stats()["kv_pages_used"] == 0
 
 
 def test_switches_reach_the_engines(tmp_path, monkeypatch) -> None:
@@ -348,10 +359,8 @@ def test_switches_reach_the_engines(tmp_path, monkeypatch) -> None:
 def test_encoder_graphs_pad_to_buckets_on_cpu() -> None:
     """The encoder's bucketed path (eager on the CPU): zero-padded rows dropped, the same
     features as ``encode``; a batch past the buckets runs eagerly."""
-    from mstar.model.whisper.graphs import WhisperEncoderGraphs
-
     model = tiny_model()
-    graphs = WhisperEncoderGraphs(model, (1, 4))
+    graphs = EncoderGraphs(model, (1, 4))
     gen = torch.Generator().manual_seed(6)
     mel = torch.randn(5, TINY["num_mel_bins"], 2 * FRAMES, generator=gen)
     with torch.no_grad():

@@ -100,10 +100,10 @@ def test_every_switch_matches_eager_at_large_v3_widths(tmp_path, dtype: str) -> 
 @needs_cuda(triton=True)
 def test_encoder_graphs_match_eager_encoder() -> None:
     """The encoder replayed per bucket (padded with zero mels) against eager ``encode``."""
-    from mstar.model.whisper.graphs import WhisperEncoderGraphs
+    from mstar.model.whisper.engine import EncoderGraphs
 
     model = tiny_model("cuda", torch.bfloat16)
-    graphs = WhisperEncoderGraphs(model, (1, 4))
+    graphs = EncoderGraphs(model, (1, 4))
     mel = torch.randn(3, model.config.num_mel_bins, model.config.num_mel_frames, device="cuda",
                       dtype=torch.bfloat16)
     with torch.no_grad():

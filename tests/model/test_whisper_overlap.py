@@ -14,13 +14,13 @@ import copy
 
 import pytest
 import torch
-from test_whisper_cross_slots import RULES, SOT, features, tiny_engine, tiny_model
+from test_whisper_cross_slots import SOT, TOKENS, features, tiny_engine, tiny_model
 
+from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.base import EngineItem
-from mstar.model.whisper.engine import WhisperDecoderEngine
 
 
-def make_engine(model, overlap: bool, **kwargs) -> WhisperDecoderEngine:
+def make_engine(model, overlap: bool, **kwargs) -> AutoregressiveEngine:
     return tiny_engine(model, max_requests=6, num_pages=96, overlap_scheduling=overlap, **kwargs)
 
 
@@ -30,7 +30,7 @@ def request(prompt: list[int], new_tokens: int, *, stop: tuple[int, ...] = (), d
                                          "stop_token_ids": list(stop), "detect_language": detect, "task": task}}
 
 
-def serve(engine: WhisperDecoderEngine, requests: dict[str, dict], joins: dict[str, int],
+def serve(engine: AutoregressiveEngine, requests: dict[str, dict], joins: dict[str, int],
           sits_out: dict[str, set[int]] | None = None) -> tuple[dict[str, list[int]], int]:
     """Drive the engine like the conductor: request ``r`` is prefilled at plan ``joins[r]``,
     then decodes every plan (except those in ``sits_out[r]``) until a step flags a stop, when
@@ -62,8 +62,8 @@ def serve(engine: WhisperDecoderEngine, requests: dict[str, dict], joins: dict[s
         plan += 1
         assert plan < 500
     engine.pool.check_invariants()
-    used = engine.pool.num_used_pages - (engine.graphs is not None)
-    assert used == 0 and engine.seqs == {} and engine._ahead is None and engine.cross == {}
+    assert engine.pool.num_used_pages == 0 and engine.seqs == {} and engine._ahead is None
+    assert engine.forward.cross_slots.held() == {}
     return out, ahead_used
 
 
@@ -84,8 +84,8 @@ def test_overlap_matches_eager_as_requests_join_and_leave() -> None:
     assert got == want
     assert ahead_used > 10  # the overlap path really ran
     # language detection chose a language, then the task and no-timestamps were forced
-    assert want["c"][0] in RULES.language_ids and want["c"][1:3] == [RULES.transcribe, RULES.no_timestamps]
-    assert want["d"][1:3] == [RULES.translate, RULES.no_timestamps]
+    assert want["c"][0] in TOKENS.language_ids and want["c"][1:3] == [TOKENS.transcribe, TOKENS.no_timestamps]
+    assert want["d"][1:3] == [TOKENS.translate, TOKENS.no_timestamps]
     assert [len(want[r]) for r in "abef"] == [23, 7, 30, 1]
 
 
@@ -129,21 +129,22 @@ def test_forced_tokens_are_not_launched_ahead() -> None:
 
 
 # ---------------------------------------------------------------- the batched choice
-def per_row_choose(engine: WhisperDecoderEngine, logits: torch.Tensor, seqs) -> list[int]:
+def per_row_choose(engine: AutoregressiveEngine, logits: torch.Tensor, seqs) -> list[int]:
     """The per-row choice the batched one replaced (greedy rows)."""
     out = []
     for seq in seqs:
-        state = seq.extra
+        state = seq.state
         row = logits[len(out)].float()
-        if state.get("forced"):
-            out.append(state["forced"].pop(0))
-        elif state["detect"] and seq.generated == 0:
-            ids = list(RULES.language_ids)
+        if state.forced:
+            out.append(state.forced.pop(0))
+        elif state.detect and seq.generated == 0:
+            ids = list(TOKENS.language_ids)
             out.append(ids[int(row[ids].argmax())])
-            task = RULES.translate if state["task"] == "translate" else RULES.transcribe
-            state["forced"] = [task, RULES.no_timestamps]
+            task = TOKENS.translate if state.task == "translate" else TOKENS.transcribe
+            state.forced = [task, TOKENS.no_timestamps]
         else:
-            mask = engine.begin_mask if seq.generated == state["text_start"] else engine.suppress_mask
+            rules = engine.rules
+            mask = rules.begin_mask if seq.generated == state.text_start else rules.suppress_mask
             out.append(int(row.masked_fill(mask, float("-inf")).argmax()))
     return out
 
@@ -155,17 +156,17 @@ def test_batched_choice_matches_per_row_reference(seed: int) -> None:
     seqs = []
     for i in range(12):
         detect = bool(torch.randint(2, (1,), generator=gen))
-        seq = engine._new_sequence([SOT], {"detect_language": detect, "task": ("translate", "transcribe")[i % 2],
-                                           "sampling": {"temperature": 0.0}})
+        seq = engine._new_sequence(f"r{i}", [SOT], {"detect_language": detect, "sampling": {"temperature": 0.0},
+                                                    "task": ("translate", "transcribe")[i % 2]})
         seq.tokens += [5] * int(torch.randint(5, (1,), generator=gen))  # 0..4 generated
         if detect and 0 < seq.generated < 3:
-            seq.extra["forced"] = [RULES.transcribe, RULES.no_timestamps][seq.generated - 1:]
+            seq.state.forced = [TOKENS.transcribe, TOKENS.no_timestamps][seq.generated - 1:]
         seqs.append(seq)
-    logits = torch.randn(len(seqs), RULES.vocab_size, generator=gen)
+    logits = torch.randn(len(seqs), TOKENS.vocab_size, generator=gen)
     logits[:, 9] += 10.0  # a begin-suppressed token that would otherwise win
     twins = copy.deepcopy(seqs)
-    assert engine.choose(logits, seqs) == per_row_choose(engine, logits, twins)
-    assert [s.extra for s in seqs] == [s.extra for s in twins]
+    assert engine.rules.choose(logits, seqs, engine.sample).tolist() == per_row_choose(engine, logits, twins)
+    assert [s.state for s in seqs] == [s.state for s in twins]
 
 
 def test_choice_of_a_step_launched_ahead_masks_its_first_text_token() -> None:
@@ -174,12 +175,13 @@ def test_choice_of_a_step_launched_ahead_masks_its_first_text_token() -> None:
     engine = make_engine(tiny_model(), False)
     seqs = []
     for generated, detect in [(0, False), (1, False), (2, True), (3, True), (5, True)]:
-        seq = engine._new_sequence([SOT], {"detect_language": detect, "sampling": {"temperature": 0.0}})
+        seq = engine._new_sequence(f"r{generated}", [SOT], {"detect_language": detect,
+                                                            "sampling": {"temperature": 0.0}})
         seq.tokens += [5] * generated
         seqs.append(seq)
-    logits = torch.randn(len(seqs), RULES.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(len(seqs), TOKENS.vocab_size, generator=torch.Generator().manual_seed(0))
     logits[:, 9] += 100.0  # begin-suppressed only: wins unless this is a first text token
-    ahead = engine.choose_on_device(logits, seqs, lead=1).tolist()
+    ahead = engine.rules.choose(logits, seqs, engine.sample, lead=1).tolist()
     for seq in seqs:
         seq.tokens.append(5)
     assert ahead == per_row_choose(engine, logits, seqs)

@@ -263,7 +263,6 @@ def test_overlap_with_cuda_graphs_matches_eager_on_gpu():
     """On the GPU: Triton attention, graph-replayed decodes and overlap against the eager
     PyTorch reference, token for token (float32)."""
     from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
     from mstar.model.llama import LlamaConfig, LlamaForCausalLM
 
     device = torch.device("cuda")
@@ -275,11 +274,10 @@ def test_overlap_with_cuda_graphs_matches_eager_on_gpu():
     layout = KVLayout(2, 2, 64)
     common = dict(num_pages=64, page_size=16, max_seq_len=128, device=device, dtype=torch.float32)
     eager = AutoregressiveEngine(model, layout, **common)
-    runner = DecodeGraphRunner(model, None, 16, 8, batch_sizes=(1, 2, 4))
-    fast = AutoregressiveEngine(model, layout, graph_runner=runner, attention_backend="triton",
-                                overlap_scheduling=True, **common)
+    fast = AutoregressiveEngine(model, layout, cuda_graphs=True, graph_batch_sizes=(1, 2, 4),
+                                attention_backend="triton", overlap_scheduling=True, **common)
     assert _drive(fast) == _drive(eager)
-    assert runner.captured_batch_sizes  # the steps launched ahead replayed graphs
+    assert fast.graphs.captured_batch_sizes  # the steps launched ahead replayed graphs
 
 
 def test_engine_failure_rolls_back(model_dir):
@@ -296,17 +294,26 @@ def test_engine_failure_rolls_back(model_dir):
     overlap.pool.check_invariants()
 
 
-def test_overlap_needs_plain_hooks(model_dir):
+def test_fast_paths_follow_what_the_forward_allows(model_dir):
+    """A forward whose per-request state a discarded step would leave advanced refuses overlap
+    scheduling; one without decode graphs refuses cuda_graphs (at construction, naming it)."""
     from mstar.engine.autoregressive import AutoregressiveEngine
+    from mstar.engine.forward import Forward
 
-    class Constrained(AutoregressiveEngine):
-        def choose(self, logits, seqs):
-            return super().choose(logits, seqs)
+    class Stateful(Forward):
+        runs_ahead = False
+
+        def __init__(self, model):
+            super().__init__(model)
+            self.graph_rows = None
 
     plain = _engines(model_dir)[0]
-    with pytest.raises(ValueError, match="overlap_scheduling"):
-        Constrained(plain.model, _layout(plain), num_pages=8, page_size=PAGE_SIZE, max_seq_len=64,
-                    device=torch.device("cpu"), dtype=torch.float32, overlap_scheduling=True)
+    kwargs = dict(num_pages=8, page_size=PAGE_SIZE, max_seq_len=64, device=torch.device("cpu"), dtype=torch.float32)
+    for switch in ("overlap_scheduling", "cuda_graphs"):
+        with pytest.raises(ValueError, match=f"{switch}: Stateful"):
+            AutoregressiveEngine(plain.model, _layout(plain), forward=Stateful(plain.model), **{switch: True}, **kwargs)
+    with pytest.raises(ValueError, match="another model"):
+        AutoregressiveEngine(plain.model, _layout(plain), forward=Forward(torch.nn.Linear(1, 1)), **kwargs)
 
 
 def _layout(engine):

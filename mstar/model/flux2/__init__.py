@@ -1,7 +1,7 @@
 """FLUX.2 diffusion transformer (the denoiser of FLUX.2 [dev] / [klein] image generation)."""
 
 from mstar.model.flux2.config import PRESETS, Flux2TransformerConfig
-from mstar.model.flux2.rope import Flux2RotaryEmbedding, apply_rope, rope_cos_sin
+from mstar.model.flux2.rope import Flux2RotaryEmbedding, rope_cos_sin
 from mstar.model.flux2.transformer import (
     Flux2DoubleStreamBlock,
     Flux2SingleStreamBlock,
@@ -16,7 +16,6 @@ __all__ = [
     "Flux2SingleStreamBlock",
     "Flux2Transformer",
     "Flux2TransformerConfig",
-    "apply_rope",
     "attention",
     "rope_cos_sin",
 ]

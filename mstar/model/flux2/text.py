@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mstar.engine.graphed_forward import GraphedForward
+from mstar.engine.cuda_graphs import ShapeGraphs
 from mstar.model.qwen3 import (
     KLEIN_MAX_LENGTH,
     KLEIN_TAP_LAYERS,
@@ -45,7 +45,7 @@ class KleinText:
         return Qwen3TextEncoder(self.config, tap_layers=self.tap_layers)
 
     def encode(self, encoder: Qwen3TextEncoder, ids: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
-               graphs: GraphedForward | None = None) -> list[torch.Tensor]:
+               graphs: ShapeGraphs | None = None) -> list[torch.Tensor]:
         """A batch of tokenised prompts (on the host) -> ``[L, taps * hidden]`` each (padding
         kept, as the pipeline gives all positions to the DiT). Whether anything is padded is
         read on the host, so the forward never waits for the device; ``graphs`` (from
@@ -70,6 +70,7 @@ class KleinText:
         states = encoder(ids, masks, tap_layers=self.tap_layers, padded=masks is not None)
         return torch.cat(states, dim=-1)
 
-    def graphed(self, encoder: Qwen3TextEncoder) -> GraphedForward:
+    def graphed(self, encoder: Qwen3TextEncoder) -> ShapeGraphs:
         """``features`` replayed from a CUDA graph per (batch, length, padded)."""
-        return GraphedForward(lambda ids, masks=None: self.features(encoder, ids, masks))
+        device = encoder.model.embed_tokens.weight.device
+        return ShapeGraphs(lambda ids, masks=None: self.features(encoder, ids, masks), device)

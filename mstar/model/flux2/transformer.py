@@ -41,9 +41,10 @@ from mstar.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from mstar.layers.rotary import apply_rotary_pairs
 from mstar.layers.ulysses import SequenceShards, UlyssesAttention
 from mstar.model.flux2.config import Flux2TransformerConfig
-from mstar.model.flux2.rope import Flux2RotaryEmbedding, apply_rope
+from mstar.model.flux2.rope import Flux2RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), [S, head_dim] or [B, S, head_dim]
 ModParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # shift, scale, gate: [B, 1, D]
@@ -59,13 +60,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 
 def norm_rope(norm: nn.RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``apply_rope(norm(x), cos, sin)``: per-head QK-norm, then the rotation; ``fused``: the
-    two as one Triton kernel (``mstar.layers.triton_qk_norm``, the same rounding points)."""
+    """``apply_rotary_pairs(norm(x), cos, sin)``: per-head QK-norm, then the rotation; ``fused``:
+    the two as one Triton kernel (``mstar.layers.triton_qk_norm``, the same rounding points)."""
     if fused:
         from mstar.layers.triton_qk_norm import qk_norm_rope
 
         return qk_norm_rope(x, norm.weight, cos, sin, norm.eps)
-    return apply_rope(norm(x), cos, sin)
+    return apply_rotary_pairs(norm(x), cos, sin)
 
 
 def use_fused_qk_norm_rope(model: nn.Module, enabled: bool = True) -> None:

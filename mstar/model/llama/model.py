@@ -174,13 +174,14 @@ class LlamaChat(ModelSpec):
                      device=device, dtype=dtype)
         engines = {}
         if LLM in nodes:
-            engines[LLM] = AutoregressiveEngine(model, layout, **sizes, **decode_fast_paths(self.config, model, device))
-            if engines[LLM].graph_runner is not None:  # every bucket now: no request waits for a capture
-                engines[LLM].graph_runner.capture_all()
+            engines[LLM] = AutoregressiveEngine(model, layout, **sizes, **decode_fast_paths(self.config, device))
+            if engines[LLM].graphs is not None:  # every bucket now: no request waits for a capture
+                engines[LLM].graphs.capture_all()
         if LLM_PREFILL in nodes:  # its own pool, the same size: it holds a request's prompt pages only
             kwargs = self.config.model_kwargs  # the decoder's attention backend (cuda_graphs runs triton)
             backend = "triton" if kwargs.get("cuda_graphs", False) else kwargs.get("attention_backend", "torch")
-            engines[LLM_PREFILL] = PrefillEngine(model, layout, **sizes, attention_backend=backend)
+            prefill = AutoregressiveEngine(model, layout, **sizes, attention_backend=backend)
+            engines[LLM_PREFILL] = PrefillEngine(prefill)
         return engines
 
 
@@ -195,7 +196,7 @@ def apply_fused_kernels(config, model, device: torch.device) -> None:
     model.use_fused_kernels(enabled)
 
 
-def decode_fast_paths(config, model, device: torch.device) -> dict:
+def decode_fast_paths(config, device: torch.device) -> dict:
     """The engine's GPU switches from ``model_kwargs``: ``attention_backend`` ("torch", the
     reference, or "triton") and ``cuda_graphs`` (capture decode steps per batch bucket; CUDA
     and the Triton backend only). Eager torch stays the default and the reference."""
@@ -206,11 +207,7 @@ def decode_fast_paths(config, model, device: torch.device) -> dict:
         return {"attention_backend": backend, "overlap_scheduling": overlap}
     if device.type != "cuda":
         raise ValueError("model_kwargs.cuda_graphs needs device: cuda")
-    from mstar.engine.cuda_graphs import DecodeGraphRunner
-
-    page_size = config.resources.kv_cache.page_size
-    runner = DecodeGraphRunner(model, None, page_size, -(-config.max_seq_len // page_size), backend="triton")
-    return {"attention_backend": "triton", "graph_runner": runner, "overlap_scheduling": overlap}
+    return {"attention_backend": "triton", "cuda_graphs": True, "overlap_scheduling": overlap}
 
 
 @register

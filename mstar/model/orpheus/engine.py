@@ -4,11 +4,13 @@ the SNAC node decodes windows of those codes into 24 kHz audio."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.autoregressive import AutoregressiveEngine, Sequence
 from mstar.engine.base import EngineItem
+from mstar.engine.rules import Sample, TokenRules
+from mstar.engine.sequence import Sequence
 from mstar.model.snac import SnacDecoder, codes_from_orpheus
 
 # Orpheus's vocabulary: Llama 3's, then control tokens, then 7 x 4096 audio codes.
@@ -30,45 +32,47 @@ def audio_code_range(count: int) -> tuple[int, int]:
     return lo, lo + CODEBOOK
 
 
-class OrpheusTalkerEngine(AutoregressiveEngine):
-    """The Llama decoder; its ``code`` output carries the SNAC code of an audio token (the
-    token's offset for its position in the frame removed) and stays silent otherwise, as
-    the reference streaming decoder skips tokens that are not a valid code there.
+@dataclass
+class TalkerState:
+    audio_only: bool  # request param ``audio_only``
+    codes: int = 0  # audio codes written since speech (re)started: the position in the frame
+
+
+class TalkerRules(TokenRules):
+    """The talker (Orpheus's Llama decoder, an ``AutoregressiveEngine``) writes, besides each
+    token, its SNAC ``code``: the token's offset for its position in the frame removed, and
+    silent for a token that is not a valid code there, as the reference streaming decoder
+    skips such tokens.
 
     Request param ``audio_only`` (set by the deployment's benchmarking knob
     ``model_kwargs.benchmark_audio_only``): every token is sampled among the valid codes of
-    its position in the frame, so each step yields one code however the weights look.
+    its position in the frame, so each step yields one code however the weights look. A step
+    launched ahead (``lead`` 1) is one code further along than the host has seen (such a
+    row's every token is a code), so these rules never hold a row back.
     """
 
-    def _new_sequence(self, prompt: list[int], params: dict) -> Sequence:
-        seq = super()._new_sequence(prompt, params)
-        seq.extra["audio_only"] = bool(params.get("audio_only", False))
-        return seq
+    extra_outputs = True
 
-    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return self.choose_on_device(logits, seqs).tolist()
+    def start(self, params: dict) -> TalkerState:
+        return TalkerState(audio_only=bool(params.get("audio_only", False)))
 
-    def choose_on_device(self, logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
-        """The sampler over the valid codes of each ``audio_only`` row's position; a step
-        launched ahead (``lead`` 1) is one audio code further along than the host has seen
-        (such a row's every token is a code)."""
-        if any(seq.extra.get("audio_only") for seq in seqs):
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
+        if any(seq.state.audio_only for seq in seqs):
             logits = restrict_to_audio_codes(logits, seqs, lead)
-        return super().choose_on_device(logits, seqs, lead)
+        return sample(logits, seqs)
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
-        out = super().outputs(seq, token)
+        state: TalkerState = seq.state
         if token == START_OF_SPEECH:  # speech (re)starts: frames count from here
-            seq.extra["codes"] = 0
-            return out
-        count = seq.extra.get("codes", 0)
+            state.codes = 0
+            return {}
         if token < AUDIO_BASE:
-            return out
-        code = token - AUDIO_BASE - (count % TOKENS_PER_FRAME) * CODEBOOK
-        if 0 <= code < CODEBOOK:
-            seq.extra["codes"] = count + 1
-            out["code"] = torch.tensor([code], dtype=torch.int64)
-        return out
+            return {}
+        code = token - AUDIO_BASE - (state.codes % TOKENS_PER_FRAME) * CODEBOOK
+        if not 0 <= code < CODEBOOK:
+            return {}
+        state.codes += 1
+        return {"code": torch.tensor([code], dtype=torch.int64)}
 
 
 def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
@@ -76,8 +80,7 @@ def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence], lead: in
     codes after the host's count set to -inf, for the rows whose sequence is ``audio_only``
     (other rows unchanged)."""
     vocab = logits.shape[-1]
-    bounds = [audio_code_range(seq.extra.get("codes", 0) + lead) if seq.extra.get("audio_only") else (0, vocab)
-              for seq in seqs]
+    bounds = [audio_code_range(seq.state.codes + lead) if seq.state.audio_only else (0, vocab) for seq in seqs]
     lo, hi = torch.tensor(bounds, dtype=torch.int64, device=logits.device).unbind(-1)
     ids = torch.arange(vocab, device=logits.device)
     keep = (ids >= lo[:, None]) & (ids < hi[:, None])

@@ -22,7 +22,7 @@ from mstar.contract import (
     SamplingParams,
     SpeechSpec,
 )
-from mstar.engine.autoregressive import KVLayout
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import StatelessEngine
 from mstar.engine.sampler import validate_sampling
 from mstar.graph import (
@@ -170,7 +170,7 @@ class Orpheus(ModelSpec):
             engines["snac_decoder"] = StatelessEngine(talk.snac_fn(decoder))
         return engines
 
-    def _talker(self, device: torch.device, dtype: torch.dtype) -> talk.OrpheusTalkerEngine:
+    def _talker(self, device: torch.device, dtype: torch.dtype) -> AutoregressiveEngine:
         from mstar.model.weights import init_dummy_weights, load_weights
 
         ckpt = self.checkpoint()
@@ -184,11 +184,11 @@ class Orpheus(ModelSpec):
         apply_fused_kernels(self.config, model, device)
         kv = self.config.resources.kv_cache
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        engine = talk.OrpheusTalkerEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                          max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
-                                          **decode_fast_paths(self.config, model, device))
-        if engine.graph_runner is not None:  # every bucket now: no request waits for a capture
-            engine.graph_runner.capture_all()
+        engine = AutoregressiveEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
+                                      max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
+                                      rules=talk.TalkerRules(), **decode_fast_paths(self.config, device))
+        if engine.graphs is not None:  # every bucket now: no request waits for a capture
+            engine.graphs.capture_all()
         return engine
 
     def _snac(self, device: torch.device) -> SnacDecoder:

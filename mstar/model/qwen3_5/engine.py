@@ -1,12 +1,13 @@
 """The autoregressive engine of a hybrid model: paged KV for the attention layers plus one
-recurrent-state slot per request for the DeltaNet layers.
+recurrent-state slot per request for the DeltaNet layers (``HybridForward``).
 
 A request gets its slot (zeroed) at its first step and gives it back in ``release``, which
-the worker calls however the request ends; a failed first step releases it too (the base
-engine undoes fresh requests). A recurrent state, unlike the KV cache, cannot be written
-twice: if a batch fails once its forward pass has begun, the requests whose states may have
-advanced are marked lost, and any later step of theirs (the worker's item-by-item retry)
-fails with a clear error instead of decoding from a corrupted state.
+the worker calls however the request ends; a failed first step releases it too (the engine
+undoes fresh requests). A recurrent state, unlike the KV cache, cannot be written twice: if a
+batch fails once its forward pass has begun, the requests whose states may have advanced are
+marked lost, and any later step of theirs (the worker's item-by-item retry) fails with a
+clear error instead of decoding from a corrupted state. For the same reason no step is ever
+launched ahead (overlap scheduling), and decode steps do not replay CUDA graphs.
 
 A prefill of a request with images or videos also reads ``vision_embeds`` (the vision
 node's output, one row per media token, prompt order) and ``mrope_positions`` (``[3, L]``):
@@ -18,53 +19,60 @@ one forward of the ViT tower.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-from mstar.engine.base import EngineItem, EngineOutput
+from mstar.engine.base import EngineItem
+from mstar.engine.forward import Forward
 from mstar.engine.state_pool import StatePool
 from mstar.layers.gated_deltanet import StateBatch
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.qwen3_5.modeling import HybridCaches
 
 
-class HybridEngine(AutoregressiveEngine):
-    """``state_shapes`` are the per-slot shapes of one recurrent layer's ``conv`` window and
-    ``recurrent`` state; ``num_state_layers`` such layers get ``[max_slots, *shape]`` tensors
-    (the conv window in the model dtype, the recurrent state in ``state_dtype``)."""
+class HybridForward(Forward):
+    """Qwen3.5's forward: the recurrent-state slots of its DeltaNet layers, and the media
+    embeddings and MRoPE positions of its prefills. ``state_shapes`` are the per-slot shapes of
+    one recurrent layer's ``conv`` window and ``recurrent`` state; ``num_state_layers`` such
+    layers get ``[max_slots, *shape]`` tensors (the conv window in ``dtype``, the recurrent
+    state in ``state_dtype``)."""
 
-    def __init__(self, model, layout: KVLayout, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]],
-                 max_slots: int, state_dtype: torch.dtype, media_token_ids: tuple[int, ...] = (), **kwargs):
-        super().__init__(model, layout, **kwargs)
-        self.media_token_ids = torch.tensor(media_token_ids, dtype=torch.int64, device=self.device)
+    runs_ahead = False
+
+    def __init__(self, model, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]], max_slots: int,
+                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device,
+                 media_token_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(model)
+        self.graph_rows = None
+        self.device = device
+        self.media_token_ids = torch.tensor(media_token_ids, dtype=torch.int64, device=device)
         self.rope_deltas: dict[str, int] = {}
         self.states = StatePool(max_slots)
-        dtype = kwargs["dtype"]
-        self.conv_states = [torch.zeros(max_slots, *state_shapes["conv"], dtype=dtype, device=self.device)
+        self.conv_states = [torch.zeros(max_slots, *state_shapes["conv"], dtype=dtype, device=device)
                             for _ in range(num_state_layers)]
         self.recurrent_states = [torch.zeros(max_slots, *state_shapes["recurrent"], dtype=state_dtype,
-                                             device=self.device) for _ in range(num_state_layers)]
+                                             device=device) for _ in range(num_state_layers)]
         self.lost: set[str] = set()
-        self._states_touched = False
 
-    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
-        self._states_touched = False
-        try:
-            return super().run(items)
-        except BaseException:
-            # Fresh requests were released by the base engine. The others' states are only
-            # suspect if the forward pass began (a request refused before it costs nobody).
-            if self._states_touched:
-                self.lost.update(item.request_id for item in items if self.states.has(item.request_id))
-            raise
-
-    def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, items: list[EngineItem]) -> torch.Tensor:
+    def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+                counts: list[int] | None) -> dict[str, Any]:
         slots = [self._slot(item.request_id) for item in items]
-        batch = StateBatch.build(meta.query_start_loc.tolist(), slots, self.device)
-        caches = HybridCaches(self.kv_caches, self.conv_states, self.recurrent_states)
         embeds, positions = self._multimodal(input_ids, meta, items)
-        self._states_touched = True
-        return self.model.forward(input_ids, meta, batch, caches, inputs_embeds=embeds, positions=positions)
+        return {"states": StateBatch.build(meta.query_start_loc.tolist(), slots, self.device),
+                "embeds": embeds, "positions": positions}
+
+    def hidden(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+               inputs: dict[str, Any], counts: list[int] | None) -> torch.Tensor:
+        caches = HybridCaches(kv_caches, self.conv_states, self.recurrent_states)
+        return self.model.forward(input_ids, meta, inputs["states"], caches, inputs_embeds=inputs["embeds"],
+                                  positions=inputs["positions"])
+
+    def failed(self, request_ids: list[str]) -> None:
+        """The states of these requests may have advanced: lost (fresh requests are released
+        right after, which forgets them)."""
+        self.lost.update(request_id for request_id in request_ids if self.states.has(request_id))
 
     def _multimodal(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                     items: list[EngineItem]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -108,14 +116,21 @@ class HybridEngine(AutoregressiveEngine):
         return slot
 
     def release(self, request_id: str) -> None:
-        super().release(request_id)
         self.rope_deltas.pop(request_id, None)
         self.states.free(request_id)
         self.lost.discard(request_id)
 
     def stats(self) -> dict[str, float]:
-        return super().stats() | {"state_slots_used": self.states.num_used,
-                                  "state_slots_total": self.states.capacity}
+        return {"state_slots_used": self.states.num_used, "state_slots_total": self.states.capacity}
+
+
+def hybrid_engine(model, layout: KVLayout, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]],
+                  max_slots: int, state_dtype: torch.dtype, media_token_ids: tuple[int, ...] = (),
+                  device: torch.device, dtype: torch.dtype, **kwargs) -> AutoregressiveEngine:
+    """The language-model node (``kwargs``: the engine's pool sizes and attention backend)."""
+    forward = HybridForward(model, num_state_layers=num_state_layers, state_shapes=state_shapes, max_slots=max_slots,
+                            dtype=dtype, state_dtype=state_dtype, device=device, media_token_ids=media_token_ids)
+    return AutoregressiveEngine(model, layout, device=device, dtype=dtype, forward=forward, **kwargs)
 
 
 def vision_fn(tower):

@@ -239,7 +239,7 @@ class Qwen3_5Chat(LlamaChat):
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
         from mstar.engine.base import StatelessEngine
-        from mstar.model.qwen3_5.engine import HybridEngine, vision_fn
+        from mstar.model.qwen3_5.engine import hybrid_engine, vision_fn
         from mstar.model.qwen3_5.modeling import Qwen3_5ForCausalLM
         from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
         from mstar.model.weights import init_dummy_weights
@@ -268,7 +268,7 @@ class Qwen3_5Chat(LlamaChat):
         media_ids = () if vision_config is None else (vision_config.image_token_id, vision_config.video_token_id)
         kv = self.config.resources.kv_cache
         layout = KVLayout(*model.cache_shape())  # a tensor-parallel rank caches its KV heads
-        engine = HybridEngine(
+        engine = hybrid_engine(
             model, layout, num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
             max_slots=self.max_slots, state_dtype=self._state_dtype(config, dtype), media_token_ids=media_ids,
             num_pages=kv.max_num_pages, page_size=kv.page_size, max_seq_len=self.config.max_seq_len,

@@ -29,8 +29,8 @@ from mstar.layers.linear import (
 )
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.rotary import MRotaryEmbedding, apply_rotary
 from mstar.model.qwen3_5.config import FULL, Qwen3_5Config
-from mstar.model.qwen3_5.rope import MRotaryEmbedding, apply_partial_rotary
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -79,7 +79,7 @@ class Qwen3_5Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(tokens, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
 

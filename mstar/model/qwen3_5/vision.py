@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.rotary import rotate_half
+from mstar.layers.rotary import apply_rotary, cos_sin_tables
 from mstar.model.qwen3_5.config import Qwen3_5VisionConfig
 
 
@@ -48,15 +48,8 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         cos, sin = cos_sin
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, float32=True), apply_rotary(k, cos, sin, float32=True)
         return self.proj(segments.attention(q, k, v).reshape(n, -1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary over the whole head (float32 maths): ``x [N, H, D]``, ``cos/sin [N, D]``."""
-    x32 = x.float()
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -190,10 +183,9 @@ class Qwen3_5VisionModel(nn.Module):
         for t, h, w in grids:
             rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
             rc = self._block_order(torch.stack((rows, cols), dim=-1))  # [h*w, 2]
-            half = torch.cat((rc[:, :1].float() * inv_freq, rc[:, 1:].float() * inv_freq), dim=-1)
-            angles.append(torch.cat((half, half), dim=-1).repeat(t, 1))
-        theta = torch.cat(angles)
-        return theta.cos(), theta.sin()
+            freqs = torch.cat((rc[:, :1].float() * inv_freq, rc[:, 1:].float() * inv_freq), dim=-1)
+            angles.append(freqs.repeat(t, 1))
+        return cos_sin_tables(torch.cat(angles))
 
 
 def _taps(size: int, side: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from mstar.layers.rotary import cos_sin_tables, rotate
 from mstar.model.snac.config import SnacConfig
 from mstar.model.weights import WeightLoadError
 
@@ -147,10 +148,9 @@ class LocalAttention(nn.Module):
             for part in self.to_qkv(h).chunk(3, dim=-1)
         )
         inv_freq = self.rel_pos.inv_freq
-        angles = torch.outer(torch.arange(w, device=x.device, dtype=inv_freq.dtype), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        q, k = (z * cos + _rotate_half(z) * sin for z in (q, k))
+        cos, sin = cos_sin_tables(torch.outer(torch.arange(w, device=x.device, dtype=inv_freq.dtype), inv_freq),
+                                  q.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v)
         out = out.permute(0, 2, 3, 1, 4).reshape(b, t, c)
         return self.to_out(out).transpose(1, 2) + x
@@ -165,11 +165,6 @@ class _RotaryFrequencies(nn.Module):
         super().__init__()
         inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
         self.register_buffer("inv_freq", inv_freq)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class Decoder(nn.Module):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mstar.engine.base import to_device
 from mstar.engine.state_pool import OutOfSlots, StatePool
 from mstar.layers.attention import paged_attention
 from mstar.layers.paged_kv import ATTENTION_BACKENDS, PagedAttentionMetadata
@@ -135,9 +136,7 @@ class CrossAttentionBatch:
                 raise ValueError(f"new-token counts {counts} do not fit {slots.shape[0]} sequences")
             seq = [b for b, n in enumerate(counts) for _ in range(n)]
             offset = [i for n in counts for i in range(n)]
-            packed = torch.tensor(seq + offset, dtype=torch.int64)
-            if device.type == "cuda":
-                packed = packed.pin_memory().to(device, non_blocking=True)
+            packed = to_device(torch.tensor(seq + offset, dtype=torch.int64), device)
             token_seq, token_offset = packed.split(len(seq))
             max_new = max(counts)
         paged = None

@@ -34,10 +34,10 @@ from mstar.layers.paged_kv import ATTENTION_BACKENDS
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
-from mstar.model.whisper.engine import WhisperDecoderEngine, WhisperRules, encoder_fn
+from mstar.model.whisper.engine import EncoderGraphs, encoder_fn, whisper_decoder_engine
 from mstar.model.whisper.features import log_mel_spectrogram
-from mstar.model.whisper.graphs import WhisperEncoderGraphs
 from mstar.model.whisper.modeling import WhisperForConditionalGeneration
+from mstar.model.whisper.rules import DecoderTokens
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +196,11 @@ class Whisper(ModelSpec):
             if fast["encoder_cuda_graphs"]:
                 sizes = decode.get("graph_batch_sizes", DEFAULT_BATCH_SIZES)
                 most = self.config.max_concurrent_requests
-                graphs = WhisperEncoderGraphs(model, [n for n in sizes if n < most] + [most])
+                graphs = EncoderGraphs(model, [n for n in sizes if n < most] + [most])
                 graphs.capture_all()  # every bucket now: no request waits for a capture
             engines["encoder"] = StatelessEngine(encoder_fn(model, graphs))
         if "decoder" in nodes:
-            rules = WhisperRules(
+            ids = DecoderTokens(
                 vocab_size=config.vocab_size, eot=tokens.eot, sot=tokens.sot, no_timestamps=tokens.no_timestamps,
                 transcribe=tokens.transcribe, translate=tokens.translate,
                 language_ids=tuple(sorted(tokens.lang_to_id.values())),
@@ -208,8 +208,8 @@ class Whisper(ModelSpec):
             kv = self.config.resources.kv_cache
             layers, heads, head_dim = model.kv_layout()
             try:
-                engines["decoder"] = WhisperDecoderEngine(
-                    model, rules, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
+                engines["decoder"] = whisper_decoder_engine(
+                    model, ids, layout=KVLayout(layers, heads, head_dim), num_pages=kv.max_num_pages,
                     page_size=kv.page_size, max_seq_len=config.max_target_positions, device=device, dtype=dtype,
                     max_requests=self.config.max_concurrent_requests, **decode)
             except ValueError as err:  # the cross-attention slots do not fit max_concurrent_requests

@@ -34,11 +34,12 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from mstar.layers.norm import RMSNorm
+from mstar.layers.rotary import apply_rotary_pairs, axis_angles
 from mstar.model.z_image.config import SEQ_MULTIPLE, ZImageTransformerConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [..., L, head_dim / 2], float32
 
-__all__ = ["ZImageBlock", "ZImageTransformer", "apply_rope", "rope_cos_sin"]
+__all__ = ["ZImageBlock", "ZImageTransformer", "rope_cos_sin"]
 
 
 def padded_length(n: int) -> int:
@@ -46,25 +47,11 @@ def padded_length(n: int) -> int:
 
 
 def rope_cos_sin(positions: torch.Tensor, axes_dims: Sequence[int], theta: float) -> Rope:
-    """Rotary angles for integer positions ``[L, 3]``: ``(cos, sin)`` ``[L, sum(axes_dims) / 2]``.
-
-    Axis ``a`` of width ``d`` rotates pair ``i`` by ``position_a * theta ** (-2i / d)``; angles are
-    formed in float64 and rounded to float32 before cos/sin, as diffusers' table does."""
-    angles = []
-    for axis, dim in enumerate(axes_dims):
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
-        angles.append(torch.outer(positions[:, axis].to(torch.float64), inv_freq).float())
-    angle = torch.cat(angles, dim=-1)
+    """Rotary tables for integer positions ``[L, 3]``: ``(cos, sin)`` ``[L, sum(axes_dims) / 2]``, one
+    angle per channel pair; the angles are formed in float64 and rounded to float32 before
+    cos/sin, as diffusers' table does."""
+    angle = axis_angles(positions, axes_dims, theta).float()
     return angle.cos(), angle.sin()
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate adjacent channel pairs of ``x [B, L, heads, head_dim]`` (computed in float32)."""
-    cos, sin = (r.unsqueeze(-2) for r in rope)  # broadcast over heads
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
-    out = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
 
 
 class TimestepEmbedder(nn.Module):
@@ -101,7 +88,7 @@ class ZImageAttention(nn.Module):
         q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v))
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rotary_pairs(q, *rope), apply_rotary_pairs(k, *rope)
         keys = None if mask is None else mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keys)
         return self.to_out[0](out.transpose(1, 2).flatten(2))

@@ -1,0 +1,76 @@
+"""The model's forward over a step's new tokens: the autoregressive engine's forward side.
+
+``Forward`` runs a plain decoder: ``model.forward(input_ids, meta, kv_caches)``, then
+``model.compute_logits``. A model that reads per-request device state besides the paged KV
+cache subclasses it and hands an instance to the engine (``AutoregressiveEngine(...,
+forward=...)``): Whisper's decoder cross-attends to K/V slots written at its prefill
+(``mstar.model.whisper.engine``); Qwen3.5's DeltaNet layers carry recurrent-state slots, and
+its prefills take media embeddings (``mstar.model.qwen3_5.engine``). A forward owns that
+state: a step takes it in ``prepare``, ``release`` frees it, ``stats`` reports it.
+
+The engine reads from the forward what its fast paths may do: decode steps replay CUDA graphs
+only when ``graph_rows`` is not None, and overlap scheduling runs only when ``runs_ahead``
+(a step launched ahead is discarded when its row leaves the next plan; state the forward
+cannot roll back would be left advanced).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from mstar.engine.base import EngineItem
+from mstar.layers.paged_kv import PagedAttentionMetadata
+
+
+class Decoder(Protocol):
+    def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class Forward:
+    """A plain decoder's forward: no state but the paged KV cache."""
+
+    runs_ahead = True  # its per-request state survives a discarded step launched ahead
+
+    def __init__(self, model: Decoder) -> None:
+        self.model = model
+        # The per-row inputs a decode graph reads besides the ids and the paged metadata, each
+        # with the value of a padded row; None: decode steps never replay a graph.
+        self.graph_rows: dict[str, int] | None = {}
+
+    def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+                counts: list[int] | None) -> dict[str, Any]:
+        """The step's inputs besides the ids and metadata, for ``hidden`` (a request's first
+        step takes its state here). ``counts[b]``: item ``b``'s new tokens (None: one each).
+        With ``graph_rows``, exactly those inputs, one value per row."""
+        return {}
+
+    def hidden(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+               inputs: dict[str, Any], counts: list[int] | None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the step's new tokens."""
+        return self.model.forward(input_ids, meta, kv_caches)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def graph_step(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+                   rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What a decode graph records, over its static inputs: the step's logits."""
+        return self.logits(self.hidden(input_ids, meta, kv_caches, rows, None))
+
+    def graph_logits(self, replayed: torch.Tensor) -> torch.Tensor:
+        """The logits of a replay's rows of ``graph_step``'s output."""
+        return replayed
+
+    def failed(self, request_ids: list[str]) -> None:
+        """A step of these requests failed after its forward began (nothing to undo here: the
+        engine rolls the KV pages back)."""
+
+    def release(self, request_id: str) -> None:
+        """Free the request's state."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
