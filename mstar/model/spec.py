@@ -12,6 +12,7 @@ import torch
 
 from mstar.contract import ChatSpec, GenerateSpec, OutputEvent
 from mstar.graph import Graph
+from mstar.model import knobs
 
 if TYPE_CHECKING:
     from mstar.config import DeploymentConfig
@@ -58,14 +59,18 @@ class OutputStream(ABC):
 
 class ModelSpec(ABC):
     """One model family. The frontend calls ``load_frontend`` (tokenizer, limits), each
-    worker calls ``build_engines`` for the nodes placed on it."""
+    worker calls ``build_engines`` for the nodes placed on it. ``Knobs`` is the typed class
+    of the family's ``model_kwargs``, parsed when the spec is made (``self.knobs``): a bad
+    knob stops startup before anything loads."""
 
     key: ClassVar[str]
     default_weights: ClassVar[str | None] = None
     input_modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # what chat content may hold
+    Knobs: ClassVar[type[knobs.Knobs]] = knobs.Knobs
 
     def __init__(self, config: "DeploymentConfig"):
         self.config = config
+        self.knobs = self.Knobs.parse(config.model_kwargs, device=config.device)
 
     @abstractmethod
     def graph(self) -> Graph: ...

@@ -21,7 +21,7 @@ from mstar.engine.base import EngineItem
 from mstar.model.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
 from mstar.model.qwen3_5.engine import HybridEngine
-from mstar.model.qwen3_5.model import load_checkpoint
+from mstar.model.qwen3_5.checkpoint import load_checkpoint
 from mstar.model.qwen3_5.rope import MRotaryEmbedding
 from mstar.model.weights import WeightLoadError
 

@@ -22,7 +22,7 @@ from mstar.engine.base import EngineItem, StatelessEngine
 from mstar.model.qwen3_5 import Qwen3_5ForCausalLM
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
 from mstar.model.qwen3_5.engine import HybridEngine, vision_fn
-from mstar.model.qwen3_5.model import load_checkpoint
+from mstar.model.qwen3_5.checkpoint import load_checkpoint
 from mstar.model.qwen3_5.processor import (
     ImageProcessing,
     Video,
