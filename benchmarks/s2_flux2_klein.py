@@ -215,7 +215,7 @@ def vae_decode_flops(settings: Settings) -> float:
 
 # ---------------------------------------------------------------------------- DiT step
 def dit_inputs(settings: Settings, batch: int) -> dict[str, torch.Tensor]:
-    from mstar.model.flux2.model import text_ids
+    from mstar.model.flux2.positions import text_ids
 
     rows, cols = token_rows_cols(settings)
     device, dtype = torch.device(settings.device), settings.dtype
@@ -306,9 +306,9 @@ def run_dit(settings: Settings) -> dict[str, Any]:
 
 def _scoped(settings: Settings, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run in ours' attention scope (the engine's ``attention_backend`` knob)."""
-    from mstar.model.diffusion_knobs import DiffusionKnobs
+    from mstar.model.flux2.knobs import Flux2Knobs
 
-    knobs = DiffusionKnobs({"attention_backend": settings.attention_backend}, 4)
+    knobs = Flux2Knobs.parse({"attention_backend": settings.attention_backend})
 
     def call(**kwargs):
         with knobs.attention_scope():

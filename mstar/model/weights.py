@@ -24,6 +24,7 @@ from torch import nn
 __all__ = [
     "ModelPathError",
     "WeightLoadError",
+    "fill_weights",
     "init_dummy_weights",
     "iter_safetensors",
     "load_weights",
@@ -257,3 +258,15 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> N
             param.fill_(1.0)
         else:
             param.zero_()
+
+
+def fill_weights(module: nn.Module, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, dummy: bool,
+                 seed: int, dtype: torch.dtype | None = None, **load) -> nn.Module:
+    """``module`` filled with seeded random weights (``dummy``: ``load_format: dummy``, the
+    checkpoint is never read) or with the checkpoint's ``tensors()`` (``load_weights``, coverage
+    checked both ways; ``load`` are its options); returned in eval mode."""
+    if dummy:
+        init_dummy_weights(module, seed=seed)
+    else:
+        load_weights(module, tensors(), dtype=dtype, **load)
+    return module.eval()

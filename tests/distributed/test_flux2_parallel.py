@@ -24,7 +24,8 @@ from mstar.config import parse_config
 from mstar.distributed import SINGLE, ParallelState, build_mesh, use_parallel
 from mstar.engine.base import EngineItem
 from mstar.model.flux2.config import Flux2TransformerConfig
-from mstar.model.flux2.model import Flux2Klein, image_ids, text_ids
+from mstar.model.flux2.model import Flux2Klein
+from mstar.model.flux2.positions import image_ids, text_ids
 from mstar.model.flux2.transformer import Flux2Transformer
 from mstar.model.weights import iter_safetensors, load_weights
 from mstar.runtime.placement import build_placement

@@ -10,7 +10,7 @@ from mstar.diffusion.guidance import guide
 from mstar.engine.base import EngineItem
 from mstar.engine.denoise import DenoiseEngine
 from mstar.model.flux2.config import Flux2TransformerConfig
-from mstar.model.flux2.model import image_ids, text_ids
+from mstar.model.flux2.positions import image_ids, text_ids
 from mstar.model.flux2.transformer import Flux2Transformer
 
 ROWS, COLS, TEXT_LEN, TEXT_DIM, CHANNELS = 2, 3, 5, 24, 8

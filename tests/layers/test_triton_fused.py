@@ -18,7 +18,7 @@ import torch
 from test_cuda_graphs import decode_graphs, step_meta  # noqa: E402
 from test_cuda_graphs import tiny_llama as gpu_llama
 
-from mstar.config import DeploymentConfig  # noqa: E402
+from mstar.config import ConfigError, DeploymentConfig  # noqa: E402
 from mstar.engine.page_pool import PagePool  # noqa: E402
 from mstar.layers import triton_fused  # noqa: E402
 from mstar.layers.paged_kv import allocate_kv_cache, write_kv_cache  # noqa: E402
@@ -31,15 +31,16 @@ from mstar.layers.triton_fused import (  # noqa: E402
     torch_rotary,
     torch_silu_and_mul,
 )
+from mstar.model.decode_engines import decode_engine  # noqa: E402
+from mstar.model.knobs import DecodeKnobs  # noqa: E402
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from mstar.model.llama.model import apply_fused_kernels  # noqa: E402
+from tests.support.markers import needs_cuda
 from tests.support.triton_interpreter import (
     DEVICE,
     REASON,
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
-from tests.support.markers import needs_cuda
 
 RUNNABLE = kernels_runnable(triton_fused)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
@@ -165,6 +166,7 @@ def test_rotary_writes_the_kv_cache(dtype: torch.dtype) -> None:
     assert torch.equal(flat[:, others], flat_want[:, others])
 
 
+@runnable  # the wrappers refuse to launch where the kernels cannot run, before checking shapes
 def test_wrappers_reject_bad_shapes() -> None:
     def t(*shape, ones=False):
         return (torch.ones if ones else torch.randn)(*shape, device=DEVICE)
@@ -231,19 +233,20 @@ def test_llama_fused_matches_eager_fp32() -> None:
 
 
 def test_switch_is_read_from_model_kwargs() -> None:
+    """``model_kwargs.fused_kernels`` is checked when the knobs are parsed (a boolean, on CUDA
+    only) and reaches the model when the decode engine is built."""
+    with pytest.raises(ConfigError, match="model_kwargs.fused_kernels: must be true or false"):
+        DecodeKnobs.parse({"fused_kernels": "yes"}, device="cuda")
+    with pytest.raises(ConfigError, match="model_kwargs.fused_kernels needs device: cuda"):
+        DecodeKnobs.parse({"fused_kernels": True}, device="cpu")
     model = tiny_llama(torch.float32)
-
-    def config(**kwargs: object) -> DeploymentConfig:
-        return DeploymentConfig(model="llama", model_kwargs=kwargs)
-
-    apply_fused_kernels(config(), model, torch.device("cpu"))
+    model.use_fused_kernels(True)
+    config = DeploymentConfig(model="llama", device=DEVICE.type, max_seq_len=64,
+                              resources={"kv_cache": {"max_num_pages": 8}})
+    decode_engine(model, DecodeKnobs.parse({}, device=DEVICE.type), config, DEVICE)
     assert not model.fused_kernels
-    with pytest.raises(ValueError, match="fused_kernels must be a boolean"):
-        apply_fused_kernels(config(fused_kernels="yes"), model, torch.device("cuda"))
-    with pytest.raises(ValueError, match="fused_kernels needs device: cuda"):
-        apply_fused_kernels(config(fused_kernels=True), model, torch.device("cpu"))
     if DEVICE.type == "cuda":
-        apply_fused_kernels(config(fused_kernels=True), model, DEVICE)
+        decode_engine(model, DecodeKnobs.parse({"fused_kernels": True}, device="cuda"), config, DEVICE)
         assert model.fused_kernels
 
 

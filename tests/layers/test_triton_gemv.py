@@ -17,13 +17,13 @@ from mstar.layers import triton_gemv  # noqa: E402
 from mstar.layers.triton_fused import torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
 from mstar.layers.triton_gemv import GEMV_MAX_ROWS, gemv, rmsnorm_gemv  # noqa: E402
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM, modeling  # noqa: E402
+from tests.support.markers import needs_cuda
 from tests.support.triton_interpreter import (
     DEVICE,
     REASON,
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
-from tests.support.markers import needs_cuda
 
 RUNNABLE = kernels_runnable(triton_gemv)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
@@ -117,6 +117,7 @@ def test_gemv_takes_up_to_the_row_limit() -> None:
     assert rel_err(gemv(x, weight), F.linear(x, weight)) < TOL[torch.float32]
 
 
+@runnable  # the wrappers refuse to launch where the kernels cannot run, before checking shapes
 def test_wrappers_reject_bad_shapes() -> None:
     def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(*shape, device=DEVICE).to(dtype)

@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from mstar.layers import triton_qk_norm  # noqa: E402
+from mstar.layers.rotary import apply_rotary_pairs  # noqa: E402
 from mstar.layers.triton_qk_norm import qk_norm_rope, torch_qk_norm_rope  # noqa: E402
 from mstar.model.flux2.config import Flux2TransformerConfig  # noqa: E402
-from mstar.layers.rotary import apply_rotary_pairs  # noqa: E402
 from mstar.model.flux2.rope import rope_cos_sin  # noqa: E402
 from mstar.model.flux2.transformer import Flux2Transformer, use_fused_qk_norm_rope  # noqa: E402
+from tests.support.markers import needs_cuda
 from tests.support.triton_interpreter import (
     DEVICE,
     REASON,
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
-from tests.support.markers import needs_cuda
 
 RUNNABLE = kernels_runnable(triton_qk_norm)
 runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)

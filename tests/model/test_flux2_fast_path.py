@@ -19,14 +19,14 @@ from mstar.config import parse_config
 from mstar.contract import ImageSpec, RequestError
 from mstar.engine.base import EngineItem
 from mstar.media import images as media
-from mstar.model.flux2.model import DeviceIds, Knobs, text_ids, token_ids
+from mstar.model.flux2.knobs import Flux2Knobs
+from mstar.model.flux2.positions import DeviceIds, text_ids, token_ids
 from mstar.model.flux2.text import KleinText
 from mstar.model.image_output import ImageStream, output_params, to_pixels
 from mstar.model.qwen3 import attention_mask_4d
 from mstar.model.registry import model_class
 from mstar.runtime.launch import start
 from tests.support.markers import needs_cuda
-
 
 
 def decoded(data: bytes) -> tuple[str, np.ndarray]:
@@ -122,16 +122,16 @@ def test_text_encoder_takes_padding_from_the_host(reference):  # noqa: F811
 
 
 def test_cuda_graphs_knob_is_checked():
-    assert Knobs({"cuda_graphs": True}).cuda_graphs is True
+    assert Flux2Knobs.parse({"cuda_graphs": True}, device="cuda").cuda_graphs is True
     with pytest.raises(ValueError, match="model_kwargs.cuda_graphs"):
-        Knobs({"cuda_graphs": "yes"})
+        Flux2Knobs.parse({"cuda_graphs": "yes"}, device="cuda")
 
 
 def test_cuda_graphs_need_a_cuda_device(reference):  # noqa: F811
-    spec = model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(reference[0]),
-                                                    "model_kwargs": {"cuda_graphs": True}}))
+    """Refused when the spec is made (startup, before any weights load), not when the encoder is."""
     with pytest.raises(ValueError, match="model_kwargs.cuda_graphs needs device: cuda"):
-        spec.build_engines({"text_encoder"}, torch.device("cpu"))
+        model_class("flux2_klein")(parse_config({"model": "flux2_klein", "model_path": str(reference[0]),
+                                                 "model_kwargs": {"cuda_graphs": True}}))
 
 
 def test_position_ids_are_made_once_per_layout():

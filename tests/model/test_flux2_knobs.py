@@ -8,7 +8,9 @@ from test_flux2_klein_walk import reference  # noqa: F401  (the tiny checkpoint 
 
 from mstar.config import parse_config
 from mstar.engine.base import EngineItem
-from mstar.model.flux2.model import Flux2Klein, Knobs, image_ids, text_ids
+from mstar.model.flux2.knobs import Flux2Knobs
+from mstar.model.flux2.model import Flux2Klein
+from mstar.model.flux2.positions import image_ids, text_ids
 from mstar.model.registry import model_class
 from tests.support.markers import needs_cuda
 
@@ -136,7 +138,7 @@ def test_vae_compile_switch_matches_eager(reference):  # noqa: F811
 ])
 def test_bad_knobs_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
-        Knobs(kwargs)
+        Flux2Knobs.parse(kwargs)
 
 
 def test_fused_kernels_need_cuda(reference):  # noqa: F811

@@ -22,7 +22,7 @@ def test_snac_checkpoint_layout_loads_and_decodes_like_the_package(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     torch.save(reference.state_dict(), tmp_path / "pytorch_model.bin")
     spec = Orpheus(parse_config({"model": "orpheus", "model_kwargs": {"snac_path": str(tmp_path)}}))
-    decoder = spec._snac(torch.device("cpu"))
+    decoder = spec.checkpoint().snac(torch.device("cpu"))
     codes = [torch.randint(0, 64, (1, 3 * s)) for s in (1, 2, 4)]
     with torch.inference_mode():
         torch.manual_seed(5)

@@ -20,9 +20,8 @@ from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
 from mstar.layers.rotary import MRotaryEmbedding
 from mstar.model.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
-from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
+from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint, load_checkpoint
 from mstar.model.qwen3_5.engine import hybrid_engine
-from mstar.model.qwen3_5.model import load_checkpoint
 from mstar.model.weights import WeightLoadError
 
 TOL = 1e-4

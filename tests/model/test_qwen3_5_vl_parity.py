@@ -20,9 +20,8 @@ from transformers import Qwen3_5ForConditionalGeneration as HFConditional
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem, StatelessEngine
 from mstar.model.qwen3_5 import Qwen3_5ForCausalLM
-from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
+from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint, load_checkpoint
 from mstar.model.qwen3_5.engine import hybrid_engine, vision_fn
-from mstar.model.qwen3_5.model import load_checkpoint
 from mstar.model.qwen3_5.processor import (
     ImageProcessing,
     Video,

@@ -160,28 +160,31 @@ def test_deployment_refuses_slots_beyond_free_memory(tmp_path, monkeypatch) -> N
 
 
 @pytest.mark.parametrize("kwargs,message", [
+    ({}, None),
     ({"cuda_graphs": True}, "model_kwargs.cuda_graphs needs device: cuda"),
-    ({"cuda_graphs": "yes"}, "model_kwargs.cuda_graphs must be true or false"),
-    ({"attention_backend": "flash"}, "model_kwargs.attention_backend must be one of"),
-    ({"cuda_graph_batch_sizes": [1, 0]}, None),  # ignored without cuda_graphs
-    ({"overlap_scheduling": 1}, "model_kwargs.overlap_scheduling must be true or false"),
-    ({"fused_kernels": "on"}, "model_kwargs.fused_kernels must be true or false"),
+    ({"cuda_graphs": "yes"}, "model_kwargs.cuda_graphs: must be true or false"),
+    ({"attention_backend": "flash"}, "model_kwargs.attention_backend: must be 'torch' or 'triton'"),
+    ({"cuda_graph_batch_sizes": [1, 0]}, r"model_kwargs.cuda_graph_batch_sizes\[1\]: must be >= 1"),
+    ({"overlap_scheduling": 1}, "model_kwargs.overlap_scheduling: must be true or false"),
+    ({"fused_kernels": "on"}, "model_kwargs.fused_kernels: must be true or false"),
     ({"encoder_cuda_graphs": True}, "model_kwargs.encoder_cuda_graphs needs device: cuda"),
-    ({"encoder_cuda_graphs": None}, "model_kwargs.encoder_cuda_graphs must be true or false"),
+    ({"encoder_cuda_graphs": None}, "model_kwargs.encoder_cuda_graphs: must be true or false"),
 ])
 def test_fast_path_switches_are_checked_at_startup(tmp_path, kwargs, message) -> None:
+    """Every switch is checked when the spec is made, before anything loads."""
     from benchmarks.common import WHISPER_TINY, whisper_dir
+    from mstar.model.whisper.engine import decoder_switches
     from mstar.model.whisper.model import Whisper
 
-    spec = Whisper(parse_config({"model": "whisper", "model_path": str(whisper_dir(tmp_path, **WHISPER_TINY)),
-                                 "load_format": "dummy", "model_kwargs": kwargs}))
+    config = parse_config({"model": "whisper", "model_path": str(whisper_dir(tmp_path, **WHISPER_TINY)),
+                           "load_format": "dummy", "model_kwargs": kwargs})
     if message is None:
-        spec.load_frontend()
-        assert spec.decode_fast_paths(torch.device("cpu")) == {"attention_backend": "torch"}
-        assert spec.model_fast_paths(torch.device("cpu")) == {"fused_kernels": False, "encoder_cuda_graphs": False}
+        knobs = Whisper(config).knobs
+        assert decoder_switches(knobs) == {"attention_backend": "torch", "overlap_scheduling": False}
+        assert not knobs.fused_kernels and not knobs.encoder_cuda_graphs
         return
     with pytest.raises(ConfigError, match=message):
-        spec.load_frontend()
+        Whisper(config)
 
 
 # ------------------------------------------------------------------ batched cross-attention
@@ -350,10 +353,9 @@ def test_switches_reach_the_engines(tmp_path, monkeypatch) -> None:
     engines = spec.build_engines({"encoder", "decoder"}, torch.device("cpu"))
     assert engines["decoder"].overlap and not engines["decoder"].model.model.decoder.fused_kernels
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    fused = Whisper(parse_config({"model": "whisper", "model_path": path, "load_format": "dummy",
-                                  "model_kwargs": {"fused_kernels": True}}))
     with pytest.raises(ConfigError, match="model_kwargs.fused_kernels needs device: cuda"):
-        fused.load_frontend()
+        Whisper(parse_config({"model": "whisper", "model_path": path, "load_format": "dummy",
+                              "model_kwargs": {"fused_kernels": True}}))
 
 
 def test_encoder_graphs_pad_to_buckets_on_cpu() -> None:

@@ -5,8 +5,6 @@ CUDA and Triton (the CPU versions are in test_whisper_cross_slots.py / test_whis
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from test_whisper_cross_slots import (
@@ -25,7 +23,6 @@ from mstar.model.whisper.cross_kv import (
     cross_attention,
 )
 from tests.support.markers import needs_cuda
-
 
 
 @needs_cuda(triton=True)

@@ -3,7 +3,8 @@
 The same nodes as the distilled klein, plus guidance: the negative prompt (the empty string,
 as in diffusers' Flux2KleinPipeline) is encoded by the text-encoder node beside the prompt,
 in the same batch, and each denoise step combines a conditional and an unconditional DiT
-prediction, ``v_uncond + g * (v_cond - v_uncond)`` (guidance 4 and 50 steps by default).
+prediction, ``v_uncond + g * (v_cond - v_uncond)`` (guidance 4 and 50 steps by default:
+``Flux2GuidedKnobs``).
 
 Two forms of the guided walk; ``model_kwargs.cfg_parallel`` picks one:
 
@@ -28,15 +29,13 @@ import math
 
 import torch
 
-from mstar.config import ConfigError
 from mstar.contract import ImageSpec, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
+from mstar.model.flux2.knobs import Flux2GuidedKnobs
 from mstar.model.flux2.model import Flux2Klein
 from mstar.model.registry import register
 from mstar.model.spec import WalkRequest
 
-DEFAULT_STEPS = 50  # diffusers' Flux2KleinPipeline defaults for the base checkpoints
-DEFAULT_GUIDANCE = 4.0
 NEGATIVE_PROMPT = ""
 
 GUIDED_WALKS = {"t2i": "t2i_guided", "edit": "edit_guided"}  # the distilled model's walk -> its guided form
@@ -55,13 +54,12 @@ def _scale(value) -> float | None:
 class Flux2KleinBase(Flux2Klein):
     key = "flux2_klein_base"
     default_weights = "black-forest-labs/FLUX.2-klein-base-4B"
+    Knobs = Flux2GuidedKnobs
+    knobs: Flux2GuidedKnobs
 
     @property
     def cfg_parallel(self) -> bool:
-        value = self.config.model_kwargs.get("cfg_parallel", False)
-        if not isinstance(value, bool):
-            raise ConfigError(f"model_kwargs.cfg_parallel: must be true or false, got {value!r}")
-        return value
+        return self.knobs.cfg_parallel
 
     def graph(self) -> Graph:
         base = super().graph()
@@ -110,15 +108,10 @@ class Flux2KleinBase(Flux2Klein):
     # -------------------------------------------------------------- frontend
     def load_frontend(self) -> None:
         super().load_frontend()
-        kwargs = self.config.model_kwargs
-        self.default_steps = int(kwargs.get("num_inference_steps", DEFAULT_STEPS))
-        self.default_guidance = _scale(kwargs.get("guidance_scale", DEFAULT_GUIDANCE))
-        if self.default_guidance is None:
-            raise ConfigError(f"model_kwargs.guidance_scale: {GUIDANCE_RULE}, got {kwargs['guidance_scale']!r}")
         self.negative = self.text.tokenize(NEGATIVE_PROMPT)
 
     def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
-        scale = self.default_guidance if spec.guidance_scale is None else _scale(spec.guidance_scale)
+        scale = self.knobs.guidance_scale if spec.guidance_scale is None else _scale(spec.guidance_scale)
         if scale is None:
             raise RequestError("guidance_scale", GUIDANCE_RULE)
         request = super().prepare_image(dataclasses.replace(spec, guidance_scale=None), index)

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from mstar.model.llama.config import LlamaConfig
+from mstar.model.llama.modeling import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,22 @@ class LlamaCheckpoint:
         from mstar.model.weights import iter_safetensors
 
         return iter_safetensors(self.path)
+
+    def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> LlamaForCausalLM:
+        """The decoder on ``device`` in ``dtype``, with the checkpoint's weights (or seeded
+        random ones when ``dummy``), in eval mode."""
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            model = LlamaForCausalLM(self.config()).to(dtype)
+        log.info("loading %s weights (%s)", self.path, "dummy" if dummy else self.format)
+
+        def tensors():
+            from tqdm import tqdm
+
+            return tqdm(self.tensors(), desc="loading weights", unit=" tensors", mininterval=1.0)
+
+        return fill_weights(model, tensors, dummy=dummy, seed=seed, dtype=dtype)
 
 
 def embedded_smollm2_path() -> str:

@@ -8,23 +8,11 @@ enough context and emits their samples at once.
 
 from __future__ import annotations
 
-import json
-import logging
-from pathlib import Path
-
 import numpy as np
 import torch
 
-from mstar.contract import (
-    GenerateSpec,
-    OutputEvent,
-    RequestError,
-    SamplingParams,
-    SpeechSpec,
-)
-from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+from mstar.contract import GenerateSpec, OutputEvent, RequestError, SpeechSpec
 from mstar.engine.base import StatelessEngine
-from mstar.engine.sampler import validate_sampling
 from mstar.graph import (
     Emit,
     Graph,
@@ -36,15 +24,13 @@ from mstar.graph import (
     StreamEdge,
     Walk,
 )
-from mstar.model.llama.checkpoint import LlamaCheckpoint
-from mstar.model.llama.model import apply_fused_kernels, decode_fast_paths
-from mstar.model.llama.modeling import LlamaForCausalLM
+from mstar.model.decode_engines import decode_engine
+from mstar.model.decoding import decode_request
 from mstar.model.orpheus import engine as talk
+from mstar.model.orpheus.checkpoint import OrpheusCheckpoint, dummy_snac
+from mstar.model.orpheus.knobs import OrpheusGenerateKnobs, OrpheusKnobs, SpeechKnobs
 from mstar.model.registry import register
-from mstar.model.snac import SnacConfig, SnacDecoder, load_snac_state_dict
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
-
-log = logging.getLogger(__name__)
 
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 SAMPLE_RATE = 24000
@@ -74,6 +60,8 @@ class Orpheus(ModelSpec):
     tasks = frozenset({"speech"})
     default_weights = "canopylabs/orpheus-3b-0.1-ft"
     sample_rate = SAMPLE_RATE
+    Knobs = OrpheusKnobs
+    knobs: OrpheusKnobs
 
     def graph(self) -> Graph:
         talker = Node("llm", "autoregressive", inputs=("prompt_ids", "token"), outputs=("token", "code"),
@@ -90,16 +78,12 @@ class Orpheus(ModelSpec):
         return Graph.build([talker, snac], [Walk("tts", speak, inputs="prompt_ids", streams=[decode_audio])])
 
     # -------------------------------------------------------------- frontend
-    def checkpoint(self) -> LlamaCheckpoint:
-        return LlamaCheckpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir)
+    def checkpoint(self) -> OrpheusCheckpoint:
+        return OrpheusCheckpoint(self.config.model_path or self.default_weights, self.knobs.snac_path,
+                                 self.config.cache_dir)
 
     def load_frontend(self) -> None:
-        self.tokenizer = self.checkpoint().tokenizer()
-        self.max_new_tokens = int(self.config.model_kwargs.get("max_new_tokens", 1200))
-        # Benchmarking only: every request speaks its whole token budget as audio codes
-        # (sampling restricted to the valid code of each position, END_OF_SPEECH ignored), so
-        # that dummy weights produce a fixed amount of audio. Never set it to serve users.
-        self.benchmark_audio_only = bool(self.config.model_kwargs.get("benchmark_audio_only", False))
+        self.tokenizer = self.checkpoint().talker().tokenizer()
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
@@ -108,108 +92,55 @@ class Orpheus(ModelSpec):
         return list(VOICES)
 
     def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
-        text = spec.input.strip()
-        if not text:
-            raise RequestError("input", "must not be empty")
-        if len(text) > MAX_INPUT_CHARS:
-            raise RequestError("input", f"is {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
-        voice = spec.voice or VOICES[0]
-        if voice not in VOICES:
-            raise RequestError("voice", f"unknown voice {voice!r}; voices are {', '.join(VOICES)}")
         if spec.speed != 1.0:
             raise RequestError("speed", "Orpheus cannot change its speaking rate; send speed 1.0")
-        kwargs = dict(spec.model_kwargs)
-        max_tokens = int(kwargs.pop("max_tokens", self.max_new_tokens))
-        fields = {**DEFAULTS, **{k: kwargs.pop(k) for k in SamplingParams.__struct_fields__ if k in kwargs}}
-        if kwargs:
-            raise RequestError("model_kwargs", f"unknown keys {sorted(kwargs)}")
-        try:
-            sampling = SamplingParams(**fields)
-            validate_sampling(sampling)
-        except (TypeError, ValueError) as err:
-            raise RequestError("model_kwargs", str(err)) from None
-        text_ids = self.tokenizer.encode(f"{voice}: {text}", add_special_tokens=True)
-        ids = [talk.START_OF_HUMAN, *text_ids, talk.END_OF_TEXT, talk.END_OF_HUMAN]
-        room = self.config.max_seq_len - len(ids)
-        if room < 8:
-            raise RequestError("input", f"is {len(ids)} tokens; max_seq_len is {self.config.max_seq_len}")
-        if not 1 <= max_tokens:
-            raise RequestError("max_tokens", "must be >= 1")
-        max_tokens = min(max_tokens, room)
-        params = {
-            "sampling": {f: getattr(sampling, f) for f in sampling.__struct_fields__},
-            "max_new_tokens": max_tokens,
-            "max_decode_steps": max_tokens - 1,
-            "stop_token_ids": [] if self.benchmark_audio_only else [talk.END_OF_SPEECH],
-            "audio_only": self.benchmark_audio_only,
-        }
-        pages = -(-(len(ids) + max_tokens) // self.config.resources.kv_cache.page_size)
-        return WalkRequest("tts", {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, params,
-                           {"kv_pages": pages}, prompt_tokens=len(ids))
+        return self._speak(spec.input, spec.voice, SpeechKnobs.parse(spec.model_kwargs))
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) != {"audio"}:
             raise RequestError("output_modalities", f"model {self.key!r} outputs audio only")
         if spec.files:
             raise RequestError("files", f"model {self.key!r} takes text only")
-        kwargs = dict(spec.model_kwargs)
-        voice = kwargs.pop("voice", None)
-        return self.prepare_speech(SpeechSpec(spec.request_id, spec.text, voice, 1.0, kwargs))
+        options = OrpheusGenerateKnobs.parse(spec.model_kwargs)
+        return self._speak(spec.text, options.voice, options)
+
+    def _speak(self, text: str, voice: str | None, options: SpeechKnobs) -> WalkRequest:
+        """The ``tts`` walk: ``voice: text`` between Orpheus's control tokens, then as many
+        audio tokens as the budget allows."""
+        text = text.strip()
+        if not text:
+            raise RequestError("input", "must not be empty")
+        if len(text) > MAX_INPUT_CHARS:
+            raise RequestError("input", f"is {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
+        voice = voice or VOICES[0]
+        if voice not in VOICES:
+            raise RequestError("voice", f"unknown voice {voice!r}; voices are {', '.join(VOICES)}")
+        sampling = options.sampling(DEFAULTS, field="model_kwargs")
+        text_ids = self.tokenizer.encode(f"{voice}: {text}", add_special_tokens=True)
+        ids = [talk.START_OF_HUMAN, *text_ids, talk.END_OF_TEXT, talk.END_OF_HUMAN]
+        room = self.config.max_seq_len - len(ids)
+        if room < 8:
+            raise RequestError("input", f"is {len(ids)} tokens; max_seq_len is {self.config.max_seq_len}")
+        max_tokens = min(options.max_tokens or self.knobs.max_new_tokens, room)
+        audio_only = self.knobs.benchmark_audio_only
+        return decode_request("tts", {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, len(ids), max_tokens,
+                              sampling, [] if audio_only else [talk.END_OF_SPEECH], self.config,
+                              audio_only=audio_only)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> PcmStream:
         return PcmStream()
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
+        ckpt, dummy = self.checkpoint(), self.config.load_format == "dummy"
         engines = {}
-        dtype = self.config.torch_dtype()
         if "llm" in nodes:
-            engines["llm"] = self._talker(device, dtype)
+            model = ckpt.talker().load_model(device, self.config.torch_dtype(), dummy=dummy, seed=self.knobs.seed)
+            engines["llm"] = decode_engine(model, self.knobs, self.config, device, talk.TalkerRules())
         if "snac_decoder" in nodes:
-            decoder = self._snac(device)
+            decoder = dummy_snac(self.knobs.snac_config, device, self.knobs.seed + 1) if dummy else ckpt.snac(device)
             engines["snac_decoder"] = StatelessEngine(talk.snac_fn(decoder))
         return engines
-
-    def _talker(self, device: torch.device, dtype: torch.dtype) -> AutoregressiveEngine:
-        from mstar.model.weights import init_dummy_weights, load_weights
-
-        ckpt = self.checkpoint()
-        config = ckpt.config()
-        with torch.device(device):
-            model = LlamaForCausalLM(config).to(dtype)
-        if self.config.load_format == "dummy":
-            init_dummy_weights(model, seed=int(self.config.model_kwargs.get("seed", 0)))
-        else:
-            load_weights(model, ckpt.tensors(), dtype=dtype)
-        apply_fused_kernels(self.config, model, device)
-        kv = self.config.resources.kv_cache
-        layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        engine = AutoregressiveEngine(model.eval(), layout, num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                      max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
-                                      rules=talk.TalkerRules(), **decode_fast_paths(self.config, device))
-        if engine.graphs is not None:  # every bucket now: no request waits for a capture
-            engine.graphs.capture_all()
-        return engine
-
-    def _snac(self, device: torch.device) -> SnacDecoder:
-        """SNAC in float32 (its convolutions are small; bf16 costs quality for little speed)."""
-        from mstar.model.weights import init_dummy_weights, resolve_model_path
-
-        kwargs = self.config.model_kwargs
-        if self.config.load_format == "dummy":
-            config = SnacConfig.from_dict(kwargs.get("snac_config", {}))
-            with torch.device(device):
-                decoder = SnacDecoder(config)
-            init_dummy_weights(decoder, seed=int(kwargs.get("seed", 0)) + 1)
-            return decoder.eval()
-        path = resolve_model_path(kwargs.get("snac_path", "hubertsiuzdak/snac_24khz"), cache_dir=self.config.cache_dir)
-        config = SnacConfig.from_dict(json.loads((Path(path) / "config.json").read_text()))
-        with torch.device(device):
-            decoder = SnacDecoder(config)
-        state = torch.load(Path(path) / "pytorch_model.bin", map_location=device, weights_only=True)
-        load_snac_state_dict(decoder, state)
-        decoder.fuse_weight_norm()
-        return decoder.eval()
 
 
 def pcm_to_array(events: list[OutputEvent]) -> np.ndarray:

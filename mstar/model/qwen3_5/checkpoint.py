@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import torch
 
 from mstar.model.qwen3_5.config import Qwen3_5Config, Qwen3_5VisionConfig
+from mstar.model.qwen3_5.modeling import Qwen3_5ForCausalLM
+from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +93,61 @@ class Qwen3_5Checkpoint:
         from mstar.model.weights import iter_safetensors
 
         return iter_safetensors(self.path)
+
+    def load_models(self, device: torch.device, dtype: torch.dtype, *, text: bool, vision: bool, dummy: bool,
+                    seed: int) -> tuple[Qwen3_5ForCausalLM | None, Qwen3_5VisionModel | None]:
+        """The text model (when ``text``) and the ViT tower (when ``vision``) on ``device`` in
+        ``dtype``, with the checkpoint's weights (or seeded random ones when ``dummy``: the
+        text model's seed ``seed``, the tower's the next), in eval mode."""
+        from mstar.model.weights import init_dummy_weights
+
+        vision_config = self.vision_config()
+        if vision and vision_config is None:
+            raise ValueError(f"node 'vision' is placed, but {self.path} has no vision_config")
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(self.config()).to(dtype) if text else None
+            tower = Qwen3_5VisionModel(vision_config).to(dtype) if vision else None
+        modules = [m for m in (model, tower) if m is not None]
+        if dummy:
+            for i, module in enumerate(modules):
+                init_dummy_weights(module, seed=seed + i)
+        else:
+            load_checkpoint(model, self.tensors(), dtype, visual=tower)
+        for module in modules:
+            module.eval()
+        return model, tower
+
+
+def load_checkpoint(model, tensors, dtype: torch.dtype | None = None, *, visual=None) -> None:
+    """Load a Qwen3.5 checkpoint (multimodal or text-only layout) into ``Qwen3_5ForCausalLM``
+    (``model``) and, if given, the ViT tower (``visual``, from ``model.visual.*``), coverage
+    checked both ways over what is loaded. Either may be None (a rank holding only the other
+    node): that part's tensors are skipped, like the MTP head and a tied head, and counted."""
+    from torch import nn
+
+    from mstar.model.weights import load_weights
+
+    tied = model is not None and model.config.tie_word_embeddings
+    skipped: list[str] = []
+
+    def name_map(name: str) -> str | None:
+        if name.startswith("model.visual."):
+            ours = None if visual is None else "visual." + vision_name(name)
+        else:
+            ours = None if model is None else checkpoint_name(name, tied)
+            ours = None if ours is None else "llm." + ours
+        if ours is None:
+            skipped.append(name)
+        elif target is not parts:
+            ours = ours.split(".", 1)[1]
+        return ours
+
+    parts = nn.Module()
+    for name, module in (("llm", model), ("visual", visual)):
+        if module is not None:
+            parts.add_module(name, module)
+    target = model if visual is None else visual if model is None else parts
+    load_weights(target, tensors, name_map=name_map, dtype=dtype)
+    if skipped:
+        log.info("skipped %d checkpoint tensors not loaded here (MTP head, tied head, a node on another rank)",
+                 len(skipped))

@@ -14,7 +14,7 @@ node's output, one row per media token, prompt order) and ``mrope_positions`` (`
 the embeddings replace those of the media tokens, the positions drive MRoPE, and the
 request's later steps run at ``position + rope_delta``. Text-only requests take the
 text path unchanged. ``vision_fn`` is the vision node: every media of a plan's requests in
-one forward of the ViT tower.
+one forward of the ViT tower. ``qwen3_5_engines`` builds both nodes from the knobs.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from typing import Any
 
 import torch
 
+from mstar.config import DeploymentConfig
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-from mstar.engine.base import EngineItem
+from mstar.engine.base import Engine, EngineItem, StatelessEngine
 from mstar.engine.forward import Forward
 from mstar.engine.state_pool import StatePool
 from mstar.layers.gated_deltanet import StateBatch
 from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.model.qwen3_5.config import Qwen3_5VisionConfig
+from mstar.model.qwen3_5.knobs import Qwen3_5Knobs
 from mstar.model.qwen3_5.modeling import HybridCaches
 
 
@@ -146,3 +149,36 @@ def vision_fn(tower):
         return [{"vision_embeds": part} for part in embeds.split(sizes)]
 
     return run
+
+
+def qwen3_5_engines(model, tower, vision_config: Qwen3_5VisionConfig | None, knobs: Qwen3_5Knobs,
+                    config: DeploymentConfig, max_slots: int, device: torch.device) -> dict[str, Engine]:
+    """``vision`` over ``tower`` and ``llm`` over ``model``, for those that are not None."""
+    engines: dict[str, Engine] = {}
+    if tower is not None:
+        engines["vision"] = StatelessEngine(vision_fn(tower))
+    if model is None:
+        return engines
+    dtype = config.torch_dtype()
+    media_ids = () if vision_config is None else (vision_config.image_token_id, vision_config.video_token_id)
+    kv = config.resources.kv_cache
+    engines["llm"] = hybrid_engine(
+        model, KVLayout(*model.cache_shape()),  # a tensor-parallel rank caches its KV heads
+        num_state_layers=len(model.config.linear_layers), state_shapes=model.state_shapes(),
+        max_slots=max_slots, state_dtype=state_dtype(model.config.mamba_ssm_dtype, config),
+        media_token_ids=media_ids, num_pages=kv.max_num_pages, page_size=kv.page_size,
+        max_seq_len=config.max_seq_len, device=device, dtype=dtype, attention_backend=knobs.attention_backend)
+    return engines
+
+
+def state_dtype(checkpoint_dtype: str | None, config: DeploymentConfig) -> torch.dtype:
+    """``resources.gdn_state.state_dtype``; ``auto``: the checkpoint's ``mamba_ssm_dtype``,
+    else float32."""
+    pool = config.resources.gdn_state
+    name = pool.state_dtype if pool is not None else "auto"
+    if name == "auto":
+        name = checkpoint_dtype or "float32"
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"mamba_ssm_dtype {name!r} is not a torch dtype")
+    return dtype

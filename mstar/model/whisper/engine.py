@@ -1,6 +1,7 @@
 """Whisper's engines: the batched audio encoder (replayed per batch bucket with CUDA graphs),
 and the decoder: the autoregressive engine with Whisper's token rules (``rules.py``) and a
-forward that cross-attends to fixed-shape K/V slots written once per request."""
+forward that cross-attends to fixed-shape K/V slots written once per request. ``whisper_engines``
+builds both nodes from the knobs."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from typing import Any
 
 import torch
 
+from mstar.config import ConfigError, DeploymentConfig
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-from mstar.engine.base import EngineItem, to_device
+from mstar.engine.base import Engine, EngineItem, StatelessEngine, to_device
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
 from mstar.engine.forward import Forward
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
+from mstar.model.whisper.knobs import WhisperKnobs
 from mstar.model.whisper.rules import DecoderTokens, WhisperRules
+from mstar.model.whisper.tokens import WhisperTokens
 
 
 class EncoderGraphs:
@@ -141,3 +145,45 @@ def whisper_decoder_engine(model, tokens: DecoderTokens, layout: KVLayout, *, ma
     return AutoregressiveEngine(model, layout, device=device, dtype=dtype, rules=WhisperRules(tokens, device),
                                 forward=forward, attention_backend=attention_backend, cuda_graphs=cuda_graphs,
                                 graph_batch_sizes=sizes, **kwargs)
+
+
+def whisper_engines(model, tokens: WhisperTokens, knobs: WhisperKnobs, config: DeploymentConfig,
+                    nodes: set[str], device: torch.device) -> dict[str, Engine]:
+    """The engines of ``nodes`` over ``model`` (both share its weights) from the knobs; every
+    CUDA-graph bucket is captured now, so no request waits for a capture."""
+    model.use_fused_kernels(knobs.fused_kernels)
+    engines: dict[str, Engine] = {}
+    if "encoder" in nodes:
+        graphs = None
+        if knobs.encoder_cuda_graphs:
+            most = config.max_concurrent_requests
+            graphs = EncoderGraphs(model, [n for n in knobs.cuda_graph_batch_sizes if n < most] + [most])
+            graphs.capture_all()
+        engines["encoder"] = StatelessEngine(encoder_fn(model, graphs))
+    if "decoder" in nodes:
+        ids = DecoderTokens(
+            vocab_size=model.config.vocab_size, eot=tokens.eot, sot=tokens.sot, no_timestamps=tokens.no_timestamps,
+            transcribe=tokens.transcribe, translate=tokens.translate,
+            language_ids=tuple(sorted(tokens.lang_to_id.values())),
+            suppress=tuple(tokens.suppress_tokens), begin_suppress=tuple(tokens.begin_suppress_tokens))
+        kv = config.resources.kv_cache
+        try:
+            decoder = whisper_decoder_engine(
+                model, ids, KVLayout(*model.kv_layout()), max_requests=config.max_concurrent_requests,
+                device=device, dtype=config.torch_dtype(), num_pages=kv.max_num_pages, page_size=kv.page_size,
+                max_seq_len=model.config.max_target_positions, **decoder_switches(knobs))
+        except ValueError as err:  # the cross-attention slots do not fit max_concurrent_requests
+            raise ConfigError(str(err)) from None
+        if decoder.graphs is not None:
+            decoder.graphs.capture_all()
+        engines["decoder"] = decoder
+    return engines
+
+
+def decoder_switches(knobs: WhisperKnobs) -> dict[str, Any]:
+    """The decoder engine's fast-path arguments."""
+    switches: dict[str, Any] = {"attention_backend": knobs.attention_backend,
+                                "overlap_scheduling": knobs.overlap_scheduling}
+    if knobs.cuda_graphs:
+        switches |= {"cuda_graphs": True, "graph_batch_sizes": tuple(knobs.cuda_graph_batch_sizes)}
+    return switches

@@ -18,8 +18,8 @@ from mstar.engine.base import EngineItem
 from mstar.model.lora import LoraAdapter, fold_adapters
 from mstar.model.registry import model_class
 from mstar.model.z_image.config import ZImageTransformerConfig
+from mstar.model.z_image.knobs import ZImageKnobs
 from mstar.model.z_image.lora_layout import fold_z_image_adapters
-from mstar.model.z_image.model import Knobs
 from mstar.model.z_image.transformer import ZImageTransformer
 
 RANK = 4
@@ -157,7 +157,7 @@ def test_compile_switch_matches_eager(checkpoint):
 ])
 def test_bad_knobs_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
-        Knobs(kwargs)
+        ZImageKnobs.parse(kwargs)
 
 
 def test_bad_adapters_fail_at_load_naming_the_key(checkpoint, tmp_path):

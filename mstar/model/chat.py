@@ -1,0 +1,105 @@
+"""What the chat LLM families share (Llama, Qwen3.5): the stop tokens, the chat template, the
+options of ``/generate`` and the chat walk's request.
+
+A chat walk is a prefill, then a Loop of decodes until the engine raises ``stop`` or the
+budget runs out; every sampled token streams to the client as text (``TextStream``). A
+request holds the KV pages of its prompt plus its ``max_tokens`` (default: the rest of
+``max_seq_len``) while admitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+
+from mstar.contract import ChatSpec, GenerateSpec, RequestError, SamplingParams
+from mstar.model.decoding import SamplingKnobs, checked_sampling, decode_request
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.text_stream import TextStream
+
+
+class GenerateKnobs(SamplingKnobs):
+    """``/generate``'s ``model_kwargs`` for a chat LLM."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """New tokens at most (default: the rest of ``max_seq_len``)."""
+
+    chat: bool = True
+    """Wrap the text in the chat template as a user message (false: the text is the prompt)."""
+
+    stop: str | list[str] | None = None
+    """Stop strings (the runtime cuts the text before the first one)."""
+
+
+class ChatLLM(ModelSpec):
+    """The chat side of an LLM family. A subclass loads ``tokenizer`` and ``stop_token_ids``
+    in ``load_frontend`` and declares its graph with a ``chat`` walk (``chat_walk``)."""
+
+    GenerateKnobs: ClassVar[type[GenerateKnobs]] = GenerateKnobs
+    tokenizer: Any
+    stop_token_ids: list[int]
+
+    @property
+    def chat_walk(self) -> str:
+        """The walk a chat request takes."""
+        return "chat"
+
+    def stop_ids(self, eos: int | list[int] | None, *more: int) -> list[int]:
+        """The ids that end a chat: the checkpoint's ``eos`` (one id or several), ``more`` and
+        the tokenizer's own end-of-sequence id."""
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        ids.update(more)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def default_capacity(self) -> dict[str, int]:
+        return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
+
+    def chat_ids(self, messages: list[dict], **template) -> list[int]:
+        """The prompt ids of ``messages`` under the chat template (``template``: its switches)."""
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                        **template)
+        except Exception as err:
+            raise RequestError("messages", f"cannot apply the chat template: {err}") from None
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
+        checked_sampling(spec.sampling)
+        return self.text_request(self.chat_ids(spec.messages), spec.max_tokens, spec.sampling, spec.ignore_eos)
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        if spec.files:
+            raise RequestError("files", f"model {self.key!r} takes text only")
+        if set(spec.output_modalities) - {"text"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
+        if not spec.text:
+            raise RequestError("text", "must not be empty")
+        options = self.GenerateKnobs.parse(spec.model_kwargs)
+        sampling = options.sampling()
+        if options.chat:
+            return self.prepare_chat(ChatSpec(spec.request_id, [{"role": "user", "content": spec.text}],
+                                              sampling, options.max_tokens))
+        ids = self.tokenizer.encode(spec.text, add_special_tokens=False)
+        return self.text_request(ids, options.max_tokens, sampling, False)
+
+    def text_request(self, ids: list[int], max_tokens: int | None, sampling: SamplingParams,
+                     ignore_eos: bool) -> WalkRequest:
+        """The chat walk over prompt ``ids``, its budget checked against ``max_seq_len``."""
+        limit = self.config.max_seq_len
+        room = limit - len(ids)
+        if room < 1:
+            raise RequestError("messages", f"the prompt has {len(ids)} tokens; max_seq_len is {limit}")
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens > room:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                             f"max_seq_len ({limit})")
+        return decode_request(self.chat_walk, {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, len(ids),
+                              max_tokens, sampling, [] if ignore_eos else self.stop_token_ids, self.config)
+
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> TextStream:
+        return TextStream(self.tokenizer, stop)

@@ -1,0 +1,73 @@
+"""The request side of a decode walk, shared by the autoregressive families (the chat LLMs,
+the Orpheus talker, Whisper's decoder): a request's sampling options, checked, and the walk
+request with its token budget and the KV pages it holds while admitted.
+
+Every decode walk carries the same parameters for its autoregressive engine: ``sampling``,
+``max_new_tokens``, ``max_decode_steps`` (the Loop's bound: the prefill makes the first
+token) and ``stop_token_ids``; a family adds its own beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+from mstar.config import DeploymentConfig
+from mstar.contract import RequestError, SamplingParams
+from mstar.engine.sampler import validate_sampling
+from mstar.model.knobs import RequestKnobs
+from mstar.model.spec import WalkRequest
+
+_DEFAULT = SamplingParams()
+
+
+class SamplingKnobs(RequestKnobs):
+    """The sampling options a request may send in its ``model_kwargs`` (``SamplingParams``'
+    fields); their ranges are ``validate_sampling``'s."""
+
+    temperature: float = _DEFAULT.temperature
+    top_p: float = _DEFAULT.top_p
+    top_k: int = _DEFAULT.top_k
+    min_p: float = _DEFAULT.min_p
+    repetition_penalty: float = _DEFAULT.repetition_penalty
+    seed: int | None = _DEFAULT.seed
+
+    def sampling(self, defaults: dict[str, Any] | None = None, *, field: str | None = None) -> SamplingParams:
+        """What the request sent, over the family's ``defaults``, over ``SamplingParams``' own;
+        checked (``checked_sampling``)."""
+        sent = self.model_dump(include=set(SamplingParams.__struct_fields__), exclude_unset=True)
+        return checked_sampling(SamplingParams(**{**(defaults or {}), **sent}), field=field)
+
+
+def checked_sampling(params: SamplingParams, *, field: str | None = None) -> SamplingParams:
+    """``params`` if usable; else a ``RequestError`` naming ``field`` (default: the sampling
+    field at fault, as the OpenAI routes name it)."""
+    try:
+        validate_sampling(params)
+    except ValueError as err:
+        message = str(err)
+        name = message.split(" ", 1)[0]  # validate_sampling starts each message with the field
+        raise RequestError(field or (name if name in SamplingParams.__struct_fields__ else "sampling"),
+                           message) from None
+    return params
+
+
+def kv_pages(tokens: int, config: DeploymentConfig) -> int:
+    """KV pages that hold ``tokens`` positions."""
+    return -(-tokens // config.resources.kv_cache.page_size)
+
+
+def decode_request(walk: str, inputs: dict[str, torch.Tensor], prompt_tokens: int, max_tokens: int,
+                   sampling: SamplingParams | dict[str, Any], stop_token_ids: list[int], config: DeploymentConfig,
+                   **params: Any) -> WalkRequest:
+    """A decode walk's request: ``prompt_tokens`` then at most ``max_tokens`` new ones, stopping
+    at ``stop_token_ids``; it holds the KV pages of both while admitted. ``params``: the
+    family's own request parameters."""
+    if isinstance(sampling, SamplingParams):
+        sampling = msgspec.structs.asdict(sampling)
+    params = {"sampling": sampling, "max_new_tokens": max_tokens, "max_decode_steps": max_tokens - 1,
+              "stop_token_ids": stop_token_ids, **params}
+    return WalkRequest(walk, inputs, params, {"kv_pages": kv_pages(prompt_tokens + max_tokens, config)},
+                       prompt_tokens=prompt_tokens)

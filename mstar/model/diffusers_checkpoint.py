@@ -1,0 +1,39 @@
+"""A diffusers-layout checkpoint: one folder per component (``text_encoder``, ``tokenizer``,
+``transformer``, ``vae``, ``scheduler``), each with its ``config.json`` and safetensors. The
+diffusion families' checkpoints (``Flux2Checkpoint``, ``ZImageCheckpoint``) add what their
+components read from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DiffusersCheckpoint:
+    root: Path
+
+    @classmethod
+    def locate(cls, model_path: str, cache_dir: str | None = None) -> Self:
+        from mstar.model.weights import resolve_model_path
+
+        return cls(resolve_model_path(model_path, cache_dir=cache_dir))
+
+    def read_json(self, *parts: str) -> dict[str, Any]:
+        return json.loads(self.root.joinpath(*parts).read_text())
+
+    def load(self, module: nn.Module, folder: str, *, device: torch.device, dtype: torch.dtype, dummy: bool,
+             seed: int, **load) -> nn.Module:
+        """``module`` on ``device`` in ``dtype`` with the weights of component ``folder``
+        (coverage checked both ways; ``load``: ``load_weights``' options), or seeded random
+        weights when ``dummy``; in eval mode."""
+        from mstar.model.weights import fill_weights, iter_safetensors
+
+        module = module.to(device=device, dtype=dtype)
+        return fill_weights(module, lambda: iter_safetensors(self.root / folder), dummy=dummy, seed=seed,
+                            dtype=dtype, **load)
