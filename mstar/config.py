@@ -119,8 +119,25 @@ def parse_config(data: dict[str, Any], source: str = "config") -> DeploymentConf
         problems = []
         for e in err.errors():
             key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-            problems.append(f"{key}: {e['msg']}")
+            if e["type"] == "extra_forbidden":
+                problems.append(f"{key}: unknown key; valid keys here: {', '.join(_keys_at(e['loc'][:-1]))}")
+            else:
+                problems.append(f"{key}: {e['msg']}")
         raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+
+
+def _keys_at(loc: tuple) -> list[str]:
+    """The keys the config takes at ``loc`` (a pydantic location whose every part names a
+    nested config section, or a list index into one)."""
+    model: Any = DeploymentConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        args = [a for a in (*getattr(annotation, "__args__", ()), annotation) if isinstance(a, type)
+                and issubclass(a, BaseModel)]
+        model = args[0]
+    return sorted(model.model_fields)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DeploymentConfig:

@@ -72,7 +72,16 @@ def test_unavailable_device(tmp_path: Path) -> None:
 
 def test_bad_config_file(tmp_path: Path) -> None:
     (tmp_path / "deploy.yaml").write_text("model: smollm2\ncuda_graph: true\n")
-    assert "cuda_graph: Extra inputs are not permitted" in _serve(tmp_path, "--config", "deploy.yaml", "smollm2")
+    line = _serve(tmp_path, "--config", "deploy.yaml", "smollm2")
+    assert "cuda_graph: unknown key; valid keys here: cache_dir, device," in line
+
+
+def test_misspelt_model_kwarg(tmp_path: Path) -> None:
+    """``model_kwargs`` are the family's typed knobs: a misspelt one is named with the valid ones."""
+    (tmp_path / "deploy.yaml").write_text("model: smollm2\nmodel_kwargs: {cuda_graph: true}\n")
+    line = _serve(tmp_path, "--config", "deploy.yaml", "smollm2")
+    assert ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, cuda_graphs, fused_kernels, "
+            "overlap_scheduling, seed") in line
 
 
 def test_config_error_found_while_starting(tmp_path: Path) -> None:

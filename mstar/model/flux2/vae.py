@@ -71,11 +71,11 @@ class Flux2VAEConfig:
             if any(t != kind for t in data.get(key, ())):
                 raise ValueError(f"unsupported {key} {data[key]!r}")
         known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        values = {k: v for k, v in data.items() if k in known}
         for key in ("block_out_channels", "decoder_block_out_channels", "patch_size"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = tuple(kwargs[key])
-        return cls(**kwargs)
+            if values.get(key) is not None:
+                values[key] = tuple(values[key])
+        return cls(**values)
 
     @property
     def scale_factor(self) -> int:
