@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
@@ -282,7 +282,7 @@ def write_record(name: str, record: dict[str, Any], out_dir: str | os.PathLike[s
     ``$OUT`` when that is set, else ``benchmarks/results``. ``record["metrics"]`` is a list of
     ``Metric`` (or of their ``as_dict()``); each becomes one printed table line.
     """
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     record = {"name": name, "date": now.isoformat(timespec="seconds"), **record}
     record["metrics"] = [m.as_dict() if isinstance(m, Metric) else m for m in record.get("metrics", [])]
     directory = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)

@@ -21,8 +21,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: the repository root must be importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -165,7 +165,7 @@ class Roofline:
 
     @classmethod
     def of(cls, model: dict[str, Any], dtype: torch.dtype, bandwidth_gbs: float,
-           matmul_tflops: float) -> "Roofline":
+           matmul_tflops: float) -> Roofline:
         h, ffn, layers = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"]
         heads, kv_heads, vocab = model["num_attention_heads"], model["num_key_value_heads"], model["vocab_size"]
         head_dim = model.get("head_dim") or h // heads

@@ -145,7 +145,7 @@ class Roofline:
     flops_per_token: float
 
     @classmethod
-    def of(cls, m: dict[str, Any], dtype: torch.dtype, bandwidth_gbs: float, matmul_tflops: float) -> "Roofline":
+    def of(cls, m: dict[str, Any], dtype: torch.dtype, bandwidth_gbs: float, matmul_tflops: float) -> Roofline:
         h, heads, kv = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"]
         head_dim = m.get("head_dim") or h // heads
         per_layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * m["intermediate_size"]

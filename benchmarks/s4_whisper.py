@@ -132,7 +132,7 @@ class Roofline:
 
     @classmethod
     def of(cls, m: dict[str, Any], dtype: torch.dtype, bandwidth_gbs: float, matmul_tflops: float,
-           frames: int) -> "Roofline":
+           frames: int) -> Roofline:
         d, size = m["d_model"], torch.finfo(dtype).bits // 8
         dec_layers, enc_layers = m["decoder_layers"], m["encoder_layers"]
         dec_matmul = dec_layers * (4 * d * d + 2 * d * d + 2 * d * m["decoder_ffn_dim"]) + m["vocab_size"] * d

@@ -62,14 +62,14 @@ class DeploymentConfig(_Strict):
     request_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _ranks_are_dense(self) -> "DeploymentConfig":
+    def _ranks_are_dense(self) -> DeploymentConfig:
         ranks = sorted({r for g in self.node_groups for r in g.ranks})
         if ranks and ranks != list(range(len(ranks))):
             raise ValueError(f"node_groups: ranks must be 0..N-1 with none skipped, got {ranks}")
         return self
 
     @model_validator(mode="after")
-    def _group_ranks_exist(self) -> "DeploymentConfig":
+    def _group_ranks_exist(self) -> DeploymentConfig:
         for i, g in enumerate(self.node_groups):
             twice = sorted({r for r in g.ranks if g.ranks.count(r) > 1})
             if twice:

@@ -18,8 +18,8 @@ Classifier-free guidance comes in two forms, both ending in the same arithmetic:
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

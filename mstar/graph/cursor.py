@@ -8,8 +8,9 @@ so the conductor can compute plans as pure functions of (state, events).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from mstar.graph.nodes import Step
 from mstar.graph.walk import Loop, Parallel, Section, Sequential

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from mstar.graph.nodes import Node, Step
 from mstar.graph.walk import Loop, Parallel, Section, Sequential, Walk, iter_steps
@@ -19,7 +19,7 @@ class Graph:
     walks: Mapping[str, Walk]
 
     @classmethod
-    def build(cls, nodes: Iterable[Node], walks: Iterable[Walk]) -> "Graph":
+    def build(cls, nodes: Iterable[Node], walks: Iterable[Walk]) -> Graph:
         node_map: dict[str, Node] = {}
         for node in nodes:
             if node.name in node_map:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Union
 
 from mstar.graph.chunking import ChunkPolicy
 from mstar.graph.nodes import Emit, Step
@@ -13,9 +14,9 @@ from mstar.graph.nodes import Emit, Step
 class Sequential:
     """Run the parts in order; a later part reads what an earlier one wrote."""
 
-    parts: tuple["Section", ...]
+    parts: tuple[Section, ...]
 
-    def __init__(self, *parts: "Section"):
+    def __init__(self, *parts: Section):
         object.__setattr__(self, "parts", tuple(parts))
 
 
@@ -23,9 +24,9 @@ class Sequential:
 class Parallel:
     """Independent branches that may run at the same time; joined by variable name."""
 
-    branches: tuple["Section", ...]
+    branches: tuple[Section, ...]
 
-    def __init__(self, *branches: "Section"):
+    def __init__(self, *branches: Section):
         object.__setattr__(self, "branches", tuple(branches))
 
 
@@ -38,7 +39,7 @@ class Loop:
     including the first, so a request already done (EOS at prefill) skips the loop.
     """
 
-    body: "Section"
+    body: Section
     until: str | None = None
     max_iters: int | str | None = None
 

@@ -173,7 +173,7 @@ class StateBatch:
     spans: tuple[tuple[int, int, int], ...]  # (first row, end row, slot) of longer sequences
 
     @classmethod
-    def build(cls, query_start_loc: list[int], slots: list[int], device: torch.device | str) -> "StateBatch":
+    def build(cls, query_start_loc: list[int], slots: list[int], device: torch.device | str) -> StateBatch:
         if len(query_start_loc) != len(slots) + 1:
             raise ValueError(f"{len(slots)} slots for {len(query_start_loc) - 1} sequences")
         rows, single_slots, spans = [], [], []

@@ -224,7 +224,7 @@ def _tiling(device: torch.device, head_dim: int) -> _Tiling:
     return _Tiling(32, 64, 32, 64, 4, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4

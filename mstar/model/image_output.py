@@ -82,7 +82,7 @@ class ImageStream(OutputStream):
         self.images = 0
 
     @classmethod
-    def for_request(cls, request: WalkRequest) -> "ImageStream":
+    def for_request(cls, request: WalkRequest) -> ImageStream:
         return cls(request.params.get("output_format", "png"), request.params.get("output_compression"))
 
     @property

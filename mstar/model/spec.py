@@ -72,7 +72,7 @@ class ModelSpec(ABC):
     embedded_weights: ClassVar[tuple[str, ...]] = ()
     Knobs: ClassVar[type[knobs.Knobs]] = knobs.Knobs
 
-    def __init__(self, config: "DeploymentConfig"):
+    def __init__(self, config: DeploymentConfig):
         self.config = config
         self.knobs = self.Knobs.parse(config.model_kwargs, device=config.device)
 
@@ -84,14 +84,14 @@ class ModelSpec(ABC):
         """Load what the API server needs: tokenizer, processor, limits. Must be light."""
 
     @abstractmethod
-    def build_engines(self, nodes: set[str], device: torch.device) -> dict[str, "Engine"]:
+    def build_engines(self, nodes: set[str], device: torch.device) -> dict[str, Engine]:
         """Load weights and build the engine of every node in ``nodes``."""
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_seq_len
 
-    def parallel_dims(self) -> dict[str, "ParallelDims"]:
+    def parallel_dims(self) -> dict[str, ParallelDims]:
         """Per node, the sizes its ``tp_size`` / ``sp_size`` must divide (heads, MLP width).
 
         Placement reads it at startup only when a node group asks for ``tp_size`` or

@@ -110,7 +110,7 @@ class Routes:
     step_rank: dict[int, int]  # id(step) -> rank
 
     @classmethod
-    def of(cls, walk: Walk, placement: Placement) -> "Routes":
+    def of(cls, walk: Walk, placement: Placement) -> Routes:
         readers: dict[str, set[int]] = {}
         step_rank: dict[int, int] = {}
         for step in walk.steps():

@@ -8,7 +8,8 @@ request and event types themselves are the contract of ``mstar.contract``.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from mstar.contract import (
     ChatSpec,

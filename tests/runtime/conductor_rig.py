@@ -4,7 +4,8 @@ fabricated step results and checks the scheduling contract on every tick (see te
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mstar.graph import (
     Emit,

@@ -5,9 +5,10 @@ whose hidden states the DiT reads and concatenates them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ class KleinText:
     tap_layers: tuple[int, ...] = KLEIN_TAP_LAYERS
 
     @classmethod
-    def from_directory(cls, root: Path) -> "KleinText":
+    def from_directory(cls, root: Path) -> KleinText:
         from transformers import AutoTokenizer
 
         config = Qwen3Config.from_hf_dict(json.loads((root / "text_encoder" / "config.json").read_text()))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class LlamaCheckpoint:
     _reader: Any = field(default=None, repr=False)
 
     @classmethod
-    def locate(cls, model_path: str, cache_dir: str | None = None) -> "LlamaCheckpoint":
+    def locate(cls, model_path: str, cache_dir: str | None = None) -> LlamaCheckpoint:
         from mstar.model.weights import resolve_model_path
 
         path = resolve_model_path(model_path, cache_dir=cache_dir)

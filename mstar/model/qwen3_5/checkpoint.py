@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class Qwen3_5Checkpoint:
     path: Path
 
     @classmethod
-    def locate(cls, model_path: str, cache_dir: str | None = None) -> "Qwen3_5Checkpoint":
+    def locate(cls, model_path: str, cache_dir: str | None = None) -> Qwen3_5Checkpoint:
         from mstar.model.weights import resolve_model_path
 
         path = resolve_model_path(model_path, cache_dir=cache_dir)

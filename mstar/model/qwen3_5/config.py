@@ -68,7 +68,7 @@ class Qwen3_5Config:
         return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3_5Config":
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3_5Config:
         """From a checkpoint's ``config.json``: the multimodal one (``text_config`` nested,
         ``tie_word_embeddings`` at the top) or a text-only one. Unknown keys are ignored."""
         text = dict(d.get("text_config") or d)
@@ -149,7 +149,7 @@ class Qwen3_5VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3_5VisionConfig | None":
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3_5VisionConfig | None:
         """From a multimodal ``config.json``; None for a text-only checkpoint."""
         vision = d.get("vision_config")
         if not vision:

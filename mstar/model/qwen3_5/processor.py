@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class ImageProcessing:
     rescale_factor: float = 1 / 255
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ImageProcessing":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ImageProcessing:
         base = cls()
         low, high = _size_from(d, base.min_pixels, base.max_pixels)
         return cls(patch_size=int(d.get("patch_size", base.patch_size)),
@@ -94,7 +95,7 @@ class VideoProcessing:
     max_video_tokens: int = 768
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "VideoProcessing":
+    def from_hf_dict(cls, d: dict[str, Any]) -> VideoProcessing:
         base = cls()
         low, high = _size_from(d, base.min_pixels, base.max_pixels)
         kwargs = {name: type(getattr(base, name))(d[name]) for name in

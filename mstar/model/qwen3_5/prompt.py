@@ -15,8 +15,8 @@ rope_delta`` where ``rope_delta = max position + 1 - prompt length``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

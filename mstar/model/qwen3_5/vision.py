@@ -44,7 +44,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                segments: "Segments") -> torch.Tensor:
+                segments: Segments) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         cos, sin = cos_sin
@@ -71,7 +71,7 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], segments: "Segments") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], segments: Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos_sin, segments)
         return x + self.mlp(self.norm2(x))
 

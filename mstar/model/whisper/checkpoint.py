@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -39,12 +40,12 @@ class WhisperCheckpoint:
     _ct2: Any = field(default=None, repr=False)
 
     @classmethod
-    def embedded(cls) -> "WhisperCheckpoint":
+    def embedded(cls) -> WhisperCheckpoint:
         first, second = (_package_dir(name) for name in EMBEDDED_PACKAGES)
         return cls("ct2", first, [first / "model.bin.part1", second / "model.bin.part2"])
 
     @classmethod
-    def locate(cls, model_path: str, cache_dir: str | None = None) -> "WhisperCheckpoint":
+    def locate(cls, model_path: str, cache_dir: str | None = None) -> WhisperCheckpoint:
         from mstar.model.weights import resolve_model_path
 
         path = resolve_model_path(model_path, cache_dir=cache_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 

@@ -10,9 +10,10 @@ lengths still batch at the DiT, the encoder node writes a fixed ``[max_length, h
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
