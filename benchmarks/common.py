@@ -145,7 +145,6 @@ def measure_memory_bandwidth(device: torch.device | str, size_bytes: int | None 
     src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     seconds = statistics.median(_time_op(lambda: dst.copy_(src), device, repeats, warmup=3))
-    del src, dst
     return 2 * size_bytes / seconds / 1e9
 
 
