@@ -187,7 +187,8 @@ class Roofline:
         positions each: weights (and, when ``context`` > 0, the KV cache) read once from
         memory, or the FLOPs at the measured matmul rate, whichever takes longer."""
         memory = (self.weight_bytes_read + streams * context * self.kv_bytes_per_position) / (self.bandwidth_gbs * 1e9)
-        compute = streams * (self.flops_per_token + context * self.attn_flops_per_position) / (self.matmul_tflops * 1e12)
+        flops = streams * (self.flops_per_token + context * self.attn_flops_per_position)
+        compute = flops / (self.matmul_tflops * 1e12)
         return max(memory, compute)
 
 
@@ -508,7 +509,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; smoke 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per stream (default 128; smoke 16)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens per stream of ours' warm-up batches")
-    p.add_argument("--latency-runs", type=int, default=3, help="batches per stream count for ours (latency pooled, throughput median)")
+    p.add_argument("--latency-runs", type=int, default=3,
+                   help="batches per stream count for ours (latency pooled, throughput median)")
     p.add_argument("--baseline-runs", type=int, default=3, help="timed generate calls per batch size (median)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")

@@ -492,13 +492,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="denoising steps per image")
     p.add_argument("--step-runs", type=int, default=None,
                    help="timed DiT steps per variant and batch size, median (default 10; smoke 2)")
-    p.add_argument("--image-runs", type=int, default=None, help="timed runs per concurrency, median (default 2; smoke 1)")
+    p.add_argument("--image-runs", type=int, default=None,
+                   help="timed runs per concurrency, median (default 2; smoke 1)")
     p.add_argument("--no-compile", action="store_true", help="time the eager DiTs only")
     p.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
                    help="compile every block (as diffusers' compile_repeated_blocks) or the whole model")
     p.add_argument("--attention-backend", choices=("sdpa", "cudnn"), default="sdpa",
                    help="ours' DiT attention (model_kwargs.attention_backend); diffusers keeps PyTorch's choice")
-    p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile and vae_compile=true for the image runs")
+    p.add_argument("--runtime-compile", action="store_true",
+                   help="model_kwargs.compile and vae_compile=true for the image runs")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="model_kwargs.cuda_graphs=true for the image runs (GPU only; ignored with --smoke)")
     p.add_argument("--fused-kernels", action="store_true",

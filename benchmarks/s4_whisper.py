@@ -149,7 +149,8 @@ class Roofline:
     def batch_seconds(self, clips: int, tokens: int, with_cross_kv: bool = False) -> float:
         """Least time to transcribe ``clips`` clips of ``tokens`` tokens each."""
         read = self.decoder_bytes_per_step + (clips * self.cross_kv_bytes_per_clip if with_cross_kv else 0)
-        step = max(read / (self.bandwidth_gbs * 1e9), clips * self.decoder_flops_per_token / (self.matmul_tflops * 1e12))
+        compute = clips * self.decoder_flops_per_token / (self.matmul_tflops * 1e12)
+        step = max(read / (self.bandwidth_gbs * 1e9), compute)
         return tokens * step + clips * self.clip_flops / (self.matmul_tflops * 1e12)
 
 
