@@ -153,7 +153,8 @@ def sweep(rows_list: list[int], device: torch.device) -> None:
             for bn, bk, warps, stages in SWEEP:
                 config = GemvConfig(bn, bk, warps, stages)
                 try:
-                    us = graph_us(lambda i: case.fused_with(i, config), case.copies, replays=7)
+                    us = graph_us(lambda i, case=case, config=config: case.fused_with(i, config),
+                                  case.copies, replays=7)
                 except Exception as error:  # out of shared memory or registers: not a candidate
                     print(f"     skip {config}: {type(error).__name__}", flush=True)
                     continue

@@ -53,7 +53,8 @@ def make_case(new_tokens: list[int], cached: list[int], device: torch.device, se
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=DTYPE)
 
-    q, k, v = rand(tokens, NUM_HEADS, HEAD_DIM), rand(tokens, NUM_KV_HEADS, HEAD_DIM), rand(tokens, NUM_KV_HEADS, HEAD_DIM)
+    q = rand(tokens, NUM_HEADS, HEAD_DIM)
+    k, v = rand(tokens, NUM_KV_HEADS, HEAD_DIM), rand(tokens, NUM_KV_HEADS, HEAD_DIM)
     cache = rand(2, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return q, k, v, cache, meta
 

@@ -145,7 +145,6 @@ def measure_memory_bandwidth(device: torch.device | str, size_bytes: int | None 
     src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     seconds = statistics.median(_time_op(lambda: dst.copy_(src), device, repeats, warmup=3))
-    del src, dst
     return 2 * size_bytes / seconds / 1e9
 
 
@@ -436,7 +435,8 @@ def whisper_dir(tmp: str | os.PathLike[str], **shape: Any) -> Path:
     specials = whisper_special_tokens()
     text_ids = 50257
     if values["vocab_size"] != text_ids + len(specials):
-        raise ValueError(f"vocab_size must be {text_ids + len(specials)} (large-v3's layout), got {values['vocab_size']}")
+        raise ValueError(f"vocab_size must be {text_ids + len(specials)} (large-v3's layout), "
+                         f"got {values['vocab_size']}")
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {token: i for i, token in enumerate(alphabet)}
     for i in range(len(alphabet), text_ids):
@@ -472,7 +472,8 @@ def whisper_dir(tmp: str | os.PathLike[str], **shape: Any) -> Path:
 def add_run_args(parser) -> None:
     """The options every scenario takes: ``--seed``, ``--out``, ``--verbose``."""
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
+    parser.add_argument("--out", default=None,
+                        help="directory of the JSON record (default $OUT, else benchmarks/results)")
     parser.add_argument("--verbose", action="store_true", help="log M* at INFO level")
 
 

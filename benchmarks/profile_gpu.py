@@ -88,7 +88,8 @@ def timeline(events, min_gap_ms: float) -> str:
     """When each runtime node ran on the host, and every stretch of at least ``min_gap_ms``
     with the GPU idle, with the host work that overlapped it most (times from the first
     event, ms)."""
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
+    cpu = [e for e in events
+           if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
     spans = _gpu_spans(events)
     origin = min([e.time_range.start for e in cpu] + [s for s, _ in spans])
     ms = lambda t: (t - origin) / 1e3  # noqa: E731
@@ -96,7 +97,8 @@ def timeline(events, min_gap_ms: float) -> str:
     for e in sorted((e for e in cpu if e.name.startswith("mstar.node.")), key=lambda e: e.time_range.start):
         lines.append(f"  {ms(e.time_range.start):8.1f} - {ms(e.time_range.end):8.1f}  {e.name[11:]}")
     if spans:
-        lines.append(f"GPU busy from {ms(spans[0][0]):.1f} to {ms(spans[-1][1]):.1f} ms; idle stretches >= {min_gap_ms} ms:")
+        lines.append(f"GPU busy from {ms(spans[0][0]):.1f} to {ms(spans[-1][1]):.1f} ms; "
+                     f"idle stretches >= {min_gap_ms} ms:")
     edges = [(origin, spans[0][0])] if spans else []
     edges += [(a[1], b[0]) for a, b in zip(spans, spans[1:])]
     for g0, g1 in edges:
@@ -127,7 +129,8 @@ def summary(prof, wall: float, top: int) -> str:
                       not a.key.startswith("mstar.node.")), key=lambda a: -_device_us(a))
     lines.append(f"top kernels by GPU time (of {busy * 1e3:.1f} ms busy):")
     for a in kernels[:top]:
-        lines.append(f"  {_device_us(a) / 1e3:8.2f} ms {a.count:>6}x {_device_us(a) / max(a.count, 1):8.1f} us  {a.key[:90]}")
+        us = _device_us(a)
+        lines.append(f"  {us / 1e3:8.2f} ms {a.count:>6}x {us / max(a.count, 1):8.1f} us  {a.key[:90]}")
     host = sorted((a for a in averages if a.self_cpu_time_total > 0), key=lambda a: -a.self_cpu_time_total)
     lines.append("top host ops by self CPU time:")
     for a in host[:top]:

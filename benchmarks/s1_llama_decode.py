@@ -187,7 +187,8 @@ class Roofline:
         positions each: weights (and, when ``context`` > 0, the KV cache) read once from
         memory, or the FLOPs at the measured matmul rate, whichever takes longer."""
         memory = (self.weight_bytes_read + streams * context * self.kv_bytes_per_position) / (self.bandwidth_gbs * 1e9)
-        compute = streams * (self.flops_per_token + context * self.attn_flops_per_position) / (self.matmul_tflops * 1e12)
+        flops = streams * (self.flops_per_token + context * self.attn_flops_per_position)
+        compute = flops / (self.matmul_tflops * 1e12)
         return max(memory, compute)
 
 
@@ -399,7 +400,7 @@ def run_baseline(settings: Settings, model_dir: Path) -> dict[str, Any]:
     generator = torch.Generator(device=device).manual_seed(settings.seed + 1)
     eos = model.config.eos_token_id
 
-    def generate(batch: int) -> float:
+    def generate(model: torch.nn.Module, batch: int) -> float:  # an argument: the `del` below frees it
         ids = torch.randint(0, settings.model["vocab_size"], (batch, settings.prompt_len), device=device,
                             generator=generator)
         synchronize(device)
@@ -419,11 +420,11 @@ def run_baseline(settings: Settings, model_dir: Path) -> dict[str, Any]:
         out["warmup_s"] = {}
         for n in settings.streams:  # the first call at each batch size compiles (on CUDA)
             t0 = time.perf_counter()
-            generate(n)
+            generate(model, n)
             out["warmup_s"][n] = time.perf_counter() - t0
             log.info("baseline: warm-up at batch %d took %.1f s", n, out["warmup_s"][n])
         for n in settings.streams:
-            seconds = statistics.median(generate(n) for _ in range(settings.baseline_runs))
+            seconds = statistics.median(generate(model, n) for _ in range(settings.baseline_runs))
             out[n] = {"wall_s": seconds, "total_ms_per_token": seconds / settings.new_tokens * 1e3,
                       "throughput_tok_s": n * settings.new_tokens / seconds}
             log.info("baseline: batch %d: %.2f ms/token, %.1f tok/s", n, out[n]["total_ms_per_token"],
@@ -508,7 +509,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; smoke 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per stream (default 128; smoke 16)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens per stream of ours' warm-up batches")
-    p.add_argument("--latency-runs", type=int, default=3, help="batches per stream count for ours (latency pooled, throughput median)")
+    p.add_argument("--latency-runs", type=int, default=3,
+                   help="batches per stream count for ours (latency pooled, throughput median)")
     p.add_argument("--baseline-runs", type=int, default=3, help="timed generate calls per batch size (median)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")

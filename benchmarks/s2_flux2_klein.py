@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -269,12 +270,11 @@ def run_dit(settings: Settings) -> dict[str, Any]:
     ours, theirs = build_dits(settings)
     out["build_s"] = time.perf_counter() - t0
     device = torch.device(settings.device)
-    variants: dict[str, Callable[..., Any]] = {
-        "ours_eager": _scoped(settings, ours), "baseline_eager": lambda **kw: theirs(**kw, return_dict=False)[0]}
+    variants: dict[str, Callable[..., Any]] = {"ours_eager": _scoped(settings, ours), "baseline_eager": _first(theirs)}
     inputs = {n: dit_inputs(settings, n) for n in settings.batches}
     with torch.inference_mode():
         a = variants["ours_eager"](**inputs[settings.batches[0]]).float()
-        b = theirs(**inputs[settings.batches[0]], return_dict=False)[0].float()
+        b = variants["baseline_eager"](**inputs[settings.batches[0]]).float()
     out["ours_vs_baseline_rel_err"] = ((a - b).abs().max() / b.abs().max()).item()
     log.info("DiT: ours vs diffusers max relative difference %.2e", out["ours_vs_baseline_rel_err"])
     for name, fn in list(variants.items()):
@@ -287,8 +287,7 @@ def run_dit(settings: Settings) -> dict[str, Any]:
 
                 use_fused_qk_norm_rope(ours)
             fn = compiled(model, settings.compile_mode, settings.compile_backend)
-            call = (_scoped(settings, fn) if name.startswith("ours") else
-                    (lambda f: lambda **kw: f(**kw, return_dict=False)[0])(fn))
+            call = _scoped(settings, fn) if name.startswith("ours") else _first(fn)
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -318,11 +317,16 @@ def _scoped(settings: Settings, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """diffusers' ``fn`` returning its output tensor: the first of its ``return_dict=False`` tuple."""
+    return lambda **kwargs: fn(**kwargs, return_dict=False)[0]
+
+
 def _time_dit(settings: Settings, fn: Callable[..., Any], inputs: dict[int, dict], device: torch.device) -> dict:
     result = {}
     with torch.inference_mode():
         for n in settings.batches:
-            times = time_calls(lambda: fn(**inputs[n]), device, settings.step_runs, warmup=1)
+            times = time_calls(functools.partial(fn, **inputs[n]), device, settings.step_runs, warmup=1)
             result[n] = statistics.median(times)
             log.info("DiT step, batch %d: %.2f ms", n, result[n] * 1e3)
     return result
@@ -488,13 +492,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="denoising steps per image")
     p.add_argument("--step-runs", type=int, default=None,
                    help="timed DiT steps per variant and batch size, median (default 10; smoke 2)")
-    p.add_argument("--image-runs", type=int, default=None, help="timed runs per concurrency, median (default 2; smoke 1)")
+    p.add_argument("--image-runs", type=int, default=None,
+                   help="timed runs per concurrency, median (default 2; smoke 1)")
     p.add_argument("--no-compile", action="store_true", help="time the eager DiTs only")
     p.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
                    help="compile every block (as diffusers' compile_repeated_blocks) or the whole model")
     p.add_argument("--attention-backend", choices=("sdpa", "cudnn"), default="sdpa",
                    help="ours' DiT attention (model_kwargs.attention_backend); diffusers keeps PyTorch's choice")
-    p.add_argument("--runtime-compile", action="store_true", help="model_kwargs.compile and vae_compile=true for the image runs")
+    p.add_argument("--runtime-compile", action="store_true",
+                   help="model_kwargs.compile and vae_compile=true for the image runs")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="model_kwargs.cuda_graphs=true for the image runs (GPU only; ignored with --smoke)")
     p.add_argument("--fused-kernels", action="store_true",

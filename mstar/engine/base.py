@@ -41,7 +41,7 @@ class Engine(ABC):
     @abstractmethod
     def run(self, items: list[EngineItem]) -> list[EngineOutput]: ...
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> None:  # noqa: B027 (a no-op hook: a stateless engine holds nothing)
         """Free everything the engine holds for the request (KV pages, state slots)."""
 
     def stats(self) -> dict[str, float]:

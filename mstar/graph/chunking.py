@@ -110,7 +110,8 @@ class SlidingWindow(ChunkPolicy):
 
     def __post_init__(self) -> None:
         if not (1 <= self.stride <= self.window):
-            raise ValueError(f"SlidingWindow needs 1 <= stride <= window, got stride={self.stride}, window={self.window}")
+            raise ValueError(f"SlidingWindow needs 1 <= stride <= window, "
+                             f"got stride={self.stride}, window={self.window}")
         if self.keep not in ("middle", "last"):
             raise ValueError(f"SlidingWindow.keep must be 'middle' or 'last', got {self.keep!r}")
         if self.ahead is not None and not (0 <= self.ahead <= self.window - self.stride):

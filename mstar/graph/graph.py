@@ -67,7 +67,8 @@ def _validate_walk(nodes: Mapping[str, Node], walk: Walk) -> None:
             raise GraphError(f"{where}: stream edge source {edge.source!r} is not written by any step of the walk")
         ports = {port for port, _ in edge.into.reads}
         if edge.chunk_port not in ports:
-            raise GraphError(f"{where}: stream edge into {edge.into.name!r} feeds port {edge.chunk_port!r}, which the step does not read")
+            raise GraphError(f"{where}: stream edge into {edge.into.name!r} feeds port {edge.chunk_port!r}, "
+                             "which the step does not read")
         for port, var in edge.into.reads:
             if port != edge.chunk_port and var not in defined:
                 raise GraphError(f"{where}: step {edge.into.name!r} reads {var!r}, which nothing writes before it")
@@ -86,9 +87,8 @@ def _validate_walk(nodes: Mapping[str, Node], walk: Walk) -> None:
     for step in walk.steps():
         for var in step.write_vars:
             if var not in read and var not in emitted:
-                raise GraphError(
-                    f"{where}: step {step.name!r} writes {var!r}, which nothing reads, emits or returns (dangling output)"
-                )
+                raise GraphError(f"{where}: step {step.name!r} writes {var!r}, "
+                                 "which nothing reads, emits or returns (dangling output)")
 
 
 def _validate_step(nodes: Mapping[str, Node], step: Step, where: str) -> None:
@@ -99,10 +99,12 @@ def _validate_step(nodes: Mapping[str, Node], step: Step, where: str) -> None:
         raise GraphError(f"{where}: node {node.name!r} has no op {step.op!r} (it has {list(node.ops)})")
     for port, _ in step.reads:
         if port not in node.inputs:
-            raise GraphError(f"{where}: step {step.name!r} reads port {port!r}, not an input of node {node.name!r} {list(node.inputs)}")
+            raise GraphError(f"{where}: step {step.name!r} reads port {port!r}, "
+                             f"not an input of node {node.name!r} {list(node.inputs)}")
     for port, _ in step.writes:
         if port not in node.outputs:
-            raise GraphError(f"{where}: step {step.name!r} writes port {port!r}, not an output of node {node.name!r} {list(node.outputs)}")
+            raise GraphError(f"{where}: step {step.name!r} writes port {port!r}, "
+                             f"not an output of node {node.name!r} {list(node.outputs)}")
     written = set(step.write_vars)
     for emit in step.emit:
         if emit.var not in written:
@@ -114,7 +116,8 @@ def _check_flow(section: Section, defined: set[str], where: str, nodes: Mapping[
     if isinstance(section, Step):
         for var in section.read_vars:
             if var not in defined:
-                raise GraphError(f"{where}: step {section.name!r} reads {var!r}, which nothing writes before it (missing input)")
+                raise GraphError(f"{where}: step {section.name!r} reads {var!r}, "
+                                 "which nothing writes before it (missing input)")
         return defined | set(section.write_vars)
     if isinstance(section, Sequential):
         if not section.parts:

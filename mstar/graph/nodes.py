@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class EngineKind(str, Enum):
+class EngineKind(StrEnum):
     """Which engine runs a node; each kind has its own fast path."""
 
     AUTOREGRESSIVE = "autoregressive"
@@ -16,7 +16,7 @@ class EngineKind(str, Enum):
     STREAM = "stream"
 
 
-class Modality(str, Enum):
+class Modality(StrEnum):
     """What an output sent to the client is."""
 
     TEXT = "text"

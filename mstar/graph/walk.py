@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Union
 
 from mstar.graph.chunking import ChunkPolicy
 from mstar.graph.nodes import Emit, Step
@@ -59,7 +58,7 @@ class StreamEdge:
         return self.port or (self.into.reads[0][0] if self.into.reads else self.source)
 
 
-Section = Union[Step, Sequential, Parallel, Loop]
+Section = Step | Sequential | Parallel | Loop
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,8 +2,9 @@
 
 At one to a few rows a projection ``y = x W^T`` reads every weight once and does two flops
 per weight and row: it is bound by the weight read. The kernel here streams ``W [N, K]``
-once, at about cuBLAS's bandwidth (see ``_config`` for measurements), and folds the element-wise work that sits around the
-decoder's projections into the same pass, so those kernels and their launches disappear:
+once, at about cuBLAS's bandwidth (see ``_config`` for measurements), and folds the
+element-wise work that sits around the decoder's projections into the same pass, so those
+kernels and their launches disappear:
 
 * ``gemv(x, weight, bias)``: ``F.linear`` for at most ``GEMV_MAX_ROWS`` rows.
 * ``rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias)``: ``torch_add_rmsnorm``
@@ -20,11 +21,12 @@ few input rows are padded to ``M_PAD = 16`` columns and the step is a tensor-cor
 of the weight tile ``[BLOCK_N, BLOCK_K]`` with the transposed rows ``[BLOCK_K, 16]`` (the
 "swapped" small-M GEMM: the padding costs arithmetic, which is idle here, never bytes). The
 weight tile is loaded along K (contiguous, so the loads can be vectorised) and
-software-pipelined ``num_stages`` deep. The padding also means any row count up to 16 costs the same weight read, which is
-why ``GEMV_MAX_ROWS`` is 16; callers choose their own, smaller, threshold. No split-K: with a
-prologue or epilogue it would repeat them per split, and the plain GEMV already beats cuBLAS
-without it at the 8B shapes. (The norm + qkv kernel, 96 programs of 64 features on 132 SMs,
-is where it falls short at 2-4 rows; see ``_config``.)
+software-pipelined ``num_stages`` deep. The padding also means any row count up to 16 costs
+the same weight read, which is why ``GEMV_MAX_ROWS`` is 16; callers choose their own,
+smaller, threshold. No split-K: with a prologue or epilogue it would repeat them per split,
+and the plain GEMV already beats cuBLAS without it at the 8B shapes. (The norm + qkv kernel,
+96 programs of 64 features on 132 SMs, is where it falls short at 2-4 rows; see
+``_config``.)
 
 Everything accumulates in fp32; the output is in ``x``'s dtype (all inputs must share it).
 Wrappers allocate outputs of sizes fixed by the inputs' shapes and never read a tensor on the

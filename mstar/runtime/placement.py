@@ -151,7 +151,8 @@ def build_placement(graph: Graph, config, spec=None) -> Placement:
                 raise ValueError(f"node_groups[{i}].node_names: node {name!r} is listed twice")
         for walk in g.graph_walks:
             if walk not in graph.walks:
-                raise ValueError(f"node_groups[{i}].graph_walks: unknown walk {walk!r}; walks are {sorted(graph.walks)}")
+                raise ValueError(f"node_groups[{i}].graph_walks: unknown walk {walk!r}; "
+                                 f"walks are {sorted(graph.walks)}")
         if len(g.ranks) != g.tp_size * g.sp_size:  # also checked when the config is parsed
             raise ValueError(f"node_groups[{i}].tp_size: tp_size ({g.tp_size}) x sp_size ({g.sp_size}) "
                              f"needs {g.tp_size * g.sp_size} ranks, node_groups[{i}].ranks lists {len(g.ranks)}")

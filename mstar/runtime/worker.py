@@ -170,7 +170,8 @@ class Worker:
         while True:
             still = []
             for item in pending:
-                values = {port: self.store.get(item.request_id, ref.var, ref.version) for port, ref in item.reads.items()}
+                values = {port: self.store.get(item.request_id, ref.var, ref.version)
+                          for port, ref in item.reads.items()}
                 if item.chunk is not None:
                     values[item.chunk.port] = self._chunk_input(item)
                 if all(v is not None for v in values.values()):

@@ -96,6 +96,16 @@ def speak(d, rid, max_tokens, **sampling):
     return asyncio.run(go())
 
 
+def recording_leads(choose, leads: list[int]):
+    """``choose`` that also appends the ``lead`` of each call to ``leads``."""
+
+    def wrapped(logits, seqs, sample, lead=0):
+        leads.append(lead)
+        return choose(logits, seqs, sample, lead)
+
+    return wrapped
+
+
 def test_overlap_scheduling_speaks_the_same_codes(model_dir):
     """The talker takes part in overlap scheduling: greedy, unpenalised audio_only requests
     run steps ahead (each one code further along) and speak exactly what eager speaks."""
@@ -105,9 +115,7 @@ def test_overlap_scheduling_speaks_the_same_codes(model_dir):
         d = deploy(model_dir, audio_only=True, overlap_scheduling=overlap)
         engine = d.runtime.workers.workers[0].engines["llm"]
         leads = []
-        choose = engine.rules.choose
-        engine.rules.choose = lambda logits, seqs, sample, lead=0: (leads.append(lead),
-                                                                    choose(logits, seqs, sample, lead))[1]
+        engine.rules.choose = recording_leads(engine.rules.choose, leads)
         try:
             audio[overlap] = pcm_to_array(speak(d, "o", 5 * 7, **greedy))
         finally:

@@ -78,7 +78,7 @@ def step_items() -> list[EngineItem]:
             for i, iteration in enumerate((0, 2))]
 
 
-def build_dit(root: Path, state: ParallelState, device: torch.device = torch.device("cpu")) -> Flux2Transformer:
+def build_dit(root: Path, state: ParallelState, device: torch.device) -> Flux2Transformer:
     config = Flux2TransformerConfig.from_dict(json.loads((root / "transformer" / "config.json").read_text()))
     with torch.device(device), use_parallel(state):
         dit = Flux2Transformer(config)
@@ -86,8 +86,7 @@ def build_dit(root: Path, state: ParallelState, device: torch.device = torch.dev
     return dit.eval()
 
 
-def denoise_step(root: Path, state: ParallelState,
-                 device: torch.device = torch.device("cpu")) -> tuple[list[torch.Tensor], list[int]]:
+def denoise_step(root: Path, state: ParallelState, device: torch.device) -> tuple[list[torch.Tensor], list[int]]:
     """One step of ``step_items`` through the DiT engine the model declaration builds (its
     latents back on the CPU)."""
     spec = Flux2Klein(parse_config({"model": "flux2_klein", "model_path": str(root), "dtype": "float32"}))
@@ -127,11 +126,11 @@ def test_dit_split_over_sp_tp_and_tp_x_sp_equals_sp1(checkpoint, device):
     root, reference = checkpoint
     inputs = forward_inputs()
     with torch.no_grad():
-        expected = build_dit(root, SINGLE)(*inputs)
+        expected = build_dit(root, SINGLE, torch.device("cpu"))(*inputs)
         diffusers_out = reference(*inputs, return_dict=False)[0]
     assert rel_error(expected, diffusers_out) <= TOL  # SP=1 is the reference model
     assert rel_error(expected[0], expected[1]) > 1e-2  # the two requests differ
-    expected_step, expected_rows = denoise_step(root, SINGLE)
+    expected_step, expected_rows = denoise_step(root, SINGLE, torch.device("cpu"))
     assert expected_rows == [2]  # both requests in one forward
 
     inner, fused = HEADS * HEAD_DIM, 3 * HEADS * HEAD_DIM + 2 * MLP

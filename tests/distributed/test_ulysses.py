@@ -104,8 +104,7 @@ def randomised(module: nn.Module) -> nn.Module:
     return module.eval()
 
 
-def inputs(device: torch.device = torch.device("cpu")
-           ) -> tuple[JointAttention, ParallelSelfAttention, torch.Tensor, torch.Tensor, tuple]:
+def inputs(device: torch.device) -> tuple[JointAttention, ParallelSelfAttention, torch.Tensor, torch.Tensor, tuple]:
     """The reference FLUX.2 attentions with random weights, image and text tokens, and the
     rope tables of the joint ``[text; image]`` sequence (drawn on the CPU, then on ``device``)."""
     torch.manual_seed(0)

@@ -66,7 +66,7 @@ def test_cached_decode_picks_what_a_fresh_prefill_picks(engine):
     history = {rid: p + [int(o.outputs["token"])] for (rid, p), o in zip(prompts.items(), outs)}
     for _ in range(10):
         items = [EngineItem(rid, "decode", 0, {"token": torch.tensor([h[-1]])}, {}) for rid, h in history.items()]
-        for (rid, h), out in zip(history.items(), engine.run(items)):
+        for h, out in zip(history.values(), engine.run(items)):
             h.append(int(out.outputs["token"]))
     for rid in prompts:
         engine.release(rid)

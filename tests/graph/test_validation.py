@@ -98,9 +98,11 @@ def test_cfg_parallel_with_sequential_branches_builds():
         Sequential(
             Parallel(
                 Sequential(Step("enc", reads={"x": "p"}, writes={"h": "pos"}, name="enc_pos"),
-                           Step("dit", reads={"latents": "latents", "cond": "pos"}, writes={"eps": "e1"}, name="dit_pos")),
+                           Step("dit", reads={"latents": "latents", "cond": "pos"}, writes={"eps": "e1"},
+                                name="dit_pos")),
                 Sequential(Step("enc", reads={"x": "n"}, writes={"h": "neg"}, name="enc_neg"),
-                           Step("dit", reads={"latents": "latents", "cond": "neg"}, writes={"eps": "e2"}, name="dit_neg")),
+                           Step("dit", reads={"latents": "latents", "cond": "neg"}, writes={"eps": "e2"},
+                                name="dit_neg")),
             ),
             Step("mix", reads={"a": "e1", "b": "e2", "latents": "latents"}, writes="latents"),
         ),
@@ -178,7 +180,8 @@ def test_input_read_by_first_step_needs_no_writer():
 
 
 def test_loop_until_without_raiser_but_with_max_iters_is_allowed():
-    walk = Walk("w", Loop(Step("enc", reads="x", writes={"h": "x"}), until="stop", max_iters=3), inputs="x", outputs="x")
+    loop = Loop(Step("enc", reads="x", writes={"h": "x"}), until="stop", max_iters=3)
+    walk = Walk("w", loop, inputs="x", outputs="x")
     build(walk)
 
 
@@ -278,7 +281,8 @@ def test_same_step_object_in_body_and_stream():
     voc = Step("vocoder", reads={"codes": "token"}, writes="audio", name="voc")
     walk = Walk(
         "w",
-        Sequential(Step("llm", "prefill", reads="ids", writes="token"), Step("llm", "decode", reads="token", writes="token")),
+        Sequential(Step("llm", "prefill", reads="ids", writes="token"),
+                   Step("llm", "decode", reads="token", writes="token")),
         inputs="ids",
         outputs="audio",
         streams=[StreamEdge("token", voc, FixedFrames(2)), StreamEdge("token", voc, FixedFrames(2))],
@@ -290,7 +294,8 @@ def test_same_step_object_in_body_and_stream():
 def test_same_node_in_distinct_steps_is_fine():
     walk = Walk(
         "w",
-        Sequential(Step("enc", reads="x", writes={"h": "x"}, name="e1"), Step("enc", reads="x", writes={"h": "x"}, name="e2")),
+        Sequential(Step("enc", reads="x", writes={"h": "x"}, name="e1"),
+                   Step("enc", reads="x", writes={"h": "x"}, name="e2")),
         inputs="x",
         outputs="x",
     )
@@ -549,7 +554,8 @@ def _prefill_decode():
 
 def test_stream_source_never_written():
     voc = Step("vocoder", reads={"codes": "codes"}, writes="audio", emit=Emit("audio", "audio"))
-    walk = Walk("w", _prefill_decode(), inputs="ids", outputs="token", streams=[StreamEdge("codes", voc, FixedFrames(4))])
+    walk = Walk("w", _prefill_decode(), inputs="ids", outputs="token",
+                streams=[StreamEdge("codes", voc, FixedFrames(4))])
     with raises(r"walk 'w': stream edge source 'codes' is not written by any step of the walk"):
         build(walk)
 
@@ -570,13 +576,15 @@ def test_stream_port_not_read_by_consumer():
 
 def test_stream_consumer_without_reads():
     voc = Step("vocoder", writes="audio", emit=Emit("audio", "audio"), name="voc")
-    walk = Walk("w", _prefill_decode(), inputs="ids", outputs="token", streams=[StreamEdge("token", voc, FixedFrames(4))])
+    walk = Walk("w", _prefill_decode(), inputs="ids", outputs="token",
+                streams=[StreamEdge("token", voc, FixedFrames(4))])
     with raises(r"stream edge into 'voc' feeds port 'token', which the step does not read"):
         build(walk)
 
 
 def test_stream_consumer_other_read_missing():
-    voc = Step("vocoder", reads={"codes": "token", "spk": "speaker"}, writes="audio", emit=Emit("audio", "audio"), name="voc")
+    voc = Step("vocoder", reads={"codes": "token", "spk": "speaker"}, writes="audio", emit=Emit("audio", "audio"),
+               name="voc")
     walk = Walk("w", _prefill_decode(), inputs="ids", streams=[StreamEdge("token", voc, FixedFrames(4))])
     with raises(r"walk 'w': step 'voc' reads 'speaker', which nothing writes before it"):
         build(walk)
@@ -584,7 +592,8 @@ def test_stream_consumer_other_read_missing():
 
 def test_stream_consumer_unknown_node():
     voc = Step("codec", reads={"codes": "token"}, writes="audio", name="voc")
-    walk = Walk("w", _prefill_decode(), inputs="ids", outputs="audio", streams=[StreamEdge("token", voc, FixedFrames(4))])
+    walk = Walk("w", _prefill_decode(), inputs="ids", outputs="audio",
+                streams=[StreamEdge("token", voc, FixedFrames(4))])
     with raises(r"step 'voc' uses unknown node 'codec'"):
         build(walk)
 

@@ -101,7 +101,8 @@ def make_step(
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
-    q, k, v = rand(tokens, num_heads, head_dim), rand(tokens, num_kv_heads, head_dim), rand(tokens, num_kv_heads, head_dim)
+    q = rand(tokens, num_heads, head_dim)
+    k, v = rand(tokens, num_kv_heads, head_dim), rand(tokens, num_kv_heads, head_dim)
     cache = rand(2, num_pages, page_size, num_kv_heads, head_dim)
     return q, k, v, cache, meta
 

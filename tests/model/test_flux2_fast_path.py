@@ -94,7 +94,8 @@ def test_klein_serves_jpeg(reference):  # noqa: F811
     try:
         spec = ImageSpec("j", "a red kite", 64, 32, 1, 5, 2)
         [png] = asyncio.run(d.backend.generate_images(spec))
-        spec = dataclasses.replace(spec, request_id="j2", model_kwargs={"output_format": "jpeg", "output_compression": 90})
+        jpeg_kwargs = {"output_format": "jpeg", "output_compression": 90}
+        spec = dataclasses.replace(spec, request_id="j2", model_kwargs=jpeg_kwargs)
         [jpeg] = asyncio.run(d.backend.generate_images(spec))
     finally:
         d.close()
@@ -177,11 +178,11 @@ def test_fast_path_images_equal_eager_on_the_gpu(reference):  # noqa: F811
     RoPE kernel) against the eager bf16 pipeline, both measured against the same pipeline run
     eagerly in float32 (the exact answer, up to fp32 rounding), same seeds. The tolerance is
     the eager path's own: the fast path may be no further from float32 than twice eager bf16
-    is (mean and largest pixel difference), plus one level. Inductor's fused kernels round intermediates differently from
-    eager's, and a tiny random DiT carries that through four Euler steps and the VAE, so the two
-    bf16 images need not agree to a level; what must hold is that the fast path is as good an
-    approximation as eager bf16. A bug (a wrong mask, stale graph inputs, a mis-laid tensor)
-    lands far outside that."""
+    is (mean and largest pixel difference), plus one level. Inductor's fused kernels round
+    intermediates differently from eager's, and a tiny random DiT carries that through four
+    Euler steps and the VAE, so the two bf16 images need not agree to a level; what must hold is
+    that the fast path is as good an approximation as eager bf16. A bug (a wrong mask, stale
+    graph inputs, a mis-laid tensor) lands far outside that."""
     root = reference[0]
     seeds = (1, 2)
     exact = _run(root, seeds, dtype="float32")

@@ -34,7 +34,9 @@ def randomize(module, seed):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * (0.2 if p.dim() > 1 else 0.05) + (1.0 if "norm" in name and p.dim() == 1 else 0.0))
+            scale = 0.2 if p.dim() > 1 else 0.05
+            gain = 1.0 if "norm" in name and p.dim() == 1 else 0.0
+            p.copy_(torch.randn(p.shape, generator=generator) * scale + gain)
 
 
 @pytest.fixture(scope="module")

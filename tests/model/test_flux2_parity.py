@@ -56,7 +56,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     """Seeded weights, larger than the default init so every path moves the output."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             noise = torch.randn(p.shape, generator=gen)
             if p.ndim == 1:  # RMSNorm gains
                 p.copy_(1.0 + 0.5 * noise)

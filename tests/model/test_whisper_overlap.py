@@ -208,8 +208,9 @@ def deployment_tokens(model_dir, device: str, dtype: str, model_kwargs: dict, cl
     try:
         gen = torch.Generator().manual_seed(seed)
         outs = []
+        modes = [("en", "transcribe"), (None, "transcribe"), ("fr", "translate"), (None, "translate")]
         for i in range(clips):
-            language, task = [("en", "transcribe"), (None, "transcribe"), ("fr", "translate"), (None, "translate")][i % 4]
+            language, task = modes[i % 4]
             samples = 0.1 * torch.randn(16000 * (5 + 3 * i), generator=gen)
             request = deployment.spec.window_request(samples, language, task, None, 0.0, seed)
             done, ids = threading.Event(), []
@@ -224,7 +225,7 @@ def deployment_tokens(model_dir, device: str, dtype: str, model_kwargs: dict, cl
 
             deployment.runtime.submit(f"clip-{i}", request, deployment.spec.output_stream(request, []), sink)
             outs.append((done, ids))
-        for done, ids in outs:
+        for done, _ in outs:
             assert done.wait(300), "a clip did not finish"
         return [ids for _, ids in outs]
     finally:

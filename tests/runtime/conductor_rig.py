@@ -217,7 +217,8 @@ class Rig:
 
     def _check_plan(self, rank: int, plan: StepPlan) -> None:
         assert rank not in self.failed, f"plan sent to failed rank {rank}"
-        assert rank not in self.outstanding, f"plan sent to rank {rank} while its plan {self.outstanding[rank].plan_id} is in flight"
+        assert rank not in self.outstanding, (
+            f"plan sent to rank {rank} while its plan {self.outstanding[rank].plan_id} is in flight")
         assert plan.items or plan.release, "empty plan"
         assert all(plan.plan_id > p.plan_id for _, p in self.plans), "plan ids must grow"
         self.plans.append((rank, plan))
@@ -288,7 +289,8 @@ class Rig:
             walk = self.graph.walk(live.spec.walk)
             for ready in walk_cursor.ready(walk.body, live.cursor):
                 rank = self.placement.rank_of(walk.name, ready.step.node)
-                assert rank in self.outstanding or rank in self.failed, f"{rid}: {ready.step.name} left on idle rank {rank}"
+                assert rank in self.outstanding or rank in self.failed, (
+                    f"{rid}: {ready.step.name} left on idle rank {rank}")
 
     def assert_released(self, rid: str) -> None:
         for rank in self.touched[rid]:

@@ -58,9 +58,13 @@ def test_chat_walk_prefill_then_decode_until_stop() -> None:
 def test_loop_ends_at_max_iters_and_reports_length() -> None:
     rig = Rig()
     rig.submit("a", max_decode_steps=3)
-    last = lambda item: {"finish_reason": "length"} if item.op == "decode" and item.iteration == 2 else {}
+
+    def last(item):
+        return {"finish_reason": "length"} if item.op == "decode" and item.iteration == 2 else {}
+
     rig.drain(last)
-    assert [(i.op, i.iteration) for i in rig.items["a"]] == [("prefill", 0), ("decode", 0), ("decode", 1), ("decode", 2)]
+    ops = [(i.op, i.iteration) for i in rig.items["a"]]
+    assert ops == [("prefill", 0), ("decode", 0), ("decode", 1), ("decode", 2)]
     assert rig.finished["a"] == Finished("a", "length", None, 4, {})
     rig.assert_quiescent()
 

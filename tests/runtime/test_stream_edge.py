@@ -42,7 +42,8 @@ class Counter(Engine):
             time.sleep(0.01)  # a producer step takes time, as an LLM step does
             EVENTS.append((item.request_id, "produce", n))
             done = n + 1 >= int(item.params["length"])
-            out.append(EngineOutput({"item": torch.tensor([n * 10 + 1])}, ("stop",) if done else (), "stop" if done else None))
+            flags, finish = (("stop",), "stop") if done else ((), None)
+            out.append(EngineOutput({"item": torch.tensor([n * 10 + 1])}, flags, finish))
         return out
 
     def release(self, request_id):
@@ -77,7 +78,8 @@ class ToyStream(ModelSpec):
     tasks = frozenset()  # /generate only
 
     def graph(self):
-        producer = Node("producer", "autoregressive", inputs=("seed",), outputs=("item",), ops=("first", "next"), flags=("stop",))
+        producer = Node("producer", "autoregressive", inputs=("seed",), outputs=("item",), ops=("first", "next"),
+                        flags=("stop",))
         codec = Node("codec", "stateless", inputs=("codes",), outputs=("audio",))
         first = Step("producer", "first", reads="seed", writes="item")
         step = Step("producer", "next", reads={"seed": "item"}, writes="item")

@@ -31,7 +31,8 @@ REASON = "triton was imported before TRITON_INTERPRET was set: test_kernels_in_a
 def kernels_runnable(kernels: ModuleType) -> bool:
     """Whether ``kernels`` (a module of ours with an ``INTERPRET`` flag) can run here:
     compiled on CUDA, or interpreted on the CPU with Triton itself interpreted too."""
-    return DEVICE.type == "cuda" or (kernels.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction")
+    interpreted = type(triton.language.zeros).__name__ == "InterpretedFunction"
+    return DEVICE.type == "cuda" or (kernels.INTERPRET and interpreted)
 
 
 def rerun_in_fresh_interpreter(test_file: str, *, allow_skips: bool = False) -> None:

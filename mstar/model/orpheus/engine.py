@@ -101,7 +101,8 @@ def snac_fn(decoder: SnacDecoder):
                 for i in indices:
                     results[i] = {"audio": torch.zeros(0)}
                 continue
-            codes = [codes_from_orpheus(items[i].inputs["codes"][: frames * TOKENS_PER_FRAME].tolist()) for i in indices]
+            tokens = frames * TOKENS_PER_FRAME
+            codes = [codes_from_orpheus(items[i].inputs["codes"][:tokens].tolist()) for i in indices]
             device = next(decoder.parameters()).device
             batch = [torch.cat([c[level] for c in codes]).to(device) for level in range(3)]
             audio = decoder.decode(batch, noise=False)[:, 0]

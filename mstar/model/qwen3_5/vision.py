@@ -113,11 +113,9 @@ class Segments:
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             return out.transpose(0, 1)
         out = torch.empty_like(q)
-        for length, index in self.buckets:
-            def take(t: torch.Tensor) -> torch.Tensor:
-                return t[index].view(-1, length, heads, dim).transpose(1, 2)
-
-            o = F.scaled_dot_product_attention(take(q), take(k), take(v))
+        for length, index in self.buckets:  # [segments, H, length, D] per tensor
+            q_seg, k_seg, v_seg = [t[index].view(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v)]
+            o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg)
             out[index] = o.transpose(1, 2).reshape(-1, heads, dim)
         return out
 

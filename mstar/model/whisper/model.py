@@ -74,7 +74,8 @@ class Whisper(ModelSpec):
                        outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
         walk = Walk("transcribe", Sequential(
             Step("encoder", reads="mel", writes="audio_features"),
-            Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token", emit=Emit("token", "text")),
+            Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token",
+                 emit=Emit("token", "text")),
             Loop(Step("decoder", "decode", reads="token", writes="token", emit=Emit("token", "text")),
                  until="stop", max_iters="max_decode_steps"),
         ), inputs=("mel", "prompt_ids"))

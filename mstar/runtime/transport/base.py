@@ -213,6 +213,7 @@ class TensorTransport(ABC):
         ``0``: just poll) and returns ``[]`` if none came.
         """
 
+    @abstractmethod
     def close(self) -> None:
         """Release sockets/queues/segments; idempotent."""
 
