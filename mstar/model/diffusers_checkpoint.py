@@ -6,12 +6,18 @@ components read from it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 import torch
 from torch import nn
+
+from mstar.config import DeploymentConfig
+
+# load(module, folder, seed offset, **load_weights options) -> the module, loaded
+Loader = Callable[..., nn.Module]
 
 
 @dataclass(frozen=True)
@@ -37,3 +43,13 @@ class DiffusersCheckpoint:
         module = module.to(device=device, dtype=dtype)
         return fill_weights(module, lambda: iter_safetensors(self.root / folder), dummy=dummy, seed=seed,
                             dtype=dtype, **load)
+
+    def loader(self, config: DeploymentConfig, seed: int, device: torch.device) -> Loader:
+        """``load(module, folder, offset, **options)`` for the deployment: its dtype, dummy or real
+        weights, component seeds ``seed + offset`` (each component draws its own dummy weights)."""
+
+        def load(module: nn.Module, folder: str, offset: int, **options) -> nn.Module:
+            return self.load(module, folder, device=device, dtype=config.torch_dtype(),
+                             dummy=config.load_format == "dummy", seed=seed + offset, **options)
+
+        return load

@@ -18,8 +18,9 @@ switch that runs on CUDA only), are checked by ``check`` once the types are.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -109,6 +110,12 @@ class Knobs(BaseModel):
         A class that adds a rule calls ``super().check(device)`` first."""
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): Triton kernels then run
+    on the CPU too (slowly; tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def require_cuda(key: str, device: str) -> None:
     """Refuse ``model_kwargs.<key>`` on a deployment that is not on CUDA."""
     if device != "cuda":
@@ -120,10 +127,24 @@ class CudaGraphs(Knobs):
     cuda_graphs: bool = False
     """Replay steps from CUDA graphs captured per batch bucket (CUDA only; eager is the reference)."""
 
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.cuda_graphs:
+            require_cuda("cuda_graphs", device)
+
 
 class FusedKernels(Knobs):
     fused_kernels: bool = False
     """Run element-wise work (norms, activations, RoPE) as fused Triton kernels (CUDA only)."""
+
+    # Whether the family's kernels also run under Triton's CPU interpreter (TRITON_INTERPRET=1:
+    # slowly, for tests), so that fused_kernels is taken on the CPU then.
+    interpreted_on_cpu: ClassVar[bool] = False
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.fused_kernels and not (self.interpreted_on_cpu and triton_interpreted()):
+            require_cuda("fused_kernels", device)
 
 
 class OverlapScheduling(Knobs):
@@ -162,12 +183,6 @@ class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
     attention_backend: Literal["torch", "triton"] = "torch"
     """The paged-attention kernels: ``torch`` (the reference) or ``triton``."""
 
-    def check(self, device: str) -> None:
-        super().check(device)
-        if self.cuda_graphs:
-            require_cuda("cuda_graphs", device)
-        if self.fused_kernels:
-            require_cuda("fused_kernels", device)
 
 
 # ------------------------------------------------------------------ request options

@@ -26,9 +26,7 @@ def flux2_engines(ckpt: Flux2Checkpoint, knobs: Flux2Knobs, config: DeploymentCo
                   device: torch.device) -> dict[str, Engine]:
     dtype = config.torch_dtype()
 
-    def load(module: torch.nn.Module, folder: str, offset: int, **options) -> torch.nn.Module:
-        return ckpt.load(module, folder, device=device, dtype=dtype, dummy=config.load_format == "dummy",
-                         seed=knobs.seed + offset, **options)
+    load = ckpt.loader(config, knobs.seed, device)
 
     engines: dict[str, Engine] = {}
     if "text_encoder" in nodes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from mstar.model.diffusion_knobs import DiffusionKnobs, Steps
-from mstar.model.knobs import CudaGraphs, FusedKernels, require_cuda
+from mstar.model.knobs import CudaGraphs, FusedKernels
 
 
 class Flux2Knobs(DiffusionKnobs, CudaGraphs, FusedKernels):
@@ -14,13 +14,6 @@ class Flux2Knobs(DiffusionKnobs, CudaGraphs, FusedKernels):
     ``fused_kernels``: the DiT's per-head QK-norm and RoPE as one Triton kernel."""
 
     num_inference_steps: Steps = 4  # the distilled klein checkpoints
-
-    def check(self, device: str) -> None:
-        super().check(device)
-        if self.cuda_graphs:
-            require_cuda("cuda_graphs", device)
-        if self.fused_kernels:
-            require_cuda("fused_kernels", device)
 
 
 class Flux2GuidedKnobs(Flux2Knobs):

@@ -3,26 +3,21 @@ encoder and decoder (eager torch is the default and the reference)."""
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from mstar.config import ConfigError
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
-from mstar.model.knobs import CudaGraphs, FusedKernels, OverlapScheduling, require_cuda
-
-
-def _interpreted() -> bool:
-    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the Triton kernels then
-    run on the CPU too (slowly; tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from mstar.model.knobs import CudaGraphs, FusedKernels, OverlapScheduling, require_cuda, triton_interpreted
 
 
 class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
     """``cuda_graphs`` replays decode steps per batch bucket (``cuda_graph_batch_sizes``) with
     the Triton attention kernels; ``fused_kernels`` runs decode steps with one q/k/v GEMM, the
     attention scale in the kernels and Triton residual add + LayerNorm."""
+
+    interpreted_on_cpu = True  # its kernels' tests run them on the CPU under the interpreter
 
     max_audio_seconds: float = Field(600.0, gt=0, allow_inf_nan=False)
     """The longest upload, in seconds of audio."""
@@ -47,14 +42,10 @@ class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
 
     def check(self, device: str) -> None:
         super().check(device)
-        if self.cuda_graphs:
-            require_cuda("cuda_graphs", device)
-        if self.attention_backend == "triton" and device != "cuda" and not _interpreted():
+        if self.attention_backend == "triton" and device != "cuda" and not triton_interpreted():
             raise ConfigError("model_kwargs.attention_backend: 'triton' needs device: cuda")
         if self.cuda_graphs and self.attention_backend != "triton":
             raise ConfigError("model_kwargs.cuda_graphs needs attention_backend 'triton' (the torch "
                               "reference synchronises with the host and cannot be captured)")
-        if self.fused_kernels and device != "cuda" and not _interpreted():
-            raise ConfigError("model_kwargs.fused_kernels needs device: cuda")
         if self.encoder_cuda_graphs:
             require_cuda("encoder_cuda_graphs", device)
