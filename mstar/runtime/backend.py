@@ -47,7 +47,7 @@ class RuntimeBackend:
         return self._run(spec.request_id, lambda: self.spec.prepare_chat(spec), spec.stop)
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
-        if spec.files and getattr(self.spec, "transcribe", None) is not None:
+        if spec.files and "transcription" in self.spec.tasks:
             return self._generate_transcription(spec)
         stop = spec.model_kwargs.get("stop") or []
         if isinstance(stop, str):
@@ -91,22 +91,7 @@ class RuntimeBackend:
 
     async def _generate_transcription(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
         """/generate with an audio file on a speech recogniser: the transcript as text."""
-        if len(spec.files) != 1:
-            raise RequestError("files", "send exactly one audio file to transcribe")
-        if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.model_id!r} outputs text only")
-        kwargs = dict(spec.model_kwargs)
-        unknown = set(kwargs) - {"language", "task", "prompt", "temperature"}
-        if unknown:
-            raise RequestError("model_kwargs", f"unknown keys {sorted(unknown)}; this model takes "
-                                               "language, task, prompt and temperature")
-        if kwargs.get("task", "transcribe") not in ("transcribe", "translate"):
-            raise RequestError("model_kwargs.task", "must be 'transcribe' or 'translate'")
-        filename, data = spec.files[0]
-        result = await self.transcribe(TranscriptionSpec(
-            spec.request_id, data, filename, task=kwargs.get("task", "transcribe"),
-            language=kwargs.get("language"), prompt=kwargs.get("prompt") or spec.text or None,
-            temperature=kwargs.get("temperature")))
+        result = await self.transcribe(self.spec.transcription_of(spec))
         yield OutputEvent(text=result.text, finish_reason="stop")
 
     async def transcribe(self, spec: TranscriptionSpec) -> Transcription:

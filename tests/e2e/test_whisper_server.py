@@ -268,6 +268,17 @@ def test_generate_with_audio_file(http: httpx.Client, wav: bytes, baseline: str)
     assert forced.json()["text"].strip() == baseline
 
 
+@pytest.mark.parametrize("options,param", [({"task": "summarise"}, "task"), ({"lang": "en"}, "model_kwargs"),
+                                           ({"temperature": -1}, "temperature")])
+def test_generate_options_are_typed(http: httpx.Client, wav: bytes, options: dict, param: str) -> None:
+    """/generate's transcription options (``TranscribeKnobs``): a bad or unknown one is a 400
+    naming it, before the audio is decoded."""
+    response = http.post("/generate", data={"model_kwargs": json.dumps(options)},
+                         files=[("files", ("clip.wav", wav, "audio/wav"))])
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_generate_bad_audio_is_400(http: httpx.Client) -> None:
     response = http.post("/generate", files=[("files", ("clip.wav", b"not audio at all" * 64, "audio/wav"))])
     assert response.status_code == 400, response.text

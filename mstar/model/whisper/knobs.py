@@ -9,7 +9,14 @@ from pydantic import Field
 
 from mstar.config import ConfigError
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
-from mstar.model.knobs import CudaGraphs, FusedKernels, OverlapScheduling, require_cuda, triton_interpreted
+from mstar.model.knobs import (
+    CudaGraphs,
+    FusedKernels,
+    OverlapScheduling,
+    RequestKnobs,
+    require_cuda,
+    triton_interpreted,
+)
 
 
 class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
@@ -49,3 +56,19 @@ class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
                               "reference synchronises with the host and cannot be captured)")
         if self.encoder_cuda_graphs:
             require_cuda("encoder_cuda_graphs", device)
+
+
+class TranscribeKnobs(RequestKnobs):
+    """``/generate``'s ``model_kwargs`` for a speech recogniser (its one file is the audio)."""
+
+    language: str | None = None
+    """The speech's language (an ISO-639-1 code or a name); None: detect it."""
+
+    task: Literal["transcribe", "translate"] = "transcribe"
+    """``translate``: the transcript in English."""
+
+    prompt: str | None = None
+    """Context for the decoder (default: the request's ``text``)."""
+
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """None: greedy, warmer only where the text loops."""

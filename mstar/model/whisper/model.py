@@ -16,6 +16,7 @@ import torch
 
 from mstar.audio import decode_audio, split_at_quiet_points
 from mstar.contract import (
+    GenerateSpec,
     OutputEvent,
     RequestError,
     Transcription,
@@ -29,7 +30,7 @@ from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
 from mstar.model.whisper.engine import whisper_engines
 from mstar.model.whisper.features import log_mel_spectrogram
-from mstar.model.whisper.knobs import WhisperKnobs
+from mstar.model.whisper.knobs import TranscribeKnobs, WhisperKnobs
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30.0
@@ -110,6 +111,18 @@ class Whisper(ModelSpec):
         return decode_request("transcribe", {"mel": mel, "prompt_ids": torch.tensor(ids, dtype=torch.int64)},
                               len(ids), budget, {"temperature": temperature, "seed": seed}, [self.tokens.eot],
                               self.config, detect_language=language is None and self.tokens.multilingual, task=task)
+
+    def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
+        """The transcription ``/generate`` asks for: its one file is the audio, its
+        ``model_kwargs`` the options (``TranscribeKnobs``), its text the default prompt."""
+        if len(spec.files) != 1:
+            raise RequestError("files", "send exactly one audio file to transcribe")
+        if set(spec.output_modalities) - {"text"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
+        options = TranscribeKnobs.parse(spec.model_kwargs)
+        filename, data = spec.files[0]
+        return TranscriptionSpec(spec.request_id, data, filename, task=options.task, language=options.language,
+                                 prompt=options.prompt or spec.text or None, temperature=options.temperature)
 
     async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:
         try:
