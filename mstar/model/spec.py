@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mstar.contract import ChatSpec, GenerateSpec, OutputEvent
+from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError
 from mstar.graph import Graph
 from mstar.model import knobs
 
@@ -103,13 +103,9 @@ class ModelSpec(ABC):
         return {}
 
     def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
-        from mstar.contract import RequestError
-
         raise RequestError("model", f"model {self.key!r} does not serve chat", 400)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
-        from mstar.contract import RequestError
-
         raise RequestError("model", f"model {self.key!r} does not serve /generate", 400)
 
     @abstractmethod
