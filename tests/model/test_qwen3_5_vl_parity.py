@@ -179,7 +179,7 @@ def test_batched_text_image_video_match_transformers(checkpoint, ours) -> None:
             assert rel_err(row, ref[i]) <= TOL, f"request {rid} step {i}: relative error {rel_err(row, ref[i]):.2e}"
     for rid in requests:
         engine.release(rid)
-    assert deltas == {} and engine.forward.states.num_used == 0 and engine.pool.num_used_pages == 0
+    assert engine.forward.rope_deltas == {} and engine.forward.states.num_used == 0 and engine.pool.num_used_pages == 0
 
 
 @torch.no_grad()
