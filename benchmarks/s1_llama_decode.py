@@ -11,8 +11,14 @@ llama3 RoPE scaling), bf16 on one GPU, random ("dummy") weights, 128-token rando
 * **baseline**: transformers ``LlamaForCausalLM`` (same config, bf16, random weights)
   through ``generate`` with a static cache, which transformers compiles for decoding;
   latency is total time / tokens at batch 1, throughput is tokens / time at batch N.
-* **floor**: the hardware bound of one decode step, the larger of (bytes of weights read
-  per step / measured memory bandwidth) and (FLOPs per step / measured matmul rate).
+* **floor**: what the workload must do at the measured bandwidth and matmul rate. A batch of
+  N streams takes at least the prefill of its N prompts (their FLOPs, attention included, or
+  one read of the weights, whichever is longer) plus its decode steps, each at least the
+  longer of (weights + the KV cache of all N sequences at that length) / bandwidth and its
+  FLOPs / matmul rate; throughput floor = N x new tokens / that time. Latency floor: the
+  mean decode step of one stream.
+
+``--long-context`` adds a row of 16 streams with 8,192-token prompts (its prefill dominates).
 
 ``--tp-sizes 1,2`` runs ours once per tensor-parallel size instead, each a deployment with
 one worker process per rank (``llm`` over ranks ``0..N-1`` with ``tp_size: N``; TP=1 in a
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +66,7 @@ from benchmarks.common import (
 NAME = "s1_llama_decode"
 SCENARIO = "S1 llama-3.1-8B decode"
 PAGE_SIZE = 16
+LONG = "long"  # the key of the long-context row's results (the other rows are keyed by stream count)
 
 log = logging.getLogger("s1")
 
@@ -84,18 +92,37 @@ class Settings:
     seed: int = 0
     fused_kernels: bool = False
     tp_sizes: tuple[int, ...] = ()  # empty: one in-process deployment; else one per TP size
+    long_context: tuple[int, int] | None = None  # (streams, prompt_len) of the long-context row
+
+    @property
+    def shapes(self) -> list[tuple[int | str, int, int]]:
+        """Every batch shape the run times as ``(key, streams, prompt_len)``: the stream counts
+        at ``prompt_len`` (keyed by the count), then the long-context row (keyed ``LONG``)."""
+        return [(n, n, self.prompt_len) for n in self.streams] + ([(LONG, *self.long_context)] if self.long_context
+                                                                  else [])
 
     @property
     def max_streams(self) -> int:
-        return max(self.streams)
+        return max(n for _, n, _ in self.shapes)
 
     @property
     def tokens_per_request(self) -> int:
-        return self.prompt_len + self.new_tokens
+        """The longest request (prompt and new tokens) of any shape."""
+        return max(p for _, _, p in self.shapes) + self.new_tokens
 
     @property
     def pages_per_request(self) -> int:
         return -(-self.tokens_per_request // PAGE_SIZE)
+
+    @property
+    def kv_pages(self) -> int:
+        """KV pages for the largest batch of any shape, all of its sequences at full length."""
+        return max(n * -(-(p + self.new_tokens) // PAGE_SIZE) for _, n, p in self.shapes)
+
+    @property
+    def max_seq_len(self) -> int:
+        # a page of slack: the engine stops a sequence one token short of max_seq_len
+        return max(512, self.tokens_per_request + PAGE_SIZE)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -107,6 +134,9 @@ class Settings:
             "overlap_scheduling": self.overlap, "fused_kernels": self.fused_kernels,
             "seed": self.seed, "sampling": "greedy", "ignore_eos": True,
             "tp_sizes": list(self.tp_sizes) or None,
+            "long_context": (None if self.long_context is None
+                             else {"streams": self.long_context[0], "prompt_len": self.long_context[1]}),
+            "kv_cache_pages": self.kv_pages, "page_size": PAGE_SIZE, "max_seq_len": self.max_seq_len,
         }
 
 
@@ -125,6 +155,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (latency is measured between tokens)")
     tp_sizes = parse_tp_sizes(args.tp_sizes)
+    long_context = None
+    if args.long_context:
+        long_context = (args.long_context_streams or (2 if args.smoke else 16),
+                        args.long_context_prompt_len or (256 if args.smoke else 8192))
     if device == "cuda" and tp_sizes and max(tp_sizes) > torch.cuda.device_count():
         raise SystemExit(f"--tp-sizes {args.tp_sizes}: TP={max(tp_sizes)} needs {max(tp_sizes)} GPUs, "
                          f"this machine has {torch.cuda.device_count()}")
@@ -134,7 +168,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         warmup_tokens=min(args.warmup_tokens, new_tokens), latency_runs=args.latency_runs,
         baseline_runs=args.baseline_runs, attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs, overlap=args.overlap, seed=args.seed, fused_kernels=args.fused_kernels,
-        tp_sizes=tp_sizes,
+        tp_sizes=tp_sizes, long_context=long_context,
     )
 
 
@@ -154,12 +188,14 @@ def parse_tp_sizes(text: str | None) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- the bound
 @dataclass(frozen=True)
 class Roofline:
-    """Per-step cost model of the decoder and the machine's measured limits."""
+    """The decoder's costs from its shapes and the machine's measured limits: the least time
+    of a prefill, of a decode step, and of a whole batch (prefill, then every decode step)."""
 
     bandwidth_gbs: float
     matmul_tflops: float
-    weight_bytes_read: int  # per decode step: every weight except the input embedding table
-    flops_per_token: float  # matmuls only, at zero context
+    weight_bytes_read: int  # per forward: every weight except the input embedding table
+    flops_per_token: float  # matmuls only, at zero context, lm_head included
+    lm_head_flops: float  # the lm_head's share of flops_per_token (a prefill needs one row per sequence)
     kv_bytes_per_position: int  # K and V of one position over all layers
     attn_flops_per_position: float  # QK^T and PV of one query against one cached position
 
@@ -178,18 +214,50 @@ class Roofline:
             matmul_tflops=matmul_tflops,
             weight_bytes_read=(matmul_params + norms) * size,
             flops_per_token=2.0 * matmul_params,
+            lm_head_flops=2.0 * vocab * h,
             kv_bytes_per_position=2 * layers * kv_heads * head_dim * size,
             attn_flops_per_position=4.0 * layers * heads * head_dim,
         )
 
-    def step_seconds(self, streams: int, context: float = 0.0) -> float:
+    def _bound(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / (self.bandwidth_gbs * 1e9), flops / (self.matmul_tflops * 1e12))
+
+    def step_seconds(self, streams: int, context: float = 0.0, shared: float = 0.0) -> float:
         """Least time of one decode step of ``streams`` sequences with ``context`` cached
-        positions each: weights (and, when ``context`` > 0, the KV cache) read once from
-        memory, or the FLOPs at the measured matmul rate, whichever takes longer."""
-        memory = (self.weight_bytes_read + streams * context * self.kv_bytes_per_position) / (self.bandwidth_gbs * 1e9)
+        positions each: the weights and the KV cache read once from memory, or the FLOPs at
+        the measured matmul rate, whichever takes longer. ``shared`` of the ``context``
+        positions are one prefix common to every sequence, read once for all of them."""
+        kv_positions = streams * (context - shared) + shared
         flops = streams * (self.flops_per_token + context * self.attn_flops_per_position)
-        compute = flops / (self.matmul_tflops * 1e12)
-        return max(memory, compute)
+        return self._bound(self.weight_bytes_read + kv_positions * self.kv_bytes_per_position, flops)
+
+    def prefill_seconds(self, sequences: Iterable[tuple[int, int]]) -> float:
+        """Least time of one prefill of ``sequences``, each ``(new tokens, cached positions)``:
+        every new token's matmuls (the lm_head once per sequence: only the last position's
+        logits are needed) and its causal attention over the cached and earlier new positions,
+        at the matmul rate; or one read of the weights and the cached K/V plus the write of the
+        new K/V, at the bandwidth; whichever takes longer."""
+        flops = kv = 0.0
+        for new, cached in sequences:
+            flops += new * (self.flops_per_token - self.lm_head_flops) + self.lm_head_flops
+            flops += (new * cached + new * (new + 1) / 2) * self.attn_flops_per_position
+            kv += new + cached
+        return self._bound(self.weight_bytes_read + kv * self.kv_bytes_per_position, flops)
+
+    def decode_seconds(self, streams: int, prompt_len: int, steps: int, shared: float = 0.0) -> float:
+        """Least time of ``steps`` decode steps after a ``prompt_len``-token prefill: step k
+        (from 1) reads the KV cache of ``prompt_len + k`` positions per sequence."""
+        return sum(self.step_seconds(streams, prompt_len + k, shared) for k in range(1, steps + 1))
+
+    def batch_seconds(self, streams: int, prompt_len: int, new_tokens: int) -> float:
+        """Least time of a whole batch: ``streams`` prompts of ``prompt_len`` tokens prefilled,
+        then the ``new_tokens - 1`` decode steps after the prefill's first token."""
+        return (self.prefill_seconds([(prompt_len, 0)] * streams)
+                + self.decode_seconds(streams, prompt_len, new_tokens - 1))
+
+    def throughput_floor(self, streams: int, prompt_len: int, new_tokens: int) -> float:
+        """The greatest tokens/s of that batch: ``streams x new_tokens`` over its least time."""
+        return streams * new_tokens / self.batch_seconds(streams, prompt_len, new_tokens)
 
 
 # ------------------------------------------------------------------------------- ours
@@ -244,29 +312,34 @@ class BatchTiming:
 
 class OursRunner:
     """An M* deployment of the llama model, driven through its runtime: in process, or with
-    ``tp_size`` set, one worker process per rank and ``llm`` split over ranks 0..tp_size-1."""
+    ``tp_size`` set, one worker process per rank and ``llm`` split over ranks 0..tp_size-1.
 
-    def __init__(self, settings: Settings, model_dir: Path, tp_size: int | None = None):
+    ``model_kwargs`` are added to those of the flags, and ``kv_pages`` replaces the pool size
+    the settings call for (S5 uses both: ``prefix_caching``, and room for the cached prefix)."""
+
+    def __init__(self, settings: Settings, model_dir: Path, tp_size: int | None = None,
+                 model_kwargs: dict[str, Any] | None = None, kv_pages: int | None = None):
         from mstar.config import parse_config
         from mstar.contract import SamplingParams
         from mstar.runtime.launch import start
 
         self.settings = settings
-        model_kwargs: dict[str, Any] = {"cuda_graphs": settings.cuda_graphs,
+        model_kwargs_extra = model_kwargs
+        model_kwargs = {"cuda_graphs": settings.cuda_graphs,
                                         "overlap_scheduling": settings.overlap,
                                         "fused_kernels": settings.fused_kernels}
         if settings.attention_backend:
             model_kwargs["attention_backend"] = settings.attention_backend
+        model_kwargs.update(model_kwargs_extra or {})
         config = parse_config({
             "model": "llama",
             "model_path": str(model_dir),
             "load_format": "dummy",
             "device": settings.device,
             "dtype": str(settings.dtype).removeprefix("torch."),
-            "max_seq_len": max(512, settings.tokens_per_request),
+            "max_seq_len": settings.max_seq_len,
             "max_concurrent_requests": settings.max_streams,
-            "resources": {"kv_cache": {"max_num_pages": settings.max_streams * settings.pages_per_request,
-                                       "page_size": PAGE_SIZE}},
+            "resources": {"kv_cache": {"max_num_pages": kv_pages or settings.kv_pages, "page_size": PAGE_SIZE}},
             "model_kwargs": model_kwargs,
             "node_groups": [] if tp_size is None else [llm_group(tp_size)],
         }, "s1 config")
@@ -277,21 +350,32 @@ class OursRunner:
         self.batches = 0
         self.deployment = start(config, in_process=tp_size is None)
 
-    def request(self, new_tokens: int):
+    def random_prompt(self, length: int) -> torch.Tensor:
+        """``length`` random token ids (the runner's generator: the same run draws the same)."""
+        return torch.randint(0, self.settings.model["vocab_size"], (length,), generator=self.generator,
+                             dtype=torch.int64)
+
+    def request(self, new_tokens: int, prompt_len: int | None = None, prompt: torch.Tensor | None = None):
+        """A greedy ``chat`` walk of ``new_tokens`` tokens (EOS ignored) after ``prompt``, or
+        after ``prompt_len`` (default: the settings') random ids."""
         from mstar.model.spec import WalkRequest
 
-        s = self.settings
-        ids = torch.randint(0, s.model["vocab_size"], (s.prompt_len,), generator=self.generator, dtype=torch.int64)
+        ids = prompt if prompt is not None else self.random_prompt(prompt_len or self.settings.prompt_len)
         params = {"sampling": dict(self.sampling), "max_new_tokens": new_tokens,
                   "max_decode_steps": new_tokens - 1, "stop_token_ids": []}
-        pages = -(-(s.prompt_len + new_tokens) // PAGE_SIZE)
-        return WalkRequest("chat", {"prompt_ids": ids}, params, {"kv_pages": pages}, prompt_tokens=s.prompt_len)
+        pages = -(-(len(ids) + new_tokens) // PAGE_SIZE)
+        return WalkRequest("chat", {"prompt_ids": ids}, params, {"kv_pages": pages}, prompt_tokens=len(ids))
 
-    def run(self, streams: int, new_tokens: int, timeout_s: float = 900.0) -> BatchTiming:
-        """Submit ``streams`` requests at once and wait until every one has finished."""
+    def run(self, streams: int, new_tokens: int, timeout_s: float = 900.0, prompt_len: int | None = None,
+            prompts: list[torch.Tensor] | None = None) -> BatchTiming:
+        """Submit ``streams`` requests at once (of ``prompts``, or random prompts of
+        ``prompt_len`` tokens) and wait until every one has finished."""
         d = self.deployment
         self.batches += 1
-        requests = [self.request(new_tokens) for _ in range(streams)]
+        if prompts is not None and len(prompts) != streams:
+            raise ValueError(f"{len(prompts)} prompts for {streams} streams")
+        requests = [self.request(new_tokens, prompt_len, None if prompts is None else prompts[i])
+                    for i in range(streams)]
         sinks = [TimedStream() for _ in range(streams)]
         start = time.perf_counter()
         for i, (request, sink) in enumerate(zip(requests, sinks)):
@@ -328,27 +412,19 @@ def run_ours(settings: Settings, model_dir: Path, tp_size: int | None = None) ->
     log.info("ours%s: deployment ready in %.1f s", _tp_tag(tp_size), out["startup_s"])
     try:
         t0 = time.perf_counter()
-        for n in settings.streams:
-            runner.run(n, settings.warmup_tokens)
+        for _, n, prompt_len in settings.shapes:
+            runner.run(n, settings.warmup_tokens, prompt_len=prompt_len)
         out["warmup_s"] = time.perf_counter() - t0
-        log.info("ours%s: warm-up (%s streams x %d tokens) took %.1f s", _tp_tag(tp_size), list(settings.streams),
-                 settings.warmup_tokens, out["warmup_s"])
-        for n in settings.streams:
-            # several batches per stream count, the median kept: one batch swings with its prefill
-            runs = [runner.run(n, settings.new_tokens) for _ in range(settings.latency_runs)]
-            itl = sorted(x for r in runs for x in r.inter_token_s())
-            ttft = [x for r in runs for x in r.first_token_s()]
-            out[n] = {
-                "inter_token_ms_median": statistics.median(itl) * 1e3,
-                "inter_token_ms_p90": itl[int(0.9 * (len(itl) - 1))] * 1e3,
-                "first_token_ms_median": statistics.median(ttft) * 1e3,
-                "total_ms_per_token": statistics.median(r.wall_s / settings.new_tokens for r in runs) * 1e3,
-                "throughput_tok_s": statistics.median(r.throughput for r in runs),
-                "wall_s": [r.wall_s for r in runs],
-                "tokens": runs[0].tokens,
-            }
-            log.info("ours%s: %d stream(s): ITL median %.2f ms, %.1f tok/s", _tp_tag(tp_size), n,
-                     out[n]["inter_token_ms_median"], out[n]["throughput_tok_s"])
+        log.info("ours%s: warm-up (%s streams x prompt, %d tokens) took %.1f s", _tp_tag(tp_size),
+                 [shape[1:] for shape in settings.shapes], settings.warmup_tokens, out["warmup_s"])
+        for key, n, prompt_len in settings.shapes:
+            # several batches per shape, the median kept: one batch swings with its prefill
+            runs = [runner.run(n, settings.new_tokens, prompt_len=prompt_len) for _ in range(settings.latency_runs)]
+            out[key] = summarize(runs, settings.new_tokens)
+            out[key].update(streams=n, prompt_len=prompt_len)
+            log.info("ours%s: %d stream(s), %d-token prompts: ITL median %.2f ms, first token %.0f ms, %.1f tok/s",
+                     _tp_tag(tp_size), n, prompt_len, out[key]["inter_token_ms_median"],
+                     out[key]["first_token_ms_median"], out[key]["throughput_tok_s"])
     finally:
         runner.close()
         del runner
@@ -356,6 +432,28 @@ def run_ours(settings: Settings, model_dir: Path, tp_size: int | None = None) ->
         if settings.device == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def summarize(runs: list[BatchTiming], new_tokens: int) -> dict[str, Any]:
+    """Inter-token and first-token times pooled over ``runs`` (median, p90), the median
+    throughput and time per token of a batch."""
+    itl = sorted(x for r in runs for x in r.inter_token_s())
+    ttft = sorted(x for r in runs for x in r.first_token_s())
+    return {
+        "inter_token_ms_median": statistics.median(itl) * 1e3,
+        "inter_token_ms_p90": percentile(itl, 0.9) * 1e3,
+        "first_token_ms_median": statistics.median(ttft) * 1e3,
+        "first_token_ms_p90": percentile(ttft, 0.9) * 1e3,
+        "total_ms_per_token": statistics.median(r.wall_s / new_tokens for r in runs) * 1e3,
+        "throughput_tok_s": statistics.median(r.throughput for r in runs),
+        "wall_s": [r.wall_s for r in runs],
+        "tokens": runs[0].tokens,
+    }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of ``ordered`` (sorted), the nearest rank below."""
+    return ordered[int(q * (len(ordered) - 1))]
 
 
 def _tp_tag(tp_size: int | None) -> str:
@@ -400,8 +498,8 @@ def run_baseline(settings: Settings, model_dir: Path) -> dict[str, Any]:
     generator = torch.Generator(device=device).manual_seed(settings.seed + 1)
     eos = model.config.eos_token_id
 
-    def generate(model: torch.nn.Module, batch: int) -> float:  # an argument: the `del` below frees it
-        ids = torch.randint(0, settings.model["vocab_size"], (batch, settings.prompt_len), device=device,
+    def generate(model: torch.nn.Module, batch: int, prompt_len: int) -> float:  # `del` below frees model
+        ids = torch.randint(0, settings.model["vocab_size"], (batch, prompt_len), device=device,
                             generator=generator)
         synchronize(device)
         start = time.perf_counter()
@@ -411,30 +509,49 @@ def run_baseline(settings: Settings, model_dir: Path) -> dict[str, Any]:
                                 pad_token_id=eos, eos_token_id=eos)
         synchronize(device)
         seconds = time.perf_counter() - start
-        made = result.shape[1] - settings.prompt_len
+        made = result.shape[1] - prompt_len
         if made != settings.new_tokens:
             raise RuntimeError(f"transformers generated {made} tokens, not {settings.new_tokens}")
         return seconds
+
+    def timed(model: torch.nn.Module, n: int, prompt_len: int) -> dict[str, Any]:
+        seconds = statistics.median(generate(model, n, prompt_len) for _ in range(settings.baseline_runs))
+        log.info("baseline: batch %d, %d-token prompts: %.2f ms/token, %.1f tok/s", n, prompt_len,
+                 seconds / settings.new_tokens * 1e3, n * settings.new_tokens / seconds)
+        return {"wall_s": seconds, "total_ms_per_token": seconds / settings.new_tokens * 1e3,
+                "throughput_tok_s": n * settings.new_tokens / seconds, "streams": n, "prompt_len": prompt_len}
 
     try:
         out["warmup_s"] = {}
         for n in settings.streams:  # the first call at each batch size compiles (on CUDA)
             t0 = time.perf_counter()
-            generate(model, n)
+            generate(model, n, settings.prompt_len)
             out["warmup_s"][n] = time.perf_counter() - t0
             log.info("baseline: warm-up at batch %d took %.1f s", n, out["warmup_s"][n])
         for n in settings.streams:
-            seconds = statistics.median(generate(model, n) for _ in range(settings.baseline_runs))
-            out[n] = {"wall_s": seconds, "total_ms_per_token": seconds / settings.new_tokens * 1e3,
-                      "throughput_tok_s": n * settings.new_tokens / seconds}
-            log.info("baseline: batch %d: %.2f ms/token, %.1f tok/s", n, out[n]["total_ms_per_token"],
-                     out[n]["throughput_tok_s"])
+            out[n] = timed(model, n, settings.prompt_len)
+        if settings.long_context:
+            n, prompt_len = settings.long_context
+            try:  # an error of its own: the other rows stand whatever the long prompts do
+                t0 = time.perf_counter()
+                generate(model, n, prompt_len)
+                out["warmup_s"][LONG] = time.perf_counter() - t0
+                log.info("baseline: warm-up at batch %d, %d-token prompts took %.1f s", n, prompt_len,
+                         out["warmup_s"][LONG])
+                out[LONG] = timed(model, n, prompt_len)
+            except Exception as err:
+                log.exception("baseline at the long-context shape failed")
+                out[LONG] = {"error": f"{type(err).__name__}: {err}"}
     finally:
         del model
-        gc.collect()
-        if settings.device == "cuda":
-            torch.cuda.empty_cache()
+        _free_cuda(settings)
     return out
+
+
+def _free_cuda(settings: Settings) -> None:
+    gc.collect()
+    if settings.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- report
@@ -444,34 +561,47 @@ def scenario_name(settings: Settings) -> str:
 
 def metrics_from(settings: Settings, roof: Roofline, ours: dict[str, Any] | None,
                  baseline: dict[str, Any] | None, tp_size: int | None = None) -> list[Metric]:
-    """One row per stream count. With ``tp_size`` the metric names end in ``tp=N`` and the
-    floor is one GPU's divided by N: weights, KV cache and FLOPs split evenly over N GPUs,
-    the all-reduces taken as free (an ideal no TP run reaches)."""
+    """One row per stream count, then the long-context row. With ``tp_size`` the metric names
+    end in ``tp=N`` and the floor is one GPU's divided by N: weights, KV cache and FLOPs split
+    evenly over N GPUs, the all-reduces taken as free (an ideal no TP run reaches).
+
+    Floors count the whole workload (``Roofline.batch_seconds``): a throughput row's floor is
+    its batch's prefill plus every decode step with the KV reads at each step's length; the
+    latency row's is one stream's mean decode step. The notes keep the weights-only decode
+    step (the floor column of the runs before 2026-12) and the prefill's share."""
     rows: list[Metric] = []
     scenario = scenario_name(settings)
-    mean_context = settings.prompt_len + (settings.new_tokens - 1) / 2
     suffix, split = ("", 1) if tp_size is None else (f" tp={tp_size}", tp_size)
-    for n in settings.streams:
-        floor_step = roof.step_seconds(n) / split
-        with_kv = roof.step_seconds(n, mean_context) / split
-        if n == 1:
-            row = Metric(scenario, f"latency@1{suffix}", "ms/token", "lower", floor=floor_step * 1e3)
-            row.notes["floor_with_kv_cache"] = with_kv * 1e3
-            if ours and n in ours:
-                row.ours = ours[n]["inter_token_ms_median"]
-                row.notes.update({f"ours_{k}": v for k, v in ours[n].items()})
-            if baseline and n in baseline:
-                row.baseline = baseline[n]["total_ms_per_token"]
-                row.notes.update({f"baseline_{k}": v for k, v in baseline[n].items()})
+    steps = settings.new_tokens - 1
+    for key, n, prompt_len in settings.shapes:
+        prefill = roof.prefill_seconds([(prompt_len, 0)] * n) / split
+        decode = roof.decode_seconds(n, prompt_len, steps) / split
+        weights_only = roof.step_seconds(n) / split
+        notes: dict[str, Any] = {
+            "floor_first_token_ms": prefill * 1e3,
+            "floor_decode_step_ms_mean": decode / steps * 1e3,
+            "floor_decode_step_ms_weights_only": weights_only * 1e3,
+            "prompt_len": prompt_len,
+        }
+        if key == 1:
+            row = Metric(scenario, f"latency@1{suffix}", "ms/token", "lower", floor=decode / steps * 1e3)
+            value = "inter_token_ms_median", "total_ms_per_token"
         else:
-            row = Metric(scenario, f"throughput@{n}{suffix}", "tok/s", "higher", floor=n / floor_step)
-            row.notes["floor_with_kv_cache"] = n / with_kv
-            if ours and n in ours:
-                row.ours = ours[n]["throughput_tok_s"]
-                row.notes.update({f"ours_{k}": v for k, v in ours[n].items()})
-            if baseline and n in baseline:
-                row.baseline = baseline[n]["throughput_tok_s"]
-                row.notes.update({f"baseline_{k}": v for k, v in baseline[n].items()})
+            name = f"throughput@{n}" if key == n else f"throughput@{n} prompt={prompt_len}"
+            row = Metric(scenario, name + suffix, "tok/s", "higher", floor=n * settings.new_tokens / (prefill + decode))
+            notes["floor_tok_s_weights_only"] = n / weights_only
+            notes["floor_tok_s_decode_only"] = n / (decode / steps)
+            value = "throughput_tok_s", "throughput_tok_s"
+        row.notes.update(notes)
+        for side, source, field_name in (("ours", ours, value[0]), ("baseline", baseline, value[1])):
+            result = (source or {}).get(key)
+            if result is None:
+                continue
+            if "error" in result:
+                row.notes[f"{side}_error"] = result["error"]
+                continue
+            setattr(row, side, result[field_name])
+            row.notes.update({f"{side}_{k}": v for k, v in result.items()})
         rows.append(row)
     return rows
 
@@ -494,7 +624,7 @@ def tp_metrics(settings: Settings, roof: Roofline, ours_by_tp: dict[int, dict[st
                 continue
             row = Metric(scenario_name(settings), f"tp={tp} vs tp={base_tp} throughput@{n}", "tok/s", "higher",
                          ours=ours[n]["throughput_tok_s"], baseline=base[n]["throughput_tok_s"],
-                         floor=n / (roof.step_seconds(n) / tp))
+                         floor=roof.throughput_floor(n, settings.prompt_len, settings.new_tokens) * tp)
             row.notes["baseline_is"] = f"ours at tp={base_tp} (worker processes), not transformers"
             row.notes["gpus"] = tp
             rows.append(row)
@@ -524,6 +654,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-sizes", default=None,
                    help="tensor-parallel sizes, comma separated (e.g. 1,2): ours once per size with worker "
                         "processes, llm over ranks 0..N-1 (default: one in-process run)")
+    p.add_argument("--long-context", action="store_true",
+                   help="add a row of long prompts (default 16 streams x 8192 tokens; smoke 2 x 256)")
+    p.add_argument("--long-context-streams", type=int, default=None, help="streams of the long-context row")
+    p.add_argument("--long-context-prompt-len", type=int, default=None, help="prompt tokens of the long-context row")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -563,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
                 log.exception("baseline failed")
                 errors["baseline"] = f"{type(err).__name__}: {err}"
 
+    for side, result in (("baseline", baseline), *((f"ours tp={tp}", r) for tp, r in ours_by_tp.items())):
+        if result and "error" in result.get(LONG, {}):
+            errors[f"{side} long-context"] = result[LONG]["error"]
     record = {
         "scenario": scenario_name(settings),
         "hardware": hardware(),
@@ -570,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": {"memory_bandwidth_gbs": bandwidth, "matmul_tflops": tflops,
                      "weight_bytes_read_per_step": roof.weight_bytes_read,
                      "flops_per_token": roof.flops_per_token,
-                     "kv_bytes_per_position": roof.kv_bytes_per_position},
+                     "kv_bytes_per_position": roof.kv_bytes_per_position,
+                     "attn_flops_per_position": roof.attn_flops_per_position},
         "metrics": (tp_metrics(settings, roof, ours_by_tp, baseline) if settings.tp_sizes
                     else metrics_from(settings, roof, ours, baseline)),
         "ours": ({f"tp={tp}": _jsonable(result) for tp, result in ours_by_tp.items()} if settings.tp_sizes
