@@ -11,6 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks import s2_flux2_klein as s2
 from benchmarks import s3_orpheus as s3
 from benchmarks import s4_whisper as s4
+from benchmarks import s5_shared_prefix as s5
+from benchmarks.common import LLAMA_3_1_8B
+from mstar.model.knobs import DecodeKnobs
 
 
 def record(out_dir, name):
@@ -65,3 +68,41 @@ def test_s4_whisper_smoke(tmp_path):
     for row in rows.values():
         assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
         assert row["notes"]["floor_with_cross_kv_reads"] <= row["floor"]
+
+
+@pytest.mark.slow  # runs the benchmark script end to end (two deployments)
+@pytest.mark.skipif("prefix_caching" not in DecodeKnobs.model_fields,
+                    reason="S5 runs model_kwargs.prefix_caching on and off; this engine has no such knob yet")
+def test_s5_shared_prefix_smoke(tmp_path):
+    assert s5.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s5.NAME)
+    assert set(rows) == {"ttft_p50@4", "ttft_p90@4", "throughput@4"}
+    for row in rows.values():  # ours is the cache on, the baseline the cache off
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
+    assert data["ours"]["tokens"] == data["baseline"]["tokens"] == 4 * 8
+    # reusing the prefix lowers every floor's time
+    assert rows["throughput@4"]["floor"] > rows["throughput@4"]["notes"]["floor_without_reuse"]
+    assert rows["ttft_p50@4"]["floor"] < rows["ttft_p50@4"]["notes"]["floor_without_reuse"]
+    assert set(data["done_when"]) == {"ttft_p50_ratio", "throughput_ratio", "ttft_met", "throughput_met"}
+
+
+def test_s5_floors_with_and_without_reuse():
+    """The prefix reused: its prefill skipped (or done once with --cold-prefix) and its K/V read
+    once per decode step; without: every prompt prefilled whole."""
+    shape = ["--smoke", "--streams", "64", "--prefix-len", "1024", "--suffix-len", "64", "--new-tokens", "128"]
+    settings = s5.settings_from(s5.parse_args(shape))  # the GPU run's shape, on H200-like rates
+    roof = s5.s1.Roofline.of(LLAMA_3_1_8B, torch.bfloat16, 4124.0, 761.0)
+    warm = s5.floors(settings, roof)
+    cold = s5.floors(s5.settings_from(s5.parse_args([*shape, "--cold-prefix"])), roof)
+    for name in ("ttft_p50", "ttft_p90", "batch"):
+        assert warm[name]["with_reuse"] < cold[name]["with_reuse"] <= warm[name]["without_reuse"]
+    assert warm["batch"]["with_reuse"] < warm["batch"]["prefill_reuse_only"] < warm["batch"]["without_reuse"]
+    assert s5.first_streams(64, 0.5) == 32 and s5.first_streams(64, 0.9) == 57
+    plan = s5.batches(settings)
+    assert len(plan) == 1 + settings.runs and all(torch.equal(b.prefix, plan[0].prefix) for b in plan)
+    assert len({tuple(s.tolist()) for b in plan for s in b.suffixes}) == len(plan) * settings.streams
+    # 64 x (1024 + 64) + 128 tokens: ~4,000 tok/s without reuse, ~9,800 with the prefill reused,
+    # ~14,200 with the prefix's K/V also read once per step
+    tokens = 64 * 128
+    assert tokens / warm["batch"]["without_reuse"] == pytest.approx(4_000, rel=0.05)
+    assert tokens / warm["batch"]["prefill_reuse_only"] == pytest.approx(9_800, rel=0.05)
