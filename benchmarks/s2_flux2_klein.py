@@ -13,10 +13,17 @@ tokens), 4 steps, batch 1 and 4.
   outputs are compared, as a check that both compute the same function.
 * **image**: a whole text-to-image request (text encoder, 4-step denoise Loop, VAE decode,
   PNG) through an in-process M* deployment of ``flux2_klein``; seconds per image with one
-  request, and with 4 submitted at once (wall time / 4). No baseline is run for it. The fast
-  paths: ``--runtime-compile`` (DiT and VAE decode compiled), ``--attention-backend cudnn``,
+  request, and with 4 submitted at once (wall time / 4). The fast paths:
+  ``--runtime-compile`` (DiT and VAE decode compiled), ``--attention-backend cudnn``,
   ``--cuda-graphs`` (the text encoder replayed from a CUDA graph), ``--fused-kernels`` (our
-  QK-norm + RoPE kernel, also in the compiled DiT steps).
+  QK-norm + RoPE kernel, also in the compiled DiT steps). ``--http`` also times the same
+  requests through a real ``mstar serve`` process (``POST /v1/images/generations``, one
+  image per request, N requests at once), in rows of their own.
+  Baseline: diffusers' ``Flux2KleinPipeline`` (Qwen3 text encoder, the same DiT, the FLUX.2
+  VAE, flow-match Euler) with the same configs and random weights, its transformer blocks and
+  VAE decoder compiled (unless ``--no-compile``), called with the prompt N times as one batch;
+  it returns PIL images, so its time has no PNG encoding (ours' has; the notes hold what
+  encoding one of its images with PIL took).
 * **floor**: DiT FLOPs per step (matmuls and attention, counted from the shapes) over the
   measured bf16 matmul rate; per image, the steps' floor plus the text encoder's and the VAE
   decoder's FLOPs (counted by torch's FLOP counter on the meta device) over the same rate.
@@ -49,6 +56,7 @@ import torch
 
 from benchmarks.common import (
     Metric,
+    ServerProcess,
     add_run_args,
     hardware,
     measure_matmul_tflops,
@@ -125,6 +133,7 @@ class Settings:
     attention_backend: str = "sdpa"  # ours' model_kwargs.attention_backend (the baseline keeps PyTorch's choice)
     cuda_graphs: bool = False  # model_kwargs.cuda_graphs for the image runs (the text encoder replayed from a graph)
     fused_kernels: bool = False  # ours' QK-norm + RoPE kernel: compiled DiT steps and model_kwargs.fused_kernels
+    http: bool = False  # also time whole images through an `mstar serve` process
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
@@ -138,7 +147,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     batches = tuple(sorted({int(b) for b in args.batches.split(",")})) if args.batches else (1, 4)
     if args.smoke:
         device, dtype, dit, text, vae = "cpu", torch.float32, TINY_DIT, TINY_QWEN3, TINY_VAE
-        size = args.size or 32
+        size = args.size or (256 if args.http else 32)  # the HTTP routes take sides of 256 and more
         step_runs, image_runs = args.step_runs or 2, args.image_runs or 1
         backend = "eager"  # dynamo's tracing without inductor's C++ code generation
     else:
@@ -152,7 +161,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     image_runs=image_runs, compile=not args.no_compile, compile_mode=args.compile_mode,
                     compile_backend=backend, runtime_compile=args.runtime_compile, seed=args.seed,
                     attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs and not args.smoke,
-                    fused_kernels=args.fused_kernels and not args.smoke)
+                    fused_kernels=args.fused_kernels and not args.smoke, http=args.http)
 
 
 def vae_config(settings: Settings):
@@ -364,6 +373,23 @@ def klein_dir(tmp: str | Path, settings: Settings) -> Path:
     return root
 
 
+def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """The ``flux2_klein`` deployment of the image runs (in process, and ``mstar serve``'s)."""
+    kwargs: dict[str, Any] = {"max_image_area": settings.height * settings.width,
+                              "num_inference_steps": settings.steps, "seed": settings.seed}
+    if settings.runtime_compile:
+        kwargs["compile"] = kwargs["vae_compile"] = True
+    if settings.attention_backend != "sdpa":
+        kwargs["attention_backend"] = settings.attention_backend
+    if settings.cuda_graphs:
+        kwargs["cuda_graphs"] = True
+    if settings.fused_kernels:
+        kwargs["fused_kernels"] = True
+    return {"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
+            "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
+            "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs}
+
+
 class ImageRunner:
     """An in-process M* deployment of ``flux2_klein`` taking whole text-to-image requests."""
 
@@ -372,20 +398,7 @@ class ImageRunner:
         from mstar.config import parse_config
         from mstar.runtime.launch import start
 
-        kwargs: dict[str, Any] = {"max_image_area": settings.height * settings.width,
-                                  "num_inference_steps": settings.steps, "seed": settings.seed}
-        if settings.runtime_compile:
-            kwargs["compile"] = kwargs["vae_compile"] = True
-        if settings.attention_backend != "sdpa":
-            kwargs["attention_backend"] = settings.attention_backend
-        if settings.cuda_graphs:
-            kwargs["cuda_graphs"] = True
-        if settings.fused_kernels:
-            kwargs["fused_kernels"] = True
-        config = parse_config({"model": "flux2_klein", "model_path": str(model_dir), "load_format": "dummy",
-                               "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
-                               "max_concurrent_requests": max(settings.batches), "model_kwargs": kwargs},
-                              "s2 config")
+        config = parse_config(deployment(settings, model_dir), "s2 config")
         self.settings = settings
         self.deployment = start(config, in_process=True)
         self._counter = iter(range(1 << 30))
@@ -424,20 +437,171 @@ def run_images(settings: Settings, model_dir: Path) -> dict[str, Any]:
     out["startup_s"] = time.perf_counter() - t0
     log.info("ours: flux2_klein deployment ready in %.1f s", out["startup_s"])
     try:
-        t0 = time.perf_counter()
-        for n in settings.batches:
-            runner.run(n)
-        out["warmup_s"] = time.perf_counter() - t0
-        for n in settings.batches:
-            runs = [runner.run(n) for _ in range(settings.image_runs)]
-            walls = [wall for wall, _ in runs]
-            out[n] = {"wall_s": walls, "s_per_image": statistics.median(walls) / n,
-                      "latency_s_median": statistics.median(x for _, lat in runs for x in lat)}
-            log.info("ours: %d image(s) at once: %.3f s per image", n, out[n]["s_per_image"])
+        out.update(run_timed(settings, "ours", runner.run))
     finally:
         runner.close()
         del runner
         _free(settings)
+    return out
+
+
+def run_timed(settings: Settings, label: str, run: Callable[[int], tuple[float, list[float]]]) -> dict[str, Any]:
+    """``run(n)`` (n images at once: wall seconds and each one's latency) once per batch size
+    as a warm-up, then ``image_runs`` times: seconds per image (median wall / n)."""
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for n in settings.batches:
+        run(n)
+    out["warmup_s"] = time.perf_counter() - t0
+    for n in settings.batches:
+        runs = [run(n) for _ in range(settings.image_runs)]
+        walls = [wall for wall, _ in runs]
+        out[n] = {"wall_s": walls, "s_per_image": statistics.median(walls) / n,
+                  "latency_s_median": statistics.median(x for _, lat in runs for x in lat)}
+        log.info("%s: %d image(s) at once: %.3f s per image", label, n, out[n]["s_per_image"])
+    return out
+
+
+# ------------------------------------------------------------------- image over HTTP
+def post_images(url: str, settings: Settings, n: int, seed: int) -> tuple[float, list[float]]:
+    """``n`` concurrent ``POST /v1/images/generations`` (one image each, base64 PNG): the wall
+    time of all and each one's latency (sending the request to the whole body received)."""
+    import base64
+
+    import httpx
+
+    body = {"prompt": PROMPT, "size": f"{settings.width}x{settings.height}", "n": 1,
+            "num_inference_steps": settings.steps, "response_format": "b64_json"}
+
+    async def one(client: httpx.AsyncClient, i: int) -> float:
+        start_s = time.perf_counter()
+        response = await client.post(f"{url}/v1/images/generations", json={**body, "seed": seed + i})
+        latency = time.perf_counter() - start_s
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
+        [item] = response.json()["data"]
+        if not base64.b64decode(item["b64_json"]).startswith(b"\x89PNG"):
+            raise RuntimeError("the server returned no PNG")
+        return latency
+
+    async def batch() -> tuple[float, list[float]]:
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+            start_s = time.perf_counter()
+            latencies = await asyncio.gather(*[one(client, i) for i in range(n)])
+            return time.perf_counter() - start_s, list(latencies)
+
+    return asyncio.run(batch())
+
+
+def run_http(settings: Settings, model_dir: Path, workdir: Path) -> dict[str, Any]:
+    """Seconds per image through ``mstar serve flux2_klein``: the in-process runs' requests,
+    over HTTP."""
+    t0 = time.perf_counter()
+    server = ServerProcess("flux2_klein", deployment(settings, model_dir), workdir)
+    startup_s = time.perf_counter() - t0
+    log.info("ours over HTTP: server healthy in %.1f s", startup_s)
+    seeds = iter(range(settings.seed, settings.seed + (1 << 30), 1000))
+    try:
+        out = run_timed(settings, "ours over HTTP", lambda n: post_images(server.url, settings, n, next(seeds)))
+    except Exception:
+        log.error("server log tail:\n%s", server.log_tail())
+        raise
+    finally:
+        server.close()
+    out["startup_s"] = startup_s
+    return out
+
+
+# ------------------------------------------------------------ image: diffusers' pipeline
+def build_pipeline(settings: Settings, model_dir: Path):
+    """diffusers' ``Flux2KleinPipeline`` with S2's configs (the DiT baseline's, the text
+    encoder's and the VAE's) and random weights drawn on the device, in ``dtype``; its
+    tokenizer is the one ``klein_dir`` wrote (ours reads the same)."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    device = torch.device(settings.device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(settings.dtype)  # built in dtype on the device: no float32 copy, no CPU init
+    try:
+        with torch.device(device):
+            text_encoder = Qwen3ForCausalLM(Qwen3Config(**settings.text))
+            transformer = Flux2Transformer2DModel(**settings.dit)
+            vae = AutoencoderKLFlux2(**diffusers_vae_config(settings))
+    finally:
+        torch.set_default_dtype(default)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                                                base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                                max_image_seq_len=4096)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=True)
+    for module in (text_encoder, transformer, vae):
+        module.eval().requires_grad_(False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_vae_config(settings: Settings) -> dict[str, Any]:
+    """``AutoencoderKLFlux2``'s arguments for S2's VAE: one encoder and one decoder block type
+    per width (diffusers' defaults assume four widths; the tiny VAE has two)."""
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(vae_config(settings)).items()}
+    blocks = len(config["block_out_channels"])
+    return {**config, "down_block_types": ["DownEncoderBlock2D"] * blocks,
+            "up_block_types": ["UpDecoderBlock2D"] * blocks}
+
+
+def run_pipeline(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """Seconds per image of diffusers' pipeline: N prompts as one batch, 4 steps, no guidance
+    (klein is distilled); its transformer blocks and VAE decoder compiled as S2 compiles the
+    DiT baseline, unless ``--no-compile``."""
+    import io
+
+    t0 = time.perf_counter()
+    pipe = build_pipeline(settings, model_dir)
+    held: dict[str, Any] = {"pipe": pipe}  # dropped in `finally`, which frees the GPU memory
+    startup_s = time.perf_counter() - t0
+    if settings.compile:
+        for name in ("transformer_blocks", "single_transformer_blocks"):
+            for block in getattr(pipe.transformer, name):
+                block.compile(dynamic=False, backend=settings.compile_backend)
+        pipe.vae.decoder.compile(dynamic=False, backend=settings.compile_backend)
+    log.info("baseline: Flux2KleinPipeline built in %.1f s (compiled: %s)", startup_s, settings.compile)
+    device = torch.device(settings.device)
+    del pipe
+
+    def run(n: int) -> tuple[float, list[float]]:
+        generator = torch.Generator(device=device).manual_seed(settings.seed)
+        synchronize(device)
+        start_s = time.perf_counter()
+        with torch.inference_mode():
+            result = held["pipe"](prompt=[PROMPT] * n, height=settings.height, width=settings.width,
+                                  num_inference_steps=settings.steps, guidance_scale=1.0, generator=generator,
+                                  max_sequence_length=TEXT_TOKENS, output_type="pil")
+        synchronize(device)
+        wall = time.perf_counter() - start_s
+        if len(result.images) != n:
+            raise RuntimeError(f"the pipeline made {len(result.images)} images, not {n}")
+        held["image"] = result.images[0]
+        return wall, [wall] * n
+
+    try:
+        out = run_timed(settings, "baseline (diffusers pipeline)", run)
+        buffer = io.BytesIO()
+        t0 = time.perf_counter()
+        held["image"].save(buffer, format="PNG")
+        out["png_encode_s"] = time.perf_counter() - t0
+    finally:
+        held.clear()
+        _free(settings)
+    out["startup_s"] = startup_s
+    out["compiled"] = settings.compile
     return out
 
 
@@ -453,7 +617,7 @@ def scenario_name(settings: Settings) -> str:
 
 
 def metrics_from(settings: Settings, tflops: float, flops: dict[str, Any], dit: dict | None,
-                 images: dict | None) -> list[Metric]:
+                 images: dict | None, pipeline: dict | None = None, http: dict | None = None) -> list[Metric]:
     rows: list[Metric] = []
     scenario = scenario_name(settings)
     rate = tflops * 1e12
@@ -470,16 +634,27 @@ def metrics_from(settings: Settings, tflops: float, flops: dict[str, Any], dit: 
                 elif "error" in value:
                     row.notes[f"{side}_error"] = value["error"]
             rows.append(row)
-    for n in settings.batches:
-        floor_s = (settings.steps * flops["dit_step"][n] + n * (flops["text_encoder"] + flops["vae_decode"])) / rate
-        row = Metric(scenario, f"image@{n}", "s/image", "lower", floor=floor_s / n)
-        row.notes["runtime_compile"] = settings.runtime_compile
-        row.notes["cuda_graphs"] = settings.cuda_graphs
-        row.notes["fused_kernels"] = settings.fused_kernels
-        if images and n in images:
-            row.ours = images[n]["s_per_image"]
-            row.notes.update({f"ours_{k}": v for k, v in images[n].items()})
-        rows.append(row)
+    sides = [("", images)] + ([(" http", http)] if settings.http else [])
+    for suffix, ours in sides:
+        for n in settings.batches:
+            floor_s = (settings.steps * flops["dit_step"][n] + n * (flops["text_encoder"] + flops["vae_decode"])) / rate
+            row = Metric(scenario, f"image@{n}{suffix}", "s/image", "lower", floor=floor_s / n)
+            row.notes["runtime_compile"] = settings.runtime_compile
+            row.notes["cuda_graphs"] = settings.cuda_graphs
+            row.notes["fused_kernels"] = settings.fused_kernels
+            row.notes["ours_is"] = ("POST /v1/images/generations to an mstar serve process, n requests at once"
+                                    if suffix else "requests submitted to an in-process deployment")
+            if ours and n in ours:
+                row.ours = ours[n]["s_per_image"]
+                row.notes.update({f"ours_{k}": v for k, v in ours[n].items()})
+            if pipeline and n in pipeline:
+                row.baseline = pipeline[n]["s_per_image"]
+                row.notes["baseline_is"] = (f"diffusers Flux2KleinPipeline, {n} prompt(s) as one batch, "
+                                            f"{'compiled' if pipeline['compiled'] else 'eager'}, PIL images out "
+                                            "(no PNG encoding)")
+                row.notes["baseline_png_encode_s"] = pipeline.get("png_encode_s")
+                row.notes.update({f"baseline_{k}": v for k, v in pipeline[n].items()})
+            rows.append(row)
     return rows
 
 
@@ -507,6 +682,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ours' QK-norm + RoPE Triton kernel in the compiled DiT steps and the image runs (GPU only)")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-images", action="store_true", help="do not time whole images through the runtime")
+    p.add_argument("--skip-pipeline", action="store_true",
+                   help="do not time diffusers' Flux2KleinPipeline (the whole-image baseline)")
+    p.add_argument("--http", action="store_true",
+                   help="also time whole images through an `mstar serve` process (POST /v1/images/generations)")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -526,13 +705,27 @@ def main(argv: list[str] | None = None) -> int:
              tflops, flops["dit_step"][settings.batches[0]] / settings.batches[0] / 1e12,
              flops["text_encoder"] / 1e12, flops["vae_decode"] / 1e12)
 
-    dit = images = None
+    dit = images = pipeline = http = None
     errors: dict[str, str] = {}
     if not args.skip_dit:
         dit = run_dit(settings)
-    if not args.skip_images:
+    if not args.skip_images or settings.http:
         with tempfile.TemporaryDirectory(prefix="s2-klein-") as tmp:
-            images = run_images(settings, klein_dir(tmp, settings))
+            model_dir = klein_dir(Path(tmp) / "model", settings)
+            if not args.skip_images:
+                images = run_images(settings, model_dir)
+                if not args.skip_pipeline:
+                    try:
+                        pipeline = run_pipeline(settings, model_dir)
+                    except Exception as err:  # keep ours' numbers when the baseline cannot run
+                        log.exception("the diffusers pipeline baseline failed")
+                        errors["pipeline baseline"] = f"{type(err).__name__}: {err}"
+            if settings.http:
+                try:
+                    http = run_http(settings, model_dir, Path(tmp))
+                except Exception as err:
+                    log.exception("the HTTP runs failed")
+                    errors["http"] = f"{type(err).__name__}: {err}"
 
     record = {
         "scenario": scenario_name(settings),
@@ -541,10 +734,12 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": {"matmul_tflops": tflops, "image_tokens": rows * cols, "text_tokens": TEXT_TOKENS,
                      "flops": {k: ({str(n): f for n, f in v.items()} if isinstance(v, dict) else v)
                                for k, v in flops.items()}},
-        "metrics": metrics_from(settings, tflops, flops, dit, images),
+        "metrics": metrics_from(settings, tflops, flops, dit, images, pipeline, http),
         "dit": None if dit is None else {k: ({str(n): x for n, x in v.items()} if isinstance(v, dict) else v)
                                          for k, v in dit.items()},
         "images": None if images is None else {str(k): v for k, v in images.items()},
+        "pipeline": None if pipeline is None else {str(k): v for k, v in pipeline.items()},
+        "http": None if http is None else {str(k): v for k, v in http.items()},
         "errors": errors,
         "total_s": time.perf_counter() - started,
     }

@@ -29,11 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +45,7 @@ import torch
 from benchmarks.common import (
     LLAMA_TINY,
     Metric,
+    ServerProcess,
     hardware,
     measure_matmul_tflops,
     measure_memory_bandwidth,
@@ -171,19 +168,10 @@ def first_chunk_codes() -> int:
 
 
 # ----------------------------------------------------------------------------- server
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     """``mstar serve orpheus --config FILE`` in a subprocess (its own process group)."""
 
     def __init__(self, settings: Settings, workdir: Path, model_dir: Path, startup_timeout_s: float = 600.0):
-        import httpx
-        import yaml
-
         prompt_room = 64
         pages = -(-(prompt_room + settings.audio_tokens) // PAGE_SIZE)
         kwargs: dict[str, Any] = {"benchmark_audio_only": True, "max_new_tokens": settings.audio_tokens,
@@ -197,51 +185,7 @@ class Server:
                   "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8,
                                              "page_size": PAGE_SIZE}},
                   "model_kwargs": kwargs}
-        (workdir / "orpheus.yaml").write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "server.log"
-        self.url = f"http://127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "mstar.cli", "serve", "orpheus", "--config", str(workdir / "orpheus.yaml"),
-               "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("MSTAR_API_KEY", None)
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(f"the server was not healthy in {startup_timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.25)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError as err:
-            return f"(no log: {err})"
-
-    def close(self) -> None:
-        """SIGTERM the server's process group, then SIGKILL what is left of it."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+        super().__init__("orpheus", config, workdir, startup_timeout_s)
 
 
 # ------------------------------------------------------------------------------ client

@@ -28,10 +28,21 @@ def test_s2_flux2_klein_smoke(tmp_path):
     assert s2.main(["--smoke", "--out", str(tmp_path)]) == 0
     data, rows = record(tmp_path, s2.NAME)
     assert set(rows) == {f"dit_step@{n} {k}" for n in (1, 4) for k in ("eager", "compiled")} | {"image@1", "image@4"}
-    for name, row in rows.items():
+    for row in rows.values():
         assert row["ours"] > 0 and row["floor"] > 0 and 0 < row["ours/floor"]
-        assert (row["baseline"] is None) == name.startswith("image")
+        assert row["baseline"] > 0  # diffusers: the DiT, or the whole Flux2KleinPipeline for an image
+    assert "Flux2KleinPipeline" in rows["image@4"]["notes"]["baseline_is"]
     assert data["dit"]["ours_vs_baseline_rel_err"] < 1e-5  # same weights, same function as diffusers
+
+
+@pytest.mark.slow  # starts an `mstar serve` process (the HTTP routes take images of 256 x 256 and more)
+def test_s2_flux2_klein_http_smoke(tmp_path):
+    assert s2.main(["--smoke", "--http", "--skip-dit", "--skip-images", "--batches", "1", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s2.NAME)
+    assert data["settings"]["width"] == data["settings"]["height"] == 256
+    assert rows["image@1 http"]["ours"] > 0 and rows["image@1 http"]["floor"] > 0
+    assert "mstar serve" in rows["image@1 http"]["notes"]["ours_is"]
+    assert data["http"]["1"]["s_per_image"] == rows["image@1 http"]["ours"]
 
 
 def test_s2_flop_count_matches_torch_counter():
