@@ -11,9 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from live_server import Uvicorn
 from PIL import Image
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer
@@ -105,30 +102,6 @@ def video(url: str) -> dict:
 
 def text(value: str) -> dict:
     return {"type": "text", "text": value}
-
-
-class Uvicorn:
-    """The app on 127.0.0.1 at a free port, served from a background thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> Uvicorn:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
