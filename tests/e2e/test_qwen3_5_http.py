@@ -189,3 +189,18 @@ def test_bad_media_is_a_4xx_naming_the_part(oai: openai.OpenAI, monkeypatch: pyt
     error = info.value.body
     assert error["param"] == param and rule in error["message"], error  # type: ignore[index]
     assert ask(oai, "still serving").usage.completion_tokens == MAX_TOKENS
+
+
+def test_text_completion_walks_the_text_path(oai: openai.OpenAI) -> None:
+    """/v1/completions continues raw text on the hybrid model (its state slot and all); a
+    prompt holding an image placeholder token has no image to fill it: a 400 naming it."""
+    result = oai.completions.create(model=MODEL, prompt="plain text", max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == MAX_TOKENS
+    assert result.usage.prompt_tokens == len("plain text")  # the byte-level tokenizer, no template
+    ids = oai.completions.create(model=MODEL, prompt=_tokenizer().encode("plain text"),
+                                 max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == result.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt=[10, 5, 11], max_tokens=2)  # 5: <|image_pad|>
+    assert info.value.body["param"] == "prompt" and "placeholder" in info.value.body["message"]  # type: ignore[index]
