@@ -103,7 +103,7 @@ class CompletionSpec:
     request_id: str
     prompt: str | list[int]
     sampling: SamplingParams
-    max_tokens: int
+    max_tokens: int | None  # None: up to the context limit
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     echo: bool = False

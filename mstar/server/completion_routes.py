@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from mstar.contract import CompletionSpec, OutputEvent, RequestError
+from mstar.server.backend import CompletingBackend
 from mstar.server.bodies import json_object
 from mstar.server.errors import APIError, exception_response, in_band_error, validation_error_response
 from mstar.server.schemas import SamplingRequest, Usage, new_id, now
@@ -159,6 +160,7 @@ async def completions(request: Request) -> Response:
         return validation_error_response(exc.errors())
     model = resolve_model(request, req.model, "text_completion")
     backend = backend_of(request)
+    completing = cast(CompletingBackend, backend)  # resolve_model checked that it serves text_completion
     if req.max_tokens is not None and req.max_tokens > backend.max_model_len:
         message = f"max_tokens: must be at most the context length ({backend.max_model_len})"
         raise APIError(400, message, "max_tokens", "invalid_value")
@@ -166,7 +168,7 @@ async def completions(request: Request) -> Response:
     request_id = new_id("cmpl")
     spec = req.to_spec(request_id)
     try:
-        first, events = await start_events(lambda: backend.complete(spec), request)  # type: ignore[attr-defined]
+        first, events = await start_events(lambda: completing.complete(spec), request)
     except Exception as exc:
         return exception_response(exc)
     if req.stream:
