@@ -62,10 +62,12 @@ class ServiceError(RequestError):
         self.status = status
 
 
-TASKS: tuple[str, ...] = ("chat", "transcription", "translation", "speech", "image_generation", "image_edit")
+TASKS: tuple[str, ...] = ("chat", "text_completion", "transcription", "translation", "speech", "image_generation",
+                          "image_edit")
 """What a model can serve; each model spec declares its own in ``tasks``. ``chat``: chat
-completions; ``transcription``: speech to text in its language; ``translation``: speech to
-English text; ``speech``: text to speech; ``image_generation``: text to image;
+completions; ``text_completion``: OpenAI's legacy completions, a raw prompt continued with
+no chat template; ``transcription``: speech to text in its language; ``translation``: speech
+to English text; ``speech``: text to speech; ``image_generation``: text to image;
 ``image_edit``: images and text to image. The HTTP server checks a request's task against
 the served model's before the model sees it (/generate serves every model: each family maps
 it onto what it does)."""
@@ -88,6 +90,24 @@ class ChatSpec:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     enable_thinking: bool | None = None
+
+
+@dataclass(frozen=True)
+class CompletionSpec:
+    """One text completion request (OpenAI's legacy completions), validated by the HTTP layer.
+
+    ``prompt`` is continued as it is, with no chat template: a string (tokenised with the
+    tokenizer's special tokens when ``add_special_tokens``, a BOS for Llama 3, say) or the
+    token ids themselves. ``echo``: the prompt's text goes out ahead of the completion."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling: SamplingParams
+    max_tokens: int | None  # None: up to the context limit
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    echo: bool = False
+    add_special_tokens: bool = True
 
 
 @dataclass(frozen=True)

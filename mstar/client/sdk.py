@@ -1,8 +1,9 @@
-"""A small synchronous client for an M* server (chat completions, /generate, speech to
-text, text to speech, images).
+"""A small synchronous client for an M* server (chat and text completions, /generate, speech
+to text, text to speech, images).
 
     >>> client = MStarClient("http://localhost:8000")
     >>> client.chat("Hello!", max_tokens=32).text
+    >>> client.complete("The capital of France is", max_tokens=8).text
     >>> for event in client.chat("Tell me a story", stream=True):
     ...     print(event.text, end="", flush=True)
     >>> client.tts("Hello there.").to_wav("hello.wav")
@@ -39,6 +40,8 @@ FileLike = str | PathLike | tuple[str, bytes]
 
 @dataclass
 class ChatResult:
+    """A chat completion, or a text completion (``complete``)."""
+
     text: str
     finish_reason: str | None
     usage: dict[str, int]
@@ -96,6 +99,14 @@ def _decode_data(encoded: str | list[str]) -> bytes | list[bytes]:
     if isinstance(encoded, list):
         return [base64.b64decode(item) for item in encoded]
     return base64.b64decode(encoded)
+
+
+def _choice_text(choice: Mapping[str, Any]) -> str:
+    """A choice's text: a chat message's or delta's content, or a text completion's text."""
+    if "text" in choice:
+        return choice["text"] or ""
+    message = choice.get("message") or choice.get("delta") or {}
+    return message.get("content") or ""
 
 
 def _as_messages(text_or_messages: str | Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -196,30 +207,58 @@ class MStarClient(SpeechMixin, ImagesMixin):
         **extra: Any,
     ) -> ChatResult | Iterator[ChatEvent]:
         """A chat completion; ``extra`` goes into the request body as is (e.g. min_p)."""
-        body: dict[str, Any] = {"messages": _as_messages(text_or_messages), "stream": stream}
-        optional = {
-            "model": model,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "stop": stop,
-        }
-        body.update({k: v for k, v in optional.items() if v is not None})
-        body.update(extra)
-        if not stream:
-            raw = self._json("POST", "/v1/chat/completions", json=body)
+        body = {"messages": _as_messages(text_or_messages), "stream": stream, "model": model,
+                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                "seed": seed, "stop": stop}
+        return self._text("/v1/chat/completions", body, extra)
+
+    @overload
+    def complete(
+        self, prompt: str | Sequence[int], *, stream: Literal[False] = False, **kwargs: Any,
+    ) -> ChatResult: ...
+
+    @overload
+    def complete(
+        self, prompt: str | Sequence[int], *, stream: Literal[True], **kwargs: Any,
+    ) -> Iterator[ChatEvent]: ...
+
+    def complete(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        echo: bool | None = None,
+        model: str | None = None,
+        **extra: Any,
+    ) -> ChatResult | Iterator[ChatEvent]:
+        """A text completion (/v1/completions): ``prompt`` (text or token ids) continued with
+        no chat template; the server's ``max_tokens`` default is 16. ``extra`` goes into the
+        request body as is (e.g. ignore_eos)."""
+        body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "stream": stream, "model": model,
+                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                "seed": seed, "stop": stop, "echo": echo}
+        return self._text("/v1/completions", body, extra)
+
+    def _text(self, url: str, fields: dict[str, Any], extra: Mapping[str, Any]) -> ChatResult | Iterator[ChatEvent]:
+        """POST a chat or text completion: ``fields`` that are not None, then ``extra``."""
+        body = {k: v for k, v in fields.items() if v is not None} | dict(extra)
+        if not body["stream"]:
+            raw = self._json("POST", url, json=body)
             choice = raw["choices"][0]
             return ChatResult(
-                text=choice["message"].get("content") or "",
+                text=_choice_text(choice),
                 finish_reason=choice.get("finish_reason"),
                 usage=raw.get("usage") or {},
                 raw=raw,
             )
         body.setdefault("stream_options", {"include_usage": True})
-        response = self._send("POST", "/v1/chat/completions", json=body, stream=True)
-        return self._chat_events(response)
+        return self._chat_events(self._send("POST", url, json=body, stream=True))
 
     @staticmethod
     def _chat_events(response: httpx.Response) -> Iterator[ChatEvent]:
@@ -235,9 +274,8 @@ class MStarClient(SpeechMixin, ImagesMixin):
                     raise in_band_error(chunk)
                 choices = chunk.get("choices") or []
                 if choices:
-                    delta = choices[0].get("delta") or {}
                     yield ChatEvent(
-                        text=delta.get("content") or "",
+                        text=_choice_text(choices[0]),
                         finish_reason=choices[0].get("finish_reason"),
                         usage=chunk.get("usage"),
                         raw=chunk,

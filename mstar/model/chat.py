@@ -1,5 +1,6 @@
 """What the chat LLM families share (Llama, Qwen3.5): the stop tokens, the chat template, the
-options of ``/generate`` and the chat walk's request.
+options of ``/generate``, text completions (a raw prompt, no template) and the chat walk's
+request.
 
 A chat walk is a prefill, then a Loop of decodes until the engine raises ``stop`` or the
 budget runs out; every sampled token streams to the client as text (``TextStream``). A
@@ -14,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from mstar.contract import ChatSpec, GenerateSpec, RequestError, SamplingParams
+from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, RequestError, SamplingParams
 from mstar.model.decoding import SamplingKnobs, checked_sampling, decode_request
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.text_stream import TextStream
@@ -71,6 +72,26 @@ class ChatLLM(ModelSpec):
         checked_sampling(spec.sampling)
         return self.text_request(self.chat_ids(spec.messages), spec.max_tokens, spec.sampling, spec.ignore_eos)
 
+    def prepare_completion(self, spec: CompletionSpec) -> WalkRequest:
+        """The chat walk over the prompt as it is (no template): a string tokenised, token ids
+        checked against the vocabulary. With ``echo`` the prompt's text (token ids decoded)
+        goes out ahead of the completion."""
+        checked_sampling(spec.sampling)
+        if isinstance(spec.prompt, str):
+            ids = self.tokenizer.encode(spec.prompt, add_special_tokens=spec.add_special_tokens) if spec.prompt else []
+        else:
+            ids = list(spec.prompt)
+            vocab = len(self.tokenizer)
+            for i, token in enumerate(ids):
+                if not 0 <= token < vocab:
+                    raise RequestError(f"prompt[{i}]", f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+        if not ids:
+            raise RequestError("prompt", "must not be empty")
+        request = self.text_request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos, prompt_field="prompt")
+        if spec.echo:
+            request.echo = spec.prompt if isinstance(spec.prompt, str) else self.tokenizer.decode(ids)
+        return request
+
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if spec.files:
             raise RequestError("files", f"model {self.key!r} takes text only")
@@ -87,12 +108,13 @@ class ChatLLM(ModelSpec):
         return self.text_request(ids, options.max_tokens, sampling, False)
 
     def text_request(self, ids: list[int], max_tokens: int | None, sampling: SamplingParams,
-                     ignore_eos: bool) -> WalkRequest:
-        """The chat walk over prompt ``ids``, its budget checked against ``max_seq_len``."""
+                     ignore_eos: bool, *, prompt_field: str = "messages") -> WalkRequest:
+        """The chat walk over prompt ``ids``, its budget checked against ``max_seq_len`` (a
+        prompt too long is the fault of ``prompt_field``)."""
         limit = self.config.max_seq_len
         room = limit - len(ids)
         if room < 1:
-            raise RequestError("messages", f"the prompt has {len(ids)} tokens; max_seq_len is {limit}")
+            raise RequestError(prompt_field, f"the prompt has {len(ids)} tokens; max_seq_len is {limit}")
         if max_tokens is None:
             max_tokens = room
         if max_tokens > room:

@@ -64,6 +64,7 @@ def registered() -> list[str]:
 
 # task -> (what it takes, what it makes); chat takes the spec's input_modalities, makes text
 _TASK_MODALITIES = {
+    "text_completion": ({"text"}, {"text"}),
     "transcription": ({"audio"}, {"text"}),
     "translation": ({"audio"}, {"text"}),
     "speech": ({"text"}, {"audio"}),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError
+from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, OutputEvent, RequestError
 from mstar.graph import Graph
 from mstar.model import knobs
 
@@ -32,6 +32,7 @@ class WalkRequest:
     params: dict[str, Any]
     cost: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
+    echo: str = ""  # text the client gets ahead of the output (a completion's echoed prompt); stays here
 
 
 class OutputStream(ABC):
@@ -104,6 +105,9 @@ class ModelSpec(ABC):
 
     def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
         raise RequestError("model", f"model {self.key!r} does not serve chat", 400)
+
+    def prepare_completion(self, spec: CompletionSpec) -> WalkRequest:
+        raise RequestError("model", f"model {self.key!r} does not serve text completions", 400)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         raise RequestError("model", f"model {self.key!r} does not serve /generate", 400)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from mstar.contract import (
     ChatSpec,
+    CompletionSpec,
     GenerateSpec,
     ImageSpec,
     OutputEvent,
@@ -45,6 +46,9 @@ class RuntimeBackend:
 
     def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
         return self._run(spec.request_id, lambda: self.spec.prepare_chat(spec), spec.stop)
+
+    def complete(self, spec: CompletionSpec) -> AsyncIterator[OutputEvent]:
+        return self._run(spec.request_id, lambda: self.spec.prepare_completion(spec), spec.stop)
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
         if spec.files and "transcription" in self.spec.tasks:
@@ -128,12 +132,16 @@ class RuntimeBackend:
         sink = AsyncSink(asyncio.get_running_loop())
         self.runtime.submit(request_id, request, self.spec.output_stream(request, stop), sink, self.timeout_s)
         finished = False
+        echo = request.echo  # sent once the request is under way: a failure in the queue stays a plain error
         try:
             while True:
                 event = await sink.queue.get()
                 if event is None:
                     finished = True
                     return
+                if echo and not event.error and event.finish_reason != "error":
+                    yield OutputEvent(text=echo, prompt_tokens=request.prompt_tokens)
+                echo = ""
                 yield event
         finally:
             if not finished:

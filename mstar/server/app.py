@@ -1,6 +1,6 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
-``ServingBackend`` from the route modules (chat, /generate, audio, speech, images, models and
-health, /metrics) and the shared plumbing they import (``errors``, ``streaming``, ``bodies``,
+``ServingBackend`` from the route modules (chat, text completions, /generate, audio, speech,
+images, models and health, /metrics) and the shared plumbing they import (``errors``, ``streaming``, ``bodies``,
 ``served``). Every route is there for every model; one the model cannot serve answers a 400
 naming ``model`` (the backend's ``tasks`` say what it serves). Every error has OpenAI's body;
 a backend that is full raises ``Overloaded`` (429 with Retry-After); routes that parse their
@@ -20,6 +20,7 @@ from mstar import __version__
 from mstar.server.audio_routes import audio_router
 from mstar.server.backend import ServingBackend
 from mstar.server.chat_routes import chat_completions
+from mstar.server.completion_routes import CompletionRequest, completions
 from mstar.server.errors import APIError, install_error_handlers
 from mstar.server.generate_routes import generate
 from mstar.server.image_routes import image_router
@@ -84,6 +85,8 @@ def create_app(
     router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
                          openapi_extra=json_body_openapi(ChatCompletionRequest))
+    router.add_api_route("/v1/completions", completions, methods=["POST"],
+                         openapi_extra=json_body_openapi(CompletionRequest))
     router.add_api_route("/generate", generate, methods=["POST"], openapi_extra=form_body_openapi(
         GenerateForm, {"files": True}, urlencoded=True))
     router.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)

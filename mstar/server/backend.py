@@ -13,6 +13,7 @@ from typing import Protocol
 
 from mstar.contract import (
     ChatSpec,
+    CompletionSpec,
     GenerateSpec,
     ImageSpec,
     OutputEvent,
@@ -41,6 +42,13 @@ class ServingBackend(Protocol):
         """Stream the request's events. Closing the iterator early cancels the request."""
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]: ...
+
+
+class CompletingBackend(Protocol):
+    """A backend whose model continues a raw prompt (``text_completion``): ``complete``
+    streams like ``chat``; with ``spec.echo`` the first event's text is the prompt's."""
+
+    def complete(self, spec: CompletionSpec) -> AsyncIterator[OutputEvent]: ...
 
 
 class TranscribingBackend(Protocol):

@@ -4,6 +4,7 @@ reference fetched (``mstar.media.fetch``), concurrently, before the backend sees
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -14,6 +15,7 @@ from starlette.types import Message
 
 from mstar.contract import RequestError
 from mstar.media.fetch import fetch_media
+from mstar.server.errors import APIError
 
 
 async def capped_body(request: Request, *, max_bytes: int, field: str = "body") -> bytes:
@@ -28,6 +30,19 @@ async def capped_body(request: Request, *, max_bytes: int, field: str = "body") 
         if len(body) > max_bytes:
             raise RequestError(field, f"the request is over the limit of {max_bytes} bytes", 413)
     return bytes(body)
+
+
+async def json_object(request: Request, *, max_bytes: int) -> dict:
+    """The request's JSON body, read through ``capped_body``: one that is not JSON, or not
+    an object, is a 400 naming ``body``."""
+    raw = await capped_body(request, max_bytes=max_bytes)
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", "body", "invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object", "body", "invalid_value")
+    return payload
 
 
 async def fetch_all(refs: Sequence[tuple[str, str, int]]) -> list[bytes]:

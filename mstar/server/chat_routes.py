@@ -4,7 +4,6 @@ the request is admitted)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -14,10 +13,9 @@ from pydantic import ValidationError
 
 from mstar.contract import OutputEvent, RequestError
 from mstar.server.backend import ServingBackend
-from mstar.server.bodies import capped_body, fetch_all
+from mstar.server.bodies import fetch_all, json_object
 from mstar.server.errors import (
     APIError,
-    error_response,
     exception_response,
     in_band_error,
     validation_error_response,
@@ -39,6 +37,7 @@ from mstar.server.streaming import (
     Events,
     Tally,
     collect_events,
+    sse,
     start_events,
     stream_response,
     unless_disconnected,
@@ -78,14 +77,9 @@ async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBa
 
 async def chat_completions(request: Request) -> Response:
     try:
-        payload = json.loads(await capped_body(request, max_bytes=MAX_CHAT_BODY_BYTES))
-    except RequestError as exc:
+        payload = await json_object(request, max_bytes=MAX_CHAT_BODY_BYTES)
+    except (RequestError, APIError) as exc:
         return exception_response(exc)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return error_response(400, f"malformed JSON body: {exc}", "body", "invalid_json")
-    if not isinstance(payload, dict):
-        message = "the request body must be a JSON object"
-        return error_response(400, message, "body", "invalid_value")
     try:
         req = ChatCompletionRequest.model_validate(payload)
     except ValidationError as exc:
@@ -121,10 +115,6 @@ async def chat_completions(request: Request) -> Response:
     return await unless_disconnected(request, complete)
 
 
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
 async def _chat_sse(
     request_id: str, model: str, first: OutputEvent | None, events: Events, include_usage: bool
 ) -> AsyncIterator[str]:
@@ -135,7 +125,7 @@ async def _chat_sse(
         body = ChatCompletionChunk(
             id=request_id, created=created, model=model, choices=choices, usage=usage
         )
-        return _sse(body.model_dump())
+        return sse(body.model_dump())
 
     tally = Tally()
     try:
@@ -148,5 +138,5 @@ async def _chat_sse(
         if include_usage:
             yield chunk([], usage=tally.usage())
     except Exception as exc:  # the stream has started: report in band, then end it
-        yield _sse(in_band_error(exc))
-    yield _sse("[DONE]")
+        yield sse(in_band_error(exc))
+    yield sse("[DONE]")

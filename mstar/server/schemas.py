@@ -123,20 +123,20 @@ def _unsupported_unless_zero(value: float | None, name: str) -> float | None:
     return value
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` body. Unknown fields are ignored, as OpenAI does."""
+class SamplingRequest(BaseModel):
+    """What OpenAI's chat and text completion bodies share: the model, the sampling fields
+    (with vLLM's ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``), ``stop``,
+    ``n`` and streaming. Unknown fields are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the served model
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extension: -1 or 0 disables
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     n: int | None = Field(None, ge=1)
     stop: list[str] | None = Field(None, max_length=4)
     stream: bool = False
@@ -146,10 +146,6 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     user: str | None = None  # accepted and ignored
-    enable_thinking: bool | None = Field(
-        None, description="extension: the chat template's thinking switch (None: the template's default)")
-    chat_template_kwargs: ChatTemplateKwargs | None = Field(
-        None, description="extension (vLLM's): only enable_thinking is read; the top-level field wins")
 
     @field_validator("n")
     @classmethod
@@ -177,11 +173,6 @@ class ChatCompletionRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    @property
-    def effective_max_tokens(self) -> int | None:
-        """``max_completion_tokens`` wins over the legacy ``max_tokens``."""
-        return self.max_completion_tokens or self.max_tokens
-
     def sampling_params(self) -> SamplingParams:
         """OpenAI defaults (temperature 1, top_p 1) for whatever the request left out."""
         top_k = self.top_k if self.top_k is not None else 0
@@ -195,6 +186,22 @@ class ChatCompletionRequest(BaseModel):
             ),
             seed=self.seed,
         )
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    enable_thinking: bool | None = Field(
+        None, description="extension: the chat template's thinking switch (None: the template's default)")
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="extension (vLLM's): only enable_thinking is read; the top-level field wins")
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` wins over the legacy ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
 
     @property
     def thinking(self) -> bool | None:

@@ -7,6 +7,7 @@ any response starts, so a refusal or a failure in the queue is still a plain HTT
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -150,6 +151,11 @@ class ClosingStreamingResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event carrying ``payload`` (a dict as JSON; a string, ``[DONE]``, as is)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 def stream_response(body: AsyncIterator[str], media_type: str) -> Response:

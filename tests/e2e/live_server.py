@@ -7,6 +7,9 @@ FILE``) in its own process group, from ``workdir`` with its output in
 then SIGKILL to its whole process group) however the block ends. Test modules import it
 with ``from live_server import launch_server`` (pytest puts this folder on sys.path); it is
 not a conftest, so it never clashes with tests/server's conftest.
+
+``Uvicorn(app)`` serves an app (over an in-process deployment, say) from a background
+thread of the test process instead.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 DEFAULT_STARTUP_TIMEOUT_S = 240.0
 
@@ -112,3 +117,26 @@ def launch_server(model: str, workdir: Path, extra_args: Sequence[str] = (),
     finally:
         stop_server(proc)
 
+
+class Uvicorn:
+    """The app on 127.0.0.1 at a free port, served from a background thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> Uvicorn:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()

@@ -11,9 +11,6 @@ import base64
 import importlib.util
 import io
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from live_server import Uvicorn
 from PIL import Image
 
 from mstar.client import MStarClient
@@ -65,30 +62,6 @@ def size_of(data: bytes) -> tuple[int, int]:
 def max_pixel_difference(a: bytes, b: bytes) -> int:
     with Image.open(io.BytesIO(a)) as x, Image.open(io.BytesIO(b)) as y:
         return int(np.abs(np.asarray(x, dtype=np.int16) - np.asarray(y, dtype=np.int16)).max())
-
-
-class Uvicorn:
-    """The app on 127.0.0.1 at a free port, served from a background thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> Uvicorn:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from live_server import Uvicorn
 from PIL import Image
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Qwen2Tokenizer
@@ -105,30 +102,6 @@ def video(url: str) -> dict:
 
 def text(value: str) -> dict:
     return {"type": "text", "text": value}
-
-
-class Uvicorn:
-    """The app on 127.0.0.1 at a free port, served from a background thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> Uvicorn:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +189,18 @@ def test_bad_media_is_a_4xx_naming_the_part(oai: openai.OpenAI, monkeypatch: pyt
     error = info.value.body
     assert error["param"] == param and rule in error["message"], error  # type: ignore[index]
     assert ask(oai, "still serving").usage.completion_tokens == MAX_TOKENS
+
+
+def test_text_completion_walks_the_text_path(oai: openai.OpenAI) -> None:
+    """/v1/completions continues raw text on the hybrid model (its state slot and all); a
+    prompt holding an image placeholder token has no image to fill it: a 400 naming it."""
+    result = oai.completions.create(model=MODEL, prompt="plain text", max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == MAX_TOKENS
+    assert result.usage.prompt_tokens == len("plain text")  # the byte-level tokenizer, no template
+    ids = oai.completions.create(model=MODEL, prompt=_tokenizer().encode("plain text"),
+                                 max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == result.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt=[10, 5, 11], max_tokens=2)  # 5: <|image_pad|>
+    assert info.value.body["param"] == "prompt" and "placeholder" in info.value.body["message"]  # type: ignore[index]

@@ -1,6 +1,7 @@
 """Shared fixtures for the HTTP tests: a fake backend and a live uvicorn server.
 
-The fake backend streams the words of the last user message back, one per event. Magic
+The fake backend streams the words of the last user message (or of a completion's prompt;
+token ids read as ``<id>`` words) back, one per event. Magic
 words in that message change its behaviour: ``reject`` raises RequestError (422) on the
 first advance, ``crash`` raises RuntimeError there, ``explode`` fails after two tokens,
 ``forever`` streams slowly without end (for cancellation tests).
@@ -26,7 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - depends on how pytest is invok
 import uvicorn
 from fastapi import FastAPI
 
-from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError
+from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, OutputEvent, RequestError
 from mstar.server.app import create_app
 
 MODEL = "fake-model"
@@ -37,11 +38,12 @@ class FakeBackend:
 
     model_id = MODEL
     max_model_len = 4096
-    tasks = frozenset({"chat"})
+    tasks = frozenset({"chat", "text_completion"})
 
     def __init__(self) -> None:
         self.is_healthy = True
         self.chat_specs: list[ChatSpec] = []
+        self.completion_specs: list[CompletionSpec] = []
         self.generate_specs: list[GenerateSpec] = []
         self.cancelled: list[str] = []  # the prompts of requests closed before they ended
 
@@ -53,6 +55,17 @@ class FakeBackend:
         prompt = next(m["content"] for m in reversed(spec.messages) if m["role"] == "user")
         prompt_tokens = sum(len(m["content"].split()) for m in spec.messages)
         async for event in self._stream(prompt, prompt_tokens, spec.max_tokens):
+            yield event
+
+    async def complete(self, spec: CompletionSpec) -> AsyncIterator[OutputEvent]:
+        """The prompt's words back; with ``echo`` the prompt itself first, as one event."""
+        self.completion_specs.append(spec)
+        prompt = spec.prompt if isinstance(spec.prompt, str) else " ".join(f"<{t}>" for t in spec.prompt)
+        first = True
+        async for event in self._stream(prompt, len(prompt.split()), spec.max_tokens):
+            if first and spec.echo:
+                yield OutputEvent(text=prompt, prompt_tokens=event.prompt_tokens)
+            first = False
             yield event
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:

@@ -1,4 +1,4 @@
-"""A fake backend with every capability the app mounts routes for (chat, generate,
+"""A fake backend with every capability the app mounts routes for (chat, text completions, generate,
 transcription, speech, images), for the OpenAPI and fuzzing tests: each call succeeds
 quickly with small, well-formed output, whatever text it is given."""
 

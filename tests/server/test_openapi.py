@@ -24,7 +24,8 @@ def spec(client: TestClient) -> dict:
 
 
 EXPECTED = {
-    ("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
+    ("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+    ("POST", "/generate"),
     ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations"), ("POST", "/v1/audio/speech"),
     ("GET", "/v1/audio/voices"), ("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"),
 }
@@ -51,6 +52,7 @@ def test_every_post_route_has_a_request_body_schema(spec: dict) -> None:
 
 @pytest.mark.parametrize(("path", "media_type", "fields"), [
     ("/v1/chat/completions", "application/json", {"messages", "temperature", "max_tokens", "stream"}),
+    ("/v1/completions", "application/json", {"prompt", "temperature", "max_tokens", "stream", "echo", "logprobs"}),
     ("/v1/audio/speech", "application/json", {"input", "voice", "response_format", "speed"}),
     ("/generate", "multipart/form-data", {"text", "files", "media", "output_modalities", "streaming"}),
     ("/v1/audio/transcriptions", "multipart/form-data", {"file", "model", "language", "response_format"}),

@@ -24,7 +24,8 @@ from mstar.model.registry import model_class, registered
 from mstar.runtime.backend import RuntimeBackend
 from mstar.server.app import create_app
 
-MODEL_METHODS = ("prepare_chat", "prepare_generate", "prepare_speech", "prepare_image", "transcribe")
+MODEL_METHODS = ("prepare_chat", "prepare_completion", "prepare_generate", "prepare_speech", "prepare_image",
+                 "transcribe")
 
 
 def _wav() -> bytes:
@@ -47,6 +48,7 @@ AUDIO = {"file": ("a.wav", _wav(), "audio/wav")}
 # (method, path) -> (the task it needs, None: every model serves it; the request's arguments)
 ROUTES = {
     ("POST", "/v1/chat/completions"): ("chat", {"json": {"messages": [{"role": "user", "content": "hi"}]}}),
+    ("POST", "/v1/completions"): ("text_completion", {"json": {"prompt": "once upon a time"}}),
     ("POST", "/v1/audio/transcriptions"): ("transcription", {"files": AUDIO}),
     ("POST", "/v1/audio/translations"): ("translation", {"files": AUDIO}),
     ("POST", "/v1/audio/speech"): ("speech", {"json": {"input": "hello there"}}),

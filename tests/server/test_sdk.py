@@ -63,6 +63,24 @@ def test_chat_stream_closed_early_cancels(client: MStarClient, backend: FakeBack
     assert wait_until(lambda: prompt in backend.cancelled)
 
 
+def test_complete(client: MStarClient, backend: FakeBackend) -> None:
+    result = client.complete("once upon a", temperature=0, stop="x", echo=True, ignore_eos=True)
+    assert result.text == "once upon aonce upon a" and result.finish_reason == "stop"
+    assert result.raw["object"] == "text_completion" and result.usage["completion_tokens"] == 3
+    spec = backend.completion_specs[-1]
+    assert (spec.prompt, spec.stop, spec.echo, spec.ignore_eos, spec.max_tokens) == ("once upon a", ["x"], True,
+                                                                                      True, 16)
+    assert client.complete((4, 2), max_tokens=1).text == "<4>"
+    events = list(client.complete("p q r", stream=True))
+    assert all(isinstance(e, ChatEvent) for e in events)
+    assert "".join(e.text for e in events) == "p q r"
+    assert [e.finish_reason for e in events if e.finish_reason] == ["stop"]
+    assert events[-1].usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    with pytest.raises(MStarError) as info:
+        client.complete("x", logprobs=1)
+    assert info.value.status == 400 and info.value.param == "logprobs"
+
+
 def test_errors(client: MStarClient) -> None:
     with pytest.raises(MStarError) as info:
         client.chat("x", temperature=3)

@@ -30,7 +30,7 @@ LLM_PREFILL = "llm_prefill"
 @register
 class LlamaChat(ChatLLM):
     key = "llama"
-    tasks = frozenset({"chat"})
+    tasks = frozenset({"chat", "text_completion"})
     Knobs = DecodeKnobs
     knobs: DecodeKnobs
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.contract import ChatSpec, GenerateSpec, RequestError
+from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, RequestError
 from mstar.distributed.dims import ParallelDims
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM
@@ -34,7 +34,7 @@ MEDIA_INPUTS = ("pixel_values", "grid_thw", "mrope_positions")
 @register
 class Qwen3_5Chat(ChatLLM):
     key = "qwen3_5_4b"
-    tasks = frozenset({"chat"})
+    tasks = frozenset({"chat", "text_completion"})
     default_weights = "Qwen/Qwen3.5-4B"
     input_modalities = frozenset({"text", "image", "video"})
     Knobs = Qwen3_5Knobs
@@ -146,6 +146,15 @@ class Qwen3_5Chat(ChatLLM):
         messages = [{"role": "user", "content": content}]
         return self._chat(ChatSpec(spec.request_id, messages, sampling, options.max_tokens), options.enable_thinking)
 
+    def prepare_completion(self, spec: CompletionSpec) -> WalkRequest:
+        """A text completion walks ``chat``: its prompt may not hold image or video placeholders."""
+        request = super().prepare_completion(spec)
+        if self.vision_config is not None:
+            media = {self.vision_tokens.image, self.vision_tokens.video}
+            if any(token in media for token in request.inputs["prompt_ids"].tolist()):
+                raise RequestError("prompt", "a text completion cannot hold image or video placeholder tokens")
+        return request
+
     def _chat(self, spec: ChatSpec, enable_thinking: object) -> WalkRequest:
         checked_sampling(spec.sampling)
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
@@ -199,8 +208,9 @@ class Qwen3_5Chat(ChatLLM):
                               grid_thw=torch.tensor(grids, dtype=torch.int64), mrope_positions=positions)
         return request
 
-    def text_request(self, ids: list[int], max_tokens: int | None, sampling, ignore_eos: bool) -> WalkRequest:
-        request = super().text_request(ids, max_tokens, sampling, ignore_eos)
+    def text_request(self, ids: list[int], max_tokens: int | None, sampling, ignore_eos: bool, *,
+                     prompt_field: str = "messages") -> WalkRequest:
+        request = super().text_request(ids, max_tokens, sampling, ignore_eos, prompt_field=prompt_field)
         request.cost[STATE_SLOTS] = 1
         return request
 
