@@ -71,13 +71,22 @@ class AutoregressiveEngine(Engine):
     step k (results, the conductor's next plan); when that plan comes, its decodes are
     already running. A sequence the plan leaves out (it stopped) has the extra step
     discarded and its pages rolled back. Eager, one step per plan, is the reference.
+
+    ``prefix_caching``: the whole pages of every sequence's computed tokens stay in the pool's
+    prefix cache (``PagePool.register``), and a prefill whose only input is its token ids
+    starts on the cached pages of its longest cached prefix (``PagePool.match_prefix``), so
+    its step computes only the rest. At most all but the prompt's last token is taken from
+    the cache: the step always computes a position (the logits come from it) and never
+    writes into a shared page. Only for a forward whose K/V depend on the tokens alone
+    (``Forward.kv_from_tokens``); ``stats`` counts the prompt tokens queried and found.
     """
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
                  max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  rules: TokenRules | None = None, forward: Forward | None = None,
                  attention_backend: str = "torch", cuda_graphs: bool = False,
-                 graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, overlap_scheduling: bool = False):
+                 graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, overlap_scheduling: bool = False,
+                 prefix_caching: bool = False):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.model = model
@@ -91,8 +100,12 @@ class AutoregressiveEngine(Engine):
                              "launched ahead would leave advanced")
         if cuda_graphs and self.forward.graph_rows is None:
             raise ValueError(f"cuda_graphs: {name} cannot replay its decode steps from CUDA graphs")
+        if prefix_caching and not self.forward.kv_from_tokens:
+            raise ValueError(f"prefix_caching: the K/V {name} computes depend on more than the token ids")
         self.attention_backend = attention_backend
         self.overlap = overlap_scheduling
+        self.prefix_caching = prefix_caching
+        self.prefix_queried = self.prefix_hits = 0  # prompt tokens looked up, and found, in the cache
         # With CUDA graphs the padded rows write into one extra page past the pool's, so the
         # pool still holds the num_pages the conductor admits against.
         self.pool = PagePool(num_pages, page_size)
@@ -274,6 +287,8 @@ class AutoregressiveEngine(Engine):
             if len(prompt) >= self.max_seq_len:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq_len {self.max_seq_len}")
             seq = self.seqs[item.request_id] = self._new_sequence(item.request_id, prompt, item.params)
+            if self.prefix_caching and item.inputs.keys() == {"prompt_ids"}:  # media would add to the K/V
+                seq.computed = self._share_prefix(item.request_id, prompt)
         elif item.op == "decode":
             if seq is None and "kv" in item.inputs:  # first contact: another engine prefilled it
                 seq = self._adopt(item)
@@ -285,6 +300,16 @@ class AutoregressiveEngine(Engine):
         else:
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
         return seq
+
+    def _share_prefix(self, request_id: str, prompt: list[int]) -> int:
+        """Start the request's pages on the cached pages of its prompt's longest cached prefix
+        of whole pages, its last token left out; returns how many tokens they hold."""
+        pages = self.pool.match_prefix(prompt[:-1])
+        self.pool.attach(request_id, pages)
+        found = len(pages) * self.pool.page_size
+        self.prefix_queried += len(prompt)
+        self.prefix_hits += found
+        return found
 
     def _adopt(self, item: EngineItem) -> Sequence:
         """The sequence of a request another engine prefilled (a ``PrefillEngine``), rebuilt
@@ -361,6 +386,8 @@ class AutoregressiveEngine(Engine):
         """Append the step's ``token`` (``value``: it as a ``[1]`` tensor) to the sequence, and
         what the step writes and flags."""
         seq.computed = len(seq.tokens)
+        if self.prefix_caching:  # the step wrote these K/V: their whole pages may serve others
+            self.pool.register(seq.request_id, seq.tokens, seq.computed)
         seq.tokens.append(token)
         reason = None
         if token in seq.stop_ids:
@@ -434,12 +461,18 @@ class AutoregressiveEngine(Engine):
         except BaseException:
             self.pool.free(request_id)
             raise
+        if self.prefix_caching:
+            self.pool.register(request_id, seq.tokens, computed)
         self.seqs[request_id] = seq
         return seq
 
     def stats(self) -> dict[str, float]:
-        return {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
-                "sequences": len(self.seqs)} | self.forward.stats()
+        stats = {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
+                 "sequences": len(self.seqs)}
+        if self.prefix_caching:
+            stats |= {"kv_pages_cached": self.pool.num_cached_pages,
+                      "prefix_cache_queried_tokens": self.prefix_queried, "prefix_cache_hit_tokens": self.prefix_hits}
+        return stats | self.forward.stats()
 
 
 class PrefillEngine(Engine):

@@ -9,9 +9,11 @@ its prefills take media embeddings (``mstar.model.qwen3_5.engine``). A forward o
 state: a step takes it in ``prepare``, ``release`` frees it, ``stats`` reports it.
 
 The engine reads from the forward what its fast paths may do: decode steps replay CUDA graphs
-only when ``graph_rows`` is not None, and overlap scheduling runs only when ``runs_ahead``
+only when ``graph_rows`` is not None, overlap scheduling runs only when ``runs_ahead``
 (a step launched ahead is discarded when its row leaves the next plan; state the forward
-cannot roll back would be left advanced).
+cannot roll back would be left advanced), and prefix caching only when ``kv_from_tokens``
+(pages of a prefix computed for one request are reused by another only if a position's K/V
+depend on the token ids up to it and nothing else).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Forward:
     """A plain decoder's forward: no state but the paged KV cache."""
 
     runs_ahead = True  # its per-request state survives a discarded step launched ahead
+    kv_from_tokens = True  # a position's K/V are a function of the token ids up to it alone
 
     def __init__(self, model: Decoder) -> None:
         self.model = model

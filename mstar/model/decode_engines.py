@@ -1,7 +1,7 @@
 """How a Llama-family decode engine is built from its knobs (``DecodeKnobs``), shared by the
 Llama LLMs and the Orpheus talker (which adds its token rules): ``fused_kernels`` goes to the
-model, ``attention_backend``, ``cuda_graphs`` and ``overlap_scheduling`` to the engine; the KV
-pool from ``resources.kv_cache``.
+model, ``attention_backend``, ``cuda_graphs``, ``overlap_scheduling`` and ``prefix_caching`` to
+the engine; the KV pool from ``resources.kv_cache``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def decode_engine(model, knobs: DecodeKnobs, config: DeploymentConfig, device: t
     backend = "triton" if knobs.cuda_graphs else knobs.attention_backend
     engine = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), **_pool(config, device), rules=rules,
                                   attention_backend=backend, cuda_graphs=knobs.cuda_graphs,
-                                  overlap_scheduling=knobs.overlap_scheduling)
+                                  overlap_scheduling=knobs.overlap_scheduling, prefix_caching=knobs.prefix_caching)
     if engine.graphs is not None:
         engine.graphs.capture_all()
     return engine
@@ -34,11 +34,12 @@ def decode_engine(model, knobs: DecodeKnobs, config: DeploymentConfig, device: t
 
 def prefill_engine(model, knobs: DecodeKnobs, config: DeploymentConfig, device: torch.device) -> PrefillEngine:
     """The prefill half of a disaggregated deployment: its own pool of the same size (it holds a
-    request's prompt pages only), the decoder's attention kernels (``cuda_graphs`` runs Triton's)."""
+    request's prompt pages only, and the prefix cache: a request's pages go idle in it when it is
+    handed off), the decoder's attention kernels (``cuda_graphs`` runs Triton's)."""
     model.use_fused_kernels(knobs.fused_kernels)
     backend = "triton" if knobs.cuda_graphs else knobs.attention_backend
     engine = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), **_pool(config, device),
-                                  attention_backend=backend)
+                                  attention_backend=backend, prefix_caching=knobs.prefix_caching)
     return PrefillEngine(engine)
 
 

@@ -6,10 +6,10 @@ misspelt key or a bad value stops startup with one line naming ``model_kwargs.<k
 rule; for an unknown key, the line lists the keys the family takes.
 
 A family takes only the switches it implements. The switches are small pieces here
-(``CudaGraphs``, ``FusedKernels``, ``OverlapScheduling``, ``Compile``), mixed into the classes of
-the families that run them (``DecodeKnobs`` for the decode engines of the Llama family, the
-diffusion families' ``DiffusionKnobs``), so a switch a family would ignore is refused rather
-than silently accepted. Rules between keys, and rules that need the deployment's device (a
+(``CudaGraphs``, ``FusedKernels``, ``OverlapScheduling``, ``Compile``, ``PrefixCaching``), mixed
+into the classes of the families that run them (``DecodeKnobs`` for the decode engines of the
+Llama family, the diffusion families' ``DiffusionKnobs``), so a switch a family would ignore is
+refused rather than silently accepted. Rules between keys, and rules that need the deployment's device (a
 switch that runs on CUDA only), are checked by ``check`` once the types are.
 
 ``RequestKnobs`` does the same for the ``model_kwargs`` of one request (``GenerateSpec``,
@@ -174,7 +174,18 @@ class Compile(Knobs):
                                   f"(inductor, aot_eager, cudagraphs, ...), got {self.compile_backend!r}")
 
 
-class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
+class PrefixCaching(Knobs):
+    prefix_caching: bool = True
+    """Keep the KV pages of computed prompts (whole pages, content-addressed) and start a
+    request whose prompt begins the same way (a system prompt, a chat history) on them, so its
+    prefill computes only the rest; idle cached pages are evicted, least recently used first,
+    when the pool needs them. Outputs are the same with it off. Offered by the families whose
+    K/V depend on the token ids alone: not Qwen3.5 (its DeltaNet layers' recurrent state is not
+    cached with the pages, and image placeholders' K/V depend on the image) nor Whisper (its
+    decoder's K/V depend on the audio)."""
+
+
+class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling, PrefixCaching):
     """The knobs of a Llama-family decode engine (the Llama LLMs, the Orpheus talker); eager
     torch is the default and the reference. ``cuda_graphs`` runs the Triton attention kernels
     whatever ``attention_backend`` says (the torch reference synchronises with the host and

@@ -9,7 +9,9 @@
 * Gauges read from the backend at scrape time (its optional ``gauges()``):
   ``mstar_requests_waiting`` (queue depth), ``mstar_requests_running``, and every engine
   gauge ``rank<R>.<node>.<stat>`` as ``mstar_<stat>{rank, node}`` (e.g.
-  ``mstar_kv_pages_used`` and ``mstar_kv_pages_total`` per KV pool); ``mstar_healthy``.
+  ``mstar_kv_pages_used`` and ``mstar_kv_pages_total`` per KV pool; with prefix caching,
+  ``mstar_kv_pages_cached`` and the running totals ``mstar_prefix_cache_queried_tokens`` and
+  ``mstar_prefix_cache_hit_tokens``, whose ratio is the hit rate); ``mstar_healthy``.
 
 Each app has its own registry, so several apps in one process never clash.
 """
@@ -40,6 +42,10 @@ _DOCS = {
     "requests_running": "Requests admitted and running",
     "kv_pages_used": "KV cache pages in use, per worker rank and node (pool)",
     "kv_pages_total": "KV cache pages in the pool, per worker rank and node",
+    "kv_pages_cached": "KV cache pages holding a cached prompt prefix (held or idle), per worker rank and node",
+    "prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache since startup, per rank and node",
+    "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not computed) since startup, "
+                               "per rank and node",
 }
 
 

@@ -203,8 +203,8 @@ def test_check_invariants_detects_corruption() -> None:
         return pool
 
     pool = fresh()
-    pool._tables["b"].append(pool._tables["a"][0])  # owned twice (and too many pages)
-    with pytest.raises(AssertionError, match="owned twice"):
+    pool._tables["b"][0] = pool._tables["a"][0]  # held twice, counted once (and one page leaked)
+    with pytest.raises(AssertionError, match="held by 2 tables, counted 1"):
         pool.check_invariants()
 
     pool = fresh()

@@ -88,7 +88,19 @@ def test_a_misspelt_knob_stops_startup_before_anything_loads(monkeypatch):
     with pytest.raises(ConfigError) as err:
         start(parse_config({"model": "smollm2", "model_kwargs": {"cuda_graph": True}}), in_process=True)
     assert str(err.value) == ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, cuda_graphs, "
-                              "fused_kernels, overlap_scheduling, seed")
+                              "fused_kernels, overlap_scheduling, prefix_caching, seed")
+
+
+@pytest.mark.parametrize("key, offered", [("smollm2", True), ("llama", True), ("orpheus", True),
+                                          ("qwen3_5_0_8b", False), ("whisper", False)])
+def test_prefix_caching_is_on_where_the_kv_depend_on_the_tokens_alone(key, offered):
+    """Qwen3.5's recurrent state and Whisper's audio are not in the cached pages: no knob."""
+    if offered:
+        assert knobs_of(key).parse({}).prefix_caching is True
+        assert knobs_of(key).parse({"prefix_caching": False}).prefix_caching is False
+    else:
+        with pytest.raises(ConfigError, match=r"^model_kwargs\.prefix_caching: unknown key"):
+            knobs_of(key).parse({"prefix_caching": False})
 
 
 # ------------------------------------------------------------------ request options

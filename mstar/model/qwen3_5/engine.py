@@ -43,6 +43,9 @@ class HybridForward(Forward):
     state in ``state_dtype``)."""
 
     runs_ahead = False
+    # The recurrent state after a prefix is not kept with its pages, and a media placeholder's
+    # K/V depend on the image, not its token id: no prefix caching.
+    kv_from_tokens = False
 
     def __init__(self, model, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]], max_slots: int,
                  dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device,

@@ -87,6 +87,8 @@ class CrossAttentionForward(Forward):
     norm, and the logits are computed after the replay over the batch's rows only.
     """
 
+    kv_from_tokens = False  # past the first layer, the K/V of a position depend on the audio
+
     def __init__(self, model, *, max_requests: int, dtype: torch.dtype, device: torch.device,
                  attention_backend: str) -> None:
         super().__init__(model)
