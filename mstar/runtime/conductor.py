@@ -267,6 +267,9 @@ class Conductor:
         if item.error is not None:
             live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile)
             return
+        if item.preempted:
+            self._requeue(live, step)
+            return
         live.versions.update(written)
         for stream in live.streams:
             if stream.edge.into is step:
@@ -279,6 +282,17 @@ class Conductor:
             ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
             live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
         self._check_done(live)
+
+    def _requeue(self, live: _Live, step: Step) -> None:
+        """The engine gave ``step`` back unrun (preempted: its KV pages went to older
+        requests). It is ready again with the same reads; nothing advanced, nothing was
+        written, and the next tick dispatches it again. A stream-edge step cannot go back
+        (its chunk was taken): the request fails rather than lose the chunk."""
+        if any(stream.edge.into is step for stream in live.streams):
+            live.ending = Finished(live.spec.request_id, "error", f"step {step.name!r} was preempted, and a "
+                                   "stream-edge step cannot run again", live.emitted, live.profile)
+            return
+        live.cursor = walk_cursor.mark_pending(self.graph.walk(live.spec.walk).body, live.cursor, step)
 
     def _check_done(self, live: _Live) -> None:
         """The body's end closes its streams; the request ends once they are drained."""

@@ -166,10 +166,11 @@ class Rig:
             spec = per_request.get(item.request_id, how)
             fields = spec(item) if callable(spec) else dict(spec or {})
             fields = dict(fields or {})
-            fields.setdefault("emitted", 0 if fields.get("error") else len(item.emit))
+            ran = not fields.get("error") and not fields.get("preempted")
+            fields.setdefault("emitted", len(item.emit) if ran else 0)
             results.append(ItemResult(item.request_id, item.step, **fields))
             self.emitted[item.request_id] += fields["emitted"]
-            if not fields.get("error"):
+            if ran:
                 for ref in item.writes.values():
                     self.latest[item.request_id][ref.var] = ref.version
         result = StepResult(rank, plan.plan_id, results)
