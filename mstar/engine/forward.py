@@ -9,9 +9,11 @@ its prefills take media embeddings (``mstar.model.qwen3_5.engine``). A forward o
 state: a step takes it in ``prepare``, ``release`` frees it, ``stats`` reports it.
 
 The engine reads from the forward what its fast paths may do: decode steps replay CUDA graphs
-only when ``graph_rows`` is not None, and overlap scheduling runs only when ``runs_ahead``
+only when ``graph_rows`` is not None, overlap scheduling runs only when ``runs_ahead``
 (a step launched ahead is discarded when its row leaves the next plan; state the forward
-cannot roll back would be left advanced).
+cannot roll back would be left advanced), and a sequence is preempted when the KV pages run
+out only when ``preemptible`` (its pages are freed, and its next step recomputes its tokens
+from position 0 over nothing but the paged cache and the state ``prepare`` keeps per request).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Forward:
     """A plain decoder's forward: no state but the paged KV cache."""
 
     runs_ahead = True  # its per-request state survives a discarded step launched ahead
+    preemptible = True  # a sequence's KV recomputed from its tokens alone is the same KV
 
     def __init__(self, model: Decoder) -> None:
         self.model = model

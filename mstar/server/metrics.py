@@ -40,6 +40,7 @@ _DOCS = {
     "requests_running": "Requests admitted and running",
     "kv_pages_used": "KV cache pages in use, per worker rank and node (pool)",
     "kv_pages_total": "KV cache pages in the pool, per worker rank and node",
+    "preemptions": "Sequences preempted since start (KV pages freed, recomputed later), per worker rank and node",
 }
 
 
