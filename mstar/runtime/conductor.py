@@ -35,6 +35,10 @@ class RequestSpec:
     params: dict[str, Any]
     cost: dict[str, int] = field(default_factory=dict)  # resource -> units held while admitted
     deadline: float | None = None  # absolute time after which it fails with "timeout"
+    # resource -> the most units it may come to hold, beyond ``cost`` (KV pages reserved as its
+    # tokens grow, preempted by the engine when they run out): admission counts ``cost``, and
+    # a request whose peak is more than the whole pool is refused.
+    peak: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ class Conductor:
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
         self.graph.walk(spec.walk)  # unknown walk: GraphError now, not later
-        for name, units in spec.cost.items():
+        for name, units in (spec.peak | spec.cost).items():
+            units = max(units, spec.peak.get(name, 0))
             if name not in self.capacity:
                 raise AdmissionError(f"request needs resource {name!r}, which this deployment does not have")
             if units > self.capacity[name]:

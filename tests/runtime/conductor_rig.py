@@ -104,12 +104,12 @@ class Rig:
 
     # ------------------------------------------------------------------ events
     def submit(self, rid: str, walk: str = "chat", *, cost: dict[str, int] | None = None,
-               deadline: float | None = None, **params) -> None:
+               deadline: float | None = None, peak: dict[str, int] | None = None, **params) -> None:
         if walk in ("chat", "vision"):
             params.setdefault("max_decode_steps", 4)
         if walk == "paint":
             params.setdefault("n", 2)
-        spec = RequestSpec(rid, walk, params, dict(cost or {}), deadline)
+        spec = RequestSpec(rid, walk, params, dict(cost or {}), deadline, dict(peak or {}))
         self.c.submit(spec)
         if rid in self.finished:  # an id reused once the earlier request ended
             self.assert_released(rid)

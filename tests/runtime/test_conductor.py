@@ -179,6 +179,20 @@ def test_request_needing_more_than_the_pool_is_rejected_at_submit() -> None:
     rig.assert_quiescent()
 
 
+def test_admission_counts_cost_and_refuses_only_a_peak_bigger_than_the_pool() -> None:
+    rig = Rig(capacity={"kv": 10})
+    with pytest.raises(AdmissionError, match="needs 11 units of 'kv' but the whole pool holds 10"):
+        rig.c.submit(RequestSpec("big", "chat", {"max_decode_steps": 1}, {"kv": 2}, peak={"kv": 11}))
+    with pytest.raises(AdmissionError, match="does not have"):
+        rig.c.submit(RequestSpec("odd", "chat", {"max_decode_steps": 1}, peak={"gpu_seconds": 1}))
+    for rid in "abc":  # peaks of 10 each, admitted together on their prompts' 3 pages
+        rig.submit(rid, cost={"kv": 3}, peak={"kv": 10})
+    d = rig.tick()
+    assert [r for r, _, _ in rig.ops(d)] == ["a", "b", "c"] and rig.c.in_use == {"kv": 9}
+    rig.drain()
+    rig.assert_quiescent()
+
+
 def test_duplicate_request_id_and_unknown_walk_are_rejected() -> None:
     rig = Rig(max_concurrent=1)
     rig.submit("a")
