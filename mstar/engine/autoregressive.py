@@ -79,6 +79,18 @@ class AutoregressiveEngine(Engine):
     the cache: the step always computes a position (the logits come from it) and never
     writes into a shared page. Only for a forward whose K/V depend on the tokens alone
     (``Forward.kv_from_tokens``); ``stats`` counts the prompt tokens queried and found.
+
+    Pages are reserved as sequences grow, not up front (``_make_room``). When a step's rows
+    need more than are free, the sequences holding pages reserve first, oldest first, each
+    taking the pages of the newest sequences that hold any (preempting them: their pages are
+    freed and ``computed`` drops to 0; their tokens, rules state and sampler are kept, since
+    nothing was drawn for them); a row that still does not fit waits with what it holds. Then
+    the rows holding none (new prefills, preempted sequences) reserve in admission order,
+    taking only free pages, until the first that does not fit. The rows that do not run give
+    their item back (``EngineOutput(preempted=True)``) and the conductor sends it again; a
+    preempted decode then runs its whole history as one span and samples the token it would
+    have sampled. A forward that is not ``preemptible`` reserves plainly, and ``OutOfPages``
+    fails the step (its requests must hold their pages from admission).
     """
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
@@ -124,6 +136,8 @@ class AutoregressiveEngine(Engine):
         self.sampler = Sampler()
         self.tp_group = current_parallel().tp  # the model's TP ranks must continue the same ids
         self.seqs: dict[str, Sequence] = {}
+        self._orders = itertools.count()  # ``Sequence.order``: admission order
+        self.preemptions = 0  # sequences preempted since start (a gauge in ``stats``)
         self._ahead: _Ahead | None = None
         self._forward_began = False  # in the step running now
 
@@ -146,12 +160,19 @@ class AutoregressiveEngine(Engine):
     def _run_eager(self, items: list[EngineItem]) -> list[EngineOutput]:
         """The reference: one step per plan, its tokens read back before ``run`` returns."""
         seqs = [self._admit(item) for item in items]
+        runs = self._make_room(items, seqs, list(range(len(items))))
+        outputs = [EngineOutput(preempted=True) for _ in items]
+        if not runs:
+            return outputs
+        chosen = [seqs[i] for i in runs]
         with torch.inference_mode():
-            next_ids = self.rules.choose(self._logits(items, seqs), seqs, self.sample)
+            next_ids = self.rules.choose(self._logits([items[i] for i in runs], chosen), chosen, self.sample)
             host = next_ids.cpu()
         tokens = host.tolist()
         values = host.view(-1, 1).unbind(0)
-        return [self._advance(seq, token, value) for seq, token, value in zip(seqs, tokens, values)]
+        for row, i in enumerate(runs):
+            outputs[i] = self._advance(seqs[i], tokens[row], values[row])
+        return outputs
 
     def _run(self, items: list[EngineItem]) -> list[EngineOutput]:
         """Overlapped: decodes launched ahead by the previous plan are taken as they are; the
@@ -160,7 +181,15 @@ class AutoregressiveEngine(Engine):
         covered = self._take_ahead(ahead, items)
         seqs = [self._admit(item) for item in items]
         rest = [i for i in range(len(items)) if i not in covered]
+        if covered and self._pages_wanted([items[i] for i in rest], [seqs[i] for i in rest]) > self.pool.num_free_pages:
+            for i in covered:  # the rest may preempt: the step ahead is discarded and its rows run again
+                self._roll_back(items[i].request_id)
+            covered, rest = {}, list(range(len(items)))
+        rest = self._make_room(items, seqs, rest)
         order = list(covered) + rest  # rows of next_ids, as plan indices
+        outputs: list[EngineOutput] = [EngineOutput(preempted=True) for _ in items]
+        if not order:
+            return outputs
         with torch.inference_mode():
             parts = []
             if covered:
@@ -177,16 +206,69 @@ class AutoregressiveEngine(Engine):
                 copied.synchronize()
             tokens = host.tolist()
         values = host.view(-1, 1).unbind(0)
-        outputs: list[EngineOutput | None] = [None] * len(items)
         for row, i in enumerate(order):
             outputs[i] = self._advance(seqs[i], tokens[row], values[row])
-        return outputs  # type: ignore[return-value]
+        return outputs
+
+    # ------------------------------------------------------------------ pages
+    def _make_room(self, items: list[EngineItem], seqs: list[Sequence], rows: list[int]) -> list[int]:
+        """Reserve the pages of the new tokens of ``rows`` (plan indices), preempting as the
+        class doc says; the rows that run now, in plan order."""
+        if not self.forward.preemptible:
+            for i in rows:
+                self.pool.reserve(items[i].request_id, len(seqs[i].tokens))
+            return rows
+        by_age = sorted(rows, key=lambda i: seqs[i].order)
+        # Running decodes hold pages of their own; a prefill may hold cached prefix pages, but it
+        # starts this step, so it takes its new pages in admission order with the preempted.
+        holding = [i for i in by_age if items[i].op == "decode" and self.pool.has(items[i].request_id)]
+        runs: list[int] = []
+        victims: list[Sequence] | None = None  # the sequences holding pages, newest last
+        for i in holding:
+            seq, request_id = seqs[i], items[i].request_id
+            while self.pool.has(request_id) and not self.pool.can_reserve(request_id, len(seq.tokens)):
+                if victims is None:
+                    victims = sorted((s for s in self.seqs.values() if self.pool.has(s.request_id)),
+                                     key=lambda s: s.order)
+                while victims and not self.pool.has(victims[-1].request_id):
+                    victims.pop()
+                if not victims or victims[-1].order <= seq.order:
+                    break  # nothing newer to take from: it waits, keeping what it holds
+                self._preempt(victims.pop())
+            else:
+                if self.pool.has(request_id):  # else preempted this step for an older row
+                    self.pool.reserve(request_id, len(seq.tokens))
+                    runs.append(i)
+        for i in by_age:
+            if i in holding:
+                continue
+            if not self.pool.can_reserve(items[i].request_id, len(seqs[i].tokens)):
+                break  # first come, first served: the newer ones wait too
+            self.pool.reserve(items[i].request_id, len(seqs[i].tokens))
+            runs.append(i)
+        ran = set(runs)
+        for i in rows:  # a prefill that did not run is taken in afresh when it comes again
+            if i not in ran and items[i].op == "prefill":
+                self.seqs.pop(items[i].request_id, None)
+                self.pool.free(items[i].request_id)
+        return sorted(runs)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages; its next step recomputes it from position 0."""
+        self.pool.free(seq.request_id)
+        seq.computed = 0
+        self.preemptions += 1
+
+    def _pages_wanted(self, items: list[EngineItem], seqs: list[Sequence]) -> int:
+        """Pages the items' new tokens need beyond what their sequences hold."""
+        pool = self.pool
+        return sum(max(0, pool.pages_needed(len(seq.tokens)) - (len(pool.tables([item.request_id])[0])
+                                                                 if pool.has(item.request_id) else 0))
+                   for item, seq in zip(items, seqs))
 
     def _logits(self, items: list[EngineItem], seqs: list[Sequence]) -> torch.Tensor:
-        """Reserve the pages of the items' new tokens, run them, and return each sequence's
+        """Run the items' new tokens (their pages reserved) and return each sequence's
         last-position logits ``[B, V]``."""
-        for item, seq in zip(items, seqs):
-            self.pool.reserve(item.request_id, len(seq.tokens))
         spans = [(item.request_id, seq.computed, len(seq.tokens)) for item, seq in zip(items, seqs)]
         input_ids = [t for seq in seqs for t in seq.tokens[seq.computed:]]
         meta, ids = self._metadata(spans, input_ids)
@@ -286,6 +368,7 @@ class AutoregressiveEngine(Engine):
                 raise ValueError("empty prompt")
             if len(prompt) >= self.max_seq_len:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq_len {self.max_seq_len}")
+            self._check_fits(item.request_id, len(prompt))
             seq = self.seqs[item.request_id] = self._new_sequence(item.request_id, prompt, item.params)
             if self.prefix_caching and item.inputs.keys() == {"prompt_ids"}:  # media would add to the K/V
                 seq.computed = self._share_prefix(item.request_id, prompt)
@@ -295,8 +378,11 @@ class AutoregressiveEngine(Engine):
             if seq is None:
                 raise RuntimeError(f"request {item.request_id} decodes before its prefill")
             token = item.inputs["token"]
-            if seq.computed != len(seq.tokens) - 1 or (token is not seq.written and _first_id(token) != seq.tokens[-1]):
+            preempted = seq.computed == 0 and not self.pool.has(item.request_id)  # it recomputes its history
+            if (seq.computed != len(seq.tokens) - 1 and not preempted) or (
+                    token is not seq.written and _first_id(token) != seq.tokens[-1]):
                 raise RuntimeError(f"request {item.request_id}: decode input does not follow its history")
+            self._check_fits(item.request_id, len(seq.tokens))
         else:
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
         return seq
@@ -311,12 +397,27 @@ class AutoregressiveEngine(Engine):
         self.prefix_hits += found
         return found
 
+    def _check_fits(self, request_id: str, num_tokens: int) -> None:
+        """A sequence the whole pool cannot hold fails, rather than wait for pages forever (the
+        runtime refuses such requests at admission: ``WalkRequest.peak``)."""
+        if self.pool.pages_needed(num_tokens) > self.pool.num_pages:
+            raise ValueError(f"request {request_id}: {num_tokens} tokens need {self.pool.pages_needed(num_tokens)} "
+                             f"KV pages, and the whole pool holds {self.pool.num_pages}")
+
     def _adopt(self, item: EngineItem) -> Sequence:
         """The sequence of a request another engine prefilled (a ``PrefillEngine``), rebuilt
         from its first decode's inputs: the prompt, the first token, the prompt's K/V and
         the sampler state after drawing that token."""
         prompt = item.inputs["prompt_ids"].reshape(-1).tolist()
         first = int(item.inputs["token"].reshape(-1)[0])
+        kv = item.inputs["kv"]
+        if self.forward.preemptible and not self.pool.can_reserve(item.request_id, kv.shape[2] if kv.dim() == 5 else 0):
+            # No room for its K/V now: adopted as if preempted, its history recomputed when it runs.
+            seq = self._new_sequence(item.request_id, prompt, item.params)
+            seq.tokens.append(first)
+            _restore_generator(seq, item.inputs.get("rng"))
+            self.seqs[item.request_id] = seq
+            return seq
         return self.import_kv(item.request_id, item.inputs["kv"], prompt + [first], prompt_len=len(prompt),
                               params=item.params, generator_state=item.inputs.get("rng"))
 
@@ -327,6 +428,7 @@ class AutoregressiveEngine(Engine):
             generator = torch.Generator(device=self.device)
             generator.manual_seed(sampling.seed)
         return Sequence(
+            order=next(self._orders),
             tokens=prompt,
             prompt_len=len(prompt),
             sampling=sampling,
@@ -451,8 +553,7 @@ class AutoregressiveEngine(Engine):
         seq = self._new_sequence(request_id, list(tokens[:prompt_len]), params)
         seq.tokens.extend(tokens[prompt_len:])
         seq.computed = computed
-        if seq.generator is not None and generator_state is not None and generator_state.numel():
-            seq.generator.set_state(generator_state.cpu())
+        _restore_generator(seq, generator_state)
         self.pool.reserve(request_id, computed)  # OutOfPages leaves the pool as it was
         try:
             slots = self._to_device(torch.tensor(self.pool.slots(request_id, 0, computed), dtype=torch.int64))
@@ -468,7 +569,7 @@ class AutoregressiveEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         stats = {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
-                 "sequences": len(self.seqs)}
+                 "sequences": len(self.seqs), "preemptions": self.preemptions}
         if self.prefix_caching:
             stats |= {"kv_pages_cached": self.pool.num_cached_pages,
                       "prefix_cache_queried_tokens": self.prefix_queried, "prefix_cache_hit_tokens": self.prefix_hits}
@@ -493,7 +594,7 @@ class PrefillEngine(Engine):
         outputs = self.engine.run(items)
         try:
             for item, out in zip(items, outputs):
-                if "stop" not in out.flags:
+                if "stop" not in out.flags and not out.preempted:
                     out.outputs["kv"] = self.engine.export_kv(item.request_id)
                     out.outputs["rng"] = self.engine.generator_state(item.request_id)
         finally:
@@ -506,6 +607,12 @@ class PrefillEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+
+def _restore_generator(seq: Sequence, state: torch.Tensor | None) -> None:
+    """Resume a seeded sampler where another engine left it (``generator_state``)."""
+    if seq.generator is not None and state is not None and state.numel():
+        seq.generator.set_state(state.cpu())
 
 
 def _first_id(token: torch.Tensor) -> int:

@@ -25,11 +25,13 @@ class EngineItem:
 class EngineOutput:
     """One item's result. An output port missing from ``outputs`` produced nothing this step
     (e.g. an LLM step whose token is not an audio code): it is not sent, and a stream fed
-    by it gets no item."""
+    by it gets no item. ``preempted``: the engine did not run the step now (too few KV
+    pages); it has no outputs, and the step is to be sent again."""
 
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
     finish_reason: str | None = None
+    preempted: bool = False
 
 
 class Engine(ABC):

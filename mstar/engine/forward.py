@@ -11,9 +11,12 @@ state: a step takes it in ``prepare``, ``release`` frees it, ``stats`` reports i
 The engine reads from the forward what its fast paths may do: decode steps replay CUDA graphs
 only when ``graph_rows`` is not None, overlap scheduling runs only when ``runs_ahead``
 (a step launched ahead is discarded when its row leaves the next plan; state the forward
-cannot roll back would be left advanced), and prefix caching only when ``kv_from_tokens``
+cannot roll back would be left advanced); prefix caching only when ``kv_from_tokens``
 (pages of a prefix computed for one request are reused by another only if a position's K/V
-depend on the token ids up to it and nothing else).
+depend on the token ids up to it and nothing else); and a sequence is preempted when the KV
+pages run out only when ``preemptible`` (its pages are freed, and its next step recomputes its
+tokens from position 0 over nothing but the paged cache and the state ``prepare`` keeps per
+request).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Forward:
 
     runs_ahead = True  # its per-request state survives a discarded step launched ahead
     kv_from_tokens = True  # a position's K/V are a function of the token ids up to it alone
+    preemptible = True  # a sequence's KV recomputed from its tokens alone is the same KV
 
     def __init__(self, model: Decoder) -> None:
         self.model = model

@@ -22,6 +22,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     request_id: str = ""
     state: Any = None  # the state its rules keep (``TokenRules.start``)
+    order: int = 0  # when the engine took it in: the newest sequences are preempted first
     # The ``token`` output of its last step: the next decode's input is normally this very
     # tensor (the worker's store hands it back), which then needs no reading to be checked.
     written: torch.Tensor | None = None

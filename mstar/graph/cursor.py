@@ -83,6 +83,11 @@ def mark_running(section: Section, cursor: Any, step: Step) -> Any:
     return _update(section, cursor, step, lambda state: RUNNING if state == PENDING else state, None)
 
 
+def mark_pending(section: Section, cursor: Any, step: Step) -> Any:
+    """The cursor with a running ``step`` ready again (its engine gave it back unrun)."""
+    return _update(section, cursor, step, lambda state: PENDING if state == RUNNING else state, None)
+
+
 def complete(section: Section, cursor: Any, step: Step, ctx: LoopContext) -> Any:
     """The cursor after ``step`` finished; sequences and loops advance past it."""
     return _update(section, cursor, step, lambda state: DONE, ctx)

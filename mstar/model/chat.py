@@ -4,8 +4,8 @@ request.
 
 A chat walk is a prefill, then a Loop of decodes until the engine raises ``stop`` or the
 budget runs out; every sampled token streams to the client as text (``TextStream``). A
-request holds the KV pages of its prompt plus its ``max_tokens`` (default: the rest of
-``max_seq_len``) while admitted.
+request's KV pages grow to those of its prompt plus its ``max_tokens`` (default: the rest of
+``max_seq_len``) at most; it is admitted against its prompt's (``decode_request``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class ChatLLM(ModelSpec):
     in ``load_frontend`` and declares its graph with a ``chat`` walk (``chat_walk``)."""
 
     GenerateKnobs: ClassVar[type[GenerateKnobs]] = GenerateKnobs
+    # Whether a chat holds its prompt + max_tokens KV pages from admission: for an engine that
+    # cannot preempt its sequences (their state is not recomputed from the tokens alone).
+    kv_upfront: ClassVar[bool] = False
     tokenizer: Any
     stop_token_ids: list[int]
 
@@ -121,7 +124,8 @@ class ChatLLM(ModelSpec):
             raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                                              f"max_seq_len ({limit})")
         return decode_request(self.chat_walk, {"prompt_ids": torch.tensor(ids, dtype=torch.int64)}, len(ids),
-                              max_tokens, sampling, [] if ignore_eos else self.stop_token_ids, self.config)
+                              max_tokens, sampling, [] if ignore_eos else self.stop_token_ids, self.config,
+                              upfront=self.kv_upfront)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> TextStream:
         return TextStream(self.tokenizer, stop)

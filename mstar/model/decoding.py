@@ -1,6 +1,6 @@
 """The request side of a decode walk, shared by the autoregressive families (the chat LLMs,
 the Orpheus talker, Whisper's decoder): a request's sampling options, checked, and the walk
-request with its token budget and the KV pages it holds while admitted.
+request with its token budget and the KV pages it is admitted against.
 
 Every decode walk carries the same parameters for its autoregressive engine: ``sampling``,
 ``max_new_tokens``, ``max_decode_steps`` (the Loop's bound: the prefill makes the first
@@ -61,13 +61,19 @@ def kv_pages(tokens: int, config: DeploymentConfig) -> int:
 
 def decode_request(walk: str, inputs: dict[str, torch.Tensor], prompt_tokens: int, max_tokens: int,
                    sampling: SamplingParams | dict[str, Any], stop_token_ids: list[int], config: DeploymentConfig,
-                   **params: Any) -> WalkRequest:
+                   *, upfront: bool = False, **params: Any) -> WalkRequest:
     """A decode walk's request: ``prompt_tokens`` then at most ``max_tokens`` new ones, stopping
-    at ``stop_token_ids``; it holds the KV pages of both while admitted. ``params``: the
-    family's own request parameters."""
+    at ``stop_token_ids``. ``params``: the family's own request parameters.
+
+    It is admitted against its prompt's KV pages and one more (its first decodes); the engine
+    reserves the rest as it grows, and preempts the newest sequences when the pool runs out.
+    Its peak, the pages of prompt + ``max_tokens``, must fit the whole pool. ``upfront``: it
+    holds that peak from admission instead (an engine that cannot preempt it)."""
     if isinstance(sampling, SamplingParams):
         sampling = msgspec.structs.asdict(sampling)
     params = {"sampling": sampling, "max_new_tokens": max_tokens, "max_decode_steps": max_tokens - 1,
               "stop_token_ids": stop_token_ids, **params}
-    return WalkRequest(walk, inputs, params, {"kv_pages": kv_pages(prompt_tokens + max_tokens, config)},
-                       prompt_tokens=prompt_tokens)
+    peak = kv_pages(prompt_tokens + max_tokens, config)
+    admitted = peak if upfront else min(peak, kv_pages(prompt_tokens, config) + 1)
+    return WalkRequest(walk, inputs, params, {"kv_pages": admitted}, prompt_tokens=prompt_tokens,
+                       peak={"kv_pages": peak})

@@ -33,6 +33,10 @@ class WalkRequest:
     cost: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     echo: str = ""  # text the client gets ahead of the output (a completion's echoed prompt); stays here
+    # The most of a resource it may come to hold, where that is more than ``cost`` (a decode
+    # walk's KV pages grow with its tokens): a request whose peak the whole pool cannot hold
+    # is refused before it is queued.
+    peak: dict[str, int] = field(default_factory=dict)
 
 
 class OutputStream(ABC):

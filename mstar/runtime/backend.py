@@ -125,7 +125,8 @@ class RuntimeBackend:
         # Tokenising and applying templates can take a while: keep it off the event loop.
         request: WalkRequest = await asyncio.to_thread(prepare)
         capacity = self.runtime.conductor.capacity
-        for name, units in request.cost.items():
+        for name, units in (request.peak | request.cost).items():
+            units = max(units, request.peak.get(name, 0))
             if units > capacity.get(name, units):
                 raise RequestError("max_tokens", f"the request needs {units} {name} but the deployment holds "
                                                  f"{capacity[name]}; ask for fewer tokens")

@@ -35,6 +35,10 @@ class RequestSpec:
     params: dict[str, Any]
     cost: dict[str, int] = field(default_factory=dict)  # resource -> units held while admitted
     deadline: float | None = None  # absolute time after which it fails with "timeout"
+    # resource -> the most units it may come to hold, beyond ``cost`` (KV pages reserved as its
+    # tokens grow, preempted by the engine when they run out): admission counts ``cost``, and
+    # a request whose peak is more than the whole pool is refused.
+    peak: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ class Conductor:
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
         self.graph.walk(spec.walk)  # unknown walk: GraphError now, not later
-        for name, units in spec.cost.items():
+        for name, units in (spec.peak | spec.cost).items():
+            units = max(units, spec.peak.get(name, 0))
             if name not in self.capacity:
                 raise AdmissionError(f"request needs resource {name!r}, which this deployment does not have")
             if units > self.capacity[name]:
@@ -267,6 +272,9 @@ class Conductor:
         if item.error is not None:
             live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile)
             return
+        if item.preempted:
+            self._requeue(live, step)
+            return
         live.versions.update(written)
         for stream in live.streams:
             if stream.edge.into is step:
@@ -279,6 +287,17 @@ class Conductor:
             ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
             live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
         self._check_done(live)
+
+    def _requeue(self, live: _Live, step: Step) -> None:
+        """The engine gave ``step`` back unrun (preempted: its KV pages went to older
+        requests). It is ready again with the same reads; nothing advanced, nothing was
+        written, and the next tick dispatches it again. A stream-edge step cannot go back
+        (its chunk was taken): the request fails rather than lose the chunk."""
+        if any(stream.edge.into is step for stream in live.streams):
+            live.ending = Finished(live.spec.request_id, "error", f"step {step.name!r} was preempted, and a "
+                                   "stream-edge step cannot run again", live.emitted, live.profile)
+            return
+        live.cursor = walk_cursor.mark_pending(self.graph.walk(live.spec.walk).body, live.cursor, step)
 
     def _check_done(self, live: _Live) -> None:
         """The body's end closes its streams; the request ends once they are drained."""

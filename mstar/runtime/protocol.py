@@ -69,6 +69,9 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str | None = None
     emitted: int = 0  # how many emit messages this item sent to the frontend
     silent: list[str] = []  # output ports that produced nothing this step
+    # The engine did not run the step now (too few KV pages: its cache may have been freed,
+    # to be recomputed); it wrote and emitted nothing, and the conductor dispatches it again.
+    preempted: bool = False
 
 
 class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):

@@ -93,7 +93,7 @@ class Runtime:
         self.admission.enter()  # raises Overloaded when the wait queue is full
         try:
             deadline = time.monotonic() + timeout_s if timeout_s else None
-            spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline)
+            spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline, request.peak)
             self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens)
             routes: Routes = self.conductor.routes[request.walk]
             later = []
@@ -281,15 +281,16 @@ class Runtime:
                 tracked.order.extend(sorted(versions.values()))
 
     def _settle_emits(self, result: StepResult) -> None:
-        """A finished step's outputs that will never come (silent ports, a failed step) stop
-        holding back the ones after them."""
+        """A finished step's outputs that will never come (silent ports, a failed or
+        preempted step) stop holding back the ones after them."""
         for item in result.results:
             tracked = self.tracked.get(item.request_id)
             if tracked is None:
                 continue
             with tracked.lock:
                 versions = tracked.steps.pop(item.step, {})
-                gone = {v for port, v in versions.items() if item.error is not None or port in item.silent}
+                gone = {v for port, v in versions.items()
+                        if item.error is not None or item.preempted or port in item.silent}
                 if gone:
                     tracked.order = [v for v in tracked.order if v not in gone]
             if gone:

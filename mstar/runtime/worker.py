@@ -127,6 +127,8 @@ class Worker:
         if isinstance(out, BaseException):
             log.warning("request %s failed in %s: %s", item.request_id, item.step, out)
             return ItemResult(item.request_id, item.step, error=str(out))
+        if out.preempted:
+            return ItemResult(item.request_id, item.step, preempted=True)
         emitted = 0
         silent = []
         for port, ref in item.writes.items():

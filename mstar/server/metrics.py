@@ -46,6 +46,7 @@ _DOCS = {
     "prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache since startup, per rank and node",
     "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not computed) since startup, "
                                "per rank and node",
+    "preemptions": "Sequences preempted since start (KV pages freed, recomputed later), per worker rank and node",
 }
 
 

@@ -220,3 +220,36 @@ def test_import_into_a_full_pool_leaves_it_unchanged(llama_dir):
         decoder.import_kv("late", kv, PROMPT + [1], prompt_len=len(PROMPT), params=_params(GREEDY))
     assert "late" not in decoder.seqs and decoder.pool.num_used_pages == 2
     decoder.pool.check_invariants()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_an_adoption_the_pool_has_no_room_for_waits_and_recomputes(engines, llama_dir, sampling):
+    """A decoder whose pool is full takes a request in without its K/V (as if preempted): it
+    waits for pages, then recomputes its history and decodes as the colocated one does."""
+    prefiller = engines[LLM_PREFILL]
+    params = _params(sampling, max_new=STEPS)
+    want = _colocated(engines[LLM], "ref", params)[0][:STEPS]  # it ran past the budget
+    spec = LlamaChat(parse_config(_config(llama_dir, pages=5), "test"))
+    decoder = spec.build_engines({LLM}, torch.device("cpu"))[LLM]
+    outs = prefiller.run([_prefill("a", params), _prefill("b", params)])
+    handoff = {rid: {"kv": o.outputs["kv"], "rng": o.outputs["rng"]} for rid, o in zip("ab", outs)}
+    tokens = {rid: [int(o.outputs["token"])] for rid, o in zip("ab", outs)}
+    pending = {rid: _decode(rid, o.outputs["token"], params, handoff[rid]) for rid, o in zip("ab", outs)}
+    waited = 0
+    while pending:
+        items = list(pending.values())
+        for item, out in zip(items, decoder.run(items)):
+            if out.preempted:
+                waited += 1
+                continue
+            tokens[item.request_id].append(int(out.outputs["token"]))
+            if "stop" in out.flags:
+                del pending[item.request_id]
+                decoder.release(item.request_id)
+            else:
+                pending[item.request_id] = _decode(item.request_id, out.outputs["token"], params,
+                                                   handoff[item.request_id])
+    assert waited > 0  # b's 3 pages of K/V did not fit beside a's
+    assert tokens == {"a": want, "b": want}
+    decoder.pool.check_invariants()
+    assert decoder.pool.num_used_pages == 0

@@ -19,6 +19,7 @@ from mstar.graph.cursor import (
     ReadyStep,
     complete,
     is_done,
+    mark_pending,
     mark_running,
     ready,
     start,
@@ -82,6 +83,17 @@ def test_single_step():
 def test_complete_without_mark_running():
     a = S("a")
     assert complete(a, start(a, NO_FLAGS), a, NO_FLAGS) == DONE
+
+
+def test_mark_pending_makes_a_running_step_ready_again_in_the_same_iteration():
+    a, b = S("a"), S("b")
+    loop = Loop(Sequential(a, b), max_iters=3)
+    cur = complete(loop, mark_running(loop, start(loop, NO_FLAGS), a), a, NO_FLAGS)
+    running = mark_running(loop, cur, b)
+    assert ready(loop, running) == []
+    assert mark_pending(loop, running, b) == cur  # as before it was dispatched
+    assert ready(loop, mark_pending(loop, running, b)) == [ReadyStep(b, 0)]
+    assert mark_pending(loop, cur, a) == cur  # a step that is not running is left alone
 
 
 def test_cursor_functions_do_not_mutate():

@@ -104,12 +104,12 @@ class Rig:
 
     # ------------------------------------------------------------------ events
     def submit(self, rid: str, walk: str = "chat", *, cost: dict[str, int] | None = None,
-               deadline: float | None = None, **params) -> None:
+               deadline: float | None = None, peak: dict[str, int] | None = None, **params) -> None:
         if walk in ("chat", "vision"):
             params.setdefault("max_decode_steps", 4)
         if walk == "paint":
             params.setdefault("n", 2)
-        spec = RequestSpec(rid, walk, params, dict(cost or {}), deadline)
+        spec = RequestSpec(rid, walk, params, dict(cost or {}), deadline, dict(peak or {}))
         self.c.submit(spec)
         if rid in self.finished:  # an id reused once the earlier request ended
             self.assert_released(rid)
@@ -166,10 +166,11 @@ class Rig:
             spec = per_request.get(item.request_id, how)
             fields = spec(item) if callable(spec) else dict(spec or {})
             fields = dict(fields or {})
-            fields.setdefault("emitted", 0 if fields.get("error") else len(item.emit))
+            ran = not fields.get("error") and not fields.get("preempted")
+            fields.setdefault("emitted", len(item.emit) if ran else 0)
             results.append(ItemResult(item.request_id, item.step, **fields))
             self.emitted[item.request_id] += fields["emitted"]
-            if not fields.get("error"):
+            if ran:
                 for ref in item.writes.values():
                     self.latest[item.request_id][ref.var] = ref.version
         result = StepResult(rank, plan.plan_id, results)

@@ -179,6 +179,20 @@ def test_request_needing_more_than_the_pool_is_rejected_at_submit() -> None:
     rig.assert_quiescent()
 
 
+def test_admission_counts_cost_and_refuses_only_a_peak_bigger_than_the_pool() -> None:
+    rig = Rig(capacity={"kv": 10})
+    with pytest.raises(AdmissionError, match="needs 11 units of 'kv' but the whole pool holds 10"):
+        rig.c.submit(RequestSpec("big", "chat", {"max_decode_steps": 1}, {"kv": 2}, peak={"kv": 11}))
+    with pytest.raises(AdmissionError, match="does not have"):
+        rig.c.submit(RequestSpec("odd", "chat", {"max_decode_steps": 1}, peak={"gpu_seconds": 1}))
+    for rid in "abc":  # peaks of 10 each, admitted together on their prompts' 3 pages
+        rig.submit(rid, cost={"kv": 3}, peak={"kv": 10})
+    d = rig.tick()
+    assert [r for r, _, _ in rig.ops(d)] == ["a", "b", "c"] and rig.c.in_use == {"kv": 9}
+    rig.drain()
+    rig.assert_quiescent()
+
+
 def test_duplicate_request_id_and_unknown_walk_are_rejected() -> None:
     rig = Rig(max_concurrent=1)
     rig.submit("a")
@@ -219,6 +233,52 @@ def test_continuous_batching_new_prefill_joins_running_decodes() -> None:
     assert rig.reasons(d) == {"a": "stop"}
     assert rig.ops(d) == [("b", "decode", 2), ("c", "decode", 0)] and rig.releases(d) == ["a"]
     rig.drain(STOP)
+    rig.assert_quiescent()
+
+
+PREEMPTED = {"preempted": True}
+
+
+def test_preempted_decode_runs_again_with_the_same_reads_and_iteration() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=3)
+    rig.submit("b", max_decode_steps=3)
+    rig.tick()
+    d = rig.step()  # both prefilled
+    [a1, b1] = d.plans[0].items
+    d = rig.step(b=PREEMPTED)  # b's first decode gave back: nothing of it advanced
+    [a2, b2] = d.plans[0].items
+    assert (a2.iteration, b2.iteration) == (1, 0)
+    assert b2.reads == b1.reads and b2.writes["tok"].version > b1.writes["tok"].version
+    assert b2.params is None  # the rank has its params already
+    assert rig.emitted["b"] == 1  # its prefill only
+    d = rig.step(b=PREEMPTED)  # again: preemption may repeat
+    assert [(r, i) for r, _, i in rig.ops(d)] == [("a", 2), ("b", 0)]
+    rig.drain()
+    assert [(i.op, i.iteration) for i in rig.items["b"]] == [
+        ("prefill", 0), ("decode", 0), ("decode", 0), ("decode", 0), ("decode", 1), ("decode", 2)]
+    assert rig.finished["b"].emitted == 4  # one per step that ran, none for the preempted ones
+    rig.assert_quiescent()
+
+
+def test_preempted_prefill_is_sent_again_and_the_request_keeps_its_admission() -> None:
+    rig = Rig(capacity={"kv": 4})
+    rig.submit("a", cost={"kv": 2}, max_decode_steps=1)
+    rig.tick()
+    d = rig.step(PREEMPTED)
+    assert rig.ops(d) == [("a", "prefill", 0)] and rig.c.in_use == {"kv": 2}
+    rig.drain()
+    assert rig.finished["a"].reason == "stop" and rig.finished["a"].emitted == 2
+    rig.assert_quiescent()
+
+
+def test_cancel_of_a_request_whose_step_was_preempted() -> None:
+    rig = Rig()
+    rig.submit("a", max_decode_steps=5)
+    rig.tick()
+    rig.cancel("a")
+    d = rig.step(PREEMPTED)
+    assert rig.reasons(d) == {"a": "cancelled"} and rig.releases(d) == ["a"]
     rig.assert_quiescent()
 
 
@@ -621,9 +681,13 @@ def test_random_traffic_every_request_finishes_once_and_resources_return(sc) -> 
     reqs = {r["rid"]: r for r in sc["requests"]}
     count: Counter[str] = Counter()  # items answered per request
     cancelled: set[str] = set()
+    preempted: set[tuple[str, int]] = set()  # (request, version its step would have written)
 
     def behave(item: WorkItem) -> dict:
         r = reqs[item.request_id]
+        if item.node == "llm" and rng.random() < 0.15:  # the engine gives the step back unrun
+            preempted.add((item.request_id, item.writes["tok"].version))
+            return {"preempted": True}
         k = count[item.request_id]
         count[item.request_id] += 1
         if r["error_at"] is not None and k == r["error_at"]:
@@ -684,7 +748,8 @@ def test_random_traffic_every_request_finishes_once_and_resources_return(sc) -> 
             assert r["error_at"] is not None and done.error == f"failed at item {r['error_at']}"
         if done.reason in ("stop", "length") and r["walk"] in ("chat", "vision"):
             # the walk ran to its natural end: the loop stopped by flag or by budget
-            decodes = [i for i in rig.items[rid] if i.op == "decode"]
+            decodes = [i for i in rig.items[rid]
+                       if i.op == "decode" and (rid, i.writes["tok"].version) not in preempted]
             budget, stop_at = r["budget"], r["stop_at"]
             natural = min(stop_at, budget) if stop_at is not None else budget
             assert len(decodes) == natural, (rid, len(decodes), natural)

@@ -9,6 +9,12 @@ marked lost, and any later step of theirs (the worker's item-by-item retry) fail
 clear error instead of decoding from a corrupted state. For the same reason no step is ever
 launched ahead (overlap scheduling), and decode steps do not replay CUDA graphs.
 
+Nor is a sequence ever preempted when the KV pages run out (``preemptible = False``):
+recomputing it from its tokens would need its recurrent state reset and, for a request with
+media, the vision embeddings and MRoPE positions that only its prefill reads. Its requests
+hold their prompt + ``max_tokens`` pages from admission instead (``Qwen3_5.kv_upfront``), so
+the pool never runs out under it.
+
 A prefill of a request with images or videos also reads ``vision_embeds`` (the vision
 node's output, one row per media token, prompt order) and ``mrope_positions`` (``[3, L]``):
 the embeddings replace those of the media tokens, the positions drive MRoPE, and the
@@ -46,6 +52,7 @@ class HybridForward(Forward):
     # The recurrent state after a prefix is not kept with its pages, and a media placeholder's
     # K/V depend on the image, not its token id: no prefix caching.
     kv_from_tokens = False
+    preemptible = False
 
     def __init__(self, model, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]], max_slots: int,
                  dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device,

@@ -40,6 +40,7 @@ class Qwen3_5Chat(ChatLLM):
     Knobs = Qwen3_5Knobs
     knobs: Qwen3_5Knobs
     GenerateKnobs = Qwen3_5GenerateKnobs
+    kv_upfront = True  # its engine never preempts: a recurrent state is not recomputed
 
     def graph(self) -> Graph:
         vision = Node(VISION, "stateless", inputs=("pixel_values", "grid_thw"), outputs=("vision_embeds",))
