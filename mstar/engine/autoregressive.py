@@ -319,15 +319,15 @@ class AutoregressiveEngine(Engine):
     def _launch_ahead(self, items: list[EngineItem], seqs: list[Sequence], next_ids: torch.Tensor) -> None:
         """Launch the decode step after this one for every sequence that may continue, its
         input the ids just sampled (``next_ids``, row per item, still on the device)."""
-        rows = [row for row, seq in enumerate(seqs) if self._continues(seq)]
-        rows = [row for row in rows if self.pool.can_reserve(items[row].request_id, len(seqs[row].tokens) + 1)]
+        rows, spans = [], []
+        for row, seq in enumerate(seqs):  # the rows that continue, while their pages fit
+            length = len(seq.tokens) + 1  # the token being read back now, then one more
+            if self._continues(seq) and self.pool.can_reserve(items[row].request_id, length):
+                self.pool.reserve(items[row].request_id, length)
+                rows.append(row)
+                spans.append((items[row].request_id, length - 1, length))
         if not rows:
             return
-        spans = []
-        for row in rows:
-            length = len(seqs[row].tokens) + 1  # the token being read back now, then one more
-            self.pool.reserve(items[row].request_id, length)
-            spans.append((items[row].request_id, length - 1, length))
         ids = next_ids if len(rows) == len(seqs) else next_ids[self._to_device(torch.tensor(rows))]
         meta, _ = self._metadata(spans, [])
         chosen = [seqs[row] for row in rows]

@@ -169,3 +169,29 @@ def test_a_forward_that_cannot_recompute_never_preempts(model) -> None:
     for rid in "abc":
         engine.release(rid)
     assert engine.pool.num_used_pages == 0
+
+
+SHARED = [7, 3, 5, 3, 0, 8, 2, 4]  # two whole pages every prompt of the next test starts with
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlap"])
+def test_preemption_with_the_prefix_cache_on_ends_every_request_as_alone_without_it(model, overlap) -> None:
+    """Prefix caching and preemption together: cached pages are shared while sequences are
+    preempted and resumed; every request still ends with its solo, cache-off output."""
+    prompts = {rid: SHARED + PROMPTS[rid][:4] for rid in PROMPTS}
+    saved = dict(PROMPTS)
+    PROMPTS.update(prompts)
+    try:
+        alone = {}
+        for rid in prompts:
+            alone |= serve(_engine(model, 64), [rid])[0]
+        engine = _engine(model, 18, overlap_scheduling=overlap, prefix_caching=True)
+        tokens, given_back = serve(engine, list(prompts), LATE)
+    finally:
+        PROMPTS.update(saved)
+    assert tokens == alone
+    assert engine.preemptions > 0 and given_back > 0
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0
+    assert not engine.seqs
+    engine.pool.check_invariants()
+    assert engine.pool.num_used_pages == 0
