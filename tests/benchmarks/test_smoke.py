@@ -65,3 +65,20 @@ def test_s4_whisper_smoke(tmp_path):
     for row in rows.values():
         assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
         assert row["notes"]["floor_with_cross_kv_reads"] <= row["floor"]
+
+
+@pytest.mark.slow  # runs the benchmark script end to end, with a server process
+def test_s1_http_smoke(tmp_path):
+    from benchmarks import s1_llama_decode as s1
+
+    assert s1.main(["--smoke", "--http", "--skip-baseline", "--latency-runs", "1", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s1.NAME)
+    assert set(rows) == {"latency@1", "throughput@4", "latency@1 http", "ttft@1 http", "throughput@4 http",
+                         "ttft@4 http"}
+    for n, name in ((1, "latency@1 http"), (4, "throughput@4 http")):
+        http, inproc = data["http"][str(n)], data["ours"][str(n)]
+        assert http["tokens"] == inproc["tokens"] == n * 16  # every stream made all its tokens, both ways
+        row = rows[name]
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
+        assert row["ours/baseline"] == pytest.approx(row["ours"] / row["baseline"])
+        assert rows[f"ttft@{n} http"]["ours"] == pytest.approx(http["first_token_ms_median"])
