@@ -137,13 +137,17 @@ async def _chat_sse(
         )
         return _sse(body.model_dump())
 
+    # A content delta is this chunk with the text's JSON string in place of the marker: one
+    # json.dumps of the text per token instead of building and dumping the pydantic chunk.
+    marker = "\x00content\x00"
+    before, after = chunk([ChunkChoice(delta=Delta(content=marker))]).split(json.dumps(marker), 1)
     tally = Tally()
     try:
         yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
         async with aclosing(walk_events(first, events, tally)) as walk:
             async for event in walk:
                 if event.modality == "text" and event.text:
-                    yield chunk([ChunkChoice(delta=Delta(content=event.text))])
+                    yield before + json.dumps(event.text) + after
         yield chunk([ChunkChoice(delta=Delta(), finish_reason=tally.finish_reason or "stop")])
         if include_usage:
             yield chunk([], usage=tally.usage())
