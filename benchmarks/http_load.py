@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------ server
@@ -92,7 +93,9 @@ def serve_config(config: dict[str, Any], workdir: str | os.PathLike[str], extra_
     cmd = [sys.executable, "-m", "mstar.cli", "serve", str(config["model"]), "--config", str(config_path),
            "--port", str(port), *extra_args]
     log_path = workdir / "server.log"
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # The server runs this checkout's mstar, as the benchmark does, from a scratch directory.
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
     child_env.pop("MSTAR_API_KEY", None)  # it would make the server require a bearer token
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=workdir, env=child_env, stdout=log, stderr=subprocess.STDOUT,
