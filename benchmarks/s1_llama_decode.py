@@ -34,7 +34,9 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import random
 import statistics
+import string
 import sys
 import tempfile
 import threading
@@ -310,6 +312,30 @@ class BatchTiming:
         return [s.token_times[0] - s.submitted for s in self.streams]
 
 
+def deployment_config(settings: Settings, model_dir: Path, tp_size: int | None = None,
+                      model_kwargs: dict[str, Any] | None = None, kv_pages: int | None = None) -> dict[str, Any]:
+    """The deployment YAML's keys, as a dict: ours in process, ours with ``tp_size`` and the
+    server of ``--http`` all run this one. ``model_kwargs`` are added to those of the flags,
+    and ``kv_pages`` replaces the pool size the settings call for."""
+    kwargs: dict[str, Any] = {"cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
+                              "fused_kernels": settings.fused_kernels}
+    if settings.attention_backend:
+        kwargs["attention_backend"] = settings.attention_backend
+    kwargs.update(model_kwargs or {})
+    return {
+        "model": "llama",
+        "model_path": str(model_dir),
+        "load_format": "dummy",
+        "device": settings.device,
+        "dtype": str(settings.dtype).removeprefix("torch."),
+        "max_seq_len": settings.max_seq_len,
+        "max_concurrent_requests": settings.max_streams,
+        "resources": {"kv_cache": {"max_num_pages": kv_pages or settings.kv_pages, "page_size": PAGE_SIZE}},
+        "model_kwargs": kwargs,
+        "node_groups": [] if tp_size is None else [llm_group(tp_size)],
+    }
+
+
 class OursRunner:
     """An M* deployment of the llama model, driven through its runtime: in process, or with
     ``tp_size`` set, one worker process per rank and ``llm`` split over ranks 0..tp_size-1.
@@ -324,25 +350,7 @@ class OursRunner:
         from mstar.runtime.launch import start
 
         self.settings = settings
-        model_kwargs_extra = model_kwargs
-        model_kwargs = {"cuda_graphs": settings.cuda_graphs,
-                                        "overlap_scheduling": settings.overlap,
-                                        "fused_kernels": settings.fused_kernels}
-        if settings.attention_backend:
-            model_kwargs["attention_backend"] = settings.attention_backend
-        model_kwargs.update(model_kwargs_extra or {})
-        config = parse_config({
-            "model": "llama",
-            "model_path": str(model_dir),
-            "load_format": "dummy",
-            "device": settings.device,
-            "dtype": str(settings.dtype).removeprefix("torch."),
-            "max_seq_len": settings.max_seq_len,
-            "max_concurrent_requests": settings.max_streams,
-            "resources": {"kv_cache": {"max_num_pages": kv_pages or settings.kv_pages, "page_size": PAGE_SIZE}},
-            "model_kwargs": model_kwargs,
-            "node_groups": [] if tp_size is None else [llm_group(tp_size)],
-        }, "s1 config")
+        config = parse_config(deployment_config(settings, model_dir, tp_size, model_kwargs, kv_pages), "s1 config")
         self.config = config
         greedy = SamplingParams(temperature=0.0)
         self.sampling = {f: getattr(greedy, f) for f in greedy.__struct_fields__}
@@ -434,9 +442,10 @@ def run_ours(settings: Settings, model_dir: Path, tp_size: int | None = None) ->
     return out
 
 
-def summarize(runs: list[BatchTiming], new_tokens: int) -> dict[str, Any]:
-    """Inter-token and first-token times pooled over ``runs`` (median, p90), the median
-    throughput and time per token of a batch."""
+def summarize(runs: list, new_tokens: int) -> dict[str, Any]:
+    """Inter-token and first-token times pooled over ``runs`` (``BatchTiming`` in process,
+    ``http_load.StreamBatch`` over HTTP; median, p90), the median throughput and time per
+    token of a batch."""
     itl = sorted(x for r in runs for x in r.inter_token_s())
     ttft = sorted(x for r in runs for x in r.first_token_s())
     return {
@@ -458,6 +467,44 @@ def percentile(ordered: list[float], q: float) -> float:
 
 def _tp_tag(tp_size: int | None) -> str:
     return "" if tp_size is None else f" tp={tp_size}"
+
+
+# ------------------------------------------------------------------------ ours over HTTP
+def run_http(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """The same deployment behind a real ``mstar serve`` process (worker processes, as the
+    server runs them), driven by N concurrent streaming ``/v1/chat/completions`` requests:
+    greedy, ``ignore_eos``, prompts of ``prompt_len`` random letters (one token each, the
+    chat template adding none). Timed as the client receives the SSE events (http_load)."""
+    from benchmarks.http_load import chat_body, run_chat_streams, serve_config, use_plain_chat_template
+
+    use_plain_chat_template(model_dir)
+    rng = random.Random(settings.seed + 2)
+    out: dict[str, Any] = {}
+
+    def batch(server, n: int, tokens: int):
+        prompts = ["".join(rng.choices(string.ascii_lowercase, k=settings.prompt_len)) for _ in range(n)]
+        result = run_chat_streams(server.url, [chat_body(p, tokens) for p in prompts])
+        bad = result.errors() + [f"stream {i}: {s.completion_tokens} of {tokens} tokens"
+                                 for i, s in enumerate(result.streams) if s.completion_tokens != tokens]
+        if bad:
+            raise RuntimeError(f"{n} streams over HTTP: {'; '.join(bad[:4])}")
+        return result
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="s1-http-") as workdir, \
+            serve_config(deployment_config(settings, model_dir, tp_size=None), workdir) as server:
+        out["startup_s"] = time.perf_counter() - t0
+        log.info("http: server ready in %.1f s", out["startup_s"])
+        t0 = time.perf_counter()
+        for n in settings.streams:
+            batch(server, n, settings.warmup_tokens)
+        out["warmup_s"] = time.perf_counter() - t0
+        for n in settings.streams:
+            runs = [batch(server, n, settings.new_tokens) for _ in range(settings.latency_runs)]
+            out[n] = summarize(runs, settings.new_tokens)
+            log.info("http: %d stream(s): ITL median %.2f ms, %.1f tok/s, TTFT median %.1f ms", n,
+                     out[n]["inter_token_ms_median"], out[n]["throughput_tok_s"], out[n]["first_token_ms_median"])
+    return out
 
 
 # --------------------------------------------------------------------------- baseline
@@ -631,6 +678,33 @@ def tp_metrics(settings: Settings, roof: Roofline, ours_by_tp: dict[int, dict[st
     return rows
 
 
+def http_metrics(settings: Settings, roof: Roofline, http: dict[str, Any],
+                 ours: dict[str, Any] | None) -> list[Metric]:
+    """Per stream count, ours over HTTP beside ours in process: ``latency@1 http`` and
+    ``throughput@N http`` (the floor as in process) and ``ttft@N http`` (ms, no floor), each
+    with *baseline* the in-process figure, so that ours/baseline is HTTP over in process."""
+    rows: list[Metric] = []
+    scenario = scenario_name(settings)
+    for n in settings.streams:
+        if n not in http:
+            continue
+        inproc = (ours or {}).get(n)
+        if n == 1:
+            row = Metric(scenario, "latency@1 http", "ms/token", "lower", floor=roof.step_seconds(1) * 1e3,
+                         ours=http[n]["inter_token_ms_median"],
+                         baseline=inproc["inter_token_ms_median"] if inproc else None)
+        else:
+            row = Metric(scenario, f"throughput@{n} http", "tok/s", "higher", floor=n / roof.step_seconds(n),
+                         ours=http[n]["throughput_tok_s"], baseline=inproc["throughput_tok_s"] if inproc else None)
+        ttft = Metric(scenario, f"ttft@{n} http", "ms", "lower", ours=http[n]["first_token_ms_median"],
+                      baseline=inproc["first_token_ms_median"] if inproc else None)
+        for r in (row, ttft):
+            r.notes["baseline_is"] = "ours in process (runtime.submit, no HTTP), not transformers"
+            r.notes.update({f"http_{k}": v for k, v in http[n].items()})
+        rows += [row, ttft]
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -658,8 +732,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="add a row of long prompts (default 16 streams x 8192 tokens; smoke 2 x 256)")
     p.add_argument("--long-context-streams", type=int, default=None, help="streams of the long-context row")
     p.add_argument("--long-context-prompt-len", type=int, default=None, help="prompt tokens of the long-context row")
+    p.add_argument("--http", action="store_true",
+                   help="also run the same deployment behind a real `mstar serve` process, driven by N "
+                        "concurrent streaming chat requests; rows `... http` beside the in-process ones")
     add_run_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.http and args.tp_sizes:
+        p.error("--http runs the single-GPU deployment: leave out --tp-sizes")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -676,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("measured %.0f GB/s copy bandwidth, %.1f TFLOP/s %s matmul; %.2f GB of weights read per step",
              bandwidth, tflops, settings.dtype, roof.weight_bytes_read / 1e9)
 
-    ours = baseline = None
+    ours = baseline = http = None
     ours_by_tp: dict[int, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="s1-llama-") as tmp:
@@ -690,6 +770,12 @@ def main(argv: list[str] | None = None) -> int:
                     errors[f"ours tp={tp}"] = f"{type(err).__name__}: {err}"
         elif not args.skip_ours:
             ours = run_ours(settings, model_dir)
+        if args.http:
+            try:
+                http = run_http(settings, model_dir)
+            except Exception as err:  # keep the in-process numbers
+                log.exception("ours over HTTP failed")
+                errors["http"] = f"{type(err).__name__}: {err}"
         if not args.skip_baseline:
             try:
                 baseline = run_baseline(settings, model_dir)
@@ -710,10 +796,12 @@ def main(argv: list[str] | None = None) -> int:
                      "kv_bytes_per_position": roof.kv_bytes_per_position,
                      "attn_flops_per_position": roof.attn_flops_per_position},
         "metrics": (tp_metrics(settings, roof, ours_by_tp, baseline) if settings.tp_sizes
-                    else metrics_from(settings, roof, ours, baseline)),
+                    else metrics_from(settings, roof, ours, baseline)
+                    + (http_metrics(settings, roof, http, ours) if http else [])),
         "ours": ({f"tp={tp}": _jsonable(result) for tp, result in ours_by_tp.items()} if settings.tp_sizes
                  else _jsonable(ours)),
         "baseline": _jsonable(baseline),
+        "http": _jsonable(http),
         "errors": errors,
         "total_s": time.perf_counter() - started,
     }

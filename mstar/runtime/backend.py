@@ -19,7 +19,8 @@ from mstar.contract import (
     TranscriptionSpec,
 )
 from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.runtime.runtime import AsyncSink, Runtime
+from mstar.runtime.handoff import AsyncSink
+from mstar.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,36 @@ class RuntimeBackend:
         echo = request.echo  # sent once the request is under way: a failure in the queue stays a plain error
         try:
             while True:
-                event = await sink.queue.get()
-                if event is None:
-                    finished = True
-                    return
-                if echo and not event.error and event.finish_reason != "error":
-                    yield OutputEvent(text=echo, prompt_tokens=request.prompt_tokens)
-                echo = ""
-                yield event
+                for event in joined(await sink.take()):
+                    if event is None:
+                        finished = True
+                        return
+                    if echo and not event.error and event.finish_reason != "error":
+                        yield OutputEvent(text=echo, prompt_tokens=request.prompt_tokens)
+                    echo = ""
+                    yield event
         finally:
             if not finished:
                 self.runtime.cancel(request_id)
+
+
+def joined(events: list[OutputEvent | None]) -> list[OutputEvent | None]:
+    """``events`` that arrived together, each run of plain text deltas (no data, no finish,
+    no error) joined into one: a stream that fell behind its tokens sends one chunk for the
+    tokens waiting, not one per token. Other events pass as they are, in order."""
+    out: list[OutputEvent | None] = []
+    for event in events:
+        last = out[-1] if out else None
+        if _plain_text(event) and _plain_text(last):
+            assert event is not None and last is not None
+            out[-1] = OutputEvent(text=last.text + event.text, token_ids=last.token_ids + event.token_ids,
+                                  prompt_tokens=max(last.prompt_tokens, event.prompt_tokens),
+                                  completion_tokens=max(last.completion_tokens, event.completion_tokens))
+        else:
+            out.append(event)
+    return out
+
+
+def _plain_text(event: OutputEvent | None) -> bool:
+    return (event is not None and event.modality == "text" and event.data is None and event.finish_reason is None
+            and event.error is None)

@@ -8,7 +8,6 @@ runs torch models: the workers do.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import queue
@@ -397,21 +396,3 @@ def _error_status(done: Finished | None) -> int | None:
     if done.failed_rank is not None:
         return 503
     return None
-
-
-class AsyncSink:
-    """A sink that hands events to an asyncio queue from any thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def __call__(self, event: OutputEvent | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:
-            if not self.loop.is_closed():
-                raise
-            # The consumer's event loop is gone (it abandoned the request and its loop
-            # ended): nobody can read this event. Raising here would kill the runtime's
-            # emit or conductor thread and hang every later request.

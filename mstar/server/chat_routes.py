@@ -40,6 +40,7 @@ from mstar.server.streaming import (
     sse,
     start_events,
     stream_response,
+    text_chunks,
     unless_disconnected,
     walk_events,
 )
@@ -127,13 +128,14 @@ async def _chat_sse(
         )
         return sse(body.model_dump())
 
+    content = text_chunks(lambda text: chunk([ChunkChoice(delta=Delta(content=text))]))
     tally = Tally()
     try:
         yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
         async with aclosing(walk_events(first, events, tally)) as walk:
             async for event in walk:
                 if event.modality == "text" and event.text:
-                    yield chunk([ChunkChoice(delta=Delta(content=event.text))])
+                    yield content(event.text)
         yield chunk([ChunkChoice(delta=Delta(), finish_reason=tally.finish_reason or "stop")])
         if include_usage:
             yield chunk([], usage=tally.usage())

@@ -38,6 +38,7 @@ from mstar.server.streaming import (
     sse,
     start_events,
     stream_response,
+    text_chunks,
     unless_disconnected,
     walk_events,
 )
@@ -196,12 +197,13 @@ async def _completion_sse(
         body = Completion(id=request_id, created=created, model=model, choices=choices, usage=usage)
         return sse(body.model_dump())
 
+    text = text_chunks(lambda delta: chunk([CompletionChoice(text=delta)]))
     tally = Tally()
     try:
         async with aclosing(walk_events(first, events, tally)) as walk:
             async for event in walk:
                 if event.modality == "text" and event.text:
-                    yield chunk([CompletionChoice(text=event.text)])
+                    yield text(event.text)
         yield chunk([CompletionChoice(text="", finish_reason=tally.finish_reason or "stop")])
         if include_usage:
             yield chunk([], usage=tally.usage())

@@ -13,7 +13,6 @@ from benchmarks import s3_orpheus as s3
 from benchmarks import s4_whisper as s4
 from benchmarks import s5_shared_prefix as s5
 from benchmarks.common import LLAMA_3_1_8B
-from mstar.model.knobs import DecodeKnobs
 
 
 def record(out_dir, name):
@@ -82,8 +81,6 @@ def test_s4_whisper_smoke(tmp_path):
 
 
 @pytest.mark.slow  # runs the benchmark script end to end (two deployments)
-@pytest.mark.skipif("prefix_caching" not in DecodeKnobs.model_fields,
-                    reason="S5 runs model_kwargs.prefix_caching on and off; this engine has no such knob yet")
 def test_s5_shared_prefix_smoke(tmp_path):
     assert s5.main(["--smoke", "--out", str(tmp_path)]) == 0
     data, rows = record(tmp_path, s5.NAME)
@@ -117,3 +114,20 @@ def test_s5_floors_with_and_without_reuse():
     tokens = 64 * 128
     assert tokens / warm["batch"]["without_reuse"] == pytest.approx(4_000, rel=0.05)
     assert tokens / warm["batch"]["prefill_reuse_only"] == pytest.approx(9_800, rel=0.05)
+
+
+@pytest.mark.slow  # runs the benchmark script end to end, with a server process
+def test_s1_http_smoke(tmp_path):
+    from benchmarks import s1_llama_decode as s1
+
+    assert s1.main(["--smoke", "--http", "--skip-baseline", "--latency-runs", "1", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s1.NAME)
+    assert set(rows) == {"latency@1", "throughput@4", "latency@1 http", "ttft@1 http", "throughput@4 http",
+                         "ttft@4 http"}
+    for n, name in ((1, "latency@1 http"), (4, "throughput@4 http")):
+        http, inproc = data["http"][str(n)], data["ours"][str(n)]
+        assert http["tokens"] == inproc["tokens"] == n * 16  # every stream made all its tokens, both ways
+        row = rows[name]
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
+        assert row["ours/baseline"] == pytest.approx(row["ours"] / row["baseline"])
+        assert rows[f"ttft@{n} http"]["ours"] == pytest.approx(http["first_token_ms_median"])
