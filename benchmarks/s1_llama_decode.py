@@ -681,7 +681,7 @@ def tp_metrics(settings: Settings, roof: Roofline, ours_by_tp: dict[int, dict[st
 def http_metrics(settings: Settings, roof: Roofline, http: dict[str, Any],
                  ours: dict[str, Any] | None) -> list[Metric]:
     """Per stream count, ours over HTTP beside ours in process: ``latency@1 http`` and
-    ``throughput@N http`` (the floor as in process) and ``ttft@N http`` (ms, no floor), each
+    ``throughput@N http`` (the floors as in process) and ``ttft@N http`` (ms; floor: the prefill), each
     with *baseline* the in-process figure, so that ours/baseline is HTTP over in process."""
     rows: list[Metric] = []
     scenario = scenario_name(settings)
@@ -689,14 +689,18 @@ def http_metrics(settings: Settings, roof: Roofline, http: dict[str, Any],
         if n not in http:
             continue
         inproc = (ours or {}).get(n)
+        steps = settings.new_tokens - 1
         if n == 1:
-            row = Metric(scenario, "latency@1 http", "ms/token", "lower", floor=roof.step_seconds(1) * 1e3,
+            row = Metric(scenario, "latency@1 http", "ms/token", "lower",
+                         floor=roof.decode_seconds(1, settings.prompt_len, steps) / steps * 1e3,
                          ours=http[n]["inter_token_ms_median"],
                          baseline=inproc["inter_token_ms_median"] if inproc else None)
         else:
-            row = Metric(scenario, f"throughput@{n} http", "tok/s", "higher", floor=n / roof.step_seconds(n),
+            row = Metric(scenario, f"throughput@{n} http", "tok/s", "higher",
+                         floor=roof.throughput_floor(n, settings.prompt_len, settings.new_tokens),
                          ours=http[n]["throughput_tok_s"], baseline=inproc["throughput_tok_s"] if inproc else None)
         ttft = Metric(scenario, f"ttft@{n} http", "ms", "lower", ours=http[n]["first_token_ms_median"],
+                      floor=roof.prefill_seconds([(settings.prompt_len, 0)] * n) * 1e3,
                       baseline=inproc["first_token_ms_median"] if inproc else None)
         for r in (row, ttft):
             r.notes["baseline_is"] = "ours in process (runtime.submit, no HTTP), not transformers"
