@@ -16,6 +16,7 @@ from mstar.engine.base import EngineItem
 from mstar.engine.forward import Forward
 from mstar.engine.page_pool import OutOfPages
 from mstar.model.registry import model_class
+from tests.support.markers import needs_cuda
 
 PAGE_SIZE = 4
 MAX_NEW = 24
@@ -195,3 +196,37 @@ def test_preemption_with_the_prefix_cache_on_ends_every_request_as_alone_without
     assert not engine.seqs
     engine.pool.check_invariants()
     assert engine.pool.num_used_pages == 0
+
+
+@needs_cuda(triton=True)
+def test_fast_paths_with_the_prefix_cache_and_preemption_match_eager_on_gpu() -> None:
+    """On the GPU: Triton attention, graph-replayed decodes, overlap, prefix caching and a pool
+    that forces preemption, against each request alone in the eager PyTorch reference, token
+    for token (float32)."""
+    from mstar.model.llama import LlamaConfig, LlamaForCausalLM
+
+    device = torch.device("cuda")
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    common = dict(page_size=16, max_seq_len=128, device=device, dtype=torch.float32)
+    shared = list(range(100, 132))  # two whole pages
+    prompts = {rid: shared + PROMPTS[rid][:4] for rid in PROMPTS}
+    saved = dict(PROMPTS)
+    PROMPTS.update(prompts)
+    try:
+        alone = {}
+        for rid in prompts:
+            alone |= serve(AutoregressiveEngine(model, KVLayout(2, 2, 64), num_pages=64, **common), [rid])[0]
+        fast = AutoregressiveEngine(model, KVLayout(2, 2, 64), num_pages=10, cuda_graphs=True,
+                                    graph_batch_sizes=(1, 2, 4, 8), attention_backend="triton",
+                                    overlap_scheduling=True, prefix_caching=True, **common)
+        tokens, _ = serve(fast, list(prompts), LATE)
+    finally:
+        PROMPTS.update(saved)
+    assert tokens == alone
+    assert fast.preemptions > 0 and fast.stats()["prefix_cache_hit_tokens"] > 0
+    assert fast.graphs.captured_batch_sizes
+    assert fast.pool.num_used_pages == 0
