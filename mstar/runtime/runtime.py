@@ -337,18 +337,25 @@ class Runtime:
             self._emit(request_id, tracked, modality, value)
 
     def _emit(self, request_id: str, tracked: _Tracked, modality: str, value) -> None:
+        """Turn an output into the client's event (the caller holds ``delivering``, so one
+        thread feeds the stream at a time). The stream is fed outside ``tracked.lock``: the
+        conductor thread takes that lock for every request of every plan (``_expect_emits``),
+        and must not wait behind detokenising. ``received`` counts the output only once its
+        event is out, so the request cannot be closed ahead of it."""
+        if tracked.closed:
+            return
+        try:
+            event = tracked.stream.feed(modality, value)
+        except Exception as err:
+            log.exception("output processing failed for %s", request_id)
+            event = OutputEvent(finish_reason="error", error=f"output processing failed: {err}")
         with tracked.lock:
-            if tracked.closed:
+            if tracked.closed:  # closed meanwhile (it failed): the event goes nowhere
                 return
-            tracked.received += 1
-            try:
-                event = tracked.stream.feed(modality, value)
-            except Exception as err:
-                log.exception("output processing failed for %s", request_id)
-                event = OutputEvent(finish_reason="error", error=f"output processing failed: {err}")
             if event is not None:
                 event.prompt_tokens = tracked.prompt_tokens
                 tracked.sink(event)
+            tracked.received += 1
             stopped = tracked.stream.stopped or (event is not None and event.error is not None)
             complete = tracked.expected is not None and tracked.received >= tracked.expected
         if stopped:

@@ -17,6 +17,7 @@ import errno
 import logging
 import signal
 import socket
+import sys
 from typing import Any
 
 from mstar.config import ConfigError, DeploymentConfig, load_config, parse_config
@@ -102,9 +103,16 @@ def serve(options: ServeOptions) -> int:
         sock.close()
 
 
+# The API server's threads (the event loop, the conductor, the emit thread) share one GIL. At
+# Python's default of 5 ms a thread that wakes (the conductor, a step's result in) can wait that
+# long behind one busy with SSE writes, while a decode step takes about as long: hand over sooner.
+SWITCH_INTERVAL_S = 0.001
+
+
 def _serve(options: ServeOptions, config: DeploymentConfig, sock: socket.socket) -> int:
     from mstar.runtime.launch import start
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = _StopServer()
     deployment = start(config, in_process=options.in_process, log_stats=options.log_stats,
                        max_worker_restarts=options.max_worker_restarts, on_give_up=stop)
