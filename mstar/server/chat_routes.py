@@ -9,16 +9,14 @@ from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from mstar.contract import OutputEvent, RequestError
 from mstar.server.backend import ServingBackend
-from mstar.server.bodies import fetch_all, json_object
+from mstar.server.bodies import fetch_all, json_body
 from mstar.server.errors import (
     APIError,
     exception_response,
     in_band_error,
-    validation_error_response,
 )
 from mstar.server.schemas import (
     AssistantMessage,
@@ -77,14 +75,7 @@ async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBa
 
 
 async def chat_completions(request: Request) -> Response:
-    try:
-        payload = await json_object(request, max_bytes=MAX_CHAT_BODY_BYTES)
-    except (RequestError, APIError) as exc:
-        return exception_response(exc)
-    try:
-        req = ChatCompletionRequest.model_validate(payload)
-    except ValidationError as exc:
-        return validation_error_response(exc.errors())
+    req = await json_body(request, ChatCompletionRequest, max_bytes=MAX_CHAT_BODY_BYTES)
     model = resolve_model(request, req.model, "chat")
     backend = backend_of(request)
     max_tokens = req.effective_max_tokens

@@ -22,13 +22,13 @@ from typing import Any, Literal, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from mstar.contract import CompletionSpec, OutputEvent, RequestError
+from mstar.contract import CompletionSpec, OutputEvent
 from mstar.server.backend import CompletingBackend
-from mstar.server.bodies import json_object
-from mstar.server.errors import APIError, exception_response, in_band_error, validation_error_response
+from mstar.server.bodies import json_body
+from mstar.server.errors import APIError, exception_response, in_band_error
 from mstar.server.schemas import SamplingRequest, Usage, new_id, now
 from mstar.server.served import backend_of, resolve_model
 from mstar.server.streaming import (
@@ -151,14 +151,7 @@ class Completion(BaseModel):
 
 
 async def completions(request: Request) -> Response:
-    try:
-        payload = await json_object(request, max_bytes=MAX_COMPLETION_BODY_BYTES)
-    except (RequestError, APIError) as exc:
-        return exception_response(exc)
-    try:
-        req = CompletionRequest.model_validate(payload)
-    except ValidationError as exc:
-        return validation_error_response(exc.errors())
+    req = await json_body(request, CompletionRequest, max_bytes=MAX_COMPLETION_BODY_BYTES)
     model = resolve_model(request, req.model, "text_completion")
     backend = backend_of(request)
     completing = cast(CompletingBackend, backend)  # resolve_model checked that it serves text_completion
