@@ -32,7 +32,7 @@ _AS_RATE = {"ms/token": ("tok/s", 1e-3), "s/image": ("images/s", 1.0)}
 # what the bars of ours and the baseline are, where it is not "ours (M*)" and "baseline"
 _SIDES = {"s5_shared_prefix": ("ours, prefix cache on", "ours, prefix cache off")}
 _BASELINES = {"s1_llama_decode": "transformers", "s2_flux2_klein": "diffusers", "s4_whisper": "transformers"}
-COLOURS = {"ours": "#1f77b4", "baseline": "#ff7f0e", "floor": "#9e9e9e"}
+COLOURS = {"ours": "#1f77b4", "baseline": "#ff7f0e", "floor": "#9e9e9e", "other": "#2ca02c"}
 
 
 @dataclass
@@ -88,6 +88,9 @@ def panels(record: dict[str, Any]) -> dict[tuple[str, str, bool], list[Point]]:
             if kind == "latency":
                 kind = "throughput"
         title = f"{kind} {rest}".strip()
+        baseline_is = (metric.get("notes") or {}).get("baseline_is")
+        if baseline_is:  # e.g. the HTTP rows, whose baseline is ours in process
+            title += f" (vs {baseline_is.split(' (')[0].split(',')[0]})"
         groups[(title, unit, higher)].append(Point(n, *values))
     for points in groups.values():
         points.sort(key=lambda p: p.n)
@@ -119,10 +122,12 @@ def draw(record: dict[str, Any], out_dir: Path) -> Path | None:
     width = 0.27
     for ax, ((title, unit, higher), points) in zip(axes.flat, groups.items()):
         xs = range(len(points))
-        for offset, side, label in ((-width, "ours", ours_label), (0.0, "baseline", baseline_label),
+        other = title.partition(" (vs ")[2].rstrip(")")  # a baseline other than the scenario's
+        for offset, side, label in ((-width, "ours", ours_label), (0.0, "baseline", other or baseline_label),
                                     (width, "floor", "floor (hardware bound)")):
             heights = [getattr(p, side) or 0.0 for p in points]
-            bars = ax.bar([x + offset for x in xs], heights, width, label=label, color=COLOURS[side])
+            colour = COLOURS["other"] if side == "baseline" and other else COLOURS[side]
+            bars = ax.bar([x + offset for x in xs], heights, width, label=label, color=colour)
             for bar, value in zip(bars, (getattr(p, side) for p in points)):
                 if value:
                     ax.annotate(_short(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -135,8 +140,11 @@ def draw(record: dict[str, Any], out_dir: Path) -> Path | None:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    legend: dict[str, Any] = {}  # every panel's bars, once each
+    for ax in list(axes.flat)[:len(groups)]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     fig.suptitle(f"{record.get('scenario', name)}\n{subtitle(record)}", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     out_dir.mkdir(parents=True, exist_ok=True)
