@@ -20,13 +20,12 @@ import logging
 import math
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -299,75 +298,27 @@ def write_record(name: str, record: dict[str, Any], out_dir: str | os.PathLike[s
 
 
 # ------------------------------------------------------------------------------- server
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ServerProcess:
-    """``mstar serve MODEL --config FILE`` in a subprocess (its own process group), healthy.
-
-    ``config`` (a deployment mapping) is written to ``workdir/<model>.yaml``; the server runs
-    from ``workdir`` with its output in ``workdir/server.log`` and the repository root first on
-    ``PYTHONPATH``. The constructor returns once ``/health`` answers 200, or raises (with the
-    log's tail) when the process exits or ``startup_timeout_s`` passes. ``close()`` SIGTERMs
-    the group, then SIGKILLs what is left. The server's own dependencies (FastAPI, uvicorn) are
-    needed; this module itself imports none of them.
-    """
+    """``mstar serve MODEL --config FILE`` in a subprocess (its own process group), healthy:
+    ``benchmarks.http_load.serve_config`` held open until ``close()``, for the benchmarks that
+    keep a server across several phases (S2's HTTP rows, S3). ``config`` is the deployment
+    mapping; the server logs at warning level into ``workdir/server.log``."""
 
     def __init__(self, model: str, config: dict[str, Any], workdir: Path, startup_timeout_s: float = 600.0,
                  extra_args: tuple[str, ...] = ()):
-        import httpx
-        import yaml
+        from benchmarks.http_load import serve_config
 
-        workdir = Path(workdir)
-        config_path = workdir / f"{model}.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "server.log"
-        self.url = f"http://127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "mstar.cli", "serve", model, "--config", str(config_path),
-               "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning", *extra_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("MSTAR_API_KEY", None)  # it would make the server require a bearer token
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(f"the server was not healthy in {startup_timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.25)
+        self._stack = ExitStack()
+        self._server = self._stack.enter_context(serve_config(
+            {**config, "model": model}, workdir, ("--log-level", "warning", *extra_args), startup_timeout_s))
+        self.url, self.proc, self.log_path = self._server.url, self._server.proc, self._server.log_path
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError as err:
-            return f"(no log: {err})"
+        return self._server.log_tail(chars)
 
     def close(self) -> None:
         """SIGTERM the server's process group, then SIGKILL what is left of it."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+        self._stack.close()
 
 
 # --------------------------------------------------------------------- tiny checkpoints
