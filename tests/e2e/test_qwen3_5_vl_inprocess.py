@@ -137,10 +137,17 @@ def test_concurrent_media_chats_equal_solo(deployment: Deployment) -> None:
         return await asyncio.wait_for(asyncio.gather(*(_tokens(d, _spec(c, f"batch{i}"))
                                                        for i, c in enumerate(CONTENTS))), timeout=120)
 
-    with record_batches(engines["vision"]) as rec:
-        batched = asyncio.run(together())
-    assert batched == alone
-    assert max(len(b) for b in rec.batches) > 1, "the media never shared a vision forward"
+    # Whether the media reach the conductor together depends on the machine's load (each is
+    # prepared on a thread of its own): up to three tries for them to share a vision forward.
+    shared = False
+    for _ in range(3):
+        with record_batches(engines["vision"]) as rec:
+            batched = asyncio.run(together())
+        assert batched == alone
+        shared = max(len(b) for b in rec.batches) > 1
+        if shared:
+            break
+    assert shared, "the media never shared a vision forward"
     llm = engines["llm"]
     poll_drained(d, llm, also=lambda: llm.forward.states.num_used == 0)
     assert llm.forward.states.num_used == 0 and llm.pool.num_used_pages == 0 and llm.forward.rope_deltas == {}
