@@ -261,10 +261,7 @@ class AutoregressiveEngine(Engine):
 
     def _pages_wanted(self, items: list[EngineItem], seqs: list[Sequence]) -> int:
         """Pages the items' new tokens need beyond what their sequences hold."""
-        pool = self.pool
-        return sum(max(0, pool.pages_needed(len(seq.tokens)) - (len(pool.tables([item.request_id])[0])
-                                                                 if pool.has(item.request_id) else 0))
-                   for item, seq in zip(items, seqs))
+        return sum(self.pool.pages_missing(item.request_id, len(seq.tokens)) for item, seq in zip(items, seqs))
 
     def _logits(self, items: list[EngineItem], seqs: list[Sequence]) -> torch.Tensor:
         """Run the items' new tokens (their pages reserved) and return each sequence's

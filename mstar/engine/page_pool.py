@@ -102,6 +102,11 @@ class PagePool:
         _check_length("num_tokens", num_tokens)
         return -(-num_tokens // self.page_size)
 
+    def pages_missing(self, seq_id: str, num_tokens: int) -> int:
+        """Pages ``seq_id`` lacks to hold ``num_tokens`` tokens (all of them for an unknown id,
+        none if it holds as many already)."""
+        return max(0, self.pages_needed(num_tokens) - len(self._tables.get(seq_id, ())))
+
     # ------------------------------------------------------------ reservation
     def _extra_pages(self, seq_id: str, new_len: int) -> int:
         """Validate a growth request and return how many new pages it needs."""
