@@ -21,7 +21,7 @@ from tests.support.markers import needs_cuda
 PAGE_SIZE = 4
 MAX_NEW = 24
 GREEDY = {"temperature": 0.0}
-PROMPTS = {  # 5..12 tokens: each request needs 8..9 pages at full length
+PROMPTS: dict[str, list[int]] = {  # 5..12 tokens: each request needs 8..9 pages at full length
     "a": [3, 1, 4, 1, 5, 9, 2, 6],
     "b": [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5],
     "c": [1, 4, 1, 4, 2],
@@ -49,22 +49,22 @@ def _engine(model, pages: int, forward: Forward | None = None, **kwargs) -> Auto
                                 **kwargs)
 
 
-def _prefill(rid: str, max_new: int = MAX_NEW) -> EngineItem:
+def _prefill(rid: str, max_new: int = MAX_NEW, prompts: dict[str, list[int]] = PROMPTS) -> EngineItem:
     params = {"sampling": SAMPLING[rid], "max_new_tokens": max_new, "stop_token_ids": []}
-    return EngineItem(rid, "prefill", 0, {"prompt_ids": torch.tensor(PROMPTS[rid])}, params)
+    return EngineItem(rid, "prefill", 0, {"prompt_ids": torch.tensor(prompts[rid])}, params)
 
 
 def serve(engine: AutoregressiveEngine, rids: list[str], late: set[str] = frozenset(),
-          max_new: int = MAX_NEW) -> tuple[dict[str, list[int]], int]:
+          max_new: int = MAX_NEW, prompts: dict[str, list[int]] = PROMPTS) -> tuple[dict[str, list[int]], int]:
     """Run the requests to their end as the conductor would; their tokens, and how many of
     the items sent were given back."""
     waiting = [rid for rid in rids if rid in late]
-    pending = {rid: _prefill(rid, max_new) for rid in rids if rid not in late}  # admission order
+    pending = {rid: _prefill(rid, max_new, prompts) for rid in rids if rid not in late}  # admission order
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     given_back = 0
     for step in range(2000):
         if step == 5:
-            pending |= {rid: _prefill(rid, max_new) for rid in waiting}
+            pending |= {rid: _prefill(rid, max_new, prompts) for rid in waiting}
         if not pending:
             break
         items = list(pending.values())
@@ -180,16 +180,11 @@ def test_preemption_with_the_prefix_cache_on_ends_every_request_as_alone_without
     """Prefix caching and preemption together: cached pages are shared while sequences are
     preempted and resumed; every request still ends with its solo, cache-off output."""
     prompts = {rid: SHARED + PROMPTS[rid][:4] for rid in PROMPTS}
-    saved = dict(PROMPTS)
-    PROMPTS.update(prompts)
-    try:
-        alone = {}
-        for rid in prompts:
-            alone |= serve(_engine(model, 64), [rid])[0]
-        engine = _engine(model, 18, overlap_scheduling=overlap, prefix_caching=True)
-        tokens, given_back = serve(engine, list(prompts), LATE)
-    finally:
-        PROMPTS.update(saved)
+    alone = {}
+    for rid in prompts:
+        alone |= serve(_engine(model, 64), [rid], prompts=prompts)[0]
+    engine = _engine(model, 18, overlap_scheduling=overlap, prefix_caching=True)
+    tokens, given_back = serve(engine, list(prompts), LATE, prompts=prompts)
     assert tokens == alone
     assert engine.preemptions > 0 and given_back > 0
     assert engine.stats()["prefix_cache_hit_tokens"] > 0
@@ -214,18 +209,14 @@ def test_fast_paths_with_the_prefix_cache_and_preemption_match_eager_on_gpu() ->
     common = dict(page_size=16, max_seq_len=128, device=device, dtype=torch.float32)
     shared = list(range(100, 132))  # two whole pages
     prompts = {rid: shared + PROMPTS[rid][:4] for rid in PROMPTS}
-    saved = dict(PROMPTS)
-    PROMPTS.update(prompts)
-    try:
-        alone = {}
-        for rid in prompts:
-            alone |= serve(AutoregressiveEngine(model, KVLayout(2, 2, 64), num_pages=64, **common), [rid])[0]
-        fast = AutoregressiveEngine(model, KVLayout(2, 2, 64), num_pages=10, cuda_graphs=True,
-                                    graph_batch_sizes=(1, 2, 4, 8), attention_backend="triton",
-                                    overlap_scheduling=True, prefix_caching=True, **common)
-        tokens, _ = serve(fast, list(prompts), LATE)
-    finally:
-        PROMPTS.update(saved)
+    alone = {}
+    for rid in prompts:
+        alone |= serve(AutoregressiveEngine(model, KVLayout(2, 2, 64), num_pages=64, **common), [rid],
+                       prompts=prompts)[0]
+    fast = AutoregressiveEngine(model, KVLayout(2, 2, 64), num_pages=10, cuda_graphs=True,
+                                graph_batch_sizes=(1, 2, 4, 8), attention_backend="triton",
+                                overlap_scheduling=True, prefix_caching=True, **common)
+    tokens, _ = serve(fast, list(prompts), LATE, prompts=prompts)
     assert tokens == alone
     assert fast.preemptions > 0 and fast.stats()["prefix_cache_hit_tokens"] > 0
     assert fast.graphs.captured_batch_sizes
