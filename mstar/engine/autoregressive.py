@@ -26,7 +26,7 @@ from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from mstar.engine.forward import Decoder, Forward
 from mstar.engine.page_pool import PagePool
 from mstar.engine.rules import TokenRules
-from mstar.engine.sampler import Sampler
+from mstar.engine.sampler import Sampler, SeenTokens
 from mstar.engine.sequence import Sequence
 from mstar.layers.paged_kv import (
     ATTENTION_BACKENDS,
@@ -134,6 +134,7 @@ class AutoregressiveEngine(Engine):
                 scratch_page=num_pages, batch_sizes=graph_batch_sizes, backend=attention_backend,
                 row_pads=self.forward.graph_rows)
         self.sampler = Sampler()
+        self.seen = SeenTokens()  # the repetition penalty's marks, kept on the device
         self.tp_group = current_parallel().tp  # the model's TP ranks must continue the same ids
         self.seqs: dict[str, Sequence] = {}
         self._orders = itertools.count()  # ``Sequence.order``: admission order
@@ -283,11 +284,14 @@ class AutoregressiveEngine(Engine):
         hidden = self.forward.hidden(input_ids, meta, self.kv_caches, inputs, counts)
         return self.forward.logits(hidden if counts is None else hidden[meta.query_start_loc[1:] - 1])
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The next id of every row, left on the logits' device (the rules' ``sample``)."""
-        penalised = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
-        ids = self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
-                           [s.tokens for s in seqs] if penalised else None)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The next id of every row, left on the logits' device (the rules' ``sample``).
+        ``pending``: for a step launched ahead, each row's id the host has not read yet."""
+        seen = None
+        if any(s.sampling.repetition_penalty != 1.0 for s in seqs):
+            keys = [s.request_id if s.sampling.repetition_penalty != 1.0 else None for s in seqs]
+            seen = self.seen.mask(keys, [s.tokens for s in seqs], logits.shape[-1], logits.device, pending)
+        ids = self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs], seen)
         return broadcast(ids, self.tp_group)  # unseeded draws differ per rank: take the first rank's
 
     # ---------------------------------------------------------- overlap ahead
@@ -306,12 +310,11 @@ class AutoregressiveEngine(Engine):
     def _continues(self, seq: Sequence) -> bool:
         """Whether a sequence, one token longer than it is now, may take another step:
         not at its length limits, and sampled without state the host must see first (a
-        repetition penalty reads the unknown token; a seeded generator must not draw for
-        a step that may be discarded; greedy rows never draw, seed or not), and its rules'
-        next choice needs nothing from the host."""
+        seeded generator must not draw for a step that may be discarded; greedy rows never
+        draw, seed or not; a repetition penalty marks the unread token on the device), and
+        its rules' next choice needs nothing from the host."""
         return (seq.generated + 1 < seq.max_new_tokens and len(seq.tokens) + 1 < self.max_seq_len
-                and seq.sampling.repetition_penalty == 1.0 and (seq.generator is None or seq.sampling.greedy)
-                and self.rules.may_run_ahead(seq))
+                and (seq.generator is None or seq.sampling.greedy) and self.rules.may_run_ahead(seq))
 
     def _launch_ahead(self, items: list[EngineItem], seqs: list[Sequence], next_ids: torch.Tensor) -> None:
         """Launch the decode step after this one for every sequence that may continue, its
@@ -329,8 +332,11 @@ class AutoregressiveEngine(Engine):
         meta, _ = self._metadata(spans, [])
         chosen = [seqs[row] for row in rows]
         logits = self._forward_logits(ids, meta, [items[row] for row in rows], None)
+        def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+            return self.sample(logits, seqs, pending=ids)
+
         self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)},
-                             self.rules.choose(logits, chosen, self.sample, lead=1))
+                             self.rules.choose(logits, chosen, sample, lead=1))
 
     def _roll_back(self, request_id: str) -> None:
         """Give back pages reserved past the sequence's known tokens (a step launched ahead)."""
@@ -504,6 +510,7 @@ class AutoregressiveEngine(Engine):
     # -------------------------------------------------------------- resources
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
+        self.seen.drop(request_id)
         self.pool.free(request_id)
         self.forward.release(request_id)
         if self._ahead is not None:

@@ -6,6 +6,11 @@ repetition penalty -> temperature -> top-k -> top-p -> min-p, then a categorical
 per-row parameter tensors, so a row's result depends only on its own logits, parameters,
 generator and seen tokens.
 
+The repetition penalty reads a ``[B, V]`` mask of the ids each row has seen. ``SeenTokens``
+keeps those masks on the logits' device from one step to the next, so a step marks only its
+rows' new ids, and a step launched before the host has read the previous one's ids marks
+them (still on the device) in that step's copy alone.
+
 Randomness uses the exponential race: with ``q_i ~ Exp(1)`` i.i.d.,
 ``argmax_i p_i / q_i`` is distributed as ``Categorical(p)``. A row with a generator draws
 its ``V`` exponentials from that generator alone (a fixed amount per step), which makes
@@ -73,22 +78,22 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-        seen_tokens: Sequence[Sequence[int]] | None = None,
+        seen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return ``[B]`` int64 token ids for ``[B, V]`` logits.
 
         ``generators[i]`` (on ``logits.device``) supplies row ``i``'s randomness; ``None``
-        uses the global RNG. ``seen_tokens[i]`` (prompt + generated ids) feeds the
-        repetition penalty; ids outside ``[0, V)`` are ignored.
+        uses the global RNG. ``seen`` (``[B, V]`` bool, ``seen_mask`` or ``SeenTokens``)
+        marks the ids each row has seen (prompt + generated) for the repetition penalty.
         """
-        self._check_batch(logits, params, seen_tokens)
+        self._check_batch(logits, params, seen)
         if len(generators) != len(params):
             raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
-        penalty_active = seen_tokens is not None and any(_penalised(p) for p in params)
+        penalty_active = seen is not None and any(_penalised(p) for p in params)
         if all(p.greedy for p in params) and not penalty_active:
             return logits.argmax(dim=-1)
 
-        scores = self.processed_logits(logits, params, seen_tokens)
+        scores = self.processed_logits(logits, params, seen)
         tokens = scores.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sample_rows) == len(params):
@@ -102,17 +107,17 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        seen_tokens: Sequence[Sequence[int]] | None = None,
+        seen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The float32 ``[B, V]`` scores each row is sampled from; filtered tokens are -inf.
 
         ``log_softmax`` of a sampling row is its sampling distribution. Greedy rows get
         only the repetition penalty (their token is the argmax). ``logits`` is not modified.
         """
-        self._check_batch(logits, params, seen_tokens)
+        self._check_batch(logits, params, seen)
         scores = logits.to(torch.float32, copy=True)
-        if seen_tokens is not None and any(_penalised(p) for p in params):
-            scores = self._apply_repetition_penalty(scores, params, seen_tokens)
+        if seen is not None and any(_penalised(p) for p in params):
+            scores = self._apply_repetition_penalty(scores, params, seen)
 
         if all(p.greedy for p in params):
             return scores
@@ -127,40 +132,25 @@ class Sampler:
     def _check_batch(
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        seen_tokens: Sequence[Sequence[int]] | None,
+        seen: torch.Tensor | None,
     ) -> None:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         if len(params) != logits.shape[0]:
             raise ValueError(f"got {len(params)} params for {logits.shape[0]} rows")
-        if seen_tokens is not None and len(seen_tokens) != logits.shape[0]:
-            raise ValueError(f"got {len(seen_tokens)} seen_tokens for {logits.shape[0]} rows")
+        if seen is not None and seen.shape != logits.shape:
+            raise ValueError(f"seen is {tuple(seen.shape)}, the logits {tuple(logits.shape)}")
 
     @staticmethod
     def _apply_repetition_penalty(
         scores: torch.Tensor,
         params: Sequence[SamplingParams],
-        seen_tokens: Sequence[Sequence[int]],
+        seen: torch.Tensor,
     ) -> torch.Tensor:
         """Divide positive / multiply negative scores of seen tokens by the row's penalty."""
-        batch, vocab = scores.shape
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, (p, seen) in enumerate(zip(params, seen_tokens)):
-            if _penalised(p):
-                ids = [t for t in set(seen) if 0 <= t < vocab]
-                rows.extend([i] * len(ids))
-                cols.extend(ids)
-        if not cols:
-            return scores
-        device = scores.device
-        mask = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
-        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
-        penalty = torch.tensor(
-            [p.repetition_penalty for p in params], dtype=torch.float32, device=device
-        )[:, None]
+        penalty = _on(scores.device, [p.repetition_penalty for p in params], torch.float32)[:, None]
         penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-        return torch.where(mask, penalised, scores)
+        return torch.where(seen, penalised, scores)
 
     @staticmethod
     def _apply_filters(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -219,3 +209,77 @@ class Sampler:
         # Guard against a zero draw (p / 0 would be inf, or nan for a filtered token).
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def seen_mask(seen_tokens: Sequence[Sequence[int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[B, vocab]`` bool: row ``i`` marks the ids of ``seen_tokens[i]`` (those outside
+    ``[0, vocab)`` are ignored)."""
+    mask = torch.zeros(len(seen_tokens), vocab, dtype=torch.bool)
+    for row, ids in enumerate(seen_tokens):
+        ids = torch.tensor([t for t in set(ids) if 0 <= t < vocab], dtype=torch.int64)
+        mask[row, ids] = True
+    return mask.to(device)
+
+
+class SeenTokens:
+    """The ids each sequence has seen, as rows of one device table ``[slots, V]``, kept
+    from step to step: a step marks only the ids its sequences gained since their last
+    (``mask``), so the host never re-sends a history. Slot 0 stays empty; it stands for
+    the rows that are not tracked (no repetition penalty). ``drop`` frees a sequence's
+    slot; the table doubles when it runs out of slots. ``mask`` runs where the engine
+    samples (under ``torch.inference_mode``)."""
+
+    def __init__(self):
+        self.table: torch.Tensor | None = None
+        self.slots: dict[str, int] = {}
+        self.marked: dict[str, int] = {}  # how many of the sequence's tokens its row holds
+        self._free: list[int] = []
+
+    def mask(self, keys: Sequence[str | None], tokens: Sequence[Sequence[int]], vocab: int,
+             device: torch.device, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, vocab]`` bool for the rows ``keys`` (None: not tracked, no id marked) whose
+        histories are ``tokens``; ``pending`` (``[B]`` ids on ``device``), a token each row
+        has taken that is not in ``tokens`` yet, is marked in the returned copy only."""
+        rows, cols = [], []
+        for key, ids in zip(keys, tokens):
+            if key is None:
+                continue
+            slot = self._slot(key, vocab, device)
+            new = [t for t in ids[self.marked[key]:] if 0 <= t < vocab]
+            rows.extend([slot] * len(new))
+            cols.extend(new)
+            self.marked[key] = len(ids)
+        if cols:
+            where = _on(device, [rows, cols], torch.int64)
+            self.table[where[0], where[1]] = True
+        index = _on(device, [0 if key is None else self.slots[key] for key in keys], torch.int64)
+        mask = self._table(vocab, device).index_select(0, index)
+        if pending is not None:
+            tracked = _on(device, [key is not None for key in keys], torch.bool)
+            mask[torch.arange(len(keys), device=device), pending.clamp(0, vocab - 1)] |= tracked
+        return mask
+
+    def drop(self, key: str) -> None:
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            self.marked.pop(key)
+            self._free.append(slot)  # cleared when taken again (the table is an inference tensor)
+
+    def _slot(self, key: str, vocab: int, device: torch.device) -> int:
+        slot = self.slots.get(key)
+        if slot is None:
+            table = self._table(vocab, device)
+            if not self._free:
+                grown = table.shape[0]
+                self.table = torch.cat([table, torch.zeros_like(table)])
+                self._free = list(range(2 * grown - 1, grown - 1, -1))
+            slot = self.slots[key] = self._free.pop()
+            self.table[slot] = False
+            self.marked[key] = 0
+        return slot
+
+    def _table(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.zeros(8, vocab, dtype=torch.bool, device=device)
+            self._free = list(range(7, 0, -1))
+        return self.table

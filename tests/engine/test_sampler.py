@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from mstar.contract import SamplingParams
-from mstar.engine.sampler import Sampler, validate_sampling
+from mstar.engine.sampler import Sampler, SeenTokens, seen_mask, validate_sampling
 
 VOCAB = 1000
 SP = SamplingParams
@@ -83,11 +83,11 @@ def random_batch(seed: int, rows: int) -> tuple[torch.Tensor, list[list[int]]]:
 def test_processed_logits_match_transformers(seed: int) -> None:
     logits, seen = random_batch(seed, len(PARITY_CASES))
     sampler = Sampler()
-    batched = sampler.processed_logits(logits, PARITY_CASES, seen)
+    batched = sampler.processed_logits(logits, PARITY_CASES, seen_mask(seen, VOCAB))
     assert batched.dtype == torch.float32 and batched.shape == logits.shape
     for i, p in enumerate(PARITY_CASES):
         ref = hf_processed(logits[i], p, seen[i])
-        alone = sampler.processed_logits(logits[i : i + 1], [p], [seen[i]])[0]
+        alone = sampler.processed_logits(logits[i : i + 1], [p], seen_mask([seen[i]], VOCAB))[0]
         assert_same_distribution(alone, ref)
         assert_same_distribution(batched[i], ref)
 
@@ -96,7 +96,7 @@ def test_processed_logits_match_transformers(seed: int) -> None:
 def test_low_precision_logits_are_processed_in_float32(dtype: torch.dtype) -> None:
     logits, seen = random_batch(3, len(PARITY_CASES))
     logits = logits.to(dtype)
-    ours = Sampler().processed_logits(logits, PARITY_CASES, seen)
+    ours = Sampler().processed_logits(logits, PARITY_CASES, seen_mask(seen, VOCAB))
     assert ours.dtype == torch.float32
     for i, p in enumerate(PARITY_CASES):
         assert_same_distribution(ours[i], hf_processed(logits[i].float(), p, seen[i]))
@@ -105,8 +105,9 @@ def test_low_precision_logits_are_processed_in_float32(dtype: torch.dtype) -> No
 def test_inputs_are_not_modified() -> None:
     logits, seen = random_batch(4, len(PARITY_CASES))
     before = logits.clone()
-    Sampler()(logits, PARITY_CASES, [None] * len(PARITY_CASES), seen)
-    assert torch.equal(logits, before)
+    mask = seen_mask(seen, VOCAB)
+    Sampler()(logits, PARITY_CASES, [None] * len(PARITY_CASES), mask)
+    assert torch.equal(logits, before) and torch.equal(mask, seen_mask(seen, VOCAB))
 
 
 # ----------------------------------------------------------------- greedy
@@ -118,7 +119,7 @@ def test_greedy_equals_argmax(dtype: torch.dtype) -> None:
     assert tokens.dtype == torch.int64 and tokens.shape == (6,)
     assert torch.equal(tokens, logits.argmax(dim=-1))
     # also with (ignored) seen tokens and the penalty disabled
-    assert torch.equal(Sampler()(logits, params, [None] * 6, [[1, 2]] * 6), tokens)
+    assert torch.equal(Sampler()(logits, params, [None] * 6, seen_mask([[1, 2]] * 6, VOCAB)), tokens)
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
@@ -153,8 +154,8 @@ def test_repetition_penalty_changes_greedy_choice() -> None:
     ]
     seen = [[0, 0, 99, -1], [0], [0], [0]]  # duplicates and out-of-vocab ids are harmless
     assert sampler(logits, params, [None] * 4).tolist() == [0, 0, 0, 1]
-    assert sampler(logits, params, [None] * 4, seen).tolist() == [1, 1, 0, 0]
-    assert sampler(logits, params, [None] * 4, [[]] * 4).tolist() == [0, 0, 0, 1]
+    assert sampler(logits, params, [None] * 4, seen_mask(seen, 4)).tolist() == [1, 1, 0, 0]
+    assert sampler(logits, params, [None] * 4, seen_mask([[]] * 4, 4)).tolist() == [0, 0, 0, 1]
 
 
 # ---------------------------------------------------------------- seeding
@@ -176,7 +177,7 @@ def _seeded_run(
         gens: list[torch.Generator | None] = [other_gens[i % len(others)] for i in range(batch)]
         params[position], gens[position] = p, target_gen
         seen = [[1, 2, 3]] * batch
-        out.append(int(sampler(rows, params, gens, seen)[position]))
+        out.append(int(sampler(rows, params, gens, seen_mask(seen, VOCAB))[position]))
     return out
 
 
@@ -284,7 +285,35 @@ def test_batch_shape_errors() -> None:
         sampler(logits, [SP()], [None, None])
     with pytest.raises(ValueError, match="generators"):
         sampler(logits, [SP(), SP()], [None])
-    with pytest.raises(ValueError, match="seen_tokens"):
-        sampler(logits, [SP(), SP()], [None, None], [[1]])
+    with pytest.raises(ValueError, match="seen"):
+        sampler(logits, [SP(), SP()], [None, None], seen_mask([[1]], 5))
     with pytest.raises(ValueError, match="vocab"):
         sampler(torch.zeros(5), [SP()], [None])
+
+
+# ------------------------------------------------------------- seen tokens
+def test_seen_tokens_table_matches_the_histories_step_by_step() -> None:
+    """The kept table marks what ``seen_mask`` marks from the whole history, as sequences
+    grow, come and go (slots reused, the table grown), and a pending id is marked in the
+    step's copy alone."""
+    gen = torch.Generator().manual_seed(3)
+    table = SeenTokens()
+    histories: dict[str, list[int]] = {}
+    vocab = 50
+    for step in range(40):
+        if step % 7 == 0:  # one leaves, two arrive
+            if histories:
+                gone = sorted(histories)[0]
+                table.drop(gone)
+                del histories[gone]
+            for k in range(2):
+                histories[f"r{step}-{k}"] = torch.randint(0, vocab, (5,), generator=gen).tolist()
+        keys = sorted(histories)
+        tracked = [k if k.endswith("0") else None for k in keys]  # the rest have no penalty
+        pending = torch.randint(0, vocab, (len(keys),), generator=gen)
+        got = table.mask(tracked, [histories[k] for k in keys], vocab, torch.device("cpu"), pending)
+        want = seen_mask([histories[k] + [int(p)] if t else [] for k, t, p in zip(keys, tracked, pending)], vocab)
+        assert torch.equal(got, want), step
+        for k, p in zip(keys, pending):
+            histories[k].append(int(p) if step % 2 else int(torch.randint(0, vocab, (1,), generator=gen)))
+    assert len(table.slots) == sum(1 for k in histories if k.endswith("0"))

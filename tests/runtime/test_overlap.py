@@ -169,6 +169,18 @@ def test_seeded_sampling_next_to_greedy(deployments):
     _same(reference, _run(overlap, asks))
 
 
+def test_repetition_penalty_next_to_plain_rows(deployments):
+    """A repetition penalty reads every token, the one in flight too: the engine marks that
+    one on the device, so penalised rows run ahead and end as eager's, arriving staggered."""
+    eager, overlap = deployments
+    penalised = (("temperature", 0.0), ("repetition_penalty", 1.8))
+    asks = [Ask(p, n, sampling=penalised) for p, n in zip(PROMPTS, (20, 12, 16, 8, 10))] + [Ask(PROMPTS[0], 14)]
+    reference = _run(eager, asks)
+    assert reference[0].token_ids[:14] != reference[5].token_ids  # the penalty bites
+    _same(reference, _run(overlap, asks))
+    _same(reference, _run(overlap, asks, stagger=3))
+
+
 # ------------------------------------------------------------- the engine alone
 def _engines(model_dir):
     made = []
@@ -230,6 +242,24 @@ def test_greedy_rows_with_a_seed_still_run_ahead(model_dir):
             assert (engine._ahead is not None) == (engine is overlap)
         results.append(tokens)
         engine.release("a")
+    assert results[0] == results[1]
+
+
+def test_penalised_rows_run_ahead(model_dir):
+    eager, overlap = _engines(model_dir)
+    results = []
+    for engine in (eager, overlap):
+        item = _prefill("a", PROMPTS[1], 12)
+        item.params["sampling"] = {"temperature": 0.0, "repetition_penalty": 1.5}
+        token = engine.run([item])[0].outputs["token"]
+        tokens = [int(token)]
+        for _ in range(10):
+            token = engine.run([_decode("a", token)])[0].outputs["token"]
+            tokens.append(int(token))
+            assert (engine._ahead is not None) == (engine is overlap)
+        results.append(tokens)
+        engine.release("a")
+        assert engine.seen.slots == {}
     assert results[0] == results[1]
 
 
