@@ -122,6 +122,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         fast["attention_backend"] = args.attention_backend
     if args.cuda_graphs:
         fast["cuda_graphs"] = True
+    if args.overlap:
+        fast["overlap_scheduling"] = True
     if args.fused_kernels:
         if args.smoke:
             raise SystemExit("--fused-kernels needs the GPU")
@@ -298,6 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the talker's model_kwargs.attention_backend (default: the engine's, torch)")
     p.add_argument("--cuda-graphs", action="store_true", help="the talker's model_kwargs.cuda_graphs (GPU)")
     p.add_argument("--fused-kernels", action="store_true", help="the talker's model_kwargs.fused_kernels (GPU)")
+    p.add_argument("--overlap", action="store_true", help="the talker's model_kwargs.overlap_scheduling")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
     return p.parse_args(argv)
 
