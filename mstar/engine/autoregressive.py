@@ -49,6 +49,9 @@ class _Ahead:
 
     rows: dict[str, int]  # request id -> row of ``tokens``
     tokens: torch.Tensor  # [B] the ids it sampled, on the device, not yet read by the host
+    # request id -> its seeded generator's state before the step drew: a discarded row's
+    # generator goes back to it, so it draws the same numbers when the step runs again
+    drawn: dict[str, torch.Tensor]
 
 
 class AutoregressiveEngine(Engine):
@@ -184,7 +187,7 @@ class AutoregressiveEngine(Engine):
         rest = [i for i in range(len(items)) if i not in covered]
         if covered and self._pages_wanted([items[i] for i in rest], [seqs[i] for i in rest]) > self.pool.num_free_pages:
             for i in covered:  # the rest may preempt: the step ahead is discarded and its rows run again
-                self._roll_back(items[i].request_id)
+                self._discard(ahead, items[i].request_id)
             covered, rest = {}, list(range(len(items)))
         rest = self._make_room(items, seqs, rest)
         order = list(covered) + rest  # rows of next_ids, as plan indices
@@ -304,17 +307,16 @@ class AutoregressiveEngine(Engine):
                    if item.op == "decode" and item.request_id in ahead.rows}
         taken = {items[i].request_id for i in covered}
         for request_id in ahead.rows.keys() - taken:
-            self._roll_back(request_id)
+            self._discard(ahead, request_id)
         return covered
 
     def _continues(self, seq: Sequence) -> bool:
         """Whether a sequence, one token longer than it is now, may take another step:
-        not at its length limits, and sampled without state the host must see first (a
-        seeded generator must not draw for a step that may be discarded; greedy rows never
-        draw, seed or not; a repetition penalty marks the unread token on the device), and
-        its rules' next choice needs nothing from the host."""
+        not at its length limits, and its rules' next choice needs nothing from the host. (A
+        repetition penalty marks the unread token on the device; a seeded generator that
+        draws for the step is put back if the step is discarded, ``_Ahead.drawn``.)"""
         return (seq.generated + 1 < seq.max_new_tokens and len(seq.tokens) + 1 < self.max_seq_len
-                and (seq.generator is None or seq.sampling.greedy) and self.rules.may_run_ahead(seq))
+                and self.rules.may_run_ahead(seq))
 
     def _launch_ahead(self, items: list[EngineItem], seqs: list[Sequence], next_ids: torch.Tensor) -> None:
         """Launch the decode step after this one for every sequence that may continue, its
@@ -331,12 +333,14 @@ class AutoregressiveEngine(Engine):
         ids = next_ids if len(rows) == len(seqs) else next_ids[self._to_device(torch.tensor(rows))]
         meta, _ = self._metadata(spans, [])
         chosen = [seqs[row] for row in rows]
+        drawn = {seq.request_id: seq.generator.get_state() for seq in chosen
+                 if seq.generator is not None and not seq.sampling.greedy}
         logits = self._forward_logits(ids, meta, [items[row] for row in rows], None)
         def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             return self.sample(logits, seqs, pending=ids)
 
         self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)},
-                             self.rules.choose(logits, chosen, sample, lead=1))
+                             self.rules.choose(logits, chosen, sample, lead=1), drawn)
 
     def _roll_back(self, request_id: str) -> None:
         """Give back pages reserved past the sequence's known tokens (a step launched ahead)."""
@@ -344,10 +348,17 @@ class AutoregressiveEngine(Engine):
         if seq is not None and self.pool.has(request_id) and self.pool.seq_len(request_id) > len(seq.tokens):
             self.pool.truncate(request_id, len(seq.tokens))
 
+    def _discard(self, ahead: _Ahead, request_id: str) -> None:
+        """Undo the step ahead for one of its rows: pages rolled back, generator put back."""
+        self._roll_back(request_id)
+        state, seq = ahead.drawn.get(request_id), self.seqs.get(request_id)
+        if state is not None and seq is not None:
+            seq.generator.set_state(state)
+
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
             for request_id in self._ahead.rows:
-                self._roll_back(request_id)
+                self._discard(self._ahead, request_id)
             self._ahead = None
 
     def _fetch(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -159,8 +159,7 @@ def test_staggered_arrivals(deployments):
 
 
 def test_seeded_sampling_next_to_greedy(deployments):
-    """A seeded row must not draw for a step that may be thrown away: it takes no step
-    ahead and runs beside the greedy rows' steps launched ahead, with the same samples."""
+    """A seeded row runs ahead beside the greedy rows, and draws what eager draws."""
     eager, overlap = deployments
     seeded = (("temperature", 0.9), ("top_k", 50), ("seed", 7))
     asks = [Ask(PROMPTS[0], 12), Ask(PROMPTS[1], 12, sampling=seeded), Ask(PROMPTS[3], 12)]
@@ -223,6 +222,30 @@ def test_engine_rolls_back_a_dropped_sequence(model_dir):
         engine.release("b")
         assert engine.pool.num_used_pages == 0 and engine._ahead is None
     assert results[True] == results[False]
+
+
+def test_a_seeded_row_that_sits_out_plans_draws_as_eager(model_dir):
+    """A step launched ahead for a seeded sampling row drew from its generator; when the row
+    sits out the next plans the step is discarded and the generator put back, so the row
+    later draws the numbers eager draws."""
+    eager, overlap = _engines(model_dir)
+    results = []
+    for engine in (eager, overlap):
+        items = [_prefill("a", PROMPTS[1], 40), _prefill("b", PROMPTS[2], 40)]
+        items[1].params["sampling"] = {"temperature": 1.0, "seed": 11}
+        outs = engine.run(items)
+        tokens = {"a": [outs[0].outputs["token"]], "b": [outs[1].outputs["token"]]}
+        for sits_out in (3, 0, 2, 0, 0):
+            for _ in range(sits_out):
+                tokens["a"].append(engine.run([_decode("a", tokens["a"][-1])])[0].outputs["token"])
+            outs = engine.run([_decode("b", tokens["b"][-1]), _decode("a", tokens["a"][-1])])
+            tokens["b"].append(outs[0].outputs["token"])
+            tokens["a"].append(outs[1].outputs["token"])
+            assert (engine._ahead is not None and "b" in engine._ahead.rows) == (engine is overlap)
+        results.append({rid: [int(t) for t in ts] for rid, ts in tokens.items()})
+        engine.release("a")
+        engine.release("b")
+    assert results[0] == results[1]
 
 
 def test_greedy_rows_with_a_seed_still_run_ahead(model_dir):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.base import EngineItem
+from mstar.engine.base import EngineItem, to_device
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
 from mstar.model.snac import SnacDecoder, codes_from_orpheus
@@ -81,7 +81,7 @@ def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence], lead: in
     (other rows unchanged)."""
     vocab = logits.shape[-1]
     bounds = [audio_code_range(seq.state.codes + lead) if seq.state.audio_only else (0, vocab) for seq in seqs]
-    lo, hi = torch.tensor(bounds, dtype=torch.int64, device=logits.device).unbind(-1)
+    lo, hi = to_device(torch.tensor(bounds, dtype=torch.int64), logits.device).unbind(-1)  # no wait on the GPU
     ids = torch.arange(vocab, device=logits.device)
     keep = (ids >= lo[:, None]) & (ids < hi[:, None])
     return logits.masked_fill(~keep, float("-inf"))
