@@ -33,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +52,14 @@ from benchmarks.common import (
     tiny_llama_dir,
     write_record,
 )
+from benchmarks.s1_llama_decode import percentile
 
 NAME = "s3_orpheus"
 SCENARIO = "S3 orpheus-3B + SNAC (HTTP)"
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 2048
 TOKENS_PER_FRAME = 7
+PCM_BYTES_PER_S = SAMPLE_RATE * 2  # the s16le stream
 PAGE_SIZE = 16
 TEXT = "Hello! This is a benchmark of streaming speech synthesis, one sentence long."
 
@@ -114,7 +116,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         if not torch.cuda.is_available():
             raise SystemExit("S3 needs a CUDA GPU; use --smoke to run the tiny configuration on the CPU")
         device, dtype, model, snac = "cuda", torch.bfloat16, dict(ORPHEUS_3B), {}
-        streams, tokens = streams or (1, 8, 32), args.audio_tokens or 350
+        streams, tokens = streams or (1, 8, 32, 64, 128), args.audio_tokens or 350
     if tokens < 4 * TOKENS_PER_FRAME or tokens % TOKENS_PER_FRAME:
         raise SystemExit(f"--audio-tokens must be a multiple of {TOKENS_PER_FRAME}, at least {4 * TOKENS_PER_FRAME}")
     fast: dict[str, Any] = {}
@@ -197,6 +199,19 @@ class StreamTiming:
     first_audio: float | None
     end: float
     audio_bytes: int
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) of each body chunk
+
+    def viable(self, bytes_per_s: float) -> bool:
+        """Whether a player that starts at the first audio byte never runs dry: every later
+        chunk arrives before the audio received ahead of it has played out."""
+        if not self.arrivals:
+            return False
+        start, received = self.arrivals[0][0], 0
+        for at, size in self.arrivals:
+            if at - start > received / bytes_per_s:
+                return False
+            received += size
+        return True
 
 
 async def speak(client, url: str, tokens: int, seed: int) -> StreamTiming:
@@ -204,15 +219,15 @@ async def speak(client, url: str, tokens: int, seed: int) -> StreamTiming:
     body = {"model": "orpheus", "input": TEXT, "voice": "tara", "response_format": "pcm", "stream": True,
             "max_tokens": tokens, "seed": seed}
     sent = time.perf_counter()
-    first, size = None, 0
+    arrivals = []
     async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"speech request failed: {response.status_code} {(await response.aread())[:500]!r}")
         async for chunk in response.aiter_raw():
             if chunk:
-                first = first or time.perf_counter()
-                size += len(chunk)
-    return StreamTiming(sent, first, time.perf_counter(), size)
+                arrivals.append((time.perf_counter(), len(chunk)))
+    first = arrivals[0][0] if arrivals else None
+    return StreamTiming(sent, first, time.perf_counter(), sum(n for _, n in arrivals), arrivals)
 
 
 def run_streams(url: str, streams: int, tokens: int, seed: int) -> tuple[float, list[StreamTiming]]:
@@ -251,10 +266,13 @@ def run_ours(settings: Settings, workdir: Path, model_dir: Path) -> dict[str, An
             ttfa = [t.first_audio - t.sent for _, timings in runs for t in timings]
             rtf = [n * settings.audio_s / wall for wall, _ in runs]
             per_stream = [settings.audio_s / (t.end - t.sent) for _, timings in runs for t in timings]
+            viable = [t.viable(PCM_BYTES_PER_S) for _, timings in runs for t in timings]
             out[n] = {"ttfa_ms_median": statistics.median(ttfa) * 1e3, "ttfa_ms_max": max(ttfa) * 1e3,
+                      "ttfa_ms_p90": percentile(sorted(ttfa), 0.9) * 1e3, "viable_share": sum(viable) / len(viable),
                       "rtf": statistics.median(rtf), "rtf_per_stream_median": statistics.median(per_stream),
                       "wall_s": [wall for wall, _ in runs], "audio_s_per_stream": settings.audio_s}
-            log.info("ours: %d stream(s): TTFA %.0f ms, %.1fx real time", n, out[n]["ttfa_ms_median"], out[n]["rtf"])
+            log.info("ours: %d stream(s): TTFA %.0f ms (p90 %.0f), %.1fx real time, %.0f%% of streams viable", n,
+                     out[n]["ttfa_ms_median"], out[n]["ttfa_ms_p90"], out[n]["rtf"], 100 * out[n]["viable_share"])
     except Exception:
         log.error("server log tail:\n%s", server.log_tail())
         raise
@@ -291,7 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the code paths)")
-    p.add_argument("--streams", default=None, help="concurrent requests, comma separated (default 1,8,32; smoke 1,2)")
+    p.add_argument("--streams", default=None,
+                   help="concurrent requests, comma separated (default 1,8,32,64,128; smoke 1,2)")
     p.add_argument("--audio-tokens", type=int, default=None,
                    help="audio codes per request, a multiple of 7 (default 350 = 50 frames, 4.27 s; smoke 28)")
     p.add_argument("--runs", type=int, default=1, help="timed batches per stream count (median)")
