@@ -251,7 +251,8 @@ class SeenTokens:
             self.marked[key] = len(ids)
         if cols:
             where = _on(device, [rows, cols], torch.int64)
-            self.table[where[0], where[1]] = True
+            # A tensor value: ``= True`` would copy a host scalar over and wait on the device.
+            self.table.index_put_((where[0], where[1]), self._true)
         index = _on(device, [0 if key is None else self.slots[key] for key in keys], torch.int64)
         mask = self._table(vocab, device).index_select(0, index)
         if pending is not None:
@@ -281,5 +282,6 @@ class SeenTokens:
     def _table(self, vocab: int, device: torch.device) -> torch.Tensor:
         if self.table is None:
             self.table = torch.zeros(8, vocab, dtype=torch.bool, device=device)
+            self._true = torch.ones((), dtype=torch.bool, device=device)
             self._free = list(range(7, 0, -1))
         return self.table

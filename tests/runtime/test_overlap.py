@@ -333,6 +333,47 @@ def test_overlap_with_cuda_graphs_matches_eager_on_gpu():
     assert fast.graphs.captured_batch_sizes  # the steps launched ahead replayed graphs
 
 
+@needs_cuda(triton=True)
+def test_steps_launched_ahead_never_wait_for_the_device():
+    """Launching the next step (the graph replay, a repetition penalty, seeded draws, top-p,
+    Orpheus's code mask) only queues GPU work: under torch's sync debug mode any host wait
+    in it raises. A host wait there is what made overlap scheduling do nothing for S3."""
+    from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+    from mstar.model.llama import LlamaConfig, LlamaForCausalLM
+    from mstar.model.orpheus.engine import TalkerRules
+
+    device = torch.device("cuda")
+    config = LlamaConfig(vocab_size=156940, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    engine = AutoregressiveEngine(model, KVLayout(2, 2, 16), num_pages=64, page_size=16, max_seq_len=128,
+                                  device=device, dtype=torch.float32, rules=TalkerRules(), cuda_graphs=True,
+                                  graph_batch_sizes=(1, 2, 4), attention_backend="triton", overlap_scheduling=True)
+    engine.graphs.capture_all()
+    launch = engine._launch_ahead
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launch(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine._launch_ahead = strict
+    orpheus = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1}
+    sampling = [orpheus | {"seed": 1}, orpheus, {"temperature": 0.0}]
+    outs = engine.run([EngineItem(f"r{i}", "prefill", 0, {"prompt_ids": torch.tensor([5, 6, 7 + i])},
+                                  {"sampling": s, "max_new_tokens": 20, "stop_token_ids": [], "audio_only": True})
+                       for i, s in enumerate(sampling)])
+    for _ in range(8):
+        outs = engine.run([EngineItem(f"r{i}", "decode", 0, {"token": out.outputs["token"]}, {})
+                           for i, out in enumerate(outs)])
+        assert engine._ahead is not None and len(engine._ahead.rows) == 3
+        assert all("code" in out.outputs for out in outs)
+
+
 def test_engine_failure_rolls_back(model_dir):
     """A batch that fails leaves no pages reserved ahead: the worker's item-by-item retry
     then runs on a consistent pool."""
