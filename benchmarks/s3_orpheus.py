@@ -92,6 +92,7 @@ class Settings:
     runs: int
     seed: int = 0
     fast_paths: tuple[tuple[str, Any], ...] = ()  # model_kwargs: attention_backend / cuda_graphs
+    codec_worker: bool = False  # SNAC in a worker process of its own (same device), not beside the talker
 
     @property
     def audio_s(self) -> float:
@@ -104,6 +105,7 @@ class Settings:
                 "audio_tokens": self.audio_tokens, "audio_s_per_request": self.audio_s,
                 "warmup_tokens": self.warmup_tokens, "runs": self.runs, "seed": self.seed, "text": TEXT,
                 "model_kwargs": {"benchmark_audio_only": True, **dict(self.fast_paths)},
+                "codec_worker": self.codec_worker,
                 "response_format": "pcm (s16le)"}
 
 
@@ -132,7 +134,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         fast["fused_kernels"] = True
     return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, snac=snac, streams=streams,
                     audio_tokens=tokens, warmup_tokens=4 * TOKENS_PER_FRAME, runs=args.runs, seed=args.seed,
-                    fast_paths=tuple(sorted(fast.items())))
+                    fast_paths=tuple(sorted(fast.items())), codec_worker=args.codec_worker)
 
 
 # --------------------------------------------------------------------------- the bound
@@ -189,6 +191,11 @@ class Server(ServerProcess):
                   "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8,
                                              "page_size": PAGE_SIZE}},
                   "model_kwargs": kwargs}
+        if settings.codec_worker:  # rank 1 runs SNAC on the same device as rank 0's talker
+            config["node_groups"] = [{"node_names": ["llm"], "ranks": [0]},
+                                     {"node_names": ["snac_decoder"], "ranks": [1]}]
+            if settings.device == "cuda":
+                config["gpus"] = [0, 0]
         super().__init__("orpheus", config, workdir, startup_timeout_s)
 
 
@@ -320,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action="store_true", help="the talker's model_kwargs.cuda_graphs (GPU)")
     p.add_argument("--fused-kernels", action="store_true", help="the talker's model_kwargs.fused_kernels (GPU)")
     p.add_argument("--overlap", action="store_true", help="the talker's model_kwargs.overlap_scheduling")
+    p.add_argument("--codec-worker", action="store_true",
+                   help="SNAC on a worker process of its own (rank 1, same device), so the talker never waits for it")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
     return p.parse_args(argv)
 
