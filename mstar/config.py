@@ -42,6 +42,14 @@ class ResourcesConfig(_Strict):
     gdn_state: StatePoolConfig | None = None  # None: max_concurrent_requests + 1 slots
 
 
+class StreamPacingConfig(_Strict):
+    """Streaming-aware scheduling of the requests whose walk streams media to the client
+    (``mstar.runtime.pacing``)."""
+
+    ahead_s: float = Field(2.0, gt=0)  # media buffered at the client past which a stream sits out steps
+    max_streams: int | None = Field(None, ge=1)  # streaming requests stepped per tick at most (None: all)
+
+
 class DeploymentConfig(_Strict):
     model: str
     model_path: str | None = None  # HF id or local directory; None: the registry default
@@ -60,6 +68,7 @@ class DeploymentConfig(_Strict):
     cache_dir: str | None = None
     tensor_comm_protocol: Literal["INPROC", "SHM", "TCP"] = "SHM"
     request_timeout_s: float | None = Field(None, gt=0)
+    stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can
 
     @model_validator(mode="after")
     def _ranks_are_dense(self) -> DeploymentConfig:

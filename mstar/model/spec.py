@@ -56,6 +56,12 @@ class OutputStream(ABC):
         return 0
 
     @property
+    def media_seconds(self) -> float | None:
+        """Seconds of media (audio, video) fed to the client so far; None for a stream that is
+        not played back in real time (text). Streaming-aware scheduling paces on it."""
+        return None
+
+    @property
     def stopped(self) -> bool:
         """True once the stream decided on its own that the request is done (a stop
         string): the runtime then cancels the walk."""

@@ -12,8 +12,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar.config import StreamPacingConfig
 from mstar.graph import Graph, Step
 from mstar.graph import cursor as walk_cursor
+from mstar.runtime import pacing
+from mstar.runtime.pacing import Pace
 from mstar.runtime.placement import Placement, Routes, all_routes
 from mstar.runtime.protocol import (
     ChunkRef,
@@ -79,8 +82,16 @@ class AdmissionError(ValueError):
 
 class Conductor:
     def __init__(self, graph: Graph, placement: Placement, *, max_concurrent_requests: int,
-                 capacity: dict[str, int] | None = None):
+                 capacity: dict[str, int] | None = None, pacing: StreamPacingConfig | None = None):
         self.graph = graph
+        # Streaming-aware scheduling (``mstar.runtime.pacing``): the media clock of each
+        # request whose first media reached its client (``note_media``, from the emit thread),
+        # and, after a tick that ran nothing because streams were ahead, how long until one
+        # of them needs a step (``pacing_wait``).
+        self.pacing = pacing
+        self.paces: dict[str, Pace] = {}
+        self.pacing_wait: float | None = None
+        self.paced_holds = 0  # request-ticks whose producing steps sat out (a gauge for tests and stats)
         self.routes: dict[str, Routes] = all_routes(graph, placement)
         self.ranks = placement.ranks
         self.max_concurrent = max_concurrent_requests
@@ -162,9 +173,18 @@ class Conductor:
                                        live.emitted, live.profile, failed_rank=rank)
 
     # ------------------------------------------------------------- scheduling
+    def note_media(self, request_id: str, seconds: float, now: float) -> None:
+        """The request has sent ``seconds`` of media to its client in all (safe to call from
+        another thread: one dict assignment)."""
+        if request_id in self.live:
+            pace = self.paces.get(request_id)
+            self.paces[request_id] = Pace(pace.started_at if pace else now, seconds)
+
     def tick(self, now: float) -> Decisions:
         self._expire(now)
         self._admit()
+        held = self._held(now)
+        self.paced_holds += len(held)
         items: dict[int, list[WorkItem]] = {rank: [] for rank in self.ranks}
         for live in list(self.live.values()):
             if live.ending is not None:
@@ -183,7 +203,7 @@ class Conductor:
                 if not live.in_flight:
                     self._release(live)
                 continue
-            for ready in steps:
+            for ready in () if live.spec.request_id in held else steps:
                 rank = routes.rank(ready.step)
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
@@ -199,6 +219,7 @@ class Conductor:
             self._check_done(live)
         decisions = Decisions(finished=self._ended)
         self._ended = []
+        self.pacing_wait = None
         for rank in self.ranks:
             if rank in self.busy or rank in self.failed_ranks:
                 continue
@@ -208,7 +229,19 @@ class Conductor:
                 self.releases[rank] = []
                 if items[rank]:
                     self.busy[rank] = self._plan_ids
+        if held and not self.busy:  # nothing runs until a held stream needs a step
+            self.pacing_wait = max(0.0, min(self.paces[r].slack(now) for r in held) - self.pacing.ahead_s)
         return decisions
+
+    def _held(self, now: float) -> set[str]:
+        """The streaming requests whose producing steps sit out this tick (none without pacing)."""
+        if self.pacing is None or not self.paces:
+            return set()
+        for gone in [rid for rid in list(self.paces) if rid not in self.live]:  # noted as it was released
+            del self.paces[gone]
+        streaming = [rid for rid, live in self.live.items() if live.streams and live.ending is None]
+        return pacing.held(streaming, self.paces, now, ahead_s=self.pacing.ahead_s,
+                           max_streams=self.pacing.max_streams)
 
     def _admit(self) -> None:
         while self.waiting and len(self.live) < self.max_concurrent:
@@ -309,6 +342,7 @@ class Conductor:
             live.ending = Finished(live.spec.request_id, live.finish_reason, None, live.emitted, live.profile)
 
     def _release(self, live: _Live) -> None:
+        self.paces.pop(live.spec.request_id, None)
         del self.live[live.spec.request_id]
         for name, units in live.spec.cost.items():
             self.in_use[name] -= units

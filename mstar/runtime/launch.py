@@ -81,7 +81,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         raise ConfigError(_weights_missing(spec, err)) from None
     log.info("loaded the frontend of %s (tokenizer and limits)", config.model)
     conductor = Conductor(graph, placement, max_concurrent_requests=config.max_concurrent_requests,
-                          capacity=capacity)
+                          capacity=capacity, pacing=config.stream_pacing)
     num_ranks = 1 + max(r for g in placement.groups for r in g.ranks)  # leaders and followers
     frontend_rank = num_ranks
     config_data = config.model_dump()

@@ -151,7 +151,7 @@ class Runtime:
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=self.conductor.idle and not self.conductor.busy)
-                for event in self.workers.poll(0.0 if self._has_ready_work() else 0.05):
+                for event in self.workers.poll(self._poll_timeout()):
                     if isinstance(event, StepResult):
                         if event.gauges:
                             self.rank_gauges[event.rank] = dict(event.gauges)
@@ -171,6 +171,14 @@ class Runtime:
             self.failure = f"conductor crashed: {err}"
             for request_id in list(self.tracked):
                 self._finished(Finished(request_id, "error", self.failure, 0))
+
+    def _poll_timeout(self) -> float:
+        """How long to wait for workers' events before the next tick: not at all when work
+        is ready, until a paced stream needs its next step when only such streams wait."""
+        if not self._has_ready_work():
+            return 0.05
+        wait = self.conductor.pacing_wait
+        return 0.0 if wait is None else min(0.05, max(0.001, wait))
 
     def _has_ready_work(self) -> bool:
         return self.conductor.has_work_for_idle_rank() or (bool(self.conductor.live) and not self.conductor.busy)
@@ -346,6 +354,8 @@ class Runtime:
             return
         try:
             event = tracked.stream.feed(modality, value)
+            if tracked.stream.media_seconds:  # a media stream's clock, for streaming-aware scheduling
+                self.conductor.note_media(request_id, tracked.stream.media_seconds, time.monotonic())
         except Exception as err:
             log.exception("output processing failed for %s", request_id)
             event = OutputEvent(finish_reason="error", error=f"output processing failed: {err}")

@@ -72,11 +72,11 @@ def script_talker(engine, slow: float = 0.0):
 EVENTS: list[tuple[str, int]] = []
 
 
-def deploy(model_dir, two_ranks: bool):
+def deploy(model_dir, two_ranks: bool, **extra):
     groups = [{"node_names": ["llm"], "ranks": [0]}, {"node_names": ["snac_decoder"], "ranks": [1 if two_ranks else 0]}]
     config = parse_config({"model": "orpheus", "model_path": str(model_dir), "load_format": "dummy",
                            "max_seq_len": 512, "node_groups": groups, "model_kwargs": {"snac_config": SNAC},
-                           "resources": {"kv_cache": {"max_num_pages": 256, "page_size": 16}}})
+                           "resources": {"kv_cache": {"max_num_pages": 256, "page_size": 16}}, **extra})
     d = start(config, in_process=True)
     script_talker(d.runtime.workers.workers[0].engines["llm"], slow=0.005)
     return d
@@ -155,6 +155,28 @@ def test_two_partitions_give_the_same_audio_as_one(model_dir):
         finally:
             d.close()
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_paced_streams_sit_out_steps_and_speak_the_same(model_dir):
+    """Streaming-aware scheduling: with a small buffer target and one stream stepped per tick,
+    streams ahead of playback sit out steps (the talker makes audio faster than it plays),
+    and every request still speaks exactly its audio, concurrently."""
+    d = deploy(model_dir, False, stream_pacing={"ahead_s": 0.05, "max_streams": 1})
+    try:
+        async def three():
+            async def one(rid):
+                return [e async for e in d.backend.speech(SpeechSpec(rid, "Hello there", "tara"))]
+            return await asyncio.gather(*(one(f"pace-{i}") for i in (6, 7, 8)))
+
+        results = asyncio.run(three())
+        for i, events in zip((6, 7, 8), results):
+            audio, whole = pcm_to_array(events), reference_audio(i)
+            assert audio.shape == whole.shape
+            assert np.abs(audio - whole).max() / np.abs(whole).max() < 0.1
+        conductor = d.runtime.conductor
+        assert conductor.paced_holds > 0 and not conductor.paces
+    finally:
+        d.close()
 
 
 def test_disconnect_frees_pages_and_stream_state(deployment):

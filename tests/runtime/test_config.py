@@ -32,6 +32,9 @@ def test_defaults_and_yaml_file(tmp_path):
         ({"model": "smollm2", "node_groups": [{"node_names": [], "ranks": [0]}]}, "node_groups.0.node_names"),
         ({"model": "smollm2", "node_groups": [{"node_names": ["llm"], "ranks": [1]}]}, "ranks must be 0..N-1"),
         ({"model": "smollm2", "load_format": "pickle"}, "load_format"),
+        ({"model": "orpheus", "stream_pacing": {"ahead": 1.0}}, "stream_pacing.ahead"),
+        ({"model": "orpheus", "stream_pacing": {"ahead_s": 0}}, "stream_pacing.ahead_s"),
+        ({"model": "orpheus", "stream_pacing": {"max_streams": 0}}, "stream_pacing.max_streams"),
         ({}, "model"),
     ],
 )

@@ -48,6 +48,10 @@ class PcmStream(OutputStream):
     def generated(self) -> int:
         return self.samples
 
+    @property
+    def media_seconds(self) -> float:
+        return self.samples / SAMPLE_RATE
+
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
         pcm = value.detach().float().reshape(-1).numpy().astype("<f4")
         self.samples += pcm.size
