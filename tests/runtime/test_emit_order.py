@@ -13,6 +13,7 @@ class Record:
     """An output stream that keeps every value it is fed."""
 
     stopped = False
+    media_seconds = None  # text-like: no media clock
 
     def __init__(self) -> None:
         self.values: list[int] = []
