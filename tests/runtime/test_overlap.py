@@ -248,32 +248,17 @@ def test_a_seeded_row_that_sits_out_plans_draws_as_eager(model_dir):
     assert results[0] == results[1]
 
 
-def test_greedy_rows_with_a_seed_still_run_ahead(model_dir):
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0, "seed": 3}, {"temperature": 0.0, "repetition_penalty": 1.5}],
+                         ids=["greedy-seeded", "penalised"])
+def test_rows_that_need_nothing_from_the_host_run_ahead(model_dir, sampling):
     """A seed on a greedy request (as a transcription's parameters carry) makes a generator
-    that never draws: the next step is still launched ahead, and the tokens equal eager's."""
-    eager, overlap = _engines(model_dir)
-    results = []
-    for engine in (eager, overlap):
-        item = _prefill("a", PROMPTS[1], 8)
-        item.params["sampling"] = {"temperature": 0.0, "seed": 3}
-        token = engine.run([item])[0].outputs["token"]
-        assert engine.seqs["a"].generator is not None
-        tokens = [int(token)]
-        for _ in range(4):
-            token = engine.run([_decode("a", token)])[0].outputs["token"]
-            tokens.append(int(token))
-            assert (engine._ahead is not None) == (engine is overlap)
-        results.append(tokens)
-        engine.release("a")
-    assert results[0] == results[1]
-
-
-def test_penalised_rows_run_ahead(model_dir):
+    that never draws; a repetition penalty marks the unread token on the device. Either way
+    the next step is launched ahead, and the tokens equal eager's."""
     eager, overlap = _engines(model_dir)
     results = []
     for engine in (eager, overlap):
         item = _prefill("a", PROMPTS[1], 12)
-        item.params["sampling"] = {"temperature": 0.0, "repetition_penalty": 1.5}
+        item.params["sampling"] = sampling
         token = engine.run([item])[0].outputs["token"]
         tokens = [int(token)]
         for _ in range(10):
