@@ -15,7 +15,12 @@ and HTTP paths.
 
 * **ours**: time to first audio byte (TTFA) per request, median; real-time factor = audio
   seconds received by all N streams / wall time from sending them to the last byte.
-* **baseline**: none in this environment (vLLM is not available); the column stays empty.
+* **baseline**: Orpheus's reference pipeline, the way its own streaming example runs it:
+  transformers ``generate`` (the N requests of a batch as one batch, sampled with the same
+  parameters and restricted to the same audio codes) and the ``snac`` package decoding each
+  stream's newest 28-code window every 7 codes from inside the generation loop, keeping
+  the window's second frame. Eager (no torch.compile). TTFA: the first window's samples on
+  the host; real-time factor: N x audio seconds over the batch's wall time.
 * **floor**: the talker's bound: one decode step of N streams can be no faster than its
   weight bytes over the measured bandwidth (or N tokens' FLOPs over the matmul rate); TTFA
   adds the prefill and the codes the first SNAC window needs. SNAC's own cost is left out.
@@ -288,13 +293,90 @@ def run_ours(settings: Settings, workdir: Path, model_dir: Path) -> dict[str, An
     return out
 
 
+# ---------------------------------------------------------------------------- baseline
+def _talker_prompt(model_dir: Path) -> list[int]:
+    """Orpheus's prompt for ``tara: TEXT`` (as ``Orpheus._speak`` builds it)."""
+    from transformers import AutoTokenizer
+
+    from mstar.model.orpheus import engine as talk
+
+    text_ids = AutoTokenizer.from_pretrained(model_dir).encode(f"tara: {TEXT}", add_special_tokens=True)
+    return [talk.START_OF_HUMAN, *text_ids, talk.END_OF_TEXT, talk.END_OF_HUMAN]
+
+
+def run_baseline(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """The reference pipeline (module doc) at each stream count: TTFA median and RTF."""
+    from snac import SNAC
+    from transformers import AutoConfig, LlamaForCausalLM, LogitsProcessor, StoppingCriteria
+
+    from mstar.model.orpheus import engine as talk
+    from mstar.model.snac import SnacConfig, codes_from_orpheus
+
+    device = torch.device(settings.device)
+    torch.manual_seed(settings.seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=settings.dtype)
+        codec = SNAC(**SnacConfig.from_dict(settings.snac).to_dict()).eval()
+    model.eval()
+    prompt = _talker_prompt(model_dir)
+
+    class AudioCodes(LogitsProcessor):
+        """Each position's valid SNAC codes only (``benchmark_audio_only``, as ours)."""
+
+        def __call__(self, input_ids, scores):
+            lo, hi = talk.audio_code_range(input_ids.shape[1] - len(prompt))
+            masked = torch.full_like(scores, float("-inf"))
+            masked[:, lo:hi] = scores[:, lo:hi]
+            return masked
+
+    class StreamingDecoder(StoppingCriteria):
+        """After every 7th code from the 28th on, decode each row's newest 28 codes and take
+        the window's second frame to the host (the reference streaming decoder's rule)."""
+
+        def __init__(self):
+            self.first_audio: float | None = None
+
+        def __call__(self, input_ids, scores, **kwargs):
+            count = input_ids.shape[1] - len(prompt)
+            if count >= 4 * TOKENS_PER_FRAME and count % TOKENS_PER_FRAME == 0:
+                window = input_ids[:, -4 * TOKENS_PER_FRAME:] - talk.AUDIO_BASE
+                window = window - (torch.arange(4 * TOKENS_PER_FRAME, device=device) % TOKENS_PER_FRAME) * talk.CODEBOOK
+                levels = [torch.cat(parts) for parts in zip(*(codes_from_orpheus(row) for row in window))]
+                with torch.inference_mode():
+                    audio = codec.decode(levels)[:, :, SAMPLES_PER_FRAME:2 * SAMPLES_PER_FRAME].float().cpu()
+                if self.first_audio is None and audio.numel():
+                    self.first_audio = time.perf_counter()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def batch(n: int, tokens: int) -> tuple[float, float]:
+        ids = torch.tensor([prompt] * n, device=device)
+        decoder = StreamingDecoder()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.6, top_p=0.8,
+                           top_k=0, repetition_penalty=1.1, max_new_tokens=tokens, min_new_tokens=tokens,
+                           logits_processor=[AudioCodes()], stopping_criteria=[decoder], pad_token_id=0)
+        wall = time.perf_counter() - start
+        return decoder.first_audio - start, wall
+
+    out: dict[str, Any] = {}
+    for n in settings.streams:
+        batch(n, settings.warmup_tokens)
+        runs = [batch(n, settings.audio_tokens) for _ in range(settings.runs)]
+        out[n] = {"ttfa_ms_median": statistics.median(t for t, _ in runs) * 1e3,
+                  "rtf": statistics.median(n * settings.audio_s / wall for _, wall in runs),
+                  "wall_s": [wall for _, wall in runs]}
+        log.info("baseline: %d stream(s): TTFA %.0f ms, %.1fx real time", n, out[n]["ttfa_ms_median"], out[n]["rtf"])
+    return out
+
+
 # ---------------------------------------------------------------------------- report
 def scenario_name(settings: Settings) -> str:
     return f"{SCENARIO} (smoke: tiny model, CPU)" if settings.smoke else SCENARIO
 
 
 def metrics_from(settings: Settings, roof: Roofline, prompt_tokens: int, first_codes: int,
-                 ours: dict | None) -> list[Metric]:
+                 ours: dict | None, baseline: dict | None = None) -> list[Metric]:
     rows = []
     scenario = scenario_name(settings)
     for n in settings.streams:
@@ -303,7 +385,9 @@ def metrics_from(settings: Settings, roof: Roofline, prompt_tokens: int, first_c
         rtf_floor = n * SAMPLES_PER_FRAME / TOKENS_PER_FRAME / SAMPLE_RATE / roof.step_s(n)
         rtf = Metric(scenario, f"rtf@{n}", "x real time", "higher", floor=rtf_floor)
         for row in (ttfa, rtf):
-            row.notes["baseline"] = "none: vLLM is not available in this environment"
+            row.notes["baseline"] = "transformers generate + snac, streaming windows, eager"
+        if baseline and n in baseline:
+            ttfa.baseline, rtf.baseline = baseline[n]["ttfa_ms_median"], baseline[n]["rtf"]
         if ours and n in ours:
             ttfa.ours, rtf.ours = ours[n]["ttfa_ms_median"], ours[n]["rtf"]
             ttfa.notes.update({f"ours_{k}": v for k, v in ours[n].items()})
@@ -327,6 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action="store_true", help="the talker's model_kwargs.cuda_graphs (GPU)")
     p.add_argument("--fused-kernels", action="store_true", help="the talker's model_kwargs.fused_kernels (GPU)")
     p.add_argument("--overlap", action="store_true", help="the talker's model_kwargs.overlap_scheduling")
+    p.add_argument("--skip-baseline", action="store_true", help="do not run transformers + snac")
     p.add_argument("--codec-worker", action="store_true",
                    help="SNAC on a worker process of its own (rank 1, same device), so the talker never waits for it")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
@@ -353,10 +438,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="s3-orpheus-") as tmp:
         model_dir = tiny_llama_dir(Path(tmp) / "model", **settings.model)
-        from transformers import AutoTokenizer
-
-        prompt_tokens = len(AutoTokenizer.from_pretrained(model_dir).encode(f"tara: {TEXT}")) + 3
+        prompt_tokens = len(_talker_prompt(model_dir))
         ours = run_ours(settings, Path(tmp), model_dir)
+        baseline, errors = None, {}
+        if not args.skip_baseline:
+            try:
+                baseline = run_baseline(settings, model_dir)
+            except Exception as err:  # the record keeps ours and says why the baseline is missing
+                log.exception("baseline failed")
+                errors["baseline"] = f"{type(err).__name__}: {err}"
 
     record = {
         "scenario": scenario_name(settings),
@@ -365,10 +455,10 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": {"memory_bandwidth_gbs": bandwidth, "matmul_tflops": tflops,
                      "weight_bytes_read_per_step": roof.weight_bytes_read, "flops_per_token": roof.flops_per_token,
                      "prompt_tokens": prompt_tokens, "first_chunk_codes": first_codes},
-        "metrics": metrics_from(settings, roof, prompt_tokens, first_codes, ours),
+        "metrics": metrics_from(settings, roof, prompt_tokens, first_codes, ours, baseline),
         "ours": {str(k): v for k, v in ours.items()},
-        "baseline": None,
-        "errors": {},
+        "baseline": None if baseline is None else {str(k): v for k, v in baseline.items()},
+        "errors": errors,
         "total_s": time.perf_counter() - started,
     }
     write_record(NAME, record, args.out)
