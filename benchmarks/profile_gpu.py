@@ -3,8 +3,10 @@
     python3 benchmarks/profile_gpu.py s1 --streams 1 --attention-backend triton --cuda-graphs --overlap
     python3 benchmarks/profile_gpu.py s4 --batch 1 --cuda-graphs
     python3 benchmarks/profile_gpu.py s2 --batch 1 [--runtime-compile]
+    python3 benchmarks/profile_gpu.py s3 --batch 32 --attention-backend triton --cuda-graphs --overlap
 
-The scenario's own runner (S1's, S2's or S4's ``OursRunner``/``ImageRunner``) starts the
+The scenario's own runner (S1's, S2's or S4's ``OursRunner``/``ImageRunner``; S3's deployment
+in process, its speech requests through the backend rather than HTTP) starts the
 deployment on dummy weights, runs the batch twice unprofiled (warm-up: kernels compiled,
 graphs captured), then once inside ``torch.profiler``. Printed: the batch's wall time, how
 long the GPU was busy in it (the union of kernel intervals) and so how much of the wall was
@@ -51,6 +53,32 @@ def _s2(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable
     return (lambda: runner.run(args.batch)), runner.close
 
 
+def _s3(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """S3's deployment in process (its worker in this process, so the profiler sees the
+    talker's and the codec's kernels) and ``--batch`` concurrent speech requests."""
+    import asyncio
+
+    from benchmarks import s3_orpheus as s3
+    from mstar.config import parse_config
+    from mstar.contract import SpeechSpec
+    from mstar.runtime.launch import start
+
+    argv = ["--streams", str(args.batch), *args.scenario_args]
+    settings = s3.settings_from(s3.parse_args(argv + (["--smoke"] if args.smoke else [])))
+    deployment = start(parse_config(s3.deployment(settings, s3.tiny_llama_dir(Path(tmp), **settings.model))),
+                       in_process=True)
+    ids = iter(range(1 << 30))
+
+    async def speak_all():
+        async def one():
+            spec = SpeechSpec(f"profile-{next(ids)}", s3.TEXT, "tara")  # speaks the deployment's max_new_tokens
+            return [event async for event in deployment.backend.speech(spec)]
+
+        return await asyncio.gather(*(one() for _ in range(args.batch)))
+
+    return (lambda: asyncio.run(speak_all())), deployment.close
+
+
 def _s4(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
     from benchmarks import s4_whisper as s4
     from benchmarks.common import whisper_dir
@@ -61,7 +89,7 @@ def _s4(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable
     return (lambda: runner.run(args.batch, settings.new_tokens)), runner.close
 
 
-SCENARIOS = {"s1": _s1, "s2": _s2, "s4": _s4}
+SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4}
 
 
 def busy_seconds(events) -> float:

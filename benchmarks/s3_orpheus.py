@@ -179,29 +179,34 @@ def first_chunk_codes() -> int:
 
 
 # ----------------------------------------------------------------------------- server
+def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """The deployment S3 serves (as a YAML mapping): the talker with the run's fast paths,
+    every request speaking exactly ``audio_tokens`` codes, pages for every stream at once."""
+    prompt_room = 64
+    pages = -(-(prompt_room + settings.audio_tokens) // PAGE_SIZE)
+    kwargs: dict[str, Any] = {"benchmark_audio_only": True, "max_new_tokens": settings.audio_tokens,
+                              "seed": settings.seed, **dict(settings.fast_paths)}
+    if settings.snac:
+        kwargs["snac_config"] = settings.snac
+    config = {"model": "orpheus", "model_path": str(model_dir), "load_format": "dummy",
+              "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
+              "max_seq_len": max(2048, prompt_room + settings.audio_tokens),
+              "max_concurrent_requests": max(settings.streams),
+              "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8, "page_size": PAGE_SIZE}},
+              "model_kwargs": kwargs}
+    if settings.codec_worker:  # rank 1 runs SNAC on the same device as rank 0's talker
+        config["node_groups"] = [{"node_names": ["llm"], "ranks": [0]},
+                                 {"node_names": ["snac_decoder"], "ranks": [1]}]
+        if settings.device == "cuda":
+            config["gpus"] = [0, 0]
+    return config
+
+
 class Server(ServerProcess):
     """``mstar serve orpheus --config FILE`` in a subprocess (its own process group)."""
 
     def __init__(self, settings: Settings, workdir: Path, model_dir: Path, startup_timeout_s: float = 600.0):
-        prompt_room = 64
-        pages = -(-(prompt_room + settings.audio_tokens) // PAGE_SIZE)
-        kwargs: dict[str, Any] = {"benchmark_audio_only": True, "max_new_tokens": settings.audio_tokens,
-                                  "seed": settings.seed, **dict(settings.fast_paths)}
-        if settings.snac:
-            kwargs["snac_config"] = settings.snac
-        config = {"model": "orpheus", "model_path": str(model_dir), "load_format": "dummy",
-                  "device": settings.device, "dtype": str(settings.dtype).removeprefix("torch."),
-                  "max_seq_len": max(2048, prompt_room + settings.audio_tokens),
-                  "max_concurrent_requests": max(settings.streams),
-                  "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8,
-                                             "page_size": PAGE_SIZE}},
-                  "model_kwargs": kwargs}
-        if settings.codec_worker:  # rank 1 runs SNAC on the same device as rank 0's talker
-            config["node_groups"] = [{"node_names": ["llm"], "ranks": [0]},
-                                     {"node_names": ["snac_decoder"], "ranks": [1]}]
-            if settings.device == "cuda":
-                config["gpus"] = [0, 0]
-        super().__init__("orpheus", config, workdir, startup_timeout_s)
+        super().__init__("orpheus", deployment(settings, model_dir), workdir, startup_timeout_s)
 
 
 # ------------------------------------------------------------------------------ client
