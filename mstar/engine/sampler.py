@@ -57,13 +57,25 @@ def validate_sampling(params: SamplingParams) -> None:
         )
 
 
+_KEPT: dict[tuple, torch.Tensor] = {}  # ``_on``'s tensors of recent steps, by device, dtype and values
+_KEPT_MAX = 256
+
+
 def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """Per-row values as a tensor on ``device``; on a GPU through pinned memory without
-    waiting for the device, so sampling never stalls a step launched ahead of it."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    """Per-row values as a tensor on ``device`` (never written to: it may be shared); on a
+    GPU through pinned memory without waiting for the device, so sampling never stalls a
+    step launched ahead of it. Decode steps of one batch ask for the same values step after
+    step, so recent tensors are kept and handed out again instead of copied anew."""
+    key = (device, dtype, tuple(values))
+    tensor = _KEPT.get(key)
+    if tensor is None:
+        tensor = torch.tensor(values, dtype=dtype)
+        if device.type == "cuda":
+            tensor = tensor.pin_memory().to(device, non_blocking=True)
+        if len(_KEPT) >= _KEPT_MAX:
+            _KEPT.clear()
+        _KEPT[key] = tensor
+    return tensor
 
 
 def _penalised(p: SamplingParams) -> bool:
@@ -250,7 +262,9 @@ class SeenTokens:
             cols.extend(new)
             self.marked[key] = len(ids)
         if cols:
-            where = _on(device, [rows, cols], torch.int64)
+            where = torch.tensor([rows, cols], dtype=torch.int64)  # new ids each step: never kept
+            if device.type == "cuda":
+                where = where.pin_memory().to(device, non_blocking=True)
             # A tensor value: ``= True`` would copy a host scalar over and wait on the device.
             self.table.index_put_((where[0], where[1]), self._true)
         index = _on(device, [0 if key is None else self.slots[key] for key in keys], torch.int64)

@@ -317,3 +317,13 @@ def test_seen_tokens_table_matches_the_histories_step_by_step() -> None:
         for k, p in zip(keys, pending):
             histories[k].append(int(p) if step % 2 else int(torch.randint(0, vocab, (1,), generator=gen)))
     assert len(table.slots) == sum(1 for k in histories if k.endswith("0"))
+
+
+def test_per_row_values_are_kept_by_value_and_dtype() -> None:
+    from mstar.engine.sampler import _on
+
+    cpu = torch.device("cpu")
+    a = _on(cpu, [0.5, 1.0], torch.float32)
+    assert _on(cpu, [0.5, 1.0], torch.float32) is a  # the next step gets the same tensor
+    assert _on(cpu, [1, 1], torch.int64).dtype == torch.int64 and _on(cpu, [1, 1], torch.float32).dtype == torch.float32
+    assert _on(cpu, [0.5, 2.0], torch.float32).tolist() == [0.5, 2.0]
