@@ -80,9 +80,11 @@ class Worker:
         self.store = TensorStore(stream_vars)
         self.params: dict[str, dict] = {}
         self._emits: list[tuple[str, torch.Tensor]] = []  # (emit key, value) streamed by this plan
+        self._sends: dict[int, list[tuple[str, torch.Tensor]]] = {}  # rank -> (tensor key, value) for it
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._emits = []
+        self._sends = {}
         for request_id in plan.release:
             self._release(request_id)
         for item in plan.items:
@@ -102,6 +104,7 @@ class Worker:
             with torch.profiler.record_function(f"mstar.node.{node}"):  # a labelled range in GPU profiles
                 results += self._run_node(node, ready, inputs)
             profile[node] = time.perf_counter() - start
+        self._flush_sends()
         self._flush_emits()
         return StepResult(self.rank, plan.plan_id, results, profile, self.stats())
 
@@ -141,12 +144,22 @@ class Worker:
                 continue
             key = tensor_key(item.request_id, ref.var, ref.version)
             for dst in item.send.get(port, ()):
-                self.transport.send(dst, key, {"value": value})
+                self._sends.setdefault(dst, []).append((key, value))
             if port in item.emit:
                 self._emits.append((emit_key(key, item.emit[port]), value))
                 emitted += 1
         return ItemResult(item.request_id, item.step, list(out.flags), out.finish_reason, emitted=emitted,
                           silent=silent)
+
+    def _flush_sends(self) -> None:
+        """Send the plan's outputs that other ranks read as one message per rank (a decode
+        step of many requests writing a code each for a codec on another rank: one send,
+        not one per request), keyed ``emit_batch_key`` of their tensor keys; ``accept``
+        takes them apart."""
+        for dst, pairs in self._sends.items():
+            keys, values = zip(*pairs)
+            self.transport.send(dst, emit_batch_key(list(keys)), _pack(list(values)))
+        self._sends = {}
 
     def _flush_emits(self) -> None:
         """Stream the plan's outputs to the frontend as one message (one send, one wake-up
@@ -156,13 +169,7 @@ class Worker:
             return
         keys, values = zip(*self._emits)
         self._emits = []
-        first = values[0]
-        if len(values) > 1 and all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device
-                                   for v in values):
-            tensors = {EMIT_STACKED: torch.stack(values)}
-        else:
-            tensors = {str(i): value for i, value in enumerate(values)}
-        self.transport.send(self.frontend_rank, emit_batch_key(list(keys)), tensors)
+        self.transport.send(self.frontend_rank, emit_batch_key(list(keys)), _pack(list(values)))
 
     def _gather(self, items: list[WorkItem]) -> dict[int, dict[str, torch.Tensor]]:
         """Wait until every item's inputs are in the store; give up after a timeout."""
@@ -196,8 +203,16 @@ class Worker:
         return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts])
 
     def accept(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        request_id, var, version = parse_tensor_key(key)
-        self.store.put(request_id, var, version, tensors["value"])
+        """A tensor another rank (or the frontend) sent: one value (``{"value": ...}``), or a
+        plan's worth for this rank (``_flush_sends``)."""
+        if "value" in tensors:
+            pairs = [(key, tensors["value"])]
+        else:
+            keys = key.split("\x1e")
+            pairs = list(zip(keys, _unpack(tensors, len(keys))))
+        for one, value in pairs:
+            request_id, var, version = parse_tensor_key(one)
+            self.store.put(request_id, var, version, value)
 
     def _release(self, request_id: str) -> None:
         self.store.drop(request_id)
@@ -212,6 +227,23 @@ class Worker:
             for name, value in engine.stats().items():
                 out[f"{node}.{name}"] = value
         return out
+
+
+def _pack(values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One message's tensors for several values: stacked along a new first dimension when
+    they share shape, dtype and device (one tensor to copy and frame), else one each,
+    named by position."""
+    first = values[0]
+    if len(values) > 1 and all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device
+                               for v in values):
+        return {EMIT_STACKED: torch.stack(values)}
+    return {str(i): value for i, value in enumerate(values)}
+
+
+def _unpack(tensors: dict[str, torch.Tensor], count: int) -> list[torch.Tensor]:
+    """The values ``_pack`` packed, in order."""
+    stacked = tensors.get(EMIT_STACKED)
+    return list(stacked.unbind(0)) if stacked is not None else [tensors[str(i)] for i in range(count)]
 
 
 def _describe_error() -> str:
