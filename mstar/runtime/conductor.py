@@ -15,8 +15,7 @@ from typing import Any
 from mstar.config import StreamPacingConfig
 from mstar.graph import Graph, Step
 from mstar.graph import cursor as walk_cursor
-from mstar.runtime import pacing
-from mstar.runtime.pacing import Pace
+from mstar.runtime.pacing import Pace, held_streams
 from mstar.runtime.placement import Placement, Routes, all_routes
 from mstar.runtime.protocol import (
     ChunkRef,
@@ -230,7 +229,8 @@ class Conductor:
                 if items[rank]:
                     self.busy[rank] = self._plan_ids
         if held and not self.busy:  # nothing runs until a held stream needs a step
-            self.pacing_wait = max(0.0, min(self.paces[r].slack(now) for r in held) - self.pacing.ahead_s)
+            soonest = min((self.paces[r].slack(now) for r in held if r in self.paces), default=0.0)
+            self.pacing_wait = max(0.0, soonest - self.pacing.ahead_s)
         return decisions
 
     def _held(self, now: float) -> set[str]:
@@ -240,8 +240,8 @@ class Conductor:
         for gone in [rid for rid in list(self.paces) if rid not in self.live]:  # noted as it was released
             del self.paces[gone]
         streaming = [rid for rid, live in self.live.items() if live.streams and live.ending is None]
-        return pacing.held(streaming, self.paces, now, ahead_s=self.pacing.ahead_s,
-                           max_streams=self.pacing.max_streams)
+        return held_streams(streaming, self.paces, now, ahead_s=self.pacing.ahead_s,
+                            max_streams=self.pacing.max_streams)
 
     def _admit(self) -> None:
         while self.waiting and len(self.live) < self.max_concurrent:

@@ -7,7 +7,7 @@ client loses nothing by sitting out a step, and the rows it frees make the step 
 for the streams that are close to running dry and for new requests, whose first chunk is
 what their users wait for.
 
-``held`` is the policy, a pure function of each stream's media clock (``Pace``). Each
+``held_streams`` is the policy, a pure function of each stream's media clock (``Pace``). Each
 tick the conductor asks it which streaming requests' producing steps wait; their
 stream-edge chunks (the codec windows of what they already made) are dispatched as usual.
 
@@ -41,7 +41,7 @@ class Pace:
         return self.delivered_s - (now - self.started_at)
 
 
-def held(streaming: Sequence[str], paces: Mapping[str, Pace], now: float, *, ahead_s: float,
+def held_streams(streaming: Sequence[str], paces: Mapping[str, Pace], now: float, *, ahead_s: float,
          max_streams: int | None = None) -> set[str]:
     """The requests of ``streaming`` (admission order) whose producing step waits this tick;
     ``paces`` holds the clocks of those whose first media is out."""

@@ -1,4 +1,4 @@
-"""Streaming-aware scheduling (``mstar.runtime.pacing.held``): the policy alone, a pure
+"""Streaming-aware scheduling (``mstar.runtime.pacing.held_streams``): the policy alone, a pure
 function, and a simulation of streams played back while they are made."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar.runtime.pacing import Pace, held
+from mstar.runtime.pacing import Pace
+from mstar.runtime.pacing import held_streams as held
 
 
 def test_new_streams_never_wait_and_come_first():
