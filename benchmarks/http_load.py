@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -101,6 +102,7 @@ def serve_config(config: dict[str, Any], workdir: str | os.PathLike[str], extra_
         proc = subprocess.Popen(cmd, cwd=workdir, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    previous = _exit_on_sigterm()
     try:
         deadline = time.monotonic() + startup_timeout
         while not _healthy(server.url):
@@ -114,6 +116,21 @@ def serve_config(config: dict[str, Any], workdir: str | os.PathLike[str], extra_
         yield server
     finally:
         stop_process_group(proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm():
+    """While a server runs, SIGTERM (``timeout``, a job runner) unwinds this process so the
+    server's process group is stopped rather than left running on its own; the previous
+    handler, to restore (None off the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def _healthy(url: str) -> bool:
