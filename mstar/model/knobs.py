@@ -196,6 +196,20 @@ class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling, PrefixCaching):
 
 
 
+class Quantization(Knobs):
+    quantization: Literal["none", "int8", "int4", "gguf"] | None = None
+    """Weight-only quantised linear layers on the CPU (``mstar.model.quantize``): ``none``
+    (float weights; a GGUF file dequantised), ``int8`` (per-row scales), ``int4`` (groups of
+    32), ``gguf`` (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as stored). Unset: ``gguf`` for a
+    GGUF checkpoint on the CPU, else ``none``. The products run in bfloat16."""
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.quantization not in (None, "none") and device != "cpu":
+            raise ConfigError(f"model_kwargs.quantization: {self.quantization} runs on the CPU only "
+                              "(PyTorch's int4/int8 CPU kernels); use none on CUDA")
+
+
 # ------------------------------------------------------------------ request options
 class RequestKnobs(BaseModel):
     """The ``model_kwargs`` of one request, typed; the base of every family's request options."""
