@@ -10,6 +10,7 @@ describes it in one ``PagedAttentionMetadata``. The backends themselves are in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,22 @@ class PagedAttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @functools.cached_property
+    def decode_gather(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """For a step of one new token per sequence, what every layer's attention gathers:
+        ``(slots, longest, padding)``: the flat cache slots ``[B * longest]`` of each
+        sequence's keys (padded to the longest, with slot 0), and the mask ``[B, longest]`` of
+        the padding (None for one sequence). Computed on first use, once per step."""
+        longest = int(self.seq_lens.max())
+        pages = self.page_table[:, :-(-longest // self.page_size)]
+        offsets = torch.arange(self.page_size, device=pages.device)
+        slots = (pages[:, :, None] * self.page_size + offsets).flatten(1)[:, :longest]
+        padding = None
+        if slots.shape[0] > 1:
+            padding = torch.arange(longest, device=pages.device) >= self.seq_lens[:, None]
+            slots = slots.masked_fill(padding, 0)
+        return slots.flatten(), longest, padding
 
 
 def allocate_kv_cache(
