@@ -6,11 +6,12 @@ misspelt key or a bad value stops startup with one line naming ``model_kwargs.<k
 rule; for an unknown key, the line lists the keys the family takes.
 
 A family takes only the switches it implements. The switches are small pieces here
-(``CudaGraphs``, ``FusedKernels``, ``OverlapScheduling``, ``Compile``, ``PrefixCaching``), mixed
-into the classes of the families that run them (``DecodeKnobs`` for the decode engines of the
-Llama family, the diffusion families' ``DiffusionKnobs``), so a switch a family would ignore is
-refused rather than silently accepted. Rules between keys, and rules that need the deployment's device (a
-switch that runs on CUDA only), are checked by ``check`` once the types are.
+(``CudaGraphs``, ``FusedKernels``, ``OverlapScheduling``, ``Compile``, ``PrefixCaching``,
+``Quantization``), mixed into the classes of the families that run them (``DecodeKnobs`` for
+the decode engines of the Llama family, the diffusion families' ``DiffusionKnobs``), so a
+switch a family would ignore is refused rather than silently accepted. Rules between keys, and
+rules that need the deployment's device (a switch that runs on CUDA only), are checked by
+``check`` once the types are.
 
 ``RequestKnobs`` does the same for the ``model_kwargs`` of one request (``GenerateSpec``,
 ``SpeechSpec``, ``ImageSpec``): a problem is a ``RequestError`` naming the field (HTTP 400).

@@ -19,7 +19,8 @@ REL = 1e-2
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
 
 
 def blocks(out: int, cols: int, group: int = 32, seed: int = 0):
