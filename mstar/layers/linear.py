@@ -17,6 +17,11 @@ one checkpoint and one loading path serve every TP degree.
   fused in one matrix (``[q | k | v]``, ``[gate | up]``); each segment is split on its own.
 * ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocabulary rows split (padded to a
   multiple of the TP size); lookups all-reduce, logits all-gather.
+
+Every layer also takes a weight-only quantised matrix (``mstar.layers.quantized``) in
+``qweight``, set from outside by ``mstar.model.quantize`` after loading: its products then
+replace ``F.linear`` with the float ``weight`` (an embedding keeps its float rows for the
+lookups and uses ``qweight`` for tied logits only).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from mstar.distributed.collectives import all_gather, all_reduce
 from mstar.distributed.state import Group, current_parallel
+from mstar.layers.quantized import QuantizedWeight
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 
@@ -70,6 +76,7 @@ class ColumnParallelLinear(nn.Linear):
         self.tp = tp
         self.full_out_features = out_features
         self.gather_output = gather_output
+        self.qweight: QuantizedWeight | None = None
         set_weight_loader(self.weight, self._load_rows)
         if self.bias is not None:
             set_weight_loader(self.bias, self._load_rows)
@@ -80,7 +87,7 @@ class ColumnParallelLinear(nn.Linear):
         param.copy_(_shard(full, 0, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias) if self.qweight is None else self.qweight.linear(x, self.bias)
         return all_gather(y, self.tp, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -107,6 +114,7 @@ class RowParallelLinear(nn.Linear):
         self.input_sizes = sizes
         self.tp = tp
         self.full_in_features = in_features
+        self.qweight: QuantizedWeight | None = None
         set_weight_loader(self.weight, self._load_columns)
         if self.bias is not None:
             set_weight_loader(self.bias, self._load_whole)
@@ -125,10 +133,11 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """``linear`` is the GEMM, ``F.linear`` or a kernel of its signature ``(x, weight,
         bias=None)`` (e.g. ``mstar.layers.triton_gemv.gemv`` in a small decode step); the
-        all-reduce and the bias stay here, so tensor parallelism works with either."""
+        all-reduce and the bias stay here, so tensor parallelism works with either. A
+        quantised ``qweight`` takes the place of both."""
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = all_reduce(linear(x, self.weight), self.tp)
+            return linear(x, self.weight, self.bias) if self.qweight is None else self.qweight.linear(x, self.bias)
+        y = all_reduce(linear(x, self.weight) if self.qweight is None else self.qweight.linear(x), self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -224,6 +233,7 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(per_rank, embedding_dim)
         self.tp = tp
         self.vocab_size = num_embeddings
+        self.qweight: QuantizedWeight | None = None  # the tied logits' matrix, if quantised
         set_weight_loader(self.weight, self._load)
 
     @torch.no_grad()
@@ -240,7 +250,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` logits of ``hidden [N, dim]`` against these (tied) embeddings."""
-        return _gather_logits(F.linear(hidden, self.weight), self.tp, self.vocab_size)
+        local = F.linear(hidden, self.weight) if self.qweight is None else self.qweight.linear(hidden)
+        return _gather_logits(local, self.tp, self.vocab_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, vocab={self.vocab_size}, tp={self.tp.rank}/{self.tp.size}"
@@ -256,6 +267,7 @@ class ParallelLMHead(nn.Linear):
         super().__init__(hidden, per_rank, bias=False)
         self.tp = tp
         self.vocab_size = vocab_size
+        self.qweight: QuantizedWeight | None = None
         set_weight_loader(self.weight, self._load)
 
     @torch.no_grad()
@@ -263,7 +275,8 @@ class ParallelLMHead(nn.Linear):
         _load_vocab_rows(param, full, self.vocab_size, self.vocab_start)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _gather_logits(F.linear(hidden, self.weight), self.tp, self.vocab_size)
+        local = F.linear(hidden, self.weight) if self.qweight is None else self.qweight.linear(hidden)
+        return _gather_logits(local, self.tp, self.vocab_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, vocab={self.vocab_size}, tp={self.tp.rank}/{self.tp.size}"

@@ -10,6 +10,7 @@ describes it in one ``PagedAttentionMetadata``. The backends themselves are in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,55 @@ class PagedAttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @functools.cached_property
+    def decode_groups(self) -> tuple[list[DecodeGroup], set[int]]:
+        """The sequences of the step with one new token (a decode; at its last position),
+        grouped by their KV length rounded up to ``DECODE_KEY_BUCKET``: what every layer's
+        attention gathers for them. Also the set of those sequences. Worked out on first use,
+        once per step."""
+        starts = self.query_start_loc.tolist()
+        lengths = self.seq_lens.tolist()
+        single = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
+        if not single:
+            return [], set()
+        bucket = DECODE_KEY_BUCKET
+        padded = {b: -(-lengths[b] // bucket) * bucket for b in single}
+        width = -(-max(padded.values()) // self.page_size)
+        pages = self.page_table[:, :width]
+        if pages.shape[1] < width:  # the table is narrower than the padding: pad it with page 0
+            pages = torch.nn.functional.pad(pages, (0, width - pages.shape[1]))
+        offsets = torch.arange(self.page_size, device=pages.device)
+        slots = (pages[:, :, None] * self.page_size + offsets).flatten(1)
+        groups = []
+        for length in sorted(set(padded.values())):
+            seqs = [b for b in single if padded[b] == length]
+            which = torch.tensor(seqs, device=slots.device)
+            positions = torch.arange(length, device=slots.device)
+            padding = positions >= self.seq_lens.index_select(0, which)[:, None]
+            group_slots = slots.index_select(0, which)[:, :length].masked_fill(padding, 0)
+            rows = [starts[b] for b in seqs]  # their tokens' places in the step
+            groups.append(DecodeGroup(rows, torch.tensor(rows, device=slots.device), group_slots.flatten(), length,
+                                      padding))
+        return groups, set(single)
+
+
+DECODE_KEY_BUCKET = 64
+"""Keys are gathered for a decode step in blocks of this many (the padding masked), so that a
+sequence's attention has the same shapes, and rounds the same, whatever it is batched with."""
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decoding sequences whose KV lengths round up to the same ``length``: ``rows`` (their
+    tokens' places in the step, as a list and as ``index``), the cache ``slots [rows * length]`` of
+    their keys (slot 0 in the padding) and the ``padding [rows, length]`` mask."""
+
+    rows: list[int]
+    index: torch.Tensor
+    slots: torch.Tensor
+    length: int
+    padding: torch.Tensor
 
 
 def allocate_kv_cache(

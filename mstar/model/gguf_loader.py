@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ from tokenizers import (
 from transformers import PreTrainedTokenizerFast
 
 __all__ = [
+    "GGUFBlocks",
     "GGUFCheckpoint",
     "llama_config_from_gguf",
+    "llama_hf_blocks",
     "llama_hf_tensors",
     "llama_name_map",
     "tokenizer_from_gguf",
@@ -81,6 +84,84 @@ class GGUFCheckpoint:
             # Copies only what is not already a fresh float32 array (e.g. F32 views of the file).
             array = np.require(values, dtype=np.float32, requirements=["C", "W"])
             yield t.name, torch.from_numpy(array.reshape(shape))
+
+
+    def blocks(self) -> Iterator[tuple[str, GGUFBlocks]]:
+        """Yield ``(gguf_name, blocks)`` for the tensors stored as Q4_0, Q4_1 or Q8_0 (the others
+        have no ``GGUFBlocks`` form), codes and scales in PyTorch ``[out, in]`` row order."""
+        for t in self._reader.tensors:
+            if t.tensor_type in _BLOCK_DECODERS and len(t.shape) == 2:
+                cols, rows = (int(n) for n in t.shape)  # GGML ne[0] is the innermost dim
+                raw = np.asarray(t.data).reshape(rows, cols // GGUF_BLOCK, -1)  # [rows, blocks, bytes]
+                yield t.name, _BLOCK_DECODERS[t.tensor_type](raw)
+
+
+# --- Quantised blocks ------------------------------------------------------------------------
+
+GGUF_BLOCK = 32
+"""Weights per block of the Q4_0, Q4_1 and Q8_0 formats (each block has its own scale)."""
+
+
+@dataclass
+class GGUFBlocks:
+    """A matrix in one of GGUF's block formats, unpacked but not dequantised: ``w[n, k] =
+    scale[n, k // 32] * codes[n, k] + offset[n, k // 32]``.
+
+    * Q4_1: codes 0..15, ``offset`` the block's minimum (``kind="q4"``);
+    * Q4_0: codes 0..15, ``offset = -8 * scale`` (``kind="q4"``);
+    * Q8_0: codes -128..127, no offset (``kind="q8"``).
+
+    Every field is indexed by rows first, so a row permutation or a row split applies to each."""
+
+    kind: str  # "q4" or "q8"
+    codes: torch.Tensor  # uint8 (q4) or int8 (q8) [rows, cols]
+    scale: torch.Tensor  # float32 [rows, cols / 32]
+    offset: torch.Tensor | None  # float32 [rows, cols / 32] (q4), None (q8)
+
+    def map_rows(self, fn) -> GGUFBlocks:
+        """The same blocks with ``fn`` (a row permutation or selection) applied to every field."""
+        offset = None if self.offset is None else fn(self.offset)
+        return GGUFBlocks(self.kind, fn(self.codes), fn(self.scale), offset)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix (as ``gguf.quants.dequantize`` gives it)."""
+        w = self.codes.float().unflatten(-1, (-1, GGUF_BLOCK)) * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.flatten(-2)
+
+
+def _half(raw: np.ndarray) -> torch.Tensor:
+    """Little-endian float16 bytes ``[..., 2]`` as float32 ``[...]``."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(raw: np.ndarray) -> torch.Tensor:
+    """A block's 16 bytes as its 32 4-bit codes: byte ``j`` holds code ``j`` in its low nibble
+    and code ``j + 16`` in its high one."""
+    low, high = raw & 0x0F, raw >> 4
+    return torch.from_numpy(np.concatenate([low, high], axis=-1)).flatten(-2)
+
+
+def _q4_0(raw: np.ndarray) -> GGUFBlocks:  # per block: float16 d, 16 bytes of codes; w = d * (q - 8)
+    scale = _half(raw[..., 0:2])
+    return GGUFBlocks("q4", _nibbles(raw[..., 2:18]), scale, -8 * scale)
+
+
+def _q4_1(raw: np.ndarray) -> GGUFBlocks:  # per block: float16 d, float16 m, 16 bytes; w = d * q + m
+    return GGUFBlocks("q4", _nibbles(raw[..., 4:20]), _half(raw[..., 0:2]), _half(raw[..., 2:4]))
+
+
+def _q8_0(raw: np.ndarray) -> GGUFBlocks:  # per block: float16 d, 32 int8 codes; w = d * q
+    codes = torch.from_numpy(np.ascontiguousarray(raw[..., 2:34]).view(np.int8)).flatten(-2)
+    return GGUFBlocks("q8", codes, _half(raw[..., 0:2]), None)
+
+
+_BLOCK_DECODERS = {
+    gguf.GGMLQuantizationType.Q4_0: _q4_0,
+    gguf.GGMLQuantizationType.Q4_1: _q4_1,
+    gguf.GGMLQuantizationType.Q8_0: _q8_0,
+}
 
 
 # --- Llama weights ---------------------------------------------------------------------------
@@ -149,11 +230,7 @@ def llama_hf_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.Te
     Feed the result to ``load_weights``. Derived tensors are dropped; unknown ones pass through
     under their GGUF names.
     """
-    arch = checkpoint.architecture
-    n_heads = int(checkpoint.metadata[gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)])
-    n_kv_heads = int(
-        checkpoint.metadata.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_heads)
-    )
+    n_heads, n_kv_heads = _head_counts(checkpoint)
     for gguf_name, tensor in checkpoint.tensors():
         name = llama_name_map(gguf_name)
         if name is None:
@@ -163,6 +240,30 @@ def llama_hf_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.Te
         elif ".self_attn.k_proj." in name:
             tensor = unpermute_rotary(tensor, n_kv_heads)
         yield name, tensor
+
+
+def llama_hf_blocks(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, GGUFBlocks]]:
+    """``llama_hf_tensors`` for the block-quantised matrices: ``(hf_name, GGUFBlocks)``, Q/K
+    rows back in Hugging Face order (``mstar.model.quantize`` keeps them quantised)."""
+    n_heads, n_kv_heads = _head_counts(checkpoint)
+    for gguf_name, blocks in checkpoint.blocks():
+        name = llama_name_map(gguf_name)
+        if name is None:
+            continue
+        if ".self_attn.q_proj." in name:
+            blocks = blocks.map_rows(lambda t: unpermute_rotary(t, n_heads))
+        elif ".self_attn.k_proj." in name:
+            blocks = blocks.map_rows(lambda t: unpermute_rotary(t, n_kv_heads))
+        yield name, blocks
+
+
+def _head_counts(checkpoint: GGUFCheckpoint) -> tuple[int, int]:
+    arch = checkpoint.architecture
+    n_heads = int(checkpoint.metadata[gguf.Keys.Attention.HEAD_COUNT.format(arch=arch)])
+    n_kv_heads = int(
+        checkpoint.metadata.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_heads)
+    )
+    return n_heads, n_kv_heads
 
 
 def llama_config_from_gguf(

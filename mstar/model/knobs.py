@@ -6,11 +6,12 @@ misspelt key or a bad value stops startup with one line naming ``model_kwargs.<k
 rule; for an unknown key, the line lists the keys the family takes.
 
 A family takes only the switches it implements. The switches are small pieces here
-(``CudaGraphs``, ``FusedKernels``, ``OverlapScheduling``, ``Compile``, ``PrefixCaching``), mixed
-into the classes of the families that run them (``DecodeKnobs`` for the decode engines of the
-Llama family, the diffusion families' ``DiffusionKnobs``), so a switch a family would ignore is
-refused rather than silently accepted. Rules between keys, and rules that need the deployment's device (a
-switch that runs on CUDA only), are checked by ``check`` once the types are.
+(``CudaGraphs``, ``FusedKernels``, ``OverlapScheduling``, ``Compile``, ``PrefixCaching``,
+``Quantization``), mixed into the classes of the families that run them (``DecodeKnobs`` for
+the decode engines of the Llama family, the diffusion families' ``DiffusionKnobs``), so a
+switch a family would ignore is refused rather than silently accepted. Rules between keys, and
+rules that need the deployment's device (a switch that runs on CUDA only), are checked by
+``check`` once the types are.
 
 ``RequestKnobs`` does the same for the ``model_kwargs`` of one request (``GenerateSpec``,
 ``SpeechSpec``, ``ImageSpec``): a problem is a ``RequestError`` naming the field (HTTP 400).
@@ -194,6 +195,20 @@ class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling, PrefixCaching):
     attention_backend: Literal["torch", "triton"] = "torch"
     """The paged-attention kernels: ``torch`` (the reference) or ``triton``."""
 
+
+
+class Quantization(Knobs):
+    quantization: Literal["none", "int8", "int4", "gguf"] | None = None
+    """Weight-only quantised linear layers on the CPU (``mstar.model.quantize``): ``none``
+    (float weights; a GGUF file dequantised), ``int8`` (per-row scales), ``int4`` (groups of
+    32), ``gguf`` (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as stored). Unset: ``gguf`` for a
+    GGUF checkpoint on the CPU, else ``none``. The products run in bfloat16."""
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.quantization not in (None, "none") and device != "cpu":
+            raise ConfigError(f"model_kwargs.quantization: {self.quantization} runs on the CPU only "
+                              "(PyTorch's int4/int8 CPU kernels); use none on CUDA")
 
 
 # ------------------------------------------------------------------ request options

@@ -26,7 +26,7 @@ CONFIG = {
 }
 MAX_TOKENS = 24
 QUESTIONS = [
-    "What is the capital of France?",
+    "Name the capital of France.",
     "What is the capital of Japan?",
     "How many legs does a spider have?",
     "Name a primary color.",

@@ -22,7 +22,7 @@ from live_server import Server, launch_server
 from mstar.client import MStarClient
 
 MODEL = "smollm2"
-QUESTION = "What is the capital of France?"
+QUESTION = "Name the capital of France."
 STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 

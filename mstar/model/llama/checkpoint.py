@@ -74,6 +74,15 @@ class LlamaCheckpoint:
 
         return iter_safetensors(self.path)
 
+    def blocks(self) -> Iterator[tuple[str, Any]]:
+        """``(hf_name, GGUFBlocks)`` of the matrices a GGUF file stores in a block format (none
+        for safetensors): what ``quantization: gguf`` keeps."""
+        if self.format != "gguf":
+            return iter(())
+        from mstar.model.gguf_loader import llama_hf_blocks
+
+        return llama_hf_blocks(self._gguf())
+
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with the checkpoint's weights (or seeded
         random ones when ``dummy``), in eval mode."""

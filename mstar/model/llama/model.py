@@ -2,8 +2,9 @@
 
 One node, the decoder, with two ops. The chat walk is a prefill, then a Loop of decodes
 until the engine raises ``stop`` (EOS, token budget) or the budget runs out; every sampled
-token streams to the client as text (``mstar.model.chat``). Knobs: ``DecodeKnobs``
-(``attention_backend``, ``cuda_graphs``, ``fused_kernels``, ``overlap_scheduling``, ``seed``).
+token streams to the client as text (``mstar.model.chat``). Knobs: ``LlamaKnobs``
+(``attention_backend``, ``cuda_graphs``, ``fused_kernels``, ``overlap_scheduling``, ``seed``,
+``quantization``: a GGUF file's blocks are kept quantised on the CPU unless it says ``none``).
 
 Disaggregated prefill/decode: when the deployment places ``llm_prefill`` (the same model
 behind a second engine), chats walk ``chat_pd`` instead: ``llm_prefill`` prefills, emits the
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from mstar.config import ConfigError
 from mstar.distributed.dims import ParallelDims
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM
 from mstar.model.decode_engines import decode_engine, prefill_engine
-from mstar.model.knobs import DecodeKnobs
 from mstar.model.llama.checkpoint import LlamaCheckpoint, embedded_smollm2_path
+from mstar.model.llama.knobs import LlamaKnobs
+from mstar.model.quantize import quantize_model
 from mstar.model.registry import register
 
 LLM = "llm"
@@ -31,8 +34,8 @@ LLM_PREFILL = "llm_prefill"
 class LlamaChat(ChatLLM):
     key = "llama"
     tasks = frozenset({"chat", "text_completion"})
-    Knobs = DecodeKnobs
-    knobs: DecodeKnobs
+    Knobs = LlamaKnobs
+    knobs: LlamaKnobs
 
     def graph(self) -> Graph:
         llm = Node(LLM, "autoregressive", inputs=("prompt_ids", "token", "kv", "rng"), outputs=("token",),
@@ -78,6 +81,25 @@ class LlamaChat(ChatLLM):
         ckpt = self.checkpoint()
         self.tokenizer = ckpt.tokenizer()
         self.stop_token_ids = self.stop_ids(ckpt.config().eos_token_id)
+        self.quantization(ckpt)  # a setting the checkpoint or placement cannot take stops startup here
+
+    def quantization(self, ckpt: LlamaCheckpoint) -> str:
+        """The quantization mode of this deployment: the knob, or when unset ``gguf`` for a GGUF
+        checkpoint served on the CPU (real weights, one rank) and ``none`` otherwise."""
+        mode = self.knobs.quantization
+        dummy = self.config.load_format == "dummy"
+        split = any(g.tp_size > 1 for g in self.config.node_groups)
+        if mode is None:
+            usable = ckpt.format == "gguf" and self.config.device == "cpu" and not dummy and not split
+            return "gguf" if usable else "none"
+        if mode == "gguf" and (ckpt.format != "gguf" or dummy):
+            why = "load_format is dummy" if dummy else f"{ckpt.path} is not a .gguf file"
+            raise ConfigError(f"model_kwargs.quantization: gguf keeps a GGUF file's blocks, but {why}; "
+                              "use int4, int8 or none")
+        if mode != "none" and split:
+            raise ConfigError(f"model_kwargs.quantization: {mode} needs tp_size 1 (quantised layers are not split "
+                              "over ranks)")
+        return mode
 
     def parallel_dims(self) -> dict[str, ParallelDims]:
         config = self.checkpoint().config()
@@ -87,8 +109,12 @@ class LlamaChat(ChatLLM):
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
-        model = self.checkpoint().load_model(device, self.config.torch_dtype(),
-                                             dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
+        ckpt = self.checkpoint()
+        model = ckpt.load_model(device, self.config.torch_dtype(), dummy=self.config.load_format == "dummy",
+                                seed=self.knobs.seed)
+        mode = self.quantization(ckpt)
+        quantize_model(model, mode, blocks=ckpt.blocks() if mode == "gguf" else (),
+                       logits_from_embeddings=model.config.tie_word_embeddings)
         engines = {}
         if LLM in nodes:
             engines[LLM] = decode_engine(model, self.knobs, self.config, device)

@@ -1,0 +1,178 @@
+"""Weight-only quantised matrices for linear layers on the CPU.
+
+A quantised weight stands in for the float ``[out, in]`` matrix of a linear layer: the layer
+keeps its bias and its tensor-parallel logic and calls ``weight.linear(x)`` instead of
+``F.linear(x, W)`` (``mstar.layers.linear``; ``mstar.model.quantize`` attaches the weights
+from outside, so the modeling files stay the float reference).
+
+* ``Int4Weight``: 4-bit codes in groups of ``group_size`` input features, each group with a
+  scale and an offset, ``w = scale * code + offset`` (code in 0..15). This is GGUF's Q4_1
+  exactly (Q4_0 too: offset ``-8 * scale``) and the asymmetric int4 of ``quantization: int4``.
+  It runs on PyTorch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``), whose packed
+  layout and ``(code - 8) * scale + zero`` convention are undone here: ``zero = offset +
+  8 * scale``.
+* ``Int8Weight``: one int8 code per weight and one scale per output row, ``w = scale *
+  code`` (``quantization: int8``), on ``aten._weight_int8pack_mm``.
+* ``SplitInt8Weight``: GGUF's Q8_0 (int8 codes with a scale per block of 32) exactly, as two
+  int4 matrices whose products add: a code ``q`` in -128..127 is ``16 * hi + lo`` with ``lo``
+  in 0..15 and ``hi`` in -8..7, so ``d * q = d * lo + 16d * hi``. Two int4 products read as
+  many bytes as one int8 one, and PyTorch's int8 kernel takes only a scale per row.
+
+Precision. Both kernels are vectorised on x86 for bfloat16 activations only (with float32
+ones they are 10-20x slower than a float32 GEMM on this repository's 2-core AVX-512 test
+machine), so ``linear`` rounds the activations to bfloat16, accumulates in float32 inside
+the kernel and returns the input's dtype. The scales and zeros are bfloat16 too: a GGUF
+block scale (float16, 11 significant bits) loses its last 3 bits. Both errors are well
+below the 4-bit rounding of the weights themselves; llama.cpp itself rounds the activations
+further, to 8-bit blocks (Q8_0/Q8_1) for its integer dot products. Measured figures:
+``tests/layers/test_quantized.py`` and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Int4Weight", "Int8Weight", "QuantizedWeight", "SplitInt8Weight", "quantized_kernels_available"]
+
+INT4_GROUP_SIZE = 32
+"""Input features per scale of ``quantization: int4`` (GGUF's block size too)."""
+
+_ACT = torch.bfloat16  # the activation dtype the CPU kernels are vectorised for
+
+
+def quantized_kernels_available() -> bool:
+    """Whether this torch has the int4 and int8 weight-only CPU kernels."""
+    ops = torch.ops.aten
+    return all(hasattr(ops, name) for name in
+               ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm"))
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """A kernel's bfloat16 rows ``y`` as ``x``'s dtype and leading shape, plus ``bias``."""
+    y = y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
+
+
+@dataclass
+class Int4Weight:
+    """``w[n, k] = scale[n, g] * code[n, k] + offset[n, g]`` with ``g = k // group_size``.
+
+    ``packed``: uint8 ``[out, in / 2]`` in the layout of
+    ``aten._convert_weight_to_int4pack_for_cpu``; ``scales_zeros``: bfloat16
+    ``[in / group_size, out, 2]`` (the kernel's ``scale`` and ``zero``)."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4Weight:
+        """From codes ``[out, in]`` (integers 0..15) and per-group ``scale`` and ``offset``
+        ``[out, in / group_size]``."""
+        out_features, in_features = codes.shape
+        groups = scale.shape[1]
+        if in_features % groups or scale.shape != offset.shape or scale.shape[0] != out_features:
+            raise ValueError(f"codes {tuple(codes.shape)} do not split into groups of scale {tuple(scale.shape)} "
+                             f"and offset {tuple(offset.shape)}")
+        if int(codes.min()) < 0 or int(codes.max()) > 15:
+            raise ValueError("int4 codes must lie in 0..15")
+        group_size = in_features // groups
+        if group_size % 2 or in_features % 16:
+            raise ValueError(f"int4 weights need an even group size and in_features divisible by 16, "
+                             f"got group {group_size}, in_features {in_features}")
+        scale, zero = scale.float(), offset.float() + 8 * scale.float()  # the kernel: (code - 8) * scale + zero
+        pad = -out_features % 16  # the kernel packs rows by 16: zero rows fill the last pack
+        codes, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (codes.to(torch.int32), scale, zero))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_ACT)
+        return cls(packed, scales_zeros, group_size, out_features, in_features)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+        """Round a float ``[out, in]`` matrix to 4 bits per weight: per group the range
+        ``[min, max]`` in 15 equal steps (``quantization: int4``)."""
+        out_features, in_features = weight.shape
+        if in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+        w = weight.detach().float().reshape(out_features, -1, group_size)
+        low, high = w.amin(-1), w.amax(-1)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        return cls.from_codes(codes.reshape(out_features, in_features), scale, low)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T + bias`` for ``x [..., in]`` (the product in bfloat16, returned in
+        ``x``'s dtype)."""
+        rows = x.reshape(-1, self.in_features).to(_ACT)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
+        if y.shape[-1] != self.out_features:  # rows padded to a multiple of 16
+            y = y[:, :self.out_features]
+        return _finish(y, x, bias, self.out_features)
+
+
+@dataclass
+class Int8Weight:
+    """``w[n, k] = scale[n] * code[n, k]``: int8 ``codes [out, in]``, bfloat16 ``scales [out]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round a float ``[out, in]`` matrix to int8 with one symmetric scale per row
+        (``quantization: int8``)."""
+        w = weight.detach().float()
+        scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes.contiguous(), scale.to(_ACT))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(_ACT)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+        return _finish(y, x, bias, self.out_features)
+
+
+@dataclass
+class SplitInt8Weight:
+    """Int8 codes with a scale per block (GGUF's Q8_0, ``w = scale * code``) as the sum of two
+    ``Int4Weight``: the low and the high nibble of each code."""
+
+    low: Int4Weight
+    high: Int4Weight
+
+    @property
+    def out_features(self) -> int:
+        return self.low.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.low.in_features
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor) -> SplitInt8Weight:
+        """From int8 ``codes [out, in]`` and per-block ``scale [out, in / block]``."""
+        q = codes.to(torch.int32)
+        low, high = q & 15, q >> 4  # q = 16 * high + low, high in -8..7 (arithmetic shift)
+        scale = scale.float()
+        return cls(Int4Weight.from_codes(low, scale, torch.zeros_like(scale)),
+                   Int4Weight.from_codes(high + 8, 16 * scale, -8 * 16 * scale))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.low.linear(x, bias)
+        return y.add_(self.high.linear(x))
+
+
+QuantizedWeight = Int4Weight | Int8Weight | SplitInt8Weight

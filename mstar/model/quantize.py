@@ -1,0 +1,113 @@
+"""Weight-only quantisation of a loaded model, applied from outside (``model_kwargs.quantization``).
+
+The modeling files stay the float reference: after the weights load, ``quantize_model`` walks
+the module tree and gives each linear layer (``mstar.layers.linear``) a quantised matrix in
+its ``qweight`` (``mstar.layers.quantized``), whose product then replaces the float GEMM;
+the float weight of a quantised linear is dropped. Modes:
+
+* ``none``: float weights, as loaded (a GGUF checkpoint dequantised).
+* ``int8``: every linear rounded to int8, one scale per output row.
+* ``int4``: every linear rounded to 4 bits in groups of 32 input features (scale and offset
+  per group).
+* ``gguf``: the GGUF file's own blocks kept as they are stored (``GGUFBlocks``): Q4_0 and
+  Q4_1 as int4 with the file's scales and offsets, Q8_0 as two int4 halves (exact codes).
+  Matrices stored in other types (F32, F16, K-quants) stay float, and the log says so.
+
+Tied logits: with ``logits_from_embeddings`` the token embedding gets a quantised copy for
+the logits, keeping its float rows for the lookups (one row per token: cheap).
+
+The kernels are PyTorch's CPU ones, so quantisation is for CPU deployments; a layer split
+over tensor-parallel ranks is refused (its blocks would need splitting too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from mstar.layers.quantized import (
+    INT4_GROUP_SIZE,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    SplitInt8Weight,
+    quantized_kernels_available,
+)
+
+if TYPE_CHECKING:  # the GGUF reader (gguf, tokenizers) loads only where a GGUF file is read
+    from mstar.model.gguf_loader import GGUFBlocks
+
+__all__ = ["QUANTIZATIONS", "quantize_model"]
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+
+_LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
+def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, GGUFBlocks]] = (),
+                   logits_from_embeddings: bool = False) -> list[str]:
+    """Quantise ``model``'s linear layers in place (``mode``: one of ``QUANTIZATIONS``); the
+    names of the layers quantised. ``blocks``: ``(checkpoint name, GGUFBlocks)`` of the
+    checkpoint, for ``mode="gguf"`` (names as ``load_weights`` takes them; a fused layer's
+    segments are found by their ``segment_names``)."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "none":
+        return []
+    if not quantized_kernels_available():
+        raise RuntimeError(f"quantization {mode!r} needs PyTorch's int4/int8 CPU kernels, which torch "
+                           f"{torch.__version__} lacks")
+    stored = dict(blocks)
+    done, kept = [], []
+    for name, module in model.named_modules():
+        is_embedding = isinstance(module, VocabParallelEmbedding)
+        if not (isinstance(module, _LINEARS) or (is_embedding and logits_from_embeddings)):
+            continue
+        if module.tp.size > 1:
+            raise ValueError(f"{name}: quantization needs the layer on one rank (tp_size 1)")
+        weight = _gguf_weight(name, module, stored) if mode == "gguf" else _rounded(module.weight, mode)
+        if weight is None:
+            kept.append(name)
+            continue
+        module.qweight = weight
+        if not is_embedding:  # the product no longer reads it
+            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+        done.append(name)
+    if kept:
+        log.info("quantization %s: %d layer(s) stay float (%s)", mode, len(kept), ", ".join(kept[:4]))
+    log.info("quantization %s: %d layer(s) quantised", mode, len(done))
+    return done
+
+
+def _rounded(weight: torch.Tensor, mode: str) -> QuantizedWeight | None:
+    if mode == "int8":
+        return Int8Weight.quantize(weight)
+    if weight.shape[1] % INT4_GROUP_SIZE:
+        return None
+    return Int4Weight.quantize(weight)
+
+
+def _gguf_weight(name: str, module: nn.Module, stored: dict[str, GGUFBlocks]) -> QuantizedWeight | None:
+    """The stored blocks of ``module``'s weight (every segment's, stacked), or None when the
+    file does not store them all in one block format."""
+    segments = getattr(module, "segment_names", None)
+    parent = name.rpartition(".")[0]
+    names = [f"{parent}.{s}.weight" if parent else f"{s}.weight" for s in segments] if segments else [f"{name}.weight"]
+    parts = [stored.get(n) for n in names]
+    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+        return None
+    from mstar.model.gguf_loader import GGUFBlocks
+
+    b = parts[0] if len(parts) == 1 else GGUFBlocks(
+        parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+        None if parts[0].offset is None else torch.cat([p.offset for p in parts]))
+    if b.kind == "q8":
+        return SplitInt8Weight.from_codes(b.codes, b.scale)
+    return Int4Weight.from_codes(b.codes, b.scale, b.offset)
