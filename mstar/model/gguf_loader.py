@@ -224,36 +224,40 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+def _rotary_heads(checkpoint: GGUFCheckpoint):
+    """name -> the head count whose rows GGUF permuted for its rotary layout (q_proj: the
+    attention heads, k_proj: the KV heads), or None for a tensor left as it is."""
+    n_heads, n_kv_heads = _head_counts(checkpoint)
+    return lambda name: (n_heads if ".self_attn.q_proj." in name else
+                         n_kv_heads if ".self_attn.k_proj." in name else None)
+
+
 def llama_hf_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for a Llama GGUF, Q/K rows back in Hugging Face order.
 
     Feed the result to ``load_weights``. Derived tensors are dropped; unknown ones pass through
     under their GGUF names.
     """
-    n_heads, n_kv_heads = _head_counts(checkpoint)
+    heads = _rotary_heads(checkpoint)
     for gguf_name, tensor in checkpoint.tensors():
         name = llama_name_map(gguf_name)
         if name is None:
             continue
-        if ".self_attn.q_proj." in name:
-            tensor = unpermute_rotary(tensor, n_heads)
-        elif ".self_attn.k_proj." in name:
-            tensor = unpermute_rotary(tensor, n_kv_heads)
+        if (n := heads(name)) is not None:
+            tensor = unpermute_rotary(tensor, n)
         yield name, tensor
 
 
 def llama_hf_blocks(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, GGUFBlocks]]:
     """``llama_hf_tensors`` for the block-quantised matrices: ``(hf_name, GGUFBlocks)``, Q/K
     rows back in Hugging Face order (``mstar.model.quantize`` keeps them quantised)."""
-    n_heads, n_kv_heads = _head_counts(checkpoint)
+    heads = _rotary_heads(checkpoint)
     for gguf_name, blocks in checkpoint.blocks():
         name = llama_name_map(gguf_name)
         if name is None:
             continue
-        if ".self_attn.q_proj." in name:
-            blocks = blocks.map_rows(lambda t: unpermute_rotary(t, n_heads))
-        elif ".self_attn.k_proj." in name:
-            blocks = blocks.map_rows(lambda t: unpermute_rotary(t, n_kv_heads))
+        if (n := heads(name)) is not None:
+            blocks = blocks.map_rows(lambda t, n=n: unpermute_rotary(t, n))
         yield name, blocks
 
 
