@@ -13,6 +13,7 @@ tokens, with any per-request state the model reads besides the KV cache.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -290,9 +291,9 @@ class AutoregressiveEngine(Engine):
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
         """The next id of every row, left on the logits' device (the rules' ``sample``).
         ``pending``: for a step launched ahead, each row's id the host has not read yet."""
+        keys = [s.request_id if s.sampling.repetition_penalty != 1.0 else None for s in seqs]
         seen = None
-        if any(s.sampling.repetition_penalty != 1.0 for s in seqs):
-            keys = [s.request_id if s.sampling.repetition_penalty != 1.0 else None for s in seqs]
+        if any(key is not None for key in keys):
             seen = self.seen.mask(keys, [s.tokens for s in seqs], logits.shape[-1], logits.device, pending)
         ids = self.sampler(logits, [s.sampling for s in seqs], [s.generator for s in seqs], seen)
         return broadcast(ids, self.tp_group)  # unseeded draws differ per rank: take the first rank's
@@ -336,9 +337,7 @@ class AutoregressiveEngine(Engine):
         drawn = {seq.request_id: seq.generator.get_state() for seq in chosen
                  if seq.generator is not None and not seq.sampling.greedy}
         logits = self._forward_logits(ids, meta, [items[row] for row in rows], None)
-        def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-            return self.sample(logits, seqs, pending=ids)
-
+        sample = functools.partial(self.sample, pending=ids)  # the ids this step reads are not in the seqs yet
         self._ahead = _Ahead({items[row].request_id: i for i, row in enumerate(rows)},
                              self.rules.choose(logits, chosen, sample, lead=1), drawn)
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from mstar.contract import SamplingParams
+from mstar.engine.base import to_device
 
 _MAX_TEMPERATURE = 100.0
 _MAX_REPETITION_PENALTY = 100.0
@@ -69,9 +70,7 @@ def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
     key = (device, dtype, tuple(values))
     tensor = _KEPT.get(key)
     if tensor is None:
-        tensor = torch.tensor(values, dtype=dtype)
-        if device.type == "cuda":
-            tensor = tensor.pin_memory().to(device, non_blocking=True)
+        tensor = to_device(torch.tensor(values, dtype=dtype), device)
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()
         _KEPT[key] = tensor
@@ -262,9 +261,7 @@ class SeenTokens:
             cols.extend(new)
             self.marked[key] = len(ids)
         if cols:
-            where = torch.tensor([rows, cols], dtype=torch.int64)  # new ids each step: never kept
-            if device.type == "cuda":
-                where = where.pin_memory().to(device, non_blocking=True)
+            where = to_device(torch.tensor([rows, cols], dtype=torch.int64), device)  # new each step: not kept
             # A tensor value: ``= True`` would copy a host scalar over and wait on the device.
             self.table.index_put_((where[0], where[1]), self._true)
         index = _on(device, [0 if key is None else self.slots[key] for key in keys], torch.int64)

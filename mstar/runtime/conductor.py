@@ -174,8 +174,8 @@ class Conductor:
     # ------------------------------------------------------------- scheduling
     def note_media(self, request_id: str, seconds: float, now: float) -> None:
         """The request has sent ``seconds`` of media to its client in all (safe to call from
-        another thread: one dict assignment)."""
-        if request_id in self.live:
+        another thread: one dict assignment). Kept only when the deployment paces streams."""
+        if self.pacing is not None and request_id in self.live:
             pace = self.paces.get(request_id)
             self.paces[request_id] = Pace(pace.started_at if pace else now, seconds)
 

@@ -42,7 +42,7 @@ class Pace:
 
 
 def held_streams(streaming: Sequence[str], paces: Mapping[str, Pace], now: float, *, ahead_s: float,
-         max_streams: int | None = None) -> set[str]:
+                 max_streams: int | None = None) -> set[str]:
     """The requests of ``streaming`` (admission order) whose producing step waits this tick;
     ``paces`` holds the clocks of those whose first media is out."""
     fresh = [key for key in streaming if key not in paces]

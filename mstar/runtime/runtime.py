@@ -354,8 +354,9 @@ class Runtime:
             return
         try:
             event = tracked.stream.feed(modality, value)
-            if tracked.stream.media_seconds:  # a media stream's clock, for streaming-aware scheduling
-                self.conductor.note_media(request_id, tracked.stream.media_seconds, time.monotonic())
+            media = tracked.stream.media_seconds
+            if media:  # a media stream's clock, for streaming-aware scheduling
+                self.conductor.note_media(request_id, media, time.monotonic())
         except Exception as err:
             log.exception("output processing failed for %s", request_id)
             event = OutputEvent(finish_reason="error", error=f"output processing failed: {err}")
