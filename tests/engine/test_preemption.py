@@ -17,6 +17,7 @@ from mstar.engine.forward import Forward
 from mstar.engine.page_pool import OutOfPages
 from mstar.model.registry import model_class
 from tests.support.markers import needs_cuda
+from tests.support.models import GPU_LLAMA, random_llama
 
 PAGE_SIZE = 4
 MAX_NEW = 24
@@ -198,14 +199,8 @@ def test_fast_paths_with_the_prefix_cache_and_preemption_match_eager_on_gpu() ->
     """On the GPU: Triton attention, graph-replayed decodes, overlap, prefix caching and a pool
     that forces preemption, against each request alone in the eager PyTorch reference, token
     for token (float32)."""
-    from mstar.model.llama import LlamaConfig, LlamaForCausalLM
-
     device = torch.device("cuda")
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).eval()
+    model = random_llama(device, **GPU_LLAMA)
     common = dict(page_size=16, max_seq_len=128, device=device, dtype=torch.float32)
     shared = list(range(100, 132))  # two whole pages
     prompts = {rid: shared + PROMPTS[rid][:4] for rid in PROMPTS}

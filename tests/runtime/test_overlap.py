@@ -24,6 +24,7 @@ from mstar.model.registry import model_class
 from mstar.model.spec import WalkRequest
 from mstar.runtime.launch import Deployment, start
 from tests.support.markers import needs_cuda
+from tests.support.models import GPU_LLAMA, random_llama
 
 PAGE_SIZE = 4  # small pages: steps launched ahead often open a page that must be rolled back
 PROMPTS = [[5, 9, 300, 17], [400, 3, 3, 80, 81, 82, 7], [260], [11, 12, 13, 14, 15, 16, 17, 18, 19], [100, 200]]
@@ -301,14 +302,9 @@ def test_overlap_with_cuda_graphs_matches_eager_on_gpu():
     """On the GPU: Triton attention, graph-replayed decodes and overlap against the eager
     PyTorch reference, token for token (float32)."""
     from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-    from mstar.model.llama import LlamaConfig, LlamaForCausalLM
 
     device = torch.device("cuda")
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).eval()
+    model = random_llama(device, **GPU_LLAMA)
     layout = KVLayout(2, 2, 64)
     common = dict(num_pages=64, page_size=16, max_seq_len=128, device=device, dtype=torch.float32)
     eager = AutoregressiveEngine(model, layout, **common)
@@ -324,15 +320,11 @@ def test_steps_launched_ahead_never_wait_for_the_device():
     Orpheus's code mask) only queues GPU work: under torch's sync debug mode any host wait
     in it raises. A host wait there is what made overlap scheduling do nothing for S3."""
     from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-    from mstar.model.llama import LlamaConfig, LlamaForCausalLM
     from mstar.model.orpheus.engine import TalkerRules
 
     device = torch.device("cuda")
-    config = LlamaConfig(vocab_size=156940, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    model = random_llama(device, vocab_size=156940, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).eval()
     engine = AutoregressiveEngine(model, KVLayout(2, 2, 16), num_pages=64, page_size=16, max_seq_len=128,
                                   device=device, dtype=torch.float32, rules=TalkerRules(), cuda_graphs=True,
                                   graph_batch_sizes=(1, 2, 4), attention_backend="triton", overlap_scheduling=True)
