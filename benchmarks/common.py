@@ -40,7 +40,7 @@ TABLE_RULE = "|---|---|---|---|---|---|---|"
 
 
 # --------------------------------------------------------------------------- the machine
-def _package_version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -75,8 +75,8 @@ def hardware() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
-        "transformers": _package_version("transformers"),
-        "triton": _package_version("triton"),
+        "transformers": package_version("transformers"),
+        "triton": package_version("triton"),
         "cuda_available": torch.cuda.is_available(),
     }
     if torch.cuda.is_available():

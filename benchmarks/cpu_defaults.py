@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import yaml
 
-from benchmarks.common import Metric, hardware, setup_logging, write_record
+from benchmarks.common import Metric, hardware, package_version, setup_logging, write_record
 from benchmarks.http_load import REPO_ROOT, chat_body, run_chat_streams, serve_config
 
 NAME = "cpu_defaults"
@@ -140,7 +140,7 @@ def run_llama_cpp(args: argparse.Namespace, gguf_path: str) -> dict[str, Any]:
         out = llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=args.text_tokens,
                                          temperature=0.0)
         texts[prompt] = out["choices"][0]["message"]["content"]
-    return {"median": median_of(runs), "runs": runs, "texts": texts, "version": _version("llama_cpp_python")}
+    return {"median": median_of(runs), "runs": runs, "texts": texts, "version": package_version("llama_cpp_python")}
 
 
 def compare_texts(ours: dict[str, str], reference: dict[str, str]) -> list[dict[str, Any]]:
@@ -219,7 +219,7 @@ def run_ctranslate2(args: argparse.Namespace, workdir: Path, clip: np.ndarray) -
     prompt = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>",
                                               "<|notimestamps|>"])
     seconds, samples = len(clip) / SAMPLE_RATE, torch.from_numpy(clip)
-    results: dict[str, Any] = {"version": _version("ctranslate2")}
+    results: dict[str, Any] = {"version": package_version("ctranslate2")}
     for compute_type in ("float32", "int8"):
         model = ctranslate2.models.Whisper(str(directory), device="cpu", compute_type=compute_type,
                                            intra_threads=THREADS)
@@ -259,15 +259,6 @@ def metrics(ours_llm, cpp, ours_asr, ct2, concurrency: int) -> list[Metric]:
             rows.append(Metric("whisper_base, 8.7 s clip", f"real-time factor vs CTranslate2 {compute_type}", "x",
                                "higher", o, b))
     return rows
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def install_extras() -> None:
