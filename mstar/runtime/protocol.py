@@ -142,10 +142,22 @@ def emit_batch_key(keys: list[str]) -> str:
     return "\x1e".join(keys)
 
 
+def split_batch_key(key: str) -> list[str]:
+    """The keys an ``emit_batch_key`` joined, in order."""
+    return key.split("\x1e")
+
+
+def unpack_values(tensors: dict[str, Any], count: int) -> list[Any]:
+    """The ``count`` values of a batch message, in order: rows of ``EMIT_STACKED``, or the
+    tensors named ``"0"``, ``"1"``, ..."""
+    stacked = tensors.get(EMIT_STACKED)
+    return list(stacked.unbind(0)) if stacked is not None else [tensors[str(i)] for i in range(count)]
+
+
 def parse_emit_batch(key: str) -> list[tuple[str, int, str]]:
     """``(request_id, version, modality)`` of every output of an ``emit_batch_key``, in order."""
     out = []
-    for one in key.split("\x1e"):
+    for one in split_batch_key(key):
         request_id, _, version, modality = one.split("\x1f")
         out.append((request_id, int(version), modality))
     return out

@@ -25,11 +25,11 @@ from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
 from mstar.runtime.placement import Placement, Routes
 from mstar.runtime.protocol import (
-    EMIT_STACKED,
     StepResult,
     WorkerFailed,
     parse_emit_batch,
     tensor_key,
+    unpack_values,
 )
 
 log = logging.getLogger(__name__)
@@ -315,8 +315,7 @@ class Runtime:
                 raise
             for key, tensors in messages:  # one message per plan: every output it streamed
                 outputs = parse_emit_batch(key)
-                stacked = tensors.get(EMIT_STACKED)
-                values = stacked.unbind(0) if stacked is not None else [tensors[str(i)] for i in range(len(outputs))]
+                values = unpack_values(tensors, len(outputs))
                 for (request_id, version, modality), value in zip(outputs, values):
                     tracked = self.tracked.get(request_id)
                     if tracked is not None:

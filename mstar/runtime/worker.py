@@ -25,7 +25,9 @@ from mstar.runtime.protocol import (
     emit_batch_key,
     emit_key,
     parse_tensor_key,
+    split_batch_key,
     tensor_key,
+    unpack_values,
 )
 from mstar.runtime.transport import TensorTransport
 
@@ -208,8 +210,8 @@ class Worker:
         if "value" in tensors:
             pairs = [(key, tensors["value"])]
         else:
-            keys = key.split("\x1e")
-            pairs = list(zip(keys, _unpack(tensors, len(keys))))
+            keys = split_batch_key(key)
+            pairs = list(zip(keys, unpack_values(tensors, len(keys))))
         for one, value in pairs:
             request_id, var, version = parse_tensor_key(one)
             self.store.put(request_id, var, version, value)
@@ -232,18 +234,12 @@ class Worker:
 def _pack(values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """One message's tensors for several values: stacked along a new first dimension when
     they share shape, dtype and device (one tensor to copy and frame), else one each,
-    named by position."""
+    named by position (``protocol.unpack_values`` takes them apart)."""
     first = values[0]
     if len(values) > 1 and all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device
                                for v in values):
         return {EMIT_STACKED: torch.stack(values)}
     return {str(i): value for i, value in enumerate(values)}
-
-
-def _unpack(tensors: dict[str, torch.Tensor], count: int) -> list[torch.Tensor]:
-    """The values ``_pack`` packed, in order."""
-    stacked = tensors.get(EMIT_STACKED)
-    return list(stacked.unbind(0)) if stacked is not None else [tensors[str(i)] for i in range(count)]
 
 
 def _describe_error() -> str:
