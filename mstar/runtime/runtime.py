@@ -107,6 +107,7 @@ class Runtime:
             self.admission.withdraw()
             raise
         self.commands.put(("submit", spec))
+        self.workers.wake()
         # An input still being computed (a Future: seeded noise drawn on a background thread)
         # is sent on when it is ready; the steps reading it wait for it on their worker, the
         # others (the text encoder) run meanwhile.
@@ -119,6 +120,7 @@ class Runtime:
         except Exception as err:
             log.exception("input %r of %s failed", var, request_id)
             self.commands.put(("cancel", (request_id, "error", f"computing input {var!r} failed: {err}")))
+            self.workers.wake()
             value = torch.empty(0)  # a step already waiting for it fails at once instead of timing out
         for rank in ranks:
             try:
@@ -128,6 +130,7 @@ class Runtime:
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         self.commands.put(("cancel", (request_id, reason)))
+        self.workers.wake()
 
     def gauges(self) -> dict[str, float]:
         """Live values for /metrics: requests waiting and running, and every rank's engine
@@ -141,6 +144,7 @@ class Runtime:
     def close(self) -> None:
         self._stop.set()
         self.commands.put(("wake", None))
+        self.workers.wake()
         for thread in self._threads:
             thread.join(timeout=5)
         self.workers.close()
@@ -150,7 +154,8 @@ class Runtime:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=self.conductor.idle and not self.conductor.busy)
+                if self.conductor.idle and not self.conductor.busy:
+                    self._drain_commands(block=True)
                 for event in self.workers.poll(self._poll_timeout()):
                     if isinstance(event, StepResult):
                         if event.gauges:
@@ -159,6 +164,9 @@ class Runtime:
                         self.conductor.on_result(event)
                     elif isinstance(event, WorkerFailed):
                         self._rank_failed(event)
+                # Whatever arrived while the poll waited (a step can take a while) goes into
+                # this tick's plans, not the next one's; a submission also ends that wait.
+                self._drain_commands(block=False)
                 decisions = self.conductor.tick(time.monotonic())
                 for rank, plan in decisions.plans.items():
                     self._expect_emits(plan)

@@ -1,9 +1,10 @@
 """The worker side of the runtime: worker ranks in this process, or one process per rank.
 
 Both pools present the same calls to the runtime loop: ``send(rank, plan)``,
-``poll(timeout)`` for step results and failures, ``stats()`` (each rank's engine gauges
-before any work; later ones ride on every ``StepResult``) and ``close()``. The process
-pool can also ``restart`` a rank whose process died.
+``poll(timeout)`` for step results and failures, ``wake()`` (from any thread: the
+``poll`` waiting now, or the next one, returns at once), ``stats()`` (each rank's engine
+gauges before any work; later ones ride on every ``StepResult``) and ``close()``. The
+process pool can also ``restart`` a rank whose process died.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -49,6 +51,7 @@ from mstar.runtime.worker import Worker
 log = logging.getLogger(__name__)
 
 Event = StepResult | WorkerFailed
+_WAKE = object()  # put into an in-process pool's result queue by ``wake``
 
 PARENT_CHECK_MS = 1000  # how often an idle worker process checks that its server still lives
 DIST_TIMEOUT = timedelta(seconds=300)  # joining the split groups' process groups; their collectives
@@ -109,13 +112,16 @@ class InProcessWorkers:
             self._results.put(WorkerFailed(rank, f"{type(err).__name__}: {err}"))
 
     def poll(self, timeout: float) -> list[Event]:
-        out: list[Event] = []
+        out: list[Any] = []
         try:
             out.append(self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait())
             while True:
                 out.append(self._results.get_nowait())
         except queue.Empty:
-            return out
+            return [event for event in out if event is not _WAKE]
+
+    def wake(self) -> None:
+        self._results.put(_WAKE)
 
     def stats(self) -> dict[int, dict[str, float]]:
         return {rank: worker.stats() for rank, worker in self.workers.items()}
@@ -172,6 +178,13 @@ class ProcessWorkers:
         self._rendezvous_dir = tempfile.mkdtemp(prefix="mstar-rendezvous-") if self.world else None
         self._generation = 0
         self._closed = False
+        # ``wake``: any thread pushes an empty message that ``_receive`` polls beside the results.
+        address = f"inproc://mstar-wake-{id(self)}"
+        self._woken = self.ctx.socket(zmq.PULL)
+        self._woken.bind(address)
+        self._waker = self.ctx.socket(zmq.PUSH)
+        self._waker.connect(address)
+        self._wake_lock = threading.Lock()  # a zmq socket is not thread-safe
         try:
             rendezvous = self._rendezvous()
             for rank in range(num_ranks):
@@ -210,6 +223,14 @@ class ProcessWorkers:
         """Step results and failures (each death reported once, per process)."""
         return [e for e in self._receive(timeout) if isinstance(e, (StepResult, WorkerFailed))]
 
+    def wake(self) -> None:
+        with self._wake_lock:
+            if not self._waker.closed:
+                try:
+                    self._waker.send(b"", zmq.NOBLOCK)
+                except zmq.Again:  # wakes already queued: the next poll returns at once anyway
+                    pass
+
     def restart(self, rank: int, on_ready: Callable[[int, dict[str, float]], None]) -> None:
         """Start a new process for ``rank`` (whose process failed); see the class doc."""
         if rank in self.world:
@@ -244,6 +265,9 @@ class ProcessWorkers:
             self._stop(process, grace_s=5.0 if process.ready else 0.0)
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+        with self._wake_lock:
+            self._waker.close(linger=0)
+            self._woken.close(linger=0)
 
     # ------------------------------------------------------------------- internals
     def _rendezvous(self) -> str | None:
@@ -288,13 +312,16 @@ class ProcessWorkers:
         live = {p.results: rank for rank, p in self.ranks.items() if not p.failed}
         out: list[Event | WorkerReady] = []
         poller = zmq.Poller()
-        for sock in live:
+        for sock in (*live, self._woken):
             poller.register(sock, zmq.POLLIN)
-        if live:
-            readable = [sock for sock, _ in poller.poll(int(timeout * 1000))]
-        else:  # every rank is down: nothing to wait for but the caller's timeout
-            readable = []
-            time.sleep(timeout)
+        readable = [sock for sock, _ in poller.poll(int(timeout * 1000))]
+        if self._woken in readable:
+            readable.remove(self._woken)
+            while True:
+                try:
+                    self._woken.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
         for sock in readable:
             while True:
                 try:
