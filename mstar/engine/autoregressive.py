@@ -95,6 +95,12 @@ class AutoregressiveEngine(Engine):
     preempted decode then runs its whole history as one span and samples the token it would
     have sampled. A forward that is not ``preemptible`` reserves plainly, and ``OutOfPages``
     fails the step (its requests must hold their pages from admission).
+
+    ``max_prefill_tokens`` (None: no limit) bounds the tokens a step computes for the rows
+    that start from no pages of their own (new prefills, less their cached prefix; preempted
+    sequences): taken in admission order, the first whatever its length, then while the sum
+    stays within it. The rest are given back unrun like the rows that find no pages. Decodes
+    are not counted. It needs a ``preemptible`` forward.
     """
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
@@ -102,7 +108,7 @@ class AutoregressiveEngine(Engine):
                  rules: TokenRules | None = None, forward: Forward | None = None,
                  attention_backend: str = "torch", cuda_graphs: bool = False,
                  graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, overlap_scheduling: bool = False,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.model = model
@@ -118,6 +124,12 @@ class AutoregressiveEngine(Engine):
             raise ValueError(f"cuda_graphs: {name} cannot replay its decode steps from CUDA graphs")
         if prefix_caching and not self.forward.kv_from_tokens:
             raise ValueError(f"prefix_caching: the K/V {name} computes depend on more than the token ids")
+        if max_prefill_tokens is not None and not self.forward.preemptible:
+            raise ValueError(f"max_prefill_tokens: {name} cannot give a prefill back unrun")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.deferred = 0  # prefills given back because a step's prefill budget was spent (a gauge)
         self.attention_backend = attention_backend
         self.overlap = overlap_scheduling
         self.prefix_caching = prefix_caching
@@ -244,13 +256,19 @@ class AutoregressiveEngine(Engine):
                 if self.pool.has(request_id):  # else preempted this step for an older row
                     self.pool.reserve(request_id, len(seq.tokens))
                     runs.append(i)
+        spent = 0  # new tokens of the rows taken below (max_prefill_tokens)
         for i in by_age:
             if i in holding:
                 continue
+            new = len(seqs[i].tokens) - seqs[i].computed
+            if spent and self.max_prefill_tokens is not None and spent + new > self.max_prefill_tokens:
+                self.deferred += sum(1 for j in by_age[by_age.index(i):] if j not in holding)
+                break  # the step's prefill budget is spent: the newer ones come again next step
             if not self.pool.can_reserve(items[i].request_id, len(seqs[i].tokens)):
                 break  # first come, first served: the newer ones wait too
             self.pool.reserve(items[i].request_id, len(seqs[i].tokens))
             runs.append(i)
+            spent += new
         ran = set(runs)
         for i in rows:  # a prefill that did not run is taken in afresh when it comes again
             if i not in ran and items[i].op == "prefill":
@@ -583,7 +601,7 @@ class AutoregressiveEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         stats = {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
-                 "sequences": len(self.seqs), "preemptions": self.preemptions}
+                 "sequences": len(self.seqs), "preemptions": self.preemptions, "prefills_deferred": self.deferred}
         if self.prefix_caching:
             stats |= {"kv_pages_cached": self.pool.num_cached_pages,
                       "prefix_cache_queried_tokens": self.prefix_queried, "prefix_cache_hit_tokens": self.prefix_hits}

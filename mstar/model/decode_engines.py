@@ -1,7 +1,7 @@
 """How a Llama-family decode engine is built from its knobs (``DecodeKnobs``), shared by the
 Llama LLMs and the Orpheus talker (which adds its token rules): ``fused_kernels`` goes to the
 model, ``attention_backend``, ``cuda_graphs``, ``overlap_scheduling`` and ``prefix_caching`` to
-the engine; the KV pool from ``resources.kv_cache``.
+the engine, as is ``max_prefill_tokens``; the KV pool from ``resources.kv_cache``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def decode_engine(model, knobs: DecodeKnobs, config: DeploymentConfig, device: t
     backend = "triton" if knobs.cuda_graphs else knobs.attention_backend
     engine = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), **_pool(config, device), rules=rules,
                                   attention_backend=backend, cuda_graphs=knobs.cuda_graphs,
-                                  overlap_scheduling=knobs.overlap_scheduling, prefix_caching=knobs.prefix_caching)
+                                  overlap_scheduling=knobs.overlap_scheduling, prefix_caching=knobs.prefix_caching,
+                                  max_prefill_tokens=knobs.max_prefill_tokens)
     if engine.graphs is not None:
         engine.graphs.capture_all()
     return engine
@@ -39,7 +40,8 @@ def prefill_engine(model, knobs: DecodeKnobs, config: DeploymentConfig, device: 
     model.use_fused_kernels(knobs.fused_kernels)
     backend = "triton" if knobs.cuda_graphs else knobs.attention_backend
     engine = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), **_pool(config, device),
-                                  attention_backend=backend, prefix_caching=knobs.prefix_caching)
+                                  attention_backend=backend, prefix_caching=knobs.prefix_caching,
+                                  max_prefill_tokens=knobs.max_prefill_tokens)
     return PrefillEngine(engine)
 
 

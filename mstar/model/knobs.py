@@ -186,7 +186,18 @@ class PrefixCaching(Knobs):
     decoder's K/V depend on the audio)."""
 
 
-class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling, PrefixCaching):
+class PrefillBudget(Knobs):
+    max_prefill_tokens: int | None = Field(default=2048, ge=1)
+    """The most prompt tokens a step computes for the prefills it takes on (the part of a
+    prompt not found in the prefix cache; a preempted sequence's history it recomputes):
+    the prefills past it wait for the next step, in arrival order, while the running
+    sequences keep decoding. A burst of prompts then gets its first tokens step by step
+    rather than all after one long step, and running streams stall for less. The oldest
+    waiting prompt always runs, whatever its length (a prompt is not split over steps).
+    None: every prefill of a step runs at once."""
+
+
+class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling, PrefixCaching, PrefillBudget):
     """The knobs of a Llama-family decode engine (the Llama LLMs, the Orpheus talker); eager
     torch is the default and the reference. ``cuda_graphs`` runs the Triton attention kernels
     whatever ``attention_backend`` says (the torch reference synchronises with the host and

@@ -47,6 +47,8 @@ _DOCS = {
     "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not computed) since startup, "
                                "per rank and node",
     "preemptions": "Sequences preempted since start (KV pages freed, recomputed later), per worker rank and node",
+    "prefills_deferred": "Prompts sent back to wait a step because a step's prefill budget "
+                         "(model_kwargs.max_prefill_tokens) was spent, per rank and node",
 }
 
 

@@ -173,6 +173,55 @@ def test_a_forward_that_cannot_recompute_never_preempts(model) -> None:
     assert engine.pool.num_used_pages == 0
 
 
+def test_a_prefill_budget_runs_the_oldest_prompts_that_fit_and_gives_the_rest_back(model) -> None:
+    engine = _engine(model, 64, max_prefill_tokens=20)
+    outs = engine.run([_prefill(rid) for rid in "abcd"])  # 8 + 12 fit; c (5 more) waits, so does d
+    assert [o.preempted for o in outs] == [False, False, True, True]
+    assert set(engine.seqs) == {"a", "b"} and not engine.pool.has("c")
+    decodes = [EngineItem(rid, "decode", 0, {"token": o.outputs["token"]}, {}) for rid, o in zip("ab", outs)]
+    outs = engine.run(decodes + [_prefill("c"), _prefill("d"), _prefill("e")])
+    # the decodes do not count: c and d (14) run, e (10 more) waits
+    assert [o.preempted for o in outs] == [False, False, False, False, True]
+    big = {"big": list(range(30))}
+    outs = engine.run([EngineItem("big", "prefill", 0, {"prompt_ids": torch.tensor(big["big"])},
+                                  {"sampling": GREEDY, "max_new_tokens": 4, "stop_token_ids": []}),
+                       _prefill("e")])
+    assert [o.preempted for o in outs] == [False, True]  # the oldest runs whatever its length
+    assert engine.deferred == 2 + 1 + 1 and engine.stats()["prefills_deferred"] == 4
+    for rid in list(engine.seqs):
+        engine.release(rid)
+    engine.pool.check_invariants()
+    assert engine.pool.num_used_pages == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlap"])
+def test_under_a_prefill_budget_every_request_ends_as_alone(model, solo, overlap) -> None:
+    engine = _engine(model, 64, overlap_scheduling=overlap, max_prefill_tokens=13)
+    tokens, given_back = serve(engine, list(PROMPTS), LATE)
+    assert tokens == solo
+    assert given_back >= 4 and engine.deferred == given_back and engine.preemptions == 0
+    assert not engine.seqs
+    engine.pool.check_invariants()
+    assert engine.pool.num_used_pages == 0
+
+
+def test_a_prefill_budget_counts_only_what_the_prefix_cache_does_not_hold(model) -> None:
+    prompts = {rid: SHARED + PROMPTS[rid][:3] for rid in "abc"}  # 11 tokens, 8 of them cached after a
+    engine = _engine(model, 64, prefix_caching=True, max_prefill_tokens=12)
+    first = engine.run([_prefill("a", prompts=prompts)])
+    assert not first[0].preempted
+    outs = engine.run([_prefill("b", prompts=prompts), _prefill("c", prompts=prompts)])
+    assert [o.preempted for o in outs] == [False, False]  # 3 + 3 new tokens, not 11 + 11
+    for rid in "abc":
+        engine.release(rid)
+    assert engine.pool.num_used_pages == 0
+
+
+def test_a_prefill_budget_needs_a_forward_that_can_give_a_step_back(model) -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        _engine(model, 8, forward=_Stateful(model), max_prefill_tokens=16)
+
+
 SHARED = [7, 3, 5, 3, 0, 8, 2, 4]  # two whole pages every prompt of the next test starts with
 
 

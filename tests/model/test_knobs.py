@@ -90,7 +90,8 @@ def test_a_misspelt_knob_stops_startup_before_anything_loads(monkeypatch):
     with pytest.raises(ConfigError) as err:
         start(parse_config({"model": "smollm2", "model_kwargs": {"cuda_graph": True}}), in_process=True)
     assert str(err.value) == ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, cuda_graphs, "
-                              "fused_kernels, overlap_scheduling, prefix_caching, quantization, seed")
+                              "fused_kernels, max_prefill_tokens, overlap_scheduling, prefix_caching, "
+                              "quantization, seed")
 
 
 @pytest.mark.parametrize("key, offered", [("smollm2", True), ("llama", True), ("orpheus", True),

@@ -1,8 +1,9 @@
 """Preemption through the in-process runtime: a KV pool that holds about two of the requests
 at full length serves six at once. Requests are admitted against their prompts' pages, the
 engine preempts the newest sequences when the pool runs out, the conductor sends their
-steps again, and every request streams exactly what it streams alone. A tiny random Llama
-on the CPU, through the backend as the server drives it."""
+steps again, and every request streams exactly what it streams alone. A prefill budget of
+a few tokens per step defers prompts too (given back and sent again the same way). A tiny
+random Llama on the CPU, through the backend as the server drives it."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def deployment(request, tmp_path_factory):
         "model": "llama", "model_path": str(model_dir), "load_format": "dummy", "device": "cpu",
         "dtype": "float32", "max_seq_len": 128, "max_concurrent_requests": 8,
         "resources": {"kv_cache": {"max_num_pages": PAGES, "page_size": PAGE_SIZE}},
-        "model_kwargs": {"overlap_scheduling": request.param},
+        "model_kwargs": {"overlap_scheduling": request.param, "max_prefill_tokens": 8},
     }), in_process=True)
     try:
         yield d
@@ -74,6 +75,7 @@ def test_concurrent_requests_in_a_pool_too_small_for_all_equal_their_solo_output
 
     assert asyncio.run(together()) == alone
     assert _engine(d).preemptions > before
+    assert _engine(d).deferred > 0 and d.runtime.rank_gauges[0]["llm.prefills_deferred"] == _engine(d).deferred
     assert d.runtime.rank_gauges[0]["llm.preemptions"] == _engine(d).preemptions
     _drained(d)
 
