@@ -22,7 +22,7 @@ import torch
 
 from mstar.contract import SamplingParams
 from mstar.distributed import broadcast, current_parallel
-from mstar.engine.base import Engine, EngineItem, EngineOutput, to_device
+from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from mstar.engine.forward import Decoder, Forward
 from mstar.engine.page_pool import PagePool
@@ -33,6 +33,7 @@ from mstar.layers.paged_kv import (
     ATTENTION_BACKENDS,
     PagedAttentionMetadata,
     allocate_kv_cache,
+    to_device,
 )
 
 
@@ -509,6 +510,8 @@ class AutoregressiveEngine(Engine):
             page_table=table_d.view(batch, width),
             page_size=page_size,
             backend=self.attention_backend,
+            host_query_start_loc=tuple(query_start_loc),
+            host_seq_lens=tuple(lens),
         )
         return meta, ids_d
 

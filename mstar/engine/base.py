@@ -71,9 +71,3 @@ class StatelessEngine(Engine):
         return outputs  # type: ignore[return-value]
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``, copied without waiting for the device (pinned memory,
-    non-blocking), so launching a step never stalls on the previous one."""
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)

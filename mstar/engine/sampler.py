@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from mstar.contract import SamplingParams
-from mstar.engine.base import to_device
+from mstar.layers.paged_kv import to_device
 
 _MAX_TEMPERATURE = 100.0
 _MAX_REPETITION_PENALTY = 100.0

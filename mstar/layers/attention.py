@@ -79,8 +79,8 @@ def torch_paged_attention(
     out = torch.empty_like(q)
     for group in groups:  # the sequences with one new token, as in a decode step
         out.index_copy_(0, group.index.to(q.device), _decode_attention(q, flat, group, scale))
-    starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
+    starts = meta.query_starts
+    seq_lens = meta.seq_lens_list
     offsets = torch.arange(page_size, device=q.device)
     for b, seq_len in enumerate(seq_lens):
         start, end = starts[b], starts[b + 1]

@@ -31,10 +31,35 @@ class PagedAttentionMetadata:
     page_table: torch.Tensor  # [B, max_pages] int64: page ids, padded with 0
     page_size: int
     backend: str = "torch"  # attention implementation: "torch" (reference) or "triton"
+    # ``query_start_loc`` and ``seq_lens`` as host lists, when the builder has them: a backend
+    # that splits a mixed step on the host then never reads the device tensors back (a wait
+    # for the device in every layer of the step).
+    host_query_start_loc: tuple[int, ...] | None = None
+    host_seq_lens: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @functools.cached_property
+    def query_starts(self) -> list[int]:
+        """``query_start_loc`` on the host (read back at most once per step)."""
+        if self.host_query_start_loc is not None:
+            return list(self.host_query_start_loc)
+        return self.query_start_loc.tolist()
+
+    @functools.cached_property
+    def seq_lens_list(self) -> list[int]:
+        """``seq_lens`` on the host (read back at most once per step)."""
+        if self.host_seq_lens is not None:
+            return list(self.host_seq_lens)
+        return self.seq_lens.tolist()
+
+    @functools.cached_property
+    def step_tensors(self) -> dict[object, torch.Tensor]:
+        """Device tensors a backend derives from this step's metadata, made by the first
+        layer that needs them and reused by the others (keys are the backend's own)."""
+        return {}
 
     @functools.cached_property
     def decode_groups(self) -> tuple[list[DecodeGroup], set[int]]:
@@ -42,8 +67,8 @@ class PagedAttentionMetadata:
         grouped by their KV length rounded up to ``DECODE_KEY_BUCKET``: what every layer's
         attention gathers for them. Also the set of those sequences. Worked out on first use,
         once per step."""
-        starts = self.query_start_loc.tolist()
-        lengths = self.seq_lens.tolist()
+        starts = self.query_starts
+        lengths = self.seq_lens_list
         single = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
         if not single:
             return [], set()
@@ -84,6 +109,14 @@ class DecodeGroup:
     slots: torch.Tensor
     length: int
     padding: torch.Tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, copied without waiting for the device (pinned memory,
+    non-blocking), so launching a step never stalls on the previous one."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def allocate_kv_cache(

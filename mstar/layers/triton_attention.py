@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.layers.paged_kv import PagedAttentionMetadata, write_kv_cache
+from mstar.layers.paged_kv import PagedAttentionMetadata, to_device, write_kv_cache
 from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -301,10 +301,14 @@ def _launch_prefill(
     num_heads, head_dim = q.shape[1], q.shape[2]
     tiling = _tiling(q.device, head_dim)
     block_m = tiling.prefill_block_m
-    tiles = [(b, m0) for b in seqs for m0 in range(0, counts[b], block_m)]
-    tile_seq, tile_start = torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(q.device)
+    key = ("triton_prefill_tiles", block_m)
+    tiles = meta.step_tensors.get(key)
+    if tiles is None:
+        host = [(b, m0) for b in seqs for m0 in range(0, counts[b], block_m)]
+        tiles = meta.step_tensors[key] = to_device(torch.tensor(host, dtype=torch.int32).t().contiguous(), q.device)
+    tile_seq, tile_start = tiles
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _prefill_kernel[(len(tiles), num_heads)](
+    _prefill_kernel[(tiles.shape[1], num_heads)](
         q, k_cache, v_cache, out,
         tile_seq, tile_start, meta.query_start_loc, meta.positions, meta.seq_lens, meta.page_table,
         qk_scale,
@@ -384,12 +388,17 @@ def triton_paged_attention(
         _launch_decode(q, kv_cache, meta, out, qk_scale, num_seqs, None, num_kv_splits)
         return out
 
-    starts = meta.query_start_loc.tolist()  # mixed batch: split it on the host
+    # A mixed batch is split on the host, once per step: the metadata's host copies, and the
+    # index tensors made by the first layer and reused by the others (never a wait on the device).
+    starts = meta.query_starts
     counts = [end - start for start, end in zip(starts, starts[1:])]
     decode = [b for b, n in enumerate(counts) if n == 1]
     prefill = [b for b, n in enumerate(counts) if n > 1]
     if decode:
-        seq_index = torch.tensor(decode, dtype=torch.int32).to(q.device)
+        seq_index = meta.step_tensors.get("triton_decode_rows")
+        if seq_index is None:
+            seq_index = meta.step_tensors["triton_decode_rows"] = to_device(
+                torch.tensor(decode, dtype=torch.int32), q.device)
         _launch_decode(q, kv_cache, meta, out, qk_scale, len(decode), seq_index, num_kv_splits)
     if prefill:
         _launch_prefill(q, kv_cache, meta, out, qk_scale, prefill, counts)

@@ -176,3 +176,41 @@ def test_dispatch_through_paged_attention() -> None:
     assert torch.equal(cache, ref_cache)
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_attention(q, k, v, cache, replace(meta, backend="nope"), 0.125)
+
+
+def _with_host_copies(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
+    return replace(meta, host_query_start_loc=tuple(meta.query_start_loc.tolist()),
+                   host_seq_lens=tuple(meta.seq_lens.tolist()))
+
+
+def test_a_mixed_step_splits_once_and_every_layer_reuses_it() -> None:
+    """The host split of a mixed batch (decode rows, prefill tiles) is made by the first layer
+    and reused by the others: the same tensors, the same results as a fresh split."""
+    q, k, v, cache, meta = make_step(*MIXED)
+    meta = _with_host_copies(meta)
+    scale = q.shape[-1] ** -0.5
+    first = triton_paged_attention(q, k, v, cache.clone(), meta, scale)
+    made = dict(meta.step_tensors)
+    assert {key if isinstance(key, str) else key[0] for key in made} == {"triton_decode_rows", "triton_prefill_tiles"}
+    second = triton_paged_attention(q, k, v, cache.clone(), meta, scale)  # "the next layer"
+    assert all(meta.step_tensors[key] is tensor for key, tensor in made.items())
+    assert torch.equal(first, second)
+    fresh = triton_paged_attention(q, k, v, cache.clone(), replace(meta), scale)  # a new step's own split
+    assert torch.equal(first, fresh)
+    check_against_reference(q, k, v, cache, meta)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host waits exist on CUDA only")
+def test_a_mixed_step_with_host_copies_never_waits_for_the_device() -> None:
+    """With the metadata's host copies (the engine always gives them), a mixed step's
+    attention only queues work: a read-back in any layer would make the host wait for the
+    device in every layer of a prefill step."""
+    q, k, v, cache, meta = make_step(*MIXED)
+    meta = _with_host_copies(meta)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # three layers
+            triton_paged_attention(q, k, v, cache, meta, q.shape[-1] ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.base import EngineItem, to_device
+from mstar.engine.base import EngineItem
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
+from mstar.layers.paged_kv import to_device
 from mstar.model.snac import SnacDecoder, codes_from_orpheus
 
 # Orpheus's vocabulary: Llama 3's, then control tokens, then 7 x 4096 audio codes.

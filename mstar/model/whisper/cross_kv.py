@@ -25,10 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mstar.engine.base import to_device
 from mstar.engine.state_pool import OutOfSlots, StatePool
 from mstar.layers.attention import paged_attention
-from mstar.layers.paged_kv import ATTENTION_BACKENDS, PagedAttentionMetadata
+from mstar.layers.paged_kv import ATTENTION_BACKENDS, PagedAttentionMetadata, to_device
 
 
 class CrossKVSlots:

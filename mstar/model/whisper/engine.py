@@ -12,10 +12,10 @@ import torch
 
 from mstar.config import ConfigError, DeploymentConfig
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-from mstar.engine.base import Engine, EngineItem, StatelessEngine, to_device
+from mstar.engine.base import Engine, EngineItem, StatelessEngine
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
 from mstar.engine.forward import Forward
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata, to_device
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
 from mstar.model.whisper.knobs import WhisperKnobs
 from mstar.model.whisper.rules import DecoderTokens, WhisperRules

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar.engine.base import to_device
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
+from mstar.layers.paged_kv import to_device
 
 
 @dataclass(frozen=True)
