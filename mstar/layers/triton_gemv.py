@@ -49,26 +49,44 @@ from mstar.layers.triton_support import (
     triton,
 )
 
-M_PAD = 16  # the narrowest tl.dot: input rows are padded to it
-GEMV_MAX_ROWS = M_PAD
+M_PAD = 16  # the narrowest tl.dot: input rows are padded to it (or to 32, 64)
+GEMV_MAX_ROWS = 64
+SMS = 132  # an H200's multiprocessors: what the split-K rule fills
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters: output features per program, K step, warps, pipeline depth."""
+    """Launch parameters: output features per program, K step, warps, pipeline depth, and
+    how many programs share one output tile's K (``split_k``; 0 picks it from the tile count)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 _INTERPRETER_CONFIG = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1)
 
 
-def _config(n: int, k: int, norm: bool, silu_mul: bool, element_size: int) -> GemvConfig:
-    """Launch parameters for ``n`` output features (per half for ``silu_mul``) over ``k``;
-    the table is for 2-byte weights (wider ones take the same bytes per step, two stages).
+def padded_rows(m: int) -> int:
+    """The dot's column count for ``m`` rows: 16, 32 or 64."""
+    return max(M_PAD, triton.next_power_of_2(m)) if HAS_TRITON else M_PAD
+
+
+def auto_split_k(tiles: int, k: int, block_k: int) -> int:
+    """The fewest K splits (a power of two, each a whole number of ``block_k`` steps) that
+    give every multiprocessor a program: ``tiles * split >= SMS``."""
+    split = 1
+    while tiles * split < SMS and k % (2 * split * block_k) == 0:
+        split *= 2
+    return split
+
+
+def _config(n: int, k: int, m_rows: int, norm: bool, silu_mul: bool, element_size: int) -> GemvConfig:
+    """Launch parameters for ``n`` output features (per half for ``silu_mul``) over ``k``
+    at ``m_rows`` padded rows; the table is for 2-byte weights (wider ones take the same
+    bytes per step, two stages).
 
     The best of ``benchmarks/check_gemv.py --sweep`` on an H200 for the Llama-3.1-8B shapes,
     at 1 and 4 rows (microseconds per launch in a CUDA graph, weights cycled past the L2):
@@ -78,7 +96,9 @@ def _config(n: int, k: int, norm: bool, silu_mul: bool, element_size: int) -> Ge
     re-derive the normalised rows, a cost per program, not per weight."""
     if INTERPRET:
         return _INTERPRETER_CONFIG
-    if silu_mul:  # two weight tiles (gate and up) per step
+    if m_rows > M_PAD:  # provisional until swept
+        cfg = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0)
+    elif silu_mul:  # two weight tiles (gate and up) per step
         cfg = GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)
     elif norm:
         cfg = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
@@ -87,6 +107,26 @@ def _config(n: int, k: int, norm: bool, silu_mul: bool, element_size: int) -> Ge
     if element_size <= 2:
         return cfg
     return replace(cfg, block_k=max(16, cfg.block_k * 2 // element_size), num_stages=2)  # fits shared memory
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K arrival counters (int32 zeros) for ``tiles`` output tiles on ``device``.
+
+    One buffer per device, shared by every launch: the kernels leave it zeroed (the last
+    program of a tile resets its counter), and launches on one stream run one at a time.
+    Kernels on two streams at once must not both split K. It grows only outside a CUDA-graph
+    capture (a capture would record the zero fill instead of running it): a captured step
+    must have run once before, as the graph runners' warm-ups do."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K GEMV counters must be allocated before a CUDA-graph capture: "
+                               "run the step once eagerly first")
+        buf = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 # --------------------------------------------------------------------------- kernels
@@ -128,23 +168,41 @@ if HAS_TRITON:
         return tl.sum(tl.where(cols[:, None] == rows[None, :], rstd[None, :], 0.0), axis=1)
 
     @triton.jit
+    def _sum_splits(acc, SPLITS, split_stride, pid_k, mask, SPLIT_K: tl.constexpr):
+        """The fp32 sum over the ``SPLIT_K`` partials at ``SPLITS + s * split_stride``, this
+        program's own (``acc``) taken from registers, in split order (so the result does not
+        depend on which program finished last). Loads only where ``mask``; past L1, which is
+        not coherent with the other programs' stores."""
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            other = tl.load(SPLITS + s * split_stride, mask=mask & (pid_k != s), other=0.0, cache_modifier=".cg")
+            total += tl.where(pid_k == s, acc, other)
+        return total
+
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a padding
     def _gemv_kernel(
-        X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT,
+        X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT, PARTIAL, COUNTERS,
         M, N_OUT, eps,
         stride_x, stride_r, stride_w, stride_y, stride_s,
         K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
+        SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     ):
-        """Output features ``[pid * BLOCK_N, +BLOCK_N)`` of ``Y [M, N_OUT]`` for all M rows.
+        """Output features ``[pid * BLOCK_N, +BLOCK_N)`` of ``Y [M, N_OUT]`` for all M rows,
+        over K slice ``[pid_k * K_SPLIT, +K_SPLIT)`` (the whole K unless ``SPLIT_K > 1``).
 
         With ``SILU_MUL`` the weight holds ``2 * N_OUT`` rows ``[gate | up]`` and the program
         also computes the up rows ``N_OUT + n``. With ``NORM`` the GEMV's input is
         ``rmsnorm(x + residual) * NORM_W`` (rounded as ``torch_add_rmsnorm``). K is a
-        compile-time constant: one compiled kernel per weight shape, a loop of known length."""
+        compile-time constant: one compiled kernel per weight shape."""
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * K_SPLIT
+        # Without a K mask (full-width vector loads) when every step lies inside K.
+        EVEN_K: tl.constexpr = (K % BLOCK_K == 0) and (K_SPLIT * SPLIT_K == K)
         rows = tl.arange(0, M_ROWS)
         row_mask = rows < M
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
         ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         # Out-of-range features read row 0 (always there) and are never stored, so the weight
         # loads need no feature mask.
@@ -157,7 +215,7 @@ if HAS_TRITON:
             # Statistics over the whole rows first; then each step re-derives its slice of
             # the normalised rows from L2 (never stored), its loads issued one step ahead
             # (``s_next``, ``g_next``) so that their latency hides behind the step before.
-            rstd = _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, pid == 0,
+            rstd = _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, (pid == 0) & (pid_k == 0),
                              K, HAS_RESIDUAL, M_STAT, BLOCK_S, M_ROWS)
             x_offs = rows[None, :] * stride_x + offs_k[:, None]
             r_offs = rows[None, :] * stride_r + offs_k[:, None]
@@ -166,8 +224,8 @@ if HAS_TRITON:
 
         acc = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
+        for k0 in range(0, K_SPLIT, BLOCK_K):  # a trip count known at compile time
+            ks = k_lo + k0 + tl.arange(0, BLOCK_K)
             if NORM:
                 s, g = s_next, g_next
                 ks_next = ks + BLOCK_K
@@ -181,13 +239,13 @@ if HAS_TRITON:
             else:
                 mask = row_mask[None, :] & (ks[:, None] < K)
                 xt = tl.load(X + rows[None, :] * stride_x + ks[:, None], mask=mask, other=0.0)
-            if K % BLOCK_K == 0:  # no K mask: full-width vector loads
+            if EVEN_K:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
             acc = tl.dot(w, xt, acc, input_precision="ieee")
             if SILU_MUL:
-                if K % BLOCK_K == 0:  # no K mask: full-width vector loads
+                if EVEN_K:
                     w_up = tl.load(up_ptrs)
                 else:
                     w_up = tl.load(up_ptrs, mask=ks[None, :] < K, other=0.0)
@@ -196,6 +254,29 @@ if HAS_TRITON:
             up_ptrs += BLOCK_K
 
         out_mask = (ns[:, None] < N_OUT) & row_mask[None, :]
+        if SPLIT_K > 1:
+            # Split-K without a second kernel: every program stores its fp32 partials
+            # (``[SPLIT_K, gate (| up), N_OUT, M_ROWS]``) and counts itself in on the tile's
+            # counter; the last to arrive sums the splits, runs the epilogue, stores, and
+            # puts the counter back to zero for the next launch. The barrier makes all of
+            # the program's partial stores precede the counting atomic (acq_rel, GPU scope).
+            p_offs = ns[:, None] * M_ROWS + rows[None, :]
+            p_mask = ns[:, None] < N_OUT
+            split_stride = N_OUT * M_ROWS
+            if SILU_MUL:
+                split_stride = 2 * N_OUT * M_ROWS
+            own = PARTIAL + pid_k * split_stride + p_offs
+            tl.store(own, acc, mask=p_mask)
+            if SILU_MUL:
+                tl.store(own + N_OUT * M_ROWS, acc_up, mask=p_mask)
+            tl.debug_barrier()
+            last = tl.atomic_add(COUNTERS + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            acc = _sum_splits(acc, PARTIAL + p_offs, split_stride, pid_k, p_mask & last, SPLIT_K)
+            if SILU_MUL:
+                acc_up = _sum_splits(acc_up, PARTIAL + N_OUT * M_ROWS + p_offs, split_stride, pid_k, p_mask & last,
+                                     SPLIT_K)
+            tl.store(COUNTERS + pid, 0, mask=last)
+            out_mask = out_mask & last
         if HAS_BIAS:
             acc += tl.load(BIAS + ns, mask=ns < N_OUT, other=0.0).to(tl.float32)[:, None]
         y = acc.to(dtype)
@@ -252,26 +333,38 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(xs) if with_sum else xs
     if m and n_out:
-        cfg = config or _config(n_out, k, norm, silu_mul, weight.element_size())
+        m_rows = padded_rows(m)
+        cfg = config or _config(n_out, k, m_rows, norm, silu_mul, weight.element_size())
+        tiles = triton.cdiv(n_out, cfg.block_n)
+        split = cfg.split_k or auto_split_k(tiles, k, cfg.block_k)
+        k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # whole steps per split
+        if split > 1:
+            partial = torch.empty(split, 2 if silu_mul else 1, n_out, m_rows, dtype=torch.float32, device=x.device)
+            counters = _split_counters(x.device, tiles)
+        else:
+            partial = counters = y  # unused
         m_stat = triton.next_power_of_2(m)
         block_s = min(triton.next_power_of_2(k), (64 if INTERPRET else 4096) // m_stat)
-        _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        _gemv_kernel[(tiles, split)](
             xs, rs, norm_weight if norm else xs, weight, bias if bias is not None else weight, y, summed,
+            partial, counters,
             m, n_out, eps,
             xs.stride(0), rs.stride(0), weight.stride(0), y.stride(0), summed.stride(0),
             K=k, NORM=norm, HAS_RESIDUAL=with_sum, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-            M_ROWS=M_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
+            M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
+            SPLIT_K=split, K_SPLIT=k_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     y = y.view(*x.shape[:-1], n_out)
     return y, (summed.view(x.shape) if with_sum else x)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, *,
          config: GemvConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` of at most ``GEMV_MAX_ROWS`` rows
-    (``config`` overrides the launch table, for benchmarks)."""
-    return _launch(x, None, None, 0.0, weight, bias, False, config)[0]
+    (``config`` overrides the launch table, for benchmarks). With ``silu_mul`` the weight is
+    ``[gate | up]`` and the result ``torch_silu_and_mul`` of the product, ``[..., N / 2]``."""
+    return _launch(x, None, None, 0.0, weight, bias, silu_mul, config)[0]
 
 
 def rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mstar.layers import triton_gemv  # noqa: E402
 from mstar.layers.triton_fused import torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
-from mstar.layers.triton_gemv import GEMV_MAX_ROWS, gemv, rmsnorm_gemv  # noqa: E402
+from mstar.layers.triton_gemv import GEMV_MAX_ROWS, GemvConfig, gemv, rmsnorm_gemv  # noqa: E402
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM, modeling  # noqa: E402
 from tests.support.markers import needs_cuda
 from tests.support.triton_interpreter import (
@@ -117,6 +117,28 @@ def test_gemv_takes_up_to_the_row_limit() -> None:
     assert rel_err(gemv(x, weight), F.linear(x, weight)) < TOL[torch.float32]
 
 
+@runnable
+@pytest.mark.parametrize(("rows", "split"), [(5, 2), (40, 3)])
+def test_split_k_and_wide_rows_match_torch(rows: int, split: int) -> None:
+    """K split over ``split`` programs per tile (the last of 3 splits gets a partial slice,
+    so the masked path runs too) at 16- and 64-column padding: plain, SiLU * up epilogue,
+    and the norm prologue; the arrival counters are left at zero for the next launch."""
+    gen = torch.Generator().manual_seed(5)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=split)
+    dtype = DTYPES[-1]
+    weight, bias = rand(gen, 2 * N, K, dtype=dtype, scale=K**-0.5), rand(gen, 2 * N, dtype=dtype)
+    norm_w = torch.empty(K).uniform_(0.5, 1.5, generator=gen).to(DEVICE, dtype)
+    x, residual = rand(gen, rows, K, dtype=dtype), rand(gen, rows, K, dtype=dtype)
+    assert rel_err(gemv(x, weight, bias, config=config), F.linear(x, weight, bias)) < TOL[dtype]
+    ref = torch_silu_and_mul(F.linear(x, weight, bias))
+    assert rel_err(gemv(x, weight, bias, silu_mul=True, config=config), ref) < TOL[dtype]
+    normed, ref_sum = torch_add_rmsnorm(x, residual, norm_w, 1e-5)
+    y, summed = rmsnorm_gemv(x, residual, norm_w, 1e-5, weight, None, silu_mul=True, config=config)
+    assert rel_err(y, torch_silu_and_mul(F.linear(normed, weight))) < TOL[dtype]
+    assert rel_err(summed, ref_sum) < TOL[dtype]
+    assert not triton_gemv._counters[x.device].any()
+
+
 @runnable  # the wrappers refuse to launch where the kernels cannot run, before checking shapes
 def test_wrappers_reject_bad_shapes() -> None:
     def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -141,6 +163,8 @@ def test_wrappers_reject_bad_shapes() -> None:
         rmsnorm_gemv(x, None, t(7), 1e-6, w)
     with pytest.raises(ValueError, match="even number of rows"):
         rmsnorm_gemv(x, None, t(8), 1e-6, t(7, 8), silu_mul=True)
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv(x, t(7, 8), silu_mul=True)
 
 
 # ------------------------------------------------------------------------------ model
