@@ -270,10 +270,10 @@ def sweep(rows_list: list[int], log: Callable[[dict], None]) -> None:
                 results.setdefault((rows, name, variant), []).append((us, cfg, case.weight_bytes / us / 1e6))
             else:
                 print(f"FAIL M={rows} {name} {variant} {cfg}: rel err {err:.1e}", flush=True)
-    for (rows, name, variant), found in results.items():
-        found.sort()
-        best = "  ".join(f"{cfg} {us:.1f}us {tbs:.2f}TB/s" for us, cfg, tbs in found[:4])
-        print(f"sweep M={rows:<2} {name:<8} ({variant}) {best}", flush=True)
+        for (found_rows, name, variant), found in results.items():
+            if found_rows == rows:
+                best = "  ".join(f"{cfg} {us:.1f}us {tbs:.2f}TB/s" for us, cfg, tbs in sorted(found)[:4])
+                print(f"sweep M={rows:<2} {name:<8} ({variant}) {best}", flush=True)
 
 
 def main() -> int:
