@@ -133,16 +133,27 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def run(rows_list: list[int], device: torch.device, smoke: bool, log: Callable[[dict], None]) -> bool:
+def run(rows_list: list[int], device: torch.device, smoke: bool, log: Callable[[dict], None],
+        configs: dict | None = None, label: str = "") -> tuple[bool, dict]:
+    """Check and time every variant at every row count; ``configs`` maps ``(padded rows, case,
+    variant)`` to a launch config replacing the default (row counts of 3 and up). Returns
+    whether all were right, and the times by ``(rows, case, variant)``."""
+    from mstar.layers.triton_gemv import padded_rows
+
     dtype = torch.float32 if smoke else torch.bfloat16
     sizes = TINY if smoke else dict(hidden=HIDDEN, qkv=QKV, inner=INNER)
-    ok = True
+    ok, all_times = True, {}
     for rows in rows_list:
         sums = {"a": 0.0, "ours": 0.0, "best": 0.0}
         for case in make_cases(rows, device, dtype, **sizes):
             ref = case.variants["a"](0, None)
             times, parts = {}, []
-            for name, call in case.variants.items():
+            for name, variant_call in case.variants.items():
+                config = (configs or {}).get((padded_rows(rows), case.name, name)) if rows >= 3 else None
+
+                def call(i: int, _: object, variant_call=variant_call, config=config) -> torch.Tensor:
+                    return variant_call(i, config)
+
                 err = 0.0 if name == "a" else rel_err(call(0, None), ref)
                 good = err <= (1e-5 if smoke else TOLERANCE)
                 ok &= good
@@ -151,21 +162,23 @@ def run(rows_list: list[int], device: torch.device, smoke: bool, log: Callable[[
                     call(0, None)
                     parts.append(f"({name}) {'ok' if good else 'FAIL'} {err:.1e} {time.perf_counter() - start:.2f} s")
                     continue
-                us = times[name] = graph_us(lambda i, call=call: call(i, None), case.copies)
-                log(dict(rows=rows, case=case.name, variant=name, us=us, tbs=case.weight_bytes / us / 1e6, err=err))
+                us = times[name] = all_times[rows, case.name, name] = graph_us(lambda i, call=call: call(i, None),
+                                                                                case.copies)
+                log(dict(rows=rows, case=case.name, variant=name, us=us, tbs=case.weight_bytes / us / 1e6, err=err,
+                         label=label, config=str(config)))
                 parts.append(f"({name}) {us:6.1f} us {case.weight_bytes / us / 1e6:4.2f} TB/s{'' if good else ' FAIL'}")
-            print(f"M={rows:<2} {case.name:<8} " + "  ".join(parts), flush=True)
+            print(f"{label}M={rows:<2} {case.name:<8} " + "  ".join(parts), flush=True)
             if not smoke:
                 ours = min(us for name, us in times.items() if name != "a")
                 sums["a"] += times["a"]
                 sums["ours"] += ours
                 sums["best"] += min(ours, times["a"])
         if not smoke:
-            log(dict(rows=rows, case="layer", **sums))
-            print(f"M={rows:<2} per layer: (a) {sums['a']:6.1f} us  ours {sums['ours']:6.1f} us  "
+            log(dict(rows=rows, case="layer", label=label, **sums))
+            print(f"{label}M={rows:<2} per layer: (a) {sums['a']:6.1f} us  ours {sums['ours']:6.1f} us  "
                   f"best {sums['best']:6.1f} us  saves {sums['a'] - sums['best']:5.1f} us/layer, "
                   f"{32 * (sums['a'] - sums['best']) / 1e3:.3f} ms/step of 32 layers", flush=True)
-    return ok
+    return ok, all_times
 
 
 # ------------------------------------------------------------------------------ sweep
@@ -173,7 +186,7 @@ SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up": 
           "down": (HIDDEN, INNER, False)}  # name: (output features, K, SiLU * up epilogue)
 
 
-def candidates(name: str, variant: str, rows: int) -> list:
+def candidates(name: str, variant: str, rows: int, tma: bool = False) -> list:
     """Launch configs worth timing for one kernel: block shapes that fit shared memory at the
     deepest pipeline up to 6 stages (and at 3), and K splits that bring the programs to 1-5
     per SM (the norm prologue, run once per program, is never split)."""
@@ -185,31 +198,32 @@ def candidates(name: str, variant: str, rows: int) -> list:
     for bn in (32, 64, 128):
         for bk in (64, 128, 256):
             stages = min(6, SMEM_BYTES // (2 * bk * (bn * tiles_per_step + m_rows)))
-            if stages < 2 or (variant == "b" and bk == 64):
+            if stages < 2 or (variant == "b" and name in ("qkv", "gate_up") and bk == 64):
                 continue
             tiles = -(-n_out // bn)
             splits = [s for s in (1, 2, 4, 8) if SMS <= tiles * s <= 4 * SMS and k % (s * bk) == 0] or [1]
             if variant == "b" and name in ("qkv", "gate_up"):
                 splits = [1]
             for split in splits:
-                for warps in ((4, 8) if bn * m_rows >= 64 * 64 else (4,)):
-                    configs.append(GemvConfig(bn, bk, warps, stages, split))
+                for warps in ((4, 8) if bn * m_rows >= 64 * 64 and not tma else (4,)):
+                    configs.append(GemvConfig(bn, bk, warps, stages, split, tma))
                     if stages > 4:
-                        configs.append(GemvConfig(bn, bk, warps, 3, split))
+                        configs.append(GemvConfig(bn, bk, warps, 3, split, tma))
     return configs
 
 
-def sweep_jobs(rows_list: list[int]) -> list[tuple[int, str, str, object]]:
+def sweep_jobs(rows_list: list[int], tma: bool = False) -> list[tuple[int, str, str, object]]:
     """Every (rows, case, variant, config) of the sweep: (b) and (c) of every projection, but
-    (b) of qkv and gate_up only up to 16 rows (its prologue re-reads all rows per program)."""
+    (b) of qkv and gate_up only up to 16 rows (its prologue re-reads all rows per program) and
+    never with ``tma`` (weights through the copy engine: the separate-norm kernels only)."""
     jobs = []
     for rows in rows_list:
         for name in SHAPES:
             variants = ("b", "c") if name in ("qkv", "gate_up") else ("b",)
             for variant in variants:
-                if variant == "b" and rows > 16 and name in ("qkv", "gate_up"):
+                if variant == "b" and name in ("qkv", "gate_up") and (rows > 16 or tma):
                     continue
-                jobs += [(rows, name, variant, c) for c in candidates(name, variant, rows)]
+                jobs += [(rows, name, variant, c) for c in candidates(name, variant, rows, tma)]
     return jobs
 
 
@@ -246,10 +260,10 @@ def default_jobs(rows_list: list[int]) -> list[tuple[int, str, str, object]]:
             for variant in (("b", "c") if name in ("qkv", "gate_up") else ("b",))]
 
 
-def sweep(rows_list: list[int], log: Callable[[dict], None]) -> None:
+def sweep(rows_list: list[int], log: Callable[[dict], None], tma: bool) -> dict:
     """Time every candidate config (compiled by ``precompile``), check it, and print the best
-    four per kernel."""
-    jobs = sweep_jobs(rows_list)
+    four per kernel; returns the best ``(us, config)`` by ``(rows, case, variant)``."""
+    jobs = sweep_jobs(rows_list, tma)
     results: dict[tuple[int, str, str], list] = {}
     for rows in rows_list:
         cases = {c.name: c for c in make_cases(rows, torch.device("cuda"), torch.bfloat16, HIDDEN, QKV, INNER)}
@@ -264,16 +278,35 @@ def sweep(rows_list: list[int], log: Callable[[dict], None]) -> None:
             except Exception as error:  # out of shared memory or registers: not a candidate
                 print(f"     skip M={rows} {name} {variant} {config}: {type(error).__name__}", flush=True)
                 continue
-            cfg = f"{config.block_n}/{config.block_k}/w{config.num_warps}/s{config.num_stages}/k{config.split_k}"
+            cfg = (f"{config.block_n}/{config.block_k}/w{config.num_warps}/s{config.num_stages}/k{config.split_k}"
+                   + ("/tma" if config.tma else ""))
             log(dict(rows=rows, case=name, variant=variant, config=cfg, us=us, err=err, sweep=True))
             if err <= TOLERANCE:
-                results.setdefault((rows, name, variant), []).append((us, cfg, case.weight_bytes / us / 1e6))
+                results.setdefault((rows, name, variant), []).append((us, cfg, case.weight_bytes / us / 1e6, config))
             else:
                 print(f"FAIL M={rows} {name} {variant} {cfg}: rel err {err:.1e}", flush=True)
         for (found_rows, name, variant), found in results.items():
             if found_rows == rows:
-                best = "  ".join(f"{cfg} {us:.1f}us {tbs:.2f}TB/s" for us, cfg, tbs in sorted(found)[:4])
+                found.sort(key=lambda r: r[0])
+                best = "  ".join(f"{cfg} {us:.1f}us {tbs:.2f}TB/s" for us, cfg, tbs, _ in found[:4])
                 print(f"sweep M={rows:<2} {name:<8} ({variant}) {best}", flush=True)
+    return {key: (found[0][0], found[0][3]) for key, found in results.items()}
+
+
+def confirm(rows_list: list[int], best: dict, times: dict, device: torch.device, log: Callable[[dict], None]) -> bool:
+    """Time the table again, each kernel on the sweep's best config where that beat the
+    default at the sweep's row count (standing for every row count of its padding)."""
+    from mstar.layers.triton_gemv import padded_rows
+
+    chosen = {}
+    for (rows, name, variant), (us, config) in sorted(best.items()):
+        default = times.get((rows, name, variant))
+        if default is None or us < default:
+            chosen[padded_rows(rows), name, variant] = config
+        print(f"chosen M={rows:<2} {name:<8} ({variant}) {chosen.get((padded_rows(rows), name, variant), 'default')}"
+              f"  sweep {us:.1f} us, default {default if default is None else f'{default:.1f}'} us", flush=True)
+    log(dict(chosen={f"{k[0]} {k[1]} {k[2]}": str(v) for k, v in chosen.items()}))
+    return run([r for r in rows_list if r >= 3], device, False, log, chosen, label="confirm ")[0]
 
 
 def main() -> int:
@@ -282,6 +315,10 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--sweep", type=int, nargs="*", default=None, metavar="ROWS",
                         help="also time candidate launch configs at these row counts")
+    parser.add_argument("--tma", action="store_true", help="sweep configs with weights through the copy engine")
+    parser.add_argument("--confirm", action="store_true",
+                        help="after the sweep, time the table again with each kernel's faster of the default and "
+                             "the sweep's best (the sweep's row counts stand for their padding)")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                         help="processes compiling the sweep's kernels")
     parser.add_argument("--json", default=None, help="append every timing to this file as JSON lines")
@@ -304,10 +341,12 @@ def main() -> int:
 
     rows = args.rows or ([1, 3, 20] if args.smoke else [1, 2, 4, 8, 16, 32, 64])
     if not args.smoke:
-        precompile(default_jobs(rows) + (sweep_jobs(args.sweep) if args.sweep else []), args.workers)
-    ok = run(rows, device, args.smoke, log)
+        precompile(default_jobs(rows) + (sweep_jobs(args.sweep, args.tma) if args.sweep else []), args.workers)
+    ok, times = run(rows, device, args.smoke, log)
     if args.sweep and not args.smoke:
-        sweep(args.sweep, log)
+        best = sweep(args.sweep, log, args.tma)
+        if args.confirm:
+            ok &= confirm(rows, best, times, device, log)
     print("all ok" if ok else "FAILURES", flush=True)
     return 0 if ok else 1
 

@@ -139,6 +139,19 @@ def test_split_k_and_wide_rows_match_torch(rows: int, split: int) -> None:
     assert not triton_gemv._counters[x.device].any()
 
 
+@runnable
+def test_weights_through_the_copy_engine_match_torch() -> None:
+    """``GemvConfig.tma``: the weight tiles as tensor-descriptor loads (zero past the edges),
+    plain and SiLU * up, with a split K; rows of 152 floats are 16-byte aligned."""
+    gen = torch.Generator().manual_seed(6)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=3, tma=True)
+    k = 152
+    weight, x = rand(gen, 2 * N, k, dtype=torch.float32, scale=k**-0.5), rand(gen, 5, k, dtype=torch.float32)
+    assert rel_err(gemv(x, weight, config=config), F.linear(x, weight)) < TOL[torch.float32]
+    ref = torch_silu_and_mul(F.linear(x, weight))
+    assert rel_err(gemv(x, weight, silu_mul=True, config=config), ref) < TOL[torch.float32]
+
+
 @runnable  # the wrappers refuse to launch where the kernels cannot run, before checking shapes
 def test_wrappers_reject_bad_shapes() -> None:
     def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
