@@ -18,11 +18,14 @@ sums follow: (a), ours (the faster of (b) and (c) per projection) and the best o
 projection (what the decoder's row rule picks). Every kernel output is checked against (a)
 (max error relative to (a)'s largest magnitude); a failure exits non-zero. On an H200:
 
-    python benchmarks/check_gemv.py                   # rows 1 2 4 8 16 32 64, about a minute
-    python benchmarks/check_gemv.py --sweep 16 32 64  # also time candidate launch configs
+    python benchmarks/check_gemv.py                   # rows 1 2 4 8 16 32 64, about half a minute
+    python benchmarks/check_gemv.py --sweep 64 32 16  # also time ~350 candidate configs (a minute)
+    python benchmarks/check_gemv.py --sweep 64 32 16 --tma --confirm  # copy-engine candidates, then
+                                                      # the table again with each kernel's faster config
     python benchmarks/check_gemv.py --smoke           # tiny shapes on the CPU, Triton's interpreter
 
-``--json FILE`` writes every timing as one JSON line.
+The kernels are compiled first in ``--workers`` processes at once. ``--json FILE`` writes
+every timing as one JSON line (benchmarks/records has the H200's of 2026-12-03).
 """
 
 from __future__ import annotations
