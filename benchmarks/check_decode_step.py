@@ -1,7 +1,10 @@
 """A whole Llama-3.1-8B decode step (bf16, 32 layers, random weights, ``fused_kernels`` on,
-Triton attention), captured in a CUDA graph, under two rules for the decoder's projections
-(``mstar.model.llama.modeling.DECODE_GEMV``): ``cublas`` (the Triton GEMV kernels only up
-to two rows, as before issue 17) and ``tuned`` (the rule in the code), at several row counts.
+Triton attention), captured in a CUDA graph, under rules for the decoder's projections
+(``mstar.model.llama.modeling.DECODE_GEMV``), at several row counts. ``--rules`` names them
+(the first is the base the others are compared with): ``before`` (every projection on our
+Triton kernels, norm as their prologue, up to two rows; cuBLAS above: the rule before issue
+17), ``tuned`` (the rule in the code), ``no_prologue`` (``tuned`` with the norm a kernel of
+its own at every row count) and ``cublas`` (cuBLAS and the separate fused kernels always).
 
 Each sequence has ``--context`` tokens cached (random keys and values) and decodes one; the
 step ends with the logits. Printed per row count: milliseconds per replayed step under each
@@ -12,7 +15,7 @@ On an H200, in about half a minute:
     python benchmarks/check_decode_step.py --rows 4 8 16 32 64
 
 Measured there on 2026-12-03 (context 128, the rule of ``DECODE_GEMV`` then: o up to 16 rows,
-gate_up up to 64), ms per step, cuBLAS rule -> tuned: 4 rows 4.653 -> 4.473 (-3.9%), 8 rows
+gate_up up to 64), ms per step, ``before`` -> ``tuned``: 4 rows 4.653 -> 4.473 (-3.9%), 8 rows
 4.732 -> 4.544 (-4.0%), 16 rows 4.844 -> 4.626 (-4.5%), 32 rows 5.070 -> 5.014 (-1.1%), 64
 rows 5.175 -> 5.026 (-2.9%). (That run drew different token ids per rule, so its logits
 column compared different inputs; the ids are now seeded by the row count. The timings do
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -102,6 +106,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence, the new one included")
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--rules", nargs="+", default=["before", "tuned"],
+                        choices=["before", "tuned", "no_prologue", "cublas"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -118,15 +124,23 @@ def main() -> int:
                                CONFIG["head_dim"], torch.bfloat16, device)
     for cache in caches:
         cache.normal_()
-    rules = {"cublas": GemvRule(qkv=2, o=2, gate_up=2, down=2, norm_prologue=2), "tuned": modeling.DECODE_GEMV}
-    print(f"tuned rule: {rules['tuned']}", flush=True)
-    for rows in args.rows:
-        (base, base_logits), (ours, ours_logits) = (time_rule(model, rule, rows, args.context, caches, args.replays)
-                                                    for rule in rules.values())
-        diff = ((ours_logits.float() - base_logits.float()).abs().max() / base_logits.float().abs().max()).item()
-        print(f"rows {rows:2}: cublas {base:.3f} ms  tuned {ours:.3f} ms  saves {base - ours:+.3f} ms "
-              f"({100 * (base - ours) / base:+.1f}%)  logits rel diff {diff:.1e}", flush=True)
-    modeling.DECODE_GEMV = rules["tuned"]
+    tuned = modeling.DECODE_GEMV
+    known = {"before": GemvRule(qkv=2, o=2, gate_up=2, down=2, norm_prologue=2), "tuned": tuned,
+             "no_prologue": replace(tuned, norm_prologue=0), "cublas": GemvRule(0, 0, 0, 0, 0)}
+    rules = {name: known[name] for name in args.rules}
+    print("rules: " + "; ".join(f"{name} {rule}" for name, rule in rules.items()), flush=True)
+    try:
+        for rows in args.rows:
+            results = {name: time_rule(model, rule, rows, args.context, caches, args.replays)
+                       for name, rule in rules.items()}
+            (base_name, (base, base_logits)), *others = results.items()
+            line = f"rows {rows:2}: {base_name} {base:.3f} ms"
+            for name, (ms, logits) in others:
+                diff = ((logits.float() - base_logits.float()).abs().max() / base_logits.float().abs().max()).item()
+                line += (f"  {name} {ms:.3f} ms ({100 * (ms - base) / base:+.1f}%, logits rel diff {diff:.1e})")
+            print(line, flush=True)
+    finally:
+        modeling.DECODE_GEMV = tuned
     return 0
 
 

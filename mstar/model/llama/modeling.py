@@ -85,7 +85,11 @@ Per layer the rule saves 2.8 / 3.3 / 3.5 / 1.1 / 5.1 us (first run 2.5 / 3.0 / 2
 3.0). A whole captured 32-layer step (``benchmarks/check_decode_step.py``, context 128) took
 3.9 / 4.0 / 4.5 / 1.1 / 2.9% less (4.653 -> 4.473 ms at 4 rows, 5.175 -> 5.026 ms at 64),
 more than the per-layer sums predict. Rows 1-2 keep all four kernels with the norm prologue
-(measured when ``forward_gemv`` was added: 7.0 and 1.8 us a layer less)."""
+(measured when ``forward_gemv`` was added: 7.0 and 1.8 us a layer less). Unconfirmed: the
+second run timed that 1-row path at 129.7 us a layer against cuBLAS's 125.3, its prologue
+kernels slower than a separate norm (qkv 19.8 against 18.1, gate_up 67.2 against 60.2; the
+kernels' code is unchanged, by their PTX); ``check_decode_step.py --rows 1 2 --rules before
+no_prologue`` would settle whether ``norm_prologue`` should be 0."""
 
 
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
