@@ -1,32 +1,37 @@
-"""Fused Triton GEMV kernels for decode steps of a few rows.
+"""Fused Triton GEMV kernels for decode steps of up to 64 rows.
 
-At one to a few rows a projection ``y = x W^T`` reads every weight once and does two flops
-per weight and row: it is bound by the weight read. The kernel here streams ``W [N, K]``
+At one to a few dozen rows a projection ``y = x W^T`` reads every weight once and does two
+flops per weight and row: it is bound by the weight read. The kernel here streams ``W [N, K]``
 once, at about cuBLAS's bandwidth (see ``_config`` for measurements), and folds the
 element-wise work that sits around the decoder's projections into the same pass, so those
 kernels and their launches disappear:
 
 * ``gemv(x, weight, bias)``: ``F.linear`` for at most ``GEMV_MAX_ROWS`` rows.
+* ``gemv(..., silu_mul=True)``: for a ``[gate | up]`` weight (``N = 2I``), each program
+  computes a block of gate rows and the matching up rows, rounds both to the dtype (as the
+  GEMM output would be) and returns ``torch_silu_and_mul`` of them: ``[M, I]``.
 * ``rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias)``: ``torch_add_rmsnorm``
   (``triton_fused``'s reference, same rounding points) as a prologue, then the GEMV on the
   normalised rows. Returns ``(y, x + residual)``. Every program recomputes the row sums and
-  their statistics from ``x`` and ``residual`` (a few KB, read from L2), so no program waits
-  on another; the programs of the first output block also store the sum.
-* ``rmsnorm_gemv(..., silu_mul=True)``: for a ``[gate | up]`` weight (``N = 2I``), each
-  program computes a block of gate rows and the matching up rows, rounds both to the dtype
-  (as the GEMM output would be) and returns ``torch_silu_and_mul`` of them: ``[M, I]``.
+  their statistics from ``x`` and ``residual`` (a few KB at one row, read from L2), so no
+  program waits on another; the programs of the first output block also store the sum. The
+  cost grows with the rows: from about four rows a separate ``add_rmsnorm`` kernel then
+  ``gemv`` is faster (``benchmarks/check_gemv.py``). ``silu_mul`` as for ``gemv``.
 
 How: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` steps. The
-few input rows are padded to ``M_PAD = 16`` columns and the step is a tensor-core ``tl.dot``
-of the weight tile ``[BLOCK_N, BLOCK_K]`` with the transposed rows ``[BLOCK_K, 16]`` (the
-"swapped" small-M GEMM: the padding costs arithmetic, which is idle here, never bytes). The
-weight tile is loaded along K (contiguous, so the loads can be vectorised) and
-software-pipelined ``num_stages`` deep. The padding also means any row count up to 16 costs
-the same weight read, which is why ``GEMV_MAX_ROWS`` is 16; callers choose their own,
-smaller, threshold. No split-K: with a prologue or epilogue it would repeat them per split,
-and the plain GEMV already beats cuBLAS without it at the 8B shapes. (The norm + qkv kernel,
-96 programs of 64 features on 132 SMs, is where it falls short at 2-4 rows; see
-``_config``.)
+input rows are padded to 16, 32 or 64 columns and the step is a tensor-core ``tl.dot`` of the
+weight tile ``[BLOCK_N, BLOCK_K]`` with the transposed rows ``[BLOCK_K, cols]`` (the "swapped"
+small-M GEMM: the padding costs arithmetic, which is idle here, never bytes). The weight tile
+is loaded along K (contiguous, so the loads can be vectorised) and software-pipelined
+``num_stages`` deep (or, with ``GemvConfig.tma``, through the copy engine: measured no faster
+on the H200). Where the output tiles are too few to give every multiprocessor a program (o
+and down at 64 features a tile), ``split_k`` programs share a tile's K: each stores an fp32
+partial and the last to arrive sums them in a fixed order and runs the epilogue (see
+``_sum_splits``), so the result does not depend on timing and no reduce kernel follows.
+
+At the Llama-3.1-8B shapes on an H200 these beat cuBLAS for gate_up (with SiLU * up) at every
+row count up to 64 and for o up to about 32 rows, tie for down, and lose for qkv above 16 rows
+and for o at 64; ``mstar.model.llama.modeling.DECODE_GEMV`` uses them where they win.
 
 Everything accumulates in fp32; the output is in ``x``'s dtype (all inputs must share it).
 Wrappers allocate outputs of sizes fixed by the inputs' shapes and never read a tensor on the
@@ -49,36 +54,81 @@ from mstar.layers.triton_support import (
     triton,
 )
 
-M_PAD = 16  # the narrowest tl.dot: input rows are padded to it
-GEMV_MAX_ROWS = M_PAD
+M_PAD = 16  # the narrowest tl.dot: input rows are padded to it (or to 32, 64)
+GEMV_MAX_ROWS = 64
+SMS = 132  # an H200's multiprocessors: what the split-K rule fills
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters: output features per program, K step, warps, pipeline depth."""
+    """Launch parameters: output features per program, K step, warps, pipeline depth, and
+    how many programs share one output tile's K (``split_k``; 0 picks it from the tile count)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
+    tma: bool = False  # weight tiles through the copy engine (a host tensor descriptor)
 
 
 _INTERPRETER_CONFIG = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1)
 
 
-def _config(n: int, k: int, norm: bool, silu_mul: bool, element_size: int) -> GemvConfig:
-    """Launch parameters for ``n`` output features (per half for ``silu_mul``) over ``k``;
-    the table is for 2-byte weights (wider ones take the same bytes per step, two stages).
+def padded_rows(m: int) -> int:
+    """The dot's column count for ``m`` rows: 16, 32 or 64."""
+    return max(M_PAD, triton.next_power_of_2(m)) if HAS_TRITON else M_PAD
 
-    The best of ``benchmarks/check_gemv.py --sweep`` on an H200 for the Llama-3.1-8B shapes,
-    at 1 and 4 rows (microseconds per launch in a CUDA graph, weights cycled past the L2):
-    o 4096x4096 and down 14336->4096 11.0 and 29.8 us (3.0 and 3.9 TB/s; cuBLAS 12.6 and
-    30.8); norm + qkv 4096->6144 18.6 / 22.3 us; norm + gate_up + SiLU*up 4096->2x14336
-    60.0 / 60.4 us (3.9 TB/s). The norm kernels take wider blocks: their programs each
-    re-derive the normalised rows, a cost per program, not per weight."""
+
+def auto_split_k(tiles: int, k: int, block_k: int) -> int:
+    """The fewest K splits (a power of two, each a whole number of ``block_k`` steps) that
+    give every multiprocessor a program: ``tiles * split >= SMS``."""
+    split = 1
+    while tiles * split < SMS and k % (2 * split * block_k) == 0:
+        split *= 2
+    return split
+
+
+# Swept on an H200 (benchmarks/check_gemv.py --sweep 64 32 16; 2026-12-03), Llama-3.1-8B
+# shapes, bf16, by (padded rows, output features, K, SiLU * up): the separate-norm kernels
+# above two rows. Microseconds per launch in a CUDA graph, weights cycled past the L2,
+# add_rmsnorm included for qkv and gate_up: the sweep's best, then the second run's timing of
+# the same config; cuBLAS (+ add_rmsnorm, + silu_and_mul) of that run in brackets. The second
+# run swept the same candidates with the weights through the copy engine (``tma``): none beat
+# these by more than the runs' spread (0.5 us).
+_TUNED = {
+    (16, 6144, 4096, False): GemvConfig(64, 64, 4, 6, 2),  # qkv 18.3, 18.5 (18.5)
+    (16, 14336, 4096, True): GemvConfig(64, 128, 4, 3, 1),  # gate_up 59.4, 60.0 (62.3)
+    (32, 6144, 4096, False): GemvConfig(64, 64, 4, 6, 2),  # qkv 19.2, 19.4 (18.8)
+    (32, 4096, 4096, False): GemvConfig(32, 256, 4, 3, 2),  # o 12.5, 12.6 (12.9)
+    (32, 14336, 4096, True): GemvConfig(64, 64, 4, 3, 1),  # gate_up 60.6, 62.9 (64.0)
+    (32, 4096, 14336, False): GemvConfig(64, 128, 4, 3, 4),  # down 32.3, 32.8 (33.5)
+    (64, 6144, 4096, False): GemvConfig(64, 128, 4, 3, 2),  # qkv 21.4, 21.6 (19.2)
+    (64, 4096, 4096, False): GemvConfig(64, 128, 4, 3, 4),  # o 14.7, 14.8 (11.6)
+    (64, 14336, 4096, True): GemvConfig(64, 64, 4, 3, 1),  # gate_up 61.8, 64.1 (69.2)
+    (64, 4096, 14336, False): GemvConfig(64, 128, 4, 3, 4),  # down 35.1, 35.5 (36.2)
+}
+
+
+def _config(n: int, k: int, m_rows: int, norm: bool, silu_mul: bool, element_size: int) -> GemvConfig:
+    """Launch parameters for ``n`` output features (per half for ``silu_mul``) over ``k``
+    at ``m_rows`` padded rows: ``_TUNED`` where it has the shape, else the rules below; the
+    rules are for 2-byte weights (wider ones take the same bytes per step, two stages).
+
+    The rules for 16 padded rows are the best of the sweep at 1 and 4 rows (o 4096x4096 and
+    down 14336->4096 11.0 and 29.8 us, 3.0 and 3.9 TB/s, cuBLAS 12.6 and 30.8; norm + qkv
+    4096->6144 18.6 / 22.3 us; norm + gate_up + SiLU*up 4096->2x14336 60.0 / 60.4 us, 3.9
+    TB/s). The norm kernels take wider blocks: their programs each re-derive the normalised
+    rows, a cost per program, not per weight. Wider rows take 64-feature tiles (the narrowest
+    Hopper warpgroup product) and split K until every multiprocessor has a program."""
     if INTERPRET:
         return _INTERPRETER_CONFIG
-    if silu_mul:  # two weight tiles (gate and up) per step
+    tuned = None if norm or element_size != 2 else _TUNED.get((m_rows, n, k, silu_mul))
+    if tuned is not None:
+        return tuned
+    if m_rows > M_PAD:
+        cfg = GemvConfig(block_n=64, block_k=64 if silu_mul else 128, num_warps=4, num_stages=3, split_k=0)
+    elif silu_mul:  # two weight tiles (gate and up) per step
         cfg = GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)
     elif norm:
         cfg = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
@@ -87,6 +137,26 @@ def _config(n: int, k: int, norm: bool, silu_mul: bool, element_size: int) -> Ge
     if element_size <= 2:
         return cfg
     return replace(cfg, block_k=max(16, cfg.block_k * 2 // element_size), num_stages=2)  # fits shared memory
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K arrival counters (int32 zeros) for ``tiles`` output tiles on ``device``.
+
+    One buffer per device, shared by every launch: the kernels leave it zeroed (the last
+    program of a tile resets its counter), and launches on one stream run one at a time.
+    Kernels on two streams at once must not both split K. It grows only outside a CUDA-graph
+    capture (a capture would record the zero fill instead of running it): a captured step
+    must have run once before, as the graph runners' warm-ups do."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K GEMV counters must be allocated before a CUDA-graph capture: "
+                               "run the step once eagerly first")
+        buf = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 # --------------------------------------------------------------------------- kernels
@@ -128,36 +198,55 @@ if HAS_TRITON:
         return tl.sum(tl.where(cols[:, None] == rows[None, :], rstd[None, :], 0.0), axis=1)
 
     @triton.jit
+    def _sum_splits(acc, SPLITS, split_stride, pid_k, mask, SPLIT_K: tl.constexpr):
+        """The fp32 sum over the ``SPLIT_K`` partials at ``SPLITS + s * split_stride``, this
+        program's own (``acc``) taken from registers, in split order (so the result does not
+        depend on which program finished last). Loads only where ``mask``; past L1, which is
+        not coherent with the other programs' stores."""
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            other = tl.load(SPLITS + s * split_stride, mask=mask & (pid_k != s), other=0.0, cache_modifier=".cg")
+            total += tl.where(pid_k == s, acc, other)
+        return total
+
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a padding
     def _gemv_kernel(
-        X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT,
+        X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT, PARTIAL, COUNTERS,
         M, N_OUT, eps,
         stride_x, stride_r, stride_w, stride_y, stride_s,
         K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
+        SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, TMA: tl.constexpr,
     ):
-        """Output features ``[pid * BLOCK_N, +BLOCK_N)`` of ``Y [M, N_OUT]`` for all M rows.
+        """Output features ``[pid * BLOCK_N, +BLOCK_N)`` of ``Y [M, N_OUT]`` for all M rows,
+        over K slice ``[pid_k * K_SPLIT, +K_SPLIT)`` (the whole K unless ``SPLIT_K > 1``).
 
         With ``SILU_MUL`` the weight holds ``2 * N_OUT`` rows ``[gate | up]`` and the program
         also computes the up rows ``N_OUT + n``. With ``NORM`` the GEMV's input is
         ``rmsnorm(x + residual) * NORM_W`` (rounded as ``torch_add_rmsnorm``). K is a
-        compile-time constant: one compiled kernel per weight shape, a loop of known length."""
+        compile-time constant: one compiled kernel per weight shape."""
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * K_SPLIT
+        # Without a K mask (full-width vector loads) when every step lies inside K.
+        EVEN_K: tl.constexpr = (K % BLOCK_K == 0) and (K_SPLIT * SPLIT_K == K)
         rows = tl.arange(0, M_ROWS)
         row_mask = rows < M
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
         ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         # Out-of-range features read row 0 (always there) and are never stored, so the weight
         # loads need no feature mask.
-        w_rows = tl.where(ns < N_OUT, ns, 0).to(tl.int64)
-        w_ptrs = W + w_rows[:, None] * stride_w + offs_k[None, :]
-        up_ptrs = w_ptrs + N_OUT * stride_w  # used only with SILU_MUL
+        if not TMA:  # else W is a tensor descriptor of [N, K] in [BLOCK_N, BLOCK_K] blocks
+            w_rows = tl.where(ns < N_OUT, ns, 0).to(tl.int64)
+            w_ptrs = W + w_rows[:, None] * stride_w + offs_k[None, :]
+            up_ptrs = w_ptrs + N_OUT * stride_w  # used only with SILU_MUL
         dtype = X.dtype.element_ty
 
         if NORM:
             # Statistics over the whole rows first; then each step re-derives its slice of
             # the normalised rows from L2 (never stored), its loads issued one step ahead
             # (``s_next``, ``g_next``) so that their latency hides behind the step before.
-            rstd = _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, pid == 0,
+            rstd = _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, (pid == 0) & (pid_k == 0),
                              K, HAS_RESIDUAL, M_STAT, BLOCK_S, M_ROWS)
             x_offs = rows[None, :] * stride_x + offs_k[:, None]
             r_offs = rows[None, :] * stride_r + offs_k[:, None]
@@ -166,8 +255,8 @@ if HAS_TRITON:
 
         acc = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
+        for k0 in range(0, K_SPLIT, BLOCK_K):  # a trip count known at compile time
+            ks = k_lo + k0 + tl.arange(0, BLOCK_K)
             if NORM:
                 s, g = s_next, g_next
                 ks_next = ks + BLOCK_K
@@ -181,21 +270,49 @@ if HAS_TRITON:
             else:
                 mask = row_mask[None, :] & (ks[:, None] < K)
                 xt = tl.load(X + rows[None, :] * stride_x + ks[:, None], mask=mask, other=0.0)
-            if K % BLOCK_K == 0:  # no K mask: full-width vector loads
+            if TMA:  # the copy engine fills rows and columns past the weight with zeros
+                w = W.load([pid * BLOCK_N, k_lo + k0])
+            elif EVEN_K:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
             acc = tl.dot(w, xt, acc, input_precision="ieee")
             if SILU_MUL:
-                if K % BLOCK_K == 0:  # no K mask: full-width vector loads
+                if TMA:
+                    w_up = W.load([N_OUT + pid * BLOCK_N, k_lo + k0])
+                elif EVEN_K:
                     w_up = tl.load(up_ptrs)
                 else:
                     w_up = tl.load(up_ptrs, mask=ks[None, :] < K, other=0.0)
                 acc_up = tl.dot(w_up, xt, acc_up, input_precision="ieee")
-            w_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
+            if not TMA:
+                w_ptrs += BLOCK_K
+                up_ptrs += BLOCK_K
 
         out_mask = (ns[:, None] < N_OUT) & row_mask[None, :]
+        if SPLIT_K > 1:
+            # Split-K without a second kernel: every program stores its fp32 partials
+            # (``[SPLIT_K, gate (| up), N_OUT, M_ROWS]``) and counts itself in on the tile's
+            # counter; the last to arrive sums the splits, runs the epilogue, stores, and
+            # puts the counter back to zero for the next launch. The barrier makes all of
+            # the program's partial stores precede the counting atomic (acq_rel, GPU scope).
+            p_offs = ns[:, None] * M_ROWS + rows[None, :]
+            p_mask = ns[:, None] < N_OUT
+            split_stride = N_OUT * M_ROWS
+            if SILU_MUL:
+                split_stride = 2 * N_OUT * M_ROWS
+            own = PARTIAL + pid_k * split_stride + p_offs
+            tl.store(own, acc, mask=p_mask)
+            if SILU_MUL:
+                tl.store(own + N_OUT * M_ROWS, acc_up, mask=p_mask)
+            tl.debug_barrier()
+            last = tl.atomic_add(COUNTERS + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            acc = _sum_splits(acc, PARTIAL + p_offs, split_stride, pid_k, p_mask & last, SPLIT_K)
+            if SILU_MUL:
+                acc_up = _sum_splits(acc_up, PARTIAL + N_OUT * M_ROWS + p_offs, split_stride, pid_k, p_mask & last,
+                                     SPLIT_K)
+            tl.store(COUNTERS + pid, 0, mask=last)
+            out_mask = out_mask & last
         if HAS_BIAS:
             acc += tl.load(BIAS + ns, mask=ns < N_OUT, other=0.0).to(tl.float32)[:, None]
         y = acc.to(dtype)
@@ -252,26 +369,45 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(xs) if with_sum else xs
     if m and n_out:
-        cfg = config or _config(n_out, k, norm, silu_mul, weight.element_size())
+        m_rows = padded_rows(m)
+        cfg = config or _config(n_out, k, m_rows, norm, silu_mul, weight.element_size())
+        tiles = triton.cdiv(n_out, cfg.block_n)
+        split = cfg.split_k or auto_split_k(tiles, k, cfg.block_k)
+        k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # whole steps per split
+        if split > 1:
+            partial = torch.empty(split, 2 if silu_mul else 1, n_out, m_rows, dtype=torch.float32, device=x.device)
+            counters = _split_counters(x.device, tiles)
+        else:
+            partial = counters = y  # unused
+        w_arg = weight
+        # The copy engine needs 16-byte aligned rows; others take the pointer loads.
+        tma = cfg.tma and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
         m_stat = triton.next_power_of_2(m)
         block_s = min(triton.next_power_of_2(k), (64 if INTERPRET else 4096) // m_stat)
-        _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-            xs, rs, norm_weight if norm else xs, weight, bias if bias is not None else weight, y, summed,
+        _gemv_kernel[(tiles, split)](
+            xs, rs, norm_weight if norm else xs, w_arg, bias if bias is not None else weight, y, summed,
+            partial, counters,
             m, n_out, eps,
             xs.stride(0), rs.stride(0), weight.stride(0), y.stride(0), summed.stride(0),
             K=k, NORM=norm, HAS_RESIDUAL=with_sum, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-            M_ROWS=M_PAD, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
+            M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
+            SPLIT_K=split, K_SPLIT=k_split, TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     y = y.view(*x.shape[:-1], n_out)
     return y, (summed.view(x.shape) if with_sum else x)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, *,
          config: GemvConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` of at most ``GEMV_MAX_ROWS`` rows
-    (``config`` overrides the launch table, for benchmarks)."""
-    return _launch(x, None, None, 0.0, weight, bias, False, config)[0]
+    (``config`` overrides the launch table, for benchmarks). With ``silu_mul`` the weight is
+    ``[gate | up]`` and the result ``torch_silu_and_mul`` of the product, ``[..., N / 2]``."""
+    return _launch(x, None, None, 0.0, weight, bias, silu_mul, config)[0]
 
 
 def rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

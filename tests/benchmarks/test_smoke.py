@@ -3,6 +3,10 @@ GPU): each run writes a record whose table has ours, the floor and, where a base
 the baseline. Plus the S2 FLOP count against torch's FLOP counter."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +135,14 @@ def test_s1_http_smoke(tmp_path):
         assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
         assert row["ours/baseline"] == pytest.approx(row["ours"] / row["baseline"])
         assert rows[f"ttft@{n} http"]["ours"] == pytest.approx(http["first_token_ms_median"])
+
+
+@pytest.mark.slow  # a process of its own: Triton's interpreter must be set before Triton is imported
+def test_check_gemv_smoke():
+    """benchmarks/check_gemv.py --smoke: every variant of every projection (norm prologue,
+    separate norm, SiLU * up epilogue) at 16- and 32-column padding, against torch, on the CPU."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "benchmarks/check_gemv.py", "--smoke", "--rows", "3", "20"], cwd=root,
+                            env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "all ok" in result.stdout and "FAIL" not in result.stdout

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from mstar.layers import triton_gemv  # noqa: E402
 from mstar.layers.triton_fused import torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
-from mstar.layers.triton_gemv import GEMV_MAX_ROWS, gemv, rmsnorm_gemv  # noqa: E402
+from mstar.layers.triton_gemv import GEMV_MAX_ROWS, GemvConfig, gemv, rmsnorm_gemv  # noqa: E402
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM, modeling  # noqa: E402
+from mstar.model.llama.modeling import GemvRule  # noqa: E402
 from tests.support.markers import needs_cuda
 from tests.support.triton_interpreter import (
     DEVICE,
@@ -117,6 +118,41 @@ def test_gemv_takes_up_to_the_row_limit() -> None:
     assert rel_err(gemv(x, weight), F.linear(x, weight)) < TOL[torch.float32]
 
 
+@runnable
+@pytest.mark.parametrize(("rows", "split"), [(5, 2), (40, 3)])
+def test_split_k_and_wide_rows_match_torch(rows: int, split: int) -> None:
+    """K split over ``split`` programs per tile (the last of 3 splits gets a partial slice,
+    so the masked path runs too) at 16- and 64-column padding: plain, SiLU * up epilogue,
+    and the norm prologue; the arrival counters are left at zero for the next launch."""
+    gen = torch.Generator().manual_seed(5)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=split)
+    dtype = DTYPES[-1]
+    weight, bias = rand(gen, 2 * N, K, dtype=dtype, scale=K**-0.5), rand(gen, 2 * N, dtype=dtype)
+    norm_w = torch.empty(K).uniform_(0.5, 1.5, generator=gen).to(DEVICE, dtype)
+    x, residual = rand(gen, rows, K, dtype=dtype), rand(gen, rows, K, dtype=dtype)
+    assert rel_err(gemv(x, weight, bias, config=config), F.linear(x, weight, bias)) < TOL[dtype]
+    ref = torch_silu_and_mul(F.linear(x, weight, bias))
+    assert rel_err(gemv(x, weight, bias, silu_mul=True, config=config), ref) < TOL[dtype]
+    normed, ref_sum = torch_add_rmsnorm(x, residual, norm_w, 1e-5)
+    y, summed = rmsnorm_gemv(x, residual, norm_w, 1e-5, weight, None, silu_mul=True, config=config)
+    assert rel_err(y, torch_silu_and_mul(F.linear(normed, weight))) < TOL[dtype]
+    assert rel_err(summed, ref_sum) < TOL[dtype]
+    assert not triton_gemv._counters[x.device].any()
+
+
+@runnable
+def test_weights_through_the_copy_engine_match_torch() -> None:
+    """``GemvConfig.tma``: the weight tiles as tensor-descriptor loads (zero past the edges),
+    plain and SiLU * up, with a split K; rows of 152 floats are 16-byte aligned."""
+    gen = torch.Generator().manual_seed(6)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=3, tma=True)
+    k = 152
+    weight, x = rand(gen, 2 * N, k, dtype=torch.float32, scale=k**-0.5), rand(gen, 5, k, dtype=torch.float32)
+    assert rel_err(gemv(x, weight, config=config), F.linear(x, weight)) < TOL[torch.float32]
+    ref = torch_silu_and_mul(F.linear(x, weight))
+    assert rel_err(gemv(x, weight, silu_mul=True, config=config), ref) < TOL[torch.float32]
+
+
 @runnable  # the wrappers refuse to launch where the kernels cannot run, before checking shapes
 def test_wrappers_reject_bad_shapes() -> None:
     def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -141,6 +177,8 @@ def test_wrappers_reject_bad_shapes() -> None:
         rmsnorm_gemv(x, None, t(7), 1e-6, w)
     with pytest.raises(ValueError, match="even number of rows"):
         rmsnorm_gemv(x, None, t(8), 1e-6, t(7, 8), silu_mul=True)
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv(x, t(7, 8), silu_mul=True)
 
 
 # ------------------------------------------------------------------------------ model
@@ -161,28 +199,43 @@ def tiny_llama(bias: bool = False) -> LlamaForCausalLM:
     return model.eval()
 
 
+# rule name: (rule, calls of rmsnorm_gemv and of gemv in two decode steps of two layers)
+RULES = {
+    "norm_prologue": (GemvRule(qkv=4, o=4, gate_up=4, down=4, norm_prologue=4), (8, 8)),
+    "norm_kernel": (GemvRule(qkv=4, o=4, gate_up=4, down=4, norm_prologue=0), (0, 16)),
+    "mixed": (GemvRule(qkv=0, o=4, gate_up=4, down=0, norm_prologue=0), (0, 8)),  # cuBLAS for qkv, down
+}
+
+
 @runnable
+@pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_llama_gemv_path_matches_eager(rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_gemv_path_matches_eager(rows: int, bias: bool, rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps of ``rows`` rows through ``forward_gemv`` equal the eager model's logits
-    (fp32, interpreter), with biases too; prefills (more rows) take the old path."""
-    monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 4)  # the path, whatever the tuned default
+    (fp32, interpreter), with biases too: the add + norm as the GEMV's prologue or as a
+    kernel of its own, some projections on cuBLAS; prefills (more rows) take the old path."""
+    monkeypatch.setattr(modeling, "DECODE_GEMV", RULES[rule][0])  # the paths, whatever the tuned rule
     model = tiny_llama(bias)
-    calls = []
-    real = triton_gemv.rmsnorm_gemv
+    calls = {"rmsnorm_gemv": [], "gemv": []}
 
-    def spy(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
+    def spy(name: str):
+        real, seen = getattr(triton_gemv, name), calls[name]
 
-    monkeypatch.setattr(triton_gemv, "rmsnorm_gemv", spy)
+        def counted(x, *args, **kwargs):
+            seen.append(x.shape[0])
+            return real(x, *args, **kwargs)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(triton_gemv, name, spy(name))
     steps = run_steps_with_rows(model, rows)
     eager = steps(fused=False)
-    assert not calls
+    assert not calls["rmsnorm_gemv"] and not calls["gemv"]
     fused = steps(fused=True)
-    assert calls and set(calls) == {rows}  # the prefill (more rows) took the old path
-    assert len(calls) == 2 * 2 * 2  # two decode steps x two layers x two norm + GEMV kernels
+    assert set(calls["rmsnorm_gemv"] + calls["gemv"]) == {rows}  # the prefill (more rows) took the old path
+    assert (len(calls["rmsnorm_gemv"]), len(calls["gemv"])) == RULES[rule][1]
     for step, (a, b) in enumerate(zip(fused, eager)):
         assert rel_err(a, b) < 1e-5, (step, rel_err(a, b))
 
@@ -231,33 +284,40 @@ def test_llama_rows_above_the_threshold_take_the_old_path(monkeypatch: pytest.Mo
     steps = run_steps_with_rows(model, 3)
     eager = steps(fused=False)
     for threshold in (2, 0):
-        monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", threshold)
+        monkeypatch.setattr(modeling, "DECODE_GEMV", GemvRule(threshold, threshold, threshold, threshold, threshold))
         fused = steps(fused=True)
         for a, b in zip(fused, eager):
             assert rel_err(a, b) < 1e-5
-    monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 3)  # the spy must be able to fail
+    monkeypatch.setattr(modeling, "DECODE_GEMV", GemvRule(3, 3, 3, 3, 3))  # the spy must be able to fail
     with pytest.raises(AssertionError, match="above the threshold"):
         steps(fused=True)
 
 
 # -------------------------------------------------------------------------------- GPU
 @needs_cuda
-def test_llama_gemv_path_bf16_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 decode of three rows (bucket 4) from a captured graph, the GEMV kernels inside,
-    against the eager model."""
+@pytest.mark.parametrize("every_projection", [False, True], ids=["tuned_rule", "all_kernels"])
+@pytest.mark.parametrize("streams", [3, 20, 50])
+def test_llama_gemv_path_bf16_in_a_cuda_graph(streams: int, every_projection: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 decode of ``streams`` rows (buckets 4, 32, 64) from a captured graph, the GEMV
+    kernels inside where the tuned rule (``modeling.DECODE_GEMV``) puts them, or for every
+    projection (norm prologue up to 4 rows); the tiny model's few output tiles split K.
+    Against the eager model."""
+    if every_projection:
+        monkeypatch.setattr(modeling, "DECODE_GEMV", GemvRule(qkv=64, o=64, gate_up=64, down=64, norm_prologue=4))
     from test_cuda_graphs import decode_graphs, step_meta
     from test_cuda_graphs import tiny_llama as gpu_llama
 
     from mstar.engine.page_pool import PagePool
     from mstar.layers.paged_kv import allocate_kv_cache
 
-    monkeypatch.setattr(modeling, "DECODE_GEMV_ROWS", 4)
     model = gpu_llama(DEVICE, torch.bfloat16)
-    caches = allocate_kv_cache(2, 32, 4, 2, 64, torch.bfloat16, DEVICE)
+    caches = allocate_kv_cache(2, 256, 4, 2, 64, torch.bfloat16, DEVICE)
     graph_caches = [c.clone() for c in caches]
-    runner = decode_graphs(model, graph_caches, 4, 8, batch_sizes=(1, 4))
-    pool = PagePool(31, 4)
-    lens = {"a": 5, "b": 9, "c": 2}
+    runner = decode_graphs(model, graph_caches, 4, 8, batch_sizes=(1, 4, 32, 64))
+    pool = PagePool(255, 4)
+    gen = torch.Generator().manual_seed(streams)
+    lens = {f"s{i}": int(n) for i, n in enumerate(torch.randint(2, 10, (streams,), generator=gen))}
     with torch.inference_mode():
         prompt = torch.randint(0, 512, (sum(lens.values()),), device=DEVICE)
         model(prompt, step_meta(pool, [(s, 0, n) for s, n in lens.items()], DEVICE), caches)

@@ -15,12 +15,15 @@ outside one, every layer is its plain ``torch.nn`` counterpart.
 ``use_fused_kernels(True)`` (``model_kwargs.fused_kernels``) runs the step's element-wise work
 as Triton kernels (``mstar.layers.triton_fused``): residual add + RMSNorm, SiLU * up and RoPE
 in place. The layers pick the kernel themselves; eager torch stays the default and reference.
-In steps of at most ``DECODE_GEMV_ROWS`` rows the decoder layer also runs its projections as
-the fused GEMV kernels of ``mstar.layers.triton_gemv`` (norm + qkv, o, norm + gate_up + SiLU *
-up, down: four kernels), with the same sums and rounding points.
+In decode steps of up to 64 rows the decoder layer also runs some of its projections as the
+GEMV kernels of ``mstar.layers.triton_gemv``, as the measured rule ``DECODE_GEMV`` says per
+projection and row count (at one or two rows all four: norm + qkv, o, norm + gate_up + SiLU *
+up, down), with the same sums and rounding points.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,12 +41,55 @@ from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
-DECODE_GEMV_ROWS = 2
-"""With ``fused_kernels`` on, steps of at most this many rows (tokens) run each decoder layer
-through ``LlamaDecoderLayer.forward_gemv``; larger steps use cuBLAS and the separate fused
-kernels. 0 disables the GEMV path; at most ``mstar.layers.triton_gemv.GEMV_MAX_ROWS``. Set
-from ``benchmarks/check_gemv.py`` on the target GPU: on an H200 at the Llama-3.1-8B shapes
-a layer's projections took 7.0 us less at 1 row, 1.8 us less at 2 and 1.5 us more at 4."""
+
+@dataclass(frozen=True)
+class GemvRule:
+    """Which projections of a decode step run as the Triton GEMV kernels of
+    ``mstar.layers.triton_gemv``, by the step's row count (``fused_kernels`` on): each field is
+    the most rows at which that projection takes its kernel (0: never; cuBLAS otherwise). Up
+    to ``norm_prologue`` rows add + RMSNorm is the prologue of the qkv and gate_up kernels
+    (every program re-derives the rows' statistics, a cost that grows with the rows; it needs
+    ``qkv`` and ``gate_up`` at least as high); above, it is one ``add_rmsnorm`` kernel before
+    them. A gate_up kernel always applies SiLU * up as its epilogue."""
+
+    qkv: int
+    o: int
+    gate_up: int
+    down: int
+    norm_prologue: int
+
+    @property
+    def max_rows(self) -> int:
+        """Steps of more rows take ``LlamaDecoderLayer.forward`` whole."""
+        return max(self.qkv, self.o, self.gate_up, self.down)
+
+
+DECODE_GEMV = GemvRule(qkv=2, o=16, gate_up=64, down=2, norm_prologue=2)
+"""The rule the decoder uses. From ``benchmarks/check_gemv.py`` on an H200 at the Llama-3.1-8B
+shapes (bf16, us per launch in a CUDA graph, weights cycled past the L2; two runs on
+2026-12-03, the second's figures), cuBLAS = add_rmsnorm + cuBLAS (+ silu_and_mul), ours =
+add_rmsnorm + our GEMV (+ its SiLU * up epilogue), at 4 / 8 / 16 / 32 / 64 rows:
+
+* gate_up: cuBLAS 61.4 / 61.7 / 62.3 / 64.0 / 69.2, ours 59.7 / 59.5 / 60.0 / 62.9 / 64.1
+  (3.9 to 3.7 TB/s): ours at every row count.
+* o: cuBLAS 12.6 / 12.6 / 12.8 / 12.9 / 11.6, ours 11.5 / 11.5 / 11.6 / 12.6 / 14.8: ours up
+  to 16 rows (at 32 it won by 0.3 and 0.6 us in the two runs, too little to take).
+* qkv: cuBLAS 18.7 / 18.4 / 18.5 / 18.8 / 19.2, ours 18.5 / 18.5 / 18.5 / 19.4 / 21.6: a tie
+  to 16 rows, a loss above: cuBLAS.
+* down: cuBLAS 31.5 / 31.7 / 32.0 / 33.5 / 36.2, ours 31.2 / 31.3 / 31.3 / 32.8 / 35.5, in
+  the first run a tie within 0.3 us at every count: cuBLAS.
+* The norm as a prologue (``rmsnorm_gemv``) costs more than a kernel of its own from 4 rows
+  (qkv 22.2 against 18.5 us at 4 rows, 121 against 21.6 at 64): it stays at 1-2 rows.
+
+Per layer the rule saves 2.8 / 3.3 / 3.5 / 1.1 / 5.1 us (first run 2.5 / 3.0 / 2.8 / 1.1 /
+3.0). A whole captured 32-layer step (``benchmarks/check_decode_step.py``, context 128) took
+3.9 / 4.0 / 4.5 / 1.1 / 2.9% less (4.653 -> 4.473 ms at 4 rows, 5.175 -> 5.026 ms at 64),
+more than the per-layer sums predict. Rows 1-2 keep all four kernels with the norm prologue
+(measured when ``forward_gemv`` was added: 7.0 and 1.8 us a layer less). Unconfirmed: the
+second run timed that 1-row path at 129.7 us a layer against cuBLAS's 125.3, its prologue
+kernels slower than a separate norm (qkv 19.8 against 18.1, gate_up 67.2 against 60.2; the
+kernels' code is unchanged, by their PTX); ``check_decode_step.py --rows 1 2 --rules before
+no_prologue`` would settle whether ``norm_prologue`` should be 0."""
 
 
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
@@ -116,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
     (one kernel with ``fused_kernels``). The sums and their rounding are those of the plain
     ``x + ...`` form.
 
-    With ``fused_kernels``, a step of at most ``DECODE_GEMV_ROWS`` rows takes ``forward_gemv``."""
+    With ``fused_kernels``, a step of at most ``DECODE_GEMV.max_rows`` rows takes ``forward_gemv``."""
 
     fused_kernels: bool = False
 
@@ -135,7 +181,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV_ROWS:
+        if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -152,19 +198,31 @@ class LlamaDecoderLayer(nn.Module):
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for a step of a few rows, its projections as fused GEMV kernels:
-        add + norm + qkv, o (+ the all-reduce under tensor parallelism), add + norm + gate_up +
-        SiLU * up, down (+ all-reduce). The weights are this rank's shards, as in ``forward``."""
+        """``forward`` for a decode step, its projections as the GEMV kernels where
+        ``DECODE_GEMV`` says so for this row count: add + norm + qkv, o (+ the all-reduce under
+        tensor parallelism), add + norm + gate_up + SiLU * up, down (+ all-reduce); up to
+        ``norm_prologue`` rows the adds and norms are the qkv and gate_up kernels' prologues.
+        The others run as in ``forward`` (the fused element-wise kernels and cuBLAS). The
+        weights are this rank's shards, as in ``forward``."""
+        from mstar.layers.triton_fused import silu_and_mul
         from mstar.layers.triton_gemv import gemv, rmsnorm_gemv
 
-        attn, mlp = self.self_attn, self.mlp
-        norm, qkv_proj = self.input_layernorm, attn.qkv_proj
-        qkv, residual = rmsnorm_gemv(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias)
-        h = attn.o_proj(attn.attend(qkv, cos_sin, meta, kv_cache), linear=gemv)
-        norm, gate_up_proj = self.post_attention_layernorm, mlp.gate_up_proj
-        act, residual = rmsnorm_gemv(h, residual, norm.weight, norm.eps, gate_up_proj.weight, gate_up_proj.bias,
-                                     silu_mul=True)
-        return mlp.down_proj(act, linear=gemv), residual
+        attn, mlp, rule, rows = self.self_attn, self.mlp, DECODE_GEMV, x.shape[0]
+
+        def norm_then(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Module,
+                      limit: int, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            if rows <= rule.norm_prologue:
+                return rmsnorm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=silu_mul)
+            h, residual = (norm(x), x) if residual is None else norm(x, residual)
+            if rows <= limit:
+                return gemv(h, proj.weight, proj.bias, silu_mul=silu_mul), residual
+            return (silu_and_mul(proj(h)) if silu_mul else proj(h)), residual
+
+        qkv, residual = norm_then(self.input_layernorm, x, residual, attn.qkv_proj, rule.qkv, False)
+        out = attn.attend(qkv, cos_sin, meta, kv_cache)
+        h = attn.o_proj(out, linear=gemv) if rows <= rule.o else attn.o_proj(out)
+        act, residual = norm_then(self.post_attention_layernorm, h, residual, mlp.gate_up_proj, rule.gate_up, True)
+        return (mlp.down_proj(act, linear=gemv) if rows <= rule.down else mlp.down_proj(act)), residual
 
 
 class LlamaModel(nn.Module):
