@@ -64,7 +64,7 @@ class GemvRule:
         return max(self.qkv, self.o, self.gate_up, self.down)
 
 
-DECODE_GEMV = GemvRule(qkv=2, o=16, gate_up=64, down=2, norm_prologue=2)
+DECODE_GEMV = GemvRule(qkv=2, o=16, gate_up=64, down=2, norm_prologue=0)
 """The rule the decoder uses. From ``benchmarks/check_gemv.py`` on an H200 at the Llama-3.1-8B
 shapes (bf16, us per launch in a CUDA graph, weights cycled past the L2; two runs on
 2026-12-03, the second's figures), cuBLAS = add_rmsnorm + cuBLAS (+ silu_and_mul), ours =
@@ -84,12 +84,13 @@ add_rmsnorm + our GEMV (+ its SiLU * up epilogue), at 4 / 8 / 16 / 32 / 64 rows:
 Per layer the rule saves 2.8 / 3.3 / 3.5 / 1.1 / 5.1 us (first run 2.5 / 3.0 / 2.8 / 1.1 /
 3.0). A whole captured 32-layer step (``benchmarks/check_decode_step.py``, context 128) took
 3.9 / 4.0 / 4.5 / 1.1 / 2.9% less (4.653 -> 4.473 ms at 4 rows, 5.175 -> 5.026 ms at 64),
-more than the per-layer sums predict. Rows 1-2 keep all four kernels with the norm prologue
-(measured when ``forward_gemv`` was added: 7.0 and 1.8 us a layer less). Unconfirmed: the
-second run timed that 1-row path at 129.7 us a layer against cuBLAS's 125.3, its prologue
-kernels slower than a separate norm (qkv 19.8 against 18.1, gate_up 67.2 against 60.2; the
-kernels' code is unchanged, by their PTX); ``check_decode_step.py --rows 1 2 --rules before
-no_prologue`` would settle whether ``norm_prologue`` should be 0."""
+more than the per-layer sums predict. Rows 1-2 run all four projections on the GEMV kernels,
+the norm a kernel of its own as above: the same day's ``check_decode_step.py --rows 1 2
+--rules before no_prologue`` on the H200 timed a whole step at 4.603 ms with the norm as the
+qkv and gate_up kernels' prologue (the rule since the 1-row path was added) and 4.419 ms
+without (-4.0%; 2 rows 4.619 -> 4.424), so ``norm_prologue`` is 0. (When the prologue path
+was added it had measured 7.0 us a layer less than cuBLAS; on 2026-12-03 its prologue
+kernels were the slower ones: qkv 19.8 against 18.1 us, gate_up 67.2 against 60.2.)"""
 
 
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
