@@ -142,7 +142,7 @@ class TransducerConfig:
         if model_type not in ("parakeet_tdt", "parakeet_rnnt", "nemotron3_5_asr"):
             raise NotImplementedError(f"unsupported transducer model_type {model_type!r}")
         encoder = dict(d.get("encoder_config") or {})
-        kwargs = {k: v for k, v in _known(cls, d).items() if k not in ("encoder", "extra")}
+        kwargs = {k: v for k, v in _known(cls, d).items() if k not in ("model_type", "encoder", "extra")}
         if model_type == "nemotron3_5_asr":
             encoder.setdefault("model_type", "nemotron_asr_streaming_encoder")
             kwargs = {"num_prompts": 128, "prompt_intermediate_size": 2048, "default_prompt_id": 101} | kwargs
