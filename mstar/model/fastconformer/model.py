@@ -4,27 +4,23 @@ Two nodes: the encoder (stateless, batched across clips) and the greedy decoder 
 state in a recurrent-state slot, ``engine.py``). The ``transcribe`` walk is the encoder, then a
 Loop of decode iterations, each a bounded number of greedy steps whose tokens stream out as it
 ends, until the clip's frames are spent. An upload longer than ``max_clip_seconds`` is cut into
-windows at quiet points (``mstar.audio.windows``, as Whisper's are), each window its own walk;
-their texts are joined.
+windows at quiet points (``mstar.model.windowed`` over ``mstar.audio.windows``, as Whisper's
+are), each window its own walk; their texts are joined.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
 import torch
 
-from mstar.audio import decode_audio, split_at_quiet_points
 from mstar.config import ConfigError
 from mstar.contract import (
     GenerateSpec,
     OutputEvent,
     RequestError,
     Transcription,
-    TranscriptionSegment,
     TranscriptionSpec,
 )
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
@@ -34,14 +30,12 @@ from mstar.model.fastconformer.features import log_mel
 from mstar.model.fastconformer.knobs import NemotronAsrKnobs, TransducerKnobs, TransducerRequestKnobs
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.windowed import RunWalk, transcribe_windows
 
 SAMPLE_RATE = 16000
 TRANSDUCER_SLOTS = "transducer_slots"
 # The 25 European languages Parakeet TDT v3 recognises (it detects which from the speech).
 PARAKEET_LANGUAGES = frozenset("bg hr cs da nl en et fi fr de el hu it lv lt mt pl pt ro sk sl es sv ru uk".split())
-
-RunWalk = Callable[[WalkRequest], Awaitable[tuple[str, list[int]]]]
-
 
 class TokenTextStream(OutputStream):
     """Token ids in, text out (special tokens such as language tags left out); holds back a
@@ -148,24 +142,10 @@ class Transducer(ModelSpec):
         prompt = self.language_prompt(spec.language)
         if spec.temperature:
             raise RequestError("temperature", f"model {self.key!r} decodes greedily: send 0 or leave it out")
-        audio = await asyncio.to_thread(decode_audio, spec.audio, max_bytes=self.knobs.max_upload_bytes,
-                                        max_seconds=self.knobs.max_audio_seconds, target_rate=SAMPLE_RATE)
-        if audio.samples.shape[0] < self.mel.hop_length:
-            raise RequestError("file", f"the audio is shorter than {self.mel.hop_length / SAMPLE_RATE:.3f} s")
-        samples = torch.from_numpy(audio.samples)
-        windows = split_at_quiet_points(audio.samples, SAMPLE_RATE, max_window_s=self.knobs.max_clip_seconds)
-        windows = [(start, end) for start, end in windows if end - start >= self.mel.hop_length]
-
-        async def window(start: int, end: int) -> tuple[str, list[int]]:
-            request = await asyncio.to_thread(self.clip_request, samples[start:end], prompt)
-            return await run(request)
-
-        results = await asyncio.gather(*[window(start, end) for start, end in windows])
-        segments = [TranscriptionSegment(id=i, start=start / SAMPLE_RATE, end=end / SAMPLE_RATE, text=text.strip(),
-                                         tokens=ids)
-                    for i, ((start, end), (text, ids)) in enumerate(zip(windows, results))]
-        text = " ".join(s.text for s in segments if s.text)
-        return Transcription(text=text, language=spec.language or "", duration=audio.duration, segments=segments)
+        return await transcribe_windows(
+            spec.audio, run, lambda samples: self.clip_request(samples, prompt), sample_rate=SAMPLE_RATE,
+            max_bytes=self.knobs.max_upload_bytes, max_seconds=self.knobs.max_audio_seconds,
+            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.hop_length, language=spec.language or "")
 
     # ---------------------------------------------------------------- worker
     def lookahead(self) -> int | None:
