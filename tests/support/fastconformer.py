@@ -103,3 +103,50 @@ def hub_cache(root: Path) -> dict[str, torch.nn.Module]:
     """Both keys' default repos written under the hub cache ``root``; the reference models."""
     return {"parakeet": write_parakeet(snapshot_dir(root, REPOS["parakeet"])),
             "nemotron_asr": write_nemotron(snapshot_dir(root, REPOS["nemotron_asr"]))}
+
+
+CANARY_SPECIALS = ["<unk>", "<|nospeech|>", "<pad>", "<|endoftext|>", "<|startoftranscript|>", "<|pnc|>",
+                   "<|nopnc|>", "<|startofcontext|>", "<|noitn|>", "<|notimestamp|>", "<|nodiarize|>",
+                   "<|emo:undefined|>"]
+CANARY_LANGUAGES = "bg hr cs da nl en et fi fr de el hu it lv lt mt pl pt ro sk sl es sv ru uk".split()
+CANARY_VOCAB = 64
+CANARY_REPO = "nvidia/canary-1b-v2"
+
+
+def canary_tokenizer() -> Tokenizer:
+    """Canary's special tokens at their ids (pad 2, end 3, start of context 7), the 25
+    language tokens, then words."""
+    specials = CANARY_SPECIALS + [f"<|{code}|>" for code in CANARY_LANGUAGES]
+    words = [f"w{i}" for i in range(CANARY_VOCAB - len(specials))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def write_canary(snapshot: Path, seed: int = 0, eos_bias: float = 2.0):
+    """A random tiny ``CanaryForConditionalGeneration`` saved in ``snapshot`` with its processor
+    files and tokenizer; the model (the reference) is returned."""
+    from transformers import CanaryConfig, CanaryForConditionalGeneration
+
+    torch.manual_seed(seed)
+    encoder = dict(ENCODER, scale_input=False)
+    decoder = dict(vocab_size=CANARY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128)
+    model = CanaryForConditionalGeneration(CanaryConfig(encoder_config=encoder, decoder_config=decoder,
+                                                        vocab_size=CANARY_VOCAB)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and "positional_embedding" not in name:
+                # wide decoder matrices: the blocks, not the tied embedding, pick the next token
+                wide = name.startswith("model.decoder.layers.") and tensor.dim() == 2
+                values = torch.randn(tensor.shape, generator=gen) * (0.6 if wide else 0.2)
+                if name.endswith("running_var") or ("norm" in name and name.endswith("weight")):
+                    values = 1.0 + values.abs()
+                tensor.copy_(values)
+        model.proj_out.bias[3] += eos_bias  # <|endoftext|> now and then
+    model.save_pretrained(snapshot)
+    ParakeetFeatureExtractor(feature_size=16).save_pretrained(snapshot)
+    canary_tokenizer().save(str(snapshot / "tokenizer.json"))
+    return model
