@@ -19,10 +19,11 @@ RunWalk = Callable[[WalkRequest], Awaitable[tuple[str, list[int]]]]
 
 async def transcribe_windows(audio: bytes, run: RunWalk, window_request: Callable[[torch.Tensor], WalkRequest], *,
                              sample_rate: int, max_bytes: int, max_seconds: float, max_window_s: float,
-                             min_samples: int, language: str) -> Transcription:
+                             min_samples: int, language: str, parallel: int) -> Transcription:
     """The transcript of ``audio``: windows of at most ``max_window_s`` (a trailing one shorter
     than ``min_samples`` is dropped), each turned into a walk by ``window_request`` (called off
-    the event loop) and run by ``run``."""
+    the event loop) and run by ``run``, at most ``parallel`` at a time (a long upload never
+    fills the admission queue by itself: its windows wait here, not there)."""
     decoded = await asyncio.to_thread(decode_audio, audio, max_bytes=max_bytes, max_seconds=max_seconds,
                                       target_rate=sample_rate)
     if decoded.samples.shape[0] < min_samples:
@@ -32,8 +33,11 @@ async def transcribe_windows(audio: bytes, run: RunWalk, window_request: Callabl
                                                                     max_window_s=max_window_s)
                if end - start >= min_samples]
 
+    gate = asyncio.Semaphore(max(parallel, 1))
+
     async def window(start: int, end: int) -> tuple[str, list[int]]:
-        return await run(await asyncio.to_thread(window_request, samples[start:end]))
+        async with gate:
+            return await run(await asyncio.to_thread(window_request, samples[start:end]))
 
     results = await asyncio.gather(*[window(start, end) for start, end in windows])
     segments = [TranscriptionSegment(id=i, start=start / sample_rate, end=end / sample_rate, text=text.strip(),

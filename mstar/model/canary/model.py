@@ -152,7 +152,8 @@ class Canary(ModelSpec):
         return await transcribe_windows(
             spec.audio, run, lambda samples: self.clip_request(samples, prompt), sample_rate=SAMPLE_RATE,
             max_bytes=self.knobs.max_upload_bytes, max_seconds=self.knobs.max_audio_seconds,
-            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.hop_length, language=target)
+            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.hop_length, language=target,
+            parallel=self.config.max_concurrent_requests)
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
