@@ -145,7 +145,9 @@ def test_long_upload_is_windowed_at_quiet_points(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("fields,param", [({"language": "ja"}, "language"), ({"language": "klingon"}, "language"),
-                                          ({"temperature": "0.5"}, "temperature")])
+                                          ({"temperature": "0.5"}, "temperature"),
+                                          ({"model_kwargs": json.dumps({"lang": "en"})}, "model_kwargs"),
+                                          ({"model_kwargs": json.dumps({"language": "xx"})}, "language")])
 def test_bad_fields_are_400_naming_them(http: httpx.Client, fields: dict, param: str) -> None:
     response = http.post("/v1/audio/transcriptions", data={"model": MODEL, **fields},
                          files={"file": ("clip.wav", wav(noise_clip(0.5, seed=2)), "audio/wav")})

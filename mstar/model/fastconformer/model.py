@@ -139,13 +139,14 @@ class Transducer(ModelSpec):
         return TranscriptionSpec(spec.request_id, data, filename, language=options.language)
 
     async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:
-        prompt = self.language_prompt(spec.language)
+        language = spec.language or TransducerRequestKnobs.parse(spec.model_kwargs).language
+        prompt = self.language_prompt(language)
         if spec.temperature:
             raise RequestError("temperature", f"model {self.key!r} decodes greedily: send 0 or leave it out")
         return await transcribe_windows(
             spec.audio, run, lambda samples: self.clip_request(samples, prompt), sample_rate=SAMPLE_RATE,
             max_bytes=self.knobs.max_upload_bytes, max_seconds=self.knobs.max_audio_seconds,
-            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.hop_length, language=spec.language or "",
+            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.hop_length, language=language or "",
             parallel=self.config.max_concurrent_requests)
 
     # ---------------------------------------------------------------- worker
