@@ -182,3 +182,12 @@ def test_reference_yaml_parses() -> None:
     assert config["resources"]["transducer_state"]["max_slots"] == config["max_concurrent_requests"] + 1
 
 
+
+
+def test_a_container_it_cannot_decode_is_400_naming_the_format(http: httpx.Client) -> None:
+    m4a = b"\x00\x00\x00\x20ftypM4A \x00\x00\x00\x00M4A mp42isom" + b"\x00" * 256
+    response = http.post("/v1/audio/transcriptions", data={"model": MODEL},
+                         files={"file": ("voice.m4a", m4a, "audio/mp4")})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and "M4A" in error["message"]
