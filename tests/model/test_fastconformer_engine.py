@@ -11,6 +11,7 @@ from mstar.engine.base import EngineItem
 from mstar.engine.state_pool import OutOfSlots
 from mstar.model.fastconformer.config import FastConformerConfig, TransducerConfig
 from mstar.model.fastconformer.engine import TransducerDecoder, encoder_fn
+from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.fastconformer.transducer import TransducerModel, greedy_decode
 
 VOCAB, BLANK = 20, 19
@@ -130,3 +131,19 @@ def test_encoder_node_batches_clips_of_different_lengths() -> None:
             solo, _ = model.encode(m[None])
         assert out["audio_features"].shape == solo[0].shape
         torch.testing.assert_close(out["audio_features"], solo[0], rtol=1e-5, atol=1e-5)
+
+
+class _Bytes:
+    """A byte-level tokenizer: id ``b`` is the byte ``b``."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_a_partial_character() -> None:
+    stream = TokenTextStream(_Bytes())
+    first = stream.feed("text", torch.tensor(list(b"na") + [0xC3]))  # "na" + half of "ï"
+    assert first.text == "" and first.token_ids == [110, 97, 0xC3]  # nothing sent until "ï" is whole
+    rest = stream.feed("text", torch.tensor([0xAF, ord("v")]))
+    assert rest.text == "naïv" and stream.generated == 5
+    assert stream.feed("text", torch.tensor([ord("e")])).text == "e"

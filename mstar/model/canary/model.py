@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.contract import GenerateSpec, OutputEvent, RequestError, Transcription, TranscriptionSpec
+from mstar.contract import GenerateSpec, RequestError, Transcription, TranscriptionSpec
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.canary.checkpoint import CanaryCheckpoint
 from mstar.model.canary.engine import canary_engines
@@ -23,34 +23,13 @@ from mstar.model.canary.knobs import CanaryKnobs, CanaryRequestKnobs
 from mstar.model.canary.prompt import LANGUAGES, CanaryPrompt
 from mstar.model.decoding import decode_request
 from mstar.model.fastconformer.features import log_mel
+from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.windowed import RunWalk, transcribe_windows
 
 SAMPLE_RATE = 16000
 PROMPT_TOKENS = 9  # the multitask prompt (prompt.py)
-
-
-class CanaryStream(OutputStream):
-    """Token ids in, text out (special tokens left out)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = ""
-
-    @property
-    def generated(self) -> int:
-        return len(self.ids)
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        new = [int(t) for t in value.reshape(-1).tolist()]
-        self.ids += new
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return OutputEvent(token_ids=new, completion_tokens=len(self.ids))
-        delta, self.sent = text[len(self.sent):], text
-        return OutputEvent(text=delta, token_ids=new, completion_tokens=len(self.ids))
 
 
 def _language(value: str | None, field: str, default: str) -> str:
@@ -111,8 +90,8 @@ class Canary(ModelSpec):
                               f"{need} or lower max_concurrent_requests")
         return {"kv_pages": kv.max_num_pages}
 
-    def output_stream(self, request: WalkRequest, stop: list[str]) -> CanaryStream:
-        return CanaryStream(self.tokenizer)
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> TokenTextStream:
+        return TokenTextStream(self.tokenizer)
 
     def clip_request(self, samples: torch.Tensor, prompt: list[int]) -> WalkRequest:
         mel = log_mel(samples, self.mel)

@@ -18,7 +18,6 @@ import torch
 from mstar.config import ConfigError
 from mstar.contract import (
     GenerateSpec,
-    OutputEvent,
     RequestError,
     Transcription,
     TranscriptionSpec,
@@ -28,8 +27,9 @@ from mstar.model.fastconformer.checkpoint import TransducerCheckpoint
 from mstar.model.fastconformer.engine import transducer_engines
 from mstar.model.fastconformer.features import log_mel
 from mstar.model.fastconformer.knobs import NemotronAsrKnobs, TransducerKnobs, TransducerRequestKnobs
+from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.windowed import RunWalk, transcribe_windows
 
 SAMPLE_RATE = 16000
@@ -37,27 +37,6 @@ TRANSDUCER_SLOTS = "transducer_slots"
 # The 25 European languages Parakeet TDT v3 recognises (it detects which from the speech).
 PARAKEET_LANGUAGES = frozenset("bg hr cs da nl en et fi fr de el hu it lv lt mt pl pt ro sk sl es sv ru uk".split())
 
-class TokenTextStream(OutputStream):
-    """Token ids in, text out (special tokens such as language tags left out); holds back a
-    partial character."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = ""
-
-    @property
-    def generated(self) -> int:
-        return len(self.ids)
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        new = [int(t) for t in value.reshape(-1).tolist()]
-        self.ids += new
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return OutputEvent(token_ids=new, completion_tokens=len(self.ids))
-        delta, self.sent = text[len(self.sent):], text
-        return OutputEvent(text=delta, token_ids=new, completion_tokens=len(self.ids))
 
 
 class Transducer(ModelSpec):
