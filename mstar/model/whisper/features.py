@@ -8,11 +8,10 @@ maximum and mapped by ``(x + 4) / 4``. The last STFT frame is dropped, so 30 s g
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-
 import numpy as np
 import torch
+
+from mstar.audio.mel import mel_filterbank as slaney_filterbank
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -20,47 +19,12 @@ HOP_LENGTH = 160
 CHUNK_SAMPLES = 30 * SAMPLE_RATE  # 480000
 MAX_FREQUENCY = 8000.0
 
-# Slaney's mel scale: linear (3 mels per 200 Hz) up to 1 kHz, logarithmic above it.
-_LINEAR_MEL_PER_HZ = 3.0 / 200.0
-_LOG_START_HZ = 1000.0
-_LOG_START_MEL = _LOG_START_HZ * _LINEAR_MEL_PER_HZ  # 15
-_MEL_PER_LOG_HZ = 27.0 / math.log(6.4)
 
-
-def _hz_to_mel(hz: torch.Tensor) -> torch.Tensor:
-    octaves = torch.log(hz.clamp(min=_LOG_START_HZ) / _LOG_START_HZ)
-    log_part = _LOG_START_MEL + octaves * _MEL_PER_LOG_HZ
-    return torch.where(hz >= _LOG_START_HZ, log_part, hz * _LINEAR_MEL_PER_HZ)
-
-
-def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
-    octaves = (mel.clamp(min=_LOG_START_MEL) - _LOG_START_MEL) / _MEL_PER_LOG_HZ
-    log_part = _LOG_START_HZ * torch.exp(octaves)
-    return torch.where(mel >= _LOG_START_MEL, log_part, mel / _LINEAR_MEL_PER_HZ)
-
-
-@lru_cache(maxsize=8)
-def mel_filterbank(
-    n_mels: int,
-    n_fft: int = N_FFT,
-    sample_rate: int = SAMPLE_RATE,
-    max_frequency: float = MAX_FREQUENCY,
-) -> torch.Tensor:
-    """Slaney-normalised triangular mel filters ``[n_mels, n_fft // 2 + 1]`` (float64, CPU;
-    cached and shared, so do not modify it in place).
-
-    Filter ``m`` rises linearly from edge ``m`` to ``m + 1`` and falls to ``m + 2``, the
-    ``n_mels + 2`` edges being equally spaced in mel between 0 Hz and ``max_frequency``; each is
-    scaled by ``2 / (its width in Hz)`` so that every band carries about the same energy.
-    """
-    fft_hz = torch.linspace(0.0, float(sample_rate // 2), n_fft // 2 + 1, dtype=torch.float64)
-    top_mel = _hz_to_mel(torch.tensor(max_frequency, dtype=torch.float64))
-    edges = _mel_to_hz(torch.linspace(0.0, float(top_mel), n_mels + 2, dtype=torch.float64))
-    left, center, right = edges[:-2, None], edges[1:-1, None], edges[2:, None]
-    rising = (fft_hz[None, :] - left) / (center - left)
-    falling = (right - fft_hz[None, :]) / (right - center)
-    triangles = torch.minimum(rising, falling).clamp(min=0.0)
-    return triangles * (2.0 / (right - left))
+def mel_filterbank(n_mels: int, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE,
+                   max_frequency: float = MAX_FREQUENCY) -> torch.Tensor:
+    """Whisper's Slaney mel filters ``[n_mels, n_fft // 2 + 1]`` (float64, CPU, cached: do not
+    modify it in place); ``mstar.audio.mel`` computes them."""
+    return slaney_filterbank(n_mels, n_fft, sample_rate, max_frequency)
 
 
 def mel_frames(num_samples: int, n_samples: int = CHUNK_SAMPLES) -> int:

@@ -1,0 +1,261 @@
+"""The FastConformer encoder: log-mel frames in, one hidden state per 80 ms out.
+
+8x subsampling by strided depthwise-separable 2-D convolutions, then conformer blocks:
+half a feed-forward, self-attention with Transformer-XL relative positions (content and
+position terms with their own learned biases, ``bias_u`` and ``bias_v``), a convolution
+module (pointwise GLU, depthwise convolution, norm, activation, pointwise), the other half
+feed-forward, a final layer norm.
+
+The streaming layout (``config.causal``) pads its convolutions on the left only, normalises
+the conv module with a layer norm, and attends in chunks of ``lookahead + 1`` frames: a frame
+sees its own chunk and the ``left_context // (lookahead + 1)`` chunks before it. Served over
+whole clips, that is the widest lookahead's accuracy with none of the streaming caches.
+
+Parameter names are the Hugging Face checkpoints' (``ParakeetEncoder``,
+``NemotronAsrStreamingEncoder``), so weights load by name. A batch of clips of different
+lengths is padded; padded frames never reach a real one (keys are masked, convolutions see
+zeros there), so a clip encodes the same alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.model.fastconformer.config import FastConformerConfig
+
+_ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
+
+
+def activation(name: str):
+    return _ACTIVATIONS[name]
+
+
+def relative_positions(length: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Sinusoidal embeddings ``[2 * length - 1, dim]`` of the relative positions
+    ``length - 1, ..., -(length - 1)``: sine and cosine of each frequency side by side."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    positions = torch.arange(length - 1, -length, -1, device=device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(2 * length - 1, dim).to(dtype)
+
+
+def lengths_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, size]``: True at the first ``lengths[b]`` positions of row ``b``."""
+    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias)
+        self.linear2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.act(self.linear1(x)))
+
+
+class RelPositionAttention(nn.Module):
+    """Multi-head self-attention over content and relative position (Transformer-XL)."""
+
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        width, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.q_proj = nn.Linear(width, width, bias=bias)
+        self.k_proj = nn.Linear(width, width, bias=bias)
+        self.v_proj = nn.Linear(width, width, bias=bias)
+        self.o_proj = nn.Linear(width, width, bias=bias)
+        self.relative_k_proj = nn.Linear(width, width, bias=False)
+        self.bias_u = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # content bias
+        self.bias_v = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # position bias
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, T, C]``, ``positions`` ``[2T - 1, C]`` (relative ``T - 1`` down to
+        ``-(T - 1)``), ``allowed`` a bool mask broadcastable to ``[B, H, T, T]``."""
+        batch, length, _ = x.shape
+        heads, dim = self.num_heads, self.head_dim
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, heads, dim).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        r = self.relative_k_proj(positions).view(-1, heads, dim).permute(1, 2, 0)  # [H, D, 2T-1]
+        content = (q + self.bias_u[:, None, :]) @ k.transpose(-1, -2)  # [B, H, T, T]
+        by_offset = (q + self.bias_v[:, None, :]) @ r  # [B, H, T, 2T-1]: column p is offset T-1-p
+        steps = torch.arange(length, device=x.device)
+        column = (length - 1) - steps[:, None] + steps[None, :]  # query i, key j: offset i - j
+        position = by_offset.gather(-1, column.expand(batch, heads, length, length))
+        scores = (content + position) * (dim ** -0.5)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = (weights @ v).transpose(1, 2).reshape(batch, length, heads * dim)
+        return self.o_proj(out)
+
+
+class ConvModule(nn.Module):
+    """Pointwise conv + GLU, depthwise conv (padded frames zeroed first), norm, activation,
+    pointwise conv."""
+
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        channels, bias, kernel = config.hidden_size, config.convolution_bias, config.conv_kernel_size
+        self.causal = config.causal
+        self.kernel = kernel
+        self.pointwise_conv1 = nn.Conv1d(channels, 2 * channels, 1, bias=bias)
+        self.depthwise_conv = nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias)
+        self.norm = nn.LayerNorm(channels) if config.causal else nn.BatchNorm1d(channels)
+        self.pointwise_conv2 = nn.Conv1d(channels, channels, 1, bias=bias)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        y = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)
+        y = y.masked_fill(~valid[:, None, :], 0.0)
+        pad = (self.kernel - 1, 0) if self.causal else ((self.kernel - 1) // 2, (self.kernel - 1) // 2)
+        y = self.depthwise_conv(F.pad(y, pad))
+        if isinstance(self.norm, nn.LayerNorm):
+            y = self.norm(y.transpose(1, 2)).transpose(1, 2)
+        else:
+            y = self.norm(y)
+        return self.pointwise_conv2(self.act(y)).transpose(1, 2)
+
+
+class ConformerBlock(nn.Module):
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        width = config.hidden_size
+        self.feed_forward1 = FeedForward(config)
+        self.self_attn = RelPositionAttention(config)
+        self.conv = ConvModule(config)
+        self.feed_forward2 = FeedForward(config)
+        self.norm_feed_forward1 = nn.LayerNorm(width)
+        self.norm_self_att = nn.LayerNorm(width)
+        self.norm_conv = nn.LayerNorm(width)
+        self.norm_feed_forward2 = nn.LayerNorm(width)
+        self.norm_out = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
+        x = x + self.self_attn(self.norm_self_att(x), positions, allowed)
+        x = x + self.conv(self.norm_conv(x), valid)
+        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
+        return self.norm_out(x)
+
+
+def _mask_time(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, C, T, F]`` with the frames past each row's length zeroed."""
+    return x * lengths_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
+
+
+class StridedSubsampling(nn.Module):
+    """Parakeet's layout: a stride-2 conv, then (depthwise stride-2, pointwise) pairs, ReLU
+    after each; ``layers`` keeps the ReLUs so the convs keep the checkpoint's indices."""
+
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        channels, kernel, stride = (config.subsampling_conv_channels, config.subsampling_conv_kernel_size,
+                                    config.subsampling_conv_stride)
+        pad = (kernel - 1) // 2
+        layers: list[nn.Module] = [nn.Conv2d(1, channels, kernel, stride, pad), nn.ReLU()]
+        for _ in range(config.num_subsampling_layers - 1):
+            layers += [nn.Conv2d(channels, channels, kernel, stride, pad, groups=channels),
+                       nn.Conv2d(channels, channels, 1), nn.ReLU()]
+        self.layers = nn.ModuleList(layers)
+        self.linear = nn.Linear(channels * config.subsampled_mel_bins, config.hidden_size)
+        self.config = config
+
+    def forward(self, mel: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = mel[:, None]  # [B, 1, T, F]
+        for layer in self.layers:
+            x = layer(x)
+            if isinstance(layer, nn.Conv2d):
+                if layer.stride[0] > 1:
+                    lengths = (lengths + 2 * layer.padding[0] - layer.kernel_size[0]) // layer.stride[0] + 1
+                x = _mask_time(x, lengths)
+        return self.linear(x.transpose(1, 2).flatten(2)), lengths
+
+
+class CausalSubsamplingLayer(nn.Module):
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        channels = config.subsampling_conv_channels
+        self.depthwise_conv = nn.Conv2d(channels, channels, config.subsampling_conv_kernel_size,
+                                        config.subsampling_conv_stride, groups=channels)
+        self.pointwise_conv = nn.Conv2d(channels, channels, 1)
+
+
+class CausalSubsampling(nn.Module):
+    """The streaming layout: the same stack, each strided conv padded ``kernel - 1`` before
+    and ``stride - 1`` after, in time and in frequency."""
+
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        channels, kernel, stride = (config.subsampling_conv_channels, config.subsampling_conv_kernel_size,
+                                    config.subsampling_conv_stride)
+        self.pad = (kernel - 1, stride - 1)
+        self.kernel, self.stride = kernel, stride
+        self.conv_in = nn.Conv2d(1, channels, kernel, stride)
+        self.layers = nn.ModuleList(CausalSubsamplingLayer(config) for _ in range(config.num_subsampling_layers - 1))
+        self.linear = nn.Linear(channels * config.subsampled_mel_bins, config.hidden_size)
+
+    def _strided(self, conv: nn.Conv2d, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        before, after = self.pad
+        x = conv(F.pad(x, (before, after, before, after)))
+        return x, (lengths + before + after - self.kernel) // self.stride + 1
+
+    def forward(self, mel: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, lengths = self._strided(self.conv_in, mel[:, None], lengths)
+        x = F.relu(_mask_time(x, lengths))
+        for layer in self.layers:
+            x, lengths = self._strided(layer.depthwise_conv, x, lengths)
+            x = F.relu(_mask_time(layer.pointwise_conv(x), lengths))
+        return self.linear(x.transpose(1, 2).flatten(2)), lengths
+
+
+def attention_mask(valid: torch.Tensor, left_context: int | None, lookahead: int | None) -> torch.Tensor:
+    """``[B, 1, T, T]`` (or ``[B, 1, 1, T]``): may query ``i`` attend to key ``j``? Keys past
+    the clip never; with a ``lookahead``, only keys in the query's chunk of ``lookahead + 1``
+    frames or the ``left_context // (lookahead + 1)`` chunks before it."""
+    allowed = valid[:, None, None, :]
+    if lookahead is None:
+        return allowed
+    size = lookahead + 1
+    chunk = torch.arange(valid.shape[1], device=valid.device) // size
+    back = chunk[:, None] - chunk[None, :]
+    reach = left_context // size if left_context is not None and left_context >= 0 else valid.shape[1]
+    return allowed & ((back >= 0) & (back <= reach))[None, None]
+
+
+class FastConformerEncoder(nn.Module):
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.subsampling = CausalSubsampling(config) if config.causal else StridedSubsampling(config)
+        self.layers = nn.ModuleList(ConformerBlock(config) for _ in range(config.num_hidden_layers))
+        self.input_scale = math.sqrt(config.hidden_size) if config.scale_input else 1.0
+
+    def forward(self, mel: torch.Tensor, lengths: torch.Tensor | None = None,
+                lookahead: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states ``[B, T', hidden]`` and their lengths ``[B]`` of log-mels ``[B, T, mel]``
+        (``lengths``: real frames per row, default all). ``lookahead``: the streaming layout's
+        right context (default the checkpoint's); ignored by the full-attention layout."""
+        if lengths is None:
+            lengths = torch.full((mel.shape[0],), mel.shape[1], dtype=torch.int64, device=mel.device)
+        x, lengths = self.subsampling(mel, lengths.to(mel.device, torch.int64))
+        x = x * self.input_scale
+        frames = x.shape[1]
+        positions = relative_positions(frames, self.config.hidden_size, x.device, x.dtype)
+        valid = lengths_mask(lengths, frames)
+        if self.config.causal:
+            allowed = attention_mask(valid, self.config.left_context,
+                                     self.config.default_lookahead if lookahead is None else lookahead)
+        else:
+            allowed = attention_mask(valid, None, None)
+        for layer in self.layers:
+            x = layer(x, positions, allowed, valid)
+        return x, lengths

@@ -1,0 +1,133 @@
+"""The transducer families' engines: the batched encoder (a stateless node) and the greedy
+decoder, whose per-clip state lives in a recurrent-state slot pool.
+
+A clip takes a slot at its first decode iteration and keeps it until ``release`` (the
+runtime calls it however the request ends: done, failed, cancelled, disconnected). The slot
+holds the prediction network's LSTM state and last output, the cursor, the tokens in a row
+at the cursor's frame and the steps left; the clip's encoder frames stay beside it, keyed by
+request. A decode iteration gathers the rows of every clip in the plan, runs at most
+``steps_per_iteration`` greedy steps over all of them at once, writes the rows back and
+returns each clip's new tokens (none: the output is silent this iteration) and, once its
+cursor is past its last frame or its steps are spent, the ``stop`` flag.
+
+The slot rows are written back only after the steps succeed, so a batch that fails leaves
+every state as it was: the worker's item-by-item retry decodes from intact states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
+from mstar.engine.state_pool import StatePool
+from mstar.model.fastconformer.transducer import GreedyRows, TransducerModel, greedy_steps
+
+
+def encoder_fn(model: TransducerModel, lookahead: int | None):
+    """The encoder node: every clip of the plan in one padded forward; each gets back its
+    own joint-side frames (``audio_features`` ``[T_i, width]``). A clip may carry its language
+    prompt (``prompt``, one int)."""
+
+    def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
+        weight = model.encoder_projector.weight
+        mels = [item.inputs["mel"].to(weight.device, weight.dtype) for item in items]
+        lengths = torch.tensor([m.shape[0] for m in mels], dtype=torch.int64, device=weight.device)
+        prompts = None
+        if model.config.num_prompts:
+            prompts = torch.tensor([int(item.inputs["prompt"].reshape(-1)[0]) if "prompt" in item.inputs
+                                    else model.config.default_prompt_id for item in items], dtype=torch.int64)
+        frames, lengths = model.encode(nn.utils.rnn.pad_sequence(mels, batch_first=True), lengths, prompts,
+                                       lookahead=lookahead)
+        return [{"audio_features": f[:n]} for f, n in zip(frames, lengths.tolist())]
+
+    return run
+
+
+class TransducerDecoder(Engine):
+    """The greedy decoder node over ``max_slots`` state slots (the last one the sink)."""
+
+    def __init__(self, model: TransducerModel, *, max_slots: int, steps_per_iteration: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if steps_per_iteration < 1:
+            raise ValueError("steps_per_iteration must be >= 1")
+        self.model = model
+        self.steps = steps_per_iteration
+        self.slots = StatePool(max_slots)
+        config = model.config
+        layers, width = config.num_decoder_layers, config.decoder_hidden_size
+        self.hidden = torch.zeros(layers, max_slots, width, device=device, dtype=dtype)
+        self.cell = torch.zeros(layers, max_slots, width, device=device, dtype=dtype)
+        self.output = torch.zeros(max_slots, width, device=device, dtype=dtype)
+        counters = dict(device=device, dtype=torch.int64)
+        self.cursor = torch.zeros(max_slots, **counters)
+        self.symbols = torch.zeros(max_slots, **counters)
+        self.budget = torch.zeros(max_slots, **counters)
+        self.lengths = torch.zeros(max_slots, **counters)
+        self.frames: dict[str, torch.Tensor] = {}
+
+    def _take_slots(self, fresh: list[EngineItem]) -> None:
+        """Slots for clips at their first iteration, set to the decoder's start state."""
+        taken = []
+        try:
+            for item in fresh:
+                taken.append(self.slots.allocate(item.request_id))
+        except Exception:
+            for item in fresh[:len(taken)]:
+                self.slots.free(item.request_id)
+            raise
+        frames = [item.inputs["audio_features"].to(self.output.device, self.output.dtype) for item in fresh]
+        index = torch.tensor(taken, dtype=torch.int64, device=self.output.device)
+        with torch.no_grad():
+            output, hidden, cell = self.model.start(len(fresh), self.output.device, self.output.dtype)
+        self.output[index], self.hidden[:, index], self.cell[:, index] = output, hidden, cell
+        lengths = torch.tensor([f.shape[0] for f in frames], dtype=torch.int64, device=self.output.device)
+        self.lengths[index] = lengths
+        self.cursor[index] = 0
+        self.symbols[index] = 0
+        self.budget[index] = lengths * self.model.config.max_symbols_per_step
+        for item, clip in zip(fresh, frames):
+            self.frames[item.request_id] = clip
+
+    @torch.no_grad()
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        fresh = [item for item in items if not self.slots.has(item.request_id)]
+        if fresh:
+            self._take_slots(fresh)
+        index = torch.tensor([self.slots.slot(item.request_id) for item in items], dtype=torch.int64,
+                             device=self.output.device)
+        rows = GreedyRows(
+            frames=nn.utils.rnn.pad_sequence([self.frames[item.request_id] for item in items], batch_first=True),
+            lengths=self.lengths[index], hidden=self.hidden[:, index], cell=self.cell[:, index],
+            output=self.output[index], cursor=self.cursor[index], symbols=self.symbols[index],
+            budget=self.budget[index])
+        tokens = greedy_steps(self.model, rows, self.steps)
+        self.hidden[:, index], self.cell[:, index], self.output[index] = rows.hidden, rows.cell, rows.output
+        self.cursor[index], self.symbols[index], self.budget[index] = rows.cursor, rows.symbols, rows.budget
+        finished = (rows.cursor >= rows.lengths).tolist()
+        done = rows.done().tolist()
+        outputs = []
+        for said, end, out_of_frames in zip(tokens, done, finished):
+            out = {"tokens": torch.tensor(said, dtype=torch.int64)} if said else {}
+            reason = ("stop" if out_of_frames else "length") if end else None
+            outputs.append(EngineOutput(out, flags=("stop",) if end else (), finish_reason=reason))
+        return outputs
+
+    def release(self, request_id: str) -> None:
+        self.slots.free(request_id)
+        self.frames.pop(request_id, None)
+
+    def stats(self) -> dict[str, float]:
+        return {"transducer_slots_used": self.slots.num_used, "transducer_slots_total": self.slots.capacity}
+
+
+def transducer_engines(model: TransducerModel, nodes: set[str], *, max_slots: int, steps_per_iteration: int,
+                       lookahead: int | None, device: torch.device, dtype: torch.dtype) -> dict[str, Engine]:
+    """The engines of ``nodes`` (``encoder``, ``decoder``) over ``model``."""
+    engines: dict[str, Engine] = {}
+    if "encoder" in nodes:
+        engines["encoder"] = StatelessEngine(encoder_fn(model, lookahead))
+    if "decoder" in nodes:
+        engines["decoder"] = TransducerDecoder(model, max_slots=max_slots, steps_per_iteration=steps_per_iteration,
+                                               device=device, dtype=dtype)
+    return engines

@@ -1,0 +1,185 @@
+"""A FastConformer encoder with a transducer head, and its greedy decoding.
+
+The head is an LSTM prediction network over the tokens emitted so far and a joint network
+``head(act(encoder_frame + prediction))``. Greedy decoding walks each clip's encoder frames
+with a cursor: at every step the joint scores the frame under the cursor against the
+prediction network's last output; a non-blank token is emitted and fed to the LSTM (its
+state and output advance), a blank leaves them as they are.
+
+* **RNN-T** (Nemotron ASR): a blank moves the cursor one frame; so does the
+  ``max_symbols_per_step``-th token in a row at one frame (which is still emitted).
+* **TDT** (Parakeet): the joint also scores ``durations``; the cursor moves by the chosen one
+  (a blank by at least one frame).
+
+A clip's decoder state (LSTM state, last prediction, cursor, tokens in a row, steps left) is
+a ``GreedyRows`` row; ``greedy_steps`` runs a bounded number of steps over many clips at once,
+each row independent of the others, so a clip decodes the same in any batch. Parameter names
+are the Hugging Face checkpoints' (``ParakeetForTDT``, ``Nemotron3_5AsrForRNNT``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.model.fastconformer.config import TransducerConfig
+from mstar.model.fastconformer.encoder import FastConformerEncoder, activation
+
+
+class PredictionNetwork(nn.Module):
+    def __init__(self, config: TransducerConfig) -> None:
+        super().__init__()
+        width = config.decoder_hidden_size
+        self.embedding = nn.Embedding(config.vocab_size, width)
+        self.lstm = nn.LSTM(width, width, num_layers=config.num_decoder_layers, batch_first=True)
+        self.decoder_projector = nn.Linear(width, width)
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor,
+             cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row ``[n]`` from LSTM states ``[layers, n, width]``: the projected
+        output ``[n, width]`` and the new states."""
+        out, (hidden, cell) = self.lstm(self.embedding(tokens)[:, None], (hidden.contiguous(), cell.contiguous()))
+        return self.decoder_projector(out[:, 0]), hidden, cell
+
+
+class JointNetwork(nn.Module):
+    def __init__(self, config: TransducerConfig) -> None:
+        super().__init__()
+        self.head = nn.Linear(config.decoder_hidden_size, config.vocab_size + len(config.durations))
+        self.act = activation(config.hidden_act)
+
+    def forward(self, frames: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(frames + predictions))
+
+
+class PromptProjector(nn.Module):
+    """Fuses a one-hot language prompt into each encoder frame (Nemotron ASR)."""
+
+    def __init__(self, config: TransducerConfig) -> None:
+        super().__init__()
+        width = config.encoder.hidden_size
+        self.linear_1 = nn.Linear(width + config.num_prompts, config.prompt_intermediate_size)
+        self.linear_2 = nn.Linear(config.prompt_intermediate_size, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.relu(self.linear_1(x)))
+
+
+class TransducerModel(nn.Module):
+    def __init__(self, config: TransducerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = FastConformerEncoder(config.encoder)
+        self.encoder_projector = nn.Linear(config.encoder.hidden_size, config.decoder_hidden_size)
+        self.decoder = PredictionNetwork(config)
+        self.joint = JointNetwork(config)
+        if config.num_prompts:
+            self.prompt_projector = PromptProjector(config)
+
+    def encode(self, mel: torch.Tensor, lengths: torch.Tensor | None = None, prompt_ids: torch.Tensor | None = None,
+               lookahead: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The joint's view of each frame ``[B, T', decoder_hidden]`` and the frames per row,
+        of log-mels ``[B, T, mel]``; ``prompt_ids`` ``[B]``: each clip's language prompt
+        (default the checkpoint's)."""
+        hidden, lengths = self.encoder(mel, lengths, lookahead=lookahead)
+        if self.config.num_prompts:
+            if prompt_ids is None:
+                prompt_ids = torch.full((hidden.shape[0],), self.config.default_prompt_id, dtype=torch.int64)
+            one_hot = F.one_hot(prompt_ids.to(hidden.device, torch.int64), self.config.num_prompts).to(hidden.dtype)
+            hidden = self.prompt_projector(torch.cat([hidden, one_hot[:, None].expand(-1, hidden.shape[1], -1)], -1))
+        return self.encoder_projector(hidden), lengths
+
+    def start(self, rows: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prediction network's first output and states for ``rows`` fresh clips: the
+        start token from zero states."""
+        width, layers = self.config.decoder_hidden_size, self.config.num_decoder_layers
+        zeros = torch.zeros(layers, rows, width, device=device, dtype=dtype)
+        tokens = torch.full((rows,), self.config.decoder_start_token_id, dtype=torch.int64, device=device)
+        return self.decoder.step(tokens, zeros, zeros.clone())
+
+
+@dataclass
+class GreedyRows:
+    """The decoder state of ``n`` clips: ``frames`` ``[n, T, width]`` (padded) with ``lengths``
+    ``[n]``; the LSTM's ``hidden``/``cell`` ``[layers, n, width]`` and last ``output``
+    ``[n, width]``; ``cursor`` (frame under the joint), ``symbols`` (tokens in a row at that
+    frame) and ``budget`` (greedy steps left), all ``[n]``."""
+
+    frames: torch.Tensor
+    lengths: torch.Tensor
+    hidden: torch.Tensor
+    cell: torch.Tensor
+    output: torch.Tensor
+    cursor: torch.Tensor
+    symbols: torch.Tensor
+    budget: torch.Tensor
+
+    def done(self) -> torch.Tensor:
+        """``[n]``: rows past their last frame or out of steps."""
+        return (self.cursor >= self.lengths) | (self.budget <= 0)
+
+
+@torch.no_grad()
+def greedy_steps(model: TransducerModel, rows: GreedyRows, max_steps: int) -> list[list[int]]:
+    """Up to ``max_steps`` greedy steps of every unfinished row (``rows`` advance in place);
+    the tokens each row emitted, blanks left out."""
+    config = model.config
+    vocab, blank = config.vocab_size, config.blank_token_id
+    durations = torch.tensor(config.durations, dtype=torch.int64, device=rows.cursor.device)
+    emitted_rows, emitted_tokens = [], []
+    for _ in range(max_steps):
+        live = (~rows.done()).nonzero()[:, 0]
+        if live.numel() == 0:
+            break
+        cursor = rows.cursor[live]
+        logits = model.joint(rows.frames[live, cursor.clamp(max=rows.frames.shape[1] - 1)], rows.output[live])
+        token = logits[:, :vocab].argmax(-1)
+        is_blank = token == blank
+        if config.is_tdt:
+            advance = durations[logits[:, vocab:].argmax(-1)]
+            advance = torch.where(is_blank & (advance == 0), torch.ones_like(advance), advance)
+        else:
+            symbols = torch.where(is_blank, torch.zeros_like(cursor), rows.symbols[live] + 1)
+            moves = is_blank | (symbols >= config.max_symbols_per_step)
+            rows.symbols[live] = torch.where(moves, torch.zeros_like(symbols), symbols)
+            advance = moves.to(torch.int64)
+        rows.cursor[live] = cursor + advance
+        rows.budget[live] -= 1
+        speak = live[~is_blank]
+        if speak.numel():
+            said = token[~is_blank]
+            output, hidden, cell = model.decoder.step(said, rows.hidden[:, speak], rows.cell[:, speak])
+            rows.output[speak], rows.hidden[:, speak], rows.cell[:, speak] = output, hidden, cell
+            emitted_rows.append(speak)
+            emitted_tokens.append(said)
+    tokens: list[list[int]] = [[] for _ in range(rows.cursor.shape[0])]
+    if emitted_rows:
+        for row, token in zip(torch.cat(emitted_rows).tolist(), torch.cat(emitted_tokens).tolist()):
+            tokens[row].append(token)
+    return tokens
+
+
+def fresh_rows(model: TransducerModel, frames: list[torch.Tensor]) -> GreedyRows:
+    """The decoder state of clips about to decode, from their joint-side encoder frames
+    ``[T_i, width]`` each; a clip may take ``max_symbols_per_step`` steps per frame."""
+    device, dtype = frames[0].device, frames[0].dtype
+    lengths = torch.tensor([f.shape[0] for f in frames], dtype=torch.int64, device=device)
+    output, hidden, cell = model.start(len(frames), device, dtype)
+    zeros = torch.zeros(len(frames), dtype=torch.int64, device=device)
+    return GreedyRows(nn.utils.rnn.pad_sequence(frames, batch_first=True), lengths, hidden, cell, output,
+                      zeros, zeros.clone(), lengths * model.config.max_symbols_per_step)
+
+
+def greedy_decode(model: TransducerModel, frames: list[torch.Tensor], max_steps: int = 64) -> list[list[int]]:
+    """Whole transcripts (token ids, blanks left out) of clips given as joint-side encoder
+    frames, decoding ``max_steps`` at a time until every clip is done."""
+    rows = fresh_rows(model, frames)
+    tokens: list[list[int]] = [[] for _ in frames]
+    while not bool(rows.done().all()):
+        for row, new in enumerate(greedy_steps(model, rows, max_steps)):
+            tokens[row] += new
+    return tokens
