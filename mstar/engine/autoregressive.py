@@ -485,11 +485,19 @@ class AutoregressiveEngine(Engine):
         query_start_loc = [0, *itertools.accumulate(end - start for _, start, end in spans)]
         total = query_start_loc[-1]
         table = [page for t in tables for page in (t + [0] * (width - len(t)) if len(t) < width else t)]
-        tail = query_start_loc + lens + input_ids + table
+        sizes = [total, total, batch + 1, batch, len(input_ids), batch * width]
+        # Every part starts 16-byte aligned (an even number of int64 before it): Triton compiles
+        # a kernel once per alignment of its pointers, and parts at offsets set by the step's
+        # shape would make a new batch composition compile in the middle of serving.
+        gaps = [n & 1 for n in sizes]
+        tail: list[int] = []
+        for part, gap in zip((query_start_loc, lens, input_ids, table), gaps[2:]):
+            tail += part + [0] * gap
         if total == batch:  # one token per row (decodes): positions and slots per row
             positions = [start for _, start, _ in spans]
             slots = [t[p // page_size] * page_size + p % page_size for t, p in zip(tables, positions)]
-            packed = torch.tensor(positions + slots + tail, dtype=torch.int64)
+            gap = [0] * gaps[0]
+            packed = torch.tensor(positions + gap + slots + gap + tail, dtype=torch.int64)
         else:
             starts = torch.tensor([start for _, start, _ in spans], dtype=torch.int64)
             host_table = torch.tensor(table, dtype=torch.int64).view(batch, width)
@@ -498,10 +506,11 @@ class AutoregressiveEngine(Engine):
             first = torch.tensor(query_start_loc[:-1], dtype=torch.int64)
             positions_t = starts[row_of] + torch.arange(total) - first[row_of]
             slots_t = host_table[row_of, positions_t // page_size] * page_size + positions_t % page_size
-            packed = torch.cat([positions_t, slots_t, torch.tensor(tail, dtype=torch.int64)])
+            gap_t = torch.zeros(gaps[0], dtype=torch.int64)
+            packed = torch.cat([positions_t, gap_t, slots_t, gap_t, torch.tensor(tail, dtype=torch.int64)])
         on_device = self._to_device(packed)
-        sizes = [total, total, batch + 1, batch, len(input_ids), batch * width]
-        positions_d, slots_d, qsl_d, lens_d, ids_d, table_d = on_device.split(sizes)
+        parts = on_device.split([n + gap for n, gap in zip(sizes, gaps)])
+        positions_d, slots_d, qsl_d, lens_d, ids_d, table_d = (part[:n] for part, n in zip(parts, sizes))
         meta = PagedAttentionMetadata(
             positions=positions_d,
             slot_mapping=slots_d,

@@ -55,6 +55,10 @@ def test_metadata_matches_slot_by_slot(engine):
             assert meta.page_table.tolist() == [pool.page_table(rid) + [0] * (width - len(pool.page_table(rid)))
                                                 for rid, _, _ in chosen]
             assert input_ids.tolist() == ids[:count]
+            assert meta.query_starts == starts and meta.seq_lens_list == [end for _, _, end in chosen]
+            # every part 16-byte aligned, whatever the step's sizes (Triton compiles per alignment)
+            parts = (meta.positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.page_table, input_ids)
+            assert all(part.storage_offset() % 2 == 0 for part in parts)
     finally:
         for rid in "abc":
             pool.free(rid)
