@@ -111,6 +111,7 @@ SWITCH_INTERVAL_S = 0.001
 
 def _serve(options: ServeOptions, config: DeploymentConfig, sock: socket.socket) -> int:
     from mstar.runtime.launch import start
+    from mstar.runtime.workers import freeze_startup_objects
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = _StopServer()
@@ -123,6 +124,7 @@ def _serve(options: ServeOptions, config: DeploymentConfig, sock: socket.socket)
 
         app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
                          api_key=options.api_key, on_shutdown=deployment.close)
+        freeze_startup_objects()
         log.info("serving %s on http://%s:%d (Ctrl-C to stop)", config.model, options.host, options.port)
         stop.server = uvicorn.Server(uvicorn.Config(app, log_level=options.log_level,
                                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
