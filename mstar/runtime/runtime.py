@@ -154,8 +154,8 @@ class Runtime:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.conductor.idle and not self.conductor.busy:
-                    self._drain_commands(block=True)
+                # Commands first: a cancel that came before a step's result is applied before it.
+                self._drain_commands(block=self.conductor.idle and not self.conductor.busy)
                 for event in self.workers.poll(self._poll_timeout()):
                     if isinstance(event, StepResult):
                         if event.gauges:
