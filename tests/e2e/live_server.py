@@ -8,6 +8,10 @@ then SIGKILL to its whole process group) however the block ends. Test modules im
 with ``from live_server import launch_server`` (pytest puts this folder on sys.path); it is
 not a conftest, so it never clashes with tests/server's conftest.
 
+``serve_offline(model, workdir, config)`` launches the deployment ``config`` (a YAML mapping,
+written to ``workdir``) with the Hugging Face hub offline: its checkpoint comes from a
+hub-cache directory the test wrote.
+
 ``Uvicorn(app)`` serves an app (over an in-process deployment, say) from a background
 thread of the test process instead.
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+import yaml
 
 DEFAULT_STARTUP_TIMEOUT_S = 240.0
 
@@ -116,6 +121,16 @@ def launch_server(model: str, workdir: Path, extra_args: Sequence[str] = (),
         yield live
     finally:
         stop_server(proc)
+
+
+@contextmanager
+def serve_offline(model: str, workdir: Path, config: dict) -> Iterator[Server]:
+    """``launch_server`` of ``config`` (written as ``<model>.yaml``) with ``HF_HUB_OFFLINE=1``."""
+    (workdir / f"{model}.yaml").write_text(yaml.safe_dump(config))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        with launch_server(model, workdir, ["--config", f"{model}.yaml"]) as live:
+            yield live
 
 
 class Uvicorn:

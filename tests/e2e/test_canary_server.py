@@ -6,7 +6,6 @@ K/V back; bad language fields are 400s naming them."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import time
@@ -14,15 +13,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import openai
 import pytest
-import soundfile as sf
-import yaml
 from client_hangup import hang_up_when
-from live_server import Server, launch_server
+from live_server import Server, serve_offline
 
-from tests.support.fastconformer import CANARY_REPO, snapshot_dir, write_canary
+from tests.support.fastconformer import CANARY_REPO, noise_clip, snapshot_dir, wav, write_canary
 
 MODEL = "canary"
 REQUEST_TIMEOUT_S = 60.0
@@ -30,15 +26,6 @@ REQUEST_TIMEOUT_S = 60.0
 TASKS = [("en", None), ("de", None), ("de", "en"), ("en", "fr"), ("fr", None), ("en", "es"), ("uk", "en"), ("it", None)]
 
 
-def noise_clip(seconds: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (0.2 * rng.standard_normal(int(seconds * 16000))).astype(np.float32)
-
-
-def wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, samples, 16000, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = {"model": MODEL, "cache_dir": str(workdir / "hub"), "load_format": "dummy",
               "max_concurrent_requests": 8, "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 4}},
               "model_kwargs": {"max_new_tokens": 16, "max_clip_seconds": 4.0}}
-    (workdir / "canary.yaml").write_text(yaml.safe_dump(config))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HUB_OFFLINE", "1")
-        with launch_server(MODEL, workdir, ["--config", "canary.yaml"]) as live:
-            yield live
+    with serve_offline(MODEL, workdir, config) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

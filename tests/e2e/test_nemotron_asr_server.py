@@ -7,37 +7,24 @@ a client that disconnects gives its state slot back; an unknown language is a 40
 
 from __future__ import annotations
 
-import io
 import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import openai
 import pytest
-import soundfile as sf
-import yaml
 from client_hangup import hang_up_when
-from live_server import Server, launch_server
+from live_server import Server, serve_offline
 
-from tests.support.fastconformer import hub_cache
+from tests.support.fastconformer import hub_cache, noise_clip, wav
 
 MODEL = "nemotron_asr"
 REQUEST_TIMEOUT_S = 60.0
 LANGUAGES = ["en-US", "de", "auto", None, "fr-FR", "pt-BR", "es", "en-GB"]
 
 
-def noise_clip(seconds: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (0.2 * rng.standard_normal(int(seconds * 16000))).astype(np.float32)
-
-
-def wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, samples, 16000, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +34,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = {"model": MODEL, "cache_dir": str(workdir / "hub"), "load_format": "dummy",
               "max_concurrent_requests": 8, "resources": {"transducer_state": {"max_slots": 9}},
               "model_kwargs": {"steps_per_iteration": 4, "lookahead": 6, "max_clip_seconds": 4.0}}
-    (workdir / "nemotron_asr.yaml").write_text(yaml.safe_dump(config))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HUB_OFFLINE", "1")
-        with launch_server(MODEL, workdir, ["--config", "nemotron_asr.yaml"]) as live:
-            yield live
+    with serve_offline(MODEL, workdir, config) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

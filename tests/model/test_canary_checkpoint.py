@@ -7,12 +7,10 @@ requests are refused naming the key or field."""
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import ParakeetFeatureExtractor
@@ -23,7 +21,7 @@ from mstar.model.canary.checkpoint import CanaryCheckpoint
 from mstar.model.registry import model_class
 from mstar.model.weights import WeightLoadError
 from mstar.runtime.launch import start
-from tests.support.fastconformer import CANARY_REPO, snapshot_dir, write_canary
+from tests.support.fastconformer import CANARY_REPO, snapshot_dir, wav, write_canary
 
 MAX_NEW = 12
 EOS = 3
@@ -40,11 +38,6 @@ def clip(seconds: float = 2.1, seed: int = 0) -> np.ndarray:
     t = np.arange(int(seconds * 16000)) / 16000
     return (0.3 * np.sin(2 * np.pi * 180 * t * (1 + t)) + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
 
-
-def wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, samples, 16000, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
 
 
 def reference(model, audio: np.ndarray, prompt: list[int]) -> list[int]:
@@ -67,10 +60,10 @@ def test_hub_layout_serves_transcripts_equal_to_transformers(cache, monkeypatch)
     try:
         audio = clip()
         got = {}
-        for name, spec in {"de": TranscriptionSpec("c-1", wav(audio), "a.wav", language="de"),
-                           "de->en": TranscriptionSpec("c-2", wav(audio), "a.wav", task="translate",
+        for name, spec in {"de": TranscriptionSpec("c-1", wav(audio, "FLOAT"), "a.wav", language="de"),
+                           "de->en": TranscriptionSpec("c-2", wav(audio, "FLOAT"), "a.wav", task="translate",
                                                        model_kwargs={"language": "de"}),
-                           "en->fr nopnc": TranscriptionSpec("c-3", wav(audio), "a.wav", model_kwargs={
+                           "en->fr nopnc": TranscriptionSpec("c-3", wav(audio, "FLOAT"), "a.wav", model_kwargs={
                                "target_language": "fr", "punctuation": False})}.items():
             got[name] = asyncio.run(d.backend.transcribe(spec))
         prompt = d.spec.prompt

@@ -6,12 +6,10 @@ served through the in-process runtime transcribes token for token as transformer
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import ParakeetFeatureExtractor
@@ -23,7 +21,7 @@ from mstar.model.fastconformer.checkpoint import TransducerCheckpoint
 from mstar.model.registry import model_class
 from mstar.model.weights import WeightLoadError
 from mstar.runtime.launch import start
-from tests.support.fastconformer import BLANK, REPOS, hub_cache, snapshot_dir, write_parakeet
+from tests.support.fastconformer import BLANK, REPOS, hub_cache, snapshot_dir, wav, write_parakeet
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +35,6 @@ def clip(seconds: float = 2.3, seed: int = 0) -> np.ndarray:
     t = np.arange(int(seconds * 16000)) / 16000
     return (0.3 * np.sin(2 * np.pi * 220 * t * (1 + t)) + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
 
-
-def wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, samples, 16000, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
 
 
 def reference_ids(model, features, **generate) -> list[int]:
@@ -84,7 +77,7 @@ def test_hub_layout_serves_transcripts_equal_to_transformers(cache, key, monkeyp
     assert want, "a degenerate random decode"
     d = serve(key, root, model_kwargs={"steps_per_iteration": 3})
     try:
-        result = asyncio.run(d.backend.transcribe(TranscriptionSpec(f"{key}-1", wav(audio), "a.wav",
+        result = asyncio.run(d.backend.transcribe(TranscriptionSpec(f"{key}-1", wav(audio, "FLOAT"), "a.wav",
                                                                     language=language)))
         assert result.segments[0].tokens == want
         assert result.text == d.spec.tokenizer.decode(want, skip_special_tokens=True)

@@ -4,8 +4,11 @@ checkpoint tests and the e2e servers (Hugging Face is unreachable from the tests
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
+import soundfile as sf
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -24,6 +27,19 @@ ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, inter
                activation_dropout=0.0, attention_dropout=0.0)
 WORDS = [f"w{i}" for i in range(BLANK)]
 REPOS = {"parakeet": "nvidia/parakeet-tdt-0.6b-v3", "nemotron_asr": "nvidia/nemotron-3.5-asr-streaming-0.6b"}
+
+
+def noise_clip(seconds: float, seed: int) -> np.ndarray:
+    """``seconds`` of 16 kHz white noise (a clip every model transcribes as something)."""
+    rng = np.random.default_rng(seed)
+    return (0.2 * rng.standard_normal(int(seconds * 16000))).astype(np.float32)
+
+
+def wav(samples: np.ndarray, subtype: str = "PCM_16") -> bytes:
+    """16 kHz mono ``samples`` as a WAV file's bytes."""
+    buf = io.BytesIO()
+    sf.write(buf, samples, 16000, format="WAV", subtype=subtype)
+    return buf.getvalue()
 
 
 def snapshot_dir(cache: Path, repo: str) -> Path:
