@@ -17,6 +17,7 @@ import torch
 from mstar.config import DeploymentConfig
 from mstar.contract import RequestError, SamplingParams
 from mstar.engine.sampler import validate_sampling
+from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.knobs import RequestKnobs
 from mstar.model.spec import WalkRequest
 
@@ -77,3 +78,21 @@ def decode_request(walk: str, inputs: dict[str, torch.Tensor], prompt_tokens: in
     admitted = peak if upfront else min(peak, kv_pages(prompt_tokens, config) + 1)
     return WalkRequest(walk, inputs, params, {"kv_pages": admitted}, prompt_tokens=prompt_tokens,
                        peak={"kv_pages": peak})
+
+
+def transcribe_graph() -> Graph:
+    """The graph of an audio encoder and an autoregressive text decoder (Whisper, Canary):
+    the ``transcribe`` walk encodes ``mel`` once, prefills the decoder on the task prompt
+    ``prompt_ids`` (cross-attending to the audio), then decodes until ``stop`` or
+    ``max_decode_steps``; every token streams out as text."""
+    encoder = Node("encoder", "stateless", inputs=("mel",), outputs=("audio_features",))
+    decoder = Node("decoder", "autoregressive", inputs=("prompt_ids", "audio_features", "token"),
+                   outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
+    walk = Walk("transcribe", Sequential(
+        Step("encoder", reads="mel", writes="audio_features"),
+        Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token",
+             emit=Emit("token", "text")),
+        Loop(Step("decoder", "decode", reads="token", writes="token", emit=Emit("token", "text")),
+             until="stop", max_iters="max_decode_steps"),
+    ), inputs=("mel", "prompt_ids"))
+    return Graph.build([encoder, decoder], [walk])

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from mstar.contract import GenerateSpec, RequestError, Transcription, TranscriptionSpec
-from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.graph import Graph
 from mstar.model.canary.checkpoint import CanaryCheckpoint
 from mstar.model.canary.engine import canary_engines
 from mstar.model.canary.knobs import CanaryKnobs, CanaryRequestKnobs
 from mstar.model.canary.prompt import LANGUAGES, CanaryPrompt
-from mstar.model.decoding import decode_request
+from mstar.model.decoding import decode_request, transcribe_graph
 from mstar.model.fastconformer.features import log_mel
 from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.registry import register
@@ -48,17 +48,7 @@ class Canary(ModelSpec):
     knobs: CanaryKnobs
 
     def graph(self) -> Graph:
-        encoder = Node("encoder", "stateless", inputs=("mel",), outputs=("audio_features",))
-        decoder = Node("decoder", "autoregressive", inputs=("prompt_ids", "audio_features", "token"),
-                       outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
-        walk = Walk("transcribe", Sequential(
-            Step("encoder", reads="mel", writes="audio_features"),
-            Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token",
-                 emit=Emit("token", "text")),
-            Loop(Step("decoder", "decode", reads="token", writes="token", emit=Emit("token", "text")),
-                 until="stop", max_iters="max_decode_steps"),
-        ), inputs=("mel", "prompt_ids"))
-        return Graph.build([encoder, decoder], [walk])
+        return transcribe_graph()
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> CanaryCheckpoint:

@@ -23,8 +23,8 @@ from mstar.contract import (
     TranscriptionSegment,
     TranscriptionSpec,
 )
-from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
-from mstar.model.decoding import decode_request
+from mstar.graph import Graph
+from mstar.model.decoding import decode_request, transcribe_graph
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
@@ -70,17 +70,7 @@ class Whisper(ModelSpec):
     knobs: WhisperKnobs
 
     def graph(self) -> Graph:
-        encoder = Node("encoder", "stateless", inputs=("mel",), outputs=("audio_features",))
-        decoder = Node("decoder", "autoregressive", inputs=("prompt_ids", "audio_features", "token"),
-                       outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
-        walk = Walk("transcribe", Sequential(
-            Step("encoder", reads="mel", writes="audio_features"),
-            Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token",
-                 emit=Emit("token", "text")),
-            Loop(Step("decoder", "decode", reads="token", writes="token", emit=Emit("token", "text")),
-                 until="stop", max_iters="max_decode_steps"),
-        ), inputs=("mel", "prompt_ids"))
-        return Graph.build([encoder, decoder], [walk])
+        return transcribe_graph()
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> WhisperCheckpoint:
