@@ -90,8 +90,9 @@ def serve(options: ServeOptions) -> int:
     config = config_from_options(options)
     sock = listening_socket(options.host, options.port)
     # uvicorn catches SIGINT and SIGTERM while it runs and raises them again once it has
-    # shut down; either one then ends ``serve`` as a KeyboardInterrupt (so does one that
-    # comes while the model loads).
+    # shut down; either one then usually ends ``serve`` as a KeyboardInterrupt (so does one
+    # that comes while the model loads). A SIGINT raised again while asyncio's runner is
+    # finishing can be taken by the runner instead: uvicorn then just returns (``_serve``).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return _serve(options, config, sock)
@@ -136,4 +137,5 @@ def _serve(options: ServeOptions, config: DeploymentConfig, sock: socket.socket)
     if stop.reason is not None:
         log.critical("the server shut down: %s", stop.reason)
         return 1
+    log.info("stopped")
     return 0
