@@ -153,3 +153,32 @@ def test_sampled_scores_use_logits_before_the_temperature(setup: dict) -> None:
         logits = setup["hf"](input_features=setup["mels"]["sampled"][None], decoder_input_ids=ids).logits[0]
     tempered = sum((logits[3 + k] / 0.7).log_softmax(-1)[t].item() for k, t in enumerate(generated[3:]))
     assert abs(first["sampled"][0].item() - tempered / len(generated[3:])) > 1e-3
+
+
+def test_token_scores_overwrite_grow_and_free() -> None:
+    """A column written twice (a step launched ahead, discarded, run again) keeps the second
+    value; more sequences than the table's first rows grow it; dropped slots are reused."""
+    from types import SimpleNamespace
+
+    from mstar.model.whisper.rules import TokenScores
+
+    scores = TokenScores(max_len=6, device=torch.device("cpu"))
+    seqs = [SimpleNamespace(request_id=f"r{i}", generated=0) for i in range(10)]
+    with torch.inference_mode():
+        scores.write(seqs, 0, torch.full((10,), -1.0), (list(range(10)), torch.arange(10) / 10))
+        for seq in seqs:
+            seq.generated = 1
+        scores.write(seqs, 1, torch.full((10,), -9.0), ([], torch.zeros(0)))  # ahead, then discarded
+        scores.write(seqs, 0, torch.full((10,), -2.0), ([], torch.zeros(0)))
+        scores.write(seqs, 1, torch.full((10,), -3.0), ([], torch.zeros(0)))
+    assert scores.table.shape[0] == 16 and len(set(scores.slots.values())) == 10
+    for seq in seqs:
+        seq.generated = 3
+    avg, no_speech = scores.summary(seqs[4], text_start=0, tokens=2).tolist()  # ended at an EOT
+    assert avg == pytest.approx((-1 - 2 - 3) / 3) and no_speech == pytest.approx(0.4)
+    scores.drop("r4")
+    seqs[4] = SimpleNamespace(request_id="new", generated=0)
+    with torch.inference_mode():
+        scores.write(seqs[4:5], 0, torch.tensor([-0.5]), ([], torch.zeros(0)))
+    assert scores.slots["new"] not in {scores.slots[s.request_id] for s in seqs if s.request_id != "new"}
+    assert scores.table[scores.slots["new"], 0] == 0.0  # a reused slot starts without the last one's value
