@@ -70,13 +70,11 @@ class Decoded:
 
     @property
     def needs_fallback(self) -> bool:
-        """Whether the reference decodes it again at the next temperature."""
+        """Whether the reference decodes it again at the next temperature: its text repeats
+        itself or the decoder was unsure, and it is not silence (likely no speech, unsure)."""
         unsure = self.avg_logprob < MIN_AVG_LOGPROB
-        return (self.compression_ratio > MAX_COMPRESSION_RATIO or unsure) and not self.silent_if_unsure
-
-    @property
-    def silent_if_unsure(self) -> bool:
-        return self.no_speech_prob > NO_SPEECH_PROB and self.avg_logprob < MIN_AVG_LOGPROB
+        silent = unsure and self.no_speech_prob > NO_SPEECH_PROB
+        return (self.compression_ratio > MAX_COMPRESSION_RATIO or unsure) and not silent
 
     @property
     def silence(self) -> bool:
