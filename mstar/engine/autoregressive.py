@@ -542,6 +542,8 @@ class AutoregressiveEngine(Engine):
         out = {"token": value}
         if self.rules.extra_outputs:
             out |= self.rules.outputs(seq, token)
+            if reason is not None:
+                out |= self.rules.last_outputs(seq)
         seq.written = value
         if reason is None:
             return EngineOutput(out)
@@ -551,6 +553,7 @@ class AutoregressiveEngine(Engine):
     def release(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
         self.seen.drop(request_id)
+        self.rules.release(request_id)
         self.pool.free(request_id)
         self.forward.release(request_id)
         if self._ahead is not None:

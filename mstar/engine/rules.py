@@ -8,7 +8,8 @@ codes of a position and writes each token's ``code``; Whisper forces its task to
 a language, and suppresses tokens text never contains. The engine reads from the rules what
 its fast paths may do: overlap scheduling launches a row's next step before the host has seen
 its token only where ``may_run_ahead`` says the choice needs nothing from the host, and the
-``token`` output is a view of the step's ids unless ``extra_outputs`` asks for ``outputs``.
+``token`` output is a view of the step's ids unless ``extra_outputs`` asks for ``outputs``
+(each step) and ``last_outputs`` (a sequence's last step).
 
 A sequence's state under the rules (``start``) lives on its ``Sequence`` and goes with it.
 """
@@ -51,3 +52,11 @@ class TokenRules:
         """The ports a step writes besides ``token`` (called for every row when
         ``extra_outputs``); leaving a port out keeps it silent that step."""
         return {}
+
+    def last_outputs(self, seq: Sequence) -> dict[str, torch.Tensor]:
+        """The ports a sequence's last step writes besides ``token`` and ``outputs`` (called
+        once, as it stops, when ``extra_outputs``): what the rules summed up over the sequence."""
+        return {}
+
+    def release(self, request_id: str) -> None:
+        """The engine let the sequence go: drop what the rules hold for it beyond its state."""

@@ -25,6 +25,7 @@ class Modality(StrEnum):
     VIDEO = "video"
     ACTION = "action"
     LATENT = "latent"
+    SCORES = "scores"  # numbers a model reports about its output (Whisper's log probabilities)
 
 
 @dataclass(frozen=True)

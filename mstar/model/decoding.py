@@ -80,19 +80,21 @@ def decode_request(walk: str, inputs: dict[str, torch.Tensor], prompt_tokens: in
                        peak={"kv_pages": peak})
 
 
-def transcribe_graph() -> Graph:
+def transcribe_graph(scores: bool = False) -> Graph:
     """The graph of an audio encoder and an autoregressive text decoder (Whisper, Canary):
     the ``transcribe`` walk encodes ``mel`` once, prefills the decoder on the task prompt
     ``prompt_ids`` (cross-attending to the audio), then decodes until ``stop`` or
-    ``max_decode_steps``; every token streams out as text."""
+    ``max_decode_steps``; every token streams out as text. ``scores``: the decoder's last step
+    also writes ``scores`` (Whisper's ``[avg_logprob, no_speech_prob]``), sent as they are."""
+    written = ("token", "scores") if scores else ("token",)
+    emit = (Emit("token", "text"), Emit("scores", "scores")) if scores else (Emit("token", "text"),)
     encoder = Node("encoder", "stateless", inputs=("mel",), outputs=("audio_features",))
     decoder = Node("decoder", "autoregressive", inputs=("prompt_ids", "audio_features", "token"),
-                   outputs=("token",), ops=("prefill", "decode"), flags=("stop",))
+                   outputs=written, ops=("prefill", "decode"), flags=("stop",))
     walk = Walk("transcribe", Sequential(
         Step("encoder", reads="mel", writes="audio_features"),
-        Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes="token",
-             emit=Emit("token", "text")),
-        Loop(Step("decoder", "decode", reads="token", writes="token", emit=Emit("token", "text")),
+        Step("decoder", "prefill", reads=("prompt_ids", "audio_features"), writes=written, emit=emit),
+        Loop(Step("decoder", "decode", reads="token", writes=written, emit=emit),
              until="stop", max_iters="max_decode_steps"),
     ), inputs=("mel", "prompt_ids"))
     return Graph.build([encoder, decoder], [walk])

@@ -39,6 +39,16 @@ class WalkRequest:
     peak: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class WalkOutput:
+    """What one walk sent the client, gathered: its text, its token ids, and the data of its
+    other events by modality (bytes, joined in order)."""
+
+    text: str
+    token_ids: list[int]
+    data: dict[str, bytes] = field(default_factory=dict)
+
+
 class OutputStream(ABC):
     """Turns one request's emitted tensors into client events (detokenising, encoding)."""
 

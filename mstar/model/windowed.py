@@ -12,9 +12,9 @@ import torch
 
 from mstar.audio import decode_audio, split_at_quiet_points
 from mstar.contract import RequestError, Transcription, TranscriptionSegment
-from mstar.model.spec import WalkRequest
+from mstar.model.spec import WalkOutput, WalkRequest
 
-RunWalk = Callable[[WalkRequest], Awaitable[tuple[str, list[int]]]]
+RunWalk = Callable[[WalkRequest], Awaitable[WalkOutput]]
 
 
 async def transcribe_windows(audio: bytes, run: RunWalk, window_request: Callable[[torch.Tensor], WalkRequest], *,
@@ -35,13 +35,13 @@ async def transcribe_windows(audio: bytes, run: RunWalk, window_request: Callabl
 
     gate = asyncio.Semaphore(max(parallel, 1))
 
-    async def window(start: int, end: int) -> tuple[str, list[int]]:
+    async def window(start: int, end: int) -> WalkOutput:
         async with gate:
             return await run(await asyncio.to_thread(window_request, samples[start:end]))
 
     results = await asyncio.gather(*[window(start, end) for start, end in windows])
-    segments = [TranscriptionSegment(id=i, start=start / sample_rate, end=end / sample_rate, text=text.strip(),
-                                     tokens=ids)
-                for i, ((start, end), (text, ids)) in enumerate(zip(windows, results))]
+    segments = [TranscriptionSegment(id=i, start=start / sample_rate, end=end / sample_rate,
+                                     text=out.text.strip(), tokens=out.token_ids)
+                for i, ((start, end), out) in enumerate(zip(windows, results))]
     return Transcription(text=" ".join(s.text for s in segments if s.text), language=language,
                          duration=decoded.duration, segments=segments)

@@ -18,7 +18,7 @@ from mstar.contract import (
     Transcription,
     TranscriptionSpec,
 )
-from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.spec import ModelSpec, WalkOutput, WalkRequest
 from mstar.runtime.handoff import AsyncSink
 from mstar.runtime.runtime import Runtime
 
@@ -105,15 +105,17 @@ class RuntimeBackend:
             raise RequestError("model", f"model {self.model_id!r} does not transcribe speech")
         counter = iter(range(1 << 30))
 
-        async def run_walk(request: WalkRequest) -> tuple[str, list[int]]:
-            text, ids, failed = [], [], None
+        async def run_walk(request: WalkRequest) -> WalkOutput:
+            text, ids, data, failed = [], [], {}, None
             async for event in self._run(f"{spec.request_id}-{next(counter)}", lambda: request, []):
                 text.append(event.text)
                 ids += event.token_ids
+                if event.data is not None:
+                    data[event.modality] = data.get(event.modality, b"") + event.data
                 failed = event if event.error else failed
             if failed is not None:
                 raise ServiceError(failed.error, failed.error_status or 500)
-            return "".join(text), ids
+            return WalkOutput("".join(text), ids, data)
 
         from mstar.audio import AudioError
 

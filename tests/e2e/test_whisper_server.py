@@ -239,6 +239,11 @@ def test_verbose_json_format(oai: openai.OpenAI, baseline: str) -> None:
         assert a.end == pytest.approx(b.start)
     assert all(s.start < s.end and s.text.strip() and s.tokens for s in segments)
     assert "".join(s.text for s in segments).strip() == baseline
+    for s in segments:  # OpenAI's statistics of a clearly spoken, confidently decoded clip
+        print(f"\nsegment {s.id}: avg_logprob {s.avg_logprob:.3f}, no_speech_prob {s.no_speech_prob:.2e}, "
+              f"compression_ratio {s.compression_ratio:.3f}, temperature {s.temperature}")
+        assert -1.0 < s.avg_logprob < 0.0 and 0.0 < s.no_speech_prob < 0.6
+        assert 0.5 < s.compression_ratio <= 2.4 and s.temperature == 0.0
 
 
 # ------------------------------------------------------------ SDK, /generate

@@ -144,7 +144,8 @@ def whisper_decoder_engine(model, tokens: DecoderTokens, layout: KVLayout, *, ma
     forward = CrossAttentionForward(model, max_requests=max_requests, dtype=dtype, device=device,
                                     attention_backend=attention_backend)
     sizes = tuple(size for size in graph_batch_sizes if size < max_requests) + (max_requests,)
-    return AutoregressiveEngine(model, layout, device=device, dtype=dtype, rules=WhisperRules(tokens, device),
+    rules = WhisperRules(tokens, device, max_len=model.config.max_target_positions)
+    return AutoregressiveEngine(model, layout, device=device, dtype=dtype, rules=rules,
                                 forward=forward, attention_backend=attention_backend, cuda_graphs=cuda_graphs,
                                 graph_batch_sizes=sizes, **kwargs)
 
@@ -167,7 +168,8 @@ def whisper_engines(model, tokens: WhisperTokens, knobs: WhisperKnobs, config: D
             vocab_size=model.config.vocab_size, eot=tokens.eot, sot=tokens.sot, no_timestamps=tokens.no_timestamps,
             transcribe=tokens.transcribe, translate=tokens.translate,
             language_ids=tuple(sorted(tokens.lang_to_id.values())),
-            suppress=tuple(tokens.suppress_tokens), begin_suppress=tuple(tokens.begin_suppress_tokens))
+            suppress=tuple(tokens.suppress_tokens), begin_suppress=tuple(tokens.begin_suppress_tokens),
+            no_speech=tokens.no_speech)
         kv = config.resources.kv_cache
         try:
             decoder = whisper_decoder_engine(

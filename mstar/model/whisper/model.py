@@ -4,14 +4,23 @@ Two nodes: the audio encoder (stateless, batched across requests) and the text d
 (autoregressive, paged self-attention KV, cross-attention KV written once per request).
 The ``transcribe`` walk is the encoder, the decoder's prefill, then a Loop of decodes. A
 long upload is cut into 30-second windows at quiet points, each window its own walk.
+
+Each window is a segment scored as OpenAI's ``whisper.transcribe`` scores it: the decoder's last
+step sends ``[avg_logprob, no_speech_prob]`` (``rules.TokenScores`` says how they are computed),
+the compression ratio is that of the segment's text. A segment whose text repeats itself
+(compression ratio above 2.4) or whose average log probability is below -1 is decoded again at
+the next temperature, unless it is silence (no-speech probability above 0.6 and the log
+probability below -1); a silent segment is left out of the transcript.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
+import zlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mstar.audio import decode_audio, split_at_quiet_points
@@ -26,7 +35,7 @@ from mstar.contract import (
 from mstar.graph import Graph
 from mstar.model.decoding import decode_request, transcribe_graph
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.spec import ModelSpec, OutputStream, WalkOutput, WalkRequest
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
 from mstar.model.whisper.engine import whisper_engines
 from mstar.model.whisper.features import log_mel_spectrogram
@@ -36,8 +45,41 @@ SAMPLE_RATE = 16000
 WINDOW_S = 30.0
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 MAX_COMPRESSION_RATIO = 2.4  # above it the text is a repetition loop: decode again, warmer
+MIN_AVG_LOGPROB = -1.0  # below it the decoder was unsure: decode again, warmer
+NO_SPEECH_PROB = 0.6  # above it, with an unsure decoder, the window is silence
 
-RunWalk = Callable[[WalkRequest], Awaitable[tuple[str, list[int]]]]
+RunWalk = Callable[[WalkRequest], Awaitable[WalkOutput]]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One window decoded at one temperature, with OpenAI's statistics of it."""
+
+    text: str
+    ids: list[int]  # every generated id (language and task tokens, end of text included)
+    temperature: float
+    avg_logprob: float
+    no_speech_prob: float
+    compression_ratio: float
+
+    @classmethod
+    def of(cls, out: WalkOutput, temperature: float) -> Decoded:
+        avg_logprob, no_speech_prob = np.frombuffer(out.data["scores"], dtype=np.float64)[-2:].tolist()
+        return cls(out.text, out.token_ids, temperature, avg_logprob, no_speech_prob,
+                   compression_ratio(out.text.strip()))
+
+    @property
+    def needs_fallback(self) -> bool:
+        """Whether the reference decodes it again at the next temperature: its text repeats
+        itself or the decoder was unsure, and it is not silence (likely no speech, unsure)."""
+        unsure = self.avg_logprob < MIN_AVG_LOGPROB
+        silent = unsure and self.no_speech_prob > NO_SPEECH_PROB
+        return (self.compression_ratio > MAX_COMPRESSION_RATIO or unsure) and not silent
+
+    @property
+    def silence(self) -> bool:
+        """Whether the reference skips the window (its ``should_skip``)."""
+        return self.no_speech_prob > NO_SPEECH_PROB and not self.avg_logprob > MIN_AVG_LOGPROB
 
 
 class WhisperStream(OutputStream):
@@ -53,6 +95,8 @@ class WhisperStream(OutputStream):
         return len(self.ids)
 
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        if modality == "scores":
+            return OutputEvent(modality=modality, data=value.to(torch.float64).numpy().tobytes())
         new = [int(t) for t in value.reshape(-1).tolist()]
         self.ids += new
         text = self.tokens.decode(self.ids)
@@ -70,7 +114,7 @@ class Whisper(ModelSpec):
     knobs: WhisperKnobs
 
     def graph(self) -> Graph:
-        return transcribe_graph()
+        return transcribe_graph(scores=True)
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> WhisperCheckpoint:
@@ -94,13 +138,18 @@ class Whisper(ModelSpec):
 
     def window_request(self, samples: torch.Tensor, language: str | None, task: str, prompt: str | None,
                        temperature: float, seed: int) -> WalkRequest:
+        """The walk of one window. Its prompt stops at SOT and the tokens after it (language,
+        task, no-timestamps) are forced as the first generated ones, so that the first step's
+        logits are those after SOT, where the no-speech probability is read."""
         mel = log_mel_spectrogram(samples, n_mels=self.whisper_config.num_mel_bins)
         ids = self.tokens.prompt_ids(language, task, prompt)
-        budget = min(self.max_new_tokens + (3 if language is None else 0),
-                     self.whisper_config.max_target_positions - len(ids))
-        return decode_request("transcribe", {"mel": mel, "prompt_ids": torch.tensor(ids, dtype=torch.int64)},
-                              len(ids), budget, {"temperature": temperature, "seed": seed}, [self.tokens.eot],
-                              self.config, detect_language=language is None and self.tokens.multilingual, task=task)
+        cut = ids.index(self.tokens.sot) + 1
+        detect = language is None and self.tokens.multilingual
+        budget = min(self.max_new_tokens + (3 if detect else len(ids) - cut),
+                     self.whisper_config.max_target_positions - cut)
+        return decode_request("transcribe", {"mel": mel, "prompt_ids": torch.tensor(ids[:cut], dtype=torch.int64)},
+                              cut, budget, {"temperature": temperature, "seed": seed}, [self.tokens.eot],
+                              self.config, detect_language=detect, forced_ids=ids[cut:], task=task)
 
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
         """The transcription ``/generate`` asks for: its one file is the audio, its
@@ -128,28 +177,31 @@ class Whisper(ModelSpec):
         samples = torch.from_numpy(audio.samples)
         windows = split_at_quiet_points(audio.samples, SAMPLE_RATE, max_window_s=WINDOW_S)
 
-        async def window(i: int, lang: str | None) -> tuple[str, list[int], float]:
+        async def window(i: int, lang: str | None) -> Decoded:
             start, end = windows[i]
             temps = [spec.temperature] if spec.temperature is not None else [0.0, *FALLBACK_TEMPERATURES]
             for temperature in temps:
                 request = await asyncio.to_thread(self.window_request, samples[start:end], lang, spec.task,
                                                   spec.prompt, temperature, i)
-                text, ids = await run(request)
-                if _compression_ratio(text) <= MAX_COMPRESSION_RATIO:
+                decoded = Decoded.of(await run(request), temperature)
+                if not decoded.needs_fallback:
                     break
-            return text, ids, temperature
+            return decoded
 
         first = await window(0, language)
         if language is None:
-            language = self.tokens.id_to_lang.get(first[1][0], "en") if first[1] else "en"
+            language = self.tokens.id_to_lang.get(first.ids[0], "en") if first.ids else "en"
         rest = await asyncio.gather(*[window(i, language) for i in range(1, len(windows))])
         segments = []
-        for i, (text, ids, temperature) in enumerate([first, *rest]):
+        for i, decoded in enumerate([first, *rest]):
+            if decoded.silence:
+                continue
             start, end = windows[i]
             segments.append(TranscriptionSegment(
-                id=i, start=start / SAMPLE_RATE, end=end / SAMPLE_RATE, text=text,
-                tokens=[t for t in ids if t < self.tokens.eot], temperature=temperature,
-                compression_ratio=_compression_ratio(text)))
+                id=len(segments), start=start / SAMPLE_RATE, end=end / SAMPLE_RATE, text=decoded.text,
+                tokens=[t for t in decoded.ids if t < self.tokens.eot], temperature=decoded.temperature,
+                avg_logprob=decoded.avg_logprob, compression_ratio=decoded.compression_ratio,
+                no_speech_prob=decoded.no_speech_prob))
         text = "".join(s.text for s in segments).strip()
         return Transcription(text=text, language=language, duration=audio.duration, segments=segments)
 
@@ -186,9 +238,10 @@ class WhisperLarge(Whisper):
     default_weights = "openai/whisper-large-v3"
 
 
-def _compression_ratio(text: str) -> float:
+def compression_ratio(text: str) -> float:
+    """OpenAI's: the UTF-8 bytes of ``text`` over their zlib-compressed size."""
     data = text.encode("utf-8")
-    return len(data) / len(gzip.compress(data)) if data else 0.0
+    return len(data) / len(zlib.compress(data))
 
 
 __all__ = ["Whisper", "WhisperBase", "WhisperLarge", "WhisperLargeV3Turbo"]
