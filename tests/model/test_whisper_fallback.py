@@ -168,3 +168,28 @@ def test_compression_ratio_is_openai_s() -> None:
     text = "hello hello hello hello"
     assert compression_ratio(text) == len(text.encode()) / len(zlib.compress(text.encode()))
     assert compression_ratio("") == 0.0
+
+
+def test_a_long_upload_runs_at_most_max_concurrent_requests_windows_at_once(tmp_path) -> None:
+    """Its windows wait in the request, not in the admission queue: 20+ windows on a deployment
+    that admits 2 requests (and queues 8) would otherwise overflow the queue by themselves."""
+    from benchmarks.common import WHISPER_TINY, whisper_dir
+
+    path = str(whisper_dir(tmp_path, **WHISPER_TINY))
+    small = Whisper(parse_config({"model": "whisper", "model_path": path, "load_format": "dummy",
+                                  "max_concurrent_requests": 2, "model_kwargs": {"max_audio_seconds": 900}}))
+    small.load_frontend()
+    answer, _ = fake_run(small, {0.0: (-0.2, 0.01)})
+    running = peak = 0
+
+    async def run(request: WalkRequest) -> WalkOutput:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        return await answer(request)
+
+    request = TranscriptionSpec("long", wav(600.0), "clip.wav", language="en")
+    result = asyncio.run(small.transcribe(request, run))
+    assert len(result.segments) >= 20 and peak == 2  # windows cut at quiet points, up to 30 s each

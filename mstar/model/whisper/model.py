@@ -177,15 +177,20 @@ class Whisper(ModelSpec):
         samples = torch.from_numpy(audio.samples)
         windows = split_at_quiet_points(audio.samples, SAMPLE_RATE, max_window_s=WINDOW_S)
 
+        # At most max_concurrent_requests windows run at once: a long upload's windows wait
+        # here, not in the admission queue, which they would fill and overflow (429) alone.
+        gate = asyncio.Semaphore(self.config.max_concurrent_requests)
+
         async def window(i: int, lang: str | None) -> Decoded:
             start, end = windows[i]
             temps = [spec.temperature] if spec.temperature is not None else [0.0, *FALLBACK_TEMPERATURES]
-            for temperature in temps:
-                request = await asyncio.to_thread(self.window_request, samples[start:end], lang, spec.task,
-                                                  spec.prompt, temperature, i)
-                decoded = Decoded.of(await run(request), temperature)
-                if not decoded.needs_fallback:
-                    break
+            async with gate:
+                for temperature in temps:
+                    request = await asyncio.to_thread(self.window_request, samples[start:end], lang, spec.task,
+                                                      spec.prompt, temperature, i)
+                    decoded = Decoded.of(await run(request), temperature)
+                    if not decoded.needs_fallback:
+                        break
             return decoded
 
         first = await window(0, language)
