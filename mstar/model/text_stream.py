@@ -87,3 +87,30 @@ class TextStream(OutputStream):
         delta = self.text[self.sent:upto]
         self.sent = max(self.sent, upto)
         return OutputEvent(text=delta, token_ids=new_ids, completion_tokens=len(self.ids))
+
+
+class TokenTextStream(OutputStream):
+    """Token ids in, text out, for the speech decoders (the transducers, Canary, Whisper):
+    the whole transcript decoded again each step (they are short), special tokens such as
+    language tags left out, a partial character held back."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        new = [int(t) for t in value.reshape(-1).tolist()]
+        self.ids += new
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return OutputEvent(token_ids=new, completion_tokens=len(self.ids))
+        delta, self.sent = text[len(self.sent):], text
+        return OutputEvent(text=delta, token_ids=new, completion_tokens=len(self.ids))

@@ -11,8 +11,8 @@ from mstar.engine.base import EngineItem
 from mstar.engine.state_pool import OutOfSlots
 from mstar.model.fastconformer.config import FastConformerConfig, TransducerConfig
 from mstar.model.fastconformer.engine import TransducerDecoder, encoder_fn
-from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.fastconformer.transducer import TransducerModel, greedy_decode
+from mstar.model.text_stream import TokenTextStream
 
 VOCAB, BLANK = 20, 19
 

@@ -23,9 +23,9 @@ from mstar.model.canary.knobs import CanaryKnobs, CanaryRequestKnobs
 from mstar.model.canary.prompt import LANGUAGES, CanaryPrompt
 from mstar.model.decoding import decode_request, transcribe_graph
 from mstar.model.fastconformer.features import log_mel
-from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.text_stream import TokenTextStream
 from mstar.model.windowed import RunWalk, transcribe_windows
 
 SAMPLE_RATE = 16000

@@ -27,9 +27,9 @@ from mstar.model.fastconformer.checkpoint import TransducerCheckpoint
 from mstar.model.fastconformer.engine import transducer_engines
 from mstar.model.fastconformer.features import log_mel
 from mstar.model.fastconformer.knobs import NemotronAsrKnobs, TransducerKnobs, TransducerRequestKnobs
-from mstar.model.fastconformer.stream import TokenTextStream
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.text_stream import TokenTextStream
 from mstar.model.windowed import RunWalk, transcribe_windows
 
 SAMPLE_RATE = 16000

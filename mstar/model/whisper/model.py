@@ -35,7 +35,8 @@ from mstar.contract import (
 from mstar.graph import Graph
 from mstar.model.decoding import decode_request, transcribe_graph
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkOutput, WalkRequest
+from mstar.model.spec import ModelSpec, WalkOutput, WalkRequest
+from mstar.model.text_stream import TokenTextStream
 from mstar.model.whisper.checkpoint import WhisperCheckpoint
 from mstar.model.whisper.engine import whisper_engines
 from mstar.model.whisper.features import log_mel_spectrogram
@@ -82,28 +83,21 @@ class Decoded:
         return self.no_speech_prob > NO_SPEECH_PROB and not self.avg_logprob > MIN_AVG_LOGPROB
 
 
-class WhisperStream(OutputStream):
-    """Token ids in, text out; remembers the language token the decoder chose."""
+class WhisperStream(TokenTextStream):
+    """Token ids in, text out (Whisper's own decoding of them), and the segment's scores
+    passed on as bytes."""
 
     def __init__(self, tokens):
+        super().__init__(tokens.tokenizer)
         self.tokens = tokens
-        self.ids: list[int] = []
-        self.sent = ""
 
-    @property
-    def generated(self) -> int:
-        return len(self.ids)
+    def decode(self, ids: list[int]) -> str:
+        return self.tokens.decode(ids)
 
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
         if modality == "scores":
             return OutputEvent(modality=modality, data=value.to(torch.float64).numpy().tobytes())
-        new = [int(t) for t in value.reshape(-1).tolist()]
-        self.ids += new
-        text = self.tokens.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return OutputEvent(token_ids=new, completion_tokens=len(self.ids))
-        delta, self.sent = text[len(self.sent):], text
-        return OutputEvent(text=delta, token_ids=new, completion_tokens=len(self.ids))
+        return super().feed(modality, value)
 
 
 @register
