@@ -23,6 +23,7 @@ projection (what the decoder's row rule picks). Every kernel output is checked a
     python benchmarks/check_gemv.py --sweep 64 32 16 --tma --confirm  # copy-engine candidates, then
                                                       # the table again with each kernel's faster config
     python benchmarks/check_gemv.py --smoke           # tiny shapes on the CPU, Triton's interpreter
+    CHECK_GEMV_DIMS=3072,5120,8192 python benchmarks/check_gemv.py --rows 1 4  # another model's shapes
 
 The kernels are compiled first in ``--workers`` processes at once. ``--json FILE`` writes
 every timing as one JSON line (benchmarks/records has the H200's of 2026-12-03).
@@ -41,7 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-HIDDEN, QKV, INNER, EPS = 4096, 6144, 14336, 1e-5
+# Llama-3.1-8B's by default; CHECK_GEMV_DIMS="3072,5120,8192" (hidden, qkv, MLP) times another
+# model's projections (that one: Orpheus's 3B talker). An environment variable, not a flag, so
+# that the sweep's compiling processes see the same shapes.
+HIDDEN, QKV, INNER = (int(n) for n in os.environ.get("CHECK_GEMV_DIMS", "4096,6144,14336").split(","))
+EPS = 1e-5
 TINY = dict(hidden=96, qkv=160, inner=72)  # --smoke: not multiples of the interpreter's blocks
 TOLERANCE = 2e-2  # bf16: an ulp of the output plus reduction order
 L2_BYTES = 60 << 20

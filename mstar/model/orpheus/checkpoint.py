@@ -39,10 +39,13 @@ class OrpheusCheckpoint:
 
 
 def dummy_snac(config: dict[str, Any], device: torch.device, seed: int) -> SnacDecoder:
-    """A codec of ``config`` (SNAC's ``config.json`` keys) with seeded random weights."""
+    """A codec of ``config`` (SNAC's ``config.json`` keys) with seeded random weights, weight
+    norm folded as ``snac`` folds a checkpoint's (so a dummy deployment runs what a real one
+    does)."""
     from mstar.model.weights import init_dummy_weights
 
     with torch.device(device):
         decoder = SnacDecoder(SnacConfig.from_dict(config))
     init_dummy_weights(decoder, seed=seed)
+    decoder.fuse_weight_norm()
     return decoder.eval()

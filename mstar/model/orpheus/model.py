@@ -13,6 +13,7 @@ import torch
 
 from mstar.contract import GenerateSpec, OutputEvent, RequestError, SpeechSpec
 from mstar.engine.base import StatelessEngine
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.graph import (
     Emit,
     Graph,
@@ -35,6 +36,7 @@ from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 SAMPLE_RATE = 24000
 MAX_INPUT_CHARS = 4096
+WINDOW = 28  # codes the codec decodes at once: 4 frames
 DEFAULTS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1}
 
 
@@ -78,7 +80,7 @@ class Orpheus(ModelSpec):
         )
         decode_audio = StreamEdge(
             "code", into=Step("snac_decoder", reads="codes", writes="audio", emit=Emit("audio", "audio")),
-            policy=SlidingWindow(window=28, stride=7, keep="middle", ahead=14, align=7))
+            policy=SlidingWindow(window=WINDOW, stride=7, keep="middle", ahead=14, align=7))
         return Graph.build([talker, snac], [Walk("tts", speak, inputs="prompt_ids", streams=[decode_audio])])
 
     # -------------------------------------------------------------- frontend
@@ -143,7 +145,13 @@ class Orpheus(ModelSpec):
             engines["llm"] = decode_engine(model, self.knobs, self.config, device, talk.TalkerRules())
         if "snac_decoder" in nodes:
             decoder = dummy_snac(self.knobs.snac_config, device, self.knobs.seed + 1) if dummy else ckpt.snac(device)
-            engines["snac_decoder"] = StatelessEngine(talk.snac_fn(decoder))
+            graphs = None
+            if self.knobs.cuda_graphs:  # every window but a short stream's last: one replay
+                most = self.config.max_concurrent_requests
+                graphs = talk.SnacGraphs(decoder, WINDOW // talk.TOKENS_PER_FRAME,
+                                         [n for n in DEFAULT_BATCH_SIZES if n < most] + [most])
+                graphs.capture_all()
+            engines["snac_decoder"] = StatelessEngine(talk.snac_fn(decoder, graphs))
         return engines
 
 
