@@ -1,6 +1,6 @@
 """The ``canary_qwen`` key on a tiny checkpoint in the released NeMo layout (the SALM snapshot
 and the Qwen3 LLM it names, in a hub-cache directory): a clip served through the in-process
-runtime decodes token for token as a reference composed of transformers' modules does
+runtime (three at once) decodes token for token as a reference composed of transformers' modules does
 (``ParakeetFeatureExtractor``, two ``ParakeetEncoder``s, the projection, the audio embeddings
 spliced over the locator tag, ``Qwen3ForCausalLM.generate`` with the LoRA merged by hand);
 weights load with coverage checked both ways; the real sizes' layout matches the reference
@@ -90,10 +90,13 @@ def test_hub_layout_serves_transcripts_equal_to_the_reference(cache, monkeypatch
     try:
         audio = {"short": clip(2.1), "long": clip(3.3, seed=1)}
         asks = {"short": ("short", None), "long": ("long", None), "say": ("short", "Say what you hear .")}
-        got = {name: asyncio.run(d.backend.transcribe(TranscriptionSpec(
-                   f"cq-{name}", wav(audio[a], "FLOAT"), "a.wav", language="en" if name == "long" else None,
-                   prompt="ignored", model_kwargs={"instruction": i} if i else {})))
-               for name, (a, i) in asks.items()}
+
+        async def together() -> list:  # batched in the same steps
+            return await asyncio.gather(*[d.backend.transcribe(TranscriptionSpec(
+                f"cq-{name}", wav(audio[a], "FLOAT"), "a.wav", language="en" if name == "long" else None,
+                prompt="ignored", model_kwargs={"instruction": i} if i else {})) for name, (a, i) in asks.items()])
+
+        got = dict(zip(asks, asyncio.run(together())))
         tokenizer = d.spec.tokenizer
         want = {name: reference(refs, tokenizer, audio[a], i or "Transcribe the following:")
                 for name, (a, i) in asks.items()}
