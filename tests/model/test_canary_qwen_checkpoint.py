@@ -110,6 +110,17 @@ def test_hub_layout_serves_transcripts_equal_to_the_reference(cache, monkeypatch
         while decoder.pool.num_used_pages and time.monotonic() < deadline:
             time.sleep(0.05)
         assert decoder.pool.num_used_pages == 0
+
+        # past max_clip_seconds (4 s): windows at quiet points, each decoded as alone, texts joined
+        long = np.concatenate([clip(3.0, seed=2), np.zeros(8000, np.float32), clip(3.5, seed=3),
+                               np.zeros(8000, np.float32), clip(2.5, seed=4)])
+        windowed = asyncio.run(d.backend.transcribe(TranscriptionSpec("cq-win", wav(long, "FLOAT"), "a.wav")))
+        assert len(windowed.segments) >= 3
+        for segment in windowed.segments:
+            assert segment.end - segment.start <= 4.0
+            samples = long[int(round(segment.start * 16000)):int(round(segment.end * 16000))]
+            assert segment.tokens == reference(refs, tokenizer, samples, "Transcribe the following:")
+        assert windowed.text == " ".join(s.text for s in windowed.segments if s.text)
     finally:
         d.close()
 
