@@ -199,6 +199,10 @@ def test_kv_pool_seq_len_and_requests_are_checked(cache, monkeypatch):
         model_class("canary_qwen")(parse_config(deployment(root, max_seq_len=48))).load_frontend()
     with pytest.raises(ConfigError, match=r"^model_kwargs.target_language: unknown key"):
         model_class("canary_qwen")(parse_config(deployment(root, model_kwargs={"target_language": "fr"})))
+    with pytest.raises(ConfigError, match=r"^model_kwargs.fused_kernels needs device: cuda"):
+        model_class("canary_qwen")(parse_config(deployment(root, model_kwargs={"fused_kernels": True})))
+    with pytest.raises(ConfigError, match=r"^model_kwargs.attention_backend: "):
+        model_class("canary_qwen")(parse_config(deployment(root, model_kwargs={"attention_backend": "flash"})))
     spec = model_class("canary_qwen")(parse_config(deployment(root)))
     spec.load_frontend()
     for fields, field in [({"language": "de"}, "language"), ({"model_kwargs": {"language": "fr"}}, "language"),

@@ -69,13 +69,15 @@ class AudioPromptForward(Forward):
 
 
 def canary_qwen_engines(model: CanaryQwenModel, nodes: set[str], *, locator_id: int, num_pages: int,
-                        page_size: int, max_seq_len: int, device: torch.device,
-                        dtype: torch.dtype) -> dict[str, Engine]:
+                        page_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                        attention_backend: str = "torch", fused_kernels: bool = False) -> dict[str, Engine]:
     engines: dict[str, Engine] = {}
+    model.use_fused_kernels(fused_kernels)
     if "encoder" in nodes:
         engines["encoder"] = StatelessEngine(speech_fn(model))
     if "decoder" in nodes:
         engines["decoder"] = AutoregressiveEngine(
             model, KVLayout(*model.cache_shape()), num_pages=num_pages, page_size=page_size,
-            max_seq_len=max_seq_len, device=device, dtype=dtype, forward=AudioPromptForward(model, locator_id))
+            max_seq_len=max_seq_len, device=device, dtype=dtype, forward=AudioPromptForward(model, locator_id),
+            attention_backend=attention_backend)
     return engines

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
-from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.model.knobs import FusedKernels, RequestKnobs
 
 TRAINED_INSTRUCTION = "Transcribe the following:"
 
 
-class CanaryQwenKnobs(Knobs):
-    """Canary-Qwen's ``model_kwargs`` (eager torch, the paged reference attention)."""
+class CanaryQwenKnobs(FusedKernels):
+    """Canary-Qwen's ``model_kwargs``; eager torch and the paged reference attention are the
+    default and the reference. ``fused_kernels`` (CUDA) runs the LLM's norms, SiLU * up and
+    RoPE as the Llama decoder's Triton kernels."""
+
+    attention_backend: Literal["torch", "triton"] = "torch"
+    """The LLM's paged-attention kernels: ``torch`` (the reference) or ``triton``."""
 
     max_audio_seconds: float = Field(1800.0, gt=0, allow_inf_nan=False)
     """The longest upload, in seconds of audio; longer than ``max_clip_seconds``, it is cut into

@@ -150,7 +150,9 @@ class CanaryQwen(ModelSpec):
         kv = self.config.resources.kv_cache
         return canary_qwen_engines(model, nodes, locator_id=tokenizer.token_to_id(model.config.audio_locator_tag),
                                    num_pages=kv.max_num_pages, page_size=kv.page_size,
-                                   max_seq_len=self.config.max_seq_len, device=device, dtype=dtype)
+                                   max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
+                                   attention_backend=self.knobs.attention_backend,
+                                   fused_kernels=self.knobs.fused_kernels)
 
 
 __all__ = ["CanaryQwen"]
