@@ -217,3 +217,21 @@ def test_kv_pool_seq_len_and_requests_are_checked(cache, monkeypatch):
     with pytest.raises(RequestError) as err:
         spec.clip_request(torch.from_numpy(clip(1.0)), "w3 " * 120)
     assert err.value.field == "instruction"
+
+
+@pytest.mark.parametrize("section,setting,error", [
+    ("encoder", {"causal_downsampling": True}, r"perception\.encoder\.causal_downsampling"),
+    ("encoder", {"conv_context_size": "causal"}, r"perception\.encoder\.conv_context_size"),
+    ("encoder", {"att_context_size": [70, 13]}, r"perception\.encoder\.att_context_size"),
+    ("encoder", {"untie_biases": False}, r"perception\.encoder\.untie_biases"),
+    ("modality_adapter", {"subsampling_factor": 2, "subsampling_conv_channels": 8},
+     r"perception\.modality_adapter\.subsampling_factor"),
+    ("modality_adapter", {"feat_out": 48}, r"perception\.modality_adapter\.feat_out"),
+    ("preprocessor", {"normalize": "all_features"}, r"perception\.preprocessor\.normalize")])
+def test_nemo_settings_it_does_not_build_are_refused_naming_them(section: str, setting: dict, error: str) -> None:
+    from tests.support.fastconformer import qwen_config
+
+    nemo = canary_qwen_nemo_config()
+    nemo["perception"][section].update(setting)
+    with pytest.raises(NotImplementedError, match=error):
+        CanaryQwenConfig.from_nemo(nemo, qwen_config().to_dict())
