@@ -8,6 +8,8 @@ schedule (prefills with audio rows spliced in, decodes, a sequence joining mid-w
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from tests.support.fastconformer import (
     snapshot_dir,
     write_canary_qwen,
 )
+from tests.support.markers import needs_cuda
 from tests.support.pages import Pages
 
 TOL = 1e-5
@@ -93,31 +96,43 @@ def test_lora_is_merged_as_by_hand(loaded) -> None:
         assert not torch.equal(q, base.model.layers[layer].self_attn.q_proj.weight)
 
 
-def test_llm_logits_match_qwen3_at_every_paged_step(loaded) -> None:
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_cuda(triton=True))],
+                         ids=["cpu-eager", "cuda-fused"])
+def test_llm_logits_match_qwen3_at_every_paged_step(loaded, fused: bool) -> None:
+    """On the CPU eagerly; on a GPU (fp32) with ``fused_kernels``, against the same CPU reference."""
     ours, (_, _, _, ref) = loaded
+    device = torch.device("cuda" if fused else "cpu")
+    if fused:
+        import copy
+
+        ours = copy.deepcopy(ours).to(device)
+        ours.use_fused_kernels(True)
     gen = torch.Generator().manual_seed(5)
     audio = {"a": torch.randn(9, 48, generator=gen), "b": torch.randn(5, 48, generator=gen),
              "c": torch.randn(3, 48, generator=gen)}
     prompts = {s: [1, 3, 5, 6, 7, 8] + [LOCATOR] * len(a) + [2, 1, 4] for s, a in audio.items()}
     prompts["c"] = [1, 3, 9] + [LOCATOR] * 3 + [2, 1, 4]
     steps = [["a", "b"]] + [["a", "b"]] * 3 + [["c", "a", "b"]] + [["b", "c", "a"]] * 4
-    caches = allocate_kv_cache(2, NUM_PAGES, PAGE_SIZE, 2, 16, torch.float32, "cpu")
+    caches = allocate_kv_cache(2, NUM_PAGES, PAGE_SIZE, 2, 16, torch.float32, device)
     pages = Pages(NUM_PAGES, PAGE_SIZE, seed=3)
     embeds_of: dict[str, torch.Tensor] = {}
     for i, seqs in enumerate(steps):
         new = {s: [int(torch.randint(10, 70, (1,), generator=gen))] if s in embeds_of else prompts[s] for s in seqs}
         counts = [len(new[s]) for s in seqs]
         meta = pages.step(list(zip(seqs, counts)))
-        ids = torch.tensor([t for s in seqs for t in new[s]])
+        meta = replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in fields(meta)
+                                if isinstance(getattr(meta, f.name), torch.Tensor)})
+        ids = torch.tensor([t for s in seqs for t in new[s]], device=device)
         with torch.no_grad():
             rows = []
             for s in seqs:
-                step_ids = torch.tensor(new[s])
+                step_ids = torch.tensor(new[s], device=device)
                 e = ours.embed_input_ids(step_ids.masked_fill(step_ids == LOCATOR, 0))
                 if s not in embeds_of:
-                    e = splice(e, step_ids, LOCATOR, audio[s])
+                    e = splice(e, step_ids, LOCATOR, audio[s].to(device))
                 rows.append(e)
+                e = e.cpu()
                 embeds_of[s] = torch.cat([embeds_of[s], e]) if s in embeds_of else e
-            logits = ours.compute_logits(ours(ids, meta, caches, inputs_embeds=torch.cat(rows)))
+            logits = ours.compute_logits(ours(ids, meta, caches, inputs_embeds=torch.cat(rows))).cpu()
             refs = [ref(inputs_embeds=embeds_of[s][None], use_cache=False).logits[0, -len(new[s]):] for s in seqs]
         check(f"llm step {i} {seqs} {counts}", logits, torch.cat(refs))
