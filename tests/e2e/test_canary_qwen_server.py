@@ -28,7 +28,7 @@ from live_server import Server, serve_offline
 from mstar.client import MStarClient
 from mstar.config import load_config
 from mstar.model.registry import model_class
-from tests.support.fastconformer import noise_clip, wav, write_canary_qwen
+from tests.support.fastconformer import M4A, noise_clip, wav, write_canary_qwen
 
 MODEL = "canary_qwen"
 REQUEST_TIMEOUT_S = 60.0
@@ -133,6 +133,14 @@ def test_bad_generate_and_translation_requests_are_400(http: httpx.Client, oai: 
         transcribe(oai, audio, language="ja")
     response = http.post("/v1/audio/translations", data={"model": MODEL}, files={"file": ("clip.wav", audio)})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def test_a_container_it_cannot_decode_is_400_naming_the_format(http: httpx.Client) -> None:
+    response = http.post("/v1/audio/transcriptions", data={"model": MODEL},
+                         files={"file": ("voice.m4a", M4A, "audio/mp4")})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and "M4A" in error["message"]
 
 
 def test_reference_yaml_holds_its_request_cap() -> None:

@@ -35,6 +35,11 @@ def noise_clip(seconds: float, seed: int) -> np.ndarray:
     return (0.2 * rng.standard_normal(int(seconds * 16000))).astype(np.float32)
 
 
+# The start of an M4A file (an MP4 'ftyp' box) and nothing decodable after it: an upload the
+# server cannot decode without FFmpeg.
+M4A = b"\x00\x00\x00\x20ftypM4A \x00\x00\x00\x00M4A mp42isom" + b"\x00" * 256
+
+
 def wav(samples: np.ndarray, subtype: str = "PCM_16") -> bytes:
     """16 kHz mono ``samples`` as a WAV file's bytes."""
     buf = io.BytesIO()

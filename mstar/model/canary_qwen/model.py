@@ -138,7 +138,7 @@ class CanaryQwen(ModelSpec):
         return await transcribe_windows(
             spec.audio, run, lambda samples: self.clip_request(samples, instruction), sample_rate=self.mel.sample_rate,
             max_bytes=self.knobs.max_upload_bytes, max_seconds=self.knobs.max_audio_seconds,
-            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.n_fft, language="en",
+            max_window_s=self.knobs.max_clip_seconds, min_samples=self.mel.hop_length, language="en",
             parallel=self.config.max_concurrent_requests)
 
     # ---------------------------------------------------------------- worker
