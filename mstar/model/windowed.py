@@ -1,7 +1,7 @@
 """Speech recognition over windows: an upload decoded, capped, cut at quiet points into
 windows a model reads at once (``mstar.audio.windows``), each window its own walk, run
 together; their texts joined. Shared by the FastConformer families (Parakeet, Nemotron ASR,
-Canary)."""
+Canary, Canary-Qwen)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from client_hangup import hang_up_when
 from live_server import Server, serve_offline
 
 from mstar.client import MStarClient
-from tests.support.fastconformer import hub_cache, noise_clip, wav
+from tests.support.fastconformer import M4A, hub_cache, noise_clip, wav
 
 MODEL = "parakeet"
 MAX_CLIP_S = 4.0
@@ -171,9 +171,8 @@ def test_reference_yaml_parses() -> None:
 
 
 def test_a_container_it_cannot_decode_is_400_naming_the_format(http: httpx.Client) -> None:
-    m4a = b"\x00\x00\x00\x20ftypM4A \x00\x00\x00\x00M4A mp42isom" + b"\x00" * 256
     response = http.post("/v1/audio/transcriptions", data={"model": MODEL},
-                         files={"file": ("voice.m4a", m4a, "audio/mp4")})
+                         files={"file": ("voice.m4a", M4A, "audio/mp4")})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "file" and "M4A" in error["message"]

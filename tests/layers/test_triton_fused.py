@@ -232,6 +232,29 @@ def test_llama_fused_matches_eager_fp32() -> None:
     assert torch.equal(run_steps(model, torch.float32)[-1], eager[-1])  # eager is unchanged by the switch
 
 
+@runnable
+def test_qwen3_fused_matches_eager_fp32() -> None:
+    """Qwen3's per-head q/k norms before the in-place RoPE kernel (Canary-Qwen's LLM)."""
+    from mstar.model.qwen3.causal import Qwen3ForCausalLM
+    from mstar.model.qwen3.config import Qwen3Config
+
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = Qwen3ForCausalLM(config)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(param, 0.5, 1.5)
+    model = model.eval()
+    eager = run_steps(model, torch.float32)
+    model.use_fused_kernels()
+    assert model.model.layers[0].self_attn.q_norm.fused_kernels
+    fused = run_steps(model, torch.float32)
+    for step, (a, b) in enumerate(zip(fused, eager)):
+        assert rel_err(a, b) < 1e-5, (step, rel_err(a, b))
+
+
 def test_switch_is_read_from_model_kwargs() -> None:
     """``model_kwargs.fused_kernels`` is checked when the knobs are parsed (a boolean, on CUDA
     only) and reaches the model when the decode engine is built."""

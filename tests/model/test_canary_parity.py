@@ -5,17 +5,16 @@ mid-way), each sequence cross-attending to its own clip; float32 on the CPU."""
 
 from __future__ import annotations
 
-import random
-
 import torch
 from transformers import CanaryConfig as HFCanaryConfig
 from transformers import CanaryForConditionalGeneration as HFCanary
 from transformers.models.parakeet.modeling_parakeet import ParakeetEncoderModelOutput
 
-from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import allocate_kv_cache
 from mstar.model.canary.config import CanaryConfig
 from mstar.model.canary.modeling import CanaryForConditionalGeneration, CrossBatch
 from mstar.model.weights import load_weights
+from tests.support.pages import Pages
 
 TOL = 1e-5
 PAGE_SIZE, NUM_PAGES = 4, 64
@@ -52,35 +51,6 @@ def models() -> tuple[HFCanary, CanaryForConditionalGeneration]:
     return ref, ours
 
 
-class Pages:
-    """Test-only page allocator: shuffled free pages, one page list per sequence."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.free = list(range(NUM_PAGES))
-        random.Random(seed).shuffle(self.free)
-        self.pages: dict[str, list[int]] = {}
-        self.lens: dict[str, int] = {}
-
-    def step(self, chunks: list[tuple[str, int]]) -> PagedAttentionMetadata:
-        positions, slots, starts, seq_lens = [], [], [0], []
-        for seq, n in chunks:
-            pages = self.pages.setdefault(seq, [])
-            old = self.lens.get(seq, 0)
-            new = self.lens[seq] = old + n
-            while len(pages) * PAGE_SIZE < new:
-                pages.append(self.free.pop())
-            for p in range(old, new):
-                positions.append(p)
-                slots.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
-            starts.append(starts[-1] + n)
-            seq_lens.append(new)
-        width = max(len(self.pages[seq]) for seq, _ in chunks)
-        table = [self.pages[seq] + [0] * (width - len(self.pages[seq])) for seq, _ in chunks]
-        return PagedAttentionMetadata(positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
-                                      query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens),
-                                      page_table=torch.tensor(table), page_size=PAGE_SIZE)
-
-
 def test_canary_encoder_and_paged_decoder_match_transformers() -> None:
     ref, ours = models()
     gen = torch.Generator().manual_seed(2)
@@ -103,7 +73,7 @@ def test_canary_encoder_and_paged_decoder_match_transformers() -> None:
     steps = [["a", "b", "c"]] + [["a", "b", "c"]] * 3 + [["c", "d", "a", "b"]] + [["b", "a", "d", "c"]] * 4
     caches = allocate_kv_cache(*ours.kv_layout()[:1], NUM_PAGES, PAGE_SIZE, *ours.kv_layout()[1:], torch.float32,
                                "cpu")
-    pages = Pages(seed=3)
+    pages = Pages(NUM_PAGES, PAGE_SIZE, seed=3)
     tokens: dict[str, list[int]] = {}
     for i, seqs in enumerate(steps):
         new = {s: [int(torch.randint(20, VOCAB, (1,), generator=gen))] if s in tokens else prompts[s] for s in seqs}

@@ -53,7 +53,7 @@ class FastConformerConfig:
                              f"num_attention_heads {self.num_attention_heads}")
         if self.hidden_act not in ACTIVATIONS:
             raise NotImplementedError(f"unsupported encoder activation {self.hidden_act!r}")
-        if 2 ** self.num_subsampling_layers != self.subsampling_factor:
+        if self.subsampling_factor < 1 or 2 ** self.num_subsampling_layers != self.subsampling_factor:
             raise NotImplementedError(f"subsampling_factor {self.subsampling_factor} is not a power of 2")
         if self.subsampling_conv_stride != 2:
             raise NotImplementedError("only stride-2 subsampling convolutions are supported")
@@ -95,6 +95,44 @@ class FastConformerConfig:
             kwargs["left_context"] = int(d.get("sliding_window", 71)) - 1
             kwargs["default_lookahead"] = int(d.get("default_num_lookahead_tokens", 13))
         return cls(**kwargs)
+
+    @classmethod
+    def from_nemo(cls, d: dict[str, Any], *, key: str = "encoder") -> FastConformerConfig:
+        """From a NeMo ``ConformerEncoder`` section (Canary-Qwen's ``perception.encoder`` and
+        ``perception.modality_adapter``): full attention, symmetric convolutions, per-layer
+        position biases. A section NeMo would build partly causal, chunked or otherwise
+        differently is refused naming ``key`` and the setting. ``subsampling_factor`` 1 (the
+        modality adapter): a linear projection of each frame instead of the convolutions."""
+        target = str(d.get("_target_", "ConformerEncoder"))
+        if not target.endswith("ConformerEncoder"):
+            raise NotImplementedError(f"{key}: unsupported module {target!r} (expected a ConformerEncoder)")
+        refused = {"causal_downsampling": (False, None), "self_attention_model": ("rel_pos", None),
+                   "untie_biases": (True, None), "att_context_style": ("regular", "chunked_limited", None),
+                   "conv_norm_type": ("batch_norm", None), "reduction": (None,), "global_tokens": (0, None)}
+        for name, allowed in refused.items():
+            if d.get(name) not in allowed:
+                raise NotImplementedError(f"{key}.{name}: {d.get(name)!r} is not supported here")
+        if list(d.get("att_context_size") or [-1, -1]) != [-1, -1]:
+            raise NotImplementedError(f"{key}.att_context_size: {d['att_context_size']!r} (only full attention, "
+                                      "[-1, -1], is supported)")
+        kernel = int(d.get("conv_kernel_size", 31))
+        if d.get("conv_context_size") not in (None, [(kernel - 1) // 2, (kernel - 1) // 2]):
+            raise NotImplementedError(f"{key}.conv_context_size: {d['conv_context_size']!r} (only symmetric "
+                                      "convolutions are supported)")
+        if int(d.get("feat_out", -1)) not in (-1, int(d.get("d_model", 256))):
+            raise NotImplementedError(f"{key}.feat_out: an output projection is not supported")
+        factor = int(d.get("subsampling_factor", 4))
+        if factor > 1 and d.get("subsampling", "striding") != "dw_striding":
+            raise NotImplementedError(f"{key}.subsampling: {d.get('subsampling')!r} (only dw_striding)")
+        width = int(d.get("d_model", 256))
+        channels = int(d.get("subsampling_conv_channels", -1))
+        use_bias = bool(d.get("use_bias", True))
+        return cls(hidden_size=width, num_hidden_layers=int(d.get("n_layers", 1)),
+                   num_attention_heads=int(d.get("n_heads", 4)),
+                   intermediate_size=width * int(d.get("ff_expansion_factor", 4)), attention_bias=use_bias,
+                   convolution_bias=use_bias, conv_kernel_size=kernel, subsampling_factor=factor,
+                   subsampling_conv_channels=width if channels == -1 else channels,
+                   num_mel_bins=int(d.get("feat_in", 128)), scale_input=bool(d.get("xscaling", True)))
 
 
 @dataclass

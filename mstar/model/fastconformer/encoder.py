@@ -1,6 +1,7 @@
 """The FastConformer encoder: log-mel frames in, one hidden state per 80 ms out.
 
-8x subsampling by strided depthwise-separable 2-D convolutions, then conformer blocks:
+8x subsampling by strided depthwise-separable 2-D convolutions (or, with a subsampling factor
+of 1, a linear projection of each frame: Canary-Qwen's modality adapter), then conformer blocks:
 half a feed-forward, self-attention with Transformer-XL relative positions (content and
 position terms with their own learned biases, ``bias_u`` and ``bias_v``), a convolution
 module (pointwise GLU, depthwise convolution, norm, activation, pointwise), the other half
@@ -180,6 +181,18 @@ class StridedSubsampling(nn.Module):
         return self.linear(x.transpose(1, 2).flatten(2)), lengths
 
 
+class FrameProjection(nn.Module):
+    """No subsampling (NeMo's ``subsampling_factor: 1``, Canary-Qwen's modality adapter): each
+    input frame projected to the hidden size."""
+
+    def __init__(self, config: FastConformerConfig) -> None:
+        super().__init__()
+        self.linear = nn.Linear(config.num_mel_bins, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), lengths
+
+
 class CausalSubsamplingLayer(nn.Module):
     def __init__(self, config: FastConformerConfig) -> None:
         super().__init__()
@@ -235,7 +248,10 @@ class FastConformerEncoder(nn.Module):
     def __init__(self, config: FastConformerConfig) -> None:
         super().__init__()
         self.config = config
-        self.subsampling = CausalSubsampling(config) if config.causal else StridedSubsampling(config)
+        if config.subsampling_factor == 1:
+            self.subsampling: nn.Module = FrameProjection(config)
+        else:
+            self.subsampling = CausalSubsampling(config) if config.causal else StridedSubsampling(config)
         self.layers = nn.ModuleList(ConformerBlock(config) for _ in range(config.num_hidden_layers))
         self.input_scale = math.sqrt(config.hidden_size) if config.scale_input else 1.0
 

@@ -141,6 +141,7 @@ class LlamaAttention(nn.Module):
         the attention output ``[T, heads * head_dim]``, before ``o_proj``."""
         tokens = qkv.shape[0]
         q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(qkv))
+        q, k = self.normalize_qk(q, k)
         cos, sin = cos_sin
         if self.fused_kernels:  # one kernel rotates q and k in place and writes k and v to the cache
             from mstar.layers.triton_fused import rotary_
@@ -151,6 +152,12 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary_qk(q, k, cos, sin)
             out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return out.reshape(tokens, -1)
+
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[T, heads, head_dim]`` before RoPE: as they are (Qwen3 normalises
+        each head here)."""
+        return q, k
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -166,10 +173,11 @@ class LlamaDecoderLayer(nn.Module):
     With ``fused_kernels``, a step of at most ``DECODE_GEMV.max_rows`` rows takes ``forward_gemv``."""
 
     fused_kernels: bool = False
+    attention_cls: type[LlamaAttention] = LlamaAttention  # a variant's attention (Qwen3's q/k norms)
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = self.attention_cls(config)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, fused=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -229,12 +237,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (the ``model.`` prefix of HF keys)."""
 
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         _, _, head_dim = kv_cache_shape(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            self.layer_cls(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta, config.rope_scaling)
@@ -259,10 +269,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder with a language-model head, running one paged step per ``forward``."""
 
+    model_cls: type[LlamaModel] = LlamaModel
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_cls(config)
         if not config.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 

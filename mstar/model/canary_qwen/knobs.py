@@ -1,0 +1,45 @@
+"""Canary-Qwen's deployment knobs and request options."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mstar.model.knobs import FusedKernels, RequestKnobs
+
+TRAINED_INSTRUCTION = "Transcribe the following:"
+
+
+class CanaryQwenKnobs(FusedKernels):
+    """Canary-Qwen's ``model_kwargs``; eager torch and the paged reference attention are the
+    default and the reference. ``fused_kernels`` (CUDA) runs the LLM's norms, SiLU * up and
+    RoPE as the Llama decoder's Triton kernels."""
+
+    attention_backend: Literal["torch", "triton"] = "torch"
+    """The LLM's paged-attention kernels: ``torch`` (the reference) or ``triton``."""
+
+    max_audio_seconds: float = Field(1800.0, gt=0, allow_inf_nan=False)
+    """The longest upload, in seconds of audio; longer than ``max_clip_seconds``, it is cut into
+    windows at quiet points."""
+
+    max_clip_seconds: float = Field(40.96, gt=0, allow_inf_nan=False)
+    """The longest window one request decodes, in seconds (512 audio positions at 40.96 s)."""
+
+    max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1)
+    """The largest upload, in bytes."""
+
+    max_new_tokens: int = Field(1024, ge=1)
+    """Tokens a window may decode (fewer when the prompt leaves less of ``max_seq_len``)."""
+
+
+class CanaryQwenRequestKnobs(RequestKnobs):
+    """The options of a Canary-Qwen request (``/generate``'s ``model_kwargs``, and the
+    ``model_kwargs`` form field of the OpenAI routes)."""
+
+    language: str | None = None
+    """The speech's language: English only (``en``, or left out)."""
+
+    instruction: str | None = Field(None, min_length=1, max_length=2000)
+    """The user turn's text before the audio, in place of the trained one
+    (``Transcribe the following:``)."""

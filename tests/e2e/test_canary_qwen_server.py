@@ -1,0 +1,149 @@
+"""End to end: ``mstar serve canary_qwen`` (the real CLI in a subprocess) over a tiny
+checkpoint in the released NeMo layout (with the Qwen3 LLM it names) in a hub-cache directory,
+``load_format: dummy``. The official ``openai`` client transcribes (the OpenAI prompt ignored,
+an ``instruction`` taken); /generate and the SDK give the same text; 8 concurrent requests
+give exactly what each gives alone; a client that disconnects gives its KV pages back; bad
+fields are 400s naming them; the shipped YAML's pool holds its request cap.
+
+Dummy weights (N(0, 0.02) matrices, tied embeddings) make the tiny LLM repeat a prompt token
+whatever the audio, so these tests pin the serving path, not the numbers: the transcripts of
+tiny real weights, several requests batched together, are pinned to the reference in
+tests/model/test_canary_qwen_checkpoint.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from client_hangup import hang_up_when
+from live_server import Server, serve_offline
+
+from mstar.client import MStarClient
+from mstar.config import load_config
+from mstar.model.registry import model_class
+from tests.support.fastconformer import M4A, noise_clip, wav, write_canary_qwen
+
+MODEL = "canary_qwen"
+REQUEST_TIMEOUT_S = 60.0
+INSTRUCTIONS = [None, "Say what you hear .", None, "w5 w6", None, None, "Say what you hear .", None]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    workdir = tmp_path_factory.mktemp("canary-qwen-server")
+    write_canary_qwen(workdir / "hub")
+    config = {"model": MODEL, "cache_dir": str(workdir / "hub"), "load_format": "dummy", "max_seq_len": 96,
+              "max_concurrent_requests": 8, "resources": {"kv_cache": {"max_num_pages": 192, "page_size": 4}},
+              "model_kwargs": {"max_new_tokens": 6, "max_clip_seconds": 4.0}}
+    with serve_offline(MODEL, workdir, config) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def oai(server: Server) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as client:
+        yield client
+
+
+def transcribe(oai: openai.OpenAI, audio: bytes, instruction: str | None = None, **fields) -> str:
+    if instruction:
+        fields["extra_body"] = {"model_kwargs": json.dumps({"instruction": instruction})}
+    return oai.audio.transcriptions.create(model=MODEL, file=("clip.wav", audio), **fields).text
+
+
+def in_use(http: httpx.Client) -> tuple[float, ...]:
+    """KV pages held by the LLM, and requests running or waiting."""
+    text = http.get("/metrics").text
+    pages = float(re.search(r'^mstar_kv_pages_used\{[^}]*node="decoder"[^}]*\} (\S+)$', text, re.M).group(1))
+    live = [float(m) for m in re.findall(r"^mstar_requests_(?:running|waiting) (\S+)$", text, re.M)]
+    return pages, sum(live)
+
+
+def wait_drained(http: httpx.Client, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(state := in_use(http)):
+        assert time.monotonic() < deadline, f"pages / requests still held: {state}"
+        time.sleep(0.1)
+
+
+def test_openai_client_transcribes(server: Server, oai: openai.OpenAI, http: httpx.Client) -> None:
+    audio = wav(noise_clip(2.0, seed=1))
+    text = transcribe(oai, audio)
+    assert isinstance(text, str) and text
+    assert transcribe(oai, audio, language="en", prompt="the OpenAI prompt is ignored") == text
+    assert isinstance(transcribe(oai, audio, "Say what you hear ."), str)
+    response = http.post("/generate", data={"text": "unused"}, files=[("files", ("clip.wav", audio, "audio/wav"))])
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == text
+    with MStarClient(server.url, timeout=REQUEST_TIMEOUT_S) as sdk:
+        assert sdk.transcribe(audio, filename="clip.wav").text == text
+    wait_drained(http)
+
+
+def test_concurrent_requests_equal_their_solo_results(oai: openai.OpenAI, http: httpx.Client) -> None:
+    clips = [wav(noise_clip(0.8 + 0.3 * i, seed=10 + i)) for i in range(8)]
+    alone = [transcribe(oai, c, i) for c, i in zip(clips, INSTRUCTIONS)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda args: transcribe(oai, *args), zip(clips, INSTRUCTIONS)))
+    assert together == alone
+    wait_drained(http)
+
+
+def test_disconnect_frees_kv_pages(server: Server, http: httpx.Client, oai: openai.OpenAI) -> None:
+    long = wav(noise_clip(600.0, seed=30))  # 150+ windows, 8 at a time: seconds of decoding
+    hang_up_when(server.url, "/v1/audio/transcriptions", lambda: in_use(http)[0] > 0,
+                 data={"model": MODEL}, files={"file": ("long.wav", long, "audio/wav")})
+    wait_drained(http)
+    assert "client disconnected; cancelling the request" in server.log_tail(20000)
+    assert isinstance(transcribe(oai, wav(noise_clip(1.0, seed=31))), str)
+
+
+@pytest.mark.parametrize("fields,param", [({"language": "de"}, "language"),
+                                          ({"model_kwargs": json.dumps({"language": "fr"})}, "language"),
+                                          ({"model_kwargs": json.dumps({"instruction": ""})}, "instruction"),
+                                          ({"model_kwargs": json.dumps({"target_language": "en"})}, "model_kwargs"),
+                                          ({"temperature": "0.5"}, "temperature")])
+def test_bad_fields_are_400_naming_them(http: httpx.Client, fields: dict, param: str) -> None:
+    response = http.post("/v1/audio/transcriptions", data={"model": MODEL, **fields},
+                         files={"file": ("clip.wav", wav(noise_clip(0.5, seed=2)), "audio/wav")})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_bad_generate_and_translation_requests_are_400(http: httpx.Client, oai: openai.OpenAI) -> None:
+    audio = wav(noise_clip(0.5, seed=3))
+    bad = http.post("/generate", data={"model_kwargs": json.dumps({"language": "de"})},
+                    files=[("files", ("clip.wav", audio, "audio/wav"))])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "language"
+    with pytest.raises(openai.BadRequestError, match="language"):
+        transcribe(oai, audio, language="ja")
+    response = http.post("/v1/audio/translations", data={"model": MODEL}, files={"file": ("clip.wav", audio)})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def test_a_container_it_cannot_decode_is_400_naming_the_format(http: httpx.Client) -> None:
+    response = http.post("/v1/audio/transcriptions", data={"model": MODEL},
+                         files={"file": ("voice.m4a", M4A, "audio/mp4")})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and "M4A" in error["message"]
+
+
+def test_reference_yaml_holds_its_request_cap() -> None:
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "canary_qwen.yaml")
+    assert config.max_concurrent_requests == 64
+    assert model_class(MODEL)(config).default_capacity() == {"kv_pages": 64 * config.max_seq_len // 16}
