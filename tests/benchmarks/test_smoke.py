@@ -1,6 +1,6 @@
 """The benchmark scenarios' ``--smoke`` paths (tiny models on the CPU, the same code as on the
 GPU): each run writes a record whose table has ours, the floor and, where a baseline exists,
-the baseline. Plus the S2 FLOP count against torch's FLOP counter."""
+the baseline. Plus the S2 FLOP count against torch's FLOP counter (S6's: test_s6_floor.py)."""
 
 import json
 import os
@@ -16,6 +16,7 @@ from benchmarks import s2_flux2_klein as s2
 from benchmarks import s3_orpheus as s3
 from benchmarks import s4_whisper as s4
 from benchmarks import s5_shared_prefix as s5
+from benchmarks import s6_parakeet as s6
 from benchmarks.common import LLAMA_3_1_8B
 
 
@@ -82,6 +83,23 @@ def test_s4_whisper_smoke(tmp_path):
     for row in rows.values():
         assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0
         assert row["notes"]["floor_with_cross_kv_reads"] <= row["floor"]
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_s6_parakeet_smoke(tmp_path):
+    """Ours (the device loop forced on, as on CUDA) and transformers' generate decode one
+    checkpoint: in fp32 on the CPU their transcripts are the same, token for token."""
+    assert s6.main(["--smoke", "--runs", "1", "--baseline-runs", "1", "--device-loop", "true",
+                    "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s6.NAME)
+    assert set(rows) == {"rtf@1", "rtf@4"} and data["settings"]["device_loop"] is True
+    for n, row in ((1, rows["rtf@1"]), (4, rows["rtf@4"])):
+        assert row["ours"] > 0 and row["baseline"] > 0 and 0 < row["ours/floor"] < 1
+        assert row["notes"]["agreement"] == {"clips_identical": n, "clips": n, "token_edits": 0,
+                                             "baseline_tokens": sum(row["notes"]["baseline_tokens_per_clip"]),
+                                             "token_error_rate": 0.0}
+        tokens, steps = row["notes"]["ours_tokens_per_clip"], row["notes"]["baseline_steps_per_clip"]
+        assert all(0 < t < s for t, s in zip(tokens, steps)), "every clip says something, and blanks too"
 
 
 @pytest.mark.slow  # runs the benchmark script end to end (two deployments)

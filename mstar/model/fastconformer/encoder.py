@@ -61,7 +61,11 @@ class FeedForward(nn.Module):
 
 
 class RelPositionAttention(nn.Module):
-    """Multi-head self-attention over content and relative position (Transformer-XL)."""
+    """Multi-head self-attention over content and relative position (Transformer-XL).
+
+    The content scores and the weighted sum run in ``F.scaled_dot_product_attention`` (a fused
+    kernel on the GPU: no ``[B, H, T, T]`` softmax in float32 is materialised); the position
+    scores enter it as an additive bias, with the mask."""
 
     def __init__(self, config: FastConformerConfig) -> None:
         super().__init__()
@@ -86,16 +90,15 @@ class RelPositionAttention(nn.Module):
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         r = self.relative_k_proj(positions).view(-1, heads, dim).permute(1, 2, 0)  # [H, D, 2T-1]
-        content = (q + self.bias_u[:, None, :]) @ k.transpose(-1, -2)  # [B, H, T, T]
         by_offset = (q + self.bias_v[:, None, :]) @ r  # [B, H, T, 2T-1]: column p is offset T-1-p
         steps = torch.arange(length, device=x.device)
         column = (length - 1) - steps[:, None] + steps[None, :]  # query i, key j: offset i - j
-        position = by_offset.gather(-1, column.expand(batch, heads, length, length))
-        scores = (content + position) * (dim ** -0.5)
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out = (weights @ v).transpose(1, 2).reshape(batch, length, heads * dim)
-        return self.o_proj(out)
+        position = by_offset.gather(-1, column.expand(batch, heads, length, length)) * (dim ** -0.5)
+        # the position term and the mask as one additive bias of SDPA's content scores; a finite
+        # minimum, not -inf, so that a query with no key allowed (padding) gives no NaN
+        bias = position.masked_fill(~allowed, torch.finfo(position.dtype).min)
+        out = F.scaled_dot_product_attention(q + self.bias_u[:, None, :], k, v, attn_mask=bias)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim))
 
 
 class ConvModule(nn.Module):

@@ -10,6 +10,10 @@ request. A decode iteration gathers the rows of every clip in the plan, runs at 
 returns each clip's new tokens (none: the output is silent this iteration) and, once its
 cursor is past its last frame or its steps are spent, the ``stop`` flag.
 
+On a GPU the steps run as ``device_steps`` (``model_kwargs.device_loop``): all of them queued
+with no read of the device in between, and the tokens and end flags read back once when the
+iteration ends; on the CPU the reference loop (``greedy_steps``), which skips finished rows.
+
 The slot rows are written back only after the steps succeed, so a batch that fails leaves
 every state as it was: the worker's item-by-item retry decodes from intact states.
 """
@@ -21,7 +25,7 @@ from torch import nn
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
 from mstar.engine.state_pool import StatePool
-from mstar.model.fastconformer.transducer import GreedyRows, TransducerModel, greedy_steps
+from mstar.model.fastconformer.transducer import GreedyRows, TransducerModel, device_steps, greedy_steps
 
 
 def encoder_fn(model: TransducerModel, lookahead: int | None):
@@ -48,11 +52,13 @@ class TransducerDecoder(Engine):
     """The greedy decoder node over ``max_slots`` state slots (the last one the sink)."""
 
     def __init__(self, model: TransducerModel, *, max_slots: int, steps_per_iteration: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, device_loop: bool | None = None) -> None:
         if steps_per_iteration < 1:
             raise ValueError("steps_per_iteration must be >= 1")
         self.model = model
         self.steps = steps_per_iteration
+        # the greedy steps with no read of the device inside (``device_steps``); default on a GPU
+        self.device_loop = device.type == "cuda" if device_loop is None else device_loop
         self.slots = StatePool(max_slots)
         config = model.config
         layers, width = config.num_decoder_layers, config.decoder_hidden_size
@@ -101,11 +107,21 @@ class TransducerDecoder(Engine):
             lengths=self.lengths[index], hidden=self.hidden[:, index], cell=self.cell[:, index],
             output=self.output[index], cursor=self.cursor[index], symbols=self.symbols[index],
             budget=self.budget[index])
-        tokens = greedy_steps(self.model, rows, self.steps)
+        if self.device_loop:
+            table = device_steps(self.model, rows, self.steps)
+        else:
+            tokens = greedy_steps(self.model, rows, self.steps)
         self.hidden[:, index], self.cell[:, index], self.output[index] = rows.hidden, rows.cell, rows.output
         self.cursor[index], self.symbols[index], self.budget[index] = rows.cursor, rows.symbols, rows.budget
-        finished = (rows.cursor >= rows.lengths).tolist()
-        done = rows.done().tolist()
+        ends = torch.stack([rows.cursor >= rows.lengths, rows.done()], dim=1).to(torch.int64)
+        if self.device_loop:  # the iteration's one read of the device: tokens and end flags together
+            read = torch.cat([table, ends], dim=1).tolist()
+            tokens = [[t for t in r[:-2] if t >= 0] for r in read]
+            ends_read = [r[-2:] for r in read]
+        else:
+            ends_read = ends.tolist()
+        finished = [bool(e[0]) for e in ends_read]
+        done = [bool(e[1]) for e in ends_read]
         outputs = []
         for said, end, out_of_frames in zip(tokens, done, finished):
             out = {"tokens": torch.tensor(said, dtype=torch.int64)} if said else {}
@@ -122,12 +138,13 @@ class TransducerDecoder(Engine):
 
 
 def transducer_engines(model: TransducerModel, nodes: set[str], *, max_slots: int, steps_per_iteration: int,
-                       lookahead: int | None, device: torch.device, dtype: torch.dtype) -> dict[str, Engine]:
+                       lookahead: int | None, device: torch.device, dtype: torch.dtype,
+                       device_loop: bool | None = None) -> dict[str, Engine]:
     """The engines of ``nodes`` (``encoder``, ``decoder``) over ``model``."""
     engines: dict[str, Engine] = {}
     if "encoder" in nodes:
         engines["encoder"] = StatelessEngine(encoder_fn(model, lookahead))
     if "decoder" in nodes:
         engines["decoder"] = TransducerDecoder(model, max_slots=max_slots, steps_per_iteration=steps_per_iteration,
-                                               device=device, dtype=dtype)
+                                               device=device, dtype=dtype, device_loop=device_loop)
     return engines

@@ -8,7 +8,7 @@ from mstar.model.knobs import Knobs, RequestKnobs
 
 
 class TransducerKnobs(Knobs):
-    """Parakeet's and Nemotron ASR's ``model_kwargs`` (eager torch, no fast-path switches)."""
+    """Parakeet's and Nemotron ASR's ``model_kwargs``."""
 
     max_audio_seconds: float = Field(1800.0, gt=0, allow_inf_nan=False)
     """The longest upload, in seconds of audio; longer than ``max_clip_seconds``, it is cut into
@@ -22,6 +22,12 @@ class TransducerKnobs(Knobs):
 
     steps_per_iteration: int = Field(64, ge=1)
     """Greedy steps of a clip per decode iteration; its tokens stream out as the iteration ends."""
+
+    device_loop: bool | None = None
+    """Run a decode iteration's greedy steps with no read of the device in between (masks and
+    cursors stay on the device; one read when the iteration ends). None: on when the decoder
+    runs on CUDA, off on the CPU (where the reference loop, which skips finished rows, is
+    faster). Both decode the same tokens."""
 
 
 class NemotronAsrKnobs(TransducerKnobs):

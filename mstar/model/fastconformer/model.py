@@ -138,7 +138,7 @@ class Transducer(ModelSpec):
                                 seed=self.knobs.seed)
         return transducer_engines(model, nodes, max_slots=self.max_slots,
                                   steps_per_iteration=self.knobs.steps_per_iteration, lookahead=self.lookahead(),
-                                  device=device, dtype=self.config.torch_dtype())
+                                  device=device, dtype=self.config.torch_dtype(), device_loop=self.knobs.device_loop)
 
 
 @register

@@ -13,7 +13,9 @@ state and output advance), a blank leaves them as they are.
 
 A clip's decoder state (LSTM state, last prediction, cursor, tokens in a row, steps left) is
 a ``GreedyRows`` row; ``greedy_steps`` runs a bounded number of steps over many clips at once,
-each row independent of the others, so a clip decodes the same in any batch. Parameter names
+each row independent of the others, so a clip decodes the same in any batch. It is the
+reference loop; ``device_steps`` runs the same steps with no read of the device inside (the
+GPU's loop, checked against it). Parameter names
 are the Hugging Face checkpoints' (``ParakeetForTDT``, ``Nemotron3_5AsrForRNNT``).
 """
 
@@ -78,6 +80,10 @@ class TransducerModel(nn.Module):
         self.joint = JointNetwork(config)
         if config.num_prompts:
             self.prompt_projector = PromptProjector(config)
+        # the durations (frames) of the joint's duration outputs, on the model's device for the
+        # device loop (TDT; RNN-T keeps a placeholder)
+        self.register_buffer("durations", torch.tensor(config.durations or (0,), dtype=torch.int64),
+                             persistent=False)
 
     def encode(self, mel: torch.Tensor, lengths: torch.Tensor | None = None, prompt_ids: torch.Tensor | None = None,
                lookahead: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +135,6 @@ def greedy_steps(model: TransducerModel, rows: GreedyRows, max_steps: int) -> li
     the tokens each row emitted, blanks left out."""
     config = model.config
     vocab, blank = config.vocab_size, config.blank_token_id
-    durations = torch.tensor(config.durations, dtype=torch.int64, device=rows.cursor.device)
     emitted_rows, emitted_tokens = [], []
     for _ in range(max_steps):
         live = (~rows.done()).nonzero()[:, 0]
@@ -140,7 +145,7 @@ def greedy_steps(model: TransducerModel, rows: GreedyRows, max_steps: int) -> li
         token = logits[:, :vocab].argmax(-1)
         is_blank = token == blank
         if config.is_tdt:
-            advance = durations[logits[:, vocab:].argmax(-1)]
+            advance = model.durations[logits[:, vocab:].argmax(-1)]
             advance = torch.where(is_blank & (advance == 0), torch.ones_like(advance), advance)
         else:
             symbols = torch.where(is_blank, torch.zeros_like(cursor), rows.symbols[live] + 1)
@@ -161,6 +166,51 @@ def greedy_steps(model: TransducerModel, rows: GreedyRows, max_steps: int) -> li
         for row, token in zip(torch.cat(emitted_rows).tolist(), torch.cat(emitted_tokens).tolist()):
             tokens[row].append(token)
     return tokens
+
+
+@torch.no_grad()
+def device_steps(model: TransducerModel, rows: GreedyRows, max_steps: int) -> torch.Tensor:
+    """``greedy_steps`` with no read of the device inside: exactly ``max_steps`` steps over
+    every row at fixed shapes, a finished row's step changing nothing (masks instead of the
+    live rows' indices, the prediction network run on every row and kept where a token was
+    said). Returns the tokens ``[n, max_steps]`` (-1 where a row said nothing) still on the
+    device; ``emitted`` reads them once. The rows advance as ``greedy_steps`` advances them.
+
+    On a GPU the eager loop reads the device two or three times a step (the live rows, the
+    rows that spoke); this one queues ``max_steps`` steps of kernels back to back."""
+    config = model.config
+    vocab, blank = config.vocab_size, config.blank_token_id
+    device = rows.cursor.device
+    row = torch.arange(rows.cursor.shape[0], device=device)
+    last = rows.frames.shape[1] - 1
+    tokens = torch.full((rows.cursor.shape[0], max_steps), -1, dtype=torch.int64, device=device)
+    for step in range(max_steps):
+        live = (rows.cursor < rows.lengths) & (rows.budget > 0)
+        logits = model.joint(rows.frames[row, rows.cursor.clamp(max=last)], rows.output)
+        token = logits[:, :vocab].argmax(-1)
+        is_blank = token == blank
+        if config.is_tdt:
+            advance = model.durations[logits[:, vocab:].argmax(-1)]
+            advance = torch.where(is_blank & (advance == 0), 1, advance)
+        else:
+            symbols = torch.where(is_blank, 0, rows.symbols + 1)
+            moves = is_blank | (symbols >= config.max_symbols_per_step)
+            rows.symbols = torch.where(live, torch.where(moves, 0, symbols), rows.symbols)
+            advance = moves.to(torch.int64)
+        rows.cursor = rows.cursor + advance * live
+        rows.budget = rows.budget - live.to(torch.int64)
+        speak = live & ~is_blank
+        output, hidden, cell = model.decoder.step(token, rows.hidden, rows.cell)
+        rows.output = torch.where(speak[:, None], output, rows.output)
+        rows.hidden = torch.where(speak[None, :, None], hidden, rows.hidden)
+        rows.cell = torch.where(speak[None, :, None], cell, rows.cell)
+        tokens[:, step] = torch.where(speak, token, -1)
+    return tokens
+
+
+def emitted(tokens: torch.Tensor) -> list[list[int]]:
+    """Each row's tokens of ``device_steps``'s table (one read of the device)."""
+    return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
 
 def fresh_rows(model: TransducerModel, frames: list[torch.Tensor]) -> GreedyRows:
