@@ -203,9 +203,9 @@ def speech_like_weights(model: torch.nn.Module, settings: Settings) -> None:
       of a clip or none of it;
     * the joint's blank logit raised by ``blank_bias`` and its duration-0 logit lowered by
       ``duration_bias`` (a random joint otherwise says a token at almost every step, and gets
-      stuck emitting tokens that do not move the cursor).
+      stuck emitting tokens that do not move the cursor), its other biases zero.
 
-    1-D parameters (biases, norms) keep their initial values."""
+    Other 1-D parameters (biases, norms) keep their initial values."""
     m = settings.model
     generator = torch.Generator(device=settings.device)
     for name, param in model.named_parameters():
@@ -217,6 +217,7 @@ def speech_like_weights(model: torch.nn.Module, settings: Settings) -> None:
         generator.manual_seed(settings.seed * 2**32 + zlib.crc32(name.encode()))  # by name, in any module order
         param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * std)
     head = model.joint.head.bias
+    head.zero_()  # not transformers' random init, which differs between its versions
     head[m["blank_token_id"]] += settings.blank_bias
     head[m["vocab_size"] + m["durations"].index(0)] -= settings.duration_bias
 
@@ -533,7 +534,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--residual-scale", type=float, default=0.1,
                    help="the residual branches' last projections of the shared checkpoint, times N(0, 1/fan_in)")
     p.add_argument("--blank-bias", type=float, default=2.0, help="added to the joint's blank logit")
-    p.add_argument("--duration-bias", type=float, default=1.0, help="taken from the joint's duration-0 logit")
+    p.add_argument("--duration-bias", type=float, default=2.0, help="taken from the joint's duration-0 logit")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="the floor's matmul rate")
     p.add_argument("--peak-gbs", type=float, default=H200_GBS, help="the floor's memory bandwidth (GB/s)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers' generate")
