@@ -11,7 +11,8 @@ weights and their transcripts compare token for token.
 * **ours**: an in-process ``parakeet`` deployment: each clip's ``transcribe`` walk (encoder,
   then a Loop of decode iterations of ``steps_per_iteration`` greedy steps) is built by the
   model's own ``clip_request`` (log-mel on the CPU, outside the timing) and submitted straight
-  to the runtime, as the transcription route does; N clips at once.
+  to the runtime, as the transcription route does; N clips at once. On CUDA its decode
+  iterations replay CUDA graphs (``model_kwargs.cuda_graphs``; ``--no-cuda-graphs``: eager).
 * **baseline**: transformers ``ParakeetForTDT.generate`` on the same N clips as one batch, on
   the processor's features (``ParakeetFeatureExtractor``, computed before the clock starts).
 * **floor**: the encoder's FLOPs over the GPU's dense bf16 peak (or its weights over the peak
@@ -103,6 +104,7 @@ class Settings:
     blank_bias: float
     duration_bias: float
     device_loop: bool | None = None  # model_kwargs.device_loop of ours (None: the engine's default)
+    cuda_graphs: bool = False  # model_kwargs.cuda_graphs of ours
     peak_tflops: float = H200_BF16_TFLOPS
     peak_gbs: float = H200_GBS
     seed: int = 0
@@ -117,7 +119,8 @@ class Settings:
             "model": self.model, "clip_s": self.clip_s, "batches": list(self.batches), "runs": self.runs,
             "baseline_runs": self.baseline_runs, "steps_per_iteration": self.steps_per_iteration,
             "residual_scale": self.residual_scale, "blank_bias": self.blank_bias,
-            "duration_bias": self.duration_bias, "device_loop": self.device_loop, "peak_tflops": self.peak_tflops,
+            "duration_bias": self.duration_bias, "device_loop": self.device_loop,
+            "cuda_graphs": self.cuda_graphs, "peak_tflops": self.peak_tflops,
             "peak_gbs": self.peak_gbs, "seed": self.seed, "decoding": "greedy TDT",
         }
 
@@ -136,7 +139,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     batches=batches, runs=args.runs, baseline_runs=args.baseline_runs,
                     steps_per_iteration=args.steps_per_iteration, residual_scale=args.residual_scale,
                     blank_bias=args.blank_bias, duration_bias=args.duration_bias,
-                    device_loop=args.device_loop, peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs,
+                    device_loop=args.device_loop, cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+                    peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs,
                     seed=args.seed)
 
 
@@ -319,6 +323,8 @@ class OursRunner:
         model_kwargs: dict[str, Any] = {"steps_per_iteration": settings.steps_per_iteration, "seed": settings.seed}
         if settings.device_loop is not None:
             model_kwargs["device_loop"] = settings.device_loop
+        if settings.cuda_graphs:
+            model_kwargs["cuda_graphs"] = True
         self.config = parse_config({
             "model": "parakeet",
             "model_path": str(model_dir),
@@ -531,6 +537,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.steps_per_iteration of ours: greedy steps per decode iteration")
     p.add_argument("--device-loop", default=None, type=lambda s: s.lower() in ("1", "true", "yes", "on"),
                    help="model_kwargs.device_loop of ours: true/false (default: the engine's, on for CUDA)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="ours without model_kwargs.cuda_graphs (on by default on CUDA): eager decode iterations")
     p.add_argument("--residual-scale", type=float, default=0.1,
                    help="the residual branches' last projections of the shared checkpoint, times N(0, 1/fan_in)")
     p.add_argument("--blank-bias", type=float, default=2.0, help="added to the joint's blank logit")

@@ -41,14 +41,15 @@ DEFAULT_MAX_GRAPHS = 16
 
 
 class GraphRunner:
-    """``step(key)`` captured per key on ``device`` and replayed; run eagerly off CUDA."""
+    """``step(key)`` captured per key on ``device`` and replayed; run eagerly off CUDA. The
+    step's output is a tensor or any structure of them (the graph's own)."""
 
-    def __init__(self, step: Callable[[Any], torch.Tensor], device: torch.device, warmups: int = 1):
+    def __init__(self, step: Callable[[Any], Any], device: torch.device, warmups: int = 1):
         self.step = step
         self.device = device
         self.capture = device.type == "cuda"
         self.warmups = warmups
-        self._replays: dict[Hashable, Callable[[], torch.Tensor]] = {}
+        self._replays: dict[Hashable, Callable[[], Any]] = {}
         self._pool: Any = None
 
     def __contains__(self, key: Hashable) -> bool:
@@ -76,13 +77,13 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             output = self.step(key)
 
-        def replay() -> torch.Tensor:
+        def replay() -> Any:
             graph.replay()
             return output
 
         self._replays[key] = replay
 
-    def replay(self, key: Hashable) -> torch.Tensor:
+    def replay(self, key: Hashable) -> Any:
         """The output of ``step(key)`` (a prepared key): the graph's own tensor, which the next
         replay of any key may overwrite."""
         return self._replays[key]()

@@ -117,6 +117,11 @@ def test_deployment_knobs_are_typed_and_checked(cache, monkeypatch):
     with pytest.raises(ConfigError, match=r"resources.transducer_state.max_slots \(4, one of them the sink\) "
                                           r"cannot hold max_concurrent_requests \(8\)"):
         serve("parakeet", root, max_concurrent_requests=8, resources={"transducer_state": {"max_slots": 4}})
+    with pytest.raises(ConfigError, match=r"^model_kwargs.cuda_graphs needs device: cuda"):
+        model_class("parakeet")(parse_config({"model": "parakeet", "model_kwargs": {"cuda_graphs": True}}))
+    with pytest.raises(ConfigError, match=r"^model_kwargs.cuda_graphs replays the device loop"):
+        model_class("parakeet")(parse_config({"model": "parakeet", "device": "cuda",
+                                              "model_kwargs": {"cuda_graphs": True, "device_loop": False}}))
 
 
 def test_languages_are_checked_per_model(cache, monkeypatch):

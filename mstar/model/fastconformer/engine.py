@@ -13,6 +13,8 @@ cursor is past its last frame or its steps are spent, the ``stop`` flag.
 On a GPU the steps run as ``device_steps`` (``model_kwargs.device_loop``): all of them queued
 with no read of the device in between, and the tokens and end flags read back once when the
 iteration ends; on the CPU the reference loop (``greedy_steps``), which skips finished rows.
+With ``model_kwargs.cuda_graphs`` an iteration's steps (some two thousand small kernels at 64
+steps) are one replay of a CUDA graph per batch bucket (``IterationGraphs``).
 
 The slot rows are written back only after the steps succeed, so a batch that fails leaves
 every state as it was: the worker's item-by-item retry decodes from intact states.
@@ -20,12 +22,17 @@ every state as it was: the worker's item-by-item retry decodes from intact state
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
+from mstar.engine.cuda_graphs import GraphRunner
 from mstar.engine.state_pool import StatePool
 from mstar.model.fastconformer.transducer import GreedyRows, TransducerModel, device_steps, greedy_steps
+
+MIN_FRAMES = 4096  # the graphs' first frame buffer (rows' frames one after the other)
 
 
 def encoder_fn(model: TransducerModel, lookahead: int | None):
@@ -48,17 +55,89 @@ def encoder_fn(model: TransducerModel, lookahead: int | None):
     return run
 
 
+class IterationGraphs:
+    """A decode iteration (``device_steps`` of ``steps`` steps) replayed from a CUDA graph per
+    batch bucket of ``batch_sizes``. The rows' state is copied into static buffers (a bucket's
+    padding rows have no frames and no steps, so they change nothing) and their frames, one
+    clip after the other, into a frame buffer; when a batch's frames outgrow it, the buffer
+    doubles and the graphs are captured again over the new one. Off CUDA the same buffers
+    and buckets run eagerly (``GraphRunner``), which is how the CPU tests check them."""
+
+    def __init__(self, model: TransducerModel, steps: int, batch_sizes: Iterable[int], device: torch.device,
+                 dtype: torch.dtype, min_frames: int = MIN_FRAMES) -> None:
+        self.model, self.steps, self.device = model, steps, device
+        self.batch_sizes = tuple(sorted({int(n) for n in batch_sizes}))
+        n = self.batch_sizes[-1]
+        layers, width = model.config.num_decoder_layers, model.config.decoder_hidden_size
+        self.state = {"hidden": torch.zeros(layers, n, width, device=device, dtype=dtype),
+                      "cell": torch.zeros(layers, n, width, device=device, dtype=dtype),
+                      "output": torch.zeros(n, width, device=device, dtype=dtype)}
+        self.state |= {name: torch.zeros(n, dtype=torch.int64, device=device)
+                       for name in ("lengths", "cursor", "symbols", "budget", "offsets")}
+        self._allocate(torch.zeros(min_frames, width, device=device, dtype=dtype))
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _allocate(self, frames: torch.Tensor) -> None:
+        self.frames = frames
+        self.runner = GraphRunner(self._step, self.device)
+
+    def _step(self, bucket: int) -> tuple[GreedyRows, torch.Tensor]:
+        """What a graph records: the iteration over the first ``bucket`` rows."""
+        s = self.state
+        rows = GreedyRows(frames=self.frames, lengths=s["lengths"][:bucket], hidden=s["hidden"][:, :bucket],
+                          cell=s["cell"][:, :bucket], output=s["output"][:bucket], cursor=s["cursor"][:bucket],
+                          symbols=s["symbols"][:bucket], budget=s["budget"][:bucket], offsets=s["offsets"][:bucket])
+        return rows, device_steps(self.model, rows, self.steps)
+
+    def run(self, rows: GreedyRows) -> tuple[GreedyRows, torch.Tensor]:
+        """The rows after one iteration and its token table (``device_steps``'s), the first
+        ``n`` rows of the replay's own tensors: read them before the next ``run``. ``rows``
+        has its frames one after the other (``offsets``) and at most ``max_batch_size`` rows."""
+        n, total = rows.cursor.shape[0], rows.frames.shape[0]
+        bucket = next(size for size in self.batch_sizes if size >= n)
+        if total > self.frames.shape[0]:
+            grown = self.frames.shape[0]
+            while grown < total:
+                grown *= 2
+            self._allocate(self.frames.new_zeros(grown, self.frames.shape[1]))
+        self.frames[:total].copy_(rows.frames)
+        s = self.state
+        for name in ("output", "lengths", "cursor", "symbols", "budget", "offsets"):
+            s[name][:n].copy_(getattr(rows, name))
+        s["hidden"][:, :n].copy_(rows.hidden)
+        s["cell"][:, :n].copy_(rows.cell)
+        for name in ("lengths", "budget"):  # padding rows: nothing to decode
+            s[name][n:bucket].zero_()
+        if bucket not in self.runner:
+            self.runner.prepare(bucket)
+        out, table = self.runner.replay(bucket)
+        return GreedyRows(frames=rows.frames, lengths=rows.lengths, hidden=out.hidden[:, :n], cell=out.cell[:, :n],
+                          output=out.output[:n], cursor=out.cursor[:n], symbols=out.symbols[:n],
+                          budget=out.budget[:n], offsets=rows.offsets), table[:n]
+
+
 class TransducerDecoder(Engine):
     """The greedy decoder node over ``max_slots`` state slots (the last one the sink)."""
 
     def __init__(self, model: TransducerModel, *, max_slots: int, steps_per_iteration: int,
-                 device: torch.device, dtype: torch.dtype, device_loop: bool | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, device_loop: bool | None = None,
+                 graph_batch_sizes: Iterable[int] | None = None) -> None:
         if steps_per_iteration < 1:
             raise ValueError("steps_per_iteration must be >= 1")
         self.model = model
         self.steps = steps_per_iteration
         # the greedy steps with no read of the device inside (``device_steps``); default on a GPU
         self.device_loop = device.type == "cuda" if device_loop is None else device_loop
+        # an iteration replayed from a CUDA graph per bucket (batches larger than the last
+        # bucket run eagerly)
+        self.graphs: IterationGraphs | None = None
+        if graph_batch_sizes is not None:
+            if not self.device_loop:
+                raise ValueError("CUDA graphs replay the device loop: device_loop must be on")
+            self.graphs = IterationGraphs(model, steps_per_iteration, graph_batch_sizes, device, dtype)
         self.slots = StatePool(max_slots)
         config = model.config
         layers, width = config.num_decoder_layers, config.decoder_hidden_size
@@ -102,12 +181,23 @@ class TransducerDecoder(Engine):
             self._take_slots(fresh)
         index = torch.tensor([self.slots.slot(item.request_id) for item in items], dtype=torch.int64,
                              device=self.output.device)
+        clips = [self.frames[item.request_id] for item in items]
+        graphed = self.graphs is not None and len(items) <= self.graphs.max_batch_size
+        if graphed:  # frames one after the other, as the graphs' frame buffer holds them
+            starts = [0]
+            for clip in clips[:-1]:
+                starts.append(starts[-1] + clip.shape[0])
+            frames = torch.cat(clips)
+            offsets = torch.tensor(starts, dtype=torch.int64).to(self.output.device, non_blocking=True)
+        else:
+            frames, offsets = nn.utils.rnn.pad_sequence(clips, batch_first=True), None
         rows = GreedyRows(
-            frames=nn.utils.rnn.pad_sequence([self.frames[item.request_id] for item in items], batch_first=True),
-            lengths=self.lengths[index], hidden=self.hidden[:, index], cell=self.cell[:, index],
+            frames=frames, lengths=self.lengths[index], hidden=self.hidden[:, index], cell=self.cell[:, index],
             output=self.output[index], cursor=self.cursor[index], symbols=self.symbols[index],
-            budget=self.budget[index])
-        if self.device_loop:
+            budget=self.budget[index], offsets=offsets)
+        if graphed:
+            rows, table = self.graphs.run(rows)
+        elif self.device_loop:
             table = device_steps(self.model, rows, self.steps)
         else:
             tokens = greedy_steps(self.model, rows, self.steps)
@@ -139,12 +229,15 @@ class TransducerDecoder(Engine):
 
 def transducer_engines(model: TransducerModel, nodes: set[str], *, max_slots: int, steps_per_iteration: int,
                        lookahead: int | None, device: torch.device, dtype: torch.dtype,
-                       device_loop: bool | None = None) -> dict[str, Engine]:
-    """The engines of ``nodes`` (``encoder``, ``decoder``) over ``model``."""
+                       device_loop: bool | None = None,
+                       graph_batch_sizes: Iterable[int] | None = None) -> dict[str, Engine]:
+    """The engines of ``nodes`` (``encoder``, ``decoder``) over ``model``; ``graph_batch_sizes``:
+    the decode iteration's CUDA-graph buckets (None: eager)."""
     engines: dict[str, Engine] = {}
     if "encoder" in nodes:
         engines["encoder"] = StatelessEngine(encoder_fn(model, lookahead))
     if "decoder" in nodes:
         engines["decoder"] = TransducerDecoder(model, max_slots=max_slots, steps_per_iteration=steps_per_iteration,
-                                               device=device, dtype=dtype, device_loop=device_loop)
+                                               device=device, dtype=dtype, device_loop=device_loop,
+                                               graph_batch_sizes=graph_batch_sizes)
     return engines

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.config import ConfigError
+from mstar.model.knobs import CudaGraphs, RequestKnobs
 
 
-class TransducerKnobs(Knobs):
-    """Parakeet's and Nemotron ASR's ``model_kwargs``."""
+class TransducerKnobs(CudaGraphs):
+    """Parakeet's and Nemotron ASR's ``model_kwargs``. ``cuda_graphs``: a decode iteration is
+    one replay of a CUDA graph per batch bucket (it replays the device loop)."""
 
     max_audio_seconds: float = Field(1800.0, gt=0, allow_inf_nan=False)
     """The longest upload, in seconds of audio; longer than ``max_clip_seconds``, it is cut into
@@ -28,6 +30,11 @@ class TransducerKnobs(Knobs):
     cursors stay on the device; one read when the iteration ends). None: on when the decoder
     runs on CUDA, off on the CPU (where the reference loop, which skips finished rows, is
     faster). Both decode the same tokens."""
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.cuda_graphs and self.device_loop is False:
+            raise ConfigError("model_kwargs.cuda_graphs replays the device loop: leave model_kwargs.device_loop on")
 
 
 class NemotronAsrKnobs(TransducerKnobs):

@@ -22,6 +22,7 @@ from mstar.contract import (
     Transcription,
     TranscriptionSpec,
 )
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.fastconformer.checkpoint import TransducerCheckpoint
 from mstar.model.fastconformer.engine import transducer_engines
@@ -136,9 +137,14 @@ class Transducer(ModelSpec):
         ckpt = self.checkpoint()
         model = ckpt.load_model(device, self.config.torch_dtype(), dummy=self.config.load_format == "dummy",
                                 seed=self.knobs.seed)
+        buckets = None
+        if self.knobs.cuda_graphs:  # a bucket for every batch the slots allow
+            most = self.max_slots
+            buckets = [n for n in DEFAULT_BATCH_SIZES if n < most] + [most]
         return transducer_engines(model, nodes, max_slots=self.max_slots,
                                   steps_per_iteration=self.knobs.steps_per_iteration, lookahead=self.lookahead(),
-                                  device=device, dtype=self.config.torch_dtype(), device_loop=self.knobs.device_loop)
+                                  device=device, dtype=self.config.torch_dtype(), device_loop=self.knobs.device_loop,
+                                  graph_batch_sizes=buckets)
 
 
 @register
