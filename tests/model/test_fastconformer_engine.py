@@ -10,9 +10,10 @@ import torch
 from mstar.engine.base import EngineItem
 from mstar.engine.state_pool import OutOfSlots
 from mstar.model.fastconformer.config import FastConformerConfig, TransducerConfig
-from mstar.model.fastconformer.engine import TransducerDecoder, encoder_fn
+from mstar.model.fastconformer.engine import EncoderGraphs, TransducerDecoder, encoder_fn
 from mstar.model.fastconformer.transducer import TransducerModel, greedy_decode
 from mstar.model.text_stream import TokenTextStream
+from tests.support.markers import needs_cuda
 
 VOCAB, BLANK = 20, 19
 
@@ -131,6 +132,61 @@ def test_encoder_node_batches_clips_of_different_lengths() -> None:
             solo, _ = model.encode(m[None])
         assert out["audio_features"].shape == solo[0].shape
         torch.testing.assert_close(out["audio_features"], solo[0], rtol=1e-5, atol=1e-5)
+
+
+def streaming_prompted_model() -> TransducerModel:
+    """Nemotron ASR's layout in tiny: causal encoder, chunked attention, language prompts."""
+    encoder = FastConformerConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                  subsampling_conv_channels=4, num_mel_bins=16, conv_kernel_size=3, causal=True,
+                                  left_context=8, default_lookahead=2)
+    config = TransducerConfig(model_type="nemotron_asr", encoder=encoder, vocab_size=VOCAB, blank_token_id=BLANK,
+                              decoder_hidden_size=12, max_symbols_per_step=3, num_prompts=4,
+                              prompt_intermediate_size=8, default_prompt_id=1)
+    torch.manual_seed(2)
+    model = TransducerModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.4)
+    return model
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_encoder_graph_buckets_give_each_clip_its_eager_frames(streaming: bool) -> None:
+    """Batches padded to a batch bucket (rows with no frames) and a length bucket (masked
+    frames), replayed through ``EncoderGraphs`` (eager on the CPU): each clip gets the frames
+    of the eager forward; batches past the buckets run eagerly."""
+    model = streaming_prompted_model() if streaming else tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    mels = [torch.randn(n, 16, generator=gen) for n in (50, 23, 37)]
+    items = [EngineItem(f"r{i}", "forward", 0, {"mel": m} | ({"prompt": torch.tensor([i])} if streaming else {}), {})
+             for i, m in enumerate(mels)]
+    graphs = EncoderGraphs(model, None, (1, 4), frame_step=16, max_frames=64)
+    assert graphs.shape(3, 50) == (4, 64) and graphs.shape(1, 65) is None and graphs.shape(5, 10) is None
+    eager, replayed = encoder_fn(model, None)("forward", items), encoder_fn(model, None, graphs)("forward", items)
+    assert graphs.graphs.runner.keys == ((4, 64, 16),)
+    for want, got in zip(eager, replayed):
+        assert got["audio_features"].shape == want["audio_features"].shape
+        torch.testing.assert_close(got["audio_features"], want["audio_features"], rtol=1e-5, atol=1e-5)
+    long = [EngineItem("long", "forward", 0, {"mel": torch.randn(70, 16, generator=gen)}, {})]
+    assert encoder_fn(model, None, graphs)("forward", long)[0]["audio_features"].shape[0] == \
+        model.config.encoder.frames(70)
+    assert len(graphs.graphs.runner.keys) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("streaming", [False, True])
+def test_cuda_encoder_graphs_replay_the_eager_forward(streaming: bool) -> None:
+    """Captured on CUDA (fp32), the encoder's replays give the eager frames, call after call."""
+    model = (streaming_prompted_model() if streaming else tiny_model()).cuda()
+    gen = torch.Generator().manual_seed(4)
+    graphs = EncoderGraphs(model, None, (1, 2, 4), frame_step=16, max_frames=64)
+    for lengths in ((50, 23, 37), (12,), (64, 9)):
+        items = [EngineItem(f"r{i}", "forward", 0, {"mel": torch.randn(n, 16, generator=gen)}, {})
+                 for i, n in enumerate(lengths)]
+        eager, replayed = encoder_fn(model, None)("forward", items), encoder_fn(model, None, graphs)("forward", items)
+        for want, got in zip(eager, replayed):
+            torch.testing.assert_close(got["audio_features"], want["audio_features"], rtol=1e-4, atol=1e-5)
+    assert graphs.graphs.runner.capture and len(graphs.graphs.runner.keys) == 3
 
 
 class _Bytes:

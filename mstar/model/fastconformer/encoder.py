@@ -90,10 +90,12 @@ class RelPositionAttention(nn.Module):
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         r = self.relative_k_proj(positions).view(-1, heads, dim).permute(1, 2, 0)  # [H, D, 2T-1]
-        by_offset = (q + self.bias_v[:, None, :]) @ r  # [B, H, T, 2T-1]: column p is offset T-1-p
+        # [B, H, T, 2T-1]: column p is offset T-1-p (scaled on the [T, D] side: one pass
+        # fewer over the [T, T] scores)
+        by_offset = ((q + self.bias_v[:, None, :]) * dim ** -0.5) @ r
         steps = torch.arange(length, device=x.device)
         column = (length - 1) - steps[:, None] + steps[None, :]  # query i, key j: offset i - j
-        position = by_offset.gather(-1, column.expand(batch, heads, length, length)) * (dim ** -0.5)
+        position = by_offset.gather(-1, column.expand(batch, heads, length, length))
         # the position term and the mask as one additive bias of SDPA's content scores; a finite
         # minimum, not -inf, so that a query with no key allowed (padding) gives no NaN
         bias = position.masked_fill(~allowed, torch.finfo(position.dtype).min)

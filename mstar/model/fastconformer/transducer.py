@@ -49,18 +49,19 @@ class PredictionNetwork(nn.Module):
         about 0.9 ms of host time a call on an H200 host (it re-packs its weights each call),
         where two matmuls and a few element-wise kernels launch in a fraction of that and can
         be captured in a CUDA graph. The parameters stay ``nn.LSTM``'s (the checkpoint's
-        names)."""
+        names). As cuDNN does, the gates and the new states are computed in fp32 whatever the
+        model's dtype, and stored in it."""
         x = self.embedding(tokens)
         hiddens, cells = [], []
         for layer in range(self.lstm.num_layers):
             gates = (F.linear(x, getattr(self.lstm, f"weight_ih_l{layer}"), getattr(self.lstm, f"bias_ih_l{layer}"))
-                     + F.linear(hidden[layer], getattr(self.lstm, f"weight_hh_l{layer}"),
-                                getattr(self.lstm, f"bias_hh_l{layer}")))
+                     .float() + F.linear(hidden[layer], getattr(self.lstm, f"weight_hh_l{layer}"),
+                                         getattr(self.lstm, f"bias_hh_l{layer}")).float())
             i, f, g, o = gates.chunk(4, dim=-1)
-            c = torch.sigmoid(f) * cell[layer] + torch.sigmoid(i) * torch.tanh(g)
-            x = torch.sigmoid(o) * torch.tanh(c)
+            c = torch.sigmoid(f) * cell[layer].float() + torch.sigmoid(i) * torch.tanh(g)
+            x = (torch.sigmoid(o) * torch.tanh(c)).to(hidden.dtype)
             hiddens.append(x)
-            cells.append(c)
+            cells.append(c.to(cell.dtype))
         return self.decoder_projector(x), torch.stack(hiddens), torch.stack(cells)
 
 
