@@ -396,11 +396,15 @@ def run_ours(settings: Settings, model_dir: Path, clips: dict[int, list[np.ndarr
             results = [runner.run(requests) for _ in range(settings.runs)]
             walls = [wall for wall, _ in results]
             tokens = results[-1][1]
-            if any(r[1] != tokens for r in results):
-                raise RuntimeError(f"ours: {n} clip(s) decoded differently from one run to the next")
+            # in bf16 a clip's frames depend (to rounding) on the batch its encoder ran in, and
+            # which clips share a batch depends on when each arrived: runs may differ by a few
+            # tokens; how much is recorded
+            drift = [agreement(r[1], tokens)["token_error_rate"] for r in results[:-1]]
+            if any(drift):
+                log.warning("ours: %d clip(s): runs differ from the last by token error rates %s", n, drift)
             wall = statistics.median(walls)
             out[n] = {"wall_s": walls, "rtf": n * settings.clip_s / wall, "tokens": tokens,
-                      "tokens_per_clip": [len(t) for t in tokens]}
+                      "tokens_per_clip": [len(t) for t in tokens], "run_to_run_token_error_rate": drift}
             log.info("ours: %d clip(s): %.3f s, %.1fx real time, %.0f tokens/clip", n, wall, out[n]["rtf"],
                      statistics.mean(out[n]["tokens_per_clip"]))
     finally:
