@@ -33,7 +33,7 @@ from mstar.engine.cuda_graphs import GraphRunner, ShapeGraphs
 from mstar.engine.state_pool import StatePool
 from mstar.model.fastconformer.transducer import GreedyRows, TransducerModel, device_steps, greedy_steps
 
-MIN_FRAMES = 4096  # the graphs' first frame buffer (rows' frames one after the other)
+MIN_FRAMES = 16384  # the iteration graphs' first frame buffer: 32 clips of 30 s (80 ms frames) and more
 
 
 class EncoderGraphs:
