@@ -39,19 +39,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield live
 
 
-@pytest.fixture(scope="module")
-def oai(server: Server) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as client:
-        yield client
-
-
 def transcribe(oai: openai.OpenAI, audio: bytes, language: str | None = None, target: str | None = None) -> str:
     extra = {"language": language} if language else {}
     if target:
