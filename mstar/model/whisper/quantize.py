@@ -11,9 +11,9 @@ the float reference:
 
 Left float: the convolution front end, the position and token embeddings' lookups, the
 encoder, and the cross-attention k/v projections (run once per request over the 1500 audio
-frames). Why, measured with ``benchmarks/int8_linear_cpu.py`` on the 2-core CPU benchmark
-machine (Xeon, AVX-512 with VNNI and AMX, torch 2.13, 2 threads; ms per product, quiet
-machine):
+frames). Why, measured on the 2-core CPU benchmark machine (Xeon, AVX-512 with VNNI and AMX,
+torch 2.13, 2 threads; ms per product, one run while the machine was otherwise idle; the
+products of ``benchmarks/int8_linear_cpu.py``, which reproduces them):
 
 =============================  ========  ================  ============
 shape (M x K x N)              float32   weight-only int8  dynamic int8
@@ -31,8 +31,10 @@ reads, and int8 weights read a quarter of float32's. Weight-only int8 is the fas
 int8 products there (the dynamic one, ``torch._int_mm`` with per-row activation scales, pays
 for rounding the activations and its int32 output at one row, and is slower than float32 for
 the small matrices). Over 1500 rows the products are bound by arithmetic instead, and neither
-int8 kernel beats oneDNN's float32 GEMM overall (the dynamic one only for ``fc2``), so the
-encoder and the per-request cross K/V stay float32.
+int8 kernel beats oneDNN's float32 GEMM overall: weight-only int8 is 2-2.5x slower, the dynamic
+one is slower for ``fc1`` (3x) and faster only for ``fc2`` (and, in some later runs on a busy
+machine, for the 512 x 512 projections: 1.0 against 2.4 ms), so the encoder and the per-request
+cross K/V stay float32. A mixed encoder (dynamic int8 where it wins) is left for later.
 """
 
 from __future__ import annotations
