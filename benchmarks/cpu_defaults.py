@@ -23,7 +23,8 @@ is timed):
   ``mstar.model.whisper.features``); ours is the HTTP request's wall time. Metric: real-time
   factor (audio seconds per wall second).
 
-Each figure is the median of ``--runs`` runs. ``llama-cpp-python`` and ``ctranslate2`` are
+Each figure is the median of ``--runs`` runs; the record's ``whisper_base.ours`` is keyed by
+quantization mode. ``llama-cpp-python`` and ``ctranslate2`` are
 benchmark-only extras (``pip install -e '.[bench]'``, or ``--install``); a reference that is
 missing is skipped and its column left empty.
 
