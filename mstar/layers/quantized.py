@@ -13,6 +13,9 @@ from outside, so the modeling files stay the float reference).
   8 * scale``.
 * ``Int8Weight``: one int8 code per weight and one scale per output row, ``w = scale *
   code`` (``quantization: int8``), on ``aten._weight_int8pack_mm``.
+* ``QuantizedLinear``: a module standing in for a plain ``torch.nn.Linear`` once quantised (a
+  model built of ``nn.Linear``, such as Whisper, rather than ``mstar.layers.linear``'s layers):
+  its ``qweight`` and bias, nothing else.
 * ``SplitInt8Weight``: GGUF's Q8_0 (int8 codes with a scale per block of 32) exactly, as two
   int4 matrices whose products add: a code ``q`` in -128..127 is ``16 * hi + lo`` with ``lo``
   in 0..15 and ``hi`` in -8..7, so ``d * q = d * lo + 16d * hi``. Two int4 products read as
@@ -34,8 +37,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["Int4Weight", "Int8Weight", "QuantizedWeight", "SplitInt8Weight", "quantized_kernels_available"]
+__all__ = ["Int4Weight", "Int8Weight", "QuantizedLinear", "QuantizedWeight", "SplitInt8Weight",
+           "quantized_kernels_available"]
 
 INT4_GROUP_SIZE = 32
 """Input features per scale of ``quantization: int4`` (GGUF's block size too)."""
@@ -176,3 +181,21 @@ class SplitInt8Weight:
 
 
 QuantizedWeight = Int4Weight | Int8Weight | SplitInt8Weight
+
+
+class QuantizedLinear(nn.Module):
+    """``x @ w.T + bias`` with a quantised ``w``: what ``mstar.model.quantize`` puts in place of
+    a plain ``nn.Linear`` (the float weight is not kept)."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.in_features, self.out_features = qweight.in_features, qweight.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qweight.linear(x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, qweight={type(self.qweight).__name__}")

@@ -3,7 +3,10 @@
 The modeling files stay the float reference: after the weights load, ``quantize_model`` walks
 the module tree and gives each linear layer (``mstar.layers.linear``) a quantised matrix in
 its ``qweight`` (``mstar.layers.quantized``), whose product then replaces the float GEMM;
-the float weight of a quantised linear is dropped. Modes:
+the float weight of a quantised linear is dropped. A plain ``torch.nn.Linear`` (a model built
+without the project's layers, such as Whisper) is replaced in its parent by a
+``QuantizedLinear`` holding the quantised matrix and the bias. ``where`` picks the layers by
+name (Whisper keeps the layers that run over its 1500 audio frames float). Modes:
 
 * ``none``: float weights, as loaded (a GGUF checkpoint dequantised).
 * ``int8``: every linear rounded to int8, one scale per output row.
@@ -23,7 +26,7 @@ over tensor-parallel ranks is refused (its blocks would need splitting too).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +37,7 @@ from mstar.layers.quantized import (
     INT4_GROUP_SIZE,
     Int4Weight,
     Int8Weight,
+    QuantizedLinear,
     QuantizedWeight,
     SplitInt8Weight,
     quantized_kernels_available,
@@ -52,11 +56,12 @@ _LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, GGUFBlocks]] = (),
-                   logits_from_embeddings: bool = False) -> list[str]:
+                   logits_from_embeddings: bool = False, where: Callable[[str], bool] | None = None) -> list[str]:
     """Quantise ``model``'s linear layers in place (``mode``: one of ``QUANTIZATIONS``); the
     names of the layers quantised. ``blocks``: ``(checkpoint name, GGUFBlocks)`` of the
     checkpoint, for ``mode="gguf"`` (names as ``load_weights`` takes them; a fused layer's
-    segments are found by their ``segment_names``)."""
+    segments are found by their ``segment_names``). ``where``: only the layers (and the tied
+    embedding) whose module name it accepts; default all."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
@@ -66,7 +71,13 @@ def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, G
                            f"{torch.__version__} lacks")
     stored = dict(blocks)
     done, kept = [], []
+    plain = []  # (name, nn.Linear): replaced once the walk is over
     for name, module in model.named_modules():
+        if where is not None and not where(name):
+            continue
+        if type(module) is nn.Linear:
+            plain.append((name, module))
+            continue
         is_embedding = isinstance(module, VocabParallelEmbedding)
         if not (isinstance(module, _LINEARS) or (is_embedding and logits_from_embeddings)):
             continue
@@ -79,6 +90,14 @@ def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, G
         module.qweight = weight
         if not is_embedding:  # the product no longer reads it
             module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+        done.append(name)
+    for name, module in plain:
+        weight = None if mode == "gguf" else _rounded(module.weight, mode)
+        if weight is None:  # gguf: plain layers are not a GGUF model's; int4: not in whole groups
+            kept.append(name)
+            continue
+        parent, _, leaf = name.rpartition(".")
+        model.get_submodule(parent).register_module(leaf, QuantizedLinear(weight, module.bias))
         done.append(name)
     if kept:
         log.info("quantization %s: %d layer(s) stay float (%s)", mode, len(kept), ", ".join(kept[:4]))

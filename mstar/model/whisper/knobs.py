@@ -47,6 +47,11 @@ class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
     encoder_cuda_graphs: bool = Field(default_factory=lambda knobs: knobs["cuda_graphs"])
     """Replay the encoder per batch bucket (default: ``cuda_graphs``; CUDA only)."""
 
+    quantization: Literal["none", "int8"] = "none"
+    """``int8``: the decoder's per-token linear layers and the tied logits as weight-only int8
+    (a scale per output row; CPU only), applied after loading (``mstar.model.whisper.quantize``
+    says which layers and why). ``none``: float weights, the reference."""
+
     def check(self, device: str) -> None:
         super().check(device)
         if self.attention_backend == "triton" and device != "cuda" and not triton_interpreted():
@@ -56,6 +61,13 @@ class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
                               "reference synchronises with the host and cannot be captured)")
         if self.encoder_cuda_graphs:
             require_cuda("encoder_cuda_graphs", device)
+        if self.quantization != "none":
+            if device != "cpu":
+                raise ConfigError(f"model_kwargs.quantization: {self.quantization} runs on the CPU only "
+                                  "(PyTorch's int8 CPU kernel); use none on CUDA")
+            if self.fused_kernels:
+                raise ConfigError(f"model_kwargs.quantization: {self.quantization} cannot run with "
+                                  "fused_kernels (its fused q/k/v product reads the float weights)")
 
 
 class TranscribeKnobs(RequestKnobs):

@@ -41,6 +41,7 @@ from mstar.model.whisper.checkpoint import WhisperCheckpoint
 from mstar.model.whisper.engine import whisper_engines
 from mstar.model.whisper.features import log_mel_spectrogram
 from mstar.model.whisper.knobs import TranscribeKnobs, WhisperKnobs
+from mstar.model.whisper.quantize import quantize_whisper
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30.0
@@ -209,6 +210,7 @@ class Whisper(ModelSpec):
         ckpt = self.checkpoint()
         model = ckpt.load_model(device, self.config.torch_dtype(), dummy=self.config.load_format == "dummy",
                                 seed=self.knobs.seed)
+        quantize_whisper(model, self.knobs.quantization)
         return whisper_engines(model, ckpt.tokens(), self.knobs, self.config, nodes, device)
 
 

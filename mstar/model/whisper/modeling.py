@@ -2,7 +2,10 @@
 
 Parameter names are exactly the Hugging Face checkpoint keys, so a ``model.safetensors``
 state dict loads with ``strict=True``. The output projection is tied to
-``model.decoder.embed_tokens.weight`` (checkpoints store no ``proj_out.weight``).
+``model.decoder.embed_tokens.weight`` (checkpoints store no ``proj_out.weight``); the embedding
+is the project's ``VocabParallelEmbedding`` (on one rank exactly ``nn.Embedding``) so that its
+``logits`` take a quantised copy of the rows (``model_kwargs.quantization``, applied from
+outside by ``mstar.model.quantize``).
 
 Serving splits a request's work in three: ``encode`` the 30 s log-mel once (batched across
 requests), write its per-layer cross-attention keys/values once into a fixed-shape slot with
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention import paged_attention
+from mstar.layers.linear import VocabParallelEmbedding
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.whisper.config import WhisperConfig
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, cross_attention
@@ -211,7 +215,7 @@ class WhisperDecoder(nn.Module):
     def __init__(self, config: WhisperConfig) -> None:
         super().__init__()
         d = config.d_model
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d)  # Whisper is never split: one rank
         self.embed_positions = nn.Embedding(config.max_target_positions, d)
         self.layers = nn.ModuleList(
             WhisperDecoderLayer(config) for _ in range(config.decoder_layers)
@@ -312,7 +316,7 @@ class WhisperForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` for hidden states ``[N, d_model]`` (tied output projection)."""
-        return F.linear(hidden, self.model.decoder.embed_tokens.weight)
+        return self.model.decoder.embed_tokens.logits(hidden)
 
     def kv_layout(self) -> tuple[int, int, int]:
         """``(num_layers, num_heads, head_dim)`` of the decoder self-attention paged caches."""
