@@ -108,3 +108,17 @@ class KokoroCheckpoint:
             load_kokoro_state(model, state)
             model.eval()
         return model.to(dtype)
+
+
+def dummy_config(overrides: dict | None = None) -> KokoroConfig:
+    """Kokoro-82M's config (its vocabulary included) with ``overrides`` (``config.json`` keys)
+    on top: the model of a ``load_format: dummy`` deployment."""
+    from dataclasses import asdict
+
+    from mstar.model.kokoro.vocab import KOKORO_82M_VOCAB
+
+    base = KokoroConfig(vocab=dict(KOKORO_82M_VOCAB)).to_dict()
+    merged = base | dict(overrides or {})
+    if "plbert" in (overrides or {}):
+        merged["plbert"] = asdict(KokoroConfig().plbert) | overrides["plbert"]
+    return KokoroConfig.from_dict(merged)
