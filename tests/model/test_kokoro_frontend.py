@@ -82,3 +82,53 @@ def test_the_default_deployment_parses():
     config = load_config(Path(__file__).resolve().parents[2] / "configs" / "kokoro.yaml", {"device": "cpu"})
     spec = model_class(config.model)(config)
     assert set(spec.graph().walks) == {"tts"} and spec.tasks == {"speech"}
+
+
+@pytest.fixture
+def spec():
+    from mstar.config import parse_config
+    from mstar.model.kokoro.model import Kokoro
+
+    tiny = {"n_layer": 1, "plbert": {"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1}}
+    kokoro = Kokoro(parse_config({"model": "kokoro", "load_format": "dummy", "device": "cpu",
+                                  "model_kwargs": {"dummy_config": tiny, "first_chunk_target_phonemes": 16}}))
+    kokoro.load_frontend()
+    return kokoro
+
+
+def test_text_goes_through_g2p_per_voice_language(spec, monkeypatch):
+    """The G2P plumbing with misaki stood in for: the language follows the voice's first
+    letter, and the phonemes become the chunks' ids with a style row per chunk."""
+    from mstar.contract import SpeechSpec
+
+    asked = []
+
+    def build(lang):
+        def g2p(text):
+            asked.append((lang, text))
+            return "hˈɛloʊ wˈɜːld. ðɛɹ.", None
+
+        return g2p
+
+    monkeypatch.setattr(spec.g2p, "available", lambda: True)
+    monkeypatch.setattr(spec.g2p, "_build", build)
+    request = spec.prepare_speech(SpeechSpec("r", "Hello. There.", "bf_emma", 1.25))
+    assert asked == [("b", "Hello. There.")]
+    vocab = spec.kokoro_config.vocab
+    assert request.params == {"num_chunks": 2, "speed": 1.25, "seed": 0}
+    first = [0, *(vocab[p] for p in "hˈɛloʊ wˈɜːld."), 0]
+    assert request.inputs["chunk_ids"][0, : len(first)].tolist() == first
+    assert request.inputs["chunk_lengths"].tolist() == [len(first), len("ðɛɹ.") + 2]
+    table = spec.voice_bank.table("bf_emma")
+    assert torch.equal(request.inputs["styles"][1], table[len("ðɛɹ.") - 1, 0])
+
+
+def test_generate_takes_voice_and_speed_from_model_kwargs(spec):
+    from mstar.contract import GenerateSpec
+
+    request = spec.prepare_generate(GenerateSpec("g", "-", [], ["audio"],
+                                                 {"phonemes": "ðə kˈæt.", "voice": "af_sky", "speed": 0.5}))
+    assert request.params["speed"] == 0.5 and request.params["num_chunks"] == 1
+    with pytest.raises(RequestError) as err:
+        spec.prepare_generate(GenerateSpec("g", "-", [], ["text"], {}))
+    assert err.value.field == "output_modalities"

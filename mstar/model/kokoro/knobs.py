@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 
 from mstar.model.knobs import Knobs, RequestKnobs
 
-__all__ = ["KokoroKnobs", "KokoroSpeechKnobs"]
+__all__ = ["KokoroGenerateKnobs", "KokoroKnobs", "KokoroSpeechKnobs"]
 
 LangCode = Literal["a", "b"]
 
@@ -51,3 +51,10 @@ class KokoroSpeechKnobs(RequestKnobs):
 
     seed: int | None = Field(None, ge=0)
     """Seed of the harmonic source's noise (default: a fixed seed per request, 0)."""
+
+
+class KokoroGenerateKnobs(KokoroSpeechKnobs):
+    """``/generate``'s ``model_kwargs`` for Kokoro: a speech request's, plus ``voice`` and ``speed``."""
+
+    voice: str | None = None
+    speed: float = Field(1.0, ge=0.25, le=4.0)

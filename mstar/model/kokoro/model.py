@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from mstar.contract import RequestError, SpeechSpec
+from mstar.contract import GenerateSpec, RequestError, SpeechSpec
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Step, Walk
 from mstar.model.kokoro.checkpoint import KokoroCheckpoint, dummy_config
 from mstar.model.kokoro.config import KokoroConfig
 from mstar.model.kokoro.engine import speak_fn
-from mstar.model.kokoro.knobs import KokoroKnobs, KokoroSpeechKnobs
+from mstar.model.kokoro.knobs import KokoroGenerateKnobs, KokoroKnobs, KokoroSpeechKnobs
 from mstar.model.kokoro.phonemes import EnglishG2P, chunk_phonemes, to_ids
 from mstar.model.kokoro.voices import VoiceBank
 from mstar.model.registry import register
@@ -77,16 +77,29 @@ class Kokoro(ModelSpec):
         return list(bank.names) if bank is not None else []
 
     def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
-        options = KokoroSpeechKnobs.parse(spec.model_kwargs)
-        voice = spec.voice or (DEFAULT_VOICE if DEFAULT_VOICE in self.voice_bank.names else self.voice_bank.names[0])
+        return self._speak(spec.input, spec.voice, spec.speed, KokoroSpeechKnobs.parse(spec.model_kwargs))
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        if set(spec.output_modalities) != {"audio"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs audio only")
+        if spec.files:
+            raise RequestError("files", f"model {self.key!r} takes text only")
+        options = KokoroGenerateKnobs.parse(spec.model_kwargs)
+        return self._speak(spec.text, options.voice, options.speed, options)
+
+    def _speak(self, text: str, voice: str | None, speed: float, options: KokoroSpeechKnobs) -> WalkRequest:
+        """The ``tts`` walk over the chunks of ``text`` (or of ``options.phonemes``)."""
+        voice = voice or (DEFAULT_VOICE if DEFAULT_VOICE in self.voice_bank.names else self.voice_bank.names[0])
         table = self.voice_bank.blend(voice)
-        if not 0.25 <= spec.speed <= 4.0:
-            raise RequestError("speed", f"{spec.speed:g} is outside 0.25 to 4.0")
+        if not 0.25 <= speed <= 4.0:
+            raise RequestError("speed", f"{speed:g} is outside 0.25 to 4.0")
         if options.phonemes is not None:
             phonemes = options.phonemes
         else:
+            if not text.strip():
+                raise RequestError("input", "must contain text, not only whitespace")
             lang = self.knobs.lang_code or options.lang_code or voice[0]
-            phonemes = self.g2p(spec.input, lang)
+            phonemes = self.g2p(text, lang)
         config = self.kokoro_config
         limit = config.max_input_tokens - 2
         chunks = [c for c in chunk_phonemes(phonemes, limit, self.knobs.chunk_target_phonemes,
@@ -103,7 +116,7 @@ class Kokoro(ModelSpec):
             {"chunk_ids": torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
              "chunk_lengths": torch.tensor([len(r) for r in rows]),
              "styles": styles},
-            {"num_chunks": len(rows), "speed": float(spec.speed), "seed": options.seed or 0},
+            {"num_chunks": len(rows), "speed": float(speed), "seed": options.seed or 0},
             prompt_tokens=sum(len(r) for r in rows),
         )
 
