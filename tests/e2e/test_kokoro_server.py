@@ -16,6 +16,7 @@ import pytest
 import soundfile as sf
 from live_server import launch_server
 
+from mstar import MStarClient
 from mstar.model.kokoro.phonemes import g2p_available
 
 TINY = {"n_layer": 1, "max_dur": 4, "text_encoder_kernel_size": 3,
@@ -90,6 +91,13 @@ def test_concurrent_requests_equal_their_solo_audio(client):
         # full scale (the PCM16 quantisation step is 3e-5)
         assert one.shape == alone.shape
         assert np.abs(one.astype(np.int32) - alone).max() <= 3, np.abs(one.astype(np.int32) - alone).max()
+
+
+def test_sdk_tts_with_a_blend_speed_and_phonemes(client, server, tmp_path):
+    result = MStarClient(server.url).tts("-", voice="af_bella+af_sky", response_format="pcm", speed=1.5,
+                                         phonemes=HELLO, seed=3)
+    assert result.sample_rate == 24000
+    assert np.array_equal(np.frombuffer(result.audio, "<i2"), speak(client, voice="af_bella+af_sky", speed=1.5))
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [

@@ -32,7 +32,7 @@ from mstar.model.kokoro.modeling import KokoroModel
 from mstar.model.vocoder import fold_weight_norm
 from mstar.model.weights import WeightLoadError, fill_weights, load_weights, resolve_model_path
 
-__all__ = ["KOKORO_MODULES", "KokoroCheckpoint", "load_kokoro_state", "released_tensors"]
+__all__ = ["KOKORO_MODULES", "KokoroCheckpoint", "dummy_config", "dummy_model", "load_kokoro_state", "released_tensors"]
 
 KOKORO_MODULES = ("bert", "bert_encoder", "predictor", "text_encoder", "decoder")
 WEIGHTS_FILE = "kokoro-v1_0.pth"
@@ -95,19 +95,21 @@ class KokoroCheckpoint:
         return torch.load(self.path / "voices" / f"{name}.pt", map_location="cpu", weights_only=True).float()
 
     def load_model(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
-                   dummy: bool = False, seed: int = 0, config: KokoroConfig | None = None) -> KokoroModel:
-        """The model with the checkpoint's weights, or seeded random ones of the real shapes
-        (``dummy``: the ``.pth`` is never read)."""
-        config = config or self.config()
+                   config: KokoroConfig | None = None) -> KokoroModel:
+        """The model with the checkpoint's weights (coverage checked), in eval mode."""
         with torch.device(device):
-            model = KokoroModel(config)
-        if dummy:
-            fill_weights(model, lambda: (), dummy=True, seed=seed)
-        else:
-            state = torch.load(self.weights_file(), map_location=device, weights_only=True)
-            load_kokoro_state(model, state)
-            model.eval()
-        return model.to(dtype)
+            model = KokoroModel(config or self.config())
+        state = torch.load(self.weights_file(), map_location=device, weights_only=True)
+        load_kokoro_state(model, state)
+        return model.eval().to(dtype)
+
+
+def dummy_model(config: KokoroConfig, device: torch.device | str = "cpu", seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> KokoroModel:
+    """``config``'s model with seeded random weights (``load_format: dummy``), in eval mode."""
+    with torch.device(device):
+        model = KokoroModel(config)
+    return fill_weights(model, lambda: (), dummy=True, seed=seed).to(dtype)
 
 
 def dummy_config(overrides: dict | None = None) -> KokoroConfig:

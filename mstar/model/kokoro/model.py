@@ -17,7 +17,7 @@ import torch
 from mstar.contract import GenerateSpec, RequestError, SpeechSpec
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Step, Walk
-from mstar.model.kokoro.checkpoint import KokoroCheckpoint, dummy_config
+from mstar.model.kokoro.checkpoint import KokoroCheckpoint, dummy_config, dummy_model
 from mstar.model.kokoro.config import KokoroConfig
 from mstar.model.kokoro.engine import speak_fn
 from mstar.model.kokoro.knobs import KokoroGenerateKnobs, KokoroKnobs, KokoroSpeechKnobs
@@ -129,12 +129,7 @@ class Kokoro(ModelSpec):
             return {}
         config = self.model_config()
         if self.dummy:
-            from mstar.model.kokoro.modeling import KokoroModel
-            from mstar.model.weights import fill_weights
-
-            with torch.device(device):
-                model = KokoroModel(config)
-            fill_weights(model, lambda: (), dummy=True, seed=self.knobs.seed)
+            model = dummy_model(config, device, seed=self.knobs.seed)
         else:
             model = self.checkpoint().load_model(device, config=config)
-        return {"kokoro": StatelessEngine(speak_fn(model.to(device).eval()))}
+        return {"kokoro": StatelessEngine(speak_fn(model))}
