@@ -36,17 +36,27 @@ TINY = dict(
     gen_istft_hop_size=2,
 )
 
+# Kokoro-82M's generator geometry (rates, kernels, iSTFT, residual kernels) at 32 channels
+KOKORO_GEOMETRY = TINY | dict(
+    resblock_kernel_sizes=[3, 7, 11],
+    upsample_rates=[10, 6],
+    resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+    upsample_kernel_sizes=[20, 12],
+    gen_istft_n_fft=20,
+    gen_istft_hop_size=5,
+)
 
-def tiny_config() -> ISTFTNetConfig:
+
+def tiny_config(shape: dict = TINY) -> ISTFTNetConfig:
     return ISTFTNetConfig(
-        style_dim=TINY["style_dim"],
-        upsample_rates=tuple(TINY["upsample_rates"]),
-        upsample_kernel_sizes=tuple(TINY["upsample_kernel_sizes"]),
-        upsample_initial_channel=TINY["upsample_initial_channel"],
-        resblock_kernel_sizes=tuple(TINY["resblock_kernel_sizes"]),
-        resblock_dilation_sizes=tuple(tuple(d) for d in TINY["resblock_dilation_sizes"]),
-        gen_istft_n_fft=TINY["gen_istft_n_fft"],
-        gen_istft_hop_size=TINY["gen_istft_hop_size"],
+        style_dim=shape["style_dim"],
+        upsample_rates=tuple(shape["upsample_rates"]),
+        upsample_kernel_sizes=tuple(shape["upsample_kernel_sizes"]),
+        upsample_initial_channel=shape["upsample_initial_channel"],
+        resblock_kernel_sizes=tuple(shape["resblock_kernel_sizes"]),
+        resblock_dilation_sizes=tuple(tuple(d) for d in shape["resblock_dilation_sizes"]),
+        gen_istft_n_fft=shape["gen_istft_n_fft"],
+        gen_istft_hop_size=shape["gen_istft_hop_size"],
     )
 
 
@@ -117,29 +127,29 @@ def test_adain_resblock():
         assert peak_err(ours(x, s), ref(x, s)) <= 1e-5
 
 
-def build_generators(seed: int = 0) -> tuple[torch.nn.Module, ISTFTNetGenerator]:
+def build_generators(shape: dict, seed: int = 0) -> tuple[torch.nn.Module, ISTFTNetGenerator]:
     torch.manual_seed(seed)
-    ref = perturbed(istftnet.Generator(**TINY), seed)
-    ours = ISTFTNetGenerator(tiny_config()).eval()
+    ref = perturbed(istftnet.Generator(**shape), seed)
+    ours = ISTFTNetGenerator(tiny_config(shape)).eval()
     load_weights(ours, fold_weight_norm(ref.state_dict()).items())  # coverage both ways
     return ref, ours
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_generator_waveform(batch: int):
-    ref, ours = build_generators()
-    frames = 14
+@pytest.mark.parametrize(("shape", "batch", "frames"),
+                         [(TINY, 1, 14), (TINY, 2, 14), (KOKORO_GEOMETRY, 1, 6)], ids=["tiny", "tiny-b2", "kokoro"])
+def test_generator_waveform(shape: dict, batch: int, frames: int):
+    ref, ours = build_generators(shape)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(batch, TINY["upsample_initial_channel"], frames, generator=g)
-    s = torch.randn(batch, TINY["style_dim"], generator=g)
+    x = torch.randn(batch, shape["upsample_initial_channel"], frames, generator=g)
+    s = torch.randn(batch, shape["style_dim"], generator=g)
     f0 = random_f0(batch, frames)
     with torch.no_grad():
         torch.manual_seed(11)
         want = ref(x, s, f0)
         got = ours(x, s, f0, generator=torch.Generator().manual_seed(11))
-    assert got.shape == (batch, 1, frames * tiny_config().samples_per_frame)
+    assert got.shape == (batch, 1, frames * tiny_config(shape).samples_per_frame)
     err = peak_err(got, want)
-    print(f"[vocoder parity] generator batch {batch}: {err:.2e} of peak")
+    print(f"[vocoder parity] generator batch {batch}, {frames} frames: {err:.2e} of peak")
     assert err <= TOL
 
 
