@@ -113,3 +113,28 @@ def test_rows_batched_equal_solo(pair):
         (solo,), solo_dur = ours(row[None], voices[i : i + 1], speeds[i], noise=False)
         assert torch.equal(durations[i, : len(row)], solo_dur[0])
         assert peak_err(batched[i], solo) <= 1e-5
+
+
+@pytest.mark.slow
+def test_kokoro_82m_shapes(tmp_path):
+    """The released shapes (12-layer PL-BERT, 3-layer predictor and text encoder, max_dur 50,
+    the 10x6 generator with a 20-point iSTFT), random weights; durations kept short (a
+    duration bias of -3) so the audio stays small."""
+    from mstar.model.kokoro.checkpoint import dummy_config
+
+    config = dummy_config().to_dict() | {"multispeaker": True, "dim_in": 64, "max_conv_dim": 512}
+    ref = reference_model(tmp_path, config=config, seed=1)
+    with torch.no_grad():
+        ref.predictor.duration_proj.linear_layer.bias.fill_(-3.0)
+    ours = KokoroModel(KokoroConfig.from_dict(config)).eval()
+    load_kokoro_state(ours, released_state(ref))
+    vocab = config["vocab"]
+    ids = torch.tensor([[0, *(vocab[p] for p in "ðə kˈæt sˈæt."), 0]])
+    ref_s = voice(7)
+    torch.manual_seed(3)
+    want, want_dur = ref.forward_with_tokens(ids, ref_s, 1.0)
+    (got,), got_dur = ours(ids, ref_s, 1.0, generators=[torch.Generator().manual_seed(3)])
+    assert torch.equal(got_dur[0], want_dur)
+    err = peak_err(got, want)
+    print(f"[kokoro parity] Kokoro-82M shapes: {err:.2e} of peak, {got.numel()} samples")
+    assert err <= AUDIO_TOL
