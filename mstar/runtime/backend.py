@@ -84,6 +84,10 @@ class RuntimeBackend:
     def sample_rate(self) -> int:
         return int(getattr(self.spec, "sample_rate", 0))
 
+    @property
+    def validates_speech_options(self) -> bool:
+        return bool(getattr(self.spec, "validates_speech_options", False))
+
     def voices(self) -> list[str]:
         voices = getattr(self.spec, "voices", None)
         return voices() if voices else []

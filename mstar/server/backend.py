@@ -62,6 +62,9 @@ class SpeakingBackend(Protocol):
     ``data`` is mono float32 little-endian PCM at ``sample_rate`` (modality "audio")."""
 
     sample_rate: int
+    # True when the model checks ``voice`` (blends) and ``speed`` itself; otherwise the route
+    # accepts only a listed voice and speed 1.0. Read with getattr: absent means False.
+    validates_speech_options: bool
 
     def voices(self) -> list[str]: ...
 

@@ -2,8 +2,9 @@
 
 The JSON body follows OpenAI (``model``, ``input``, ``voice``, ``response_format``,
 ``speed``, ``stream_format``) plus M* extras: ``stream`` (send the audio as it is
-produced, chunked) and the sampling knobs ``temperature``, ``top_p``,
-``repetition_penalty``, ``seed``, ``max_tokens`` (they go into ``model_kwargs``).
+produced, chunked), the sampling knobs ``temperature``, ``top_p``,
+``repetition_penalty``, ``seed``, ``max_tokens``, and ``phonemes`` / ``lang_code`` for a
+model with a G2P front end (they go into ``model_kwargs``).
 What the model cannot do (a speed other than 1.0, ``instructions``, SSE streaming) is
 refused with a 400 naming the field, never silently ignored.
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
 Chunks = AsyncGenerator[bytes, None]
-_MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens")
+_MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code")
 
 
 class SpeechRequest(BaseModel):
@@ -73,6 +74,8 @@ class SpeechRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = None
     max_tokens: int | None = Field(None, ge=1)
+    phonemes: str | None = None  # speak these phonemes, no G2P (models with a phoneme alphabet: Kokoro)
+    lang_code: str | None = None  # the G2P language (Kokoro's one-letter codes)
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -94,7 +97,10 @@ def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
     """Refuse what the JSON schema lets through but this server cannot honour."""
     if not req.input.strip():
         raise _bad("input", "must contain text, not only whitespace")
-    if req.speed != 1.0:
+    # A model that validates its own speech options (voice blends, a speaking rate) says so;
+    # for the others the route refuses what they cannot do.
+    own_options = getattr(backend, "validates_speech_options", False)
+    if req.speed != 1.0 and not own_options:
         raise _bad("speed", f"{req.speed:g} is not supported by this model; only 1.0 is")
     if req.instructions:
         raise _bad("instructions", "voice instructions are not supported by this model")
@@ -102,7 +108,7 @@ def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
         if req.stream_format == "sse":
             raise _bad("stream_format", "'sse' is not supported; use 'audio' (raw bytes)")
         raise _bad("stream_format", f"{req.stream_format!r} is not supported; use 'audio'")
-    if req.voice is not None:
+    if req.voice is not None and not own_options:
         voices = list(backend.voices())
         if req.voice not in voices:
             known = f"use one of {', '.join(voices)}" if voices else "this model has no voices"

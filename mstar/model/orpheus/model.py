@@ -8,10 +8,9 @@ enough context and emits their samples at once.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from mstar.contract import GenerateSpec, OutputEvent, RequestError, SpeechSpec
+from mstar.contract import GenerateSpec, RequestError, SpeechSpec
 from mstar.engine.base import StatelessEngine
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.graph import (
@@ -31,33 +30,16 @@ from mstar.model.orpheus import engine as talk
 from mstar.model.orpheus.checkpoint import OrpheusCheckpoint, dummy_snac
 from mstar.model.orpheus.knobs import OrpheusGenerateKnobs, OrpheusKnobs, SpeechKnobs
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.speech_output import PcmStream, pcm_to_array
+
+__all__ = ["Orpheus", "PcmStream", "pcm_to_array"]  # pcm_to_array: re-exported for tests
 
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 SAMPLE_RATE = 24000
 MAX_INPUT_CHARS = 4096
 WINDOW = 28  # codes the codec decodes at once: 4 frames
 DEFAULTS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1}
-
-
-class PcmStream(OutputStream):
-    """Emitted audio chunks -> events carrying float32 PCM bytes."""
-
-    def __init__(self):
-        self.samples = 0
-
-    @property
-    def generated(self) -> int:
-        return self.samples
-
-    @property
-    def media_seconds(self) -> float:
-        return self.samples / SAMPLE_RATE
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        pcm = value.detach().float().reshape(-1).numpy().astype("<f4")
-        self.samples += pcm.size
-        return OutputEvent(modality="audio", data=pcm.tobytes()) if pcm.size else None
 
 
 @register
@@ -134,7 +116,7 @@ class Orpheus(ModelSpec):
                               audio_only=audio_only)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> PcmStream:
-        return PcmStream()
+        return PcmStream(SAMPLE_RATE)
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
@@ -154,7 +136,3 @@ class Orpheus(ModelSpec):
             engines["snac_decoder"] = StatelessEngine(talk.snac_fn(decoder, graphs))
         return engines
 
-
-def pcm_to_array(events: list[OutputEvent]) -> np.ndarray:
-    """The float32 samples of a request's audio events, joined."""
-    return np.concatenate([np.frombuffer(e.data, "<f4") for e in events if e.data] or [np.zeros(0, "<f4")])

@@ -1,0 +1,60 @@
+"""Kokoro's deployment knobs and a speech request's options."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from mstar.model.knobs import Knobs, RequestKnobs
+
+__all__ = ["KokoroGenerateKnobs", "KokoroKnobs", "KokoroSpeechKnobs"]
+
+LangCode = Literal["a", "b"]
+
+
+class KokoroKnobs(Knobs):
+    lang_code: LangCode | None = None
+    """Fix the G2P language for every request (``a`` American, ``b`` British English); unset,
+    a request's ``lang_code`` or its voice's first letter decides."""
+
+    espeak_fallback: bool = False
+    """Let misaki spell out-of-dictionary English words with espeak-ng (when installed)."""
+
+    chunk_target_phonemes: int = Field(400, ge=16, le=510)
+    """Phonemes a chunk is packed up to (whole sentences; one synthesis and one audio chunk each)."""
+
+    first_chunk_target_phonemes: int = Field(100, ge=16, le=510)
+    """The first chunk's target: short, so that the first audio comes after one short synthesis."""
+
+    dummy_config: dict[str, Any] = Field(default_factory=dict)
+    """Under ``load_format: dummy``: ``config.json`` keys over Kokoro-82M's (a smaller model for
+    tests); ignored with real weights, whose ``config.json`` decides."""
+
+    @field_validator("dummy_config")
+    @classmethod
+    def _is_a_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from mstar.model.kokoro.checkpoint import dummy_config
+
+        dummy_config(value)  # ValueError naming the key
+        return value
+
+
+class KokoroSpeechKnobs(RequestKnobs):
+    """A Kokoro speech request's ``model_kwargs``."""
+
+    phonemes: str | None = Field(None, min_length=1, max_length=8192)
+    """Speak these phonemes (Kokoro's alphabet) instead of the text's G2P."""
+
+    lang_code: LangCode | None = None
+    """The G2P language of the text (``a`` American, ``b`` British English)."""
+
+    seed: int | None = Field(None, ge=0)
+    """Seed of the harmonic source's noise (default: a fixed seed per request, 0)."""
+
+
+class KokoroGenerateKnobs(KokoroSpeechKnobs):
+    """``/generate``'s ``model_kwargs`` for Kokoro: a speech request's, plus ``voice`` and ``speed``."""
+
+    voice: str | None = None
+    speed: float = Field(1.0, ge=0.25, le=4.0)
