@@ -17,6 +17,12 @@ noise); otherwise the draws come from ``generator`` (or torch's global generator
 ``None``) in the reference's order and layout (initial phases ``rand(B, H + 1)``, then the noise
 filled into a ``[B, H + 1, L]`` buffer viewed as ``[B, L, H + 1]``), so the same seed gives the reference's values.
 
+The causal variant (CosyVoice3's streaming HiFT) differs in two places: the phase goes back
+up to the sample rate by repeating each frame's value (``causal=True``; linear interpolation
+would read half a frame ahead), and the noise comes from a caller-given ``noise_table``
+indexed by sample position, so a prefix of the signal gets the same noise however long the
+call is.
+
 Note: the initial phases are added at sample 0 only, and the linear downsampling never reads
 sample 0 (frame ``j`` interpolates samples ``scale * j + scale / 2 - 1`` and the next), so in the
 reference as here they do not reach the output; they are still drawn, to keep the sequence.
@@ -43,8 +49,10 @@ class SineGen(nn.Module):
         sine_amp: float = 0.1,
         noise_std: float = 0.003,
         voiced_threshold: float = 0.0,
+        causal: bool = False,
     ) -> None:
         super().__init__()
+        self.causal = causal
         self.sampling_rate = sampling_rate
         self.upsample_scale = upsample_scale
         self.harmonic_num = harmonic_num
@@ -53,24 +61,35 @@ class SineGen(nn.Module):
         self.voiced_threshold = voiced_threshold
 
     def forward(
-        self, f0: torch.Tensor, *, noise: bool = True, generator: torch.Generator | None = None
+        self,
+        f0: torch.Tensor,
+        *,
+        noise: bool = True,
+        generator: torch.Generator | None = None,
+        noise_table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``noise_table`` (``[1 or B, >= L, harmonic_num + 1]``) replaces the random draws: its
+        first ``L`` samples are the noise, and no initial phases are drawn (they would not
+        reach the output, see the module note)."""
         batch, _, _ = f0.shape
         harmonics = torch.arange(1, self.harmonic_num + 2, device=f0.device, dtype=f0.dtype)
         increments = (f0 * harmonics / self.sampling_rate) % 1  # [B, L, H+1], cycles per sample
-        if noise:
+        if noise and noise_table is None:
             start = torch.rand(batch, self.harmonic_num + 1, generator=generator, device=f0.device, dtype=f0.dtype)
             start[:, 0] = 0  # the fundamental starts at phase 0
             increments = torch.cat([increments[:, :1] + start[:, None], increments[:, 1:]], dim=1)
         scale = self.upsample_scale
         per_frame = F.interpolate(increments.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
         phase = torch.cumsum(per_frame, dim=1) * 2 * torch.pi
-        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=scale, mode="linear").transpose(1, 2)
+        up_mode = "nearest" if self.causal else "linear"
+        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=scale, mode=up_mode).transpose(1, 2)
         sines = torch.sin(phase) * self.sine_amp
         voiced = (f0 > self.voiced_threshold).to(sines.dtype)
         if not noise:
             return sines * voiced, voiced
         amplitude = voiced * self.noise_std + (1 - voiced) * (self.sine_amp / 3)
+        if noise_table is not None:
+            return sines * voiced + amplitude * noise_table[:, : sines.shape[1]].to(sines), voiced
         # The reference's randn_like fills its sines' (transposed, harmonic-major) layout, and
         # torch draws a strided tensor element by element (a contiguous one in vectorised
         # blocks, a different sequence): fill the same layout.
@@ -92,13 +111,21 @@ class HarmonicSource(nn.Module):
         sine_amp: float = 0.1,
         noise_std: float = 0.003,
         voiced_threshold: float = 0.0,
+        causal: bool = False,
     ) -> None:
         super().__init__()
-        self.l_sin_gen = SineGen(sampling_rate, upsample_scale, harmonic_num, sine_amp, noise_std, voiced_threshold)
+        self.l_sin_gen = SineGen(
+            sampling_rate, upsample_scale, harmonic_num, sine_amp, noise_std, voiced_threshold, causal
+        )
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
 
     def forward(
-        self, f0: torch.Tensor, *, noise: bool = True, generator: torch.Generator | None = None
+        self,
+        f0: torch.Tensor,
+        *,
+        noise: bool = True,
+        generator: torch.Generator | None = None,
+        noise_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        sines, _ = self.l_sin_gen(f0, noise=noise, generator=generator)
+        sines, _ = self.l_sin_gen(f0, noise=noise, generator=generator, noise_table=noise_table)
         return torch.tanh(self.l_linear(sines))
