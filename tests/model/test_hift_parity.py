@@ -46,6 +46,9 @@ COSYVOICE2_GEOMETRY = TINY | dict(
     source_resblock_kernel_sizes=[7, 7, 11],
     source_resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5], [1, 3, 5]],
 )
+# The reference picks the per-sample sine source (CosyVoice1's, and Chatterbox S3Gen's at
+# 24 kHz) when the rate is 22050 Hz; ours takes it as per_sample_source.
+PER_SAMPLE = TINY | dict(sampling_rate=22050)
 COND = 16  # the F0 predictor's width
 
 
@@ -64,6 +67,7 @@ def our_config(shape: dict) -> HiFTConfig:
         source_resblock_kernel_sizes=tuple(shape["source_resblock_kernel_sizes"]),
         source_resblock_dilation_sizes=tuple(map(tuple, shape["source_resblock_dilation_sizes"])),
         f0_cond_channels=COND,
+        per_sample_source=shape["sampling_rate"] == 22050,
     )
 
 
@@ -131,6 +135,20 @@ def test_source_module_seeded():
     assert peak_err(got, want) <= 1e-6
 
 
+def test_per_sample_source_seeded():
+    """The source Chatterbox's S3Gen uses at 24 kHz (CosyVoice1's at 22.05 kHz)."""
+    ref = perturbed(generator_ref.SourceModuleHnNSF(24000, upsample_scale=24, harmonic_num=8, voiced_threshod=10))
+    ours = HarmonicSource(24000, 24, harmonic_num=8, voiced_threshold=10, per_sample=True).eval()
+    load_weights(ours, ref.state_dict().items())
+    f0 = random_f0(2, 10).repeat_interleave(24, dim=1).unsqueeze(-1)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        want, _, _ = ref(f0)
+        got = ours(f0, generator=torch.Generator().manual_seed(7))
+        assert not torch.equal(got, ours(f0, generator=torch.Generator().manual_seed(8)))  # the draws matter
+    assert peak_err(got, want) <= 1e-6
+
+
 def test_snake_resblock():
     ref = perturbed(generator_ref.ResBlock(12, 5, [1, 3, 5]))
     ours = SnakeResBlock(12, 5, (1, 3, 5)).eval()
@@ -141,8 +159,8 @@ def test_snake_resblock():
 
 
 @pytest.mark.parametrize(("shape", "batch", "frames"),
-                         [(TINY, 1, 14), (TINY, 2, 14), (COSYVOICE2_GEOMETRY, 1, 6)],
-                         ids=["tiny", "tiny-b2", "cosyvoice2"])
+                         [(TINY, 1, 14), (TINY, 2, 14), (COSYVOICE2_GEOMETRY, 1, 6), (PER_SAMPLE, 2, 14)],
+                         ids=["tiny", "tiny-b2", "cosyvoice2", "per-sample-source"])
 def test_generator_waveform(shape: dict, batch: int, frames: int):
     """The whole path: mel -> F0 -> seeded source -> waveform, against ``inference``."""
     ref, ours = build(shape)
@@ -206,6 +224,6 @@ def test_weights_from_the_released_key_layout():
         load_weights(HiFTGenerator(our_config(TINY)), extra.items())
 
 
-def test_config_refuses_cosyvoice1_source():
-    with pytest.raises(ValueError, match="22050"):
-        HiFTConfig(sampling_rate=22050)
+def test_config_refuses_a_causal_per_sample_source():
+    with pytest.raises(ValueError, match="per_sample_source"):
+        HiFTConfig(causal=True, per_sample_source=True)

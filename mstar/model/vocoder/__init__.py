@@ -9,10 +9,10 @@ Parameter names follow the reference checkpoints (``m_source.l_linear``, ``ups.<
 folded into plain ``weight`` tensors at load time (``fold_weight_norm``).
 """
 
-from mstar.model.vocoder.hift import F0Predictor, HiFTConfig, HiFTGenerator, SnakeResBlock, hift_state
+from mstar.model.vocoder.hift import F0Predictor, HiFTConfig, HiFTGenerator, PaddedConv1d, SnakeResBlock, hift_state
 from mstar.model.vocoder.istft import ISTFT
 from mstar.model.vocoder.istftnet import AdaIN1d, AdaINResBlock1, ISTFTNetConfig, ISTFTNetGenerator
-from mstar.model.vocoder.nsf import HarmonicSource, SineGen
+from mstar.model.vocoder.nsf import HarmonicSource, SampleSineGen, SineGen
 from mstar.model.vocoder.weight_norm import fold_weight_norm
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "HarmonicSource",
     "ISTFTNetConfig",
     "ISTFTNetGenerator",
+    "PaddedConv1d",
+    "SampleSineGen",
     "SineGen",
     "SnakeResBlock",
     "fold_weight_norm",

@@ -37,8 +37,10 @@ frame before the iSTFT would need frames not yet seen; each call's output is a p
 whole-utterance decode (``tests/model/test_hift_causal.py``). As in the reference, the
 causal F0 predictor runs in float64.
 
-CosyVoice1's 22.05 kHz HiFT draws its sines differently (phase summed per sample, uniform
-initial phases); that source is not implemented, and the config refuses 22050 Hz.
+Which sine source: CosyVoice2/3 sum the phase on the frame grid (``SineGen``, the default);
+Chatterbox's S3Gen (at 24 kHz) and CosyVoice1 (22.05 kHz) sum it per sample
+(``per_sample_source=True``, ``SampleSineGen``). The reference code picks by sampling rate
+(22050 -> per sample) in CosyVoice and always per sample in Chatterbox; here it is explicit.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class HiFTConfig:
     """Causal only: mel frames ``conv_pre`` reads ahead (CosyVoice3: 4)."""
     noise_seed: int = 0
     """Causal only: the seed of the position-indexed source noise table."""
+    per_sample_source: bool = False
+    """Sum the source's phase per sample (Chatterbox's S3Gen, CosyVoice1), not per frame."""
 
     def __post_init__(self) -> None:
         stages = len(self.upsample_rates)
@@ -101,8 +105,8 @@ class HiFTConfig:
             raise ValueError("resblock_kernel_sizes and resblock_dilation_sizes must have the same length")
         if not len(self.source_resblock_kernel_sizes) == len(self.source_resblock_dilation_sizes) == stages:
             raise ValueError("source_resblock_kernel_sizes/dilation_sizes need one entry per upsampling stage")
-        if self.sampling_rate == 22050:
-            raise ValueError("sampling_rate 22050 selects CosyVoice1's per-sample sine source, not implemented")
+        if self.causal and self.per_sample_source:
+            raise ValueError("the causal HiFT sums its source's phase per frame: per_sample_source must be False")
 
     @property
     def samples_per_frame(self) -> int:
@@ -227,6 +231,7 @@ class HiFTGenerator(nn.Module):
             c.nsf_sigma,
             c.nsf_voiced_threshold,
             causal=c.causal,
+            per_sample=c.per_sample_source,
         )
         self.stft = ISTFT(c.n_fft, c.hop_length)
         source_channels = c.n_fft + 2
