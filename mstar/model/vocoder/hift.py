@@ -25,7 +25,8 @@ Snake, conv, residual, per dilation; Snake is ``x + sin(a x)^2 / (a + 1e-9)`` wi
 per-channel ``a`` (``activations1.<j>.alpha``, shape ``[C]``).
 
 The causal variant (``causal=True``, CosyVoice3's ``CausalHiFTGenerator``) keeps every
-parameter name and shape but looks only backwards, except for a bounded look-ahead: the F0
+parameter name (not every shape: ``conv_pre``'s and the F0 predictor's first kernels differ,
+and ``ups[i]`` are plain convs) and looks only backwards, except for a bounded look-ahead: the F0
 predictor's first conv (kernel 4) reads 3 frames ahead, ``conv_pre`` (kernel
 ``conv_pre_look_right + 1``) reads ``conv_pre_look_right`` ahead; every other conv pads on the
 left only; ``ups[i]`` repeat each frame ``rate`` times and then convolve (no transposed conv);
