@@ -3,8 +3,8 @@
 The generator predicts a log-magnitude and a phase per frequency bin of an ``n_fft``-point
 STFT with hop ``hop_length`` (Hann window of ``n_fft`` samples, centred frames), and the
 waveform is their inverse STFT; the harmonic source enters the generator as its own
-magnitude and phase on the same grid. The window is a non-persistent buffer: checkpoints do
-not carry it.
+magnitude and phase on the same grid (Kokoro), or as its real and imaginary parts (HiFT,
+``analyse_complex``). The window is a non-persistent buffer: checkpoints do not carry it.
 """
 
 from __future__ import annotations
@@ -34,8 +34,21 @@ class ISTFT(nn.Module):
         )
         return spec.abs(), spec.angle()
 
-    def synthesise(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-        """Magnitude and phase ``[B, bins, frames]`` -> waveform ``[B, 1, L]``."""
+    def analyse_complex(self, signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, L]`` -> real and imaginary parts ``[B, bins, frames]`` (HiFT's source features)."""
+        spec = torch.stft(
+            signal, self.n_fft, self.hop_length, self.n_fft, window=self.window.to(signal.dtype),
+            return_complex=True,
+        )
+        return spec.real, spec.imag
+
+    def synthesise(
+        self, magnitude: torch.Tensor, phase: torch.Tensor, *, max_magnitude: float | None = None
+    ) -> torch.Tensor:
+        """Magnitude and phase ``[B, bins, frames]`` -> waveform ``[B, 1, L]``; HiFT caps the
+        magnitude at ``max_magnitude`` (its ``exp`` can overflow on untrained or odd input)."""
+        if max_magnitude is not None:
+            magnitude = magnitude.clamp(max=max_magnitude)
         spec = magnitude * torch.exp(phase * 1j)
         wave = torch.istft(spec, self.n_fft, self.hop_length, self.n_fft, window=self.window.to(magnitude.dtype))
         return wave.unsqueeze(1)
