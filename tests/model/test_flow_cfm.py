@@ -1,0 +1,140 @@
+"""The CFM mel decoder (``mstar.model.flow``) against CosyVoice2's own modules.
+
+The reference outputs are recorded in ``fixtures/flow_cfm.pt`` by ``flow_cfm_fixtures.py``
+(``cosyvoice-minicpmo==0.1.0``'s ``ConditionalDecoder`` / ``CausalConditionalDecoder`` and
+``ConditionalCFM.solve_euler``, which need ``conformer``, absent in CI). Tiny random configs,
+float32 on the CPU: a plain two-level U-Net and the causal one-level shape CosyVoice2 ships.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar.engine.base import EngineItem
+from mstar.engine.denoise import DenoiseEngine
+from mstar.model.flow import (
+    CosineFlowSchedule,
+    EstimatorConfig,
+    FlowEstimator,
+    chunk_attention_mask,
+    estimator_name_map,
+    solve_euler,
+    velocity_fn,
+)
+from mstar.model.weights import WeightLoadError, load_weights
+
+FIXTURES = torch.load(Path(__file__).parent / "fixtures" / "flow_cfm.pt")
+VELOCITY_TOL = 1e-5  # relative to the reference's peak
+MEL_TOL = 1e-4
+
+
+def estimator(case: dict) -> FlowEstimator:
+    cfg = case["config"]
+    config = EstimatorConfig(
+        mel_channels=80, cond_channels=240, channels=tuple(cfg["channels"]), num_heads=cfg["num_heads"],
+        head_dim=cfg["attention_head_dim"], blocks_per_level=cfg["n_blocks"], mid_levels=cfg["num_mid_blocks"],
+        causal=cfg["causal"], static_chunk_size=cfg.get("static_chunk_size", 50),
+        left_chunks=cfg.get("num_decoding_left_chunks", -1))
+    module = FlowEstimator(config).eval()
+    load_weights(module, case["state"].items(), name_map=estimator_name_map)  # strict: coverage both ways
+    return module
+
+
+def cond_stack(inputs: dict, rows=slice(None)) -> torch.Tensor:
+    return FlowEstimator.conditioning(inputs["mu"][rows], inputs["spks"][rows], inputs["cond"][rows])
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    err = (ours - ref).abs().max().item() / ref.abs().max().item()
+    assert err < tol, f"max error {err:.2e} of the reference's peak (tolerance {tol:.0e})"
+
+
+@pytest.mark.parametrize("name", ["plain", "causal"])
+def test_estimator_matches_reference(name):
+    case = FIXTURES[name]
+    inputs = case["inputs"]
+    module = estimator(case)
+    with torch.no_grad():
+        ours = module(inputs["x"], inputs["mask"], cond_stack(inputs), inputs["t"])
+        assert_close(ours, case["velocity"], VELOCITY_TOL)
+        if case["velocity_streamed"] is not None:
+            streamed = module(inputs["x"], inputs["mask"], cond_stack(inputs), inputs["t"], streaming=True)
+            assert_close(streamed, case["velocity_streamed"], VELOCITY_TOL)
+            assert not torch.allclose(streamed, ours)  # the chunked mask did something
+
+
+@pytest.mark.parametrize("name", ["plain", "causal"])
+def test_guided_euler_solve_matches_reference(name):
+    case = FIXTURES[name]
+    inputs = case["inputs"]
+    module = estimator(case)
+    with torch.no_grad():
+        mel = solve_euler(module, inputs["noise"], inputs["mask"][:1], cond_stack(inputs, slice(0, 1)),
+                          num_steps=case["steps"], cfg_rate=case["cfg_rate"])
+        assert_close(mel, case["mel"], MEL_TOL)
+        if case["mel_streamed"] is not None:
+            mel = solve_euler(module, inputs["noise"], inputs["mask"][:1], cond_stack(inputs, slice(0, 1)),
+                              num_steps=case["steps"], cfg_rate=case["cfg_rate"], streaming=True)
+            assert_close(mel, case["mel_streamed"], MEL_TOL)
+
+
+def test_denoise_engine_runs_the_same_solve():
+    """The mel decode as the image models' denoise loop: noisy mel as latents, the
+    conditioning stack as text, zeros as negative_text, guidance scale 1 + cfg_rate."""
+    case = FIXTURES["causal"]
+    inputs = case["inputs"]
+    module = estimator(case)
+    engine = DenoiseEngine(velocity_fn(module), CosineFlowSchedule(), torch.device("cpu"), torch.float32)
+    text = cond_stack(inputs, slice(0, 1))[0].T
+    latents = inputs["noise"][0].T
+    params = {"num_steps": case["steps"], "image_seq_len": 0, "guidance_scale": 1 + case["cfg_rate"]}
+    for i in range(case["steps"]):
+        item = EngineItem("r", "step", i, {"latents": latents, "text": text, "negative_text": torch.zeros_like(text)},
+                          params)
+        latents = engine.run([item])[0].outputs["latents"]
+    assert_close(latents.T[None], case["mel"], MEL_TOL)
+
+
+def test_streaming_prefix_is_the_whole_decode_prefix():
+    """Causal, one level, chunked attention: frames of whole chunks decoded alone equal the
+    same frames of a longer decode (CosyVoice3 decodes the mel received so far each time)."""
+    case = FIXTURES["causal"]
+    inputs = case["inputs"]
+    module = estimator(case)
+    chunk = module.config.static_chunk_size
+    full_mask = torch.ones(1, 1, inputs["noise"].shape[-1])
+    stack = cond_stack(inputs, slice(0, 1))
+    with torch.no_grad():
+        whole = solve_euler(module, inputs["noise"], full_mask, stack, num_steps=3, streaming=True)
+        for frames in (chunk, 2 * chunk):
+            part = solve_euler(module, inputs["noise"][..., :frames], full_mask[..., :frames], stack[..., :frames],
+                               num_steps=3, streaming=True)
+            assert torch.allclose(part, whole[..., :frames], atol=1e-5, rtol=0), frames
+
+
+def test_chunk_mask():
+    mask = torch.ones(1, 1, 5)
+    allowed = chunk_attention_mask(mask, chunk=2)[0].int().tolist()
+    assert allowed == [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    left = chunk_attention_mask(mask, chunk=2, left_chunks=0)[0].int().tolist()
+    assert left[3] == [0, 0, 1, 1, 0]
+    padded = chunk_attention_mask(torch.tensor([[[1.0, 1.0, 0.0]]]))[0].int().tolist()
+    assert padded == [[1, 1, 0]] * 3
+
+
+def test_loading_reports_missing_and_extra_names():
+    case = FIXTURES["causal"]
+    module = estimator(case)
+    state = dict(case["state"])
+    dropped = state.pop("decoder.estimator.final_proj.weight")
+    with pytest.raises(WeightLoadError, match="final_proj"):
+        load_weights(module, state.items(), name_map=estimator_name_map)
+    state["decoder.estimator.final_proj.weight"] = dropped
+    state["decoder.estimator.surplus.weight"] = dropped
+    with pytest.raises(WeightLoadError, match="surplus"):
+        load_weights(module, state.items(), name_map=estimator_name_map)
+    # the rest of the flow module is not the estimator's
+    assert estimator_name_map("encoder_proj.weight") is None
