@@ -4,14 +4,19 @@ random configs, for ``test_flow_cfm.py`` (a script, not collected by pytest).
 The reference is ``cosyvoice-minicpmo==0.1.0`` (``cosyvoice.flow.decoder`` and
 ``.flow_matching``, with the ``matcha`` modules it bundles). Beside torch they need
 ``einops``, ``diffusers`` and ``conformer`` (``ConformerBlock`` is imported though the decoder
-never uses it), which CI lacks; ``matcha.utils`` pulls hydra and lightning only for a logger,
-so this script registers a stand-in for that logger module before importing. Run with::
+never uses it), which CI lacks; ``matcha.utils`` pulls hydra and lightning only for a logger
+and ``cosyvoice.flow.flow`` imports omegaconf only for a default argument, so this script
+registers stand-ins for those two before importing. Run with::
 
     pip install --no-deps --target /tmp/fvenv conformer==0.3.2
     PYTHONPATH=/tmp/fvenv:. python tests/model/flow_cfm_fixtures.py
 
 Each case stores the reference's state dict under the released ``decoder.estimator.``
 prefix, its inputs, the estimator's output and the whole guided Euler solve from fixed noise.
+``flow`` runs the flow module's inference (``CausalMaskedDiffWithXvec``) around the causal
+estimator, with a stand-in for its conformer encoder (a linear map, each token repeated for
+two frames) whose weights are stored too; ``noise_head`` is the start of the causal sampler's
+fixed noise table.
 """
 
 from __future__ import annotations
@@ -45,12 +50,51 @@ def reference_modules():
     utils.__path__ = []
     sys.modules.setdefault("matcha.utils", utils)
     sys.modules.setdefault("matcha.utils.pylogger", pylogger)
-    from cosyvoice.flow import decoder, flow_matching
-    return decoder, flow_matching
+    omegaconf = types.ModuleType("omegaconf")
+    omegaconf.DictConfig = lambda d: types.SimpleNamespace(**d)
+    sys.modules.setdefault("omegaconf", omegaconf)
+    from cosyvoice.flow import decoder, flow, flow_matching
+    return decoder, flow, flow_matching
+
+
+class StandInEncoder(torch.nn.Module):
+    """In place of the upsampling conformer: a linear map of each token, repeated for two frames."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(width_in, width_out)
+        self.width_out = width_out
+
+    def output_size(self) -> int:
+        return self.width_out
+
+    def forward(self, tokens, lengths, context=None, streaming=False):
+        return self.proj(tokens).repeat_interleave(2, dim=1), 2 * lengths
+
+
+def record_flow(flow, flow_matching, estimator) -> dict:
+    torch.manual_seed(1)
+    params = types.SimpleNamespace(sigma_min=1e-6, solver="euler", t_scheduler="cosine",
+                                   training_cfg_rate=0.2, inference_cfg_rate=CFG_RATE)
+    cfm = flow_matching.CausalConditionalCFM(MEL, params, spk_emb_dim=MEL, estimator=estimator).eval()
+    module = flow.CausalMaskedDiffWithXvec(input_size=16, output_size=MEL, spk_embed_dim=12, vocab_size=50,
+                                           encoder=StandInEncoder(16, 20), decoder=cfm).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt_token, token = torch.randint(0, 50, (1, 5)), torch.randint(0, 50, (1, 7))
+    prompt_feat, embedding = torch.randn(1, 10, MEL), torch.randn(1, 12)
+    args = (token, torch.tensor([7]), prompt_token, torch.tensor([5]), prompt_feat, torch.tensor([10]), embedding)
+    with torch.no_grad():
+        mel, _ = module.inference(*args, streaming=False, finalize=True)
+        mel_streamed, _ = module.inference(*args, streaming=True, finalize=True)
+    return dict(state={k: v.clone() for k, v in module.state_dict().items()},
+                inputs=dict(prompt_token=prompt_token, token=token, prompt_feat=prompt_feat, embedding=embedding),
+                mel=mel, mel_streamed=mel_streamed, noise_head=cfm.rand_noise[:, :, :32].clone())
 
 
 def record() -> dict:
-    decoder, flow_matching = reference_modules()
+    decoder, flow, flow_matching = reference_modules()
     out = {}
     for name, case in CASES.items():
         torch.manual_seed(0)
@@ -83,6 +127,7 @@ def record() -> dict:
             velocity=velocity, velocity_streamed=streamed, mel=mel, mel_streamed=mel_streamed,
             steps=STEPS, cfg_rate=CFG_RATE,
         )
+    out["flow"] = record_flow(flow, flow_matching, est)  # the causal estimator
     return out
 
 

@@ -19,8 +19,12 @@ from mstar.model.flow import (
     CosineFlowSchedule,
     EstimatorConfig,
     FlowEstimator,
+    FlowFront,
+    FlowFrontConfig,
     chunk_attention_mask,
     estimator_name_map,
+    flow_front_name_map,
+    noise_table,
     solve_euler,
     velocity_fn,
 )
@@ -31,7 +35,7 @@ VELOCITY_TOL = 1e-5  # relative to the reference's peak
 MEL_TOL = 1e-4
 
 
-def estimator(case: dict) -> FlowEstimator:
+def estimator(case: dict, state: dict | None = None) -> FlowEstimator:
     cfg = case["config"]
     config = EstimatorConfig(
         mel_channels=80, cond_channels=240, channels=tuple(cfg["channels"]), num_heads=cfg["num_heads"],
@@ -39,7 +43,7 @@ def estimator(case: dict) -> FlowEstimator:
         causal=cfg["causal"], static_chunk_size=cfg.get("static_chunk_size", 50),
         left_chunks=cfg.get("num_decoding_left_chunks", -1))
     module = FlowEstimator(config).eval()
-    load_weights(module, case["state"].items(), name_map=estimator_name_map)  # strict: coverage both ways
+    load_weights(module, (state or case["state"]).items(), name_map=estimator_name_map)  # strict: both ways
     return module
 
 
@@ -138,3 +142,30 @@ def test_loading_reports_missing_and_extra_names():
         load_weights(module, state.items(), name_map=estimator_name_map)
     # the rest of the flow module is not the estimator's
     assert estimator_name_map("encoder_proj.weight") is None
+
+
+def test_noise_table_is_the_reference_table():
+    assert torch.equal(noise_table()[:, :, :32], FIXTURES["flow"]["noise_head"])
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_flow_inference_matches_reference(streaming):
+    """The flow module's inference around the estimator: token embedding, speaker and encoder
+    projections, the prompt mel as ``cond``, the fixed noise table, ten guided steps, the
+    prompt's frames cut off. The conformer encoder is a stand-in on both sides."""
+    case = FIXTURES["flow"]
+    state, inputs = case["state"], case["inputs"]
+    front = FlowFront(FlowFrontConfig(vocab_size=50, token_dim=16, encoder_dim=20, speaker_dim=12)).eval()
+    load_weights(front, state.items(), name_map=flow_front_name_map)  # strict: coverage both ways
+    module = estimator(FIXTURES["causal"], state)
+    encoder = torch.nn.Linear(16, 20)
+    encoder.load_state_dict({"weight": state["encoder.proj.weight"], "bias": state["encoder.proj.bias"]})
+    tokens = torch.cat([inputs["prompt_token"], inputs["token"]], dim=1)
+    with torch.no_grad():
+        encoded = encoder(front.embed_tokens(tokens, torch.tensor([tokens.shape[1]]))).repeat_interleave(2, dim=1)
+        stack = front.conditioning(encoded, inputs["embedding"], inputs["prompt_feat"])
+        frames = stack.shape[-1]
+        mel = solve_euler(module, noise_table()[:, :, :frames], torch.ones(1, 1, frames), stack, num_steps=10,
+                          cfg_rate=0.7, streaming=streaming)
+    reference = case["mel_streamed" if streaming else "mel"]
+    assert_close(FlowFront.new_frames(mel, inputs["prompt_feat"]), reference, MEL_TOL)

@@ -18,8 +18,10 @@ decode can then run as the image models' denoise ``Loop`` with the noisy mel as 
 loop-carried latents (``[T, mel]``), the conditioning stack as ``text`` (``[T, 3 * mel]``)
 and zeros as ``negative_text``. ``solve_euler`` is the same arithmetic as a plain loop.
 
-The initial noise is an argument: CosyVoice2 draws it per call from the global generator,
-CosyVoice3 slices a fixed table drawn once (seed 0) so streamed prefixes agree.
+The initial noise is an argument. CosyVoice1's sampler draws it per call; the causal
+samplers of CosyVoice2/3 and S3Gen slice the first ``T`` frames of one fixed table
+(``noise_table``), so a decode of the mel received so far starts from the prefix of the
+noise a longer decode starts from.
 """
 
 from __future__ import annotations
@@ -35,7 +37,16 @@ from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.diffusion.guidance import guide
 from mstar.model.flow.estimator import FlowEstimator
 
-__all__ = ["CosineFlowSchedule", "flow_times", "guided_velocity", "solve_euler", "velocity_fn"]
+__all__ = ["CosineFlowSchedule", "flow_times", "guided_velocity", "noise_table", "solve_euler", "velocity_fn"]
+
+
+def noise_table(mel_channels: int = 80, frames: int = 50 * 300, seed: int = 0) -> torch.Tensor:
+    """The causal samplers' fixed starting noise ``[1, mel, frames]`` (300 s at 50 frames/s):
+    standard normal from a CPU generator seeded with ``seed``, the values CosyVoice draws
+    from the global generator right after seeding it with 0. A decode of ``T`` frames starts
+    from ``table[:, :, :T] * temperature``."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(1, mel_channels, frames, generator=generator)
 
 
 def flow_times(num_steps: int, schedule: Literal["cosine", "linear"] = "cosine") -> torch.Tensor:
