@@ -142,6 +142,9 @@ def test_loading_reports_missing_and_extra_names():
         load_weights(module, state.items(), name_map=estimator_name_map)
     # the rest of the flow module is not the estimator's
     assert estimator_name_map("encoder_proj.weight") is None
+    assert estimator_name_map("flow.decoder.estimator.final_proj.bias", "flow.decoder.estimator.") == "final_proj.bias"
+    assert flow_front_name_map("flow.spk_embed_affine_layer.bias", "flow.") == "speaker_proj.bias"
+    assert flow_front_name_map("flow.decoder.estimator.final_proj.bias", "flow.") is None
 
 
 def test_noise_table_is_the_reference_table():

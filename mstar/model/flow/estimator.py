@@ -269,7 +269,8 @@ _RENAMES = [
 
 def estimator_name_map(name: str, prefix: str = "decoder.estimator.") -> str | None:
     """A released flow checkpoint's name as ``FlowEstimator`` calls it, or None for names
-    outside ``prefix`` (the rest of the flow module)."""
+    outside ``prefix`` (the rest of the flow module). The prefix is ``"decoder.estimator."``
+    in CosyVoice2's ``flow.pt`` and ``"flow.decoder.estimator."`` in Chatterbox's S3Gen."""
     if not name.startswith(prefix):
         return None
     name = name[len(prefix):]

@@ -76,7 +76,8 @@ _FRONT_NAMES = {
 }
 
 
-def flow_front_name_map(name: str) -> str | None:
+def flow_front_name_map(name: str, prefix: str = "") -> str | None:
     """A released flow checkpoint's name as ``FlowFront`` calls it, or None for the encoder's
-    and the decoder's names."""
-    return _FRONT_NAMES.get(name)
+    and the decoder's names. ``prefix``: where the flow module sits in the file (``""`` in
+    CosyVoice2's ``flow.pt``, ``"flow."`` in Chatterbox's ``s3gen`` weights)."""
+    return _FRONT_NAMES.get(name[len(prefix):]) if name.startswith(prefix) else None
