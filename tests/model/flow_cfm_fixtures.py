@@ -16,11 +16,14 @@ prefix, its inputs, the estimator's output and the whole guided Euler solve from
 ``flow`` runs the flow module's inference (``CausalMaskedDiffWithXvec``) around the causal
 estimator, with a stand-in for its conformer encoder (a linear map, each token repeated for
 two frames) whose weights are stored too; ``noise_head`` is the start of the causal sampler's
-fixed noise table.
+fixed noise table. ``flow_cfm_keys.json`` lists the names and shapes of the estimator's
+parameters at CosyVoice2-0.5B's released geometry (``cosyvoice2.yaml``), as ``flow.pt``
+stores them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import types
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 
 OUT = Path(__file__).parent / "fixtures" / "flow_cfm.pt"
+KEYS = Path(__file__).parent / "fixtures" / "flow_cfm_keys.json"
 MEL = 80  # the reference's solver hard-codes 80 mel channels
 CASES = {
     # two U-Net levels (a stride-2 down/up pair), GroupNorm blocks
@@ -131,6 +135,17 @@ def record() -> dict:
     return out
 
 
+def released_keys() -> dict:
+    decoder, _, _ = reference_modules()
+    with torch.device("meta"):
+        est = decoder.CausalConditionalDecoder(in_channels=320, out_channels=80, channels=[256], dropout=0.0,
+                                               attention_head_dim=64, n_blocks=4, num_mid_blocks=12, num_heads=8,
+                                               act_fn="gelu", static_chunk_size=50, num_decoding_left_chunks=-1)
+    return {f"decoder.estimator.{k}": list(v.shape) for k, v in est.state_dict().items()}
+
+
 if __name__ == "__main__":
     torch.save(record(), OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
+    KEYS.write_text(json.dumps(released_keys(), indent=0) + "\n")
+    print(f"wrote {KEYS} ({KEYS.stat().st_size} bytes)")

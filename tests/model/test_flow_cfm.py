@@ -8,6 +8,7 @@ float32 on the CPU: a plain two-level U-Net and the causal one-level shape CosyV
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,13 @@ def test_flow_inference_matches_reference(streaming):
                           cfg_rate=0.7, streaming=streaming)
     reference = case["mel_streamed" if streaming else "mel"]
     assert_close(FlowFront.new_frames(mel, inputs["prompt_feat"]), reference, MEL_TOL)
+
+
+def test_released_geometry_names_and_shapes():
+    """Every estimator parameter of CosyVoice2-0.5B's ``flow.pt`` (names and shapes recorded
+    from the reference at the released config) maps onto ``FlowEstimator()``, and back."""
+    released = json.loads((Path(__file__).parent / "fixtures" / "flow_cfm_keys.json").read_text())
+    with torch.device("meta"):
+        ours = {name: list(t.shape) for name, t in FlowEstimator().state_dict().items()}
+    mapped = {estimator_name_map(name): shape for name, shape in released.items()}
+    assert mapped == ours
