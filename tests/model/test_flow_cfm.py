@@ -103,6 +103,30 @@ def test_denoise_engine_runs_the_same_solve():
     assert_close(latents.T[None], case["mel"], MEL_TOL)
 
 
+def test_denoise_engine_batches_rows_of_one_length():
+    """Two requests of one length, one streaming and one not, share the engine's steps; each
+    ends where its own solve does."""
+    case = FIXTURES["causal"]
+    inputs = case["inputs"]
+    module = estimator(case)
+    engine = DenoiseEngine(velocity_fn(module), CosineFlowSchedule(), torch.device("cpu"), torch.float32)
+    stacks = [cond_stack(inputs, slice(row, row + 1)) for row in (0, 1)]
+    noises = [inputs["noise"], inputs["x"][1:]]
+    latents = [noise[0].T for noise in noises]
+    for i in range(3):
+        items = [EngineItem(f"r{row}", "step", i, {"latents": latents[row], "text": stacks[row][0].T,
+                                                  "negative_text": torch.zeros_like(stacks[row][0].T)},
+                            {"num_steps": 3, "image_seq_len": 0, "guidance_scale": 1.7, "streaming": row == 1})
+                 for row in (0, 1)]
+        latents = [out.outputs["latents"] for out in engine.run(items)]
+    assert list(engine.forward_rows) == [4, 4, 4]  # both requests' guided pairs in every forward
+    full = torch.ones(1, 1, latents[0].shape[0])
+    with torch.no_grad():
+        for row in (0, 1):
+            solo = solve_euler(module, noises[row], full, stacks[row], num_steps=3, streaming=row == 1)
+            assert_close(latents[row].T[None], solo, MEL_TOL)
+
+
 def test_streaming_prefix_is_the_whole_decode_prefix():
     """Causal, one level, chunked attention: frames of whole chunks decoded alone equal the
     same frames of a longer decode (CosyVoice3 decodes the mel received so far each time)."""

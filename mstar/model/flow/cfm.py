@@ -103,13 +103,18 @@ def velocity_fn(estimator: FlowEstimator) -> Callable[[torch.Tensor, torch.Tenso
                                                        torch.Tensor]:
     """The estimator as the denoise engine's ``velocity``: latents ``[B, T, mel]`` (frames as
     tokens), the conditioning stack as ``text`` ``[B, T, 3 * mel]``, times ``[B]``. Rows of
-    one forward share a length, so every frame is valid; a request param ``streaming`` (the
-    same for every row of a batch) picks chunked attention."""
+    one forward share a length, so every frame is valid. A request param ``streaming`` picks
+    chunked attention; the engine batches by shape alone, so rows that differ in it run as
+    separate estimator calls."""
 
     def velocity(latents: torch.Tensor, text: torch.Tensor, t: torch.Tensor, params: list[dict]) -> torch.Tensor:
-        streaming = bool(params[0].get("streaming", False)) if params else False
-        x = latents.transpose(1, 2)
-        mask = x.new_ones(x.shape[0], 1, x.shape[-1])
-        return estimator(x, mask, text.transpose(1, 2), t, streaming=streaming).transpose(1, 2)
+        flags = [bool(p.get("streaming", False)) for p in params] or [False] * latents.shape[0]
+        out = torch.empty_like(latents)
+        for streaming in set(flags):
+            rows = torch.tensor([i for i, f in enumerate(flags) if f == streaming], device=latents.device)
+            x = latents[rows].transpose(1, 2)
+            mask = x.new_ones(x.shape[0], 1, x.shape[-1])
+            out[rows] = estimator(x, mask, text[rows].transpose(1, 2), t[rows], streaming=streaming).transpose(1, 2)
+        return out
 
     return velocity
