@@ -28,11 +28,7 @@ from test_hift_causal import CAUSAL  # noqa: E402
 
 from mstar.model.vocoder import HiFTGenerator, hift_state  # noqa: E402
 from mstar.model.weights import load_weights  # noqa: E402
-
-
-def peak_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+from tests.support.vocoder import peak_err  # noqa: E402
 
 
 def reference(c=CAUSAL) -> torch.nn.Module:

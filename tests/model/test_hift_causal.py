@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator
+from tests.support.vocoder import peak_err, perturbed
 
 CAUSAL = HiFTConfig(
     in_channels=12,
@@ -33,21 +34,14 @@ HELD_BACK = 3 + CAUSAL.conv_pre_look_right + 1  # frames a non-final call does n
 def causal_generator(config: HiFTConfig = CAUSAL, seed: int = 0) -> HiFTGenerator:
     """Perturbed random weights, F0 around 100 Hz, and the predicted log-magnitude shrunk and lowered so
     the waveform stays clear of the +-0.99 clamp (which would hide differences)."""
-    gen = HiFTGenerator(config).eval()
-    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the initial weights too: not whatever an earlier test left the global RNG at
+    gen = perturbed(HiFTGenerator(config), seed)
     with torch.no_grad():
-        for p in gen.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
         gen.f0_predictor.classifier.weight.mul_(60.0)
         gen.f0_predictor.classifier.bias.fill_(100.0)
         gen.conv_post.weight[: gen.stft.bins] *= 0.2
         gen.conv_post.bias[: gen.stft.bins] -= 3.0
     return gen
-
-
-def peak_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 def unclamped(wave: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from mstar.model.vocoder import F0Predictor, HarmonicSource, HiFTConfig, HiFTGenerator, SnakeResBlock, hift_state
 from mstar.model.weights import WeightLoadError, load_weights
+from tests.support.vocoder import peak_err, perturbed, random_f0
 
 generator_ref = pytest.importorskip(
     "cosyvoice.hifigan.generator", reason="the reference: pip install --no-deps cosyvoice-minicpmo==0.1.0"
@@ -69,30 +70,6 @@ def our_config(shape: dict) -> HiFTConfig:
         f0_cond_channels=COND,
         per_sample_source=shape["sampling_rate"] == 22050,
     )
-
-
-def perturbed(module: torch.nn.Module, seed: int = 0, scale: float = 0.1) -> torch.nn.Module:
-    """``module`` in eval mode with every parameter moved off its initial value (weight-norm
-    magnitudes, Snake alphas and biases included), so no term is trivially 1 or 0."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return module.eval()
-
-
-def peak_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-def random_f0(batch: int, frames: int, seed: int = 3) -> torch.Tensor:
-    """F0 per frame in Hz, with unvoiced (0 Hz and below-threshold) stretches."""
-    g = torch.Generator().manual_seed(seed)
-    f0 = 80 + 220 * torch.rand(batch, frames, generator=g)
-    f0[:, : frames // 5] = 0.0
-    f0[:, -2:] = 5.0  # below the 10 Hz voicing threshold
-    return f0
 
 
 def reference_generator(shape: dict, seed: int = 0) -> torch.nn.Module:

@@ -14,16 +14,12 @@ import torch
 from mstar.model.kokoro import KokoroConfig, KokoroModel
 from mstar.model.kokoro.checkpoint import load_kokoro_state
 from tests.support.kokoro import TINY_CONFIG, reference_model, released_state
+from tests.support.vocoder import peak_err
 
 pytest.importorskip("kokoro", reason="the reference: pip install kokoro==0.9.4")
 
 AUDIO_TOL = 1e-4
 FEATURE_TOL = 1e-5
-
-
-def peak_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 @pytest.fixture(scope="module")

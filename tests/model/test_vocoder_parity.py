@@ -21,6 +21,7 @@ from mstar.model.vocoder import (
     fold_weight_norm,
 )
 from mstar.model.weights import WeightLoadError, load_weights
+from tests.support.vocoder import peak_err, perturbed, random_f0
 
 istftnet = pytest.importorskip("kokoro.istftnet", reason="the reference: pip install kokoro==0.9.4")
 
@@ -58,30 +59,6 @@ def tiny_config(shape: dict = TINY) -> ISTFTNetConfig:
         gen_istft_n_fft=shape["gen_istft_n_fft"],
         gen_istft_hop_size=shape["gen_istft_hop_size"],
     )
-
-
-def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """``module`` in eval mode with every parameter moved off its initial value (norm affines,
-    Snake alphas and biases included), so no term of the maths is trivially 1 or 0."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return module.eval()
-
-
-def peak_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-def random_f0(batch: int, frames: int, seed: int = 3) -> torch.Tensor:
-    """F0 per frame in Hz, with unvoiced (0 Hz and below-threshold) stretches."""
-    g = torch.Generator().manual_seed(seed)
-    f0 = 80 + 220 * torch.rand(batch, frames, generator=g)
-    f0[:, : frames // 5] = 0.0
-    f0[:, -2:] = 5.0  # below Kokoro's 10 Hz voicing threshold
-    return f0
 
 
 def test_harmonic_source_seeded():
