@@ -24,6 +24,7 @@ every state as it was: the worker's item-by-item retry decodes from intact state
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -231,9 +232,7 @@ class TransducerDecoder(Engine):
         clips = [self.frames[item.request_id] for item in items]
         graphed = self.graphs is not None and len(items) <= self.graphs.max_batch_size
         if graphed:  # frames one after the other, as the graphs' frame buffer holds them
-            starts = [0]
-            for clip in clips[:-1]:
-                starts.append(starts[-1] + clip.shape[0])
+            starts = list(accumulate((clip.shape[0] for clip in clips[:-1]), initial=0))
             frames = torch.cat(clips)
             offsets = torch.tensor(starts, dtype=torch.int64).to(self.output.device, non_blocking=True)
         else:
