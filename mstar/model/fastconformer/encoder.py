@@ -80,32 +80,44 @@ class RelPositionAttention(nn.Module):
         self.bias_v = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))  # position bias
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, T, C]``, ``positions`` ``[2T - 1, C]`` (relative ``T - 1`` down to
-        ``-(T - 1)``), ``allowed`` a bool mask broadcastable to ``[B, H, T, T]``."""
+        """``x`` ``[B, T, C]``, ``positions`` ``[P, C]`` (``P >= 2T - 1``: relative ``T - 1``
+        down to ``-(T - 1)``, then rows never read), ``allowed`` a bool mask broadcastable to
+        ``[B, H, T, T]``."""
         batch, length, _ = x.shape
         heads, dim = self.num_heads, self.head_dim
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, length, heads, dim).transpose(1, 2)
-
-        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-        r = self.relative_k_proj(positions).view(-1, heads, dim).permute(1, 2, 0)  # [H, D, 2T-1]
-        # [B, H, T, 2T-1]: column p is offset T-1-p (scaled on the [T, D] side: one pass
-        # fewer over the [T, T] scores)
-        by_offset = ((q + self.bias_v[:, None, :]) * dim ** -0.5) @ r
-        steps = torch.arange(length, device=x.device)
-        column = (length - 1) - steps[:, None] + steps[None, :]  # query i, key j: offset i - j
-        position = by_offset.gather(-1, column.expand(batch, heads, length, length))
-        # the position term and the mask as one additive bias of SDPA's content scores; a finite
-        # minimum, not -inf, so that a query with no key allowed (padding) gives no NaN
-        bias = position.masked_fill(~allowed, torch.finfo(position.dtype).min)
-        out = F.scaled_dot_product_attention(q + self.bias_u[:, None, :], k, v, attn_mask=bias)
+        q = self.q_proj(x).view(batch, length, heads, dim)
+        k = self.k_proj(x).view(batch, length, heads, dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, heads, dim).transpose(1, 2)
+        bias = self._position_scores(q, positions).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        # the position term and the mask are SDPA's additive bias (a finite minimum, not -inf,
+        # so that a query with no key allowed (padding) gives no NaN)
+        out = F.scaled_dot_product_attention((q + self.bias_u).transpose(1, 2), k, v, attn_mask=bias)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim))
+
+    def _position_scores(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The position term ``[B, H, T, T]`` of queries ``q`` ``[B, T, H, D]``, as a strided
+        view (no copy) of one batched matmul: every query row against every relative offset
+        (``[H, B * T, P]``, scaled on the ``[T, D]`` side), then the Transformer-XL shift:
+        query ``i``, key ``j`` reads offset ``i - j``, which is column ``T - 1 - i + j`` of row
+        ``i``, so the view steps ``P - 1`` elements a row and starts at column ``T - 1``."""
+        batch, length, heads, dim = q.shape
+        width = positions.shape[0]
+        r = self.relative_k_proj(positions).view(width, heads, dim).permute(1, 2, 0)  # [H, D, P]
+        scaled = ((q + self.bias_v) * dim ** -0.5).permute(2, 0, 1, 3).reshape(heads, batch * length, dim)
+        by_offset = torch.bmm(scaled, r)  # [H, B * T, P]
+        return by_offset.as_strided((batch, heads, length, length),
+                                    (length * width, batch * length * width, width - 1, 1), length - 1)
 
 
 class ConvModule(nn.Module):
     """Pointwise conv + GLU, depthwise conv (padded frames zeroed first), norm, activation,
-    pointwise conv."""
+    pointwise conv.
+
+    It runs on ``[B, T, C]`` throughout: the pointwise convolutions are linears over the
+    checkpoint's ``[out, in, 1]`` weights, and the depthwise one a 2-D convolution over a
+    channels-last view of the same memory (height 1), so no ``[B, C, T]`` copy is made. Its
+    padding is symmetric (``kernel - 1`` each side in the causal layout, whose first ``T``
+    outputs are then the left-padded ones)."""
 
     def __init__(self, config: FastConformerConfig) -> None:
         super().__init__()
@@ -118,16 +130,23 @@ class ConvModule(nn.Module):
         self.pointwise_conv2 = nn.Conv1d(channels, channels, 1, bias=bias)
         self.act = activation(config.hidden_act)
 
+    def _depthwise(self, y: torch.Tensor) -> torch.Tensor:
+        """The depthwise convolution of ``y`` ``[B, T, C]`` along ``T``; ``[B, T, C]`` out."""
+        batch, length, channels = y.shape
+        conv = self.depthwise_conv
+        image = y.transpose(1, 2).unsqueeze(2)  # [B, C, 1, T], channels-last in memory
+        pad = self.kernel - 1 if self.causal else (self.kernel - 1) // 2
+        out = F.conv2d(image, conv.weight.unsqueeze(2), conv.bias, padding=(0, pad), groups=channels)
+        return out.squeeze(2)[:, :, :length].transpose(1, 2)
+
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        y = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)
-        y = y.masked_fill(~valid[:, None, :], 0.0)
-        pad = (self.kernel - 1, 0) if self.causal else ((self.kernel - 1) // 2, (self.kernel - 1) // 2)
-        y = self.depthwise_conv(F.pad(y, pad))
+        y = F.glu(F.linear(x, self.pointwise_conv1.weight.squeeze(-1), self.pointwise_conv1.bias), dim=-1)
+        y = self._depthwise(y * valid[:, :, None].to(y.dtype))
         if isinstance(self.norm, nn.LayerNorm):
-            y = self.norm(y.transpose(1, 2)).transpose(1, 2)
-        else:
             y = self.norm(y)
-        return self.pointwise_conv2(self.act(y)).transpose(1, 2)
+        else:  # BatchNorm1d normalises dim 1: the channels of a [B, C, T] view
+            y = self.norm(y.transpose(1, 2)).transpose(1, 2)
+        return F.linear(self.act(y), self.pointwise_conv2.weight.squeeze(-1), self.pointwise_conv2.bias)
 
 
 class ConformerBlock(nn.Module):
@@ -271,6 +290,8 @@ class FastConformerEncoder(nn.Module):
         x = x * self.input_scale
         frames = x.shape[1]
         positions = relative_positions(frames, self.config.hidden_size, x.device, x.dtype)
+        # rows to a multiple of 8: the position matmul's output rows stay 16-byte aligned
+        positions = F.pad(positions, (0, 0, 0, -positions.shape[0] % 8))
         valid = lengths_mask(lengths, frames)
         if self.config.causal:
             allowed = attention_mask(valid, self.config.left_context,
