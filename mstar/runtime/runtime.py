@@ -9,10 +9,12 @@ runs torch models: the workers do.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from mstar.runtime.protocol import (
     tensor_key,
     unpack_values,
 )
+from mstar.runtime.worker import RELEASED_REMEMBERED
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class _Tracked:
     stream: OutputStream
     sink: Sink
     prompt_tokens: int
+    client_id: str = ""  # the id the caller gave (the runtime's may carry a suffix)
     received: int = 0
     expected: int | None = None  # known once the conductor says it finished
     finished: Finished | None = None
@@ -73,6 +77,13 @@ class Runtime:
         self.workers = workers
         self.transport = frontend_transport
         self.tracked: dict[str, _Tracked] = {}
+        # The ids callers use -> the runtime's own. A worker drops inputs of ids it has released
+        # (late arrivals), so an id used again gets a fresh runtime id while the workers may
+        # still remember it; ``_ended`` holds as many ended caller ids as they remember.
+        self._ids: dict[str, str] = {}
+        self._ended_ids: OrderedDict[str, None] = OrderedDict()
+        self._ids_lock = threading.Lock()
+        self._incarnations = itertools.count(2)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.healthy = True
         self.failure: str | None = None
@@ -89,11 +100,16 @@ class Runtime:
                timeout_s: float | None = None) -> None:
         if not self.healthy:
             raise RequestError("model", f"the server is unhealthy: {self.failure}", 503)
-        self.admission.enter()  # raises Overloaded when the wait queue is full
+        client_id, request_id = request_id, self._runtime_id(request_id)
+        try:
+            self.admission.enter()  # raises Overloaded when the wait queue is full
+        except BaseException:
+            self._forget_id(client_id, ended=False)
+            raise
         try:
             deadline = time.monotonic() + timeout_s if timeout_s else None
             spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline, request.peak)
-            self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens)
+            self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens, client_id)
             routes: Routes = self.conductor.routes[request.walk]
             later = []
             for var, value in request.inputs.items():
@@ -104,6 +120,7 @@ class Runtime:
                     self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
         except BaseException:
             self.tracked.pop(request_id, None)
+            self._forget_id(client_id, ended=False)
             self.admission.withdraw()
             raise
         self.commands.put(("submit", spec))
@@ -129,8 +146,33 @@ class Runtime:
                 log.warning("could not send input %r of %s to rank %d", var, request_id, rank)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        with self._ids_lock:
+            request_id = self._ids.get(request_id, request_id)
         self.commands.put(("cancel", (request_id, reason)))
         self.workers.wake()
+
+    def _runtime_id(self, client_id: str) -> str:
+        """The runtime's id for a request the caller calls ``client_id``: the same, unless the
+        caller used it before and the workers may still drop inputs under it. An id in use
+        is refused (409 naming ``request_id``)."""
+        with self._ids_lock:
+            if client_id in self._ids:
+                raise RequestError("request_id", f"request id {client_id!r} is already in use", 409)
+            own = client_id
+            while own in self._ended_ids or own in self.tracked:
+                own = f"{client_id}#{next(self._incarnations)}"
+            self._ids[client_id] = own
+            return own
+
+    def _forget_id(self, client_id: str, *, ended: bool = True) -> None:
+        with self._ids_lock:
+            own = self._ids.pop(client_id, None)
+            if ended and own is not None:
+                for key in {client_id, own}:
+                    self._ended_ids[key] = None
+                    self._ended_ids.move_to_end(key)
+                while len(self._ended_ids) > RELEASED_REMEMBERED:
+                    self._ended_ids.popitem(last=False)
 
     def gauges(self) -> dict[str, float]:
         """Live values for /metrics: requests waiting and running, and every rank's engine
@@ -398,6 +440,7 @@ class Runtime:
             tracked.sink(final)
             tracked.sink(None)
         self.tracked.pop(request_id, None)
+        self._forget_id(tracked.client_id)
 
 
 

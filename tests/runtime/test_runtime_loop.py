@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from mstar.contract import RequestError
 from mstar.model.spec import WalkRequest
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.placement import single_rank
@@ -114,6 +115,32 @@ def test_requests_arriving_during_a_step_join_the_next_plan(loop):
     second = workers.next_plan()
     assert sorted((i.request_id, i.op) for i in second.items) == [("a", "decode"), ("b", "prefill"),
                                                                    ("c", "prefill")]
+
+
+def test_an_id_in_use_is_refused_and_an_ended_one_runs_under_a_fresh_id(loop):
+    runtime, workers = loop
+    submit(runtime, "a")
+    first = workers.next_plan()
+    with pytest.raises(RequestError) as err:
+        submit(runtime, "a")  # still running: refused, and "a" is left alone
+    assert err.value.field == "request_id" and err.value.status == 409
+    assert list(runtime.tracked) == ["a"]
+    runtime.cancel("a")
+    workers.finish(first)
+    deadline = time.monotonic() + TIMEOUT
+    while runtime.tracked:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    # The workers may still drop late inputs of the ended "a": the new "a" gets an id of its own
+    submit(runtime, "a")
+    again = workers.next_plan()
+    [item] = again.items
+    assert item.op == "prefill" and item.request_id != "a" and item.request_id.startswith("a#")
+    runtime.cancel("a")  # the caller's id reaches the runtime's
+    workers.finish(again)
+    while runtime.tracked:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
 
 
 def test_a_submission_ends_the_wait_for_worker_events(loop):
