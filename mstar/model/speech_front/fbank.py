@@ -27,10 +27,8 @@ PREEMPHASIS = 0.97
 LOW_HZ = 20.0
 
 
-def _kaldi_mel(hz: torch.Tensor | float) -> torch.Tensor | float:
-    if isinstance(hz, torch.Tensor):
-        return 1127.0 * torch.log1p(hz / 700.0)
-    return 1127.0 * math.log1p(hz / 700.0)
+def _kaldi_mel(hz: float) -> float:
+    return 1127.0 * math.log(1.0 + hz / 700.0)
 
 
 @lru_cache(maxsize=8)
@@ -38,17 +36,21 @@ def kaldi_mel_banks(num_bins: int, padded_length: int = PADDED_LENGTH, sample_ra
                     low_hz: float = LOW_HZ) -> torch.Tensor:
     """Triangular filters ``[num_bins, padded_length // 2 + 1]`` (float32, CPU, cached: do not
     modify in place), each rising from its left edge to its centre and falling to its right
-    edge in mel; the last (Nyquist) column is zero as in Kaldi."""
-    high_mel = _kaldi_mel(sample_rate / 2)
+    edge in mel; the last (Nyquist) column is zero as in Kaldi.
+
+    Computed in float32 as torchaudio does: the low bins are narrow and pre-emphasis leaves
+    little energy there, so float64 filters move their log energies by up to 2e-4.
+    """
     low_mel = _kaldi_mel(low_hz)
-    step = (high_mel - low_mel) / (num_bins + 1)
-    edges = low_mel + step * torch.arange(num_bins + 2, dtype=torch.float64)
-    left, center, right = edges[:-2, None], edges[1:-1, None], edges[2:, None]
-    bin_mel = _kaldi_mel(sample_rate / padded_length * torch.arange(padded_length // 2, dtype=torch.float64))[None]
+    step = (_kaldi_mel(sample_rate / 2) - low_mel) / (num_bins + 1)
+    index = torch.arange(num_bins, dtype=torch.float32)[:, None]
+    left, center, right = low_mel + index * step, low_mel + (index + 1.0) * step, low_mel + (index + 2.0) * step
+    bin_hz = torch.arange(padded_length // 2, dtype=torch.float32) * (sample_rate / padded_length)
+    bin_mel = 1127.0 * (1.0 + bin_hz / 700.0).log()
     rising = (bin_mel - left) / (center - left)
     falling = (right - bin_mel) / (right - center)
     banks = torch.minimum(rising, falling).clamp(min=0.0)
-    return F.pad(banks, (0, 1)).to(torch.float32)
+    return F.pad(banks, (0, 1))
 
 
 @lru_cache(maxsize=8)
