@@ -12,7 +12,8 @@ import ``torchaudio`` (and ``onnx``, ``librosa``) at module level. Run in a sepa
     /tmp/s3ref/bin/python tests/speech_front/record_reference.py
 
 Chatterbox's ``__init__`` files import its whole TTS stack, so bare package objects stand in
-for ``chatterbox`` and ``chatterbox.models.s3gen`` and only ``models.s3gen.xvector`` and ``models.voice_encoder`` are loaded.
+for ``chatterbox`` and ``chatterbox.models.s3gen``, and only ``models.s3gen.xvector`` and
+``models.voice_encoder`` are loaded.
 Weights are drawn by ``tests/support/speech_front.seeded_state``; the fixtures keep the key
 names and shapes (tiny and released geometry) and the outputs. ``clips.pt`` holds the test
 clips as int16 PCM, made here from a fixed seed.
@@ -138,9 +139,9 @@ def record_voice_encoder(waves: list[torch.Tensor], voice_encoder: types.ModuleT
         speaker_embed_size = 8
 
     numpy_waves = [w.numpy() for w in waves]
-    out: dict = {"versions": versions(), "tiny": dict(hidden_size=16, embed_size=8)}
+    out: dict = {"versions": versions(), "tiny_config": dict(hidden_size=16, embed_size=8)}
     out["mel"] = [torch.from_numpy(melspectrogram(w, ve_config.VoiceEncConfig())) for w in numpy_waves]
-    out["trim"] = [list(librosa.effects.trim(w, top_db=20)[1]) for w in numpy_waves]
+    out["trim"] = [[int(i) for i in librosa.effects.trim(w, top_db=20)[1]] for w in numpy_waves]
     for name, hp, seed in (("tiny", Tiny(), 3), ("full", ve_config.VoiceEncConfig(), 4)):
         model = voice_encoder.VoiceEncoder(hp).eval()
         keys = shapes(model)
