@@ -110,6 +110,13 @@ def record_s3(waves: list[torch.Tensor]) -> None:
     tokens, token_len = model.quantize(batch, lengths)
     out["long"] = dict(seconds=57.0, tokens=tokens, token_len=token_len)
     torch.save(out, FIXTURES / "s3_tokenizer.pt")
+    # the released geometry (v2: 1280 wide, 20 heads, 6 blocks), random weights, one clip
+    model = S3TokenizerV2("speech_tokenizer_v2_25hz", ModelConfig()).eval()
+    model.load_state_dict(seeded_state(out["v2"]["released_keys"], seed=5))
+    batch, lengths = s3tokenizer.padding(mels[1:2])
+    hidden, _ = model.encoder(batch, lengths)
+    tokens, _ = model.quantize(batch, lengths)
+    torch.save(dict(versions=versions(), hidden=hidden, tokens=tokens), FIXTURES / "s3_tokenizer_full.pt")
 
 
 @torch.no_grad()
@@ -123,9 +130,13 @@ def record_campplus(waves: list[torch.Tensor], xvector: types.ModuleType) -> Non
     keys = shapes(model)
     model.load_state_dict(seeded_state(keys, seed=2), strict=True)
     embeddings = [model.inference([w]) for w in waves]
-    released = shapes(xvector.CAMPPlus(memory_efficient=False), prefix="speaker_encoder.")
+    full = xvector.CAMPPlus(memory_efficient=False).eval()
+    full.load_state_dict(seeded_state(shapes(full), seed=6))
+    full_embeddings = [full.inference([w]) for w in waves]
+    released = shapes(full, prefix="speaker_encoder.")
     torch.save(dict(versions=versions(), fbank=fbanks, fbank_quiet=quiet, tiny=tiny, keys=keys,
-                    embeddings=embeddings, released_keys=released), FIXTURES / "campplus.pt")
+                    embeddings=embeddings, full_embeddings=full_embeddings, released_keys=released),
+               FIXTURES / "campplus.pt")
 
 
 @torch.no_grad()

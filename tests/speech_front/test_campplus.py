@@ -4,8 +4,8 @@
 The reference outputs are in ``fixtures/campplus.pt``, recorded by ``record_reference.py``
 with ``chatterbox-tts==0.1.7`` on ``torch==2.9.1`` / ``torchaudio==2.9.1`` (torchaudio does
 not install beside our torch). A tiny random CAM++ (growth rate 4, bottleneck 8, 16 initial
-channels, 16-d embedding; the released block depths 12/24/16), float32 on the CPU, each clip
-embedded on its own as ``CAMPPlus.inference([clip])`` does.
+channels, 16-d embedding; the released block depths 12/24/16) and one of the released size,
+float32 on the CPU, each clip embedded on its own as ``CAMPPlus.inference([clip])`` does.
 """
 
 from __future__ import annotations
@@ -48,6 +48,18 @@ def test_embeddings_match():
     load_weights(model, seeded_state(REF["keys"], seed=2).items())  # strict: coverage both ways
     ours = model(clips())
     for row, ref in enumerate(REF["embeddings"]):
+        err = max_rel_error(ours[row], ref[0])
+        assert err < EMBED_TOL, f"clip {row}: embedding max error {err:.2e}"
+
+
+def test_released_size_embeddings_match():
+    """The released widths (random weights): the 512-channel dense blocks, 192-d output."""
+    with torch.device("meta"):
+        shapes = {k: list(v.shape) for k, v in CampPlus().state_dict().items()}
+    model = CampPlus().eval()
+    load_weights(model, seeded_state(shapes, seed=6).items())
+    ours = model(clips())
+    for row, ref in enumerate(REF["full_embeddings"]):
         err = max_rel_error(ours[row], ref[0])
         assert err < EMBED_TOL, f"clip {row}: embedding max error {err:.2e}"
 

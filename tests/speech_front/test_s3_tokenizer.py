@@ -94,6 +94,21 @@ def test_loads_chatterbox_layout_and_names_mismatches(tmp_path):
         load_weights(model, state.items(), name_map=s3_tokenizer_name_map("tokenizer."))
 
 
+@pytest.mark.slow
+def test_released_size_matches():
+    """v2 at the released size (1280 wide, 20 heads, 6 blocks) with random weights, one clip:
+    the 64-channel rotary heads and the masks at full width. With these weights every frame
+    quantises to the same code, so the hidden states carry this check."""
+    ref = torch.load(FIXTURES / "s3_tokenizer_full.pt")
+    model = S3Tokenizer().eval()
+    load_weights(model, seeded_state(REF["v2"]["released_keys"], seed=5).items())
+    mel, lengths = model.features(clips()[1:2])
+    hidden, _ = model.encode(mel, lengths)
+    err = max_rel_error(hidden, ref["hidden"])
+    assert err < HIDDEN_TOL, f"pre-quantiser max error {err:.2e}"
+    assert torch.equal(model.quantizer(hidden), ref["tokens"].long())
+
+
 @pytest.mark.parametrize("name,config", [("v2", S3TokenizerConfig()), ("v3", S3TokenizerConfig.v3())])
 def test_released_geometry_has_the_released_keys(name, config):
     """Our parameters at the released size are exactly the package's state dict, shapes too."""
