@@ -116,3 +116,8 @@ def test_released_geometry_has_the_released_keys(name, config):
         model = S3Tokenizer(config)
     ours = {k: list(v.shape) for k, v in model.state_dict().items()}
     assert ours == REF[name]["released_keys"]
+
+
+def test_too_short_clip_is_refused_by_name():
+    with pytest.raises(ValueError, match="too short to tokenize"):
+        tiny("v2")([torch.zeros(100)])

@@ -91,3 +91,8 @@ def test_loads_ve_safetensors_and_names_mismatches(tmp_path):
     state["lstm.weight_hh_l3"] = state.pop("lstm.weight_hh_l2")
     with pytest.raises(WeightLoadError, match=r"lstm\.weight_hh_l2.*lstm\.weight_hh_l3"):
         load_weights(model, state.items(), name_map=voice_encoder_name_map())
+
+
+def test_silent_clip_is_kept_whole():
+    """librosa's rule: the loudest hop is 0 dB, so silence is never all cut."""
+    assert trim_silence(torch.zeros(5000), 20.0).shape == (5000,)

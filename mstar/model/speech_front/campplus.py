@@ -235,11 +235,16 @@ class CampPlus(nn.Module):
         self.xvector = _xvector(self.head.out_channels, self.config)
 
     def features(self, clip: torch.Tensor) -> torch.Tensor:
-        """Mean-normalised Kaldi fbank ``[T, feat_dim]`` of one clip."""
+        """Mean-normalised Kaldi fbank ``[T, feat_dim]`` of one clip (at least 3 frames, 45 ms:
+        the pooled standard deviation needs two frames after the strided TDNN)."""
         fbank = kaldi_fbank(torch.as_tensor(clip), self.config.feat_dim)
+        if fbank.shape[0] < 3:
+            raise ValueError(f"a clip of {clip.shape[-1]} samples is too short for a speaker x-vector (45 ms)")
         return fbank - fbank.mean(dim=0, keepdim=True)
 
     def forward_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[B, embedding_size]`` of fbank ``[B, T, feat_dim]`` (in the weights' dtype)."""
+        feats = feats.to(self.head.conv1.weight.dtype)
         return self.xvector(self.head(feats.transpose(1, 2)))
 
     @torch.no_grad()

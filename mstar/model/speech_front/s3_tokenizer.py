@@ -80,6 +80,8 @@ def log_mel(wave: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     floor sits 8 decades under this clip's own peak, so clips are featurised one at a time."""
     if wave.dim() != 1:
         raise ValueError(f"expected one mono clip [num_samples], got {tuple(wave.shape)}")
+    if wave.shape[0] < 2 * HOP:
+        raise ValueError(f"a clip of {wave.shape[0]} samples is too short to tokenize (at least {2 * HOP})")
     wave = wave.to(torch.float32)
     window = torch.hann_window(N_FFT, dtype=torch.float32, device=wave.device)
     stft = torch.stft(wave, N_FFT, HOP, window=window, return_complex=True)
@@ -249,8 +251,8 @@ class S3Tokenizer(nn.Module):
 
     def encode(self, mel: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-quantiser hidden states ``[B, T', d]`` and token counts ``[B]`` of padded log-mel
-        of clips up to 30 s."""
-        return self.encoder(mel, lengths)
+        of clips up to 30 s (computed in the weights' dtype)."""
+        return self.encoder(mel.to(self.encoder.conv1.weight.dtype), lengths)
 
     def tokenize_mel(self, mel: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``[B, max]`` and their counts ``[B]`` of padded log-mel; a clip over 30 s is cut

@@ -66,7 +66,8 @@ class VoiceEncoderConfig:
 def trim_silence(wave: torch.Tensor, top_db: float) -> torch.Tensor:
     """``wave [len]`` without its leading and trailing quiet: librosa's ``effects.trim``
     (RMS of 2048-sample frames centred every 512 samples on a zero-padded clip, kept where
-    within ``top_db`` of the loudest, cut on the hop grid). A silent clip becomes empty."""
+    within ``top_db`` of the loudest, cut on the hop grid). The loudest hop is always kept, so
+    an all-zero clip is kept whole."""
     padded = F.pad(wave, (TRIM_FRAME // 2, TRIM_FRAME // 2))
     frames = padded.unfold(0, TRIM_FRAME, TRIM_HOP)
     power = frames.square().mean(dim=-1)
@@ -120,6 +121,8 @@ class VoiceEncoder(nn.Module):
     def features(self, clip: torch.Tensor) -> torch.Tensor:
         """One clip's mel power ``[frames, n_mels]``, silence trimmed first when configured."""
         wave = torch.as_tensor(clip).to(torch.float32)
+        if wave.dim() != 1 or wave.shape[0] <= N_FFT // 2:
+            raise ValueError(f"expected one mono clip of over {N_FFT // 2} samples, got {tuple(wave.shape)}")
         if self.config.trim_top_db is not None:
             wave = trim_silence(wave, self.config.trim_top_db)
         return mel_power(wave, self.config.n_mels)
@@ -132,8 +135,9 @@ class VoiceEncoder(nn.Module):
         return mel.unfold(0, c.partial_frames, c.frame_step).transpose(1, 2)[:count]
 
     def embed_partials(self, windows: torch.Tensor) -> torch.Tensor:
-        """L2-normalised embeddings ``[N, embed_size]`` of windows ``[N, frames, n_mels]``."""
-        _, (hidden, _) = self.lstm(windows)
+        """L2-normalised embeddings ``[N, embed_size]`` of windows ``[N, frames, n_mels]`` (in the
+        weights' dtype)."""
+        _, (hidden, _) = self.lstm(windows.to(self.proj.weight.dtype))
         raw = F.relu(self.proj(hidden[-1]))
         return raw / torch.linalg.norm(raw, dim=1, keepdim=True)
 
