@@ -250,7 +250,8 @@ class CampPlus(nn.Module):
     @torch.no_grad()
     def forward(self, clips: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         device = self.head.conv1.weight.device
-        return torch.cat([self.forward_features(self.features(clip.to(device))[None]) for clip in clips])
+        feats = [self.features(torch.as_tensor(clip).to(device)) for clip in clips]
+        return torch.cat([self.forward_features(f[None]) for f in feats])
 
 
 def campplus_name_map(prefix: str = "speaker_encoder.") -> Callable[[str], str | None]:

@@ -144,7 +144,7 @@ class VoiceEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, clips: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         device = self.proj.weight.device
-        windows = [self.partials(self.features(clip.to(device))) for clip in clips]
+        windows = [self.partials(self.features(torch.as_tensor(clip).to(device))) for clip in clips]
         embeds = self.embed_partials(torch.cat(windows)).split([len(w) for w in windows])
         means = torch.stack([e.mean(dim=0) for e in embeds])
         return means / torch.linalg.norm(means, dim=1, keepdim=True)
