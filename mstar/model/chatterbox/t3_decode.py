@@ -1,0 +1,127 @@
+"""One T3 request decoded eagerly over the paged KV cache: the reference loop, step by step.
+
+This is the eager path the serving engine is checked against: the prefill of the request's
+rows (a guided pair is two sequences of one batch, ``cond`` and ``uncond``), then one speech
+token per step for every row, the guided logits combined, filtered in the variant's order
+(``sampling.py``) and drawn. It stops at the stop-speech token or after ``max_new_tokens``.
+
+``PagedSequences`` is the small page bookkeeping a single process needs (``PagePool`` for the
+pages, one ``PagedAttentionMetadata`` per step); the engine keeps its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.contract import SamplingParams
+from mstar.engine.page_pool import PagePool
+from mstar.engine.sampler import seen_mask
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
+from mstar.model.chatterbox import sampling
+from mstar.model.chatterbox.conditioning import T3Conditioning
+from mstar.model.chatterbox.t3 import T3, guide
+
+
+class PagedSequences:
+    """Pages and KV caches for a few sequences, and the metadata of each step."""
+
+    def __init__(self, model: T3, num_pages: int = 64, page_size: int = 16,
+                 dtype: torch.dtype = torch.float32) -> None:
+        layers, kv_heads, head_dim = model.cache_shape()
+        device = model.speech_emb.weight.device
+        self.pool = PagePool(num_pages, page_size)
+        self.kv_caches = allocate_kv_cache(layers, num_pages, page_size, kv_heads, head_dim, dtype, device)
+        self.device = device
+
+    def step(self, chunks: list[tuple[str, int]]) -> PagedAttentionMetadata:
+        """The metadata of a step adding ``n`` tokens to each ``(sequence, n)``, in order."""
+        positions, slots, starts, lens = [], [], [0], []
+        for seq, n in chunks:
+            old = self.pool.seq_len(seq) if self.pool.has(seq) else 0
+            self.pool.reserve(seq, old + n)
+            positions.extend(range(old, old + n))
+            slots.extend(self.pool.slots(seq, old, old + n))
+            starts.append(starts[-1] + n)
+            lens.append(old + n)
+        tables = self.pool.tables([seq for seq, _ in chunks])
+        width = max(len(t) for t in tables)
+        table = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return PagedAttentionMetadata(positions=tensor(positions), slot_mapping=tensor(slots),
+                                      query_start_loc=tensor(starts), seq_lens=tensor(lens),
+                                      page_table=tensor(table), page_size=self.pool.page_size,
+                                      host_query_start_loc=tuple(starts), host_seq_lens=tuple(lens))
+
+    def free(self, seqs: list[str]) -> None:
+        for seq in seqs:
+            if self.pool.has(seq):
+                self.pool.free(seq)
+
+
+@dataclass
+class T3Request:
+    """What one T3 decode needs. ``text_ids`` already carry the start / stop text tokens
+    (English and multilingual) or none (Turbo); ``cfg_weight`` 0 runs no unconditional row."""
+
+    cond: T3Conditioning
+    text_ids: torch.Tensor
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    cfg_weight: float = 0.5
+    max_new_tokens: int = 1000
+
+
+@dataclass
+class T3Result:
+    tokens: list[int]  # the drawn speech tokens, the stop token included when it came
+    logits: list[torch.Tensor]  # per step, the speech logits [rows, V] the step's draw read
+
+
+@torch.inference_mode()
+def generate(model: T3, request: T3Request, cache: PagedSequences,
+             generator: torch.Generator | None = None) -> T3Result:
+    """Decode one request over ``cache``, the reference's loop for the variant."""
+    config = model.config
+    guided = config.guided and request.cfg_weight > 0.0
+    seqs = ["cond", "uncond"] if guided else ["cond"]
+    prompt = model.prefill_embeds(model.conditioning(request.cond), request.text_ids, guided)
+    length = prompt.shape[1]
+    hidden = model(prompt.reshape(-1, prompt.shape[-1]), cache.step([(s, length) for s in seqs]), cache.kv_caches)
+    last = hidden.view(len(seqs), length, -1)[:, -1]
+    params, generators = [request.sampling], [generator]
+    tokens: list[int] = []
+    logits_seen: list[torch.Tensor] = []
+    try:
+        for step in range(request.max_new_tokens):
+            logits = model.speech_logits(last)
+            logits_seen.append(logits)
+            combined = guide(logits[0:1], logits[1:2], request.cfg_weight) if guided else logits[0:1]
+            history = _penalty_history(config.guided, config.start_speech_token, tokens)
+            seen = seen_mask([history], combined.shape[-1], combined.device)
+            scores = (sampling.guided_scores if config.guided else sampling.turbo_scores)(combined, params, seen)
+            token = int(sampling.draw(scores, params, generators)[0])
+            tokens.append(token)
+            # Turbo's reference checks for the stop token only from its second draw on
+            if token == config.stop_speech_token and (config.guided or step > 0):
+                break
+            if step == request.max_new_tokens - 1:
+                break
+            speech_pos = torch.full((len(seqs),), step + 1, dtype=torch.long)
+            embeds = model.speech_embeds(torch.full((len(seqs),), token, dtype=torch.long), speech_pos)
+            last = model(embeds, cache.step([(s, 1) for s in seqs]), cache.kv_caches)
+    finally:
+        cache.free(seqs)
+    return T3Result(tokens, logits_seen)
+
+
+def _penalty_history(guided: bool, start_speech: int, tokens: list[int]) -> list[int]:
+    """The ids the repetition penalty reads: the guided loop's history starts with the
+    start-of-speech token; Turbo's first step sees that token alone, later ones only the
+    generated tokens."""
+    if guided:
+        return [start_speech, *tokens]
+    return tokens if tokens else [start_speech]
