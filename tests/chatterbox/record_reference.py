@@ -89,6 +89,11 @@ HP = {
 }
 START_TEXT, STOP_TEXT = 38, 0
 MAX_TEXT, MAX_SPEECH, SPEAKER, PROMPT_LEN, QUERIES, STEPS = 30, 40, 16, 6, 4, 8
+SAMPLE_SEED = 1234
+SAMPLING = {  # tests/chatterbox/test_t3_parity.py samples with the same values
+    "guided": dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    "turbo": dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2),
+}
 
 
 def tiny_hp(spec: dict) -> T3Config:
@@ -163,12 +168,23 @@ def record_variant(variant: str) -> None:
         else:
             tokens = model.inference_turbo(T3Cond(**cond), text, temperature=1e-6, top_k=1000, top_p=1.0,
                                            repetition_penalty=1.2, max_gen_len=STEPS)
+        greedy_logits = list(logits)
+        # A seeded sampled decode: the reference draws with torch.multinomial from the global
+        # generator, seeded here; our loop draws the same way from a generator seeded alike.
+        torch.manual_seed(SAMPLE_SEED)
+        if guided:
+            sampled = model.inference(t3_cond=T3Cond(**cond), text_tokens=text, max_new_tokens=STEPS,
+                                      **SAMPLING["guided"], cfg_weight=cfg_weight)
+        else:
+            sampled = model.inference_turbo(T3Cond(**cond), text, **SAMPLING["turbo"], max_gen_len=STEPS)
     out = dict(
         text=text, cfg_weight=torch.tensor(cfg_weight), cond_embeds=cond_embeds, prefill_embeds=prefill,
-        step_logits=torch.stack(logits), tokens=tokens, **cond,
+        step_logits=torch.stack(greedy_logits), tokens=tokens,
+        sampled_tokens=sampled, **cond,
     )
     torch.save(out, FIXTURES / f"t3_{variant}.pt")
-    print(variant, "prefill", tuple(prefill.shape), "steps", len(logits), "tokens", tokens.tolist())
+    print(variant, "prefill", tuple(prefill.shape), "forwards", len(greedy_logits), "tokens", tokens.tolist(),
+          "sampled", sampled.tolist())
 
 
 SENTENCES_EN = ["Hello world.", "The quick brown fox jumps over the lazy dog!", "A dog, a cat; zebra?"]

@@ -76,3 +76,22 @@ def test_greedy_decode_logits_every_step(case):
     assert max(errors) < 1e-5, errors
     if model.config.guided:
         assert result.logits[0].shape[0] == 2
+
+
+SAMPLING = {  # record_reference.py's SAMPLING, seed 1234
+    "guided": SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    "turbo": SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2),
+}
+
+
+def test_seeded_sampled_decode_draws_the_reference_tokens(case):
+    """The reference's filters in its order and its multinomial draw: seeded alike, the same
+    tokens (a wrong filter order or penalty history would change the distribution drawn from)."""
+    _, model, ref, cond = case
+    params = SAMPLING["guided" if model.config.guided else "turbo"]
+    expected = ref["sampled_tokens"][0].tolist()
+    request = T3Request(cond=cond, text_ids=ref["text"][0], cfg_weight=float(ref["cfg_weight"]),
+                        sampling=params, max_new_tokens=len(expected))
+    generator = torch.Generator().manual_seed(1234)
+    result = generate(model, request, PagedSequences(model, num_pages=16, page_size=4), generator)
+    assert result.tokens == expected
