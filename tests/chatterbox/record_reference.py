@@ -25,7 +25,7 @@ reference T3's ``state_dict``: the released key layout, random values) and ``t3_
 (inputs, the conditioning encoder's output, the prefill embeddings, the speech-head logits of
 every forward of a short greedy decode, rows ``[cond, uncond]`` for the guided variants, and
 the tokens). ``tokenizers.json`` holds tiny tokenizer files and the reference's ids for a few
-sentences.
+sentences; ``t3_released_shapes.json`` the real-size T3's keys and shapes per variant.
 """
 
 from __future__ import annotations
@@ -251,12 +251,40 @@ def record_tokenizers() -> None:
     work.rmdir()
 
 
+def released_hp(variant: str) -> T3Config:
+    """The variants' real hyper-parameters, as ``tts.py``, ``mtl_tts.py`` and ``tts_turbo.py`` set them."""
+    if variant == "english":
+        return T3Config.english_only()
+    if variant == "multilingual":
+        return T3Config.multilingual()
+    hp = T3Config(text_tokens_dict_size=50276)
+    hp.llama_config_name = "GPT2_medium"
+    hp.speech_tokens_dict_size = 6563
+    hp.input_pos_emb = None
+    hp.speech_cond_prompt_len = 375
+    hp.use_perceiver_resampler = False
+    hp.emotion_adv = False
+    return hp
+
+
+def record_released_shapes() -> None:
+    """Every key of the reference T3's ``state_dict`` at the real sizes, with its shape (built
+    on the meta device: the released files load into exactly these with ``strict``)."""
+    shapes = {}
+    for variant in HP:
+        with torch.device("meta"):
+            model = t3_module.T3(released_hp(variant))
+        shapes[variant] = {k: list(v.shape) for k, v in model.state_dict().items()}
+    (FIXTURES / "t3_released_shapes.json").write_text(json.dumps(shapes, indent=0, sort_keys=True))
+
+
 def main() -> None:
     FIXTURES.mkdir(exist_ok=True)
     torch.set_num_threads(1)
     for variant in HP:
         record_variant(variant)
     record_tokenizers()
+    record_released_shapes()
 
 
 if __name__ == "__main__":
