@@ -21,6 +21,7 @@ from mstar.engine.sampler import seen_mask
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.chatterbox import sampling
 from mstar.model.chatterbox.conditioning import T3Conditioning
+from mstar.model.chatterbox.config import T3Config
 from mstar.model.chatterbox.t3 import T3, guide
 
 
@@ -92,23 +93,15 @@ def generate(model: T3, request: T3Request, cache: PagedSequences,
     length = prompt.shape[1]
     hidden = model(prompt.reshape(-1, prompt.shape[-1]), cache.step([(s, length) for s in seqs]), cache.kv_caches)
     last = hidden.view(len(seqs), length, -1)[:, -1]
-    params, generators = [request.sampling], [generator]
     tokens: list[int] = []
     logits_seen: list[torch.Tensor] = []
     try:
         for step in range(request.max_new_tokens):
             logits = model.speech_logits(last)
             logits_seen.append(logits)
-            combined = guide(logits[0:1], logits[1:2], request.cfg_weight) if guided else logits[0:1]
-            history = _penalty_history(config.guided, config.start_speech_token, tokens)
-            seen = seen_mask([history], combined.shape[-1], combined.device)
-            scores = (sampling.guided_scores if config.guided else sampling.turbo_scores)(combined, params, seen)
-            token = int(sampling.draw(scores, params, generators)[0])
+            token = next_token(config, logits, tokens, request.sampling, request.cfg_weight, generator)
             tokens.append(token)
-            # Turbo's reference checks for the stop token only from its second draw on
-            if token == config.stop_speech_token and (config.guided or step > 0):
-                break
-            if step == request.max_new_tokens - 1:
+            if finished(config, tokens, request.max_new_tokens):
                 break
             speech_pos = torch.full((len(seqs),), step + 1, dtype=torch.long)
             embeds = model.speech_embeds(torch.full((len(seqs),), token, dtype=torch.long), speech_pos)
@@ -116,6 +109,25 @@ def generate(model: T3, request: T3Request, cache: PagedSequences,
     finally:
         cache.free(seqs)
     return T3Result(tokens, logits_seen)
+
+
+def next_token(config: T3Config, logits: torch.Tensor, tokens: list[int], params: SamplingParams,
+               cfg_weight: float, generator: torch.Generator | None) -> int:
+    """The next speech token of a request from its rows' logits ``[rows, V]`` (``[cond,
+    uncond]`` for a guided pair) and the tokens it drew so far: guided, filtered in the
+    variant's order, drawn."""
+    combined = guide(logits[0:1], logits[1:2], cfg_weight) if logits.shape[0] == 2 else logits[0:1]
+    history = _penalty_history(config.guided, config.start_speech_token, tokens)
+    seen = seen_mask([history], combined.shape[-1], combined.device)
+    scores = (sampling.guided_scores if config.guided else sampling.turbo_scores)(combined, [params], seen)
+    return int(sampling.draw(scores, [params], [generator])[0])
+
+
+def finished(config: T3Config, tokens: list[int], max_new_tokens: int) -> bool:
+    """Whether a request stops after its last token: the stop-speech token (Turbo's reference
+    looks for it from its second draw on) or the budget."""
+    stopped = tokens[-1] == config.stop_speech_token and (config.guided or len(tokens) > 1)
+    return stopped or len(tokens) >= max_new_tokens
 
 
 def _penalty_history(guided: bool, start_speech: int, tokens: list[int]) -> list[int]:
