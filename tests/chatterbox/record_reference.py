@@ -55,6 +55,7 @@ _stub_torchaudio()
 
 import torch  # noqa: E402
 from chatterbox.models.t3 import t3 as t3_module  # noqa: E402
+from chatterbox.models.t3.inference import alignment_stream_analyzer  # noqa: E402
 from chatterbox.models.t3.llama_configs import LLAMA_CONFIGS  # noqa: E402
 from chatterbox.models.t3.modules.cond_enc import T3Cond  # noqa: E402
 from chatterbox.models.t3.modules.perceiver import Perceiver  # noqa: E402
@@ -77,12 +78,16 @@ TINY_GPT2 = dict(
 )
 LLAMA_CONFIGS["tiny_llama"] = TINY_LLAMA
 LLAMA_CONFIGS["tiny_gpt2"] = TINY_GPT2
+# The reference turns its alignment guard on for a 2454-token text vocabulary (the multilingual
+# model) and reads the heads from this module constant: the tiny model's heads, in its 2 layers.
+TINY_ALIGNED_HEADS = [(1, 3), (0, 1), (1, 0)]
+alignment_stream_analyzer.LLAMA_ALIGNED_HEADS = TINY_ALIGNED_HEADS
 
 # The tiny hyper-parameters (tests/chatterbox/tiny.py builds the same ones for our side).
 HP = {
     "english": dict(text_vocab=40, speech_vocab=70, start_speech=61, stop_speech=62, backbone="tiny_llama",
                     learned_pos=True, perceiver=True, emotion=True, seed=1),
-    "multilingual": dict(text_vocab=48, speech_vocab=70, start_speech=61, stop_speech=62, backbone="tiny_llama",
+    "multilingual": dict(text_vocab=2454, speech_vocab=70, start_speech=61, stop_speech=62, backbone="tiny_llama",
                          learned_pos=True, perceiver=True, emotion=True, seed=2),
     "turbo": dict(text_vocab=50, speech_vocab=65, start_speech=63, stop_speech=64, backbone="tiny_gpt2",
                   learned_pos=False, perceiver=False, emotion=False, seed=3),

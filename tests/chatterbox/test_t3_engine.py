@@ -42,7 +42,7 @@ def _prefill_item(request_id: str, request: T3Request, seed: int) -> EngineItem:
     return EngineItem(request_id, "prefill", 0, inputs, params)
 
 
-@pytest.mark.parametrize("variant", ["english", "turbo"])
+@pytest.mark.parametrize("variant", ["english", "multilingual", "turbo"])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 def test_batched_tokens_equal_the_solo_loop(variant, sampling):
     config = tiny_config(variant)

@@ -95,3 +95,11 @@ def test_seeded_sampled_decode_draws_the_reference_tokens(case):
     generator = torch.Generator().manual_seed(1234)
     result = generate(model, request, PagedSequences(model, num_pages=16, page_size=4), generator)
     assert result.tokens == expected
+
+
+def test_the_multilingual_guard_forced_the_recorded_stop():
+    """The recorded seeded multilingual decode ends where the reference's alignment guard forced
+    the stop token (two equal tokens in a row): the guard, not the draw, ended it."""
+    tokens = fixture("multilingual")["sampled_tokens"][0].tolist()
+    stop = tiny_config("multilingual").stop_speech_token
+    assert tokens[-1] == stop and tokens[-2] == tokens[-3]

@@ -32,9 +32,11 @@ def tiny_config(variant: str) -> T3Config:
         return T3Config(variant="turbo", backbone=gpt2, text_vocab_size=50, speech_vocab_size=65,
                         start_speech_token=63, stop_speech_token=64, learned_positions=False, perceiver=None,
                         emotion_adv=False, **common)
-    return T3Config(variant=variant, backbone=tiny_llama(), text_vocab_size=40 if variant == "english" else 48,
+    multilingual = variant == "multilingual"  # the reference guards a 2454-token vocabulary's decode
+    return T3Config(variant=variant, backbone=tiny_llama(), text_vocab_size=2454 if multilingual else 40,
                     speech_vocab_size=70, start_speech_token=61, stop_speech_token=62,
-                    perceiver=PerceiverConfig(queries=4, heads=4), **common)
+                    perceiver=PerceiverConfig(queries=4, heads=4),
+                    alignment_heads=((1, 3), (0, 1), (1, 0)) if multilingual else (), **common)
 
 
 def fixture(variant: str) -> dict:

@@ -81,6 +81,9 @@ class T3Config:
     learned_positions: bool = True
     perceiver: PerceiverConfig | None = field(default_factory=PerceiverConfig)
     emotion_adv: bool = True
+    alignment_heads: tuple[tuple[int, int], ...] = ()
+    """(layer, head) pairs whose attention guards the stop token (``alignment.py``); empty:
+    no guard. The reference guards the multilingual model alone."""
 
     @property
     def hidden_size(self) -> int:
@@ -111,7 +114,8 @@ class T3Config:
 
     @classmethod
     def multilingual(cls) -> T3Config:
-        return cls(variant="multilingual", backbone=llama_520m(), text_vocab_size=2454)
+        return cls(variant="multilingual", backbone=llama_520m(), text_vocab_size=2454,
+                   alignment_heads=((12, 15), (13, 11), (9, 2)))
 
     @classmethod
     def turbo(cls) -> T3Config:

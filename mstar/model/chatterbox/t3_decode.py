@@ -11,6 +11,8 @@ pages, one ``PagedAttentionMetadata`` per step); the engine keeps its own.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,7 @@ from mstar.engine.page_pool import PagePool
 from mstar.engine.sampler import seen_mask
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.chatterbox import sampling
+from mstar.model.chatterbox.alignment import AlignmentGuard, AlignmentSpy
 from mstar.model.chatterbox.conditioning import T3Conditioning
 from mstar.model.chatterbox.config import T3Config
 from mstar.model.chatterbox.t3 import T3, guide
@@ -89,17 +92,28 @@ def generate(model: T3, request: T3Request, cache: PagedSequences,
     config = model.config
     guided = config.guided and request.cfg_weight > 0.0
     seqs = ["cond", "uncond"] if guided else ["cond"]
-    prompt = model.prefill_embeds(model.conditioning(request.cond), request.text_ids, guided)
+    cond_rows = model.conditioning(request.cond)
+    prompt = model.prefill_embeds(cond_rows, request.text_ids, guided)
     length = prompt.shape[1]
-    hidden = model(prompt.reshape(-1, prompt.shape[-1]), cache.step([(s, length) for s in seqs]), cache.kv_caches)
-    last = hidden.view(len(seqs), length, -1)[:, -1]
+    spy = guard = None
+    if config.alignment_heads:
+        spy = AlignmentSpy(model.tfmr.layers, config.alignment_heads)
+        spy.watch([0])  # the conditional row
+        text_start = cond_rows.shape[1]
+        guard = AlignmentGuard((text_start, text_start + request.text_ids.numel()), config.stop_speech_token)
     tokens: list[int] = []
     logits_seen: list[torch.Tensor] = []
     try:
+        hidden = model(prompt.reshape(-1, prompt.shape[-1]), cache.step([(s, length) for s in seqs]), cache.kv_caches)
+        last = hidden.view(len(seqs), length, -1)[:, -1]
         for step in range(request.max_new_tokens):
             logits = model.speech_logits(last)
             logits_seen.append(logits)
-            token = next_token(config, logits, tokens, request.sampling, request.cfg_weight, generator)
+            edit = None
+            if guard is not None:
+                last_token = tokens[-1] if tokens else config.start_speech_token
+                edit = functools.partial(guard.step, attention=spy.attention(0), last_token=last_token)
+            token = next_token(config, logits, tokens, request.sampling, request.cfg_weight, generator, edit)
             tokens.append(token)
             if finished(config, tokens, request.max_new_tokens):
                 break
@@ -108,15 +122,20 @@ def generate(model: T3, request: T3Request, cache: PagedSequences,
             last = model(embeds, cache.step([(s, 1) for s in seqs]), cache.kv_caches)
     finally:
         cache.free(seqs)
+        if spy is not None:
+            spy.remove()
     return T3Result(tokens, logits_seen)
 
 
 def next_token(config: T3Config, logits: torch.Tensor, tokens: list[int], params: SamplingParams,
-               cfg_weight: float, generator: torch.Generator | None) -> int:
+               cfg_weight: float, generator: torch.Generator | None,
+               edit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
     """The next speech token of a request from its rows' logits ``[rows, V]`` (``[cond,
-    uncond]`` for a guided pair) and the tokens it drew so far: guided, filtered in the
-    variant's order, drawn."""
+    uncond]`` for a guided pair) and the tokens it drew so far: guided, edited (the alignment
+    guard, ``alignment.py``), filtered in the variant's order, drawn."""
     combined = guide(logits[0:1], logits[1:2], cfg_weight) if logits.shape[0] == 2 else logits[0:1]
+    if edit is not None:
+        combined = edit(combined)
     history = _penalty_history(config.guided, config.start_speech_token, tokens)
     seen = seen_mask([history], combined.shape[-1], combined.device)
     scores = (sampling.guided_scores if config.guided else sampling.turbo_scores)(combined, [params], seen)

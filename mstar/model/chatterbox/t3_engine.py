@@ -12,17 +12,21 @@ Items: ``prefill`` reads ``speaker_emb [1, S]``, ``prompt_tokens [1, P]`` and ``
 (start / stop text tokens in place) with params ``sampling`` (``SamplingParams`` fields),
 ``cfg_weight``, ``exaggeration``, ``max_new_tokens`` and ``seed``; ``decode`` reads nothing
 (the engine keeps each request's tokens). Each step writes ``token``, and raises ``stop`` on
-the stop-speech token or at the budget.
+the stop-speech token or at the budget. The multilingual model's alignment guard
+(``alignment.py``) watches each request's conditional row.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from mstar.contract import SamplingParams
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.model.chatterbox.alignment import AlignmentGuard, AlignmentSpy
 from mstar.model.chatterbox.conditioning import T3Conditioning
 from mstar.model.chatterbox.t3 import T3
 from mstar.model.chatterbox.t3_decode import PagedSequences, finished, next_token
@@ -35,6 +39,7 @@ class T3Sequence:
     cfg_weight: float
     max_new_tokens: int
     generator: torch.Generator | None
+    guard: AlignmentGuard | None = None
     tokens: list[int] = field(default_factory=list)
 
 
@@ -43,6 +48,8 @@ class T3Engine(Engine):
         self.model = model
         self.cache = PagedSequences(model, num_pages, page_size, dtype)
         self.requests: dict[str, T3Sequence] = {}
+        heads = model.config.alignment_heads
+        self.spy = AlignmentSpy(model.tfmr.layers, heads) if heads else None
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         fresh = [item.request_id for item in items if item.op == "prefill"]
@@ -62,15 +69,22 @@ class T3Engine(Engine):
             seq = self.requests[item.request_id]
             chunks.extend((row, rows.shape[1]) for row in seq.rows)
             embeds.append(rows.reshape(-1, rows.shape[-1]))
+        firsts = list(itertools.accumulate((len(self.requests[item.request_id].rows) for item in items), initial=0))
+        if self.spy is not None:  # each guarded request's conditional row
+            self.spy.watch([firsts[i] for i, item in enumerate(items) if self.requests[item.request_id].guard])
         meta = self.cache.step(chunks)
         hidden = self.model(torch.cat(embeds), meta, self.cache.kv_caches)
         logits = self.model.speech_logits(hidden[meta.query_start_loc[1:] - 1])
-        outputs, row = [], 0
-        for item in items:
+        config = self.model.config
+        outputs = []
+        for item, row in zip(items, firsts):
             seq = self.requests[item.request_id]
-            token = next_token(self.model.config, logits[row : row + len(seq.rows)], seq.tokens, seq.sampling,
-                               seq.cfg_weight, seq.generator)
-            row += len(seq.rows)
+            edit = None
+            if seq.guard is not None:
+                last = seq.tokens[-1] if seq.tokens else config.start_speech_token
+                edit = functools.partial(seq.guard.step, attention=self.spy.attention(row), last_token=last)
+            token = next_token(config, logits[row : row + len(seq.rows)], seq.tokens, seq.sampling,
+                               seq.cfg_weight, seq.generator, edit)
             seq.tokens.append(token)
             done = finished(self.model.config, seq.tokens, seq.max_new_tokens)
             stop = token == self.model.config.stop_speech_token
@@ -93,7 +107,13 @@ class T3Engine(Engine):
             generator=None if seed is None else torch.Generator(self.cache.device).manual_seed(int(seed)),
         )
         cond = T3Conditioning(inputs["speaker_emb"], inputs["prompt_tokens"], float(params.get("exaggeration", 0.5)))
-        return self.model.prefill_embeds(self.model.conditioning(cond), inputs["text_ids"].reshape(-1), guided)
+        cond_rows = self.model.conditioning(cond)
+        text_ids = inputs["text_ids"].reshape(-1)
+        if self.spy is not None:
+            start = cond_rows.shape[1]
+            seq = self.requests[item.request_id]
+            seq.guard = AlignmentGuard((start, start + text_ids.numel()), self.model.config.stop_speech_token)
+        return self.model.prefill_embeds(cond_rows, text_ids, guided)
 
     def _decode(self, item: EngineItem) -> torch.Tensor:
         """The request's last token, embedded at its speech position, for each of its rows."""
