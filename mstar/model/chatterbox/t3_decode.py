@@ -156,3 +156,22 @@ def _penalty_history(guided: bool, start_speech: int, tokens: list[int]) -> list
     if guided:
         return [start_speech, *tokens]
     return tokens if tokens else [start_speech]
+
+
+S3GEN_SILENCE = 4299  # the S3 token Turbo appends three of, so the waveform ends in silence
+
+
+def speech_tokens_for_s3gen(tokens: list[int], config: T3Config) -> list[int]:
+    """T3's drawn tokens as the reference hands them to S3Gen. English and multilingual: what
+    follows the first start-of-speech token (if one was drawn) up to the first stop token;
+    English also drops every id outside S3's 6561 codes (the multilingual reference does not).
+    Turbo: a trailing stop token removed, ids outside the codes dropped, three silence tokens
+    appended. (The reference's slicing fails on several start tokens; this takes the first.)"""
+    codes = config.start_speech_token  # S3's codebook ends where T3's control tokens begin
+    if config.is_gpt2:
+        kept = tokens[:-1] if tokens and tokens[-1] == config.stop_speech_token else tokens
+        return [t for t in kept if t < codes] + [S3GEN_SILENCE] * 3
+    start = tokens.index(config.start_speech_token) + 1 if config.start_speech_token in tokens else 0
+    end = tokens.index(config.stop_speech_token) if config.stop_speech_token in tokens else len(tokens)
+    kept = tokens[start:end]
+    return [t for t in kept if t < codes] if config.variant == "english" else kept
