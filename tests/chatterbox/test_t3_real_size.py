@@ -15,7 +15,7 @@ from mstar.model.chatterbox.text import t3_text_ids
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["english", "turbo"])
+@pytest.mark.parametrize("variant", ["english", "multilingual", "turbo"])
 def test_real_size_dummy_decode(variant):
     config = T3Config.for_variant(variant)
     model = load_t3(None, config, dummy=True, dtype=torch.bfloat16)
