@@ -88,3 +88,24 @@ def test_text_ids_carry_start_and_stop_on_guided_variants():
     assert t3_text_ids([5, 6], turbo) == [5, 6]
     with pytest.raises(ValueError, match="at most 30"):
         t3_text_ids(list(range(29)), english)
+
+
+def test_text_front_reads_the_released_file_names(tmp_path):
+    """The tokenizer files under their released names in a checkpoint directory; the ids the
+    reference's generate would pass to T3 for the same text."""
+    from mstar.model.chatterbox.t3_checkpoint import TEXT_FILES, T3TextFront
+
+    files = RECORD["files"]
+    (tmp_path / TEXT_FILES["english"]).write_text(json.dumps(files["en"]), encoding="utf-8")
+    (tmp_path / TEXT_FILES["multilingual"]).write_text(json.dumps(files["mtl"]), encoding="utf-8")
+    english = T3TextFront(tmp_path, tiny_config("english"))
+    text, ids = RECORD["en"][0]  # "Hello world." needs no tidying
+    assert english.ids(text) == [38, *ids, 0]
+    multilingual = T3TextFront(tmp_path, tiny_config("multilingual"))
+    language, text, ids = RECORD["mtl"][1]
+    assert multilingual.ids(text, language) == [38, *ids, 0]
+    turbo_dir = tmp_path / "turbo"
+    turbo_dir.mkdir()
+    (turbo_dir / "tokenizer.json").write_text(json.dumps(files["turbo"]), encoding="utf-8")
+    text, ids = RECORD["turbo"][0]
+    assert T3TextFront(turbo_dir, tiny_config("turbo")).ids(text) == ids

@@ -9,6 +9,8 @@ model (S3Gen, the voice encoder, the tokenizer):
 * Turbo (``ResembleAI/chatterbox-turbo``): ``t3_turbo_v1.safetensors`` and a GPT-2 style
   tokenizer (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``).
 
+``T3TextFront`` reads the tokenizer files from the same directory.
+
 The keys are ``T3``'s parameter names. Two released tensors are dropped on purpose, by name:
 ``text_head.weight`` (the text logits serve only a training loss) and Turbo's ``tfmr.wte.weight``
 (GPT-2's token table, which T3 never reads: the reference deletes it after loading). Anything
@@ -23,8 +25,21 @@ import torch
 
 from mstar.model.chatterbox.config import T3Config
 from mstar.model.chatterbox.t3 import T3
+from mstar.model.chatterbox.text import (
+    CangjieTable,
+    GraphemeTokenizer,
+    MultilingualTokenizer,
+    TurboTokenizer,
+    normalize_punctuation,
+    t3_text_ids,
+)
 from mstar.model.weights import fill_weights
 
+TEXT_FILES = {
+    "english": "tokenizer.json",
+    "multilingual": "grapheme_mtl_merged_expanded_v1.json",
+}
+CANGJIE_FILE = "Cangjie5_TC.json"
 T3_FILES = {
     "english": "t3_cfg.safetensors",
     "multilingual": "t3_mtl23ls_v2.safetensors",
@@ -69,4 +84,30 @@ def load_t3(directory: str | Path | None, config: T3Config, *, device: torch.dev
     return model.to(dtype)
 
 
-__all__ = ["T3_FILES", "UNUSED_KEYS", "load_t3", "t3_file", "t3_name_map"]
+class T3TextFront:
+    """A request's text to T3 text ids, the reference's way for the variant: punctuation
+    tidied, tokenised (with the language for the multilingual model), start / stop text tokens
+    around (not on Turbo). Built from the checkpoint directory's tokenizer files."""
+
+    def __init__(self, directory: str | Path, config: T3Config) -> None:
+        directory = Path(directory)
+        self.config = config
+        if config.variant == "turbo":
+            self.tokenizer = TurboTokenizer(directory)
+        elif config.variant == "multilingual":
+            cangjie = directory / CANGJIE_FILE
+            table = CangjieTable.from_file(cangjie) if cangjie.is_file() else None
+            self.tokenizer = MultilingualTokenizer(directory / TEXT_FILES["multilingual"], table)
+        else:
+            self.tokenizer = GraphemeTokenizer(directory / TEXT_FILES["english"])
+
+    def ids(self, text: str, language: str | None = None) -> list[int]:
+        text = normalize_punctuation(text, self.config.variant)
+        if isinstance(self.tokenizer, MultilingualTokenizer):
+            ids = self.tokenizer.encode(text, language)
+        else:
+            ids = self.tokenizer.encode(text)
+        return t3_text_ids(ids, self.config)
+
+
+__all__ = ["T3_FILES", "TEXT_FILES", "T3TextFront", "UNUSED_KEYS", "load_t3", "t3_file", "t3_name_map"]
