@@ -82,3 +82,23 @@ def test_a_failed_prefill_frees_what_it_took():
     with pytest.raises(OutOfPages):
         engine.run([_prefill_item("r0", request, seed)])
     assert engine.requests == {} and engine.cache.pool.num_used_pages == 0
+
+
+def test_a_failed_step_leaves_running_requests_where_they_were():
+    """A decode whose step fails (here: a prefill beside it runs the pool dry) keeps its KV
+    length, so retried alone it continues as if the failed step never ran."""
+    model = load_t3(None, tiny_config("english"), dummy=True, seed=5)
+    request, seed = _requests(model.config, GREEDY)[0]
+    solo = generate(model, request, PagedSequences(model, 32, 4)).tokens
+    engine = T3Engine(model, num_pages=12, page_size=4)
+    first = engine.run([_prefill_item("r0", request, seed)])[0]
+    tokens = [int(first.outputs["token"])]
+    lengths = {row: engine.cache.pool.seq_len(row) for row in ("r0/cond", "r0/uncond")}
+    big, _ = _requests(model.config, GREEDY)[1]
+    with pytest.raises(OutOfPages):
+        engine.run([EngineItem("r0", "decode", 1, {}, {}), _prefill_item("r1", big, 0)])
+    assert set(engine.requests) == {"r0"}
+    assert {row: engine.cache.pool.seq_len(row) for row in lengths} == lengths
+    while len(tokens) < len(solo):
+        tokens.append(int(engine.run([EngineItem("r0", "decode", len(tokens), {}, {})])[0].outputs["token"]))
+    assert tokens == solo

@@ -5,8 +5,8 @@ rows (a guided pair is two sequences of one batch, ``cond`` and ``uncond``), the
 token per step for every row, the guided logits combined, filtered in the variant's order
 (``sampling.py``) and drawn. It stops at the stop-speech token or after ``max_new_tokens``.
 
-``PagedSequences`` is the small page bookkeeping a single process needs (``PagePool`` for the
-pages, one ``PagedAttentionMetadata`` per step); the engine keeps its own.
+``PagedSequences`` is the small page bookkeeping both this loop and ``T3Engine`` use
+(``PagePool`` for the pages and the KV caches, one ``PagedAttentionMetadata`` per step).
 """
 
 from __future__ import annotations

@@ -53,12 +53,17 @@ class T3Engine(Engine):
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         fresh = [item.request_id for item in items if item.op == "prefill"]
+        pool = self.cache.pool
+        held = {row: pool.seq_len(row) for item in items if item.request_id in self.requests
+                for row in self.requests[item.request_id].rows if pool.has(row)}
         try:
             with torch.inference_mode():
                 return self._step(items)
-        except BaseException:
-            for request_id in fresh:  # undo, so the worker can retry each item alone
+        except BaseException:  # undo, so the worker can retry each item alone
+            for request_id in fresh:
                 self.release(request_id)
+            for row, length in held.items():  # the pages reserved for the failed step
+                pool.truncate(row, length)
             raise
 
     def _step(self, items: list[EngineItem]) -> list[EngineOutput]:
