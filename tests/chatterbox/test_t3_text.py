@@ -86,8 +86,9 @@ def test_text_ids_carry_start_and_stop_on_guided_variants():
     english, turbo = tiny_config("english"), tiny_config("turbo")
     assert t3_text_ids([5, 6], english) == [38, 5, 6, 0]
     assert t3_text_ids([5, 6], turbo) == [5, 6]
-    with pytest.raises(ValueError, match="at most 30"):
-        t3_text_ids(list(range(29)), english)
+    assert len(t3_text_ids(list(range(30)), english)) == 32  # max_text_tokens 30 + the two markers
+    with pytest.raises(ValueError, match="at most 32"):
+        t3_text_ids(list(range(31)), english)
 
 
 def test_text_front_reads_the_released_file_names(tmp_path):

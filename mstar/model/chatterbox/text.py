@@ -222,10 +222,11 @@ class TurboTokenizer:
 
 def t3_text_ids(ids: list[int], config: T3Config) -> list[int]:
     """A request's text ids as T3 reads them: between the start / stop text tokens (English and
-    multilingual; Turbo has none). Longer than ``max_text_tokens`` is refused, since the learned
-    text positions end there."""
+    multilingual; Turbo has none). More than the learned text position table's rows
+    (``max_text_tokens`` + the two markers) is refused."""
     if config.guided:
         ids = [config.start_text_token, *ids, config.stop_text_token]
-    if len(ids) > config.max_text_tokens:
-        raise ValueError(f"the text is {len(ids)} tokens; T3 reads at most {config.max_text_tokens}")
+    limit = config.text_positions if config.learned_positions else config.backbone.max_position_embeddings
+    if len(ids) > limit:
+        raise ValueError(f"the text is {len(ids)} tokens; T3 reads at most {limit}")
     return ids
