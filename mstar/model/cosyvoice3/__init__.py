@@ -1,0 +1,20 @@
+"""CosyVoice3 (Fun-CosyVoice3-0.5B): a Qwen2 speech-token LM with repetition-aware sampling,
+a DiT flow-matching mel decoder and the causal HiFT vocoder (``mstar.model.vocoder``)."""
+
+from mstar.model.cosyvoice3.checkpoint import llm_name_map
+from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig, length_bounds
+from mstar.model.cosyvoice3.qwen2 import Qwen2Backbone, qwen2_config
+from mstar.model.cosyvoice3.sampling import RasParams, drop_long_silences, ras_sample, sample_speech_token
+
+__all__ = [
+    "Qwen2Backbone",
+    "RasParams",
+    "SpeechLM",
+    "SpeechLMConfig",
+    "drop_long_silences",
+    "length_bounds",
+    "llm_name_map",
+    "qwen2_config",
+    "ras_sample",
+    "sample_speech_token",
+]
