@@ -143,17 +143,20 @@ def record_ras() -> dict:
     return dict(params=dict(top_p=0.8, top_k=25, win_size=10, tau_r=0.1), runs=runs)
 
 
-def build_flow(device: str = "cpu", tiny: bool = True):
+RELEASED_DIT = dict(dim=1024, depth=22, heads=16, dim_head=64, ff_mult=2, mel_dim=80, mu_dim=80, spk_dim=80,
+                    out_channels=80, static_chunk_size=50, num_decoding_left_chunks=-1)
+RELEASED_FLOW = dict(vocab_size=6561, spk_embed_dim=192, lookahead_channels=1024, token_mel_ratio=2,
+                     pre_lookahead_len=3)
+
+
+def build_flow(dit: dict = DIT, flow: dict = FLOW, device: str = "cpu"):
+    """The reference ``CausalMaskedDiffWithDiT`` (its ``cosyvoice3.yaml`` wiring) at a geometry."""
     from cosyvoice.flow.DiT.dit import DiT
     from cosyvoice.flow.flow import CausalMaskedDiffWithDiT
     from cosyvoice.flow.flow_matching import CausalConditionalCFM
     from cosyvoice.transformer.upsample_encoder import PreLookaheadLayer
     from omegaconf import DictConfig
 
-    dit = DIT if tiny else dict(dim=1024, depth=22, heads=16, dim_head=64, ff_mult=2, mel_dim=80, mu_dim=80,
-                                spk_dim=80, out_channels=80, static_chunk_size=50, num_decoding_left_chunks=-1)
-    flow = FLOW if tiny else dict(vocab_size=6561, spk_embed_dim=192, lookahead_channels=1024, token_mel_ratio=2,
-                                  pre_lookahead_len=3)
     cfm_params = DictConfig(dict(sigma_min=1e-6, solver="euler", t_scheduler="cosine", training_cfg_rate=0.2,
                                  inference_cfg_rate=0.7, reg_loss_type="l1"))
     with torch.device(device):
@@ -217,7 +220,7 @@ def released_keys() -> dict:
                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
     with torch.device("meta"):
         lm = CosyVoice3LM(896, 896, 6561, qwen2_encoder(qwen2_05b, "meta"), sampling=None)
-    flow = build_flow("meta", tiny=False)
+    flow = build_flow(RELEASED_DIT, RELEASED_FLOW, "meta")
     return dict(qwen2=qwen2_05b,
                 llm={k: list(v.shape) for k, v in lm.state_dict().items()},
                 flow={k: list(v.shape) for k, v in flow.state_dict().items()})
