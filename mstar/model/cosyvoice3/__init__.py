@@ -3,7 +3,14 @@ a DiT flow-matching mel decoder and the causal HiFT vocoder (``mstar.model.vocod
 
 from mstar.model.cosyvoice3.checkpoint import dit_name_map, flow_name_map, llm_name_map
 from mstar.model.cosyvoice3.dit import DiTConfig, DiTEstimator
-from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig, PreLookahead, stream_schedule
+from mstar.model.cosyvoice3.flow import (
+    CosyVoice3Flow,
+    FlowConfig,
+    PreLookahead,
+    StreamChunk,
+    StreamPlanner,
+    stream_schedule,
+)
 from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig, length_bounds
 from mstar.model.cosyvoice3.qwen2 import Qwen2Backbone, qwen2_config
 from mstar.model.cosyvoice3.sampling import RasParams, drop_long_silences, ras_sample, sample_speech_token
@@ -18,6 +25,8 @@ __all__ = [
     "RasParams",
     "SpeechLM",
     "SpeechLMConfig",
+    "StreamChunk",
+    "StreamPlanner",
     "dit_name_map",
     "drop_long_silences",
     "flow_name_map",

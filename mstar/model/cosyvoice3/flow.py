@@ -31,7 +31,7 @@ from mstar.model.cosyvoice3.dit import DiTConfig, DiTEstimator
 from mstar.model.flow.cfm import noise_table, solve_euler
 from mstar.model.flow.estimator import FlowEstimator
 
-__all__ = ["CosyVoice3Flow", "FlowConfig", "PreLookahead", "stream_schedule"]
+__all__ = ["CosyVoice3Flow", "FlowConfig", "PreLookahead", "StreamChunk", "StreamPlanner", "stream_schedule"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class CosyVoice3Flow(nn.Module):
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """One streamed flow call: decode ``tokens`` of the generated speech tokens (the last
+    """One streamed flow call: decode the first ``tokens`` generated speech tokens (the last
     ``lookahead`` of them context only unless ``finalize``) and keep the mel frames from token
     ``offset`` on."""
 
@@ -133,19 +133,43 @@ class StreamChunk:
     finalize: bool
 
 
+@dataclass
+class StreamPlanner:
+    """When to run the flow on a growing token stream, as the reference's driver decides: the
+    first hop is padded so that prompt and first hop end on an attention-chunk boundary, each
+    later hop is ``scale`` times the last up to ``max_hop``, a call waits for ``lookahead``
+    tokens past its hop, and the last call takes what is left. (The reference keeps the grown
+    hop on its model object, so its later requests start at ``max_hop``; each planner starts
+    afresh.)"""
+
+    prompt_tokens: int
+    lookahead: int = 3
+    hop: int = 25
+    max_hop: int = 100
+    scale: int = 2
+    offset: int = 0
+
+    def next_chunk(self, available: int, finished: bool) -> StreamChunk | None:
+        """The call to make with ``available`` tokens generated (``finished``: the LM has
+        stopped), or None to wait for more. After a final chunk, None."""
+        if self.offset < 0:
+            return None
+        this_hop = self.hop + (-self.prompt_tokens % self.hop if self.offset == 0 else 0)
+        if available - self.offset >= this_hop + self.lookahead:
+            chunk = StreamChunk(tokens=self.offset + this_hop + self.lookahead, offset=self.offset, finalize=False)
+            self.offset += this_hop
+            self.hop = min(self.max_hop, self.hop * self.scale)
+            return chunk
+        if finished:
+            chunk = StreamChunk(tokens=available, offset=self.offset, finalize=True)
+            self.offset = -1
+            return chunk
+        return None
+
+
 def stream_schedule(total: int, prompt_tokens: int, lookahead: int = 3, hop: int = 25, max_hop: int = 100,
                     scale: int = 2) -> Iterator[StreamChunk]:
-    """The reference's streaming calls for ``total`` generated tokens (known at the end; a
-    live stream issues each chunk as soon as ``offset + hop + lookahead`` tokens exist): the first
-    hop is padded so that prompt and first chunk end on a chunk boundary, each hop after grows by
-    ``scale`` up to ``max_hop``, and a final call takes what is left."""
-    offset = 0
-    pad = -prompt_tokens % hop
-    while True:
-        this_hop = hop + pad if offset == 0 else hop
-        if total - offset < this_hop + lookahead:
-            break
-        yield StreamChunk(tokens=offset + this_hop + lookahead, offset=offset, finalize=False)
-        offset += this_hop
-        hop = min(max_hop, hop * scale)
-    yield StreamChunk(tokens=total, offset=offset, finalize=True)
+    """Every call ``StreamPlanner`` makes for ``total`` tokens all known at once."""
+    planner = StreamPlanner(prompt_tokens, lookahead, hop, max_hop, scale)
+    while (chunk := planner.next_chunk(total, finished=True)) is not None:
+        yield chunk
