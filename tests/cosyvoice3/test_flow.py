@@ -16,13 +16,17 @@ from mstar.model.weights import load_weights
 TOL = 1e-5  # of the reference's peak
 
 
-def build(case: dict) -> CosyVoice3Flow:
+def flow_config(case: dict) -> FlowConfig:
+    """Our config of the recorded reference geometry."""
     d, f = case["dit"], case["flow"]
     dit = DiTConfig(dim=d["dim"], depth=d["depth"], heads=d["heads"], head_dim=d["dim_head"], ff_mult=d["ff_mult"],
                     static_chunk_size=d["static_chunk_size"])
-    config = FlowConfig(vocab_size=f["vocab_size"], speaker_dim=f["spk_embed_dim"], lookahead=f["pre_lookahead_len"],
-                        lookahead_channels=f["lookahead_channels"], token_mel_ratio=f["token_mel_ratio"], dit=dit)
-    model = CosyVoice3Flow(config).eval()
+    return FlowConfig(vocab_size=f["vocab_size"], speaker_dim=f["spk_embed_dim"], lookahead=f["pre_lookahead_len"],
+                      lookahead_channels=f["lookahead_channels"], token_mel_ratio=f["token_mel_ratio"], dit=dit)
+
+
+def build(case: dict) -> CosyVoice3Flow:
+    model = CosyVoice3Flow(flow_config(case)).eval()
     load_weights(model, case["state"].items(), name_map=flow_name_map)  # strict both ways
     return model
 

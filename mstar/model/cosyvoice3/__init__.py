@@ -1,7 +1,7 @@
 """CosyVoice3 (Fun-CosyVoice3-0.5B): a Qwen2 speech-token LM with repetition-aware sampling,
 a DiT flow-matching mel decoder and the causal HiFT vocoder (``mstar.model.vocoder``)."""
 
-from mstar.model.cosyvoice3.checkpoint import dit_name_map, flow_name_map, llm_name_map
+from mstar.model.cosyvoice3.checkpoint import CosyVoice3Parts, dit_name_map, flow_name_map, llm_name_map, load_parts
 from mstar.model.cosyvoice3.dit import DiTConfig, DiTEstimator
 from mstar.model.cosyvoice3.flow import (
     CosyVoice3Flow,
@@ -17,6 +17,7 @@ from mstar.model.cosyvoice3.sampling import RasParams, drop_long_silences, ras_s
 
 __all__ = [
     "CosyVoice3Flow",
+    "CosyVoice3Parts",
     "DiTConfig",
     "DiTEstimator",
     "FlowConfig",
@@ -32,6 +33,7 @@ __all__ = [
     "flow_name_map",
     "length_bounds",
     "llm_name_map",
+    "load_parts",
     "qwen2_config",
     "ras_sample",
     "sample_speech_token",

@@ -13,9 +13,20 @@ other name unchanged, so ``load_weights`` (strict) reports a name nothing fills.
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["LLM_SKIPPED", "dit_name_map", "flow_name_map", "llm_name_map"]
+import torch
+
+from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig
+from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig
+from mstar.model.cosyvoice3.qwen2 import qwen2_config
+from mstar.model.vocoder import HiFTConfig, HiFTGenerator, hift_state
+from mstar.model.weights import load_weights
+
+__all__ = ["LLM_SKIPPED", "CosyVoice3Parts", "dit_name_map", "flow_name_map", "llm_name_map", "load_parts"]
 
 LLM_SKIPPED = frozenset({"llm.model.lm_head.weight"})
 
@@ -62,3 +73,37 @@ def flow_name_map(name: str) -> str:
         if name.startswith(old):
             return new + name[len(old):]
     return name
+
+
+@dataclass
+class CosyVoice3Parts:
+    lm: SpeechLM
+    flow: CosyVoice3Flow
+    hift: HiFTGenerator
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (a Fun-CosyVoice3 directory holds llm.pt, flow.pt and hift.pt)")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_parts(model_dir: str | Path, *, speech_token_size: int = 6561, flow: FlowConfig | None = None,
+               hift: HiFTConfig | None = None, device: torch.device | str = "cpu") -> CosyVoice3Parts:
+    """The three models of a Fun-CosyVoice3 directory (as the reference's ``CosyVoice3`` reads
+    it): the LM from ``CosyVoice-BlankEN/config.json`` and ``llm.pt``, the flow from ``flow.pt``,
+    the causal HiFT from ``hift.pt``, each loaded strictly. The other hyper-parameters are the
+    released ``cosyvoice3.yaml``'s (the defaults here), not read from the YAML. float32, the
+    reference's precision (a bfloat16 DiT is not wired yet)."""
+    root = Path(model_dir)
+    backbone = qwen2_config(json.loads((root / "CosyVoice-BlankEN" / "config.json").read_text()))
+    lm = SpeechLM(SpeechLMConfig(backbone=backbone, speech_token_size=speech_token_size))
+    load_weights(lm, _state(root / "llm.pt").items(), name_map=llm_name_map)
+    flow_model = CosyVoice3Flow(flow or FlowConfig())
+    load_weights(flow_model, _state(root / "flow.pt").items(), name_map=flow_name_map)
+    vocoder = HiFTGenerator(hift or HiFTConfig(causal=True))
+    load_weights(vocoder, hift_state(_state(root / "hift.pt")).items())
+    parts = CosyVoice3Parts(lm, flow_model, vocoder)
+    for module in (parts.lm, parts.flow, parts.hift):
+        module.to(device).eval()
+    return parts
