@@ -116,12 +116,12 @@ def check_lm() -> None:
     pages = Pages(32, 4)
     got = []
     with torch.no_grad():
-        rows = ours.prompt_embeddings(torch.cat([prompt_text[0], text[0]]), prompt_speech[0])
+        ids = ours.prompt_ids(torch.cat([prompt_text[0], text[0]]), prompt_speech[0])
         for step in range(len(logits)):
-            hidden_states = ours(rows, pages.step([("a", rows.shape[0])]), caches)
-            got.append(ours.speech_logits(hidden_states[-1:])[0])
+            hidden_states = ours(ids, pages.step([("a", ids.shape[0])]), caches)
+            got.append(ours.compute_logits(hidden_states[-1:])[0])
             if step < len(tokens):
-                rows = ours.token_embeddings(torch.tensor([tokens[step]]))
+                ids = torch.tensor([tokens[step]])
     print(f"CosyVoice3LM speech logits over {len(got)} greedy steps: {err(torch.stack(got), torch.stack(logits))}")
 
 

@@ -84,9 +84,8 @@ def test_a_model_directory_loads_into_working_parts(reference, tmp_path: Path) -
     caches = allocate_kv_cache(*[parts.lm.cache_shape()[0], 16, 4, *parts.lm.cache_shape()[1:]], torch.float32,
                                torch.device("cpu"))
     with torch.no_grad():
-        rows = parts.lm.prompt_embeddings(torch.cat([lm_case["prompt_text"], lm_case["text"]]),
-                                          lm_case["prompt_speech"])
-        logits = parts.lm.speech_logits(parts.lm(rows, Pages(16, 4).step([("a", rows.shape[0])]), caches)[-1])
+        ids = parts.lm.prompt_ids(torch.cat([lm_case["prompt_text"], lm_case["text"]]), lm_case["prompt_speech"])
+        logits = parts.lm.compute_logits(parts.lm(ids, Pages(16, 4).step([("a", ids.shape[0])]), caches)[-1])
         inputs = flow_case["inputs"]
         mel = parts.flow(inputs["token"], inputs["prompt_token"], inputs["prompt_feat"], inputs["embedding"])
     assert torch.allclose(logits, lm_case["logits"][0], rtol=0, atol=1e-5 * lm_case["logits"][0].abs().max())

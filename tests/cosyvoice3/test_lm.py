@@ -52,16 +52,15 @@ def test_logits_match_reference_at_every_paged_step(reference, layout: str) -> N
     got, tokens, other_token = [], [], None
     with torch.no_grad():
         for step in range(len(case["logits"])):
-            seqs, rows = ["a"], [model.prompt_embeddings(text_ids, case["prompt_speech"]) if step == 0
-                                 else model.token_embeddings(torch.tensor([tokens[-1]]))]
+            seqs, rows = ["a"], [model.prompt_ids(text_ids, case["prompt_speech"]) if step == 0
+                                 else torch.tensor([tokens[-1]])]
             if step >= 1:
                 seqs.append("b")
-                rows.append(model.prompt_embeddings(*other) if step == 1
-                            else model.token_embeddings(torch.tensor([other_token])))
+                rows.append(model.prompt_ids(*other) if step == 1 else torch.tensor([other_token]))
             meta = pages.step([(s, r.shape[0]) for s, r in zip(seqs, rows)])
             hidden = model(torch.cat(rows), meta, caches)
             ends = meta.query_start_loc[1:] - 1
-            logits = model.speech_logits(hidden[ends])
+            logits = model.compute_logits(hidden[ends])
             got.append(logits[0])
             scores = logits[0].log_softmax(-1)
             if step < min_len:

@@ -53,15 +53,15 @@ def recomputed_tokens(lm: SpeechLM, text_ids: torch.Tensor, prompt: VoicePrompt,
     """The LM decode without a cache: every step prefills the whole sequence afresh."""
     generator = torch.Generator().manual_seed(seed)
     min_len, max_len = length_bounds(lm.config, len(text_ids))
-    prefix = lm.prompt_embeddings(torch.cat([prompt.text_ids, text_ids]), prompt.speech)
+    prefix = lm.prompt_ids(torch.cat([prompt.text_ids, text_ids]), prompt.speech)
     tokens: list[int] = []
     with torch.no_grad():
         for step in range(max_len):
             caches = allocate_kv_cache(*[lm.cache_shape()[0], 64, 4, *lm.cache_shape()[1:]], torch.float32,
                                        torch.device("cpu"))
-            rows = torch.cat([prefix, lm.token_embeddings(torch.tensor(tokens, dtype=torch.long))])
-            hidden = lm(rows, Pages(64, 4).step([("a", rows.shape[0])]), caches)
-            logp = lm.speech_logits(hidden[-1:]).log_softmax(-1)[0]
+            ids = torch.cat([prefix, torch.tensor(tokens, dtype=torch.long)])
+            hidden = lm(ids, Pages(64, 4).step([("a", ids.shape[0])]), caches)
+            logp = lm.compute_logits(hidden[-1:]).log_softmax(-1)[0]
             token = sample_speech_token(logp, tokens, RasParams(), generator,
                                         banned=lm.config.stop_ids if step < min_len else ())
             if token in lm.config.stop_ids:

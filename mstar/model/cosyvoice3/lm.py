@@ -17,13 +17,14 @@ the special tokens live (``SpeechLMConfig``):
   two rows of a separate ``llm_embedding``, and the head has a bias.
 
 The backbone runs one paged step per ``forward`` (``mstar.model.llama.modeling``), so prefill
-and decode rows of many requests batch together; ``step_inputs`` builds a step's embeddings.
+and decode rows of many requests batch together. Prompts are ids in one id space
+(``SpeechLM.prompt_ids``), so the autoregressive engine drives the LM like any decoder, with
+``rules.RasRules`` choosing its tokens.
 Parameter names are the released ``llm.pt``'s (``checkpoint.llm_name_map``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,6 +80,12 @@ def length_bounds(config: SpeechLMConfig, text_tokens: int) -> tuple[int, int]:
 
 
 class SpeechLM(nn.Module):
+    """The LM over one id space, so that a prompt is a list of ids like any decoder's (the
+    autoregressive engine's ``prompt_ids``, prefix caching and preemption work unchanged):
+    ids below ``speech_vocab`` are speech rows (the sampled tokens feed straight back), the
+    next ``vocab_size`` ids are text tokens, and in CosyVoice2's layout the last two are its
+    separate ``sos`` and ``task`` rows."""
+
     def __init__(self, config: SpeechLMConfig) -> None:
         super().__init__()
         self.config = config
@@ -89,51 +96,63 @@ class SpeechLM(nn.Module):
         if config.layout == "cosyvoice2":
             self.llm_embedding = nn.Embedding(2, hidden)  # rows: sos, task
 
-    def special_embedding(self, which: Literal["sos", "task"]) -> torch.Tensor:
-        """The ``[hidden]`` input row of the sequence start or of the task marker."""
-        if self.config.layout == "cosyvoice2":
-            return self.llm_embedding.weight[0 if which == "sos" else 1]
-        offset = 0 if which == "sos" else 2
-        return self.speech_embedding.weight[self.config.speech_token_size + offset]
+    @property
+    def text_offset(self) -> int:
+        """The id of text token 0."""
+        return self.config.speech_vocab
 
-    def prompt_embeddings(self, text_ids: torch.Tensor, prompt_speech: torch.Tensor) -> torch.Tensor:
-        """The prefill rows ``[1 + len(text_ids) + 1 + len(prompt_speech), hidden]`` of one
-        request: ``text_ids`` are the prompt transcript's tokens followed by the text to speak,
-        ``prompt_speech`` the reference clip's speech tokens (may be empty)."""
+    def special_id(self, which: Literal["sos", "task"]) -> int:
+        """The id of the sequence start or of the task marker."""
+        if self.config.layout == "cosyvoice2":
+            return self.text_offset + self.config.backbone.vocab_size + (0 if which == "sos" else 1)
+        return self.config.speech_token_size + (0 if which == "sos" else 2)
+
+    def prompt_ids(self, text_ids: torch.Tensor, prompt_speech: torch.Tensor) -> torch.Tensor:
+        """The prefill ids ``[1 + len(text_ids) + 1 + len(prompt_speech)]`` of one request:
+        ``sos``, ``text_ids`` (the prompt transcript's tokens followed by the text to speak),
+        ``task``, then ``prompt_speech`` (the reference clip's speech tokens, may be empty)."""
         end = self.config.endofprompt_id
         if self.config.layout == "cosyvoice3" and end is not None and not bool((text_ids == end).any()):
             raise ValueError(f"CosyVoice3 text must contain <|endofprompt|> (token {end}) in the prompt "
                              "text or the text")
-        text = self.llm.embed_input_ids(text_ids)
-        speech = self.speech_embedding(prompt_speech)
-        return torch.cat([self.special_embedding("sos")[None].to(text.dtype), text,
-                          self.special_embedding("task")[None].to(text.dtype), speech.to(text.dtype)])
+        device = text_ids.device
+        return torch.cat([torch.tensor([self.special_id("sos")], device=device), text_ids.long() + self.text_offset,
+                          torch.tensor([self.special_id("task")], device=device), prompt_speech.long()])
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input rows ``[T, hidden]`` of ids ``[T]`` in the LM's id space."""
+        speech_vocab, text_vocab = self.config.speech_vocab, self.config.backbone.vocab_size
+        speech = ids < speech_vocab
+        text = ~speech & (ids < speech_vocab + text_vocab)
+        rows = self.speech_embedding(ids.clamp(max=speech_vocab - 1))
+        if bool(text.any()):
+            rows = torch.where(text[:, None], self.llm.embed_input_ids((ids - speech_vocab).clamp(0, text_vocab - 1))
+                               .to(rows.dtype), rows)
+        if self.config.layout == "cosyvoice2":
+            special = ids >= speech_vocab + text_vocab
+            if bool(special.any()):
+                which = (ids - speech_vocab - text_vocab).clamp(0, 1)
+                rows = torch.where(special[:, None], self.llm_embedding(which).to(rows.dtype), rows)
+        return rows
+
+    def prompt_embeddings(self, text_ids: torch.Tensor, prompt_speech: torch.Tensor) -> torch.Tensor:
+        """The prefill rows of ``prompt_ids``."""
+        return self.embed_ids(self.prompt_ids(text_ids, prompt_speech))
 
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """The decode rows ``[N, hidden]`` of the last sampled speech tokens ``[N]``."""
         return self.speech_embedding(tokens)
 
-    def forward(self, inputs_embeds: torch.Tensor, meta: PagedAttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden]`` of one paged step's rows."""
-        return self.llm(None, meta, kv_caches, inputs_embeds=inputs_embeds)
+    def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of one paged step's rows, from their ids
+        or, when given, their input rows ``inputs_embeds``."""
+        rows = inputs_embeds if inputs_embeds is not None else self.embed_ids(input_ids)
+        return self.llm(None, meta, kv_caches, inputs_embeds=rows)
 
-    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Speech-token logits ``[N, speech_vocab]`` of hidden states ``[N, hidden]``."""
         return self.llm_decoder(hidden)
 
     def cache_shape(self) -> tuple[int, int, int]:
         return self.llm.cache_shape()
-
-    def step_inputs(self, prompts: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
-                    last_tokens: Sequence[int | None]) -> torch.Tensor:
-        """A step's rows, request by request: a prefill where ``prompts[i]`` is given (its
-        ``(text_ids, prompt_speech)``), else the decode row of ``last_tokens[i]``."""
-        rows = []
-        for prompt, token in zip(prompts, last_tokens):
-            if prompt is not None:
-                rows.append(self.prompt_embeddings(*prompt))
-            else:
-                assert token is not None
-                rows.append(self.token_embeddings(torch.tensor([token], device=self.speech_embedding.weight.device)))
-        return torch.cat(rows)

@@ -77,17 +77,17 @@ def speech_tokens(lm: SpeechLM, text_ids: torch.Tensor, prompt: VoicePrompt, gen
     config, params = lm.config, params or RasParams()
     min_len, max_len = length_bounds(config, len(text_ids))
     device = lm.speech_embedding.weight.device
-    rows = lm.prompt_embeddings(torch.cat([prompt.text_ids, text_ids]).to(device), prompt.speech.to(device))
-    capacity = rows.shape[0] + max_len
+    ids = lm.prompt_ids(torch.cat([prompt.text_ids, text_ids]).to(device), prompt.speech.to(device))
+    capacity = ids.shape[0] + max_len
     layers, kv_heads, head_dim = lm.cache_shape()
     caches = allocate_kv_cache(layers, -(-capacity // page_size), page_size, kv_heads, head_dim,
-                               rows.dtype, device)
+                               lm.speech_embedding.weight.dtype, device)
     history: list[int] = []
     length, silent_run = 0, 0
     for step in range(max_len):
-        meta = _one_sequence_step(length, rows.shape[0], page_size, device)
-        length += rows.shape[0]
-        logp = lm.speech_logits(lm(rows, meta, caches)[-1:]).float().log_softmax(-1)[0]
+        meta = _one_sequence_step(length, ids.shape[0], page_size, device)
+        length += ids.shape[0]
+        logp = lm.compute_logits(lm(ids, meta, caches)[-1:]).float().log_softmax(-1)[0]
         token = sample_speech_token(logp, history, params, generator,
                                     banned=config.stop_ids if step < min_len else ())
         if token in config.stop_ids:
@@ -96,7 +96,7 @@ def speech_tokens(lm: SpeechLM, text_ids: torch.Tensor, prompt: VoicePrompt, gen
         silent_run = silent_run + 1 if token in silent else 0
         if silent_run <= max_silent_run:
             yield token
-        rows = lm.token_embeddings(torch.tensor([token], device=device))
+        ids = torch.tensor([token], device=device)
 
 
 def _flow_call(flow: CosyVoice3Flow, tokens: list[int], prompt: VoicePrompt, finalize: bool) -> torch.Tensor:
