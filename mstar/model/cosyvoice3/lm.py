@@ -19,7 +19,7 @@ the special tokens live (``SpeechLMConfig``):
 The backbone runs one paged step per ``forward`` (``mstar.model.llama.modeling``), so prefill
 and decode rows of many requests batch together. Prompts are ids in one id space
 (``SpeechLM.prompt_ids``), so the autoregressive engine drives the LM like any decoder, with
-``rules.RasRules`` choosing its tokens.
+``engine.RasRules`` choosing its tokens.
 Parameter names are the released ``llm.pt``'s (``checkpoint.llm_name_map``).
 """
 
