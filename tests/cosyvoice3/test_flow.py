@@ -7,6 +7,8 @@ check (``finalize=False``, lookahead tokens as context); and the chunks our
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -93,3 +95,16 @@ def test_lookahead_context_equals_seeing_the_tokens() -> None:
     with_context = layer(tokens[:, :9], context=tokens[:, 9:])
     assert torch.allclose(with_context, whole[:, :9], atol=1e-6)
     assert not torch.allclose(layer(tokens[:, :9])[:, -1], whole[:, 8], atol=1e-3)
+
+
+def test_a_bfloat16_dit_keeps_the_euler_state_float32(flow) -> None:
+    model, case = flow
+    inputs = case["inputs"]
+    whole = decode(model, inputs, inputs["token"], True, True)
+    half = copy.deepcopy(model)
+    half.set_estimator_dtype(torch.bfloat16)
+    assert half.estimator.input_proj.weight.dtype == torch.bfloat16 and half.speaker_proj.weight.dtype == torch.float32
+    got = decode(half, inputs, inputs["token"], True, True)
+    err = peak_err(got, whole)
+    print(f"[bf16] flow mel with a bfloat16 DiT: {err:.2e} of peak")
+    assert got.dtype == torch.float32 and 0 < err < 5e-2

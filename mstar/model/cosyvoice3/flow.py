@@ -118,8 +118,23 @@ class CosyVoice3Flow(nn.Module):
             raise ValueError(f"{frames} mel frames: the noise table holds {self.noise.shape[-1]}")
         noise = (self.noise[:, :, :frames] * temperature).to(mu.dtype).expand(mu.shape[0], -1, -1)
         mask = mu.new_ones(mu.shape[0], 1, frames)
-        mel = solve_euler(self.estimator, noise, mask, stack, c.num_steps, c.cfg_rate, streaming=streaming)
+        mel = solve_euler(self.velocity, noise, mask, stack, c.num_steps, c.cfg_rate, streaming=streaming)
         return mel[:, :, prompt_mel.shape[1]:].float()
+
+    def set_estimator_dtype(self, dtype: torch.dtype) -> None:
+        """Run the DiT in ``dtype`` (bfloat16 serves faster) while the Euler state, the
+        conditioning and the rest of the flow keep their own precision: each velocity call casts
+        its inputs to the DiT's dtype and the velocity back."""
+        self.estimator.to(dtype)
+
+    def velocity(self, x: torch.Tensor, mask: torch.Tensor, cond_stack: torch.Tensor, t: torch.Tensor,
+                 streaming: bool = False) -> torch.Tensor:
+        """The DiT's velocity in ``x``'s dtype, the DiT run in its own."""
+        dtype = self.estimator.input_proj.weight.dtype
+        if dtype == x.dtype:
+            return self.estimator(x, mask, cond_stack, t, streaming=streaming)
+        return self.estimator(x.to(dtype), mask.to(dtype), cond_stack.to(dtype), t.to(dtype),
+                              streaming=streaming).to(x.dtype)
 
 
 @dataclass(frozen=True)
