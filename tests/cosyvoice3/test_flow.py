@@ -104,6 +104,7 @@ def test_a_bfloat16_dit_keeps_the_euler_state_float32(flow) -> None:
     half = copy.deepcopy(model)
     half.set_estimator_dtype(torch.bfloat16)
     assert half.estimator.input_proj.weight.dtype == torch.bfloat16 and half.speaker_proj.weight.dtype == torch.float32
+    assert half.estimator.rotary_inv_freq.dtype == torch.float32
     got = decode(half, inputs, inputs["token"], True, True)
     err = peak_err(got, whole)
     print(f"[bf16] flow mel with a bfloat16 DiT: {err:.2e} of peak")
