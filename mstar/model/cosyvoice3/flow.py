@@ -125,7 +125,8 @@ class CosyVoice3Flow(nn.Module):
         """Run the DiT in ``dtype`` (bfloat16 serves faster) while the Euler state, the
         conditioning and the rest of the flow keep their own precision: each velocity call casts
         its inputs to the DiT's dtype and the velocity back. The rotary frequencies stay float32
-        (in bfloat16 they would drift the angles by up to 1e-3 of the position)."""
+        (rounded to bfloat16 they would be off by up to 0.4%, an angle error that grows with the
+        position)."""
         inv_freq = self.estimator.rotary_inv_freq.float()
         self.estimator.to(dtype)
         self.estimator.rotary_inv_freq = inv_freq
