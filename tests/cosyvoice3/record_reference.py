@@ -15,6 +15,8 @@ logger and U-Net) get stand-ins. Run with a venv that sees the project's package
         x-transformers==2.11.24 einx==0.4.3 frozendict loguru omegaconf antlr4-python3-runtime==4.9.3
     PYTHONPATH=. /tmp/cvx/bin/python tests/cosyvoice3/record_reference.py --cosyvoice /path/to/CosyVoice
 
+(On 2026-12-04 a fresh venv made by these lines re-recorded both files byte-identical.)
+
 Recorded:
 
 * ``lm/<layout>``: ``Qwen2LM`` (CosyVoice2's layout) and ``CosyVoice3LM`` around a tiny
@@ -29,8 +31,9 @@ Recorded:
   chunked attention), and ``inference`` whole, streaming, and chunk by chunk as the
   reference's own ``__main__`` check calls it (``finalize=False`` with lookahead context).
 * ``released_keys.json``: the names and shapes of ``llm.pt`` and ``flow.pt`` at the released
-  geometry (``cosyvoice3.yaml``, Qwen2-0.5B), from the reference modules built on the meta
-  device.
+  geometry (``cosyvoice3.yaml``; the backbone as Qwen2-0.5B's ``config.json``: 896 wide, 24
+  layers, 14 heads, 2 KV heads, 151,936 tokens, which ``CosyVoice-BlankEN`` is assumed to
+  match), from the reference modules built on the meta device.
 """
 
 from __future__ import annotations
