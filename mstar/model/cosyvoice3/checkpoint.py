@@ -1,0 +1,109 @@
+"""Released weight names (``llm.pt`` and ``flow.pt`` of Fun-CosyVoice3-0.5B, ``llm.pt`` of
+CosyVoice2-0.5B) as our modules call them.
+
+``llm.pt`` is the reference ``CosyVoice3LM`` / ``Qwen2LM`` state dict: the Qwen2 backbone under
+``llm.model.`` (a ``Qwen2ForCausalLM``, so ``llm.model.model.*`` and its text head
+``llm.model.lm_head.weight``), ``speech_embedding``, ``llm_decoder`` and (CosyVoice2)
+``llm_embedding``. The text head is never read by the speech LM (its tied copy is the token
+embedding, which is kept), so its name is skipped. ``flow.pt`` is ``CausalMaskedDiffWithDiT``'s:
+``input_embedding``, ``spk_embed_affine_layer``, ``pre_lookahead_layer`` and the DiT under
+``decoder.estimator.``. Each map returns None for a name it skips on purpose and leaves any
+other name unchanged, so ``load_weights`` (strict) reports a name nothing fills.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig
+from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig
+from mstar.model.cosyvoice3.qwen2 import qwen2_config
+from mstar.model.vocoder import HiFTConfig, HiFTGenerator, hift_state
+from mstar.model.weights import load_weights
+
+__all__ = ["LLM_SKIPPED", "CosyVoice3Parts", "dit_name_map", "flow_name_map", "llm_name_map", "load_parts"]
+
+LLM_SKIPPED = frozenset({"llm.model.lm_head.weight"})
+
+_DIT_RENAMES = [
+    (r"^time_embed\.time_mlp\.0\.", "time_in."),
+    (r"^time_embed\.time_mlp\.2\.", "time_out."),
+    (r"^input_embed\.proj\.", "input_proj."),
+    (r"^input_embed\.conv_pos_embed\.(conv[12])\.0\.", r"pos_conv.\1."),
+    (r"^rotary_embed\.inv_freq$", "rotary_inv_freq"),
+    (r"^transformer_blocks\.", "blocks."),
+    (r"\.attn_norm\.linear\.", ".modulation."),
+    (r"\.attn\.to_out\.0\.", ".attn.to_out."),
+    (r"\.ff\.ff\.0\.0\.", ".ff_in."),
+    (r"\.ff\.ff\.2\.", ".ff_out."),
+    (r"^norm_out\.linear\.", "final_modulation."),
+]
+
+_FLOW_RENAMES = {
+    "input_embedding.": "token_embedding.",
+    "spk_embed_affine_layer.": "speaker_proj.",
+    "pre_lookahead_layer.": "lookahead.",
+}
+
+
+def llm_name_map(name: str) -> str | None:
+    """A released ``llm.pt`` name as ``SpeechLM`` calls it (None: the unused text head)."""
+    if name in LLM_SKIPPED:
+        return None
+    return "llm.model." + name[len("llm.model.model."):] if name.startswith("llm.model.model.") else name
+
+
+def dit_name_map(name: str) -> str:
+    """A name of the reference ``DiT`` as ``DiTEstimator`` calls it."""
+    for pattern, repl in _DIT_RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def flow_name_map(name: str) -> str:
+    """A released ``flow.pt`` name as ``CosyVoice3Flow`` calls it."""
+    if name.startswith("decoder.estimator."):
+        return "estimator." + dit_name_map(name[len("decoder.estimator."):])
+    for old, new in _FLOW_RENAMES.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+@dataclass
+class CosyVoice3Parts:
+    lm: SpeechLM
+    flow: CosyVoice3Flow
+    hift: HiFTGenerator
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (a Fun-CosyVoice3 directory holds llm.pt, flow.pt and hift.pt)")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_parts(model_dir: str | Path, *, speech_token_size: int = 6561, flow: FlowConfig | None = None,
+               hift: HiFTConfig | None = None, device: torch.device | str = "cpu") -> CosyVoice3Parts:
+    """The three models of a Fun-CosyVoice3 directory (as the reference's ``CosyVoice3`` reads
+    it): the LM from ``CosyVoice-BlankEN/config.json`` and ``llm.pt``, the flow from ``flow.pt``,
+    the causal HiFT from ``hift.pt``, each loaded strictly. The other hyper-parameters are the
+    released ``cosyvoice3.yaml``'s (the defaults here), not read from the YAML. float32, the
+    reference's precision (a bfloat16 DiT is not wired yet)."""
+    root = Path(model_dir)
+    backbone = qwen2_config(json.loads((root / "CosyVoice-BlankEN" / "config.json").read_text()))
+    lm = SpeechLM(SpeechLMConfig(backbone=backbone, speech_token_size=speech_token_size))
+    load_weights(lm, _state(root / "llm.pt").items(), name_map=llm_name_map)
+    flow_model = CosyVoice3Flow(flow or FlowConfig())
+    load_weights(flow_model, _state(root / "flow.pt").items(), name_map=flow_name_map)
+    vocoder = HiFTGenerator(hift or HiFTConfig(causal=True))
+    load_weights(vocoder, hift_state(_state(root / "hift.pt")).items())
+    parts = CosyVoice3Parts(lm, flow_model, vocoder)
+    for module in (parts.lm, parts.flow, parts.hift):
+        module.to(device).eval()
+    return parts
