@@ -1,0 +1,128 @@
+"""S3Gen (``mstar.model.s3gen``) against Chatterbox's own modules.
+
+The reference outputs are fixtures recorded by ``record_reference.py`` from
+``chatterbox-tts==0.1.7`` (``chatterbox.models.s3gen``) on torch 2.13.0 (CPU) with librosa
+0.11.0, in a private venv: the package pins torch 2.6 and numpy < 2, so it cannot live in the
+project's environment (the script's docstring says how to re-record). Tiny random configs,
+float32 on the CPU; errors are relative to the reference's peak.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.model.s3gen import S3GenPrompt, UpsampleConformerEncoder, log_mel, mel_filterbank, relative_positions
+from mstar.model.weights import load_weights
+from tests.s3gen.tiny import encoder_config, fixture, tiny_s3gen
+from tests.support.vocoder import peak_err
+
+ENCODER_TOL = 1e-5
+MEL_TOL = 1e-5
+WAVE_TOL = 1e-4
+
+ENCODER = fixture("encoder")
+MEL = fixture("mel")
+TOKEN2WAV = fixture("token2wav")
+
+
+def reference_prompt(record: dict) -> S3GenPrompt:
+    """The prompt the reference was given, its mel computed by our front from the same clip."""
+    return S3GenPrompt(record["prompt_tokens"], log_mel(record["prompt_clip"]).transpose(1, 2), record["xvector"])
+
+
+def test_encoder_matches_reference():
+    """Two rows, one padded: the upsampling conformer's frames and their lengths."""
+    encoder = UpsampleConformerEncoder(encoder_config(ENCODER["config"])).eval()
+    load_weights(encoder, ENCODER["state"].items())  # strict: every name both ways
+    with torch.no_grad():
+        frames, lengths = encoder(ENCODER["xs"], ENCODER["lens"])
+    assert torch.equal(lengths, ENCODER["masks"][:, 0].sum(-1))
+    assert peak_err(frames, ENCODER["out"]) < ENCODER_TOL
+
+
+def test_relative_positions_are_the_offsets_sinusoids():
+    """Row ``c`` of the table is the sinusoid of offset ``length - 1 - c``; offset 0 is (0, 1, 0, 1...)."""
+    table = relative_positions(8, 5)[0]
+    assert table.shape == (9, 8)
+    assert torch.equal(table[4], torch.tensor([0.0, 1.0] * 4))
+    assert torch.allclose(table[0, 0], torch.sin(torch.tensor(4.0)))
+    assert torch.allclose(table[8, 0], torch.sin(torch.tensor(-4.0)))
+    assert torch.allclose(relative_positions(8, 5, max_positions=3)[0], table, atol=1e-6)  # a short table grows
+
+
+def test_filterbank_matches_librosa():
+    assert torch.equal(mel_filterbank(), MEL["filterbank"]), f"librosa {MEL['librosa']}"
+
+
+@pytest.mark.parametrize("clip", [0, 1])
+def test_prompt_mel_matches_reference(clip):
+    """White noise of 0.4 s and a sine of 12345 samples (not a whole number of frames)."""
+    ours = log_mel(MEL["clips"][clip])
+    assert ours.shape == MEL["mels"][clip].shape
+    assert peak_err(ours, MEL["mels"][clip]) < MEL_TOL
+
+
+def seeded_noise(model, record: dict, prompt: S3GenPrompt) -> tuple[torch.Tensor, torch.Generator]:
+    """The flow's starting noise as the reference drew it (the first draws after seeding)."""
+    generator = torch.Generator().manual_seed(record["seed"])
+    shape = (1, 80, model.noise_frames(record["tokens"], prompt))
+    return torch.randn(shape, generator=generator), generator
+
+
+def test_token2mel_matches_reference():
+    """Encoder, flow front, ten guided Euler steps, prompt frames cut (``flow_inference``)."""
+    model = tiny_s3gen(TOKEN2WAV)
+    prompt = reference_prompt(TOKEN2WAV)
+    noise, _ = seeded_noise(model, TOKEN2WAV, prompt)
+    with torch.no_grad():
+        mel = model.token2mel(TOKEN2WAV["tokens"], prompt, noise)
+    assert mel.shape == (1, 80, 2 * TOKEN2WAV["tokens"].shape[1])
+    assert peak_err(mel, TOKEN2WAV["mel"]) < MEL_TOL
+
+
+def test_token2wav_matches_reference():
+    """The whole ``inference``: flow noise and vocoder source drawn from one seeded generator
+    in the reference's order, then the fade-in."""
+    model = tiny_s3gen(TOKEN2WAV)
+    generator = torch.Generator().manual_seed(TOKEN2WAV["seed"])
+    wave = model.token2wav(TOKEN2WAV["tokens"], reference_prompt(TOKEN2WAV), generator=generator)
+    ref = TOKEN2WAV["wave"]
+    assert ref.abs().max() < 0.5 * model.config.vocoder.audio_limit  # the fixture is not clipped flat
+    assert peak_err(wave, ref) < WAVE_TOL
+    assert torch.all(wave[:, : model.config.fade_samples] == 0)  # the silenced head
+
+
+def test_token2wav_depends_on_the_seed():
+    """Another seed gives other audio, so the comparison above pins the draws."""
+    model = tiny_s3gen(TOKEN2WAV)
+    wave = model.token2wav(TOKEN2WAV["tokens"], reference_prompt(TOKEN2WAV),
+                           generator=torch.Generator().manual_seed(TOKEN2WAV["seed"] + 1))
+    assert peak_err(wave, TOKEN2WAV["wave"]) > 1e-2
+
+
+def test_rows_of_a_batch_decode_as_alone():
+    """Two rows of new tokens after one broadcast prompt, from the same noise: each row's mel
+    is its solo decode's (two Euler steps: the rows meet in every estimator call alike)."""
+    model = tiny_s3gen(TOKEN2WAV)
+    prompt = reference_prompt(TOKEN2WAV)
+    tokens = torch.cat([TOKEN2WAV["tokens"], TOKEN2WAV["tokens"].flip(1)])
+    noise, _ = seeded_noise(model, TOKEN2WAV, prompt)
+    with torch.no_grad():
+        both = model.token2mel(tokens, prompt, noise.expand(2, -1, -1), n_cfm_timesteps=2)
+        for row in range(2):
+            alone = model.token2mel(tokens[row:row + 1], prompt, noise, n_cfm_timesteps=2)
+            assert peak_err(both[row:row + 1], alone) < 1e-6
+    assert peak_err(both[:1], both[1:]) > 1e-2
+
+
+def test_prompt_alignment_drops_tokens_past_the_mel():
+    tokens, mel, xvector = torch.arange(7)[None], torch.zeros(1, 11, 80), torch.zeros(1, 12)
+    assert S3GenPrompt.aligned(tokens, mel, xvector).tokens.tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_noise_of_the_wrong_length_is_refused():
+    model = tiny_s3gen(TOKEN2WAV)
+    prompt = reference_prompt(TOKEN2WAV)
+    with pytest.raises(ValueError, match="noise has"):
+        model.token2mel(TOKEN2WAV["tokens"], prompt, torch.zeros(1, 80, 3))
