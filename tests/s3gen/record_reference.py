@@ -30,9 +30,13 @@ Files (float32, CPU):
   seed) and the outputs: ``flow_inference``'s mel and ``inference``'s
   waveform; the global generator is seeded with ``seed`` before each call, and the reference
   draws the flow's noise (``randn_like``) and then the vocoder source's phases and noise from it;
+- ``turbo.pt``: the same for Chatterbox Turbo's S3Gen (``meanflow=True``: the estimator mixes
+  the embeddings of both ends of each step; two plain Euler steps on a linear schedule, no
+  guidance); the reference draws the new frames' noise first, then the whole field, and keeps
+  the whole field's draws for the prompt's frames only;
 - ``s3gen_keys.json``: the names and shapes of the released-size ``S3Token2Wav``'s ``flow.`` and
-  ``mel2wav.`` tensors (the layout of ``s3gen.safetensors``), and how many tensors sit under
-  each other prefix.
+  ``mel2wav.`` tensors (the layout of ``s3gen.safetensors``), how many tensors sit under
+  each other prefix, and the tensors Turbo's ``s3gen_meanflow.safetensors`` adds.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ def tiny_encoder(ref) -> torch.nn.Module:
 
 
 def record_encoder(ref) -> dict:
+    torch.manual_seed(0)  # the modules' initial values
     enc = tiny_encoder(ref)
     torch.manual_seed(1)
     xs, lens = torch.randn(2, 9, ENCODER["input_size"]), torch.tensor([9, 6])
@@ -127,10 +132,10 @@ def record_mel(ref) -> dict:
     return dict(clips=clips, mels=mels, filterbank=torch.from_numpy(bank).float(), librosa=librosa.__version__)
 
 
-def tiny_token2wav(ref) -> torch.nn.Module:
+def tiny_token2wav(ref, meanflow: bool = False) -> torch.nn.Module:
     """The released ``S3Token2Wav`` with its flow and vocoder rebuilt at a tiny size."""
-    model = ref.s3gen.S3Token2Wav().eval()
-    estimator = ref.decoder.ConditionalDecoder(**ESTIMATOR)
+    model = ref.s3gen.S3Token2Wav(meanflow=meanflow).eval()
+    estimator = ref.decoder.ConditionalDecoder(**ESTIMATOR, meanflow=meanflow)
     cfm = ref.flow_matching.CausalConditionalCFM(spk_emb_dim=80, estimator=estimator)
     model.flow = ref.flow.CausalMaskedDiffWithXvec(input_size=ENCODER["output_size"], output_size=80,
                                                    spk_embed_dim=SPEAKER, vocab_size=VOCAB,
@@ -144,8 +149,12 @@ def tiny_token2wav(ref) -> torch.nn.Module:
     return model.eval()
 
 
-def record_token2wav(ref) -> dict:
-    model = tiny_token2wav(ref)
+def record_token2wav(ref, meanflow: bool = False) -> dict:
+    """``meanflow``: Chatterbox Turbo's S3Gen (``S3Gen(meanflow=True)`` in ``tts_turbo.py``),
+    run as Turbo runs it: ``inference(..., n_cfm_timesteps=2)``."""
+    torch.manual_seed(0)  # the modules' initial values
+    model = tiny_token2wav(ref, meanflow)
+    steps = 2 if meanflow else None
     g = torch.Generator().manual_seed(5)
     prompt_clip = 0.8 * (2 * torch.rand(1, 4800, generator=g) - 1)  # 0.2 s: 10 mel frames
     prompt_mel = ref.mel.mel_spectrogram(prompt_clip).transpose(1, 2)
@@ -160,27 +169,33 @@ def record_token2wav(ref) -> dict:
     # finalize=False (drop the look-ahead tokens' frames) fails inside the reference: it cuts
     # the encoder output but not the mask made from the encoder's lengths.
     torch.manual_seed(SEED)
-    mel = model.flow_inference(tokens, ref_dict=ref_dict(), finalize=True)
+    mel = model.flow_inference(tokens, ref_dict=ref_dict(), finalize=True, n_cfm_timesteps=steps)
     torch.manual_seed(SEED)
-    wave, source = model.inference(tokens, ref_dict=ref_dict())
+    wave, source = model.inference(tokens, ref_dict=ref_dict(), n_cfm_timesteps=steps)
     state = {k: v for k, v in model.state_dict().items() if k.startswith(("flow.", "mel2wav."))}
     return dict(config=dict(encoder=ENCODER, estimator=ESTIMATOR, hift=HIFT, f0_channels=F0_CHANNELS, vocab=VOCAB,
                             speaker=SPEAKER),
                 state=state, seed=SEED, prompt_clip=prompt_clip, prompt_mel=prompt_mel, prompt_tokens=prompt_tokens,
-                tokens=tokens, xvector=xvector, mel=mel, wave=wave, source=source, n_cfm_timesteps=10)
+                tokens=tokens, xvector=xvector, mel=mel, wave=wave, source=source, n_cfm_timesteps=steps or 10,
+                meanflow=meanflow)
 
 
 def released_keys(ref) -> dict:
     state = ref.s3gen.S3Token2Wav().state_dict()
     ours = {k: list(v.shape) for k, v in state.items() if k.startswith(("flow.", "mel2wav."))}
     others = Counter(k.split(".")[0] for k in state if not k.startswith(("flow.", "mel2wav.")))
-    return dict(tensors=ours, other_prefixes=dict(others))
+    turbo = {k: list(v.shape) for k, v in ref.s3gen.S3Token2Wav(meanflow=True).state_dict().items()}
+    assert set(state) <= set(turbo)
+    return dict(tensors=ours, other_prefixes=dict(others),
+                meanflow_extra={k: shape for k, shape in turbo.items() if k not in state})
 
 
 if __name__ == "__main__":
     ref = reference()
     FIXTURES.mkdir(exist_ok=True)
-    for name, record in (("encoder", record_encoder), ("mel", record_mel), ("token2wav", record_token2wav)):
+    records = (("encoder", record_encoder), ("mel", record_mel), ("token2wav", record_token2wav),
+               ("turbo", lambda r: record_token2wav(r, meanflow=True)))
+    for name, record in records:
         path = FIXTURES / f"{name}.pt"
         torch.save(record(ref), path)
         print(f"wrote {path} ({path.stat().st_size} bytes)")

@@ -112,7 +112,7 @@ def test_rows_of_a_batch_decode_as_alone():
         both = model.token2mel(tokens, prompt, noise.expand(2, -1, -1), n_cfm_timesteps=2)
         for row in range(2):
             alone = model.token2mel(tokens[row:row + 1], prompt, noise, n_cfm_timesteps=2)
-            assert peak_err(both[row:row + 1], alone) < 1e-6
+            assert peak_err(both[row:row + 1], alone) < MEL_TOL  # batched matmuls block differently
     assert peak_err(both[:1], both[1:]) > 1e-2
 
 
