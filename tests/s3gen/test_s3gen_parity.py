@@ -24,6 +24,7 @@ WAVE_TOL = 1e-4
 ENCODER = fixture("encoder")
 MEL = fixture("mel")
 TOKEN2WAV = fixture("token2wav")
+RECORDS = {"s3gen": TOKEN2WAV, "turbo": fixture("turbo")}  # Chatterbox's and Chatterbox Turbo's
 
 
 def reference_prompt(record: dict) -> S3GenPrompt:
@@ -63,31 +64,34 @@ def test_prompt_mel_matches_reference(clip):
     assert peak_err(ours, MEL["mels"][clip]) < MEL_TOL
 
 
-def seeded_noise(model, record: dict, prompt: S3GenPrompt) -> tuple[torch.Tensor, torch.Generator]:
+def seeded_noise(model, record: dict, prompt: S3GenPrompt) -> torch.Tensor:
     """The flow's starting noise as the reference drew it (the first draws after seeding)."""
-    generator = torch.Generator().manual_seed(record["seed"])
-    shape = (1, 80, model.noise_frames(record["tokens"], prompt))
-    return torch.randn(shape, generator=generator), generator
+    return model.draw_noise(record["tokens"], prompt, torch.Generator().manual_seed(record["seed"]))
 
 
-def test_token2mel_matches_reference():
-    """Encoder, flow front, ten guided Euler steps, prompt frames cut (``flow_inference``)."""
-    model = tiny_s3gen(TOKEN2WAV)
-    prompt = reference_prompt(TOKEN2WAV)
-    noise, _ = seeded_noise(model, TOKEN2WAV, prompt)
+@pytest.mark.parametrize("variant", RECORDS)
+def test_token2mel_matches_reference(variant):
+    """Encoder, flow front, the solve (S3Gen: ten guided cosine-spaced Euler steps; Turbo: two
+    mean-flow steps), prompt frames cut (``flow_inference``)."""
+    record = RECORDS[variant]
+    model = tiny_s3gen(record)
+    assert model.config.meanflow == (variant == "turbo")
+    prompt = reference_prompt(record)
     with torch.no_grad():
-        mel = model.token2mel(TOKEN2WAV["tokens"], prompt, noise)
-    assert mel.shape == (1, 80, 2 * TOKEN2WAV["tokens"].shape[1])
-    assert peak_err(mel, TOKEN2WAV["mel"]) < MEL_TOL
+        mel = model.token2mel(record["tokens"], prompt, seeded_noise(model, record, prompt))
+    assert mel.shape == (1, 80, 2 * record["tokens"].shape[1])
+    assert peak_err(mel, record["mel"]) < MEL_TOL
 
 
-def test_token2wav_matches_reference():
+@pytest.mark.parametrize("variant", RECORDS)
+def test_token2wav_matches_reference(variant):
     """The whole ``inference``: flow noise and vocoder source drawn from one seeded generator
     in the reference's order, then the fade-in."""
-    model = tiny_s3gen(TOKEN2WAV)
-    generator = torch.Generator().manual_seed(TOKEN2WAV["seed"])
-    wave = model.token2wav(TOKEN2WAV["tokens"], reference_prompt(TOKEN2WAV), generator=generator)
-    ref = TOKEN2WAV["wave"]
+    record = RECORDS[variant]
+    model = tiny_s3gen(record)
+    generator = torch.Generator().manual_seed(record["seed"])
+    wave = model.token2wav(record["tokens"], reference_prompt(record), generator=generator)
+    ref = record["wave"]
     assert ref.abs().max() < 0.5 * model.config.vocoder.audio_limit  # the fixture is not clipped flat
     assert peak_err(wave, ref) < WAVE_TOL
     assert torch.all(wave[:, : model.config.fade_samples] == 0)  # the silenced head
@@ -107,7 +111,7 @@ def test_rows_of_a_batch_decode_as_alone():
     model = tiny_s3gen(TOKEN2WAV)
     prompt = reference_prompt(TOKEN2WAV)
     tokens = torch.cat([TOKEN2WAV["tokens"], TOKEN2WAV["tokens"].flip(1)])
-    noise, _ = seeded_noise(model, TOKEN2WAV, prompt)
+    noise = seeded_noise(model, TOKEN2WAV, prompt)
     with torch.no_grad():
         both = model.token2mel(tokens, prompt, noise.expand(2, -1, -1), n_cfm_timesteps=2)
         for row in range(2):
@@ -126,3 +130,17 @@ def test_noise_of_the_wrong_length_is_refused():
     prompt = reference_prompt(TOKEN2WAV)
     with pytest.raises(ValueError, match="noise has"):
         model.token2mel(TOKEN2WAV["tokens"], prompt, torch.zeros(1, 80, 3))
+
+
+def test_turbo_runs_unguided():
+    model = tiny_s3gen(RECORDS["turbo"])
+    prompt = reference_prompt(TOKEN2WAV)
+    with pytest.raises(ValueError, match="without guidance"):
+        model.token2mel(TOKEN2WAV["tokens"], prompt, seeded_noise(model, TOKEN2WAV, prompt), cfg_rate=0.7)
+
+
+def test_a_meanflow_estimator_needs_the_end_time():
+    estimator = tiny_s3gen(RECORDS["turbo"]).estimator
+    x = torch.zeros(1, 80, 4)
+    with pytest.raises(ValueError, match="end time r"):
+        estimator(x, torch.ones(1, 1, 4), torch.zeros(1, 240, 4), torch.zeros(1))

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from mstar.model.s3gen import FRONT_END_PREFIXES, S3Gen, load_s3gen, s3gen_name_map, s3gen_tensors
+from mstar.model.s3gen import FRONT_END_PREFIXES, S3Gen, S3GenConfig, load_s3gen, s3gen_name_map, s3gen_tensors
 from mstar.model.weights import WeightLoadError
 from tests.s3gen.tiny import FIXTURES, fixture, s3gen_config
 
@@ -61,15 +61,18 @@ def test_half_a_weight_norm_pair_is_named():
 
 
 @pytest.mark.slow
-def test_released_names_and_shapes():
+@pytest.mark.parametrize("turbo", [False, True])
+def test_released_names_and_shapes(turbo):
     """The released size on the meta device: every ``flow.``/``mel2wav.`` tensor of
-    ``s3gen.safetensors`` maps onto a parameter of ``S3Gen()`` of its shape, and every
-    parameter is named; the other prefixes are the front-end encoders'."""
+    ``s3gen.safetensors`` (Turbo: ``s3gen_meanflow.safetensors``) maps onto a parameter of
+    ``S3Gen()`` (``S3Gen(S3GenConfig.turbo())``) of its shape, and every parameter is named;
+    the other prefixes are the front-end encoders'."""
     released = json.loads((FIXTURES / "s3gen_keys.json").read_text())
     assert {f"{p}." for p in released["other_prefixes"]} == set(FRONT_END_PREFIXES)
+    names = released["tensors"] | (released["meanflow_extra"] if turbo else {})
     with torch.device("meta"):
-        model = S3Gen()
-        tensors = [(name, torch.empty(shape)) for name, shape in released["tensors"].items()]
+        model = S3Gen(S3GenConfig.turbo() if turbo else S3GenConfig())
+        tensors = [(name, torch.empty(shape)) for name, shape in names.items()]
     folded = list(s3gen_tensors(tensors))
     mapped = {s3gen_name_map(name): tuple(t.shape) for name, t in folded}
     assert len(mapped) == len(folded)  # no two released tensors fill one parameter

@@ -31,15 +31,16 @@ def s3gen_config(ref: dict) -> S3GenConfig:
         encoder=encoder_config(enc),
         estimator=EstimatorConfig(channels=tuple(est["channels"]), num_heads=est["num_heads"],
                                   head_dim=est["attention_head_dim"], blocks_per_level=est["n_blocks"],
-                                  mid_levels=est["num_mid_blocks"]),
+                                  mid_levels=est["num_mid_blocks"], meanflow=ref.get("meanflow", False)),
         vocoder=HiFTConfig(base_channels=hift["base_channels"], f0_cond_channels=ref["f0_channels"],
                            upsample_rates=tuple(hift["upsample_rates"]),
                            upsample_kernel_sizes=tuple(hift["upsample_kernel_sizes"]), per_sample_source=True),
+        n_cfm_timesteps=2 if ref.get("meanflow") else 10,
     )
 
 
 def tiny_s3gen(record: dict) -> S3Gen:
     """Ours, loaded (strictly, both ways) from the reference's state dict in the released layout."""
-    model = S3Gen(s3gen_config(record["config"])).eval()
+    model = S3Gen(s3gen_config(record["config"] | {"meanflow": record["meanflow"]})).eval()
     load_s3gen(model, record["state"].items())
     return model

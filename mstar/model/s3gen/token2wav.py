@@ -37,6 +37,7 @@ from torch import nn
 
 from mstar.model.flow import EstimatorConfig, FlowEstimator, FlowFront, FlowFrontConfig, solve_euler
 from mstar.model.s3gen.encoder import EncoderConfig, UpsampleConformerEncoder
+from mstar.model.s3gen.meanflow import solve_meanflow
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator
 
 __all__ = ["S3Gen", "S3GenConfig", "S3GenPrompt", "fade_in"]
@@ -63,6 +64,16 @@ class S3GenConfig:
             raise ValueError("the estimator's mel_channels and cond_channels (3 x mel) must match the flow front's")
         if self.vocoder.in_channels != self.front.mel_channels:
             raise ValueError("the vocoder's in_channels must be the flow front's mel_channels")
+
+    @classmethod
+    def turbo(cls) -> S3GenConfig:
+        """Chatterbox Turbo's S3Gen (``s3gen_meanflow.safetensors``): the same modules, a
+        mean-flow estimator, two unguided steps."""
+        return cls(estimator=EstimatorConfig(meanflow=True), n_cfm_timesteps=2)
+
+    @property
+    def meanflow(self) -> bool:
+        return self.estimator.meanflow
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,25 @@ class S3Gen(nn.Module):
         """Frames the flow integrates for ``tokens`` after ``prompt``: prompt and new speech."""
         return (prompt.tokens.shape[1] + tokens.shape[1]) * self.config.encoder.upsample
 
+    def draw_noise(self, tokens: torch.Tensor, prompt: S3GenPrompt,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+        """The flow's starting noise ``[B, mel, noise_frames]`` as the reference draws it: one
+        field over prompt and new frames; Turbo first draws the new frames' noise, then the
+        whole field, and keeps the field's draws for the prompt's frames only."""
+        b, mel = tokens.shape[0], self.config.front.mel_channels
+        frames = self.noise_frames(tokens, prompt)
+        new = tokens.shape[1] * self.config.encoder.upsample
+
+        def draw(n: int) -> torch.Tensor:
+            return torch.randn(b, mel, n, generator=generator, device=tokens.device, dtype=self.fade.dtype)
+
+        if not self.config.meanflow:
+            return draw(frames)
+        head = draw(new)
+        field = draw(frames)
+        field[..., frames - new:] = head
+        return field
+
     def conditioning(self, tokens: torch.Tensor, prompt: S3GenPrompt,
                      token_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator's conditioning stack ``[B, 3 * mel, T]`` and frame mask ``[B, 1, T]``
@@ -132,9 +162,14 @@ class S3Gen(nn.Module):
         stack, mask = self.conditioning(tokens, prompt, token_lengths)
         if noise.shape[-1] != stack.shape[-1]:
             raise ValueError(f"noise has {noise.shape[-1]} frames, the decode integrates {stack.shape[-1]}")
-        mel = solve_euler(self.estimator, noise.to(stack.dtype), mask, stack,
-                          num_steps=n_cfm_timesteps or self.config.n_cfm_timesteps,
-                          cfg_rate=self.config.cfg_rate if cfg_rate is None else cfg_rate)
+        steps = n_cfm_timesteps or self.config.n_cfm_timesteps
+        if self.config.meanflow:
+            if cfg_rate:
+                raise ValueError("the meanflow sampler runs without guidance: cfg_rate must be None or 0")
+            mel = solve_meanflow(self.estimator, noise.to(stack.dtype), mask, stack, num_steps=steps)
+        else:
+            mel = solve_euler(self.estimator, noise.to(stack.dtype), mask, stack, num_steps=steps,
+                              cfg_rate=self.config.cfg_rate if cfg_rate is None else cfg_rate)
         return FlowFront.new_frames(mel, prompt.mel)
 
     def mel2wav(self, mel: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -150,7 +185,6 @@ class S3Gen(nn.Module):
         samples_per_frame]``. Without ``noise``, the flow's starting noise is drawn from
         ``generator`` first, then the vocoder's source draws from it (the reference's order)."""
         if noise is None:
-            shape = (tokens.shape[0], self.config.front.mel_channels, self.noise_frames(tokens, prompt))
-            noise = torch.randn(shape, generator=generator, device=tokens.device, dtype=self.fade.dtype)
+            noise = self.draw_noise(tokens, prompt, generator)
         mel = self.token2mel(tokens, prompt, noise, n_cfm_timesteps=n_cfm_timesteps)
         return self.mel2wav(mel, generator)
