@@ -21,7 +21,10 @@ Files (float32, CPU):
 
 - ``encoder.pt``: a tiny ``UpsampleConformerEncoder`` (its pre-look-ahead layer and 2x
   upsampler rebuilt at the tiny width: the reference hard-codes 512 channels for them), its
-  state dict, two padded rows in and the encoded frames and mask out;
+  state dict, two padded rows in and the encoded frames and mask out; also the frames of
+  CosyVoice2's own copy of the class (``cosyvoice-minicpmo==0.1.0``, installed in the project
+  venv ``--no-deps``; its package imports torchaudio, hence not tested live) on the same
+  weights;
 - ``mel.pt``: ``utils.mel.mel_spectrogram`` (the prompt clip's 80-bin log-mel at 24 kHz) of two
   random clips, and librosa's filterbank it multiplies by;
 - ``token2wav.pt``: a tiny ``S3Token2Wav`` (the released class, its flow and vocoder swapped
@@ -120,7 +123,23 @@ def record_encoder(ref) -> dict:
     xs[1, 6:] = 0  # padding is zero, as the flow's masked token embedding leaves it
     with torch.no_grad():
         out, masks = enc(xs, lens)
-    return dict(config=ENCODER, state=enc.state_dict(), xs=xs, lens=lens, out=out, masks=masks)
+    return dict(config=ENCODER, state=enc.state_dict(), xs=xs, lens=lens, out=out, masks=masks,
+                out_cosyvoice=cosyvoice_encoder(enc.state_dict(), xs, lens))
+
+
+def cosyvoice_encoder(state: dict, xs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """CosyVoice2's own ``UpsampleConformerEncoder`` (``cosyvoice-minicpmo==0.1.0``, of which
+    Chatterbox's is a copy without the streaming context) on the same weights and rows."""
+    from cosyvoice.transformer import upsample_encoder
+
+    enc = upsample_encoder.UpsampleConformerEncoder(**ENCODER)
+    width = ENCODER["output_size"]
+    enc.pre_lookahead_layer = upsample_encoder.PreLookaheadLayer(channels=width, pre_lookahead_len=3)
+    enc.up_layer = upsample_encoder.Upsample1D(channels=width, out_channels=width, stride=2)
+    enc.load_state_dict(state)
+    with torch.no_grad():
+        out, _ = enc.eval()(xs, lens)
+    return out
 
 
 def record_mel(ref) -> dict:

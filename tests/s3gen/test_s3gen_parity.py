@@ -3,7 +3,9 @@
 The reference outputs are fixtures recorded by ``record_reference.py`` from
 ``chatterbox-tts==0.1.7`` (``chatterbox.models.s3gen``) on torch 2.13.0 (CPU) with librosa
 0.11.0, in a private venv: the package pins torch 2.6 and numpy < 2, so it cannot live in the
-project's environment (the script's docstring says how to re-record). Tiny random configs,
+project's environment (the script's docstring says how to re-record). The encoder is also
+pinned to ``cosyvoice-minicpmo==0.1.0``'s copy, recorded by the same script (its
+``cosyvoice.transformer`` imports torchaudio, absent here). Tiny random configs,
 float32 on the CPU; errors are relative to the reference's peak.
 """
 
@@ -40,6 +42,7 @@ def test_encoder_matches_reference():
         frames, lengths = encoder(ENCODER["xs"], ENCODER["lens"])
     assert torch.equal(lengths, ENCODER["masks"][:, 0].sum(-1))
     assert peak_err(frames, ENCODER["out"]) < ENCODER_TOL
+    assert peak_err(frames, ENCODER["out_cosyvoice"]) < ENCODER_TOL  # CosyVoice2's copy, same weights
 
 
 def test_relative_positions_are_the_offsets_sinusoids():
