@@ -204,10 +204,19 @@ class UpsampleConformerEncoder(nn.Module):
             x = block(x, positions, key_mask)
         return x
 
-    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                solo_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Token embeddings ``[B, L, width]`` (zero past each row's length) and their lengths
-        ``[B]`` -> (frames ``[B, upsample * L, width]``, frame lengths ``[B]``)."""
-        x = self.pre_lookahead_layer(self.embed(tokens))
+        ``[B]`` -> (frames ``[B, upsample * L, width]``, frame lengths ``[B]``).
+
+        ``solo_rows``: zero the padding after the input projection, so that the look-ahead conv
+        reads zeros past a row's end as it does when the row runs alone, and each row's valid
+        frames are its solo encoding's. The reference leaves the projection of the zero padding
+        there (its S3Gen runs one row at a time); an unpadded batch is the same either way."""
+        x = self.embed(tokens)
+        if solo_rows:
+            x = x * (torch.arange(x.shape[1], device=x.device)[None] < lengths[:, None])[..., None]
+        x = self.pre_lookahead_layer(x)
         x = self._blocks(self.encoders, x, lengths)
         x = self.up_embed(self.up_layer(x))
         frame_lengths = lengths * self.config.upsample

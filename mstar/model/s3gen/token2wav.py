@@ -143,13 +143,14 @@ class S3Gen(nn.Module):
     def conditioning(self, tokens: torch.Tensor, prompt: S3GenPrompt,
                      token_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator's conditioning stack ``[B, 3 * mel, T]`` and frame mask ``[B, 1, T]``
-        for new ``tokens`` ``[B, L]`` (``token_lengths``: valid tokens per row, default all)."""
+        for new ``tokens`` ``[B, L]`` (``token_lengths``: valid tokens per row, default all).
+        A padded row's valid frames are those of its solo decode (``solo_rows``)."""
         b = tokens.shape[0]
         prompt_tokens = _rows(prompt.tokens, b).to(tokens.device)
         lengths = torch.full((b,), tokens.shape[1], device=tokens.device) if token_lengths is None else token_lengths
         lengths = lengths + prompt_tokens.shape[1]
         embedded = self.front.embed_tokens(torch.cat([prompt_tokens, tokens.to(prompt_tokens.dtype)], dim=1), lengths)
-        encoded, frame_lengths = self.encoder(embedded, lengths)
+        encoded, frame_lengths = self.encoder(embedded, lengths, solo_rows=True)
         stack = self.front.conditioning(encoded, _rows(prompt.xvector, b), _rows(prompt.mel, b).to(encoded.dtype))
         mask = (torch.arange(encoded.shape[1], device=encoded.device)[None] < frame_lengths[:, None])[:, None]
         return stack, mask.to(encoded.dtype)
@@ -158,7 +159,9 @@ class S3Gen(nn.Module):
                   token_lengths: torch.Tensor | None = None, n_cfm_timesteps: int | None = None,
                   cfg_rate: float | None = None) -> torch.Tensor:
         """The mel ``[B, mel, 2 L]`` of new ``tokens`` ``[B, L]`` from ``noise`` ``[B, mel,
-        noise_frames]`` (prompt frames first; they are integrated and then dropped)."""
+        noise_frames]`` (prompt frames first; they are integrated and then dropped). With
+        ``token_lengths``, a row's first ``2 * length`` frames are its solo decode's from the
+        same noise prefix; the frames after them are padding."""
         stack, mask = self.conditioning(tokens, prompt, token_lengths)
         if noise.shape[-1] != stack.shape[-1]:
             raise ValueError(f"noise has {noise.shape[-1]} frames, the decode integrates {stack.shape[-1]}")
