@@ -165,3 +165,20 @@ def test_a_padded_row_decodes_as_alone():
         full = model.token2mel(tokens[:1], prompt, noise[:1], n_cfm_timesteps=2)
     assert peak_err(both[1:, :, : 2 * short], alone) < MEL_TOL
     assert peak_err(both[:1], full) < MEL_TOL
+
+
+def test_a_non_final_decode_holds_back_the_look_ahead_frames():
+    """``finalize=False``: the conditioning is the final decode's without the last three
+    tokens' frames, and the mel is that many frames shorter."""
+    model = tiny_s3gen(TOKEN2WAV)
+    prompt, tokens = reference_prompt(TOKEN2WAV), TOKEN2WAV["tokens"]
+    held = model.held_frames
+    assert held == 6
+    with torch.no_grad():
+        stack, mask = model.conditioning(tokens, prompt)
+        stack_open, mask_open = model.conditioning(tokens, prompt, finalize=False)
+        noise = seeded_noise(model, TOKEN2WAV, prompt)[..., :-held]
+        assert noise.shape[-1] == model.noise_frames(tokens, prompt, finalize=False)
+        mel = model.token2mel(tokens, prompt, noise, finalize=False, n_cfm_timesteps=2)
+    assert torch.equal(stack_open, stack[..., :-held]) and torch.equal(mask_open, mask[..., :-held])
+    assert mel.shape[-1] == 2 * tokens.shape[1] - held

@@ -117,9 +117,16 @@ class S3Gen(nn.Module):
         self.vocoder = HiFTGenerator(config.vocoder)
         self.register_buffer("fade", fade_in(config.fade_samples), persistent=False)
 
-    def noise_frames(self, tokens: torch.Tensor, prompt: S3GenPrompt) -> int:
+    @property
+    def held_frames(self) -> int:
+        """Frames a non-final decode holds back: those of the last ``lookahead`` tokens, whose
+        encoding still lacks the tokens the look-ahead conv reads."""
+        return self.config.encoder.lookahead * self.config.encoder.upsample
+
+    def noise_frames(self, tokens: torch.Tensor, prompt: S3GenPrompt, finalize: bool = True) -> int:
         """Frames the flow integrates for ``tokens`` after ``prompt``: prompt and new speech."""
-        return (prompt.tokens.shape[1] + tokens.shape[1]) * self.config.encoder.upsample
+        frames = (prompt.tokens.shape[1] + tokens.shape[1]) * self.config.encoder.upsample
+        return frames if finalize else frames - self.held_frames
 
     def draw_noise(self, tokens: torch.Tensor, prompt: S3GenPrompt,
                    generator: torch.Generator | None = None) -> torch.Tensor:
@@ -140,29 +147,38 @@ class S3Gen(nn.Module):
         field[..., frames - new:] = head
         return field
 
-    def conditioning(self, tokens: torch.Tensor, prompt: S3GenPrompt,
-                     token_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def conditioning(self, tokens: torch.Tensor, prompt: S3GenPrompt, token_lengths: torch.Tensor | None = None,
+                     finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator's conditioning stack ``[B, 3 * mel, T]`` and frame mask ``[B, 1, T]``
         for new ``tokens`` ``[B, L]`` (``token_lengths``: valid tokens per row, default all).
-        A padded row's valid frames are those of its solo decode (``solo_rows``)."""
+        A padded row's valid frames are those of its solo decode (``solo_rows``).
+        ``finalize=False`` (the stream goes on): the last ``held_frames`` are left out."""
         b = tokens.shape[0]
         prompt_tokens = _rows(prompt.tokens, b).to(tokens.device)
         lengths = torch.full((b,), tokens.shape[1], device=tokens.device) if token_lengths is None else token_lengths
         lengths = lengths + prompt_tokens.shape[1]
         embedded = self.front.embed_tokens(torch.cat([prompt_tokens, tokens.to(prompt_tokens.dtype)], dim=1), lengths)
         encoded, frame_lengths = self.encoder(embedded, lengths, solo_rows=True)
+        if not finalize:
+            encoded, frame_lengths = encoded[:, : -self.held_frames], frame_lengths - self.held_frames
         stack = self.front.conditioning(encoded, _rows(prompt.xvector, b), _rows(prompt.mel, b).to(encoded.dtype))
         mask = (torch.arange(encoded.shape[1], device=encoded.device)[None] < frame_lengths[:, None])[:, None]
         return stack, mask.to(encoded.dtype)
 
     def token2mel(self, tokens: torch.Tensor, prompt: S3GenPrompt, noise: torch.Tensor, *,
                   token_lengths: torch.Tensor | None = None, n_cfm_timesteps: int | None = None,
-                  cfg_rate: float | None = None) -> torch.Tensor:
+                  cfg_rate: float | None = None, finalize: bool = True) -> torch.Tensor:
         """The mel ``[B, mel, 2 L]`` of new ``tokens`` ``[B, L]`` from ``noise`` ``[B, mel,
         noise_frames]`` (prompt frames first; they are integrated and then dropped). With
         ``token_lengths``, a row's first ``2 * length`` frames are its solo decode's from the
-        same noise prefix; the frames after them are padding."""
-        stack, mask = self.conditioning(tokens, prompt, token_lengths)
+        same noise prefix; the frames after them are padding.
+
+        ``finalize=False`` decodes a stream's tokens so far without the frames of its last
+        ``lookahead`` tokens (``held_frames``): ``2 L - held_frames`` frames from noise of
+        ``noise_frames(..., finalize=False)``. This is what the reference's ``finalize=False``
+        means to do (cut the encoder's output); chatterbox 0.1.7 fails there (its mask keeps
+        the uncut length), so this path has no reference to match."""
+        stack, mask = self.conditioning(tokens, prompt, token_lengths, finalize)
         if noise.shape[-1] != stack.shape[-1]:
             raise ValueError(f"noise has {noise.shape[-1]} frames, the decode integrates {stack.shape[-1]}")
         steps = n_cfm_timesteps or self.config.n_cfm_timesteps
