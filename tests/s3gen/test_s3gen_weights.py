@@ -13,7 +13,15 @@ import json
 import pytest
 import torch
 
-from mstar.model.s3gen import FRONT_END_PREFIXES, S3Gen, S3GenConfig, load_s3gen, s3gen_name_map, s3gen_tensors
+from mstar.model.s3gen import (
+    FRONT_END_PREFIXES,
+    S3Gen,
+    S3GenConfig,
+    S3GenPrompt,
+    load_s3gen,
+    s3gen_name_map,
+    s3gen_tensors,
+)
 from mstar.model.weights import WeightLoadError
 from tests.s3gen.tiny import FIXTURES, fixture, s3gen_config
 
@@ -78,3 +86,17 @@ def test_released_names_and_shapes(turbo):
     assert len(mapped) == len(folded)  # no two released tensors fill one parameter
     ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     assert mapped == ours
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("turbo", [False, True])
+def test_released_size_decodes(turbo):
+    """The released geometry end to end on random weights: one second of new tokens after a
+    short prompt gives one second of audio, finite and within the vocoder's limit."""
+    torch.manual_seed(0)
+    model = S3Gen(S3GenConfig.turbo() if turbo else S3GenConfig()).eval()
+    prompt = S3GenPrompt(torch.randint(0, 6561, (1, 10)), torch.randn(1, 20, 80), torch.randn(1, 192))
+    wave = model.token2wav(torch.randint(0, 6561, (1, 25)), prompt, generator=torch.Generator().manual_seed(0),
+                           n_cfm_timesteps=2)
+    assert wave.shape == (1, 24000)
+    assert torch.isfinite(wave).all() and wave.abs().max() <= model.config.vocoder.audio_limit
