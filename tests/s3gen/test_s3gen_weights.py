@@ -12,13 +12,16 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from mstar.model.s3gen import (
     FRONT_END_PREFIXES,
+    S3GEN_FILES,
     S3Gen,
     S3GenConfig,
     S3GenPrompt,
     load_s3gen,
+    read_s3gen,
     s3gen_name_map,
     s3gen_tensors,
 )
@@ -46,6 +49,20 @@ def test_every_released_tensor_fills_a_parameter_and_back():
     g = state["mel2wav.conv_pre.parametrizations.weight.original0"]
     v = state["mel2wav.conv_pre.parametrizations.weight.original1"]
     assert torch.allclose(model.vocoder.conv_pre.weight, g * v / v.norm(dim=(1, 2), keepdim=True))
+
+
+@pytest.mark.parametrize("name", ["token2wav", "turbo"])
+def test_reading_a_checkpoint_directory(tmp_path, name):
+    """The S3Gen file of a directory that also holds other models' files; Turbo's by its name."""
+    record = fixture(name)
+    config = s3gen_config(record["config"] | {"meanflow": record["meanflow"]})
+    save_file({k: v.contiguous() for k, v in record["state"].items()}, tmp_path / S3GEN_FILES[config.meanflow])
+    save_file({"tfmr.wte.weight": torch.zeros(2)}, tmp_path / "t3_cfg.safetensors")
+    model = read_s3gen(tmp_path, config)
+    assert not model.training
+    assert torch.equal(model.estimator.final_proj.weight, record["state"]["flow.decoder.estimator.final_proj.weight"])
+    with pytest.raises(FileNotFoundError, match=S3GEN_FILES[not config.meanflow]):
+        read_s3gen(tmp_path, s3gen_config(record["config"] | {"meanflow": not record["meanflow"]}))
 
 
 @pytest.mark.parametrize("drop", ["flow.encoder.encoders.1.norm_ff.bias", "mel2wav.ups.2.bias",

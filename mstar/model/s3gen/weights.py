@@ -17,19 +17,25 @@ The file holds four modules under four prefixes:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from mstar.model.flow import estimator_name_map, flow_front_name_map
-from mstar.model.s3gen.token2wav import S3Gen
+from mstar.model.s3gen.token2wav import S3Gen, S3GenConfig
 from mstar.model.vocoder.weight_norm import fold_weight_norm
 from mstar.model.weights import load_weights
 
-__all__ = ["FRONT_END_PREFIXES", "load_s3gen", "s3gen_name_map", "s3gen_tensors"]
+__all__ = ["FRONT_END_PREFIXES", "S3GEN_FILES", "load_s3gen", "read_s3gen", "s3gen_name_map", "s3gen_tensors"]
 
 FRONT_END_PREFIXES = ("speaker_encoder.", "tokenizer.")
 """Prefixes of ``s3gen.safetensors`` that belong to the prompt's front-end encoders."""
+
+S3GEN_FILES = {False: "s3gen.safetensors", True: "s3gen_meanflow.safetensors"}
+"""The file in a Chatterbox checkpoint directory, by ``meanflow`` (Turbo's is the second)."""
 
 _VOCODER = "mel2wav."
 _ENCODER = "flow.encoder."
@@ -67,3 +73,18 @@ def s3gen_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator
 def load_s3gen(module: S3Gen, named_tensors: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> None:
     """Fill ``module`` from the released tensors (``iter_safetensors`` of the checkpoint)."""
     load_weights(module, s3gen_tensors(named_tensors), name_map=s3gen_name_map, strict=strict)
+
+
+def read_s3gen(directory: str | os.PathLike[str], config: S3GenConfig | None = None,
+               dtype: torch.dtype | None = None) -> S3Gen:
+    """``S3Gen(config)`` (default: the released S3Gen's) filled from the S3Gen file of a
+    Chatterbox checkpoint ``directory`` (``S3GEN_FILES[config.meanflow]``; the directory's
+    other files are T3's and the voice encoder's), in eval mode."""
+    config = config or S3GenConfig()
+    path = Path(directory) / S3GEN_FILES[config.meanflow]
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} in {directory}")
+    model = S3Gen(config)
+    with safe_open(path, framework="pt") as handle:
+        load_s3gen(model, ((name, handle.get_tensor(name)) for name in handle.keys()))
+    return (model if dtype is None else model.to(dtype)).eval()
