@@ -47,6 +47,9 @@ class EstimatorConfig:
     causal: bool = True
     static_chunk_size: int = 50  # frames of one attention chunk when streaming
     left_chunks: int = -1  # chunks to the left a query may see when streaming; -1: all
+    meanflow: bool = False
+    """Chatterbox Turbo's S3Gen: the estimator also reads the step's end time ``r`` and mixes the
+    two time embeddings (``time_embed_mixer``), predicting the mean velocity over ``[t, r]``."""
 
     @property
     def in_channels(self) -> int:
@@ -195,6 +198,8 @@ class FlowEstimator(nn.Module):
 
         self.time_in = nn.Linear(c.in_channels, c.time_dim)
         self.time_out = nn.Linear(c.time_dim, c.time_dim)
+        if c.meanflow:
+            self.time_embed_mixer = nn.Linear(2 * c.time_dim, c.time_dim, bias=False)
         widths = (c.in_channels, *c.channels)
         self.down = nn.ModuleList(
             Level(widths[i], widths[i + 1], c,
@@ -217,10 +222,18 @@ class FlowEstimator(nn.Module):
         projected speaker embedding ``spks`` ``[B, mel]`` and prompt mel ``cond`` ``[B, mel, T]``."""
         return torch.cat([mu, spks[:, :, None].expand(-1, -1, mu.shape[-1]), cond], dim=1)
 
+    def _time(self, t: torch.Tensor) -> torch.Tensor:
+        return self.time_out(F.silu(self.time_in(timestep_features(t, self.config.in_channels))))
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cond_stack: torch.Tensor, t: torch.Tensor,
-                streaming: bool = False) -> torch.Tensor:
+                streaming: bool = False, r: torch.Tensor | None = None) -> torch.Tensor:
+        """``r`` [B]: the step's end time, read by a ``meanflow`` estimator only (and required there)."""
         c = self.config
-        time = self.time_out(F.silu(self.time_in(timestep_features(t, c.in_channels))))
+        time = self._time(t)
+        if c.meanflow:
+            if r is None:
+                raise ValueError("a meanflow estimator needs the step's end time r")
+            time = self.time_embed_mixer(torch.cat([time, self._time(r)], dim=1))
         chunk = c.static_chunk_size if (streaming and c.causal) else 0
 
         def allowed(m: torch.Tensor) -> torch.Tensor:
