@@ -23,7 +23,7 @@ import torch
 from mstar.contract import SamplingParams
 from mstar.distributed import broadcast, current_parallel
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DEFAULT_PREFILL_TOKENS, DecodeGraphs, PrefillGraphs
 from mstar.engine.forward import Decoder, Forward
 from mstar.engine.page_pool import PagePool
 from mstar.engine.rules import TokenRules
@@ -68,7 +68,11 @@ class AutoregressiveEngine(Engine):
     new token per row) replay a CUDA graph per batch bucket of ``graph_batch_sizes``
     (``self.graphs``, ``mstar.engine.cuda_graphs.DecodeGraphs``; captured on first use, or
     all at once by ``graphs.capture_all()``); the KV caches get one page more than the pool,
-    the padded rows' scratch page. Off CUDA the same buckets run eagerly.
+    the padded rows' scratch page. With the plain ``Forward``, a step that is one sequence's
+    whole prompt (no cached prefix) of at most the last of ``prefill_graph_tokens`` tokens also
+    replays a graph, per token bucket (``self.prefill_graphs``, ``PrefillGraphs``): time to
+    first token at one stream is then the GPU's, not the host's. Off CUDA the same buckets run
+    eagerly.
 
     ``overlap_scheduling``: after launching a step, and before reading its tokens back, the
     engine launches the next decode step of every sequence that may continue, fed by the
@@ -109,7 +113,8 @@ class AutoregressiveEngine(Engine):
                  rules: TokenRules | None = None, forward: Forward | None = None,
                  attention_backend: str = "torch", cuda_graphs: bool = False,
                  graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, overlap_scheduling: bool = False,
-                 prefix_caching: bool = False, max_prefill_tokens: int | None = None):
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None,
+                 prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.model = model
@@ -150,6 +155,15 @@ class AutoregressiveEngine(Engine):
                 device=device, page_size=page_size, max_pages_per_seq=-(-max_seq_len // page_size),
                 scratch_page=num_pages, batch_sizes=graph_batch_sizes, backend=attention_backend,
                 row_pads=self.forward.graph_rows)
+        # A fresh prompt of one sequence replays a prefill graph when the forward is the plain
+        # one (its prefill reads nothing but the ids and the paged cache).
+        self.prefill_graphs: PrefillGraphs | None = None
+        plain = type(self.forward).prepare is Forward.prepare and type(self.forward).hidden is Forward.hidden
+        if cuda_graphs and plain and prefill_graph_tokens:
+            self.prefill_graphs = PrefillGraphs(
+                self._prefill_graph_step, device=device, page_size=page_size,
+                max_pages_per_seq=-(-max_seq_len // page_size), scratch_page=num_pages,
+                token_sizes=[n for n in prefill_graph_tokens if n < max_seq_len], backend=attention_backend)
         self.sampler = Sampler()
         self.seen = SeenTokens()  # the repetition penalty's marks, kept on the device
         self.tp_group = current_parallel().tp  # the model's TP ranks must continue the same ids
@@ -304,8 +318,16 @@ class AutoregressiveEngine(Engine):
         self._forward_began = True
         if counts is None and self.graphs is not None and self.graphs.fits(len(items), meta):
             return self.forward.graph_logits(self.graphs.run(input_ids, meta, inputs))
+        if counts is not None and self.prefill_graphs is not None and self.prefill_graphs.fits(counts[0], meta):
+            return self.prefill_graphs.run(input_ids, meta)
         hidden = self.forward.hidden(input_ids, meta, self.kv_caches, inputs, counts)
         return self.forward.logits(hidden if counts is None else hidden[meta.query_start_loc[1:] - 1])
+
+    def _prefill_graph_step(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+                            last: torch.Tensor) -> torch.Tensor:
+        """What a prefill graph records: the logits ``[1, V]`` of the prompt's row ``last``."""
+        hidden = self.forward.hidden(input_ids, meta, self.kv_caches, {}, [int(input_ids.shape[0])])
+        return self.forward.logits(hidden.index_select(0, last))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
         """The next id of every row, left on the logits' device (the rules' ``sample``).

@@ -16,6 +16,10 @@ time, each output read before the next replay), and replays it. Its front ends:
   input ids and paged-attention metadata in static buffers, plus any per-row inputs of the
   model's (Whisper's cross-attention slot). Padded rows are token 0 at position 0 whose K/V
   go to, and are read from, a **scratch page** no sequence owns.
+* ``PrefillGraphs``: the engine's fresh prefill of one sequence (no cached prefix) per token
+  bucket: the prompt padded to the bucket, padded tokens' K/V into the scratch page, the
+  logits of the last real token out. A prompt's eager prefill is host-bound (a Llama-8B
+  layer ~0.9 ms of Python and launches at 128 tokens, against ~0.15 ms of GPU work).
 * ``ShapeGraphs``: ``fn(*inputs)`` per caller-given key (the inputs' shapes and whatever
   Python-level choice changes the launched kernels), over static copies of the first inputs
   of that key, at most ``max_graphs`` keys (the diffusion text encoders).
@@ -38,6 +42,7 @@ from mstar.layers.paged_kv import ATTENTION_BACKENDS, PagedAttentionMetadata
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_MAX_GRAPHS = 16
+DEFAULT_PREFILL_TOKENS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 
 
 class GraphRunner:
@@ -243,6 +248,108 @@ class DecodeGraphs:
             backend=self.backend,
         )
         return self.step(rows["input_ids"], meta, {name: rows[name] for name in self.row_pads})
+
+
+class PrefillGraphs:
+    """A fresh prefill of one sequence (its ``T`` prompt tokens at positions ``0 .. T - 1``, no
+    cached prefix) replayed per token bucket of ``token_sizes``: ``step(input_ids, meta, last)``
+    over static buffers, ``last`` ``[1]`` the index of the last real token, whose logits the
+    step returns. The prompt fills the first ``T`` rows; the rows up to the bucket are token 0
+    whose K/V go to the scratch page. The bucket's metadata says the sequence is ``bucket``
+    long: a real token attends causally to positions up to its own, all real, so only padded
+    tokens read the padded (or stale) keys past ``T``, and their outputs are dropped. The
+    page table's columns past the prompt's pages hold the scratch page."""
+
+    def __init__(self, step: Callable[[torch.Tensor, PagedAttentionMetadata, torch.Tensor], torch.Tensor],
+                 *, device: torch.device, page_size: int, max_pages_per_seq: int, scratch_page: int,
+                 token_sizes: Iterable[int] = DEFAULT_PREFILL_TOKENS, backend: str = "triton") -> None:
+        if device.type == "cuda" and backend == "torch":
+            raise ValueError("the 'torch' attention backend synchronises with the host and cannot be "
+                             "captured in a CUDA graph; use 'triton'")
+        sizes = sorted({int(n) for n in token_sizes})
+        if not sizes or sizes[0] < 2:
+            raise ValueError(f"prefill token buckets must be at least 2, got {sizes}")
+        self.step, self.token_sizes = step, tuple(sizes)
+        self.page_size, self.max_pages_per_seq, self.scratch_page = page_size, max_pages_per_seq, scratch_page
+        self.backend, self.device = backend, device
+        n = sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.page_table = torch.full((1, max_pages_per_seq), scratch_page, dtype=torch.int64, device=device)
+        self.last = torch.zeros(1, dtype=torch.int64, device=device)
+        self.positions = torch.arange(n, dtype=torch.int64, device=device)
+        # padded token i writes its K/V to slot i of the scratch page (in turn)
+        self.scratch_slots = scratch_page * page_size + self.positions % page_size
+        # one metadata object a bucket, kept: the tensors a backend derives from it in the
+        # warm-up runs (the prefill kernel's tiles) are the ones the capture records
+        self.metas: dict[int, PagedAttentionMetadata] = {}
+        self.runner = GraphRunner(self._step, device, warmups=2)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_sizes[-1]
+
+    @property
+    def captured_token_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.runner.keys))
+
+    def fits(self, tokens: int, meta: PagedAttentionMetadata) -> bool:
+        """True for a step that is one sequence's whole prompt of ``tokens`` (2 to the last
+        bucket) with no cached prefix."""
+        return (1 < tokens <= self.max_tokens and meta.num_seqs == 1 and meta.seq_lens_list == [tokens]
+                and meta.page_size == self.page_size and meta.page_table.shape[1] <= self.max_pages_per_seq)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (nothing to do off CUDA)."""
+        if self.runner.capture:
+            with torch.inference_mode():
+                for bucket in reversed(self.token_sizes):
+                    if bucket not in self.runner:
+                        self._prepare(bucket)
+
+    def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+        """``step``'s output for the prompt (a copy); the prompt's K/V are written to its pages
+        as by an eager step."""
+        tokens = int(input_ids.shape[0])
+        if not self.fits(tokens, meta):
+            raise ValueError(f"a step of {tokens} tokens is not one fresh prompt within {self.max_tokens} tokens")
+        bucket = next(size for size in self.token_sizes if size >= tokens)
+        with torch.inference_mode():
+            if bucket not in self.runner:
+                self._prepare(bucket)
+            self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
+            self.input_ids[tokens:bucket].zero_()
+            self.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
+            self.slot_mapping[tokens:bucket].copy_(self.scratch_slots[tokens:bucket])
+            width = meta.page_table.shape[1]
+            self.page_table[:, :width].copy_(meta.page_table, non_blocking=True)
+            self.page_table[:, width:].fill_(self.scratch_page)
+            self.last.fill_(tokens - 1)
+            return self.runner.replay(bucket).clone()
+
+    def _prepare(self, bucket: int) -> None:
+        """Capture a bucket over an all-padding prompt (its writes go to the scratch page)."""
+        self.input_ids[:bucket].zero_()
+        self.slot_mapping[:bucket].copy_(self.scratch_slots[:bucket])
+        self.page_table.fill_(self.scratch_page)
+        self.last.fill_(bucket - 1)
+        self.runner.prepare(bucket)
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        meta = self.metas.get(bucket)
+        if meta is None:
+            meta = self.metas[bucket] = PagedAttentionMetadata(
+                positions=self.positions[:bucket],
+                slot_mapping=self.slot_mapping[:bucket],
+                query_start_loc=torch.tensor([0, bucket], dtype=torch.int64, device=self.device),
+                seq_lens=torch.tensor([bucket], dtype=torch.int64, device=self.device),
+                page_table=self.page_table,
+                page_size=self.page_size,
+                backend=self.backend,
+                host_query_start_loc=(0, bucket),
+                host_seq_lens=(bucket,),
+            )
+        return self.step(self.input_ids[:bucket], meta, self.last)
 
 
 class ShapeGraphs:

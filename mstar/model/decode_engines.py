@@ -30,6 +30,8 @@ def decode_engine(model, knobs: DecodeKnobs, config: DeploymentConfig, device: t
                                   max_prefill_tokens=knobs.max_prefill_tokens)
     if engine.graphs is not None:
         engine.graphs.capture_all()
+    if engine.prefill_graphs is not None:
+        engine.prefill_graphs.capture_all()
     return engine
 
 

@@ -183,6 +183,35 @@ def test_engine_with_decode_graphs_on_cpu() -> None:
         AutoregressiveEngine(model, layout, attention_backend="nope", **kwargs)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda(triton=True))])
+def test_prefill_graphs_generate_like_eager(device: str) -> None:
+    """A request's whole prompt alone in a step replays a prefill graph per token bucket (off
+    CUDA the same buckets run eagerly): the same tokens as the engine without graphs, at
+    prompt lengths inside, at and past the buckets; a step of two prompts, a prompt past the
+    last bucket and a one-token prompt run as before. The padded tokens write only the scratch
+    page."""
+    dev = torch.device(device)
+    model = tiny_llama(dev, torch.float32)
+    layout = KVLayout(2, 2, 64)
+    backend = "triton" if device == "cuda" else "torch"
+    kwargs: dict[str, Any] = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_seq_len=128, device=dev,
+                                  dtype=torch.float32, attention_backend=backend)
+    plain = AutoregressiveEngine(model, layout, **kwargs)
+    graphed = AutoregressiveEngine(model, layout, cuda_graphs=True, graph_batch_sizes=(1, 2),
+                                   prefill_graph_tokens=(16, 32), **kwargs)
+    assert graphed.prefill_graphs is not None and plain.prefill_graphs is None
+    rng = random.Random(3)
+    for i, length in enumerate((5, 16, 17, 32, 40, 1)):
+        prompt = {f"r{i}": [rng.randrange(1, 200) for _ in range(length)]}
+        assert generate(plain, prompt, 3) == generate(graphed, prompt, 3), length
+        for engine in (plain, graphed):
+            engine.release(f"r{i}")
+    pair = {"p": [3, 4, 5, 6], "q": [7, 8, 9]}
+    assert generate(plain, pair, 3) == generate(graphed, pair, 3)
+    assert graphed.prefill_graphs.captured_token_sizes == (16, 32)
+    assert torch.count_nonzero(graphed.kv_caches[0][:, NUM_PAGES]) > 0  # the padded tokens' K/V
+
+
 def test_bucket_graphs_pad_and_copy_out() -> None:
     """Rows past the batch hold the pads; an input narrower than its buffer fills the leading
     columns, zeros after; the output is a copy of the batch's rows."""
