@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from mstar.contract import (
     ChatSpec,
@@ -17,6 +18,7 @@ from mstar.contract import (
     SpeechSpec,
     Transcription,
     TranscriptionSpec,
+    Voice,
 )
 from mstar.model.spec import ModelSpec, WalkOutput, WalkRequest
 from mstar.runtime.handoff import AsyncSink
@@ -57,7 +59,9 @@ class RuntimeBackend:
         stop = spec.model_kwargs.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
-        return self._run(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+        if spec.reference is not None and not self.clones_voices:
+            raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
+        return self._pieces(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
 
     # ---------------------------------------------------------------- images
     async def generate_images(self, spec: ImageSpec) -> list[bytes]:
@@ -88,15 +92,50 @@ class RuntimeBackend:
     def validates_speech_options(self) -> bool:
         return bool(getattr(self.spec, "validates_speech_options", False))
 
+    @property
+    def clones_voices(self) -> bool:
+        return bool(getattr(self.spec, "clones_voices", False))
+
     def voices(self) -> list[str]:
         voices = getattr(self.spec, "voices", None)
         return voices() if voices else []
+
+    def voice_list(self) -> list[Voice]:
+        """The spec's ``voice_list()`` (names with language and source) where it has one."""
+        described = getattr(self.spec, "voice_list", None)
+        return described() if described else [Voice(name) for name in self.voices()]
 
     def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]:
         prepare = getattr(self.spec, "prepare_speech", None)
         if prepare is None:
             raise RequestError("model", f"model {self.model_id!r} does not synthesise speech")
-        return self._run(spec.request_id, lambda: prepare(spec), [])
+        if spec.reference is not None and not self.clones_voices:
+            raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
+        return self._pieces(spec.request_id, lambda: prepare(spec), [])
+
+    async def _pieces(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
+        """One walk's events, or, when ``prepare`` returns a list (a family that speaks long
+        text as sentence pieces, one walk each), the pieces' walks one after another as one
+        stream: the audio of piece ``i + 1`` follows piece ``i``'s, and only the last
+        piece's finish ends it. A failed or cancelled piece ends the request there."""
+        planned: WalkRequest | list[WalkRequest] = await asyncio.to_thread(prepare)
+        pieces = planned if isinstance(planned, list) else [planned]
+        if not pieces:
+            raise RequestError("input", "has nothing to speak")
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            piece_id = request_id if len(pieces) == 1 else f"{request_id}-p{i}"
+            async with aclosing(self._run(piece_id, lambda piece=piece: piece, stop)) as events:
+                async for event in events:
+                    ends_early = event.error is not None or event.finish_reason not in (None, "stop", "length")
+                    if event.finish_reason and not last and not ends_early:
+                        event = OutputEvent(modality=event.modality, data=event.data, text=event.text)
+                        if event.data or event.text:
+                            yield event
+                        continue
+                    yield event
+                    if ends_early:
+                        return
 
     async def _generate_transcription(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
         """/generate with an audio file on a speech recogniser: the transcript as text."""
