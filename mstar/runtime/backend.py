@@ -22,9 +22,13 @@ from mstar.contract import (
 )
 from mstar.model.spec import ModelSpec, WalkOutput, WalkRequest
 from mstar.runtime.handoff import AsyncSink
+from mstar.runtime.pieces import stream_pieces
 from mstar.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+PIECES_AHEAD = 1
+"""Sentence pieces of one request running past the one streaming (their audio waits its turn)."""
 
 
 class RuntimeBackend:
@@ -115,27 +119,21 @@ class RuntimeBackend:
 
     async def _pieces(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
         """One walk's events, or, when ``prepare`` returns a list (a family that speaks long
-        text as sentence pieces, one walk each), the pieces' walks one after another as one
-        stream: the audio of piece ``i + 1`` follows piece ``i``'s, and only the last
-        piece's finish ends it. A failed or cancelled piece ends the request there."""
+        text as sentence pieces, one walk each), the pieces' walks as one stream in order,
+        the next piece already running while one streams (``stream_pieces``)."""
         planned: WalkRequest | list[WalkRequest] = await asyncio.to_thread(prepare)
-        pieces = planned if isinstance(planned, list) else [planned]
-        if not pieces:
+        if not isinstance(planned, list):
+            planned = [planned]
+        if not planned:
             raise RequestError("input", "has nothing to speak")
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            piece_id = request_id if len(pieces) == 1 else f"{request_id}-p{i}"
-            async with aclosing(self._run(piece_id, lambda piece=piece: piece, stop)) as events:
-                async for event in events:
-                    ends_early = event.error is not None or event.finish_reason not in (None, "stop", "length")
-                    if event.finish_reason and not last and not ends_early:
-                        event = OutputEvent(modality=event.modality, data=event.data, text=event.text)
-                        if event.data or event.text:
-                            yield event
-                        continue
-                    yield event
-                    if ends_early:
-                        return
+        if len(planned) == 1:
+            events = self._run(request_id, lambda: planned[0], stop)
+        else:
+            events = stream_pieces(planned, lambda i, piece: self._run(f"{request_id}-p{i}", lambda: piece, stop),
+                                   ahead=PIECES_AHEAD)
+        async with aclosing(events) as stream:
+            async for event in stream:
+                yield event
 
     async def _generate_transcription(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
         """/generate with an audio file on a speech recogniser: the transcript as text."""
