@@ -15,6 +15,7 @@ import base64
 import io
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -131,6 +132,19 @@ def test_the_memo_is_bounded(oai, model):
     assert len(model.clip_memo) == model.clip_memo_size
     speak(oai, ref_audio=data_uri(wav_bytes(tone(0.2, 16000, 0.1), 16000)))  # the oldest was evicted
     assert len(model.conditioned) == model.clip_memo_size + 2
+
+
+def test_concurrent_requests_share_one_encoding_and_equal_their_solo_audio(oai, model):
+    clips = [tone(0.3, 24000, 0.2), tone(0.3, 24000, 0.3)]
+    uris = [data_uri(wav_bytes(c, 24000)) for c in clips]
+    texts = [SHORT, LONG]
+    jobs = [(texts[i % 2], i % 2) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda job: speak(oai, job[0], ref_audio=uris[job[1]]), jobs))
+    for (text, which), audio in zip(jobs, got):
+        assert close(audio, expected_audio(text, timbre_of(clips[which], 24000, None)))
+    # two clips (of one length), each encoded once however the eight requests interleave
+    assert model.conditioned == [(clips[0].size, 24000, None)] * 2
 
 
 def test_streamed_pieces_join_to_the_whole(oai, model):
