@@ -187,6 +187,8 @@ def test_presets_are_listed_and_cloned(oai, server, model, presets):
     assert voices == [
         {"voice_id": "plain", "name": "plain", "model": MODEL, "language": "en", "source": "bundled"},
         {"voice_id": "narrator", "name": "narrator", "model": MODEL, "language": "en", "source": "preset"}]
+    assert httpx.get(f"{server.url}/v1/audio/voices", params={"model": MODEL}).json()["voices"] == voices
+    assert error_of(httpx.get(f"{server.url}/v1/audio/voices", params={"model": "nope"}))[:2] == (404, "model")
     audio = oai.audio.speech.create(model=MODEL, voice="narrator", input=SHORT, response_format="pcm")
     preset = sf.read(presets / "narrator.wav", dtype="float32")[0]
     want = expected_audio(SHORT, timbre_of(preset, 16000, "Once upon a time."))
