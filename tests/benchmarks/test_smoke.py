@@ -17,6 +17,7 @@ from benchmarks import s3_orpheus as s3
 from benchmarks import s4_whisper as s4
 from benchmarks import s5_shared_prefix as s5
 from benchmarks import s6_parakeet as s6
+from benchmarks import s7_tts as s7
 from benchmarks.common import LLAMA_3_1_8B
 
 
@@ -101,6 +102,20 @@ def test_s6_parakeet_smoke(tmp_path):
                                              "token_error_rate": 0.0}
         tokens, steps = row["notes"]["ours_tokens_per_clip"], row["notes"]["baseline_steps_per_clip"]
         assert all(0 < t < s for t, s in zip(tokens, steps)), "every clip says something, and blanks too"
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_s7_kokoro_smoke(tmp_path):
+    """Ours and the kokoro package speak one checkpoint: every request's audio is there, and
+    both sides make about as much of it (ours packs the phonemes into chunks, each with its
+    own boundary pads, so not sample for sample)."""
+    assert s7.main(["--smoke", "--runs", "1", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s7.NAME)
+    assert set(rows) == {"rtf@1", "ttfa@1", "rtf@2", "ttfa@2"}
+    assert all(row["ours"] > 0 and row["baseline"] > 0 for row in rows.values())
+    for n in ("1", "2"):
+        ours, base = data["ours"][n]["runs"][0]["audio_s"], data["baseline"][n]["runs"][0]["audio_s"]
+        assert base > 0 and abs(ours - base) < 0.1 * base, (n, ours, base)
 
 
 @pytest.mark.slow  # runs the benchmark script end to end (two deployments)
