@@ -54,12 +54,14 @@ class ChatterboxSpeechKnobs(RequestKnobs):
     cfg_weight: float = Field(0.5, ge=0.0, le=1.0)
     """Classifier-free guidance weight; 0 runs no unconditional row (Turbo has none)."""
 
-    temperature: float = Field(0.8, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(1000, ge=1)
+    # sampling: unset, the variant's reference defaults (``model.SAMPLING_DEFAULTS``)
+    temperature: float | None = Field(None, ge=0.0, le=5.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
     """Turbo only (its filter order has top-k); the guided variants ignore it."""
-    min_p: float = Field(0.05, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.2, ge=1.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """The guided variants only; Turbo ignores it, as the reference does."""
+    repetition_penalty: float | None = Field(None, ge=1.0, le=2.0)
     seed: int | None = Field(None, ge=0)
     """Seeds both T3's draws and S3Gen's noise (unset: fresh randomness)."""
 
