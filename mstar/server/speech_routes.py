@@ -84,14 +84,14 @@ class SpeechRequest(BaseModel):
     ref_audio: str | None = None  # a clip to clone: data URI, base64, or http(s) URL when allowed
     ref_text: str | None = Field(None, max_length=MAX_REF_TEXT_CHARS)  # the clip's transcript
     sentence_chunking: bool | None = None  # None: the model's default
-    # Chatterbox's options (validated by the model, which names the field)
-    exaggeration: float | None = None
-    cfg_weight: float | None = None
-    min_p: float | None = None
-    top_k: int | None = None
-    language_id: str | None = None
-    max_new_tokens: int | None = None
-    watermark: bool | None = None
+    # Chatterbox's options: passed as sent, the model's strict options check them and name the field
+    exaggeration: Any = None
+    cfg_weight: Any = None
+    min_p: Any = None
+    top_k: Any = None
+    language_id: Any = None
+    max_new_tokens: Any = None
+    watermark: Any = None
 
     @field_validator("voice", mode="before")
     @classmethod

@@ -139,7 +139,7 @@ def test_bad_options_are_refused_naming_the_field(kwargs, field):
 
 
 def test_bad_requests_name_their_field():
-    english, multilingual, turbo = spec_of("chatterbox"), spec_of("chatterbox_multilingual"), spec_of("chatterbox_turbo")
+    english, multilingual, turbo = (spec_of(key) for key in KEYS)
     cases = [
         (english, SpeechSpec("x", TEXT, "nobody", 1.0, {}), "voice"),
         (english, SpeechSpec("x", TEXT, None, 1.5, {}), "speed"),
