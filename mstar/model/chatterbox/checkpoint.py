@@ -181,6 +181,15 @@ class ChatterboxCheckpoint:
             return tiny_s3gen_config(self.meanflow)
         return S3GenConfig.turbo() if self.meanflow else S3GenConfig()
 
+    def ve_config(self) -> VoiceEncoderConfig:
+        return tiny_ve_config() if self.tiny else VoiceEncoderConfig()
+
+    def tokenizer_config(self) -> S3TokenizerConfig:
+        return tiny_tokenizer_config() if self.tiny else S3TokenizerConfig()
+
+    def campplus_config(self) -> CampPlusConfig:
+        return tiny_campplus_config() if self.tiny else CampPlusConfig()
+
     # worker side
     def t3(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> T3:
         return load_t3(self.directory, self.t3_config(), device=device, dtype=dtype, dummy=self.dummy,
@@ -208,9 +217,9 @@ class ChatterboxCheckpoint:
     # API-server side
     def clip_encoders(self) -> ClipEncoders:
         """The voice encoder, S3 tokenizer and CAMPPlus, on the CPU in float32."""
-        ve = VoiceEncoder(tiny_ve_config() if self.tiny else None)
-        tok = S3Tokenizer(tiny_tokenizer_config() if self.tiny else None)
-        cam = CampPlus(tiny_campplus_config() if self.tiny else None)
+        ve = VoiceEncoder(self.ve_config())
+        tok = S3Tokenizer(self.tokenizer_config())
+        cam = CampPlus(self.campplus_config())
         if self.dummy:
             for i, module in enumerate((ve, tok, cam)):
                 fill_weights(module, lambda: iter(()), dummy=True, seed=self.seed + 3 + i)
