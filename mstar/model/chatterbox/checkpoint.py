@@ -46,12 +46,13 @@ from mstar.model.speech_front import (
     voice_encoder_name_map,
 )
 from mstar.model.vocoder import HiFTConfig
-from mstar.model.weights import fill_weights
+from mstar.model.weights import fill_weights, init_dummy_weights
 
 __all__ = ["BuiltinVoice", "ChatterboxCheckpoint", "ClipEncoders", "CharTextFront", "TextFront", "Voice"]
 
 VE_FILE = "ve.safetensors"
 CONDS_FILE = "conds.pt"
+TINY_S3GEN_STD = 0.1  # tiny dummy S3Gen: audio peaks near 0.04, audible as int16 and unclipped
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ class ChatterboxCheckpoint:
             return read_s3gen(self.directory, self.s3gen_config()).to(device, dtype)
         model = S3Gen(self.s3gen_config())
         fill_weights(model, lambda: iter(()), dummy=True, seed=self.seed + 1)
+        if self.tiny:  # at the usual std the tiny vocoder says ~1e-5, below 16-bit PCM's step
+            init_dummy_weights(model, seed=self.seed + 1, std=TINY_S3GEN_STD)
         return model.to(device, dtype).eval()
 
     def perth(self, path: str | None, device: torch.device | str = "cpu") -> PerthNet | None:
