@@ -169,3 +169,27 @@ def test_options_reach_the_walk():
     assert walk.cost["kv_pages"] < english.prepare_speech(SpeechSpec("y", TEXT, None, 1.0, {"max_new_tokens": 12})
                                                           ).cost["kv_pages"]  # no unconditional row
     assert turbo.prepare_speech(SpeechSpec("z", TEXT, None, 1.0, {"cfg_weight": 0.9})).params["cfg_weight"] == 0.0
+
+
+def test_an_unknown_or_bad_deployment_knob_stops_startup_naming_it():
+    from mstar.config import ConfigError
+
+    for kwargs, name in (({"colour": 1}, "colour"), ({"variant": "klingon"}, "variant"),
+                         ({"default_language": "xx"}, "default_language"), ({"watermark": "yes"}, "watermark"),
+                         ({"max_new_tokens_limit": 0}, "max_new_tokens_limit")):
+        config = deployment_config("chatterbox")
+        config["model_kwargs"] = {**config["model_kwargs"], **kwargs}
+        with pytest.raises(ConfigError, match=name):
+            model_class("chatterbox")(parse_config(config))
+
+
+def test_without_soxr_outputs_are_unmarked_and_the_log_says_so(monkeypatch, caplog):
+    import sys
+
+    spec = spec_of("chatterbox")
+    parts = spec.checkpoint()
+    assert isinstance(spec._watermarker(parts, torch.device("cpu")), PerthWatermarker)
+    monkeypatch.setitem(sys.modules, "soxr", None)  # import soxr raises ImportError
+    with caplog.at_level("WARNING"):
+        assert spec._watermarker(parts, torch.device("cpu")) is None
+    assert "NOT watermarked" in caplog.text and "soxr" in caplog.text
