@@ -193,3 +193,32 @@ def test_without_soxr_outputs_are_unmarked_and_the_log_says_so(monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert spec._watermarker(parts, torch.device("cpu")) is None
     assert "NOT watermarked" in caplog.text and "soxr" in caplog.text
+
+
+@pytest.mark.parametrize("key", ["chatterbox", "chatterbox_turbo"])
+def test_streamed_chunks_cover_the_whole_utterance(key):
+    """With ``stream_first_chunk_tokens`` the audio comes in several pieces as T3 goes; they
+    add up to the whole utterance's length (the same tokens: T3 does not see the chunking),
+    the first piece ends on the held-back look-ahead, and a seeded request repeats exactly."""
+    config = deployment_config(key)
+    config["model_kwargs"] |= {"stream_first_chunk_tokens": 8, "stream_max_chunk_tokens": 16}
+    deployment = start(parse_config(config), in_process=True)
+    try:
+        async def run(request_id):
+            return [e async for e in deployment.backend.speech(SpeechSpec(request_id, TEXT, None, 1.0, {"seed": 3}))]
+
+        pieces = [np.frombuffer(e.data, "<f4") for e in asyncio.run(run("s1")) if e.data]
+        again = [np.frombuffer(e.data, "<f4") for e in asyncio.run(run("s2")) if e.data]
+    finally:
+        deployment.close()
+    whole = ChatterboxCheckpoint(None, KEYS[key], dummy=True, tiny=True)
+    parts = whole.text_front().ids(TEXT)
+    t3 = whole.t3()
+    request = T3Request(T3Conditioning(whole.builtin_voice().speaker_emb, whole.builtin_voice().prompt_tokens, 0.5),
+                        torch.tensor(parts), SamplingParams(**SAMPLING_DEFAULTS[KEYS[key]], seed=3),
+                        0.5 if t3.config.guided else 0.0, LIMIT)
+    tokens = generate(t3, request, PagedSequences(t3), torch.Generator().manual_seed(3)).tokens
+    want = vocode(whole.s3gen(), t3.config, tokens, whole.builtin_voice().s3gen, 3, None)
+    assert len(pieces) > 2 and sum(len(p) for p in pieces) == len(want)
+    assert all(len(p) % 480 == 0 for p in pieces)
+    assert len(again) == len(pieces) and all(np.array_equal(a, b) for a, b in zip(pieces, again, strict=True))

@@ -41,6 +41,15 @@ class ChatterboxKnobs(Knobs):
     voices_dir: str | None = None
     """Preset voices (``<name>.wav`` + optional ``<name>.txt``) cloned like an uploaded clip."""
 
+    stream_first_chunk_tokens: int = Field(0, ge=0)
+    """Speech tokens before the first audio chunk (the reference notes use 35, or 15 on the
+    multilingual and Turbo models); 0 synthesises whole utterances, the reference path."""
+
+    stream_chunk_growth: float = Field(2.0, ge=1.0)
+    """Each later chunk's tokens: the previous chunk's times this, up to the maximum."""
+
+    stream_max_chunk_tokens: int = Field(200, ge=1)
+
     dummy_scale: Literal["real", "tiny"] = "real"
     """Under ``load_format: dummy``: the released shapes, or tiny ones (tests, CI)."""
 

@@ -6,10 +6,11 @@ T3, mean-flow S3Gen, no guidance).
 
 Graph: ``t3`` (autoregressive, ``T3Engine``: a guided request's conditional and
 unconditional rows decode as two KV sequences of one batch) writes a speech ``token`` per
-step; a stream edge hands the whole token stream, once T3 has stopped, to ``s3gen``
-(stateless: S3Gen, then the watermark), which emits the utterance's audio. This is the
-reference's whole-utterance path; chunked streaming is not done yet, so ``stream: true``
-sends the audio as one chunk.
+step; a stream edge hands the token stream to ``s3gen`` (stateless: S3Gen, then the
+watermark), which emits audio. By default the edge waits for T3 to stop and hands over the
+whole utterance (``WholeStream``: the reference's path); with ``stream_first_chunk_tokens``
+it hands over growing chunks as the tokens come (``GrowingTokens``, see
+``synthesis.vocode_prefix``).
 
 Preparing a request (API-server side): the voice (the checkpoint's built-in one, a preset from
 ``voices_dir``, or a cloned ``ref_audio`` clip, each encoded once per content through the
@@ -27,7 +28,7 @@ import torch
 from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice, VoiceClip
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, StreamEdge, Walk
-from mstar.graph.chunking import Chunk, ChunkPolicy
+from mstar.graph.chunking import Chunk, ChunkPolicy, GrowingChunks
 from mstar.model.chatterbox import checkpoint as ckpt
 from mstar.model.chatterbox.knobs import LANGUAGES, ChatterboxGenerateKnobs, ChatterboxKnobs, ChatterboxSpeechKnobs
 from mstar.model.chatterbox.synthesis import S3GEN_RATE, clip_voice, s3gen_fn
@@ -39,7 +40,7 @@ from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream
 from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
-__all__ = ["Chatterbox", "ChatterboxMultilingual", "ChatterboxTurbo", "WholeStream"]
+__all__ = ["Chatterbox", "ChatterboxMultilingual", "ChatterboxTurbo", "GrowingTokens", "WholeStream"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,24 @@ class WholeStream(ChunkPolicy):
         return Chunk(taken, covered, available, covered, available, True)
 
 
+class GrowingTokens(ChunkPolicy):
+    """Chunks of ``first``, ``first * growth``, ... new tokens (at most ``max_size``), each
+    handed every token so far (S3Gen re-runs the flow over the whole prefix). A chunk before
+    the end always leaves a token for the last one, so the end is never a chunk that thought
+    it was not last."""
+
+    def __init__(self, first: int, growth: float, max_size: int) -> None:
+        self.sizes = GrowingChunks(first, growth, max(first, max_size))
+
+    def next_chunk(self, available, taken, covered, closed):
+        want = self.sizes.size_of(taken)
+        if closed and available > covered:
+            return Chunk(taken, 0, available, covered, available, True)
+        if not closed and available - covered > want:
+            return Chunk(taken, 0, covered + want, covered, covered + want, False)
+        return None
+
+
 class ChatterboxFamily(VoiceCloning, ModelSpec):
     tasks = frozenset({"speech"})
     sample_rate = S3GEN_RATE
@@ -82,8 +101,14 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
             Loop(Step("t3", "decode", reads="token", writes="token"), until="stop", max_iters="max_decode_steps"),
         )
         vocode = StreamEdge("token", into=Step("s3gen", reads=("token", "s3_tokens", "s3_mel", "xvector"),
-                                               writes="audio", emit=Emit("audio", "audio")), policy=WholeStream())
+                                               writes="audio", emit=Emit("audio", "audio")), policy=self._policy())
         return Graph.build([t3, s3gen], [Walk("tts", speak, inputs=(*VOICE_INPUTS, "text_ids"), streams=[vocode])])
+
+    def _policy(self) -> ChunkPolicy:
+        k = self.knobs
+        if k.stream_first_chunk_tokens == 0:
+            return WholeStream()
+        return GrowingTokens(k.stream_first_chunk_tokens, k.stream_chunk_growth, k.stream_max_chunk_tokens)
 
     # -------------------------------------------------------------- frontend
     @property

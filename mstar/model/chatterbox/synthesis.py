@@ -9,6 +9,9 @@ our polyphase filter where the reference uses librosa's and torchaudio's, so a c
 close to, not bit-equal with, the reference's; Turbo's reference also normalises the clip's
 loudness to -27 LUFS first (pyloudnorm), which is not done here.
 
+The multilingual reference keeps ids past S3's 6561 codes, which S3Gen cannot embed; they are
+dropped here (where the reference would fail).
+
 ``s3gen_fn`` runs S3Gen per request: T3's tokens as the variant hands them on
 (``speech_tokens_for_s3gen``), ``token2wav`` with a generator seeded by the request's seed
 (the flow's noise, then the vocoder source's draws, in the reference's order), then PerTh.
@@ -28,7 +31,7 @@ from mstar.model.chatterbox.t3_decode import speech_tokens_for_s3gen
 from mstar.model.perth import PerthWatermarker
 from mstar.model.s3gen import S3Gen, S3GenPrompt, log_mel
 
-__all__ = ["S3GEN_RATE", "S3_RATE", "clip_voice", "s3gen_fn", "vocode"]
+__all__ = ["S3GEN_RATE", "S3_RATE", "clip_voice", "s3gen_fn", "vocode", "vocode_prefix"]
 
 S3GEN_RATE = 24000
 S3_RATE = 16000
@@ -68,8 +71,7 @@ def vocode(s3gen: S3Gen, config: T3Config, tokens: list[int], prompt: S3GenPromp
            watermarker: PerthWatermarker | None) -> torch.Tensor:
     """One request's audio ``[samples]`` (float32, CPU) from all of T3's tokens."""
     device = s3gen.fade.device
-    vocab = s3gen.config.front.vocab_size  # the multilingual reference keeps ids past S3's codes,
-    speech = [t for t in speech_tokens_for_s3gen(tokens, config) if t < vocab]  # which S3Gen cannot embed
+    speech = _speech(s3gen, config, tokens, True)
     if not speech:
         return torch.zeros(0)
     generator = torch.Generator(device).manual_seed(seed)
@@ -81,9 +83,49 @@ def vocode(s3gen: S3Gen, config: T3Config, tokens: list[int], prompt: S3GenPromp
     return wave.cpu()
 
 
+def _speech(s3gen: S3Gen, config: T3Config, tokens: list[int], final: bool) -> list[int]:
+    """The S3 tokens S3Gen reads of T3's ``tokens`` so far; before the end, without the
+    silence Turbo appends to a finished utterance."""
+    speech = [t for t in speech_tokens_for_s3gen(tokens, config) if t < s3gen.config.front.vocab_size]
+    return speech[:-3] if config.is_gpt2 and not final else speech
+
+
+@torch.no_grad()
+def vocode_prefix(s3gen: S3Gen, config: T3Config, tokens: list[int], done: int, final: bool,
+                  prompt: S3GenPrompt, seed: int, max_tokens: int,
+                  watermarker: PerthWatermarker | None) -> torch.Tensor:
+    """A streamed utterance's next audio: the samples of T3's ``tokens`` so far past those the
+    chunks of its first ``done`` tokens gave. The flow re-runs over every token so far from
+    one fixed noise field (a prefix of the same seeded draw each time); before the end the
+    frames of the last ``lookahead`` tokens are held back (``finalize=False``). The vocoder
+    re-runs over the whole mel and the new samples are cut out, so a seam is continuous in
+    the mel but not sample-identical to the whole-utterance decode; each piece is marked on
+    its own."""
+    device, dtype = s3gen.fade.device, s3gen.fade.dtype
+    speech = _speech(s3gen, config, tokens, final)
+    before = _speech(s3gen, config, tokens[:done], False) if done else []
+    emitted = max(2 * len(before) - s3gen.held_frames, 0) if done else 0
+    if not speech or (not final and 2 * len(speech) <= s3gen.held_frames):
+        return torch.zeros(0)
+    prompt = S3GenPrompt(prompt.tokens.to(device), prompt.mel.to(device, dtype), prompt.xvector.to(device, dtype))
+    new = torch.tensor([speech], device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    frames = 2 * (prompt.tokens.shape[1] + max_tokens + 3)
+    field = torch.randn(1, s3gen.config.front.mel_channels, frames, generator=generator, device=device, dtype=dtype)
+    mel = s3gen.token2mel(new, prompt, field[..., : s3gen.noise_frames(new, prompt, final)], finalize=final)
+    wave = s3gen.mel2wav(mel, generator)[0].float()
+    per_frame = wave.shape[-1] // mel.shape[-1]
+    piece = wave[emitted * per_frame:]
+    if watermarker is not None and piece.numel() > 0:
+        piece = watermarker.apply(piece, S3GEN_RATE)
+    return piece.cpu()
+
+
 def s3gen_fn(s3gen: S3Gen, config: T3Config, watermarker: PerthWatermarker | None):
-    """The ``s3gen`` node: each item is a whole utterance (its ``token`` stream, the voice's
-    prompt, params ``seed`` and ``watermark``), vocoded on its own."""
+    """The ``s3gen`` node: each item is one chunk of a request's ``token`` stream (all its
+    tokens so far), with the voice's prompt and params ``seed``, ``watermark``,
+    ``max_new_tokens``, vocoded on its own: a whole utterance (``vocode``, the reference
+    path) when the chunk is the stream's first and last, else ``vocode_prefix``."""
 
     def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         out = []
@@ -91,7 +133,14 @@ def s3gen_fn(s3gen: S3Gen, config: T3Config, watermarker: PerthWatermarker | Non
             prompt = S3GenPrompt(item.inputs["s3_tokens"].long(), item.inputs["s3_mel"], item.inputs["xvector"])
             tokens = [int(t) for t in item.inputs["token"].reshape(-1)]
             marker = watermarker if item.params.get("watermark", True) else None
-            out.append({"audio": vocode(s3gen, config, tokens, prompt, int(item.params["seed"]), marker)})
+            seed = int(item.params["seed"])
+            chunk = item.chunk
+            if chunk is None or (chunk.keep_start == 0 and chunk.last):
+                audio = vocode(s3gen, config, tokens, prompt, seed, marker)
+            else:
+                audio = vocode_prefix(s3gen, config, tokens, chunk.keep_start, chunk.last, prompt, seed,
+                                      int(item.params["max_new_tokens"]), marker)
+            out.append({"audio": audio})
         return out
 
     return run
