@@ -144,7 +144,7 @@ def test_bad_requests_name_their_field():
         (english, SpeechSpec("x", TEXT, "nobody", 1.0, {}), "voice"),
         (english, SpeechSpec("x", TEXT, None, 1.5, {}), "speed"),
         (english, SpeechSpec("x", "   ", None, 1.0, {}), "input"),
-        (english, SpeechSpec("x", "word " * 200, None, 1.0, {}), "input"),
+        (english, SpeechSpec("x", "word " * 100, None, 1.0, {}), "input"),
         (multilingual, SpeechSpec("x", TEXT, None, 1.0, {"language_id": "xx"}), "language_id"),
         (turbo, SpeechSpec("x", TEXT, None, 1.0, {}, reference=clip(seconds=3.0)), "ref_audio"),
         (english, SpeechSpec("x", TEXT, None, 1.0, {}, reference=clip(seconds=0.1)), "ref_audio"),
@@ -222,3 +222,22 @@ def test_streamed_chunks_cover_the_whole_utterance(key):
     assert len(pieces) > 2 and sum(len(p) for p in pieces) == len(want)
     assert all(len(p) % 480 == 0 for p in pieces)
     assert len(again) == len(pieces) and all(np.array_equal(a, b) for a, b in zip(pieces, again, strict=True))
+
+
+def test_sentence_chunking_speaks_each_piece_as_alone():
+    config = deployment_config("chatterbox")
+    deployment = start(parse_config(config), in_process=True)
+    first = "One rather long sentence, " + "with clause after clause, " * 9 + "ends here."
+    second = "And another one, " + "on and on, " * 20 + "ends there."  # together over the 400 limit
+    try:
+        chunked = speak(deployment, SpeechSpec("p", f"{first} {second}", None, 1.0, {"seed": 4},
+                                               sentence_chunking=True))
+        alone = [speak(deployment, SpeechSpec(f"a{i}", text, None, 1.0, {"seed": 4}))
+                 for i, text in enumerate((first, second))]
+    finally:
+        deployment.close()
+    spec = spec_of("chatterbox")
+    long = " ".join(["Short sentence number one."] * 20)
+    assert len(spec.prepare_speech(SpeechSpec("q", long, None, 1.0, {}, sentence_chunking=True))) == 2
+    assert len(spec.prepare_speech(SpeechSpec("r", f"{first} {second}", None, 1.0, {}, sentence_chunking=True))) == 2
+    assert np.array_equal(chunked, np.concatenate(alone))

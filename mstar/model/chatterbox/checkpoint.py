@@ -101,7 +101,7 @@ class ClipEncoders:
 def tiny_t3_config(variant: str) -> T3Config:
     """A small T3 of the variant with the released speech-token layout (S3 codes below 6561),
     so that a clip's S3 tokens are valid prompt ids."""
-    common = dict(max_text_tokens=96, max_speech_tokens=160, speaker_embed_size=tiny_ve_config().embed_size,
+    common = dict(max_text_tokens=420, max_speech_tokens=160, speaker_embed_size=tiny_ve_config().embed_size,
                   speech_cond_prompt_len=6, text_vocab_size=64, start_text_token=63, stop_text_token=0)
     if variant == "turbo":
         gpt2 = GPT2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,

@@ -86,6 +86,9 @@ class ChatterboxSpeechKnobs(RequestKnobs):
 
 
 class ChatterboxGenerateKnobs(ChatterboxSpeechKnobs):
-    """``/generate``'s ``model_kwargs``: a speech request's plus ``voice``."""
+    """``/generate``'s ``model_kwargs``: a speech request's plus ``voice`` and
+    ``sentence_chunking``."""
 
     voice: str | None = None
+    sentence_chunking: bool | None = None
+    """True: the text is spoken as groups of sentences (up to 400 characters), in order."""

@@ -36,6 +36,7 @@ from mstar.model.chatterbox.t3_engine import T3Engine
 from mstar.model.decoding import kv_pages
 from mstar.model.perth import PerthWatermarker
 from mstar.model.registry import register
+from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream
 from mstar.model.voice_cloning import VoiceCloning, VoicePresets
@@ -45,6 +46,8 @@ __all__ = ["Chatterbox", "ChatterboxMultilingual", "ChatterboxTurbo", "GrowingTo
 log = logging.getLogger(__name__)
 
 BUILTIN = "default"
+PIECES = SentenceChunker(limit=400)  # characters: groups of whole sentences
+MAX_PIECES = 32
 VOICE_INPUTS = ("speaker_emb", "prompt_tokens", "s3_tokens", "s3_mel", "xvector")
 SAMPLING_DEFAULTS = {
     "english": dict(temperature=0.8, top_p=1.0, min_p=0.05, repetition_penalty=1.2),
@@ -148,10 +151,8 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
     def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
         if spec.speed != 1.0:
             raise RequestError("speed", "Chatterbox cannot change its speaking rate; send speed 1.0")
-        if spec.sentence_chunking:
-            raise RequestError("sentence_chunking", "Chatterbox speaks the text whole; split long text client-side")
         options = ChatterboxSpeechKnobs.parse(spec.model_kwargs)
-        return self._speak(spec.input, self._voice(spec.voice, spec.reference), options)
+        return self._pieces(spec.input, self._voice(spec.voice, spec.reference), options, spec.sentence_chunking)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) != {"audio"}:
@@ -159,7 +160,19 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
         if spec.files:
             raise RequestError("files", f"model {self.key!r} takes text, and a voice as ref_audio")
         options = ChatterboxGenerateKnobs.parse(spec.model_kwargs)
-        return self._speak(spec.text, self._voice(options.voice, spec.reference), options)
+        return self._pieces(spec.text, self._voice(options.voice, spec.reference), options, options.sentence_chunking)
+
+    def _pieces(self, text: str, voice: ckpt.Voice, options: ChatterboxSpeechKnobs,
+                sentence_chunking: bool | None) -> WalkRequest | list[WalkRequest]:
+        """One ``tts`` walk for the whole text (the reference's way), or with
+        ``sentence_chunking`` one per group of sentences, played in order: T3's quality drops
+        on long text well before its limit."""
+        if not sentence_chunking:
+            return self._speak(text, voice, options)
+        pieces = PIECES.split(text)
+        if len(pieces) > MAX_PIECES:
+            raise RequestError("input", f"makes {len(pieces)} sentence pieces; the limit is {MAX_PIECES}")
+        return [self._speak(piece, voice, options) for piece in pieces] or self._speak(text, voice, options)
 
     def _voice(self, name: str | None, reference: VoiceClip | None) -> ckpt.Voice:
         """The request's voice: a clone of ``reference``, else a preset, else the built-in."""
