@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
 MAX_BODY_BYTES = 48 * 1024 * 1024  # a reference clip of up to 32 MB, base64 in the JSON body
 Chunks = AsyncGenerator[bytes, None]
-_MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code")
+_MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code",
+                 "exaggeration", "cfg_weight", "min_p", "top_k", "language_id", "max_new_tokens", "watermark")
 
 
 class SpeechRequest(BaseModel):
@@ -83,6 +84,14 @@ class SpeechRequest(BaseModel):
     ref_audio: str | None = None  # a clip to clone: data URI, base64, or http(s) URL when allowed
     ref_text: str | None = Field(None, max_length=MAX_REF_TEXT_CHARS)  # the clip's transcript
     sentence_chunking: bool | None = None  # None: the model's default
+    # Chatterbox's options: passed as sent, the model's strict options check them and name the field
+    exaggeration: Any = None
+    cfg_weight: Any = None
+    min_p: Any = None
+    top_k: Any = None
+    language_id: Any = None
+    max_new_tokens: Any = None
+    watermark: Any = None
 
     @field_validator("voice", mode="before")
     @classmethod

@@ -1,0 +1,146 @@
+"""Chatterbox's two ends around T3: a reference clip to a ``Voice`` (API-server side), and
+T3's speech tokens to marked 24 kHz audio (the ``s3gen`` node).
+
+``clip_voice`` is the reference's ``prepare_conditionals``: the clip at 24 kHz (its first 10 s)
+gives S3Gen's prompt mel, and at 16 kHz its S3 tokens and CAMPPlus x-vector (``embed_ref``);
+at 16 kHz it also gives T3's prompt tokens (the first 6 s, Turbo's 15 s, at most
+``speech_cond_prompt_len`` tokens) and the voice encoder's speaker embedding. Resampling uses
+our polyphase filter where the reference uses librosa's and torchaudio's, so a cloned voice is
+close to, not bit-equal with, the reference's; Turbo's reference also normalises the clip's
+loudness to -27 LUFS first (pyloudnorm), which is not done here.
+
+The multilingual reference keeps ids past S3's 6561 codes, which S3Gen cannot embed; they are
+dropped here (where the reference would fail).
+
+``s3gen_fn`` runs S3Gen per request: T3's tokens as the variant hands them on
+(``speech_tokens_for_s3gen``), ``token2wav`` with a generator seeded by the request's seed
+(the flow's noise, then the vocoder source's draws, in the reference's order), then PerTh.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar.audio.io import resample
+from mstar.contract import RequestError
+from mstar.engine.base import EngineItem
+from mstar.model.chatterbox.checkpoint import ClipEncoders, Voice
+from mstar.model.chatterbox.config import T3Config
+from mstar.model.chatterbox.t3_decode import speech_tokens_for_s3gen
+from mstar.model.perth import PerthWatermarker
+from mstar.model.s3gen import S3Gen, S3GenPrompt, log_mel
+
+__all__ = ["S3GEN_RATE", "S3_RATE", "clip_voice", "s3gen_fn", "vocode", "vocode_prefix"]
+
+S3GEN_RATE = 24000
+S3_RATE = 16000
+DECODER_SECONDS = 10  # the reference's DEC_COND_LEN: S3Gen's prompt
+ENCODER_SECONDS = {"turbo": 15}  # ENC_COND_LEN: T3's prompt tokens (6 s but on Turbo)
+MIN_SECONDS = {"turbo": 5.0}  # Turbo's reference refuses shorter clips
+MIN_SAMPLES_16K = 4000  # 0.25 s: the voice encoder and CAMPPlus need a few frames
+
+
+@torch.no_grad()
+def clip_voice(encoders: ClipEncoders, samples: np.ndarray, sample_rate: int, config: T3Config) -> Voice:
+    """The ``Voice`` of one reference clip (mono float32 at ``sample_rate``)."""
+    seconds = samples.size / sample_rate
+    least = MIN_SECONDS.get(config.variant, 0.0)
+    if seconds <= least:
+        raise RequestError("ref_audio", f"the clip is {seconds:.1f} s; Chatterbox {config.variant} "
+                           f"needs over {least:g} s")
+    wave24 = resample(samples.astype(np.float32), sample_rate, S3GEN_RATE)
+    wave16 = resample(wave24, S3GEN_RATE, S3_RATE)
+    if wave16.size < MIN_SAMPLES_16K:
+        raise RequestError("ref_audio", f"the clip is {seconds:.2f} s; Chatterbox needs at least 0.25 s")
+    prompt24 = torch.from_numpy(wave24[: DECODER_SECONDS * S3GEN_RATE].copy())
+    prompt16 = torch.from_numpy(resample(prompt24.numpy(), S3GEN_RATE, S3_RATE))
+    mel = log_mel(prompt24[None]).transpose(1, 2)  # [1, T, 80]
+    s3_tokens, counts = encoders.tokenizer([prompt16])
+    xvector = encoders.campplus([prompt16])
+    prompt = S3GenPrompt.aligned(s3_tokens[:, : int(counts[0])], mel, xvector)
+    whole16 = torch.from_numpy(wave16)
+    head = whole16[: ENCODER_SECONDS.get(config.variant, 6) * S3_RATE]
+    t3_tokens, t3_counts = encoders.tokenizer([head], max_tokens=config.speech_cond_prompt_len)
+    speaker = encoders.voice_encoder([whole16])
+    return Voice(speaker, t3_tokens[:, : int(t3_counts[0])], prompt)
+
+
+@torch.no_grad()
+def vocode(s3gen: S3Gen, config: T3Config, tokens: list[int], prompt: S3GenPrompt, seed: int,
+           watermarker: PerthWatermarker | None) -> torch.Tensor:
+    """One request's audio ``[samples]`` (float32, CPU) from all of T3's tokens."""
+    device = s3gen.fade.device
+    speech = _speech(s3gen, config, tokens, True)
+    if not speech:
+        return torch.zeros(0)
+    generator = torch.Generator(device).manual_seed(seed)
+    prompt = S3GenPrompt(prompt.tokens.to(device), prompt.mel.to(device, s3gen.fade.dtype),
+                         prompt.xvector.to(device, s3gen.fade.dtype))
+    wave = s3gen.token2wav(torch.tensor([speech], device=device), prompt, generator=generator)[0].float()
+    if watermarker is not None:
+        wave = watermarker.apply(wave, S3GEN_RATE)
+    return wave.cpu()
+
+
+def _speech(s3gen: S3Gen, config: T3Config, tokens: list[int], final: bool) -> list[int]:
+    """The S3 tokens S3Gen reads of T3's ``tokens`` so far; before the end, without the
+    silence Turbo appends to a finished utterance."""
+    speech = [t for t in speech_tokens_for_s3gen(tokens, config) if t < s3gen.config.front.vocab_size]
+    return speech[:-3] if config.is_gpt2 and not final else speech
+
+
+@torch.no_grad()
+def vocode_prefix(s3gen: S3Gen, config: T3Config, tokens: list[int], done: int, final: bool,
+                  prompt: S3GenPrompt, seed: int, max_tokens: int,
+                  watermarker: PerthWatermarker | None) -> torch.Tensor:
+    """A streamed utterance's next audio: the samples of T3's ``tokens`` so far past those the
+    chunks of its first ``done`` tokens gave. The flow re-runs over every token so far from
+    one fixed noise field (a prefix of the same seeded draw each time); before the end the
+    frames of the last ``lookahead`` tokens are held back (``finalize=False``). The vocoder
+    re-runs over the whole mel and the new samples are cut out, so a seam is continuous in
+    the mel but not sample-identical to the whole-utterance decode; each piece is marked on
+    its own."""
+    device, dtype = s3gen.fade.device, s3gen.fade.dtype
+    speech = _speech(s3gen, config, tokens, final)
+    before = _speech(s3gen, config, tokens[:done], False) if done else []
+    emitted = max(2 * len(before) - s3gen.held_frames, 0) if done else 0
+    if not speech or (not final and 2 * len(speech) <= s3gen.held_frames):
+        return torch.zeros(0)
+    prompt = S3GenPrompt(prompt.tokens.to(device), prompt.mel.to(device, dtype), prompt.xvector.to(device, dtype))
+    new = torch.tensor([speech], device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    frames = 2 * (prompt.tokens.shape[1] + max_tokens + 3)
+    field = torch.randn(1, s3gen.config.front.mel_channels, frames, generator=generator, device=device, dtype=dtype)
+    mel = s3gen.token2mel(new, prompt, field[..., : s3gen.noise_frames(new, prompt, final)], finalize=final)
+    wave = s3gen.mel2wav(mel, generator)[0].float()
+    per_frame = wave.shape[-1] // mel.shape[-1]
+    piece = wave[emitted * per_frame:]
+    if watermarker is not None and piece.numel() > 0:
+        piece = watermarker.apply(piece, S3GEN_RATE)
+    return piece.cpu()
+
+
+def s3gen_fn(s3gen: S3Gen, config: T3Config, watermarker: PerthWatermarker | None):
+    """The ``s3gen`` node: each item is one chunk of a request's ``token`` stream (all its
+    tokens so far), with the voice's prompt and params ``seed``, ``watermark``,
+    ``max_new_tokens``, vocoded on its own: a whole utterance (``vocode``, the reference
+    path) when the chunk is the stream's first and last, else ``vocode_prefix``."""
+
+    def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for item in items:
+            prompt = S3GenPrompt(item.inputs["s3_tokens"].long(), item.inputs["s3_mel"], item.inputs["xvector"])
+            tokens = [int(t) for t in item.inputs["token"].reshape(-1)]
+            marker = watermarker if item.params.get("watermark", True) else None
+            seed = int(item.params["seed"])
+            chunk = item.chunk
+            if chunk is None or (chunk.keep_start == 0 and chunk.last):
+                audio = vocode(s3gen, config, tokens, prompt, seed, marker)
+            else:
+                audio = vocode_prefix(s3gen, config, tokens, chunk.keep_start, chunk.last, prompt, seed,
+                                      int(item.params["max_new_tokens"]), marker)
+            out.append({"audio": audio})
+        return out
+
+    return run
