@@ -111,14 +111,43 @@ class CompletionSpec:
 
 
 @dataclass(frozen=True)
+class VoiceClip:
+    """A reference clip to clone a voice from (``ref_audio``), decoded and checked by the API
+    server before the model sees it: ``pcm`` is mono float32 little-endian samples at the
+    clip's own ``sample_rate`` (each family resamples to what its encoders read), ``text`` its
+    transcript (``ref_text``) when the client sent one."""
+
+    pcm: bytes
+    sample_rate: int
+    text: str | None = None
+
+    @property
+    def duration(self) -> float:
+        return len(self.pcm) / 4 / self.sample_rate
+
+
+@dataclass(frozen=True)
+class Voice:
+    """One voice a speech model offers (/v1/audio/voices): its ``name`` (what ``voice`` takes),
+    its ``language`` (an ISO-639-1 code) where known, and where it comes from: ``bundled``
+    with the weights, or a ``preset`` clip of the deployment's ``voices_dir``."""
+
+    name: str
+    language: str | None = None
+    source: str = "bundled"
+
+
+@dataclass(frozen=True)
 class GenerateSpec:
-    """One native /generate request."""
+    """One native /generate request. ``reference``: the voice to clone (``model_kwargs``'
+    ``ref_audio`` and ``ref_text``, resolved and decoded by the route)."""
 
     request_id: str
     text: str
     files: list[tuple[str, bytes]]  # (filename, content)
     output_modalities: list[str]
     model_kwargs: dict
+    reference: VoiceClip | None = None
 
 
 @dataclass
@@ -180,13 +209,18 @@ class Transcription:
 
 @dataclass(frozen=True)
 class SpeechSpec:
-    """One text-to-speech request (/v1/audio/speech)."""
+    """One text-to-speech request (/v1/audio/speech). ``reference``: a clip to clone the voice
+    of (only for a model that clones). ``sentence_chunking``: speak the text as ordered
+    sentence pieces (True), whole where the model allows (False), or as the model prefers
+    (None)."""
 
     request_id: str
     input: str
     voice: str | None = None  # None: the model's default voice
     speed: float = 1.0
     model_kwargs: dict = field(default_factory=dict)  # temperature, top_p, repetition_penalty, seed, max_tokens
+    reference: VoiceClip | None = None
+    sentence_chunking: bool | None = None
 
 
 @dataclass(frozen=True)

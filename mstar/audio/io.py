@@ -9,6 +9,7 @@ reports every problem as an ``AudioError`` naming the request field (``file``).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import gcd
 
@@ -43,7 +44,7 @@ _VIDEO = "a video container, not audio"
 _MP4_AUDIO_BRANDS = {b"M4A ", b"M4B ", b"M4P ", b"F4A ", b"F4B "}
 
 
-def _sniff_non_audio(head: bytes) -> str | None:
+def sniff_non_audio(head: bytes) -> str | None:
     """What the file is when its first bytes say it is not decodable audio, else None."""
     if head[4:8] == b"ftyp":
         if head[8:12] in _MP4_AUDIO_BRANDS:
@@ -77,28 +78,32 @@ def _sniff_non_audio(head: bytes) -> str | None:
 # ------------------------------------------------------------------ decoding
 
 
-def _read(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
-    """All frames as float32 ``(frames, channels)`` and the rate; the duration is checked
-    from the header first, so an over-long file is refused without decoding it."""
+def read_frames(data: bytes, max_seconds: float, field: str = "file",
+          check_header: Callable[[sf.SoundFile], None] | None = None) -> tuple[np.ndarray, int]:
+    """All frames as float32 ``(frames, channels)`` and the rate; the duration (and whatever
+    ``check_header`` checks) is checked from the header first, so an over-long file is refused
+    without decoding it."""
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             rate = int(f.samplerate)
             if rate <= 0:
-                raise AudioError("file", f"invalid sample rate {rate}")
+                raise AudioError(field, f"invalid sample rate {rate}")
+            if check_header is not None:
+                check_header(f)
             if f.frames > 0:
-                _check_duration(f.frames / rate, max_seconds)
+                _check_duration(f.frames / rate, max_seconds, field)
             frames = f.read(dtype="float32", always_2d=True)
     except AudioError:
         raise
     except Exception as exc:  # libsndfile reports corrupt/unknown data in several ways
         reason = str(exc).strip() or type(exc).__name__
-        raise AudioError("file", f"could not decode audio: {reason} (send {SUPPORTED})") from None
+        raise AudioError(field, f"could not decode audio: {reason} (send {SUPPORTED})") from None
     return frames, rate
 
 
-def _check_duration(seconds: float, max_seconds: float) -> None:
+def _check_duration(seconds: float, max_seconds: float, field: str = "file") -> None:
     if seconds > max_seconds:
-        raise AudioError("file", f"audio is {seconds:.1f} s; the limit is {max_seconds:g} s")
+        raise AudioError(field, f"audio is {seconds:.1f} s; the limit is {max_seconds:g} s")
 
 
 def resample(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
@@ -125,10 +130,10 @@ def decode_audio(
         raise AudioError("file", message, 413)
     if not data:
         raise AudioError("file", "file is empty")
-    what = _sniff_non_audio(bytes(data[:256]))
+    what = sniff_non_audio(bytes(data[:256]))
     if what is not None:
         raise AudioError("file", f"the file is {what}; send {SUPPORTED} audio")
-    frames, rate = _read(data, max_seconds)
+    frames, rate = read_frames(data, max_seconds)
     if frames.shape[0] == 0 or frames.shape[1] == 0:
         raise AudioError("file", "the audio has zero length (no samples)")
     _check_duration(frames.shape[0] / rate, max_seconds)

@@ -4,10 +4,12 @@ their results, ``SpeechResult`` (a whole clip) and ``SpeechStream`` (bytes as th
     >>> client.tts("Hello there.").to_wav("hello.wav")
     >>> with client.tts("A longer story.", stream=True) as stream:
     ...     for chunk in stream: player.feed(chunk)
+    >>> client.tts("Said in your voice.", reference_audio="me.wav", ref_text="What me.wav says.")
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import httpx
+import numpy as np
 
 from mstar.client.errors import MStarError
 
@@ -29,6 +32,32 @@ def _wav_header(sample_rate: int, data_bytes: int) -> bytes:
     fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
     riff = b"RIFF" + struct.pack("<I", 36 + data_bytes) + b"WAVE"
     return riff + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", data_bytes)
+
+
+def _float_wav(samples: np.ndarray, sample_rate: int) -> bytes:
+    """``samples`` (``(frames,)`` or ``(frames, channels)``) as an IEEE-float32 WAV file."""
+    frames = np.asarray(samples, dtype="<f4")
+    frames = frames[:, None] if frames.ndim == 1 else frames
+    channels = frames.shape[1]
+    data = np.ascontiguousarray(frames).tobytes()
+    fmt = struct.pack("<HHIIHH", 3, channels, sample_rate, sample_rate * 4 * channels, 4 * channels, 32)
+    return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def reference_field(audio: str | PathLike | bytes | np.ndarray, sample_rate: int | None = None) -> str:
+    """The ``ref_audio`` value for ``audio``: a data URI of its bytes, or a URL as it is."""
+    if isinstance(audio, str) and audio.startswith(("data:", "http://", "https://")):
+        return audio
+    if isinstance(audio, np.ndarray):
+        if not sample_rate:
+            raise ValueError("reference_audio as samples needs reference_sample_rate")
+        data = _float_wav(audio, sample_rate)
+    elif isinstance(audio, (bytes, bytearray, memoryview)):
+        data = bytes(audio)
+    else:
+        data = Path(audio).read_bytes()
+    return "data:audio/wav;base64," + base64.b64encode(data).decode()
 
 
 def _fix_wav_sizes(wav: bytes) -> bytes:
@@ -140,13 +169,17 @@ class SpeechMixin:
     @overload
     def tts(
         self, text: str, *, voice: str | None = None, model: str | None = None,
-        response_format: str = "wav", stream: Literal[False] = False, **extra: Any,
+        response_format: str = "wav", stream: Literal[False] = False,
+        reference_audio: str | PathLike | bytes | np.ndarray | None = None, ref_text: str | None = None,
+        reference_sample_rate: int | None = None, **extra: Any,
     ) -> SpeechResult: ...
 
     @overload
     def tts(
         self, text: str, *, voice: str | None = None, model: str | None = None,
-        response_format: str = "wav", stream: Literal[True], **extra: Any,
+        response_format: str = "wav", stream: Literal[True],
+        reference_audio: str | PathLike | bytes | np.ndarray | None = None, ref_text: str | None = None,
+        reference_sample_rate: int | None = None, **extra: Any,
     ) -> SpeechStream: ...
 
     def tts(
@@ -157,13 +190,25 @@ class SpeechMixin:
         model: str | None = None,
         response_format: str = "wav",
         stream: bool = False,
+        reference_audio: str | PathLike | bytes | np.ndarray | None = None,
+        ref_text: str | None = None,
+        reference_sample_rate: int | None = None,
         **extra: Any,
     ) -> SpeechResult | SpeechStream:
         """Text to speech. ``extra`` goes into the body as is (speed, temperature, top_p,
-        repetition_penalty, seed, max_tokens). ``stream=True``: a ``SpeechStream`` of the
-        bytes as they are produced."""
+        repetition_penalty, seed, max_tokens, sentence_chunking). ``stream=True``: a
+        ``SpeechStream`` of the bytes as they are produced.
+
+        ``reference_audio``: a voice to clone (models that clone only): a local file's path,
+        its bytes, float samples with ``reference_sample_rate``, or a data URI / http(s) URL
+        (the server fetches URLs only when it allows remote media); ``ref_text``: what the clip
+        says. The clip goes in the body as a data URI (``ref_audio``)."""
         body: dict[str, Any] = {"input": text, "response_format": response_format}
         body.update({k: v for k, v in {"voice": voice, "model": model}.items() if v is not None})
+        if reference_audio is not None:
+            body["ref_audio"] = reference_field(reference_audio, reference_sample_rate)
+        if ref_text is not None:
+            body["ref_text"] = ref_text
         body.update(extra)
         if stream:
             body["stream"] = True
@@ -174,5 +219,11 @@ class SpeechMixin:
         return SpeechResult(response.content, fmt, rate)
 
     def voices(self) -> list[str]:
-        """The voices the server's speech model offers."""
-        return [v["voice_id"] for v in self._json("GET", "/v1/audio/voices")["voices"]]
+        """The names of the voices the server's speech model offers (``voice_list`` has their
+        language and source too)."""
+        return [v["voice_id"] for v in self.voice_list()]
+
+    def voice_list(self) -> list[dict[str, Any]]:
+        """/v1/audio/voices as it is: per voice ``voice_id``, ``name``, ``model``, ``language``
+        (or None) and ``source`` (``bundled`` or ``preset``)."""
+        return list(self._json("GET", "/v1/audio/voices")["voices"])

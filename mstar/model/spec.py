@@ -129,7 +129,10 @@ class ModelSpec(ABC):
     def prepare_completion(self, spec: CompletionSpec) -> WalkRequest:
         raise RequestError("model", f"model {self.key!r} does not serve text completions", 400)
 
-    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest | list[WalkRequest]:
+        """The request's walk. A speech family may return a list instead (and so may its
+        ``prepare_speech``): long text as ordered sentence pieces, one walk each, which the
+        runtime runs one after another as one stream of audio."""
         raise RequestError("model", f"model {self.key!r} does not serve /generate", 400)
 
     @abstractmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from mstar.contract import (
     ChatSpec,
@@ -17,12 +18,17 @@ from mstar.contract import (
     SpeechSpec,
     Transcription,
     TranscriptionSpec,
+    Voice,
 )
 from mstar.model.spec import ModelSpec, WalkOutput, WalkRequest
 from mstar.runtime.handoff import AsyncSink
+from mstar.runtime.pieces import stream_pieces
 from mstar.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+PIECES_AHEAD = 1
+"""Sentence pieces of one request running past the one streaming (their audio waits its turn)."""
 
 
 class RuntimeBackend:
@@ -57,7 +63,9 @@ class RuntimeBackend:
         stop = spec.model_kwargs.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
-        return self._run(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+        if spec.reference is not None and not self.clones_voices:
+            raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
+        return self._pieces(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
 
     # ---------------------------------------------------------------- images
     async def generate_images(self, spec: ImageSpec) -> list[bytes]:
@@ -88,15 +96,44 @@ class RuntimeBackend:
     def validates_speech_options(self) -> bool:
         return bool(getattr(self.spec, "validates_speech_options", False))
 
+    @property
+    def clones_voices(self) -> bool:
+        return bool(getattr(self.spec, "clones_voices", False))
+
     def voices(self) -> list[str]:
         voices = getattr(self.spec, "voices", None)
         return voices() if voices else []
+
+    def voice_list(self) -> list[Voice]:
+        """The spec's ``voice_list()`` (names with language and source) where it has one."""
+        described = getattr(self.spec, "voice_list", None)
+        return described() if described else [Voice(name) for name in self.voices()]
 
     def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]:
         prepare = getattr(self.spec, "prepare_speech", None)
         if prepare is None:
             raise RequestError("model", f"model {self.model_id!r} does not synthesise speech")
-        return self._run(spec.request_id, lambda: prepare(spec), [])
+        if spec.reference is not None and not self.clones_voices:
+            raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
+        return self._pieces(spec.request_id, lambda: prepare(spec), [])
+
+    async def _pieces(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
+        """One walk's events, or, when ``prepare`` returns a list (a family that speaks long
+        text as sentence pieces, one walk each), the pieces' walks as one stream in order,
+        the next piece already running while one streams (``stream_pieces``)."""
+        planned: WalkRequest | list[WalkRequest] = await asyncio.to_thread(prepare)
+        if not isinstance(planned, list):
+            planned = [planned]
+        if not planned:
+            raise RequestError("input", "has nothing to speak")
+        if len(planned) == 1:
+            events = self._run(request_id, lambda: planned[0], stop)
+        else:
+            events = stream_pieces(planned, lambda i, piece: self._run(f"{request_id}-p{i}", lambda: piece, stop),
+                                   ahead=PIECES_AHEAD)
+        async with aclosing(events) as stream:
+            async for event in stream:
+                yield event
 
     async def _generate_transcription(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
         """/generate with an audio file on a speech recogniser: the transcript as text."""

@@ -59,12 +59,17 @@ class TranscribingBackend(Protocol):
 
 class SpeakingBackend(Protocol):
     """A backend whose model turns text into speech. ``speech`` streams events whose
-    ``data`` is mono float32 little-endian PCM at ``sample_rate`` (modality "audio")."""
+    ``data`` is mono float32 little-endian PCM at ``sample_rate`` (modality "audio").
+    Optional: ``voice_list()``, the voices with their language and source for
+    /v1/audio/voices (absent: the names of ``voices()``)."""
 
     sample_rate: int
     # True when the model checks ``voice`` (blends) and ``speed`` itself; otherwise the route
     # accepts only a listed voice and speed 1.0. Read with getattr: absent means False.
     validates_speech_options: bool
+    # True when the model clones a voice from a clip (``SpeechSpec.reference``); otherwise a
+    # request with ``ref_audio`` is refused. Read with getattr: absent means False.
+    clones_voices: bool
 
     def voices(self) -> list[str]: ...
 

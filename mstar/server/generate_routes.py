@@ -1,5 +1,7 @@
 """``POST /generate``: the native multimodal route (multipart ``text``, ``files``, ``media``,
-``output_modalities``, ``streaming``, ``model_kwargs``); a JSON result or NDJSON events."""
+``output_modalities``, ``streaming``, ``model_kwargs``); a JSON result or NDJSON events.
+A voice to clone comes as ``model_kwargs`` ``ref_audio`` / ``ref_text``, resolved here as
+/v1/audio/speech resolves them (``voice_refs``) into ``GenerateSpec.reference``."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from mstar.server.streaming import (
     unless_disconnected,
     walk_events,
 )
+from mstar.server.voice_refs import resolve_reference
 
 MAX_GENERATE_FILES = 16  # files and media references per /generate request
 MAX_GENERATE_FILE_BYTES = 64 * 1024 * 1024  # per input, checked before anything decodes it
@@ -77,12 +80,17 @@ async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
                 raise RequestError(name, "must be a text field, not a file")
         req = GenerateForm.model_validate({k: v for k, v in fields.items() if v is not None})
         files = await _generate_inputs(form)
+    model_kwargs = parse_model_kwargs(req.model_kwargs)
+    backend = backend_of(request)
+    reference = await resolve_reference(backend, backend.model_id, model_kwargs.pop("ref_audio", None),
+                                        model_kwargs.pop("ref_text", None))
     spec = GenerateSpec(
         request_id=new_id("gen"),
         text=req.text,
         files=files,
         output_modalities=parse_output_modalities(req.output_modalities),
-        model_kwargs=parse_model_kwargs(req.model_kwargs),
+        model_kwargs=model_kwargs,
+        reference=reference,
     )
     return spec, req.streaming
 

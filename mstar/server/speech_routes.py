@@ -4,7 +4,9 @@ The JSON body follows OpenAI (``model``, ``input``, ``voice``, ``response_format
 ``speed``, ``stream_format``) plus M* extras: ``stream`` (send the audio as it is
 produced, chunked), the sampling knobs ``temperature``, ``top_p``,
 ``repetition_penalty``, ``seed``, ``max_tokens``, and ``phonemes`` / ``lang_code`` for a
-model with a G2P front end (they go into ``model_kwargs``).
+model with a G2P front end (they go into ``model_kwargs``); ``ref_audio`` / ``ref_text``, a
+voice to clone (``voice_refs``: refused unless the model clones), and
+``sentence_chunking``, whether to speak long text as ordered sentence pieces.
 What the model cannot do (a speed other than 1.0, ``instructions``, SSE streaming) is
 refused with a 400 naming the field, never silently ignored.
 
@@ -16,7 +18,6 @@ the request ends, the backend's iterator is closed, which cancels its work.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -28,8 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mstar.audio.encode import AudioEncoder
 from mstar.audio.io import AudioError
-from mstar.contract import OutputEvent, SpeechSpec
+from mstar.contract import OutputEvent, SpeechSpec, Voice
 from mstar.server.backend import SpeakingBackend
+from mstar.server.bodies import json_object
 from mstar.server.errors import (
     APIError,
     BackendFailure,
@@ -48,10 +50,12 @@ from mstar.server.streaming import (
     start_events,
     unless_disconnected,
 )
+from mstar.server.voice_refs import MAX_REF_TEXT_CHARS, resolve_reference
 
 log = logging.getLogger(__name__)
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
+MAX_BODY_BYTES = 48 * 1024 * 1024  # a reference clip of up to 32 MB, base64 in the JSON body
 Chunks = AsyncGenerator[bytes, None]
 _MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code")
 
@@ -76,6 +80,9 @@ class SpeechRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     phonemes: str | None = None  # speak these phonemes, no G2P (models with a phoneme alphabet: Kokoro)
     lang_code: str | None = None  # the G2P language (Kokoro's one-letter codes)
+    ref_audio: str | None = None  # a clip to clone: data URI, base64, or http(s) URL when allowed
+    ref_text: str | None = Field(None, max_length=MAX_REF_TEXT_CHARS)  # the clip's transcript
+    sentence_chunking: bool | None = None  # None: the model's default
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -108,7 +115,7 @@ def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
         if req.stream_format == "sse":
             raise _bad("stream_format", "'sse' is not supported; use 'audio' (raw bytes)")
         raise _bad("stream_format", f"{req.stream_format!r} is not supported; use 'audio'")
-    if req.voice is not None and not own_options:
+    if req.voice is not None and not own_options and req.ref_audio is None:  # a clone's voice is the clip
         voices = list(backend.voices())
         if req.voice not in voices:
             known = f"use one of {', '.join(voices)}" if voices else "this model has no voices"
@@ -116,13 +123,7 @@ def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
 
 
 async def _parse(request: Request) -> SpeechRequest:
-    try:
-        payload = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON body: {exc}", "body", "invalid_json") from None
-    if not isinstance(payload, dict):
-        raise APIError(400, "the request body must be a JSON object", "body", "invalid_value")
-    return SpeechRequest.model_validate(payload)
+    return SpeechRequest.model_validate(await json_object(request, max_bytes=MAX_BODY_BYTES))
 
 
 async def _pcm(first: OutputEvent | None, events: Events) -> Chunks:
@@ -173,9 +174,10 @@ def _headers(encoder: AudioEncoder) -> dict[str, str]:
 async def _speech(request: Request, backend: SpeakingBackend) -> Response:
     try:
         req = await _parse(request)
-        resolve_model(request, req.model, "speech")
+        name = resolve_model(request, req.model, "speech")
         _check(req, backend)
         encoder = AudioEncoder(req.response_format, backend.sample_rate, streaming=req.stream)
+        reference = await resolve_reference(backend, name, req.ref_audio, req.ref_text)
     except ValidationError as exc:
         return validation_error_response(exc.errors())
     except AudioError as exc:
@@ -189,6 +191,8 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
         voice=req.voice,
         speed=req.speed,
         model_kwargs=req.model_kwargs(),
+        reference=reference,
+        sentence_chunking=req.sentence_chunking,
     )
     try:
         first, events = await start_events(lambda: backend.speech(spec), request)
@@ -213,6 +217,12 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
     return await unless_disconnected(request, complete)
 
 
+def voice_list(backend: SpeakingBackend) -> list[Voice]:
+    """The backend's ``voice_list()`` where it has one, else its voice names, bare."""
+    described = getattr(backend, "voice_list", None)
+    return list(described()) if described is not None else [Voice(n) for n in backend.voices()]
+
+
 def speech_router(backend: SpeakingBackend) -> APIRouter:
     """The text-to-speech routes over ``backend``; its ``speech`` and ``voices`` are called
     only once the route has checked that the model serves speech."""
@@ -222,11 +232,13 @@ def speech_router(backend: SpeakingBackend) -> APIRouter:
         """Text to speech (OpenAI's JSON body); the audio file, or chunks with stream."""
         return await _speech(request, backend)
 
-    async def voices(request: Request) -> JSONResponse:
-        """The voices ``voice`` may name."""
-        resolve_model(request, None, "speech")
-        names = list(backend.voices())
-        return JSONResponse({"voices": [{"voice_id": n, "name": n} for n in names]})
+    async def voices(request: Request, model: str | None = None) -> JSONResponse:
+        """The voices ``voice`` may name: each with the model it belongs to, its language
+        (ISO-639-1) where known, and whether it is ``bundled`` or a ``preset`` clip."""
+        name = resolve_model(request, model, "speech")
+        return JSONResponse({"voices": [
+            {"voice_id": v.name, "name": v.name, "model": name, "language": v.language, "source": v.source}
+            for v in voice_list(backend)]})
 
     router.add_api_route("/v1/audio/speech", speech, methods=["POST"], openapi_extra=json_body_openapi(SpeechRequest))
     router.add_api_route("/v1/audio/voices", voices, methods=["GET"])

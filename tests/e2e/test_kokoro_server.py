@@ -121,3 +121,22 @@ def test_text_without_g2p_names_input_and_the_install_hint(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.audio.speech.create(model="kokoro", voice="af_heart", input="Hello world.")
     assert "input" in err.value.message and "mstar-ai[kokoro]" in err.value.message
+
+
+def test_voices_list_their_language_and_a_clip_is_refused(client, server):
+    voices = {v["voice_id"]: v for v in httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]}
+    assert voices["af_heart"] == {"voice_id": "af_heart", "name": "af_heart", "model": "kokoro", "language": "en-US",
+                                  "source": "bundled"}
+    assert voices["bm_george"]["language"] == "en-GB"
+    with pytest.raises(openai.BadRequestError) as err:
+        speak(client, ref_audio="UklGRg==")
+    assert err.value.body["param"] == "ref_audio" and "does not support voice cloning" in err.value.message
+
+
+def test_sentence_chunking_off_is_one_synthesis(client):
+    chunked, whole = speak(client, SENTENCES), speak(client, SENTENCES, sentence_chunking=False)
+    assert len(whole) > 0 and not np.array_equal(whole, chunked)  # one chunk, not three
+    with client.audio.speech.with_streaming_response.create(
+            model="kokoro", voice="af_heart", input="-", response_format="pcm",
+            extra_body={"phonemes": SENTENCES, "seed": 3, "stream": True, "sentence_chunking": False}) as response:
+        assert np.array_equal(np.frombuffer(b"".join(response.iter_bytes()), "<i2"), whole)

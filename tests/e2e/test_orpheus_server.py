@@ -77,3 +77,25 @@ def test_sdk_tts(server, tmp_path):
     result.to_wav(path)
     samples, rate = sf.read(path)
     assert rate == 24000
+
+
+def test_sentence_pieces_are_the_pieces_spoken_alone(server):
+    """``sentence_chunking: true`` speaks each piece as its own walk, in order: the audio is the
+    pieces' solo audio (same seed), joined. And Orpheus does not clone: a clip is refused."""
+    from mstar.model.orpheus.model import PIECES
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    text = "A short start. " + "Then a much longer sentence follows it, with many words in it. " * 3
+
+    def pcm(words: str, **extra) -> bytes:
+        return client.audio.speech.create(model="orpheus", voice="tara", input=words, response_format="pcm",
+                                          extra_body={"seed": 5, "max_tokens": 70, **extra}).content
+
+    pieces = PIECES.split(text)
+    assert len(pieces) == 2
+    assert pcm(text, sentence_chunking=True) == b"".join(pcm(p) for p in pieces)
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={"input": "hi", "voice": "tara", "ref_audio": "UklGRg=="})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ref_audio"
+    assert "does not support voice cloning" in r.json()["error"]["message"]
+    voices = httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]
+    assert {(v["model"], v["language"], v["source"]) for v in voices} == {("orpheus", "en", "bundled")}

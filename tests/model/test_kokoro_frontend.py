@@ -132,3 +132,23 @@ def test_generate_takes_voice_and_speed_from_model_kwargs(spec):
     with pytest.raises(RequestError) as err:
         spec.prepare_generate(GenerateSpec("g", "-", [], ["text"], {}))
     assert err.value.field == "output_modalities"
+
+
+def test_sentence_chunking_off_packs_to_the_window(spec):
+    from mstar.contract import GenerateSpec, SpeechSpec
+
+    phonemes = "ðə kˈæt sˈæt. ɔn ðə mˈæt. ænd slˈɛpt."
+    chunked = spec.prepare_speech(SpeechSpec("a", "-", "af_sky", 1.0, {"phonemes": phonemes}))  # a short first
+    whole = spec.prepare_speech(SpeechSpec("b", "-", "af_sky", 1.0, {"phonemes": phonemes}, sentence_chunking=False))
+    assert chunked.params["num_chunks"] == 2 and whole.params["num_chunks"] == 1
+    generated = spec.prepare_generate(GenerateSpec("g", "-", [], ["audio"],
+                                                   {"phonemes": phonemes, "sentence_chunking": False}))
+    assert generated.params["num_chunks"] == 1
+
+
+def test_voices_carry_their_language(spec):
+    from mstar.contract import Voice
+
+    listed = {v.name: v for v in spec.voice_list()}
+    assert listed["af_heart"] == Voice("af_heart", "en-US") and listed["bm_george"].language == "en-GB"
+    assert [v.name for v in spec.voice_list()] == spec.voices()

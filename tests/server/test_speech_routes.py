@@ -184,7 +184,8 @@ def test_sampling_options_reach_the_backend(oai: openai.OpenAI, speaker: FakeSpe
 
 def test_voices(live: LiveServer, sdk: MStarClient) -> None:
     body = httpx.get(f"{live.url}/v1/audio/voices", timeout=10).json()
-    assert body == {"voices": [{"voice_id": v, "name": v} for v in VOICES]}
+    assert body == {"voices": [{"voice_id": v, "name": v, "model": MODEL, "language": None, "source": "bundled"}
+                               for v in VOICES]}
     assert sdk.voices() == VOICES
 
 
@@ -206,11 +207,32 @@ def test_voices(live: LiveServer, sdk: MStarClient) -> None:
         ({"stream_format": "sse"}, "stream_format", "'sse' is not supported"),
         ({"instructions": "whisper"}, "instructions", "not supported"),
         ({"temperature": -1}, "temperature", "greater than or equal to 0"),
+        ({"ref_audio": "UklGRg=="}, "ref_audio", "does not support voice cloning"),
+        ({"ref_text": "hello"}, "ref_text", "send it with ref_audio"),
+        ({"sentence_chunking": "maybe"}, "sentence_chunking", "valid boolean"),
     ],
 )
 def test_invalid_requests(live: LiveServer, body: dict, param: str, needle: str) -> None:
     message = _error(_speech(live, model=MODEL, **{"input": "hi", **body}), 400, param)
     assert needle in message
+
+
+def test_a_clip_for_a_model_that_does_not_clone_never_reaches_it(
+        oai: openai.OpenAI, speaker: FakeSpeaker, live: LiveServer) -> None:
+    before = len(speaker.speech_specs)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.audio.speech.create(model=MODEL, voice="tara", input="hi", extra_body={"ref_audio": "UklGRg=="})
+    assert err.value.body["param"] == "ref_audio" and "does not support voice cloning" in err.value.message
+    form = {"text": "hi", "output_modalities": "audio", "model_kwargs": json.dumps({"ref_audio": "UklGRg=="})}
+    _error(httpx.post(f"{live.url}/generate", data=form, timeout=10), 400, "ref_audio")
+    assert len(speaker.speech_specs) == before
+
+
+def test_sentence_chunking_reaches_the_backend(oai: openai.OpenAI, speaker: FakeSpeaker) -> None:
+    oai.audio.speech.create(model=MODEL, voice="tara", input="x", extra_body={"sentence_chunking": False})
+    assert speaker.speech_specs[-1].sentence_chunking is False and speaker.speech_specs[-1].reference is None
+    oai.audio.speech.create(model=MODEL, voice="tara", input="x")
+    assert speaker.speech_specs[-1].sentence_chunking is None
 
 
 def test_errors_through_the_openai_client(oai: openai.OpenAI) -> None:

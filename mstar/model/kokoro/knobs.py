@@ -54,7 +54,10 @@ class KokoroSpeechKnobs(RequestKnobs):
 
 
 class KokoroGenerateKnobs(KokoroSpeechKnobs):
-    """``/generate``'s ``model_kwargs`` for Kokoro: a speech request's, plus ``voice`` and ``speed``."""
+    """``/generate``'s ``model_kwargs`` for Kokoro: a speech request's, plus ``voice``, ``speed`` and
+    ``sentence_chunking``."""
 
     voice: str | None = None
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    sentence_chunking: bool | None = None
+    """False: chunks as long as the window allows, not a short first one (as on /v1/audio/speech)."""

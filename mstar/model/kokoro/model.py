@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.contract import GenerateSpec, RequestError, SpeechSpec
+from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, Step, Walk
 from mstar.model.kokoro.checkpoint import KokoroCheckpoint, dummy_config, dummy_model
@@ -32,6 +32,9 @@ __all__ = ["Kokoro"]
 SAMPLE_RATE = 24000
 DEFAULT_VOICE = "af_heart"
 MAX_CHUNKS = 64
+VOICE_LANGUAGES = {"a": "en-US", "b": "en-GB", "e": "es", "f": "fr", "h": "hi", "i": "it", "p": "pt-BR",
+                   "j": "ja", "z": "zh"}
+"""A voice's language by its first letter (Kokoro's ``lang_code``), as a BCP 47 tag."""
 
 
 @register
@@ -76,8 +79,13 @@ class Kokoro(ModelSpec):
         bank = getattr(self, "voice_bank", None)
         return list(bank.names) if bank is not None else []
 
+    def voice_list(self) -> list[Voice]:
+        """The voices with the language their first letter names (/v1/audio/voices)."""
+        return [Voice(name, VOICE_LANGUAGES.get(name[:1])) for name in self.voices()]
+
     def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
-        return self._speak(spec.input, spec.voice, spec.speed, KokoroSpeechKnobs.parse(spec.model_kwargs))
+        options = KokoroSpeechKnobs.parse(spec.model_kwargs)
+        return self._speak(spec.input, spec.voice, spec.speed, options, spec.sentence_chunking is not False)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) != {"audio"}:
@@ -85,10 +93,12 @@ class Kokoro(ModelSpec):
         if spec.files:
             raise RequestError("files", f"model {self.key!r} takes text only")
         options = KokoroGenerateKnobs.parse(spec.model_kwargs)
-        return self._speak(spec.text, options.voice, options.speed, options)
+        return self._speak(spec.text, options.voice, options.speed, options, options.sentence_chunking is not False)
 
-    def _speak(self, text: str, voice: str | None, speed: float, options: KokoroSpeechKnobs) -> WalkRequest:
-        """The ``tts`` walk over the chunks of ``text`` (or of ``options.phonemes``)."""
+    def _speak(self, text: str, voice: str | None, speed: float, options: KokoroSpeechKnobs,
+               sentence_chunking: bool = True) -> WalkRequest:
+        """The ``tts`` walk over the chunks of ``text`` (or of ``options.phonemes``); without
+        ``sentence_chunking`` the chunks are as long as the window allows."""
         voice = voice or (DEFAULT_VOICE if DEFAULT_VOICE in self.voice_bank.names else self.voice_bank.names[0])
         table = self.voice_bank.blend(voice)
         if not 0.25 <= speed <= 4.0:
@@ -103,7 +113,8 @@ class Kokoro(ModelSpec):
         config = self.kokoro_config
         limit = config.max_input_tokens - 2
         chunks = [c for c in chunk_phonemes(phonemes, limit, self.knobs.chunk_target_phonemes,
-                                            self.knobs.first_chunk_target_phonemes) if to_ids(c, config.vocab)]
+                                            self.knobs.first_chunk_target_phonemes, sentence_chunking)
+                  if to_ids(c, config.vocab)]
         field = "phonemes" if options.phonemes is not None else "input"
         if not chunks:
             raise RequestError(field, "has no phoneme Kokoro can speak")

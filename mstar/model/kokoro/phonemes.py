@@ -6,20 +6,20 @@ otherwise try to download the tagger inside a request. Without them text input i
 the install hint, and a request can still send ``phonemes`` (no G2P).
 
 Chunking: Kokoro reads at most ``max_input_tokens - 2`` phonemes at once (the PL-BERT window
-less the two boundary pads). The phoneme string is cut after sentence ends (``. ! ? ;  :``)
-into chunks packed up to ``target`` phonemes, the first up to ``first_target`` (a short first
-chunk: time to first audio is one short synthesis); a sentence longer than the window is cut
-at the last space (else anywhere) before it.
+less the two boundary pads). The phoneme string is cut after sentence ends into chunks packed
+up to ``target`` phonemes, the first up to ``first_target`` (a short first chunk: time to first
+audio is one short synthesis); a sentence longer than the window is cut at the last space
+(else anywhere) before it. ``mstar.model.sentences.SentenceChunker`` does it for every family.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import re
 import threading
 from collections.abc import Callable
 
 from mstar.contract import RequestError
+from mstar.model.sentences import SentenceChunker
 
 __all__ = ["G2P_HINT", "EnglishG2P", "chunk_phonemes", "to_ids"]
 
@@ -28,7 +28,6 @@ G2P_HINT = (
     "or send the phonemes yourself in 'phonemes'"
 )
 LANGUAGES = {"a": "American English", "b": "British English"}
-_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
 
 
 def to_ids(phonemes: str, vocab: dict[str, int]) -> list[int]:
@@ -36,33 +35,12 @@ def to_ids(phonemes: str, vocab: dict[str, int]) -> list[int]:
     return [vocab[p] for p in phonemes if p in vocab]
 
 
-def _split_long(sentence: str, limit: int) -> list[str]:
-    pieces = []
-    while len(sentence) > limit:
-        cut = sentence.rfind(" ", 0, limit + 1)
-        cut = cut if cut > 0 else limit
-        pieces.append(sentence[:cut].strip())
-        sentence = sentence[cut:].strip()
-    return [*pieces, sentence] if sentence else pieces
-
-
-def chunk_phonemes(phonemes: str, limit: int, target: int, first_target: int) -> list[str]:
+def chunk_phonemes(phonemes: str, limit: int, target: int, first_target: int, enabled: bool = True) -> list[str]:
     """``phonemes`` cut at sentence ends into chunks of at most ``limit`` characters, packed to
-    ``target`` (the first to ``first_target``)."""
-    sentences = [p for s in _SENTENCE_END.split(phonemes.strip()) for p in _split_long(s.strip(), limit) if p]
-    chunks: list[str] = []
-    current = ""
-    for sentence in sentences:
-        goal = first_target if not chunks else target
-        joined = f"{current} {sentence}" if current else sentence
-        if current and len(joined) > min(goal, limit):
-            chunks.append(current)
-            current = sentence
-        else:
-            current = joined
-    if current:
-        chunks.append(current)
-    return chunks
+    ``target`` (the first to ``first_target``); ``enabled=False`` (a request's
+    ``sentence_chunking: false``) cuts only where the window forces it. The shared
+    ``SentenceChunker`` does the cutting."""
+    return SentenceChunker(limit, target, first_target).split(phonemes, enabled)
 
 
 def g2p_available() -> bool:

@@ -45,6 +45,9 @@ class SpeechKnobs(SamplingKnobs):
 
 
 class OrpheusGenerateKnobs(SpeechKnobs):
-    """``/generate``'s ``model_kwargs`` for Orpheus: a speech request's, and the ``voice``."""
+    """``/generate``'s ``model_kwargs`` for Orpheus: a speech request's, the ``voice`` and
+    ``sentence_chunking``."""
 
     voice: str | None = None
+    sentence_chunking: bool | None = None
+    """True: long text is spoken as sentence pieces, one talker walk each (default: whole)."""

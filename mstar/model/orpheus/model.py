@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.contract import GenerateSpec, RequestError, SpeechSpec
+from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice
 from mstar.engine.base import StatelessEngine
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.graph import (
@@ -30,6 +30,7 @@ from mstar.model.orpheus import engine as talk
 from mstar.model.orpheus.checkpoint import OrpheusCheckpoint, dummy_snac
 from mstar.model.orpheus.knobs import OrpheusGenerateKnobs, OrpheusKnobs, SpeechKnobs
 from mstar.model.registry import register
+from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream, pcm_to_array
 
@@ -40,6 +41,8 @@ SAMPLE_RATE = 24000
 MAX_INPUT_CHARS = 4096
 WINDOW = 28  # codes the codec decodes at once: 4 frames
 DEFAULTS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1}
+PIECES = SentenceChunker(limit=400, first_target=120)  # characters: a few sentences, the first short
+MAX_PIECES = 32
 
 
 @register
@@ -79,10 +82,13 @@ class Orpheus(ModelSpec):
     def voices(self) -> list[str]:
         return list(VOICES)
 
-    def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
+    def voice_list(self) -> list[Voice]:
+        return [Voice(name, "en") for name in VOICES]
+
+    def prepare_speech(self, spec: SpeechSpec) -> WalkRequest | list[WalkRequest]:
         if spec.speed != 1.0:
             raise RequestError("speed", "Orpheus cannot change its speaking rate; send speed 1.0")
-        return self._speak(spec.input, spec.voice, SpeechKnobs.parse(spec.model_kwargs))
+        return self._pieces(spec.input, spec.voice, SpeechKnobs.parse(spec.model_kwargs), spec.sentence_chunking)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) != {"audio"}:
@@ -90,7 +96,18 @@ class Orpheus(ModelSpec):
         if spec.files:
             raise RequestError("files", f"model {self.key!r} takes text only")
         options = OrpheusGenerateKnobs.parse(spec.model_kwargs)
-        return self._speak(spec.text, options.voice, options)
+        return self._pieces(spec.text, options.voice, options, options.sentence_chunking)
+
+    def _pieces(self, text: str, voice: str | None, options: SpeechKnobs,
+                sentence_chunking: bool | None) -> WalkRequest | list[WalkRequest]:
+        """One ``tts`` walk for the whole text, or with ``sentence_chunking`` one per sentence
+        piece (the runtime plays them in order): the talker drifts on long prompts."""
+        if not sentence_chunking:
+            return self._speak(text, voice, options)
+        pieces = PIECES.split(text)
+        if len(pieces) > MAX_PIECES:
+            raise RequestError("input", f"makes {len(pieces)} sentence pieces; the limit is {MAX_PIECES}")
+        return [self._speak(piece, voice, options) for piece in pieces] or self._speak(text, voice, options)
 
     def _speak(self, text: str, voice: str | None, options: SpeechKnobs) -> WalkRequest:
         """The ``tts`` walk: ``voice: text`` between Orpheus's control tokens, then as many
