@@ -17,7 +17,7 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
              "mstar.model.flux2.model", "mstar.model.flux2.guided",
              "mstar.model.qwen3_5.model",
              "mstar.model.z_image.model", "mstar.model.fastconformer.model", "mstar.model.canary.model",
-             "mstar.model.canary_qwen.model", "mstar.model.kokoro.model")
+             "mstar.model.canary_qwen.model", "mstar.model.kokoro.model", "mstar.model.cosyvoice3.model")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:
