@@ -101,7 +101,7 @@ def dummy_encoders(scale: Scale, seed: int = 0) -> ClipEncoders:
     if scale == "real":
         tokenizer, campplus = S3Tokenizer(S3TokenizerConfig.v3()), CampPlus(CampPlusConfig())
     else:
-        tokenizer = S3Tokenizer(S3TokenizerConfig(d_model=32, n_heads=4, n_layers=1))
+        tokenizer = S3Tokenizer(S3TokenizerConfig(d_model=64, n_heads=1, n_layers=1))
         campplus = CampPlus(CampPlusConfig(embedding_size=16, growth_rate=8, init_channels=16, head_channels=8,
                                            block_layers=(1, 1, 1)))
     for i, module in enumerate((tokenizer, campplus)):
