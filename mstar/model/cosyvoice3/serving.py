@@ -83,14 +83,15 @@ def build_parts(model_dir: str | None, *, dummy: bool, scale: Scale = "real", se
         if model_dir is None:
             raise ValueError("cosyvoice3 needs model_path (a Fun-CosyVoice3-0.5B directory)")
         return load_parts(model_dir, flow=flow_config, hift=hift_config, device=device)
-    parts = CosyVoice3Parts(SpeechLM(lm_config), CosyVoice3Flow(flow_config), HiFTGenerator(hift_config))
-    for i, module in enumerate((parts.lm, parts.flow, parts.hift)):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 2)  # HiFT keeps torch's own init: 0.02-std weights would make it silent
+        hift = HiFTGenerator(hift_config)
+    parts = CosyVoice3Parts(SpeechLM(lm_config), CosyVoice3Flow(flow_config), hift)
+    for i, module in enumerate((parts.lm, parts.flow)):
         init_dummy_weights(module, seed=seed + i)
     with torch.no_grad():
         parts.lm.llm_decoder.weight[lm_config.speech_token_size:] *= 0.1
-        # an audible dummy: F0 near 100 Hz and a quiet, unclamped magnitude (as the HiFT tests do)
-        parts.hift.f0_predictor.classifier.bias.fill_(100.0)
-        parts.hift.conv_post.bias[: parts.hift.stft.bins] -= 3.0
+        parts.hift.f0_predictor.classifier.bias.fill_(100.0)  # voiced: F0 near 100 Hz
     for module in (parts.lm, parts.flow, parts.hift):
         module.to(device).eval()
     return parts
