@@ -55,6 +55,7 @@ class CosyVoice3(VoiceCloning, ModelSpec):
     sample_rate = SAMPLE_RATE
     Knobs = CosyVoice3Knobs
     knobs: CosyVoice3Knobs
+    takes_instructions = True  # the style instruction before <|endofprompt|>
 
     def graph(self) -> Graph:
         llm = Node("llm", "autoregressive", inputs=("prompt_ids", "token"), outputs=("token",),
