@@ -112,3 +112,36 @@ def test_a_request_without_a_voice_is_told_to_send_ref_audio(front) -> None:
     with pytest.raises(RequestError) as err:
         front.prepare_speech(SpeechSpec("x", TEXT))
     assert err.value.field == "ref_audio"
+
+
+def test_an_unknown_or_bad_deployment_knob_stops_startup_naming_it() -> None:
+    from mstar.config import ConfigError
+
+    for kwargs, name in (({"colour": 1}, "colour"), ({"flow_estimator_dtype": "float16"}, "flow_estimator_dtype"),
+                         ({"sentence_chunking": "maybe"}, "sentence_chunking"),
+                         ({"dummy_scale": "huge"}, "dummy_scale")):
+        config = deployment_config()
+        config["model_kwargs"] = {**config["model_kwargs"], **kwargs}
+        with pytest.raises(ConfigError, match=name):
+            CosyVoice3(parse_config(config))
+    config = deployment_config()
+    config["model_kwargs"] = {**config["model_kwargs"], "voices_dir": "/nonexistent/voices"}
+    with pytest.raises(ValueError, match="voices_dir"):
+        CosyVoice3(parse_config(config)).load_frontend()
+
+
+def test_long_text_is_spoken_as_sentence_pieces(front) -> None:
+    text = " ".join(f"This is sentence number {i} of a long text." for i in range(20))
+    ref = clip()
+    pieces = front.prepare_speech(SpeechSpec("p", text, reference=ref))
+    whole = front.prepare_speech(SpeechSpec("w", text, reference=ref, sentence_chunking=False))
+    assert isinstance(pieces, list) and len(pieces) > 2 and not isinstance(whole, list)
+    assert all(p.inputs["prompt_speech"] is whole.inputs["prompt_speech"] for p in pieces)  # one encoding
+
+
+@pytest.mark.slow
+def test_the_released_shapes_build_and_speak() -> None:
+    """``load_format: dummy`` at the released shapes: the parts and front ends build (slow: 0.5B LM, 300M DiT)."""
+    parts = build_parts(None, dummy=True, scale="real")
+    assert sum(p.numel() for p in parts.lm.parameters()) > 4e8
+    assert parts.flow.config.dit.depth == 22 and parts.hift.config.causal
