@@ -145,3 +145,18 @@ def test_the_released_shapes_build_and_speak() -> None:
     parts = build_parts(None, dummy=True, scale="real")
     assert sum(p.numel() for p in parts.lm.parameters()) > 4e8
     assert parts.flow.config.dit.depth == 22 and parts.hift.config.causal
+
+
+def test_an_instruction_replaces_the_transcript_and_the_lm_prompt_speech(front) -> None:
+    ref = clip()
+    voice = front.clip_conditioning(ref)
+    plain = front.prepare_speech(SpeechSpec("z", TEXT, reference=ref, sentence_chunking=False))
+    styled = front.prepare_speech(SpeechSpec("s", TEXT, reference=ref, sentence_chunking=False,
+                                             model_kwargs={"instructions": "Speak slowly."}))
+    speech_vocab = front.lm_config.speech_vocab
+    n_speech = len(voice.speech)
+    assert plain.inputs["prompt_ids"][-n_speech:].tolist() == voice.speech.tolist()  # zero-shot: LM hears the clip
+    assert int((styled.inputs["prompt_ids"] < speech_vocab).sum()) == 2  # instruct2: only sos and task
+    text = bytes((styled.inputs["prompt_ids"][1:-1] - speech_vocab).tolist()[:-len(TEXT) - 1]).decode()
+    assert text == "You are a helpful assistant. Speak slowly."
+    assert styled.inputs["prompt_speech"] is voice.speech  # the flow still clones the clip

@@ -160,17 +160,26 @@ class CosyVoice3(VoiceCloning, ModelSpec):
         return walks[0] if len(walks) == 1 else walks
 
     def prompt_text_ids(self, voice: VoicePrompt, instructions: str | None) -> list[int]:
-        """The LM's prompt text: the instruction, ``<|endofprompt|>``, the clip's transcript."""
-        head = serving.text_ids(self.tokenizer, instructions or DEFAULT_INSTRUCTION)
+        """The LM's prompt text, as the reference's front end makes it. Zero-shot: the default
+        system text, ``<|endofprompt|>``, the clip's transcript. With a style instruction (its
+        ``instruct2`` mode): the system text and the instruction, ``<|endofprompt|>``, and no
+        transcript."""
+        if instructions:
+            text = instructions if instructions.startswith(DEFAULT_INSTRUCTION) else \
+                f"{DEFAULT_INSTRUCTION} {instructions}"
+            return [*serving.text_ids(self.tokenizer, text), self.endofprompt]
+        head = serving.text_ids(self.tokenizer, DEFAULT_INSTRUCTION)
         return [*head, self.endofprompt, *voice.text_ids.tolist()]
 
     def _speak(self, text: str, voice: VoicePrompt, options: CosyVoice3SpeechKnobs) -> WalkRequest:
-        """The ``tts`` walk of one piece. Without a transcript the LM is not given the clip's
-        speech tokens (the reference's cross-lingual mode); the flow always is."""
+        """The ``tts`` walk of one piece. Without a transcript, or with a style instruction, the
+        LM is not given the clip's speech tokens (the reference's cross-lingual and instruct2
+        modes); the flow always is."""
         ids = serving.text_ids(self.tokenizer, text.strip())
         if not ids:
             raise RequestError("input", "has no text tokens")
-        lm_speech = voice.speech if voice.text_ids.numel() else voice.speech[:0]
+        zero_shot = voice.text_ids.numel() > 0 and not options.instructions
+        lm_speech = voice.speech if zero_shot else voice.speech[:0]
         prompt = serving.lm_prompt_ids(self.lm_config, self.prompt_text_ids(voice, options.instructions) + ids,
                                        lm_speech)
         _, max_len = length_bounds(self.lm_config, len(ids))
