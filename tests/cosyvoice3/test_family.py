@@ -86,8 +86,17 @@ def test_concurrent_requests_speak_their_solo_audio(deployment) -> None:
     specs = [SpeechSpec(f"r{i}", f"Hi {i}.", reference=clip(seed=i % 3), model_kwargs={"seed": i},
                         sentence_chunking=False) for i in range(8)]
     solo = [speak(deployment, s) for s in specs[:3]]
-    with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda s: speak(deployment, s), specs))
+    engines = deployment.runtime.workers.workers[0].engines
+    llm, batches = engines["llm"], []
+    original = llm.run
+    llm.run = lambda items: (batches.append({i.request_id for i in items}), original(items))[1]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda s: speak(deployment, s), specs))
+    finally:
+        del llm.run
+    assert max(len(b) for b in batches) >= 4  # the LM steps of concurrent requests share batches
+    assert not engines["vocoder"].streams  # every request's vocoder state is freed at its end
     assert solo[0].size != solo[1].size or not np.array_equal(solo[0], solo[1])  # seeds and voices matter
     for a, b in zip(solo, together[:3]):
         assert a.size > 0 and a.size == b.size and float(np.abs(a - b).max()) <= 1e-4
