@@ -169,3 +169,14 @@ def test_an_instruction_replaces_the_transcript_and_the_lm_prompt_speech(front) 
     text = bytes((styled.inputs["prompt_ids"][1:-1] - speech_vocab).tolist()[:-len(TEXT) - 1]).decode()
     assert text == "You are a helpful assistant. Speak slowly."
     assert styled.inputs["prompt_speech"] is voice.speech  # the flow still clones the clip
+
+
+def test_the_shipped_config_parses_with_its_knobs() -> None:
+    from pathlib import Path
+
+    from mstar.config import load_config
+
+    config = load_config(Path(__file__).parents[2] / "configs" / "cosyvoice3.yaml")
+    spec = CosyVoice3(config)
+    assert spec.knobs.flow_estimator_dtype == "bfloat16" and spec.knobs.sentence_chunking
+    assert {n for g in config.node_groups for n in g.node_names} == set(spec.graph().nodes)
