@@ -184,7 +184,9 @@ class CosyVoice3(VoiceCloning, ModelSpec):
                                        lm_speech)
         _, max_len = length_bounds(self.lm_config, len(ids))
         room = self.config.max_seq_len - prompt.shape[0]
-        budget = min(options.max_tokens or max_len, max_len, room)
+        # the flow's noise table holds 300 s of frames, prompt included
+        frames_left = serving.NOISE_FRAMES // 2 - voice.speech.shape[0]
+        budget = min(options.max_tokens or max_len, max_len, room, frames_left)
         if budget < 1:
             raise RequestError("input", f"is {prompt.shape[0]} tokens with the voice prompt; max_seq_len is "
                                f"{self.config.max_seq_len}")

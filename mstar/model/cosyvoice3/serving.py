@@ -39,6 +39,7 @@ Scale = Literal["real", "tiny"]
 SAMPLE_RATE = 24000
 S3_RATE = 16000
 MAX_PROMPT_SECONDS = 30
+NOISE_FRAMES = 50 * 300  # the flow's fixed noise table (``noise_table``): 300 s of mel frames
 MEL = MelConfig(fmax=SAMPLE_RATE / 2)
 """CosyVoice3's ``feat_extractor``: CosyVoice2's 24 kHz mel with ``fmax: null`` (the Nyquist)."""
 
