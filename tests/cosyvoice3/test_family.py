@@ -149,7 +149,7 @@ def test_long_text_is_spoken_as_sentence_pieces(front) -> None:
 
 
 @pytest.mark.slow
-def test_the_released_shapes_build_and_speak() -> None:
+def test_the_released_shapes_build() -> None:
     """``load_format: dummy`` at the released shapes: the parts and front ends build (slow: 0.5B LM, 300M DiT)."""
     parts = build_parts(None, dummy=True, scale="real")
     assert sum(p.numel() for p in parts.lm.parameters()) > 4e8
