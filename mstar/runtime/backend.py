@@ -97,6 +97,11 @@ class RuntimeBackend:
         return bool(getattr(self.spec, "validates_speech_options", False))
 
     @property
+    def takes_instructions(self) -> bool:
+        """The model reads a speech request's ``instructions`` (from ``model_kwargs``)."""
+        return bool(getattr(self.spec, "takes_instructions", False))
+
+    @property
     def clones_voices(self) -> bool:
         return bool(getattr(self.spec, "clones_voices", False))
 

@@ -102,7 +102,10 @@ class SpeechRequest(BaseModel):
         return value
 
     def model_kwargs(self) -> dict[str, Any]:
-        return {k: v for k in _MODEL_KWARGS if (v := getattr(self, k)) is not None}
+        kwargs = {k: v for k in _MODEL_KWARGS if (v := getattr(self, k)) is not None}
+        if self.instructions:  # reaches a model only when it takes them (``_check``)
+            kwargs["instructions"] = self.instructions
+        return kwargs
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -118,7 +121,7 @@ def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
     own_options = getattr(backend, "validates_speech_options", False)
     if req.speed != 1.0 and not own_options:
         raise _bad("speed", f"{req.speed:g} is not supported by this model; only 1.0 is")
-    if req.instructions:
+    if req.instructions and not getattr(backend, "takes_instructions", False):
         raise _bad("instructions", "voice instructions are not supported by this model")
     if req.stream_format not in (None, "audio"):
         if req.stream_format == "sse":

@@ -156,3 +156,7 @@ class SpeechLM(nn.Module):
 
     def cache_shape(self) -> tuple[int, int, int]:
         return self.llm.cache_shape()
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """The backbone's fused element-wise kernels on or off (``decode_engine`` asks)."""
+        self.llm.use_fused_kernels(enabled)
