@@ -11,6 +11,8 @@ import math
 import numpy as np
 import torch
 
+from mstar.audio.io import resample
+
 __all__ = ["polyphase_resample", "soxr_resample"]
 
 
@@ -36,9 +38,7 @@ def soxr_resample(wave: torch.Tensor, from_rate: int, to_rate: int) -> torch.Ten
 
 
 def polyphase_resample(wave: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
-    """One clip ``[samples]`` through ``scipy.signal.resample_poly`` at the reduced ratio."""
-    from scipy.signal import resample_poly
-
-    g = math.gcd(from_rate, to_rate)
-    out = resample_poly(wave.detach().cpu().numpy(), to_rate // g, from_rate // g)
-    return _fit(out.astype(wave.detach().cpu().numpy().dtype), _target_length(wave, from_rate, to_rate), wave)
+    """One clip ``[samples]`` through the project's polyphase resampler (``scipy.signal.resample_poly``
+    at the reduced ratio, as the reference's detector runs it)."""
+    out = resample(wave.detach().cpu().numpy(), from_rate, to_rate)
+    return _fit(out, _target_length(wave, from_rate, to_rate), wave)
