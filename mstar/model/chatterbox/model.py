@@ -38,7 +38,7 @@ from mstar.model.perth import PerthWatermarker
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.model.speech_output import PcmStream
+from mstar.model.speech_output import PcmStream, check_speech_generate
 from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
 __all__ = ["Chatterbox", "ChatterboxMultilingual", "ChatterboxTurbo", "GrowingTokens", "WholeStream"]
@@ -155,10 +155,7 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
         return self._pieces(spec.input, self._voice(spec.voice, spec.reference), options, spec.sentence_chunking)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
-        if set(spec.output_modalities) != {"audio"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs audio only")
-        if spec.files:
-            raise RequestError("files", f"model {self.key!r} takes text, and a voice as ref_audio")
+        check_speech_generate(self.key, spec, clones=True)
         options = ChatterboxGenerateKnobs.parse(spec.model_kwargs)
         return self._pieces(spec.text, self._voice(options.voice, spec.reference), options, options.sentence_chunking)
 

@@ -32,7 +32,7 @@ from mstar.model.decoding import decode_request
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.model.speech_output import PcmStream
+from mstar.model.speech_output import PcmStream, check_speech_generate
 from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
 __all__ = ["CosyVoice3", "DEFAULT_INSTRUCTION"]
@@ -125,10 +125,7 @@ class CosyVoice3(VoiceCloning, ModelSpec):
         return self._pieces(spec.input, self._voice(spec.voice, spec.reference), options, spec.sentence_chunking)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest | list[WalkRequest]:
-        if set(spec.output_modalities) != {"audio"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs audio only")
-        if spec.files:
-            raise RequestError("files", f"model {self.key!r} takes text, and a voice as ref_audio")
+        check_speech_generate(self.key, spec, clones=True)
         options = CosyVoice3GenerateKnobs.parse(spec.model_kwargs)
         return self._pieces(spec.text, self._voice(options.voice, spec.reference), options, options.sentence_chunking)
 

@@ -25,7 +25,7 @@ from mstar.model.kokoro.phonemes import EnglishG2P, chunk_phonemes, to_ids
 from mstar.model.kokoro.voices import VoiceBank
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.model.speech_output import PcmStream
+from mstar.model.speech_output import PcmStream, check_speech_generate
 
 __all__ = ["Kokoro"]
 
@@ -88,10 +88,7 @@ class Kokoro(ModelSpec):
         return self._speak(spec.input, spec.voice, spec.speed, options, spec.sentence_chunking is not False)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
-        if set(spec.output_modalities) != {"audio"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs audio only")
-        if spec.files:
-            raise RequestError("files", f"model {self.key!r} takes text only")
+        check_speech_generate(self.key, spec)
         options = KokoroGenerateKnobs.parse(spec.model_kwargs)
         return self._speak(spec.text, options.voice, options.speed, options, options.sentence_chunking is not False)
 

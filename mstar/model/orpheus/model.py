@@ -32,7 +32,7 @@ from mstar.model.orpheus.knobs import OrpheusGenerateKnobs, OrpheusKnobs, Speech
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
-from mstar.model.speech_output import PcmStream, pcm_to_array
+from mstar.model.speech_output import PcmStream, check_speech_generate, pcm_to_array
 
 __all__ = ["Orpheus", "PcmStream", "pcm_to_array"]  # pcm_to_array: re-exported for tests
 
@@ -91,10 +91,7 @@ class Orpheus(ModelSpec):
         return self._pieces(spec.input, spec.voice, SpeechKnobs.parse(spec.model_kwargs), spec.sentence_chunking)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
-        if set(spec.output_modalities) != {"audio"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs audio only")
-        if spec.files:
-            raise RequestError("files", f"model {self.key!r} takes text only")
+        check_speech_generate(self.key, spec)
         options = OrpheusGenerateKnobs.parse(spec.model_kwargs)
         return self._pieces(spec.text, options.voice, options, options.sentence_chunking)
 
