@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mstar.contract import RequestError
-from mstar.model.kokoro.phonemes import G2P_HINT, EnglishG2P, chunk_phonemes, to_ids
+from mstar.model.kokoro.phonemes import G2P, chunk_phonemes, installed, to_ids
 from mstar.model.kokoro.voices import VoiceBank, parse_voice
 
 
@@ -52,14 +52,37 @@ def test_ids_skip_unknown_phonemes():
     assert to_ids("a?b", {"a": 1, "b": 2}) == [1, 2]
 
 
-def test_text_without_g2p_names_input_with_the_hint():
-    g2p = EnglishG2P(available=lambda: False)
+def test_text_without_g2p_names_input_with_the_language_s_hint():
+    g2p = G2P(available=lambda lang: False)
+    for lang, hint in [("a", "mstar-ai[kokoro]"), ("e", "misaki[en]"), ("z", "misaki[zh]"), ("j", "misaki[ja]")]:
+        with pytest.raises(RequestError) as err:
+            g2p("Hello.", lang)
+        assert err.value.field == "input" and hint in err.value.message and "'phonemes'" in err.value.message
     with pytest.raises(RequestError) as err:
-        g2p("Hello.", "a")
-    assert err.value.field == "input" and G2P_HINT in err.value.message
-    with pytest.raises(RequestError) as err:
-        g2p("Hello.", "j")
-    assert err.value.field == "lang_code"
+        g2p("Hello.", "q")
+    assert err.value.field == "lang_code" and "z (Mandarin Chinese)" in err.value.message
+
+
+REFERENCE_TEXTS = {
+    "e": "Hola, ¿cómo estás? Hace un día precioso.",
+    "f": "Bonjour à tous. Il fait très beau aujourd'hui!",
+    "h": "नमस्ते, आप कैसे हैं?",
+    "i": "Buongiorno a tutti, come state?",
+    "p": "Olá, tudo bem? Hoje está um dia lindo.",
+    "z": "你好，今天天气很好。我们去公园散步吧！",
+}
+
+
+@pytest.mark.parametrize("lang", sorted(REFERENCE_TEXTS))
+def test_g2p_equals_the_reference_pipeline(lang):
+    """Our G2P per language gives the phonemes kokoro's own ``KPipeline`` (0.9.4, misaki
+    0.9.4) speaks for the same text (one chunk of its non-English path)."""
+    if not installed(lang):
+        pytest.skip(f"misaki's G2P for {lang!r} is not installed here")
+    kokoro = pytest.importorskip("kokoro")
+    pipeline = kokoro.KPipeline(lang_code=lang, model=False)
+    expected = " ".join(result.phonemes for result in pipeline(REFERENCE_TEXTS[lang]))
+    assert G2P()(REFERENCE_TEXTS[lang], lang) == expected != ""
 
 
 def test_knobs_name_a_bad_dummy_config_key():
@@ -110,7 +133,7 @@ def test_text_goes_through_g2p_per_voice_language(spec, monkeypatch):
 
         return g2p
 
-    monkeypatch.setattr(spec.g2p, "available", lambda: True)
+    monkeypatch.setattr(spec.g2p, "available", lambda lang: True)
     monkeypatch.setattr(spec.g2p, "_build", build)
     request = spec.prepare_speech(SpeechSpec("r", "Hello. There.", "bf_emma", 1.25))
     assert asked == [("b", "Hello. There.")]
@@ -121,6 +144,31 @@ def test_text_goes_through_g2p_per_voice_language(spec, monkeypatch):
     assert request.inputs["chunk_lengths"].tolist() == [len(first), len("ðɛɹ.") + 2]
     table = spec.voice_bank.table("bf_emma")
     assert torch.equal(request.inputs["styles"][1], table[len("ðɛɹ.") - 1, 0])
+
+
+@pytest.mark.parametrize(("voice", "lang_code", "text"), [
+    ("ef_dora", None, "Hola, buenos días. ¿Qué tal estás hoy?"),
+    ("zf_xiaobei", None, "你好，朋友。今天天气很好，我们去公园吧。"),
+    ("af_heart", "f", "Bonjour à tous. Comment allez-vous aujourd'hui?"),
+])
+def test_the_voice_or_lang_code_picks_the_language(spec, voice, lang_code, text):
+    """Text in another language through the real G2P: the voice's first letter (or the
+    request's ``lang_code``) picks it, and the phonemes become chunks as for English."""
+    from mstar.contract import SpeechSpec
+
+    lang = lang_code or voice[0]
+    if not installed(lang):
+        pytest.skip(f"misaki's G2P for {lang!r} is not installed here")
+    options = {"lang_code": lang_code} if lang_code else {}
+    request = spec.prepare_speech(SpeechSpec("r", text, voice, 1.0, model_kwargs=options))
+    phonemes = G2P()(text, lang)
+    config, knobs = spec.kokoro_config, spec.knobs
+    chunks = chunk_phonemes(phonemes, config.max_input_tokens - 2, knobs.chunk_target_phonemes,
+                            knobs.first_chunk_target_phonemes)
+    assert len(chunks) == request.params["num_chunks"] == 2  # two sentences, the first chunk short
+    for row, (chunk, length) in enumerate(zip(chunks, request.inputs["chunk_lengths"].tolist())):
+        ids = to_ids(chunk, config.vocab)
+        assert len(ids) > 2 and request.inputs["chunk_ids"][row, :length].tolist() == [0, *ids, 0]
 
 
 def test_generate_takes_voice_and_speed_from_model_kwargs(spec):

@@ -10,13 +10,16 @@ from mstar.model.knobs import Knobs, RequestKnobs
 
 __all__ = ["KokoroGenerateKnobs", "KokoroKnobs", "KokoroSpeechKnobs"]
 
-LangCode = Literal["a", "b"]
+LangCode = Literal["a", "b", "e", "f", "h", "i", "p", "j", "z"]
+"""Kokoro's languages (``mstar.model.kokoro.phonemes.LANGUAGES``)."""
 
 
 class KokoroKnobs(Knobs):
     lang_code: LangCode | None = None
-    """Fix the G2P language for every request (``a`` American, ``b`` British English); unset,
-    a request's ``lang_code`` or its voice's first letter decides."""
+    """Fix the G2P language for every request (``a`` American, ``b`` British English, ``e``
+    Spanish, ``f`` French, ``h`` Hindi, ``i`` Italian, ``p`` Brazilian Portuguese, ``j``
+    Japanese, ``z`` Mandarin); unset, a request's ``lang_code`` or its voice's first letter
+    decides."""
 
     espeak_fallback: bool = False
     """Let misaki spell out-of-dictionary English words with espeak-ng (when installed)."""
@@ -47,7 +50,7 @@ class KokoroSpeechKnobs(RequestKnobs):
     """Speak these phonemes (Kokoro's alphabet) instead of the text's G2P."""
 
     lang_code: LangCode | None = None
-    """The G2P language of the text (``a`` American, ``b`` British English)."""
+    """The G2P language of the text (as the deployment knob); unset, the voice's first letter."""
 
     seed: int | None = Field(None, ge=0)
     """Seed of the harmonic source's noise (default: a fixed seed per request, 0)."""

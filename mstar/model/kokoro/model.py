@@ -6,7 +6,7 @@ and emitting its audio, so ``stream=True`` plays sentence by sentence. Chunks of
 requests at the same step run as one batch.
 
 Preparing a request (API-server side): the voice table (a blend is the weighted mean), the
-G2P (misaki, when installed), the chunking, and per chunk its ids and its style row (the
+G2P (misaki's, per language, when installed), the chunking, and per chunk its ids and its style row (the
 voice table's row for the chunk's phoneme count).
 """
 
@@ -21,7 +21,7 @@ from mstar.model.kokoro.checkpoint import KokoroCheckpoint, dummy_config, dummy_
 from mstar.model.kokoro.config import KokoroConfig
 from mstar.model.kokoro.engine import speak_fn
 from mstar.model.kokoro.knobs import KokoroGenerateKnobs, KokoroKnobs, KokoroSpeechKnobs
-from mstar.model.kokoro.phonemes import EnglishG2P, chunk_phonemes, to_ids
+from mstar.model.kokoro.phonemes import G2P, chunk_phonemes, to_ids
 from mstar.model.kokoro.voices import VoiceBank
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
@@ -72,7 +72,7 @@ class Kokoro(ModelSpec):
         else:
             ckpt = self.checkpoint()
             self.voice_bank = VoiceBank(ckpt.voice_names(), ckpt.voice)
-        self.g2p = EnglishG2P(espeak_fallback=self.knobs.espeak_fallback)
+        self.g2p = G2P(espeak_fallback=self.knobs.espeak_fallback)
 
     def voices(self) -> list[str]:
         """The voices of the loaded frontend (none before ``load_frontend``)."""

@@ -23,9 +23,12 @@ DUMMY_VOICES = (
     "af_sarah", "af_sky", "am_adam", "am_echo", "am_eric", "am_fenrir", "am_liam", "am_michael", "am_onyx",
     "am_puck", "am_santa", "bf_alice", "bf_emma", "bf_isabella", "bf_lily", "bm_daniel", "bm_fable", "bm_george",
     "bm_lewis",
+    "ef_dora", "em_alex", "em_santa", "ff_siwis", "hf_alpha", "hf_beta", "hm_omega", "hm_psi", "if_sara", "im_nicola",
+    "jf_alpha", "jf_gongitsune", "jf_nezumi", "jf_tebukuro", "jm_kumo", "pf_dora", "pm_alex", "pm_santa",
+    "zf_xiaobei", "zf_xiaoni", "zf_xiaoxiao", "zf_xiaoyi", "zm_yunjian", "zm_yunxi", "zm_yunxia", "zm_yunyang",
 )
-"""Voices a ``load_format: dummy`` deployment offers (Kokoro-82M's English ones), each a seeded
-random table."""
+"""Voices a ``load_format: dummy`` deployment offers (Kokoro-82M's, all nine languages), each a
+seeded random table."""
 
 _PART = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?:\(\s*([0-9]*\.?[0-9]+)\s*\))?\s*$")
 MAX_BLEND = 8
