@@ -19,15 +19,23 @@ of a synthetic 6 s clip).
 
 Both sides watermark with PerTh's shipped network (``resemble-perth``'s file).
 
-Wheels the baseline needs beside torch 2.11 / transformers / diffusers / safetensors / numpy
-(pure Python or manylinux cp312 x86_64; ``/work/main/scratch/cbxwheel/``, install each
-``--no-deps``)::
+Wheels the baseline needs beside the GPU machine's torch 2.11, transformers, diffusers,
+safetensors, tokenizers, huggingface_hub and numpy (pure Python or manylinux cp312 x86_64, in
+``/work/main/scratch/cbxwheel/``; install them all ``pip install --no-deps --no-index
+/work/main/scratch/cbxwheel/*.whl``)::
 
     chatterbox-tts==0.1.7 s3tokenizer==0.3.0 conformer==0.3.2 resemble-perth==1.0.1
-    torchaudio==2.11.0 librosa==0.11.0 soxr audioread lazy_loader pooch soundfile numba llvmlite
-    scikit-learn threadpoolctl joblib msgpack decorator omegaconf antlr4-python3-runtime einops
-    pyloudnorm future onnx (imported by s3tokenizer) ml_dtypes protobuf setuptools<81 (perth's
-    pkg_resources)
+    torchaudio==2.11.0 librosa==0.11.0 soxr==1.1.0 soundfile==0.14.0 audioread==3.1.0
+    lazy_loader==0.6 pooch==1.9.0 numba==0.68.1 llvmlite==0.50.0 scipy==1.17.1
+    scikit-learn==1.9.1 threadpoolctl==3.8.0 joblib==1.6.0 msgpack==1.2.4 decorator==5.3.1
+    narwhals==2.29.0 omegaconf==2.4.0 einops==0.8.2 pyloudnorm==0.2.0 onnx==1.23.2
+    ml_dtypes==0.7.0 protobuf==7.36.2 setuptools==80.10.2 (perth imports pkg_resources)
+
+Nothing is stubbed: ``chatterbox/__init__`` imports the whole package, and every module it
+imports is in that list. torchaudio is used for ``Resample`` and ``compliance.kaldi.fbank``
+only (building the built-in voice); if its compiled library does not load beside the
+machine's torch, move ``torchaudio/lib/*.so`` aside: those two run without it. Set
+``HF_HUB_OFFLINE=1`` (the multilingual tokenizer looks for a file on the Hub at import).
 
 ``--smoke`` runs the tiny models on the CPU: ours on the family's seeded tiny dummy weights;
 the baseline (when ``chatterbox`` imports) on the tiny package models of

@@ -176,9 +176,10 @@ def test_a_cloned_clip_conditions_close_to_the_package():
     record's ``clip_conds``, before the recording folded the codes into the tiny vocabularies).
     The package resamples 24 -> 16 kHz with librosa (soxr) and torchaudio's sinc filter, ours
     with one polyphase filter, so this is close, not equal: the S3Gen prompt mel (24 kHz, no
-    resampling) is equal, the 16 kHz encoders' embeddings are near. The tiny random S3
-    tokenizer's codes flip on such differences (FSQ signs of near-zero projections), so only
-    their count is compared; the tokenizer itself is pinned in ``tests/speech_front``."""
+    resampling) is equal, the 16 kHz encoders' embeddings are near, and the S3 codes mostly
+    agree (measured: 148 of 150 for S3Gen's prompt, 5 of 6 for T3's; on the package's own
+    16 kHz samples ours gives its codes exactly). A cloned voice is therefore not served
+    token for token like the package's."""
     import soundfile
 
     rec = record("english")
@@ -202,5 +203,6 @@ def test_a_cloned_clip_conditions_close_to_the_package():
         assert float(cos(voice.speaker_emb, want["speaker"]).min()) > 0.99
         assert float(cos(voice.s3gen.xvector, want["gen"]["embedding"]).min()) > 0.99
     ours, theirs = voice.s3gen.tokens.reshape(-1), want["gen"]["prompt_token"].reshape(-1)
-    assert ours.shape == theirs.shape
+    assert ours.shape == theirs.shape and float((ours == theirs).float().mean()) > 0.95
     assert voice.prompt_tokens.shape == want["t3_prompt"].shape
+    assert float((voice.prompt_tokens == want["t3_prompt"]).float().mean()) >= 0.5
