@@ -9,8 +9,8 @@ package's own classes at their default (released) sizes, seeded, written in the 
 of a synthetic 6 s clip).
 
 * **ours**: an in-process ``chatterbox`` deployment loading that directory; requests built by
-  the family's ``prepare_speech`` and submitted at once (streaming with
-  ``stream_first_chunk_tokens`` when given, the family's growing chunks).
+  the family's ``prepare_speech`` and submitted at once, streamed in the family's growing
+  chunks from ``--stream-first-chunk-tokens`` (default 25; 0: whole utterances).
 * **baseline**: ``ChatterboxTTS.from_local(dir).generate(text)`` for each request, one after
   the other (the package speaks one utterance at a time). Its ``generate`` hard-codes
   ``max_new_tokens=1000`` (a TODO in the package); random weights rarely draw the stop token,

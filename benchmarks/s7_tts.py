@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("kokoro", "chatterbox"), default="kokoro")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="chatterbox: T3's cap on both sides (default 300; smoke 30)")
-    p.add_argument("--stream-first-chunk-tokens", type=int, default=0,
+    p.add_argument("--stream-first-chunk-tokens", type=int, default=25,
                    help="chatterbox: ours streams in growing chunks from this many tokens (0: whole utterance)")
     add_run_args(p)
     args = p.parse_args(argv)
