@@ -44,6 +44,7 @@ the baseline (when ``chatterbox`` imports) on the tiny package models of
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import sys
@@ -113,8 +114,6 @@ def write_checkpoint(directory: Path, seed: int):
     for name, module in (("t3_cfg", t3), ("s3gen", s3gen), ("ve", ve)):
         save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(directory / f"{name}.safetensors"))
     root = Path(__file__).resolve().parents[1]
-    import json
-
     files = json.loads((root / "tests/chatterbox/fixtures/tokenizers.json").read_text())["files"]
     (directory / "tokenizer.json").write_text(json.dumps(files["en"]))
     model = ChatterboxTTS(t3, s3gen, ve, EnTokenizer(str(directory / "tokenizer.json")), "cpu")
