@@ -19,6 +19,8 @@ event; the baseline's, when the request's utterance is done (its pipeline yields
 utterance), all N submitted at the start. Throughput: audio
 seconds made per wall second (x real time). ``--smoke`` runs a tiny config on the CPU.
 
+``--model chatterbox`` measures Chatterbox English the same way (``s7_chatterbox.py`` says how).
+
 The package imports its G2P (misaki) at import time; where misaki is not installed (the GPU
 machine) the benchmark puts empty stand-ins for it in ``sys.modules``: the model never calls it.
 """
@@ -56,6 +58,8 @@ from benchmarks.common import (
 
 NAME = "s7_tts"
 SCENARIO = "S7 kokoro-82M"
+NAME_CHATTERBOX = "s7_tts_chatterbox"
+SCENARIO_CHATTERBOX = "S7 chatterbox"
 SAMPLE_RATE = 24000
 VOICE = "af_heart"
 # ~300 phonemes of Kokoro's alphabet: a few sentences of English-like phoneme text
@@ -188,11 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default=None, help="concurrent requests, comma separated (default 1,32; smoke 1,2)")
     p.add_argument("--runs", type=int, default=3, help="timed batches per stream count (median)")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--model", choices=("kokoro", "chatterbox"), default="kokoro")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="chatterbox: T3's cap on both sides (default 300; smoke 30)")
+    p.add_argument("--stream-first-chunk-tokens", type=int, default=25,
+                   help="chatterbox: ours streams in growing chunks from this many tokens (0: whole utterance)")
     add_run_args(p)
     args = p.parse_args(argv)
     setup_logging(args.verbose)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     streams = [int(s) for s in (args.streams or ("1,2" if args.smoke else "1,32")).split(",")]
+    if args.model == "chatterbox":
+        return main_chatterbox(args, streams, device)
     config = reference_config(args.smoke)
     record: dict[str, Any] = {"scenario": SCENARIO, "hardware": hardware(),
                               "settings": {"streams": streams, "runs": args.runs, "device": str(device),
@@ -235,6 +246,25 @@ def main(argv: list[str] | None = None) -> int:
         metrics.append(Metric(SCENARIO, f"ttfa@{n}", "ms", "lower", ours[n]["ttfa_ms"], b.get("ttfa_ms")))
     record |= {"metrics": metrics, "ours": ours, "baseline": base, "errors": []}
     write_record(NAME, record, args.out)
+    return 0
+
+
+def main_chatterbox(args, streams: list[int], device: torch.device) -> int:
+    from benchmarks import s7_chatterbox
+
+    with tempfile.TemporaryDirectory(prefix="s7-") as tmp:
+        ours, base, settings = s7_chatterbox.measure(args, streams, device, Path(tmp))
+    record: dict[str, Any] = {"scenario": SCENARIO_CHATTERBOX, "hardware": hardware(),
+                              "settings": {"streams": streams, "runs": args.runs, "device": str(device),
+                                           "smoke": args.smoke, "chatterbox": package_version("chatterbox-tts"),
+                                           **settings}}
+    metrics = []
+    for n in streams:
+        b = base.get(n, {})
+        metrics.append(Metric(SCENARIO_CHATTERBOX, f"rtf@{n}", "x real time", "higher", ours[n]["rtf"], b.get("rtf")))
+        metrics.append(Metric(SCENARIO_CHATTERBOX, f"ttfa@{n}", "ms", "lower", ours[n]["ttfa_ms"], b.get("ttfa_ms")))
+    record |= {"metrics": metrics, "ours": ours, "baseline": base, "errors": []}
+    write_record(NAME_CHATTERBOX, record, args.out)
     return 0
 
 

@@ -118,6 +118,20 @@ def test_s7_kokoro_smoke(tmp_path):
         assert base > 0 and abs(ours - base) < 0.1 * base, (n, ours, base)
 
 
+def test_s7_chatterbox_smoke(tmp_path):
+    """``--model chatterbox``: ours on the family's tiny dummy weights, 1 and 2 requests at
+    once, each speaking (here the package does not import beside torch 2.13, so the baseline
+    column is empty; its smoke runs in the private venv of tests/chatterbox/record_pipeline.py)."""
+    assert s7.main(["--model", "chatterbox", "--smoke", "--runs", "1", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s7.NAME_CHATTERBOX)
+    assert set(rows) == {"rtf@1", "ttfa@1", "rtf@2", "ttfa@2"}
+    assert all(row["ours"] > 0 for row in rows.values())
+    assert all(row["baseline"] is None or row["baseline"] > 0 for row in rows.values())
+    for n in ("1", "2"):
+        run = data["ours"][n]["runs"][0]
+        assert run["audio_s"] > 0 and len(run["ttfa_s"]) == int(n)
+
+
 @pytest.mark.slow  # runs the benchmark script end to end (two deployments)
 def test_s5_shared_prefix_smoke(tmp_path):
     assert s5.main(["--smoke", "--out", str(tmp_path)]) == 0
