@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -58,26 +59,15 @@ import yaml
 
 from benchmarks.common import Metric, hardware, package_version, setup_logging, write_record
 from benchmarks.http_load import REPO_ROOT, chat_body, run_chat_streams, serve_config
+from benchmarks.llama_cpp_reference import TEXT_PROMPTS, median_of, story
 
 NAME = "cpu_defaults"
 THREADS = 2
-TOPICS = ["a lighthouse keeper", "a lost cat", "a bakery at dawn", "a train in the snow", "a robot gardener",
-          "a pirate's map", "a mountain village", "a jazz musician"]
-TEXT_PROMPTS = ["Name the capital of France.", "Write a haiku about the sea.",
-                "Explain photosynthesis in one sentence.", "List three prime numbers.", "Who wrote Romeo and Juliet?"]
 CLIP = REPO_ROOT / "tests" / "data" / "speech_en.wav"
 SAMPLE_RATE = 16000
 BENCH_EXTRAS = ["llama-cpp-python==0.3.36", "ctranslate2==4.8.5"]  # pyproject's [bench]
 
 log = logging.getLogger("cpu_defaults")
-
-
-def story(i: int) -> str:
-    return f"Write a long story about {TOPICS[i % len(TOPICS)]}."
-
-
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 # ------------------------------------------------------------------------- smollm2: ours
@@ -114,36 +104,12 @@ def run_ours_llm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------- smollm2: llama.cpp
 def run_llama_cpp(args: argparse.Namespace, gguf_path: str) -> dict[str, Any]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gguf_path, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=2048, verbose=False)
-    no_eos = {llm.token_eos(): -1e9}
-
-    def stream(prompt: str) -> tuple[float, list[float]]:
-        sent, times = time.perf_counter(), []
-        for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=args.tokens,
-                                                temperature=0.0, stream=True, logit_bias=no_eos):
-            if chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
-        return sent, times
-
-    stream("Hello!")  # warm-up
-    runs = []
-    for _ in range(args.runs):
-        sent, times = stream(story(0))
-        itl = statistics.median(b - a for a, b in zip(times, times[1:]))
-        start, tokens = time.perf_counter(), 0
-        for i in range(args.concurrency):  # one sequence at a time: back to back
-            tokens += len(stream(story(i))[1])
-        runs.append({"itl_ms": 1e3 * itl, "ttft_ms": 1e3 * (times[0] - sent),
-                     "tok_s_1": len(times) / (times[-1] - sent), "tok_s_n": tokens / (time.perf_counter() - start)})
-        log.info("llama.cpp: %s", {k: round(v, 2) for k, v in runs[-1].items()})
-    texts = {}
-    for prompt in TEXT_PROMPTS:
-        out = llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=args.text_tokens,
-                                         temperature=0.0)
-        texts[prompt] = out["choices"][0]["message"]["content"]
-    return {"median": median_of(runs), "runs": runs, "texts": texts, "version": package_version("llama_cpp_python")}
+    """llama.cpp's figures, from ``llama_cpp_reference.py`` in a process without torch."""
+    settings = {"runs": args.runs, "tokens": args.tokens, "concurrency": args.concurrency,
+                "text_tokens": args.text_tokens}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_reference.py")), str(gguf_path),
+                           json.dumps(settings)], stdout=subprocess.PIPE, check=True, text=True)
+    return json.loads(done.stdout)
 
 
 def compare_texts(ours: dict[str, str], reference: dict[str, str]) -> list[dict[str, Any]]:
