@@ -80,9 +80,11 @@ def whole_at_stream_noise(parts) -> torch.Tensor:
 @pytest.mark.parametrize("context", [0, 25, 6])
 def test_streamed_chunks_join_into_the_whole_utterance(parts, context):
     """Pieces tile the utterance (their lengths add up to the whole decode's, no gap or
-    repeat), each seam moves no more than the audio does elsewhere, and the joined log-mel
-    is close to the whole decode's at the same noise (measured 0.976-0.978; 0.75-0.77 for the
-    same tokens at another seed or with the pieces shifted by one frame)."""
+    repeat); the step across each seam is below 1.2x the median step (measured at most
+    0.75x; without the crossfade and the vocoder's left context 1.9x); the joined audio is
+    within 0.18 of peak of the whole decode at the same noise (measured 0.137; 0.22 without
+    crossfade and context) and its log-mel close (correlation measured 0.976-0.978; 0.75-0.77
+    for the same tokens at another seed or with the pieces shifted by one frame)."""
     s3gen, config, prompt, tokens = parts
     pieces = stream(parts, (8, 8, 2.0, 16), context)
     joined = torch.cat(pieces)
@@ -90,8 +92,9 @@ def test_streamed_chunks_join_into_the_whole_utterance(parts, context):
     assert len(pieces) == 4 and joined.numel() == whole.numel() == 2 * TOKENS * 480
     steps = joined.diff().abs()
     seams = np.cumsum([p.numel() for p in pieces])[:-1]
-    assert max(float(steps[s - 1]) for s in seams) <= float(steps.quantile(0.999))
+    assert max(float(steps[s - 1]) for s in seams) <= 1.2 * float(steps.median())
     reference = whole_at_stream_noise(parts)
+    assert float((joined - reference).abs().max()) <= 0.18 * float(reference.abs().max())
     assert mel_correlation(joined, reference) > 0.95
     shifted = torch.cat([torch.zeros(480), joined[:-480]])
     assert mel_correlation(shifted, reference) < 0.9  # the bound above does see a misplaced piece
