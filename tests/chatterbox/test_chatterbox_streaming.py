@@ -19,7 +19,7 @@ from mstar.engine.base import EngineItem
 from mstar.model.chatterbox.checkpoint import ChatterboxCheckpoint
 from mstar.model.chatterbox.knobs import ChatterboxKnobs
 from mstar.model.chatterbox.model import GrowingTokens
-from mstar.model.chatterbox.streaming import CROSSFADE, ChunkJob, StreamTails, plan_chunk, solve_windows
+from mstar.model.chatterbox.streaming import CROSSFADE, ChunkJob, StreamTails, plan_chunk, sent_after, solve_windows
 from mstar.model.chatterbox.synthesis import s3gen_fn, vocode
 from mstar.model.s3gen import log_mel
 from mstar.runtime.launch import start
@@ -49,12 +49,14 @@ def item(tokens, prompt, request_id, index, last, done):
     return EngineItem(request_id, "run", 0, inputs, params, SimpleNamespace(index=index, last=last, keep_start=done))
 
 
-def stream(parts, sizes, context, request_id="r"):
-    """The pieces of one stream chunked as ``GrowingTokens`` would (first, then, ...)."""
+def stream(parts, sizes, context, request_id="r", forget=False):
+    """The pieces of one stream chunked as ``GrowingTokens`` would (first, then, ...);
+    ``forget``: a fresh node per chunk (every kept tail lost)."""
     s3gen, config, prompt, tokens = parts
     run = s3gen_fn(s3gen, config, None, context)
     policy, pieces, done, index = GrowingTokens(*sizes), [], 0, 0
     while done < len(tokens):
+        run = s3gen_fn(s3gen, config, None, context) if forget else run
         end = min(done + policy.size_of(index), len(tokens))
         pieces.append(run("run", [item(tokens[:end], prompt, request_id, index, end == len(tokens), done)])[0]["audio"])
         done, index = end, index + 1
@@ -100,6 +102,17 @@ def test_streamed_chunks_join_into_the_whole_utterance(parts, context):
     assert mel_correlation(shifted, reference) < 0.9  # the bound above does see a misplaced piece
 
 
+def test_a_lost_tail_loses_only_the_blend(parts):
+    """Samples sent follow from the tokens chunked so far, not from the tail cache: with every
+    tail forgotten the pieces still tile the utterance, and only the seams' blends differ."""
+    kept = stream(parts, (8, 8, 2.0, 16), 25)
+    lost = stream(parts, (8, 8, 2.0, 16), 25, forget=True)
+    assert [p.numel() for p in lost] == [p.numel() for p in kept]
+    differ = (torch.cat(lost) - torch.cat(kept)).abs() > 0
+    seams = np.cumsum([p.numel() for p in kept])[:-1]
+    assert differ.any() and all(any(s <= i < s + CROSSFADE for s in seams) for i in differ.nonzero()[:, 0].tolist())
+
+
 def test_seeded_streams_repeat_and_tails_are_per_request(parts):
     a = stream(parts, (8, 8, 2.0, 16), 25, "a")
     b = stream(parts, (8, 8, 2.0, 16), 25, "b")
@@ -124,9 +137,11 @@ def test_bounded_context_keeps_the_flow_input_constant(parts, monkeypatch):
         middle = seen[3:-1]  # the last chunk's tokens are fewer when the length does not divide
         assert len(middle) >= 4
         assert (len(set(middle)) == 1) == constant, seen
-    for sent in range(0, 30000, 480):
-        plan = plan_chunk(TOKENS, sent, False, 6, 6, 480)
-        assert 2 * plan.window <= plan.vocoder_from <= max(sent // 480, 0)
+    for done in range(0, TOKENS):
+        plan = plan_chunk(TOKENS, done, False, 6, 6, 480)
+        assert plan.sent == (sent_after(done, 6, 480) if done else 0) and plan.sent % 480 == 0
+        assert 2 * plan.window <= plan.vocoder_from <= plan.sent // 480 <= plan.frames_end
+        assert plan.sent <= plan.upto == plan.cut - CROSSFADE or plan.cut == plan.upto == plan.sent
 
 
 def test_a_shared_flow_solve_gives_each_row_its_solo_result(parts):
@@ -134,8 +149,8 @@ def test_a_shared_flow_solve_gives_each_row_its_solo_result(parts):
     generator = torch.Generator().manual_seed(1)
     field = torch.randn(1, s3gen.config.front.mel_channels, 2 * (prompt.tokens.shape[1] + TOKENS + 3),
                         generator=generator)
-    jobs = [ChunkJob(f"r{n}", tokens[:n], prompt, field.roll(n, -1), plan_chunk(n, sent, False, 5, 6, 480),
-                     torch.zeros(0), torch.Generator()) for n, sent in ((30, 9600), (17, 0), (24, 4800))]
+    jobs = [ChunkJob(f"r{n}", tokens[:n], prompt, field.roll(n, -1), plan_chunk(n, done, False, 5, 6, 480),
+                     torch.zeros(0), torch.Generator()) for n, done in ((30, 20), (17, 0), (24, 12))]
     with torch.no_grad():
         together = solve_windows(s3gen, jobs)
         alone = [solve_windows(s3gen, [job])[0] for job in jobs]
@@ -147,8 +162,8 @@ def test_a_shared_flow_solve_gives_each_row_its_solo_result(parts):
 def test_tails_are_bounded():
     tails = StreamTails(limit=2)
     for key in "abc":
-        tails.put(key, 1, torch.ones(CROSSFADE))
-    assert list(tails.state) == ["b", "c"] and tails.get("a")[0] == 0
+        tails.put(key, torch.ones(CROSSFADE))
+    assert list(tails.state) == ["b", "c"] and tails.get("a").numel() == 0 and tails.get("c").numel() == CROSSFADE
 
 
 def test_stream_knobs_are_checked_naming_the_field():

@@ -35,7 +35,7 @@ import torch
 from mstar.model.s3gen import S3Gen, S3GenPrompt
 
 __all__ = ["CROSSFADE", "MAX_ROWS", "VOCODER_CONTEXT", "VOCODER_HOLD", "ChunkJob", "ChunkPlan", "StreamTails",
-           "crossfade_ramp", "plan_chunk", "run_chunks", "solve_windows"]
+           "crossfade_ramp", "plan_chunk", "run_chunks", "sent_after", "solve_windows"]
 
 CROSSFADE = 480  # samples (20 ms at 24 kHz) blended from one chunk's tail into the next
 VOCODER_CONTEXT = 8  # mel frames of left context the vocoder re-reads before new audio
@@ -48,27 +48,44 @@ MAX_STREAMS = 1024  # streams whose tails are remembered (oldest forgotten first
 class ChunkPlan:
     """Where one chunk works, in absolute positions of its utterance: the flow window's first
     token ``window``, the vocoder's first mel frame ``vocoder_from``, the frames the flow
-    gives (``frames_end``, exclusive) and the samples ``[sent, cut)`` this chunk sends (the
-    last ``CROSSFADE`` before ``cut`` kept back as the tail unless ``final``)."""
+    gives (``frames_end``, exclusive), the samples ``[sent, upto)`` this chunk sends and
+    ``[upto, cut)`` it keeps as the tail (none once ``final``)."""
 
     window: int
     vocoder_from: int
     frames_end: int
     sent: int
+    upto: int
     cut: int
     final: bool
 
 
-def plan_chunk(tokens: int, sent: int, final: bool, context: int, held_frames: int, per_frame: int,
+def _cut(tokens: int, final: bool, held_frames: int, per_frame: int, upsample: int) -> int:
+    """The samples a chunk over ``tokens`` speech tokens decodes well: all at the end, else
+    up to the held-back look-ahead less the vocoder's unsettled right edge."""
+    if final:
+        return upsample * tokens * per_frame
+    return max(0, (upsample * tokens - held_frames - VOCODER_HOLD) * per_frame)
+
+
+def sent_after(tokens: int, held_frames: int, per_frame: int, upsample: int = 2) -> int:
+    """Samples a stream has sent once a non-final chunk over ``tokens`` tokens ran: its cut
+    less the tail. A function of the tokens alone, so no chunk needs the count kept."""
+    return max(0, _cut(tokens, False, held_frames, per_frame, upsample) - CROSSFADE)
+
+
+def plan_chunk(tokens: int, done: int, final: bool, context: int, held_frames: int, per_frame: int,
                upsample: int = 2) -> ChunkPlan:
-    """The plan of a chunk over ``tokens`` speech tokens after ``sent`` samples went out.
+    """The plan of a chunk over ``tokens`` speech tokens after chunks over the first ``done``.
     ``context``: settled tokens kept before the audio sent (0: all of them)."""
-    settled_frames = (sent // per_frame) if sent else 0
+    sent = sent_after(done, held_frames, per_frame, upsample) if done else 0
+    settled_frames = sent // per_frame
     window = max(0, settled_frames // upsample - context) if context > 0 else 0
     frames_end = upsample * tokens - (0 if final else held_frames)
     vocoder_from = max(upsample * window, settled_frames - VOCODER_CONTEXT)
-    cut = frames_end * per_frame if final else max(0, (frames_end - VOCODER_HOLD) * per_frame)
-    return ChunkPlan(window, vocoder_from, frames_end, sent, cut, final)
+    cut = max(sent, _cut(tokens, final, held_frames, per_frame, upsample))
+    upto = cut if final else max(sent, cut - CROSSFADE)
+    return ChunkPlan(window, vocoder_from, frames_end, sent, upto, cut, final)
 
 
 def crossfade_ramp(samples: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -77,18 +94,19 @@ def crossfade_ramp(samples: int, device: torch.device, dtype: torch.dtype) -> to
 
 
 class StreamTails:
-    """Per stream: samples sent so far and the kept tail, between a request's chunks. The
-    ``s3gen`` node is stateless for the runtime; this is a bounded cache in front of it."""
+    """Per stream: the tail the last chunk kept (its decode of the samples after those it
+    sent), for the next chunk to blend from. The ``s3gen`` node is stateless for the
+    runtime; this is a bounded cache beside it, and a miss only loses one seam's blend."""
 
     def __init__(self, limit: int = MAX_STREAMS) -> None:
         self.limit = limit
-        self.state: OrderedDict[str, tuple[int, torch.Tensor]] = OrderedDict()
+        self.state: OrderedDict[str, torch.Tensor] = OrderedDict()
 
-    def get(self, key: str) -> tuple[int, torch.Tensor]:
-        return self.state.get(key, (0, torch.zeros(0)))
+    def get(self, key: str) -> torch.Tensor:
+        return self.state.get(key, torch.zeros(0))
 
-    def put(self, key: str, sent: int, tail: torch.Tensor) -> None:
-        self.state[key] = (sent, tail)
+    def put(self, key: str, tail: torch.Tensor) -> None:
+        self.state[key] = tail
         self.state.move_to_end(key)
         while len(self.state) > self.limit:
             self.state.popitem(last=False)
@@ -154,26 +172,26 @@ def _solve_rows(s3gen: S3Gen, jobs: list[ChunkJob], up: int) -> list[torch.Tenso
 
 
 def vocode_window(s3gen: S3Gen, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The samples this chunk sends and the tail it keeps, from its window ``mel``."""
+    """The samples this chunk sends and the tail it keeps, from its window ``mel``; the first
+    samples sent are blended from the previous chunk's tail."""
     plan, up = job.plan, s3gen.config.encoder.upsample
     per_frame = s3gen.config.vocoder.samples_per_frame
+    if plan.cut <= plan.sent:
+        return torch.zeros(0), job.tail
     mel = mel[..., plan.vocoder_from - up * plan.window:]
     if plan.vocoder_from == 0:
         wave = s3gen.mel2wav(mel, job.generator)[0].float()
     else:  # mid-utterance: no fade-in of the head
         wave = s3gen.vocoder(mel, generator=job.generator)[0][0].float()
     start = plan.vocoder_from * per_frame
-    if plan.cut <= plan.sent + (0 if plan.final else CROSSFADE):  # too little new audio yet
-        return (job.tail, torch.zeros(0)) if plan.final else (torch.zeros(0), job.tail)
     piece = wave[plan.sent - start: plan.cut - start].clone()
     tail = job.tail.to(piece.device, piece.dtype)
     blend = min(tail.numel(), piece.numel())
     if blend:
         ramp = crossfade_ramp(blend, piece.device, piece.dtype)
         piece[:blend] = tail[:blend] * (1 - ramp) + piece[:blend] * ramp
-    if plan.final:
-        return piece, torch.zeros(0)
-    return piece[:-CROSSFADE], piece[-CROSSFADE:]
+    keep = plan.upto - plan.sent
+    return piece[:keep], piece[keep:]
 
 
 def run_chunks(s3gen: S3Gen, jobs: list[ChunkJob], tails: StreamTails) -> list[torch.Tensor]:
@@ -184,7 +202,7 @@ def run_chunks(s3gen: S3Gen, jobs: list[ChunkJob], tails: StreamTails) -> list[t
         piece, tail = vocode_window(s3gen, job, mel)
         if job.plan.final:
             tails.drop(job.key)
-        elif piece.numel():
-            tails.put(job.key, job.plan.sent + piece.numel(), tail)
+        else:
+            tails.put(job.key, tail)
         pieces.append(piece)
     return pieces

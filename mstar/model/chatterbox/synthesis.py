@@ -99,8 +99,9 @@ def _job(s3gen: S3Gen, config: T3Config, item: EngineItem, prompt: S3GenPrompt, 
     tokens = [int(t) for t in item.inputs["token"].reshape(-1)]
     final = bool(item.chunk.last)
     speech = _speech(s3gen, config, tokens, final)
-    sent, tail = tails.get(item.request_id) if item.chunk.index else (0, torch.zeros(0))
-    plan = plan_chunk(len(speech), sent, final, context, s3gen.held_frames,
+    done = len(_speech(s3gen, config, tokens[: item.chunk.keep_start], False)) if item.chunk.keep_start else 0
+    tail = tails.get(item.request_id) if item.chunk.index else torch.zeros(0)
+    plan = plan_chunk(len(speech), done, final, context, s3gen.held_frames,
                       s3gen.config.vocoder.samples_per_frame, s3gen.config.encoder.upsample)
     if not speech or plan.frames_end <= 2 * plan.window:
         return None
@@ -140,7 +141,7 @@ def s3gen_fn(s3gen: S3Gen, config: T3Config, watermarker: PerthWatermarker | Non
             elif (job := _job(s3gen, config, item, prompt, tails, context)) is not None:
                 jobs.append((i, job))
             elif chunk.last:  # nothing new: send what the tail kept
-                audio[i] = _marked(tails.get(item.request_id)[1], marker)
+                audio[i] = _marked(tails.get(item.request_id), marker)
                 tails.drop(item.request_id)
         for (i, _), piece in zip(jobs, run_chunks(s3gen, [job for _, job in jobs], tails)):
             marker = watermarker if items[i].params.get("watermark", True) else None
