@@ -148,6 +148,7 @@ class GenerateSpec:
     output_modalities: list[str]
     model_kwargs: dict
     reference: VoiceClip | None = None
+    stream: bool = False  # the client reads the output as it comes (``streaming``)
 
 
 @dataclass
@@ -221,6 +222,7 @@ class SpeechSpec:
     model_kwargs: dict = field(default_factory=dict)  # temperature, top_p, repetition_penalty, seed, max_tokens
     reference: VoiceClip | None = None
     sentence_chunking: bool | None = None
+    stream: bool = False  # the client plays the audio as it comes (``stream: true``)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
         output_modalities=parse_output_modalities(req.output_modalities),
         model_kwargs=model_kwargs,
         reference=reference,
+        stream=bool(req.streaming),
     )
     return spec, req.streaming
 

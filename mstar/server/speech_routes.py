@@ -205,6 +205,7 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
         model_kwargs=req.model_kwargs(),
         reference=reference,
         sentence_chunking=req.sentence_chunking,
+        stream=bool(req.stream),
     )
     try:
         first, events = await start_events(lambda: backend.speech(spec), request)

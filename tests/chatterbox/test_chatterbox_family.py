@@ -197,15 +197,16 @@ def test_without_soxr_outputs_are_unmarked_and_the_log_says_so(monkeypatch, capl
 
 @pytest.mark.parametrize("key", ["chatterbox", "chatterbox_turbo"])
 def test_streamed_chunks_cover_the_whole_utterance(key):
-    """With ``stream_first_chunk_tokens`` the audio comes in several pieces as T3 goes; they
+    """A ``stream: true`` request's audio comes in several pieces as T3 goes; they
     add up to the whole utterance's length (the same tokens: T3 does not see the chunking),
     the first piece ends on the held-back look-ahead, and a seeded request repeats exactly."""
     config = deployment_config(key)
-    config["model_kwargs"] |= {"stream_first_chunk_tokens": 8, "stream_max_chunk_tokens": 16}
+    config["model_kwargs"] |= {"stream_first_chunk_tokens": 8, "stream_chunk_tokens": 8, "stream_max_chunk_tokens": 16}
     deployment = start(parse_config(config), in_process=True)
     try:
         async def run(request_id):
-            return [e async for e in deployment.backend.speech(SpeechSpec(request_id, TEXT, None, 1.0, {"seed": 3}))]
+            return [e async for e in deployment.backend.speech(SpeechSpec(request_id, TEXT, None, 1.0, {"seed": 3},
+                                                                                   stream=True))]
 
         pieces = [np.frombuffer(e.data, "<f4") for e in asyncio.run(run("s1")) if e.data]
         again = [np.frombuffer(e.data, "<f4") for e in asyncio.run(run("s2")) if e.data]

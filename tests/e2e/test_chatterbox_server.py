@@ -1,7 +1,9 @@
 """Chatterbox over HTTP: a real ``mstar serve`` of each key (tiny dummy weights, CPU) driven
-by the official ``openai`` client: valid 24 kHz WAV, plain and streamed (the whole utterance
-as one chunk); a clone from a ``ref_audio`` data URI; eight concurrent seeded requests equal
-to their solo audio; Chatterbox's options on /generate; 4xx naming the field."""
+by the official ``openai`` client: valid 24 kHz WAV, plain (the whole utterance) and streamed
+(chunks of 8 tokens joined: the same length, repeatable when seeded; their closeness to the
+whole decode is pinned in tests/chatterbox/test_chatterbox_streaming.py); a clone from a
+``ref_audio`` data URI; eight concurrent seeded requests equal to their solo audio, plain and
+streamed; Chatterbox's options on /generate; 4xx naming the field."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def server(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(key)
     config = {"model": key, "load_format": "dummy", "device": "cpu", "max_concurrent_requests": 8,
               "node_groups": [{"node_names": ["t3", "s3gen"], "ranks": [0]}],
-              "model_kwargs": {"dummy_scale": "tiny", "max_new_tokens_limit": 40}}
+              "model_kwargs": {"dummy_scale": "tiny", "max_new_tokens_limit": 40,
+                               "stream_first_chunk_tokens": 8, "stream_chunk_tokens": 8}}
     (work / "chatterbox.yaml").write_text(json.dumps(config))  # JSON is YAML
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", str(ROOT))  # the server runs this tree's mstar
@@ -42,6 +45,13 @@ def pcm(oai, server, text: str = TEXT, **extra) -> np.ndarray:
     audio = oai.audio.speech.create(model=server.key, voice="default", input=text, response_format="pcm",
                                     extra_body=extra)
     return np.frombuffer(audio.content, "<i2")
+
+
+def streamed_pcm(oai, server, text: str = TEXT, **extra) -> np.ndarray:
+    with oai.audio.speech.with_streaming_response.create(
+            model=server.key, voice="default", input=text, response_format="pcm",
+            extra_body={**extra, "stream": True}) as response:
+        return np.frombuffer(b"".join(response.iter_bytes()), "<i2")
 
 
 def clip_uri(seconds: float = 6.0, rate: int = 16000) -> str:
@@ -58,12 +68,11 @@ def test_wav_at_24khz_plain_and_streamed(oai, server):
     samples, rate = sf.read(io.BytesIO(audio.content))
     assert rate == 24000 and samples.ndim == 1 and len(samples) > 0
     assert np.abs(samples).max() > 0.003  # audible at 16 bits: the comparisons below mean something
-    with oai.audio.speech.with_streaming_response.create(
-            model=server.key, voice="default", input=TEXT, response_format="pcm",
-            extra_body={"seed": 1, "stream": True}) as response:
-        streamed = np.frombuffer(b"".join(response.iter_bytes()), "<i2")
-    assert np.array_equal(streamed, pcm(oai, server, seed=1))
-    assert len(streamed) == len(samples)
+    streamed = streamed_pcm(oai, server, seed=1)
+    plain = pcm(oai, server, seed=1)
+    assert len(streamed) == len(plain) == len(samples)  # the chunks tile the utterance
+    assert np.abs(streamed).max() > 100 and not np.array_equal(streamed, plain)  # chunked: not the whole decode
+    assert np.array_equal(streamed_pcm(oai, server, seed=1), streamed)
 
 
 def test_clone_from_a_data_uri(oai, server):
@@ -81,6 +90,18 @@ def test_eight_concurrent_requests_equal_their_solo_audio(oai, server):
     for a, b in zip(solo, together, strict=True):
         assert np.abs(a).max() > 100 and np.array_equal(a, b)
     assert len({a.tobytes() for a in solo}) == len(solo)
+
+
+def test_eight_concurrent_streams_equal_their_solo_streams(oai, server):
+    """Streamed chunks that are ready together share one padded flow solve; a row equals its
+    solo solve to float32 rounding (1e-5 of peak), so at 16 bits at most one step apart."""
+    jobs = [(f"{TEXT} Number {i}.", 200 + i) for i in range(8)]
+    solo = [streamed_pcm(oai, server, text, seed=seed) for text, seed in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda job: streamed_pcm(oai, server, job[0], seed=job[1]), jobs))
+    for a, b in zip(solo, together, strict=True):
+        assert np.abs(a).max() > 100 and len(a) == len(b)
+        assert np.abs(a.astype(np.int32) - b).max() <= 1
 
 
 def test_options_change_the_audio_and_generate_takes_them(oai, server, http):

@@ -41,14 +41,23 @@ class ChatterboxKnobs(Knobs):
     voices_dir: str | None = None
     """Preset voices (``<name>.wav`` + optional ``<name>.txt``) cloned like an uploaded clip."""
 
-    stream_first_chunk_tokens: int = Field(0, ge=0)
-    """Speech tokens before the first audio chunk (the reference notes use 35, or 15 on the
-    multilingual and Turbo models); 0 synthesises whole utterances, the reference path."""
+    stream_chunk_tokens: int = Field(50, ge=0)
+    """A ``stream: true`` request's second chunk of speech tokens (25 a second); later ones
+    grow by ``stream_chunk_growth`` up to ``stream_max_chunk_tokens``. 0: streamed requests
+    are synthesised as whole utterances too (the reference path, one chunk at the end)."""
+
+    stream_first_chunk_tokens: int | None = Field(None, ge=1)
+    """Speech tokens before the first audio chunk (unset: 35 on the English model, 15 on the
+    multilingual and Turbo ones)."""
 
     stream_chunk_growth: float = Field(2.0, ge=1.0)
-    """Each later chunk's tokens: the previous chunk's times this, up to the maximum."""
+    """Each chunk after the second: the previous chunk's tokens times this, up to the maximum."""
 
     stream_max_chunk_tokens: int = Field(200, ge=1)
+
+    stream_context_tokens: int = Field(25, ge=0)
+    """Settled tokens a streamed chunk's flow solve keeps as left context before the audio
+    already sent (a constant cost per chunk); 0: the whole history."""
 
     dummy_scale: Literal["real", "tiny"] = "real"
     """Under ``load_format: dummy``: the released shapes, or tiny ones (tests, CI)."""

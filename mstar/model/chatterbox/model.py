@@ -8,9 +8,9 @@ Graph: ``t3`` (autoregressive, ``T3Engine``: a guided request's conditional and
 unconditional rows decode as two KV sequences of one batch) writes a speech ``token`` per
 step; a stream edge hands the token stream to ``s3gen`` (stateless: S3Gen, then the
 watermark), which emits audio. By default the edge waits for T3 to stop and hands over the
-whole utterance (``WholeStream``: the reference's path); with ``stream_first_chunk_tokens``
-it hands over growing chunks as the tokens come (``GrowingTokens``, see
-``synthesis.vocode_prefix``).
+whole utterance (``WholeStream``: the reference's path). A ``stream: true`` request takes the
+``tts_stream`` walk instead, whose edge hands over growing chunks as the tokens come
+(``GrowingTokens``, see ``streaming``), unless ``stream_chunk_tokens`` is 0.
 
 Preparing a request (API-server side): the voice (the checkpoint's built-in one, a preset from
 ``voices_dir``, or a cloned ``ref_audio`` clip, each encoded once per content through the
@@ -55,6 +55,8 @@ SAMPLING_DEFAULTS = {
     "turbo": dict(temperature=0.8, top_p=0.95, top_k=1000, repetition_penalty=1.2),
 }
 """The reference's ``generate`` defaults per variant."""
+FIRST_CHUNK_TOKENS = {"english": 35, "multilingual": 15, "turbo": 15}
+"""A streamed request's first chunk (35 tokens: 1.4 s of audio) by variant."""
 
 
 class WholeStream(ChunkPolicy):
@@ -67,16 +69,20 @@ class WholeStream(ChunkPolicy):
 
 
 class GrowingTokens(ChunkPolicy):
-    """Chunks of ``first``, ``first * growth``, ... new tokens (at most ``max_size``), each
-    handed every token so far (S3Gen re-runs the flow over the whole prefix). A chunk before
-    the end always leaves a token for the last one, so the end is never a chunk that thought
-    it was not last."""
+    """Chunks of ``first``, then ``then``, ``then * growth``, ... new tokens (at most
+    ``max_size``), each handed every token so far (S3Gen's streamed chunk picks its own
+    window). A chunk before the end always leaves a token for the last one, so the end is
+    never a chunk that thought it was not last."""
 
-    def __init__(self, first: int, growth: float, max_size: int) -> None:
-        self.sizes = GrowingChunks(first, growth, max(first, max_size))
+    def __init__(self, first: int, then: int, growth: float, max_size: int) -> None:
+        self.first = first
+        self.later = GrowingChunks(then, growth, max(then, max_size))
+
+    def size_of(self, index: int) -> int:
+        return self.first if index == 0 else self.later.size_of(index - 1)
 
     def next_chunk(self, available, taken, covered, closed):
-        want = self.sizes.size_of(taken)
+        want = self.size_of(taken)
         if closed and available > covered:
             return Chunk(taken, 0, available, covered, available, True)
         if not closed and available - covered > want:
@@ -103,15 +109,22 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
             Step("t3", "prefill", reads=("speaker_emb", "prompt_tokens", "text_ids"), writes="token"),
             Loop(Step("t3", "decode", reads="token", writes="token"), until="stop", max_iters="max_decode_steps"),
         )
-        vocode = StreamEdge("token", into=Step("s3gen", reads=("token", "s3_tokens", "s3_mel", "xvector"),
-                                               writes="audio", emit=Emit("audio", "audio")), policy=self._policy())
-        return Graph.build([t3, s3gen], [Walk("tts", speak, inputs=(*VOICE_INPUTS, "text_ids"), streams=[vocode])])
+        walks = [Walk(name, speak, inputs=(*VOICE_INPUTS, "text_ids"), streams=[self._vocode(policy)])
+                 for name, policy in (("tts", WholeStream()), ("tts_stream", self._stream_policy()))]
+        return Graph.build([t3, s3gen], walks)
 
-    def _policy(self) -> ChunkPolicy:
+    @staticmethod
+    def _vocode(policy: ChunkPolicy) -> StreamEdge:
+        return StreamEdge("token", into=Step("s3gen", reads=("token", "s3_tokens", "s3_mel", "xvector"),
+                                             writes="audio", emit=Emit("audio", "audio")), policy=policy)
+
+    def _stream_policy(self) -> ChunkPolicy:
+        """A streamed request's chunks; ``stream_chunk_tokens: 0``: whole utterances."""
         k = self.knobs
-        if k.stream_first_chunk_tokens == 0:
+        if k.stream_chunk_tokens == 0:
             return WholeStream()
-        return GrowingTokens(k.stream_first_chunk_tokens, k.stream_chunk_growth, k.stream_max_chunk_tokens)
+        first = k.stream_first_chunk_tokens or FIRST_CHUNK_TOKENS[self.variant]
+        return GrowingTokens(first, k.stream_chunk_tokens, k.stream_chunk_growth, k.stream_max_chunk_tokens)
 
     # -------------------------------------------------------------- frontend
     @property
@@ -152,24 +165,27 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
         if spec.speed != 1.0:
             raise RequestError("speed", "Chatterbox cannot change its speaking rate; send speed 1.0")
         options = ChatterboxSpeechKnobs.parse(spec.model_kwargs)
-        return self._pieces(spec.input, self._voice(spec.voice, spec.reference), options, spec.sentence_chunking)
+        return self._pieces(spec.input, self._voice(spec.voice, spec.reference), options, spec.sentence_chunking,
+                            spec.stream)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         check_speech_generate(self.key, spec, clones=True)
         options = ChatterboxGenerateKnobs.parse(spec.model_kwargs)
-        return self._pieces(spec.text, self._voice(options.voice, spec.reference), options, options.sentence_chunking)
+        return self._pieces(spec.text, self._voice(options.voice, spec.reference), options, options.sentence_chunking,
+                            spec.stream)
 
     def _pieces(self, text: str, voice: ckpt.Voice, options: ChatterboxSpeechKnobs,
-                sentence_chunking: bool | None) -> WalkRequest | list[WalkRequest]:
-        """One ``tts`` walk for the whole text (the reference's way), or with
-        ``sentence_chunking`` one per group of sentences, played in order: T3's quality drops
-        on long text well before its limit."""
+                sentence_chunking: bool | None, stream: bool = False) -> WalkRequest | list[WalkRequest]:
+        """One walk for the whole text (the reference's way), or with ``sentence_chunking``
+        one per group of sentences, played in order: T3's quality drops on long text well
+        before its limit. A streamed request's walks vocode in chunks (``tts_stream``)."""
+        walk = "tts_stream" if stream else "tts"
         if not sentence_chunking:
-            return self._speak(text, voice, options)
+            return self._speak(text, voice, options, walk)
         pieces = PIECES.split(text)
         if len(pieces) > MAX_PIECES:
             raise RequestError("input", f"makes {len(pieces)} sentence pieces; the limit is {MAX_PIECES}")
-        return [self._speak(piece, voice, options) for piece in pieces] or self._speak(text, voice, options)
+        return [self._speak(piece, voice, options, walk) for piece in pieces] or self._speak(text, voice, options, walk)
 
     def _voice(self, name: str | None, reference: VoiceClip | None) -> ckpt.Voice:
         """The request's voice: a clone of ``reference``, else a preset, else the built-in."""
@@ -181,8 +197,8 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
             return self.clip_conditioning(self.presets.clip(name))
         raise RequestError("voice", f"unknown voice {name!r}; voices are {', '.join(self.voices())}")
 
-    def _speak(self, text: str, voice: ckpt.Voice, options: ChatterboxSpeechKnobs) -> WalkRequest:
-        """The ``tts`` walk of one utterance."""
+    def _speak(self, text: str, voice: ckpt.Voice, options: ChatterboxSpeechKnobs, walk: str = "tts") -> WalkRequest:
+        """The ``walk`` (``tts`` or ``tts_stream``) of one utterance."""
         if not text.strip():
             raise RequestError("input", "must contain text, not only whitespace")
         language = self._language(options.language_id)
@@ -219,7 +235,7 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
         params = {"sampling": sampling, "cfg_weight": options.cfg_weight if config.guided else 0.0,
                   "exaggeration": options.exaggeration, "max_new_tokens": budget,
                   "max_decode_steps": budget - 1, "seed": seed, "watermark": watermark}
-        return WalkRequest("tts", inputs, params, {"kv_pages": pages}, prompt_tokens=len(text_ids),
+        return WalkRequest(walk, inputs, params, {"kv_pages": pages}, prompt_tokens=len(text_ids),
                            peak={"kv_pages": pages})
 
     def _language(self, language_id: str | None) -> str | None:
@@ -247,7 +263,8 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
             engines["t3"] = T3Engine(model, kv.max_num_pages, kv.page_size, dtype)
         if "s3gen" in nodes:
             s3gen = parts.s3gen(device)
-            engines["s3gen"] = StatelessEngine(s3gen_fn(s3gen, parts.t3_config(), self._watermarker(parts, device)))
+            engines["s3gen"] = StatelessEngine(s3gen_fn(s3gen, parts.t3_config(), self._watermarker(parts, device),
+                                                             self.knobs.stream_context_tokens))
         return engines
 
     def _watermarker(self, parts: ckpt.ChatterboxCheckpoint, device: torch.device) -> PerthWatermarker | None:

@@ -27,11 +27,12 @@ from mstar.contract import RequestError
 from mstar.engine.base import EngineItem
 from mstar.model.chatterbox.checkpoint import ClipEncoders, Voice
 from mstar.model.chatterbox.config import T3Config
+from mstar.model.chatterbox.streaming import ChunkJob, StreamTails, plan_chunk, run_chunks
 from mstar.model.chatterbox.t3_decode import speech_tokens_for_s3gen
 from mstar.model.perth import PerthWatermarker
 from mstar.model.s3gen import S3Gen, S3GenPrompt, log_mel
 
-__all__ = ["S3GEN_RATE", "S3_RATE", "clip_voice", "s3gen_fn", "vocode", "vocode_prefix"]
+__all__ = ["S3GEN_RATE", "S3_RATE", "clip_voice", "s3gen_fn", "vocode"]
 
 S3GEN_RATE = 24000
 S3_RATE = 16000
@@ -90,57 +91,61 @@ def _speech(s3gen: S3Gen, config: T3Config, tokens: list[int], final: bool) -> l
     return speech[:-3] if config.is_gpt2 and not final else speech
 
 
-@torch.no_grad()
-def vocode_prefix(s3gen: S3Gen, config: T3Config, tokens: list[int], done: int, final: bool,
-                  prompt: S3GenPrompt, seed: int, max_tokens: int,
-                  watermarker: PerthWatermarker | None) -> torch.Tensor:
-    """A streamed utterance's next audio: the samples of T3's ``tokens`` so far past those the
-    chunks of its first ``done`` tokens gave. The flow re-runs over every token so far from
-    one fixed noise field (a prefix of the same seeded draw each time); before the end the
-    frames of the last ``lookahead`` tokens are held back (``finalize=False``). The vocoder
-    re-runs over the whole mel and the new samples are cut out, so a seam is continuous in
-    the mel but not sample-identical to the whole-utterance decode; each piece is marked on
-    its own."""
+def _job(s3gen: S3Gen, config: T3Config, item: EngineItem, prompt: S3GenPrompt, tails: StreamTails,
+         context: int) -> ChunkJob | None:
+    """A streamed chunk's ``ChunkJob`` (None: no speech yet). The fixed noise field is drawn
+    first from the request's seeded generator, the vocoder's source draws follow it."""
     device, dtype = s3gen.fade.device, s3gen.fade.dtype
+    tokens = [int(t) for t in item.inputs["token"].reshape(-1)]
+    final = bool(item.chunk.last)
     speech = _speech(s3gen, config, tokens, final)
-    before = _speech(s3gen, config, tokens[:done], False) if done else []
-    emitted = max(2 * len(before) - s3gen.held_frames, 0) if done else 0
-    if not speech or (not final and 2 * len(speech) <= s3gen.held_frames):
-        return torch.zeros(0)
-    prompt = S3GenPrompt(prompt.tokens.to(device), prompt.mel.to(device, dtype), prompt.xvector.to(device, dtype))
-    new = torch.tensor([speech], device=device)
-    generator = torch.Generator(device).manual_seed(seed)
-    frames = 2 * (prompt.tokens.shape[1] + max_tokens + 3)
+    done = len(_speech(s3gen, config, tokens[: item.chunk.keep_start], False)) if item.chunk.keep_start else 0
+    tail = tails.get(item.request_id) if item.chunk.index else torch.zeros(0)
+    plan = plan_chunk(len(speech), done, final, context, s3gen.held_frames,
+                      s3gen.config.vocoder.samples_per_frame, s3gen.config.encoder.upsample)
+    if not speech or plan.frames_end <= 2 * plan.window:
+        return None
+    generator = torch.Generator(device).manual_seed(int(item.params["seed"]))
+    frames = s3gen.config.encoder.upsample * (prompt.tokens.shape[1] + int(item.params["max_new_tokens"]) + 3)
     field = torch.randn(1, s3gen.config.front.mel_channels, frames, generator=generator, device=device, dtype=dtype)
-    mel = s3gen.token2mel(new, prompt, field[..., : s3gen.noise_frames(new, prompt, final)], finalize=final)
-    wave = s3gen.mel2wav(mel, generator)[0].float()
-    per_frame = wave.shape[-1] // mel.shape[-1]
-    piece = wave[emitted * per_frame:]
+    prompt = S3GenPrompt(prompt.tokens.to(device), prompt.mel.to(device, dtype), prompt.xvector.to(device, dtype))
+    return ChunkJob(item.request_id, speech, prompt, field, plan, tail, generator)
+
+
+def _marked(piece: torch.Tensor, watermarker: PerthWatermarker | None) -> torch.Tensor:
+    """A streamed piece, watermarked on its own (where marking is on), on the CPU."""
     if watermarker is not None and piece.numel() > 0:
         piece = watermarker.apply(piece, S3GEN_RATE)
     return piece.cpu()
 
 
-def s3gen_fn(s3gen: S3Gen, config: T3Config, watermarker: PerthWatermarker | None):
+def s3gen_fn(s3gen: S3Gen, config: T3Config, watermarker: PerthWatermarker | None, context: int = 0):
     """The ``s3gen`` node: each item is one chunk of a request's ``token`` stream (all its
     tokens so far), with the voice's prompt and params ``seed``, ``watermark``,
-    ``max_new_tokens``, vocoded on its own: a whole utterance (``vocode``, the reference
-    path) when the chunk is the stream's first and last, else ``vocode_prefix``."""
+    ``max_new_tokens``. A chunk that is its stream's first and last is a whole utterance
+    (``vocode``, the reference path); the others are streamed chunks (``streaming``), whose
+    flow solves the step shares; ``context`` bounds their flow's left context."""
+    tails = StreamTails()
 
+    @torch.no_grad()
     def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for item in items:
+        audio: list[torch.Tensor] = [torch.zeros(0)] * len(items)
+        jobs: list[tuple[int, ChunkJob]] = []
+        for i, item in enumerate(items):
             prompt = S3GenPrompt(item.inputs["s3_tokens"].long(), item.inputs["s3_mel"], item.inputs["xvector"])
-            tokens = [int(t) for t in item.inputs["token"].reshape(-1)]
             marker = watermarker if item.params.get("watermark", True) else None
-            seed = int(item.params["seed"])
             chunk = item.chunk
-            if chunk is None or (chunk.keep_start == 0 and chunk.last):
-                audio = vocode(s3gen, config, tokens, prompt, seed, marker)
-            else:
-                audio = vocode_prefix(s3gen, config, tokens, chunk.keep_start, chunk.last, prompt, seed,
-                                      int(item.params["max_new_tokens"]), marker)
-            out.append({"audio": audio})
-        return out
+            if chunk is None or (chunk.index == 0 and chunk.last):
+                tokens = [int(t) for t in item.inputs["token"].reshape(-1)]
+                audio[i] = vocode(s3gen, config, tokens, prompt, int(item.params["seed"]), marker)
+            elif (job := _job(s3gen, config, item, prompt, tails, context)) is not None:
+                jobs.append((i, job))
+            elif chunk.last:  # nothing new: send what the tail kept
+                audio[i] = _marked(tails.get(item.request_id), marker)
+                tails.drop(item.request_id)
+        for (i, _), piece in zip(jobs, run_chunks(s3gen, [job for _, job in jobs], tails)):
+            marker = watermarker if items[i].params.get("watermark", True) else None
+            audio[i] = _marked(piece, marker)
+        return [{"audio": piece} for piece in audio]
 
     return run
