@@ -77,11 +77,14 @@ class KokoroDecoder(nn.Module):
         *,
         noise: bool = True,
         generators: list[torch.Generator | None] | None = None,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``forward`` of rows padded to ``F`` frames, row ``i`` valid for ``lengths[i]``
-        (host ints; ``f0``/``energy`` for twice that) -> ``[B, 1, 2F * samples per generator
-        frame]``, row ``i`` valid for ``2 * lengths[i]`` generator frames' samples."""
-        keep = prefix_mask(torch.tensor(lengths, device=asr.device), asr.shape[-1])
+        (host ints; ``counts`` the same on the device; ``f0``/``energy`` for twice that) ->
+        ``[B, 1, 2F * samples per generator frame]``, row ``i`` valid for ``2 * lengths[i]``
+        generator frames' samples."""
+        counts = torch.tensor(lengths, device=asr.device) if counts is None else counts
+        keep = prefix_mask(counts, asr.shape[-1])
         keep2 = keep.repeat_interleave(2, dim=1)
         f0, energy = torch.where(keep2, f0, 0.0), torch.where(keep2, energy, 0.0)
         asr = zero_padding(asr, keep)
@@ -97,4 +100,5 @@ class KokoroDecoder(nn.Module):
             if block.upsample:
                 keep = keep2
             joining = joining and not block.upsample
-        return self.generator.forward_rows(x, s, f0, [2 * n for n in lengths], noise=noise, generators=generators)
+        return self.generator.forward_rows(x, s, f0, [2 * n for n in lengths], noise=noise, generators=generators,
+                                           counts=2 * counts)

@@ -111,7 +111,8 @@ class KokoroModel(nn.Module):
         row (each its solo audio). The one host sync is the durations' copy: the frame counts
         size the padding, the LSTM packing, the noise draws and the final trim."""
         durations = half.durations
-        frames = durations.sum(dim=1).cpu().tolist()
+        counts = durations.sum(dim=1)
+        frames = counts.cpu().tolist()
         padded = -(-max(frames) // bucket) * bucket
         # the hard alignment as a gather: frame j of a row reads the phoneme whose span holds j
         ends = durations.cumsum(dim=1)
@@ -120,9 +121,9 @@ class KokoroModel(nn.Module):
         prosody = half.prosody.gather(1, index[..., None].expand(-1, -1, half.prosody.shape[2]))
         phonetic = half.phonetic.gather(2, index[:, None].expand(-1, half.phonetic.shape[1], -1))
         style = self.config.style_dim
-        f0, energy = self.predictor.f0_n(prosody.transpose(1, 2), voices[:, style:], frames)
+        f0, energy = self.predictor.f0_n(prosody.transpose(1, 2), voices[:, style:], frames, counts)
         audio = self.decoder.forward_rows(phonetic, f0, energy, voices[:, :style], frames, noise=noise,
-                                          generators=generators)
+                                          generators=generators, counts=counts)
         per_frame = self.config.generator_config().samples_per_frame * 2
         return [audio[i, 0, : n * per_frame] for i, n in enumerate(frames)]
 

@@ -87,17 +87,23 @@ class ProsodyPredictor(nn.Module):
         return torch.sigmoid(self.duration_proj(x)).sum(dim=-1) / speed[:, None]
 
     def f0_n(
-        self, frames: torch.Tensor, s: torch.Tensor, lengths: list[int] | None = None
+        self,
+        frames: torch.Tensor,
+        s: torch.Tensor,
+        lengths: list[int] | None = None,
+        counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-frame features ``[B, C + S, F]`` -> F0 and energy ``[B, 2F]`` each; ``lengths``
-        (host ints): rows padded to ``F``, row ``i`` valid for ``lengths[i]`` frames (the
-        LSTM stops at it, the blocks mask past it; the curves are zero past ``2 * lengths[i]``)."""
+        (host ints; ``counts`` the same on the device): rows padded to ``F``, row ``i`` valid
+        for ``lengths[i]`` frames (the LSTM stops at it, the blocks mask past it; the curves
+        are zero past ``2 * lengths[i]``)."""
         if lengths is None:
             x = self.shared(frames.transpose(1, 2))[0].transpose(1, 2)
             keep = None
         else:
             x = run_lstm(self.shared, frames.transpose(1, 2), torch.tensor(lengths)).transpose(1, 2)
-            keep = prefix_mask(torch.tensor(lengths, device=frames.device), frames.shape[-1])
+            counts = torch.tensor(lengths, device=frames.device) if counts is None else counts
+            keep = prefix_mask(counts, frames.shape[-1])
         f0, f0_keep = self._curve(self.F0, x, s, keep)
         n, _ = self._curve(self.N, x, s, keep)
         f0, n = self.F0_proj(f0).squeeze(1), self.N_proj(n).squeeze(1)

@@ -10,14 +10,13 @@ folded into plain ``weight`` tensors at load time (``fold_weight_norm``).
 """
 
 from mstar.model.vocoder.hift import F0Predictor, HiFTConfig, HiFTGenerator, PaddedConv1d, SnakeResBlock, hift_state
-from mstar.model.vocoder.istft import ISTFT
+from mstar.model.vocoder.istft import ISTFT, prefix_mask
 from mstar.model.vocoder.istftnet import (
     AdaIN1d,
     AdaINResBlock1,
     ISTFTNetConfig,
     ISTFTNetGenerator,
     masked_instance_norm,
-    prefix_mask,
     zero_padding,
 )
 from mstar.model.vocoder.nsf import HarmonicSource, SampleSineGen, SineGen

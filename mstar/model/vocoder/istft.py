@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ISTFT"]
+__all__ = ["ISTFT", "prefix_mask"]
 
 
 class ISTFT(nn.Module):
@@ -72,7 +72,7 @@ class ISTFT(nn.Module):
             signal.gather(1, index), self.n_fft, self.hop_length, self.n_fft,
             window=self.window.to(signal.dtype), center=False, return_complex=True,
         )
-        keep = _prefix_mask(lengths // self.hop_length + 1, spec.shape[-1])[:, None]
+        keep = prefix_mask(lengths // self.hop_length + 1, spec.shape[-1])[:, None]
         return spec.abs() * keep, spec.angle() * keep
 
     def synthesise_rows(self, magnitude: torch.Tensor, phase: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -98,5 +98,6 @@ def _overlap_add(chunks: torch.Tensor, total: int, n_fft: int, hop: int) -> torc
     return out.reshape(chunks.shape[0], total)
 
 
-def _prefix_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
+def prefix_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, size]``: true at the first ``lengths[b]`` positions of row ``b``."""
     return torch.arange(size, device=lengths.device)[None] < lengths[:, None]

@@ -35,20 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.model.vocoder.istft import ISTFT
+from mstar.model.vocoder.istft import ISTFT, prefix_mask
 from mstar.model.vocoder.nsf import HarmonicSource
 
-__all__ = ["AdaIN1d", "AdaINResBlock1", "ISTFTNetConfig", "ISTFTNetGenerator", "masked_instance_norm", "prefix_mask",
+__all__ = ["AdaIN1d", "AdaINResBlock1", "ISTFTNetConfig", "ISTFTNetGenerator", "masked_instance_norm",
            "zero_padding"]
 
 
 def _same_padding(kernel_size: int, dilation: int = 1) -> int:
     return (kernel_size * dilation - dilation) // 2
-
-
-def prefix_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
-    """``[B, size]``: true at the first ``lengths[b]`` positions of row ``b``."""
-    return torch.arange(size, device=lengths.device)[None] < lengths[:, None]
 
 
 def zero_padding(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -235,15 +230,18 @@ class ISTFTNetGenerator(nn.Module):
         *,
         noise: bool = True,
         generators: list[torch.Generator | None] | None = None,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``forward`` of rows padded to one length: ``lengths`` (host ints) are the valid
-        frames of ``x`` ``[B, C, T]`` and ``f0`` ``[B, T]``; ``generators`` (one per row) draw
-        each row's noise. -> ``[B, 1, T * samples_per_frame]``, row ``i`` valid (and equal to
-        its solo audio) for ``lengths[i] * samples_per_frame`` samples."""
-        frames = torch.tensor(lengths, device=x.device)
+        frames of ``x`` ``[B, C, T]`` and ``f0`` ``[B, T]``, ``counts`` the same on the device
+        (given, no host-to-device copy is needed); ``generators`` (one per row) draw each
+        row's noise. -> ``[B, 1, T * samples_per_frame]``, row ``i`` valid (and equal to its
+        solo audio) for ``lengths[i] * samples_per_frame`` samples."""
+        frames = torch.tensor(lengths, device=x.device) if counts is None else counts
         keep = prefix_mask(frames, x.shape[-1])
-        samples = [n * self.config.samples_per_frame for n in lengths]
-        source = self._source_rows(torch.where(keep, f0, 0.0), samples, noise, generators or [None] * len(lengths))
+        spf = self.config.samples_per_frame
+        source = self._source_rows(torch.where(keep, f0, 0.0), [n * spf for n in lengths], frames * spf, noise,
+                                   generators or [None] * len(lengths))
         kernels = len(self.config.resblock_kernel_sizes)
         stages = len(self.ups)
         for i, (up, to_stage, shape_source) in enumerate(zip(self.ups, self.noise_convs, self.noise_res)):
@@ -263,7 +261,12 @@ class ISTFTNetGenerator(nn.Module):
         return self.stft.synthesise_rows(torch.exp(x[:, :bins]), torch.sin(x[:, bins:]), keep)
 
     def _source_rows(
-        self, f0: torch.Tensor, samples: list[int], noise: bool, generators: list[torch.Generator | None]
+        self,
+        f0: torch.Tensor,
+        samples: list[int],
+        sample_counts: torch.Tensor,
+        noise: bool,
+        generators: list[torch.Generator | None],
     ) -> torch.Tensor:
         """``source_features`` of padded rows (``f0`` zero past each row's end, so the phase
         stays flat there and a row's last frame interpolates as at a solo edge); the noise
@@ -280,5 +283,5 @@ class ISTFTNetGenerator(nn.Module):
                 draws = torch.empty(1, harmonics, n, device=f0.device, dtype=f0.dtype).transpose(1, 2)
                 table[row, :n] = draws.normal_(generator=generator)[0]
         source = self.m_source(f0, noise=noise, noise_table=table).squeeze(-1)
-        magnitude, phase = self.stft.analyse_rows(source, torch.tensor(samples, device=f0.device))
+        magnitude, phase = self.stft.analyse_rows(source, sample_counts)
         return torch.cat([magnitude, phase], dim=1)
