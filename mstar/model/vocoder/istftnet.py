@@ -56,13 +56,15 @@ def masked_instance_norm(
     x: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """``InstanceNorm1d`` (affine, biased variance) of ``[B, C, T]`` with each row's mean and
-    variance taken over its valid frames only, so padding does not shift a row's statistics."""
-    mask = keep[:, None].to(x.dtype)
-    count = mask.sum(-1, keepdim=True)
-    mean = torch.where(keep[:, None], x, 0.0).sum(-1, keepdim=True) / count
-    centred = torch.where(keep[:, None], x - mean, 0.0)
-    var = (centred**2).sum(-1, keepdim=True) / count
-    return (x - mean) * torch.rsqrt(var + eps) * weight[:, None] + bias[:, None]
+    variance taken over its valid frames only, so padding does not shift a row's statistics.
+    The statistics are float32 whatever ``x`` is (a bf16 frame count is inexact past 256)."""
+    valid = keep[:, None]
+    xf = x.float()
+    count = valid.sum(-1, keepdim=True).float()
+    mean = torch.where(valid, xf, 0.0).sum(-1, keepdim=True) / count
+    var = torch.where(valid, xf - mean, 0.0).pow(2).sum(-1, keepdim=True) / count
+    y = (xf - mean) * torch.rsqrt(var + eps) * weight.float()[:, None] + bias.float()[:, None]
+    return y.to(x.dtype)
 
 
 @dataclass(frozen=True)
