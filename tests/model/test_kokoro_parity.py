@@ -96,21 +96,6 @@ def test_forward_with_tokens(pair, n: int, speed: float):
     assert err <= AUDIO_TOL
 
 
-def test_rows_batched_equal_solo(pair):
-    """Rows of different lengths in one batch give their solo durations and audio."""
-    _, ours = pair
-    rows = [token_ids(n, n)[0] for n in (5, 13, 9)]
-    voices = torch.cat([voice(i) for i in range(3)])
-    speeds = torch.tensor([1.0, 1.2, 0.9])
-    lengths = torch.tensor([len(r) for r in rows])
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    batched, durations = ours(ids, voices, speeds, lengths, noise=False)
-    for i, row in enumerate(rows):
-        (solo,), solo_dur = ours(row[None], voices[i : i + 1], speeds[i], noise=False)
-        assert torch.equal(durations[i, : len(row)], solo_dur[0])
-        assert peak_err(batched[i], solo) <= 1e-5
-
-
 @pytest.mark.slow
 def test_kokoro_82m_shapes(tmp_path):
     """The released shapes (12-layer PL-BERT, 3-layer predictor and text encoder, max_dur 50,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from mstar.model.vocoder import AdaIN1d
+from mstar.model.vocoder import AdaIN1d, zero_padding
 
 __all__ = ["AdainResBlk1d", "ChannelLayerNorm", "run_lstm"]
 
@@ -45,7 +45,11 @@ class ChannelLayerNorm(nn.Module):
 class AdainResBlk1d(nn.Module):
     """``(residual(x) + shortcut(x)) / sqrt(2)``; residual: AdaIN, leaky ReLU (0.2), [2x
     depthwise transposed-conv upsampling], conv 3, AdaIN, leaky ReLU, conv 3; shortcut: [2x
-    nearest upsampling], [1x1 conv when the width changes]."""
+    nearest upsampling], [1x1 conv when the width changes].
+
+    ``keep`` ``[B, T]`` (rows padded to one length): the norms over each row's valid frames,
+    the convolutions (the upsampling one too) reading zeros past a row's end; the output is
+    valid for ``length`` frames (``2 * length`` with ``upsample``)."""
 
     def __init__(self, dim_in: int, dim_out: int, style_dim: int, upsample: bool = False) -> None:
         super().__init__()
@@ -59,11 +63,13 @@ class AdainResBlk1d(nn.Module):
         if upsample:
             self.pool = nn.ConvTranspose1d(dim_in, dim_in, 3, stride=2, groups=dim_in, padding=1, output_padding=1)
 
-    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        y = F.leaky_relu(self.norm1(x, s), 0.2)
+    def forward(self, x: torch.Tensor, s: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.leaky_relu(self.norm1(x, s, keep), 0.2)
         if self.upsample:
-            y = self.pool(y)
-        y = self.conv2(F.leaky_relu(self.norm2(self.conv1(y), s), 0.2))
+            y = self.pool(zero_padding(y, keep))
+            keep = None if keep is None else keep.repeat_interleave(2, dim=1)
+        y = self.conv1(zero_padding(y, keep))
+        y = self.conv2(zero_padding(F.leaky_relu(self.norm2(y, s, keep), 0.2), keep))
         shortcut = F.interpolate(x, scale_factor=2, mode="nearest") if self.upsample else x
         if hasattr(self, "conv1x1"):
             shortcut = self.conv1x1(shortcut)

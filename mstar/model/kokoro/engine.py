@@ -1,7 +1,7 @@
 """Kokoro's node: one synthesis per chunk, the chunks of many requests in one batch.
 
 Each item is one request's chunk (its loop iteration): the text halves of all items run as one
-padded batch, the frame halves row by row (see ``modeling.py``); a row's harmonic-source noise
+padded batch, and so do the frame halves (see ``modeling.py``); a row's harmonic-source noise
 comes from a generator seeded by its request's seed and chunk index, so a request's audio does
 not depend on what it was batched with.
 """

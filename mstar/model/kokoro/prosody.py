@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.model.kokoro.blocks import AdainResBlk1d, run_lstm
+from mstar.model.vocoder import prefix_mask
 
 __all__ = ["AdaLayerNorm", "DurationEncoder", "ProsodyPredictor"]
 
@@ -85,15 +86,40 @@ class ProsodyPredictor(nn.Module):
         x = run_lstm(self.lstm, d, lengths)
         return torch.sigmoid(self.duration_proj(x)).sum(dim=-1) / speed[:, None]
 
-    def f0_n(self, frames: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-frame features ``[B, C + S, F]`` -> F0 and energy ``[B, 2F]`` each."""
-        x = self.shared(frames.transpose(1, 2))[0].transpose(1, 2)
-        f0, n = x, x
-        for block in self.F0:
-            f0 = block(f0, s)
-        for block in self.N:
-            n = block(n, s)
-        return self.F0_proj(f0).squeeze(1), self.N_proj(n).squeeze(1)
+    def f0_n(
+        self,
+        frames: torch.Tensor,
+        s: torch.Tensor,
+        lengths: list[int] | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-frame features ``[B, C + S, F]`` -> F0 and energy ``[B, 2F]`` each; ``lengths``
+        (host ints; ``counts`` the same on the device): rows padded to ``F``, row ``i`` valid
+        for ``lengths[i]`` frames (the LSTM stops at it, the blocks mask past it; the curves
+        are zero past ``2 * lengths[i]``)."""
+        if lengths is None:
+            x = self.shared(frames.transpose(1, 2))[0].transpose(1, 2)
+            keep = None
+        else:
+            x = run_lstm(self.shared, frames.transpose(1, 2), torch.tensor(lengths)).transpose(1, 2)
+            counts = torch.tensor(lengths, device=frames.device) if counts is None else counts
+            keep = prefix_mask(counts, frames.shape[-1])
+        f0, f0_keep = self._curve(self.F0, x, s, keep)
+        n, _ = self._curve(self.N, x, s, keep)
+        f0, n = self.F0_proj(f0).squeeze(1), self.N_proj(n).squeeze(1)
+        if f0_keep is not None:
+            f0, n = torch.where(f0_keep, f0, 0.0), torch.where(f0_keep, n, 0.0)
+        return f0, n
+
+    @staticmethod
+    def _curve(
+        blocks: nn.ModuleList, x: torch.Tensor, s: torch.Tensor, keep: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for block in blocks:
+            x = block(x, s, keep)
+            if block.upsample and keep is not None:
+                keep = keep.repeat_interleave(2, dim=1)
+        return x, keep
 
 
 class _LinearNorm(nn.Module):

@@ -10,8 +10,15 @@ folded into plain ``weight`` tensors at load time (``fold_weight_norm``).
 """
 
 from mstar.model.vocoder.hift import F0Predictor, HiFTConfig, HiFTGenerator, PaddedConv1d, SnakeResBlock, hift_state
-from mstar.model.vocoder.istft import ISTFT
-from mstar.model.vocoder.istftnet import AdaIN1d, AdaINResBlock1, ISTFTNetConfig, ISTFTNetGenerator
+from mstar.model.vocoder.istft import ISTFT, prefix_mask
+from mstar.model.vocoder.istftnet import (
+    AdaIN1d,
+    AdaINResBlock1,
+    ISTFTNetConfig,
+    ISTFTNetGenerator,
+    masked_instance_norm,
+    zero_padding,
+)
 from mstar.model.vocoder.nsf import HarmonicSource, SampleSineGen, SineGen
 from mstar.model.vocoder.weight_norm import fold_weight_norm
 
@@ -31,4 +38,7 @@ __all__ = [
     "SnakeResBlock",
     "fold_weight_norm",
     "hift_state",
+    "masked_instance_norm",
+    "prefix_mask",
+    "zero_padding",
 ]

@@ -16,6 +16,14 @@ The maths (Kokoro's ``istftnet.Generator``, after StyleTTS2 and HiFT):
 
 Residual blocks use the Snake activation ``x + sin(a x)^2 / a`` with a learned per-channel
 ``a`` (``alpha1``/``alpha2``) after each AdaIN.
+
+``forward_rows`` runs a batch of rows padded to one length, each row's audio equal to its solo
+audio: a ``keep`` mask (a prefix per row) follows the frame rate through the stages; instance
+norms take their statistics over a row's valid frames only (``masked_instance_norm``), every
+convolution that mixes along time reads zeros past a row's end (as a solo row reads its zero
+padding), the source is analysed and the output synthesised per row length
+(``ISTFT.analyse_rows`` / ``synthesise_rows``), and each row's noise is drawn from its own
+generator in its solo shape.
 """
 
 from __future__ import annotations
@@ -27,14 +35,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.model.vocoder.istft import ISTFT
+from mstar.model.vocoder.istft import ISTFT, prefix_mask
 from mstar.model.vocoder.nsf import HarmonicSource
 
-__all__ = ["AdaIN1d", "AdaINResBlock1", "ISTFTNetConfig", "ISTFTNetGenerator"]
+__all__ = ["AdaIN1d", "AdaINResBlock1", "ISTFTNetConfig", "ISTFTNetGenerator", "masked_instance_norm",
+           "zero_padding"]
 
 
 def _same_padding(kernel_size: int, dilation: int = 1) -> int:
     return (kernel_size * dilation - dilation) // 2
+
+
+def zero_padding(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[B, C, T]`` with the frames past each row's end set to zero (``where``, not a
+    product, so an inf or nan in the padding cannot leak); ``keep`` ``None``: unpadded."""
+    return x if keep is None else torch.where(keep[:, None], x, 0.0)
+
+
+def masked_instance_norm(
+    x: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``InstanceNorm1d`` (affine, biased variance) of ``[B, C, T]`` with each row's mean and
+    variance taken over its valid frames only, so padding does not shift a row's statistics.
+    The statistics are float32 whatever ``x`` is (a bf16 frame count is inexact past 256)."""
+    valid = keep[:, None]
+    xf = x.float()
+    count = valid.sum(-1, keepdim=True).float()
+    mean = torch.where(valid, xf, 0.0).sum(-1, keepdim=True) / count
+    var = torch.where(valid, xf - mean, 0.0).pow(2).sum(-1, keepdim=True) / count
+    y = (xf - mean) * torch.rsqrt(var + eps) * weight.float()[:, None] + bias.float()[:, None]
+    return y.to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -80,9 +110,14 @@ class AdaIN1d(nn.Module):
         self.norm = nn.InstanceNorm1d(channels, affine=True)
         self.fc = nn.Linear(style_dim, 2 * channels)
 
-    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, s: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep`` ``[B, T]`` (padded rows): the statistics over each row's valid frames."""
         gamma, beta = self.fc(s).unsqueeze(-1).chunk(2, dim=1)
-        return (1 + gamma) * self.norm(x) + beta
+        if keep is None:
+            normed = self.norm(x)
+        else:
+            normed = masked_instance_norm(x, keep, self.norm.weight, self.norm.bias, self.norm.eps)
+        return (1 + gamma) * normed + beta
 
 
 def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -106,12 +141,13 @@ class AdaINResBlock1(nn.Module):
         self.alpha1 = nn.ParameterList(nn.Parameter(torch.ones(1, channels, 1)) for _ in dilations)
         self.alpha2 = nn.ParameterList(nn.Parameter(torch.ones(1, channels, 1)) for _ in dilations)
 
-    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, s: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep`` ``[B, T]``: padded rows (see ``ISTFTNetGenerator.forward_rows``)."""
         for conv1, conv2, norm1, norm2, a1, a2 in zip(
             self.convs1, self.convs2, self.adain1, self.adain2, self.alpha1, self.alpha2
         ):
-            y = conv1(_snake(norm1(x, s), a1))
-            y = conv2(_snake(norm2(y, s), a2))
+            y = conv1(zero_padding(_snake(norm1(x, s, keep), a1), keep))
+            y = conv2(zero_padding(_snake(norm2(y, s, keep), a2), keep))
             x = x + y
         return x
 
@@ -186,3 +222,68 @@ class ISTFTNetGenerator(nn.Module):
         x = self.conv_post(F.leaky_relu(x))
         bins = self.stft.bins
         return self.stft.synthesise(torch.exp(x[:, :bins]), torch.sin(x[:, bins:]))
+
+    def forward_rows(
+        self,
+        x: torch.Tensor,
+        s: torch.Tensor,
+        f0: torch.Tensor,
+        lengths: list[int],
+        *,
+        noise: bool = True,
+        generators: list[torch.Generator | None] | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward`` of rows padded to one length: ``lengths`` (host ints) are the valid
+        frames of ``x`` ``[B, C, T]`` and ``f0`` ``[B, T]``, ``counts`` the same on the device
+        (given, no host-to-device copy is needed); ``generators`` (one per row) draw each
+        row's noise. -> ``[B, 1, T * samples_per_frame]``, row ``i`` valid (and equal to its
+        solo audio) for ``lengths[i] * samples_per_frame`` samples."""
+        frames = torch.tensor(lengths, device=x.device) if counts is None else counts
+        keep = prefix_mask(frames, x.shape[-1])
+        spf = self.config.samples_per_frame
+        source = self._source_rows(torch.where(keep, f0, 0.0), [n * spf for n in lengths], frames * spf, noise,
+                                   generators or [None] * len(lengths))
+        kernels = len(self.config.resblock_kernel_sizes)
+        stages = len(self.ups)
+        for i, (up, to_stage, shape_source) in enumerate(zip(self.ups, self.noise_convs, self.noise_res)):
+            x = up(zero_padding(F.leaky_relu(x, 0.1), keep))
+            keep = keep.repeat_interleave(self.config.upsample_rates[i], dim=1)
+            if i == stages - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+                keep = F.pad(keep, (1, 0), value=True)
+            x = x + shape_source(to_stage(source), s, keep)
+            blocks = self.resblocks[i * kernels : (i + 1) * kernels]
+            total = blocks[0](x, s, keep)
+            for block in blocks[1:]:
+                total = total + block(x, s, keep)
+            x = total / kernels
+        x = zero_padding(self.conv_post(zero_padding(F.leaky_relu(x), keep)), keep)
+        bins = self.stft.bins
+        return self.stft.synthesise_rows(torch.exp(x[:, :bins]), torch.sin(x[:, bins:]), keep)
+
+    def _source_rows(
+        self,
+        f0: torch.Tensor,
+        samples: list[int],
+        sample_counts: torch.Tensor,
+        noise: bool,
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """``source_features`` of padded rows (``f0`` zero past each row's end, so the phase
+        stays flat there and a row's last frame interpolates as at a solo edge); the noise
+        of row ``i`` is drawn from ``generators[i]`` in its solo order and shape (initial
+        phases, then ``[H + 1, samples[i]]``), so it equals the row's solo draws."""
+        f0 = F.interpolate(f0[:, None], scale_factor=self.config.samples_per_frame, mode="nearest").transpose(1, 2)
+        table = None
+        if noise:
+            harmonics = self.config.harmonic_num + 1
+            table = f0.new_zeros(f0.shape[0], f0.shape[1], harmonics)
+            for row, (n, generator) in enumerate(zip(samples, generators)):
+                # the initial phases: they do not reach the output (nsf.py), drawn to keep the sequence
+                torch.rand(1, harmonics, generator=generator, device=f0.device, dtype=f0.dtype)
+                draws = torch.empty(1, harmonics, n, device=f0.device, dtype=f0.dtype).transpose(1, 2)
+                table[row, :n] = draws.normal_(generator=generator)[0]
+        source = self.m_source(f0, noise=noise, noise_table=table).squeeze(-1)
+        magnitude, phase = self.stft.analyse_rows(source, sample_counts)
+        return torch.cat([magnitude, phase], dim=1)
