@@ -67,6 +67,7 @@ class PiperVoiceConfig:
     length_scale: float = 1.0
     noise_w: float = 0.8
     num_speakers: int = 1
+    num_symbols: int = 256
     speaker_id_map: dict[str, int] = field(default_factory=dict)
     name: str = "piper"
 
@@ -85,6 +86,7 @@ class PiperVoiceConfig:
             length_scale=float(inference.get("length_scale", 1.0)),
             noise_w=float(inference.get("noise_w", 0.8)),
             num_speakers=int(raw.get("num_speakers", 1)),
+            num_symbols=int(raw.get("num_symbols", 256)),
             speaker_id_map={str(k): int(v) for k, v in raw.get("speaker_id_map", {}).items()},
             name=str(raw.get("dataset") or stem),
         )
