@@ -117,3 +117,10 @@ def test_phoneme_ids_equal_piper_tts(voice) -> None:
     reference = PiperVoice.load(model_path, config_path=config_path)
     expected = [reference.phonemes_to_ids(s) for text in SENTENCES for s in reference.phonemize(text)]
     assert _sentence_ids(config) == expected
+
+
+def test_dummy_shapes_are_the_default_voices() -> None:
+    """``load_format: dummy`` builds ``PiperArch()``: it must be the Joe voice's architecture."""
+    from mstar.model.piper.config import PiperArch
+
+    assert read_piper_onnx(joe_voice()[0]).arch == PiperArch()
