@@ -9,9 +9,10 @@ checkpoint. The graph's initializers hold the weights, mostly under their PyTorc
   of ``/flow/flows.6/enc/in_layers.0/Conv`` is ``flow.flows.6.enc.in_layers.0.weight``;
 - the phoneme embedding is exported under the name ``sid`` (the tracer reused an input name);
   it is input 0 of ``/enc_p/emb/Gather``, which is how we find it;
-- the duration predictor's first affine flow has its ``logs`` folded into
-  ``/dp/flows.0/Exp_output_0`` (``exp(-logs)``, the factor the reverse pass multiplies by),
-  which we turn back into ``logs``.
+- the duration predictor's first affine flow keeps ``logs`` only as ``-logs``: either as the
+  anonymous input of ``/dp/flows.0/Exp`` (a plain export) or folded further into
+  ``/dp/flows.0/Exp_output_0`` = ``exp(-logs)`` (the released voices, simplified after export).
+  Both turn back into ``logs``.
 
 Every other initializer is a shape or scalar constant of the traced graph (integers, or
 0-d floats such as ``sqrt(hidden)``), listed as known-ignored; anything else is an error. The
@@ -86,6 +87,9 @@ def _resolve(model: object) -> tuple[dict[str, torch.Tensor], dict[str, dict[str
                 break
         if named is None and _AFFINE_EXP.match(init.name):
             tensors["dp.flows.0.logs"] = torch.from_numpy(-np.log(array.astype(np.float32)))
+            continue
+        if named is None and any(n.name == "/dp/flows.0/Exp" for n, _ in consumers.get(init.name, [])):
+            tensors["dp.flows.0.logs"] = torch.from_numpy(-array.astype(np.float32))
             continue
         if named is None and not init.name.startswith(("/", "onnx::")) and array.dtype.kind == "f" and array.ndim:
             named = init.name
