@@ -23,6 +23,7 @@ from mstar.model.piper.onnx_weights import read_piper_onnx  # noqa: E402
 from mstar.model.weights import load_weights  # noqa: E402
 
 TOLERANCE = 1e-5  # of peak (measured ~3e-7)
+pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")  # the reference's own modules
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,42 @@ def test_each_speaker_matches_the_torch_reference_and_onnxruntime(exported) -> N
         assert np.abs(got - runtime).max() <= TOLERANCE * np.abs(runtime).max()
         audios.append(got)
     assert not np.allclose(audios[0], audios[1])  # the speaker matters
+
+
+def test_a_served_multi_speaker_voice_picks_the_speaker_by_name(exported) -> None:
+    import asyncio
+    import json
+
+    from mstar.config import parse_config
+    from mstar.contract import RequestError, SpeechSpec
+    from mstar.model.speech_output import pcm_to_array
+    from mstar.runtime.launch import start
+
+    _, path, ours = exported
+    id_map = {"_": [0], "^": [1], "$": [2], " ": [3]} | {c: [4 + i] for i, c in enumerate("abcdefghij")}
+    path.with_name(path.name + ".json").write_text(json.dumps({
+        "audio": {"sample_rate": 16000}, "espeak": {"voice": "en-us"}, "phoneme_type": "espeak",
+        "phoneme_id_map": id_map, "num_symbols": 40, "num_speakers": 3, "dataset": "tiny",
+        "speaker_id_map": {"ann": 0, "bob": 1, "cy": 2},
+        "inference": {"noise_scale": 0.5, "length_scale": 1.0, "noise_w": 0.6}}))
+    config = parse_config({"model": "piper", "model_path": str(path), "device": "cpu",
+                           "node_groups": [{"node_names": ["piper"], "ranks": [0]}]})
+    deployment = start(config, in_process=True)
+    try:
+        async def run(spec: SpeechSpec) -> list:
+            return [e async for e in deployment.backend.speech(spec)]
+
+        assert deployment.backend.voices() == ["ann", "bob", "cy"]
+        assert deployment.backend.sample_rate == 16000
+        got = pcm_to_array(asyncio.run(run(SpeechSpec("s", "-", "bob", 1.0, {"phonemes": "abc ja", "seed": 4}))))
+        ids = [1, 0, 4, 0, 5, 0, 6, 0, 3, 0, 13, 0, 4, 0, 2]
+        gen = torch.Generator().manual_seed(4 * 1_000_003)
+        one = torch.ones(1)
+        want = ours(torch.tensor([ids]), torch.tensor([len(ids)]), noise_scale=one * 0.5, length_scale=one,
+                    noise_w=one * 0.6, noise=PiperNoise(generators=[gen]), speakers=torch.tensor([1])).audio[0]
+        assert got.shape == tuple(want.shape)
+        assert np.abs(got - want.numpy()).max() <= 1e-6 * float(want.abs().max())
+        with pytest.raises(RequestError, match="voice"):
+            asyncio.run(run(SpeechSpec("s2", "-", "nobody", 1.0, {"phonemes": "abc"})))
+    finally:
+        deployment.close()
