@@ -62,6 +62,9 @@ class Piper(ModelSpec):
 
     def phonemise(self, text: str) -> list[list[str]]:
         """Sentences of espeak phonemes (the phonemiser starts on first use)."""
+        if self.voice_config.phoneme_type != "espeak":
+            raise RequestError("input", f"this voice's phoneme_type {self.voice_config.phoneme_type!r} has no "
+                                        "phonemiser here; send phonemes or phoneme_ids")
         if self._phonemise is None:
             self._phonemise = EspeakPhonemes(self.voice_config.espeak_voice)
         return self._phonemise(text)
