@@ -18,7 +18,7 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
              "mstar.model.qwen3_5.model",
              "mstar.model.z_image.model", "mstar.model.fastconformer.model", "mstar.model.canary.model",
              "mstar.model.canary_qwen.model", "mstar.model.kokoro.model",
-             "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model")
+             "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:

@@ -1,0 +1,1 @@
+"""Piper voices (VITS, weights read from the voice's ONNX file): see docs/piper.md."""
