@@ -205,6 +205,27 @@ def wait_all(sinks: list[TimedSink], timeout_s: float) -> None:
             raise TimeoutError(f"{len(sinks)} requests did not finish in {timeout_s:.0f} s")
 
 
+def time_speech(deployment: Any, specs: list[Any], sample_rate: int, finishes: tuple[str, ...] = ("stop",),
+                timeout_s: float = 600.0) -> dict[str, Any]:
+    """Submit the speech requests ``specs`` to an in-process ``deployment``'s runtime at once
+    (each prepared by its model first) and time them: the wall time until the last ends, the
+    seconds of float32 mono audio made, and each request's time to its first audio. A request
+    that errs or ends other than ``finishes`` raises."""
+    requests = [deployment.spec.prepare_speech(spec) for spec in specs]
+    sinks = [TimedSink() for _ in specs]
+    start = time.perf_counter()
+    for spec, request, sink in zip(specs, requests, sinks):
+        sink.submitted = time.perf_counter()
+        deployment.runtime.submit(spec.request_id, request, deployment.spec.output_stream(request, []), sink)
+    wait_all(sinks, timeout_s)
+    ended = time.perf_counter()
+    for i, sink in enumerate(sinks):
+        if sink.error or sink.finish_reason not in finishes:
+            raise RuntimeError(f"request {i}: finish {sink.finish_reason!r}, error {sink.error!r}")
+    audio_s = sum(s.data_bytes for s in sinks) / 4 / sample_rate
+    return {"wall_s": ended - start, "audio_s": audio_s, "ttfa_s": [s.first_data - s.submitted for s in sinks]}
+
+
 # ------------------------------------------------------------------------------ records
 Better = Literal["lower", "higher"]
 

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import TimedSink, synchronize, wait_all
+from benchmarks.common import synchronize, time_speech
 
 log = logging.getLogger("s7.chatterbox")
 
@@ -170,23 +170,11 @@ class OursRunner:
     def run(self, n: int, timeout_s: float = 600.0) -> dict[str, Any]:
         from mstar.contract import SpeechSpec
 
-        d = self.deployment
         self.runs += 1
         specs = [SpeechSpec(f"s7c-{self.runs}-{i}", self.text, None, 1.0,
                             {"seed": i, "max_new_tokens": self.max_new_tokens}) for i in range(n)]
-        requests = [d.spec.prepare_speech(spec) for spec in specs]
-        sinks = [TimedSink() for _ in specs]
-        start = time.perf_counter()
-        for spec, request, sink in zip(specs, requests, sinks):
-            sink.submitted = time.perf_counter()
-            d.runtime.submit(spec.request_id, request, d.spec.output_stream(request, []), sink)
-        wait_all(sinks, timeout_s)
-        ended = time.perf_counter()
-        for i, sink in enumerate(sinks):
-            if sink.error or sink.finish_reason not in ("stop", "length"):  # length: the cap, as the baseline
-                raise RuntimeError(f"request {i}: finish {sink.finish_reason!r}, error {sink.error!r}")
-        audio_s = sum(s.data_bytes for s in sinks) / 4 / SAMPLE_RATE  # float32 PCM, mono
-        return {"wall_s": ended - start, "audio_s": audio_s, "ttfa_s": [s.first_data - s.submitted for s in sinks]}
+        # "length": the token cap, which the baseline is held to as well
+        return time_speech(self.deployment, specs, SAMPLE_RATE, ("stop", "length"), timeout_s)
 
     def close(self) -> None:
         self.deployment.close()

@@ -46,13 +46,12 @@ import torch
 
 from benchmarks.common import (
     Metric,
-    TimedSink,
     add_run_args,
     hardware,
     package_version,
     setup_logging,
     synchronize,
-    wait_all,
+    time_speech,
     write_record,
 )
 
@@ -147,23 +146,10 @@ class OursRunner:
     def run(self, n: int, timeout_s: float = 600.0) -> dict[str, Any]:
         from mstar.contract import SpeechSpec
 
-        d = self.deployment
         self.runs += 1
         specs = [SpeechSpec(f"s7-{self.runs}-{i}", "", VOICE, model_kwargs={"phonemes": PHONEMES})
                  for i in range(n)]
-        requests = [d.spec.prepare_speech(spec) for spec in specs]
-        sinks = [TimedSink() for _ in specs]
-        start = time.perf_counter()
-        for spec, request, sink in zip(specs, requests, sinks):
-            sink.submitted = time.perf_counter()
-            d.runtime.submit(spec.request_id, request, d.spec.output_stream(request, []), sink)
-        wait_all(sinks, timeout_s)
-        ended = time.perf_counter()
-        for i, sink in enumerate(sinks):
-            if sink.error or sink.finish_reason != "stop":
-                raise RuntimeError(f"request {i}: finish {sink.finish_reason!r}, error {sink.error!r}")
-        audio_s = sum(s.data_bytes for s in sinks) / 4 / SAMPLE_RATE  # float32 PCM, mono
-        return {"wall_s": ended - start, "audio_s": audio_s, "ttfa_s": [s.first_data - s.submitted for s in sinks]}
+        return time_speech(self.deployment, specs, SAMPLE_RATE, timeout_s=timeout_s)
 
     def close(self) -> None:
         self.deployment.close()

@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from mstar.model.vocoder import AdaIN1d, zero_padding
 
-__all__ = ["AdainResBlk1d", "ChannelLayerNorm", "run_lstm"]
+__all__ = ["AdainResBlk1d", "run_lstm"]
 
 _SQRT_HALF = 1 / math.sqrt(2)
 
@@ -27,19 +27,6 @@ def run_lstm(lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor | None) -> to
     out, _ = pad_packed_sequence(lstm(packed)[0], batch_first=True, total_length=x.shape[1])
     return out
 
-
-class ChannelLayerNorm(nn.Module):
-    """Layer norm over the channels of ``[B, C, T]`` (``gamma``/``beta`` as the checkpoint names them)."""
-
-    def __init__(self, channels: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.gamma = nn.Parameter(torch.ones(channels))
-        self.beta = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.transpose(1, -1), (x.shape[1],), self.gamma, self.beta, self.eps)
-        return y.transpose(1, -1)
 
 
 class AdainResBlk1d(nn.Module):

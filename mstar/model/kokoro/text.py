@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.model.kokoro.blocks import ChannelLayerNorm, run_lstm
+from mstar.layers.norm import ChannelLayerNorm
+from mstar.model.kokoro.blocks import run_lstm
 
 __all__ = ["TextEncoder"]
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mstar.layers.norm import ChannelLayerNorm
 from mstar.model.piper.config import PiperArch
-from mstar.model.piper.encoder import ChannelLayerNorm
 
 __all__ = ["DurationPredictor", "inverse_rational_quadratic"]
 

@@ -14,29 +14,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mstar.layers.norm import ChannelLayerNorm
 from mstar.model.piper.config import PiperArch
 
-__all__ = ["ChannelLayerNorm", "Encoder", "RelativeSelfAttention", "TextEncoder", "sequence_mask"]
+__all__ = ["Encoder", "RelativeSelfAttention", "TextEncoder", "sequence_mask"]
 
 
 def sequence_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """``[B, max_len]`` bool: position ``t`` of row ``b`` is inside ``lengths[b]``."""
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
-
-class ChannelLayerNorm(nn.Module):
-    """Layer norm over the channel axis of ``[B, C, T]`` (VITS names its affine gamma/beta)."""
-
-    def __init__(self, channels: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.gamma = nn.Parameter(torch.ones(channels))
-        self.beta = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise each time step's channel vector."""
-        y = F.layer_norm(x.transpose(1, -1), (x.shape[1],), self.gamma, self.beta, self.eps)
-        return y.transpose(1, -1)
 
 
 class RelativeSelfAttention(nn.Module):
