@@ -77,3 +77,21 @@ def test_missing_onnx_package_names_the_install(monkeypatch, onnx_file):
     monkeypatch.setitem(__import__("sys").modules, "onnx", None)
     with pytest.raises(ImportError, match="onnx"):
         read_onnx(onnx_file)
+
+
+def test_cosyvoice3_directory_loads_the_tokenizer_and_names_the_files(monkeypatch, onnx_file):
+    """``onnx_file`` lies in a directory as a Fun-CosyVoice3 release names it."""
+    from mstar.model.cosyvoice3.checkpoint import load_speaker_encoder, load_speech_tokenizer
+
+    model_dir = onnx_file.parent
+    model = load_speech_tokenizer(model_dir, S3TokenizerConfig(d_model=128, n_heads=2, n_layers=2))
+    tokens, counts = model(clips())
+    assert counts.tolist() == REF["token_len"].tolist()
+    assert torch.equal(tokens[0, : counts[0]], REF["tokens"][0, : counts[0]].long())
+    with pytest.raises(WeightLoadError, match="speech_tokenizer_v3.onnx"):  # a v3 of other shapes
+        load_speech_tokenizer(model_dir, S3TokenizerConfig(d_model=128, n_heads=2, n_layers=1))
+    with pytest.raises(NotImplementedError, match="campplus.onnx"):
+        load_speaker_encoder(model_dir)
+    monkeypatch.setitem(__import__("sys").modules, "onnx", None)
+    with pytest.raises(ImportError, match=r"speech_tokenizer_v3\.onnx: .*`onnx` package"):
+        load_speech_tokenizer(model_dir)
