@@ -11,8 +11,8 @@ embedding, which is kept), so its name is skipped. ``flow.pt`` is ``CausalMasked
 other name unchanged, so ``load_weights`` (strict) reports a name nothing fills.
 
 The clip front ends ship as ONNX graphs: ``speech_tokenizer_v3.onnx`` is read into our
-``S3Tokenizer`` (``load_speech_tokenizer``, needs the ``onnx`` package); ``campplus.onnx`` is
-not read yet (``load_speaker_encoder`` says so, naming the file).
+``S3Tokenizer`` (``load_speech_tokenizer``) and ``campplus.onnx`` into ``CampPlus``
+(``load_speaker_encoder``); both need the ``onnx`` package, and errors name the file.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig
 from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig
 from mstar.model.cosyvoice3.qwen2 import qwen2_config
-from mstar.model.speech_front.campplus import CampPlus
-from mstar.model.speech_front.onnx_weights import s3_tokenizer_v3_onnx_state
+from mstar.model.speech_front.campplus import CampPlus, CampPlusConfig
+from mstar.model.speech_front.onnx_weights import campplus_onnx_state, s3_tokenizer_v3_onnx_state
 from mstar.model.speech_front.s3_tokenizer import S3Tokenizer, S3TokenizerConfig
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator, hift_state
 from mstar.model.weights import WeightLoadError, load_weights
@@ -141,9 +141,22 @@ def load_speech_tokenizer(model_dir: str | Path, config: S3TokenizerConfig | Non
     return tokenizer.to(device).eval()
 
 
-def load_speaker_encoder(model_dir: str | Path) -> CampPlus:
-    """CAM++ from ``campplus.onnx``: not read yet (its export folds BatchNorms into convs and
-    names them anonymously; see docs/cosyvoice3.md)."""
+def load_speaker_encoder(model_dir: str | Path, config: CampPlusConfig | None = None,
+                         device: torch.device | str = "cpu") -> CampPlus:
+    """CAM++ from the directory's ``campplus.onnx``: its conv-then-BatchNorm pairs are folded in
+    the export and load as a conv plus a BatchNorm that adds the folded bias (see
+    ``campplus_onnx_state``); strict as ``load_speech_tokenizer``."""
     path = Path(model_dir) / SPEAKER_FILE
-    raise NotImplementedError(f"{path}: reading the CAM++ speaker encoder from ONNX is not implemented yet; "
-                              "serve load_format: dummy")
+    try:
+        weights = campplus_onnx_state(path)
+    except ImportError as err:
+        raise ImportError(f"{path}: {err}") from err
+    if weights.unused:
+        shown = ", ".join(weights.unused[:8])
+        raise WeightLoadError(f"{path}: {len(weights.unused)} initializers no parameter takes ({shown})")
+    encoder = CampPlus(config or CampPlusConfig())
+    try:
+        load_weights(encoder, weights.state.items())
+    except WeightLoadError as err:
+        raise WeightLoadError(f"{path}: {err}") from err
+    return encoder.to(device).eval()

@@ -60,8 +60,8 @@ TINY_END_OF_PROMPT = 255
 
 @dataclass(frozen=True)
 class ClipEncoders:
-    """The front ends of a reference clip (CosyVoice3 ships both as ONNX files: the tokenizer's
-    is read, CAM++'s not yet, see docs/cosyvoice3.md)."""
+    """The front ends of a reference clip (CosyVoice3 ships both as ONNX files, read into these
+    modules: see docs/speech_front.md)."""
 
     tokenizer: S3Tokenizer
     campplus: CampPlus

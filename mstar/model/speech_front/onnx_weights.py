@@ -15,7 +15,9 @@ an initializer carries is not always a parameter name, so the reader walks the n
 * the FSQ projection is ``/quantizer/project_in/MatMul`` + ``quantizer.project_in.bias``.
 
 This is the layout the ``s3tokenizer`` package's own converter (``onnx2torch_v3``) reads; the
-tests build a file in it and check our state dict against that converter's. The ``onnx``
+tests build a file in it and check our state dict against that converter's. CAM++'s
+``campplus.onnx`` is read by ``campplus_onnx_state`` (its folded BatchNorms are described
+there). The ``onnx``
 package is imported only here and only when a file is read (the ``cosyvoice3`` extra).
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["OnnxGraph", "OnnxWeights", "read_onnx", "s3_tokenizer_v3_onnx_state"]
+__all__ = ["OnnxGraph", "OnnxWeights", "campplus_onnx_state", "read_onnx", "s3_tokenizer_v3_onnx_state"]
 
 
 @dataclass
@@ -146,4 +148,70 @@ def s3_tokenizer_v3_onnx_state(source: str | Path | OnnxGraph) -> OnnxWeights:
             continue
         weight_like = np.issubdtype(value.dtype, np.floating) and value.size > 1
         (unused if weight_like else ignored).append(name)
+    return OnnxWeights(state, unused, ignored)
+
+
+# CAM++ (``campplus.onnx``): the module path of a convolution whose BatchNorm the export folded
+# into it -> that BatchNorm's path (the conv is the BatchNorm's only input).
+_FOLDED_BN = [
+    (re.compile(r"^(head(?:\.layer\d+\.\d+)?)\.conv(\d)$"), r"\1.bn\2"),
+    (re.compile(r"^(head\.layer\d+\.\d+\.shortcut)\.0$"), r"\1.1"),
+    (re.compile(r"^(xvector\.tdnn)\.linear$"), r"\1.nonlinear.batchnorm"),
+    (re.compile(r"^(xvector\.block\d+\.tdnnd\d+)\.linear1$"), r"\1.nonlinear2.batchnorm"),
+    (re.compile(r"^xvector\.transit\d+\.linear$"), "xvector.out_nonlinear.batchnorm"),
+    (re.compile(r"^(xvector\.dense)\.linear$"), r"\1.nonlinear.batchnorm"),
+]
+_CONV_NODE = re.compile(r"^/((?:head|xvector)/.*)/Conv$")
+
+
+def _folded_bn(conv: str) -> str:
+    for pattern, repl in _FOLDED_BN:
+        if pattern.match(conv):
+            return pattern.sub(repl, conv)
+    raise ValueError(f"campplus.onnx: conv {conv} has a folded (anonymous) weight but no BatchNorm follows it")
+
+
+def campplus_onnx_state(source: str | Path | OnnxGraph, eps: float = 1e-5) -> OnnxWeights:
+    """``campplus.onnx`` as a ``CampPlus`` state dict.
+
+    CosyVoice exported CAM++ in eval mode with constant folding, which folds every BatchNorm
+    that directly follows a convolution into it: the conv's weight and bias become anonymous
+    ``onnx::Conv_*`` initializers, and the BatchNorm's own tensors are gone. The pair cannot be
+    split back, but it loads exactly into our unchanged modules: the folded kernel into the
+    conv, and the BatchNorm set to add the folded bias (scale 1, shift 0, running mean minus
+    the bias, running variance ``1 - eps`` so that the normaliser is 1; this also serves the
+    scale-free BatchNorm of the final dense layer). Everything else (the pre-activation
+    BatchNorms, the CAM layers, the unfolded transits) keeps its state-dict name.
+    """
+    graph = source if isinstance(source, OnnxGraph) else read_onnx(source)
+    state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for node_name, op, inputs in graph.nodes:
+        m = _CONV_NODE.match(node_name)
+        if op != "Conv" or not m or len(inputs) < 2 or not inputs[1].startswith("onnx::"):
+            continue
+        conv = re.sub(r"/[^/]*\.(\d+)$", r".\1", m[1]).replace("/", ".")  # /layer1/layer1.0/ -> layer1.0
+        conv = re.sub(r"\.(layer\d+)\.\1\.", r".\1.", conv)
+        weight, bias = graph.tensor(inputs[1]), graph.tensor(inputs[2]) if len(inputs) > 2 else None
+        if weight is None or bias is None:
+            raise ValueError(f"campplus.onnx: folded conv {node_name} lacks its weight or bias")
+        bn = _folded_bn(conv)
+        state[f"{conv}.weight"] = torch.from_numpy(weight.copy())
+        channels = bias.shape[0]
+        if not bn.startswith("xvector.dense."):  # the dense layer's BatchNorm has no scale and shift
+            state[f"{bn}.weight"] = torch.ones(channels)
+            state[f"{bn}.bias"] = torch.zeros(channels)
+        state[f"{bn}.running_mean"] = -torch.from_numpy(bias.copy())
+        state[f"{bn}.running_var"] = torch.full((channels,), 1.0 - eps)
+        used.update(inputs[1:3])
+    for name, value in graph.initializers.items():
+        if not name.startswith("onnx::") and name not in used:
+            state[name] = torch.from_numpy(value.copy())
+            used.add(name)
+    for name in [k for k in state if k.endswith(".running_var")]:  # a counter eval never reads
+        state[name.replace(".running_var", ".num_batches_tracked")] = torch.zeros((), dtype=torch.long)
+    unused, ignored = [], []
+    for name, value in graph.initializers.items():
+        if name not in used:
+            (unused if np.issubdtype(value.dtype, np.floating) and value.size > 1 else ignored).append(name)
     return OnnxWeights(state, unused, ignored)
