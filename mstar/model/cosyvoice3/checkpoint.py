@@ -9,6 +9,10 @@ embedding, which is kept), so its name is skipped. ``flow.pt`` is ``CausalMasked
 ``input_embedding``, ``spk_embed_affine_layer``, ``pre_lookahead_layer`` and the DiT under
 ``decoder.estimator.``. Each map returns None for a name it skips on purpose and leaves any
 other name unchanged, so ``load_weights`` (strict) reports a name nothing fills.
+
+The clip front ends ship as ONNX graphs: ``speech_tokenizer_v3.onnx`` is read into our
+``S3Tokenizer`` (``load_speech_tokenizer``) and ``campplus.onnx`` into ``CampPlus``
+(``load_speaker_encoder``); both need the ``onnx`` package, and errors name the file.
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ import torch
 from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig
 from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig
 from mstar.model.cosyvoice3.qwen2 import qwen2_config
+from mstar.model.speech_front.campplus import CampPlus, CampPlusConfig
+from mstar.model.speech_front.onnx_weights import campplus_onnx_state, s3_tokenizer_v3_onnx_state
+from mstar.model.speech_front.s3_tokenizer import S3Tokenizer, S3TokenizerConfig
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator, hift_state
-from mstar.model.weights import load_weights
+from mstar.model.weights import WeightLoadError, load_weights
 
-__all__ = ["LLM_SKIPPED", "CosyVoice3Parts", "dit_name_map", "flow_name_map", "llm_name_map", "load_parts"]
+__all__ = ["LLM_SKIPPED", "CosyVoice3Parts", "dit_name_map", "flow_name_map", "llm_name_map", "load_parts",
+           "load_speaker_encoder", "load_speech_tokenizer"]
+
+TOKENIZER_FILE = "speech_tokenizer_v3.onnx"
+SPEAKER_FILE = "campplus.onnx"
 
 LLM_SKIPPED = frozenset({"llm.model.lm_head.weight"})
 
@@ -107,3 +118,45 @@ def load_parts(model_dir: str | Path, *, speech_token_size: int = 6561, flow: Fl
     for module in (parts.lm, parts.flow, parts.hift):
         module.to(device).eval()
     return parts
+
+
+def load_speech_tokenizer(model_dir: str | Path, config: S3TokenizerConfig | None = None,
+                          device: torch.device | str = "cpu") -> S3Tokenizer:
+    """The S3 tokenizer v3 from the directory's ``speech_tokenizer_v3.onnx``, loaded strictly:
+    every parameter filled, and a float initializer the reader does not place is an error
+    (integer and scalar initializers are the graph's shapes and epsilons)."""
+    path = Path(model_dir) / TOKENIZER_FILE
+    try:
+        weights = s3_tokenizer_v3_onnx_state(path)
+    except ImportError as err:
+        raise ImportError(f"{path}: {err}") from err
+    if weights.unused:
+        shown = ", ".join(weights.unused[:8])
+        raise WeightLoadError(f"{path}: {len(weights.unused)} initializers no parameter takes ({shown})")
+    tokenizer = S3Tokenizer(config or S3TokenizerConfig.v3())
+    try:
+        load_weights(tokenizer, weights.state.items())
+    except WeightLoadError as err:
+        raise WeightLoadError(f"{path}: {err}") from err
+    return tokenizer.to(device).eval()
+
+
+def load_speaker_encoder(model_dir: str | Path, config: CampPlusConfig | None = None,
+                         device: torch.device | str = "cpu") -> CampPlus:
+    """CAM++ from the directory's ``campplus.onnx``: its conv-then-BatchNorm pairs are folded in
+    the export and load as a conv plus a BatchNorm that adds the folded bias (see
+    ``campplus_onnx_state``); strict as ``load_speech_tokenizer``."""
+    path = Path(model_dir) / SPEAKER_FILE
+    try:
+        weights = campplus_onnx_state(path)
+    except ImportError as err:
+        raise ImportError(f"{path}: {err}") from err
+    if weights.unused:
+        shown = ", ".join(weights.unused[:8])
+        raise WeightLoadError(f"{path}: {len(weights.unused)} initializers no parameter takes ({shown})")
+    encoder = CampPlus(config or CampPlusConfig())
+    try:
+        load_weights(encoder, weights.state.items())
+    except WeightLoadError as err:
+        raise WeightLoadError(f"{path}: {err}") from err
+    return encoder.to(device).eval()

@@ -100,8 +100,7 @@ class CosyVoice3(VoiceCloning, ModelSpec):
     def _encoders(self, model_dir: str | None) -> serving.ClipEncoders:
         if self.dummy:
             return serving.dummy_encoders(self.knobs.dummy_scale, self.knobs.seed)
-        raise NotImplementedError("cosyvoice3: the released front ends are ONNX files "
-                                  "(speech_tokenizer_v3.onnx, campplus.onnx), not read yet; serve load_format: dummy")
+        return serving.released_encoders(model_dir)
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}

@@ -21,7 +21,12 @@ import torch
 from mstar.contract import RequestError
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.graph.chunking import Chunk, ChunkPolicy
-from mstar.model.cosyvoice3.checkpoint import CosyVoice3Parts, load_parts
+from mstar.model.cosyvoice3.checkpoint import (
+    CosyVoice3Parts,
+    load_parts,
+    load_speaker_encoder,
+    load_speech_tokenizer,
+)
 from mstar.model.cosyvoice3.dit import DiTConfig
 from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig, StreamPlanner
 from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig
@@ -33,7 +38,8 @@ from mstar.model.speech_front.s3_tokenizer import S3Tokenizer, S3TokenizerConfig
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator
 from mstar.model.weights import init_dummy_weights
 
-__all__ = ["ClipEncoders", "HoldOne", "Scale", "VocodeEngine", "build_parts", "clip_prompt", "dummy_encoders"]
+__all__ = ["ClipEncoders", "HoldOne", "Scale", "VocodeEngine", "build_parts", "clip_prompt", "dummy_encoders",
+           "released_encoders"]
 
 Scale = Literal["real", "tiny"]
 SAMPLE_RATE = 24000
@@ -54,8 +60,8 @@ TINY_END_OF_PROMPT = 255
 
 @dataclass(frozen=True)
 class ClipEncoders:
-    """The front ends of a reference clip (CosyVoice3 ships both as ONNX files, which are not
-    read yet: under real weights they must be given as safetensors, see docs/cosyvoice3.md)."""
+    """The front ends of a reference clip (CosyVoice3 ships both as ONNX files, read into these
+    modules: see docs/speech_front.md)."""
 
     tokenizer: S3Tokenizer
     campplus: CampPlus
@@ -96,6 +102,13 @@ def build_parts(model_dir: str | None, *, dummy: bool, scale: Scale = "real", se
     for module in (parts.lm, parts.flow, parts.hift):
         module.to(device).eval()
     return parts
+
+
+def released_encoders(model_dir: str | None) -> ClipEncoders:
+    """The front ends of a Fun-CosyVoice3 directory (its two ONNX files)."""
+    if model_dir is None:
+        raise ValueError("cosyvoice3 needs model_path (a Fun-CosyVoice3-0.5B directory)")
+    return ClipEncoders(load_speech_tokenizer(model_dir), load_speaker_encoder(model_dir))
 
 
 def dummy_encoders(scale: Scale, seed: int = 0) -> ClipEncoders:
