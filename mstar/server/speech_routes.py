@@ -58,7 +58,8 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit
 MAX_BODY_BYTES = 48 * 1024 * 1024  # a reference clip of up to 32 MB, base64 in the JSON body
 Chunks = AsyncGenerator[bytes, None]
 _MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code",
-                 "exaggeration", "cfg_weight", "min_p", "top_k", "language_id", "max_new_tokens", "watermark")
+                 "exaggeration", "cfg_weight", "min_p", "top_k", "language_id", "max_new_tokens", "watermark",
+                 "phoneme_ids", "noise_scale", "noise_w")
 
 
 class SpeechRequest(BaseModel):
@@ -92,6 +93,10 @@ class SpeechRequest(BaseModel):
     language_id: Any = None
     max_new_tokens: Any = None
     watermark: Any = None
+    # Piper's options, checked by its strict options likewise
+    phoneme_ids: Any = None
+    noise_scale: Any = None
+    noise_w: Any = None
 
     @field_validator("voice", mode="before")
     @classmethod

@@ -67,7 +67,8 @@ def test_speed_and_seed(client):
 
 
 def test_concurrent_requests_equal_their_solo_audio(client):
-    texts = ["Hello world.", "A longer sentence, with a pause in it.", "Yes."]
+    texts = ["Hello world.", "A longer sentence, with a pause in it.", "Yes.", "Eight requests at once.",
+             "The quick brown fox.", "Jumps over the lazy dog.", "One more.", "And the last one, a little longer."]
     solo = [speak(client, t) for t in texts]
     with ThreadPoolExecutor(len(texts)) as pool:
         together = list(pool.map(lambda t: speak(client, t), texts))
@@ -76,7 +77,16 @@ def test_concurrent_requests_equal_their_solo_audio(client):
         assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 8  # int16 LSBs (float32 rounding)
 
 
+def test_noise_options_reach_the_model_over_http(client):
+    """Piper's own options travel through /v1/audio/speech's extra body to the voice."""
+    base = speak(client)
+    quiet = client.audio.speech.create(model="piper", voice="joe", input="Hello world.", response_format="pcm",
+                                       extra_body={"seed": 3, "noise_scale": 0.0, "noise_w": 0.0})
+    assert not np.array_equal(np.frombuffer(quiet.content, "<i2"), base)
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
+    ({"voice": "joe", "extra_body": {"noise_w": 5.0}}, "noise_w"),
     ({"voice": "nobody"}, "voice"),
     ({"voice": "joe", "speed": 9.0}, "speed"),
     ({"voice": "joe", "extra_body": {"temperature": 0.5}}, "temperature"),
