@@ -67,6 +67,7 @@ def test_served_audio_is_the_network_with_the_request_seed(served, network) -> N
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
     assert served.backend.voices() == ["joe"]
+    assert [(v.name, v.language) for v in served.spec.voice_list()] == [("joe", "en-US")]  # the JSON's en_US
 
 
 def _batch_items() -> list[EngineItem]:

@@ -70,6 +70,7 @@ class PiperVoiceConfig:
     num_symbols: int = 256
     speaker_id_map: dict[str, int] = field(default_factory=dict)
     name: str = "piper"
+    language: str | None = None  # BCP 47 (the JSON's ``language.code``, ``en_US`` -> ``en-US``)
 
     @classmethod
     def from_json(cls, path: str | Path) -> PiperVoiceConfig:
@@ -89,4 +90,5 @@ class PiperVoiceConfig:
             num_symbols=int(raw.get("num_symbols", 256)),
             speaker_id_map={str(k): int(v) for k, v in raw.get("speaker_id_map", {}).items()},
             name=str(raw.get("dataset") or stem),
+            language=(raw.get("language") or {}).get("code", "").replace("_", "-") or None,
         )
