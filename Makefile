@@ -36,7 +36,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
 
 lint: install
-	$(BIN)/ruff check mstar tests benchmarks
+	$(BIN)/ruff check mstar tests benchmarks examples
 
 clean:
 	rm -rf $(VENV)
