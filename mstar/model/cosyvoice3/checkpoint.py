@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from mstar.model.cosyvoice3.flow import CosyVoice3Flow, FlowConfig
 from mstar.model.cosyvoice3.lm import SpeechLM, SpeechLMConfig
 from mstar.model.cosyvoice3.qwen2 import qwen2_config
 from mstar.model.speech_front.campplus import CampPlus, CampPlusConfig
-from mstar.model.speech_front.onnx_weights import campplus_onnx_state, s3_tokenizer_v3_onnx_state
+from mstar.model.speech_front.onnx_weights import OnnxWeights, campplus_onnx_state, s3_tokenizer_v3_onnx_state
 from mstar.model.speech_front.s3_tokenizer import S3Tokenizer, S3TokenizerConfig
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator, hift_state
 from mstar.model.weights import WeightLoadError, load_weights
@@ -120,25 +121,31 @@ def load_parts(model_dir: str | Path, *, speech_token_size: int = 6561, flow: Fl
     return parts
 
 
-def load_speech_tokenizer(model_dir: str | Path, config: S3TokenizerConfig | None = None,
-                          device: torch.device | str = "cpu") -> S3Tokenizer:
-    """The S3 tokenizer v3 from the directory's ``speech_tokenizer_v3.onnx``, loaded strictly:
-    every parameter filled, and a float initializer the reader does not place is an error
-    (integer and scalar initializers are the graph's shapes and epsilons)."""
-    path = Path(model_dir) / TOKENIZER_FILE
+def _load_onnx(path: Path, read: Callable[[Path], OnnxWeights], module: torch.nn.Module,
+               device: torch.device | str) -> torch.nn.Module:
+    """``module`` filled from the ONNX file ``path`` by the reader ``read``, strictly: every
+    parameter filled, and a float initializer the reader does not place is an error (integer
+    and scalar initializers are the graph's shapes and epsilons); every error names the file."""
     try:
-        weights = s3_tokenizer_v3_onnx_state(path)
+        weights = read(path)
     except ImportError as err:
         raise ImportError(f"{path}: {err}") from err
     if weights.unused:
         shown = ", ".join(weights.unused[:8])
         raise WeightLoadError(f"{path}: {len(weights.unused)} initializers no parameter takes ({shown})")
-    tokenizer = S3Tokenizer(config or S3TokenizerConfig.v3())
     try:
-        load_weights(tokenizer, weights.state.items())
+        load_weights(module, weights.state.items())
     except WeightLoadError as err:
         raise WeightLoadError(f"{path}: {err}") from err
-    return tokenizer.to(device).eval()
+    return module.to(device).eval()
+
+
+def load_speech_tokenizer(model_dir: str | Path, config: S3TokenizerConfig | None = None,
+                          device: torch.device | str = "cpu") -> S3Tokenizer:
+    """The S3 tokenizer v3 from the directory's ``speech_tokenizer_v3.onnx``, loaded strictly
+    (``_load_onnx``)."""
+    return _load_onnx(Path(model_dir) / TOKENIZER_FILE, s3_tokenizer_v3_onnx_state,
+                      S3Tokenizer(config or S3TokenizerConfig.v3()), device)
 
 
 def load_speaker_encoder(model_dir: str | Path, config: CampPlusConfig | None = None,
@@ -146,17 +153,5 @@ def load_speaker_encoder(model_dir: str | Path, config: CampPlusConfig | None = 
     """CAM++ from the directory's ``campplus.onnx``: its conv-then-BatchNorm pairs are folded in
     the export and load as a conv plus a BatchNorm that adds the folded bias (see
     ``campplus_onnx_state``); strict as ``load_speech_tokenizer``."""
-    path = Path(model_dir) / SPEAKER_FILE
-    try:
-        weights = campplus_onnx_state(path)
-    except ImportError as err:
-        raise ImportError(f"{path}: {err}") from err
-    if weights.unused:
-        shown = ", ".join(weights.unused[:8])
-        raise WeightLoadError(f"{path}: {len(weights.unused)} initializers no parameter takes ({shown})")
-    encoder = CampPlus(config or CampPlusConfig())
-    try:
-        load_weights(encoder, weights.state.items())
-    except WeightLoadError as err:
-        raise WeightLoadError(f"{path}: {err}") from err
-    return encoder.to(device).eval()
+    return _load_onnx(Path(model_dir) / SPEAKER_FILE, campplus_onnx_state, CampPlus(config or CampPlusConfig()),
+                      device)
