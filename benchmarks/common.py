@@ -226,6 +226,14 @@ def time_speech(deployment: Any, specs: list[Any], sample_rate: int, finishes: t
     return {"wall_s": ended - start, "audio_s": audio_s, "ttfa_s": [s.first_data - s.submitted for s in sinks]}
 
 
+def summarise_speech(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``time_speech``-style runs of one stream count: x real time at the median wall time and
+    the median time to first audio over every request of every run."""
+    wall = statistics.median(r["wall_s"] for r in runs)
+    return {"runs": runs, "rtf": runs[0]["audio_s"] / wall,
+            "ttfa_ms": 1e3 * statistics.median(t for r in runs for t in r["ttfa_s"])}
+
+
 # ------------------------------------------------------------------------------ records
 Better = Literal["lower", "higher"]
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import synchronize, time_speech
+from benchmarks.common import summarise_speech, synchronize, time_speech
 
 log = logging.getLogger("s7.chatterbox")
 
@@ -207,12 +206,6 @@ def run_baseline(model, n: int, device: torch.device, text: str) -> dict[str, An
     return {"wall_s": time.perf_counter() - start, "audio_s": audio_s, "ttfa_s": ttfa}
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    wall = statistics.median(r["wall_s"] for r in runs)
-    return {"runs": runs, "rtf": runs[0]["audio_s"] / wall,
-            "ttfa_ms": 1e3 * statistics.median(t for r in runs for t in r["ttfa_s"])}
-
-
 def measure(args, streams: list[int], device: torch.device, tmp: Path) -> tuple[dict, dict, dict]:
     """Ours and (unless skipped or not importable) the baseline at each stream count."""
     baseline = not args.skip_baseline and package_available()
@@ -230,7 +223,7 @@ def measure(args, streams: list[int], device: torch.device, tmp: Path) -> tuple[
         for n in streams:  # warm-up
             runner.run(n)
         for n in streams:
-            ours[n] = summarise([runner.run(n) for _ in range(args.runs)])
+            ours[n] = summarise_speech([runner.run(n) for _ in range(args.runs)])
             log.info("ours: %d stream(s): %.1fx real time, TTFA median %.1f ms", n, ours[n]["rtf"], ours[n]["ttfa_ms"])
     finally:
         runner.close()
@@ -247,7 +240,7 @@ def measure(args, streams: list[int], device: torch.device, tmp: Path) -> tuple[
         capped(reference, max_new)
         run_baseline(reference, 1, device, text)  # warm-up
         for n in streams:
-            base[n] = summarise([run_baseline(reference, n, device, text) for _ in range(args.runs)])
+            base[n] = summarise_speech([run_baseline(reference, n, device, text) for _ in range(args.runs)])
             log.info("baseline: %d stream(s): %.1fx real time, TTFA %.1f ms", n, base[n]["rtf"], base[n]["ttfa_ms"])
     settings = {"max_new_tokens": max_new, "stream_first_chunk_tokens": args.stream_first_chunk_tokens,
                 "text_chars": len(text), "baseline_weights": "same directory" if model_dir else

@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import logging
-import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from benchmarks.common import (
     hardware,
     package_version,
     setup_logging,
+    summarise_speech,
     synchronize,
     time_speech,
     write_record,
@@ -205,12 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in streams:  # warm-up
                 runner.run(n)
             for n in streams:
-                runs = [runner.run(n) for _ in range(args.runs)]
-                wall = statistics.median(r["wall_s"] for r in runs)
-                ours[n] = {"runs": runs, "rtf": runs[0]["audio_s"] / wall,
-                           "ttfa_ms": 1e3 * statistics.median(t for r in runs for t in r["ttfa_s"])}
-                log.info("ours: %d stream(s): %.3f s, %.1fx real time, TTFA median %.1f ms", n, wall,
-                         ours[n]["rtf"], ours[n]["ttfa_ms"])
+                ours[n] = summarise_speech([runner.run(n) for _ in range(args.runs)])
+                log.info("ours: %d stream(s): %.1fx real time, TTFA median %.1f ms", n, ours[n]["rtf"],
+                         ours[n]["ttfa_ms"])
         finally:
             runner.close()
             gc.collect()
@@ -219,19 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             reference = reference.to(device)
             run_baseline(reference, 1, device, voice)  # warm-up
             for n in streams:
-                runs = [run_baseline(reference, n, device, voice) for _ in range(args.runs)]
-                wall = statistics.median(r["wall_s"] for r in runs)
-                base[n] = {"runs": runs, "rtf": runs[0]["audio_s"] / wall,
-                           "ttfa_ms": 1e3 * statistics.median(t for r in runs for t in r["ttfa_s"])}
-                log.info("baseline: %d stream(s): %.3f s, %.1fx real time, TTFA %.1f ms", n, wall,
-                         base[n]["rtf"], base[n]["ttfa_ms"])
-    metrics = []
-    for n in streams:
-        b = base.get(n, {})
-        metrics.append(Metric(SCENARIO, f"rtf@{n}", "x real time", "higher", ours[n]["rtf"], b.get("rtf")))
-        metrics.append(Metric(SCENARIO, f"ttfa@{n}", "ms", "lower", ours[n]["ttfa_ms"], b.get("ttfa_ms")))
-    record |= {"metrics": metrics, "ours": ours, "baseline": base, "errors": []}
-    write_record(NAME, record, args.out)
+                base[n] = summarise_speech([run_baseline(reference, n, device, voice) for _ in range(args.runs)])
+                log.info("baseline: %d stream(s): %.1fx real time, TTFA %.1f ms", n, base[n]["rtf"],
+                         base[n]["ttfa_ms"])
+    write_speech_record(NAME, SCENARIO, record, streams, ours, base, args.out)
     return 0
 
 
@@ -244,14 +232,21 @@ def main_chatterbox(args, streams: list[int], device: torch.device) -> int:
                               "settings": {"streams": streams, "runs": args.runs, "device": str(device),
                                            "smoke": args.smoke, "chatterbox": package_version("chatterbox-tts"),
                                            **settings}}
+    write_speech_record(NAME_CHATTERBOX, SCENARIO_CHATTERBOX, record, streams, ours, base, args.out)
+    return 0
+
+
+def write_speech_record(name: str, scenario: str, record: dict[str, Any], streams: list[int],
+                        ours: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], out: str | None) -> None:
+    """The record of a run: x real time and time to first audio per stream count, ours against
+    the baseline where it ran."""
     metrics = []
     for n in streams:
         b = base.get(n, {})
-        metrics.append(Metric(SCENARIO_CHATTERBOX, f"rtf@{n}", "x real time", "higher", ours[n]["rtf"], b.get("rtf")))
-        metrics.append(Metric(SCENARIO_CHATTERBOX, f"ttfa@{n}", "ms", "lower", ours[n]["ttfa_ms"], b.get("ttfa_ms")))
+        metrics.append(Metric(scenario, f"rtf@{n}", "x real time", "higher", ours[n]["rtf"], b.get("rtf")))
+        metrics.append(Metric(scenario, f"ttfa@{n}", "ms", "lower", ours[n]["ttfa_ms"], b.get("ttfa_ms")))
     record |= {"metrics": metrics, "ours": ours, "baseline": base, "errors": []}
-    write_record(NAME_CHATTERBOX, record, args.out)
-    return 0
+    write_record(name, record, out)
 
 
 if __name__ == "__main__":
