@@ -129,7 +129,7 @@ class G2P:
         if lang_code not in LANGUAGES:
             raise RequestError("lang_code", f"{lang_code!r} is not a Kokoro language; they are: "
                                             + ", ".join(f"{k} ({v.name})" for k, v in LANGUAGES.items()))
-        if not self.available(lang_code):
+        if lang_code not in self._g2p and not self.available(lang_code):  # probed until built, not per request
             raise RequestError("input", f"text in {LANGUAGES[lang_code].name} needs a G2P that is not "
                                             f"installed: {g2p_hint(lang_code)}")
         with self._lock:

@@ -76,8 +76,7 @@ class Piper(ModelSpec):
         return list(config.speaker_id_map) if config.num_speakers > 1 else [config.name]
 
     def voice_list(self) -> list[Voice]:
-        language = self.voice_config.language if self.voices() else None
-        return [Voice(name, language) for name in self.voices()]
+        return [Voice(name, self.voice_config.language) for name in self.voices()]
 
     def _speaker(self, voice: str | None) -> int:
         config = self.voice_config
