@@ -76,6 +76,25 @@ class SpeakingBackend(Protocol):
     def speech(self, spec: SpeechSpec) -> AsyncIterator[OutputEvent]: ...
 
 
+class RespondingBackend(Protocol):
+    """A backend that holds a conversation in speech (task ``realtime``: /v1/realtime).
+    ``transcribe`` reads the user's turn; ``respond`` answers the conversation so far
+    (``spec.messages``, the deployment's system prompt put first when they have none): the
+    reply's text as it is written (modality "text", deltas) and, with ``audio``, its speech
+    (modality "audio": mono float32 little-endian PCM at ``sample_rate``, in ``voice``), each
+    sentence spoken as soon as the text holds it. The last event has ``finish_reason``.
+    Closing the iterator early cancels every walk of the reply and frees what they held."""
+
+    sample_rate: int
+
+    def voices(self) -> list[str]: ...
+
+    async def transcribe(self, spec: TranscriptionSpec) -> Transcription: ...
+
+    def respond(self, spec: ChatSpec, *, voice: str | None = None, audio: bool = True) -> AsyncIterator[OutputEvent]:
+        ...
+
+
 class ImagingBackend(Protocol):
     """A backend whose model makes images: ``generate_images`` returns one PNG per image."""
 
