@@ -457,3 +457,47 @@ def test_sdk_realtime_refused(server: LiveServer) -> None:
     with pytest.raises(MStarError) as info:
         run(main())
     assert info.value.status == 401
+
+
+def test_commit_by_hand_then_response(server: LiveServer, backend: FakeVoiceBackend,
+                                      speech_24k: np.ndarray) -> None:
+    async def main() -> list[dict[str, Any]]:
+        async with client(server).realtime.connect(model=MODEL) as conn:
+            await recv(conn)
+            await conn.session.update(session=NO_VAD)
+            await recv(conn)
+            await append_audio(conn, speech_24k[: 24000])
+            await conn.send({"type": "input_audio_buffer.commit"})
+            await conn.send({"type": "response.create"})  # before the transcript is back: it waits for it
+            return await until(conn, "response.done")
+
+    backend.specs.clear()
+    events = run(main())
+    kinds = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" not in kinds
+    assert kinds.index("input_audio_buffer.committed") < kinds.index(
+        "conversation.item.input_audio_transcription.completed") < kinds.index("response.output_item.added")
+    assert backend.heard[-1] == pytest.approx(1.0)
+    assert backend.specs[-1][0].messages == [{"role": "user", "content": HEARD}]
+
+
+def test_without_silero_the_session_goes_on_without_vad() -> None:
+    from mstar.server.realtime.session import RealtimeSession
+    from mstar.server.realtime.vad import VadHub
+
+    def missing() -> object:
+        raise ModuleNotFoundError("No module named 'silero_vad'")
+
+    async def main() -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+        session = RealtimeSession(FakeVoiceBackend(), sent.append, VadHub(load=missing), MODEL)  # type: ignore[arg-type]
+        await session.start()
+        await session.handle(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(
+            bytes(4800)).decode()}))
+        await session.close()
+        return sent
+
+    sent = run(main())
+    assert [e["type"] for e in sent] == ["error", "session.created"]
+    assert sent[0]["error"]["param"] == "session.audio.input.turn_detection"
+    assert sent[1]["session"]["audio"]["input"]["turn_detection"] is None

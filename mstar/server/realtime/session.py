@@ -180,7 +180,15 @@ class RealtimeSession:
             return
         settings = TurnSettings(threshold=detection.threshold, prefix_padding_ms=detection.prefix_padding_ms,
                                 silence_duration_ms=detection.silence_duration_ms)
-        await self.vad.open(self.key, settings, self._on_turn)
+        try:
+            await self.vad.open(self.key, settings, self._on_turn)
+        except Exception as exc:  # no silero-vad package, say: the session goes on without it
+            log.warning("server VAD is unavailable: %s", exc)
+            self.config = self.config.model_copy(update={"audio": self.config.audio.model_copy(update={
+                "input": self.config.audio.input.model_copy(update={"turn_detection": None})})})
+            param = "session.audio.input.turn_detection"
+            self.send(error_event(f"{param}: server VAD is unavailable here ({exc}); install mstar[realtime]",
+                                  param, "turn_detection_unavailable", kind="server_error"))
 
     # ------------------------------------------------------------------ input audio
 
