@@ -501,3 +501,28 @@ def test_without_silero_the_session_goes_on_without_vad() -> None:
     assert [e["type"] for e in sent] == ["error", "session.created"]
     assert sent[0]["error"]["param"] == "session.audio.input.turn_detection"
     assert sent[1]["session"]["audio"]["input"]["turn_detection"] is None
+
+
+def test_a_failure_of_ours_is_an_error_event_and_the_session_goes_on() -> None:
+    from mstar.server.realtime.session import RealtimeSession
+    from mstar.server.realtime.vad import VadHub
+
+    class Broken(FakeVoiceBackend):
+        def voices(self) -> list[str]:
+            raise RuntimeError("voice table unreadable")
+
+    async def main() -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+        session = RealtimeSession(Broken(), sent.append, VadHub(), MODEL)  # type: ignore[arg-type]
+        session.config = session.config.model_copy(update={"audio": session.config.audio.model_copy(update={
+            "input": session.config.audio.input.model_copy(update={"turn_detection": None})})})
+        await session.handle(json.dumps({"type": "session.update", "event_id": "v",
+                                         "session": {"audio": {"output": {"voice": "joe"}}}}))
+        await session.handle(json.dumps({"type": "session.update", "session": {"instructions": "ok"}}))
+        await session.close()
+        return sent
+
+    sent = run(main())
+    assert [e["type"] for e in sent] == ["error", "session.updated"]
+    assert sent[0]["error"]["type"] == "server_error" and sent[0]["error"]["event_id"] == "v"
+    assert "voice table unreadable" in sent[0]["error"]["message"]

@@ -136,6 +136,10 @@ class RealtimeSession:
             await self._dispatch(event)
         except ClientEventError as exc:
             self.send(error_event(exc.message, exc.param, exc.code, exc.event_id or event_id))
+        except Exception as exc:  # our fault or the backend's: said, and the session goes on
+            log.exception("a realtime event failed")
+            self.send(error_event(f"the server failed to handle the event: {exc}", None, "server_error",
+                                  event_id, kind="server_error"))
 
     async def _dispatch(self, event: Any) -> None:
         if isinstance(event, InputAudioBufferAppend):
@@ -165,8 +169,10 @@ class RealtimeSession:
         self.send(server_event("session.updated", session=config.model_dump(mode="json")))
 
     def _check_voice(self, voice: str | None, param: str) -> None:
+        if voice is None:
+            return
         voices = self.backend.voices()
-        if voice is not None and voices and voice not in voices:
+        if voices and voice not in voices:
             raise ClientEventError(f"{param}: unknown voice {voice!r}; voices: {', '.join(voices)}", param)
 
     async def _restart_vad(self) -> None:
