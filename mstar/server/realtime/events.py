@@ -17,11 +17,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 __all__ = [
-    "AudioConfig", "ClientEvent", "ClientEventError", "ConversationItemCreate", "InputAudioBufferAppend",
+    "API_RATE", "AudioConfig", "ClientEvent", "ClientEventError", "ConversationItemCreate", "InputAudioBufferAppend",
     "InputAudioBufferClear", "InputAudioBufferCommit", "ItemContent", "MessageItem", "ResponseCancel",
     "ResponseCreate", "ResponseOverrides", "ServerVad", "SessionConfig", "SessionUpdate", "error_event",
     "event_id", "merge_session", "parse_client_event", "server_event",
 ]
+
+
+API_RATE = 24000  # the API's PCM16 sample rate, in and out
 
 
 class _Model(BaseModel):

@@ -16,17 +16,18 @@ import base64
 import binascii
 import io
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import soundfile as sf
 
-from mstar.contract import ChatSpec, OutputEvent, RequestError, SamplingParams, TranscriptionSpec
+from mstar.contract import ChatSpec, RequestError, SamplingParams, TranscriptionSpec
 from mstar.model.vad import TurnEvent, TurnSettings
 from mstar.server.backend import RespondingBackend
 from mstar.server.realtime.events import (
+    API_RATE,
     ClientEventError,
     ConversationItemCreate,
     InputAudioBufferAppend,
@@ -42,8 +43,9 @@ from mstar.server.realtime.events import (
     parse_client_event,
     server_event,
 )
-from mstar.server.realtime.resample import StreamResampler, float_to_pcm16, pcm16_to_float
-from mstar.server.realtime.vad import API_RATE, VadHub
+from mstar.server.realtime.reply import Item, Reply
+from mstar.server.realtime.resample import pcm16_to_float
+from mstar.server.realtime.vad import VadHub
 from mstar.server.schemas import new_id
 
 __all__ = ["RealtimeSession"]
@@ -54,22 +56,6 @@ MIN_COMMIT_MS = 100  # as the API: a shorter buffer cannot be committed
 MAX_BUFFER_S = 15 * 60  # input held before a commit, at most
 _IDLE_KEEP_MS = 500  # audio kept before speech starts, beyond the prefix padding (VAD lag)
 _TEMPERATURE = 0.8  # the Realtime API's documented default before GA dropped the knob
-
-
-@dataclass
-class _Item:
-    """A conversation item: its ``text`` is what the model reads (a user's audio: its transcript)."""
-
-    id: str
-    role: str
-    kind: str  # content type: input_text, input_audio, output_text, output_audio
-    text: str | None = None
-    status: str = "completed"
-
-    def json(self) -> dict[str, Any]:
-        field = "text" if self.kind in ("input_text", "output_text") else "transcript"
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
-                "status": self.status, "content": [{"type": self.kind, field: self.text}]}
 
 
 @dataclass
@@ -105,7 +91,7 @@ class RealtimeSession:
         self.backend, self.send, self.vad = backend, send, vad
         self.key = new_id("sess")
         self.config = SessionConfig(id=self.key, model=model)
-        self.items: list[_Item] = []
+        self.items: list[Item] = []
         self._buffer = bytearray()  # input since the last commit or clear, PCM16 24 kHz
         self._stream_pos = 0  # samples appended since the VAD stream (re)started
         self._buffer_pos = 0  # that stream's position of _buffer[0]
@@ -268,16 +254,16 @@ class RealtimeSession:
         """The audio becomes a user item; its transcript follows when the backend has read it."""
         previous = self.items[-1].id if self.items else None
         self.send(server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
-        self._add_audio_item(_Item(item_id, "user", "input_audio", None, "in_progress"), pcm, previous)
+        self._add_audio_item(Item(item_id, "user", "input_audio", None, "in_progress"), pcm, previous)
 
-    def _add_audio_item(self, item: _Item, pcm: bytes, previous: str | None) -> None:
+    def _add_audio_item(self, item: Item, pcm: bytes, previous: str | None) -> None:
         self.items.append(item)
         self.send(server_event("conversation.item.added", item=item.json(), previous_item_id=previous))
         task = asyncio.get_running_loop().create_task(self._transcribe(item, pcm, previous))
         self._transcribing.add(task)
         task.add_done_callback(self._transcribing.discard)
 
-    async def _transcribe(self, item: _Item, pcm: bytes, previous: str | None) -> None:
+    async def _transcribe(self, item: Item, pcm: bytes, previous: str | None) -> None:
         wanted = self.config.audio.input.transcription
         spec = TranscriptionSpec(request_id=new_id("transcr"), audio=_wav(pcm), filename=f"{item.id}.wav",
                                  language=wanted.language if wanted else None,
@@ -316,14 +302,14 @@ class RealtimeSession:
                 raise ClientEventError("item.content[0].type: only a user's item holds input_audio",
                                        "item.content[0].type", "invalid_value", event.event_id)
             pcm = _b64_audio(part.audio or "", "item.content[0].audio")
-            self._add_audio_item(_Item(item_id, "user", "input_audio", None, "in_progress"), pcm, previous)
+            self._add_audio_item(Item(item_id, "user", "input_audio", None, "in_progress"), pcm, previous)
             return
         text = part.text if part.text is not None else part.transcript
         if text is None:
             raise ClientEventError("item.content[0].text: the part holds no text", "item.content[0].text",
                                    "invalid_value", event.event_id)
         kind = {"user": "input_text", "system": "input_text", "assistant": "output_text"}[item.role]
-        stored = _Item(item_id, item.role, kind, text)
+        stored = Item(item_id, item.role, kind, text)
         self.items.append(stored)
         self.send(server_event("conversation.item.added", item=stored.json(), previous_item_id=previous))
         self.send(server_event("conversation.item.done", item=stored.json(), previous_item_id=previous))
@@ -371,7 +357,7 @@ class RealtimeSession:
         audio = modalities == ["audio"]
         voice = (overrides.audio.output.voice if overrides.audio and overrides.audio.output else None) \
             or self.config.audio.output.voice
-        reply = _Reply(response.id, new_id("item"), audio, self.send)
+        reply = Reply(response.id, new_id("item"), audio, self.send)
         header = {"id": response.id, "object": "realtime.response", "output_modalities": modalities,
                   "audio": {"output": {"format": {"type": "audio/pcm", "rate": API_RATE}, "voice": voice}}}
         self.send(server_event("response.created", response={**header, "status": "in_progress", "output": []}))
@@ -395,74 +381,3 @@ class RealtimeSession:
                 "output": [item.json()] if item is not None else [], "usage": usage}
         self.send(server_event("response.done", response=done))
         self._response = None
-
-
-class _Reply:
-    """The events of one response's single output item, from ``open`` to ``close``."""
-
-    def __init__(self, response_id: str, item_id: str, audio: bool, send: Callable[[dict[str, Any]], None]) -> None:
-        self.audio, self.send = audio, send
-        self.item = _Item(item_id, "assistant", "output_audio" if audio else "output_text", "", "in_progress")
-        self.where = {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
-        self.opened = False
-
-    def _part(self) -> dict[str, Any]:
-        if self.audio:
-            return {"type": "audio", "transcript": self.item.text}
-        return {"type": "text", "text": self.item.text}
-
-    def open(self, previous: str | None) -> None:
-        item = {**self.item.json(), "content": []}
-        self.send(server_event("response.output_item.added", response_id=self.where["response_id"], output_index=0,
-                               item=item))
-        self.send(server_event("conversation.item.added", item=item, previous_item_id=previous))
-        self.send(server_event("response.content_part.added", **self.where, part=self._part()))
-        self.opened = True
-
-    async def stream(self, events: AsyncIterator[OutputEvent], sample_rate: int) -> dict[str, int]:
-        """Relay the backend's events; returns the usage. The iterator is closed however this
-        ends (a cancellation included), which cancels the backend's work."""
-        resampler = StreamResampler(sample_rate, API_RATE) if self.audio else None
-        text_delta = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
-        prompt_tokens = completion_tokens = 0
-        try:
-            async for event in events:
-                if event.error:
-                    raise RuntimeError(event.error)
-                if event.text:
-                    self.item.text = (self.item.text or "") + event.text
-                    self.send(server_event(text_delta, **self.where, delta=event.text))
-                if resampler is not None and event.modality == "audio" and event.data:
-                    self._audio(resampler.push(np.frombuffer(event.data, "<f4")))
-                prompt_tokens = max(prompt_tokens, event.prompt_tokens)
-                completion_tokens = max(completion_tokens, event.completion_tokens)
-            if resampler is not None:
-                self._audio(resampler.flush())
-        finally:
-            closer = getattr(events, "aclose", None)
-            if closer is not None:
-                await closer()
-        return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
-
-    def _audio(self, samples: np.ndarray) -> None:
-        if len(samples):
-            delta = base64.b64encode(float_to_pcm16(samples)).decode()
-            self.send(server_event("response.output_audio.delta", **self.where, delta=delta))
-
-    def close(self, status: str) -> _Item | None:
-        """The closing events of the item (None: it was never opened)."""
-        if not self.opened:
-            return None
-        text = self.item.text or ""
-        if self.audio:
-            self.send(server_event("response.output_audio.done", **self.where))
-            self.send(server_event("response.output_audio_transcript.done", **self.where, transcript=text))
-        else:
-            self.send(server_event("response.output_text.done", **self.where, text=text))
-        self.send(server_event("response.content_part.done", **self.where, part=self._part()))
-        self.item.status = "completed" if status == "completed" else "incomplete"
-        self.send(server_event("response.output_item.done", response_id=self.where["response_id"], output_index=0,
-                               item=self.item.json()))
-        self.send(server_event("conversation.item.done", item=self.item.json()))
-        return self.item

@@ -17,11 +17,11 @@ import anyio
 import numpy as np
 
 from mstar.model.vad import TurnEvent, TurnSettings, VadStreams, load_silero_vad
+from mstar.server.realtime.events import API_RATE
 from mstar.server.realtime.resample import StreamResampler
 
 __all__ = ["VadHub"]
 
-API_RATE = 24000
 VAD_RATE = 16000
 
 TurnCallback = Callable[[TurnEvent], None]
