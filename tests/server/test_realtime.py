@@ -77,13 +77,15 @@ class FakeVoiceBackend:
         forever = "forever" in str(spec.messages[-1]["content"])
         tone = (0.3 * np.sin(np.arange(int(CHUNK_S * self.sample_rate)) * 0.05)).astype("<f4").tobytes()
         ended = False
+        words = len(REPLY) if spec.max_tokens is None else min(len(REPLY), spec.max_tokens)
         try:
-            for i in range(10_000 if forever else len(REPLY)):
+            for i in range(10_000 if forever else words):
                 yield OutputEvent(text=REPLY[i % len(REPLY)], completion_tokens=i + 1, prompt_tokens=7)
                 if audio:
                     yield OutputEvent(modality="audio", data=tone)
                 await asyncio.sleep(0.02)
-            yield OutputEvent(finish_reason="stop", prompt_tokens=7, completion_tokens=len(REPLY))
+            yield OutputEvent(finish_reason="stop" if words == len(REPLY) else "length", prompt_tokens=7,
+                              completion_tokens=words)
             ended = True
             self.finished += 1
         finally:
@@ -229,7 +231,8 @@ def test_text_modality_and_the_conversation_grows(server: LiveServer, backend: F
             await conn.send({"type": "response.create"})
             first = await until(conn, "response.done")
             await send_user_text(conn, "Two")
-            await conn.send({"type": "response.create", "response": {"instructions": "Override."}})
+            await conn.send({"type": "response.create", "response": {"instructions": "Override.",
+                                                                     "max_output_tokens": 2}})
             return first, await until(conn, "response.done")
 
     backend.specs.clear()
@@ -238,9 +241,12 @@ def test_text_modality_and_the_conversation_grows(server: LiveServer, backend: F
     assert "response.output_audio.delta" not in kinds
     assert [e["delta"] for e in first if e["type"] == "response.output_text.delta"] == REPLY
     assert next(e for e in first if e["type"] == "response.output_text.done")["text"] == "".join(REPLY)
-    assert second[-1]["response"]["status"] == "completed"
+    cut = second[-1]["response"]
+    assert (cut["status"], cut["status_details"]) == ("incomplete", {"type": "incomplete",
+                                                                     "reason": "max_output_tokens"})
+    assert cut["output"][0]["content"][0]["text"] == "".join(REPLY[:2])
     spec, _, wants_audio = backend.specs[-1]
-    assert not wants_audio
+    assert not wants_audio and spec.max_tokens == 2
     assert spec.messages == [{"role": "system", "content": "Override."}, {"role": "user", "content": "One"},
                              {"role": "assistant", "content": "".join(REPLY)}, {"role": "user", "content": "Two"}]
 

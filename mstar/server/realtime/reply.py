@@ -38,7 +38,6 @@ class Item:
                 "status": self.status, "content": [{"type": self.kind, field: self.text}]}
 
 
-
 class Reply:
     """The events of one response's single output item, from ``open`` to ``close``."""
 
@@ -47,6 +46,7 @@ class Reply:
         self.item = Item(item_id, "assistant", "output_audio" if audio else "output_text", "", "in_progress")
         self.where = {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
         self.opened = False
+        self.finish_reason: str | None = None  # the backend's, once it has finished
 
     def _part(self) -> dict[str, Any]:
         if self.audio:
@@ -78,6 +78,7 @@ class Reply:
                     self._audio(resampler.push(np.frombuffer(event.data, "<f4")))
                 prompt_tokens = max(prompt_tokens, event.prompt_tokens)
                 completion_tokens = max(completion_tokens, event.completion_tokens)
+                self.finish_reason = event.finish_reason or self.finish_reason
             if resampler is not None:
                 self._audio(resampler.flush())
         finally:

@@ -368,6 +368,8 @@ class RealtimeSession:
             spec = self._chat_spec(response.id, overrides)
             reply.open(self.items[-1].id if self.items else None)
             usage = await reply.stream(self.backend.respond(spec, voice=voice, audio=audio), self.backend.sample_rate)
+            if reply.finish_reason == "length":  # cut at max_output_tokens
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
             status, details = "cancelled", {"type": "cancelled", "reason": response.reason or "client_cancelled"}
         except Exception as exc:  # the response fails, the session goes on
@@ -375,7 +377,7 @@ class RealtimeSession:
             kind = "invalid_request_error" if isinstance(exc, RequestError) else "server_error"
             status, details = "failed", {"type": "failed", "error": {"type": kind, "message": str(exc)}}
         item = reply.close(status)
-        if item is not None and (item.text or status == "completed"):
+        if item is not None and (item.text or status in ("completed", "incomplete")):
             self.items.append(item)
         done = {**header, "status": status, "status_details": details,
                 "output": [item.json()] if item is not None else [], "usage": usage}
