@@ -532,3 +532,26 @@ def test_a_failure_of_ours_is_an_error_event_and_the_session_goes_on() -> None:
     assert [e["type"] for e in sent] == ["error", "session.updated"]
     assert sent[0]["error"]["type"] == "server_error" and sent[0]["error"]["event_id"] == "v"
     assert "voice table unreadable" in sent[0]["error"]["message"]
+
+
+def test_two_sessions_share_the_vad(server: LiveServer, backend: FakeVoiceBackend, speech_24k: np.ndarray) -> None:
+    """Both sessions' audio is judged by the one network (batched when both have chunks
+    waiting); each hears its own turn, at the same place of its own stream."""
+
+    async def one(lead_silence_s: float) -> list[dict[str, Any]]:
+        async with client(server).realtime.connect(model=MODEL) as conn:
+            await recv(conn)
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            await recv(conn)
+            audio = np.concatenate([np.zeros(int(lead_silence_s * 24000), np.float32), speech_24k])
+            await append_audio(conn, audio)
+            return await until(conn, "response.done")
+
+    async def main() -> list[list[dict[str, Any]]]:
+        return list(await asyncio.gather(one(0.0), one(1.0)))
+
+    first, second = run(main())
+    starts = [next(e["audio_start_ms"] for e in events if e["type"] == "input_audio_buffer.speech_started")
+              for events in (first, second)]
+    assert abs((starts[1] - starts[0]) - 1000) <= 64  # the second stream's speech is 1 s later
+    assert first[-1]["response"]["status"] == second[-1]["response"]["status"] == "completed"
