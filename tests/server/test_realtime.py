@@ -555,3 +555,20 @@ def test_two_sessions_share_the_vad(server: LiveServer, backend: FakeVoiceBacken
               for events in (first, second)]
     assert abs((starts[1] - starts[0]) - 1000) <= 64  # the second stream's speech is 1 s later
     assert first[-1]["response"]["status"] == second[-1]["response"]["status"] == "completed"
+
+
+def test_a_browser_sends_the_key_as_a_subprotocol(server: LiveServer) -> None:
+    """A browser cannot set headers on a WebSocket: OpenAI's browser clients offer
+    ``realtime`` and ``openai-insecure-api-key.KEY``; the server picks ``realtime`` (a browser
+    fails a handshake that picks none) and reads the key from the other."""
+    ws = server.url.replace("http", "ws") + "/v1/realtime"
+
+    async def main(key: str) -> tuple[str | None, dict[str, Any]]:
+        protocols = ["realtime", f"openai-insecure-api-key.{key}"]
+        async with websockets.connect(ws, subprotocols=protocols) as socket:  # type: ignore[arg-type]
+            return socket.subprotocol, json.loads(await socket.recv())
+
+    chosen, event = run(main(KEY))
+    assert chosen == "realtime" and event["type"] == "session.created"
+    chosen, event = run(main("wrong"))
+    assert event["type"] == "error" and event["error"]["code"] == "invalid_api_key"

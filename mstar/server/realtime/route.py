@@ -1,6 +1,7 @@
 """The WebSocket route /v1/realtime: the connection's checks, then a reader and a writer.
 
-The API key and the model are checked once the socket is accepted, so that a refused client
+The API key (a bearer header, or in a browser OpenAI's ``openai-insecure-api-key.`` subprotocol)
+and the model are checked once the socket is accepted, so that a refused client
 reads why (an ``error`` event naming ``model`` or the key) before the close, whose reason
 says it again. After that the reader hands each frame to the session and a writer task
 sends the session's events in order; when the client goes, the session's work is cancelled.
@@ -33,11 +34,24 @@ _POLICY_VIOLATION = 1008  # the WebSocket close code for a refused client
 _MAX_REASON = 120  # a close reason is at most 123 bytes
 
 
+_KEY_PROTOCOL = "openai-insecure-api-key."  # a browser's key, as a subprotocol (it cannot set headers)
+
+
+def _offered(websocket: WebSocket) -> list[str]:
+    """The subprotocols the client offered (``Sec-WebSocket-Protocol``)."""
+    header = websocket.headers.get("sec-websocket-protocol", "")
+    return [p.strip() for p in header.split(",") if p.strip()]
+
+
 def _check_key(websocket: WebSocket, api_key: str | None) -> None:
+    """``Authorization: Bearer KEY``, or the subprotocol ``openai-insecure-api-key.KEY`` as
+    OpenAI's browser clients send it."""
     if api_key is None:
         return
     scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+    if scheme.lower() != "bearer":
+        token = next((p[len(_KEY_PROTOCOL):] for p in _offered(websocket) if p.startswith(_KEY_PROTOCOL)), "")
+    if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
         raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", None,
                        "invalid_api_key")
 
@@ -62,7 +76,8 @@ def realtime_route(backend: RespondingBackend, api_key: str | None = None,
 
     async def realtime(websocket: WebSocket) -> None:
         """The OpenAI Realtime API (GA events) over a WebSocket; ``?model=`` picks the model."""
-        await websocket.accept()
+        # a browser fails the handshake unless one protocol it offered is chosen: "realtime"
+        await websocket.accept(subprotocol="realtime" if "realtime" in _offered(websocket) else None)
         try:
             _check_key(websocket, api_key)
             model = resolve_model(websocket, websocket.query_params.get("model"), "realtime")
