@@ -46,7 +46,8 @@ SPEAKING_AHEAD = 1
 
 class SentenceCutter:
     """Cuts text that arrives in pieces into sentences to speak: a sentence ends at ``.``,
-    ``!``, ``?`` (or ``;``, ``:``) followed by white space, or at a line break; a run of
+    ``!``, ``?`` (or ``;``, ``:``) followed by white space, or at a line break, unless what it
+    ends has fewer than two letters (a list's "1."); a run of
     ``max_chars`` with no such end is cut at its last comma or space, so a long sentence does
     not hold the voice back. Markdown marks, which a voice would read out, are dropped."""
 
@@ -60,8 +61,12 @@ class SentenceCutter:
     def feed(self, text: str) -> list[str]:
         self.held += text
         out: list[str] = []
+        start = 0  # where to look for a sentence end: past a list marker ("1. ") that is not one
         while True:
-            match = self.END.search(self.held)
+            match = self.END.search(self.held, start)
+            if match is not None and sum(c.isalpha() for c in self.held[:match.start()]) < 2:
+                start = match.end()
+                continue
             if match is not None:
                 cut = match.end()
             elif len(self.held) > self.max_chars:
@@ -70,7 +75,7 @@ class SentenceCutter:
             else:
                 return out
             out += self._spoken(self.held[:cut])
-            self.held = self.held[cut:]
+            self.held, start = self.held[cut:], 0
 
     def flush(self) -> list[str]:
         rest, self.held = self.held, ""
