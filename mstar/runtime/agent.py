@@ -99,6 +99,12 @@ class ComposedBackend:
         for backend in self.parts.values():
             backend.model_id = self.model_id  # errors name the deployment the client asked for
         self.max_model_len = self._serving("chat").max_model_len if "chat" in spec.routes else 0
+        # each part's model answers to its own name too, for the tasks it serves here
+        self.model_aliases: dict[str, frozenset[str]] = {}
+        for task, part in spec.routes.items():
+            if task in spec.tasks:
+                name = spec.members[part].config.model
+                self.model_aliases[name] = self.model_aliases.get(name, frozenset()) | {task}
 
     def _serving(self, task: str) -> RuntimeBackend:
         if task not in self.spec.routes:

@@ -32,6 +32,7 @@ from mstar.server.schemas import (
     form_body_openapi,
     json_body_openapi,
 )
+from mstar.server.served import model_aliases
 from mstar.server.speech_routes import speech_router
 from mstar.server.status_routes import health, list_models
 
@@ -78,7 +79,9 @@ def create_app(
     app.state.backend = backend
     app.state.metrics = ServerMetrics(backend)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    app.state.model_names = list(dict.fromkeys(served_model_names or [backend.model_id]))
+    # a many-model deployment also answers to its parts' own names, listed after its own
+    app.state.model_names = list(dict.fromkeys([*(served_model_names or [backend.model_id]),
+                                                *model_aliases(backend)]))
     install_error_handlers(app)
 
     router = APIRouter(dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
