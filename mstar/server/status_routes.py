@@ -7,6 +7,7 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from mstar.contract import TASKS
 from mstar.server.errors import error_response
 from mstar.server.schemas import ModelCard, ModelList
 from mstar.server.served import backend_of
@@ -15,9 +16,10 @@ log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> ModelList:
-    max_len = backend_of(request).max_model_len
+    backend = backend_of(request)
+    tasks = [task for task in TASKS if task in backend.tasks]  # in the contract's order
     names: list[str] = request.app.state.model_names
-    return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in names])
+    return ModelList(data=[ModelCard(id=name, max_model_len=backend.max_model_len, tasks=tasks) for name in names])
 
 
 async def health(request: Request) -> Response:
