@@ -20,12 +20,18 @@ import asyncio
 import base64
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile as sf
+from fastapi import WebSocket, WebSocketDisconnect
 from live_server import Server, Uvicorn, launch_server
+from scipy.signal import correlate, resample_poly
+
+from mstar.server.app import create_app
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -182,3 +188,107 @@ def test_an_upload_and_a_recording_are_transcribed(page: sync_api.Page, whisper:
     assert answer.value.status == 200
     page.wait_for_function("() => document.getElementById('transcript').textContent !== '…'")
     assert "fox" in page.inner_text("#transcript").lower()
+
+
+# ---------------------------------------------------------------- voice agent (a stand-in route)
+
+
+class RealtimeStandIn:
+    """What the voice agent panel needs of a server: /v1/models listing ``realtime`` and a
+    scripted /v1/realtime. Once it has 0.5 s of the user's audio it answers one turn: the
+    transcript, the reply's text, then 20 s of reply audio; when ``barge_in`` is set it says
+    the user speaks again. It records what the page sent."""
+
+    model_id = "voice_agent"
+    max_model_len = 2048
+    tasks = frozenset({"realtime"})
+    RATE = 24000
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.samples: list[np.ndarray] = []
+        self.barge_in = threading.Event()
+
+    def healthy(self) -> bool:
+        return True
+
+    async def serve(self, socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_json({"type": "session.created", "session": {"type": "realtime"}})
+        try:
+            while sum(map(len, self.samples)) < self.RATE:
+                self.record(await socket.receive_json())
+            await self.answer(socket)
+            await asyncio.to_thread(self.barge_in.wait, 30)
+            await socket.send_json({"type": "input_audio_buffer.speech_started", "audio_start_ms": 0})
+            while True:
+                self.record(await socket.receive_json())
+        except WebSocketDisconnect:
+            pass
+
+    def record(self, event: dict) -> None:
+        self.events.append(event)
+        if event["type"] == "input_audio_buffer.append":
+            self.samples.append(np.frombuffer(base64.b64decode(event["audio"]), "<i2"))
+
+    async def answer(self, socket: WebSocket) -> None:
+        for event in ({"type": "input_audio_buffer.speech_started"}, {"type": "input_audio_buffer.speech_stopped"},
+                      {"type": "conversation.item.input_audio_transcription.completed", "transcript": "hello there"},
+                      {"type": "response.output_audio_transcript.delta", "response_id": "r1", "delta": "Hi"},
+                      {"type": "response.output_audio_transcript.delta", "response_id": "r1", "delta": " there."}):
+            await socket.send_json(event)
+        tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(self.RATE) / self.RATE) * 32767).astype("<i2")
+        for _ in range(20):  # 20 s: still playing when the user barges in
+            delta = base64.b64encode(tone.tobytes()).decode()
+            await socket.send_json({"type": "response.output_audio.delta", "response_id": "r1", "delta": delta})
+        await socket.send_json({"type": "response.done", "response": {"id": "r1", "status": "completed"}})
+
+
+def _match(heard: np.ndarray, rate: int) -> float:
+    """The best normalised cross-correlation of ``heard`` with the clip resampled to ``rate``."""
+    clip, clip_rate = sf.read(CLIP, dtype="float32")
+    ref = resample_poly(clip, rate // 1000, clip_rate // 1000)
+    dots = correlate(ref, heard, mode="valid")
+    norms = np.sqrt(np.convolve(ref**2, np.ones(len(heard)), "valid") * float(heard @ heard))
+    return float((dots / np.maximum(norms, 1e-3)).max())
+
+
+@pytest.fixture(scope="module")
+def stand_in() -> Iterator[tuple[RealtimeStandIn, str]]:
+    backend = RealtimeStandIn()
+    app = create_app(backend)  # type: ignore[arg-type]
+    app.add_api_websocket_route("/v1/realtime", backend.serve)
+    with Uvicorn(app) as live:
+        yield backend, live.url
+
+
+def test_the_voice_agent_streams_the_microphone_and_stops_on_barge_in(
+        page: sync_api.Page, stand_in: tuple[RealtimeStandIn, str]) -> None:
+    backend, url = stand_in
+    _open(page, url)
+    assert _visible_panels(page) == {"panel-realtime"}
+    page.click("#realtime-start")
+    page.wait_for_selector("#realtime-log .msg.user:has-text('hello there')")
+    page.wait_for_selector("#realtime-log .msg.assistant:has-text('Hi there.')")
+    page.wait_for_function("() => voiceAgent.player.played === 20 && voiceAgent.player.playing")
+
+    backend.barge_in.set()  # the server hears the user again: the 20 s reply stops at once
+    page.wait_for_function("() => !voiceAgent.player.playing", timeout=5_000)
+    assert page.inner_text("#realtime-state") == "hearing you"
+
+    first = backend.events[0]
+    assert first["type"] == "session.update"
+    audio = first["session"]["audio"]
+    assert audio["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    assert audio["input"]["turn_detection"]["type"] == "server_vad"
+    appends = [e for e in backend.events if e["type"] == "input_audio_buffer.append"]
+    assert appends and all(len(base64.b64decode(e["audio"])) == 2 * 2400 for e in appends)  # 100 ms each
+    # The fake microphone plays the clip: what arrived is the clip at 24 kHz. Its first quarter
+    # second is left out (the capture settles: it matched at a lag 17 ms off the rest's). The
+    # second half second measured 0.87 against the clip at 24 kHz, 0.13 at 48 and 0.16 at 12.
+    heard = np.concatenate(backend.samples)[RealtimeStandIn.RATE // 2:RealtimeStandIn.RATE].astype(np.float32)
+    heard /= 32768
+    assert _match(heard, 24000) > 0.6 and max(_match(heard, 48000), _match(heard, 12000)) < 0.4
+
+    page.click("#realtime-stop")
+    assert page.inner_text("#realtime-state") == "stopped"

@@ -253,6 +253,7 @@ function setUpRealtime() {
       url: apiUrl(`v1/realtime?model=${encodeURIComponent(state.model)}`),
       apiKey: state.apiKey, log: $("realtime-log"), stateLine: $("realtime-state"), onClose: ended,
     });
+    window.voiceAgent = agent;  // to look at from the console (and from the browser test)
     try {
       await agent.start();
       stop.disabled = false;

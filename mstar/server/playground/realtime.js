@@ -1,7 +1,7 @@
 // The voice agent: the microphone streamed to /v1/realtime (OpenAI's Realtime API, GA event
 // names) as PCM16 mono at 24 kHz, the reply's audio played as it arrives, and the user's speech
 // over a reply (the server's `input_audio_buffer.speech_started`) silencing it at once.
-import { fromBase64, fromPcm16, openMicrophone, PcmPlayer, Resampler, toBase64, toPcm16 } from "./audio.js";
+import { concat, fromBase64, fromPcm16, openMicrophone, PcmPlayer, Resampler, toBase64, toPcm16 } from "./audio.js";
 
 const RATE = 24000;  // the API's audio/pcm rate, both ways
 const SEND_SAMPLES = 2400;  // 100 ms per input_audio_buffer.append
@@ -20,7 +20,7 @@ export class VoiceAgent {
     this.socket = null;
     this.mic = null;
     this.player = null;
-    this.pending = [];  // resampled input not yet sent
+    this.pending = new Float32Array(0);  // resampled input not yet sent
     this.replies = new Map();  // response id -> its transcript element
     this.closed = false;
   }
@@ -62,16 +62,15 @@ export class VoiceAgent {
     if (this.socket && this.socket.readyState === WebSocket.OPEN) this.socket.send(JSON.stringify(event));
   }
 
-  // Input goes out in 100 ms appends: fewer, larger messages than the 40 ms capture blocks.
+  // Input goes out in appends of 100 ms each: fewer, larger messages than the capture blocks.
   queue(samples) {
-    this.pending.push(samples);
-    const total = this.pending.reduce((n, p) => n + p.length, 0);
-    if (total < SEND_SAMPLES) return;
-    const joined = new Float32Array(total);
+    this.pending = concat([this.pending, samples]);
     let at = 0;
-    for (const part of this.pending) { joined.set(part, at); at += part.length; }
-    this.pending = [];
-    this.send({ type: "input_audio_buffer.append", audio: toBase64(toPcm16(joined)) });
+    for (; at + SEND_SAMPLES <= this.pending.length; at += SEND_SAMPLES) {
+      const piece = this.pending.subarray(at, at + SEND_SAMPLES);
+      this.send({ type: "input_audio_buffer.append", audio: toBase64(toPcm16(piece)) });
+    }
+    this.pending = this.pending.slice(at);
   }
 
   handle(event) {
