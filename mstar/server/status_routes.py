@@ -10,16 +10,22 @@ from fastapi.responses import JSONResponse, Response
 from mstar.contract import TASKS
 from mstar.server.errors import error_response
 from mstar.server.schemas import ModelCard, ModelList
-from mstar.server.served import backend_of
+from mstar.server.served import backend_of, model_aliases
 
 log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> ModelList:
     backend = backend_of(request)
-    tasks = [task for task in TASKS if task in backend.tasks]  # in the contract's order
+    aliases = model_aliases(backend)  # a many-model deployment's parts serve their own tasks
+
+    def card(name: str) -> ModelCard:
+        serves = aliases.get(name, backend.tasks)
+        tasks = [task for task in TASKS if task in serves]  # in the contract's order
+        return ModelCard(id=name, max_model_len=backend.max_model_len, tasks=tasks)
+
     names: list[str] = request.app.state.model_names
-    return ModelList(data=[ModelCard(id=name, max_model_len=backend.max_model_len, tasks=tasks) for name in names])
+    return ModelList(data=[card(name) for name in names])
 
 
 async def health(request: Request) -> Response:

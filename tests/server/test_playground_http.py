@@ -65,9 +65,20 @@ def test_nothing_else_is_served(client: TestClient, path: str) -> None:
     assert "error" in response.json()
 
 
+class FakeAgent(FakeBackend):
+    """A many-model deployment: it serves everything its parts do, each part its own."""
+
+    model_id = "agent"
+    tasks = frozenset({"realtime", "speech", "chat", "transcription"})
+    model_aliases = {"talker": frozenset({"chat"}), "voice": frozenset({"speech"})}
+
+
 def test_models_list_their_tasks(client: TestClient) -> None:
     cards = client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
     assert cards[0]["tasks"] == ["chat", "text_completion"]  # in mstar.contract.TASKS's order
+    cards = TestClient(create_app(FakeAgent())).get("/v1/models").json()["data"]
+    assert {card["id"]: card["tasks"] for card in cards} == {
+        "agent": ["chat", "transcription", "speech", "realtime"], "talker": ["chat"], "voice": ["speech"]}
 
 
 def test_the_playground_stays_out_of_the_api_schema(client: TestClient) -> None:
