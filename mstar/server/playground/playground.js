@@ -90,7 +90,8 @@ async function sendChat(event) {
   const text = $("chat-input").value.trim();
   if (!text || chat.controller) return;
   $("chat-input").value = "";
-  chat.messages.push({ role: "user", content: text });
+  const conversation = chat.messages;  // Clear during the reply starts a new one: this turn stays here
+  conversation.push({ role: "user", content: text });
   addMessage($("chat-log"), "user", text);
   const reply = addMessage($("chat-log"), "assistant", "");
   reply.dataset.state = "streaming";
@@ -98,10 +99,11 @@ async function sendChat(event) {
   $("chat-send").disabled = true;
   $("chat-stop").disabled = false;
   const body = {
-    model: state.model, messages: chat.messages, stream: true,
+    model: state.model, messages: conversation, stream: true,
     max_tokens: Number($("chat-max-tokens").value) || undefined,
-    temperature: Number($("chat-temperature").value),
   };
+  // Left empty, the model's own default (a generation config's, or the server's) applies.
+  if ($("chat-temperature").value !== "") body.temperature = Number($("chat-temperature").value);
   try {
     const response = await api("v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
@@ -121,8 +123,8 @@ async function sendChat(event) {
     if (err.name !== "AbortError") addMessage($("chat-log"), "error", err.message);
   } finally {
     // What was written stays in the conversation, even when it was stopped part way.
-    if (reply.textContent) chat.messages.push({ role: "assistant", content: reply.textContent });
-    else chat.messages.pop();  // no reply: the question is not sent again next turn
+    if (reply.textContent) conversation.push({ role: "assistant", content: reply.textContent });
+    else conversation.pop();  // no reply: the question is not sent again next turn
     chat.controller = null;
     $("chat-send").disabled = false;
     $("chat-stop").disabled = true;
