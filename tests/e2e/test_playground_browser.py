@@ -10,8 +10,9 @@ its own browsers are never downloaded) against live ``mstar serve`` processes on
 - whisper_base (embedded weights): an uploaded file and a microphone recording are
   transcribed. The browser's fake microphone plays tests/data/speech_en.wav.
 - the voice agent panel against a scripted stand-in for /v1/realtime (the real route is not
-  there yet): what it sends (session.update, then PCM16 appends at 24 kHz) and what it does
-  with the server's events (transcripts shown, reply audio played, silenced on barge-in).
+  there yet): what it sends (the API key as a subprotocol, session.update, then PCM16 appends
+  at 24 kHz) and what it does with the server's events (transcripts shown, reply audio
+  played, silenced on barge-in).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def test_an_upload_and_a_recording_are_transcribed(page: sync_api.Page, whisper:
 
 class RealtimeStandIn:
     """What the voice agent panel needs of a server: /v1/models listing ``realtime`` and a
-    scripted /v1/realtime. Once it has 0.5 s of the user's audio it answers one turn: the
+    scripted /v1/realtime (the app has an API key). Once it has 0.5 s of the user's audio it answers one turn: the
     transcript, the reply's text, then 20 s of reply audio; when ``barge_in`` is set it says
     the user speaks again. It records what the page sent."""
 
@@ -208,12 +209,16 @@ class RealtimeStandIn:
         self.events: list[dict] = []
         self.samples: list[np.ndarray] = []
         self.barge_in = threading.Event()
+        self.subprotocols: list[str] = []
 
     def healthy(self) -> bool:
         return True
 
     async def serve(self, socket: WebSocket) -> None:
-        await socket.accept()
+        # A browser cannot set headers on a WebSocket: the key comes as OpenAI's browser
+        # clients send it, a subprotocol beside "realtime", which the server picks.
+        self.subprotocols = socket.scope["subprotocols"]
+        await socket.accept(subprotocol="realtime")
         await socket.send_json({"type": "session.created", "session": {"type": "realtime"}})
         try:
             while sum(map(len, self.samples)) < self.RATE:
@@ -256,7 +261,7 @@ def _match(heard: np.ndarray, rate: int) -> float:
 @pytest.fixture(scope="module")
 def stand_in() -> Iterator[tuple[RealtimeStandIn, str]]:
     backend = RealtimeStandIn()
-    app = create_app(backend)  # type: ignore[arg-type]
+    app = create_app(backend, api_key=API_KEY)  # type: ignore[arg-type]
     app.add_api_websocket_route("/v1/realtime", backend.serve)
     with Uvicorn(app) as live:
         yield backend, live.url
@@ -265,7 +270,10 @@ def stand_in() -> Iterator[tuple[RealtimeStandIn, str]]:
 def test_the_voice_agent_streams_the_microphone_and_stops_on_barge_in(
         page: sync_api.Page, stand_in: tuple[RealtimeStandIn, str]) -> None:
     backend, url = stand_in
-    _open(page, url)
+    page.goto(url)
+    page.fill("#api-key", API_KEY)
+    page.click("#key-form button")
+    page.wait_for_selector("body[data-ready=true]", state="attached")
     assert _visible_panels(page) == {"panel-realtime"}
     page.click("#realtime-start")
     page.wait_for_selector("#realtime-log .msg.user:has-text('hello there')")
@@ -276,6 +284,7 @@ def test_the_voice_agent_streams_the_microphone_and_stops_on_barge_in(
     page.wait_for_function("() => !voiceAgent.player.playing", timeout=5_000)
     assert page.inner_text("#realtime-state") == "hearing you"
 
+    assert backend.subprotocols == ["realtime", f"openai-insecure-api-key.{API_KEY}"]
     first = backend.events[0]
     assert first["type"] == "session.update"
     audio = first["session"]["audio"]
