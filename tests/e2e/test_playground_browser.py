@@ -3,7 +3,7 @@ its own browsers are never downloaded) against live ``mstar serve`` processes on
 
 - smollm2 (embedded weights): the page shows the chat panel only; a turn streams (the reply's
   text changes in more than one DOM update) and says "Paris"; the next turn sends the whole
-  conversation.
+  conversation; Stop ends a reply part way and what was written stays in the conversation.
 - piper (its embedded voice), started with ``--api-key``: the page loads without the key and
   asks for it; with it, the speech panel lists the voice and its audio element plays the
   synthesised reply to the end.
@@ -137,6 +137,24 @@ def test_a_chat_turn_streams_and_the_conversation_is_kept(page: sync_api.Page, s
     body = json.loads(second.value.post_data or "{}")
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
     assert body["messages"][1]["content"] == texts[-1] and body["stream"] is True
+
+
+def test_stop_ends_a_reply_part_way_and_keeps_what_was_written(page: sync_api.Page, smollm2: Server) -> None:
+    _open(page, smollm2.url)
+    page.fill("#chat-max-tokens", "1000")
+    page.fill("#chat-input", "Write a very long story about a dragon who learns to cook.")
+    page.click("#chat-send")
+    page.wait_for_function("() => document.querySelector('#chat-log .msg.assistant').textContent.length > 0")
+    page.click("#chat-stop")
+    page.wait_for_selector("#chat-log .msg.assistant[data-state=stopped]")
+    partial = page.inner_text("#chat-log .msg.assistant")
+    with page.expect_request("**/v1/chat/completions") as second:
+        page.fill("#chat-input", "Go on.")
+        page.click("#chat-send")
+    body = json.loads(second.value.post_data or "{}")
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+    assert body["messages"][1]["content"] == partial
+    page.click("#chat-clear")
 
 
 # ---------------------------------------------------------------- speech (piper, with an API key)

@@ -123,8 +123,12 @@ async function sendChat(event) {
     if (err.name !== "AbortError") addMessage($("chat-log"), "error", err.message);
   } finally {
     // What was written stays in the conversation, even when it was stopped part way.
-    if (reply.textContent) conversation.push({ role: "assistant", content: reply.textContent });
-    else conversation.pop();  // no reply: the question is not sent again next turn
+    if (reply.textContent) {
+      conversation.push({ role: "assistant", content: reply.textContent });
+    } else {
+      conversation.pop();  // no reply: the question is not sent again next turn
+      reply.remove();
+    }
     chat.controller = null;
     $("chat-send").disabled = false;
     $("chat-stop").disabled = true;
@@ -169,7 +173,12 @@ async function speak() {
   if (speechUrl) URL.revokeObjectURL(speechUrl);
   speechUrl = URL.createObjectURL(await response.blob());
   audio.src = speechUrl;
-  await audio.play();
+  try {
+    await audio.play();
+  } catch (err) {
+    // A browser that blocks playing without a fresh click: the audio is there, press play.
+    if (err.name !== "NotAllowedError") throw err;
+  }
 }
 
 function setUpSpeech() {
