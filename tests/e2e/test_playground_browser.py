@@ -9,6 +9,8 @@ its own browsers are never downloaded) against live ``mstar serve`` processes on
   synthesised reply to the end.
 - whisper_base (embedded weights): an uploaded file and a microphone recording are
   transcribed. The browser's fake microphone plays tests/data/speech_en.wav.
+- the images panel against a stand-in model (no small real one serves on the CPU): the PNG of
+  the requested size is shown, the form's size, steps and seed reach the model.
 - the voice agent panel against a scripted stand-in for /v1/realtime (the real route is not
   there yet): what it sends (the API key as a subprotocol, session.update, then PCM16 appends
   at 24 kHz) and what it does with the server's events (transcripts shown, reply audio
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import shutil
 import threading
@@ -30,6 +33,7 @@ import pytest
 import soundfile as sf
 from fastapi import WebSocket, WebSocketDisconnect
 from live_server import Server, Uvicorn, launch_server
+from PIL import Image
 from scipy.signal import correlate, resample_poly
 
 from mstar.server.app import create_app
@@ -319,3 +323,53 @@ def test_the_voice_agent_streams_the_microphone_and_stops_on_barge_in(
 
     page.click("#realtime-stop")
     assert page.inner_text("#realtime-state") == "stopped"
+
+
+# ---------------------------------------------------------------- images (a stand-in model)
+
+
+class ImagerStandIn:
+    """A model that makes images (no small real one serves on the CPU): a solid PNG of the
+    requested size, its colour from the seed. Records the specs."""
+
+    model_id = "painter"
+    max_model_len = 512
+    tasks = frozenset({"image_generation"})
+
+    def __init__(self) -> None:
+        self.specs: list = []
+
+    def healthy(self) -> bool:
+        return True
+
+    async def generate_images(self, spec) -> list[bytes]:
+        self.specs.append(spec)
+        out = io.BytesIO()
+        Image.new("RGB", (spec.width, spec.height), (spec.seed or 0, 90, 160)).save(out, format="PNG")
+        return [out.getvalue()]
+
+
+def test_the_images_panel_shows_the_png(page: sync_api.Page) -> None:
+    backend = ImagerStandIn()
+    with Uvicorn(create_app(backend)) as live:  # type: ignore[arg-type]
+        _open(page, live.url)
+        assert _visible_panels(page) == {"panel-images"}
+        page.fill("#image-prompt", "a red kite")
+        page.select_option("#image-size", "256x256")
+        page.fill("#image-steps", "3")
+        page.fill("#image-seed", "200")
+        page.click("#image-send")
+        page.wait_for_function("() => document.getElementById('image-result').naturalWidth > 0")
+        size = page.evaluate("() => { const i = document.getElementById('image-result'); "
+                             "return [i.naturalWidth, i.naturalHeight]; }")
+        pixel = page.evaluate("""() => {
+            const image = document.getElementById("image-result"), canvas = document.createElement("canvas");
+            canvas.width = canvas.height = 1;
+            const context = canvas.getContext("2d");
+            context.drawImage(image, 0, 0);
+            return Array.from(context.getImageData(0, 0, 1, 1).data.slice(0, 3));
+        }""")
+    assert size == [256, 256] and pixel == [200, 90, 160]
+    spec = backend.specs[0]
+    assert (spec.prompt, spec.width, spec.height) == ("a red kite", 256, 256)
+    assert (spec.num_inference_steps, spec.seed) == (3, 200)
