@@ -1,8 +1,9 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
 ``ServingBackend`` from the route modules (chat, text completions, /generate, audio, speech,
-images, models and health, /metrics) and the shared plumbing they import (``errors``, ``streaming``, ``bodies``,
-``served``). Every route is there for every model; one the model cannot serve answers a 400
-naming ``model`` (the backend's ``tasks`` say what it serves). Every error has OpenAI's body;
+images, models and health, /metrics, the browser playground at /) and the shared plumbing
+they import (``errors``, ``streaming``, ``bodies``, ``served``). Every route is there for
+every model; one the model cannot serve answers a 400 naming ``model`` (the backend's
+``tasks`` say what it serves). Every error has OpenAI's body;
 a backend that is full raises ``Overloaded`` (429 with Retry-After); routes that parse their
 body by hand publish its schema in /openapi.json from the pydantic model that describes it.
 """
@@ -25,6 +26,7 @@ from mstar.server.errors import APIError, install_error_handlers
 from mstar.server.generate_routes import generate
 from mstar.server.image_routes import image_router
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
+from mstar.server.playground_routes import playground_router
 from mstar.server.schemas import (
     ChatCompletionRequest,
     GenerateForm,
@@ -61,7 +63,8 @@ def create_app(
 
     ``served_model_names``: the names /v1/models lists and requests may use (default: the
     backend's ``model_id``, which is always accepted too). ``api_key``: if set, every route
-    but /health needs ``Authorization: Bearer <api_key>`` (/metrics included).
+    but /health and the playground's page and files needs ``Authorization: Bearer <api_key>``
+    (/metrics included; the page holds no secrets and sends the key the user types).
     ``on_shutdown``: called (in a thread) when the ASGI server shuts the app down, e.g. to
     stop the workers: uvicorn re-raises SIGTERM once it has stopped, so code after
     ``uvicorn.run`` never runs then.
@@ -100,4 +103,5 @@ def create_app(
     router.include_router(image_router(backend))  # type: ignore[arg-type]
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
+    app.include_router(playground_router())
     return app
