@@ -35,7 +35,7 @@ from mstar.contract import (
     Voice,
 )
 from mstar.model.composite import ComposedSpec
-from mstar.runtime.backend import RuntimeBackend
+from mstar.runtime.backend import OnRuntime, RuntimeBackend
 from mstar.runtime.runtime import Runtime
 
 __all__ = ["ComposedBackend", "SentenceCutter"]
@@ -86,7 +86,7 @@ class SentenceCutter:
         return [sentence] if any(c.isalnum() for c in sentence) else []
 
 
-class ComposedBackend:
+class ComposedBackend(OnRuntime):
     """A ``ServingBackend`` (and ``RespondingBackend``) over a many-model deployment."""
 
     def __init__(self, spec: ComposedSpec, runtime: Runtime, *, timeout_s: float | None = None):
@@ -110,17 +110,6 @@ class ComposedBackend:
         if task not in self.spec.routes:
             raise RequestError("model", f"model {self.model_id!r} does not serve {task}")
         return self.parts[self.spec.routes[task]]
-
-    # -------------------------------------------------------------- health
-    def healthy(self) -> bool:
-        return self.runtime.healthy
-
-    @property
-    def failure(self) -> str | None:
-        return self.runtime.failure
-
-    def gauges(self) -> dict[str, float]:
-        return self.runtime.gauges()
 
     @property
     def input_modalities(self) -> frozenset[str]:
