@@ -21,6 +21,11 @@ $(BIN)/mstar: pyproject.toml
 	# A parity reference whose declared dependencies are a training stack: the tests import
 	# only its HiFT vocoder modules (they need torch and scipy), so --no-deps.
 	$(BIN)/pip install -q --no-deps cosyvoice-minicpmo==0.1.0
+	# The playground's browser test drives Debian's Chromium through Playwright (whose own
+	# browser download is never used): installed here where apt-get can, as root or with sudo.
+	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends chromium; fi
 	touch $(BIN)/mstar
 
 install: $(BIN)/mstar

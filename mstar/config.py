@@ -51,6 +51,20 @@ class StreamPacingConfig(_Strict):
     max_streams: int | None = Field(None, ge=1)  # streaming requests stepped per tick at most (None: all)
 
 
+class PartConfig(_Strict):
+    """One model of a many-model deployment (``models.<part>``): the keys it sets replace the
+    part's defaults; what it leaves out comes from the deployment (device, dtype,
+    load_format, max_seq_len, max_concurrent_requests) or the part's own defaults."""
+
+    model: str | None = None  # registry key; None: the part's default model
+    model_path: str | None = None
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    max_seq_len: int | None = Field(None, ge=2)
+    resources: ResourcesConfig | None = None
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
 class DeploymentConfig(_Strict):
     model: str
     model_path: str | None = None  # HF id or local directory; None: the registry default
@@ -70,6 +84,9 @@ class DeploymentConfig(_Strict):
     tensor_comm_protocol: Literal["INPROC", "SHM", "TCP"] = "SHM"
     request_timeout_s: float | None = Field(None, gt=0)
     stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can
+    # The models of a many-model deployment (``voice_agent``), by part name; their nodes are
+    # named ``<part>/<node>`` in node_groups. Only such a deployment takes it.
+    models: dict[str, PartConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _ranks_are_dense(self) -> DeploymentConfig:
@@ -141,7 +158,7 @@ def _keys_at(loc: tuple) -> list[str]:
     nested config section, or a list index into one)."""
     model: Any = DeploymentConfig
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or part not in model.model_fields:  # a list index, a dict key
             continue
         annotation = model.model_fields[part].annotation
         args = [a for a in (*getattr(annotation, "__args__", ()), annotation) if isinstance(a, type)

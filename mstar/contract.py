@@ -69,9 +69,9 @@ completions; ``text_completion``: OpenAI's legacy completions, a raw prompt cont
 no chat template; ``transcription``: speech to text in its language; ``translation``: speech
 to English text; ``speech``: text to speech; ``image_generation``: text to image;
 ``image_edit``: images and text to image; ``realtime``: a spoken conversation, the user's
-speech in, the reply's text and speech out (the Realtime API, a many-model deployment). The HTTP server checks a request's task against
-the served model's before the model sees it (/generate serves every model: each family maps
-it onto what it does)."""
+speech in, the reply's text and speech out (the Realtime API, a many-model deployment). The
+HTTP server checks a request's task against the served model's before the model sees it
+(/generate serves every model: each family maps it onto what it does)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
              "mstar.model.qwen3_5.model",
              "mstar.model.z_image.model", "mstar.model.fastconformer.model", "mstar.model.canary.model",
              "mstar.model.canary_qwen.model", "mstar.model.kokoro.model",
-             "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model")
+             "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model",
+             "mstar.model.voice_agent")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:
@@ -72,6 +73,7 @@ _TASK_MODALITIES = {
     "speech": ({"text"}, {"audio"}),
     "image_generation": ({"text"}, {"image"}),
     "image_edit": ({"text", "image"}, {"image"}),
+    "realtime": ({"audio", "text"}, {"text", "audio"}),
 }
 _MODALITY_ORDER = ("text", "image", "video", "audio")
 

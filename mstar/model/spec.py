@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from mstar.config import ConfigError
 from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, OutputEvent, RequestError
 from mstar.graph import Graph
 from mstar.model import knobs
@@ -96,6 +97,9 @@ class ModelSpec(ABC):
     def __init__(self, config: DeploymentConfig):
         self.config = config
         self.knobs = self.Knobs.parse(config.model_kwargs, device=config.device)
+        if config.models and not hasattr(self, "parts"):
+            raise ConfigError(f"models: {self.key!r} is one model; only a many-model deployment (voice_agent) "
+                              "takes models")
 
     @abstractmethod
     def graph(self) -> Graph: ...

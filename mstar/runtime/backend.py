@@ -31,14 +31,10 @@ PIECES_AHEAD = 1
 """Sentence pieces of one request running past the one streaming (their audio waits its turn)."""
 
 
-class RuntimeBackend:
-    def __init__(self, spec: ModelSpec, runtime: Runtime, *, timeout_s: float | None = None):
-        self.spec = spec
-        self.runtime = runtime
-        self.model_id = spec.config.model
-        self.tasks = spec.tasks
-        self.max_model_len = spec.max_model_len
-        self.timeout_s = timeout_s
+class OnRuntime:
+    """What a backend over a ``Runtime`` reports of it: health, the failure, live gauges."""
+
+    runtime: Runtime
 
     def healthy(self) -> bool:
         return self.runtime.healthy
@@ -50,6 +46,16 @@ class RuntimeBackend:
 
     def gauges(self) -> dict[str, float]:
         return self.runtime.gauges()
+
+
+class RuntimeBackend(OnRuntime):
+    def __init__(self, spec: ModelSpec, runtime: Runtime, *, timeout_s: float | None = None):
+        self.spec = spec
+        self.runtime = runtime
+        self.model_id = spec.config.model
+        self.tasks = spec.tasks
+        self.max_model_len = spec.max_model_len
+        self.timeout_s = timeout_s
 
     def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
         return self._run(spec.request_id, lambda: self.spec.prepare_chat(spec), spec.stop)

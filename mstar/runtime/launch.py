@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from mstar.config import ConfigError, DeploymentConfig
+from mstar.model.composite import ComposedSpec
 from mstar.model.registry import model_class
 from mstar.model.spec import ModelSpec
 from mstar.model.weights import ModelPathError
+from mstar.runtime.agent import ComposedBackend
 from mstar.runtime.backend import RuntimeBackend
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.placement import build_placement
@@ -38,7 +40,7 @@ class Deployment:
     config: DeploymentConfig
     spec: ModelSpec
     runtime: Runtime
-    backend: RuntimeBackend
+    backend: RuntimeBackend | ComposedBackend
     closed: bool = False
 
     def close(self) -> None:
@@ -71,11 +73,13 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         if in_process:
             _refuse_split_groups(config)
         capacity = spec.default_capacity()
-        if "kv_pages" in capacity and capacity["kv_pages"] < config.max_concurrent_requests:
-            raise ConfigError(
-                f"resources.kv_cache.max_num_pages ({capacity['kv_pages']}) cannot hold max_concurrent_requests "
-                f"({config.max_concurrent_requests}) requests of even one page each"
-            )
+        for name, pages in capacity.items():
+            if name.rpartition("/")[2] == "kv_pages" and pages < config.max_concurrent_requests:
+                part = f"models.{name.rpartition('/')[0]}." if "/" in name else ""
+                raise ConfigError(
+                    f"{part}resources.kv_cache.max_num_pages ({pages}) cannot hold max_concurrent_requests "
+                    f"({config.max_concurrent_requests}) requests of even one page each"
+                )
         spec.load_frontend()  # tokenizer and limits; it resolves the weights
     except ModelPathError as err:
         raise ConfigError(_weights_missing(spec, err)) from None
@@ -107,7 +111,11 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
     runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats,
                       max_queue_size=config.queue_limit)
     runtime.supervise(max_worker_restarts, on_give_up)
-    backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
+    backend: RuntimeBackend | ComposedBackend
+    if isinstance(spec, ComposedSpec):
+        backend = ComposedBackend(spec, runtime, timeout_s=config.request_timeout_s)
+    else:
+        backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
     log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
     return Deployment(config, spec, runtime, backend)
 

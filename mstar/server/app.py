@@ -1,9 +1,10 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
 ``ServingBackend`` from the route modules (chat, text completions, /generate, audio, speech,
-images, models and health, /metrics, the Realtime WebSocket) and the shared plumbing they
-import (``errors``, ``streaming``, ``bodies``, ``served``). Every route is there for every
-model; one the model cannot serve answers a 400 naming ``model`` (the backend's ``tasks`` say
-what it serves; the WebSocket, an ``error`` event and a close). Every error has OpenAI's body;
+images, models and health, /metrics, the Realtime WebSocket, the browser playground at /) and
+the shared plumbing they import (``errors``, ``streaming``, ``bodies``, ``served``). Every
+route is there for every model; one the model cannot serve answers a 400 naming ``model`` (the
+backend's ``tasks`` say what it serves; the WebSocket, an ``error`` event and a close). Every
+error has OpenAI's body;
 a backend that is full raises ``Overloaded`` (429 with Retry-After); routes that parse their
 body by hand publish its schema in /openapi.json from the pydantic model that describes it.
 """
@@ -26,6 +27,7 @@ from mstar.server.errors import APIError, install_error_handlers
 from mstar.server.generate_routes import generate
 from mstar.server.image_routes import image_router
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
+from mstar.server.playground_routes import playground_router
 from mstar.server.realtime import realtime_route
 from mstar.server.schemas import (
     ChatCompletionRequest,
@@ -34,6 +36,7 @@ from mstar.server.schemas import (
     form_body_openapi,
     json_body_openapi,
 )
+from mstar.server.served import model_aliases
 from mstar.server.speech_routes import speech_router
 from mstar.server.status_routes import health, list_models
 
@@ -62,7 +65,8 @@ def create_app(
 
     ``served_model_names``: the names /v1/models lists and requests may use (default: the
     backend's ``model_id``, which is always accepted too). ``api_key``: if set, every route
-    but /health needs ``Authorization: Bearer <api_key>`` (/metrics included).
+    but /health and the playground's page and files needs ``Authorization: Bearer <api_key>``
+    (/metrics included; the page holds no secrets and sends the key the user types).
     ``on_shutdown``: called (in a thread) when the ASGI server shuts the app down, e.g. to
     stop the workers: uvicorn re-raises SIGTERM once it has stopped, so code after
     ``uvicorn.run`` never runs then.
@@ -80,7 +84,9 @@ def create_app(
     app.state.backend = backend
     app.state.metrics = ServerMetrics(backend)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    app.state.model_names = list(dict.fromkeys(served_model_names or [backend.model_id]))
+    # a many-model deployment also answers to its parts' own names, listed after its own
+    app.state.model_names = list(dict.fromkeys([*(served_model_names or [backend.model_id]),
+                                                *model_aliases(backend)]))
     install_error_handlers(app)
 
     router = APIRouter(dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
@@ -101,4 +107,5 @@ def create_app(
     # a WebSocket route checks the key and the model itself, so that a refused client is told why
     app.add_api_websocket_route("/v1/realtime", realtime_route(backend, api_key))  # type: ignore[arg-type]
     app.add_api_route("/health", health, methods=["GET"])
+    app.include_router(playground_router())
     return app

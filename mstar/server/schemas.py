@@ -319,6 +319,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "mstar"
     max_model_len: int | None = None
+    # M* extra: what the model serves, of ``mstar.contract.TASKS`` (the playground shows a
+    # panel per task; a client can tell which routes answer without trying them)
+    tasks: list[str] | None = None
 
 
 class ModelList(BaseModel):

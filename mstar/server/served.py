@@ -22,8 +22,15 @@ def resolve_model(request: HTTPConnection, requested: str | None, task: str | No
     if requested is not None and requested not in {*names, backend.model_id}:
         message = f"model: the model {requested!r} does not exist; served: {', '.join(names)}"
         raise APIError(404, message, "model", "model_not_found")
-    if task is not None and task not in backend.tasks:
-        serves = ", ".join(sorted(backend.tasks)) or "nothing but /generate"
+    tasks = model_aliases(backend).get(name, backend.tasks)
+    if task is not None and task not in tasks:
+        serves = ", ".join(sorted(tasks)) or "nothing but /generate"
         raise APIError(400, f"model: {name!r} does not serve {task}; it serves {serves}", "model",
                        "model_not_supported")
     return name
+
+
+def model_aliases(backend: ServingBackend) -> dict[str, frozenset[str]]:
+    """The models of a many-model deployment by their own names, with the tasks each serves
+    there (a request may name ``smollm2`` on a ``voice_agent`` server); empty for one model."""
+    return dict(getattr(backend, "model_aliases", None) or {})

