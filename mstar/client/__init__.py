@@ -1,6 +1,7 @@
 """Python client for an M* server."""
 
 from mstar.client.images import ImageInput, ImagesMixin
+from mstar.client.realtime import RealtimeConnection
 from mstar.client.sdk import (
     ChatEvent,
     ChatResult,
@@ -21,6 +22,7 @@ __all__ = [
     "ImagesMixin",
     "MStarClient",
     "MStarError",
+    "RealtimeConnection",
     "SpeechMixin",
     "SpeechResult",
     "SpeechStream",

@@ -8,6 +8,8 @@ to text, text to speech, images).
     ...     print(event.text, end="", flush=True)
     >>> client.tts("Hello there.").to_wav("hello.wav")
     >>> Path("cat.png").write_bytes(client.generate_image("a cat", width=512, height=512))
+    >>> async with client.realtime() as conn:  # the Realtime API (mstar.client.realtime)
+    ...     await conn.send({"type": "response.create"})
 
 Streams are opened eagerly (HTTP errors raise at the call); closing the returned iterator
 (``events.close()`` or leaving a ``for`` loop and dropping it) closes the connection,
@@ -28,11 +30,12 @@ import httpx
 
 from mstar.client.errors import MStarError, in_band_error, raise_for_status
 from mstar.client.images import ImagesMixin
+from mstar.client.realtime import RealtimeConnection, RealtimeMixin
 from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
 
 __all__ = [
     "ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError",
-    "SpeechResult", "SpeechStream", "TranscriptionResult",
+    "RealtimeConnection", "SpeechResult", "SpeechStream", "TranscriptionResult",
 ]
 
 FileLike = str | PathLike | tuple[str, bytes]
@@ -123,10 +126,11 @@ def _as_upload(item: FileLike) -> tuple[str, bytes]:
     return path.name, path.read_bytes()
 
 
-class MStarClient(SpeechMixin, ImagesMixin):
+class MStarClient(SpeechMixin, ImagesMixin, RealtimeMixin):
     """Synchronous client; usable as a context manager (closes its connection pool).
     Text to speech (``tts``, ``voices``) and images (``generate_image``, ``edit_image``)
-    come from the mixins in ``mstar.client.speech`` and ``mstar.client.images``."""
+    come from the mixins in ``mstar.client.speech`` and ``mstar.client.images``; the
+    Realtime API (``realtime()``, async) from ``mstar.client.realtime``."""
 
     def __init__(
         self,
@@ -136,6 +140,7 @@ class MStarClient(SpeechMixin, ImagesMixin):
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def close(self) -> None:

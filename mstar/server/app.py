@@ -1,9 +1,10 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
 ``ServingBackend`` from the route modules (chat, text completions, /generate, audio, speech,
-images, models and health, /metrics, the browser playground at /) and the shared plumbing
-they import (``errors``, ``streaming``, ``bodies``, ``served``). Every route is there for
-every model; one the model cannot serve answers a 400 naming ``model`` (the backend's
-``tasks`` say what it serves). Every error has OpenAI's body;
+images, models and health, /metrics, the Realtime WebSocket, the browser playground at /) and
+the shared plumbing they import (``errors``, ``streaming``, ``bodies``, ``served``). Every
+route is there for every model; one the model cannot serve answers a 400 naming ``model`` (the
+backend's ``tasks`` say what it serves; the WebSocket, an ``error`` event and a close). Every
+error has OpenAI's body;
 a backend that is full raises ``Overloaded`` (429 with Retry-After); routes that parse their
 body by hand publish its schema in /openapi.json from the pydantic model that describes it.
 """
@@ -27,6 +28,7 @@ from mstar.server.generate_routes import generate
 from mstar.server.image_routes import image_router
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from mstar.server.playground_routes import playground_router
+from mstar.server.realtime import realtime_route
 from mstar.server.schemas import (
     ChatCompletionRequest,
     GenerateForm,
@@ -102,6 +104,8 @@ def create_app(
     router.include_router(speech_router(backend))  # type: ignore[arg-type]
     router.include_router(image_router(backend))  # type: ignore[arg-type]
     app.include_router(router)
+    # a WebSocket route checks the key and the model itself, so that a refused client is told why
+    app.add_api_websocket_route("/v1/realtime", realtime_route(backend, api_key))  # type: ignore[arg-type]
     app.add_api_route("/health", health, methods=["GET"])
     app.include_router(playground_router())
     return app

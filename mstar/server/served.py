@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from mstar.server.backend import ServingBackend
 from mstar.server.errors import APIError
 
 
-def backend_of(request: Request) -> ServingBackend:
+def backend_of(request: HTTPConnection) -> ServingBackend:
     return request.app.state.backend
 
 
-def resolve_model(request: Request, requested: str | None, task: str | None = None) -> str:
-    """The name the request is served under (``requested``, else the first served name).
+def resolve_model(request: HTTPConnection, requested: str | None, task: str | None = None) -> str:
+    """The name the request (or WebSocket) is served under (``requested``, else the first served name).
     A name not served is a 404; a model that cannot do ``task`` (of ``mstar.contract.TASKS``;
     None: a route every model serves) is a 400 naming ``model``, before the model sees it."""
     names: list[str] = request.app.state.model_names

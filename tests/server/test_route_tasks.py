@@ -15,6 +15,7 @@ import wave
 from functools import cache
 
 import pytest
+from fastapi.routing import APIWebSocketRoute
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -62,6 +63,7 @@ ROUTES = {
     ("GET", "/v1/models"): (None, {}),
     ("GET", "/health"): (None, {}),
     ("GET", "/metrics"): (None, {}),
+    ("WS", "/v1/realtime"): ("realtime", {}),  # a WebSocket: test_realtime_route_checks_what_the_model_serves
 }
 
 
@@ -103,13 +105,13 @@ def test_the_table_lists_every_route() -> None:
     client, _ = _served("smollm2")
     schema = client.app.openapi()["paths"]  # type: ignore[attr-defined]
     mounted = {(method.upper(), path) for path, ops in schema.items() for method in ops}
-    assert mounted | {("GET", "/metrics")} == set(ROUTES)
-    # realtime's route is a WebSocket, which the schema does not publish (tests/server/test_realtime*.py)
-    assert {task for task, _ in ROUTES.values() if task} == set(TASKS) - {"realtime"}
+    sockets = {("WS", route.path) for route in client.app.routes if isinstance(route, APIWebSocketRoute)}
+    assert mounted | sockets | {("GET", "/metrics")} == set(ROUTES)
+    assert {task for task, _ in ROUTES.values() if task} == set(TASKS)
 
 
 @pytest.mark.parametrize("key", [key for key in registered() if model_class(key).__module__.startswith("mstar.")])
-@pytest.mark.parametrize(("method", "path"), list(ROUTES))
+@pytest.mark.parametrize(("method", "path"), [route for route in ROUTES if route[0] != "WS"])
 def test_route_checks_what_the_model_serves(key: str, method: str, path: str) -> None:
     client, probe = _served(key)
     task, arguments = ROUTES[(method, path)]
@@ -126,3 +128,17 @@ def test_route_checks_what_the_model_serves(key: str, method: str, path: str) ->
         assert len(probe.calls) >= 1
     else:
         assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("key", [key for key in registered() if model_class(key).__module__.startswith("mstar.")
+                                 and "realtime" not in model_class(key).tasks])
+def test_realtime_route_checks_what_the_model_serves(key: str) -> None:
+    """A model without the ``realtime`` task is refused on /v1/realtime: an ``error`` event
+    naming ``model``, then a close (the route's own tests cover a model that serves it)."""
+    client, probe = _served(key)
+    probe.calls.clear()
+    with client.websocket_connect("/v1/realtime") as socket:
+        error = socket.receive_json()["error"]
+        assert error["param"] == "model" and f"{key!r} does not serve realtime" in error["message"]
+        assert socket.receive()["type"] == "websocket.close"
+    assert probe.calls == []
