@@ -79,7 +79,8 @@ class SpeakingBackend(Protocol):
 class RespondingBackend(Protocol):
     """A backend that holds a conversation in speech (task ``realtime``: /v1/realtime).
     ``transcribe`` reads the user's turn; ``respond`` answers the conversation so far
-    (``spec.messages``, the deployment's system prompt put first when they have none): the
+    (``spec.messages``, the deployment's system prompt put first when they have none; sampling
+    left at ``SamplingParams()``'s defaults means the deployment's, as GA has no knob): the
     reply's text as it is written (modality "text", deltas) and, with ``audio``, its speech
     (modality "audio": mono float32 little-endian PCM at ``sample_rate``, in ``voice``), each
     sentence spoken as soon as the text holds it. The last event has ``finish_reason``.

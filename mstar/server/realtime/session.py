@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 MIN_COMMIT_MS = 100  # as the API: a shorter buffer cannot be committed
 MAX_BUFFER_S = 15 * 60  # input held before a commit, at most
 _IDLE_KEEP_MS = 500  # audio kept before speech starts, beyond the prefix padding (VAD lag)
-_TEMPERATURE = 0.8  # the Realtime API's documented default before GA dropped the knob
 
 
 @dataclass
@@ -320,7 +319,7 @@ class RealtimeSession:
         messages = [{"role": "system", "content": instructions}] if instructions else []
         messages += [{"role": item.role, "content": item.text} for item in self.items if item.text]
         limit = overrides.max_output_tokens or self.config.max_output_tokens
-        return ChatSpec(request_id=request_id, messages=messages, sampling=SamplingParams(temperature=_TEMPERATURE),
+        return ChatSpec(request_id=request_id, messages=messages, sampling=SamplingParams(),
                         max_tokens=None if limit == "inf" else int(limit))
 
     # ------------------------------------------------------------------ responses
