@@ -94,6 +94,21 @@ def test_batched_streams_equal_solo_streams():
     assert stopped.kind == "stopped" and 3500 < stopped.ms <= 4500
 
 
+def test_a_pause_is_reported_before_the_turn_ends():
+    # speech, a 128 ms dip (no pause), speech, then silence: paused at 200 ms of it, stopped at 500
+    probs = [0.9] * 10 + [0.0] * 4 + [0.9] * 10 + [0.0] * 20
+    events = _feed(probs, silence_duration_ms=500, pause_ms=200)
+    kinds = [(i, e.kind) for i, e in events]
+    assert kinds == [(0, "started"), (24 + 6, "paused"), (24 + 15, "stopped")]  # 7 x 32 >= 200, 16 x 32 >= 500
+    assert events[1][1].ms == events[2][1].ms == 24 * 32  # the same speech end: the pause's read is the turn's
+    # speech again after the pause: a new pause, and the turn ends later than the first pause's read
+    probs = [0.9] * 10 + [0.0] * 8 + [0.9] * 5 + [0.0] * 20
+    events = _feed(probs, silence_duration_ms=500, pause_ms=200)
+    assert [e.kind for _, e in events] == ["started", "paused", "paused", "stopped"]
+    assert events[1][1].ms == 10 * 32 and events[2][1].ms == events[3][1].ms == 23 * 32
+    assert [e.kind for _, e in _feed(probs, silence_duration_ms=500)] == ["started", "stopped"]  # off by default
+
+
 def _feed(probs: list[float], **settings) -> list[tuple[int, TurnEvent]]:
     detector = TurnDetector(TurnSettings(**settings), chunk_ms=32.0)
     return [(i, e) for i, p in enumerate(probs) if (e := detector.feed(p)) is not None]

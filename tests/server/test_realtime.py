@@ -56,6 +56,7 @@ class FakeVoiceBackend:
         self.specs: list[tuple[ChatSpec, str | None, bool]] = []
         self.heard: list[float] = []  # seconds of each transcribed clip
         self.heard_rates: list[int] = []
+        self.heard_at: list[float] = []  # when each transcription was asked for (perf_counter)
         self.cancelled = asyncio.Event()
         self.finished = 0
 
@@ -66,6 +67,7 @@ class FakeVoiceBackend:
         return ["joe", "amy"]
 
     async def transcribe(self, spec: TranscriptionSpec) -> Transcription:
+        self.heard_at.append(time.perf_counter())
         pcm, rate = sf.read(io.BytesIO(spec.audio), dtype="float32")
         self.heard.append(len(pcm) / rate)
         self.heard_rates.append(rate)
@@ -288,6 +290,41 @@ def test_server_vad_turn_is_transcribed_and_answered(
     assert backend.heard[-1] == pytest.approx((stopped["audio_end_ms"] - started["audio_start_ms"]) / 1000, abs=0.05)
     assert backend.specs[-1][0].messages == [{"role": "user", "content": HEARD}]
     assert events[-1]["response"]["status"] == "completed"
+
+
+def test_the_turn_is_read_in_the_pause_that_ends_it(
+        server: LiveServer, backend: FakeVoiceBackend, speech_24k: np.ndarray) -> None:
+    """With 500 ms of silence to end a turn, its transcription starts 200 ms into that silence:
+    by speech_stopped the turn is already being read, and not read again."""
+    async def main() -> tuple[list[dict[str, Any]], float]:
+        async with client(server).realtime.connect(model=MODEL) as conn:
+            await recv(conn)
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}}})
+            await recv(conn)
+            async def send() -> None:  # in real time, as a microphone would
+                for i in range(0, len(speech_24k), 2400):
+                    await append_audio(conn, speech_24k[i:i + 2400])
+                    await asyncio.sleep(0.1)
+
+            sending = asyncio.create_task(send())
+            events = await until(conn, "input_audio_buffer.speech_stopped")
+            stopped_at = time.perf_counter()
+            events += await until(conn, "response.done")
+            await sending
+            return events, stopped_at
+
+    backend.heard.clear()
+    backend.heard_at.clear()
+    events, stopped_at = run(main())
+    started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
+    stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+    turn_s = (stopped["audio_end_ms"] - started["audio_start_ms"]) / 1000
+    reads = [at for at, heard in zip(backend.heard_at, backend.heard, strict=True) if abs(heard - turn_s) < 0.05]
+    # read once, ~300 ms (of the 500 ms silence) before the turn was declared over
+    assert len(reads) == 1 and reads[0] < stopped_at - 0.15
+    done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert done["transcript"] == HEARD and events[-1]["response"]["status"] == "completed"
 
 
 def test_barge_in_cancels_the_reply(server: LiveServer, backend: FakeVoiceBackend, speech_24k: np.ndarray) -> None:

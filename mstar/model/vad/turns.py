@@ -30,6 +30,9 @@ class TurnSettings:
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     hysteresis: float = 0.15
+    # Report a ``paused`` event once a silence has lasted this long (None: never): a listener
+    # may start reading the turn then, before ``silence_duration_ms`` says it has ended.
+    pause_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:
@@ -40,8 +43,10 @@ class TurnSettings:
 
 @dataclass(frozen=True)
 class TurnEvent:
-    """``kind`` ``started`` (``ms``: where the turn's audio begins, padding included) or
-    ``stopped`` (``ms``: the end of the last speech chunk), in milliseconds of the stream."""
+    """``kind`` ``started`` (``ms``: where the turn's audio begins, padding included),
+    ``paused`` (a silence of ``pause_ms`` within the turn; ``ms``: the end of the last speech
+    chunk; the turn may go on) or ``stopped`` (``ms``: the end of the last speech chunk, the
+    same as a ``paused`` before it when nobody spoke in between), in ms of the stream."""
 
     kind: str
     ms: int
@@ -57,6 +62,7 @@ class TurnDetector:
     speaking: bool = False
     last_speech_end: float = 0.0  # ms
     silence_since: float | None = None  # ms, while speaking
+    paused: bool = False  # this silence was reported as a pause
 
     def feed(self, prob: float) -> TurnEvent | None:
         start = self.chunks * self.chunk_ms
@@ -69,13 +75,16 @@ class TurnDetector:
                 return TurnEvent("started", int(max(0.0, start - s.prefix_padding_ms)))
             return None
         if prob >= s.threshold:
-            self.last_speech_end, self.silence_since = end, None
+            self.last_speech_end, self.silence_since, self.paused = end, None, False
         elif prob < s.threshold - s.hysteresis:
             if self.silence_since is None:
                 self.silence_since = start
             if end - self.silence_since >= s.silence_duration_ms:
-                self.speaking, self.silence_since = False, None
+                self.speaking, self.silence_since, self.paused = False, None, False
                 return TurnEvent("stopped", int(self.last_speech_end))
+            if s.pause_ms is not None and not self.paused and end - self.silence_since >= s.pause_ms:
+                self.paused = True
+                return TurnEvent("paused", int(self.last_speech_end))
         else:  # between the thresholds: neither speech nor silence; a running silence goes on
             pass
         return None

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 MIN_COMMIT_MS = 100  # as the API: a shorter buffer cannot be committed
 MAX_BUFFER_S = 15 * 60  # input held before a commit, at most
 _IDLE_KEEP_MS = 500  # audio kept before speech starts, beyond the prefix padding (VAD lag)
+# A silence this long within a turn starts reading the turn so far, while the rest of
+# ``silence_duration_ms`` is still being timed: if nobody speaks again, that transcript is the
+# turn's and the reply starts that much sooner; if someone does, it is cancelled.
+EARLY_TRANSCRIPT_MS = 200
 
 
 @dataclass
@@ -97,6 +101,7 @@ class RealtimeSession:
         self._turn: tuple[str, int] | None = None  # (item id, start ms) while the user speaks
         self._response: _Response | None = None
         self._transcribing: set[asyncio.Task] = set()
+        self._early: tuple[int, asyncio.Task] | None = None  # (speech end ms, its transcription) in a pause
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -106,6 +111,7 @@ class RealtimeSession:
 
     async def close(self) -> None:
         self._cancel_response("client_cancelled")
+        self._drop_early()
         tasks = [*self._transcribing, *([self._response.task] if self._response and self._response.task else [])]
         for task in self._transcribing:
             task.cancel()
@@ -169,8 +175,9 @@ class RealtimeSession:
         if detection is None:
             await self.vad.close(self.key)
             return
+        early = EARLY_TRANSCRIPT_MS if detection.silence_duration_ms > EARLY_TRANSCRIPT_MS else None
         settings = TurnSettings(threshold=detection.threshold, prefix_padding_ms=detection.prefix_padding_ms,
-                                silence_duration_ms=detection.silence_duration_ms)
+                                silence_duration_ms=detection.silence_duration_ms, pause_ms=early)
         try:
             await self.vad.open(self.key, settings, self._on_turn)
         except Exception as exc:  # no silero-vad package, say: the session goes on without it
@@ -204,18 +211,22 @@ class RealtimeSession:
             del self._buffer[: 2 * drop]
             self._buffer_pos += drop
 
-    def _take(self, start_ms: int | None, end_ms: int | None) -> bytes:
-        """The buffer's audio from ``start_ms`` to ``end_ms`` of the VAD stream (None: its
-        ends); what precedes ``end_ms`` leaves the buffer."""
+    def _span(self, start_ms: int | None, end_ms: int | None) -> tuple[int, int]:
+        """Where ``start_ms`` to ``end_ms`` of the VAD stream (None: its ends) lie in the buffer, in samples."""
         start = 0 if start_ms is None else max(0, start_ms * API_RATE // 1000 - self._buffer_pos)
         end = len(self._buffer) // 2 if end_ms is None else end_ms * API_RATE // 1000 - self._buffer_pos
-        end = min(max(end, start), len(self._buffer) // 2)
+        return start, min(max(end, start), len(self._buffer) // 2)
+
+    def _take(self, start_ms: int | None, end_ms: int | None) -> bytes:
+        """The buffer's audio from ``start_ms`` to ``end_ms``; what precedes ``end_ms`` leaves the buffer."""
+        start, end = self._span(start_ms, end_ms)
         pcm = bytes(self._buffer[2 * start: 2 * end])
         del self._buffer[: 2 * end]
         self._buffer_pos += end
         return pcm
 
     def _clear(self) -> None:
+        self._drop_early()
         self._take(None, None)
         self._turn = None
         self.send(server_event("input_audio_buffer.cleared"))
@@ -226,6 +237,7 @@ class RealtimeSession:
                                    None, "input_audio_buffer_commit_empty")
         item_id = self._turn[0] if self._turn else new_id("item")
         self._turn = None
+        self._drop_early()
         self._commit(self._take(None, None), item_id)
 
     def _on_turn(self, turn: TurnEvent) -> None:
@@ -233,7 +245,14 @@ class RealtimeSession:
         detection = self.config.audio.input.turn_detection
         if detection is None:
             return
+        if turn.kind == "paused":
+            if self._turn is not None:
+                self._read_early(*self._turn, turn.ms)
+            return
+        early, self._early = self._early, None
         if turn.kind == "started":
+            if early is not None:
+                early[1].cancel()
             item_id = new_id("item")
             self._turn = (item_id, turn.ms)
             self.send(server_event("input_audio_buffer.speech_started", audio_start_ms=turn.ms, item_id=item_id))
@@ -245,30 +264,50 @@ class RealtimeSession:
         item_id, start_ms = self._turn
         self._turn = None
         self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.ms, item_id=item_id))
-        self._commit(self._take(start_ms, turn.ms), item_id)
+        if early is not None and early[0] != turn.ms:  # the user spoke again after that pause
+            early[1].cancel()
+            early = None
+        self._commit(self._take(start_ms, turn.ms), item_id, early[1] if early else None)
         if detection.create_response and self._response is None:
             self._start_response(ResponseOverrides())
 
-    def _commit(self, pcm: bytes, item_id: str) -> None:
-        """The audio becomes a user item; its transcript follows when the backend has read it."""
+    def _read_early(self, item_id: str, start_ms: int, end_ms: int) -> None:
+        """Transcribe the turn so far during a pause (``EARLY_TRANSCRIPT_MS``), keeping the audio."""
+        self._drop_early()
+        start, end = self._span(start_ms, end_ms)
+        spec = self._transcription(bytes(self._buffer[2 * start: 2 * end]), item_id)
+        task = asyncio.get_running_loop().create_task(self.backend.transcribe(spec))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a dropped one's failure is no news
+        self._early = (end_ms, task)
+
+    def _drop_early(self) -> None:
+        if self._early is not None:
+            self._early[1].cancel()
+            self._early = None
+
+    def _commit(self, pcm: bytes, item_id: str, early: asyncio.Task | None = None) -> None:
+        """The audio becomes a user item; its transcript follows when the backend has read it
+        (``early``: the transcription of this same audio, started in the pause that ended the turn)."""
         previous = self.items[-1].id if self.items else None
         self.send(server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
-        self._add_audio_item(Item(item_id, "user", "input_audio", None, "in_progress"), pcm, previous)
+        self._add_audio_item(Item(item_id, "user", "input_audio", None, "in_progress"), pcm, previous, early)
 
-    def _add_audio_item(self, item: Item, pcm: bytes, previous: str | None) -> None:
+    def _add_audio_item(self, item: Item, pcm: bytes, previous: str | None, early: asyncio.Task | None = None) -> None:
         self.items.append(item)
         self.send(server_event("conversation.item.added", item=item.json(), previous_item_id=previous))
-        task = asyncio.get_running_loop().create_task(self._transcribe(item, pcm, previous))
+        task = asyncio.get_running_loop().create_task(self._transcribe(item, pcm, previous, early))
         self._transcribing.add(task)
         task.add_done_callback(self._transcribing.discard)
 
-    async def _transcribe(self, item: Item, pcm: bytes, previous: str | None) -> None:
+    def _transcription(self, pcm: bytes, item_id: str) -> TranscriptionSpec:
         wanted = self.config.audio.input.transcription
-        spec = TranscriptionSpec(request_id=new_id("transcr"), audio=_wav(pcm), filename=f"{item.id}.wav",
+        return TranscriptionSpec(request_id=new_id("transcr"), audio=_wav(pcm), filename=f"{item_id}.wav",
                                  language=wanted.language if wanted else None,
                                  prompt=wanted.prompt if wanted else None)
+
+    async def _transcribe(self, item: Item, pcm: bytes, previous: str | None, early: asyncio.Task | None) -> None:
         try:
-            result = await self.backend.transcribe(spec)
+            result = await (early if early is not None else self.backend.transcribe(self._transcription(pcm, item.id)))
         except Exception as exc:  # the turn is lost, the session goes on
             log.warning("transcribing %s failed: %s", item.id, exc)
             error = {"type": "server_error", "code": "transcription_failed", "message": str(exc), "param": None}
