@@ -2,8 +2,8 @@
 prints and writes. The embedded models (smollm2, whisper_base, piper, the voice agent) run on
 their real weights; the families whose weights are not on a CI machine run on tiny
 ``load_format: dummy`` deployments, so their checks are about the serving path (a WAV at the
-family's rate, streamed audio, the same text from two routes), not about what is said. Scripts
-no CPU test can serve (the image models, Qwen3.5, Llama) are compiled only.
+family's rate, streamed audio, the same text from two routes, a PNG of the size asked), not
+about what is said. Llama and Z-Image are compiled only.
 
 LiveKit Agents and Pipecat run from the interpreter that has them: this one, or the one named
 by ``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON`` (a venv of their own: they only talk
@@ -24,6 +24,7 @@ import httpx
 import pytest
 import soundfile as sf
 from live_server import Server, launch_server, serve_offline
+from PIL import Image
 
 from tests.support.fastconformer import (
     CANARY_REPO,
@@ -291,3 +292,42 @@ def test_a_speech_example_on_dummy_weights(family, tmp_path):
         assert samples_said(out, "blend at 1.25x:") > 0 and samples_said(out, "from phonemes:") > 0
     if family == "cosyvoice3":
         assert samples_said(out, "with an instruction:") > 0
+
+
+def test_the_qwen3_5_example_on_dummy_weights(tmp_path):
+    from test_qwen3_5_http import write_checkpoint  # a tiny checkpoint: config, tokenizer, processors
+
+    checkpoint = write_checkpoint(tmp_path / "qwen3_5")
+    config = {"model": "qwen3_5_0_8b", "model_path": str(checkpoint), "load_format": "dummy", "max_seq_len": 512,
+              "max_concurrent_requests": 2,
+              "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 16}, "gdn_state": {"max_slots": 3}},
+              "model_kwargs": {"seed": 3, "max_image_pixels": 200 * 200}}
+    (tmp_path / "qwen3_5.yaml").write_text(json.dumps(config))
+    with launch_server("qwen3_5_0_8b", tmp_path, ["--config", str(tmp_path / "qwen3_5.yaml")]) as server:
+        out = run_example("chat_qwen3_5.py", server.url, cwd=tmp_path)
+        usage = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "qwen3_5_0_8b", "max_tokens": 4, "enable_thinking": False,
+            "messages": [{"role": "user", "content": "What is in this picture? One sentence."}]}).json()["usage"]
+    assert out.endswith("\n") and usage["prompt_tokens"] > 0  # the image part was taken: the reply ran
+
+
+def test_the_flux2_example_on_dummy_weights(tmp_path):
+    from test_flux2_openai import DIT, QWEN, VAE, _qwen_tokenizer  # FLUX.2 klein at tiny widths
+    from transformers import Qwen3Config
+
+    root = tmp_path / "klein"
+    tokenizer = _qwen_tokenizer()
+    tokenizer.save_pretrained(root / "tokenizer")
+    Qwen3Config(vocab_size=len(tokenizer), **QWEN).save_pretrained(root / "text_encoder")
+    for folder, config in (("vae", VAE), ("transformer", DIT)):
+        (root / folder).mkdir()
+        (root / folder / "config.json").write_text(json.dumps(config))
+    config = {"model": "flux2_klein", "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 2,
+              "model_kwargs": {"num_inference_steps": 1, "max_image_area": 256 * 320}}
+    (tmp_path / "flux2.yaml").write_text(json.dumps(config))
+    with launch_server("flux2_klein", tmp_path, ["--config", str(tmp_path / "flux2.yaml")]) as server:
+        out = run_example("image_flux2.py", server.url, str(tmp_path / "out.png"), "256x272", cwd=tmp_path)
+    assert out.split() == ["wrote", str(tmp_path / "out.png"), "wrote", str(tmp_path / "out_edited.png")]
+    for name in ("out.png", "out_edited.png"):
+        with Image.open(tmp_path / name) as image:
+            assert image.format == "PNG" and image.size == (256, 272)
