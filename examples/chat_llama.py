@@ -20,7 +20,7 @@ stream = client.chat.completions.create(
               {"role": "user", "content": "Why is the sky blue?"}],
     temperature=0.7,
     top_p=0.9,
-    max_tokens=64,
+    max_tokens=40,
     stream=True,
     stream_options={"include_usage": True},
 )

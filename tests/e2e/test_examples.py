@@ -3,7 +3,7 @@ prints and writes. The embedded models (smollm2, whisper_base, piper, the voice 
 their real weights; the families whose weights are not on a CI machine run on tiny
 ``load_format: dummy`` deployments, so their checks are about the serving path (a WAV at the
 family's rate, streamed audio, the same text from two routes, a PNG of the size asked), not
-about what is said. Llama and Z-Image are compiled only.
+about what is said. ``llama`` runs on SmolLM2's embedded GGUF; Z-Image is compiled only.
 
 LiveKit Agents and Pipecat run from the interpreter that has them: this one, or the one named
 by ``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON`` (a venv of their own: they only talk
@@ -331,3 +331,17 @@ def test_the_flux2_example_on_dummy_weights(tmp_path):
     for name in ("out.png", "out_edited.png"):
         with Image.open(tmp_path / name) as image:
             assert image.format == "PNG" and image.size == (256, 272)
+
+
+def test_the_llama_example_on_smollm2s_gguf(tmp_path):
+    """``llama`` is any Llama checkpoint; SmolLM2's embedded GGUF is one, real weights on the CPU."""
+    from mstar.model.llama.checkpoint import embedded_smollm2_path
+
+    config = {"model": "llama", "model_path": embedded_smollm2_path(), "max_concurrent_requests": 2}
+    (tmp_path / "llama.yaml").write_text(json.dumps(config))
+    with launch_server("llama", tmp_path, ["--config", str(tmp_path / "llama.yaml")]) as server:
+        out = run_example("chat_llama.py", server.url, cwd=tmp_path)
+    lines = out.splitlines()
+    usage = next(line for line in lines if line.startswith("["))
+    assert len(lines) >= 3 and "prompt +" in usage and int(usage.split()[3]) > 0
+    assert lines[-1].strip()  # the completion of "Once upon a time"
