@@ -3,7 +3,7 @@ prints and writes. The embedded models (smollm2, whisper_base, piper, the voice 
 their real weights; the families whose weights are not on a CI machine run on tiny
 ``load_format: dummy`` deployments, so their checks are about the serving path (a WAV at the
 family's rate, streamed audio, the same text from two routes, a PNG of the size asked), not
-about what is said. ``llama`` runs on SmolLM2's embedded GGUF; Z-Image is compiled only.
+about what is said. ``llama`` runs on SmolLM2's embedded GGUF. Every script is also compiled.
 
 LiveKit Agents and Pipecat run from the interpreter that has them: this one, or the one named
 by ``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON`` (a venv of their own: they only talk
@@ -11,6 +11,7 @@ HTTP); without one the test is skipped, naming the pip line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import py_compile
@@ -345,3 +346,31 @@ def test_the_llama_example_on_smollm2s_gguf(tmp_path):
     usage = next(line for line in lines if line.startswith("["))
     assert len(lines) >= 3 and "prompt +" in usage and int(usage.split()[3]) > 0
     assert lines[-1].strip()  # the completion of "Once upon a time"
+
+
+def test_the_z_image_example_on_dummy_weights(tmp_path):
+    from test_flux2_openai import _qwen_tokenizer
+    from transformers import Qwen3Config
+
+    shapes = importlib.util.spec_from_file_location(  # the tiny shapes tests/model/z_image pins
+        "_z_image_shapes", Path(__file__).parents[1] / "model" / "z_image" / "conftest.py")
+    z_image = sys.modules.setdefault(shapes.name, importlib.util.module_from_spec(shapes))
+    shapes.loader.exec_module(z_image)  # (registered first: its dataclass looks its module up)
+    root = tmp_path / "z_image"
+    tokenizer = _qwen_tokenizer()
+    tokenizer.save_pretrained(root / "tokenizer")
+    Qwen3Config(vocab_size=len(tokenizer), **z_image.QWEN).save_pretrained(root / "text_encoder")
+    for folder, name, config in (("transformer", "config.json", z_image.DIT), ("vae", "config.json", z_image.VAE),
+                                 ("scheduler", "scheduler_config.json", z_image.SCHEDULER)):
+        (root / folder).mkdir()
+        (root / folder / name).write_text(json.dumps(config))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    config = {"model": "z_image_turbo", "model_path": str(root), "load_format": "dummy",
+              "max_concurrent_requests": 2, "model_kwargs": {"max_image_area": 256 * 320}}
+    (tmp_path / "z_image.yaml").write_text(json.dumps(config))
+    with launch_server("z_image_turbo", tmp_path, ["--config", str(tmp_path / "z_image.yaml")]) as server:
+        out = run_example("image_z_image.py", server.url, str(tmp_path / "out.png"), "256x256", cwd=tmp_path)
+    assert out.split() == ["wrote", str(tmp_path / "out_0.png"), "wrote", str(tmp_path / "out_1.png")]
+    for name in ("out_0.png", "out_1.png"):
+        with Image.open(tmp_path / name) as image:
+            assert image.format == "PNG" and image.size == (256, 256)
