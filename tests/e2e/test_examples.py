@@ -113,6 +113,17 @@ def heard(url: str, path: Path) -> str:
     return reply.json()["text"].lower()
 
 
+def words(text: str) -> set[str]:
+    return {w.strip(".,!?;:'\"").lower() for w in text.split()} - {""}
+
+
+def speaks(url: str, path: Path, reply: str) -> bool:
+    """Whether the audio at ``path`` says ``reply``: whisper_base hears most of its words (a
+    word or two may be misheard: "France is Paris" has come back as "Francis Peres")."""
+    said = words(reply)
+    return len(said & words(heard(url, path))) >= 0.6 * len(said)
+
+
 def lines_of(out: str) -> dict[str, str]:
     """``user: ...`` / ``assistant: ...`` lines by their label."""
     return {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.splitlines() if ":" in line}
@@ -125,7 +136,7 @@ def test_voice_agent_turn(voice_agent, tmp_path):
     assert "capital of france" in said["user"].lower() and "Paris" in said["assistant"]
     samples, rate = sf.read(tmp_path / "reply.wav")
     assert rate == 22050 and len(samples) > rate // 2
-    assert "paris" in heard(voice_agent.url, tmp_path / "reply.wav")
+    assert speaks(voice_agent.url, tmp_path / "reply.wav", said["assistant"])
 
 
 def realtime_route_answers(url: str) -> bool:
@@ -148,12 +159,14 @@ def test_voice_agent_realtime(voice_agent, tmp_path):
         pytest.skip("needs /v1/realtime")
     out = run_example("voice_agent_realtime.py", voice_agent.url, str(QUESTION), str(tmp_path / "reply.wav"),
                       cwd=tmp_path)
-    said = lines_of(out)
-    assert "capital of france" in said["user"].lower()
-    assert "Paris" in out.split("user:", 1)[1]  # the reply's transcript deltas
+    lines = out.splitlines()  # [end of turn ...], user: ..., the reply's transcript deltas, [completed], wrote ...
+    asked = next(i for i, line in enumerate(lines) if line.startswith("user: "))
+    assert lines[0].startswith("[end of turn at") and "capital of france" in lines[asked].lower()
+    reply = lines[asked + 1]
+    assert "Paris" in reply and lines[asked + 2] == "[completed]"
     samples, rate = sf.read(tmp_path / "reply.wav")
     assert rate == 24000 and len(samples) > rate // 2
-    assert "paris" in heard(voice_agent.url, tmp_path / "reply.wav")
+    assert speaks(voice_agent.url, tmp_path / "reply.wav", reply)
 
 
 def python_with(module: str, env_var: str, pip_line: str) -> str:
@@ -177,7 +190,7 @@ def test_voice_agent_through_a_framework(framework, voice_agent, tmp_path):
     assert "capital of france" in said["user"].lower() and "Paris" in said["assistant"]
     samples, rate = sf.read(tmp_path / "reply.wav")
     assert rate == (24000 if framework == "livekit" else 22050) and len(samples) > rate // 2
-    assert "paris" in heard(voice_agent.url, tmp_path / "reply.wav")
+    assert speaks(voice_agent.url, tmp_path / "reply.wav", said["assistant"])
 
 
 # ------------------------------------------------------------------ tiny dummy-weight deployments
