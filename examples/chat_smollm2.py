@@ -6,11 +6,13 @@
 """
 
 import openai
-from _common import BASE_URL
+from _common import BASE_URL, model_name
+
+MODEL = model_name("smollm2")
 
 client = openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key="none")
 stream = client.chat.completions.create(
-    model="smollm2",
+    model=MODEL,
     messages=[{"role": "user", "content": "Name the capital of France."}],
     temperature=0,
     max_tokens=32,
@@ -22,6 +24,6 @@ for chunk in stream:
 print()
 
 # The legacy text completion, without the chat template:
-completion = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8,
+completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                                        temperature=0)
 print(completion.choices[0].text)
