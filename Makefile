@@ -2,6 +2,7 @@
 # each creates .venv and installs what it needs first.
 PYTHON ?= python3
 VENV ?= .venv
+AGENTS_VENV ?= .venv-agents
 TORCH ?= torch==2.13.0
 PORT ?= 8000
 BIN := $(VENV)/bin
@@ -26,6 +27,11 @@ $(BIN)/mstar: pyproject.toml
 	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends chromium; fi
+	# The voice agent's examples through LiveKit Agents and Pipecat (tests/e2e/test_examples.py)
+	# run in a venv of their own: they only talk HTTP to the server, and Pipecat pins older
+	# protobuf and soundfile than ours.
+	$(PYTHON) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/pip install -q 'livekit-agents[openai]==1.8.9' 'pipecat-ai[openai]==1.14.0'
 	touch $(BIN)/mstar
 
 install: $(BIN)/mstar
@@ -44,4 +50,4 @@ lint: install
 	$(BIN)/ruff check mstar tests benchmarks examples
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(AGENTS_VENV)

@@ -5,9 +5,10 @@ their real weights; the families whose weights are not on a CI machine run on ti
 family's rate, streamed audio, the same text from two routes, a PNG of the size asked), not
 about what is said. ``llama`` runs on SmolLM2's embedded GGUF. Every script is also compiled.
 
-LiveKit Agents and Pipecat run from the interpreter that has them: this one, or the one named
-by ``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON`` (a venv of their own: they only talk
-HTTP); without one the test is skipped, naming the pip line."""
+LiveKit Agents and Pipecat run from the interpreter that has them: the one named by
+``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON``, this one, or ``.venv-agents`` (their own
+venv, which ``make install`` makes: they only talk HTTP); without one the test is skipped,
+naming the pip line."""
 
 from __future__ import annotations
 
@@ -169,10 +170,14 @@ def test_voice_agent_realtime(voice_agent, tmp_path):
     assert speaks(voice_agent.url, tmp_path / "reply.wav", reply)
 
 
+AGENTS_PYTHON = EXAMPLES.parent / ".venv-agents" / "bin" / "python"  # make install's venv for the frameworks
+
+
 def python_with(module: str, env_var: str, pip_line: str) -> str:
-    """An interpreter that imports ``module``: this one, else the one ``env_var`` names."""
+    """An interpreter that imports ``module``: the one ``env_var`` names, this one, or make
+    install's ``.venv-agents``."""
     named = os.environ.get(env_var)
-    for python in (sys.executable, named):
+    for python in (named, sys.executable, str(AGENTS_PYTHON) if AGENTS_PYTHON.exists() else None):
         if python and subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0:
             return python
     pytest.skip(f"needs {module}: {pip_line} (here, or in a venv named by {env_var})")
