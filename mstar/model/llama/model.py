@@ -4,7 +4,8 @@ One node, the decoder, with two ops. The chat walk is a prefill, then a Loop of 
 until the engine raises ``stop`` (EOS, token budget) or the budget runs out; every sampled
 token streams to the client as text (``mstar.model.chat``). Knobs: ``LlamaKnobs``
 (``attention_backend``, ``cuda_graphs``, ``fused_kernels``, ``overlap_scheduling``, ``seed``,
-``quantization``: a GGUF file's blocks are kept quantised on the CPU unless it says ``none``).
+``quantization``: a GGUF file's blocks are kept quantised on the CPU unless it says ``none``;
+``compile``: the CPU step's per-layer work as ``torch.compile``d graphs, traced at start-up).
 
 Disaggregated prefill/decode: when the deployment places ``llm_prefill`` (the same model
 behind a second engine), chats walk ``chat_pd`` instead: ``llm_prefill`` prefills, emits the
@@ -120,6 +121,9 @@ class LlamaChat(ChatLLM):
             engines[LLM] = decode_engine(model, self.knobs, self.config, device)
         if LLM_PREFILL in nodes:
             engines[LLM_PREFILL] = prefill_engine(model, self.knobs, self.config, device)
+        if self.knobs.compile:  # after the engines have set the model's switches (the graphs guard on them)
+            model.use_compile(self.knobs.compile_backend)
+            model.warm_compiled()
         return engines
 
 

@@ -23,7 +23,10 @@ up, down), with the same sums and rounding points.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,6 +103,15 @@ def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
 
 
+@functools.cache
+def compiled_halves(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``LlamaDecoderLayer.before_attention`` and ``after_attention`` compiled with
+    ``backend``, once per process: every layer of every model shares them (guards on the
+    layer's type and shapes, not its identity, so 30 layers trace once)."""
+    return (torch.compile(LlamaDecoderLayer.before_attention, backend=backend),
+            torch.compile(LlamaDecoderLayer.after_attention, backend=backend))
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with RoPE, reading and writing one layer's paged cache.
 
@@ -153,6 +165,16 @@ class LlamaAttention(nn.Module):
             out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return out.reshape(tokens, -1)
 
+    def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [T, heads, head_dim]`` of a ``qkv_proj`` output, q and k normalised
+        (``normalize_qk``) and rotated: what ``attend`` feeds the attention, without it (the
+        compiled CPU step, ``LlamaDecoderLayer.forward``, runs this part as a graph)."""
+        tokens = qkv.shape[0]
+        q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(qkv))
+        q, k = apply_rotary_qk(*self.normalize_qk(q, k), cos, sin)
+        return q, k, v
+
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[T, heads, head_dim]`` before RoPE: as they are (Qwen3 normalises
@@ -174,6 +196,8 @@ class LlamaDecoderLayer(nn.Module):
 
     fused_kernels: bool = False
     attention_cls: type[LlamaAttention] = LlamaAttention  # a variant's attention (Qwen3's q/k norms)
+    # ``use_compile``: the compiled ``before_attention`` and ``after_attention`` (None: eager)
+    compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -192,11 +216,31 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
+        if self.compiled is not None:
+            before, after = self.compiled
+            if residual is None:  # the first layer: the graphs always take a stream (x + 0 is x)
+                x, residual = torch.zeros_like(x), x
+            q, k, v, residual = before(self, x, residual, *cos_sin)
+            out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)
+            return after(self, out.reshape(x.shape[0], -1), residual)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, meta, kv_cache), residual)
+        return self.mlp(h), residual
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: add + norm, qkv, q/k norms, RoPE; ``q, k, v`` and
+        the residual stream. The same ops in the same order as ``forward``'s eager path."""
+        h, residual = self.input_layernorm(x, residual)
+        return (*self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin), residual)
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention output ``[T, heads * head_dim]`` on: o, add + norm,
+        MLP; the layer's ``(delta, residual)``."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(out), residual)
         return self.mlp(h), residual
 
     def forward_gemv(
@@ -302,6 +346,32 @@ class LlamaForCausalLM(nn.Module):
     def fused_kernels(self) -> bool:
         """Whether ``use_fused_kernels`` is on."""
         return self.model.norm.fused_kernels
+
+    def use_compile(self, backend: str | None = "inductor") -> None:
+        """Run every decoder layer's work around its attention as two ``torch.compile``d
+        graphs (``model_kwargs.compile``; None: back to eager). The attention stays eager
+        (its paged gathers are planned on the host per step). The graphs are shared by all
+        layers (the layer is an argument, its weights graph inputs) and traced on first use:
+        one row (decode at one stream), then for any row count (automatic dynamic shapes);
+        ``warm_compiled`` traces them ahead."""
+        halves = None if backend is None else compiled_halves(backend)
+        for layer in self.model.layers:
+            layer.compiled = halves
+
+    def warm_compiled(self) -> None:
+        """Trace the compiled graphs of ``use_compile`` now (one row, then two), so that no
+        request waits for the compiler."""
+        layers, hidden = self.model.layers, self.config.hidden_size
+        if layers[0].compiled is None:
+            return
+        param = next(self.parameters())
+        with torch.inference_mode():
+            for rows in (1, 2):
+                x = torch.zeros(rows, hidden, dtype=param.dtype, device=param.device)
+                cos_sin = self.model.rotary_emb.cos_sin(torch.arange(rows, device=param.device), x.dtype)
+                before, after = layers[0].compiled
+                q, _, _, summed = before(layers[0], x, x.clone(), *cos_sin)  # not aliased: as in a step
+                after(layers[0], q.reshape(rows, -1), summed)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
