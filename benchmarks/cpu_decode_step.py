@@ -5,7 +5,7 @@ Q4_1 GGUF kept quantised, float32 activations) once per variant (``--variants``,
 ``eager compile``: ``model_kwargs.compile`` off and on), prefills ``--streams`` prompts of
 ~``--context`` tokens, then times ``--steps`` greedy decode steps per round, the variants
 taking turns round by round (``--rounds``), so that foreign load on a shared machine falls on
-all of them alike. Reports each variant's median ms per step (and per token) over rounds,
+all of them alike. Reports each variant's median step over all rounds (and each round's median),
 the first-step (compile) time, and the greedy tokens, which must agree across variants.
 
     python benchmarks/cpu_decode_step.py                          # eager vs compile, 1 and 8 streams
@@ -53,16 +53,17 @@ def prefill(engine, streams: int, context: int, tag: str) -> dict[str, int]:
     return {item.request_id: int(out.outputs["token"]) for item, out in zip(items, engine.run(items))}
 
 
-def decode(engine, last: dict[str, int], steps: int) -> tuple[float, list[list[int]]]:
-    """Run ``steps`` decode steps; seconds taken and the tokens each step chose."""
-    chosen = []
-    began = time.perf_counter()
+def decode(engine, last: dict[str, int], steps: int) -> tuple[list[float], list[list[int]]]:
+    """Run ``steps`` decode steps; each one's ms and the tokens each step chose."""
+    chosen, times = [], []
     for _ in range(steps):
+        began = time.perf_counter()
         items = [EngineItem(rid, "decode", 0, {"token": torch.tensor([tok])}, {}) for rid, tok in last.items()]
         outs = engine.run(items)
         last = {rid: int(out.outputs["token"]) for rid, out in zip(last, outs)}
+        times.append((time.perf_counter() - began) * 1e3)
         chosen.append(list(last.values()))
-    return time.perf_counter() - began, chosen
+    return times, chosen
 
 
 def main() -> None:
@@ -87,20 +88,23 @@ def main() -> None:
         state, first, times, tokens = {}, {}, {v: [] for v in args.variants}, {}
         for variant, engine in engines.items():
             state[variant] = prefill(engine, streams, args.context, f"{variant}-{streams}-")
-            first[variant], _ = decode(engine, dict(state[variant]), 1)  # warm-up (and compile)
+            first[variant] = decode(engine, dict(state[variant]), 1)[0][0] / 1e3  # warm-up (and compile)
         for _ in range(args.rounds):
             for variant, engine in engines.items():
                 for rid in state[variant]:
                     engine.release(rid)
                 state[variant] = prefill(engine, streams, args.context, f"{variant}-{streams}-")
-                seconds, chosen = decode(engine, dict(state[variant]), args.steps)
-                times[variant].append(seconds / args.steps * 1e3)
+                steps, chosen = decode(engine, dict(state[variant]), args.steps)
+                times[variant].append(steps)
                 tokens[variant] = chosen
         for variant, engine in engines.items():
             for rid in state[variant]:
                 engine.release(rid)
-        row = {v: {"ms_per_step": statistics.median(t), "runs": [round(x, 2) for x in t],
-                   "first_step_s": first[v]} for v, t in times.items()}
+        # per variant: the median step over all rounds (robust to bursts of foreign load), and
+        # each round's median
+        row = {v: {"ms_per_step": statistics.median(x for r in t for x in r),
+                   "runs": [round(statistics.median(r), 2) for r in t], "first_step_s": first[v]}
+               for v, t in times.items()}
         row["tokens_equal"] = all(tokens[v] == tokens[args.variants[0]] for v in args.variants)
         results["rows"][streams] = row
         print(f"streams {streams}: " + ", ".join(

@@ -35,7 +35,7 @@ PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6], "b": [2, 7, 1, 8, 2, 8], "c": [1, 6, 1
 def _engine(path, quantization: str, compile: bool):
     config = parse_config({
         "model": "llama", "model_path": str(path), "load_format": "dummy", "device": "cpu", "dtype": "float32",
-        "max_seq_len": 64, "max_concurrent_requests": 4,
+        "max_seq_len": 160, "max_concurrent_requests": 4,
         "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 4}},
         "model_kwargs": {"quantization": quantization, "compile": compile},
     }, "test")
@@ -45,8 +45,7 @@ def _engine(path, quantization: str, compile: bool):
 def _logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Logits of a prefill of ``ids`` (one step of ``len(ids)`` rows), then of one more token
     (a one-row decode step reading the cache): ``[len(ids) + 1, vocab]``."""
-    n, page = len(ids), 4
-    pages = -(-(n + 1) // page)
+    n, page, pages = len(ids), 4, 64  # the engine's pool: a cache of another shape would trace anew
     layers, heads, dim = model.cache_shape()
     caches = allocate_kv_cache(layers, pages, page, heads, dim, torch.float32, "cpu")
 

@@ -21,7 +21,7 @@ from mstar.config import ConfigError
 from mstar.distributed.dims import ParallelDims
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM
-from mstar.model.decode_engines import decode_engine, prefill_engine
+from mstar.model.decode_engines import decode_engine, prefill_engine, warm_compiled
 from mstar.model.llama.checkpoint import LlamaCheckpoint, embedded_smollm2_path
 from mstar.model.llama.knobs import LlamaKnobs
 from mstar.model.quantize import quantize_model
@@ -123,7 +123,8 @@ class LlamaChat(ChatLLM):
             engines[LLM_PREFILL] = prefill_engine(model, self.knobs, self.config, device)
         if self.knobs.compile:  # after the engines have set the model's switches (the graphs guard on them)
             model.use_compile(self.knobs.compile_backend)
-            model.warm_compiled()
+            if LLM in nodes:
+                warm_compiled(engines[LLM])
         return engines
 
 

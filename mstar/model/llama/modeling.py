@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.attention import paged_attention
+from mstar.layers.attention import group_attention, paged_attention
 from mstar.layers.linear import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -40,7 +40,7 @@ from mstar.layers.linear import (
 )
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
@@ -104,12 +104,27 @@ def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
 
 
 @functools.cache
-def compiled_halves(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``LlamaDecoderLayer.before_attention`` and ``after_attention`` compiled with
-    ``backend``, once per process: every layer of every model shares them (guards on the
-    layer's type and shapes, not its identity, so 30 layers trace once)."""
-    return (torch.compile(LlamaDecoderLayer.before_attention, backend=backend),
-            torch.compile(LlamaDecoderLayer.after_attention, backend=backend))
+def compiled_layer(backend: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``LlamaDecoderLayer.before_attention``, ``after_attention`` and ``decode_attention_on``
+    compiled with ``backend``, once per process: every layer of every model shares them
+    (guards on the layer's type and shapes, not its identity, so 30 layers trace once)."""
+    # inductor's own loops single-threaded: at decode sizes (a few rows of ~1k) an OpenMP region
+    # costs more than its work, and when the cores are shared its barrier waits for a
+    # descheduled thread; the products (ATen's int4 and float kernels) keep their threads
+    options = {"cpp.threads": 1} if backend == "inductor" else None
+    return tuple(torch.compile(fn, backend=backend, options=options) for fn in (
+        LlamaDecoderLayer.before_attention, LlamaDecoderLayer.after_attention, LlamaDecoderLayer.decode_attention_on))
+
+
+def one_decode_group(meta: PagedAttentionMetadata, rows: int) -> DecodeGroup | None:
+    """The step's ``DecodeGroup`` when it is the whole step in order (a decode step of
+    sequences whose KV lengths share a key block) on the torch backend; else None."""
+    if meta.backend != "torch":
+        return None
+    groups, _ = meta.decode_groups
+    if len(groups) != 1 or len(groups[0].rows) != rows or groups[0].rows != list(range(rows)):
+        return None
+    return groups[0]
 
 
 class LlamaAttention(nn.Module):
@@ -197,7 +212,7 @@ class LlamaDecoderLayer(nn.Module):
     fused_kernels: bool = False
     attention_cls: type[LlamaAttention] = LlamaAttention  # a variant's attention (Qwen3's q/k norms)
     # ``use_compile``: the compiled ``before_attention`` and ``after_attention`` (None: eager)
-    compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+    compiled: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -217,10 +232,14 @@ class LlamaDecoderLayer(nn.Module):
         if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
         if self.compiled is not None:
-            before, after = self.compiled
+            before, after, whole = self.compiled
             if residual is None:  # the first layer: the graphs always take a stream (x + 0 is x)
                 x, residual = torch.zeros_like(x), x
             q, k, v, residual = before(self, x, residual, *cos_sin)
+            group = one_decode_group(meta, x.shape[0])
+            if group is not None:  # the cache written eagerly: a graph's write would copy the whole cache
+                write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+                return whole(self, q, kv_cache, group.slots, group.padding, residual)
             out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)
             return after(self, out.reshape(x.shape[0], -1), residual)
         if residual is None:
@@ -236,6 +255,16 @@ class LlamaDecoderLayer(nn.Module):
         the residual stream. The same ops in the same order as ``forward``'s eager path."""
         h, residual = self.input_layernorm(x, residual)
         return (*self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin), residual)
+
+    def decode_attention_on(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                            padding: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its queries on, for a decode step whose rows are one ``DecodeGroup``
+        in order (every sequence one token, KV lengths in one key block), its K/V already in
+        the cache: ``group_attention`` (the torch backend's decode arithmetic), then
+        ``after_attention``; tensors only, so that one compiled graph holds it."""
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        out = group_attention(q, flat, slots, padding, self.self_attn.scale)
+        return self.after_attention(out.reshape(q.shape[0], -1), residual)
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its attention output ``[T, heads * head_dim]`` on: o, add + norm,
@@ -348,30 +377,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.fused_kernels
 
     def use_compile(self, backend: str | None = "inductor") -> None:
-        """Run every decoder layer's work around its attention as two ``torch.compile``d
-        graphs (``model_kwargs.compile``; None: back to eager). The attention stays eager
-        (its paged gathers are planned on the host per step). The graphs are shared by all
-        layers (the layer is an argument, its weights graph inputs) and traced on first use:
-        one row (decode at one stream), then for any row count (automatic dynamic shapes);
-        ``warm_compiled`` traces them ahead."""
-        halves = None if backend is None else compiled_halves(backend)
+        """Run every decoder layer as ``torch.compile``d graphs (``model_kwargs.compile``;
+        None: back to eager): each layer's work before its attention as one graph, then the
+        cache write eagerly (in a graph it would copy the whole cache), then for a decode step
+        whose sequences share one key block (``one_decode_group``) the attention and the rest
+        of the layer as a second graph; for other steps the attention eagerly (its gathers
+        planned on the host) and the rest as that graph.
+        The graphs are shared by all layers (the layer is an argument, its weights graph
+        inputs) and traced on first use: one row, then any row count and key length
+        (automatic dynamic shapes); ``mstar.model.decode_engines.warm_compiled`` traces
+        them before serving."""
+        graphs = None if backend is None else compiled_layer(backend)
         for layer in self.model.layers:
-            layer.compiled = halves
-
-    def warm_compiled(self) -> None:
-        """Trace the compiled graphs of ``use_compile`` now (one row, then two), so that no
-        request waits for the compiler."""
-        layers, hidden = self.model.layers, self.config.hidden_size
-        if layers[0].compiled is None:
-            return
-        param = next(self.parameters())
-        with torch.inference_mode():
-            for rows in (1, 2):
-                x = torch.zeros(rows, hidden, dtype=param.dtype, device=param.device)
-                cos_sin = self.model.rotary_emb.cos_sin(torch.arange(rows, device=param.device), x.dtype)
-                before, after = layers[0].compiled
-                q, _, _, summed = before(layers[0], x, x.clone(), *cos_sin)  # not aliased: as in a step
-                after(layers[0], q.reshape(rows, -1), summed)
+            layer.compiled = graphs
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
