@@ -59,9 +59,10 @@ def _pool(config: DeploymentConfig, device: torch.device) -> dict[str, Any]:
 def warm_compiled(engine: AutoregressiveEngine) -> None:
     """Trace a compiled model's graphs (``LlamaForCausalLM.use_compile``) before serving, so
     that no request waits for the compiler: greedy requests through ``engine`` covering the
-    shapes that trace anew: a one-token and a three-token prefill, one sequence decoding
-    past a key block (one row, then a longer key length), two decoding together. Their
-    pages are freed again (the prefix cache may keep them: the prompts are unlikely ones)."""
+    shapes that trace anew: a one-token prefill, one sequence decoding past a key block (one
+    row, then a longer key length), a prefill of more rows into that block, then the two
+    decoding together (rows in one key block). Their pages are freed again (the prefix cache
+    may keep them: the prompts are unlikely ones)."""
     params = {"sampling": {"temperature": 0.0}, "max_new_tokens": 4 * DECODE_KEY_BUCKET, "stop_token_ids": []}
 
     def prefill(rid: str, prompt: list[int]) -> int:
@@ -75,7 +76,7 @@ def warm_compiled(engine: AutoregressiveEngine) -> None:
 
     last = {"warm-a": prefill("warm-a", [0])}
     decode(last, DECODE_KEY_BUCKET + 1)
-    last["warm-b"] = prefill("warm-b", [0, 1, 2])
+    last["warm-b"] = prefill("warm-b", [0] * (DECODE_KEY_BUCKET + 2))  # in warm-a's key block
     decode(last, 2)
     for rid in last:
         engine.release(rid)

@@ -5,7 +5,10 @@ A tiny random Llama (``LLAMA_TINY``, hidden 64, 2 layers), built twice from the 
 eager and compiled, each in float32 and with ``quantization: int4`` (the SmolLM2 path:
 bfloat16 activations into the int4 kernel). Checked: the logits of a prompt (a many-row
 step) and of its next token (a one-row decode step through the paged cache), and the greedy
-tokens of three streams decoded together through the engine, then of one stream alone.
+tokens of three streams decoded together through the engine, then of one stream alone. Steps
+of more than ``COMPILED_MAX_ROWS`` rows run eagerly by design; the test raises the cap so
+that both the one-row graphs and the many-row ones (dynamic rows, the prefill's halves
+around the eager attention) are checked.
 
 Why not exactly equal: inductor fuses RMSNorm's reduction and the RoPE arithmetic into loops
 of its own, whose float32 sums may round in another order (measured max |diff| below 1e-5
@@ -16,6 +19,8 @@ wider bound there; greedy tokens must still agree.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -24,6 +29,7 @@ from mstar.config import parse_config
 from mstar.engine.base import EngineItem
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.layers.quantized import quantized_kernels_available
+from mstar.model.llama import modeling
 from mstar.model.llama.modeling import LlamaForCausalLM
 from mstar.model.registry import model_class
 
@@ -80,7 +86,8 @@ def test_compiled_step_decodes_as_eager(tmp_path, quantization):
     if quantization != "none" and not quantized_kernels_available():
         pytest.skip("this torch lacks the int4 CPU kernels")
     # past dynamo's recompile limit the graphs would silently run eagerly: fail instead
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+            mock.patch.object(modeling, "COMPILED_MAX_ROWS", 64):
         _check_compiled_against_eager(tmp_path, quantization)
 
 
@@ -101,3 +108,16 @@ def test_compile_is_refused_on_cuda():
 
     with pytest.raises(ConfigError, match="compile"):
         LlamaKnobs.parse({"compile": True}, device="cuda")
+
+
+def test_steps_past_the_row_cap_run_eagerly(tmp_path):
+    model = _engine(tiny_llama_dir(tmp_path), "none", False).model
+
+    def graph(layer, x, *args):
+        raise AssertionError(f"graph called at {x.shape[0]} rows")
+
+    for layer in model.model.layers:
+        layer.compiled = (graph, graph, graph)
+    # the prompt (one row past the cap) runs eagerly, its next token (one row) in the graphs
+    with pytest.raises(AssertionError, match="graph called at 1 rows"):
+        _logits(model, PROMPTS["c"][:modeling.COMPILED_MAX_ROWS + 1])

@@ -96,6 +96,14 @@ was added it had measured 7.0 us a layer less than cuBLAS; on 2026-12-03 its pro
 kernels were the slower ones: qkv 19.8 against 18.1 us, gate_up 67.2 against 60.2.)"""
 
 
+COMPILED_MAX_ROWS = 1
+"""Steps of at most this many rows take the compiled graphs of ``use_compile``; larger ones run
+eagerly. Measured on the 2-core test VM (SmolLM2 Q4_1, ``benchmarks/cpu_decode_step.py``,
+2026-12-04, docs/benchmarks.md): compiled, a one-row decode step took 15.3 against 16.2 ms
+eager, an eight-row one 44.4 against 37.8 ms (the int4 products, which inductor calls
+through its own lowering, grow slower with rows there; not yet understood)."""
+
+
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of the whole model's KV cache (a
     tensor-parallel rank holds a share of the heads: see ``LlamaForCausalLM.cache_shape``)."""
@@ -231,7 +239,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
-        if self.compiled is not None:
+        if self.compiled is not None and x.shape[0] <= COMPILED_MAX_ROWS:
             before, after, whole = self.compiled
             if residual is None:  # the first layer: the graphs always take a stream (x + 0 is x)
                 x, residual = torch.zeros_like(x), x
