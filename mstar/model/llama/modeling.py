@@ -198,7 +198,6 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary_qk(*self.normalize_qk(q, k), cos, sin)
         return q, k, v
 
-
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[T, heads, head_dim]`` before RoPE: as they are (Qwen3 normalises
         each head here)."""
@@ -219,7 +218,8 @@ class LlamaDecoderLayer(nn.Module):
 
     fused_kernels: bool = False
     attention_cls: type[LlamaAttention] = LlamaAttention  # a variant's attention (Qwen3's q/k norms)
-    # ``use_compile``: the compiled ``before_attention`` and ``after_attention`` (None: eager)
+    # ``use_compile``: the compiled ``before_attention``, ``after_attention`` and
+    # ``decode_attention_on`` (None: eager)
     compiled: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -240,14 +240,14 @@ class LlamaDecoderLayer(nn.Module):
         if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
         if self.compiled is not None and x.shape[0] <= COMPILED_MAX_ROWS:
-            before, after, whole = self.compiled
+            before, after, decode_rest = self.compiled
             if residual is None:  # the first layer: the graphs always take a stream (x + 0 is x)
                 x, residual = torch.zeros_like(x), x
             q, k, v, residual = before(self, x, residual, *cos_sin)
             group = one_decode_group(meta, x.shape[0])
             if group is not None:  # the cache written eagerly: a graph's write would copy the whole cache
                 write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-                return whole(self, q, kv_cache, group.slots, group.padding, residual)
+                return decode_rest(self, q, kv_cache, group.slots, group.padding, residual)
             out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)
             return after(self, out.reshape(x.shape[0], -1), residual)
         if residual is None:
