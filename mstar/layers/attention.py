@@ -121,16 +121,23 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, s
     too: a request's tokens must not depend on what it is batched with (a reduction over
     another length, or another op, may round differently, and bfloat16 products,
     ``mstar.layers.quantized``, turn last-bit differences into different tokens)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = flat.shape[2]
-    rows, length = len(group.rows), group.length
-    slots = group.slots.to(q.device)
+    rows = len(group.rows)
+    query = q if rows == q.shape[0] and group.rows == list(range(rows)) else q.index_select(0, group.index.to(q.device))
+    return group_attention(query, flat, group.slots.to(q.device), group.padding.to(q.device), scale)
+
+
+def group_attention(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``_decode_attention``'s arithmetic on tensors alone (what a compiled decode layer traces,
+    ``LlamaDecoderLayer.decode_attention_on``): queries ``[g, Hq, D]``, the cache as flat slots
+    ``[2, slots, Hkv, D]``, a ``DecodeGroup``'s ``slots [g * L]`` and ``padding [g, L]``."""
+    rows, num_heads, head_dim = query.shape
+    num_kv_heads, length = flat.shape[2], padding.shape[1]
     keys = flat[0].index_select(0, slots).view(rows, length, num_kv_heads, head_dim)
     values = flat[1].index_select(0, slots).view(rows, length, num_kv_heads, head_dim)
     # contiguous: on strided operands matmul takes another path for one sequence than for several
-    keys = keys.to(q.dtype).permute(0, 2, 3, 1).contiguous()  # [g, Hkv, D, L]
-    values = values.to(q.dtype).transpose(1, 2).contiguous()  # [g, Hkv, L, D]
-    query = q if rows == q.shape[0] and group.rows == list(range(rows)) else q.index_select(0, group.index.to(q.device))
+    keys = keys.to(query.dtype).permute(0, 2, 3, 1).contiguous()  # [g, Hkv, D, L]
+    values = values.to(query.dtype).transpose(1, 2).contiguous()  # [g, Hkv, L, D]
     scores = torch.matmul(query.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim), keys).mul_(scale)
-    scores.masked_fill_(group.padding.to(q.device)[:, None, None, :], float("-inf"))
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     return torch.matmul(scores.softmax(-1), values).view(rows, num_heads, head_dim)

@@ -12,7 +12,9 @@ import torch
 
 from mstar.config import DeploymentConfig
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout, PrefillEngine
+from mstar.engine.base import EngineItem
 from mstar.engine.rules import TokenRules
+from mstar.layers.paged_kv import DECODE_KEY_BUCKET
 from mstar.model.knobs import DecodeKnobs
 
 
@@ -52,3 +54,29 @@ def _pool(config: DeploymentConfig, device: torch.device) -> dict[str, Any]:
     kv = config.resources.kv_cache
     return dict(num_pages=kv.max_num_pages, page_size=kv.page_size, max_seq_len=config.max_seq_len,
                 device=device, dtype=config.torch_dtype())
+
+
+def warm_compiled(engine: AutoregressiveEngine) -> None:
+    """Trace a compiled model's graphs (``LlamaForCausalLM.use_compile``) before serving, so
+    that no request waits for the compiler: greedy requests through ``engine`` covering the
+    shapes that trace anew: a one-token prefill, one sequence decoding past a key block (one
+    row, then a longer key length), a prefill of more rows into that block, then the two
+    decoding together (rows in one key block). Their pages are freed again (the prefix cache
+    may keep them: the prompts are unlikely ones)."""
+    params = {"sampling": {"temperature": 0.0}, "max_new_tokens": 4 * DECODE_KEY_BUCKET, "stop_token_ids": []}
+
+    def prefill(rid: str, prompt: list[int]) -> int:
+        item = EngineItem(rid, "prefill", 0, {"prompt_ids": torch.tensor(prompt)}, params)
+        return int(engine.run([item])[0].outputs["token"])
+
+    def decode(last: dict[str, int], steps: int) -> None:
+        for _ in range(steps):
+            items = [EngineItem(rid, "decode", 0, {"token": torch.tensor([token])}, {}) for rid, token in last.items()]
+            last.update((rid, int(out.outputs["token"])) for rid, out in zip(last, engine.run(items)))
+
+    last = {"warm-a": prefill("warm-a", [0])}
+    decode(last, DECODE_KEY_BUCKET + 1)
+    last["warm-b"] = prefill("warm-b", [0] * (DECODE_KEY_BUCKET + 2))  # in warm-a's key block
+    decode(last, 2)
+    for rid in last:
+        engine.release(rid)

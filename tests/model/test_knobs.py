@@ -57,7 +57,7 @@ def test_the_rule_is_named_with_the_value():
 
 
 @pytest.mark.parametrize("key, switch", [
-    ("smollm2", "compile"),  # the decode engines are not compiled
+    ("orpheus", "compile"),  # its talker engine is not compiled (smollm2: CPU only, test_llama_compile.py)
     ("qwen3_5_0_8b", "cuda_graphs"),  # the hybrid engine has no graph runner
     ("qwen3_5_0_8b", "fused_kernels"),
     ("z_image_turbo", "cuda_graphs"),  # its text encoder is not graphed
@@ -89,9 +89,9 @@ def test_a_misspelt_knob_stops_startup_before_anything_loads(monkeypatch):
     monkeypatch.setattr(LlamaCheckpoint, "locate", locate)
     with pytest.raises(ConfigError) as err:
         start(parse_config({"model": "smollm2", "model_kwargs": {"cuda_graph": True}}), in_process=True)
-    assert str(err.value) == ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, cuda_graphs, "
-                              "fused_kernels, max_prefill_tokens, overlap_scheduling, prefix_caching, "
-                              "quantization, seed")
+    assert str(err.value) == ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, compile, "
+                              "compile_backend, cuda_graphs, fused_kernels, max_prefill_tokens, "
+                              "overlap_scheduling, prefix_caching, quantization, seed")
 
 
 @pytest.mark.parametrize("key, offered", [("smollm2", True), ("llama", True), ("orpheus", True),

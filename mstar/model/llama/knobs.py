@@ -1,9 +1,20 @@
-"""The Llama family's deployment knobs: the shared decode engine's, and weight quantisation."""
+"""The Llama family's deployment knobs: the shared decode engine's, weight quantisation, and
+``compile`` for the CPU step."""
 
 from __future__ import annotations
 
-from mstar.model.knobs import DecodeKnobs, Quantization
+from mstar.config import ConfigError
+from mstar.model.knobs import Compile, DecodeKnobs, Quantization
 
 
-class LlamaKnobs(DecodeKnobs, Quantization):
-    """``DecodeKnobs`` plus ``quantization`` (CPU, weight-only; see ``mstar.model.quantize``)."""
+class LlamaKnobs(DecodeKnobs, Quantization, Compile):
+    """``DecodeKnobs`` plus ``quantization`` (CPU, weight-only; see ``mstar.model.quantize``)
+    and ``compile``: each decoder layer's work around its attention as ``torch.compile``d
+    graphs (``LlamaForCausalLM.use_compile``), on the CPU only (CUDA's fast paths are
+    ``cuda_graphs`` and ``fused_kernels``)."""
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.compile and device != "cpu":
+            raise ConfigError("model_kwargs.compile: compiles the CPU decode step; on CUDA use cuda_graphs "
+                              "and fused_kernels")

@@ -4,7 +4,8 @@ One node, the decoder, with two ops. The chat walk is a prefill, then a Loop of 
 until the engine raises ``stop`` (EOS, token budget) or the budget runs out; every sampled
 token streams to the client as text (``mstar.model.chat``). Knobs: ``LlamaKnobs``
 (``attention_backend``, ``cuda_graphs``, ``fused_kernels``, ``overlap_scheduling``, ``seed``,
-``quantization``: a GGUF file's blocks are kept quantised on the CPU unless it says ``none``).
+``quantization``: a GGUF file's blocks are kept quantised on the CPU unless it says ``none``;
+``compile``: the CPU step's per-layer work as ``torch.compile``d graphs, traced at start-up).
 
 Disaggregated prefill/decode: when the deployment places ``llm_prefill`` (the same model
 behind a second engine), chats walk ``chat_pd`` instead: ``llm_prefill`` prefills, emits the
@@ -20,7 +21,7 @@ from mstar.config import ConfigError
 from mstar.distributed.dims import ParallelDims
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM
-from mstar.model.decode_engines import decode_engine, prefill_engine
+from mstar.model.decode_engines import decode_engine, prefill_engine, warm_compiled
 from mstar.model.llama.checkpoint import LlamaCheckpoint, embedded_smollm2_path
 from mstar.model.llama.knobs import LlamaKnobs
 from mstar.model.quantize import quantize_model
@@ -120,6 +121,10 @@ class LlamaChat(ChatLLM):
             engines[LLM] = decode_engine(model, self.knobs, self.config, device)
         if LLM_PREFILL in nodes:
             engines[LLM_PREFILL] = prefill_engine(model, self.knobs, self.config, device)
+        if self.knobs.compile:  # after the engines have set the model's switches (the graphs guard on them)
+            model.use_compile(self.knobs.compile_backend)
+            if LLM in nodes:
+                warm_compiled(engines[LLM])
         return engines
 
 

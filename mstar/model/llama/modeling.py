@@ -23,12 +23,15 @@ up, down), with the same sums and rounding points.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from mstar.layers.attention import paged_attention
+from mstar.layers.attention import group_attention, paged_attention
 from mstar.layers.linear import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -37,7 +40,7 @@ from mstar.layers.linear import (
 )
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
@@ -93,11 +96,43 @@ was added it had measured 7.0 us a layer less than cuBLAS; on 2026-12-03 its pro
 kernels were the slower ones: qkv 19.8 against 18.1 us, gate_up 67.2 against 60.2.)"""
 
 
+COMPILED_MAX_ROWS = 1
+"""Steps of at most this many rows take the compiled graphs of ``use_compile``; larger ones run
+eagerly. Measured on the 2-core test VM (SmolLM2 Q4_1, ``benchmarks/cpu_decode_step.py``,
+2026-12-04, docs/benchmarks.md): compiled, a one-row decode step took 15.3 against 16.2 ms
+eager, an eight-row one 44.4 against 37.8 ms (the int4 products, which inductor calls
+through its own lowering, grow slower with rows there; not yet understood)."""
+
+
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of the whole model's KV cache (a
     tensor-parallel rank holds a share of the heads: see ``LlamaForCausalLM.cache_shape``)."""
     assert config.num_key_value_heads is not None and config.head_dim is not None
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+
+@functools.cache
+def compiled_layer(backend: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``LlamaDecoderLayer.before_attention``, ``after_attention`` and ``decode_attention_on``
+    compiled with ``backend``, once per process: every layer of every model shares them
+    (guards on the layer's type and shapes, not its identity, so 30 layers trace once)."""
+    # inductor's own loops single-threaded: at decode sizes (a few rows of ~1k) an OpenMP region
+    # costs more than its work, and when the cores are shared its barrier waits for a
+    # descheduled thread; the products (ATen's int4 and float kernels) keep their threads
+    options = {"cpp.threads": 1} if backend == "inductor" else None
+    return tuple(torch.compile(fn, backend=backend, options=options) for fn in (
+        LlamaDecoderLayer.before_attention, LlamaDecoderLayer.after_attention, LlamaDecoderLayer.decode_attention_on))
+
+
+def one_decode_group(meta: PagedAttentionMetadata, rows: int) -> DecodeGroup | None:
+    """The step's ``DecodeGroup`` when it is the whole step in order (a decode step of
+    sequences whose KV lengths share a key block) on the torch backend; else None."""
+    if meta.backend != "torch":
+        return None
+    groups, _ = meta.decode_groups
+    if len(groups) != 1 or len(groups[0].rows) != rows or groups[0].rows != list(range(rows)):
+        return None
+    return groups[0]
 
 
 class LlamaAttention(nn.Module):
@@ -153,6 +188,15 @@ class LlamaAttention(nn.Module):
             out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return out.reshape(tokens, -1)
 
+    def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [T, heads, head_dim]`` of a ``qkv_proj`` output, q and k normalised
+        (``normalize_qk``) and rotated: what ``attend`` feeds the attention, without it (the
+        compiled CPU step, ``LlamaDecoderLayer.forward``, runs this part as a graph)."""
+        tokens = qkv.shape[0]
+        q, k, v = (part.view(tokens, -1, self.head_dim) for part in self.qkv_proj.split_output(qkv))
+        q, k = apply_rotary_qk(*self.normalize_qk(q, k), cos, sin)
+        return q, k, v
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[T, heads, head_dim]`` before RoPE: as they are (Qwen3 normalises
@@ -174,6 +218,9 @@ class LlamaDecoderLayer(nn.Module):
 
     fused_kernels: bool = False
     attention_cls: type[LlamaAttention] = LlamaAttention  # a variant's attention (Qwen3's q/k norms)
+    # ``use_compile``: the compiled ``before_attention``, ``after_attention`` and
+    # ``decode_attention_on`` (None: eager)
+    compiled: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -192,11 +239,45 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
+        if self.compiled is not None and x.shape[0] <= COMPILED_MAX_ROWS:
+            before, after, decode_rest = self.compiled
+            if residual is None:  # the first layer: the graphs always take a stream (x + 0 is x)
+                x, residual = torch.zeros_like(x), x
+            q, k, v, residual = before(self, x, residual, *cos_sin)
+            group = one_decode_group(meta, x.shape[0])
+            if group is not None:  # the cache written eagerly: a graph's write would copy the whole cache
+                write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+                return decode_rest(self, q, kv_cache, group.slots, group.padding, residual)
+            out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)
+            return after(self, out.reshape(x.shape[0], -1), residual)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, meta, kv_cache), residual)
+        return self.mlp(h), residual
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: add + norm, qkv, q/k norms, RoPE; ``q, k, v`` and
+        the residual stream. The same ops in the same order as ``forward``'s eager path."""
+        h, residual = self.input_layernorm(x, residual)
+        return (*self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin), residual)
+
+    def decode_attention_on(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                            padding: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its queries on, for a decode step whose rows are one ``DecodeGroup``
+        in order (every sequence one token, KV lengths in one key block), its K/V already in
+        the cache: ``group_attention`` (the torch backend's decode arithmetic), then
+        ``after_attention``; tensors only, so that one compiled graph holds it."""
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        out = group_attention(q, flat, slots, padding, self.self_attn.scale)
+        return self.after_attention(out.reshape(q.shape[0], -1), residual)
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention output ``[T, heads * head_dim]`` on: o, add + norm,
+        MLP; the layer's ``(delta, residual)``."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(out), residual)
         return self.mlp(h), residual
 
     def forward_gemv(
@@ -302,6 +383,21 @@ class LlamaForCausalLM(nn.Module):
     def fused_kernels(self) -> bool:
         """Whether ``use_fused_kernels`` is on."""
         return self.model.norm.fused_kernels
+
+    def use_compile(self, backend: str | None = "inductor") -> None:
+        """Run every decoder layer as ``torch.compile``d graphs (``model_kwargs.compile``;
+        None: back to eager): each layer's work before its attention as one graph, then the
+        cache write eagerly (in a graph it would copy the whole cache), then for a decode step
+        whose sequences share one key block (``one_decode_group``) the attention and the rest
+        of the layer as a second graph; for other steps the attention eagerly (its gathers
+        planned on the host) and the rest as that graph.
+        The graphs are shared by all layers (the layer is an argument, its weights graph
+        inputs) and traced on first use: one row, then any row count and key length
+        (automatic dynamic shapes); ``mstar.model.decode_engines.warm_compiled`` traces
+        them before serving."""
+        graphs = None if backend is None else compiled_layer(backend)
+        for layer in self.model.layers:
+            layer.compiled = graphs
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
