@@ -331,16 +331,9 @@ def test_the_qwen3_5_example_on_dummy_weights(tmp_path):
 
 
 def test_the_flux2_example_on_dummy_weights(tmp_path):
-    from test_flux2_openai import DIT, QWEN, VAE, _qwen_tokenizer  # FLUX.2 klein at tiny widths
-    from transformers import Qwen3Config
+    from test_flux2_openai import write_tiny_klein  # FLUX.2 klein at tiny widths
 
-    root = tmp_path / "klein"
-    tokenizer = _qwen_tokenizer()
-    tokenizer.save_pretrained(root / "tokenizer")
-    Qwen3Config(vocab_size=len(tokenizer), **QWEN).save_pretrained(root / "text_encoder")
-    for folder, config in (("vae", VAE), ("transformer", DIT)):
-        (root / folder).mkdir()
-        (root / folder / "config.json").write_text(json.dumps(config))
+    root = write_tiny_klein(tmp_path / "klein")
     config = {"model": "flux2_klein", "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 2,
               "model_kwargs": {"num_inference_steps": 1, "max_image_area": 256 * 320}}
     (tmp_path / "flux2.yaml").write_text(json.dumps(config))

@@ -64,17 +64,22 @@ def max_pixel_difference(a: bytes, b: bytes) -> int:
         return int(np.abs(np.asarray(x, dtype=np.int16) - np.asarray(y, dtype=np.int16)).max())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uvicorn]:
+def write_tiny_klein(root: Path) -> Path:
+    """A FLUX.2 klein directory at tiny widths (configs and tokenizer; ``load_format: dummy``)."""
     from transformers import Qwen3Config
 
-    root = tmp_path_factory.mktemp("klein-dummy")
     tokenizer = _qwen_tokenizer()
     tokenizer.save_pretrained(root / "tokenizer")
     Qwen3Config(vocab_size=len(tokenizer), **QWEN).save_pretrained(root / "text_encoder")
     for folder, config in (("vae", VAE), ("transformer", DIT)):
-        (root / folder).mkdir()
+        (root / folder).mkdir(parents=True)
         (root / folder / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uvicorn]:
+    root = write_tiny_klein(tmp_path_factory.mktemp("klein-dummy"))
     deployment = start(parse_config({
         "model": MODEL, "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 4,
         "model_kwargs": {"max_image_area": MAX_AREA, "num_inference_steps": 1},
