@@ -289,6 +289,8 @@ def _match(heard: np.ndarray, rate: int) -> float:
 def stand_in() -> Iterator[tuple[RealtimeStandIn, str]]:
     backend = RealtimeStandIn()
     app = create_app(backend, api_key=API_KEY)  # type: ignore[arg-type]
+    # the scripted route in place of the app's own /v1/realtime (routes match in order)
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/realtime"]
     app.add_api_websocket_route("/v1/realtime", backend.serve)
     with Uvicorn(app) as live:
         yield backend, live.url
@@ -331,7 +333,7 @@ def test_the_voice_agent_streams_the_microphone_and_stops_on_barge_in(
 
 
 def test_the_voice_agent_answers_a_spoken_question_for_real(
-        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+        browser: sync_api.Browser, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """The panel against a real ``mstar serve voice_agent`` (embedded weights, its real
     /v1/realtime): a fake microphone asks "What is the capital of France?" (then stays quiet
     long enough for the reply), the page shows the transcript, the reply's text says Paris and
@@ -342,11 +344,11 @@ def test_the_voice_agent_answers_a_spoken_question_for_real(
     mic = tmp_path / "mic.wav"  # Chromium loops the file: the question, then 8 s of quiet
     sf.write(mic, np.concatenate([question, np.zeros(8 * rate, np.float32)]), rate, subtype="PCM_16")
     args = [*BROWSER_ARGS, f"--use-file-for-fake-audio-capture={mic}"]
-    with launch_server("voice_agent", tmp_path_factory.mktemp("voice_agent")) as server, \
-            sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
+    with launch_server("voice_agent", tmp_path_factory.mktemp("voice_agent")) as server:
+        # a second browser of the module's Playwright: the fake microphone is a launch option
+        own = browser.browser_type.launch(executable_path=CHROMIUM, args=args)
         try:
-            page = browser.new_page()
+            page = own.new_page()
             page.set_default_timeout(TIMEOUT_MS)
             errors: list[str] = []
             page.on("pageerror", lambda err: errors.append(str(err)))
@@ -359,7 +361,7 @@ def test_the_voice_agent_answers_a_spoken_question_for_real(
             page.click("#realtime-stop")
             assert not errors, errors
         finally:
-            browser.close()
+            own.close()
 
 
 # ---------------------------------------------------------------- images (a stand-in model)

@@ -80,8 +80,9 @@ def test_misspelt_model_kwarg(tmp_path: Path) -> None:
     """``model_kwargs`` are the family's typed knobs: a misspelt one is named with the valid ones."""
     (tmp_path / "deploy.yaml").write_text("model: smollm2\nmodel_kwargs: {cuda_graph: true}\n")
     line = _serve(tmp_path, "--config", "deploy.yaml", "smollm2")
-    assert ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, cuda_graphs, fused_kernels, "
-            "max_prefill_tokens, overlap_scheduling, prefix_caching, quantization, seed") in line
+    assert ("model_kwargs.cuda_graph: unknown key; valid keys: attention_backend, compile, compile_backend, "
+            "cuda_graphs, fused_kernels, max_prefill_tokens, overlap_scheduling, prefix_caching, quantization, "
+            "seed") in line
 
 
 def test_config_error_found_while_starting(tmp_path: Path) -> None:
