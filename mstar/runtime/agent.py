@@ -98,7 +98,7 @@ class ComposedBackend(OnRuntime):
                       for part, view in spec.views.items()}
         for backend in self.parts.values():
             backend.model_id = self.model_id  # errors name the deployment the client asked for
-        self.max_model_len = self._serving("chat").max_model_len if "chat" in spec.routes else 0
+        self.max_model_len = spec.max_model_len
         # each part's model answers to its own name too, for the tasks it serves here
         self.model_aliases: dict[str, frozenset[str]] = {}
         for task, part in spec.routes.items():
