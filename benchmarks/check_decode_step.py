@@ -70,11 +70,54 @@ def step_inputs(rows: int, context: int, device: torch.device):
     return ids, meta, rows * pages
 
 
-def time_rule(model, rule, rows: int, context: int, caches, replays: int) -> tuple[float, torch.Tensor]:
-    """Median ms of a replayed step under ``rule``, and its logits."""
+def set_launch(pdl: str) -> None:
+    """``off``: plain launches; ``N`` or ``late:N``: PDL launches, the GEMVs fetching N MB of
+    weights into L2 before they wait and letting the next kernel start at their start (or,
+    ``late:``, after their main loop; ``mstar.layers.triton_support``)."""
+    from mstar.layers.triton_support import set_pdl
+
+    if pdl == "off":
+        set_pdl(False)
+    else:
+        late, _, mb = pdl.rpartition(":")
+        set_pdl(True, int(float(mb) * (1 << 20)), late_trigger=late == "late")
+
+
+def profile_graph(graph: torch.cuda.CUDAGraph, replays: int) -> str:
+    """Kernels of ``replays`` graph replays by the torch profiler: per step, the kernels' summed
+    time against the step's wall time, and the ten costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+    wall = start.elapsed_time(end) / replays
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time_total / 1000)
+    total = sum(sum(v) for v in kernels.values()) / replays
+    count = sum(len(v) for v in kernels.values()) / replays
+    lines = [f"    profile: {count:.0f} kernels a step, {total:.3f} ms of kernel time a step, wall {wall:.3f} ms "
+             f"(gaps/overlap {wall - total:+.3f} ms)"]
+    for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        lines.append(f"    {sum(times) / replays:8.3f} ms  {len(times) / replays:5.0f}x  "
+                     f"{1000 * statistics.median(times):7.1f} us  {name[:90]}")
+    return "\n".join(lines)
+
+
+def time_rule(model, rule, rows: int, context: int, caches, replays: int, pdl: str = "off",
+              profile: bool = False) -> tuple[float, torch.Tensor]:
+    """Median ms of a replayed step under ``rule`` and ``pdl`` (``set_launch``), and its logits."""
     from mstar.model.llama import modeling
 
     modeling.DECODE_GEMV = rule
+    set_launch(pdl)
     ids, meta, _ = step_inputs(rows, context, caches[0].device)
     with torch.inference_mode():
         side = torch.cuda.Stream()
@@ -97,6 +140,8 @@ def time_rule(model, rule, rows: int, context: int, caches, replays: int) -> tup
             end.synchronize()
             times.append(start.elapsed_time(end))
         out = logits.clone()
+        if profile:
+            print(f"  rows {rows}, pdl {pdl}:\n" + profile_graph(graph, 5), flush=True)
     del graph
     return statistics.median(times), out
 
@@ -108,6 +153,11 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--rules", nargs="+", default=["before", "tuned"],
                         choices=["before", "tuned", "no_prologue", "cublas"])
+    parser.add_argument("--pdl", nargs="+", default=["off"],
+                        help="launch settings, each tried with every rule: off (plain launches) or MB of "
+                             "weights a GEMV prefetches under programmatic dependent launch (0: PDL, no prefetch)")
+    parser.add_argument("--profile-rows", type=int, nargs="*", default=[],
+                        help="row counts at which to print a kernel profile of each variant's step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -129,10 +179,13 @@ def main() -> int:
              "no_prologue": replace(tuned, norm_prologue=0), "cublas": GemvRule(0, 0, 0, 0, 0)}
     rules = {name: known[name] for name in args.rules}
     print("rules: " + "; ".join(f"{name} {rule}" for name, rule in rules.items()), flush=True)
+    variants = {(name if len(args.pdl) == 1 else f"{name}/pdl-{pdl}"): (rule, pdl)
+                for name, rule in rules.items() for pdl in args.pdl}
     try:
         for rows in args.rows:
-            results = {name: time_rule(model, rule, rows, args.context, caches, args.replays)
-                       for name, rule in rules.items()}
+            results = {name: time_rule(model, rule, rows, args.context, caches, args.replays, pdl,
+                                            rows in args.profile_rows)
+                       for name, (rule, pdl) in variants.items()}
             (base_name, (base, base_logits)), *others = results.items()
             line = f"rows {rows:2}: {base_name} {base:.3f} ms"
             for name, (ms, logits) in others:
@@ -141,6 +194,7 @@ def main() -> int:
             print(line, flush=True)
     finally:
         modeling.DECODE_GEMV = tuned
+        set_launch("off")
     return 0
 
 

@@ -37,7 +37,16 @@ from dataclasses import dataclass
 import torch
 
 from mstar.layers.paged_kv import PagedAttentionMetadata, to_device, write_kv_cache
-from mstar.layers.triton_support import HAS_TRITON, INTERPRET, tl, triton
+from mstar.layers.triton_support import (
+    HAS_TRITON,
+    INTERPRET,
+    launch_options,
+    pdl,
+    pdl_start,
+    pdl_wait,
+    tl,
+    triton,
+)
 
 _LOG2E = 1.4426950408889634
 # The split count is a runtime argument (not a compile-time constant), so a batch of a new
@@ -58,8 +67,11 @@ if HAS_TRITON:
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One (decode item, KV head, KV split): the group's query heads over a KV range."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         item = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -122,9 +134,11 @@ if HAS_TRITON:
     def _combine_kernel(
         PART_O, PART_LSE, OUT, SEQ_INDEX, QUERY_START, stride_o_tok, stride_o_head, num_splits,
         BLOCK_S: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
         """Merge the KV splits of one (decode item, query head) by their log-sum-exps."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         item = tl.program_id(0)
         head = tl.program_id(1)
         if USE_SEQ_INDEX:
@@ -273,6 +287,7 @@ def _launch_decode(
     index = seq_index if seq_index is not None else meta.seq_lens  # unused placeholder
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = max(16, _next_pow2(head_dim))
+    on = pdl(q)
     _decode_kernel[(num_items, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         index, meta.query_start_loc, meta.positions, meta.seq_lens, meta.page_table,
@@ -283,14 +298,14 @@ def _launch_decode(
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=meta.page_size, BLOCK_N=tiling.decode_block_n,
-        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype), PDL=on,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **launch_options(on),
     )
     if splits > 1:
         _combine_kernel[(num_items, num_heads)](
             part_o, part_lse, out, index, meta.query_start_loc, out.stride(0), out.stride(1), splits,
             BLOCK_S=_MAX_SPLITS, USE_SEQ_INDEX=use_index,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=tiling.num_warps,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=on, num_warps=tiling.num_warps, **launch_options(on),
         )
 
 

@@ -33,6 +33,10 @@ from mstar.layers.triton_support import (  # noqa: F401 (the kernel tests read I
     INTERPRET,
     as_rows,
     check_runnable,
+    launch_options,
+    pdl,
+    pdl_start,
+    pdl_wait,
     tl,
     triton,
 )
@@ -95,8 +99,10 @@ if HAS_TRITON:
         X, RESIDUAL, WEIGHT, OUT, SUM_OUT,
         stride_x, stride_r, stride_o, stride_s,
         n_cols, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
@@ -112,8 +118,10 @@ if HAS_TRITON:
         X, RESIDUAL, WEIGHT, BIAS, OUT, SUM_OUT,
         stride_x, stride_r, stride_o, stride_s,
         n_cols, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
@@ -127,7 +135,9 @@ if HAS_TRITON:
         tl.store(OUT + row * stride_o + cols, (centred * rstd * w + b).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(GATE_UP, OUT, stride_gu, stride_o, inner, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(GATE_UP, OUT, stride_gu, stride_o, inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inner
@@ -159,11 +169,13 @@ if HAS_TRITON:
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cs,
         stride_c_slot, stride_c_head,
         num_q_heads,
-        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_CACHE: tl.constexpr, PDL: tl.constexpr,
     ):
         """One (token, head): q heads first, then k heads; with ``WRITE_CACHE`` a k head's
         program also stores the rotated key and the token's value of that head into the
         paged cache at the token's slot (the attention then skips its own write)."""
+        pdl_start(PDL)
+        pdl_wait(PDL)
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half_cols = tl.arange(0, BLOCK_HALF)
@@ -204,11 +216,12 @@ def add_rmsnorm(
     out = torch.empty(xs.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     summed = torch.empty_like(xs) if residual is not None else xs
     if xs.shape[0]:
+        on = pdl(xs)
         _add_rmsnorm_kernel[(xs.shape[0],)](
             xs, rs, weight, out, summed,
             xs.stride(0), rs.stride(0), out.stride(0), summed.stride(0),
             n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n),
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n), PDL=on, **launch_options(on),
         )
     return out.view(x.shape), (summed.view(x.shape) if residual is not None else x)
 
@@ -231,11 +244,12 @@ def add_layernorm(
     out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(xs) if residual is not None else xs
     if xs.shape[0]:
+        on = pdl(xs)
         _add_layernorm_kernel[(xs.shape[0],)](
             xs, rs, weight, bias, out, summed,
             xs.stride(0), rs.stride(0), out.stride(0), summed.stride(0),
             n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n),
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n), PDL=on, **launch_options(on),
         )
     return out.view(x.shape), (summed.view(x.shape) if residual is not None else x)
 
@@ -250,7 +264,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], inner, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] and inner:
         grid = (rows.shape[0], triton.cdiv(inner, _SILU_BLOCK))
-        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), inner, BLOCK=_SILU_BLOCK)
+        on = pdl(rows)
+        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), inner, BLOCK=_SILU_BLOCK, PDL=on,
+                                   **launch_options(on))
     return out.view(*gate_up.shape[:-1], inner)
 
 
@@ -289,10 +305,11 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if tokens == 0:
         return
     half = head_dim // 2
+    on = pdl(q)
     _rotary_kernel[(tokens, num_q_heads + k.shape[1])](
         q, k, v, cos, sin, cache_k, cache_v, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         cache_k.stride(0), cache_k.stride(1) if write else 0,
         num_q_heads,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=write,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=write, PDL=on, **launch_options(on),
     )

@@ -50,6 +50,12 @@ from mstar.layers.triton_support import (
     INTERPRET,
     as_rows,
     check_runnable,
+    launch_options,
+    pdl,
+    pdl_late_trigger,
+    pdl_prefetch_bytes,
+    pdl_start,
+    pdl_wait,
     tl,
     triton,
 )
@@ -209,6 +215,17 @@ if HAS_TRITON:
             total += tl.where(pid_k == s, acc, other)
         return total
 
+    @triton.jit
+    def _prefetch_l2(W, w_rows, stride_w, k_lo, K: tl.constexpr, PREFETCH_K: tl.constexpr):
+        """Ask L2 for the first ``PREFETCH_K`` weights of each of ``w_rows`` from column
+        ``k_lo`` (within K): one ``prefetch.global.L2`` per 128-byte line (the weights never
+        change during a step, so this may run before the wait for the kernel before)."""
+        LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth
+        lines = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)
+        ptrs = W + w_rows[:, None] * stride_w + lines[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a padding
     def _gemv_kernel(
         X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT, PARTIAL, COUNTERS,
@@ -216,7 +233,8 @@ if HAS_TRITON:
         stride_x, stride_r, stride_w, stride_y, stride_s,
         K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
         M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
-        SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, TMA: tl.constexpr,
+        SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH_K: tl.constexpr, LATE_TRIGGER: tl.constexpr,
     ):
         """Output features ``[pid * BLOCK_N, +BLOCK_N)`` of ``Y [M, N_OUT]`` for all M rows,
         over K slice ``[pid_k * K_SPLIT, +K_SPLIT)`` (the whole K unless ``SPLIT_K > 1``).
@@ -224,7 +242,13 @@ if HAS_TRITON:
         With ``SILU_MUL`` the weight holds ``2 * N_OUT`` rows ``[gate | up]`` and the program
         also computes the up rows ``N_OUT + n``. With ``NORM`` the GEMV's input is
         ``rmsnorm(x + residual) * NORM_W`` (rounded as ``torch_add_rmsnorm``). K is a
-        compile-time constant: one compiled kernel per weight shape."""
+        compile-time constant: one compiled kernel per weight shape. Launched with PDL, the
+        program first asks L2 for its first ``PREFETCH_K`` weights of each feature (while the
+        kernel before may still run), then waits for that kernel. It lets the next kernel start
+        at its own start, or with ``LATE_TRIGGER`` once its main loop is done (so that a chain of
+        GEMVs does not fill the GPU with programs waiting on each other)."""
+        if not LATE_TRIGGER:
+            pdl_start(PDL)
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         k_lo = pid_k * K_SPLIT
@@ -240,6 +264,11 @@ if HAS_TRITON:
             w_rows = tl.where(ns < N_OUT, ns, 0).to(tl.int64)
             w_ptrs = W + w_rows[:, None] * stride_w + offs_k[None, :]
             up_ptrs = w_ptrs + N_OUT * stride_w  # used only with SILU_MUL
+            if PDL and PREFETCH_K > 0:
+                _prefetch_l2(W, w_rows, stride_w, k_lo, K, PREFETCH_K)
+                if SILU_MUL:
+                    _prefetch_l2(W, w_rows + N_OUT, stride_w, k_lo, K, PREFETCH_K)
+        pdl_wait(PDL)
         dtype = X.dtype.element_ty
 
         if NORM:
@@ -289,6 +318,8 @@ if HAS_TRITON:
                 w_ptrs += BLOCK_K
                 up_ptrs += BLOCK_K
 
+        if LATE_TRIGGER:
+            pdl_start(PDL)
         out_mask = (ns[:, None] < N_OUT) & row_mask[None, :]
         if SPLIT_K > 1:
             # Split-K without a second kernel: every program stores its fp32 partials
@@ -335,6 +366,17 @@ def _check_same(x: torch.Tensor, name: str, t: torch.Tensor | None, shape: tuple
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
     if t.dtype != x.dtype or t.device != x.device:
         raise ValueError(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
+
+
+def _prefetch_columns(enabled: bool, programs: int, rows_per_program: int, k_split: int, element_size: int) -> int:
+    """How many weight columns each program of a PDL launch asks L2 for before its wait: the
+    launch's share of ``pdl_prefetch_bytes`` per program, a power of two of whole 128-byte
+    lines, at most the program's K slice (0: none)."""
+    line = 128 // element_size
+    budget = pdl_prefetch_bytes() // max(1, programs * rows_per_program * element_size)
+    if not enabled or budget < line:
+        return 0
+    return min(1 << (budget.bit_length() - 1), 1 << (k_split.bit_length() - 1))
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
@@ -386,6 +428,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+        on = pdl(xs)
+        prefetch_k = _prefetch_columns(on and not tma, tiles * split, cfg.block_n * (2 if silu_mul else 1), k_split,
+                                       weight.element_size())
         m_stat = triton.next_power_of_2(m)
         block_s = min(triton.next_power_of_2(k), (64 if INTERPRET else 4096) // m_stat)
         _gemv_kernel[(tiles, split)](
@@ -395,8 +440,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             xs.stride(0), rs.stride(0), weight.stride(0), y.stride(0), summed.stride(0),
             K=k, NORM=norm, HAS_RESIDUAL=with_sum, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
             M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
-            SPLIT_K=split, K_SPLIT=k_split, TMA=tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT_K=split, K_SPLIT=k_split, TMA=tma, PDL=on, PREFETCH_K=prefetch_k, LATE_TRIGGER=pdl_late_trigger(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(on),
         )
     y = y.view(*x.shape[:-1], n_out)
     return y, (summed.view(x.shape) if with_sum else x)

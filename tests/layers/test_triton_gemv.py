@@ -332,3 +332,70 @@ def test_llama_gemv_path_bf16_in_a_cuda_graph(streams: int, every_projection: bo
             eager = model.compute_logits(model(tokens, meta, caches))
             assert rel_err(graphed, eager) < 2e-2, rel_err(graphed, eager)
             lens = {s: n + 1 for s, n in lens.items()}
+
+
+# ------------------------------------------------------------ programmatic dependent launch
+def test_pdl_launch_settings() -> None:
+    """PDL is never asked for on CPU tensors; a GEMV's L2 prefetch is its share of the budget
+    in whole 128-byte lines, a power of two, at most its K slice, none when off or too small."""
+    from mstar.layers.triton_support import launch_options, pdl, set_pdl
+
+    assert not pdl(torch.zeros(2))
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    try:
+        set_pdl(True, 2 << 20)
+        columns = triton_gemv._prefetch_columns
+        assert columns(True, 128, 32, 4096, 2) == 256  # 2 MB over 128 programs x 32 rows x 2 bytes
+        assert columns(True, 4, 32, 96, 2) == 64  # capped by the K slice, rounded down to a power of two
+        assert columns(True, 1 << 16, 128, 4096, 2) == 0  # under one line a row: none
+        assert columns(False, 128, 32, 4096, 2) == 0
+        set_pdl(True, 0)
+        assert columns(True, 128, 32, 4096, 2) == 0
+    finally:
+        set_pdl(None, 2 << 20)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2, 5, 20])
+def test_pdl_launches_give_the_same_logits(rows: int) -> None:
+    """The fused decode path (every projection on the GEMV kernels, L2 prefetch on), eagerly and
+    from a captured graph, gives bit-identical logits with and without programmatic dependent
+    launch: the kernels are the same, only when they may start differs. Skips where the GPU
+    has no PDL (before compute capability 9.0)."""
+    from test_cuda_graphs import step_meta
+    from test_cuda_graphs import tiny_llama as gpu_llama
+
+    from mstar.engine.page_pool import PagePool
+    from mstar.layers.paged_kv import allocate_kv_cache
+    from mstar.layers.triton_support import pdl, set_pdl
+
+    if not pdl(torch.zeros(1, device=DEVICE)):
+        pytest.skip("this GPU takes no programmatic dependent launch")
+    model = gpu_llama(DEVICE, torch.bfloat16)
+    model.use_fused_kernels()
+    pool = PagePool(255, 4)
+    lens = {f"s{i}": 3 + i for i in range(rows)}
+    prompt = torch.randint(0, 512, (sum(lens.values()),), device=DEVICE)
+    tokens = torch.randint(0, 512, (rows,), device=DEVICE)
+    results = {}
+    try:
+        with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(modeling, "DECODE_GEMV", GemvRule(qkv=64, o=64, gate_up=64, down=64, norm_prologue=0))
+            for on in (False, True):
+                set_pdl(on, 1 << 20)
+                caches = allocate_kv_cache(2, 256, 4, 2, 64, torch.bfloat16, DEVICE)
+                pool = PagePool(255, 4)
+                model(prompt, step_meta(pool, [(s, 0, n) for s, n in lens.items()], DEVICE, "triton"), caches)
+                meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], DEVICE, "triton")
+                eager = model.compute_logits(model(tokens, meta, caches))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    graphed = model.compute_logits(model(tokens, meta, caches))
+                graph.replay()
+                torch.cuda.synchronize()
+                results[on] = (eager.clone(), graphed.clone())
+    finally:
+        set_pdl(None, 2 << 20)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    assert torch.equal(results[True][1], results[True][0])
