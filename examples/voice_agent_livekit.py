@@ -4,15 +4,13 @@ own calls (``STT.recognize``, ``LLM.chat``, ``TTS.synthesize``) run one turn fro
 a WAV file; in an ``AgentSession`` the same three objects are what you pass as
 ``stt=``/``llm=``/``tts=``.
 
-    mstar serve voice_agent --served-model-name voice_agent --served-model-name tts-1
+    mstar serve voice_agent
     pip install 'livekit-agents[openai]'     # a venv of its own will do: it only talks HTTP
     python examples/voice_agent_livekit.py question.wav [reply.wav]
 
-Why ``tts-1``: the plugin asks any other TTS model for OpenAI's SSE stream
-(``stream_format="sse"``), which M* does not send; for ``tts-1`` it asks for the audio bytes
-themselves. Serving the deployment under that second name as well keeps the plugin unchanged.
-The reply comes back as WAV, so the plugin reads Piper's 22,050 Hz from the header and
-resamples to its 24 kHz.
+The TTS plugin asks for OpenAI's SSE speech stream (``stream_format="sse"``: base64 audio
+deltas, then a done event), which M* sends. It is told to ask for WAV, so it reads Piper's
+22,050 Hz from the header and resamples to its 24 kHz.
 """
 
 import asyncio
@@ -26,7 +24,7 @@ from livekit.plugins import openai as lk_openai
 
 BASE_URL = os.environ.get("MSTAR_BASE_URL", "http://127.0.0.1:8000").rstrip("/") + "/v1"
 MODEL = os.environ.get("MSTAR_MODEL") or "voice_agent"
-TTS_MODEL = os.environ.get("MSTAR_TTS_MODEL") or "tts-1"
+TTS_MODEL = os.environ.get("MSTAR_TTS_MODEL") or MODEL
 
 
 def read_frame(path: str) -> rtc.AudioFrame:

