@@ -95,6 +95,7 @@ def _check_compiled_against_eager(tmp_path, quantization: str) -> None:
     path = tiny_llama_dir(tmp_path)
     eager, compiled = (_engine(path, quantization, flag) for flag in (False, True))
     assert compiled.model.model.layers[0].compiled is not None and eager.model.model.layers[0].compiled is None
+    assert compiled.model.model.compiled_step is not None and eager.model.model.compiled_step is None
     ours, ref = _logits(compiled.model, PROMPTS["c"]), _logits(eager.model, PROMPTS["c"])
     err = ((ours - ref).abs().max() / ref.abs().max()).item()
     print(f"[compile] {quantization}: max rel logit err {err:.2e}")

@@ -40,7 +40,7 @@ from mstar.layers.linear import (
 )
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
-from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache
+from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache, write_kv_cache_whole
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
@@ -122,6 +122,14 @@ def compiled_layer(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]
     options = {"cpp.threads": 1} if backend == "inductor" else None
     return tuple(torch.compile(fn, backend=backend, options=options) for fn in (
         LlamaDecoderLayer.before_attention, LlamaDecoderLayer.after_attention, LlamaDecoderLayer.decode_attention_on))
+
+
+@functools.cache
+def compiled_step(backend: str) -> Callable[..., Any]:
+    """``LlamaModel.decode_group_step`` compiled with ``backend``, once per process: the whole
+    decode step of one ``DecodeGroup`` (every layer, cache writes included) as one graph."""
+    options = {"cpp.threads": 1} if backend == "inductor" else None  # as ``compiled_layer``
+    return torch.compile(LlamaModel.decode_group_step, backend=backend, options=options)
 
 
 def one_decode_group(meta: PagedAttentionMetadata, rows: int) -> DecodeGroup | None:
@@ -264,6 +272,17 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         return (*self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin), residual)
 
+    def decode_in_group(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, slots: torch.Tensor,
+                        padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a decode step whose rows are one ``DecodeGroup`` in order, tensors
+        only (``LlamaModel.decode_group_step`` traces every layer's as one graph): the same
+        ops as the eager path, the cache written by ``write_kv_cache_whole``."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        q, k, v = self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin)
+        write_kv_cache_whole(k, v, kv_cache, slot_mapping)
+        return self.decode_attention_on(q, kv_cache, slots, padding, residual)
+
     def decode_attention_on(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             padding: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its queries on, for a decode step whose rows are one ``DecodeGroup``
@@ -319,6 +338,8 @@ class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (the ``model.`` prefix of HF keys)."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # ``use_compile``: the compiled ``decode_group_step`` (None: eager)
+    compiled_step: Callable[..., Any] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -341,10 +362,25 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         cos_sin = self.rotary_emb.cos_sin(meta.positions, x.dtype)
+        if self.compiled_step is not None and x.shape[0] <= COMPILED_MAX_ROWS:
+            group = one_decode_group(meta, x.shape[0])
+            if group is not None:
+                return self.compiled_step(self, x, *cos_sin, kv_caches, meta.slot_mapping, group.slots, group.padding)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos_sin, meta, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def decode_group_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                          slot_mapping: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """``forward`` from the embeddings ``x`` on for a decode step whose rows are one
+        ``DecodeGroup`` in order (``one_decode_group``: its ``slots`` and ``padding``), tensors
+        only: ``use_compile`` runs it as one graph, so that a step pays for one call and one
+        guard check instead of two a layer."""
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer.decode_in_group(x, residual, cos, sin, kv_cache, slot_mapping, slots, padding)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -398,6 +434,7 @@ class LlamaForCausalLM(nn.Module):
         graphs = None if backend is None else compiled_layer(backend)
         for layer in self.model.layers:
             layer.compiled = graphs
+        self.model.compiled_step = None if backend is None else compiled_step(backend)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
