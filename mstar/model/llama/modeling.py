@@ -124,11 +124,21 @@ def compiled_layer(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]
         LlamaDecoderLayer.before_attention, LlamaDecoderLayer.after_attention, LlamaDecoderLayer.decode_attention_on))
 
 
+STEP_INDUCTOR_OPTIONS = {"cpp.threads": 1, "size_asserts": False, "cpp_wrapper": True}
+"""inductor's options for the whole-step graph (``compiled_step``). ``cpp.threads``: as
+``compiled_layer``. The other two cut the graph's own host work, which at one row is a large
+part of the step: ``size_asserts`` off drops a size and stride check per buffer (~580 a step
+for SmolLM2), ``cpp_wrapper`` calls the kernels from C++ instead of a Python function. Measured
+on the 2-core test VM (docs/cpu-compile.md): with both, a one-stream SmolLM2 step took ~9 ms
+against ~10.4 ms without; the price is start-up: a cold build of the graph took 164 against
+85 s (~12 s more than eager once inductor's disk cache holds it)."""
+
+
 @functools.cache
 def compiled_step(backend: str) -> Callable[..., Any]:
     """``LlamaModel.decode_group_step`` compiled with ``backend``, once per process: the whole
     decode step of one ``DecodeGroup`` (every layer, cache writes included) as one graph."""
-    options = {"cpp.threads": 1} if backend == "inductor" else None  # as ``compiled_layer``
+    options = STEP_INDUCTOR_OPTIONS if backend == "inductor" else None
     return torch.compile(LlamaModel.decode_group_step, backend=backend, options=options)
 
 
