@@ -1,5 +1,6 @@
-"""``model_kwargs.compile`` on the CPU: the Llama decoder's per-layer work around its attention
-as ``torch.compile``d graphs (inductor's C++ code) must decode as the eager model does.
+"""``model_kwargs.compile`` on the CPU: the Llama decoder as ``torch.compile``d graphs
+(inductor's C++ code; a decode step in one key block as one graph of every layer, the others
+two graphs a layer around the eager attention) must decode as the eager model does.
 
 A tiny random Llama (``LLAMA_TINY``, hidden 64, 2 layers), built twice from the same seed,
 eager and compiled, each in float32 and with ``quantization: int4`` (the SmolLM2 path:

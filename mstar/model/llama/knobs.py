@@ -9,8 +9,8 @@ from mstar.model.knobs import Compile, DecodeKnobs, Quantization
 
 class LlamaKnobs(DecodeKnobs, Quantization, Compile):
     """``DecodeKnobs`` plus ``quantization`` (CPU, weight-only; see ``mstar.model.quantize``)
-    and ``compile``: each decoder layer's work around its attention as ``torch.compile``d
-    graphs (``LlamaForCausalLM.use_compile``), on the CPU only (CUDA's fast paths are
+    and ``compile``: the decode step as ``torch.compile``d graphs (a one-group decode step as
+    one graph; ``LlamaForCausalLM.use_compile``), on the CPU only (CUDA's fast paths are
     ``cuda_graphs`` and ``fused_kernels``)."""
 
     def check(self, device: str) -> None:

@@ -431,16 +431,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.fused_kernels
 
     def use_compile(self, backend: str | None = "inductor") -> None:
-        """Run every decoder layer as ``torch.compile``d graphs (``model_kwargs.compile``;
-        None: back to eager): each layer's work before its attention as one graph, then the
-        cache write eagerly (in a graph it would copy the whole cache), then for a decode step
-        whose sequences share one key block (``one_decode_group``) the attention and the rest
-        of the layer as a second graph; for other steps the attention eagerly (its gathers
-        planned on the host) and the rest as that graph.
-        The graphs are shared by all layers (the layer is an argument, its weights graph
-        inputs) and traced on first use: one row, then any row count and key length
-        (automatic dynamic shapes); ``mstar.model.decode_engines.warm_compiled`` traces
-        them before serving."""
+        """Run the decoder as ``torch.compile``d graphs (``model_kwargs.compile``; None: back
+        to eager), for steps of at most ``COMPILED_MAX_ROWS`` rows. A decode step whose
+        sequences share one key block (``one_decode_group``) is one graph from the embeddings
+        to the final norm, cache writes included (``LlamaModel.decode_group_step``). Any other
+        step runs each layer as two graphs around an eager cache write and attention (its
+        gathers planned on the host): the work before the attention, then the rest.
+        The graphs take the model or layer as an argument (its weights are graph inputs), so
+        the 30 layers share theirs and models of one shape share the step's; they are traced
+        on first use: one row, then any row count and key length (automatic dynamic shapes);
+        ``mstar.model.decode_engines.warm_compiled`` traces them before serving."""
         graphs = None if backend is None else compiled_layer(backend)
         for layer in self.model.layers:
             layer.compiled = graphs
