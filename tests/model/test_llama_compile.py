@@ -112,6 +112,18 @@ def test_compile_is_refused_on_cuda():
         LlamaKnobs.parse({"compile": True}, device="cuda")
 
 
+def test_compile_without_a_cpp_compiler_is_a_config_error(monkeypatch):
+    from mstar.config import ConfigError
+    from mstar.model.llama import knobs
+    from mstar.model.llama.knobs import LlamaKnobs
+
+    monkeypatch.setattr(knobs.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        LlamaKnobs.parse({"compile": True}, device="cpu")
+    LlamaKnobs.parse({"compile": True, "compile_backend": "aot_eager"}, device="cpu")  # needs none
+    LlamaKnobs.parse({}, device="cpu")
+
+
 def test_steps_past_the_row_cap_run_eagerly(tmp_path):
     model = _engine(tiny_llama_dir(tmp_path), "none", False).model
 
