@@ -236,9 +236,11 @@ def metrics(ours_llm, cpp, ours_asr, ct2, concurrency: int) -> list[Metric]:
 # llama.cpp built for this CPU's vector units but without its AMX kernels: a native build on
 # the 2-core test machine (a VM whose Xeon reports AMX) crashed in every batch of two or more
 # tokens (prompts); one token at a time ran. Decoding is matrix-vector work, where AMX plays
-# no part, so the inter-token figures do not depend on it; the prompt's (TTFT) may.
+# no part, so the inter-token figures do not depend on it; the prompt's (TTFT) may. AVX-VNNI
+# (the 256-bit VEX form) off: the test machine's AMD EPYC lacks it (that build died with an
+# illegal instruction), and with AVX-512 ggml takes the AVX512-VNNI kernels anyway.
 LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-                        "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                        "-DGGML_AVX_VNNI=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
                         "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
 
 

@@ -142,4 +142,18 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+def write_kv_cache_whole(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``write_kv_cache`` as one ``index_put_`` on ``kv_cache`` itself, indexed by (K or V,
+    page, offset) rather than through a view: the form a ``torch.compile``d graph can write
+    in place. Mutating a view of a graph input (``write_kv_cache``'s ``flat[0]``) made
+    inductor copy the whole cache tensor on every call (a few hundred ms a step for
+    SmolLM2's pool); a mutation of the input itself it leaves in place."""
+    page_size = kv_cache.shape[2]
+    kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, T, Hkv, D]
+    which = torch.arange(2, device=kv.device)[:, None]
+    kv_cache.index_put_((which, (slot_mapping // page_size)[None], (slot_mapping % page_size)[None]), kv)
+
+
 ATTENTION_BACKENDS = ("torch", "triton")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.layers.attention import torch_paged_attention
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata, write_kv_cache, write_kv_cache_whole
 
 
 def decode_step(lengths: list[int], heads: int, kv_heads: int, dim: int = 16, page: int = 4, seed: int = 0):
@@ -89,3 +89,13 @@ def test_a_decoding_sequence_attends_alike_beside_a_prefill():
     expected = reference(new[0][-1:], cache, PagedAttentionMetadata(
         torch.tensor([2]), slots[3:4], torch.arange(2), torch.tensor([3]), table[1:2], 16), 0.125)
     torch.testing.assert_close(out[3:4], expected, rtol=1e-5, atol=1e-6)  # the prefill's last token
+
+
+def test_the_whole_cache_write_writes_as_the_view_write():
+    """``write_kv_cache_whole`` (the compiled decode step's write: one ``index_put_`` on the
+    cache itself) leaves the cache as ``write_kv_cache`` does, other slots untouched."""
+    _, k, v, cache, meta = decode_step([70, 3, 66], 9, 3, dim=64, page=16)
+    want, got = cache.clone(), cache.clone()
+    write_kv_cache(k, v, want, meta.slot_mapping)
+    write_kv_cache_whole(k, v, got, meta.slot_mapping)
+    assert torch.equal(got, want) and not torch.equal(got, cache)

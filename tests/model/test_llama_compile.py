@@ -1,5 +1,6 @@
-"""``model_kwargs.compile`` on the CPU: the Llama decoder's per-layer work around its attention
-as ``torch.compile``d graphs (inductor's C++ code) must decode as the eager model does.
+"""``model_kwargs.compile`` on the CPU: the Llama decoder as ``torch.compile``d graphs
+(inductor's C++ code; a decode step in one key block as one graph of every layer, the others
+two graphs a layer around the eager attention) must decode as the eager model does.
 
 A tiny random Llama (``LLAMA_TINY``, hidden 64, 2 layers), built twice from the same seed,
 eager and compiled, each in float32 and with ``quantization: int4`` (the SmolLM2 path:
@@ -95,6 +96,7 @@ def _check_compiled_against_eager(tmp_path, quantization: str) -> None:
     path = tiny_llama_dir(tmp_path)
     eager, compiled = (_engine(path, quantization, flag) for flag in (False, True))
     assert compiled.model.model.layers[0].compiled is not None and eager.model.model.layers[0].compiled is None
+    assert compiled.model.model.compiled_step is not None and eager.model.model.compiled_step is None
     ours, ref = _logits(compiled.model, PROMPTS["c"]), _logits(eager.model, PROMPTS["c"])
     err = ((ours - ref).abs().max() / ref.abs().max()).item()
     print(f"[compile] {quantization}: max rel logit err {err:.2e}")
@@ -108,6 +110,18 @@ def test_compile_is_refused_on_cuda():
 
     with pytest.raises(ConfigError, match="compile"):
         LlamaKnobs.parse({"compile": True}, device="cuda")
+
+
+def test_compile_without_a_cpp_compiler_is_a_config_error(monkeypatch):
+    from mstar.config import ConfigError
+    from mstar.model.llama import knobs
+    from mstar.model.llama.knobs import LlamaKnobs
+
+    monkeypatch.setattr(knobs.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        LlamaKnobs.parse({"compile": True}, device="cpu")
+    LlamaKnobs.parse({"compile": True, "compile_backend": "aot_eager"}, device="cpu")  # needs none
+    LlamaKnobs.parse({}, device="cpu")
 
 
 def test_steps_past_the_row_cap_run_eagerly(tmp_path):

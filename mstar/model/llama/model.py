@@ -5,7 +5,7 @@ until the engine raises ``stop`` (EOS, token budget) or the budget runs out; eve
 token streams to the client as text (``mstar.model.chat``). Knobs: ``LlamaKnobs``
 (``attention_backend``, ``cuda_graphs``, ``fused_kernels``, ``overlap_scheduling``, ``seed``,
 ``quantization``: a GGUF file's blocks are kept quantised on the CPU unless it says ``none``;
-``compile``: the CPU step's per-layer work as ``torch.compile``d graphs, traced at start-up).
+``compile``: the CPU decode step as ``torch.compile``d graphs, traced at start-up).
 
 Disaggregated prefill/decode: when the deployment places ``llm_prefill`` (the same model
 behind a second engine), chats walk ``chat_pd`` instead: ``llm_prefill`` prefills, emits the

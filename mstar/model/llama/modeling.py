@@ -40,7 +40,7 @@ from mstar.layers.linear import (
 )
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
-from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache
+from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache, write_kv_cache_whole
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
@@ -122,6 +122,24 @@ def compiled_layer(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]
     options = {"cpp.threads": 1} if backend == "inductor" else None
     return tuple(torch.compile(fn, backend=backend, options=options) for fn in (
         LlamaDecoderLayer.before_attention, LlamaDecoderLayer.after_attention, LlamaDecoderLayer.decode_attention_on))
+
+
+STEP_INDUCTOR_OPTIONS = {"cpp.threads": 1, "size_asserts": False, "cpp_wrapper": True}
+"""inductor's options for the whole-step graph (``compiled_step``). ``cpp.threads``: as
+``compiled_layer``. The other two cut the graph's own host work, which at one row is a large
+part of the step: ``size_asserts`` off drops a size and stride check per buffer (~580 a step
+for SmolLM2), ``cpp_wrapper`` calls the kernels from C++ instead of a Python function. Measured
+on the 2-core test VM (docs/cpu-compile.md): with both, a one-stream SmolLM2 step took ~9 ms
+against ~10.4 ms without; the price is start-up: a cold build of the graph took 164 against
+85 s (~12 s more than eager once inductor's disk cache holds it)."""
+
+
+@functools.cache
+def compiled_step(backend: str) -> Callable[..., Any]:
+    """``LlamaModel.decode_group_step`` compiled with ``backend``, once per process: the whole
+    decode step of one ``DecodeGroup`` (every layer, cache writes included) as one graph."""
+    options = STEP_INDUCTOR_OPTIONS if backend == "inductor" else None
+    return torch.compile(LlamaModel.decode_group_step, backend=backend, options=options)
 
 
 def one_decode_group(meta: PagedAttentionMetadata, rows: int) -> DecodeGroup | None:
@@ -264,6 +282,17 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         return (*self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin), residual)
 
+    def decode_in_group(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, slots: torch.Tensor,
+                        padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a decode step whose rows are one ``DecodeGroup`` in order, tensors
+        only (``LlamaModel.decode_group_step`` traces every layer's as one graph): the same
+        ops as the eager path, the cache written by ``write_kv_cache_whole``."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        q, k, v = self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin)
+        write_kv_cache_whole(k, v, kv_cache, slot_mapping)
+        return self.decode_attention_on(q, kv_cache, slots, padding, residual)
+
     def decode_attention_on(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             padding: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its queries on, for a decode step whose rows are one ``DecodeGroup``
@@ -319,6 +348,8 @@ class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (the ``model.`` prefix of HF keys)."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # ``use_compile``: the compiled ``decode_group_step`` (None: eager)
+    compiled_step: Callable[..., Any] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -341,10 +372,25 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         cos_sin = self.rotary_emb.cos_sin(meta.positions, x.dtype)
+        if self.compiled_step is not None and x.shape[0] <= COMPILED_MAX_ROWS:
+            group = one_decode_group(meta, x.shape[0])
+            if group is not None:
+                return self.compiled_step(self, x, *cos_sin, kv_caches, meta.slot_mapping, group.slots, group.padding)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos_sin, meta, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def decode_group_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                          slot_mapping: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """``forward`` from the embeddings ``x`` on for a decode step whose rows are one
+        ``DecodeGroup`` in order (``one_decode_group``: its ``slots`` and ``padding``), tensors
+        only: ``use_compile`` runs it as one graph, so that a step pays for one call and one
+        guard check instead of two a layer."""
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer.decode_in_group(x, residual, cos, sin, kv_cache, slot_mapping, slots, padding)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -385,19 +431,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.fused_kernels
 
     def use_compile(self, backend: str | None = "inductor") -> None:
-        """Run every decoder layer as ``torch.compile``d graphs (``model_kwargs.compile``;
-        None: back to eager): each layer's work before its attention as one graph, then the
-        cache write eagerly (in a graph it would copy the whole cache), then for a decode step
-        whose sequences share one key block (``one_decode_group``) the attention and the rest
-        of the layer as a second graph; for other steps the attention eagerly (its gathers
-        planned on the host) and the rest as that graph.
-        The graphs are shared by all layers (the layer is an argument, its weights graph
-        inputs) and traced on first use: one row, then any row count and key length
-        (automatic dynamic shapes); ``mstar.model.decode_engines.warm_compiled`` traces
-        them before serving."""
+        """Run the decoder as ``torch.compile``d graphs (``model_kwargs.compile``; None: back
+        to eager), for steps of at most ``COMPILED_MAX_ROWS`` rows. A decode step whose
+        sequences share one key block (``one_decode_group``) is one graph from the embeddings
+        to the final norm, cache writes included (``LlamaModel.decode_group_step``). Any other
+        step runs each layer as two graphs around an eager cache write and attention (its
+        gathers planned on the host): the work before the attention, then the rest.
+        The graphs take the model or layer as an argument (its weights are graph inputs), so
+        the 30 layers share theirs and models of one shape share the step's; they are traced
+        on first use: one row, then any row count and key length (automatic dynamic shapes);
+        ``mstar.model.decode_engines.warm_compiled`` traces them before serving."""
         graphs = None if backend is None else compiled_layer(backend)
         for layer in self.model.layers:
             layer.compiled = graphs
+        self.model.compiled_step = None if backend is None else compiled_step(backend)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
