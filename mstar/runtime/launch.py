@@ -111,7 +111,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
 
         torch.set_num_threads(1)
         layout = reserve(config, placement, num_ranks)
-        frontend = make_transport(layout.protocol, frontend_rank, host=layout.server_ip)
+        frontend = make_transport(layout.protocol, frontend_rank, host=layout.server_ip, node=layout.server_node)
         log.info("starting %d worker rank(s) as Ray actors", num_ranks)
         pool = RayWorkers(config_data, num_ranks, layout, frontend, split_groups=placement.split_groups())
     else:

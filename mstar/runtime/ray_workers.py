@@ -11,8 +11,10 @@ server. What differs from the local launcher is where things are:
 * the control sockets listen on the server's node IP, and each worker binds its tensor
   transport on its own node's IP (the address comes back in its ``WorkerReady`` and
   reaches every peer through the peer table);
-* shared memory only works within a node: when every rank sits on the server's node the
-  configured protocol stays, otherwise the deployment's tensors go over TCP.
+* shared memory only works within a node: when the ranks span several nodes, ``SHM``
+  becomes ``SHM+TCP`` (``transport/nodes.py``: shared memory between the ranks of a node,
+  TCP between nodes, chosen per pair from the node names in the addresses). ``TCP`` stays
+  TCP everywhere.
 
 Ray is imported here only, and this module only when ``backend: ray`` is asked for.
 """
@@ -52,7 +54,7 @@ class RayLayout:
     bundle_of: dict[int, tuple[Any, int, dict[str, float]]]  # rank -> (group, bundle index, its resources)
     server_node: str
     server_ip: str
-    protocol: str  # the tensor protocol every rank uses
+    protocol: str  # the tensor protocol every rank uses (SHM, TCP or SHM+TCP)
 
     def node_of(self, rank: int) -> str:
         """The node id the rank's bundle sits on now (Ray moves a bundle whose node died)."""
@@ -123,9 +125,9 @@ def reserve(config: DeploymentConfig, placement: Placement, num_ranks: int) -> R
     server_node = ray.get_runtime_context().get_node_id()
     layout = RayLayout(groups, bundle_of, server_node, ray.util.get_node_ip_address(), config.tensor_comm_protocol)
     nodes = {rank: layout.node_of(rank) for rank in range(num_ranks)}
-    if any(node != server_node for node in nodes.values()) and layout.protocol != "TCP":
-        log.info("the ranks span several Ray nodes: tensors go over TCP instead of %s", layout.protocol)
-        layout.protocol = "TCP"
+    if any(node != server_node for node in nodes.values()) and layout.protocol == "SHM":
+        log.info("the ranks span several Ray nodes: shared memory within a node, TCP between nodes")
+        layout.protocol = "SHM+TCP"
     if placement.split_groups() and any(nodes[r] != server_node for g in placement.split_groups() for r in g.ranks):
         release(layout)
         raise ConfigError("node_groups: with backend: ray the ranks of a tp_size/sp_size group must run on the "
@@ -162,7 +164,7 @@ class RankActor:
         if config_data.get("device") == "cuda":  # Ray shows an actor only its own GPU: cuda:0
             config_data = {**config_data, "gpus": [0] * frontend_rank}
         run_worker(config_data, rank, frontend_rank, protocol_name, plan_addr, result_addr, rendezvous,
-                   host=ray.util.get_node_ip_address())
+                   host=ray.util.get_node_ip_address(), node=ray.get_runtime_context().get_node_id())
 
 
 class _ActorHandle:

@@ -461,16 +461,18 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
 
 def run_worker(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
                plan_addr: str, result_addr: str, rendezvous: str | None = None, *,
-               host: str = "127.0.0.1", server_alive: Callable[[], bool] = lambda: True) -> None:
+               host: str = "127.0.0.1", node: str | None = None,
+               server_alive: Callable[[], bool] = lambda: True) -> None:
     """A worker's life wherever it runs (a local process, a Ray actor): load the rank's
-    engines, report ready with its tensor address (TCP bound on ``host``), then serve plans
-    until the server says stop, or ``server_alive()`` turns false while idle."""
+    engines, report ready with its tensor address (TCP bound on ``host``; ``node``: the
+    machine's name, for ``shm+tcp``), then serve plans until the server says stop, or
+    ``server_alive()`` turns false while idle."""
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plans.connect(plan_addr)
     results = ctx.socket(zmq.PUSH)
     results.connect(result_addr)
-    transport = make_transport(protocol_name, rank, host=host)
+    transport = make_transport(protocol_name, rank, host=host, node=node)
     try:
         worker = build_worker(config_data, rank, transport, frontend_rank, rendezvous)
     except Exception as err:

@@ -90,7 +90,8 @@ def _answer(deployment: Deployment, question: str) -> str:
 def test_rank_runs_on_the_worker_node(cluster: Cluster, deployment: Deployment) -> None:
     layout = deployment.runtime.workers.layout
     assert layout.node_of(0) == cluster.worker_node_id != layout.server_node
-    assert layout.protocol == "TCP"  # shared memory stops at a node
+    assert layout.protocol == "SHM+TCP"  # shared memory stops at a node
+    assert deployment.runtime.transport.via(0) == "tcp"
 
 
 def test_openai_client_gets_the_local_launchers_text(deployment: Deployment, expected: list[str]) -> None:
@@ -127,4 +128,5 @@ def test_a_dead_actor_fails_its_request_naming_rank_and_node(cluster: Cluster, d
     error, after = asyncio.run(run())
     assert error is not None, "the request outlived its worker"
     assert "rank 0" in error and cluster.worker_node_id[:8] in error, error
+    print(f"failed {after:.2f} s after the kill: {error}")
     assert after < 10.0
