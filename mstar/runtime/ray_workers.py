@@ -7,7 +7,8 @@ server. What differs from the local launcher is where things are:
 
 * every rank has a placement-group bundle (its CPUs, its GPU, the ``ray_resources`` of its
   node groups); the ranks of a split node group (tp/sp) share one ``STRICT_PACK`` group so
-  they land on one node, other ranks get a group each, placed wherever Ray finds room;
+  they land on one node, other ranks get a group each, placed wherever Ray finds room; the
+  split groups meet at a TCP rendezvous on the node of their first rank;
 * the control sockets listen on the server's node IP, and each worker binds its tensor
   transport on its own node's IP (the address comes back in its ``WorkerReady`` and
   reaches every peer through the peer table);
@@ -128,11 +129,6 @@ def reserve(config: DeploymentConfig, placement: Placement, num_ranks: int) -> R
     if any(node != server_node for node in nodes.values()) and layout.protocol == "SHM":
         log.info("the ranks span several Ray nodes: shared memory within a node, TCP between nodes")
         layout.protocol = "SHM+TCP"
-    if placement.split_groups() and any(nodes[r] != server_node for g in placement.split_groups() for r in g.ranks):
-        release(layout)
-        raise ConfigError("node_groups: with backend: ray the ranks of a tp_size/sp_size group must run on the "
-                          "server's Ray node for now (their rendezvous is a file there); pin them there with "
-                          "ray_resources, or set tp_size and sp_size to 1")
     for rank, node in sorted(nodes.items()):
         log.info("rank %d: a Ray bundle %s on node %s", rank, bundle_of[rank][2], node[:12])
     return layout
@@ -146,6 +142,20 @@ def release(layout: RayLayout) -> None:
             remove_placement_group(group)
         except Exception as err:  # the cluster may be gone already
             log.info("could not remove a placement group: %s", err)
+
+
+def _free_port() -> int:
+    """A TCP port free now on the node this runs on (the split groups' rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def node_ip(ray, node: str) -> str:
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return ips.get(node, "address unknown")
 
 
 class RankActor:
@@ -231,9 +241,20 @@ class RayWorkers(ProcessWorkers):
                                   result_addr, rendezvous, int(bundle["CPU"]))
         return _ActorHandle(self.ray, actor, done, rank, self.layout.node_of(rank))
 
+    def _rendezvous(self) -> str | None:
+        """The split groups' ``torch.distributed`` rendezvous: a TCP store on the node of
+        their first rank, at a port found free there (a new one per restart of the world)."""
+        if not self.world:
+            return None
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = self.layout.node_of(min(self.world))
+        find = self.ray.remote(num_cpus=0)(_free_port)
+        port = self.ray.get(find.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote())
+        return f"tcp://{node_ip(self.ray, node)}:{port}"
+
     def _where(self, handle: _ActorHandle) -> str:
-        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in self.ray.nodes()}
-        return f"Ray actor on node {handle.node[:8]} ({ips.get(handle.node, 'address unknown')})"
+        return f"Ray actor on node {handle.node[:8]} ({node_ip(self.ray, handle.node)})"
 
     def _gone(self, process: _Process) -> str:
         handle = process.proc
