@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from mstar import __version__
 from mstar.server.options import (
+    BACKENDS,
     DEVICES,
     LOG_LEVELS,
     TENSOR_COMM_PROTOCOLS,
@@ -91,6 +92,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: boo
     parser.add_argument(
         "--tensor-comm-protocol", choices=TENSOR_COMM_PROTOCOLS, default="SHM", type=str.upper,
         help="how workers exchange tensors (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, type=str.lower,
+        help="who starts the workers: local processes, or actors on a Ray cluster (default: the "
+             "config's backend, else local; see docs/multinode.md)",
     )
     parser.add_argument(
         "--served-model-name", action="append", default=None, metavar="NAME",
@@ -168,6 +174,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         gpus=args.gpus,
         cache_dir=args.cache_dir,
         tensor_comm_protocol=args.tensor_comm_protocol,
+        backend=args.backend,
         log_level=args.log_level,
         log_stats=args.log_stats,
         api_key=args.api_key,

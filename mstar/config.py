@@ -23,6 +23,9 @@ class NodeGroupConfig(_Strict):
     graph_walks: list[str] = Field(default_factory=list)
     tp_size: int = Field(1, ge=1)  # tensor parallel: heads and weights split over ranks
     sp_size: int = Field(1, ge=1)  # Ulysses sequence parallel (DiT attention); ranks = tp x sp
+    # backend: ray only: resources each rank's placement-group bundle asks for beside its CPU (and
+    # GPU), e.g. a custom resource that only some Ray nodes have, to choose where the group runs.
+    ray_resources: dict[str, float] = Field(default_factory=dict)
 
 
 class KVCacheConfig(_Strict):
@@ -82,6 +85,11 @@ class DeploymentConfig(_Strict):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)  # typed by the family: ModelSpec.Knobs
     cache_dir: str | None = None
     tensor_comm_protocol: Literal["INPROC", "SHM", "TCP"] = "SHM"
+    # Who starts the worker ranks: "local" (a process each on this host) or "ray" (an actor each
+    # on a Ray cluster, see docs/multinode.md). ray_address: the cluster to join (None: the
+    # RAY_ADDRESS environment variable, else a Ray instance started on this host).
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
     request_timeout_s: float | None = Field(None, gt=0)
     stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can
     # The models of a many-model deployment (``voice_agent``), by part name; their nodes are
@@ -93,6 +101,17 @@ class DeploymentConfig(_Strict):
         ranks = sorted({r for g in self.node_groups for r in g.ranks})
         if ranks and ranks != list(range(len(ranks))):
             raise ValueError(f"node_groups: ranks must be 0..N-1 with none skipped, got {ranks}")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_keys_need_ray(self) -> DeploymentConfig:
+        for i, g in enumerate(self.node_groups):
+            if g.ray_resources and self.backend != "ray":
+                raise ValueError(f"node_groups[{i}].ray_resources: only backend: ray places ranks by Ray "
+                                 f"resources; set backend: ray or remove the key")
+            negative = sorted(k for k, v in g.ray_resources.items() if v < 0)
+            if negative:
+                raise ValueError(f"node_groups[{i}].ray_resources.{negative[0]}: must be 0 or more")
         return self
 
     @model_validator(mode="after")

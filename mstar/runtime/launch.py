@@ -54,7 +54,8 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
           max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
           on_give_up: Callable[[str], None] | None = None) -> Deployment:
     """Load the model and start its runtime. ``in_process`` keeps every worker rank in this
-    process (fast, deterministic; tests); otherwise one worker process per rank.
+    process (fast, deterministic; tests); otherwise one worker process per rank, or one Ray
+    actor per rank with ``backend: ray`` (``mstar.runtime.ray_workers``).
 
     A worker process that dies is restarted, at most ``max_worker_restarts`` times per rank;
     past that, or when a restart fails to load (or the workers are in-process), every request
@@ -63,7 +64,11 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
     """
     spec = model_class(config.model)(config)
     graph = spec.graph()
-    _check_device(config)
+    if config.backend == "ray" and in_process:
+        raise ConfigError("backend: ray starts each rank as a Ray actor and cannot run in-process; "
+                          "drop --in-process or set backend: local")
+    if config.backend == "local":  # on Ray the GPUs are the cluster's, not this host's
+        _check_device(config)
     started = time.monotonic()
     try:
         try:
@@ -101,6 +106,14 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         for rank, transport in endpoints.items():
             transport.connect({r: a for r, a in addresses.items() if r != rank})
         pool: Any = InProcessWorkers(workers)
+    elif config.backend == "ray":
+        from mstar.runtime.ray_workers import RayWorkers, reserve
+
+        torch.set_num_threads(1)
+        layout = reserve(config, placement, num_ranks)
+        frontend = make_transport(layout.protocol, frontend_rank, host=layout.server_ip, node=layout.server_node)
+        log.info("starting %d worker rank(s) as Ray actors", num_ranks)
+        pool = RayWorkers(config_data, num_ranks, layout, frontend, split_groups=placement.split_groups())
     else:
         # The API server process only tokenises and prepares inputs: leave the cores to the workers.
         torch.set_num_threads(1)

@@ -173,6 +173,8 @@ class ProcessWorkers:
     runtime); restarting any of those ranks restarts the whole world at a new rendezvous.
     """
 
+    control_host = "127.0.0.1"  # where the plan and result sockets listen (the workers are local)
+
     def __init__(self, config_data: dict[str, Any], num_ranks: int, protocol_name: str,
                  frontend_transport, startup_timeout: float = 600.0, split_groups: Sequence = ()):
         self.ctx = zmq.Context.instance()
@@ -299,14 +301,28 @@ class ProcessWorkers:
 
     def _spawn(self, rank: int, on_ready=None, rendezvous: str | None = None) -> _Process:
         plans, results = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
-        plan_port = plans.bind_to_random_port("tcp://127.0.0.1")
-        result_port = results.bind_to_random_port("tcp://127.0.0.1")
+        host = self.control_host
+        plan_port = plans.bind_to_random_port(f"tcp://{host}")
+        result_port = results.bind_to_random_port(f"tcp://{host}")
+        proc = self._start(rank, f"tcp://{host}:{plan_port}", f"tcp://{host}:{result_port}", rendezvous)
+        return _Process(proc, plans, results, time.monotonic() + self.startup_timeout, on_ready=on_ready)
+
+    def _start(self, rank: int, plan_addr: str, result_addr: str, rendezvous: str | None):
+        """Start the rank's worker, connecting to the two control addresses; return its
+        handle (``is_alive``, ``join``, ``kill``, ``name``, ``pid``: a process's calls)."""
         proc = mp.get_context("spawn").Process(
             target=worker_main, name=f"mstar-worker-{rank}", daemon=True,
-            args=(self.config_data, rank, self.num_ranks, self.protocol_name,
-                  f"tcp://127.0.0.1:{plan_port}", f"tcp://127.0.0.1:{result_port}", rendezvous))
+            args=(self.config_data, rank, self.num_ranks, self.protocol_name, plan_addr, result_addr, rendezvous))
         proc.start()
-        return _Process(proc, plans, results, time.monotonic() + self.startup_timeout, on_ready=on_ready)
+        return proc
+
+    def _gone(self, process: _Process) -> str:
+        """How a dead worker went, for its ``WorkerFailed``."""
+        return (f"worker process {process.proc.name} (pid {process.proc.pid}) "
+                f"{_exit_description(process.proc.exitcode)}")
+
+    def _late(self, process: _Process) -> str:
+        return f"worker process {process.proc.name} (pid {process.proc.pid}) did not load"
 
     def _stop(self, process: _Process, grace_s: float = 0.0) -> None:
         """Make sure the process is gone (joined, killed past ``grace_s``) and close its sockets."""
@@ -351,13 +367,11 @@ class ProcessWorkers:
             if not process.proc.is_alive():
                 process.failed = True
                 when = "" if process.ready else " while loading"
-                out.append(WorkerFailed(rank, f"worker process {process.proc.name} (pid {process.proc.pid}) "
-                                              f"{_exit_description(process.proc.exitcode)}{when}"))
+                out.append(WorkerFailed(rank, f"{self._gone(process)}{when}"))
             elif not process.ready and time.monotonic() > process.deadline:
                 process.failed = True
                 process.proc.kill()
-                out.append(WorkerFailed(rank, f"worker process {process.proc.name} (pid {process.proc.pid}) "
-                                              f"did not load within {self.startup_timeout:.0f} s"))
+                out.append(WorkerFailed(rank, f"{self._late(process)} within {self.startup_timeout:.0f} s"))
         return self._fail_world_together(out)
 
     def _fail_world_together(self, events: list[Event | WorkerReady]) -> list[Event | WorkerReady]:
@@ -440,12 +454,25 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
     logging.basicConfig(level=os.environ.get("MSTAR_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", worker_threads(config_data, num_ranks)))))
+    server = os.getppid()
+    run_worker(config_data, rank, frontend_rank, protocol_name, plan_addr, result_addr, rendezvous,
+               server_alive=lambda: os.getppid() == server)
+
+
+def run_worker(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
+               plan_addr: str, result_addr: str, rendezvous: str | None = None, *,
+               host: str = "127.0.0.1", node: str | None = None,
+               server_alive: Callable[[], bool] = lambda: True) -> None:
+    """A worker's life wherever it runs (a local process, a Ray actor): load the rank's
+    engines, report ready with its tensor address (TCP bound on ``host``; ``node``: the
+    machine's name, for ``shm+tcp``), then serve plans until the server says stop, or
+    ``server_alive()`` turns false while idle."""
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plans.connect(plan_addr)
     results = ctx.socket(zmq.PUSH)
     results.connect(result_addr)
-    transport = make_transport(protocol_name, rank)
+    transport = make_transport(protocol_name, rank, host=host, node=node)
     try:
         worker = build_worker(config_data, rank, transport, frontend_rank, rendezvous)
     except Exception as err:
@@ -458,7 +485,7 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
     if isinstance(worker, Follower):
         _follow(worker)
     else:
-        _serve(worker, rank, plans, results, transport)
+        _serve(worker, rank, plans, results, transport, server_alive)
     transport.close()
     results.close(linger=1000)
     plans.close(linger=0)
@@ -474,13 +501,13 @@ def _follow(follower: Follower) -> None:
         raise SystemExit(1) from None
 
 
-def _serve(worker: Worker, rank: int, plans: zmq.Socket, results: zmq.Socket, transport) -> None:
+def _serve(worker: Worker, rank: int, plans: zmq.Socket, results: zmq.Socket, transport,
+           server_alive: Callable[[], bool]) -> None:
     """A worker's loop: plans in, results out, until the server says stop or is gone."""
-    server = os.getppid()
     while True:
         if not plans.poll(PARENT_CHECK_MS):
-            if os.getppid() != server:  # the server died without stopping us: do not linger
-                log.error("worker %d: the server process %d is gone; exiting", rank, server)
+            if not server_alive():  # the server died without stopping us: do not linger
+                log.error("worker %d: the server is gone; exiting", rank)
                 break
             continue
         msg = protocol.decode(plans.recv())

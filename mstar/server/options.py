@@ -8,6 +8,7 @@ from typing import Literal
 TensorCommProtocol = Literal["SHM", "TCP", "RDMA"]
 TENSOR_COMM_PROTOCOLS: tuple[str, ...] = ("SHM", "TCP", "RDMA")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
+BACKENDS: tuple[str, ...] = ("local", "ray")
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 
 
@@ -22,7 +23,8 @@ class ServeOptions:
     server process instead of separate workers (debugging, tests). ``timeout`` caps each
     request's seconds, queueing included (None: the config's ``request_timeout_s``).
     ``max_worker_restarts``: how many times each worker rank's process is restarted after
-    it dies before the server shuts down (exit status 1).
+    it dies before the server shuts down (exit status 1). ``backend`` starts the workers as
+    local processes or Ray actors (None: the config file's, else local).
     """
 
     model: str | None = None
@@ -33,6 +35,7 @@ class ServeOptions:
     gpus: list[int] | None = None
     cache_dir: str | None = None
     tensor_comm_protocol: TensorCommProtocol = "SHM"
+    backend: str | None = None
     log_level: str = "info"
     log_stats: bool = False
     api_key: str | None = None
@@ -53,6 +56,8 @@ class ServeOptions:
                 f"tensor_comm_protocol must be one of {', '.join(TENSOR_COMM_PROTOCOLS)}, "
                 f"got {self.tensor_comm_protocol!r}"
             )
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout}")
         if self.max_worker_restarts < 0:

@@ -45,6 +45,8 @@ def config_from_options(options: ServeOptions) -> DeploymentConfig:
             raise ConfigError("--tensor-comm-protocol: RDMA is not available in this build; use SHM (one host) "
                               "or TCP")
         overrides["tensor_comm_protocol"] = options.tensor_comm_protocol
+    if options.backend:
+        overrides["backend"] = options.backend
     if options.config:
         if options.model:
             overrides["model"] = options.model

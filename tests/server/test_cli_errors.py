@@ -73,7 +73,7 @@ def test_unavailable_device(tmp_path: Path) -> None:
 def test_bad_config_file(tmp_path: Path) -> None:
     (tmp_path / "deploy.yaml").write_text("model: smollm2\ncuda_graph: true\n")
     line = _serve(tmp_path, "--config", "deploy.yaml", "smollm2")
-    assert "cuda_graph: unknown key; valid keys here: cache_dir, device," in line
+    assert "cuda_graph: unknown key; valid keys here: backend, cache_dir, device," in line
 
 
 def test_misspelt_model_kwarg(tmp_path: Path) -> None:

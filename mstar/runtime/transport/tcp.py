@@ -99,6 +99,12 @@ class ZmqTransport(TensorTransport):
     def address(self) -> str:
         return self._address
 
+    @property
+    def pull_socket(self) -> zmq.Socket:
+        """The socket messages arrive on, for a caller that polls several transports at once
+        (read it through ``recv`` only)."""
+        return self._pull
+
     def connect(self, peers: dict[int, str]) -> None:
         self._check_open()
         with self._send_lock:
