@@ -26,12 +26,12 @@ from mstar.config import ConfigError, parse_config  # noqa: E402
 from mstar.contract import GenerateSpec  # noqa: E402
 from mstar.runtime.launch import Deployment, start  # noqa: E402
 from mstar.server.app import create_app  # noqa: E402
+from tests.support.ray_cluster import two_node_cluster  # noqa: E402
 
 MODEL = "smollm2"
 WORKER_NODE = "mstar_test_worker_node"  # a custom resource only the worker node has
 QUESTIONS = ["Name the capital of France.", "What colour is the sky?"]
 MAX_TOKENS = 12
-OBJECT_STORE = 80 * 1024 * 1024  # the smallest Ray accepts: the model never crosses it
 
 
 def _config(**extra) -> dict:
@@ -41,16 +41,8 @@ def _config(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE})
-    worker = cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE, resources={WORKER_NODE: 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    cluster.worker_node_id = worker.node_id
-    try:
+    with two_node_cluster(1, WORKER_NODE) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from mstar.config import parse_config  # noqa: E402
 from mstar.runtime.launch import start  # noqa: E402
 from mstar.server.app import create_app  # noqa: E402
 from tests.distributed.test_tp_runtime import TP2, write_tiny_llama  # noqa: E402
+from tests.support.ray_cluster import two_node_cluster  # noqa: E402
 
 WORKER_NODE = "mstar_test_tp_node"  # a custom resource only the worker node has
-OBJECT_STORE = 80 * 1024 * 1024
 BODY = {"model": "llama", "messages": [{"role": "user", "content": "Where is the bridge?"}],
         "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -34,16 +34,8 @@ def _config(model_dir: Path, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE})
-    worker = cluster.add_node(num_cpus=2, object_store_memory=OBJECT_STORE, resources={WORKER_NODE: 2})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    cluster.worker_node_id = worker.node_id
-    try:
+    with two_node_cluster(2, WORKER_NODE) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _chat(deployment) -> dict:
