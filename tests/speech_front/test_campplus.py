@@ -19,7 +19,11 @@ from mstar.model.weights import WeightLoadError, load_weights
 from tests.support.speech_front import FIXTURES, clips, max_rel_error, seeded_state
 
 REF = torch.load(FIXTURES / "campplus.pt")
-FBANK_TOL = 1e-4  # absolute, on natural-log energies
+# Natural-log energies: bins 14 nats under a clip's peak carry float32 FFT noise of ~1e-4 that
+# differs between CPUs (AMD vs Intel kernels), so the log check is 1e-3 and the energies
+# themselves are held to 1e-5 of the clip's peak.
+FBANK_TOL = 1e-3
+ENERGY_TOL = 1e-5
 EMBED_TOL = 1e-5  # of the reference's peak
 
 
@@ -33,10 +37,15 @@ def test_fbank_matches_torchaudio():
     for wave, ref in zip(clips(), REF["fbank"], strict=True):
         ours = kaldi_fbank(wave)
         assert ours.shape == ref.shape == (1 + (wave.shape[0] - 400) // 160, 80)
-        err = (ours - ref).abs().max().item()
-        assert err < FBANK_TOL, f"fbank max error {err:.2e}"
-    err = (kaldi_fbank(clips()[0] * 1e-3) - REF["fbank_quiet"]).abs().max().item()
-    assert err < FBANK_TOL, f"quiet clip: fbank max error {err:.2e}"
+        assert_fbank_close(ours, ref)
+    assert_fbank_close(kaldi_fbank(clips()[0] * 1e-3), REF["fbank_quiet"])
+
+
+def assert_fbank_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (ours - ref).abs().max().item()
+    assert err < FBANK_TOL, f"fbank max error {err:.2e}"
+    energy_err = ((ours.exp() - ref.exp()).abs().max() / ref.exp().max()).item()
+    assert energy_err < ENERGY_TOL, f"fbank energy error {energy_err:.2e} of the peak"
 
 
 def test_fbank_of_a_clip_under_one_frame_is_empty():
