@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.triton_adain import adain_act
 from mstar.model.vocoder.istft import ISTFT, prefix_mask
 from mstar.model.vocoder.nsf import HarmonicSource
 
@@ -119,6 +120,27 @@ class AdaIN1d(nn.Module):
             normed = masked_instance_norm(x, keep, self.norm.weight, self.norm.bias, self.norm.eps)
         return (1 + gamma) * normed + beta
 
+    fused = False
+    """Whether ``activated`` runs as Triton kernels (``use_fused_kernels``; eager is the reference)."""
+
+    def activated(self, x: torch.Tensor, s: torch.Tensor, keep: torch.Tensor | None, act: str,
+                  alpha: torch.Tensor | None = None, slope: float = 0.2) -> torch.Tensor:
+        """``zero_padding(act(self(x, s, keep)), keep)`` with ``act`` ``"snake"`` (``alpha``) or
+        ``"leaky_relu"`` (``slope``): what every residual block feeds its next convolution."""
+        if self.fused:
+            gamma, beta = self.fc(s).chunk(2, dim=1)
+            return adain_act(x, keep, self.norm.weight, self.norm.bias, self.norm.eps, gamma, beta, act, alpha, slope)
+        y = self(x, s, keep)
+        return zero_padding(_snake(y, alpha) if act == "snake" else F.leaky_relu(y, slope), keep)
+
+
+def use_fused_kernels(module: nn.Module, enabled: bool = True) -> None:
+    """Run every ``AdaIN1d.activated`` under ``module`` as the fused Triton kernels
+    (``mstar.layers.triton_adain``; CUDA, or Triton's interpreter)."""
+    for m in module.modules():
+        if isinstance(m, AdaIN1d):
+            m.fused = enabled
+
 
 def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return x + (1 / alpha) * torch.sin(alpha * x) ** 2
@@ -146,8 +168,8 @@ class AdaINResBlock1(nn.Module):
         for conv1, conv2, norm1, norm2, a1, a2 in zip(
             self.convs1, self.convs2, self.adain1, self.adain2, self.alpha1, self.alpha2
         ):
-            y = conv1(zero_padding(_snake(norm1(x, s, keep), a1), keep))
-            y = conv2(zero_padding(_snake(norm2(y, s, keep), a2), keep))
+            y = conv1(norm1.activated(x, s, keep, "snake", a1))
+            y = conv2(norm2.activated(y, s, keep, "snake", a2))
             x = x + y
         return x
 
