@@ -4,8 +4,9 @@
     python3 benchmarks/profile_gpu.py s4 --batch 1 --cuda-graphs
     python3 benchmarks/profile_gpu.py s2 --batch 1 [--runtime-compile]
     python3 benchmarks/profile_gpu.py s3 --batch 32 --attention-backend triton --cuda-graphs --overlap
+    python3 benchmarks/profile_gpu.py s7 --batch 32 [--fused-kernels]
 
-The scenario's own runner (S1's, S2's or S4's ``OursRunner``/``ImageRunner``; S3's deployment
+The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``; S3's deployment
 in process, its speech requests through the backend rather than HTTP) starts the
 deployment on dummy weights, runs the batch twice unprofiled (warm-up: kernels compiled,
 graphs captured), then once inside ``torch.profiler``. Printed: the batch's wall time, how
@@ -89,7 +90,19 @@ def _s4(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable
     return (lambda: runner.run(args.batch, settings.new_tokens)), runner.close
 
 
-SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4}
+def _s7(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """S7's Kokoro deployment in process (the checkpoint S7 writes with the ``kokoro``
+    package) and ``--batch`` concurrent requests of its phonemes."""
+    from benchmarks import s7_tts as s7
+
+    model_dir = Path(tmp) / "kokoro"
+    s7.write_checkpoint(model_dir, s7.reference_config(args.smoke), 0)
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    runner = s7.OursRunner(model_dir, device, args.batch, args.fused_kernels and device == "cuda")
+    return (lambda: runner.run(args.batch)), runner.close
+
+
+SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4, "s7": _s7}
 
 
 def busy_seconds(events) -> float:
@@ -182,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     p.add_argument("--batch", type=int, default=1, help="streams, images or clips submitted at once")
+    p.add_argument("--fused-kernels", action="store_true", help="s7: the vocoder's fused AdaIN kernels")
     p.add_argument("--top", type=int, default=20, help="rows per table")
     p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
     p.add_argument("--out", default=None, help="directory for the full tables (and the trace)")

@@ -133,13 +133,14 @@ def write_checkpoint(directory: Path, config: dict[str, Any], seed: int) -> Any:
 
 
 class OursRunner:
-    def __init__(self, model_dir: Path, device: str, max_batch: int):
+    def __init__(self, model_dir: Path, device: str, max_batch: int, fused_kernels: bool = False):
         import mstar.model.kokoro.model  # noqa: F401  (registers the family)
         from mstar.config import parse_config
         from mstar.runtime.launch import start
 
         self.config = parse_config({"model": "kokoro", "model_path": str(model_dir), "device": device,
-                                    "dtype": "float32", "max_concurrent_requests": max_batch}, "s7 config")
+                                    "dtype": "float32", "max_concurrent_requests": max_batch,
+                                    "model_kwargs": {"fused_kernels": fused_kernels}}, "s7 config")
         self.deployment = start(self.config, in_process=True)
         self.runs = 0
 
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="timed batches per stream count (median)")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--model", choices=("kokoro", "chatterbox"), default="kokoro")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="kokoro: model_kwargs.fused_kernels=true, the vocoder's AdaIN chains as Triton kernels (CUDA)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="chatterbox: T3's cap on both sides (default 300; smoke 30)")
     p.add_argument("--stream-first-chunk-tokens", type=int, default=25,
@@ -194,13 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {"scenario": SCENARIO, "hardware": hardware(),
                               "settings": {"streams": streams, "runs": args.runs, "device": str(device),
                                            "phonemes": len(PHONEMES), "smoke": args.smoke,
+                                           "fused_kernels": args.fused_kernels and not args.smoke,
                                            "kokoro": package_version("kokoro")}}
     with tempfile.TemporaryDirectory(prefix="s7-") as tmp:
         model_dir = Path(tmp) / "kokoro"
         reference = write_checkpoint(model_dir, config, args.seed)
         voice = torch.load(model_dir / "voices" / f"{VOICE}.pt").to(device)
         ours: dict[int, dict[str, Any]] = {}
-        runner = OursRunner(model_dir, str(device), max(streams))
+        runner = OursRunner(model_dir, str(device), max(streams), args.fused_kernels and not args.smoke)
         try:
             for n in streams:  # warm-up
                 runner.run(n)

@@ -51,12 +51,12 @@ class AdainResBlk1d(nn.Module):
             self.pool = nn.ConvTranspose1d(dim_in, dim_in, 3, stride=2, groups=dim_in, padding=1, output_padding=1)
 
     def forward(self, x: torch.Tensor, s: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        y = F.leaky_relu(self.norm1(x, s, keep), 0.2)
+        y = self.norm1.activated(x, s, keep, "leaky_relu", slope=0.2)
         if self.upsample:
-            y = self.pool(zero_padding(y, keep))
             keep = None if keep is None else keep.repeat_interleave(2, dim=1)
-        y = self.conv1(zero_padding(y, keep))
-        y = self.conv2(zero_padding(F.leaky_relu(self.norm2(y, s, keep), 0.2), keep))
+            y = zero_padding(self.pool(y), keep)
+        y = self.conv1(y)
+        y = self.conv2(self.norm2.activated(y, s, keep, "leaky_relu", slope=0.2))
         shortcut = F.interpolate(x, scale_factor=2, mode="nearest") if self.upsample else x
         if hasattr(self, "conv1x1"):
             shortcut = self.conv1x1(shortcut)

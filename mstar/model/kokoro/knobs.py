@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.model.knobs import FusedKernels, Knobs, RequestKnobs
 
 __all__ = ["KokoroGenerateKnobs", "KokoroKnobs", "KokoroSpeechKnobs"]
 
@@ -14,7 +14,12 @@ LangCode = Literal["a", "b", "e", "f", "h", "i", "p", "j", "z"]
 """Kokoro's languages (``mstar.model.kokoro.phonemes.LANGUAGES``)."""
 
 
-class KokoroKnobs(Knobs):
+class KokoroKnobs(FusedKernels, Knobs):
+    """``fused_kernels``: the vocoder's AdaIN + Snake/leaky ReLU + padding mask as Triton
+    kernels (``mstar.layers.triton_adain``), three passes over each activation instead of ~30."""
+
+    interpreted_on_cpu = True  # its kernel tests run them on the CPU under the interpreter
+
     lang_code: LangCode | None = None
     """Fix the G2P language for every request (``a`` American, ``b`` British English, ``e``
     Spanish, ``f`` French, ``h`` Hindi, ``i`` Italian, ``p`` Brazilian Portuguese, ``j``

@@ -26,6 +26,7 @@ from mstar.model.kokoro.voices import VoiceBank
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream, check_speech_generate
+from mstar.model.vocoder.istftnet import use_fused_kernels
 
 __all__ = ["Kokoro"]
 
@@ -140,4 +141,5 @@ class Kokoro(ModelSpec):
             model = dummy_model(config, device, seed=self.knobs.seed)
         else:
             model = self.checkpoint().load_model(device, config=config)
+        use_fused_kernels(model, self.knobs.fused_kernels)
         return {"kokoro": StatelessEngine(speak_fn(model))}
