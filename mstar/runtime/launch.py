@@ -132,7 +132,7 @@ def _start_replica(config: DeploymentConfig, spec: ModelSpec, graph, placement, 
         from mstar.runtime.ray_workers import RayWorkers, reserve
 
         torch.set_num_threads(1)
-        layout = reserve(config, placement, num_ranks)
+        layout = reserve(config, placement, num_ranks, replica)
         frontend = make_transport(layout.protocol, frontend_rank, host=layout.server_ip, node=layout.server_node)
         log.info("starting %d worker rank(s) as Ray actors", num_ranks)
         pool = RayWorkers(config_data, num_ranks, layout, frontend, split_groups=placement.split_groups())
