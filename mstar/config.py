@@ -89,6 +89,10 @@ class DeploymentConfig(_Strict):
     # on a Ray cluster, see docs/multinode.md). ray_address: the cluster to join (None: the
     # RAY_ADDRESS environment variable, else a Ray instance started on this host).
     backend: Literal["local", "ray"] = "local"
+    # Data-parallel copies of the whole placement (each its own ranks, pages and slots); each new
+    # request goes to the replica with the fewest open requests. With device: cuda, replica i
+    # takes the next num_ranks GPUs (gpus, when given, lists them all).
+    replicas: int = Field(1, ge=1)
     ray_address: str | None = None
     request_timeout_s: float | None = Field(None, gt=0)
     stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can

@@ -47,6 +47,11 @@ class OnRuntime:
     def gauges(self) -> dict[str, float]:
         return self.runtime.gauges()
 
+    def replica_health(self) -> list[dict] | None:
+        """Each data-parallel replica's state (``replicas: N``), None with one replica."""
+        health = getattr(self.runtime, "health", None)
+        return health() if health is not None else None
+
 
 class RuntimeBackend(OnRuntime):
     def __init__(self, spec: ModelSpec, runtime: Runtime, *, timeout_s: float | None = None):

@@ -25,6 +25,7 @@ from mstar.runtime.agent import ComposedBackend
 from mstar.runtime.backend import RuntimeBackend
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.placement import build_placement
+from mstar.runtime.replicas import Replicas
 from mstar.runtime.runtime import Runtime
 from mstar.runtime.transport import make_transport
 from mstar.runtime.transport.inproc import InProcessHub
@@ -39,7 +40,7 @@ DEFAULT_MAX_WORKER_RESTARTS = 3
 class Deployment:
     config: DeploymentConfig
     spec: ModelSpec
-    runtime: Runtime
+    runtime: Runtime | Replicas
     backend: RuntimeBackend | ComposedBackend
     closed: bool = False
 
@@ -89,11 +90,32 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
     except ModelPathError as err:
         raise ConfigError(_weights_missing(spec, err)) from None
     log.info("loaded the frontend of %s (tokenizer and limits)", config.model)
+    num_ranks = 1 + max(r for g in placement.groups for r in g.ranks)  # leaders and followers
+    runtimes = [_start_replica(config, spec, graph, placement, capacity, num_ranks, i, in_process, log_stats)
+                for i in range(config.replicas)]
+    runtime: Runtime | Replicas = runtimes[0] if len(runtimes) == 1 else Replicas(runtimes)
+    runtime.supervise(max_worker_restarts, on_give_up)
+    backend: RuntimeBackend | ComposedBackend
+    if isinstance(spec, ComposedSpec):
+        backend = ComposedBackend(spec, runtime, timeout_s=config.request_timeout_s)
+    else:
+        backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
+    log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
+    return Deployment(config, spec, runtime, backend)
+
+
+def _start_replica(config: DeploymentConfig, spec: ModelSpec, graph, placement, capacity, num_ranks: int,
+                   replica: int, in_process: bool, log_stats: bool) -> Runtime:
+    """One copy of the placement: its conductor, its worker ranks (and their transports)."""
     conductor = Conductor(graph, placement, max_concurrent_requests=config.max_concurrent_requests,
                           capacity=capacity, pacing=config.stream_pacing)
-    num_ranks = 1 + max(r for g in placement.groups for r in g.ranks)  # leaders and followers
     frontend_rank = num_ranks
     config_data = config.model_dump()
+    if config.device == "cuda" and config.replicas > 1:  # replica i: the next num_ranks GPUs
+        gpus = config.gpus if config.gpus is not None else list(range(num_ranks * config.replicas))
+        config_data["gpus"] = gpus[replica * num_ranks:(replica + 1) * num_ranks]
+    if config.replicas > 1:
+        log.info("starting replica %d of %d", replica, config.replicas)
     if in_process:
         hub = InProcessHub()
         frontend = make_transport("inproc", frontend_rank, hub=hub)
@@ -110,7 +132,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         from mstar.runtime.ray_workers import RayWorkers, reserve
 
         torch.set_num_threads(1)
-        layout = reserve(config, placement, num_ranks)
+        layout = reserve(config, placement, num_ranks, replica)
         frontend = make_transport(layout.protocol, frontend_rank, host=layout.server_ip, node=layout.server_node)
         log.info("starting %d worker rank(s) as Ray actors", num_ranks)
         pool = RayWorkers(config_data, num_ranks, layout, frontend, split_groups=placement.split_groups())
@@ -121,16 +143,7 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
         log.info("starting %d worker process(es)", num_ranks)
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend,
                               split_groups=placement.split_groups())
-    runtime = Runtime(conductor, placement, pool, frontend, log_stats=log_stats,
-                      max_queue_size=config.queue_limit)
-    runtime.supervise(max_worker_restarts, on_give_up)
-    backend: RuntimeBackend | ComposedBackend
-    if isinstance(spec, ComposedSpec):
-        backend = ComposedBackend(spec, runtime, timeout_s=config.request_timeout_s)
-    else:
-        backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
-    log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
-    return Deployment(config, spec, runtime, backend)
+    return Runtime(conductor, placement, pool, frontend, log_stats=log_stats, max_queue_size=config.queue_limit)
 
 
 def _refuse_split_groups(config: DeploymentConfig) -> None:
@@ -152,7 +165,7 @@ def _check_device(config: DeploymentConfig) -> None:
         raise ConfigError(f"device: cuda is not available here ({why}); serve on the CPU with --device cpu "
                           "(device: cpu in a config file)")
     count = torch.cuda.device_count()
-    wanted = config.gpus if config.gpus is not None else list(range(config.num_ranks))
+    wanted = config.gpus if config.gpus is not None else list(range(config.num_ranks * config.replicas))
     missing = sorted(g for g in set(wanted) if not 0 <= g < count)
     if missing:
         key = "gpus" if config.gpus is not None else "node_groups"

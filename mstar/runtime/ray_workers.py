@@ -93,10 +93,10 @@ def packs(placement: Placement, num_ranks: int) -> list[list[int]]:
     return seen
 
 
-def reserve(config: DeploymentConfig, placement: Placement, num_ranks: int) -> RayLayout:
-    """Join (or start) the Ray cluster and reserve a bundle for every rank; a bundle that
-    finds no room within ``PLACEMENT_TIMEOUT_S`` is a ``ConfigError`` naming its group's
-    resources."""
+def reserve(config: DeploymentConfig, placement: Placement, num_ranks: int, replica: int = 0) -> RayLayout:
+    """Join (or start) the Ray cluster and reserve a bundle for every rank (of data-parallel
+    replica ``replica``); a bundle that finds no room within ``PLACEMENT_TIMEOUT_S`` is a
+    ``ConfigError`` naming its group's resources."""
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -108,7 +108,8 @@ def reserve(config: DeploymentConfig, placement: Placement, num_ranks: int) -> R
     try:
         for ranks in packs(placement, num_ranks):
             strategy = "STRICT_PACK" if len(ranks) > 1 else "PACK"
-            group = placement_group([bundles[r] for r in ranks], strategy=strategy, name=f"mstar-ranks-{ranks[0]}")
+            group = placement_group([bundles[r] for r in ranks], strategy=strategy,
+                                    name=f"mstar-replica{replica}-ranks-{ranks[0]}")
             groups.append(group)
             for index, rank in enumerate(ranks):
                 bundle_of[rank] = (group, index, bundles[rank])

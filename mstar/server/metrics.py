@@ -40,6 +40,8 @@ _UNMATCHED = "unmatched"  # the route label of requests that matched no route (b
 _DOCS = {
     "requests_waiting": "Requests accepted and waiting for admission (the queue depth)",
     "requests_running": "Requests admitted and running",
+    "requests_routed": "Requests sent to each data-parallel replica since the start",
+    "replica_healthy": "1 while a data-parallel replica takes requests, 0 while a rank of it is down",
     "kv_pages_used": "KV cache pages in use, per worker rank and node (pool)",
     "kv_pages_total": "KV cache pages in the pool, per worker rank and node",
     "kv_pages_cached": "KV cache pages holding a cached prompt prefix (held or idle), per worker rank and node",
@@ -76,18 +78,37 @@ class _BackendGauges(Collector):
             return []
         families["healthy"] = GaugeMetricFamily("mstar_healthy", "1 while the backend serves, 0 once it failed",
                                                 value=float(healthy))
+        replicated = any(_replica_of(key)[0] is not None for key in values)
         for key, value in sorted(values.items()):
+            replica, key = _replica_of(key)
+            extra = [replica] if replicated and replica is not None else []
+            extra_names = ["replica"] if extra else []
             rank, _, rest = key.partition(".")
             node, _, stat = rest.partition(".")
             if rank.startswith("rank") and rank[4:].isdigit() and node and stat:
                 family = families.get(stat)
                 if family is None:
                     doc = _DOCS.get(stat, f"Engine gauge {stat}, per worker rank and node")
-                    family = families[stat] = GaugeMetricFamily(_metric_name(stat), doc, labels=["rank", "node"])
-                family.add_metric([rank[4:], node], float(value))
+                    family = families[stat] = GaugeMetricFamily(_metric_name(stat), doc,
+                                                                labels=extra_names + ["rank", "node"])
+                family.add_metric(extra + [rank[4:], node], float(value))
+            elif extra:  # a replica's own series: labelled replica="i"
+                family = families.get(key)
+                if family is None:
+                    family = families[key] = GaugeMetricFamily(_metric_name(key), _DOCS.get(key, key),
+                                                               labels=["replica"])
+                family.add_metric(extra, float(value))
             elif key not in families:
                 families[key] = GaugeMetricFamily(_metric_name(key), _DOCS.get(key, key), value=float(value))
         return list(families.values())
+
+
+def _replica_of(key: str) -> tuple[str | None, str]:
+    """``replica<i>.<rest>`` -> (``i``, rest); any other key -> (None, key)."""
+    head, _, rest = key.partition(".")
+    if head.startswith("replica") and head[7:].isdigit() and rest:
+        return head[7:], rest
+    return None, key
 
 
 class ServerMetrics:

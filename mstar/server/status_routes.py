@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import Request
@@ -31,13 +32,21 @@ async def list_models(request: Request) -> ModelList:
 async def health(request: Request) -> Response:
     """200 while the backend serves; 503 naming the failure (e.g. the dead worker) after."""
     backend = backend_of(request)
+    replicas = None
     try:
         ok = bool(backend.healthy())
         failure = getattr(backend, "failure", None) if not ok else None
+        replica_health = getattr(backend, "replica_health", None)
+        replicas = replica_health() if replica_health is not None else None
     except Exception as exc:
         log.exception("backend health check failed")
         ok, failure = False, f"the health check failed: {exc}"
     if not ok:
-        return error_response(503, f"the backend is not healthy: {failure}" if failure
-                              else "the backend is not healthy")
-    return JSONResponse({"status": "ok"})
+        response = error_response(503, f"the backend is not healthy: {failure}" if failure
+                                  else "the backend is not healthy")
+        if replicas is not None:  # which replicas still serve
+            body = json.loads(response.body)
+            body["replicas"] = replicas
+            return JSONResponse(body, status_code=503)
+        return response
+    return JSONResponse({"status": "ok"} | ({"replicas": replicas} if replicas is not None else {}))
