@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from mstar.runtime.protocol import (
     WorkerReady,
 )
 from mstar.runtime.transport import make_transport
+from mstar.runtime.transport.shm import remove_leftovers
 from mstar.runtime.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -331,6 +333,9 @@ class ProcessWorkers:
         if process.proc.is_alive():
             process.proc.kill()
             process.proc.join(timeout=5)
+        proc = process.proc
+        if isinstance(proc, BaseProcess) and not proc.is_alive() and proc.exitcode != 0:
+            remove_leftovers(proc.pid)  # a local process that did not exit cleanly left them behind
         for sock in (process.plans, process.results):
             sock.close(linger=0)
 

@@ -325,3 +325,35 @@ def test_across_processes(child_conn, protocol: str) -> None:
     if protocol == "shm" and os.path.isdir("/dev/shm"):
         assert _segments(parent) == []
         assert glob.glob(f"/dev/shm/{child_prefix}*") == []
+
+
+def _send_and_die(parent_address: str, conn) -> None:
+    """A rank that sends a message nobody reads and dies without closing its transport."""
+    t = make_transport("shm", 1)
+    t.connect({0: parent_address})
+    t.send(0, "never-read", {"x": torch.ones(1000)})
+    conn.send((t.address, t.segment_prefix))
+    conn.recv()  # killed while waiting here
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_killed_processes_socket_file_and_segments_are_removed() -> None:
+    from mstar.runtime.transport.shm import remove_leftovers
+
+    parent = make_transport("shm", 0)
+    spawn = mp.get_context("spawn")
+    mine, theirs = spawn.Pipe()
+    child = spawn.Process(target=_send_and_die, args=(parent.address, theirs), daemon=True)
+    child.start()
+    try:
+        assert mine.poll(30), "child did not send"
+        address, prefix = mine.recv()
+        child.kill()
+        child.join(10)
+        ipc = address.removeprefix("ipc://")
+        assert glob.glob(f"/dev/shm/{prefix}*") and (not address.startswith("ipc://") or os.path.exists(ipc))
+        assert remove_leftovers(child.pid) >= 1
+        assert glob.glob(f"/dev/shm/{prefix}*") == [] and not os.path.exists(ipc)
+        assert remove_leftovers(child.pid) == 0
+    finally:
+        parent.close()

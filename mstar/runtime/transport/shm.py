@@ -16,6 +16,7 @@ between processes, and talking to it costs a round trip per message.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import mmap
 import os
@@ -44,7 +45,7 @@ try:
 except ImportError:  # pragma: no cover - non-POSIX platforms
     _posixshmem = None
 
-__all__ = ["ShmTransport"]
+__all__ = ["ShmTransport", "remove_leftovers"]
 
 _ALIGN = 64
 """Byte alignment of every tensor inside a segment."""
@@ -85,6 +86,31 @@ def _unlink_segment(name: str) -> None:
         pass
 
 
+def _ipc_path(pid: int, tag: str) -> str:
+    """Where a transport of process ``pid`` binds its ``ipc://`` socket."""
+    path = os.path.join(tempfile.gettempdir(), f"mstar-{pid}-{tag}.ipc")
+    return path if len(path) <= 100 else f"/tmp/mstar-{pid}-{tag}.ipc"  # AF_UNIX path limit
+
+
+def remove_leftovers(pid: int) -> int:
+    """Remove what the transports of the dead process ``pid`` could not: their ``ipc://``
+    socket files and the segments they sent that no receiver consumed (a killed worker's
+    would otherwise hold shared memory until the host reboots). Returns how many went."""
+    removed = 0
+    for directory in {tempfile.gettempdir(), "/tmp"}:
+        for path in glob.glob(os.path.join(glob.escape(directory), f"mstar-{pid}-*.ipc")):
+            tag = os.path.basename(path)[len(f"mstar-{pid}-"):-len(".ipc")]
+            segments = glob.glob(os.path.join(_SHM_DIR, f"mstar_{glob.escape(tag)}_*"))
+            for segment in segments:
+                _unlink_segment(os.path.basename(segment))
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            removed += 1 + len(segments)
+    return removed
+
+
 class ShmTransport(ZmqTransport):
     """Tensor bytes via POSIX shared memory, headers via ZeroMQ ``ipc://``."""
 
@@ -96,9 +122,7 @@ class ShmTransport(ZmqTransport):
         tag = secrets.token_hex(4)
         self.segment_prefix = f"mstar_{tag}_"
         """Every segment this rank creates is named ``segment_prefix + <n>``."""
-        self._ipc_path = os.path.join(tempfile.gettempdir(), f"mstar-{os.getpid()}-{tag}.ipc")
-        if len(self._ipc_path) > 100:  # AF_UNIX path limit
-            self._ipc_path = f"/tmp/mstar-{os.getpid()}-{tag}.ipc"
+        self._ipc_path = _ipc_path(os.getpid(), tag)
         self._counter = itertools.count()
         self._pending: dict[str, None] = {}  # segments created and maybe not consumed yet
         self._prune_at = _PRUNE_MIN
