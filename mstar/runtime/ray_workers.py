@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.config import ConfigError, DeploymentConfig
+from mstar.runtime.heartbeat import HEARTBEAT_S, LOST_AFTER_S
 from mstar.runtime.placement import Placement
 from mstar.runtime.workers import ProcessWorkers, _Process
 
@@ -174,8 +175,12 @@ class RankActor:
         torch.set_num_threads(max(1, threads))
         if config_data.get("device") == "cuda":  # Ray shows an actor only its own GPU: cuda:0
             config_data = {**config_data, "gpus": [0] * frontend_rank}
+        # The actor's process is a child of its node's raylet; orphaned, its node is gone for Ray
+        # (it would take Ray ~16 s to say so): it stops its heartbeats, and exits once idle.
+        raylet = int(os.environ.get("RAY_RAYLET_PID", os.getppid()))
         run_worker(config_data, rank, frontend_rank, protocol_name, plan_addr, result_addr, rendezvous,
-                   host=ray.util.get_node_ip_address(), node=ray.get_runtime_context().get_node_id())
+                   host=ray.util.get_node_ip_address(), node=ray.get_runtime_context().get_node_id(),
+                   server_alive=lambda: os.getppid() == raylet, heartbeat_s=HEARTBEAT_S)
 
 
 class _ActorHandle:
@@ -215,7 +220,10 @@ class _ActorHandle:
 class RayWorkers(ProcessWorkers):
     """``ProcessWorkers`` whose ranks are Ray actors pinned to their ``RayLayout`` bundles.
     A restarted rank gets a new actor in the same bundle (on another node when Ray moved
-    the bundle off a dead one)."""
+    the bundle off a dead one). Ranks send heartbeats: one silent for ``LOST_AFTER_S`` is
+    lost with its node, long before Ray declares the node dead."""
+
+    lost_after_s = LOST_AFTER_S
 
     def __init__(self, config_data: dict[str, Any], num_ranks: int, layout: RayLayout, frontend_transport,
                  **kwargs):
@@ -260,6 +268,11 @@ class RayWorkers(ProcessWorkers):
     def _gone(self, process: _Process) -> str:
         handle = process.proc
         return f"worker rank {handle.rank} ({self._where(handle)}) died: {handle.end()}"
+
+    def _lost(self, process: _Process, silence: float) -> str:
+        handle = process.proc
+        return (f"worker rank {handle.rank} ({self._where(handle)}) was lost: no heartbeat for {silence:.1f} s "
+                f"(its node or its raylet is down, or unreachable)")
 
     def _late(self, process: _Process) -> str:
         return f"worker rank {process.proc.rank} ({self._where(process.proc)}) did not load"

@@ -29,6 +29,7 @@ from mstar.runtime.placement import Placement, Routes
 from mstar.runtime.protocol import (
     StepResult,
     WorkerFailed,
+    abandon_key,
     parse_emit_batch,
     tensor_key,
     unpack_values,
@@ -255,9 +256,23 @@ class Runtime:
         log.error("worker rank %d failed: %s", event.rank, event.error)
         self.healthy = False
         self.failure = f"worker rank {event.rank} failed: {event.error}"
-        self.conductor.on_rank_failed(event.rank, event.error)
+        self._abandon(event.rank, self.conductor.on_rank_failed(event.rank, event.error))
         if self._recovery is not None:
             self._recover(event.rank, event.error)
+
+    def _abandon(self, rank: int, request_ids: list[str]) -> None:
+        """Tell the other ranks that these requests failed with ``rank``: a step of theirs
+        waiting for an input the dead rank would have sent gives up now (a 503 at once,
+        rather than when the step's input timeout runs out)."""
+        if not request_ids:
+            return
+        key = abandon_key(rank, request_ids)
+        for other in self.rank_gauges:
+            if other != rank:
+                try:
+                    self.transport.send(other, key, {})
+                except Exception as err:  # not connected (yet): it has nothing of theirs to wait for
+                    log.info("could not tell rank %d about the requests abandoned with rank %d: %s", other, rank, err)
 
     # -------------------------------------------------------- worker recovery
     _recovery: _Recovery | None = None  # None: a dead rank stays down, the server unhealthy
@@ -294,7 +309,7 @@ class Runtime:
         assert recovery is not None
         recovery.loading.discard(rank)
         self.rank_gauges[rank] = dict(gauges)
-        self.conductor.on_rank_restarted(rank)
+        self._abandon(rank, self.conductor.on_rank_restarted(rank))
         log.warning("worker rank %d restarted", rank)
         if not self.conductor.failed_ranks and not recovery.gave_up:
             self.healthy, self.failure = True, None
