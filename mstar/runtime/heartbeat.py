@@ -8,11 +8,12 @@ checks, about 16 s with Ray's defaults. So each Ray rank sends a ``Heartbeat`` e
 the main thread busy for seconds (a long prefill on the GPU, a model load) does not hold
 the beats back, as torch releases the GIL inside its kernels and Python hands it to other
 threads every few milliseconds otherwise. The server declares a rank lost once it has
-heard nothing from it for ``LOST_AFTER_S``.
+had no heartbeat from it for ``LOST_AFTER_S``.
 
 The thread beats only while ``attached()`` holds: an actor whose raylet died is orphaned
-(its parent process changes), and stops beating at once, even though its process would
-otherwise run on until Ray notices.
+(its parent process changes) and stops beating at once. Its process may run on, and even
+send results, but Ray can no longer stop, restart or place anything for it: the server
+counts only heartbeats, declares it lost, and restarts the rank elsewhere.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class _Process:
     ready: bool = False
     failed: bool = False
     on_ready: Callable[[int, dict[str, float]], None] | None = None  # set by a restart
-    heard: float | None = None  # when its last message (a heartbeat, a result) came
+    heard: float | None = None  # when its latest heartbeat (or its WorkerReady) came
 
 
 class ProcessWorkers:
@@ -331,7 +331,7 @@ class ProcessWorkers:
         return f"worker process {process.proc.name} (pid {process.proc.pid}) did not load"
 
     def _silent(self, process: _Process, now: float) -> bool:
-        """A ready rank that has sent nothing, not even a heartbeat, for ``lost_after_s``.
+        """A ready rank that has sent no heartbeat for ``lost_after_s``.
         (A loading rank is not judged by it: a load may hold the GIL in one long call;
         its startup deadline covers it.)"""
         return (self.lost_after_s is not None and process.ready and process.heard is not None
@@ -374,7 +374,10 @@ class ProcessWorkers:
                     msg = protocol.decode(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                self.ranks[live[sock]].heard = now
+                if isinstance(msg, (Heartbeat, WorkerReady)):
+                    # Only these count: an actor whose raylet died may still send results,
+                    # but it stopped beating, and Ray can neither restart nor stop it.
+                    self.ranks[live[sock]].heard = now
                 if isinstance(msg, Heartbeat):
                     continue
                 out.append(msg)

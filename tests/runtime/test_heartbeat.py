@@ -111,7 +111,7 @@ def test_a_silent_rank_is_lost_and_a_busy_one_is_not() -> None:
         took = time.monotonic() - stopped
         assert [type(e) for e in events] == [WorkerFailed] and events[0].rank == 1, events
         assert "no heartbeat for 1." in events[0].error, events[0].error
-        assert 1.0 < took < 2.5, took
+        assert 0.8 < took < 2.5, took  # the last beat came up to one period before
         for _ in range(10):  # reported once; rank 0 still fine
             assert pool.poll(0.05) == []
     finally:
