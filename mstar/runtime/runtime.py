@@ -277,18 +277,23 @@ class Runtime:
     # -------------------------------------------------------- worker recovery
     _recovery: _Recovery | None = None  # None: a dead rank stays down, the server unhealthy
 
-    def supervise(self, max_restarts: int, on_give_up: Callable[[str], None] | None = None) -> None:
+    def supervise(self, max_restarts: int, on_give_up: Callable[[str], None] | None = None, *,
+                  outcome: str = "the server is shutting down") -> None:
         """Restart a rank whose worker process dies, at most ``max_restarts`` times per rank.
         Past that, when a restarted worker fails to load, or when the workers cannot be
-        restarted at all, every request fails (503) and ``on_give_up(reason)`` runs on the
-        conductor thread: it should make the server shut down (it must not block)."""
-        self._recovery = _Recovery(max_restarts, on_give_up)
+        restarted at all, every request fails (503), the runtime stays unhealthy with no
+        more restarts, and ``on_give_up(reason)`` runs on the conductor thread: it should
+        make the server shut down, or (a replica) take the runtime out of rotation; it must
+        not block. ``outcome`` ends the failure's text (what giving up leads to)."""
+        self._recovery = _Recovery(max_restarts, on_give_up, outcome)
 
     def _recover(self, rank: int, error: str) -> None:
         recovery = self._recovery
         assert recovery is not None
         restart = getattr(self.workers, "restart", None)
         attempts = recovery.attempts.get(rank, 0)
+        if recovery.gave_up:  # out for good: another rank's failure changes nothing
+            return
         if rank in recovery.loading:
             self._give_up(rank, f"worker rank {rank} failed to load after a restart: {error}")
         elif restart is None:
@@ -321,7 +326,7 @@ class Runtime:
         log.critical("giving up: %s", reason)
         recovery.gave_up = True
         self.healthy = False
-        self.failure = f"{reason}; the server is shutting down"
+        self.failure = f"{reason}; {recovery.outcome}"
         for request_id in list(self.tracked):
             self._finished(Finished(request_id, "error", self.failure, 0, failed_rank=rank))
         if recovery.on_give_up is not None:
@@ -465,6 +470,7 @@ class _Recovery:
 
     max_restarts: int
     on_give_up: Callable[[str], None] | None
+    outcome: str  # what giving up leads to, for the failure's text
     attempts: dict[int, int] = field(default_factory=dict)  # rank -> restarts so far
     loading: set[int] = field(default_factory=set)  # ranks restarted and not ready yet
     gave_up: bool = False
