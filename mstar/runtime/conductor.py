@@ -146,30 +146,38 @@ class Conductor:
         for item in result.results:
             self._apply(item)
 
-    def on_rank_failed(self, rank: int, error: str) -> None:
-        """A worker died: every request with work there fails, and none is sent there again."""
+    def on_rank_failed(self, rank: int, error: str) -> list[str]:
+        """A worker died: every request with work there fails, and none is sent there again.
+        Returns the ids of the requests it failed."""
         self.failed_ranks[rank] = error
         self.busy.pop(rank, None)
         self.releases[rank] = []  # never sent: releases still owed to it would keep idle False
+        failed = []
         for live in self.live.values():
             if rank in live.ranks_seen:
                 live.in_flight = {k: v for k, v in live.in_flight.items() if v[0] != rank}
                 if live.ending is None:
                     live.ending = Finished(live.spec.request_id, "error", f"worker rank {rank} failed: {error}",
                                            live.emitted, live.profile, failed_rank=rank)
+                    failed.append(live.spec.request_id)
+        return failed
 
-    def on_rank_restarted(self, rank: int) -> None:
+    def on_rank_restarted(self, rank: int) -> list[str]:
         """A new worker process serves ``rank``: plans go there again. Live requests whose
         walk uses the rank fail (what they sent it died with the old process); the rank's
-        pending releases are dropped (the new process holds nothing)."""
+        pending releases are dropped (the new process holds nothing). Returns the ids of
+        the requests it failed."""
         error = self.failed_ranks.pop(rank, "restarted")
         self.busy.pop(rank, None)
         self.releases[rank] = []
+        failed = []
         for live in self.live.values():
             uses_rank = rank in self.routes[live.spec.walk].step_rank.values()
             if uses_rank and live.ending is None:
                 live.ending = Finished(live.spec.request_id, "error", f"worker rank {rank} failed: {error}",
                                        live.emitted, live.profile, failed_rank=rank)
+                failed.append(live.spec.request_id)
+        return failed
 
     # ------------------------------------------------------------- scheduling
     def note_media(self, request_id: str, seconds: float, now: float) -> None:

@@ -93,6 +93,12 @@ class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
     error: str
 
 
+class Heartbeat(msgspec.Struct, tag=True, frozen=True):
+    """A worker is still there (sent from a thread of its own, busy or not; see ``heartbeat.py``)."""
+
+    rank: int
+
+
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     reason: str = ""
 
@@ -103,7 +109,7 @@ class PeerTable(msgspec.Struct, tag=True, frozen=True):
     addresses: dict[int, str]
 
 
-ControlMessage = StepPlan | StepResult | WorkerReady | WorkerFailed | Shutdown | PeerTable
+ControlMessage = StepPlan | StepResult | WorkerReady | WorkerFailed | Heartbeat | Shutdown | PeerTable
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
@@ -124,6 +130,25 @@ def tensor_key(request_id: str, var: str, version: int) -> str:
 def parse_tensor_key(key: str) -> tuple[str, str, int]:
     request_id, var, version = key.split("\x1f")
     return request_id, var, int(version)
+
+
+ABANDON = "\x1dabandon\x1f"  # the key prefix of an abandon notice (``abandon_key``)
+
+
+def abandon_key(rank: int, request_ids: list[str]) -> str:
+    """The key of the notice the frontend sends the other ranks of a deployment when rank
+    ``rank`` is declared dead: the requests it failed are abandoned, and a worker waiting
+    for their inputs (which that rank would have sent) stops waiting. It travels on the
+    tensor transport, with no tensors: the channel such a worker listens to while it waits."""
+    return ABANDON + "\x1e".join([str(rank), *request_ids])
+
+
+def parse_abandon(key: str) -> tuple[int, list[str]] | None:
+    """``(dead rank, request ids)`` of an abandon notice; None for any other key."""
+    if not key.startswith(ABANDON):
+        return None
+    rank, *request_ids = key[len(ABANDON):].split("\x1e")
+    return int(rank), request_ids
 
 
 def emit_key(key: str, modality: str) -> str:

@@ -25,10 +25,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mstar.config import ConfigError, DeploymentConfig
+from mstar.runtime.heartbeat import HEARTBEAT_S, LOST_AFTER_S
 from mstar.runtime.placement import Placement
 from mstar.runtime.workers import ProcessWorkers, _Process
 
@@ -174,37 +176,67 @@ class RankActor:
         torch.set_num_threads(max(1, threads))
         if config_data.get("device") == "cuda":  # Ray shows an actor only its own GPU: cuda:0
             config_data = {**config_data, "gpus": [0] * frontend_rank}
+        # The actor's process is a child of its node's raylet; orphaned, its node is gone for Ray
+        # (it would take Ray ~16 s to say so): it stops its heartbeats, and exits once idle.
+        raylet = int(os.environ.get("RAY_RAYLET_PID", os.getppid()))
         run_worker(config_data, rank, frontend_rank, protocol_name, plan_addr, result_addr, rendezvous,
-                   host=ray.util.get_node_ip_address(), node=ray.get_runtime_context().get_node_id())
+                   host=ray.util.get_node_ip_address(), node=ray.get_runtime_context().get_node_id(),
+                   server_alive=lambda: os.getppid() == raylet, heartbeat_s=HEARTBEAT_S)
 
 
 class _ActorHandle:
-    """A rank's actor behind the calls ``ProcessWorkers`` makes of a process."""
+    """A rank's actor behind the calls ``ProcessWorkers`` makes of a process.
 
-    def __init__(self, ray, actor, done, rank: int, node: str):
-        self.ray, self.actor, self.done, self.rank, self.node = ray, actor, done, rank, node
+    ``launch()`` creates the actor and starts its worker loop (returning the actor and the
+    loop's ``ObjectRef``). With ``held``, the launch waits while ``held()`` is true: a rank
+    restarted after its node was lost waits for Ray to move its bundle off that node (an
+    actor created in a bundle of a node Ray has not given up yet dies with the node)."""
+
+    def __init__(self, ray, launch: Callable[[], tuple[Any, Any]], rank: int, node: str,
+                 held: Callable[[], bool] | None = None):
+        self.ray, self.rank, self.node = ray, rank, node
         self.name = f"mstar-worker-{rank}"
         self.pid = None
+        self.actor = self.done = None
+        self._launch, self._held = launch, held
         self._alive, self._checked = True, 0.0
+        if held is None or not held():
+            self._start()
+        else:
+            log.warning("rank %d: waiting for Ray to move its bundle off the lost node %s", rank, node[:8])
+
+    def _start(self) -> None:
+        self.actor, self.done = self._launch()
+        self._held = None
+
+    def start_if_free(self) -> None:
+        """Launch a held actor once ``held()`` turns false (asked every ``ALIVE_CHECK_S``)."""
+        if self._held is not None and self._alive and time.monotonic() - self._checked > ALIVE_CHECK_S:
+            self._checked = time.monotonic()
+            if not self._held():
+                self._start()
 
     def is_alive(self) -> bool:
-        if self._alive and time.monotonic() - self._checked > ALIVE_CHECK_S:
+        if self._alive and self.done is not None and time.monotonic() - self._checked > ALIVE_CHECK_S:
             self._checked = time.monotonic()
             finished, _ = self.ray.wait([self.done], timeout=0)
             self._alive = not finished
         return self._alive
 
     def join(self, timeout: float | None = None) -> None:
-        if self._alive:
+        if self._alive and self.done is not None:
             finished, _ = self.ray.wait([self.done], timeout=timeout)
             self._alive = not finished
 
     def kill(self) -> None:
-        self.ray.kill(self.actor, no_restart=True)
+        if self.actor is not None:
+            self.ray.kill(self.actor, no_restart=True)
         self._alive = False
 
     def end(self) -> str:
         """How the actor's worker loop ended (the first line of Ray's error)."""
+        if self.done is None:
+            return "it was never started (its bundle stayed on a lost node)"
         try:
             self.ray.get(self.done, timeout=0)
         except Exception as err:
@@ -215,12 +247,17 @@ class _ActorHandle:
 class RayWorkers(ProcessWorkers):
     """``ProcessWorkers`` whose ranks are Ray actors pinned to their ``RayLayout`` bundles.
     A restarted rank gets a new actor in the same bundle (on another node when Ray moved
-    the bundle off a dead one)."""
+    the bundle off a dead one). Ranks send heartbeats: one silent for ``LOST_AFTER_S`` is
+    lost with its node, long before Ray declares the node dead."""
+
+    lost_after_s = LOST_AFTER_S
+    lost_nodes: set[str]  # the nodes of ranks declared lost: a rank there waits for its bundle to move
 
     def __init__(self, config_data: dict[str, Any], num_ranks: int, layout: RayLayout, frontend_transport,
                  **kwargs):
         self.ray = import_ray()
         self.layout = layout
+        self.lost_nodes = set()
         self.control_host = layout.server_ip
         self._actor_class = self.ray.remote(RankActor)
         try:
@@ -233,14 +270,29 @@ class RayWorkers(ProcessWorkers):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group, index, bundle = self.layout.bundle_of[rank]
-        actor = self._actor_class.options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=1,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=index),
-        ).remote()
-        done = actor.serve.remote(self.config_data, rank, self.num_ranks, self.protocol_name, plan_addr,
-                                  result_addr, rendezvous, int(bundle["CPU"]))
-        return _ActorHandle(self.ray, actor, done, rank, self.layout.node_of(rank))
+
+        def launch():
+            actor = self._actor_class.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=index),
+            ).remote()
+            return actor, actor.serve.remote(self.config_data, rank, self.num_ranks, self.protocol_name,
+                                             plan_addr, result_addr, rendezvous, int(bundle["CPU"]))
+
+        node = self.layout.node_of(rank)
+        held = (lambda: not self._bundle_moved(rank)) if node in self.lost_nodes else None
+        return _ActorHandle(self.ray, launch, rank, node, held)
+
+    def _bundle_moved(self, rank: int) -> bool:
+        """Whether Ray has placed the rank's bundle again, on a node not lost."""
+        group, index, _ = self.layout.bundle_of[rank]
+        table = self.ray.util.placement_group_table(group)
+        try:
+            node = table["bundles_to_node_id"][index]
+        except (KeyError, IndexError):
+            return False
+        return table["state"] == "CREATED" and bool(node) and node not in self.lost_nodes
 
     def _rendezvous(self) -> str | None:
         """The split groups' ``torch.distributed`` rendezvous: a TCP store on the node of
@@ -254,12 +306,30 @@ class RayWorkers(ProcessWorkers):
         port = self.ray.get(find.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote())
         return f"tcp://{node_ip(self.ray, node)}:{port}"
 
+    def _receive(self, timeout: float):
+        for process in self.ranks.values():
+            if not process.failed:
+                process.proc.start_if_free()
+        return super()._receive(timeout)
+
+    def _ready(self, rank: int, msg) -> None:
+        """Where the rank runs is settled once it is up: a restart's actor was created while
+        its bundle may still have named a lost node, and Ray moved the bundle since."""
+        self.ranks[rank].proc.node = self.layout.node_of(rank)
+        super()._ready(rank, msg)
+
     def _where(self, handle: _ActorHandle) -> str:
         return f"Ray actor on node {handle.node[:8]} ({node_ip(self.ray, handle.node)})"
 
     def _gone(self, process: _Process) -> str:
         handle = process.proc
         return f"worker rank {handle.rank} ({self._where(handle)}) died: {handle.end()}"
+
+    def _lost(self, process: _Process, silence: float) -> str:
+        handle = process.proc
+        self.lost_nodes.add(handle.node)
+        return (f"worker rank {handle.rank} ({self._where(handle)}) was lost: no heartbeat for {silence:.1f} s "
+                f"(its node or its raylet is down, or unreachable)")
 
     def _late(self, process: _Process) -> str:
         return f"worker rank {process.proc.rank} ({self._where(process.proc)}) did not load"

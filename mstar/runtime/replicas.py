@@ -6,10 +6,14 @@ like a ``Runtime`` to the backends: ``submit`` sends each new request to the hea
 replica with the fewest open requests (ties to the lowest index), and a request stays on
 its replica until it ends. A replica whose rank died (or is restarting) takes no new
 requests; its open ones fail there (503 naming the rank), the others keep serving.
+A replica that has used up its restarts (``--max-worker-restarts``) stays out of rotation,
+unhealthy, while the others serve; the server stops only when every replica has.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections.abc import Callable
 
@@ -17,12 +21,16 @@ from mstar.contract import RequestError
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.runtime import Runtime, Sink
 
+log = logging.getLogger(__name__)
+
 
 class Replicas:
     def __init__(self, replicas: list[Runtime]):
         assert replicas, "at least one replica"
         self.replicas = replicas
         self.routed = [0] * len(replicas)  # requests each replica was given, for /metrics
+        self.retired: set[int] = set()  # replicas out of rotation for good (no restarts left)
+        self._on_give_up: Callable[[str], None] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -80,8 +88,20 @@ class Replicas:
         return out
 
     def supervise(self, max_restarts: int, on_give_up: Callable[[str], None] | None = None) -> None:
-        for r in self.replicas:
-            r.supervise(max_restarts, on_give_up)
+        """Each replica restarts its own ranks; one that gives up is retired (out of
+        rotation), and ``on_give_up`` (stop the server) runs once every replica is."""
+        self._on_give_up = on_give_up
+        for i, r in enumerate(self.replicas):
+            r.supervise(max_restarts, functools.partial(self._retire, i), outcome=f"replica {i} is out of rotation")
+
+    def _retire(self, index: int, reason: str) -> None:
+        """Replica ``index`` gave up (called on its conductor thread)."""
+        with self._lock:
+            self.retired.add(index)
+            every = len(self.retired) == len(self.replicas)
+        log.error("replica %d is out of rotation: %s", index, reason)
+        if every and self._on_give_up is not None:
+            self._on_give_up(f"every replica is out of rotation; the last: {reason}")
 
     def close(self) -> None:
         for r in self.replicas:

@@ -29,6 +29,7 @@ from mstar.runtime.placement import Placement, Routes
 from mstar.runtime.protocol import (
     StepResult,
     WorkerFailed,
+    abandon_key,
     parse_emit_batch,
     tensor_key,
     unpack_values,
@@ -255,25 +256,44 @@ class Runtime:
         log.error("worker rank %d failed: %s", event.rank, event.error)
         self.healthy = False
         self.failure = f"worker rank {event.rank} failed: {event.error}"
-        self.conductor.on_rank_failed(event.rank, event.error)
+        self._abandon(event.rank, self.conductor.on_rank_failed(event.rank, event.error))
         if self._recovery is not None:
             self._recover(event.rank, event.error)
+
+    def _abandon(self, rank: int, request_ids: list[str]) -> None:
+        """Tell the other ranks that these requests failed with ``rank``: a step of theirs
+        waiting for an input the dead rank would have sent gives up now (a 503 at once,
+        rather than when the step's input timeout runs out)."""
+        if not request_ids:
+            return
+        key = abandon_key(rank, request_ids)
+        for other in self.rank_gauges:
+            if other != rank:
+                try:
+                    self.transport.send(other, key, {})
+                except Exception as err:  # not connected (yet): it has nothing of theirs to wait for
+                    log.info("could not tell rank %d about the requests abandoned with rank %d: %s", other, rank, err)
 
     # -------------------------------------------------------- worker recovery
     _recovery: _Recovery | None = None  # None: a dead rank stays down, the server unhealthy
 
-    def supervise(self, max_restarts: int, on_give_up: Callable[[str], None] | None = None) -> None:
+    def supervise(self, max_restarts: int, on_give_up: Callable[[str], None] | None = None, *,
+                  outcome: str = "the server is shutting down") -> None:
         """Restart a rank whose worker process dies, at most ``max_restarts`` times per rank.
         Past that, when a restarted worker fails to load, or when the workers cannot be
-        restarted at all, every request fails (503) and ``on_give_up(reason)`` runs on the
-        conductor thread: it should make the server shut down (it must not block)."""
-        self._recovery = _Recovery(max_restarts, on_give_up)
+        restarted at all, every request fails (503), the runtime stays unhealthy with no
+        more restarts, and ``on_give_up(reason)`` runs on the conductor thread: it should
+        make the server shut down, or (a replica) take the runtime out of rotation; it must
+        not block. ``outcome`` ends the failure's text (what giving up leads to)."""
+        self._recovery = _Recovery(max_restarts, on_give_up, outcome)
 
     def _recover(self, rank: int, error: str) -> None:
         recovery = self._recovery
         assert recovery is not None
         restart = getattr(self.workers, "restart", None)
         attempts = recovery.attempts.get(rank, 0)
+        if recovery.gave_up:  # out for good: another rank's failure changes nothing
+            return
         if rank in recovery.loading:
             self._give_up(rank, f"worker rank {rank} failed to load after a restart: {error}")
         elif restart is None:
@@ -294,7 +314,7 @@ class Runtime:
         assert recovery is not None
         recovery.loading.discard(rank)
         self.rank_gauges[rank] = dict(gauges)
-        self.conductor.on_rank_restarted(rank)
+        self._abandon(rank, self.conductor.on_rank_restarted(rank))
         log.warning("worker rank %d restarted", rank)
         if not self.conductor.failed_ranks and not recovery.gave_up:
             self.healthy, self.failure = True, None
@@ -306,7 +326,7 @@ class Runtime:
         log.critical("giving up: %s", reason)
         recovery.gave_up = True
         self.healthy = False
-        self.failure = f"{reason}; the server is shutting down"
+        self.failure = f"{reason}; {recovery.outcome}"
         for request_id in list(self.tracked):
             self._finished(Finished(request_id, "error", self.failure, 0, failed_rank=rank))
         if recovery.on_give_up is not None:
@@ -450,6 +470,7 @@ class _Recovery:
 
     max_restarts: int
     on_give_up: Callable[[str], None] | None
+    outcome: str  # what giving up leads to, for the failure's text
     attempts: dict[int, int] = field(default_factory=dict)  # rank -> restarts so far
     loading: set[int] = field(default_factory=set)  # ranks restarted and not ready yet
     gave_up: bool = False

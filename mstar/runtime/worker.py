@@ -24,6 +24,7 @@ from mstar.runtime.protocol import (
     WorkItem,
     emit_batch_key,
     emit_key,
+    parse_abandon,
     parse_tensor_key,
     split_batch_key,
     tensor_key,
@@ -60,6 +61,9 @@ class TensorStore:
     def get(self, request_id: str, var: str, version: int) -> torch.Tensor | None:
         return self._values.get((request_id, var), {}).get(version)
 
+    def released(self, request_id: str) -> bool:
+        return request_id in self._released
+
     def drop(self, request_id: str) -> None:
         self._released[request_id] = None
         self._released.move_to_end(request_id)
@@ -83,6 +87,7 @@ class Worker:
         self.params: dict[str, dict] = {}
         self._emits: list[tuple[str, torch.Tensor]] = []  # (emit key, value) streamed by this plan
         self._sends: dict[int, list[tuple[str, torch.Tensor]]] = {}  # rank -> (tensor key, value) for it
+        self._dead_rank: int | None = None  # the rank of the latest abandon notice, for its errors
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._emits = []
@@ -101,7 +106,7 @@ class Worker:
         for node, items in by_node.items():
             ready = [i for i in items if id(i) in inputs]
             failed = [i for i in items if id(i) not in inputs]
-            results += [ItemResult(i.request_id, i.step, error="timed out waiting for inputs") for i in failed]
+            results += [ItemResult(i.request_id, i.step, error=self._why_missing(i)) for i in failed]
             start = time.perf_counter()
             with torch.profiler.record_function(f"mstar.node.{node}"):  # a labelled range in GPU profiles
                 results += self._run_node(node, ready, inputs)
@@ -174,7 +179,8 @@ class Worker:
         self.transport.send(self.frontend_rank, emit_batch_key(list(keys)), _pack(list(values)))
 
     def _gather(self, items: list[WorkItem]) -> dict[int, dict[str, torch.Tensor]]:
-        """Wait until every item's inputs are in the store; give up after a timeout."""
+        """Wait until every item's inputs are in the store; give up after a timeout, or at
+        once for an abandoned request (its inputs' sender died: see ``accept``)."""
         deadline = time.monotonic() + INPUT_TIMEOUT_S
         found: dict[int, dict[str, torch.Tensor]] = {}  # id(item) -> its inputs
         pending = list(items)
@@ -187,7 +193,7 @@ class Worker:
                     values[item.chunk.port] = self._chunk_input(item)
                 if all(v is not None for v in values.values()):
                     found[id(item)] = values  # type: ignore[assignment]
-                else:
+                elif not self.store.released(item.request_id):
                     still.append(item)
             pending = still
             remaining = deadline - time.monotonic()
@@ -204,9 +210,22 @@ class Worker:
             return None
         return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts])
 
+    def _why_missing(self, item: WorkItem) -> str:
+        if self.store.released(item.request_id):
+            return f"gave up waiting for inputs: worker rank {self._dead_rank} was declared dead"
+        return "timed out waiting for inputs"
+
     def accept(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """A tensor another rank (or the frontend) sent: one value (``{"value": ...}``), or a
-        plan's worth for this rank (``_flush_sends``)."""
+        plan's worth for this rank (``_flush_sends``); or the frontend's notice that a rank
+        died and the requests it failed are abandoned: their inputs are dropped (as those of
+        a released request), so a step waiting for them fails now, not at the timeout."""
+        abandoned = parse_abandon(key)
+        if abandoned is not None:
+            self._dead_rank, request_ids = abandoned
+            for request_id in request_ids:
+                self.store.drop(request_id)
+            return
         if "value" in tensors:
             pairs = [(key, tensors["value"])]
         else:

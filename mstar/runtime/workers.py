@@ -32,6 +32,7 @@ import zmq
 
 from mstar.distributed import SINGLE, use_parallel
 from mstar.runtime import protocol
+from mstar.runtime.heartbeat import HeartbeatSender
 from mstar.runtime.lockstep import (
     Follower,
     LeaderEngine,
@@ -40,6 +41,7 @@ from mstar.runtime.lockstep import (
     stop_followers,
 )
 from mstar.runtime.protocol import (
+    Heartbeat,
     PeerTable,
     Shutdown,
     StepPlan,
@@ -157,6 +159,7 @@ class _Process:
     ready: bool = False
     failed: bool = False
     on_ready: Callable[[int, dict[str, float]], None] | None = None  # set by a restart
+    heard: float | None = None  # when its latest heartbeat (or its WorkerReady) came
 
 
 class ProcessWorkers:
@@ -176,6 +179,9 @@ class ProcessWorkers:
     """
 
     control_host = "127.0.0.1"  # where the plan and result sockets listen (the workers are local)
+    # A ready rank silent this long is lost (its workers send heartbeats: ``heartbeat.py``);
+    # None: a local process's death is seen from its handle, no heartbeats needed.
+    lost_after_s: float | None = None
 
     def __init__(self, config_data: dict[str, Any], num_ranks: int, protocol_name: str,
                  frontend_transport, startup_timeout: float = 600.0, split_groups: Sequence = ()):
@@ -326,6 +332,17 @@ class ProcessWorkers:
     def _late(self, process: _Process) -> str:
         return f"worker process {process.proc.name} (pid {process.proc.pid}) did not load"
 
+    def _silent(self, process: _Process, now: float) -> bool:
+        """A ready rank that has sent no heartbeat for ``lost_after_s``.
+        (A loading rank is not judged by it: a load may hold the GIL in one long call;
+        its startup deadline covers it.)"""
+        return (self.lost_after_s is not None and process.ready and process.heard is not None
+                and now - process.heard > self.lost_after_s)
+
+    def _lost(self, process: _Process, silence: float) -> str:
+        """Why a silent rank is declared lost, for its ``WorkerFailed``."""
+        return f"worker process {process.proc.name} (pid {process.proc.pid}) sent no heartbeat for {silence:.1f} s"
+
     def _stop(self, process: _Process, grace_s: float = 0.0) -> None:
         """Make sure the process is gone (joined, killed past ``grace_s``) and close its sockets."""
         process.failed = True
@@ -355,12 +372,19 @@ class ProcessWorkers:
                     self._woken.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+        now = time.monotonic()
         for sock in readable:
             while True:
                 try:
                     msg = protocol.decode(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+                if isinstance(msg, (Heartbeat, WorkerReady)):
+                    # Only these count: an actor whose raylet died may still send results,
+                    # but it stopped beating, and Ray can neither restart nor stop it.
+                    self.ranks[live[sock]].heard = now
+                if isinstance(msg, Heartbeat):
+                    continue
                 out.append(msg)
                 if isinstance(msg, WorkerReady):
                     self._ready(live[sock], msg)
@@ -373,6 +397,9 @@ class ProcessWorkers:
                 process.failed = True
                 when = "" if process.ready else " while loading"
                 out.append(WorkerFailed(rank, f"{self._gone(process)}{when}"))
+            elif self._silent(process, now):
+                process.failed = True
+                out.append(WorkerFailed(rank, self._lost(process, now - process.heard)))
             elif not process.ready and time.monotonic() > process.deadline:
                 process.failed = True
                 process.proc.kill()
@@ -467,16 +494,19 @@ def worker_main(config_data: dict[str, Any], rank: int, frontend_rank: int, prot
 def run_worker(config_data: dict[str, Any], rank: int, frontend_rank: int, protocol_name: str,
                plan_addr: str, result_addr: str, rendezvous: str | None = None, *,
                host: str = "127.0.0.1", node: str | None = None,
-               server_alive: Callable[[], bool] = lambda: True) -> None:
+               server_alive: Callable[[], bool] = lambda: True, heartbeat_s: float | None = None) -> None:
     """A worker's life wherever it runs (a local process, a Ray actor): load the rank's
     engines, report ready with its tensor address (TCP bound on ``host``; ``node``: the
     machine's name, for ``shm+tcp``), then serve plans until the server says stop, or
-    ``server_alive()`` turns false while idle."""
+    ``server_alive()`` turns false while idle. With ``heartbeat_s`` a thread tells the
+    server every ``heartbeat_s`` that the rank is there, while ``server_alive()`` holds."""
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plans.connect(plan_addr)
     results = ctx.socket(zmq.PUSH)
     results.connect(result_addr)
+    heartbeat = None if heartbeat_s is None else \
+        HeartbeatSender(ctx, result_addr, rank, period_s=heartbeat_s, attached=server_alive)
     transport = make_transport(protocol_name, rank, host=host, node=node)
     try:
         worker = build_worker(config_data, rank, transport, frontend_rank, rendezvous)
@@ -484,6 +514,8 @@ def run_worker(config_data: dict[str, Any], rank: int, frontend_rank: int, proto
         log.exception("worker %d failed to load", rank)
         results.send(protocol.encode(WorkerFailed(rank, f"{type(err).__name__}: {err}")))
         time.sleep(0.5)
+        if heartbeat is not None:
+            heartbeat.close()
         return
     freeze_startup_objects()
     results.send(protocol.encode(WorkerReady(rank, transport.address, worker.stats())))
@@ -491,6 +523,8 @@ def run_worker(config_data: dict[str, Any], rank: int, frontend_rank: int, proto
         _follow(worker)
     else:
         _serve(worker, rank, plans, results, transport, server_alive)
+    if heartbeat is not None:
+        heartbeat.close()
     transport.close()
     results.close(linger=1000)
     plans.close(linger=0)
