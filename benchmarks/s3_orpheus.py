@@ -98,6 +98,7 @@ class Settings:
     seed: int = 0
     fast_paths: tuple[tuple[str, Any], ...] = ()  # model_kwargs: attention_backend / cuda_graphs
     codec_worker: bool = False  # SNAC in a worker process of its own (same device), not beside the talker
+    pacing_ahead_s: float | None = None  # stream_pacing.ahead_s (None: no pacing)
 
     @property
     def audio_s(self) -> float:
@@ -110,7 +111,7 @@ class Settings:
                 "audio_tokens": self.audio_tokens, "audio_s_per_request": self.audio_s,
                 "warmup_tokens": self.warmup_tokens, "runs": self.runs, "seed": self.seed, "text": TEXT,
                 "model_kwargs": {"benchmark_audio_only": True, **dict(self.fast_paths)},
-                "codec_worker": self.codec_worker,
+                "codec_worker": self.codec_worker, "stream_pacing_ahead_s": self.pacing_ahead_s,
                 "response_format": "pcm (s16le)"}
 
 
@@ -139,7 +140,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         fast["fused_kernels"] = True
     return Settings(smoke=args.smoke, device=device, dtype=dtype, model=model, snac=snac, streams=streams,
                     audio_tokens=tokens, warmup_tokens=4 * TOKENS_PER_FRAME, runs=args.runs, seed=args.seed,
-                    fast_paths=tuple(sorted(fast.items())), codec_worker=args.codec_worker)
+                    fast_paths=tuple(sorted(fast.items())), codec_worker=args.codec_worker,
+                    pacing_ahead_s=args.pacing)
 
 
 # --------------------------------------------------------------------------- the bound
@@ -194,6 +196,8 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
               "max_concurrent_requests": max(settings.streams),
               "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8, "page_size": PAGE_SIZE}},
               "model_kwargs": kwargs}
+    if settings.pacing_ahead_s is not None:
+        config["stream_pacing"] = {"ahead_s": settings.pacing_ahead_s}
     if settings.codec_worker:  # rank 1 runs SNAC on the same device as rank 0's talker
         config["node_groups"] = [{"node_names": ["llm"], "ranks": [0]},
                                  {"node_names": ["snac_decoder"], "ranks": [1]}]
@@ -416,6 +420,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action="store_true", help="the talker's model_kwargs.cuda_graphs (GPU)")
     p.add_argument("--fused-kernels", action="store_true", help="the talker's model_kwargs.fused_kernels (GPU)")
     p.add_argument("--overlap", action="store_true", help="the talker's model_kwargs.overlap_scheduling")
+    p.add_argument("--pacing", type=float, default=None, metavar="AHEAD_S",
+                   help="stream_pacing with this ahead_s: a stream this far ahead of playback sits out steps")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers + snac")
     p.add_argument("--codec-worker", action="store_true",
                    help="SNAC on a worker process of its own (rank 1, same device), so the talker never waits for it")
