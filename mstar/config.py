@@ -26,6 +26,10 @@ class NodeGroupConfig(_Strict):
     # backend: ray only: resources each rank's placement-group bundle asks for beside its CPU (and
     # GPU), e.g. a custom resource that only some Ray nodes have, to choose where the group runs.
     ray_resources: dict[str, float] = Field(default_factory=dict)
+    # backend: ray only, a split group (tp/sp) only: how Ray places its ranks' bundles. None:
+    # strict_pack (one node). strict_spread puts every rank on a node of its own (a group
+    # across machines: gloo, or NCCL over the network); pack/spread are Ray's soft versions.
+    ray_placement: Literal["strict_pack", "pack", "spread", "strict_spread"] | None = None
 
 
 class KVCacheConfig(_Strict):
@@ -113,6 +117,12 @@ class DeploymentConfig(_Strict):
             if g.ray_resources and self.backend != "ray":
                 raise ValueError(f"node_groups[{i}].ray_resources: only backend: ray places ranks by Ray "
                                  f"resources; set backend: ray or remove the key")
+            if g.ray_placement is not None and self.backend != "ray":
+                raise ValueError(f"node_groups[{i}].ray_placement: only backend: ray places ranks by Ray; "
+                                 f"set backend: ray or remove the key")
+            if g.ray_placement is not None and g.tp_size * g.sp_size == 1:
+                raise ValueError(f"node_groups[{i}].ray_placement: only a split group (tp_size or sp_size > 1) "
+                                 f"has several ranks to place together")
             negative = sorted(k for k, v in g.ray_resources.items() if v < 0)
             if negative:
                 raise ValueError(f"node_groups[{i}].ray_resources.{negative[0]}: must be 0 or more")

@@ -207,8 +207,9 @@ def _check_divisible(split: list[tuple[int, NodeGroup]], dims: dict) -> None:
 
 def _check_devices(config) -> None:
     """Every rank needs a device: with ``device: cuda`` and no ``gpus`` list, rank r runs on
-    ``cuda:r``, which must exist (a ``gpus`` list is checked when the config is parsed)."""
-    if config.device != "cuda" or config.gpus is not None:
+    ``cuda:r``, which must exist (a ``gpus`` list is checked when the config is parsed).
+    Under ``backend: ray`` the ranks' GPUs are the cluster's: Ray's placement checks them."""
+    if config.device != "cuda" or config.gpus is not None or config.backend == "ray":
         return
     import torch
 

@@ -79,6 +79,20 @@ def rank_bundles(config: DeploymentConfig, num_ranks: int) -> dict[int, dict[str
     return {rank: default | extra[rank] for rank in range(num_ranks)}
 
 
+def pack_strategy(config: DeploymentConfig, ranks: list[int]) -> str:
+    """The Ray placement strategy of the bundles of ``ranks`` (one pack): the
+    ``ray_placement`` of the split groups in it (two that disagree are a ``ConfigError``),
+    else ``STRICT_PACK`` for several ranks and ``PACK`` for one."""
+    chosen = {g.ray_placement for g in config.node_groups
+              if g.ray_placement is not None and set(g.ranks) <= set(ranks)}
+    if len(chosen) > 1:
+        raise ConfigError(f"node_groups: the split groups over ranks {ranks} share ranks but ask for "
+                          f"different ray_placement values {sorted(chosen)}")
+    if chosen:
+        return chosen.pop().upper()
+    return "STRICT_PACK" if len(ranks) > 1 else "PACK"
+
+
 def packs(placement: Placement, num_ranks: int) -> list[list[int]]:
     """The ranks that must share a node: those of each split group (merged where two split
     groups share a rank); every other rank alone."""
@@ -109,7 +123,7 @@ def reserve(config: DeploymentConfig, placement: Placement, num_ranks: int, repl
     groups, bundle_of = [], {}
     try:
         for ranks in packs(placement, num_ranks):
-            strategy = "STRICT_PACK" if len(ranks) > 1 else "PACK"
+            strategy = pack_strategy(config, ranks)
             group = placement_group([bundles[r] for r in ranks], strategy=strategy,
                                     name=f"mstar-replica{replica}-ranks-{ranks[0]}")
             groups.append(group)

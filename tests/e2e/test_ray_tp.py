@@ -65,3 +65,36 @@ def test_tp2_on_a_worker_node_answers_as_tp1(cluster: Cluster, tmp_path: Path) -
             assert answer["usage"] == expected["usage"]
     finally:
         tp2.close()
+
+
+def test_tp2_spread_over_two_nodes_answers_as_tp1(cluster: Cluster, tmp_path: Path) -> None:
+    """``ray_placement: strict_spread``: one rank on the head node, one on the worker node;
+    gloo and the tensors between them over TCP."""
+    model_dir = write_tiny_llama(tmp_path / "model")
+    tp1 = start(parse_config(_config(model_dir)), in_process=True)
+    try:
+        expected = _chat(tp1)
+    finally:
+        tp1.close()
+    groups = [{**TP2[0], "ray_placement": "strict_spread"}]
+    tp2 = start(parse_config(_config(model_dir, backend="ray", node_groups=groups)), max_worker_restarts=0)
+    try:
+        layout = tp2.runtime.workers.layout
+        assert {layout.node_of(0), layout.node_of(1)} == {cluster.worker_node_id, layout.server_node}
+        answer = _chat(tp2)
+        assert answer["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        assert answer["usage"] == expected["usage"]
+    finally:
+        tp2.close()
+
+
+def test_ray_placement_is_checked() -> None:
+    from mstar.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"node_groups\[0\].ray_placement: only backend: ray"):
+        parse_config(_config(Path("x"), node_groups=[{**TP2[0], "ray_placement": "spread"}]))
+    single = {"node_names": ["llm"], "ranks": [0], "ray_placement": "spread"}
+    with pytest.raises(ConfigError, match=r"node_groups\[0\].ray_placement: only a split group"):
+        parse_config(_config(Path("x"), backend="ray", node_groups=[single]))
+    with pytest.raises(ConfigError, match="ray_placement"):
+        parse_config(_config(Path("x"), backend="ray", node_groups=[{**TP2[0], "ray_placement": "diagonal"}]))
