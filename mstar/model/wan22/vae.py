@@ -315,8 +315,6 @@ class WanVAE(nn.Module):
         self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1)
         self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1)
         self.decoder = Decoder(config)
-        self.register_buffer("mean", torch.tensor(config.latents_mean).view(-1, 1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(config.latents_std).view(-1, 1, 1, 1), persistent=False)
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """``[B, in/p^2 channels (3), 1 + 4k, H, W]`` in ``[-1, 1]`` -> the posterior mean
@@ -337,13 +335,22 @@ class WanVAE(nn.Module):
         out = torch.cat([self.decoder(x[:, :, i:i + 1], cache, i == 0) for i in range(x.shape[2])], dim=2)
         return unpatchify(out, self.config.patch_size).clamp(-1.0, 1.0)
 
+    def _stats(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, 1 / std)``, per channel, computed in float32 then cast to ``latents``' dtype."""
+        shape = (-1,) + (1,) * (latents.ndim - 2)
+        mean = torch.tensor(self.config.latents_mean, device=latents.device).view(shape)
+        inv_std = 1.0 / torch.tensor(self.config.latents_std, device=latents.device).view(shape)
+        return mean.to(latents.dtype), inv_std.to(latents.dtype)
+
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
-        """VAE latents -> the DiT's ``(z - mean) / std`` (the pipeline's order of ops)."""
-        return (latents - self.mean.to(latents.dtype)) * (1.0 / self.std).to(latents.dtype)
+        """VAE latents ``[B, C, ...]`` -> the DiT's ``(z - mean) * (1 / std)`` (the pipeline's order of ops)."""
+        mean, inv_std = self._stats(latents)
+        return (latents - mean) * inv_std
 
     def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
-        """The DiT's latents -> VAE latents ``z / (1 / std) + mean`` (the pipeline's order of ops)."""
-        return latents / (1.0 / self.std).to(latents.dtype) + self.mean.to(latents.dtype)
+        """The DiT's latents ``[B, C, ...]`` -> VAE latents ``z / (1 / std) + mean`` (the pipeline's order)."""
+        mean, inv_std = self._stats(latents)
+        return latents / inv_std + mean
 
 
 def frames_uint8(video: torch.Tensor) -> torch.Tensor:
