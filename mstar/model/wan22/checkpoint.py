@@ -9,6 +9,7 @@ from mstar.diffusion.unipc import UniPC
 from mstar.model.diffusers_checkpoint import DiffusersCheckpoint
 from mstar.model.wan22.config import WanTransformerConfig
 from mstar.model.wan22.text import WanText
+from mstar.model.wan22.umt5 import UMT5Config
 from mstar.model.wan22.vae import WanVAEConfig
 
 
@@ -27,6 +28,9 @@ class WanCheckpoint(DiffusersCheckpoint):
 
     def text(self) -> WanText:
         return WanText.from_directory(self.root)
+
+    def text_config(self) -> UMT5Config:
+        return UMT5Config.from_dict(self.read_json("text_encoder", "config.json"))
 
     def transformer_config(self) -> WanTransformerConfig:
         return WanTransformerConfig.from_dict(self.read_json("transformer", "config.json"))
