@@ -106,7 +106,7 @@ class VideoFrames(OutputStream):
 @register
 class Wan22(ModelSpec):
     key = "wan22"
-    tasks = frozenset({"video_generation"})
+    tasks = frozenset()  # /generate only until the video routes (and their task) come
     input_modalities = frozenset({"text", "image"})
     default_weights = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
     Knobs = WanKnobs
