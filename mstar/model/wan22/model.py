@@ -10,8 +10,9 @@ encode the negative prompt beside the prompt. ``guidance_scale`` 1 takes the pla
 
 Sizes are checked before queueing: width and height multiples of 32 (the VAE's 16 times the
 DiT's 2x2 patches), ``num_frames`` of the form 4k + 1 (the VAE codes the first frame alone,
-then four at a time), ``width x height x num_frames`` within ``max_video_pixels``, each axis
-within the DiT's 1024 rotary positions. Deployment knobs (``model_kwargs``): ``WanKnobs``.
+then four at a time), ``width x height`` within ``max_image_area`` and ``width x height x
+num_frames`` within ``max_video_pixels``, each axis within the DiT's 1024 rotary positions.
+Deployment knobs (``model_kwargs``): ``WanKnobs``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class VideoKnobs(RequestKnobs):
     fps: int = Field(24, ge=1, le=240)  # playback rate only: the container's, not a generation knob
 
 
-def check_video_size(width: int, height: int, num_frames: int, max_video_pixels: int) -> None:
+def check_video_size(width: int, height: int, num_frames: int, max_video_pixels: int, max_image_area: int) -> None:
     """``RequestError`` naming the field for a size the model cannot make or the caps refuse."""
     for field, side in (("width", width), ("height", height)):
         if side % SIZE_MULTIPLE or side < SIZE_MULTIPLE:
@@ -62,6 +63,8 @@ def check_video_size(width: int, height: int, num_frames: int, max_video_pixels:
             raise RequestError(field, f"must be a positive multiple of {SIZE_MULTIPLE}, got {side} (nearest: {near})")
         if side > MAX_SIDE:
             raise RequestError(field, f"must be at most {MAX_SIDE}, got {side}")
+    if width * height > max_image_area:
+        raise RequestError("width", f"{width}x{height} is over max_image_area ({max_image_area} pixels a frame)")
     if (num_frames - 1) % FRAME_STEP:
         low = (num_frames - 1) // FRAME_STEP * FRAME_STEP + 1
         raise RequestError("num_frames", f"must be {FRAME_STEP}k + 1 (1, 5, 9, ..., 81), got {num_frames} "
@@ -157,7 +160,8 @@ class Wan22(ModelSpec):
         knobs = VideoKnobs.parse(spec.model_kwargs)
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
-        check_video_size(knobs.width, knobs.height, knobs.num_frames, self.knobs.max_video_pixels)
+        check_video_size(knobs.width, knobs.height, knobs.num_frames, self.knobs.max_video_pixels,
+                         self.knobs.max_image_area)
         steps = self.knobs.num_inference_steps if knobs.num_inference_steps is None else knobs.num_inference_steps
         if not 1 <= steps <= MAX_STEPS:
             raise RequestError("num_inference_steps", f"must be between 1 and {MAX_STEPS}")

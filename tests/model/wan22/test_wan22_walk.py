@@ -25,8 +25,9 @@ HEIGHT, WIDTH, FRAMES = 64, 32, 9  # latents [4, 3, 4, 2]: 3 x 2 x 1 DiT tokens
 
 @pytest.fixture(scope="module")
 def deployment(checkpoint):
+    knobs = {"max_video_pixels": 64 * 64 * 9, "max_image_area": 64 * 64}
     d = start(parse_config({"model": "wan22", "model_path": str(checkpoint.root), "max_concurrent_requests": 4,
-                            "model_kwargs": {"max_video_pixels": 64 * 64 * 9}}), in_process=True)
+                            "model_kwargs": knobs}), in_process=True)
     yield d
     d.close()
 
@@ -148,6 +149,7 @@ def test_two_concurrent_requests_equal_their_solo_runs(deployment):
     ({}, [("a.png", b"not an image")], "image"),
     ({}, [("a.png", b"x"), ("b.png", b"y")], "image"),
     ({"fps": 0}, [], "fps"),
+    ({"width": 128, "num_frames": 1}, [], "width"),  # over max_image_area
 ])
 def test_bad_requests_name_the_field(deployment, kwargs, files, field):
     spec = GenerateSpec("e", "a cat", files, ["video"], {"height": HEIGHT, "width": WIDTH, "num_frames": FRAMES,
@@ -155,3 +157,14 @@ def test_bad_requests_name_the_field(deployment, kwargs, files, field):
     with pytest.raises(RequestError) as err:
         deployment.spec.prepare_generate(spec)
     assert err.value.field == field
+
+
+def test_dummy_weights_deployment_runs(checkpoint):
+    """``load_format: dummy`` (the checkpoint's configs, no weights read) serves a request."""
+    d = start(parse_config({"model": "wan22", "model_path": str(checkpoint.root), "load_format": "dummy",
+                            "model_kwargs": {"num_inference_steps": 1, "guidance_scale": 1.0}}), in_process=True)
+    try:
+        frames = generate(d, "dummy", "a cat", seed=1)
+    finally:
+        d.close()
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
