@@ -17,6 +17,10 @@ from mstar.model.wan22.knobs import WanKnobs
 from mstar.model.wan22.transformer import WanTransformer
 from mstar.model.wan22.vae import WanVAE, frames_uint8
 
+# Kept in float32 in a bf16 deployment, as diffusers keeps them (its _keep_in_fp32_modules): the
+# time MLP, the modulation tables and the cross-attention norm.
+FP32_PARAMETERS = ("time_embedder", "scale_shift_table", "norm2")
+
 
 def wan_engines(ckpt: WanCheckpoint, knobs: WanKnobs, config: DeploymentConfig, nodes: set[str],
                 device: torch.device) -> dict[str, Engine]:
@@ -26,7 +30,7 @@ def wan_engines(ckpt: WanCheckpoint, knobs: WanKnobs, config: DeploymentConfig, 
     if "text_encoder" in nodes:
         engines["text_encoder"] = text_encoder_engine(ckpt.text(), load)
     if "dit" in nodes:
-        dit = load(WanTransformer(ckpt.transformer_config()), "transformer", 2)
+        dit = load(WanTransformer(ckpt.transformer_config()), "transformer", 2, fp32=FP32_PARAMETERS)
         engines["dit"] = dit_engine(dit, ckpt, knobs, device, dtype)
     if "vae" in nodes:
         engines["vae"] = vae_engine(load(WanVAE(ckpt.vae_config()), "vae", 3), knobs, device, dtype)

@@ -6,6 +6,7 @@ modules built from the same configs."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from mstar.config import parse_config
 from mstar.model.wan22.checkpoint import WanCheckpoint
+from mstar.model.wan22.engine import FP32_PARAMETERS
 from mstar.model.wan22.transformer import WanTransformer
 from mstar.model.wan22.umt5 import UMT5Encoder
 from mstar.model.wan22.vae import WanVAE
@@ -117,3 +119,34 @@ def test_dummy_weights_at_real_shapes_on_meta(tmp_path):
     billions = sum(p.numel() for p in ours["transformer"].parameters()) / 1e9
     print(f"[shapes] DiT {billions:.2f}B parameters")
     assert 4.9 < billions < 5.1
+
+
+def test_bf16_keeps_diffusers_fp32_parameters(checkpoint):
+    """In a bfloat16 deployment the time MLP, the modulation tables and the cross-attention norm
+    stay float32 (diffusers' ``_keep_in_fp32_modules``), and the DiT's bf16 output follows
+    diffusers' bf16 model loaded from the same folder."""
+    ckpt = WanCheckpoint(checkpoint.root)
+    config = parse_config({"model": "wan22", "model_path": str(checkpoint.root), "dtype": "bfloat16"})
+
+    dit = ckpt.loader(config, 0, torch.device("cpu"))(WanTransformer(ckpt.transformer_config()), "transformer", 2,
+                                                     fp32=FP32_PARAMETERS)
+    # diffusers' bf16 model as from_pretrained(torch_dtype=bfloat16) builds it (accelerate is not
+    # installed here): its _keep_in_fp32_modules' parameters float32, the rest bfloat16
+    ref = copy.deepcopy(checkpoint.transformer).to(torch.bfloat16)
+    keep = set(ref._keep_in_fp32_modules)
+    for name, p in ref.named_parameters():
+        if keep & set(name.split(".")):
+            p.data = checkpoint.transformer.get_parameter(name).data.clone()
+    kept = {name for name, p in dit.named_parameters() if p.dtype == torch.float32}
+    assert kept == {name for name, p in ref.named_parameters() if p.dtype == torch.float32}
+    assert kept and dit.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, 4, 3, 4, 2, generator=gen).bfloat16()
+    text = torch.randn(1, 7, 32, generator=gen).bfloat16()
+    t = torch.tensor([[0.0, 0.0, 700.0, 700.0, 700.0, 700.0]])
+    with torch.no_grad():
+        want = ref(latents, t, text, return_dict=False)[0].float()
+        got = dit(latents, t, text).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"[parity] bf16 DiT: max rel err {err:.2e}")
+    assert err <= 1e-3  # 0 on this CPU: the same bf16 arithmetic
