@@ -33,7 +33,10 @@ def wan_engines(ckpt: WanCheckpoint, knobs: WanKnobs, config: DeploymentConfig, 
         dit = load(WanTransformer(ckpt.transformer_config()), "transformer", 2, fp32=FP32_PARAMETERS)
         engines["dit"] = dit_engine(dit, ckpt, knobs, device, dtype)
     if "vae" in nodes:
-        engines["vae"] = vae_engine(load(WanVAE(ckpt.vae_config()), "vae", 3), knobs, device, dtype)
+        vae_dtype = getattr(torch, knobs.vae_dtype)
+        vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=vae_dtype,
+                        dummy=config.load_format == "dummy", seed=knobs.seed + 3)
+        engines["vae"] = vae_engine(vae, knobs, device, vae_dtype)
     return engines
 
 

@@ -150,3 +150,27 @@ def test_bf16_keeps_diffusers_fp32_parameters(checkpoint):
     err = ((got - want).abs().max() / want.abs().max()).item()
     print(f"[parity] bf16 DiT: max rel err {err:.2e}")
     assert err <= 1e-3  # 0 on this CPU: the same bf16 arithmetic
+
+
+@pytest.mark.parametrize("vae_dtype", ["float32", "bfloat16"])
+def test_vae_dtype_is_its_own(checkpoint, vae_dtype):
+    """The VAE runs in ``vae_dtype`` (float32 by default, as the model card loads it) whatever
+    the deployment's dtype."""
+    from mstar.engine.base import EngineItem
+    from mstar.model.wan22.engine import wan_engines
+    from mstar.model.wan22.knobs import WanKnobs
+
+    loaded = {}
+
+    class Recording(WanCheckpoint):
+        def load(self, module, folder, **kwargs):
+            module = super().load(module, folder, **kwargs)
+            loaded[folder] = {p.dtype for p in module.parameters()}
+            return module
+
+    config = parse_config({"model": "wan22", "model_path": str(checkpoint.root), "dtype": "bfloat16"})
+    knobs = WanKnobs.parse({} if vae_dtype == "float32" else {"vae_dtype": vae_dtype})
+    vae = wan_engines(Recording(checkpoint.root), knobs, config, {"vae"}, torch.device("cpu"))["vae"]
+    assert loaded == {"vae": {getattr(torch, vae_dtype)}}
+    [out] = vae.run([EngineItem("r", "decode", 0, {"latents": torch.randn(4, 2, 2, 2)}, {})])
+    assert out.outputs["frames"].shape == (5, 32, 32, 3) and out.outputs["frames"].dtype == torch.uint8
