@@ -1,9 +1,16 @@
 """Wan2.2's denoise engine: one UniPC step of the DiT for many requests at once.
 
-Op ``step`` [latents, text, negative_text, optional condition -> latents]. Requests whose
-latents have the same shape share DiT forwards, each at its own step and time; a request with
-``guidance_scale > 1`` puts two rows in a forward (prompt and negative prompt, the batched
-pair) and combines them, ``v_uncond + g * (v_cond - v_uncond)``.
+Ops (ports in brackets):
+
+- ``step`` [latents, text, negative_text, optional condition -> latents]: a whole step; a request
+  with ``guidance_scale > 1`` puts two rows in a forward (prompt and negative prompt, the
+  batched pair) and combines them, ``v_uncond + g * (v_cond - v_uncond)``.
+- ``velocity`` [latents, text, optional condition -> velocity]: one branch's prediction, so a
+  walk can run the two branches as ``Parallel`` steps, on one rank or two (CFG parallel);
+- ``guide`` [latents, v_cond, v_uncond, optional condition -> latents]: combine and step.
+
+Rows of all requests whose latents have the same shape share DiT forwards, each at its own step
+and time.
 
 Image-to-video (TI2V, diffusers' ``expand_timesteps``): ``condition`` holds the image's
 normalised latents ``[C, 1, h, w]``; the DiT sees them in place of the first latent frame, at
@@ -25,6 +32,8 @@ import torch
 from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+
+OPS = ("step", "velocity", "guide")
 
 # predict(latents [B, C, F, h, w], time x 1000 per token [B, N], text [B, L, D]) -> flow [B, C, F, h, w]
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,34 +79,48 @@ class WanDenoiseEngine(Engine):
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         for item in items:
-            if item.op != "step":
-                raise ValueError(f"the Wan denoise engine has no op {item.op!r} (it has ['step'])")
+            if item.op not in OPS:
+                raise ValueError(f"the Wan denoise engine has no op {item.op!r} (it has {list(OPS)})")
         with torch.inference_mode():
             flows = self._predict(items)
             outputs, solvers = [], {}
             for i, item in enumerate(items):
-                v = flows[(i, "text")]
-                if (i, "negative_text") in flows:
-                    v = guide(v, flows[(i, "negative_text")], guidance_scale(item))
-                sigmas, _ = self._schedule(item)
-                latents = item.inputs["latents"].to(self.device, torch.float32)[None]
-                state = self.solvers.get(item.request_id, UniPCState())
-                latents, solvers[item.request_id] = self.scheduler.step(item.iteration, sigmas, v[None], latents,
-                                                                        state)
-                latents = latents[0]
-                if item.iteration == len(sigmas) - 2 and "condition" in item.inputs:
-                    latents = dit_input(EngineItem(item.request_id, item.op, item.iteration,
-                                                   {**item.inputs, "latents": latents}, item.params))
+                if item.op == "velocity":
+                    outputs.append(EngineOutput({"velocity": flows[(i, "text")]}))
+                    continue
+                if item.op == "guide":
+                    v_cond, v_uncond = (item.inputs[k].to(self.device, torch.float32) for k in ("v_cond", "v_uncond"))
+                    v = guide(v_cond, v_uncond, guidance_scale(item))
+                else:
+                    v = flows[(i, "text")]
+                    if (i, "negative_text") in flows:
+                        v = guide(v, flows[(i, "negative_text")], guidance_scale(item))
+                latents, solvers[item.request_id] = self._step(item, v)
                 outputs.append(EngineOutput({"latents": latents}))
         self.solvers.update(solvers)  # only once the whole batch stepped
         return outputs
+
+    def _step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState]:
+        """The request's UniPC step with flow ``v``; after the last one, an i2v request's first
+        frame is its condition."""
+        sigmas, _ = self._schedule(item)
+        latents = item.inputs["latents"].to(self.device, torch.float32)[None]
+        state = self.solvers.get(item.request_id, UniPCState())
+        latents, state = self.scheduler.step(item.iteration, sigmas, v[None], latents, state)
+        latents = latents[0]
+        if item.iteration == len(sigmas) - 2 and "condition" in item.inputs:
+            latents = dit_input(EngineItem(item.request_id, item.op, item.iteration,
+                                           {**item.inputs, "latents": latents}, item.params))
+        return latents, state
 
     def _predict(self, items: list[EngineItem]) -> dict[tuple[int, str], torch.Tensor]:
         """Every row's flow prediction (float32): rows of one latent shape share forwards of at
         most ``max_batch_size`` rows."""
         groups: dict[tuple, list[tuple[int, str]]] = defaultdict(list)
         for i, item in enumerate(items):
-            texts = ["text", "negative_text"] if guidance_scale(item) > 1 else ["text"]
+            if item.op == "guide":
+                continue
+            texts = ["text", "negative_text"] if item.op == "step" and guidance_scale(item) > 1 else ["text"]
             if "negative_text" in texts and "negative_text" not in item.inputs:
                 raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs a "
                                  "negative_text input")

@@ -17,6 +17,10 @@ class WanKnobs(DiffusionKnobs):
     guidance_scale: float = Field(5.0, ge=1.0)
     """Classifier-free guidance of requests that send none (1: off)."""
 
+    cfg_parallel: bool = False
+    """Guidance as two ``Parallel`` branches (``dit`` and ``dit_uncond``, placed by the YAML on one
+    rank or two) instead of a batched pair."""
+
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     """The VAE's dtype, whatever the deployment's: float32 as in the model card's recipe."""
 

@@ -5,8 +5,11 @@ the latents ``[48, 1 + (F - 1) / 4, H / 16, W / 16]``), and the Wan2.2 VAE (``en
 image of an i2v request, ``decode`` the final latents to uint8 frames ``[F, H, W, 3]``, emitted
 as the request's ``video``). An image among the request's files turns it into image-to-video.
 
-Guidance (5 by default) runs as a batched pair in each DiT forward: the ``*_guided`` walks
-encode the negative prompt beside the prompt. ``guidance_scale`` 1 takes the plain walks.
+Guidance (5 by default): the ``*_guided`` walks encode the negative prompt beside the prompt,
+and each step runs a conditional and an unconditional prediction, either as a batched pair in
+one DiT forward (default) or, with ``cfg_parallel``, as ``Parallel`` branches on nodes ``dit``
+and ``dit_uncond`` (the same DiT under a second name, so the YAML places the branches on one
+rank or two) joined by ``dit: guide``. ``guidance_scale`` 1 takes the plain walks.
 
 Sizes are checked before queueing: width and height multiples of 32 (the VAE's 16 times the
 DiT's 2x2 patches), ``num_frames`` of the form 4k + 1 (the VAE codes the first frame alone,
@@ -39,6 +42,7 @@ SIZE_MULTIPLE = 32  # VAE 16x, then the DiT's 2x2 patches
 FRAME_STEP = 4  # the VAE's time compression: num_frames = 1 + 4k
 MAX_SIDE = 16384  # the largest side an H.264 encoder opens
 ROPE_POSITIONS = 1024  # the DiT's rotary table, per axis
+UNCOND_NODE = "dit_uncond"  # the unconditional branch's node under cfg_parallel (the same DiT)
 
 
 class VideoKnobs(RequestKnobs):
@@ -117,31 +121,47 @@ class Wan22(ModelSpec):
 
     def graph(self) -> Graph:
         text_encoder = Node("text_encoder", "stateless", inputs=("prompt_ids", "prompt_mask"), outputs=("text",))
-        dit = Node("dit", "denoise", inputs=("latents", "text", "negative_text", "condition"), outputs=("latents",),
-                   ops=("step",))
+        dit = Node("dit", "denoise", inputs=("latents", "text", "negative_text", "condition", "v_cond", "v_uncond"),
+                   outputs=("latents", "velocity"), ops=("step", "velocity", "guide"))
         vae = Node("vae", "stateless", inputs=("pixels", "latents"), outputs=("condition", "frames"),
                    ops=("encode", "decode"))
-        return Graph.build([text_encoder, dit, vae], [self._walk(i2v, guided) for i2v in (False, True)
-                                                      for guided in (False, True)])
+        nodes = [text_encoder, dit, vae]
+        if self.knobs.cfg_parallel:
+            nodes.append(Node(UNCOND_NODE, "denoise", inputs=("latents", "text", "condition"), outputs=("velocity",),
+                              ops=("velocity",)))
+        return Graph.build(nodes, [self._walk(i2v, guided) for i2v in (False, True) for guided in (False, True)])
 
-    @staticmethod
-    def _walk(i2v: bool, guided: bool) -> Walk:
+    def _denoise(self, i2v: bool, guided: bool):
+        """One denoise step: a ``step`` (a guided one as the batched pair), or with
+        ``cfg_parallel`` the two branches in ``Parallel`` then ``guide``."""
+        cond = {"latents": "latents", "text": "text", **({"condition": "condition"} if i2v else {})}
+        if not guided:
+            return Step("dit", "step", reads=cond, writes="latents")
+        if not self.knobs.cfg_parallel:
+            return Step("dit", "step", reads={**cond, "negative_text": "negative_text"}, writes="latents")
+        uncond = {**cond, "text": "negative_text"}
+        joined = ("latents", "v_cond", "v_uncond", *(("condition",) if i2v else ()))
+        return Sequential(
+            Parallel(Step("dit", "velocity", reads=cond, writes={"velocity": "v_cond"}, name="dit.cond"),
+                     Step(UNCOND_NODE, "velocity", reads=uncond, writes={"velocity": "v_uncond"},
+                          name="dit.uncond")),
+            Step("dit", "guide", reads=joined, writes="latents"),
+        )
+
+    def _walk(self, i2v: bool, guided: bool) -> Walk:
         encoders = [Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes="text")]
-        dit_reads = {"latents": "latents", "text": "text"}
         inputs = ["prompt_ids", "prompt_mask", "latents"]
         if guided:
             encoders.append(Step("text_encoder", reads={"prompt_ids": "negative_ids", "prompt_mask": "negative_mask"},
                                  writes={"text": "negative_text"}, name="text_encoder.negative"))
-            dit_reads["negative_text"] = "negative_text"
             inputs += ["negative_ids", "negative_mask"]
         if i2v:
             encoders.append(Step("vae", "encode", reads="pixels", writes="condition"))
-            dit_reads["condition"] = "condition"
             inputs.append("pixels")
         name = ("i2v" if i2v else "t2v") + ("_guided" if guided else "")
         return Walk(name, Sequential(
             Parallel(*encoders) if len(encoders) > 1 else encoders[0],
-            Loop(Step("dit", "step", reads=dit_reads, writes="latents"), max_iters="num_steps"),
+            Loop(self._denoise(i2v, guided), max_iters="num_steps"),
             Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")),
         ), inputs=tuple(inputs))
 
@@ -197,8 +217,16 @@ class Wan22(ModelSpec):
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
+        """The engines of ``nodes``; ``dit_uncond`` is the DiT's engine (shared with ``dit`` when
+        both are on this rank: one copy of the weights, both branches' rows in its forwards)."""
         from mstar.model.wan22.engine import wan_engines
 
         ckpt = self.checkpoint()
         ckpt.check_variant()
-        return wan_engines(ckpt, self.knobs, self.config, nodes, device)
+        wanted = set(nodes) - {UNCOND_NODE} | ({"dit"} if UNCOND_NODE in nodes else set())
+        engines = wan_engines(ckpt, self.knobs, self.config, wanted, device)
+        if UNCOND_NODE in nodes:
+            engines[UNCOND_NODE] = engines["dit"]
+            if "dit" not in nodes:
+                del engines["dit"]
+        return engines
