@@ -1,11 +1,12 @@
 """Wan2.2 with ``cfg_parallel``: each guided step runs the conditional and unconditional
-branches as ``Parallel`` steps on nodes ``dit`` and ``dit_uncond`` (here on one rank, sharing
-the engine), then ``dit: guide``; the result equals diffusers' pipelines, as the batched pair
+branches as ``Parallel`` steps on nodes ``dit`` and ``dit_uncond`` (on one rank, sharing the
+engine, and on two ranks), then ``dit: guide``; the result equals diffusers' pipelines, as the batched pair
 does (t2v and TI2V i2v)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,11 +18,19 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec
 from mstar.runtime.launch import start
 
+PLACEMENTS = {
+    "one-rank": [{"node_names": ["text_encoder", "dit", "dit_uncond", "vae"], "ranks": [0]}],
+    "two-ranks": [{"node_names": ["text_encoder", "dit", "vae"], "ranks": [0]},
+                  {"node_names": ["dit_uncond"], "ranks": [1]}],
+}
 
-@pytest.fixture(scope="module")
-def deployment(checkpoint):
+
+@pytest.fixture(scope="module", params=list(PLACEMENTS))
+def deployment(request, checkpoint):
     d = start(parse_config({"model": "wan22", "model_path": str(checkpoint.root), "max_concurrent_requests": 4,
-                            "model_kwargs": {"cfg_parallel": True}}), in_process=True)
+                            "node_groups": PLACEMENTS[request.param], "model_kwargs": {"cfg_parallel": True}}),
+              in_process=True)
+    d.placement_name = request.param
     yield d
     d.close()
 
@@ -51,9 +60,34 @@ def test_cfg_parallel_matches_diffusers(checkpoint, deployment, monkeypatch, i2v
         num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator().manual_seed(seed),
         output_type="latent", max_sequence_length=512, **extra).frames[0]
     err = ((ours - want).abs().max() / want.abs().max()).item()
-    print(f"[parity] cfg_parallel i2v={i2v}: latents rel err {err:.2e}")
+    print(f"[parity] cfg_parallel {deployment.placement_name} i2v={i2v}: latents rel err {err:.2e}")
     assert err <= 1e-5
-    dit = deployment.runtime.workers.workers[0].engines["dit"]
-    assert dit is deployment.runtime.workers.workers[0].engines["dit_uncond"]
+    workers = deployment.runtime.workers.workers
+    dit = workers[0].engines["dit"]
+    if deployment.placement_name == "one-rank":
+        assert dit is workers[0].engines["dit_uncond"]
+    else:
+        assert "dit_uncond" not in workers[0].engines and "dit" not in workers[1].engines
+        assert not workers[1].engines["dit_uncond"].schedules
     assert not dit.schedules and not dit.solvers
     assert np.isfinite(ours.numpy()).all()
+
+
+@pytest.mark.parametrize("name, uncond_rank", [("wan22.yaml", None), ("wan22_cfg_parallel.yaml", 1)])
+def test_example_configs_place_the_guidance_branches(checkpoint, name, uncond_rank):
+    from mstar.config import load_config
+    from mstar.model.registry import model_class
+    from mstar.runtime.placement import build_placement
+
+    path = Path(__file__).resolve().parents[3] / "configs" / name
+    assert load_config(path).device == "cuda"
+    config = load_config(path, {"device": "cpu", "model_path": str(checkpoint.root)})  # no GPU here
+    graph = model_class(config.model)(config).graph()
+    placement = build_placement(graph, config)  # every node of every walk on an existing rank
+    for walk in ("t2v_guided", "i2v_guided"):
+        nodes = {step.node for step in graph.walk(walk).steps()}
+        assert placement.rank_of(walk, "dit") == 0
+        assert ("dit_uncond" in nodes) == (uncond_rank is not None)
+        if uncond_rank is not None:
+            assert placement.rank_of(walk, "dit_uncond") == uncond_rank
+    assert config.num_ranks == (1 if uncond_rank is None else 2)
