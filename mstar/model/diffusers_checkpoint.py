@@ -6,7 +6,7 @@ components read from it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -34,15 +34,21 @@ class DiffusersCheckpoint:
         return json.loads(self.root.joinpath(*parts).read_text())
 
     def load(self, module: nn.Module, folder: str, *, device: torch.device, dtype: torch.dtype, dummy: bool,
-             seed: int, **load) -> nn.Module:
+             seed: int, fp32: Collection[str] = (), **load) -> nn.Module:
         """``module`` on ``device`` in ``dtype`` with the weights of component ``folder``
         (coverage checked both ways; ``load``: ``load_weights``' options), or seeded random
-        weights when ``dummy``; in eval mode."""
+        weights when ``dummy``; in eval mode. ``fp32``: parameters with one of these names among
+        the parts of their dotted name stay in float32 whatever ``dtype`` (diffusers'
+        ``_keep_in_fp32_modules``), filled from the checkpoint without a round trip through ``dtype``."""
         from mstar.model.weights import fill_weights, iter_safetensors
 
         module = module.to(device=device, dtype=dtype)
+        keep = set(fp32)
+        for name, param in module.named_parameters():
+            if not keep.isdisjoint(name.split(".")):
+                param.data = param.data.float()
         return fill_weights(module, lambda: iter_safetensors(self.root / folder), dummy=dummy, seed=seed,
-                            dtype=dtype, **load)
+                            dtype=None if fp32 else dtype, **load)
 
     def loader(self, config: DeploymentConfig, seed: int, device: torch.device) -> Loader:
         """``load(module, folder, offset, **options)`` for the deployment: its dtype, dummy or real

@@ -16,7 +16,8 @@ _REGISTRY: dict[str, type[ModelSpec]] = {}
 _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.model.orpheus.model",
              "mstar.model.flux2.model", "mstar.model.flux2.guided",
              "mstar.model.qwen3_5.model",
-             "mstar.model.z_image.model", "mstar.model.fastconformer.model", "mstar.model.canary.model",
+             "mstar.model.z_image.model", "mstar.model.wan22.model", "mstar.model.fastconformer.model",
+             "mstar.model.canary.model",
              "mstar.model.canary_qwen.model", "mstar.model.kokoro.model",
              "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model",
              "mstar.model.voice_agent")

@@ -245,10 +245,13 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> N
     Matrices and embeddings get ``N(0, std)``, 1-D norm weights get ones and other 1-D tensors
     (biases) zeros. The result depends only on ``seed``, the parameter names and shapes, and
     the device kind (values are drawn where the parameters live: billions of them on one CPU
-    thread would take minutes).
+    thread would take minutes). Parameters on the meta device hold no values and are left as
+    they are (a model built there checks its shapes without allocating them).
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
+        if param.is_meta:
+            continue
         if param.dim() >= 2:
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

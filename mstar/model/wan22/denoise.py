@@ -1,0 +1,143 @@
+"""Wan2.2's denoise engine: one UniPC step of the DiT for many requests at once.
+
+Ops (ports in brackets):
+
+- ``step`` [latents, text, negative_text, optional condition -> latents]: a whole step; a request
+  with ``guidance_scale > 1`` puts two rows in a forward (prompt and negative prompt, the
+  batched pair) and combines them, ``v_uncond + g * (v_cond - v_uncond)``.
+- ``velocity`` [latents, text, optional condition -> velocity]: one branch's prediction, so a
+  walk can run the two branches as ``Parallel`` steps, on one rank or two (CFG parallel);
+- ``guide`` [latents, v_cond, v_uncond, optional condition -> latents]: combine and step.
+
+Rows of all requests whose latents have the same shape share DiT forwards, each at its own step
+and time.
+
+Image-to-video (TI2V, diffusers' ``expand_timesteps``): ``condition`` holds the image's
+normalised latents ``[C, 1, h, w]``; the DiT sees them in place of the first latent frame, at
+time 0 on those tokens, while the sampler steps the whole latents. After the last step the
+first frame is the condition.
+
+Each request's schedule (sigmas, timesteps) comes from its ``num_steps`` param; its UniPC
+solver state (the last two clean-sample estimates and the last sample) stays here between
+steps, keyed by request, and is freed by ``release``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+import torch
+
+from mstar.diffusion.guidance import guide
+from mstar.diffusion.unipc import UniPC, UniPCState
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+
+OPS = ("step", "velocity", "guide")
+
+# predict(latents [B, C, F, h, w], time x 1000 per token [B, N], text [B, L, D]) -> flow [B, C, F, h, w]
+Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def guidance_scale(item: EngineItem) -> float:
+    return float(item.params.get("guidance_scale", 1.0))
+
+
+def dit_input(item: EngineItem) -> torch.Tensor:
+    """The latents the DiT sees: the condition in place of the first frame for i2v."""
+    latents = item.inputs["latents"]
+    condition = item.inputs.get("condition")
+    return latents if condition is None else torch.cat([condition.to(latents), latents[:, 1:]], dim=1)
+
+
+class WanDenoiseEngine(Engine):
+    def __init__(self, predict: Predict, scheduler: UniPC, patch: tuple[int, int, int], device: torch.device,
+                 max_batch_size: int | None = None):
+        self.predict = predict
+        self.scheduler = scheduler
+        self.patch = patch
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.schedules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.solvers: dict[str, UniPCState] = {}
+        self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
+
+    def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
+        if item.request_id not in self.schedules:
+            self.schedules[item.request_id] = self.scheduler.timesteps(int(item.params["num_steps"]))
+        return self.schedules[item.request_id]
+
+    def _time(self, item: EngineItem) -> torch.Tensor:
+        """The DiT's time per token ``[N]``: the step's timestep, 0 on a condition frame's tokens."""
+        t = self._schedule(item)[1][item.iteration].float()
+        c, f, h, w = item.inputs["latents"].shape
+        pt, ph, pw = self.patch
+        time = torch.full((f // pt, h // ph, w // pw), float(t))
+        if "condition" in item.inputs:
+            time[0] = 0.0
+        return time.flatten()
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        for item in items:
+            if item.op not in OPS:
+                raise ValueError(f"the Wan denoise engine has no op {item.op!r} (it has {list(OPS)})")
+        with torch.inference_mode():
+            flows = self._predict(items)
+            outputs, solvers = [], {}
+            for i, item in enumerate(items):
+                if item.op == "velocity":
+                    outputs.append(EngineOutput({"velocity": flows[(i, "text")]}))
+                    continue
+                if item.op == "guide":
+                    v_cond, v_uncond = (item.inputs[k].to(self.device, torch.float32) for k in ("v_cond", "v_uncond"))
+                    v = guide(v_cond, v_uncond, guidance_scale(item))
+                else:
+                    v = flows[(i, "text")]
+                    if (i, "negative_text") in flows:
+                        v = guide(v, flows[(i, "negative_text")], guidance_scale(item))
+                latents, solvers[item.request_id] = self._step(item, v)
+                outputs.append(EngineOutput({"latents": latents}))
+        self.solvers.update(solvers)  # only once the whole batch stepped
+        return outputs
+
+    def _step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState]:
+        """The request's UniPC step with flow ``v``; after the last one, an i2v request's first
+        frame is its condition."""
+        sigmas, _ = self._schedule(item)
+        latents = item.inputs["latents"].to(self.device, torch.float32)[None]
+        state = self.solvers.get(item.request_id, UniPCState())
+        latents, state = self.scheduler.step(item.iteration, sigmas, v[None], latents, state)
+        latents = latents[0]
+        if item.iteration == len(sigmas) - 2 and "condition" in item.inputs:
+            latents = dit_input(EngineItem(item.request_id, item.op, item.iteration,
+                                           {**item.inputs, "latents": latents}, item.params))
+        return latents, state
+
+    def _predict(self, items: list[EngineItem]) -> dict[tuple[int, str], torch.Tensor]:
+        """Every row's flow prediction (float32): rows of one latent shape share forwards of at
+        most ``max_batch_size`` rows."""
+        groups: dict[tuple, list[tuple[int, str]]] = defaultdict(list)
+        for i, item in enumerate(items):
+            if item.op == "guide":
+                continue
+            texts = ["text", "negative_text"] if item.op == "step" and guidance_scale(item) > 1 else ["text"]
+            if "negative_text" in texts and "negative_text" not in item.inputs:
+                raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs a "
+                                 "negative_text input")
+            for text in texts:
+                groups[tuple(item.inputs["latents"].shape)].append((i, text))
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for rows in groups.values():
+            size = self.max_batch_size or len(rows)
+            for start in range(0, len(rows), size):
+                chunk = rows[start:start + size]
+                latents = torch.stack([dit_input(items[i]) for i, _ in chunk]).to(self.device)
+                time = torch.stack([self._time(items[i]) for i, _ in chunk]).to(self.device)
+                text = torch.stack([items[i].inputs[name] for i, name in chunk]).to(self.device)
+                self.forward_rows.append(len(chunk))
+                out.update(zip(chunk, self.predict(latents, time, text).float()))
+        return out
+
+    def release(self, request_id: str) -> None:
+        self.schedules.pop(request_id, None)
+        self.solvers.pop(request_id, None)

@@ -1,0 +1,29 @@
+"""Wan2.2's deployment knobs: the diffusion families' (``DiffusionKnobs``), 50 steps and guidance
+5 by default (the model card's), the VAE's dtype (float32 by default, as the card loads it), and
+the video caps checked before a request is queued."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mstar.model.diffusion_knobs import DiffusionKnobs, Steps
+
+
+class WanKnobs(DiffusionKnobs):
+    num_inference_steps: Steps = 50
+
+    guidance_scale: float = Field(5.0, ge=1.0)
+    """Classifier-free guidance of requests that send none (1: off)."""
+
+    cfg_parallel: bool = False
+    """Guidance as two ``Parallel`` branches (``dit`` and ``dit_uncond``, placed by the YAML on one
+    rank or two) instead of a batched pair."""
+
+    vae_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The VAE's dtype, whatever the deployment's: float32 as in the model card's recipe."""
+
+    max_video_pixels: int = Field(1 << 28, ge=1)
+    """The largest ``width * height * num_frames`` a request may ask for (2^28: about 3.6x the
+    default 1280x704x81 clip)."""

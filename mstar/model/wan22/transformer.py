@@ -1,0 +1,224 @@
+"""The Wan video DiT (Wan2.2-TI2V-5B): video tokens from a 3D patch embedding attend to
+themselves with 3D rotary positions, then to the prompt, under adaLN modulation by the time.
+
+Parameter names equal the state dict keys of diffusers' ``WanTransformer3DModel`` (0.42.1), so a
+checkpoint's ``transformer/`` folder loads by name. The numerics follow it too: layer norms and
+the modulation arithmetic run in float32 whatever the weights' dtype, the rotary tables are
+computed in float64.
+
+TI2V's per-token time (diffusers' ``expand_timesteps``): ``t`` may be ``[B, N]``, one time per
+video token, so the clean first frame of an image-to-video request sits at time 0 while the
+rest is noised. Each distinct time value is embedded once and gathered per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.model.flux2.transformer import timestep_sinusoid
+from mstar.model.wan22.config import WanTransformerConfig
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [N, head_dim / 2]
+
+
+def layer_norm32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm`` applied in float32 (diffusers' ``FP32LayerNorm``), result in float32."""
+    weight = None if norm.weight is None else norm.weight.float()
+    bias = None if norm.bias is None else norm.bias.float()
+    return F.layer_norm(x.float(), norm.normalized_shape, weight, bias, norm.eps)
+
+
+def rope_tables(dim: int, length: int, theta: float = 10000.0) -> Rope:
+    """(cos, sin) ``[length, dim / 2]`` of positions ``0..length-1``, computed in float64."""
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate the interleaved pairs ``(x[2i], x[2i+1])`` of ``x [B, N, H, D]`` by ``rope``."""
+    cos, sin = (r[None, :, None, :] for r in rope)
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+class WanRope(nn.Module):
+    """The 3D rotary table: each head's channels split (frame, row, column); a token at grid
+    cell ``(f, r, c)`` turns each slice by its own coordinate."""
+
+    def __init__(self, config: WanTransformerConfig) -> None:
+        super().__init__()
+        self.dims = config.rope_dims
+        tables = [rope_tables(d, config.rope_max_seq_len) for d in self.dims]
+        self.register_buffer("cos", torch.cat([c for c, _ in tables], dim=1), persistent=False)
+        self.register_buffer("sin", torch.cat([s for _, s in tables], dim=1), persistent=False)
+        self.max_len = config.rope_max_seq_len
+
+    def forward(self, grid: tuple[int, int, int]) -> Rope:
+        if max(grid) > self.max_len:
+            raise ValueError(f"token grid {grid} exceeds the DiT's {self.max_len} rotary positions")
+        f, h, w = grid
+        halves = [d // 2 for d in self.dims]
+
+        def table(full: torch.Tensor) -> torch.Tensor:
+            tf, th, tw = full.split(halves, dim=1)
+            return torch.cat([tf[:f, None, None].expand(f, h, w, -1), th[None, :h, None].expand(f, h, w, -1),
+                              tw[None, None, :w].expand(f, h, w, -1)], dim=-1).reshape(f * h * w, -1)
+
+        return table(self.cos), table(self.sin)
+
+
+class WanAttention(nn.Module):
+    """Self- (``context`` None) or cross-attention with RMS-normed queries and keys across all
+    heads (diffusers' ``rms_norm_across_heads``)."""
+
+    def __init__(self, dim: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
+        kv = x if context is None else context
+        q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
+        k = self.norm_k(self.to_k(kv)).unflatten(2, (self.heads, -1))
+        v = self.to_v(kv).unflatten(2, (self.heads, -1))
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
+
+
+class GeluProjection(nn.Module):
+    """``proj`` then tanh-approximated GELU (diffusers' ``GELU`` activation module)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """``net.2(gelu_tanh(net.0.proj(x)))`` (diffusers' ``FeedForward`` key layout)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GeluProjection(dim, hidden), nn.Dropout(0.0), nn.Linear(hidden, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class WanBlock(nn.Module):
+    """Modulated self-attention, cross-attention to the prompt, modulated feed-forward."""
+
+    def __init__(self, config: WanTransformerConfig) -> None:
+        super().__init__()
+        dim, eps = config.dim, config.eps
+        self.norm1 = nn.LayerNorm(dim, eps, elementwise_affine=False)
+        self.attn1 = WanAttention(dim, config.num_attention_heads, eps)
+        self.attn2 = WanAttention(dim, config.num_attention_heads, eps)
+        self.norm2 = nn.LayerNorm(dim, eps) if config.cross_attn_norm else None
+        self.ffn = FeedForward(dim, config.ffn_dim)
+        self.norm3 = nn.LayerNorm(dim, eps, elementwise_affine=False)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, time: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """``x [B, N, D]``, ``context [B, L, D]``, ``time [B, 1 or N, 6, D]`` (float32)."""
+        mods = (self.scale_shift_table + time.float()).unbind(2)
+        shift, scale, gate, c_shift, c_scale, c_gate = mods
+        h = (layer_norm32(x, self.norm1) * (1 + scale) + shift).type_as(x)
+        x = (x.float() + self.attn1(h, rope=rope) * gate).type_as(x)
+        h = x if self.norm2 is None else layer_norm32(x, self.norm2).type_as(x)
+        x = x + self.attn2(h, context)
+        h = (layer_norm32(x, self.norm3) * (1 + c_scale) + c_shift).type_as(x)
+        return (x.float() + self.ffn(h).float() * c_gate).type_as(x)
+
+
+class TimeEmbedding(nn.Module):
+    """``linear_2(silu(linear_1(x)))`` (diffusers' ``TimestepEmbedding``)."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TextProjection(nn.Module):
+    """``linear_2(gelu_tanh(linear_1(x)))``: prompt features into the DiT's width."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
+
+
+class ConditionEmbedder(nn.Module):
+    """The time's embedding (and its six modulation vectors per block) and the prompt's projection."""
+
+    def __init__(self, config: WanTransformerConfig) -> None:
+        super().__init__()
+        self.freq_dim = config.freq_dim
+        self.time_embedder = TimeEmbedding(config.freq_dim, config.dim)
+        self.time_proj = nn.Linear(config.dim, 6 * config.dim)
+        self.text_embedder = TextProjection(config.text_dim, config.dim)
+
+    def time(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``t [B, T]`` (time x 1000) -> ``temb [B, T, D]`` and ``time_proj [B, T, 6, D]``; each
+        distinct value is embedded once."""
+        values, where = torch.unique(t, return_inverse=True)
+        features = timestep_sinusoid(values, self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
+        temb = self.time_embedder(features).to(dtype)
+        proj = self.time_proj(F.silu(temb))
+        return temb[where], proj[where].unflatten(-1, (6, -1))
+
+
+class WanTransformer(nn.Module):
+    """The DiT with diffusers ``WanTransformer3DModel`` parameter names."""
+
+    def __init__(self, config: WanTransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim, patch = config.dim, config.patch_size
+        self.rope = WanRope(config)
+        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=patch, stride=patch)
+        self.condition_embedder = ConditionEmbedder(config)
+        self.blocks = nn.ModuleList(WanBlock(config) for _ in range(config.num_layers))
+        self.norm_out = nn.LayerNorm(dim, config.eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(dim, config.out_channels * math.prod(patch))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+    def forward(self, latents: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """One DiT evaluation. ``latents [B, C, F, H, W]``; ``t``: the time x 1000 (1000 = noise),
+        ``[B]`` or per token ``[B, N]``; ``text [B, L, text_dim]`` (the pipeline's zero-padded
+        prompt features). Returns the flow prediction ``[B, out_channels, F, H, W]``."""
+        b, _, frames, height, width = latents.shape
+        pt, ph, pw = self.config.patch_size
+        grid = (frames // pt, height // ph, width // pw)
+        rope = self.rope(grid)
+        x = self.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+        t = t[:, None] if t.ndim == 1 else t
+        temb, time = self.condition_embedder.time(t, text.dtype)
+        context = self.condition_embedder.text_embedder(text)
+        for block in self.blocks:
+            x = block(x, context, time, rope)
+        shift, scale = (self.scale_shift_table[:, None] + temb[:, :, None]).unbind(2)
+        x = (layer_norm32(x, self.norm_out) * (1 + scale) + shift).type_as(x)
+        x = self.proj_out(x).reshape(b, *grid, pt, ph, pw, -1)
+        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, frames, height, width)

@@ -1,0 +1,361 @@
+"""The Wan2.2 VAE: videos <-> 48-channel latents, 16x smaller in each side and 4x in time.
+
+Parameter names equal the state dict keys of diffusers' ``AutoencoderKLWan`` (0.42.1) built with
+the Wan2.2 config (``is_residual``, ``patch_size`` 2), so a checkpoint's ``vae/`` folder loads
+by name; the Wan2.1 layout (plain up blocks, 16 channels) is refused.
+
+Time is causal. Every 3D convolution sees only the present and past frames (zero-padded in
+front), and the video is coded chunk by chunk, as the reference does: the encoder takes the
+first frame alone, then four frames at a time; the decoder one latent frame at a time. A
+``FrameCache`` carries each convolution's last two input frames from one chunk to the next, so
+chunked coding equals coding the whole clip causally without holding all of its activations.
+The first chunk is special where the time resolution changes: the encoder's temporal
+downsampler keeps its single frame, the decoder's temporal upsampler does not double it, so
+``1 + 4k`` frames map to ``1 + k`` latent frames and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CACHE_FRAMES = 2  # past input frames a kernel-3 causal convolution needs
+
+
+class FrameCache(dict):
+    """Per-module state between the chunks of one encode or decode: a causal convolution's last
+    input frames, a temporal resampler's "seen the first chunk" mark or last frame."""
+
+
+@dataclass(frozen=True)
+class WanVAEConfig:
+    """The keys of diffusers' ``AutoencoderKLWan`` ``config.json`` that shape the network."""
+
+    base_dim: int = 160
+    decoder_base_dim: int = 256
+    z_dim: int = 48
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    in_channels: int = 12
+    out_channels: int = 12
+    patch_size: int = 2
+    scale_factor_temporal: int = 4
+    scale_factor_spatial: int = 16
+    latents_mean: tuple[float, ...] = ()
+    latents_std: tuple[float, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WanVAEConfig:
+        """Build from a diffusers ``config.json`` dict; the Wan2.1 layout and options we do not
+        implement raise, naming the key."""
+        if not data.get("is_residual", False):
+            raise ValueError("vae config: is_residual is false (the Wan2.1 VAE); only the Wan2.2 VAE is supported")
+        if data.get("attn_scales"):
+            raise ValueError(f"vae config: attn_scales {data['attn_scales']} is not supported (only [])")
+        if data.get("patch_size") is None:
+            raise ValueError("vae config: patch_size is missing (the Wan2.2 VAE patchifies by 2)")
+        base = int(data.get("base_dim", 96))
+        return cls(
+            base_dim=base, decoder_base_dim=int(data.get("decoder_base_dim") or base), z_dim=int(data["z_dim"]),
+            dim_mult=tuple(int(m) for m in data.get("dim_mult", (1, 2, 4, 4))),
+            num_res_blocks=int(data.get("num_res_blocks", 2)),
+            temperal_downsample=tuple(bool(t) for t in data.get("temperal_downsample", (False, True, True))),
+            in_channels=int(data.get("in_channels", 3)), out_channels=int(data.get("out_channels", 3)),
+            patch_size=int(data["patch_size"]), scale_factor_temporal=int(data.get("scale_factor_temporal") or 4),
+            scale_factor_spatial=int(data.get("scale_factor_spatial") or 8),
+            latents_mean=tuple(float(v) for v in data["latents_mean"]),
+            latents_std=tuple(float(v) for v in data["latents_std"]))
+
+
+class CausalConv3d(nn.Conv3d):
+    """A 3D convolution padded only in front in time (``2 * padding`` frames); with a
+    ``FrameCache`` the front padding is the previous chunk's last input frames instead."""
+
+    def __init__(self, in_dim: int, out_dim: int, kernel: int | tuple[int, int, int], stride: int | tuple = 1,
+                 padding: int | tuple[int, int, int] = 0) -> None:
+        super().__init__(in_dim, out_dim, kernel, stride=stride)
+        pt, ph, pw = (padding,) * 3 if isinstance(padding, int) else padding
+        self.space_pad = (pw, pw, ph, ph)
+        self.time_pad = 2 * pt
+
+    def forward(self, x: torch.Tensor, cache: FrameCache | None = None) -> torch.Tensor:
+        time_pad = self.time_pad
+        if cache is not None and time_pad > 0:
+            past = cache.get(self)
+            cache[self] = (x if past is None else torch.cat([past, x], dim=2))[:, :, -CACHE_FRAMES:].clone()
+            if past is not None:
+                x = torch.cat([past, x], dim=2)
+                time_pad -= past.shape[2]
+        return super().forward(F.pad(x, (*self.space_pad, time_pad, 0)))
+
+
+class RMSNorm(nn.Module):
+    """``x / ||x||`` over channels, times ``sqrt(dim) * gamma`` (diffusers' ``WanRMS_norm``)."""
+
+    def __init__(self, dim: int, images: bool = False) -> None:
+        super().__init__()
+        self.scale = dim**0.5
+        self.gamma = nn.Parameter(torch.ones(dim, 1, 1) if images else torch.ones(dim, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = x.dtype in (torch.float16, torch.bfloat16)
+        return F.normalize(x.float() if low else x, dim=1).to(x.dtype) * self.scale * self.gamma
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(in_dim)
+        self.conv1 = CausalConv3d(in_dim, out_dim, 3, padding=1)
+        self.norm2 = RMSNorm(out_dim)
+        self.conv2 = CausalConv3d(out_dim, out_dim, 3, padding=1)
+        self.conv_shortcut = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else None
+
+    def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
+        skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        x = self.conv1(F.silu(self.norm1(x)), cache)
+        return self.conv2(F.silu(self.norm2(x)), cache) + skip
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over the pixels of each frame."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, images=True)
+        self.to_qkv = nn.Conv2d(dim, 3 * dim, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        frames = x.transpose(1, 2).reshape(b * t, c, h, w)
+        q, k, v = self.to_qkv(self.norm(frames)).flatten(2).transpose(1, 2)[:, None].chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v)[:, 0].transpose(1, 2).reshape(b * t, c, h, w)
+        return self.proj(out).view(b, t, c, h, w).transpose(1, 2) + x
+
+
+class MidBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attentions = nn.ModuleList([AttentionBlock(dim)])
+        self.resnets = nn.ModuleList([ResidualBlock(dim, dim), ResidualBlock(dim, dim)])
+
+    def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
+        x = self.resnets[0](x, cache)
+        return self.resnets[1](self.attentions[0](x), cache)
+
+
+def _per_frame(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A 2D module applied to every frame of ``[B, C, T, H, W]``."""
+    b, _, t = x.shape[:3]
+    y = conv(x.transpose(1, 2).flatten(0, 1))
+    return y.unflatten(0, (b, t)).transpose(1, 2)
+
+
+class Downsample(nn.Module):
+    """Halve height and width (a stride-2 conv, padded right and bottom); with ``temporal``, also
+    halve time (a stride-2 causal conv over the previous chunk's last frame and this chunk)."""
+
+    def __init__(self, dim: int, temporal: bool) -> None:
+        super().__init__()
+        self.resample = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(dim, dim, 3, stride=2))
+        self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
+
+    def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
+        x = _per_frame(self.resample, x)
+        if self.time_conv is None:
+            return x
+        past = cache.get(self)
+        cache[self] = x[:, :, -1:].clone()
+        return x if past is None else self.time_conv(torch.cat([past, x], dim=2))
+
+
+class Upsample(nn.Module):
+    """Double height and width (nearest, then a conv); with ``temporal``, also double time from
+    the second chunk on (a causal conv emits two frames per frame)."""
+
+    def __init__(self, dim: int, temporal: bool) -> None:
+        super().__init__()
+        self.resample = nn.Sequential(nn.Upsample(scale_factor=(2.0, 2.0), mode="nearest-exact"),
+                                      nn.Conv2d(dim, dim, 3, padding=1))
+        self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
+
+    def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
+        if self.time_conv is not None:
+            if self in cache:
+                b, c, t, h, w = x.shape
+                x = self.time_conv(x, cache).view(b, 2, c, t, h, w)
+                x = torch.stack([x[:, 0], x[:, 1]], dim=3).reshape(b, c, 2 * t, h, w)
+            else:
+                cache[self] = True  # the first chunk: its frame is not doubled
+        return _per_frame(self.resample, x)  # nearest copies values: exact in any dtype
+
+
+def avg_down(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int) -> torch.Tensor:
+    """The down blocks' shortcut: space (and time) folded into channels, then channel groups
+    averaged to ``out_dim``; time is zero-padded in front to a multiple of ``factor_t``."""
+    x = F.pad(x, (0, 0, 0, 0, (-x.shape[2]) % factor_t, 0))
+    b, c, t, h, w = x.shape
+    x = x.view(b, c, t // factor_t, factor_t, h // factor_s, factor_s, w // factor_s, factor_s)
+    x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).reshape(b, out_dim, -1, t // factor_t, h // factor_s, w // factor_s)
+    return x.mean(dim=2)
+
+
+def dup_up(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int, first_chunk: bool) -> torch.Tensor:
+    """The up blocks' shortcut: channels repeated and unfolded into space (and time); the first
+    chunk keeps only its last ``1`` of ``factor_t`` frames."""
+    b, c, t, h, w = x.shape
+    x = x.repeat_interleave(out_dim * factor_t * factor_s * factor_s // c, dim=1)
+    x = x.view(b, out_dim, factor_t, factor_s, factor_s, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+    x = x.reshape(b, out_dim, t * factor_t, h * factor_s, w * factor_s)
+    return x[:, :, factor_t - 1:] if first_chunk else x
+
+
+class DownBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, blocks: int, temporal: bool, down: bool) -> None:
+        super().__init__()
+        self.out_dim, self.factor_t, self.factor_s = out_dim, 2 if temporal else 1, 2 if down else 1
+        self.resnets = nn.ModuleList(ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(blocks))
+        self.downsampler = Downsample(out_dim, temporal) if down else None
+
+    def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
+        skip = avg_down(x, self.out_dim, self.factor_t, self.factor_s)
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.downsampler is not None:
+            x = self.downsampler(x, cache)
+        return x + skip
+
+
+class UpBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, blocks: int, temporal: bool, up: bool) -> None:
+        super().__init__()
+        self.out_dim, self.factor_t, self.up = out_dim, 2 if temporal else 1, up
+        self.resnets = nn.ModuleList(ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(blocks + 1))
+        self.upsampler = Upsample(out_dim, temporal) if up else None
+
+    def forward(self, x: torch.Tensor, cache: FrameCache, first_chunk: bool) -> torch.Tensor:
+        skip = dup_up(x, self.out_dim, self.factor_t, 2, first_chunk) if self.up else None
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.upsampler is not None:
+            x = self.upsampler(x, cache)
+        return x if skip is None else x + skip
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: WanVAEConfig) -> None:
+        super().__init__()
+        dims = [config.base_dim * m for m in (1, *config.dim_mult)]
+        last = len(config.dim_mult) - 1
+        self.conv_in = CausalConv3d(config.in_channels, dims[0], 3, padding=1)
+        self.down_blocks = nn.ModuleList(
+            DownBlock(dims[i], dims[i + 1], config.num_res_blocks, i != last and config.temperal_downsample[i],
+                      i != last) for i in range(len(config.dim_mult)))
+        self.mid_block = MidBlock(dims[-1])
+        self.norm_out = RMSNorm(dims[-1])
+        self.conv_out = CausalConv3d(dims[-1], 2 * config.z_dim, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
+        x = self.conv_in(x, cache)
+        for block in self.down_blocks:
+            x = block(x, cache)
+        x = self.mid_block(x, cache)
+        return self.conv_out(F.silu(self.norm_out(x)), cache)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: WanVAEConfig) -> None:
+        super().__init__()
+        mult = config.dim_mult
+        dims = [config.decoder_base_dim * m for m in (mult[-1], *mult[::-1])]
+        upsample_t = config.temperal_downsample[::-1]
+        last = len(mult) - 1
+        self.conv_in = CausalConv3d(config.z_dim, dims[0], 3, padding=1)
+        self.mid_block = MidBlock(dims[0])
+        self.up_blocks = nn.ModuleList(
+            UpBlock(dims[i], dims[i + 1], config.num_res_blocks, i != last and upsample_t[i], i != last)
+            for i in range(len(mult)))
+        self.norm_out = RMSNorm(dims[-1])
+        self.conv_out = CausalConv3d(dims[-1], config.out_channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, cache: FrameCache, first_chunk: bool) -> torch.Tensor:
+        x = self.mid_block(self.conv_in(x, cache), cache)
+        for block in self.up_blocks:
+            x = block(x, cache, first_chunk)
+        return self.conv_out(F.silu(self.norm_out(x)), cache)
+
+
+def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """``[B, C, T, H, W]`` -> ``[B, C * p * p, T, H / p, W / p]`` (channel order: c, column, row)."""
+    b, c, t, h, w = x.shape
+    x = x.view(b, c, t, h // p, p, w // p, p).permute(0, 1, 6, 4, 2, 3, 5)
+    return x.reshape(b, c * p * p, t, h // p, w // p)
+
+
+def unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    b, cp, t, h, w = x.shape
+    x = x.view(b, cp // (p * p), p, p, t, h, w).permute(0, 1, 4, 5, 3, 6, 2)
+    return x.reshape(b, cp // (p * p), t, h * p, w * p)
+
+
+class WanVAE(nn.Module):
+    """The Wan2.2 autoencoder with diffusers ``AutoencoderKLWan`` parameter names."""
+
+    def __init__(self, config: WanVAEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1)
+        self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1)
+        self.decoder = Decoder(config)
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """``[B, in/p^2 channels (3), 1 + 4k, H, W]`` in ``[-1, 1]`` -> the posterior mean
+        ``[B, z_dim, 1 + k, H / 16, W / 16]`` (VAE latents, not normalised)."""
+        x = patchify(video, self.config.patch_size)
+        cache = FrameCache()
+        step = self.config.scale_factor_temporal
+        if (x.shape[2] - 1) % step:
+            raise ValueError(f"the VAE encodes 1 + {step}k frames, got {x.shape[2]}")
+        chunks = [x[:, :, :1], *(x[:, :, 1:].split(step, dim=2) if x.shape[2] > 1 else ())]
+        out = torch.cat([self.encoder(chunk, cache) for chunk in chunks], dim=2)
+        return self.quant_conv(out)[:, : self.config.z_dim]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents ``[B, z_dim, T, h, w]`` -> video ``[B, 3, 1 + 4 (T - 1), 16h, 16w]`` in ``[-1, 1]``."""
+        x = self.post_quant_conv(latents)
+        cache = FrameCache()
+        out = torch.cat([self.decoder(x[:, :, i:i + 1], cache, i == 0) for i in range(x.shape[2])], dim=2)
+        return unpatchify(out, self.config.patch_size).clamp(-1.0, 1.0)
+
+    def _stats(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, 1 / std)``, per channel, computed in float32 then cast to ``latents``' dtype."""
+        shape = (-1,) + (1,) * (latents.ndim - 2)
+        mean = torch.tensor(self.config.latents_mean, device=latents.device).view(shape)
+        inv_std = 1.0 / torch.tensor(self.config.latents_std, device=latents.device).view(shape)
+        return mean.to(latents.dtype), inv_std.to(latents.dtype)
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents ``[B, C, ...]`` -> the DiT's ``(z - mean) * (1 / std)`` (the pipeline's order of ops)."""
+        mean, inv_std = self._stats(latents)
+        return (latents - mean) * inv_std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The DiT's latents ``[B, C, ...]`` -> VAE latents ``z / (1 / std) + mean`` (the pipeline's order)."""
+        mean, inv_std = self._stats(latents)
+        return latents / inv_std + mean
+
+
+def frames_uint8(video: torch.Tensor) -> torch.Tensor:
+    """Decoded ``[3, F, H, W]`` in ``[-1, 1]`` -> uint8 frames ``[F, H, W, 3]``."""
+    return ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
+
+
+__all__: Sequence[str] = ["FrameCache", "WanVAE", "WanVAEConfig", "frames_uint8"]
