@@ -5,15 +5,14 @@ same modules."""
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+
+from tests.support.diffusers_dirs import randomize, write_diffusers_dir
 
 UMT5 = dict(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
             relative_attention_max_distance=16, layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu",
@@ -68,19 +67,6 @@ class Checkpoint:
         return pipe
 
 
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 1 and "norm" in name or "gamma" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise * 1.2 / math.sqrt(p[0].numel()))
-
-
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Checkpoint:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
@@ -88,21 +74,13 @@ def checkpoint(tmp_path_factory) -> Checkpoint:
 
     root = tmp_path_factory.mktemp("wan22")
     tokenizer = make_t5_tokenizer()
-    tokenizer.save_pretrained(root / "tokenizer")
     dit = WanTransformer3DModel(**DIT).eval()
     vae = AutoencoderKLWan(**VAE).eval()
     text = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **UMT5)).eval()
     for seed, module in enumerate((dit, vae, text)):
-        randomize(module, seed)
+        randomize(module, seed, gains=("gamma",))
     with torch.no_grad():  # keep most decoded pixels inside [-1, 1] so the frame comparison bites
         vae.decoder.conv_out.weight.mul_(0.3)
-    for folder, module in (("transformer", dit), ("vae", vae)):
-        (root / folder).mkdir()
-        (root / folder / "config.json").write_text(json.dumps(dict(module.config), default=list))
-        save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-                  root / folder / "diffusion_pytorch_model.safetensors")
-    text.save_pretrained(root / "text_encoder")
-    (root / "scheduler").mkdir()
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
-    (root / "model_index.json").write_text(json.dumps(MODEL_INDEX))
+    write_diffusers_dir(root, transformer=dit, vae=vae, text_encoder=text, tokenizer=tokenizer,
+                        scheduler=SCHEDULER, model_index=MODEL_INDEX)
     return Checkpoint(root, dit, vae, text, tokenizer)

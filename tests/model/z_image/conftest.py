@@ -4,8 +4,6 @@ seeded random weights; the tests compare our port against those same modules."""
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+
+from tests.support.diffusers_dirs import randomize, write_diffusers_dir
 
 # Shared helpers of the sibling test directories (the Qwen tokenizer, in-process deployment tools).
 for folder in ("..", "../../e2e"):
@@ -55,20 +54,6 @@ class Checkpoint:
         return pipe
 
 
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Seeded weights larger than the default init (pad tokens included) so every path matters."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 1 and "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif p.ndim == 1 or "pad_token" in name:
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise * 1.2 / math.sqrt(p[0].numel()))
-
-
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Checkpoint:
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
@@ -76,24 +61,16 @@ def checkpoint(tmp_path_factory) -> Checkpoint:
 
     root = tmp_path_factory.mktemp("z_image")
     tokenizer = make_qwen_tokenizer()
-    tokenizer.save_pretrained(root / "tokenizer")
     dit = ZImageTransformer2DModel(**DIT).eval()
     vae = AutoencoderKL(**VAE).eval()
     text = Qwen3Model(Qwen3Config(vocab_size=len(tokenizer), **QWEN)).eval()
     for seed, module in enumerate((dit, vae, text)):
-        randomize(module, seed)
+        randomize(module, seed, offsets=("pad_token",))
     with torch.no_grad():  # keep most decoded pixels inside [-1, 1] so the image comparison bites
         vae.decoder.conv_out.weight.mul_(0.3)
-    for folder, module in (("transformer", dit), ("vae", vae)):
-        (root / folder).mkdir()
-        (root / folder / "config.json").write_text(json.dumps(dict(module.config), default=list))
-        save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-                  root / folder / "diffusion_pytorch_model.safetensors")
-    text.save_pretrained(root / "text_encoder")
-    (root / "scheduler").mkdir()
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
-    (root / "model_index.json").write_text(json.dumps({
+    write_diffusers_dir(root, transformer=dit, vae=vae, text_encoder=text, tokenizer=tokenizer,
+                        scheduler=SCHEDULER, model_index={
         "_class_name": "ZImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen3Model"], "tokenizer": ["transformers", "Qwen2Tokenizer"],
-        "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}))
+        "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]})
     return Checkpoint(root, dit, vae, text, tokenizer)
