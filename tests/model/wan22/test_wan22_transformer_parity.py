@@ -4,14 +4,13 @@ and one time per token (TI2V's ``expand_timesteps``, the first latent frame at t
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
 from mstar.model.wan22.config import WanTransformerConfig
 from mstar.model.wan22.transformer import WanTransformer
+from tests.support.diffusers_dirs import randomize
 
 TOL = 1e-5
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=8, out_channels=8,
@@ -26,23 +25,10 @@ def check(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= TOL, f"{name}: relative error {err:.3e} > {TOL}"
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 1 and "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise * 1.5 / math.sqrt(p[0].numel()))
-
-
 @pytest.fixture(scope="module")
 def models():
     ref = WanTransformer3DModel(**TINY).eval()
-    randomize(ref, 0)
+    randomize(ref, 0, spread=0.3, weight_gain=1.5)
     ours = WanTransformer(WanTransformerConfig.from_dict(dict(ref.config))).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ours, ref
