@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-tokens", type=int, default=32, help="tokens of the greedy-text comparison")
     p.add_argument("--model-kwargs", type=yaml.safe_load, default=None,
                    help="model_kwargs of our smollm2 deployment (YAML/JSON), e.g. '{quantization: none}'")
-    p.add_argument("--whisper-quantization", nargs="+", choices=("none", "int8"), default=["none"],
+    p.add_argument("--whisper-quantization", nargs="+", choices=("none", "int8", "w8a8"), default=["none"],
                    help="model_kwargs.quantization of our whisper_base, one deployment per mode")
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--skip-whisper", action="store_true")

@@ -209,11 +209,12 @@ class DecodeKnobs(CudaGraphs, FusedKernels, OverlapScheduling, PrefixCaching, Pr
 
 
 class Quantization(Knobs):
-    quantization: Literal["none", "int8", "int4", "gguf"] | None = None
-    """Weight-only quantised linear layers on the CPU (``mstar.model.quantize``): ``none``
-    (float weights; a GGUF file dequantised), ``int8`` (per-row scales), ``int4`` (groups of
-    32), ``gguf`` (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as stored). Unset: ``gguf`` for a
-    GGUF checkpoint on the CPU, else ``none``. The products run in bfloat16."""
+    quantization: Literal["none", "int8", "int4", "gguf", "w8a8"] | None = None
+    """Quantised linear layers on the CPU (``mstar.model.quantize``): ``none`` (float weights;
+    a GGUF file dequantised), weight-only ``int8`` (per-row scales), ``int4`` (groups of 32),
+    ``gguf`` (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as stored), all three with bfloat16
+    products; ``w8a8``: int8 weights (per-row scales) times activations rounded to int8 per
+    token, int32 sums. Unset: ``gguf`` for a GGUF checkpoint on the CPU, else ``none``."""
 
     def check(self, device: str) -> None:
         super().check(device)

@@ -10,6 +10,12 @@ name (Whisper keeps the layers that run over its 1500 audio frames float). Modes
 
 * ``none``: float weights, as loaded (a GGUF checkpoint dequantised).
 * ``int8``: every linear rounded to int8, one scale per output row.
+* ``w8a8``: every linear rounded to int8 (one scale per output row) and its activations
+  rounded to int8 at every call (one scale per row of the batch), an int8 x int8 product
+  (``W8A8Weight``). A GGUF checkpoint's blocks are dequantised first, so its Q4_0/Q4_1 weights
+  are rounded twice (to the file's 4-bit grid, then to a per-row int8 grid: the second step
+  adds at most half a step of ``max|row| / 127``, about 1% of the row's norm for a Gaussian
+  row); Q8_0 codes with a per-32 scale likewise.
 * ``int4``: every linear rounded to 4 bits in groups of 32 input features (scale and offset
   per group).
 * ``gguf``: the GGUF file's own blocks kept as they are stored (``GGUFBlocks``): Q4_0 and
@@ -40,7 +46,9 @@ from mstar.layers.quantized import (
     QuantizedLinear,
     QuantizedWeight,
     SplitInt8Weight,
+    W8A8Weight,
     quantized_kernels_available,
+    w8a8_kernel_available,
 )
 
 if TYPE_CHECKING:  # the GGUF reader (gguf, tokenizers) loads only where a GGUF file is read
@@ -50,7 +58,7 @@ __all__ = ["QUANTIZATIONS", "quantize_model"]
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8")
 
 _LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
@@ -66,7 +74,10 @@ def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, G
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
         return []
-    if not quantized_kernels_available():
+    if mode == "w8a8" and not w8a8_kernel_available():
+        raise RuntimeError(f"quantization w8a8 needs fbgemm's int8 CPU linear, which this torch "
+                           f"{torch.__version__} lacks")
+    if mode != "w8a8" and not quantized_kernels_available():
         raise RuntimeError(f"quantization {mode!r} needs PyTorch's int4/int8 CPU kernels, which torch "
                            f"{torch.__version__} lacks")
     stored = dict(blocks)
@@ -108,6 +119,8 @@ def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, G
 def _rounded(weight: torch.Tensor, mode: str) -> QuantizedWeight | None:
     if mode == "int8":
         return Int8Weight.quantize(weight)
+    if mode == "w8a8":
+        return W8A8Weight.quantize(weight)
     if weight.shape[1] % INT4_GROUP_SIZE:
         return None
     return Int4Weight.quantize(weight)

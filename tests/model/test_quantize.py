@@ -7,7 +7,8 @@ multiply in bfloat16 (mstar.layers.quantized), a relative error of about 3e-3 pe
 which over 30 layers moves the logits (whose largest is about 35) by up to about 0.7; a
 greedy choice between two near-tied tokens may then go the other way (docs/benchmarks.md,
 "SmolLM2 and Whisper base on a laptop CPU"). On a tiny random Llama: every linear is
-quantised, its float weight dropped, and the logits stay near the float ones.
+quantised, its float weight dropped, and the logits stay near the float ones; with ``w8a8``
+(activations rounded per row) a sequence's logits are the same bits in a batch as alone.
 """
 
 from __future__ import annotations
@@ -78,8 +79,16 @@ def test_stored_blocks_decode_to_the_float_loaders_values(smollm2):
     assert kinds == {"q4", "q8"}  # Q4_1 layers, Q8_0 embeddings
 
 
-def test_gguf_blocks_kept_quantised_track_the_dequantised_model(smollm2):
-    reference, ours = load(smollm2, "none"), load(smollm2, "gguf")
+@pytest.mark.parametrize("mode, logit_tol, agree_min", [("gguf", LOGIT_TOL, AGREE), ("w8a8", 8.0, 0.85)])
+def test_gguf_blocks_kept_quantised_track_the_dequantised_model(smollm2, mode, logit_tol, agree_min):
+    """``gguf`` keeps the blocks. ``w8a8`` rounds the dequantised blocks to per-row int8 and the
+    activations to int8 with one scale per token: SmolLM2's hidden states have outlier
+    channels, so one scale per 576 features leaves the small ones a few steps of the grid.
+    Measured (3 prompts): largest logit difference 6.7 and argmax agreement 0.905, against
+    1.05 and 0.993 for ``gguf``; no single kind of layer is to blame (leaving qkv, o, gate_up,
+    down or the logits float in turn leaves 5.6-8.1). llama.cpp rounds activations per block of
+    32 (q8_1), which this kernel cannot."""
+    reference, ours = load(smollm2, "none"), load(smollm2, mode)
     layers = [m for m in ours.modules() if getattr(m, "qweight", None) is not None]
     assert len(layers) == 4 * ours.config.num_hidden_layers + 1  # qkv, o, gate_up, down; tied logits
     tokenizer = smollm2.tokenizer()
@@ -90,10 +99,10 @@ def test_gguf_blocks_kept_quantised_track_the_dequantised_model(smollm2):
         ids = tokenizer.encode(text)
         ids += greedy(reference, ids, 16)  # the float model's continuation, teacher-forced below
         a, b = logits_of(reference, ids), logits_of(ours, ids)
-        assert (a - b).abs().max() < LOGIT_TOL, prompt
+        assert (a - b).abs().max() < logit_tol, prompt
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(ids)
-    assert agree / total >= AGREE
+    assert agree / total >= agree_min
 
 
 # --- a tiny random Llama ----------------------------------------------------------------------
@@ -101,7 +110,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("mode, tol", [("int8", 0.02), ("int4", 0.15)])
+@pytest.mark.parametrize("mode, tol", [("int8", 0.02), ("int4", 0.15), ("w8a8", 0.03)])
 def test_every_linear_is_quantised_and_the_logits_stay_near(mode, tol):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
@@ -112,6 +121,44 @@ def test_every_linear_is_quantised_and_the_logits_stay_near(mode, tol):
     assert all(model.get_submodule(n).weight.numel() == 0 for n in names)
     logits = logits_of(model, ids)
     assert float((logits - reference).norm() / reference.norm()) < tol
+
+
+def logits_of_batch(model: LlamaForCausalLM, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's last logits from one prefill of all of them together (their rows share
+    every linear product)."""
+    page = 16
+    lens = [len(s) for s in seqs]
+    pages = [-(-n // page) for n in lens]
+    width = max(pages)
+    first = torch.tensor([0, *pages]).cumsum(0)[:-1]
+    table = torch.stack([torch.arange(width) + f for f in first])
+    slots = torch.cat([torch.arange(n) + f * page for n, f in zip(lens, first, strict=True)])
+    layers, heads, dim = model.cache_shape()
+    meta = PagedAttentionMetadata(positions=torch.cat([torch.arange(n) for n in lens]), slot_mapping=slots,
+                                  query_start_loc=torch.tensor([0, *lens]).cumsum(0), seq_lens=torch.tensor(lens),
+                                  page_table=table, page_size=page)
+    caches = allocate_kv_cache(layers, sum(pages) + width, page, heads, dim, torch.float32, "cpu")
+    with torch.no_grad():
+        hidden = model(torch.tensor([t for s in seqs for t in s]), meta, caches)
+        ends = torch.tensor(lens).cumsum(0) - 1
+        return list(model.compute_logits(hidden[ends]))
+
+
+def test_w8a8_concurrent_greedy_equals_solo():
+    """Activations rounded per row: a sequence's tokens do not depend on what shares its batch."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    quantize_model(model, "w8a8")
+    prompts = [list(range(1, 9)), [200, 3, 77], list(range(40, 61))]
+    solo = [greedy(model, p, 8) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    for _ in range(8):
+        for s, logits in zip(seqs, logits_of_batch(model, seqs), strict=True):
+            s.append(int(logits.argmax()))
+    assert [s[len(p):] for s, p in zip(seqs, prompts, strict=True)] == solo
+    batch = logits_of_batch(model, seqs)
+    for s, logits in zip(seqs, batch, strict=True):
+        assert torch.equal(logits, logits_of(model, s)[-1])
 
 
 def test_none_leaves_the_model_alone():
@@ -126,6 +173,7 @@ def test_the_knob_is_typed_and_cpu_only():
     knobs = model_class("smollm2").Knobs
     assert knobs.parse({}).quantization is None
     assert knobs.parse({"quantization": "int4"}).quantization == "int4"
+    assert knobs.parse({"quantization": "w8a8"}).quantization == "w8a8"
     with pytest.raises(ConfigError, match=r"^model_kwargs\.quantization: must be .*'gguf'.*, got 'q4_1'$"):
         knobs.parse({"quantization": "q4_1"})
     with pytest.raises(ConfigError, match=r"^model_kwargs\.quantization: int8 runs on the CPU only"):

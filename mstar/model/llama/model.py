@@ -96,7 +96,7 @@ class LlamaChat(ChatLLM):
         if mode == "gguf" and (ckpt.format != "gguf" or dummy):
             why = "load_format is dummy" if dummy else f"{ckpt.path} is not a .gguf file"
             raise ConfigError(f"model_kwargs.quantization: gguf keeps a GGUF file's blocks, but {why}; "
-                              "use int4, int8 or none")
+                              "use int4, int8, w8a8 or none")
         if mode != "none" and split:
             raise ConfigError(f"model_kwargs.quantization: {mode} needs tp_size 1 (quantised layers are not split "
                               "over ranks)")

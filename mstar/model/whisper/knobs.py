@@ -47,10 +47,11 @@ class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
     encoder_cuda_graphs: bool = Field(default_factory=lambda knobs: knobs["cuda_graphs"])
     """Replay the encoder per batch bucket (default: ``cuda_graphs``; CUDA only)."""
 
-    quantization: Literal["none", "int8"] = "none"
+    quantization: Literal["none", "int8", "w8a8"] = "none"
     """``int8``: the decoder's per-token linear layers and the tied logits as weight-only int8
     (a scale per output row; CPU only), applied after loading (``mstar.model.whisper.quantize``
-    says which layers and why). ``none``: float weights, the reference."""
+    says which layers and why). ``w8a8``: the same layers as int8 weights times activations
+    rounded to int8 per token (CTranslate2's int8 mode). ``none``: float weights, the reference."""
 
     def check(self, device: str) -> None:
         super().check(device)

@@ -35,6 +35,9 @@ int8 kernel beats oneDNN's float32 GEMM overall: weight-only int8 is 2-2.5x slow
 one is slower for ``fc1`` (3x) and faster only for ``fc2`` (and, in some later runs on a busy
 machine, for the 512 x 512 projections: 1.0 against 2.4 ms), so the encoder and the per-request
 cross K/V stay float32. A mixed encoder (dynamic int8 where it wins) is left for later.
+
+``w8a8`` quantises the same layers as int8 x int8 products (``W8A8Weight``: activations
+rounded to int8 per row at every call, as CTranslate2's int8 mode does).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from mstar.model.quantize import quantize_model
 
 __all__ = ["WHISPER_QUANTIZATIONS", "quantize_whisper"]
 
-WHISPER_QUANTIZATIONS = ("none", "int8")
+WHISPER_QUANTIZATIONS = ("none", "int8", "w8a8")
 
 _ONCE_PER_REQUEST = ("encoder_attn.k_proj", "encoder_attn.v_proj")  # over the audio frames
 
@@ -58,7 +61,7 @@ def per_token_layer(name: str) -> bool:
 
 def quantize_whisper(model: nn.Module, mode: str) -> list[str]:
     """Quantise ``model`` (a loaded ``WhisperForConditionalGeneration``) in place for
-    ``mode`` (``none`` or ``int8``); the names of the layers quantised."""
+    ``mode`` (one of ``WHISPER_QUANTIZATIONS``); the names of the layers quantised."""
     if mode not in WHISPER_QUANTIZATIONS:
         raise ValueError(f"Whisper's quantization must be one of {', '.join(WHISPER_QUANTIZATIONS)}, got {mode!r}")
     return quantize_model(model, mode, logits_from_embeddings=True, where=per_token_layer)
