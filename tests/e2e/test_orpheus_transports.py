@@ -27,12 +27,12 @@ SNAC = {"sampling_rate": 24000, "encoder_dim": 8, "encoder_rates": [2, 4, 8, 8],
         "vq_strides": [4, 2, 1], "noise": True, "depthwise": True}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def write_checkpoints(root) -> tuple:
+    """The tiny talker (safetensors, seeded) and SNAC (the snac package's init) under ``root``:
+    ``(talker_dir, codec_dir)``."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("orpheus-real")
     talker, codec = root / "talker", root / "snac"
     talker.mkdir()
     codec.mkdir()
@@ -44,6 +44,11 @@ def checkpoint(tmp_path_factory):
     (codec / "config.json").write_text(json.dumps(SNAC))
     torch.save(snac.SNAC(**SNAC).state_dict(), codec / "pytorch_model.bin")
     return talker, codec
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoints(tmp_path_factory.mktemp("orpheus-real"))
 
 
 def deployment(work, checkpoint, ranks: tuple[int, int], device: str = "cpu") -> list[str]:

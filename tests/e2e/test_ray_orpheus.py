@@ -8,19 +8,16 @@ speaks audio codes only, a real SNAC layout), so every request carries many SNAC
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 ray = pytest.importorskip("ray", reason="backend: ray needs the ray extra (pip install -e .[ray])")
 snac = pytest.importorskip("snac")
 from ray.cluster_utils import Cluster  # noqa: E402
-from test_orpheus_server import write_tiny_orpheus  # noqa: E402
-from test_orpheus_transports import SNAC  # noqa: E402
+from test_orpheus_transports import write_checkpoints  # noqa: E402
 
 from mstar.config import parse_config  # noqa: E402
 from mstar.contract import SpeechSpec  # noqa: E402
@@ -34,21 +31,7 @@ SEEDS = (5, 6)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("orpheus-ray")
-    talker, codec = root / "talker", root / "snac"
-    talker.mkdir()
-    codec.mkdir()
-    write_tiny_orpheus(talker)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**json.loads((talker / "config.json").read_text())))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              talker / "model.safetensors")
-    (codec / "config.json").write_text(json.dumps(SNAC))
-    torch.save(snac.SNAC(**SNAC).state_dict(), codec / "pytorch_model.bin")
-    return talker, codec
+    return write_checkpoints(tmp_path_factory.mktemp("orpheus-ray"))
 
 
 @pytest.fixture(scope="module")
