@@ -1,14 +1,15 @@
-"""Style-modulated instance norm, activation and padding mask in one Triton kernel.
+"""Style-modulated instance norm, activation and padding mask in three Triton passes.
 
 The StyleTTS2/iSTFTNet vocoders (Kokoro, and the HiFT family's residual blocks) spend most of
 their GPU time in one element-wise chain on ``[B, C, T]`` tensors at audio rate: instance-norm
 statistics over each row's valid frames, ``(1 + gamma) * norm(x) + beta`` from the style,
 Snake (``y + sin(a y)^2 / a``) or leaky ReLU, and zeros past each row's end before the next
 convolution. Run op by op that is ~30 passes over a tensor that, for 32 rows of 25 s of speech
-at 64 channels, is ~1 GB; ``adain_act`` makes it three reads and one write: one program per
-``(row, channel)`` takes the mean, then the variance around it (two passes, as the torch
-reference does, so a large mean does not cost precision), folds norm, affine and style into
-one scale and shift, and writes the activated, masked result.
+at 64 channels, is ~1 GB; ``adain_act`` makes it three reads and one write, each kernel on a
+grid of ``(row, channel) x block of frames`` programs: block sums give each row's mean, block
+sums of squared distances from it the variance (two passes, as the torch reference does, so a
+large mean does not cost precision); norm, affine and style fold into one scale and shift per
+``(row, channel)``, and the last pass writes the activated, masked result.
 
 ``torch_adain_act`` is the reference on tensors (the eager modules compute the same thing
 with their own rounding points). Kernels run on CUDA tensors, or on CPU tensors under Triton's
