@@ -40,7 +40,9 @@ def rope_tables(dim: int, length: int, theta: float = 10000.0) -> Rope:
 
 
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate the interleaved pairs ``(x[2i], x[2i+1])`` of ``x [B, N, H, D]`` by ``rope``."""
+    """Rotate the interleaved pairs ``(x[2i], x[2i+1])`` of ``x [B, N, H, D]`` by ``rope``, in
+    the tables' dtype (bf16 in a bf16 deployment, as diffusers' Wan rounds; the shared
+    ``layers.rotary.apply_rotary_pairs`` works in float32 and drifts ~4e-3 from it there)."""
     cos, sin = (r[None, :, None, :] for r in rope)
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
