@@ -18,6 +18,7 @@ from benchmarks import s4_whisper as s4
 from benchmarks import s5_shared_prefix as s5
 from benchmarks import s6_parakeet as s6
 from benchmarks import s7_tts as s7
+from benchmarks import s8_wan22 as s8
 from benchmarks.common import LLAMA_3_1_8B
 
 
@@ -194,3 +195,33 @@ def test_check_gemv_smoke():
                             env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "all ok" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_s8_wan22_smoke(tmp_path):
+    assert s8.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data, rows = record(tmp_path, s8.NAME)
+    expected = {f"dit_step@{n} {k}" for n in (1, 2) for k in ("eager", "compiled")}
+    assert set(rows) == expected | {"clip eager baseline", "clip compiled baseline"}
+    for row in rows.values():
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["floor"] > 0 and 0 < row["ours/floor"]
+    assert data["dit"]["ours_vs_baseline_rel_err"] < 1e-5  # same weights, same function as diffusers
+    assert "WanPipeline" in rows["clip eager baseline"]["notes"]["baseline_is"]
+
+
+def test_s8_flop_count_matches_torch_counter():
+    """The counted DiT FLOPs equal torch's counter over the products outside attention plus the
+    attention products."""
+    from mstar.model.wan22.config import WanTransformerConfig
+    from mstar.model.wan22.transformer import WanTransformer
+
+    cfg, text, rows = s8.TINY_DIT, 7, 2
+    model = WanTransformer(WanTransformerConfig.from_dict(cfg))
+    latents, frames_rows_cols = torch.randn(rows, cfg["in_channels"], 3, 4, 6), (3, 2, 3)
+    tokens = frames_rows_cols[0] * frames_rows_cols[1] * frames_rows_cols[2]
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(latents, torch.rand(rows) * 1000, torch.randn(rows, text, cfg["text_dim"]))
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    attention = rows * cfg["num_layers"] * 2 * (2 * tokens * tokens * d + 2 * tokens * text * d)
+    products = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
+    assert products + attention == s8.dit_step_flops(cfg, tokens, text, rows)
