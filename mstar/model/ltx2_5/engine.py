@@ -10,7 +10,7 @@ eight by default; they are kept per request until ``release``.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 import torch
@@ -55,6 +55,7 @@ class LtxDenoiseEngine(Engine):
         self.dit, self.schedule, self.device, self.dtype = dit, schedule, device, dtype
         self.scope = predict_scope
         self.sigmas: dict[str, torch.Tensor] = {}
+        self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _sigmas(self, item: EngineItem) -> torch.Tensor:
         if item.request_id not in self.sigmas:
@@ -75,6 +76,7 @@ class LtxDenoiseEngine(Engine):
         with self.scope():
             for (_, _, _, grid, fps), rows in groups.items():
                 batch = [items[i] for i in rows]
+                self.forward_rows.append(len(batch))
                 sig = [self._sigmas(item) for item in batch]
                 now = torch.stack([s[item.iteration] for s, item in zip(sig, batch)]).to(self.device)
                 nxt = torch.stack([s[item.iteration + 1] for s, item in zip(sig, batch)]).to(self.device)

@@ -1,8 +1,9 @@
 """LTX-2.5 through the in-process runtime (Gemma 4 + connectors node, the distilled denoise Loop
 over both streams, the video and audio decoder nodes) on the tiny diffusers-layout checkpoint,
 against diffusers' ``LTX2Pipeline`` with the same weights, prompt and seed: the frames within one
-uint8 level, the 48 kHz stereo audio within 1e-4 (plus 16-bit rounding). Also: ``video`` alone
-skips the audio decode, and bad sizes get errors naming the field."""
+uint8 level, the 48 kHz stereo audio within 1e-4 (plus 16-bit rounding). Also: three concurrent
+requests equal their solo runs, ``video`` alone skips the audio decode, and bad sizes get errors
+naming the field."""
 
 from __future__ import annotations
 
@@ -30,18 +31,18 @@ def deployment(checkpoint):
     d.close()
 
 
-def generate(d, request_id, modalities=("video", "audio"), **kwargs):
-    async def run():
-        out = {"video": b"", "audio": b""}
-        spec = GenerateSpec(request_id, PROMPT, [], list(modalities),
-                            {"height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "seed": SEED, **kwargs})
-        async for event in d.backend.generate(spec):
-            assert not event.error, event.error
-            if event.data:
-                out[event.modality] += event.data
-        return out
+async def collect(d, request_id, modalities=("video", "audio"), **kwargs):
+    out = {"video": b"", "audio": b""}
+    options = {"height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "seed": SEED, **kwargs}
+    async for event in d.backend.generate(GenerateSpec(request_id, PROMPT, [], list(modalities), options)):
+        assert not event.error, event.error
+        if event.data:
+            out[event.modality] += event.data
+    return out
 
-    return asyncio.run(run())
+
+def generate(d, request_id, modalities=("video", "audio"), **kwargs):
+    return asyncio.run(collect(d, request_id, modalities, **kwargs))
 
 
 def test_walk_matches_the_pipeline(deployment, checkpoint):
@@ -63,6 +64,29 @@ def test_walk_matches_the_pipeline(deployment, checkpoint):
     assert frames.std() > 1  # not a flat image
     assert levels <= 1
     assert audio.shape == tuple(want_audio[0].shape) and err_audio <= 1e-4 + 0.5 / 32767
+
+
+def test_concurrent_requests_equal_their_solo_runs(deployment):
+    """Three requests sharing DiT forwards equal their solo runs (up to the rounding of a
+    batched matrix product: one uint8 level, a few 16-bit audio levels)."""
+    seeds = (11, 12, 13)
+    solo = [generate(deployment, f"solo-{s}", seed=s) for s in seeds]
+
+    async def together():
+        return await asyncio.gather(*(collect(deployment, f"together-{s}", seed=s) for s in seeds))
+
+    dit = deployment.runtime.workers.workers[0].engines["dit"]
+    before = len(dit.forward_rows)
+    joint = asyncio.run(together())
+    rows = list(dit.forward_rows)[before:]
+    print("[batch] forward rows", rows)
+    assert sum(rows) == 3 * len(DISTILLED_SIGMAS) and max(rows) > 1
+    for alone, both in zip(solo, joint):
+        for modality, dtype, tol in (("video", np.uint8, 1), ("audio", "<i2", 4)):
+            a, b = (np.frombuffer(x[modality], dtype).astype(np.int32) for x in (alone, both))
+            assert a.shape == b.shape and np.abs(a - b).max() <= tol, modality
+    assert solo[0]["video"] != solo[1]["video"]
+    assert not dit.sigmas  # per-request state released
 
 
 def test_video_alone_skips_the_audio_decode(deployment):
