@@ -103,3 +103,19 @@ def test_dummy_real_shapes_on_meta():
             assert got == want, type(ref).__name__
             assert all(p.is_meta for p in ours.parameters())
     assert sum(v.numel() for k, v in pairs[0][0].state_dict().items()) > 10e9  # a >10B DiT: the shapes are real-sized
+
+
+def test_deployment_yaml_places_every_node():
+    from pathlib import Path
+
+    import yaml
+
+    from mstar.config import parse_config
+    from mstar.model.registry import model_class
+
+    path = Path(__file__).parents[3] / "configs" / "ltx2_5.yaml"
+    config = parse_config(yaml.safe_load(path.read_text()))
+    graph = model_class("ltx2_5")(config).graph()
+    placed = [n for group in config.node_groups for n in group.node_names]
+    assert sorted(placed) == sorted(graph.nodes)
+    assert sorted(graph.walks) == ["t2av", "t2v"]
