@@ -113,3 +113,17 @@ def test_keyframes_and_audio_time():
 def test_config_refuses_unknown_keys():
     with pytest.raises(ValueError, match="unknown"):
         LtxTransformerConfig.from_dict({"num_layers": 1, "bogus": 3})
+
+
+def test_bfloat16_is_bit_identical():
+    """In bfloat16 (diffusers keeps no LTX-2 DiT module in float32) our DiT rounds as diffusers'
+    does: the outputs are equal bit for bit on the CPU."""
+    ours, ref = build("ltx2_5")
+    ours, ref = ours.to(torch.bfloat16), ref.to(torch.bfloat16)
+    x = {k: v.to(torch.bfloat16) if v.is_floating_point() and k not in ("t", "mask") else v
+         for k, v in inputs(ours).items()}
+    with torch.no_grad():
+        want_v, want_a = reference(ref, x, use_cross_timestep=True)
+        got_v, got_a = ours(x["video"], x["audio"], x["text"], x["audio_text"], x["t"], grid=GRID,
+                            text_mask=x["mask"])
+    assert torch.equal(got_v, want_v) and torch.equal(got_a, want_a)
