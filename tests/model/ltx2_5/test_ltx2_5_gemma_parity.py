@@ -49,6 +49,31 @@ def test_gemma_hidden_states_parity():
     print(f"[parity] gemma4 hidden states: max rel err {worst:.2e}")
 
 
+def test_bfloat16_is_bit_identical():
+    """In bfloat16 our hidden states equal transformers' bit for bit on the CPU, the reference's
+    rotary frequencies kept in float32 as it computes them at load (a plain ``.to(bfloat16)``
+    of the reference would round its frequency buffers too, which a bf16 load does not)."""
+    ref_config = Gemma4UnifiedTextConfig(**TINY)
+    ref = Gemma4UnifiedForCausalLM(ref_config).eval()
+    randomize(ref, 0, spread=0.3, weight_gain=1.5)
+    ours = GemmaTextModel(GemmaTextConfig.from_dict(ref_config.to_dict())).eval()
+    ours.load_state_dict({k.removeprefix("model."): v for k, v in ref.state_dict().items() if k != "lm_head.weight"})
+    frequencies = {n: b.clone() for n, b in ref.named_buffers() if "inv_freq" in n}
+    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    for name, value in frequencies.items():
+        owner, attr = name.rsplit(".", 1)
+        setattr(ref.get_submodule(owner), attr, value)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 9, dtype=torch.int64)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        got = ours.hidden_states(ids, mask)
+    real = mask.bool()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g[real], w[real]), f"hidden state {i}"
+
+
 def test_prompt_features_follow_pipeline():
     """Tokenize, encode and connect as ``LTX2Pipeline.encode_prompt`` + ``connectors`` do."""
     from diffusers import LTX2Pipeline
