@@ -23,6 +23,8 @@ def randomize(module: torch.nn.Module, seed: int, *, spread: float = 0.2, weight
     with torch.no_grad():
         for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 0:  # a scalar constant (LTX-2's decoder time multiplier) keeps its value
+                continue
             if p.ndim == 1 and "norm" in name or any(g in name for g in gains):
                 p.copy_(1.0 + spread * noise)
             elif p.ndim == 1 or any(o in name for o in offsets):
