@@ -47,3 +47,13 @@ def write_diffusers_dir(root: Path, *, transformer: Any, vae: Any, text_encoder:
     (root / "scheduler").mkdir()
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
     (root / "model_index.json").write_text(json.dumps(model_index))
+
+
+def make_t5_tokenizer():
+    """A unigram T5 tokenizer: letters, a few words, ``<pad>`` 0 and ``</s>`` 1 like UMT5's."""
+    from transformers import T5TokenizerFast
+
+    words = ["▁a", "▁cat", "▁dog", "▁walks", "▁on", "▁the", "▁moon", "▁sunlit", "▁floor"]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(c, -5.0 - i / 10) for i, c in enumerate("▁abcdefghijklmnopqrstuvwxyz,.")] + [(w, -1.0) for w in words]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0)

@@ -82,7 +82,7 @@ def checkpoint(tmp_path_factory) -> Checkpoint:
     from transformers import Gemma4UnifiedTextConfig
     from transformers.models.gemma4_unified.modeling_gemma4_unified import Gemma4UnifiedForCausalLM
 
-    from tests.model.wan22.conftest import make_t5_tokenizer
+    from tests.support.diffusers_dirs import make_t5_tokenizer
 
     torch.manual_seed(0)
     gemma_config = Gemma4UnifiedTextConfig(**GEMMA)

@@ -81,7 +81,7 @@ def test_prompt_features_follow_pipeline():
 
     from mstar.model.ltx2_5.connectors import LtxConnectorsConfig, LtxTextConnectors
     from mstar.model.ltx2_5.text import LtxTextEncoder, tokenize
-    from tests.model.wan22.conftest import make_t5_tokenizer
+    from tests.support.diffusers_dirs import make_t5_tokenizer
 
     ref_config = Gemma4UnifiedTextConfig(**{**TINY, "vocab_size": 128})
     gemma = Gemma4UnifiedForCausalLM(ref_config).eval()

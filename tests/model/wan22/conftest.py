@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.diffusers_dirs import randomize, write_diffusers_dir
+from tests.support.diffusers_dirs import make_t5_tokenizer, randomize, write_diffusers_dir
 
 UMT5 = dict(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
             relative_attention_max_distance=16, layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu",
@@ -36,16 +36,6 @@ MODEL_INDEX = {"_class_name": "WanPipeline", "boundary_ratio": None, "expand_tim
                "text_encoder": ["transformers", "UMT5EncoderModel"],
                "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
                "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"]}
-
-
-def make_t5_tokenizer():
-    """A unigram T5 tokenizer: letters, a few words, ``<pad>`` 0 and ``</s>`` 1 like UMT5's."""
-    from transformers import T5TokenizerFast
-
-    words = ["▁a", "▁cat", "▁dog", "▁walks", "▁on", "▁the", "▁moon", "▁sunlit", "▁floor"]
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    vocab += [(c, -5.0 - i / 10) for i, c in enumerate("▁abcdefghijklmnopqrstuvwxyz,.")] + [(w, -1.0) for w in words]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0)
 
 
 @dataclass
