@@ -5,7 +5,10 @@ through the layers' weight loaders. The forward of two requests (one time per ro
 time per token with the first frame at 0) equals SP=1 within 1e-5 on both ranks. The grid
 has 45 tokens, so the two sequence shards differ in length; TP=2 splits every head-wide weight
 and the q/k norms, which reduce their squares over both ranks (Wan normalises over all heads).
-The DiT's split limits are declared for startup checks, and the two-GPU configs place it.
+Through the runtime, with the DiT node over two worker processes (``sp_size: 2``, then
+``tp_size: 2``), a guided text-to-video and an image-to-video request give the frames of the
+one-rank deployment within one uint8 level. The DiT's split limits are declared for startup
+checks, and the two-GPU configs place it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,3 +120,32 @@ def test_two_gpu_configs_split_the_dit(checkpoint, name, split):
     for walk in ("t2v_guided", "i2v_guided"):
         assert placement.rank_of(walk, "dit") == 0  # the group's leader
     assert config.num_ranks == 2
+
+
+@pytest.mark.parametrize("split", [{"sp_size": 2}, {"tp_size": 2}], ids=["sp=2", "tp=2"])
+def test_videos_with_the_dit_over_two_worker_processes_equal_one_rank(checkpoint, split):
+    """Whole guided requests (UMT5, UniPC steps with the CFG pair, VAE encode and decode), a
+    text-to-video one and an image-to-video one (per-token times), with the DiT split over two
+    worker processes give the single-rank frames."""
+    from test_wan22_walk import generate, make_image, png
+
+    from mstar.config import parse_config
+    from mstar.runtime.launch import start
+
+    def frames(node_groups: list, in_process: bool):
+        config = {"model": "wan22", "model_path": str(checkpoint.root), "dtype": "float32",
+                  "max_concurrent_requests": 2, "node_groups": node_groups,
+                  "model_kwargs": {"num_inference_steps": 3, "max_video_pixels": 64 * 64 * 9}}
+        d = start(parse_config(config), in_process=in_process)
+        try:
+            return [generate(d, "t2v", "a cat walks on the moon", seed=7, guidance_scale=4.0),
+                    generate(d, "i2v", "a dog on the sunlit floor", [("image.png", png(make_image()))], seed=8)]
+        finally:
+            d.close()
+
+    singles = frames([], in_process=True)
+    groups = [{"node_names": ["text_encoder", "vae"], "ranks": [0]},
+              {"node_names": ["dit"], "ranks": [0, 1], **split}]
+    for ours, single in zip(frames(groups, in_process=False), singles):
+        assert single.std() > 1  # not a flat clip
+        assert np.abs(ours - single).max() <= 1  # within one uint8 level
