@@ -7,7 +7,8 @@ has 45 tokens, so the two sequence shards differ in length; TP=2 splits every he
 and the q/k norms, which reduce their squares over both ranks (Wan normalises over all heads).
 Through the runtime, with the DiT node over two worker processes (``sp_size: 2``, then
 ``tp_size: 2``), a guided text-to-video and an image-to-video request give the frames of the
-one-rank deployment within one uint8 level. The DiT's split limits are declared for startup
+one-rank deployment within one uint8 level; so do they with ``cfg_parallel`` and the
+unconditional branch in the second worker process. The DiT's split limits are declared for startup
 checks, and the two-GPU configs place it.
 """
 
@@ -122,30 +123,45 @@ def test_two_gpu_configs_split_the_dit(checkpoint, name, split):
     assert config.num_ranks == 2
 
 
-@pytest.mark.parametrize("split", [{"sp_size": 2}, {"tp_size": 2}], ids=["sp=2", "tp=2"])
-def test_videos_with_the_dit_over_two_worker_processes_equal_one_rank(checkpoint, split):
-    """Whole guided requests (UMT5, UniPC steps with the CFG pair, VAE encode and decode), a
-    text-to-video one and an image-to-video one (per-token times), with the DiT split over two
-    worker processes give the single-rank frames."""
+def videos(root: Path, node_groups: list, in_process: bool, **knobs) -> list[np.ndarray]:
+    """A guided text-to-video and an image-to-video request (per-token times) through a
+    deployment of the tiny checkpoint; their uint8 frames."""
     from test_wan22_walk import generate, make_image, png
 
     from mstar.config import parse_config
     from mstar.runtime.launch import start
 
-    def frames(node_groups: list, in_process: bool):
-        config = {"model": "wan22", "model_path": str(checkpoint.root), "dtype": "float32",
-                  "max_concurrent_requests": 2, "node_groups": node_groups,
-                  "model_kwargs": {"num_inference_steps": 3, "max_video_pixels": 64 * 64 * 9}}
-        d = start(parse_config(config), in_process=in_process)
-        try:
-            return [generate(d, "t2v", "a cat walks on the moon", seed=7, guidance_scale=4.0),
-                    generate(d, "i2v", "a dog on the sunlit floor", [("image.png", png(make_image()))], seed=8)]
-        finally:
-            d.close()
+    config = {"model": "wan22", "model_path": str(root), "dtype": "float32", "max_concurrent_requests": 2,
+              "node_groups": node_groups,
+              "model_kwargs": {"num_inference_steps": 3, "max_video_pixels": 64 * 64 * 9, **knobs}}
+    d = start(parse_config(config), in_process=in_process)
+    try:
+        return [generate(d, "t2v", "a cat walks on the moon", seed=7, guidance_scale=4.0),
+                generate(d, "i2v", "a dog on the sunlit floor", [("image.png", png(make_image()))], seed=8)]
+    finally:
+        d.close()
 
-    singles = frames([], in_process=True)
+
+@pytest.fixture(scope="module")
+def one_rank_videos(checkpoint) -> list[np.ndarray]:
+    return videos(checkpoint.root, [], in_process=True)
+
+
+@pytest.mark.parametrize("split", [{"sp_size": 2}, {"tp_size": 2}], ids=["sp=2", "tp=2"])
+def test_videos_with_the_dit_over_two_worker_processes_equal_one_rank(checkpoint, one_rank_videos, split):
+    """Whole guided requests (UMT5, UniPC steps with the CFG pair, VAE encode and decode) with
+    the DiT split over two worker processes give the single-rank frames."""
     groups = [{"node_names": ["text_encoder", "vae"], "ranks": [0]},
               {"node_names": ["dit"], "ranks": [0, 1], **split}]
-    for ours, single in zip(frames(groups, in_process=False), singles):
+    for ours, single in zip(videos(checkpoint.root, groups, in_process=False), one_rank_videos):
         assert single.std() > 1  # not a flat clip
         assert np.abs(ours - single).max() <= 1  # within one uint8 level
+
+
+def test_cfg_parallel_over_two_worker_processes_equals_the_batched_pair(checkpoint, one_rank_videos):
+    """``cfg_parallel`` with the unconditional branch (``dit_uncond``) in a second worker
+    process gives the frames of the batched pair in one forward."""
+    groups = [{"node_names": ["text_encoder", "dit", "vae"], "ranks": [0]},
+              {"node_names": ["dit_uncond"], "ranks": [1]}]
+    for ours, pair in zip(videos(checkpoint.root, groups, in_process=False, cfg_parallel=True), one_rank_videos):
+        assert np.abs(ours - pair).max() <= 1
