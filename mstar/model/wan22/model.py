@@ -215,6 +215,18 @@ class Wan22(ModelSpec):
     def output_stream(self, request: WalkRequest, stop: list[str]) -> VideoFrames:
         return VideoFrames()
 
+    def parallel_dims(self) -> dict:
+        """The DiT nodes (``dit``, and ``dit_uncond`` under ``cfg_parallel``) split their heads
+        over ``tp_size`` (and ``tp_size x sp_size`` with Ulysses) and their FFN width over
+        ``tp_size``; the text encoder and the VAE run whole. Token counts need no check: the
+        sequence shards may be uneven."""
+        from mstar.distributed.dims import ParallelDims
+
+        c = self.checkpoint().transformer_config()
+        heads = {"num_attention_heads": c.num_attention_heads}
+        dims = ParallelDims(tensor={**heads, "ffn_dim": c.ffn_dim}, sequence=heads)
+        return {name: dims for name, node in self.graph().nodes.items() if node.kind == "denoise"}
+
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
         """The engines of ``nodes``; ``dit_uncond`` is the DiT's engine (shared with ``dit`` when

@@ -9,6 +9,20 @@ computed in float64.
 TI2V's per-token time (diffusers' ``expand_timesteps``): ``t`` may be ``[B, N]``, one time per
 video token, so the clean first frame of an image-to-video request sits at time 0 while the
 rest is noised. Each distinct time value is embedded once and gathered per token.
+
+Parallelism lives in the layers, as in FLUX.2's DiT: built under a parallel state
+(``mstar.distributed.use_parallel``), q/k/v and the FFN's input projection are column-parallel
+(whole heads per tensor-parallel rank), the output projections row-parallel, and the time and
+text embedders replicated. Wan normalises q and k over the whole width (every head at once), so
+under TP the RMS norm sums its squares over the ranks before it scales (``WideRMSNorm``). With
+Ulysses sequence parallelism each rank keeps a contiguous shard of the video tokens (with its
+rows of the rotary tables and, for TI2V, of the per-token times) from the patch embedding on;
+self-attention exchanges heads for sequence around its core, cross-attention needs no exchange
+(every rank holds the whole prompt and attends its own queries to it), and the tokens are gathered
+whole before unpatchifying. Shards may be uneven (``torch.tensor_split``), so no token count
+needs padding; heads must divide by ``tp_size x sp_size`` and ``ffn_dim`` by ``tp_size``
+(``Wan22.parallel_dims``, checked at startup). Built outside a parallel state, every layer is
+its plain ``torch.nn`` counterpart.
 """
 
 from __future__ import annotations
@@ -19,6 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.distributed.collectives import all_reduce
+from mstar.distributed.state import current_parallel
+from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear, set_weight_loader
+from mstar.layers.ulysses import SequenceShards, UlyssesAttention, full_attention
 from mstar.model.flux2.transformer import timestep_sinusoid
 from mstar.model.wan22.config import WanTransformerConfig
 
@@ -74,29 +92,61 @@ class WanRope(nn.Module):
         return table(self.cos), table(self.sin)
 
 
+class WideRMSNorm(nn.RMSNorm):
+    """RMS norm over the whole width ``dim`` of q or k (all heads), split over TP ranks.
+
+    Each rank holds ``dim / tp`` features (whole heads) and its slice of ``weight``; the mean
+    square is the sum of every rank's squares (all-reduced) over ``dim``. On one rank it is
+    ``nn.RMSNorm`` itself, so the single-device numerics stay the reference's."""
+
+    def __init__(self, dim: int, eps: float, head_dim: int) -> None:
+        tp = current_parallel().tp
+        if dim % (head_dim * tp.size):
+            raise ValueError(f"cannot split {dim // head_dim} heads evenly over {tp.size} tensor-parallel ranks")
+        super().__init__(dim // tp.size, eps=eps)
+        self.tp, self.full_dim = tp, dim
+        set_weight_loader(self.weight, self._load_shard)
+
+    @torch.no_grad()
+    def _load_shard(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        if tuple(full.shape) != (self.full_dim,):
+            raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, the norm has ({self.full_dim},)")
+        param.copy_(full.chunk(self.tp.size)[self.tp.rank])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        x32 = x.float()
+        squares = all_reduce(x32.square().sum(-1, keepdim=True), self.tp)
+        return (x32 * torch.rsqrt(squares / self.full_dim + self.eps) * self.weight.float()).type_as(x)
+
+
 class WanAttention(nn.Module):
     """Self- (``context`` None) or cross-attention with RMS-normed queries and keys across all
-    heads (diffusers' ``rms_norm_across_heads``)."""
+    heads (diffusers' ``rms_norm_across_heads``). Self-attention sees the whole video sequence
+    under SP (``UlyssesAttention``); cross-attention attends this rank's tokens to the prompt."""
 
-    def __init__(self, dim: int, heads: int, eps: float) -> None:
+    def __init__(self, dim: int, heads: int, eps: float, cross: bool = False) -> None:
         super().__init__()
-        self.heads = heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-        self.norm_q = nn.RMSNorm(dim, eps=eps)
-        self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.head_dim = dim // heads
+        self.to_q = ColumnParallelLinear(dim, dim, block=self.head_dim)
+        self.to_k = ColumnParallelLinear(dim, dim, block=self.head_dim)
+        self.to_v = ColumnParallelLinear(dim, dim, block=self.head_dim)
+        self.to_out = nn.ModuleList([RowParallelLinear(dim, dim, block=self.head_dim)])
+        self.norm_q = WideRMSNorm(dim, eps, self.head_dim)
+        self.norm_k = WideRMSNorm(dim, eps, self.head_dim)
+        self.attention = full_attention if cross else UlyssesAttention(full_attention)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
         kv = x if context is None else context
-        q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
-        k = self.norm_k(self.to_k(kv)).unflatten(2, (self.heads, -1))
-        v = self.to_v(kv).unflatten(2, (self.heads, -1))
+        heads = (-1, self.head_dim)
+        q = self.norm_q(self.to_q(x)).unflatten(2, heads)
+        k = self.norm_k(self.to_k(kv)).unflatten(2, heads)
+        v = self.to_v(kv).unflatten(2, heads)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
+        out = self.attention(q, k, v)
+        return self.to_out[0](out.flatten(2).type_as(q))
 
 
 class GeluProjection(nn.Module):
@@ -104,7 +154,7 @@ class GeluProjection(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim, hidden)
+        self.proj = ColumnParallelLinear(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
@@ -115,7 +165,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.net = nn.ModuleList([GeluProjection(dim, hidden), nn.Dropout(0.0), nn.Linear(hidden, dim)])
+        self.net = nn.ModuleList([GeluProjection(dim, hidden), nn.Dropout(0.0), RowParallelLinear(hidden, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))
@@ -129,7 +179,7 @@ class WanBlock(nn.Module):
         dim, eps = config.dim, config.eps
         self.norm1 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.attn1 = WanAttention(dim, config.num_attention_heads, eps)
-        self.attn2 = WanAttention(dim, config.num_attention_heads, eps)
+        self.attn2 = WanAttention(dim, config.num_attention_heads, eps, cross=True)
         self.norm2 = nn.LayerNorm(dim, eps) if config.cross_attn_norm else None
         self.ffn = FeedForward(dim, config.ffn_dim)
         self.norm3 = nn.LayerNorm(dim, eps, elementwise_affine=False)
@@ -205,22 +255,29 @@ class WanTransformer(nn.Module):
         self.norm_out = nn.LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(patch))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.sequence = SequenceShards()
 
     def forward(self, latents: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """One DiT evaluation. ``latents [B, C, F, H, W]``; ``t``: the time x 1000 (1000 = noise),
         ``[B]`` or per token ``[B, N]``; ``text [B, L, text_dim]`` (the pipeline's zero-padded
-        prompt features). Returns the flow prediction ``[B, out_channels, F, H, W]``."""
+        prompt features). Returns the flow prediction ``[B, out_channels, F, H, W]``.
+
+        Under sequence parallelism every rank of the SP group takes the whole inputs and
+        returns the whole output; in between it holds only its shard of the video tokens."""
         b, _, frames, height, width = latents.shape
         pt, ph, pw = self.config.patch_size
         grid = (frames // pt, height // ph, width // pw)
-        rope = self.rope(grid)
-        x = self.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+        shard = self.sequence.shard
+        rope = tuple(shard(table, dim=0) for table in self.rope(grid))  # this rank's positions
+        x = shard(self.patch_embedding(latents).flatten(2).transpose(1, 2)).contiguous()
         t = t[:, None] if t.ndim == 1 else t
+        if t.shape[1] > 1:  # per-token times (TI2V): this rank's tokens
+            t = shard(t)
         temb, time = self.condition_embedder.time(t, text.dtype)
         context = self.condition_embedder.text_embedder(text)
         for block in self.blocks:
             x = block(x, context, time, rope)
         shift, scale = (self.scale_shift_table[:, None] + temb[:, :, None]).unbind(2)
         x = (layer_norm32(x, self.norm_out) * (1 + scale) + shift).type_as(x)
-        x = self.proj_out(x).reshape(b, *grid, pt, ph, pw, -1)
+        x = self.sequence.gather(self.proj_out(x)).reshape(b, *grid, pt, ph, pw, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, frames, height, width)
