@@ -19,7 +19,7 @@ frames by default: latents [48, 9, 30, 52], 9 x 15 x 26 = 3,510 DiT tokens besid
   warms each side up (compiles). No mp4 encoding on either side.
 * **floor**: DiT FLOPs per step (matmuls and attention, from the shapes) over the measured bf16
   matmul rate; per clip, N guided steps plus the text encoder's and the VAE decoder's FLOPs
-  (torch's FLOP counter on the meta device; the decoder's at the float32 matmul rate).
+  (torch's FLOP counter on the meta device; the decoder's at the TF32 rate cuDNN convolves at).
 
 ``--smoke`` runs the same code paths with a tiny model on the CPU in seconds.
 See benchmarks/README.md for the command lines.
@@ -192,6 +192,17 @@ def dit_step_flops(dit: dict[str, Any], tokens: int, text_tokens: int, batch: in
     out = 2 * tokens * d * patch * dit["out_channels"] // dit["in_channels"]
     time = 2 * (dit["freq_dim"] * d + d * d + d * 6 * d)  # the time MLP and its modulation, once per distinct time
     return float(batch * (dit["num_layers"] * block + embed + out + time))
+
+
+def tf32_tflops(device: str) -> float:
+    """The float32 product rate the VAE's convolutions get: cuDNN takes TF32 for them by default
+    (``torch.backends.cudnn.allow_tf32``), so the matmul is timed with TF32 allowed."""
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        return measure_matmul_tflops(device, torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 def counted_flops(build: Callable[[], torch.nn.Module], run: Callable[[torch.nn.Module], Any]) -> float:
@@ -570,8 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args)
     started = time.perf_counter()
     log.info("S8 settings: %s (%d DiT tokens)", settings.describe(), settings.tokens)
-    rates = {"bf16": measure_matmul_tflops(settings.device, settings.dtype),
-             "fp32": measure_matmul_tflops(settings.device, torch.float32)}
+    rates = {"bf16": measure_matmul_tflops(settings.device, settings.dtype), "fp32": tf32_tflops(settings.device)}
     flops = {"dit_step": {n: dit_step_flops(settings.dit, settings.tokens, TEXT_TOKENS, n)
                           for n in {*settings.batches, 2}},
              "text_encoder": text_encoder_flops(settings), "vae_decode": vae_decode_flops(settings)}
