@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.distributed.state import current_parallel
+from mstar.distributed.state import Group, current_parallel
 from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mstar.layers.norm import WideRMSNorm
 from mstar.layers.ulysses import SequenceShards, UlyssesAttention, full_attention
@@ -59,7 +59,7 @@ def modulation(table: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, .
     return (table + time.unflatten(-1, (table.shape[0], -1))).unbind(2)
 
 
-def rope_heads(rope: Rope, tp) -> Rope:
+def rope_heads(rope: Rope, tp: Group) -> Rope:
     """This TP rank's slice of a rotary table built for every head (its heads are a contiguous
     slice of the width: the last axis of an interleaved table, the group axis of a split one)."""
     if tp.size == 1:
