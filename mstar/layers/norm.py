@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.distributed.collectives import all_reduce
+from mstar.distributed.state import current_parallel
+from mstar.layers.linear import set_weight_loader
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm as Llama uses it.
@@ -63,3 +67,32 @@ class ChannelLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x.transpose(1, -1), (x.shape[1],), self.gamma, self.beta, self.eps)
         return y.transpose(1, -1)
+
+
+class WideRMSNorm(nn.RMSNorm):
+    """RMS norm over the whole width ``dim`` of q or k (all heads), split over TP ranks.
+
+    Each rank holds ``dim / tp`` features (whole heads) and its slice of ``weight``; the mean
+    square is the sum of every rank's squares (all-reduced) over ``dim``. On one rank it is
+    ``nn.RMSNorm`` itself, so the single-device numerics stay the reference's."""
+
+    def __init__(self, dim: int, eps: float, head_dim: int) -> None:
+        tp = current_parallel().tp
+        if dim % (head_dim * tp.size):
+            raise ValueError(f"cannot split {dim // head_dim} heads evenly over {tp.size} tensor-parallel ranks")
+        super().__init__(dim // tp.size, eps=eps)
+        self.tp, self.full_dim = tp, dim
+        set_weight_loader(self.weight, self._load_shard)
+
+    @torch.no_grad()
+    def _load_shard(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        if tuple(full.shape) != (self.full_dim,):
+            raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, the norm has ({self.full_dim},)")
+        param.copy_(full.chunk(self.tp.size)[self.tp.rank])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        x32 = x.float()
+        squares = all_reduce(x32.square().sum(-1, keepdim=True), self.tp)
+        return (x32 * torch.rsqrt(squares / self.full_dim + self.eps) * self.weight.float()).type_as(x)

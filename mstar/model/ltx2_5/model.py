@@ -157,6 +157,19 @@ class Ltx25(ModelSpec):
     def output_stream(self, request: WalkRequest, stop: list[str]) -> AudioVideoStream:
         return AudioVideoStream(request.params["fps"])
 
+    def parallel_dims(self) -> dict:
+        """The ``dit`` node splits every attention's heads (video and audio) and both FFN widths
+        over ``tp_size``; Ulysses splits the video tokens, so the video heads must also divide by
+        ``tp_size x sp_size`` (the audio stream stays whole on every SP rank). The text encoder
+        and the decoders run whole. Token counts need no check: the shards may be uneven."""
+        from mstar.distributed.dims import ParallelDims
+
+        c = self.checkpoint().transformer_config()
+        tensor = {"num_attention_heads": c.num_attention_heads,
+                  "audio_num_attention_heads": c.audio_num_attention_heads,
+                  "ffn_dim": 4 * c.dim, "audio_ffn_dim": 4 * c.audio_dim}
+        return {"dit": ParallelDims(tensor=tensor, sequence={"num_attention_heads": c.num_attention_heads})}
+
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
         from mstar.model.ltx2_5.engine import ltx_engines

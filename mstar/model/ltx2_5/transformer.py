@@ -13,6 +13,20 @@ The time enters in four places: the streams' own modulation (``time_embed``,
 (``av_cross_attn_*``), the prompt features' modulation where the variant has one
 (``prompt_adaln``; LTX-2.5 replaces it with a fixed per-block table so the prompt's keys and
 values do not change across steps), and the output layer.
+
+Parallelism lives in the layers, as in the Wan DiT: built under a parallel state
+(``mstar.distributed.use_parallel``), every attention's q/k/v (and its per-head gate logits)
+are column-parallel by whole heads, the output projections and the FFNs' second linear
+row-parallel; the q/k norms act over all heads, so under TP they all-reduce their squares
+(``WideRMSNorm``), and each rank turns its heads by its slice of the rotary tables. With
+Ulysses SP each rank keeps a contiguous shard of the video tokens (their rotary rows and any
+per-token modulation with them); video self-attention exchanges heads for sequence around its
+core. The audio stream is short (a few hundred tokens against tens of thousands of video ones),
+so every rank holds all of it and runs its self-attention locally. Audio-to-video attention
+needs nothing exchanged (this rank's video queries over all audio keys); for video-to-audio
+attention each rank gathers the whole modulated video stream for its keys and values, so every
+rank computes the same audio update. Heads must divide by TP (and video heads by TP x SP),
+checked at startup by ``Ltx25.parallel_dims``; shards may be uneven.
 """
 
 from __future__ import annotations
@@ -23,6 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.distributed.state import Group, current_parallel
+from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mstar.layers.norm import WideRMSNorm
+from mstar.layers.ulysses import SequenceShards, UlyssesAttention, full_attention
 from mstar.model.flux2.transformer import timestep_sinusoid
 from mstar.model.ltx2_5.config import LtxTransformerConfig
 from mstar.model.ltx2_5.rope import LtxRope, Rope, apply_rope, audio_coords, video_coords
@@ -41,23 +59,36 @@ def modulation(table: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, .
     return (table + time.unflatten(-1, (table.shape[0], -1))).unbind(2)
 
 
+def rope_heads(rope: Rope, tp: Group) -> Rope:
+    """This TP rank's slice of a rotary table built for every head (its heads are a contiguous
+    slice of the width: the last axis of an interleaved table, the group axis of a split one)."""
+    if tp.size == 1:
+        return rope
+    dim = -1 if rope[0].ndim == 3 else 2
+    return tuple(t.chunk(tp.size, dim=dim)[tp.rank] for t in rope)
+
+
 class LtxAttention(nn.Module):
     """Attention with RMS-normed queries and keys across all heads, separate query and key
     rotary tables (the audio-video attentions turn each side by its own clock), and optional
-    per-head gates ``2 sigmoid(to_gate_logits(x))`` on the output."""
+    per-head gates ``2 sigmoid(to_gate_logits(x))`` on the output. ``sequence`` (video
+    self-attention) runs the core through Ulysses under SP; the others attend this rank's
+    queries to the keys they are given."""
 
     def __init__(self, dim: int, context_dim: int, heads: int, head_dim: int, *, bias: bool, out_bias: bool,
-                 gated: bool, eps: float = 1e-6) -> None:
+                 gated: bool, eps: float = 1e-6, sequence: bool = False) -> None:
         super().__init__()
         inner = heads * head_dim
-        self.heads = heads
-        self.norm_q = nn.RMSNorm(inner, eps=eps)
-        self.norm_k = nn.RMSNorm(inner, eps=eps)
-        self.to_q = nn.Linear(dim, inner, bias=bias)
-        self.to_k = nn.Linear(context_dim, inner, bias=bias)
-        self.to_v = nn.Linear(context_dim, inner, bias=bias)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=out_bias)])
-        self.to_gate_logits = nn.Linear(dim, heads) if gated else None
+        self.head_dim = head_dim
+        self.tp = current_parallel().tp
+        self.norm_q = WideRMSNorm(inner, eps, head_dim)
+        self.norm_k = WideRMSNorm(inner, eps, head_dim)
+        self.to_q = ColumnParallelLinear(dim, inner, bias=bias, block=head_dim)
+        self.to_k = ColumnParallelLinear(context_dim, inner, bias=bias, block=head_dim)
+        self.to_v = ColumnParallelLinear(context_dim, inner, bias=bias, block=head_dim)
+        self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, bias=out_bias, block=head_dim)])
+        self.to_gate_logits = ColumnParallelLinear(dim, heads) if gated else None
+        self.ulysses = UlyssesAttention(full_attention) if sequence else None
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
                 q_rope: Rope | None = None, k_rope: Rope | None = None) -> torch.Tensor:
@@ -66,9 +97,14 @@ class LtxAttention(nn.Module):
         kv = x if context is None else context
         q, k, v = self.norm_q(self.to_q(x)), self.norm_k(self.to_k(kv)), self.to_v(kv)
         if q_rope is not None:
-            q, k = apply_rope(q, q_rope), apply_rope(k, q_rope if k_rope is None else k_rope)
-        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).type_as(x)
+            k_rope = q_rope if k_rope is None else k_rope
+            q, k = apply_rope(q, rope_heads(q_rope, self.tp)), apply_rope(k, rope_heads(k_rope, self.tp))
+        q, k, v = (t.unflatten(2, (-1, self.head_dim)) for t in (q, k, v))
+        if self.ulysses is not None:
+            out = self.ulysses(q, k, v).type_as(x)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).type_as(x)
         if self.to_gate_logits is not None:
             out = out * (2.0 * torch.sigmoid(self.to_gate_logits(x)))[..., None]
         return self.to_out[0](out.flatten(2))
@@ -77,7 +113,7 @@ class LtxAttention(nn.Module):
 class GeluProjection(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim, hidden, bias=bias)
+        self.proj = ColumnParallelLinear(dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
@@ -88,8 +124,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, bias: bool) -> None:
         super().__init__()
-        self.net = nn.ModuleList([GeluProjection(dim, 4 * dim, bias), nn.Dropout(0.0), nn.Linear(4 * dim, dim,
-                                                                                                  bias=bias)])
+        self.net = nn.ModuleList([GeluProjection(dim, 4 * dim, bias), nn.Dropout(0.0),
+                                  RowParallelLinear(4 * dim, dim, bias=bias)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](self.net[0](x))
@@ -109,10 +145,11 @@ class StepTimes(NamedTuple):
 
 
 class StepRopes(NamedTuple):
-    video: Rope
+    video: Rope  # this rank's video tokens under SP
     audio: Rope
-    video_time: Rope  # 1-D tables of the audio-video attentions
+    video_time: Rope  # 1-D tables of the audio-video attentions (video: this rank's tokens)
     audio_time: Rope
+    video_time_keys: Rope  # every video token's: the keys of video-to-audio attention
 
 
 class LtxBlock(nn.Module):
@@ -125,7 +162,7 @@ class LtxBlock(nn.Module):
         common = dict(bias=c.attention_bias, out_bias=c.attention_out_bias)
         vh, vd, ah, ad = c.num_attention_heads, c.attention_head_dim, c.audio_num_attention_heads, \
             c.audio_attention_head_dim
-        self.attn1 = LtxAttention(dim, dim, vh, vd, gated=c.gated_attn, **common)
+        self.attn1 = LtxAttention(dim, dim, vh, vd, gated=c.gated_attn, sequence=True, **common)
         self.audio_attn1 = LtxAttention(adim, adim, ah, ad, gated=c.audio_gated_attn, **common)
         self.attn2 = LtxAttention(dim, c.cross_attention_dim, vh, vd, gated=c.gated_attn, **common)
         self.audio_attn2 = LtxAttention(adim, c.audio_cross_attention_dim, ah, ad, gated=c.audio_gated_attn,
@@ -144,6 +181,7 @@ class LtxBlock(nn.Module):
             self.audio_prompt_scale_shift_table = nn.Parameter(torch.randn(2, adim))
         self.video_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.randn(5, dim))
         self.audio_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.randn(5, adim))
+        self.sequence = SequenceShards()
 
     def forward(self, x: torch.Tensor, a: torch.Tensor, text: torch.Tensor, audio_text: torch.Tensor,
                 times: StepTimes, ropes: StepRopes, text_bias: torch.Tensor | None,
@@ -185,8 +223,8 @@ class LtxBlock(nn.Module):
             hx * (1 + v_scale_a2v) + v_shift_a2v, ha * (1 + a_scale_a2v) + a_shift_a2v,
             q_rope=ropes.video_time, k_rope=ropes.audio_time)
         a = a + v2a_gate * self.video_to_audio_attn(
-            ha * (1 + a_scale_v2a) + a_shift_v2a, hx * (1 + v_scale_v2a) + v_shift_v2a,
-            q_rope=ropes.audio_time, k_rope=ropes.video_time)
+            ha * (1 + a_scale_v2a) + a_shift_v2a, self.sequence.gather(hx * (1 + v_scale_v2a) + v_shift_v2a),
+            q_rope=ropes.audio_time, k_rope=ropes.video_time_keys)
 
         # feed-forward
         x = x + self.ff(rms_norm(x, eps) * (1 + vm[4]) + vm[3]) * vm[5]
@@ -287,6 +325,7 @@ class LtxTransformer(nn.Module):
         # groups by the video head count (as diffusers builds it)
         self.video_time_rope = LtxRope(adim, (time_extent,), groups=c.num_attention_heads, **rope)
         self.audio_time_rope = LtxRope(adim, (time_extent,), groups=c.audio_num_attention_heads, **rope)
+        self.sequence = SequenceShards()
 
     def video_coords(self, grid: tuple[int, int, int], fps: float, device: torch.device | None = None) -> torch.Tensor:
         """``[1, 3, N, 2]`` box bounds of a latent video grid ``(frames, rows, columns)``."""
@@ -349,22 +388,40 @@ class LtxTransformer(nn.Module):
             video_coords = self.video_coords(grid, fps, video.device)
         if audio_coords is None:
             audio_coords = self.audio_coords(audio.shape[1], audio.device)
-        ropes = StepRopes(self.video_rope(video_coords), self.audio_rope(audio_coords),
-                          self.video_time_rope(video_coords[:, :1]), self.audio_time_rope(audio_coords[:, :1]))
+        shard = self.sequence.shard
+        video_time = self.video_time_rope(video_coords[:, :1])
+        ropes = StepRopes(tuple(shard(r) for r in self.video_rope(video_coords)), self.audio_rope(audio_coords),
+                          tuple(shard(r) for r in video_time), self.audio_time_rope(audio_coords[:, :1]), video_time)
         text_bias = prompt_bias(text_mask, video.dtype)
         audio_text_bias = prompt_bias(text_mask if audio_text_mask is None else audio_text_mask, audio.dtype)
 
         x, a = self.proj_in(video), self.audio_proj_in(audio)
         if keyframes_mask is not None and hasattr(self, "keyframes_abs_pos_embedding"):
             x = x + (keyframes_mask > 0).to(x.dtype) * self.keyframes_abs_pos_embedding.to(x.dtype)
+        x = shard(x)  # this rank's video tokens from here to the output layer
         times, video_emb, audio_emb = self.step_times(t, audio_t, sigma, audio_sigma, b, x.dtype, cross_timestep)
+        times, video_emb = self._shard_video_times(times, video_emb, video.shape[1])
         if self.config.use_prompt_embeddings:
             text, audio_text = self.caption_projection(text), self.audio_caption_projection(audio_text)
         for block in self.transformer_blocks:
             x, a = block(x, a, text, audio_text, times, ropes, text_bias, audio_text_bias)
 
         shift, scale = (self.scale_shift_table + video_emb[:, :, None]).unbind(2)
-        x = self.proj_out(self.norm_out(x) * (1 + scale) + shift)
+        x = self.sequence.gather(self.proj_out(self.norm_out(x) * (1 + scale) + shift))
         shift, scale = (self.audio_scale_shift_table + audio_emb[:, :, None]).unbind(2)
         a = self.audio_proj_out(self.audio_norm_out(a) * (1 + scale) + shift)
         return x, a
+
+    def _shard_video_times(self, times: StepTimes, video_emb: torch.Tensor,
+                           tokens: int) -> tuple[StepTimes, torch.Tensor]:
+        """Per-token video modulation (``[B, N, ...]``) cut to this rank's tokens; per-row
+        (``[B, 1, ...]``) tensors and the audio stream's stay whole."""
+        if self.sequence.sp.size == 1:
+            return times, video_emb
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return self.sequence.shard(x) if x.shape[1] == tokens > 1 else x
+
+        times = times._replace(video=shard(times.video), video_av=shard(times.video_av),
+                               video_av_gate=shard(times.video_av_gate))
+        return times, shard(video_emb)
