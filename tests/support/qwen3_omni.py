@@ -17,8 +17,8 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
                              "interleaved": True, "mrope_interleaved": True})
 AUDIO = dict(num_mel_bins=16, d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=48,
-             output_dim=64, n_window=4, n_window_infer=16, downsample_hidden_size=8, conv_chunksize=50,
-             max_source_positions=200)
+             output_dim=64, n_window=50, n_window_infer=200, downsample_hidden_size=8, conv_chunksize=50,
+             max_source_positions=100)  # n_window 50: the reference's token count assumes 13 per chunk
 VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
               spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM
 from mstar.model.weights import load_weights
@@ -33,3 +34,18 @@ def load_thinker_text(model: Qwen3OmniThinkerForCausalLM, tensors: Iterable[tupl
                       dtype: torch.dtype | None = None) -> None:
     """Fill the thinker's text decoder from released keys, with two-way coverage."""
     load_weights(model, tensors, name_map=thinker_text_name, dtype=dtype)
+
+
+AUDIO_TOWER = "thinker.audio_tower."
+
+
+def audio_tower_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniAudioEncoder`` of a released key (``None``: another part's)."""
+    return name[len(AUDIO_TOWER):] if name.startswith(AUDIO_TOWER) else None
+
+
+def load_audio_tower(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                     dtype: torch.dtype | None = None) -> None:
+    """Fill the audio encoder from the released ``thinker.audio_tower.`` keys (every parameter
+    must be filled, and every such key must load)."""
+    load_weights(encoder, tensors, name_map=audio_tower_name, dtype=dtype)
