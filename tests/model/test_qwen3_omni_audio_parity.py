@@ -107,3 +107,18 @@ def test_audio_tower_coverage(reference) -> None:
     keys = [(n, t) for n, t in released_keys(reference) if n != "thinker.audio_tower.conv_out.weight"]
     with pytest.raises(WeightLoadError, match="conv_out.weight"):
         load_audio_tower(Qwen3OmniAudioEncoder(config), keys)
+
+
+@pytest.mark.parametrize("samples", [16000, 24001, 7919])
+def test_mel_front_matches_feature_extractor(samples: int) -> None:
+    from transformers import WhisperFeatureExtractor
+
+    from mstar.model.qwen3_omni.audio import mel_features
+
+    wave = torch.randn(samples, generator=torch.Generator().manual_seed(samples)) * 0.1
+    out = WhisperFeatureExtractor(feature_size=128)(wave.numpy(), sampling_rate=16000, padding=True,
+                                                     truncation=False, return_attention_mask=True,
+                                                     return_tensors="pt")
+    got = mel_features(wave)
+    assert got.shape[1] == int(out["attention_mask"].sum()) == samples // 160
+    torch.testing.assert_close(got, out["input_features"][0], rtol=0, atol=1e-6)

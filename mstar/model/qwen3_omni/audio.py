@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.model.whisper.features import log_mel_spectrogram
+
 
 @dataclass
 class Qwen3OmniAudioConfig:
@@ -61,6 +63,14 @@ class Qwen3OmniAudioConfig:
         d = d.get("thinker_config", d)
         d = d.get("audio_config", d)
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None})
+
+
+def mel_features(wave: torch.Tensor, num_mel_bins: int = 128) -> torch.Tensor:
+    """The encoder's input ``[num_mel_bins, len(wave) // 160]`` for one 16 kHz mono clip: Whisper's
+    log-mel over the clip itself (what the Qwen3-Omni processor's ``WhisperFeatureExtractor``
+    call, ``padding=True``, computes for a clip alone; batched with a longer clip there, its
+    last frames see zero padding instead of the reflected edge)."""
+    return log_mel_spectrogram(wave, num_mel_bins, n_samples=wave.shape[-1])
 
 
 def conv_length(frames: int | torch.Tensor) -> int | torch.Tensor:
