@@ -4,7 +4,10 @@ stacked ``[E, ...]``, so a kernel can run all experts from one call.
 The expert computation is one function, ``fused_moe(x, topk_ids, topk_weights, w_gate_up,
 w_down)``; the torch reference here groups the token-expert pairs by expert (one stable sort
 of the flattened ids), runs one GEMM pair per expert over its contiguous rows and scatter-adds
-the weighted rows back. A GPU kernel (grouped GEMM) can replace it behind the same signature.
+the weighted rows back, or runs the two GEMMs of all experts as one ``torch._grouped_mm``
+each (``grouped_mm``; bit-identical on the CPU here, and 20-25% faster at 64-512 tokens of
+64 experts, top-8, H 256, one thread; slower at one token). A GPU kernel can replace it behind
+the same signature.
 
 Checkpoints in the Hugging Face layout store every expert apart
 (``experts.{i}.gate_proj.weight``, ``up_proj``, ``down_proj``); each stacked weight here is a
@@ -31,27 +34,34 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tupl
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+              w_gate_up: torch.Tensor, w_down: torch.Tensor, *, grouped_mm: bool = False) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, k]``.
 
     ``x [T, H]``; ``topk_ids``, ``topk_weights [T, k]``; ``w_gate_up [E, 2I, H]`` (rows
     ``[gate | up]``); ``w_down [E, H, I]``. A token routed to one expert twice counts twice;
-    experts with no tokens cost nothing."""
+    experts with no tokens cost nothing. ``grouped_mm``: the two GEMMs of all experts as one
+    ``torch._grouped_mm`` each (no host sync, no Python loop; its rows need 16-byte aligned
+    strides, so ``H`` and ``I`` a multiple of 4 in float32) instead of a loop over experts."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair p = token * k + slot, grouped by expert
     token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0])
     rows = x[token_of]
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        gate, up = F.linear(rows[start:end], w_gate_up[expert]).chunk(2, dim=-1)
-        out_rows[start:end] = F.linear(F.silu(gate) * up, w_down[expert])
-        start = end
+    if grouped_mm:
+        ends = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        out_rows = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=ends)
+    else:
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = F.linear(rows[start:end], w_gate_up[expert]).chunk(2, dim=-1)
+            out_rows[start:end] = F.linear(F.silu(gate) * up, w_down[expert])
+            start = end
     out_rows = out_rows * topk_weights.reshape(-1)[order, None].to(out_rows.dtype)
     out = torch.zeros_like(x)
     out.index_add_(0, token_of, out_rows)
@@ -88,8 +98,11 @@ class MoEExperts(nn.Module):
         self.gate_up = StackedExpertWeight(num_experts, inner, hidden, ("gate_proj", "up_proj"))
         self.down = StackedExpertWeight(num_experts, hidden, inner, ("down_proj",))
 
+    grouped_mm: bool = False  # run the experts as ``torch._grouped_mm`` (see ``fused_moe``)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, topk_ids, topk_weights, self.gate_up.weight, self.down.weight)
+        return fused_moe(x, topk_ids, topk_weights, self.gate_up.weight, self.down.weight,
+                         grouped_mm=self.grouped_mm)
 
 
 class SparseMoE(nn.Module):

@@ -67,16 +67,17 @@ def test_routing_matches_transformers_router() -> None:
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
 
 
-def test_repeated_and_idle_experts() -> None:
+@pytest.mark.parametrize("grouped_mm", [False, True])
+def test_repeated_and_idle_experts(grouped_mm: bool) -> None:
     """A token sent to one expert in two of its slots gets both contributions; experts 4..7
-    get no token at all."""
+    get no token at all (also with ``torch._grouped_mm``)."""
     block = reference_block(normalize=False)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([[0, 0, 1], [2, 1, 2], [3, 3, 3], [1, 0, 2], [0, 3, 0]])
     weights = torch.rand(5, TOP_K, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = block.experts(x, ids, weights)
-        got = fused_moe(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj)
+        got = fused_moe(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, grouped_mm=grouped_mm)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
