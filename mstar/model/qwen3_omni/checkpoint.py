@@ -1,0 +1,104 @@
+"""Qwen3-Omni's released key layout onto our modules.
+
+The released checkpoint holds the whole model under four prefixes: ``thinker.`` (``model``:
+the text decoder, ``audio_tower``, ``visual``, ``lm_head``), ``talker.``, ``code2wav.`` and
+the talker's code predictor inside ``talker.``. Experts are stored apart
+(``mlp.experts.{i}.gate_proj.weight`` ...); ``load_weights`` stacks them (``SparseMoE``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, Qwen3OmniAudioEncoder
+from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
+from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM
+from mstar.model.weights import iter_safetensors, load_weights
+
+THINKER = "thinker."
+# what the thinker's text decoder does not load: the other components and the thinker's encoders
+NOT_TEXT = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
+
+
+def thinker_text_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniThinkerForCausalLM`` of a released checkpoint key (``None``: a
+    key of another component, skipped). Keys outside the known prefixes pass through unchanged,
+    so ``load_weights`` reports them."""
+    if name.startswith(NOT_TEXT):
+        return None
+    return name[len(THINKER):] if name.startswith(THINKER) else name
+
+
+def load_thinker_text(model: Qwen3OmniThinkerForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
+                      dtype: torch.dtype | None = None) -> None:
+    """Fill the thinker's text decoder from released keys, with two-way coverage."""
+    load_weights(model, tensors, name_map=thinker_text_name, dtype=dtype)
+
+
+AUDIO_TOWER = "thinker.audio_tower."
+
+
+def audio_tower_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniAudioEncoder`` of a released key (``None``: another part's)."""
+    return name[len(AUDIO_TOWER):] if name.startswith(AUDIO_TOWER) else None
+
+
+def load_audio_tower(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                     dtype: torch.dtype | None = None) -> None:
+    """Fill the audio encoder from the released ``thinker.audio_tower.`` keys (every parameter
+    must be filled, and every such key must load)."""
+    load_weights(encoder, tensors, name_map=audio_tower_name, dtype=dtype)
+
+
+class Qwen3OmniThinker(nn.Module):
+    """The thinker's parts built so far: the text decoder (``text``) and the audio encoder
+    (``audio_tower``); the vision encoder is to come (its keys are skipped until then)."""
+
+    def __init__(self, text: Qwen3OmniTextConfig, audio: Qwen3OmniAudioConfig) -> None:
+        super().__init__()
+        self.text = Qwen3OmniThinkerForCausalLM(text)
+        self.audio_tower = Qwen3OmniAudioEncoder(audio)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3OmniThinker:
+        """From a whole Omni (``thinker_config``) or a thinker ``config.json`` dict."""
+        return cls(Qwen3OmniTextConfig.from_hf_dict(d), Qwen3OmniAudioConfig.from_hf_dict(d))
+
+
+NOT_BUILT = ("thinker.visual.", "talker.", "code2wav.")
+
+
+def thinker_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniThinker`` of a released key (``None``: a part not built here);
+    unknown keys pass through unchanged, so ``load_weights`` reports them."""
+    if name.startswith(NOT_BUILT):
+        return None
+    if name.startswith(AUDIO_TOWER):
+        return "audio_tower." + name[len(AUDIO_TOWER):]
+    if name.startswith(("thinker.model.", "thinker.lm_head.")):
+        return "text." + name[len(THINKER):]
+    return name
+
+
+def load_thinker(thinker: Qwen3OmniThinker, tensors: Iterable[tuple[str, torch.Tensor]],
+                 dtype: torch.dtype | None = None) -> None:
+    """Fill the thinker from released keys in one pass, with coverage both ways: every
+    parameter filled, every ``thinker.`` key of a built part loaded."""
+    load_weights(thinker, tensors, name_map=thinker_name, dtype=dtype)
+
+
+def load_thinker_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3OmniThinker:
+    """Build the thinker from a checkpoint directory's ``config.json`` and load its
+    safetensors (``model-*.safetensors``, the released layout)."""
+    path = Path(path)
+    thinker = Qwen3OmniThinker.from_hf_dict(json.loads((path / "config.json").read_text()))
+    if dtype is not None:
+        thinker.to(dtype)
+    load_thinker(thinker, iter_safetensors(path), dtype=dtype)
+    return thinker.eval()

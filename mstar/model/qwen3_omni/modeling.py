@@ -1,0 +1,111 @@
+"""Qwen3-Omni's thinker text decoder on a paged KV cache.
+
+A thinker layer is a Qwen3 layer (q/k RMSNorm per head before RoPE; ``mstar.model.qwen3.causal``
+on Llama's paged decoder) whose MLP is a sparse MoE (``mstar.layers.moe.SparseMoE``; the layers
+in ``mlp_only_layers`` keep a dense SwiGLU), with multimodal RoPE: three positions per token
+(temporal, height, width), the frequencies interleaved over the three axes
+(``MRotaryEmbedding``). Text tokens have all three equal, so a text-only prompt is ordinary
+RoPE over ``meta.positions``; audio and vision tokens pass their ``[3, T]`` positions.
+
+Parameter names are the ``thinker.model`` / ``thinker.lm_head`` keys of the released
+checkpoint, less the ``thinker.`` prefix, except for the fused projections (``qkv_proj``,
+``gate_up_proj``) and the stacked experts (``mlp.experts.gate_up.weight``,
+``mlp.experts.down.weight``), which ``load_weights`` fills from the per-expert keys.
+
+The fused Triton kernels and ``torch.compile`` paths of the Llama decoder assume a dense MLP;
+they are not wired for the MoE yet (``use_fused_kernels`` and ``use_compile`` refuse).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from mstar.layers.mlp import SwiGLU
+from mstar.layers.moe import SparseMoE
+from mstar.layers.norm import RMSNorm
+from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.rotary import MRotaryEmbedding
+from mstar.model.llama.config import LlamaConfig
+from mstar.model.llama.modeling import LlamaForCausalLM, LlamaModel
+from mstar.model.qwen3.causal import Qwen3PagedAttention, Qwen3PagedDecoderLayer
+from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
+
+
+def llama_config(config: Qwen3OmniTextConfig) -> LlamaConfig:
+    """The Llama hyper-parameters the attention, norms and head are built from."""
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                       num_attention_heads=config.num_attention_heads,
+                       num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                       rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                       max_position_embeddings=config.max_position_embeddings,
+                       tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+                       bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+
+
+class ThinkerDecoderLayer(Qwen3PagedDecoderLayer):
+    """A Qwen3 block whose MLP is a ``SparseMoE`` (or, in ``mlp_only_layers``, a SwiGLU)."""
+
+    def __init__(self, config: Qwen3OmniTextConfig, layer: int) -> None:
+        nn.Module.__init__(self)  # LlamaDecoderLayer's own MLP would be the wrong one
+        base = llama_config(config)
+        self.self_attn = Qwen3PagedAttention(base)
+        if config.is_sparse(layer):
+            self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                 config.num_experts_per_tok, config.norm_topk_prob)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, fused=True)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class ThinkerTextModel(LlamaModel):
+    """Embeddings, thinker layers and final norm (the ``thinker.model.`` keys)."""
+
+    def __init__(self, config: Qwen3OmniTextConfig) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+
+    def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        cos_sin = self.rotary_emb.cos_sin(meta.positions if positions is None else positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos_sin, meta, kv_cache)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+
+class Qwen3OmniThinkerForCausalLM(LlamaForCausalLM):
+    """The thinker's text decoder with its head, one paged step per ``forward``."""
+
+    def __init__(self, config: Qwen3OmniTextConfig) -> None:
+        nn.Module.__init__(self)
+        self.text_config = config
+        self.config = llama_config(config)
+        self.model = ThinkerTextModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of the step's ``T`` new tokens.
+
+        ``positions`` (``[3, T]`` MRoPE positions) defaults to ``meta.positions`` on all three
+        axes (text); ``inputs_embeds [T, hidden]`` replaces the embedding lookup when given."""
+        return self.model(input_ids, meta, kv_caches, inputs_embeds, positions)
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        if enabled:
+            raise NotImplementedError("the fused kernels do not cover the Qwen3-Omni MoE layers yet")
+
+    def use_compile(self, backend: str | None = "inductor") -> None:
+        if backend is not None:
+            raise NotImplementedError("torch.compile is not wired for the Qwen3-Omni MoE layers yet")

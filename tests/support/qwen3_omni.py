@@ -1,0 +1,59 @@
+"""A tiny random Qwen3-Omni thinker from transformers (the parity reference) and its weights in
+the released checkpoint's key layout (``thinker.model.…``, experts stored apart)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeThinkerForConditionalGeneration,
+)
+
+VOCAB = 160
+AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, AUDIO_START, AUDIO_END, VISION_START = 150, 151, 152, 153, 155, 154
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+            mlp_only_layers=[1], rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                             "interleaved": True, "mrope_interleaved": True})
+AUDIO = dict(num_mel_bins=16, d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=48,
+             output_dim=64, n_window=50, n_window_infer=200, downsample_hidden_size=8, conv_chunksize=50,
+             max_source_positions=100)  # n_window 50: the reference's token count assumes 13 per chunk
+VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+              spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+
+
+def reference_thinker(seed: int = 0) -> Qwen3OmniMoeThinkerForConditionalGeneration:
+    config = Qwen3OmniMoeThinkerConfig(text_config=TEXT, audio_config=AUDIO, vision_config=VISION,
+                                       audio_token_id=AUDIO_TOKEN, image_token_id=IMAGE_TOKEN,
+                                       video_token_id=VIDEO_TOKEN, audio_start_token_id=AUDIO_START,
+                                       vision_start_token_id=VISION_START)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight") or "layer_norm.weight" in name or "ln_post.weight" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_((0.3 if p.ndim == 1 else 0.1) * noise)
+    return model
+
+
+def released_keys(model: Qwen3OmniMoeThinkerForConditionalGeneration) -> list[tuple[str, torch.Tensor]]:
+    """The thinker's tensors under the released names, every expert's projections apart."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in model.state_dict().items():
+        name = name.replace("model.language_model.", "model.", 1).replace("model.audio_tower.", "audio_tower.", 1)
+        name = name.replace("model.visual.", "visual.", 1)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            stem = name[: -len("gate_up_proj")]
+            for i, rows in enumerate(tensor):
+                gate, up = rows.chunk(2, dim=0)
+                out += [(f"thinker.{stem}{i}.gate_proj.weight", gate), (f"thinker.{stem}{i}.up_proj.weight", up)]
+        elif name.endswith("mlp.experts.down_proj"):
+            stem = name[: -len("down_proj")]
+            out += [(f"thinker.{stem}{i}.down_proj.weight", w) for i, w in enumerate(tensor)]
+        else:
+            out.append((f"thinker.{name}", tensor))
+    return out
