@@ -1,6 +1,6 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
 ``ServingBackend`` from the route modules (chat, text completions, /generate, audio, speech,
-images, models and health, /metrics, the Realtime WebSocket, the browser playground at /) and
+images, videos, models and health, /metrics, the Realtime WebSocket, the browser playground at /) and
 the shared plumbing they import (``errors``, ``streaming``, ``bodies``, ``served``). Every
 route is there for every model; one the model cannot serve answers a 400 naming ``model`` (the
 backend's ``tasks`` say what it serves; the WebSocket, an ``error`` event and a close). Every
@@ -39,6 +39,7 @@ from mstar.server.schemas import (
 from mstar.server.served import model_aliases
 from mstar.server.speech_routes import speech_router
 from mstar.server.status_routes import health, list_models
+from mstar.server.video_routes import video_router
 
 
 def _require_api_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -103,6 +104,7 @@ def create_app(
     router.include_router(audio_router(backend))  # type: ignore[arg-type]
     router.include_router(speech_router(backend))  # type: ignore[arg-type]
     router.include_router(image_router(backend))  # type: ignore[arg-type]
+    router.include_router(video_router())
     app.include_router(router)
     # a WebSocket route checks the key and the model itself, so that a refused client is told why
     app.add_api_websocket_route("/v1/realtime", realtime_route(backend, api_key))  # type: ignore[arg-type]
