@@ -39,6 +39,7 @@ from mstar.server.schemas import (
 from mstar.server.served import model_aliases
 from mstar.server.speech_routes import speech_router
 from mstar.server.status_routes import health, list_models
+from mstar.server.video_jobs import VideoJobOptions, VideoJobs, video_jobs_router
 from mstar.server.video_routes import video_router
 
 
@@ -61,6 +62,7 @@ def create_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    video_jobs: VideoJobOptions | None = None,
 ) -> FastAPI:
     """The HTTP app over ``backend``.
 
@@ -70,7 +72,8 @@ def create_app(
     (/metrics included; the page holds no secrets and sends the key the user types).
     ``on_shutdown``: called (in a thread) when the ASGI server shuts the app down, e.g. to
     stop the workers: uvicorn re-raises SIGTERM once it has stopped, so code after
-    ``uvicorn.run`` never runs then.
+    ``uvicorn.run`` never runs then. ``video_jobs``: the bounds of OpenAI's /v1/videos job
+    store (default ``VideoJobOptions()``).
     """
 
     @asynccontextmanager
@@ -84,6 +87,7 @@ def create_app(
     app = FastAPI(title="M*", version=__version__, lifespan=lifespan)
     app.state.backend = backend
     app.state.metrics = ServerMetrics(backend)
+    app.state.video_jobs = VideoJobs(video_jobs or VideoJobOptions())
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     # a many-model deployment also answers to its parts' own names, listed after its own
     app.state.model_names = list(dict.fromkeys([*(served_model_names or [backend.model_id]),
@@ -105,6 +109,7 @@ def create_app(
     router.include_router(speech_router(backend))  # type: ignore[arg-type]
     router.include_router(image_router(backend))  # type: ignore[arg-type]
     router.include_router(video_router())
+    router.include_router(video_jobs_router())
     app.include_router(router)
     # a WebSocket route checks the key and the model itself, so that a refused client is told why
     app.add_api_websocket_route("/v1/realtime", realtime_route(backend, api_key))  # type: ignore[arg-type]

@@ -112,9 +112,9 @@ def png_frames(frames: np.ndarray) -> list[bytes]:
     return out
 
 
-async def run_video(request: Request, spec: GenerateSpec, renames: dict[str, str]) -> np.ndarray:
+async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str],
+                    request: Request | None = None) -> np.ndarray:
     """The spec's frames ``[F, H, W, 3]``; a family refusal is re-raised under the body's field."""
-    backend = backend_of(request)
     try:
         first, events = await start_events(lambda: backend.generate(spec), request)
     except RequestError as exc:
@@ -149,7 +149,7 @@ async def video_generations(request: Request) -> Response:
 
     async def complete() -> Response:
         try:
-            frames = await run_video(request, spec, renames)
+            frames = await run_video(backend_of(request), spec, renames, request)
             if req.response_format == "png_frames":
                 items = await anyio.to_thread.run_sync(png_frames, frames)
             else:
