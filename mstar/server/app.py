@@ -27,6 +27,7 @@ from mstar.server.errors import APIError, install_error_handlers
 from mstar.server.generate_routes import generate
 from mstar.server.image_routes import image_router
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
+from mstar.server.options import VideoJobOptions
 from mstar.server.playground_routes import playground_router
 from mstar.server.realtime import realtime_route
 from mstar.server.schemas import (
@@ -39,7 +40,7 @@ from mstar.server.schemas import (
 from mstar.server.served import model_aliases
 from mstar.server.speech_routes import speech_router
 from mstar.server.status_routes import health, list_models
-from mstar.server.video_jobs import VideoJobOptions, VideoJobs, video_jobs_router
+from mstar.server.video_jobs import VideoJobs, video_jobs_router
 from mstar.server.video_routes import video_router
 
 

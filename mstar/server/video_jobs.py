@@ -36,6 +36,7 @@ from mstar.contract import GenerateSpec, RequestError
 from mstar.media.video import encode_mp4
 from mstar.server.bodies import capped_form
 from mstar.server.errors import APIError, exception_response, validation_error_response
+from mstar.server.options import VideoJobOptions
 from mstar.server.schemas import new_id
 from mstar.server.served import backend_of, resolve_model
 from mstar.server.video_routes import MAX_IMAGE_BYTES, VideoRequest, model_kwargs_of, run_video
@@ -45,21 +46,6 @@ log = logging.getLogger(__name__)
 _FORM_FIELDS = ("prompt", "model", "seconds", "size", "num_frames", "fps", "seed", "num_inference_steps",
                 "guidance_scale", "negative_prompt", "user")
 MAX_LIST = 100
-
-
-@dataclass(frozen=True)
-class VideoJobOptions:
-    """The job store's bounds: at most ``max_jobs`` jobs kept (running or finished), each
-    finished one kept ``ttl_s`` seconds. A dataclass, so an unknown key is a TypeError."""
-
-    max_jobs: int = 64
-    ttl_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.max_jobs < 1:
-            raise ValueError(f"max_jobs must be 1 or more, got {self.max_jobs}")
-        if not self.ttl_s > 0:
-            raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s}")
 
 
 @dataclass

@@ -21,7 +21,8 @@ from mstar.config import parse_config
 from mstar.media.video import decode_mp4
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
-from mstar.server.video_jobs import VideoJobOptions, VideoJobs
+from mstar.server.options import VideoJobOptions
+from mstar.server.video_jobs import VideoJobs
 
 MODEL = "wan22"
 WIDTH, HEIGHT = 32, 64
