@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from mstar.contract import GenerateSpec, RequestError
@@ -37,15 +37,30 @@ from mstar.media.video import encode_mp4
 from mstar.server.bodies import capped_form
 from mstar.server.errors import APIError, exception_response, validation_error_response
 from mstar.server.options import VideoJobOptions
-from mstar.server.schemas import new_id
+from mstar.server.schemas import form_body_openapi, new_id
 from mstar.server.served import backend_of, resolve_model
-from mstar.server.video_routes import MAX_IMAGE_BYTES, VideoRequest, model_kwargs_of, run_video
+from mstar.server.video_routes import MAX_IMAGE_BYTES, TASK, VideoRequest, model_kwargs_of, run_video
 
 log = logging.getLogger(__name__)
 
 _FORM_FIELDS = ("prompt", "model", "seconds", "size", "num_frames", "fps", "seed", "num_inference_steps",
                 "guidance_scale", "negative_prompt", "user")
 MAX_LIST = 100
+
+
+class VideoJobForm(BaseModel):
+    """The text fields of POST /v1/videos (the image is the file part ``input_reference``)."""
+
+    prompt: str
+    model: str | None = None
+    seconds: str | None = Field(None, description="length in seconds; frames = seconds x fps, to 4k + 1")
+    size: str | None = Field(None, description="WxH, e.g. 1280x704 (default: the model's)")
+    num_frames: int | None = Field(None, description="instead of seconds; of the form 4k + 1")
+    fps: int | None = None
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
 
 
 @dataclass
@@ -109,6 +124,8 @@ class VideoJobs:
 
 
 def _jobs(request: Request) -> VideoJobs:
+    """The app's job store, once the served model is known to make video (else a 400 naming ``model``)."""
+    resolve_model(request, None, TASK)
     return request.app.state.video_jobs
 
 
@@ -147,13 +164,16 @@ async def _read_body(request: Request) -> tuple[dict[str, Any], bytes | None]:
 async def create_video(request: Request) -> Response:
     try:
         fields, image = await _read_body(request)
+        for name in ("image", "response_format"):  # /v1/videos/generations' fields, not this route's
+            if name in fields:
+                raise RequestError(name, "is not a field of this route (the reference image is input_reference)")
         req = VideoRequest.model_validate(fields)
     except ValidationError as exc:
         return validation_error_response(exc.errors())
     except Exception as exc:
         return exception_response(exc)
     try:
-        model = resolve_model(request, req.model)
+        model = resolve_model(request, req.model, TASK)
         kwargs, renames = model_kwargs_of(req)
         renames["files"] = renames["image"] = "input_reference"
     except Exception as exc:
@@ -249,7 +269,8 @@ async def delete_video(request: Request, video_id: str) -> Response:
 
 def video_jobs_router() -> APIRouter:
     router = APIRouter()
-    router.add_api_route("/v1/videos", create_video, methods=["POST"])
+    router.add_api_route("/v1/videos", create_video, methods=["POST"],
+                         openapi_extra=form_body_openapi(VideoJobForm, {"input_reference": False}))
     router.add_api_route("/v1/videos", list_videos, methods=["GET"])
     router.add_api_route("/v1/videos/{video_id}", retrieve_video, methods=["GET"])
     router.add_api_route("/v1/videos/{video_id}", delete_video, methods=["DELETE"])

@@ -36,6 +36,7 @@ MAX_PROMPT_CHARS = 4000
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_FPS = 24  # Wan2.2's
 FRAME_STEP = 4  # frame counts are 4k + 1
+TASK = "video_generation"
 RESPONSE_FORMATS = ("b64_json", "png_frames")
 
 
@@ -136,7 +137,7 @@ async def video_generations(request: Request) -> Response:
     except ValidationError as exc:
         return validation_error_response(exc.errors())
     try:
-        resolve_model(request, req.model)
+        resolve_model(request, req.model, TASK)
         kwargs, renames = model_kwargs_of(req)
         files = []
         if req.image is not None:
