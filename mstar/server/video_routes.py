@@ -79,6 +79,8 @@ def model_kwargs_of(req: VideoRequest) -> tuple[dict[str, Any], dict[str, str]]:
     renames = {"width": "size", "height": "size", "files": "image", "output_modalities": "model"}
     if req.size is not None:
         kwargs["width"], kwargs["height"] = parse_video_size(req.size)
+        if req.response_format == "b64_json" and (kwargs["width"] % 2 or kwargs["height"] % 2):
+            raise RequestError("size", f"an mp4 (H.264, yuv420p) needs an even width and height, got {req.size}")
     if req.num_frames is not None and req.seconds is not None:
         raise RequestError("num_frames", "give seconds or num_frames, not both")
     if req.num_frames is not None:
