@@ -24,6 +24,7 @@ from mstar.server.options import (
     LOG_LEVELS,
     TENSOR_COMM_PROTOCOLS,
     ServeOptions,
+    VideoJobOptions,
 )
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
@@ -121,6 +122,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, config_required: boo
              "server down with exit status 1 (default: %(default)s)",
     )
     parser.add_argument(
+        "--video-jobs-max", type=_count, default=64, metavar="N",
+        help="keep at most N /v1/videos jobs, running or finished (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--video-jobs-ttl", type=_seconds, default=3600.0, metavar="SECONDS",
+        help="forget a finished /v1/videos job and its mp4 this long after it finished "
+             "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--api-key", default=os.environ.get("MSTAR_API_KEY"), metavar="KEY",
         help="require 'Authorization: Bearer KEY' on the API (default: $MSTAR_API_KEY, if set)",
     )
@@ -182,6 +192,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         served_model_names=list(args.served_model_name or []),
         timeout=args.timeout,
         max_worker_restarts=args.max_worker_restarts,
+        video_jobs=VideoJobOptions(max_jobs=args.video_jobs_max, ttl_s=args.video_jobs_ttl),
     )
 
 

@@ -63,12 +63,13 @@ class ServiceError(RequestError):
 
 
 TASKS: tuple[str, ...] = ("chat", "text_completion", "transcription", "translation", "speech", "image_generation",
-                          "image_edit", "realtime")
+                          "image_edit", "video_generation", "realtime")
 """What a model can serve; each model spec declares its own in ``tasks``. ``chat``: chat
 completions; ``text_completion``: OpenAI's legacy completions, a raw prompt continued with
 no chat template; ``transcription``: speech to text in its language; ``translation``: speech
 to English text; ``speech``: text to speech; ``image_generation``: text to image;
-``image_edit``: images and text to image; ``realtime``: a spoken conversation, the user's
+``image_edit``: images and text to image; ``video_generation``: text (and an image) to video
+(/v1/videos/generations, the /v1/videos jobs); ``realtime``: a spoken conversation, the user's
 speech in, the reply's text and speech out (the Realtime API, a many-model deployment). The
 HTTP server checks a request's task against the served model's before the model sees it
 (/generate serves every model: each family maps it onto what it does)."""

@@ -12,6 +12,7 @@ from mstar.client.sdk import (
     TranscriptionResult,
 )
 from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
+from mstar.client.videos import VideoResult, VideosMixin
 
 __all__ = [
     "ChatEvent",
@@ -27,4 +28,6 @@ __all__ = [
     "SpeechResult",
     "SpeechStream",
     "TranscriptionResult",
+    "VideoResult",
+    "VideosMixin",
 ]

@@ -1,5 +1,5 @@
 """A small synchronous client for an M* server (chat and text completions, /generate, speech
-to text, text to speech, images).
+to text, text to speech, images, video).
 
     >>> client = MStarClient("http://localhost:8000")
     >>> client.chat("Hello!", max_tokens=32).text
@@ -8,6 +8,7 @@ to text, text to speech, images).
     ...     print(event.text, end="", flush=True)
     >>> client.tts("Hello there.").to_wav("hello.wav")
     >>> Path("cat.png").write_bytes(client.generate_image("a cat", width=512, height=512))
+    >>> client.generate_video("a cat walks", seconds=2).save("cat.mp4")
     >>> async with client.realtime() as conn:  # the Realtime API (mstar.client.realtime)
     ...     await conn.send({"type": "response.create"})
 
@@ -32,10 +33,11 @@ from mstar.client.errors import MStarError, in_band_error, raise_for_status
 from mstar.client.images import ImagesMixin
 from mstar.client.realtime import RealtimeConnection, RealtimeMixin
 from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
+from mstar.client.videos import VideoResult, VideosMixin
 
 __all__ = [
     "ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError",
-    "RealtimeConnection", "SpeechResult", "SpeechStream", "TranscriptionResult",
+    "RealtimeConnection", "SpeechResult", "SpeechStream", "TranscriptionResult", "VideoResult",
 ]
 
 FileLike = str | PathLike | tuple[str, bytes]
@@ -126,10 +128,11 @@ def _as_upload(item: FileLike) -> tuple[str, bytes]:
     return path.name, path.read_bytes()
 
 
-class MStarClient(SpeechMixin, ImagesMixin, RealtimeMixin):
+class MStarClient(SpeechMixin, ImagesMixin, VideosMixin, RealtimeMixin):
     """Synchronous client; usable as a context manager (closes its connection pool).
-    Text to speech (``tts``, ``voices``) and images (``generate_image``, ``edit_image``)
-    come from the mixins in ``mstar.client.speech`` and ``mstar.client.images``; the
+    Text to speech (``tts``, ``voices``), images (``generate_image``, ``edit_image``) and
+    video (``generate_video``) come from the mixins in ``mstar.client.speech``,
+    ``mstar.client.images`` and ``mstar.client.videos``; the
     Realtime API (``realtime()``, async) from ``mstar.client.realtime``."""
 
     def __init__(

@@ -75,6 +75,7 @@ _TASK_MODALITIES = {
     "speech": ({"text"}, {"audio"}),
     "image_generation": ({"text"}, {"image"}),
     "image_edit": ({"text", "image"}, {"image"}),
+    "video_generation": ({"text", "image"}, {"video"}),
     "realtime": ({"audio", "text"}, {"text", "audio"}),
 }
 _MODALITY_ORDER = ("text", "image", "video", "audio")

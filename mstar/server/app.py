@@ -1,6 +1,6 @@
 """The HTTP front end, assembled: ``create_app(backend)`` builds a FastAPI app over any
 ``ServingBackend`` from the route modules (chat, text completions, /generate, audio, speech,
-images, models and health, /metrics, the Realtime WebSocket, the browser playground at /) and
+images, videos, models and health, /metrics, the Realtime WebSocket, the browser playground at /) and
 the shared plumbing they import (``errors``, ``streaming``, ``bodies``, ``served``). Every
 route is there for every model; one the model cannot serve answers a 400 naming ``model`` (the
 backend's ``tasks`` say what it serves; the WebSocket, an ``error`` event and a close). Every
@@ -27,6 +27,7 @@ from mstar.server.errors import APIError, install_error_handlers
 from mstar.server.generate_routes import generate
 from mstar.server.image_routes import image_router
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
+from mstar.server.options import VideoJobOptions
 from mstar.server.playground_routes import playground_router
 from mstar.server.realtime import realtime_route
 from mstar.server.schemas import (
@@ -39,6 +40,8 @@ from mstar.server.schemas import (
 from mstar.server.served import model_aliases
 from mstar.server.speech_routes import speech_router
 from mstar.server.status_routes import health, list_models
+from mstar.server.video_jobs import VideoJobs, video_jobs_router
+from mstar.server.video_routes import video_router
 
 
 def _require_api_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -60,6 +63,7 @@ def create_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    video_jobs: VideoJobOptions | None = None,
 ) -> FastAPI:
     """The HTTP app over ``backend``.
 
@@ -69,7 +73,8 @@ def create_app(
     (/metrics included; the page holds no secrets and sends the key the user types).
     ``on_shutdown``: called (in a thread) when the ASGI server shuts the app down, e.g. to
     stop the workers: uvicorn re-raises SIGTERM once it has stopped, so code after
-    ``uvicorn.run`` never runs then.
+    ``uvicorn.run`` never runs then. ``video_jobs``: the bounds of OpenAI's /v1/videos job
+    store (default ``VideoJobOptions()``).
     """
 
     @asynccontextmanager
@@ -83,6 +88,7 @@ def create_app(
     app = FastAPI(title="M*", version=__version__, lifespan=lifespan)
     app.state.backend = backend
     app.state.metrics = ServerMetrics(backend)
+    app.state.video_jobs = VideoJobs(video_jobs or VideoJobOptions())
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     # a many-model deployment also answers to its parts' own names, listed after its own
     app.state.model_names = list(dict.fromkeys([*(served_model_names or [backend.model_id]),
@@ -103,6 +109,8 @@ def create_app(
     router.include_router(audio_router(backend))  # type: ignore[arg-type]
     router.include_router(speech_router(backend))  # type: ignore[arg-type]
     router.include_router(image_router(backend))  # type: ignore[arg-type]
+    router.include_router(video_router())
+    router.include_router(video_jobs_router())
     app.include_router(router)
     # a WebSocket route checks the key and the model itself, so that a refused client is told why
     app.add_api_websocket_route("/v1/realtime", realtime_route(backend, api_key))  # type: ignore[arg-type]

@@ -12,6 +12,21 @@ BACKENDS: tuple[str, ...] = ("local", "ray")
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 
 
+@dataclass(frozen=True)
+class VideoJobOptions:
+    """The job store's bounds: at most ``max_jobs`` jobs kept (running or finished), each
+    finished one kept ``ttl_s`` seconds. A dataclass, so an unknown key is a TypeError."""
+
+    max_jobs: int = 64
+    ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.max_jobs < 1:
+            raise ValueError(f"max_jobs must be 1 or more, got {self.max_jobs}")
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s}")
+
+
 @dataclass
 class ServeOptions:
     """Everything needed to start a server; the runtime fills in what is left as None.
@@ -24,7 +39,8 @@ class ServeOptions:
     request's seconds, queueing included (None: the config's ``request_timeout_s``).
     ``max_worker_restarts``: how many times each worker rank's process is restarted after
     it dies before the server shuts down (exit status 1). ``backend`` starts the workers as
-    local processes or Ray actors (None: the config file's, else local).
+    local processes or Ray actors (None: the config file's, else local). ``video_jobs``:
+    the bounds of the /v1/videos job store.
     """
 
     model: str | None = None
@@ -43,6 +59,7 @@ class ServeOptions:
     served_model_names: list[str] = field(default_factory=list)
     timeout: float | None = None
     max_worker_restarts: int = 3
+    video_jobs: VideoJobOptions = field(default_factory=VideoJobOptions)
 
     def __post_init__(self) -> None:
         if self.model is None and self.config is None:

@@ -126,7 +126,8 @@ def _serve(options: ServeOptions, config: DeploymentConfig, sock: socket.socket)
         from mstar.server.app import create_app
 
         app = create_app(deployment.backend, served_model_names=options.served_model_names or None,
-                         api_key=options.api_key, on_shutdown=deployment.close)
+                         api_key=options.api_key, on_shutdown=deployment.close,
+                         video_jobs=options.video_jobs)
         freeze_startup_objects()
         log.info("serving %s on http://%s:%d (Ctrl-C to stop)", config.model, options.host, options.port)
         stop.server = uvicorn.Server(uvicorn.Config(app, log_level=options.log_level,

@@ -15,8 +15,10 @@ from PIL import Image
 from mstar.contract import (
     TASKS,
     ChatSpec,
+    GenerateSpec,
     ImageSpec,
     OutputEvent,
+    RequestError,
     SpeechSpec,
     Transcription,
     TranscriptionSegment,
@@ -61,6 +63,18 @@ class EveryCapabilityBackend(FakeBackend):
     async def transcribe(self, spec: TranscriptionSpec) -> Transcription:
         segment = TranscriptionSegment(0, 0.0, 1.0, " hello")
         return Transcription(" hello", spec.language or "en", 1.0, [segment])
+
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[OutputEvent]:
+        if spec.output_modalities != ["video"]:
+            async for event in super().generate(spec):
+                yield event
+            return
+        kwargs = spec.model_kwargs  # a grey video, small sizes only; defaults as wan22's
+        width, height, frames = kwargs.get("width", 1280), kwargs.get("height", 704), kwargs.get("num_frames", 81)
+        if width * height * frames > 64 * 64 * 9:
+            raise RequestError("num_frames", "over the fake's 64 x 64 x 9 pixels")
+        yield OutputEvent(modality="video", data=bytes([128]) * (width * height * frames * 3))
+        yield OutputEvent(modality="video", finish_reason="stop")
 
     async def generate_images(self, spec: ImageSpec) -> list[bytes]:
         return [self.png] * spec.n

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mstar import __version__, cli
-from mstar.server.options import ServeOptions
+from mstar.server.options import ServeOptions, VideoJobOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,3 +143,13 @@ def test_max_worker_restarts_option(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--max-worker-restarts" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_worker_restarts"):
         ServeOptions(model="m", max_worker_restarts=-1)
+
+
+def test_video_jobs_options() -> None:
+    assert _serve_options("m").video_jobs == VideoJobOptions(max_jobs=64, ttl_s=3600.0)
+    chosen = _serve_options("m", "--video-jobs-max", "8", "--video-jobs-ttl", "60").video_jobs
+    assert chosen == VideoJobOptions(max_jobs=8, ttl_s=60.0)
+    with pytest.raises(ValueError, match="max_jobs"):
+        VideoJobOptions(max_jobs=0)
+    with pytest.raises(TypeError):
+        VideoJobOptions(max_job=3)  # type: ignore[call-arg]  # an unknown key is refused

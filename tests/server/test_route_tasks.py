@@ -59,6 +59,12 @@ ROUTES = {
     ("POST", "/v1/images/generations"): ("image_generation", {"json": {"prompt": "a kite", "size": "256x256"}}),
     ("POST", "/v1/images/edits"): ("image_edit", {"data": {"prompt": "a kite"},
                                                   "files": {"image": ("a.png", _png(), "image/png")}}),
+    ("POST", "/v1/videos/generations"): ("video_generation", {"json": {"prompt": "a kite", "size": "64x64"}}),
+    ("POST", "/v1/videos"): ("video_generation", {"data": {"prompt": "a kite"}}),
+    ("GET", "/v1/videos"): ("video_generation", {}),
+    ("GET", "/v1/videos/{video_id}"): ("video_generation", {}),
+    ("DELETE", "/v1/videos/{video_id}"): ("video_generation", {}),
+    ("GET", "/v1/videos/{video_id}/content"): ("video_generation", {}),
     ("POST", "/generate"): (None, {"data": {"text": "hello"}}),
     ("GET", "/v1/models"): (None, {}),
     ("GET", "/health"): (None, {}),
@@ -123,6 +129,10 @@ def test_route_checks_what_the_model_serves(key: str, method: str, path: str) ->
         assert (response.status_code, error["param"]) == (400, "model"), error
         assert f"{key!r} does not serve {task}" in error["message"]
         assert probe.calls == []  # refused before the model saw it
+    elif path == "/v1/videos" and method == "POST":  # a job: queued now, the model sees it in the background
+        assert response.status_code == 200 and response.json()["object"] == "video", response.text
+    elif "{video_id}" in path:  # no such job
+        assert (response.status_code, response.json()["error"]["param"]) == (404, "video_id"), response.text
     elif method == "POST":
         assert (response.status_code, response.json()["error"]["param"]) == (422, "probe"), response.text
         assert len(probe.calls) >= 1

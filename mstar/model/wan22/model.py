@@ -113,7 +113,7 @@ class VideoFrames(OutputStream):
 @register
 class Wan22(ModelSpec):
     key = "wan22"
-    tasks = frozenset()  # /generate only until the video routes (and their task) come
+    tasks = frozenset({"video_generation"})
     input_modalities = frozenset({"text", "image"})
     default_weights = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
     Knobs = WanKnobs

@@ -1,0 +1,172 @@
+"""``POST /v1/videos/generations``: a prompt (and optionally one image, for image-to-video) to
+a video, answered like the image route: ``{"created", "data": [{"b64_json"}]}`` holding an
+H.264 mp4 (``mstar.media.video``), or with ``response_format="png_frames"`` one PNG per frame.
+
+The body's fields map onto the video family's ``model_kwargs``: ``size`` "WxH" -> ``width`` /
+``height``; ``num_frames``, or ``seconds`` x ``fps`` rounded to the nearest count of the form
+4k + 1 (the frame counts the Wan VAE codes); ``image`` (a data URI, base64, or an http(s) URL
+with MSTAR_ALLOW_REMOTE=1) becomes the request's one file; ``seed``, ``num_inference_steps``,
+``guidance_scale``, ``negative_prompt`` pass through. The family checks them before queueing;
+its refusals are renamed to this body's fields (``width`` -> ``size``, ``num_frames`` ->
+``seconds`` when the count came from seconds), so a 400 names what the client sent. The frames
+come back raw from the model; the mp4 is written here, in a thread, never in the model.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import anyio
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mstar.contract import GenerateSpec, RequestError
+from mstar.media.video import encode_mp4
+from mstar.server.bodies import fetch_all
+from mstar.server.errors import APIError, exception_response, validation_error_response
+from mstar.server.schemas import json_body_openapi, new_id, now
+from mstar.server.served import backend_of, resolve_model
+from mstar.server.streaming import collect_events, start_events, unless_disconnected
+
+MAX_PROMPT_CHARS = 4000
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_FPS = 24  # Wan2.2's
+FRAME_STEP = 4  # frame counts are 4k + 1
+TASK = "video_generation"
+RESPONSE_FORMATS = ("b64_json", "png_frames")
+
+
+class VideoRequest(BaseModel):
+    """The body of /v1/videos/generations."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = None
+    size: str | None = Field(None, description="WxH, e.g. 1280x704 (default: the model's)")
+    seconds: float | None = Field(None, gt=0, le=600, description="length; frames = seconds x fps, to 4k + 1")
+    num_frames: int | None = Field(None, ge=1, description="instead of seconds; of the form 4k + 1")
+    fps: int | None = Field(None, ge=1, le=240, description=f"playback rate (default {DEFAULT_FPS})")
+    image: str | None = Field(None, description="image-to-video: a data URI, base64 or URL")
+    seed: int | None = None
+    num_inference_steps: int | None = Field(None, ge=1, le=100)
+    guidance_scale: float | None = Field(None, ge=1.0, allow_inf_nan=False)
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    response_format: str = Field("b64_json", description="b64_json (an mp4) or png_frames")
+    user: str | None = None
+
+
+def frames_for(seconds: float, fps: int) -> int:
+    """``seconds`` at ``fps`` as a frame count of the form 4k + 1, the nearest one (ties up)."""
+    return FRAME_STEP * int(np.floor((seconds * fps - 1) / FRAME_STEP + 0.5)) + 1 if seconds * fps > 1 else 1
+
+
+def parse_video_size(size: str) -> tuple[int, int]:
+    width, sep, height = size.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or not int(width) or not int(height):
+        raise RequestError("size", f"must be WIDTHxHEIGHT with positive integers, e.g. 1280x704; got {size!r}")
+    return int(width), int(height)
+
+
+def model_kwargs_of(req: VideoRequest) -> tuple[dict[str, Any], dict[str, str]]:
+    """The family's ``model_kwargs`` for ``req``, and the family's field names -> the body's."""
+    fps = req.fps or DEFAULT_FPS
+    kwargs: dict[str, Any] = {"fps": fps}
+    renames = {"width": "size", "height": "size", "files": "image", "output_modalities": "model"}
+    if req.size is not None:
+        kwargs["width"], kwargs["height"] = parse_video_size(req.size)
+        if req.response_format == "b64_json" and (kwargs["width"] % 2 or kwargs["height"] % 2):
+            raise RequestError("size", f"an mp4 (H.264, yuv420p) needs an even width and height, got {req.size}")
+    if req.num_frames is not None and req.seconds is not None:
+        raise RequestError("num_frames", "give seconds or num_frames, not both")
+    if req.num_frames is not None:
+        kwargs["num_frames"] = req.num_frames
+    elif req.seconds is not None:
+        kwargs["num_frames"] = frames_for(req.seconds, fps)
+        renames["num_frames"] = "seconds"
+    for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt"):
+        if (value := getattr(req, name)) is not None:
+            kwargs[name] = value
+    if req.response_format not in RESPONSE_FORMATS:
+        raise RequestError("response_format", f"must be one of {', '.join(RESPONSE_FORMATS)}")
+    return kwargs, renames
+
+
+def frames_of(data: bytes, width: int, height: int) -> np.ndarray:
+    """A ``video`` output's raw bytes (frame-major uint8 RGB) as ``[F, H, W, 3]``."""
+    frame = width * height * 3
+    if not data or len(data) % frame:
+        raise APIError(500, f"the model's video output ({len(data)} bytes) is not whole {width}x{height} frames")
+    return np.frombuffer(data, dtype=np.uint8).reshape(-1, height, width, 3)
+
+
+def png_frames(frames: np.ndarray) -> list[bytes]:
+    from PIL import Image
+
+    out = []
+    for frame in frames:
+        buffer = io.BytesIO()
+        Image.fromarray(frame).save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str],
+                    request: Request | None = None) -> np.ndarray:
+    """The spec's frames ``[F, H, W, 3]``; a family refusal is re-raised under the body's field."""
+    try:
+        first, events = await start_events(lambda: backend.generate(spec), request)
+    except RequestError as exc:
+        field = renames.get(exc.field, exc.field)
+        raise RequestError(field, exc.message, exc.status) from None
+    out = await collect_events(first, events)
+    data = bytes(out.data.get("video", b""))
+    kwargs = spec.model_kwargs
+    return frames_of(data, kwargs.get("width", 1280), kwargs.get("height", 704))
+
+
+async def video_generations(request: Request) -> Response:
+    try:
+        body = await request.json()
+    except Exception:
+        return exception_response(RequestError("body", "must be a JSON object"))
+    try:
+        req = VideoRequest.model_validate(body)
+    except ValidationError as exc:
+        return validation_error_response(exc.errors())
+    try:
+        resolve_model(request, req.model, TASK)
+        kwargs, renames = model_kwargs_of(req)
+        files = []
+        if req.image is not None:
+            [image] = await fetch_all([(req.image, "image", MAX_IMAGE_BYTES)])
+            files.append(("image", image))
+    except Exception as exc:
+        return exception_response(exc)
+    spec = GenerateSpec(request_id=new_id("video"), text=req.prompt, files=files, output_modalities=["video"],
+                        model_kwargs=kwargs)
+
+    async def complete() -> Response:
+        try:
+            frames = await run_video(backend_of(request), spec, renames, request)
+            if req.response_format == "png_frames":
+                items = await anyio.to_thread.run_sync(png_frames, frames)
+            else:
+                items = [await anyio.to_thread.run_sync(encode_mp4, frames, kwargs["fps"])]
+        except Exception as exc:
+            return exception_response(exc)
+        data = [{"b64_json": base64.b64encode(item).decode()} for item in items]
+        return JSONResponse({"created": now(), "data": data})
+
+    return await unless_disconnected(request, complete)
+
+
+def video_router() -> APIRouter:
+    router = APIRouter()
+    router.add_api_route("/v1/videos/generations", video_generations, methods=["POST"],
+                         openapi_extra=json_body_openapi(VideoRequest))
+    return router
