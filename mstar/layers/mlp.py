@@ -54,3 +54,16 @@ class SwiGLU(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
+
+
+class TextProjection(nn.Module):
+    """``linear_2(gelu_tanh(linear_1(x)))``: a diffusion DiT's prompt features into its width
+    (PixArt-alpha's caption projection; diffusers' ``PixArtAlphaTextProjection`` key names)."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))

@@ -39,6 +39,7 @@ from torch import nn
 
 from mstar.distributed.state import Group, current_parallel
 from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mstar.layers.mlp import TextProjection
 from mstar.layers.norm import WideRMSNorm
 from mstar.layers.ulysses import SequenceShards, UlyssesAttention, full_attention
 from mstar.model.flux2.transformer import timestep_sinusoid
@@ -264,18 +265,6 @@ class TimeEmbedding(nn.Module):
         """``t [B]`` or ``[B, T]`` -> (``[B, T, n * D]``, ``[B, T, D]``)."""
         emb = self.emb.timestep_embedder(t.flatten(), dtype)
         return self.linear(F.silu(emb)).view(batch, -1, self.linear.out_features), emb.view(batch, -1, emb.shape[-1])
-
-
-class TextProjection(nn.Module):
-    """``linear_2(gelu_tanh(linear_1(x)))`` (PixArt-alpha's caption projection)."""
-
-    def __init__(self, in_dim: int, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
 
 
 def prompt_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

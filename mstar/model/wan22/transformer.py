@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mstar.layers.mlp import TextProjection
 from mstar.layers.norm import WideRMSNorm
 from mstar.layers.ulysses import SequenceShards, UlyssesAttention, full_attention
 from mstar.model.flux2.transformer import timestep_sinusoid
@@ -177,18 +178,6 @@ class TimeEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
-
-
-class TextProjection(nn.Module):
-    """``linear_2(gelu_tanh(linear_1(x)))``: prompt features into the DiT's width."""
-
-    def __init__(self, in_dim: int, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
 
 
 class ConditionEmbedder(nn.Module):
