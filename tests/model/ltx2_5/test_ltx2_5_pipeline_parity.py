@@ -35,6 +35,7 @@ from mstar.model.ltx2_5.transformer import LtxTransformer
 from mstar.model.ltx2_5.video_vae import LtxVideoVae, LtxVideoVaeConfig
 from mstar.model.ltx2_5.vocoder import build_vocoder
 from tests.support.diffusers_dirs import randomize
+from tests.support.ltx2_5_tiny import AUDIO_VAE, SCHEDULER, VAE, VOCODER
 
 DIT = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
            audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=4,
@@ -48,17 +49,6 @@ CONNECTORS = dict(caption_channels=12, text_proj_in_factor=3, video_connector_nu
                   audio_connector_num_learnable_registers=4, connector_rope_base_seq_len=64, rope_type="split",
                   per_modality_projections=True, video_hidden_dim=16, audio_hidden_dim=8, video_gated_attn=True,
                   audio_gated_attn=True)
-VAE = dict(latent_channels=8, block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
-           decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1, 1, 1, 1),
-           spatial_compression_ratio=32, temporal_compression_ratio=8)
-AUDIO_VAE = dict(base_channels=8, ch_mult=(1, 2, 2), num_res_blocks=1, latent_channels=4, mel_bins=8)
-VOCODER = dict(in_channels=16, hidden_channels=16, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
-               resnet_kernel_sizes=[3], resnet_dilations=[[1, 3]], bwe_in_channels=8, bwe_hidden_channels=8,
-               bwe_upsample_kernel_sizes=[6, 4], bwe_upsample_factors=[6, 2], bwe_resnet_kernel_sizes=[3],
-               bwe_resnet_dilations=[[1]], filter_length=16, hop_length=4, window_length=16, num_mel_channels=4,
-               input_sampling_rate=16000, output_sampling_rate=48000)
-SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_image_seq_len=1024,
-                 max_image_seq_len=4096, base_shift=0.95, max_shift=2.05, shift_terminal=0.1)
 HEIGHT, WIDTH, FRAMES, FPS = 64, 96, 9, 24.0
 
 
