@@ -123,25 +123,24 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, s
     ``mstar.layers.quantized``, turn last-bit differences into different tokens)."""
     rows = len(group.rows)
     query = q if rows == q.shape[0] and group.rows == list(range(rows)) else q.index_select(0, group.index.to(q.device))
-    return group_attention(query, flat, group.slots.to(q.device), group.padding.to(q.device), scale)
+    return group_attention(query, flat, group.head_slots(flat.shape[2], q.device), group.padding.to(q.device), scale)
 
 
-def group_attention(query: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor,
+def group_attention(query: torch.Tensor, flat: torch.Tensor, head_slots: torch.Tensor, padding: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """``_decode_attention``'s arithmetic on tensors alone (what a compiled decode layer traces,
     ``LlamaDecoderLayer.decode_attention_on``): queries ``[g, Hq, D]``, the cache as flat slots
-    ``[2, slots, Hkv, D]``, a ``DecodeGroup``'s ``slots [g * L]`` and ``padding [g, L]``."""
+    ``[2, slots, Hkv, D]``, a ``DecodeGroup``'s ``head_slots [g * Hkv * L]`` and ``padding [g, L]``.
+
+    Keys and values are gathered head-major, ``[g, Hkv, L, D]``, straight from the cache's
+    (slot, head) rows, and the scores take the keys as a transposed operand: no permuted copy
+    (at 8 streams that copy and a second gather were ~8% of SmolLM2's CPU step)."""
     rows, num_heads, head_dim = query.shape
     num_kv_heads, length = flat.shape[2], padding.shape[1]
-    # Keys and values are gathered head-major, [g, Hkv, L, D], straight from the cache's
-    # (slot, head) rows: the scores then take the keys as a transposed operand, with no
-    # permuted copy (at 8 streams that copy and a second gather were ~8% of SmolLM2's step).
-    heads = torch.arange(num_kv_heads, device=slots.device)
-    index = (slots.view(rows, 1, length) * num_kv_heads + heads.view(1, -1, 1)).flatten()
     per_head = flat.view(2, -1, head_dim)  # [2, slots * Hkv, D]
     batch = rows * num_kv_heads
-    keys = per_head[0].index_select(0, index).view(batch, length, head_dim).to(query.dtype)
-    values = per_head[1].index_select(0, index).view(batch, length, head_dim).to(query.dtype)
+    keys = per_head[0].index_select(0, head_slots).view(batch, length, head_dim).to(query.dtype)
+    values = per_head[1].index_select(0, head_slots).view(batch, length, head_dim).to(query.dtype)
     scores = torch.bmm(query.reshape(batch, num_heads // num_kv_heads, head_dim), keys.transpose(1, 2)).mul_(scale)
     scores.view(rows, num_heads, length).masked_fill_(padding[:, None, :], float("-inf"))
     return torch.bmm(scores.softmax(-1), values).view(rows, num_heads, head_dim)

@@ -11,7 +11,7 @@ describes it in one ``PagedAttentionMetadata``. The backends themselves are in
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,6 +109,24 @@ class DecodeGroup:
     slots: torch.Tensor
     length: int
     padding: torch.Tensor
+    _head_slots: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def head_slots(self, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+        """The rows ``[rows * num_kv_heads * length]`` of the group's keys in a cache seen as
+        ``[2, slots * num_kv_heads, head_dim]``, head-major (``head_major_slots``); made once
+        a step, on ``device``, and shared by the layers."""
+        key = (num_kv_heads, device)
+        if key not in self._head_slots:
+            self._head_slots[key] = head_major_slots(self.slots.to(device), len(self.rows), num_kv_heads)
+        return self._head_slots[key]
+
+
+def head_major_slots(slots: torch.Tensor, rows: int, num_kv_heads: int) -> torch.Tensor:
+    """Cache slots ``[rows * length]`` as the rows of a cache seen as ``[2, slots * Hkv, D]``
+    in the order ``[rows, Hkv, length]``: what gathers each head's keys as one contiguous
+    ``[length, D]`` block."""
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return (slots.view(rows, 1, -1) * num_kv_heads + heads.view(1, -1, 1)).flatten()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

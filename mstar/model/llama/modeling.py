@@ -265,7 +265,8 @@ class LlamaDecoderLayer(nn.Module):
             group = one_decode_group(meta, x.shape[0])
             if group is not None:  # the cache written eagerly: a graph's write would copy the whole cache
                 write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-                return decode_rest(self, q, kv_cache, group.slots, group.padding, residual)
+                return decode_rest(self, q, kv_cache, group.head_slots(kv_cache.shape[-2], q.device), group.padding,
+                                   residual)
             out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)
             return after(self, out.reshape(x.shape[0], -1), residual)
         if residual is None:
@@ -283,7 +284,7 @@ class LlamaDecoderLayer(nn.Module):
         return (*self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin), residual)
 
     def decode_in_group(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, slots: torch.Tensor,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, head_slots: torch.Tensor,
                         padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` for a decode step whose rows are one ``DecodeGroup`` in order, tensors
         only (``LlamaModel.decode_group_step`` traces every layer's as one graph): the same
@@ -291,16 +292,16 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         q, k, v = self.self_attn.rotated_qkv(self.self_attn.qkv_proj(h), cos, sin)
         write_kv_cache_whole(k, v, kv_cache, slot_mapping)
-        return self.decode_attention_on(q, kv_cache, slots, padding, residual)
+        return self.decode_attention_on(q, kv_cache, head_slots, padding, residual)
 
-    def decode_attention_on(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+    def decode_attention_on(self, q: torch.Tensor, kv_cache: torch.Tensor, head_slots: torch.Tensor,
                             padding: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its queries on, for a decode step whose rows are one ``DecodeGroup``
         in order (every sequence one token, KV lengths in one key block), its K/V already in
         the cache: ``group_attention`` (the torch backend's decode arithmetic), then
         ``after_attention``; tensors only, so that one compiled graph holds it."""
         flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-        out = group_attention(q, flat, slots, padding, self.self_attn.scale)
+        out = group_attention(q, flat, head_slots, padding, self.self_attn.scale)
         return self.after_attention(out.reshape(q.shape[0], -1), residual)
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,21 +376,22 @@ class LlamaModel(nn.Module):
         if self.compiled_step is not None and x.shape[0] <= COMPILED_MAX_ROWS:
             group = one_decode_group(meta, x.shape[0])
             if group is not None:
-                return self.compiled_step(self, x, *cos_sin, kv_caches, meta.slot_mapping, group.slots, group.padding)
+                return self.compiled_step(self, x, *cos_sin, kv_caches, meta.slot_mapping,
+                                          group.head_slots(kv_caches[0].shape[-2], x.device), group.padding)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos_sin, meta, kv_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def decode_group_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-                          slot_mapping: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, head_slots: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         """``forward`` from the embeddings ``x`` on for a decode step whose rows are one
-        ``DecodeGroup`` in order (``one_decode_group``: its ``slots`` and ``padding``), tensors
+        ``DecodeGroup`` in order (``one_decode_group``: its ``head_slots`` and ``padding``), tensors
         only: ``use_compile`` runs it as one graph, so that a step pays for one call and one
         guard check instead of two a layer."""
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.decode_in_group(x, residual, cos, sin, kv_cache, slot_mapping, slots, padding)
+            x, residual = layer.decode_in_group(x, residual, cos, sin, kv_cache, slot_mapping, head_slots, padding)
         return self.norm(x, residual)[0]
 
 
