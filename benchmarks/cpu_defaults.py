@@ -32,6 +32,7 @@ missing is skipped and its column left empty.
     python benchmarks/cpu_defaults.py --install       # first pip-install the references
     python benchmarks/cpu_defaults.py --skip-whisper --runs 3
     python benchmarks/cpu_defaults.py --skip-smollm2 --whisper-quantization none int8
+    python benchmarks/cpu_defaults.py --skip-whisper --llama-cpp-python /tmp/llvenv/bin/python  # llama.cpp elsewhere
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def run_llama_cpp(args: argparse.Namespace, gguf_path: str) -> dict[str, Any]:
     """llama.cpp's figures, from ``llama_cpp_reference.py`` in a process without torch."""
     settings = {"runs": args.runs, "tokens": args.tokens, "concurrency": args.concurrency,
                 "text_tokens": args.text_tokens}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_reference.py")), str(gguf_path),
+    python = args.llama_cpp_python or sys.executable
+    done = subprocess.run([python, str(Path(__file__).with_name("llama_cpp_reference.py")), str(gguf_path),
                            json.dumps(settings)], stdout=subprocess.PIPE, check=True, text=True)
     return json.loads(done.stdout)
 
@@ -263,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs of our smollm2 deployment (YAML/JSON), e.g. '{quantization: none}'")
     p.add_argument("--whisper-quantization", nargs="+", choices=("none", "int8", "w8a8"), default=["none"],
                    help="model_kwargs.quantization of our whisper_base, one deployment per mode")
+    p.add_argument("--llama-cpp-python", default=None,
+                   help="an interpreter whose environment has llama-cpp-python, to run llama.cpp (default: this one)")
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--skip-whisper", action="store_true")
     p.add_argument("--skip-references", action="store_true", help="time ours only")
@@ -280,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     have = {name: importlib.util.find_spec(module) is not None and not args.skip_references
             for name, module in (("llama.cpp", "llama_cpp"), ("ctranslate2", "ctranslate2"))}
+    have["llama.cpp"] = have["llama.cpp"] or (args.llama_cpp_python is not None and not args.skip_references)
     for name, present in have.items():
         if not present and not args.skip_references:
             log.warning("%s is not installed: its column stays empty (pip install -e '.[bench]')", name)
