@@ -9,7 +9,6 @@ import math
 import struct
 from collections.abc import AsyncIterator
 
-from conftest import FakeBackend
 from PIL import Image
 
 from mstar.contract import (
@@ -24,6 +23,7 @@ from mstar.contract import (
     TranscriptionSegment,
     TranscriptionSpec,
 )
+from tests.support.fake_backend import FakeBackend
 
 
 def _png() -> bytes:

@@ -9,10 +9,10 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import MODEL, FakeBackend, LiveServer, wait_until
 from fastapi.testclient import TestClient
 
 from mstar.server.app import create_app
+from tests.support.fake_backend import MODEL, FakeBackend, LiveServer, wait_until
 
 
 def _user(text: str) -> list[dict]:

@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import MODEL, FakeBackend, LiveServer
 from fastapi.testclient import TestClient
 
 from mstar.audio.io import decode_audio, encode_wav
@@ -26,6 +25,7 @@ from mstar.contract import (
 )
 from mstar.server.app import create_app
 from mstar.server.audio_routes import MAX_UPLOAD_BYTES
+from tests.support.fake_backend import MODEL, FakeBackend, LiveServer
 
 SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech_en.wav"
 

@@ -19,7 +19,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import openai
 import pytest
-from conftest import MODEL, FakeBackend, LiveServer
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -31,6 +30,7 @@ from mstar.server import bodies as bodies_module
 from mstar.server import chat_routes
 from mstar.server.app import create_app
 from mstar.server.chat_routes import input_modalities
+from tests.support.fake_backend import MODEL, FakeBackend, LiveServer
 
 
 def _png(colour: tuple[int, int, int] = (200, 10, 10)) -> bytes:

@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL, FakeBackend, LiveServer, wait_until
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -26,6 +25,7 @@ from mstar.client import MStarClient, MStarError
 from mstar.contract import ImageSpec, RequestError
 from mstar.server import image_routes
 from mstar.server.app import create_app
+from tests.support.fake_backend import MODEL, FakeBackend, LiveServer, wait_until
 
 
 class FakeImager(FakeBackend):

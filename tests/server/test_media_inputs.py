@@ -12,11 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import FakeBackend, LiveServer
 from fastapi.testclient import TestClient
 
 from mstar.server import generate_routes as generate_module
 from mstar.server.app import create_app
+from tests.support.fake_backend import FakeBackend, LiveServer
 
 CLIP = b"RIFF\x24\x00\x00\x00WAVEfmt "
 

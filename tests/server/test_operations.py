@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
-from conftest import MODEL, FakeBackend
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.contract import ChatSpec, OutputEvent, Overloaded
 from mstar.server.app import create_app
+from tests.support.fake_backend import MODEL, FakeBackend
 
 GAUGES = {"requests_waiting": 2.0, "requests_running": 5.0, "rank0.llm.kv_pages_used": 7.0,
           "rank0.llm.kv_pages_total": 64.0, "rank1.talker.kv_pages_used": 0.0, "rank1.talker.kv_pages_total": 32.0}

@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import FakeBackend
 from fastapi.testclient import TestClient
 
 from mstar.server.app import create_app
 from mstar.server.playground_routes import FILES
+from tests.support.fake_backend import FakeBackend
 
 KEY = "sekret"
 

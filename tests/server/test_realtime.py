@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 import websockets
-from conftest import LiveServer, wait_until
 from openai import AsyncOpenAI
 from openai.types.realtime import RealtimeServerEvent
 from pydantic import TypeAdapter
@@ -31,6 +30,7 @@ from scipy.signal import resample_poly
 from mstar.client import MStarClient, MStarError
 from mstar.contract import ChatSpec, OutputEvent, Transcription, TranscriptionSpec
 from mstar.server.app import create_app
+from tests.support.fake_backend import LiveServer, wait_until
 
 MODEL = "fake-voice"
 KEY = "sk-realtime-test"

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MODEL, FakeBackend, LiveServer, wait_until
 
 from mstar import MStarClient as LazyClient
 from mstar.client import ChatEvent, MStarClient, MStarError
 from mstar.server.app import create_app
+from tests.support.fake_backend import MODEL, FakeBackend, LiveServer, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-from conftest import MODEL, FakeBackend, LiveServer, wait_until
 
 from mstar.audio.encode import mp3_supported
 from mstar.client import MStarClient, MStarError, SpeechResult, SpeechStream
 from mstar.contract import GenerateSpec, OutputEvent, RequestError, SpeechSpec
 from mstar.server.app import create_app
+from tests.support.fake_backend import MODEL, FakeBackend, LiveServer, wait_until
 
 RATE = 24000
 SINE = (0.5 * np.sin(2 * np.pi * 440 * np.arange(RATE // 2) / RATE)).astype(np.float32)
