@@ -97,6 +97,7 @@ class GenerateEvent:
     usage: dict[str, int] | None = None
     raw: dict = field(default_factory=dict)
     sample_rate: int | None = None  # of audio ``data`` (float32 mono)
+    progress: tuple[int, int] | None = None  # modality "progress": denoising step k of n done
 
 
 def _decode_data(encoded: str | list[str]) -> bytes | list[bytes]:
@@ -401,6 +402,7 @@ class MStarClient(SpeechMixin, ImagesMixin, VideosMixin, RealtimeMixin):
                     usage=item.get("usage"),
                     raw=item,
                     sample_rate=item.get("sample_rate"),
+                    progress=(item["step"], item["total"]) if item.get("modality") == "progress" else None,
                 )
         except httpx.TransportError as exc:
             raise MStarError(0, f"the stream broke off: {exc}") from exc

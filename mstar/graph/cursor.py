@@ -30,10 +30,13 @@ class LoopContext:
     def loop_exits(self, loop: Loop, iteration: int) -> bool:
         if loop.until is not None and loop.until in self.flags:
             return True
-        limit = loop.max_iters
-        if isinstance(limit, str):
-            limit = int(self.params[limit])
+        limit = self.limit(loop)
         return limit is not None and iteration >= limit
+
+    def limit(self, loop: Loop) -> int | None:
+        """The loop's ``max_iters`` for this request (a number, or a walk parameter's value)."""
+        limit = loop.max_iters
+        return int(self.params[limit]) if isinstance(limit, str) else limit
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,35 @@ def ready(section: Section, cursor: Any, iteration: int = 0) -> list[ReadyStep]:
     if isinstance(section, Loop):
         _, it, child = cursor
         return ready(section.body, child, it)
+    raise TypeError(f"not a walk section: {section!r}")
+
+
+def has_progress(section: Section) -> bool:
+    """Whether ``section`` holds a Loop that reports its progress."""
+    if isinstance(section, Loop):
+        return section.progress or has_progress(section.body)
+    if isinstance(section, Sequential):
+        return any(has_progress(part) for part in section.parts)
+    if isinstance(section, Parallel):
+        return any(has_progress(branch) for branch in section.branches)
+    return False
+
+
+def progress(section: Section, cursor: Any, ctx: LoopContext) -> tuple[int, int] | None:
+    """``(iteration, limit)`` of the first Loop with ``progress`` that the cursor is inside
+    (None when it is in none): the iterations it has finished and how many it may run."""
+    if cursor in (DONE, PENDING, RUNNING) or isinstance(section, Step):
+        return None
+    if isinstance(section, Sequential):
+        _, index, child = cursor
+        return progress(section.parts[index], child, ctx)
+    if isinstance(section, Parallel):
+        return next((p for b, c in zip(section.branches, cursor[1]) if (p := progress(b, c, ctx))), None)
+    if isinstance(section, Loop):
+        _, it, child = cursor
+        if section.progress:
+            return it, ctx.limit(section) or 0
+        return progress(section.body, child, ctx)
     raise TypeError(f"not a walk section: {section!r}")
 
 

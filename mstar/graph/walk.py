@@ -36,11 +36,19 @@ class Loop:
     ``max_iters`` is a number or the name of a per-request walk parameter (e.g. the
     decode budget of a chat request). The flag is checked before every iteration,
     including the first, so a request already done (EOS at prefill) skips the loop.
+
+    ``progress``: each finished iteration is reported to the request's client as "step k
+    of n" (a denoising loop, whose output comes only at its end); it needs ``max_iters``.
     """
 
     body: Section
     until: str | None = None
     max_iters: int | str | None = None
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.progress and self.max_iters is None:
+            raise ValueError("a Loop that reports progress needs max_iters (the n of 'step k of n')")
 
 
 @dataclass(frozen=True, eq=False)

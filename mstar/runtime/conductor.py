@@ -69,10 +69,20 @@ class _Live:
     profile: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """A request finished iteration ``done`` of the ``total`` of a Loop that reports progress."""
+
+    request_id: str
+    done: int
+    total: int
+
+
 @dataclass
 class Decisions:
     plans: dict[int, StepPlan] = field(default_factory=dict)
     finished: list[Finished] = field(default_factory=list)
+    progress: list[Progress] = field(default_factory=list)
 
 
 class AdmissionError(ValueError):
@@ -103,9 +113,11 @@ class Conductor:
         self.failed_ranks: dict[int, str] = {}
         self._plan_ids = 0
         self._ended: list[Finished] = []
+        self._progress: list[Progress] = []
         # Per-step constants, computed once: walk -> step name -> its steps; (step, rank) ->
         # where its outputs go and which of them stream to the client.
         self._steps_named = {name: _steps_by_name(walk) for name, walk in graph.walks.items()}
+        self._reports_progress = {name for name, walk in graph.walks.items() if walk_cursor.has_progress(walk.body)}
         self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
 
     # ----------------------------------------------------------------- events
@@ -224,8 +236,8 @@ class Conductor:
                     ref = stream.take(chunk)
                     items[rank].append(self._dispatch(live, stream.edge.into, chunk.index, rank, routes, ref))
             self._check_done(live)
-        decisions = Decisions(finished=self._ended)
-        self._ended = []
+        decisions = Decisions(finished=self._ended, progress=self._progress)
+        self._ended, self._progress = [], []
         self.pacing_wait = None
         for rank in self.ranks:
             if rank in self.busy or rank in self.failed_ranks:
@@ -326,7 +338,12 @@ class Conductor:
             live.flags = live.flags | frozenset(item.flags)
         if all(stream.edge.into is not step for stream in live.streams):
             ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
+            before = walk_cursor.progress(walk.body, live.cursor, ctx) if walk.name in self._reports_progress else None
             live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
+            if before is not None:  # an iteration ended when the loop moved on (or was left)
+                after = walk_cursor.progress(walk.body, live.cursor, ctx)
+                if after is None or after[0] != before[0]:
+                    self._progress.append(Progress(live.spec.request_id, before[0] + 1, before[1]))
         self._check_done(live)
 
     def _requeue(self, live: _Live, step: Step) -> None:

@@ -24,7 +24,7 @@ import torch
 from mstar.contract import OutputEvent, RequestError
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.admission import AdmissionGate
-from mstar.runtime.conductor import AdmissionError, Conductor, Finished, RequestSpec
+from mstar.runtime.conductor import AdmissionError, Conductor, Finished, Progress, RequestSpec
 from mstar.runtime.placement import Placement, Routes
 from mstar.runtime.protocol import (
     StepResult,
@@ -37,6 +37,8 @@ from mstar.runtime.protocol import (
 from mstar.runtime.worker import RELEASED_REMEMBERED
 
 log = logging.getLogger(__name__)
+
+PROGRESS_LOG_S = 10.0  # a long request's progress is logged at most this often (and at its first and last step)
 
 Sink = Callable[[OutputEvent | None], None]  # receives events; None closes the stream
 
@@ -63,6 +65,7 @@ class _Tracked:
     held: dict[int, tuple[str, object]] = field(default_factory=dict)
     steps: dict[str, dict[str, int]] = field(default_factory=dict)
     delivering: threading.Lock = field(default_factory=threading.Lock)  # one thread delivers at a time
+    progress_logged: float = 0.0  # when its progress was last logged (monotonic)
 
 
 class Runtime:
@@ -211,6 +214,8 @@ class Runtime:
                 # this tick's plans, not the next one's; a submission also ends that wait.
                 self._drain_commands(block=False)
                 decisions = self.conductor.tick(time.monotonic())
+                for progress in decisions.progress:
+                    self._report_progress(progress)
                 for rank, plan in decisions.plans.items():
                     self._expect_emits(plan)
                     self.workers.send(rank, plan)
@@ -443,6 +448,25 @@ class Runtime:
             self._close(request_id, tracked, reason="stop" if event is None or event.error is None else "error")
         elif complete:
             self._close(request_id, tracked)
+
+    def _report_progress(self, progress: Progress) -> None:
+        """A Loop iteration that reports progress ended: the client gets a "progress" event
+        (step k of n); the log gets a line at the first and last step and every
+        ``PROGRESS_LOG_S`` between (the conductor thread; emits go their own way)."""
+        tracked = self.tracked.get(progress.request_id)
+        if tracked is None:
+            return
+        event = OutputEvent(modality="progress", progress=(progress.done, progress.total),
+                            prompt_tokens=tracked.prompt_tokens)
+        with tracked.lock:
+            if tracked.closed:
+                return
+            tracked.sink(event)
+        now = time.monotonic()
+        if progress.done in (1, progress.total) or now - tracked.progress_logged >= PROGRESS_LOG_S:
+            tracked.progress_logged = now
+            log.info("request %s: step %d of %d", tracked.client_id or progress.request_id, progress.done,
+                     progress.total)
 
     def _close(self, request_id: str, tracked: _Tracked, reason: str | None = None) -> None:
         with tracked.lock:

@@ -140,7 +140,8 @@ async def _generate_ndjson(
     request_id: str, first: OutputEvent | None, events: Events, sample_rate: int | None = None
 ) -> AsyncIterator[str]:
     """One JSON line per event; the last line carries finish_reason and usage. Binary
-    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one."""
+    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one. A
+    denoising model's progress comes as ``{"modality": "progress", "step": k, "total": n}``."""
     tally = Tally()
 
     def line(**payload: Any) -> str:
@@ -149,6 +150,9 @@ async def _generate_ndjson(
     try:
         async with aclosing(walk_events(first, events, tally)) as walk:
             async for event in walk:
+                if event.progress is not None:  # step k of n of a long loop (denoising)
+                    yield line(modality="progress", step=event.progress[0], total=event.progress[1])
+                    continue
                 payload: dict[str, Any] = {
                     "modality": event.modality,
                     "text": event.text,

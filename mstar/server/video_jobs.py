@@ -7,7 +7,8 @@ spritesheets are a 400), ``GET /v1/videos`` lists jobs newest first with OpenAI'
 (``after``, ``limit``, ``order``; ``has_more``, ``last_id``) and ``DELETE /v1/videos/{id}``
 forgets one, cancelling it if it still runs (which closes its backend stream, so the runtime
 frees the request's slot and state as on a client disconnect). The job's ``status`` is queued,
-then in_progress (handed to the backend), then completed or failed; ``progress`` is 0 until done.
+then in_progress (handed to the backend), then completed or failed; ``progress`` follows the
+denoising steps (99 at most until the mp4 exists, then 100).
 
 Jobs run as tasks on the server's event loop and live in a bounded in-memory store
 (``VideoJobOptions``: ``max_jobs``, ``ttl_s``): a finished job is dropped ``ttl_s`` after it
@@ -21,6 +22,7 @@ job fails with ``error.code`` "invalid_request" and a message naming the body's 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -195,7 +197,7 @@ async def create_video(request: Request) -> Response:
 async def _run(backend: Any, jobs: VideoJobs, job: Job, spec: GenerateSpec, renames: dict[str, str]) -> None:
     job.status = "in_progress"  # handed to the backend (which may still queue it)
     try:
-        frames = await run_video(backend, spec, renames)
+        frames = await run_video(backend, spec, renames, on_progress=functools.partial(_progressed, job))
         job.mp4 = await anyio.to_thread.run_sync(encode_mp4, frames, spec.model_kwargs["fps"])
         job.progress = 100
         jobs.finish(job, "completed")
@@ -209,6 +211,12 @@ async def _run(backend: Any, jobs: VideoJobs, job: Job, spec: GenerateSpec, rena
         log.warning("video job %s failed: %s", job.id, exc)
         job.error = {"code": "generation_failed", "message": str(exc) or type(exc).__name__}
         jobs.finish(job, "failed")
+
+
+def _progressed(job: Job, done: int, total: int) -> None:
+    """Denoising step ``done`` of ``total`` ended: the job's percentage (99 at most until the
+    mp4 is made: decoding and encoding come after the last step)."""
+    job.progress = min(99, 100 * done // max(1, total))
 
 
 async def retrieve_video(request: Request, video_id: str) -> Response:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -30,7 +32,7 @@ from mstar.server.bodies import fetch_all
 from mstar.server.errors import APIError, exception_response, validation_error_response
 from mstar.server.schemas import json_body_openapi, new_id, now
 from mstar.server.served import backend_of, resolve_model
-from mstar.server.streaming import collect_events, start_events, unless_disconnected
+from mstar.server.streaming import Tally, start_events, unless_disconnected, walk_events
 
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -115,15 +117,20 @@ def png_frames(frames: np.ndarray) -> list[bytes]:
     return out
 
 
-async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str],
-                    request: Request | None = None) -> np.ndarray:
-    """The spec's frames ``[F, H, W, 3]``; a family refusal is re-raised under the body's field."""
+async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str], request: Request | None = None,
+                    on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """The spec's frames ``[F, H, W, 3]``; a family refusal is re-raised under the body's field.
+    ``on_progress(k, n)`` hears each denoising step's end."""
     try:
         first, events = await start_events(lambda: backend.generate(spec), request)
     except RequestError as exc:
         field = renames.get(exc.field, exc.field)
         raise RequestError(field, exc.message, exc.status) from None
-    out = await collect_events(first, events)
+    out = Tally()
+    async with aclosing(walk_events(first, events, out)) as walk:
+        async for event in walk:
+            if event.progress is not None and on_progress is not None:
+                on_progress(*event.progress)
     data = bytes(out.data.get("video", b""))
     kwargs = spec.model_kwargs
     return frames_of(data, kwargs.get("width", 1280), kwargs.get("height", 704))

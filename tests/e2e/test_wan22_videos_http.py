@@ -169,3 +169,17 @@ def test_sdk_generate_video(server: Uvicorn, tmp_path: Path) -> None:
                                       image=png(40, 50))
     frames, rate = decode_mp4(video.save(tmp_path / "cat.mp4").read_bytes())
     assert frames.shape == (5, HEIGHT, WIDTH, 3) and rate == 8
+
+
+def test_generate_streams_progress_then_the_video(server: Uvicorn) -> None:
+    """/generate's NDJSON: one progress line a denoising step, in order, before the frames."""
+    kwargs = {"width": WIDTH, "height": HEIGHT, "num_frames": 5, "num_inference_steps": 3, "seed": 1}
+    with MStarClient(server.url, timeout=120) as client:
+        events = list(client.generate("a cat walks", output_modalities=["video"], model_kwargs=kwargs, stream=True))
+    progress = [e.progress for e in events if e.modality == "progress"]
+    assert progress == [(1, 3), (2, 3), (3, 3)]
+    kinds = [e.modality for e in events if e.data is not None or e.progress is not None]
+    assert kinds == ["progress"] * 3 + ["video"]
+    video = b"".join(e.data for e in events if e.modality == "video" and e.data)
+    assert len(video) == 5 * HEIGHT * WIDTH * 3
+    assert events[-1].finish_reason == "stop"

@@ -101,6 +101,7 @@ class Rig:
         self.items: dict[str, list[WorkItem]] = {}  # every item dispatched, per request
         self.plans: list[tuple[int, StepPlan]] = []  # every plan sent
         self.release_only: list[StepResult] = []  # answers owed for plans without items
+        self.progress: list[tuple[str, int, int]] = []  # every progress report, in order
 
     # ------------------------------------------------------------------ events
     def submit(self, rid: str, walk: str = "chat", *, cost: dict[str, int] | None = None,
@@ -142,6 +143,7 @@ class Rig:
             self.now = now
         queued = [w.request_id for w in self.c.waiting]
         d = self.c.tick(self.now)
+        self.progress += [(p.request_id, p.done, p.total) for p in d.progress]
         for done in d.finished:
             self._finished(done)
         # Admitted this tick: left the queue without timing out there (a request admitted

@@ -101,7 +101,7 @@ class Flux2KleinBase(Flux2Klein):
             encoders.append(Step("vae", "encode", reads="reference_pixels", writes="references"))
         return Walk(GUIDED_WALKS[plain.name], Sequential(
             Parallel(*encoders),
-            Loop(denoise, max_iters="num_steps"),
+            Loop(denoise, max_iters="num_steps", progress=True),
             Step("vae", "decode", reads="latents", writes="image", emit=Emit("image", "image")),
         ), inputs=(*plain.inputs, "negative_ids", "negative_mask"))
 

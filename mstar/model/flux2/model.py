@@ -57,13 +57,14 @@ class Flux2Klein(ModelSpec):
 
         t2i = Walk("t2i", Sequential(
             encode_text(),
-            Loop(Step("dit", "step", reads=("latents", "text"), writes="latents"), max_iters="num_steps"),
+            Loop(Step("dit", "step", reads=("latents", "text"), writes="latents"), max_iters="num_steps",
+                 progress=True),
             decode(),
         ), inputs=("prompt_ids", "prompt_mask", "latents"))
         edit = Walk("edit", Sequential(
             Parallel(encode_text(), Step("vae", "encode", reads="reference_pixels", writes="references")),
             Loop(Step("dit", "step", reads=("latents", "text", "references"), writes="latents"),
-                 max_iters="num_steps"),
+                 max_iters="num_steps", progress=True),
             decode(),
         ), inputs=("prompt_ids", "prompt_mask", "latents", "reference_pixels"))
         return Graph.build([text_encoder, dit, vae], [t2i, edit])

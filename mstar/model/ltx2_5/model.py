@@ -117,7 +117,7 @@ class Ltx25(ModelSpec):
         return Walk("t2av" if audio else "t2v", Sequential(
             Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes=("text", "audio_text")),
             Loop(Step("dit", "step", reads=("video", "audio", "text", "audio_text"), writes=("video", "audio")),
-                 max_iters="num_steps"),
+                 max_iters="num_steps", progress=True),
             *decode,
         ), inputs=("prompt_ids", "prompt_mask", "video", "audio"))
 

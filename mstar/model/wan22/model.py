@@ -161,7 +161,7 @@ class Wan22(ModelSpec):
         name = ("i2v" if i2v else "t2v") + ("_guided" if guided else "")
         return Walk(name, Sequential(
             Parallel(*encoders) if len(encoders) > 1 else encoders[0],
-            Loop(self._denoise(i2v, guided), max_iters="num_steps"),
+            Loop(self._denoise(i2v, guided), max_iters="num_steps", progress=True),
             Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")),
         ), inputs=tuple(inputs))
 

@@ -42,7 +42,8 @@ class ZImageTurbo(ModelSpec):
         vae = Node("vae", "stateless", inputs=("latents",), outputs=("image",), ops=("decode",))
         t2i = Walk("t2i", Sequential(
             Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes="text"),
-            Loop(Step("dit", "step", reads=("latents", "text"), writes="latents"), max_iters="num_steps"),
+            Loop(Step("dit", "step", reads=("latents", "text"), writes="latents"), max_iters="num_steps",
+                 progress=True),
             Step("vae", "decode", reads="latents", writes="image", emit=Emit("image", "image")),
         ), inputs=("prompt_ids", "prompt_mask", "latents"))
         return Graph.build([text_encoder, dit, vae], [t2i])
