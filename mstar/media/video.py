@@ -1,4 +1,4 @@
-"""Video containers: uint8 RGB frames -> an H.264 mp4, written with PyAV (``av``, the ``wan22``
+"""Video containers: uint8 RGB frames (and a soundtrack: AAC) -> an H.264 mp4, written with PyAV (``av``, the ``wan22``
 extra), which carries its own FFmpeg libraries, so no ``ffmpeg`` binary is needed.
 
 The stream is yuv420p (what every player decodes), so width and height must be even; the
@@ -27,30 +27,66 @@ def _av():
     return av
 
 
-def encode_mp4(frames: np.ndarray, fps: float = 24, crf: int = 18) -> bytes:
-    """``uint8 [F, H, W, 3]`` RGB frames -> the bytes of an H.264 mp4 at ``fps`` frames a second."""
+def encode_mp4(frames: np.ndarray, fps: float = 24, crf: int = 18, audio: np.ndarray | None = None,
+               sample_rate: int = 48000) -> bytes:
+    """``uint8 [F, H, W, 3]`` RGB frames -> the bytes of an H.264 mp4 at ``fps`` frames a second.
+    ``audio``: a soundtrack beside it, float ``[channels, samples]`` in [-1, 1] at
+    ``sample_rate`` (AAC, 1 or 2 channels)."""
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or not len(frames):
         raise ValueError(f"frames must be uint8 [F, H, W, 3] with F >= 1, got {frames.dtype} {frames.shape}")
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:
         raise ValueError(f"H.264 (yuv420p) needs an even width and height, got {width}x{height}")
+    if audio is not None and (audio.ndim != 2 or audio.shape[0] not in (1, 2)):
+        raise ValueError(f"audio must be [channels, samples] with 1 or 2 channels, got {audio.shape}")
     av = _av()
     # A file, not a BytesIO: +faststart rewrites the finished file by name
     with tempfile.TemporaryDirectory(prefix="mstar-mp4-") as folder:
         path = Path(folder) / "video.mp4"
-        _write(av, path, frames, fps, crf)
+        _write(av, path, frames, fps, crf, audio, sample_rate)
         return path.read_bytes()
 
 
-def _write(av, path: Path, frames: np.ndarray, fps: float, crf: int) -> None:
+def _write(av, path: Path, frames: np.ndarray, fps: float, crf: int, audio: np.ndarray | None,
+           sample_rate: int) -> None:
     _, height, width, _ = frames.shape
     with av.open(str(path), "w", format="mp4", options={"movflags": "+faststart"}) as container:
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": str(crf)}
+        sound = None
+        if audio is not None:
+            sound = container.add_stream("aac", rate=sample_rate, layout="stereo" if len(audio) == 2 else "mono")
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())  # flush the encoder's delayed frames
+        if sound is not None:
+            _write_audio(av, container, sound, audio, sample_rate)
+
+
+AAC_FRAME = 1024  # samples per AAC frame
+
+
+def _write_audio(av, container, sound, audio: np.ndarray, sample_rate: int) -> None:
+    """``audio [channels, samples]`` as AAC frames (planar float32, what FFmpeg's encoder takes)."""
+    planar = np.ascontiguousarray(np.clip(audio, -1, 1), dtype=np.float32)
+    layout = "stereo" if len(planar) == 2 else "mono"
+    for start in range(0, planar.shape[1], AAC_FRAME):
+        piece = np.ascontiguousarray(planar[:, start:start + AAC_FRAME])
+        frame = av.AudioFrame.from_ndarray(piece, format="fltp", layout=layout)
+        frame.sample_rate, frame.pts = sample_rate, start
+        container.mux(sound.encode(frame))
+    container.mux(sound.encode())  # flush
+
+
+def decode_mp4_audio(data: bytes) -> tuple[np.ndarray, int]:
+    """An mp4's first audio stream as float32 ``[channels, samples]`` and its sample rate."""
+    av = _av()
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        pieces = [f.to_ndarray() for f in container.decode(stream)]  # fltp: [channels, n]
+        rate = int(stream.rate)
+    return np.concatenate(pieces, axis=1), rate
 
 
 def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:

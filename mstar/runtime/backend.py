@@ -98,6 +98,24 @@ class RuntimeBackend(OnRuntime):
 
         return list(await asyncio.gather(*[one(i) for i in range(spec.n)]))
 
+    # ---------------------------------------------------------------- video
+    @property
+    def video_frame_step(self) -> int:
+        """Frame counts the model makes are ``k * step + 1`` (the video VAE's time stride)."""
+        return int(getattr(self.spec, "video_frame_step", 1))
+
+    @property
+    def video_knobs(self) -> type | None:
+        """The request knobs (a ``RequestKnobs`` class) of the model's videos: the
+        ``model_kwargs`` it takes and their defaults; None for a model that makes none."""
+        return getattr(self.spec, "video_knobs", None)
+
+    @property
+    def video_soundtrack(self) -> tuple[int, int] | None:
+        """``(sample_rate, channels)`` of the audio a video model makes with its frames (its
+        "audio" output: interleaved 16-bit PCM), None when it makes none."""
+        return getattr(self.spec, "video_soundtrack", None)
+
     # ------------------------------------------------------------ speech out
     @property
     def sample_rate(self) -> int:

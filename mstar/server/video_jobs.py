@@ -35,13 +35,12 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from mstar.contract import GenerateSpec, RequestError
-from mstar.media.video import encode_mp4
 from mstar.server.bodies import capped_form
 from mstar.server.errors import APIError, exception_response, validation_error_response
 from mstar.server.options import VideoJobOptions
 from mstar.server.schemas import form_body_openapi, new_id
 from mstar.server.served import backend_of, resolve_model
-from mstar.server.video_routes import MAX_IMAGE_BYTES, TASK, VideoRequest, model_kwargs_of, run_video
+from mstar.server.video_routes import MAX_IMAGE_BYTES, TASK, VideoRequest, model_kwargs_of, run_video, video_spec
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +175,12 @@ async def create_video(request: Request) -> Response:
         return exception_response(exc)
     try:
         model = resolve_model(request, req.model, TASK)
-        kwargs, renames = model_kwargs_of(req)
+        backend = backend_of(request)
+        kwargs, renames = model_kwargs_of(req, backend)
         renames["files"] = renames["image"] = "input_reference"
     except Exception as exc:
         return exception_response(exc)
-    spec = GenerateSpec(request_id=new_id("video"), text=req.prompt, files=[("input_reference", image)] if image
-                        else [], output_modalities=["video"], model_kwargs=kwargs)
+    spec = video_spec(backend, new_id("video"), req.prompt, [("input_reference", image)] if image else [], kwargs)
     job = Job(id=spec.request_id, created_at=int(time.time()), model=model, prompt=req.prompt,
               size=req.size or f"{kwargs.get('width', 1280)}x{kwargs.get('height', 704)}",
               seconds=f"{kwargs.get('num_frames', 81) / kwargs['fps']:g}")
@@ -190,18 +189,18 @@ async def create_video(request: Request) -> Response:
         jobs.admit(job)
     except Exception as exc:
         return exception_response(exc)
-    job.task = asyncio.create_task(_run(backend_of(request), jobs, job, spec, renames))
+    job.task = asyncio.create_task(_run(backend, jobs, job, spec, renames))
     return JSONResponse(job.body())
 
 
 async def _run(backend: Any, jobs: VideoJobs, job: Job, spec: GenerateSpec, renames: dict[str, str]) -> None:
     job.status = "in_progress"  # handed to the backend (which may still queue it)
     try:
-        frames = await run_video(backend, spec, renames, on_progress=functools.partial(_progressed, job))
-        job.mp4 = await anyio.to_thread.run_sync(encode_mp4, frames, spec.model_kwargs["fps"])
+        video = await run_video(backend, spec, renames, on_progress=functools.partial(_progressed, job))
+        job.mp4 = await anyio.to_thread.run_sync(video.mp4, spec.model_kwargs["fps"])
         job.progress = 100
         jobs.finish(job, "completed")
-        log.info("video job %s completed (%d frames)", job.id, len(frames))
+        log.info("video job %s completed (%d frames)", job.id, len(video.frames))
     except asyncio.CancelledError:
         raise
     except RequestError as exc:  # the family refused it: the field is the body's (see run_video)

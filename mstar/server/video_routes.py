@@ -18,6 +18,7 @@ import base64
 import io
 from collections.abc import Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -62,9 +63,10 @@ class VideoRequest(BaseModel):
     user: str | None = None
 
 
-def frames_for(seconds: float, fps: int) -> int:
-    """``seconds`` at ``fps`` as a frame count of the form 4k + 1, the nearest one (ties up)."""
-    return FRAME_STEP * int(np.floor((seconds * fps - 1) / FRAME_STEP + 0.5)) + 1 if seconds * fps > 1 else 1
+def frames_for(seconds: float, fps: int, step: int = FRAME_STEP) -> int:
+    """``seconds`` at ``fps`` as a frame count of the form ``step * k + 1`` (the model's: 4 for
+    Wan2.2, 8 for LTX-2.5), the nearest one (ties up)."""
+    return step * int(np.floor((seconds * fps - 1) / step + 0.5)) + 1 if seconds * fps > 1 else 1
 
 
 def parse_video_size(size: str) -> tuple[int, int]:
@@ -74,8 +76,10 @@ def parse_video_size(size: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def model_kwargs_of(req: VideoRequest) -> tuple[dict[str, Any], dict[str, str]]:
-    """The family's ``model_kwargs`` for ``req``, and the family's field names -> the body's."""
+def model_kwargs_of(req: VideoRequest, backend: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The family's ``model_kwargs`` for ``req`` on ``backend`` (its frame step and default
+    size and length, where it says them), and the family's field names -> the body's."""
+    frame_step = getattr(backend, "video_frame_step", FRAME_STEP)
     fps = req.fps or DEFAULT_FPS
     kwargs: dict[str, Any] = {"fps": fps}
     renames = {"width": "size", "height": "size", "files": "image", "output_modalities": "model"}
@@ -88,13 +92,20 @@ def model_kwargs_of(req: VideoRequest) -> tuple[dict[str, Any], dict[str, str]]:
     if req.num_frames is not None:
         kwargs["num_frames"] = req.num_frames
     elif req.seconds is not None:
-        kwargs["num_frames"] = frames_for(req.seconds, fps)
+        kwargs["num_frames"] = frames_for(req.seconds, fps, frame_step)
         renames["num_frames"] = "seconds"
     for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt"):
         if (value := getattr(req, name)) is not None:
             kwargs[name] = value
     if req.response_format not in RESPONSE_FORMATS:
         raise RequestError("response_format", f"must be one of {', '.join(RESPONSE_FORMATS)}")
+    knobs = getattr(backend, "video_knobs", None)
+    if knobs is not None:  # the model's own defaults, and a 400 for a field it does not take
+        for name in ("width", "height", "num_frames"):
+            kwargs.setdefault(name, knobs.model_fields[name].default)
+        for name in kwargs:
+            if name not in knobs.model_fields:
+                raise RequestError(renames.get(name, name), f"model {backend.model_id!r} does not take it")
     return kwargs, renames
 
 
@@ -117,10 +128,30 @@ def png_frames(frames: np.ndarray) -> list[bytes]:
     return out
 
 
+@dataclass
+class Video:
+    """A video model's output: ``frames`` ``uint8 [F, H, W, 3]`` and, from a model that makes
+    sound with them, ``audio`` float32 ``[channels, samples]`` at ``sample_rate``."""
+
+    frames: np.ndarray
+    audio: np.ndarray | None = None
+    sample_rate: int = 0
+
+    def mp4(self, fps: float) -> bytes:
+        return encode_mp4(self.frames, fps, audio=self.audio, sample_rate=self.sample_rate or 48000)
+
+
+def video_spec(backend: Any, request_id: str, prompt: str, files: list, kwargs: dict[str, Any]) -> GenerateSpec:
+    """The ``/generate`` request of a video route: video, and audio where the model makes it."""
+    modalities = ["video", "audio"] if getattr(backend, "video_soundtrack", None) else ["video"]
+    return GenerateSpec(request_id=request_id, text=prompt, files=files, output_modalities=modalities,
+                        model_kwargs=kwargs)
+
+
 async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str], request: Request | None = None,
-                    on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-    """The spec's frames ``[F, H, W, 3]``; a family refusal is re-raised under the body's field.
-    ``on_progress(k, n)`` hears each denoising step's end."""
+                    on_progress: Callable[[int, int], None] | None = None) -> Video:
+    """The spec's video; a family refusal is re-raised under the body's field. ``on_progress(k,
+    n)`` hears each denoising step's end."""
     try:
         first, events = await start_events(lambda: backend.generate(spec), request)
     except RequestError as exc:
@@ -131,9 +162,14 @@ async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str], r
         async for event in walk:
             if event.progress is not None and on_progress is not None:
                 on_progress(*event.progress)
-    data = bytes(out.data.get("video", b""))
     kwargs = spec.model_kwargs
-    return frames_of(data, kwargs.get("width", 1280), kwargs.get("height", 704))
+    frames = frames_of(bytes(out.data.get("video", b"")), kwargs.get("width", 1280), kwargs.get("height", 704))
+    soundtrack = getattr(backend, "video_soundtrack", None)
+    if "audio" not in out.data or not soundtrack:
+        return Video(frames)
+    rate, channels = soundtrack
+    pcm = np.frombuffer(bytes(out.data["audio"]), dtype="<i2").reshape(-1, channels)
+    return Video(frames, (pcm.T / 32767.0).astype(np.float32), rate)
 
 
 async def video_generations(request: Request) -> Response:
@@ -147,23 +183,23 @@ async def video_generations(request: Request) -> Response:
         return validation_error_response(exc.errors())
     try:
         resolve_model(request, req.model, TASK)
-        kwargs, renames = model_kwargs_of(req)
+        kwargs, renames = model_kwargs_of(req, backend_of(request))
         files = []
         if req.image is not None:
             [image] = await fetch_all([(req.image, "image", MAX_IMAGE_BYTES)])
             files.append(("image", image))
     except Exception as exc:
         return exception_response(exc)
-    spec = GenerateSpec(request_id=new_id("video"), text=req.prompt, files=files, output_modalities=["video"],
-                        model_kwargs=kwargs)
+    backend = backend_of(request)
+    spec = video_spec(backend, new_id("video"), req.prompt, files, kwargs)
 
     async def complete() -> Response:
         try:
-            frames = await run_video(backend_of(request), spec, renames, request)
+            video = await run_video(backend, spec, renames, request)
             if req.response_format == "png_frames":
-                items = await anyio.to_thread.run_sync(png_frames, frames)
+                items = await anyio.to_thread.run_sync(png_frames, video.frames)
             else:
-                items = [await anyio.to_thread.run_sync(encode_mp4, frames, kwargs["fps"])]
+                items = [await anyio.to_thread.run_sync(video.mp4, kwargs["fps"])]
         except Exception as exc:
             return exception_response(exc)
         data = [{"b64_json": base64.b64encode(item).decode()} for item in items]

@@ -30,9 +30,9 @@ def test_run_video_reports_each_step_and_returns_the_frames() -> None:
     backend, heard = SteppingBackend(), []
     spec = GenerateSpec(request_id="v", text="x", files=[], output_modalities=["video"],
                         model_kwargs={"width": 4, "height": 2})
-    frames = asyncio.run(run_video(backend, spec, {}, on_progress=lambda k, n: heard.append((k, n))))
+    video = asyncio.run(run_video(backend, spec, {}, on_progress=lambda k, n: heard.append((k, n))))
     assert heard == [(1, 3), (2, 3), (3, 3)]
-    assert np.array_equal(frames, backend.frames)
+    assert np.array_equal(video.frames, backend.frames) and video.audio is None
 
 
 def test_a_job_percentage_follows_the_steps_below_100() -> None:

@@ -93,7 +93,10 @@ class AudioVideoStream(OutputStream):
 @register
 class Ltx25(ModelSpec):
     key = "ltx2_5"
-    tasks = frozenset()  # /generate only until the video routes (and their task) come
+    tasks = frozenset({"video_generation"})
+    video_frame_step = FRAME_STEP
+    video_knobs = LtxVideoKnobs
+    video_soundtrack = (SAMPLE_RATE, 2)  # the routes' mp4 carries it as AAC
     input_modalities = frozenset({"text"})
     default_weights = "Lightricks/LTX-2.5-Diffusers"
     Knobs = LtxKnobs

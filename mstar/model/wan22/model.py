@@ -114,6 +114,8 @@ class VideoFrames(OutputStream):
 class Wan22(ModelSpec):
     key = "wan22"
     tasks = frozenset({"video_generation"})
+    video_frame_step = FRAME_STEP
+    video_knobs = VideoKnobs
     input_modalities = frozenset({"text", "image"})
     default_weights = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
     Knobs = WanKnobs

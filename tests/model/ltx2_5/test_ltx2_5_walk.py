@@ -100,3 +100,32 @@ def test_bad_sizes_name_the_field(deployment, kwargs, field):
     with pytest.raises(RequestError) as err:
         generate(deployment, f"bad-{field}", **kwargs)
     assert err.value.field == field
+
+
+def test_the_video_routes_answer_an_mp4_with_its_soundtrack(deployment):
+    """/v1/videos/generations on LTX-2.5: an H.264 mp4 of the asked size and frames with a 48 kHz
+    stereo AAC track as long as the walk's audio; ``seconds`` rounds to LTX's 8k + 1 frames;
+    a knob LTX does not take is a 400 naming it. The job route shares the same code
+    (tests/e2e/test_wan22_video_jobs.py)."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from mstar.media.video import decode_mp4, decode_mp4_audio
+    from mstar.server.app import create_app
+
+    body = {"prompt": PROMPT, "size": f"{WIDTH}x{HEIGHT}", "seed": SEED}
+    with TestClient(create_app(deployment.backend, served_model_names=["ltx2_5"])) as http:
+        response = http.post("/v1/videos/generations", json={**body, "seconds": 0.5})
+        assert response.status_code == 200, response.text
+        mp4 = base64.b64decode(response.json()["data"][0]["b64_json"])
+        refused = http.post("/v1/videos/generations", json={**body, "num_inference_steps": 4})
+    frames, fps = decode_mp4(mp4)
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and fps == 24  # 0.5 s x 24 fps -> 9 = 8 + 1 frames
+    sound, rate = decode_mp4_audio(mp4)
+    walk = np.frombuffer(generate(deployment, "r-mp4")["audio"], "<i2").reshape(-1, 2).T / 32767
+    assert rate == 48000 and sound.shape[0] == 2
+    assert walk.shape[1] <= sound.shape[1] < walk.shape[1] + 1024  # AAC pads the last 1024-sample frame
+    level = np.sqrt((walk ** 2).mean())
+    assert abs(np.sqrt((sound[:, :walk.shape[1]] ** 2).mean()) - level) < 0.2 * level
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "num_inference_steps", refused.text
