@@ -110,6 +110,13 @@ class RuntimeBackend(OnRuntime):
         ``model_kwargs`` it takes and their defaults; None for a model that makes none."""
         return getattr(self.spec, "video_knobs", None)
 
+    def check_video(self, spec: GenerateSpec) -> None:
+        """The model's checks of a video request (``RequestError`` naming the field), run
+        without queueing it; nothing for a model without them."""
+        check = getattr(self.spec, "check_video", None)
+        if check is not None:
+            check(spec)
+
     @property
     def video_soundtrack(self) -> tuple[int, int] | None:
         """``(sample_rate, channels)`` of the audio a video model makes with its frames (its

@@ -13,10 +13,11 @@ denoising steps (99 at most until the mp4 exists, then 100).
 Jobs run as tasks on the server's event loop and live in a bounded in-memory store
 (``VideoJobOptions``: ``max_jobs``, ``ttl_s``): a finished job is dropped ``ttl_s`` after it
 finished (its ``expires_at``), and a new job past ``max_jobs`` first evicts the oldest finished
-one, else is a 429. The body's own rules (size syntax, seconds or num_frames, limits) are
-400s before a job exists; what the model family refuses (a size not a multiple of 32, a frame
-count over its limits, an image that does not decode) is checked when the job starts, so the
-job fails with ``error.code`` "invalid_request" and a message naming the body's field.
+one, else is a 429. The body's own rules (size syntax, seconds or num_frames, limits) and what
+the model refuses (a size not a multiple of 32, a frame count over its limits, an image that
+does not decode: the backend's ``check_video``, run before queueing) are 400s naming the
+body's field before a job exists; a refusal that still comes from the walk fails the job with
+``error.code`` "invalid_request".
 """
 
 from __future__ import annotations
@@ -181,6 +182,12 @@ async def create_video(request: Request) -> Response:
     except Exception as exc:
         return exception_response(exc)
     spec = video_spec(backend, new_id("video"), req.prompt, [("input_reference", image)] if image else [], kwargs)
+    check = getattr(backend, "check_video", None)
+    try:  # the model's own refusals are a 400 now, not a failed job later
+        if check is not None:
+            await anyio.to_thread.run_sync(check, spec)
+    except RequestError as exc:
+        return exception_response(RequestError(renames.get(exc.field, exc.field), exc.message, exc.status))
     job = Job(id=spec.request_id, created_at=int(time.time()), model=model, prompt=req.prompt,
               size=req.size or f"{kwargs.get('width', 1280)}x{kwargs.get('height', 704)}",
               seconds=f"{kwargs.get('num_frames', 81) / kwargs['fps']:g}")

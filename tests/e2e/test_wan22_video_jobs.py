@@ -2,8 +2,8 @@
 ``openai`` client's ``videos.create_and_poll`` and ``download_content`` give an mp4 of the
 asked size and length, an image reference conditions it, listing pages with the client's
 cursor, deleting a running job cancels it and frees the runtime's per-request state, a finished
-job expires after the store's ``ttl_s``, and bad fields are 400s (or, for what the model family
-checks, a failed job) naming the field."""
+job expires after the store's ``ttl_s``, and bad fields are 400s naming the field, the model
+family's own rules too (checked before a job exists)."""
 
 from __future__ import annotations
 
@@ -91,11 +91,17 @@ def test_bad_fields(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         oai.videos.create(model=MODEL, prompt="x", seconds="1", extra_body={"num_frames": 5})
     assert err.value.body["param"] == "num_frames"
-    failed = create(oai, size="48x64")  # the family's rule: checked when the job starts
-    assert failed.status == "failed" and failed.error.code == "invalid_request"
-    assert failed.error.message.startswith("size:"), failed.error
-    bad_image = create(oai, input_reference=("x.png", b"not a png", "image/png"))
-    assert bad_image.status == "failed" and bad_image.error.message.startswith("input_reference:")
+    with pytest.raises(openai.BadRequestError) as err:  # the family's rule, checked before a job exists
+        oai.videos.create(model=MODEL, prompt="x", size="48x64")
+    assert err.value.body["param"] == "size"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.videos.create(model=MODEL, prompt="x", size=f"{WIDTH}x{HEIGHT}", extra_body={"num_frames": 5},
+                          input_reference=("x.png", b"not a png", "image/png"))
+    assert err.value.body["param"] == "input_reference"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.videos.create(model=MODEL, prompt="x", size=f"{WIDTH}x{HEIGHT}", extra_body={"num_frames": 6})
+    assert err.value.body["param"] == "num_frames"
+    assert not [v for v in oai.videos.list() if v.status == "failed"]  # none of them became a job
     with pytest.raises(openai.NotFoundError):
         oai.videos.retrieve("video_nope")
 

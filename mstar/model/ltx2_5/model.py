@@ -136,7 +136,9 @@ class Ltx25(ModelSpec):
         self.video_channels, self.audio_channels = dit.in_channels, ckpt.audio_vae_config().latent_channels
         self.audio_bins = ckpt.audio_vae_config().mel_bins // 4
 
-    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+    def check_video(self, spec: GenerateSpec) -> LtxVideoKnobs:
+        """The request's checks, each a ``RequestError`` naming the field, without queueing
+        anything (the job route runs them before it answers): its knobs."""
         wanted = set(spec.output_modalities)
         if not wanted or not wanted <= {"video", "audio"} or "video" not in wanted:
             raise RequestError("output_modalities", f"model {self.key!r} outputs video, or video and audio")
@@ -146,6 +148,11 @@ class Ltx25(ModelSpec):
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
         check_ltx_size(knobs.width, knobs.height, knobs.num_frames, self.knobs)
+        return knobs
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        wanted = set(spec.output_modalities)
+        knobs = self.check_video(spec)
         ids, mask = tokenize(self.tokenizer, [spec.text], self.knobs.max_prompt_tokens)
         grid = (frame_count(knobs.num_frames), knobs.height // SIZE_MULTIPLE, knobs.width // SIZE_MULTIPLE)
         audio_frames = audio_frame_count(knobs.num_frames, knobs.fps)

@@ -178,7 +178,12 @@ class Wan22(ModelSpec):
         self.latent_channels = ckpt.transformer_config().in_channels
         self.vae_config = ckpt.vae_config()
 
-    def prepare_video(self, spec: GenerateSpec) -> WalkRequest:
+    def check_video(self, spec: GenerateSpec) -> tuple[VideoKnobs, int, float, torch.Tensor | None]:
+        """The request's checks, each a ``RequestError`` naming the field, without queueing
+        anything (the job route runs them before it answers): its knobs, steps, guidance scale
+        and image pixels."""
+        if set(spec.output_modalities) != {"video"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs video only")
         knobs = VideoKnobs.parse(spec.model_kwargs)
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
@@ -193,6 +198,10 @@ class Wan22(ModelSpec):
         if len(spec.files) > 1:
             raise RequestError("image", f"image-to-video takes one image, got {len(spec.files)}")
         pixels = image_pixels(spec.files[0][1], knobs.width, knobs.height) if spec.files else None
+        return knobs, steps, scale, pixels
+
+    def prepare_video(self, spec: GenerateSpec) -> WalkRequest:
+        knobs, steps, scale, pixels = self.check_video(spec)
         ids, mask = self.text.tokenize(spec.text)
         spatial = self.vae_config.scale_factor_spatial
         shape = (1, self.latent_channels, (knobs.num_frames - 1) // FRAME_STEP + 1, knobs.height // spatial,
@@ -210,8 +219,6 @@ class Wan22(ModelSpec):
         return WalkRequest(walk, inputs, params, prompt_tokens=int(mask.sum()))
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
-        if set(spec.output_modalities) != {"video"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs video only")
         return self.prepare_video(spec)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> VideoFrames:
