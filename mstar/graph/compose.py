@@ -53,7 +53,7 @@ def _section(part: str, section: Section) -> Section:
     if isinstance(section, Parallel):
         return Parallel(*(_section(part, s) for s in section.branches))
     if isinstance(section, Loop):
-        return Loop(_section(part, section.body), until=section.until, max_iters=section.max_iters)
+        return replace(section, body=_section(part, section.body))
     raise TypeError(f"not a walk section: {section!r}")
 
 

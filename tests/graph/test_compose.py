@@ -64,3 +64,11 @@ def test_qualified_names_split_back():
     assert split_name("tts/piper/x") == ("tts", "piper/x")
     with pytest.raises(ValueError, match="names no part"):
         split_name("kv_pages")
+
+
+def test_a_denoising_loop_keeps_its_progress_report():
+    dit = Node("dit", "denoise", ("x",), ("x",), ops=("step",))
+    walk = Walk("paint", Loop(Step("dit", "step", reads="x", writes="x", emit=Emit("x", "image")),
+                              max_iters="num_steps", progress=True), inputs="x")
+    loop = compose({"art": Graph.build([dit], [walk])}).walks["art/paint"].body
+    assert isinstance(loop, Loop) and loop.progress and loop.max_iters == "num_steps"
