@@ -11,6 +11,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 VOCAB = 160
 AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, AUDIO_START, AUDIO_END, VISION_START = 150, 151, 152, 153, 155, 154
+VISION_END = 156
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
             mlp_only_layers=[1], rms_norm_eps=1e-6,
@@ -21,10 +22,13 @@ AUDIO = dict(num_mel_bins=16, d_model=32, encoder_layers=2, encoder_attention_he
              max_source_positions=100)  # n_window 50: the reference's token count assumes 13 per chunk
 VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
               spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+# a deeper tower for the vision tests: two deepstack taps (decoder layers 0 and 1 get them) and an
+# 8x8 position table, so grids both above and below it are resampled
+VISION_DEEP = dict(VISION, depth=3, deepstack_visual_indexes=[0, 2], num_position_embeddings=64)
 
 
-def reference_thinker(seed: int = 0) -> Qwen3OmniMoeThinkerForConditionalGeneration:
-    config = Qwen3OmniMoeThinkerConfig(text_config=TEXT, audio_config=AUDIO, vision_config=VISION,
+def reference_thinker(seed: int = 0, vision: dict | None = None) -> Qwen3OmniMoeThinkerForConditionalGeneration:
+    config = Qwen3OmniMoeThinkerConfig(text_config=TEXT, audio_config=AUDIO, vision_config=vision or VISION,
                                        audio_token_id=AUDIO_TOKEN, image_token_id=IMAGE_TOKEN,
                                        video_token_id=VIDEO_TOKEN, audio_start_token_id=AUDIO_START,
                                        vision_start_token_id=VISION_START)
@@ -33,7 +37,7 @@ def reference_thinker(seed: int = 0) -> Qwen3OmniMoeThinkerForConditionalGenerat
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight") or "layer_norm.weight" in name or "ln_post.weight" in name:
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "ln_post.weight")):
                 p.copy_(1.0 + 0.1 * noise)
             else:
                 p.copy_((0.3 if p.ndim == 1 else 0.1) * noise)

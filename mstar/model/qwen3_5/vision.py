@@ -135,6 +135,15 @@ class Qwen3_5VisionModel(nn.Module):
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor | list[list[int]]) -> torch.Tensor:
+        x, cos_sin, segments = self.embed(patches, grid_thw)
+        for block in self.blocks:
+            x = block(x, cos_sin, segments)
+        return self.merger(x)
+
+    def embed(self, patches: torch.Tensor, grid_thw: torch.Tensor | list[list[int]]
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Segments]:
+        """What the blocks run on: the patch embeddings plus their learned positions ``[N,
+        hidden]``, the rotary cos/sin of every patch and the attention segments."""
         grids = [tuple(int(v) for v in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
         expected = sum(t * h * w for t, h, w in grids)
         if patches.shape[0] != expected:
@@ -142,10 +151,7 @@ class Qwen3_5VisionModel(nn.Module):
         x = self.patch_embed(patches)
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos_sin = self.rotary(grids, x.device)
-        segments = Segments([h * w for t, h, w in grids for _ in range(t)], x.device)
-        for block in self.blocks:
-            x = block(x, cos_sin, segments)
-        return self.merger(x)
+        return x, cos_sin, Segments([h * w for t, h, w in grids for _ in range(t)], x.device)
 
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid

@@ -1,4 +1,4 @@
-"""Qwen3-Omni: the thinker (MoE text decoder, audio encoder); talker and codec to come."""
+"""Qwen3-Omni: the thinker (MoE text decoder, audio and vision encoders); talker and codec to come."""
 
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
 from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM

@@ -19,6 +19,7 @@ from torch import nn
 from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, Qwen3OmniAudioEncoder
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
 from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM
+from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig, Qwen3OmniVisionEncoder
 from mstar.model.weights import iter_safetensors, load_weights
 
 THINKER = "thinker."
@@ -56,22 +57,40 @@ def load_audio_tower(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tens
     load_weights(encoder, tensors, name_map=audio_tower_name, dtype=dtype)
 
 
-class Qwen3OmniThinker(nn.Module):
-    """The thinker's parts built so far: the text decoder (``text``) and the audio encoder
-    (``audio_tower``); the vision encoder is to come (its keys are skipped until then)."""
+VISUAL = "thinker.visual."
 
-    def __init__(self, text: Qwen3OmniTextConfig, audio: Qwen3OmniAudioConfig) -> None:
+
+def visual_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniVisionEncoder`` of a released key (``None``: another part's)."""
+    return name[len(VISUAL):] if name.startswith(VISUAL) else None
+
+
+def load_visual(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                dtype: torch.dtype | None = None) -> None:
+    """Fill the vision encoder from the released ``thinker.visual.`` keys (every parameter
+    must be filled, and every such key must load)."""
+    load_weights(encoder, tensors, name_map=visual_name, dtype=dtype)
+
+
+class Qwen3OmniThinker(nn.Module):
+    """The thinker's parts: the text decoder (``text``), the audio encoder (``audio_tower``)
+    and the vision encoder (``visual``)."""
+
+    def __init__(self, text: Qwen3OmniTextConfig, audio: Qwen3OmniAudioConfig,
+                 vision: Qwen3OmniVisionConfig) -> None:
         super().__init__()
         self.text = Qwen3OmniThinkerForCausalLM(text)
         self.audio_tower = Qwen3OmniAudioEncoder(audio)
+        self.visual = Qwen3OmniVisionEncoder(vision)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3OmniThinker:
         """From a whole Omni (``thinker_config``) or a thinker ``config.json`` dict."""
-        return cls(Qwen3OmniTextConfig.from_hf_dict(d), Qwen3OmniAudioConfig.from_hf_dict(d))
+        return cls(Qwen3OmniTextConfig.from_hf_dict(d), Qwen3OmniAudioConfig.from_hf_dict(d),
+                   Qwen3OmniVisionConfig.from_hf_dict(d))
 
 
-NOT_BUILT = ("thinker.visual.", "talker.", "code2wav.")
+NOT_BUILT = ("talker.", "code2wav.")
 
 
 def thinker_name(name: str) -> str | None:
@@ -81,6 +100,8 @@ def thinker_name(name: str) -> str | None:
         return None
     if name.startswith(AUDIO_TOWER):
         return "audio_tower." + name[len(AUDIO_TOWER):]
+    if name.startswith(VISUAL):
+        return "visual." + name[len(VISUAL):]
     if name.startswith(("thinker.model.", "thinker.lm_head.")):
         return "text." + name[len(THINKER):]
     return name

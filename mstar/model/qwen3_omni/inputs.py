@@ -1,15 +1,27 @@
-"""How audio enters the thinker's token sequence.
+"""How audio and images enter the thinker's token sequence.
 
 A clip is a run ``<|audio_start|> <|audio_pad|> x n <|audio_end|>`` in the prompt, ``n`` the
-encoder's token count for it (``audio.audio_token_count``); the thinker's embeddings of the
-pad tokens are replaced, in order, by the encoder's output rows. Without images or video the
-reference gives every token, audio included, the same position on all three MRoPE axes
-(``0 .. L-1``), so an audio+text prompt runs on the paged metadata's 1-D positions.
+encoder's token count for it (``audio.audio_token_count``); an image is a run
+``<|vision_start|> <|image_pad|> x n <|vision_end|>``, ``n = t * h * w / merge**2`` of its
+patch grid. The thinker's embeddings of the pad tokens are replaced, in order, by the
+encoders' output rows; an image's rows also bring their deepstack features (``Deepstack``).
+
+Positions (the reference's ``get_rope_index`` without video): text and audio tokens advance
+all three MRoPE axes together; an image whose first pad token would sit at ``p`` gives its
+tokens ``(p, p + row, p + col)`` on the merged grid, and the token after it resumes at
+``p + max(rows, cols)``. This is Qwen3.5's image rule, so ``image_positions`` reuses
+``mstar.model.qwen3_5.prompt.mrope_positions``. Without images every axis is ``0 .. L-1`` and
+an audio+text prompt runs on the paged metadata's 1-D positions. Later steps of a request run
+at ``position + rope_delta`` on all three axes (``shifted_positions``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mstar.model.qwen3_5.prompt import VisionTokens, mrope_positions
+from mstar.model.qwen3_omni.modeling import Deepstack
+from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig, VisionFeatures
 
 
 def audio_run(num_tokens: int, start_id: int, pad_id: int, end_id: int) -> list[int]:
@@ -17,14 +29,49 @@ def audio_run(num_tokens: int, start_id: int, pad_id: int, end_id: int) -> list[
     return [start_id, *([pad_id] * num_tokens), end_id]
 
 
+def image_run(grid: tuple[int, int, int], config: Qwen3OmniVisionConfig) -> list[int]:
+    """The prompt token ids standing for one image of patch grid ``(t, h, w)``."""
+    t, h, w = grid
+    count = t * h * w // config.spatial_merge_size**2
+    return [config.vision_start_token_id, *([config.image_token_id] * count), config.vision_end_token_id]
+
+
 def splice_features(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
-                    features: list[torch.Tensor]) -> torch.Tensor:
+                    features: list[torch.Tensor], kind: str = "audio") -> torch.Tensor:
     """``embeds [T, hidden]`` with the rows of the ``pad_id`` tokens of ``input_ids [T]``
     replaced by ``features`` (concatenated in order); their counts must match."""
     rows = torch.cat(features) if features else embeds.new_zeros(0, embeds.shape[1])
     mask = input_ids == pad_id
     if int(mask.sum()) != rows.shape[0]:
-        raise ValueError(f"{int(mask.sum())} audio placeholder tokens for {rows.shape[0]} audio feature rows")
+        raise ValueError(f"{int(mask.sum())} {kind} placeholder tokens for {rows.shape[0]} {kind} feature rows")
     out = embeds.clone()
     out[mask] = rows.to(embeds.dtype)
     return out
+
+
+def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
+                  images: VisionFeatures) -> tuple[torch.Tensor, Deepstack]:
+    """The image pad tokens' embeddings replaced by the encoder's rows, and the deepstack
+    features of those tokens for the decoder's first layers."""
+    out = splice_features(embeds, input_ids, pad_id, [images.embeds], kind="image")
+    return out, Deepstack(input_ids == pad_id, list(images.deepstack))
+
+
+def image_positions(ids: list[int], grids: list[tuple[int, int, int]], config: Qwen3OmniVisionConfig
+                    ) -> tuple[torch.Tensor, int]:
+    """``[3, len(ids)]`` int64 MRoPE positions of a prompt of text, audio and image runs
+    (``grids``: the images' patch grids in prompt order) and its rope delta (the later steps'
+    shift: ``max position + 1 - len(ids)``)."""
+    if config.video_token_id in ids:
+        raise NotImplementedError("video positions are not built for Qwen3-Omni yet")
+    if any(t != 1 for t, _, _ in grids):
+        raise ValueError(f"image grids {grids} must have t = 1 (a video's frames take other positions)")
+    tokens = VisionTokens(image=config.image_token_id, video=config.video_token_id,
+                          start=config.vision_start_token_id, end=config.vision_end_token_id,
+                          merge=config.spatial_merge_size)
+    return mrope_positions(ids, grids, tokens)
+
+
+def shifted_positions(positions: torch.Tensor, rope_delta: int) -> torch.Tensor:
+    """``[3, T]`` MRoPE positions of a request's later tokens from their 1-D sequence positions."""
+    return (positions + rope_delta)[None].expand(3, -1)

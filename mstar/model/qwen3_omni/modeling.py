@@ -7,6 +7,10 @@ in ``mlp_only_layers`` keep a dense SwiGLU), with multimodal RoPE: three positio
 (``MRotaryEmbedding``). Text tokens have all three equal, so a text-only prompt is ordinary
 RoPE over ``meta.positions``; audio and vision tokens pass their ``[3, T]`` positions.
 
+Images also reach past the embeddings (deepstack): ``Deepstack`` names the step's image-token
+rows and, per decoder layer from the first, the vision features added to those rows' hidden
+states after that layer.
+
 Parameter names are the ``thinker.model`` / ``thinker.lm_head`` keys of the released
 checkpoint, less the ``thinker.`` prefix, except for the fused projections (``qkv_proj``,
 ``gate_up_proj``) and the stacked experts (``mlp.experts.gate_up.weight``,
@@ -17,6 +21,8 @@ they are not wired for the MoE yet (``use_fused_kernels`` and ``use_compile`` re
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -61,6 +67,20 @@ class ThinkerDecoderLayer(Qwen3PagedDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@dataclass
+class Deepstack:
+    """Vision features for a step's image tokens beyond their input embeddings."""
+
+    rows: torch.Tensor  # [T] bool: the step's tokens that are image tokens
+    layers: list[torch.Tensor]  # i: [rows.sum(), hidden], added after decoder layer i
+
+    def __post_init__(self) -> None:
+        count = int(self.rows.sum())
+        bad = [tuple(f.shape) for f in self.layers if f.shape[0] != count]
+        if bad:
+            raise ValueError(f"deepstack features {bad} for {count} image rows")
+
+
 class ThinkerTextModel(LlamaModel):
     """Embeddings, thinker layers and final norm (the ``thinker.model.`` keys)."""
 
@@ -72,14 +92,20 @@ class ThinkerTextModel(LlamaModel):
         self.rotary_emb = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
 
     def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
-                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                deepstack: Deepstack | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        if deepstack is not None and len(deepstack.layers) > len(self.layers):
+            raise ValueError(f"{len(deepstack.layers)} deepstack layers for {len(self.layers)} decoder layers")
         cos_sin = self.rotary_emb.cos_sin(meta.positions if positions is None else positions, x.dtype)
+        extra = deepstack.layers if deepstack is not None else []
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, cos_sin, meta, kv_cache)
+            if i < len(extra):  # the layer's output is x + residual: add to the un-summed part
+                x = x.index_add(0, deepstack.rows.nonzero().squeeze(1), extra[i].to(x.dtype))
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -95,12 +121,14 @@ class Qwen3OmniThinkerForCausalLM(LlamaForCausalLM):
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
-                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                deepstack: Deepstack | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of the step's ``T`` new tokens.
 
         ``positions`` (``[3, T]`` MRoPE positions) defaults to ``meta.positions`` on all three
-        axes (text); ``inputs_embeds [T, hidden]`` replaces the embedding lookup when given."""
-        return self.model(input_ids, meta, kv_caches, inputs_embeds, positions)
+        axes (text); ``inputs_embeds [T, hidden]`` replaces the embedding lookup when given;
+        ``deepstack`` adds the image rows' vision features after the first layers."""
+        return self.model(input_ids, meta, kv_caches, inputs_embeds, positions, deepstack)
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
         if enabled:
