@@ -1,11 +1,16 @@
-"""A tiny random Qwen3-Omni thinker from transformers (the parity reference) and its weights in
-the released checkpoint's key layout (``thinker.model.…``, experts stored apart)."""
+"""Tiny random Qwen3-Omni parts from transformers (the parity references): the thinker and its
+weights in the released checkpoint's key layout (``thinker.model.…``, experts stored apart), and
+the codec decoder (``code2wav.…``)."""
 
 from __future__ import annotations
 
 import torch
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeCode2WavConfig,
+    Qwen3OmniMoeThinkerConfig,
+)
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeThinkerForConditionalGeneration,
 )
 
@@ -61,3 +66,32 @@ def released_keys(model: Qwen3OmniMoeThinkerForConditionalGeneration) -> list[tu
         else:
             out.append((f"thinker.{name}", tensor))
     return out
+
+
+# code2wav: 4 quantizers, a 6-frame attention window, one 2x upsampling stage and two decoder
+# blocks (4x, 3x): 24 samples a frame, 32 -> 16 -> 8 decoder channels
+CODE2WAV = dict(codebook_size=32, num_quantizers=4, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=6, upsampling_ratios=[2],
+                upsample_rates=[4, 3], decoder_dim=32)
+
+
+def reference_code2wav(seed: int = 0) -> Qwen3OmniMoeCode2Wav:
+    """A tiny random ``Qwen3OmniMoeCode2Wav``; weights at about ``0.5 / sqrt(fan_in)``, so the
+    waveform stays well inside the final clamp (std about 0.04 on random codes)."""
+    model = Qwen3OmniMoeCode2Wav(Qwen3OmniMoeCode2WavConfig(**CODE2WAV)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(("scale", "gamma")):  # the residual branches' scales: well away from 0
+                p.copy_(0.5 + 0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 / p[0].numel() ** 0.5 if p.ndim > 1 else 0.1))
+    return model
+
+
+def released_code2wav_keys(model: Qwen3OmniMoeCode2Wav) -> list[tuple[str, torch.Tensor]]:
+    """The codec decoder's tensors under the released names (``code2wav.`` + transformers' own)."""
+    return [(f"code2wav.{name}", tensor) for name, tensor in model.state_dict().items()]

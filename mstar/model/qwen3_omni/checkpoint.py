@@ -2,7 +2,8 @@
 
 The released checkpoint holds the whole model under four prefixes: ``thinker.`` (``model``:
 the text decoder, ``audio_tower``, ``visual``, ``lm_head``), ``talker.``, ``code2wav.`` and
-the talker's code predictor inside ``talker.``. Experts are stored apart
+the talker's code predictor inside ``talker.``. The thinker and the codec decoder
+(``load_code2wav``) load apart, each skipping the other's keys by prefix. Experts are stored apart
 (``mlp.experts.{i}.gate_proj.weight`` ...); ``load_weights`` stacks them (``SparseMoE``).
 """
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, Qwen3OmniAudioEncoder
+from mstar.model.qwen3_omni.code2wav import Qwen3OmniCode2Wav, Qwen3OmniCode2WavConfig
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
 from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM
 from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig, Qwen3OmniVisionEncoder
@@ -70,6 +72,33 @@ def load_visual(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
     """Fill the vision encoder from the released ``thinker.visual.`` keys (every parameter
     must be filled, and every such key must load)."""
     load_weights(encoder, tensors, name_map=visual_name, dtype=dtype)
+
+
+CODE2WAV = "code2wav."
+
+
+def code2wav_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniCode2Wav`` of a released key (``None``: another part's)."""
+    return name[len(CODE2WAV):] if name.startswith(CODE2WAV) else None
+
+
+def load_code2wav(decoder: Qwen3OmniCode2Wav, tensors: Iterable[tuple[str, torch.Tensor]],
+                  dtype: torch.dtype | None = None) -> None:
+    """Fill the codec decoder from the released ``code2wav.`` keys (every parameter must be
+    filled, and every such key must load); the other components' keys are skipped."""
+    load_weights(decoder, tensors, name_map=code2wav_name, dtype=dtype)
+
+
+def load_code2wav_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3OmniCode2Wav:
+    """Build the codec decoder from a checkpoint directory's ``config.json`` (``code2wav_config``)
+    and load its ``code2wav.`` tensors from the safetensors there."""
+    path = Path(path)
+    config = Qwen3OmniCode2WavConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    decoder = Qwen3OmniCode2Wav(config)
+    if dtype is not None:
+        decoder.to(dtype)
+    load_code2wav(decoder, iter_safetensors(path), dtype=dtype)
+    return decoder.eval()
 
 
 class Qwen3OmniThinker(nn.Module):
