@@ -3,17 +3,21 @@
 logits of batched prefills and decode steps on the paged KV cache; the code predictor's greedy
 codes and step logits against its ``generate``; whole greedy talker steps (codebook 0, the
 frame, the next input) against the talker's ``generate``; the projections; loading the released
-``talker.`` keys with coverage both ways."""
+``talker.`` keys with coverage both ways, and from a checkpoint directory."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
 from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
-from mstar.model.qwen3_omni.checkpoint import load_talker  # noqa: E402
+from mstar.model.qwen3_omni.checkpoint import load_talker, load_talker_dir  # noqa: E402
 from mstar.model.qwen3_omni.talker import Qwen3OmniTalker, Qwen3OmniTalkerConfig  # noqa: E402
 from mstar.model.weights import WeightLoadError  # noqa: E402
 from tests.support.pages import Pages  # noqa: E402
@@ -186,3 +190,24 @@ def test_loading_coverage_both_ways(reference) -> None:
     # the thinker's and code2wav's keys are skipped on purpose
     others = [("thinker.model.norm.weight", torch.ones(4)), ("code2wav.code_embedding.weight", torch.ones(4))]
     load_talker(Qwen3OmniTalker.from_hf_dict(d), keys + others)
+
+
+def test_directory_round_trip(reference, tmp_path: Path) -> None:
+    """A whole-Omni ``config.json`` and two shards that also hold other components' keys."""
+    keys = dict(talker_released_keys(reference))
+    keys["thinker.model.norm.weight"] = torch.ones(4)
+    keys["code2wav.code_embedding.weight"] = torch.ones(4)
+    keys = {n: t.contiguous() for n, t in keys.items()}
+    names = sorted(keys)
+    half = len(names) // 2
+    save_file({n: keys[n] for n in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({n: keys[n] for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe",
+                                                      "talker_config": reference.config.to_dict()}))
+    talker = load_talker_dir(tmp_path)
+    ours, theirs = talker.model.layers[1].mlp, reference.model.layers[1].mlp
+    torch.testing.assert_close(ours.experts.gate_up.weight, theirs.experts.gate_up_proj, rtol=0, atol=0)
+    torch.testing.assert_close(ours.shared_expert.down_proj.weight, theirs.shared_expert.down_proj.weight,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(talker.code_predictor.lm_head[2].weight, reference.code_predictor.lm_head[2].weight,
+                               rtol=0, atol=0)
