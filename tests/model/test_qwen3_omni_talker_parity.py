@@ -60,6 +60,8 @@ def test_config_from_released_dict(reference) -> None:
     with pytest.raises(ValueError, match="hidden_size"):
         Qwen3OmniTalkerConfig.from_hf_dict(dict(d, code_predictor_config=dict(d["code_predictor_config"],
                                                                               hidden_size=32)))
+    with pytest.raises(NotImplementedError, match="mlp_only_layers"):  # the reference ignores it: refused
+        Qwen3OmniTalkerConfig.from_hf_dict(dict(d, text_config=dict(d["text_config"], mlp_only_layers=[1])))
 
 
 @torch.no_grad()
