@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.mlp import SwiGLU
+
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_ids [T, k], topk_weights [T, k])``: softmax over the experts (in fp32), the ``k``
@@ -108,17 +110,28 @@ class MoEExperts(nn.Module):
 class SparseMoE(nn.Module):
     """Qwen3-MoE's sparse block: a bias-free router ``gate [E, H]``, top-k of the softmax
     (renormalised when ``normalize``), the experts' weighted sum. Parameter names follow the
-    Hugging Face checkpoints (``gate.weight``, ``experts.{i}.{gate,up,down}_proj.weight``)."""
+    Hugging Face checkpoints (``gate.weight``, ``experts.{i}.{gate,up,down}_proj.weight``).
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, normalize: bool) -> None:
+    ``shared_inner > 0`` adds a shared expert every token takes (Qwen2-MoE's, and Qwen3-Omni's
+    talker): a SwiGLU of width ``shared_inner`` (``shared_expert.{gate,up,down}_proj``) scaled
+    per token by ``sigmoid(shared_expert_gate(x))`` (a ``[1, H]`` gate), added to the routed
+    sum. At 0 (the default) the block has no such parameters and computes what it did without."""
+
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, normalize: bool,
+                 shared_inner: int = 0) -> None:
         super().__init__()
         self.top_k = top_k
         self.normalize = normalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden, inner)
+        self.shared_expert = SwiGLU(hidden, shared_inner, fused=True) if shared_inner > 0 else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inner > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = route_topk(self.gate(flat), self.top_k, self.normalize)
-        return self.experts(flat, ids, weights).reshape(shape)
+        out = self.experts(flat, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)

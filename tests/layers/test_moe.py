@@ -1,6 +1,7 @@
 """The fused MoE layer against transformers' Qwen3-Omni thinker sparse block (its expert loop),
 fp32 on the CPU: routing, experts hit twice or never, and loading the per-expert checkpoint
-names into the stacked weights with coverage both ways."""
+names into the stacked weights with coverage both ways; the talker's block with its gated
+shared expert."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import pytest
 import torch
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig  # noqa: E402
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (  # noqa: E402
+    Qwen3OmniMoeTalkerTextConfig,
+    Qwen3OmniMoeTextConfig,
+)
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
+    Qwen3OmniMoeTalkerTextSparseMoeBlock,
     Qwen3OmniMoeThinkerTextSparseMoeBlock,
 )
 
@@ -101,3 +106,45 @@ def test_loading_names_missing_and_unexpected_experts() -> None:
              for n, t in per_expert_checkpoint(block)]
     with pytest.raises(WeightLoadError, match="segment"):
         load_weights(SparseMoE(HIDDEN, INNER, EXPERTS, TOP_K, True), wrong)
+
+
+SHARED = 20
+
+
+def reference_shared_block(seed: int = 6) -> Qwen3OmniMoeTalkerTextSparseMoeBlock:
+    config = Qwen3OmniMoeTalkerTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INNER, num_experts=EXPERTS,
+                                          num_experts_per_tok=TOP_K, norm_topk_prob=True, hidden_act="silu",
+                                          shared_expert_intermediate_size=SHARED)
+    block = Qwen3OmniMoeTalkerTextSparseMoeBlock(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return block
+
+
+def shared_checkpoint(block: Qwen3OmniMoeTalkerTextSparseMoeBlock) -> list[tuple[str, torch.Tensor]]:
+    """The talker block under the released names: the routed experts apart, then the shared one."""
+    tensors = per_expert_checkpoint(block)
+    tensors += [(f"shared_expert.{n}", t.detach()) for n, t in block.shared_expert.named_parameters()]
+    return tensors + [("shared_expert_gate.weight", block.shared_expert_gate.weight.detach())]
+
+
+def test_shared_expert_matches_talker_block() -> None:
+    """The talker's block: routed experts plus ``sigmoid(gate(x)) * shared(x)``."""
+    block = reference_shared_block()
+    moe = SparseMoE(HIDDEN, INNER, EXPERTS, TOP_K, True, shared_inner=SHARED)
+    load_weights(moe, shared_checkpoint(block))
+    x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), block(x), rtol=1e-5, atol=1e-5)
+    assert not any("shared" in n for n in SparseMoE(HIDDEN, INNER, EXPERTS, TOP_K, True).state_dict())
+
+
+def test_shared_expert_coverage_both_ways() -> None:
+    block = reference_shared_block()
+    lacking = [(n, t) for n, t in shared_checkpoint(block) if n != "shared_expert_gate.weight"]
+    with pytest.raises(WeightLoadError, match="shared_expert_gate"):
+        load_weights(SparseMoE(HIDDEN, INNER, EXPERTS, TOP_K, True, shared_inner=SHARED), lacking)
+    with pytest.raises(WeightLoadError, match=r"shared_expert\.up_proj"):  # a block built without one
+        load_weights(SparseMoE(HIDDEN, INNER, EXPERTS, TOP_K, True), shared_checkpoint(block))

@@ -95,3 +95,54 @@ def reference_code2wav(seed: int = 0) -> Qwen3OmniMoeCode2Wav:
 def released_code2wav_keys(model: Qwen3OmniMoeCode2Wav) -> list[tuple[str, torch.Tensor]]:
     """The codec decoder's tensors under the released names (``code2wav.`` + transformers' own)."""
     return [(f"code2wav.{name}", tensor) for name, tensor in model.state_dict().items()]
+
+
+# ------------------------------------------------------------------ the talker and its code predictor
+TALKER_TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+                   norm_topk_prob=True, shared_expert_intermediate_size=48, rms_norm_eps=1e-6,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                    "interleaved": True})
+CODE_PREDICTOR = dict(vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_code_groups=5, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# codec ids inside the tiny vocabulary (96: 40 codes and specials above them)
+TALKER = dict(num_code_groups=5, thinker_hidden_size=64, spatial_merge_size=2, codec_eos_token_id=90, codec_pad_id=88,
+              codec_bos_id=89, codec_nothink_id=91, codec_think_bos_id=92, codec_think_eos_id=93,
+              speaker_id={"tiny": 94})
+
+
+def reference_talker(seed: int = 0):
+    """A tiny random transformers talker (``Qwen3OmniMoeTalkerForConditionalGeneration``), with
+    weights drawn as ``reference_thinker``'s are."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerForConditionalGeneration
+
+    config = Qwen3OmniMoeTalkerConfig(text_config=TALKER_TEXT, code_predictor_config=CODE_PREDICTOR, **TALKER)
+    model = Qwen3OmniMoeTalkerForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_((0.3 if p.ndim == 1 else 0.1) * noise)
+    return model
+
+
+def talker_released_keys(model) -> list[tuple[str, torch.Tensor]]:
+    """The talker's tensors under the released names (``talker.…``), every expert apart."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            stem = name[: -len("gate_up_proj")]
+            for i, rows in enumerate(tensor):
+                gate, up = rows.chunk(2, dim=0)
+                out += [(f"talker.{stem}{i}.gate_proj.weight", gate), (f"talker.{stem}{i}.up_proj.weight", up)]
+        elif name.endswith("mlp.experts.down_proj"):
+            stem = name[: -len("down_proj")]
+            out += [(f"talker.{stem}{i}.down_proj.weight", w) for i, w in enumerate(tensor)]
+        else:
+            out.append((f"talker.{name}", tensor))
+    return out

@@ -1,8 +1,10 @@
-"""Qwen3-Omni: the thinker (MoE text decoder, audio and vision encoders) and the codec decoder
-(code2wav); the talker to come."""
+"""Qwen3-Omni: the thinker (MoE text decoder, audio and vision encoders), the talker with its
+code predictor, and the codec decoder (code2wav); not yet wired into a model."""
 
 from mstar.model.qwen3_omni.code2wav import Qwen3OmniCode2Wav, Qwen3OmniCode2WavConfig
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
 from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM
+from mstar.model.qwen3_omni.talker import Qwen3OmniCodePredictor, Qwen3OmniTalker
 
-__all__ = ["Qwen3OmniCode2Wav", "Qwen3OmniCode2WavConfig", "Qwen3OmniTextConfig", "Qwen3OmniThinkerForCausalLM"]
+__all__ = ["Qwen3OmniCode2Wav", "Qwen3OmniCode2WavConfig", "Qwen3OmniCodePredictor", "Qwen3OmniTalker",
+           "Qwen3OmniTextConfig", "Qwen3OmniThinkerForCausalLM"]

@@ -21,6 +21,7 @@ from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, Qwen3OmniAudioEnc
 from mstar.model.qwen3_omni.code2wav import Qwen3OmniCode2Wav, Qwen3OmniCode2WavConfig
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
 from mstar.model.qwen3_omni.modeling import Qwen3OmniThinkerForCausalLM
+from mstar.model.qwen3_omni.talker import Qwen3OmniTalker
 from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig, Qwen3OmniVisionEncoder
 from mstar.model.weights import iter_safetensors, load_weights
 
@@ -119,7 +120,7 @@ class Qwen3OmniThinker(nn.Module):
                    Qwen3OmniVisionConfig.from_hf_dict(d))
 
 
-NOT_BUILT = ("talker.", "code2wav.")
+NOT_BUILT = ("talker.", "code2wav.")  # the thinker's loader skips them (the talker's: ``load_talker``)
 
 
 def thinker_name(name: str) -> str | None:
@@ -152,3 +153,32 @@ def load_thinker_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen
         thinker.to(dtype)
     load_thinker(thinker, iter_safetensors(path), dtype=dtype)
     return thinker.eval()
+
+
+TALKER = "talker."
+
+
+def talker_name(name: str) -> str | None:
+    """Our name in ``Qwen3OmniTalker`` of a released key (``None``: the thinker's or code2wav's);
+    unknown keys pass through unchanged, so ``load_weights`` reports them."""
+    if name.startswith((THINKER, "code2wav.")):
+        return None
+    return name[len(TALKER):] if name.startswith(TALKER) else name
+
+
+def load_talker(talker: Qwen3OmniTalker, tensors: Iterable[tuple[str, torch.Tensor]],
+                dtype: torch.dtype | None = None) -> None:
+    """Fill the talker (decoder, projections, codec head, code predictor) from the released
+    ``talker.`` keys, with coverage both ways."""
+    load_weights(talker, tensors, name_map=talker_name, dtype=dtype)
+
+
+def load_talker_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3OmniTalker:
+    """Build the talker from a checkpoint directory's ``config.json`` (``talker_config``) and
+    load its safetensors."""
+    path = Path(path)
+    talker = Qwen3OmniTalker.from_hf_dict(json.loads((path / "config.json").read_text()))
+    if dtype is not None:
+        talker.to(dtype)
+    load_talker(talker, iter_safetensors(path), dtype=dtype)
+    return talker.eval()

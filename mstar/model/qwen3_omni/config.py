@@ -38,6 +38,7 @@ class Qwen3OmniTextConfig:
     num_experts: int = 128
     norm_topk_prob: bool = True
     mlp_only_layers: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # the talker's gated shared expert; 0 (the thinker): none
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

@@ -52,7 +52,8 @@ def llama_config(config: Qwen3OmniTextConfig) -> LlamaConfig:
 
 
 class ThinkerDecoderLayer(Qwen3PagedDecoderLayer):
-    """A Qwen3 block whose MLP is a ``SparseMoE`` (or, in ``mlp_only_layers``, a SwiGLU)."""
+    """A Qwen3 block whose MLP is a ``SparseMoE`` (or, in ``mlp_only_layers``, a SwiGLU); the
+    talker's blocks add the MoE's shared expert (``shared_expert_intermediate_size``)."""
 
     def __init__(self, config: Qwen3OmniTextConfig, layer: int) -> None:
         nn.Module.__init__(self)  # LlamaDecoderLayer's own MLP would be the wrong one
@@ -60,7 +61,8 @@ class ThinkerDecoderLayer(Qwen3PagedDecoderLayer):
         self.self_attn = Qwen3PagedAttention(base)
         if config.is_sparse(layer):
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                 config.num_experts_per_tok, config.norm_topk_prob)
+                                 config.num_experts_per_tok, config.norm_topk_prob,
+                                 shared_inner=config.shared_expert_intermediate_size)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, fused=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
