@@ -59,6 +59,20 @@ def reference():
 
 @pytest.fixture(scope="module")
 def ours(reference):
+    return build_ours(reference)
+
+
+@pytest.fixture(scope="module")
+def stopping():
+    """A reference whose talker draws the codec EOS after 5 frames (its codec-head row for the
+    EOS scaled by 2.5; random weights alone never draw it mid-clip), and ours from it."""
+    reference = reference_omni()
+    with torch.no_grad():
+        reference.talker.codec_head.weight[TALKER["codec_eos_token_id"]] *= 2.5
+    return reference, build_ours(reference)
+
+
+def build_ours(reference):
     d = reference.config.to_dict()
     thinker = Qwen3OmniThinkerForCausalLM(Qwen3OmniTextConfig.from_hf_dict(d)).eval()
     load_thinker_text(thinker, released_keys(reference.thinker))
@@ -127,12 +141,19 @@ def test_talker_prompt_rows_match_reference_parts(reference, ours) -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("text_tokens, frames", [(6, 8), (3, 12)])
-def test_speak_matches_generate(reference, ours, text_tokens: int, frames: int, monkeypatch) -> None:
+@pytest.mark.parametrize("text_tokens, frames, eos, stops", [(6, 8, END, False), (3, 12, END, False),
+                                                             (6, 30, 74, True)])
+def test_speak_matches_generate(request, text_tokens: int, frames: int, eos: int, stops: bool,
+                                monkeypatch) -> None:
     """Greedy thinker, talker and code predictor, then code2wav's chunked decode. The reference's
     ``talker_max_new_tokens = M`` gives ``M - 1`` frames (the last code 0 drawn has no frame),
     so it runs with ``frames + 1``; the (3, 12) case runs out of answer text (trailing rows then
-    ``tts_pad``)."""
+    ``tts_pad``). The last case stops on both EOS: the thinker's (74 is its 4th greedy id here)
+    and the codec's (after 5 frames)."""
+    if stops:
+        reference, ours = request.getfixturevalue("stopping")
+    else:
+        reference, ours = request.getfixturevalue("reference"), request.getfixturevalue("ours")
     thinker, talker, code2wav = ours
     seen: list[torch.Tensor] = []  # the codes the reference decodes (its generate returns text and wav only)
     decode = reference.code2wav.chunked_decode
@@ -145,18 +166,35 @@ def test_speak_matches_generate(reference, ours, text_tokens: int, frames: int, 
     t0 = time.perf_counter()
     want_ids, want_wav = reference.generate(
         input_ids=torch.tensor([PROMPT]), speaker=SPEAKER, return_audio=True, thinker_max_new_tokens=text_tokens,
-        thinker_eos_token_id=END, thinker_do_sample=False, talker_do_sample=False,
+        thinker_eos_token_id=eos, thinker_do_sample=False, talker_do_sample=False,
         talker_max_new_tokens=frames + 1, talker_repetition_penalty=1.0, talker_suppress_tokens=SUPPRESSED)
     t1 = time.perf_counter()
     got = speak(thinker, talker, code2wav, PROMPT, TOKENS, TALKER["speaker_id"][SPEAKER],
-                max_new_tokens=text_tokens, max_frames=frames, suppressed=SUPPRESSED, page_size=4)
+                max_new_tokens=text_tokens, max_frames=frames, eos_token_ids=[eos], suppressed=SUPPRESSED,
+                page_size=4)
     t2 = time.perf_counter()
     assert got.text_ids == want_ids[0, len(PROMPT):].tolist()
     (want_codes,) = seen
-    assert torch.equal(got.codes, want_codes[0]) and got.codes.shape == (TALKER["num_code_groups"], frames)
+    assert torch.equal(got.codes, want_codes[0])
+    assert got.codes.shape == (TALKER["num_code_groups"], 5 if stops else frames)
+    assert (got.text_ids[-1] == eos) == stops and len(got.text_ids) == (4 if stops else text_tokens)
     want_wav = want_wav.reshape(-1)
     assert got.waveform.shape == want_wav.shape
     err = ((got.waveform - want_wav).abs().max() / want_wav.abs().max()).item()
     assert err < 1e-5, f"waveform rel err {err:.2e}"
     print(f"[parity] qwen3-omni speech: {len(got.text_ids)} text ids, codes {tuple(got.codes.shape)}, "
           f"{got.waveform.numel()} samples, wav rel err {err:.2e}; reference {t1 - t0:.2f} s, ours {t2 - t1:.2f} s")
+
+
+@torch.no_grad()
+def test_codec_eos_first_gives_silence() -> None:
+    """A talker whose first code 0 is the codec EOS: no frames and an empty waveform (the
+    reference's ``generate`` fails there, stacking no frames)."""
+    reference = reference_omni()
+    with torch.no_grad():
+        reference.talker.codec_head.weight[TALKER["codec_eos_token_id"]] *= 5.0
+    thinker, talker, code2wav = build_ours(reference)
+    got = speak(thinker, talker, code2wav, PROMPT, TOKENS, TALKER["speaker_id"][SPEAKER], max_new_tokens=4,
+                max_frames=10, suppressed=SUPPRESSED)
+    assert got.codes.shape == (TALKER["num_code_groups"], 0) and got.waveform.shape == (0,)
+    assert len(got.text_ids) == 4
