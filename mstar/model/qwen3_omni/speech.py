@@ -175,6 +175,8 @@ def run_thinker(thinker: Qwen3OmniThinkerForCausalLM, prompt_ids: Sequence[int],
                 eos_token_ids: Sequence[int], layer: int, page_size: int = 16) -> ThinkerRun:
     """Greedy text of a text-only prompt (up to an EOS or ``max_new_tokens`` ids), keeping the
     input embeddings and the ``layer`` states the talker prompt reads."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens}: the thinker must draw at least one token")
     weight = thinker.model.embed_tokens.weight
     text = thinker.text_config
     caches = new_caches(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
