@@ -146,3 +146,47 @@ def talker_released_keys(model) -> list[tuple[str, torch.Tensor]]:
         else:
             out.append((f"talker.{name}", tensor))
     return out
+
+
+# ------------------------------------------------------------------ the whole model (speech out)
+# chat-template ids inside the thinker's tiny vocabulary (160; 150 .. 156 are the media tokens)
+CHAT = dict(im_start_token_id=140, im_end_token_id=141, system_token_id=142, user_token_id=143,
+            assistant_token_id=144, tts_pad_token_id=145, tts_bos_token_id=146, tts_eos_token_id=147)
+NEWLINE = 148
+# the talker's accept_hidden_layer: the output of the thinker's second of three layers
+ACCEPT_HIDDEN_LAYER = 2
+
+
+def reference_omni(seed: int = 0):
+    """A tiny random whole ``Qwen3OmniMoeForConditionalGeneration`` (thinker, talker, code2wav)
+    whose parts carry the weights of ``reference_thinker`` / ``reference_talker`` /
+    ``reference_code2wav``; code2wav's quantizers are the talker's codebooks (5 of 40)."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeConfig,
+        Qwen3OmniMoeTalkerConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+    thinker = reference_thinker(seed)
+    talker_config = Qwen3OmniMoeTalkerConfig(text_config=TALKER_TEXT, code_predictor_config=CODE_PREDICTOR,
+                                             accept_hidden_layer=ACCEPT_HIDDEN_LAYER, **TALKER)
+    code2wav = dict(CODE2WAV, codebook_size=CODE_PREDICTOR["vocab_size"], num_quantizers=TALKER["num_code_groups"])
+    config = Qwen3OmniMoeConfig(thinker_config=thinker.config.to_dict(), talker_config=talker_config.to_dict(),
+                                code2wav_config=code2wav, enable_audio_output=True,
+                                **{k: v for k, v in CHAT.items() if k != "im_end_token_id"})
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    model.thinker.load_state_dict(thinker.state_dict())
+    model.talker.load_state_dict(reference_talker(seed + 1).state_dict())
+    decoder = Qwen3OmniMoeCode2Wav(model.code2wav.config).eval()
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in decoder.named_parameters():  # as reference_code2wav draws them
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(("scale", "gamma")):
+                p.copy_(0.5 + 0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 / p[0].numel() ** 0.5 if p.ndim > 1 else 0.1))
+    model.code2wav.load_state_dict(decoder.state_dict())
+    return model

@@ -96,7 +96,20 @@ class ThinkerTextModel(LlamaModel):
     def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
                 inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 deepstack: Deepstack | None = None) -> torch.Tensor:
+        return self.forward_keeping(input_ids, meta, kv_caches, inputs_embeds, positions, deepstack)[0]
+
+    def forward_keeping(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata,
+                        kv_caches: list[torch.Tensor], inputs_embeds: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None, deepstack: Deepstack | None = None,
+                        layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s final-normed states and, for ``layer`` ``k``, the hidden states
+        transformers reports as ``hidden_states[k]``: the input embeddings for 0, the output of
+        decoder layer ``k - 1`` (un-normed, deepstack added) below the last, the final-normed
+        states for ``num_hidden_layers`` (the talker's ``accept_hidden_layer`` input)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if layer is not None and not 0 <= layer <= len(self.layers):
+            raise ValueError(f"layer {layer} outside 0 .. {len(self.layers)}")
+        kept = x if layer == 0 else None
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         if deepstack is not None and len(deepstack.layers) > len(self.layers):
@@ -104,11 +117,14 @@ class ThinkerTextModel(LlamaModel):
         cos_sin = self.rotary_emb.cos_sin(meta.positions if positions is None else positions, x.dtype)
         extra = deepstack.layers if deepstack is not None else []
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, cos_sin, meta, kv_cache)
+        for i, (block, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = block(x, residual, cos_sin, meta, kv_cache)
             if i < len(extra):  # the layer's output is x + residual: add to the un-summed part
                 x = x.index_add(0, deepstack.rows.nonzero().squeeze(1), extra[i].to(x.dtype))
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+            if layer == i + 1 < len(self.layers):
+                kept = x if residual is None else x + residual
+        final = self.norm(x) if residual is None else self.norm(x, residual)[0]
+        return final, final if layer == len(self.layers) else kept
 
 
 class Qwen3OmniThinkerForCausalLM(LlamaForCausalLM):
@@ -131,6 +147,13 @@ class Qwen3OmniThinkerForCausalLM(LlamaForCausalLM):
         axes (text); ``inputs_embeds [T, hidden]`` replaces the embedding lookup when given;
         ``deepstack`` adds the image rows' vision features after the first layers."""
         return self.model(input_ids, meta, kv_caches, inputs_embeds, positions, deepstack)
+
+    def forward_keeping(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata,
+                        kv_caches: list[torch.Tensor], layer: int,
+                        inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` (text rows) and the hidden states of ``layer`` (``ThinkerTextModel.forward_keeping``)."""
+        final, kept = self.model.forward_keeping(input_ids, meta, kv_caches, inputs_embeds, layer=layer)
+        return final, kept
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
         if enabled:
