@@ -51,20 +51,26 @@ def reference_thinker(seed: int = 0, vision: dict | None = None) -> Qwen3OmniMoe
 
 def released_keys(model: Qwen3OmniMoeThinkerForConditionalGeneration) -> list[tuple[str, torch.Tensor]]:
     """The thinker's tensors under the released names, every expert's projections apart."""
+    renamed = {name.replace("model.language_model.", "model.", 1).replace("model.audio_tower.", "audio_tower.", 1)
+               .replace("model.visual.", "visual.", 1): tensor for name, tensor in model.state_dict().items()}
+    return experts_apart(renamed, "thinker.")
+
+
+def experts_apart(tensors: dict[str, torch.Tensor], prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """``tensors`` under ``prefix``, transformers' stacked experts (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``) split into the released per-expert keys."""
     out: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in model.state_dict().items():
-        name = name.replace("model.language_model.", "model.", 1).replace("model.audio_tower.", "audio_tower.", 1)
-        name = name.replace("model.visual.", "visual.", 1)
+    for name, tensor in tensors.items():
         if name.endswith("mlp.experts.gate_up_proj"):
             stem = name[: -len("gate_up_proj")]
             for i, rows in enumerate(tensor):
                 gate, up = rows.chunk(2, dim=0)
-                out += [(f"thinker.{stem}{i}.gate_proj.weight", gate), (f"thinker.{stem}{i}.up_proj.weight", up)]
+                out += [(f"{prefix}{stem}{i}.gate_proj.weight", gate), (f"{prefix}{stem}{i}.up_proj.weight", up)]
         elif name.endswith("mlp.experts.down_proj"):
             stem = name[: -len("down_proj")]
-            out += [(f"thinker.{stem}{i}.down_proj.weight", w) for i, w in enumerate(tensor)]
+            out += [(f"{prefix}{stem}{i}.down_proj.weight", w) for i, w in enumerate(tensor)]
         else:
-            out.append((f"thinker.{name}", tensor))
+            out.append((f"{prefix}{name}", tensor))
     return out
 
 
@@ -133,19 +139,7 @@ def reference_talker(seed: int = 0):
 
 def talker_released_keys(model) -> list[tuple[str, torch.Tensor]]:
     """The talker's tensors under the released names (``talker.…``), every expert apart."""
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            stem = name[: -len("gate_up_proj")]
-            for i, rows in enumerate(tensor):
-                gate, up = rows.chunk(2, dim=0)
-                out += [(f"talker.{stem}{i}.gate_proj.weight", gate), (f"talker.{stem}{i}.up_proj.weight", up)]
-        elif name.endswith("mlp.experts.down_proj"):
-            stem = name[: -len("down_proj")]
-            out += [(f"talker.{stem}{i}.down_proj.weight", w) for i, w in enumerate(tensor)]
-        else:
-            out.append((f"talker.{name}", tensor))
-    return out
+    return experts_apart(model.state_dict(), "talker.")
 
 
 # ------------------------------------------------------------------ the whole model (speech out)

@@ -10,7 +10,7 @@ the talker's code predictor inside ``talker.``. The thinker and the codec decode
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +48,13 @@ def load_thinker_text(model: Qwen3OmniThinkerForCausalLM, tensors: Iterable[tupl
 AUDIO_TOWER = "thinker.audio_tower."
 
 
-def audio_tower_name(name: str) -> str | None:
-    """Our name in ``Qwen3OmniAudioEncoder`` of a released key (``None``: another part's)."""
-    return name[len(AUDIO_TOWER):] if name.startswith(AUDIO_TOWER) else None
+def part_names(prefix: str) -> Callable[[str], str | None]:
+    """The name map of a part stored under ``prefix``: a released key less the prefix, None for
+    another part's key (skipped)."""
+    return lambda name: name[len(prefix):] if name.startswith(prefix) else None
+
+
+audio_tower_name = part_names(AUDIO_TOWER)  # Qwen3OmniAudioEncoder's names
 
 
 def load_audio_tower(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -63,9 +67,7 @@ def load_audio_tower(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tens
 VISUAL = "thinker.visual."
 
 
-def visual_name(name: str) -> str | None:
-    """Our name in ``Qwen3OmniVisionEncoder`` of a released key (``None``: another part's)."""
-    return name[len(VISUAL):] if name.startswith(VISUAL) else None
+visual_name = part_names(VISUAL)  # Qwen3OmniVisionEncoder's names
 
 
 def load_visual(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -78,9 +80,7 @@ def load_visual(encoder: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
 CODE2WAV = "code2wav."
 
 
-def code2wav_name(name: str) -> str | None:
-    """Our name in ``Qwen3OmniCode2Wav`` of a released key (``None``: another part's)."""
-    return name[len(CODE2WAV):] if name.startswith(CODE2WAV) else None
+code2wav_name = part_names(CODE2WAV)  # Qwen3OmniCode2Wav's names
 
 
 def load_code2wav(decoder: Qwen3OmniCode2Wav, tensors: Iterable[tuple[str, torch.Tensor]],
