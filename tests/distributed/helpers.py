@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,3 +134,23 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest absolute difference relative to the largest reference magnitude."""
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
     return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def check_two_gpu_config(name: str, model_path: str, split: tuple[int, int], walks: tuple[str, ...]) -> None:
+    """``configs/<name>``, a two-GPU deployment splitting the ``dit`` node ``split = (tp_size,
+    sp_size)`` ways, places on the CPU with ``model_path`` (no GPU here): the split passes the
+    model's head checks and the group's leader, rank 0, runs ``dit`` in every walk of ``walks``."""
+    from mstar.config import load_config
+    from mstar.model.registry import model_class
+    from mstar.runtime.placement import build_placement
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    assert load_config(path).device == "cuda"
+    config = load_config(path, {"device": "cpu", "model_path": model_path})
+    spec = model_class(config.model)(config)
+    placement = build_placement(spec.graph(), config, spec)  # checks the split against the heads
+    group = next(g for g in config.node_groups if "dit" in g.node_names)
+    assert (group.tp_size, group.sp_size) == split and list(group.ranks) == [0, 1]
+    for walk in walks:
+        assert placement.rank_of(walk, "dit") == 0
+    assert config.num_ranks == 2

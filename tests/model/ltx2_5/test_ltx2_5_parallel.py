@@ -24,7 +24,7 @@ from mstar.distributed import SINGLE, ParallelState, build_mesh, use_parallel
 from mstar.model.ltx2_5.checkpoint import LtxCheckpoint
 from mstar.model.ltx2_5.transformer import LtxTransformer
 from mstar.model.weights import iter_safetensors, load_weights
-from tests.distributed.helpers import rel_error, run_ranks
+from tests.distributed.helpers import check_two_gpu_config, rel_error, run_ranks
 from tests.model.ltx2_5.test_ltx2_5_walk import FRAMES, HEIGHT, WIDTH, collect
 
 TOL = 1e-5
@@ -135,20 +135,7 @@ def test_a_bad_split_is_refused_at_startup(checkpoint):
 
 @pytest.mark.parametrize("name, split", [("ltx2_5_sp2.yaml", (1, 2)), ("ltx2_5_tp2.yaml", (2, 1))])
 def test_two_gpu_configs_split_the_dit(checkpoint, name, split):
-    from mstar.config import load_config
-    from mstar.model.registry import model_class
-    from mstar.runtime.placement import build_placement
-
-    path = Path(__file__).resolve().parents[3] / "configs" / name
-    assert load_config(path).device == "cuda"
-    config = load_config(path, {"device": "cpu", "model_path": str(checkpoint.root)})  # no GPU here
-    spec = model_class(config.model)(config)
-    placement = build_placement(spec.graph(), config, spec)  # checks the split against the heads
-    group = next(g for g in config.node_groups if "dit" in g.node_names)
-    assert (group.tp_size, group.sp_size) == split and list(group.ranks) == [0, 1]
-    for walk in ("t2av", "t2v"):
-        assert placement.rank_of(walk, "dit") == 0  # the group's leader
-    assert config.num_ranks == 2
+    check_two_gpu_config(name, str(checkpoint.root), split, ("t2av", "t2v"))
 
 
 def clip(root: Path, node_groups: list, in_process: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ from mstar.distributed import SINGLE, ParallelState, build_mesh, use_parallel
 from mstar.model.wan22.config import WanTransformerConfig
 from mstar.model.wan22.transformer import WanTransformer
 from mstar.model.weights import iter_safetensors, load_weights
-from tests.distributed.helpers import rel_error, run_ranks
+from tests.distributed.helpers import check_two_gpu_config, rel_error, run_ranks
 
 TOL = 1e-5
 BATCH, TEXT_LEN = 2, 5
@@ -107,20 +107,7 @@ def test_wan22_declares_what_its_dit_splits(checkpoint):
 
 @pytest.mark.parametrize("name, split", [("wan22_sp2.yaml", (1, 2)), ("wan22_tp2.yaml", (2, 1))])
 def test_two_gpu_configs_split_the_dit(checkpoint, name, split):
-    from mstar.config import load_config
-    from mstar.model.registry import model_class
-    from mstar.runtime.placement import build_placement
-
-    path = Path(__file__).resolve().parents[3] / "configs" / name
-    assert load_config(path).device == "cuda"
-    config = load_config(path, {"device": "cpu", "model_path": str(checkpoint.root)})  # no GPU here
-    spec = model_class(config.model)(config)
-    placement = build_placement(spec.graph(), config, spec)  # checks the split against the heads
-    group = next(g for g in config.node_groups if "dit" in g.node_names)
-    assert (group.tp_size, group.sp_size) == split and list(group.ranks) == [0, 1]
-    for walk in ("t2v_guided", "i2v_guided"):
-        assert placement.rank_of(walk, "dit") == 0  # the group's leader
-    assert config.num_ranks == 2
+    check_two_gpu_config(name, str(checkpoint.root), split, ("t2v_guided", "i2v_guided"))
 
 
 def videos(root: Path, node_groups: list, in_process: bool, **knobs) -> list[np.ndarray]:
