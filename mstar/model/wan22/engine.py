@@ -15,7 +15,7 @@ from mstar.model.wan22.checkpoint import WanCheckpoint
 from mstar.model.wan22.denoise import WanDenoiseEngine
 from mstar.model.wan22.knobs import WanKnobs
 from mstar.model.wan22.transformer import WanTransformer
-from mstar.model.wan22.vae import WanVAE, frames_uint8
+from mstar.model.wan22.vae import WanVAE, frames_uint8, use_fused_kernels
 
 # Kept in float32 in a bf16 deployment, as diffusers keeps them (its _keep_in_fp32_modules): the
 # time MLP, the modulation tables and the cross-attention norm.
@@ -56,6 +56,7 @@ def dit_engine(dit: WanTransformer, ckpt: WanCheckpoint, knobs: WanKnobs, device
 
 
 def vae_engine(vae: WanVAE, knobs: WanKnobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:
+    use_fused_kernels(vae, knobs.fused_kernels)
     decode = knobs.vae_decode(vae)
 
     def run(op, items):
@@ -71,7 +72,8 @@ def vae_engine(vae: WanVAE, knobs: WanKnobs, device: torch.device, dtype: torch.
             if op == "encode":
                 results = [{"condition": z} for z in vae.normalize(vae.encode(x).float())]
             else:
-                results = [{"frames": frames_uint8(v).cpu()} for v in decode(vae.denormalize(x))]
+                results = [{"frames": frames_uint8(v).cpu()}
+                           for v in decode(vae.denormalize(x), chunk=knobs.vae_decode_chunk)]
             for i, result in zip(rows, results):
                 out[i] = result
         return out

@@ -9,9 +9,13 @@ from typing import Literal
 from pydantic import Field
 
 from mstar.model.diffusion_knobs import DiffusionKnobs, Steps
+from mstar.model.knobs import FusedKernels
 
 
-class WanKnobs(DiffusionKnobs):
+class WanKnobs(DiffusionKnobs, FusedKernels):
+    """``fused_kernels``: the VAE's channel RMS norms and their SiLU as one Triton kernel each
+    (``mstar.layers.triton_channel_norm``), three passes over an activation instead of about ten."""
+
     num_inference_steps: Steps = 50
 
     guidance_scale: float = Field(5.0, ge=1.0)
@@ -23,6 +27,10 @@ class WanKnobs(DiffusionKnobs):
 
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     """The VAE's dtype, whatever the deployment's: float32 as in the model card's recipe."""
+
+    vae_decode_chunk: int = Field(4, ge=1)
+    """Latent frames the VAE decodes together after the first (diffusers: 1). The same video;
+    larger chunks make fewer, larger convolutions and hold more activations at once."""
 
     max_video_pixels: int = Field(1 << 28, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (2^28: about 3.6x the

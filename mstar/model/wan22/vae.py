@@ -6,9 +6,10 @@ by name; the Wan2.1 layout (plain up blocks, 16 channels) is refused.
 
 Time is causal. Every 3D convolution sees only the present and past frames (zero-padded in
 front), and the video is coded chunk by chunk, as the reference does: the encoder takes the
-first frame alone, then four frames at a time; the decoder one latent frame at a time. A
-``FrameCache`` carries each convolution's last two input frames from one chunk to the next, so
-chunked coding equals coding the whole clip causally without holding all of its activations.
+first frame alone, then four frames at a time; the decoder the first latent frame alone, then a
+few at a time (the reference: one). A ``FrameCache`` carries each convolution's last two input
+frames from one chunk to the next, so chunked coding equals coding the whole clip causally
+without holding all of its activations.
 The first chunk is special where the time resolution changes: the encoder's temporal
 downsampler keeps its single frame, the decoder's temporal upsampler does not double it, so
 ``1 + 4k`` frames map to ``1 + k`` latent frames and back.
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 CACHE_FRAMES = 2  # past input frames a kernel-3 causal convolution needs
+DECODE_CHUNK = 4  # latent frames decoded together after the first (16 video frames)
 
 
 class FrameCache(dict):
@@ -75,37 +77,61 @@ class WanVAEConfig:
 
 class CausalConv3d(nn.Conv3d):
     """A 3D convolution padded only in front in time (``2 * padding`` frames); with a
-    ``FrameCache`` the front padding is the previous chunk's last input frames instead."""
+    ``FrameCache`` the front padding is the previous chunk's last input frames instead. Space is
+    zero-padded by the convolution itself (no padded copy of the input)."""
 
     def __init__(self, in_dim: int, out_dim: int, kernel: int | tuple[int, int, int], stride: int | tuple = 1,
                  padding: int | tuple[int, int, int] = 0) -> None:
-        super().__init__(in_dim, out_dim, kernel, stride=stride)
         pt, ph, pw = (padding,) * 3 if isinstance(padding, int) else padding
-        self.space_pad = (pw, pw, ph, ph)
+        super().__init__(in_dim, out_dim, kernel, stride=stride, padding=(0, ph, pw))
         self.time_pad = 2 * pt
 
     def forward(self, x: torch.Tensor, cache: FrameCache | None = None) -> torch.Tensor:
-        time_pad = self.time_pad
-        if cache is not None and time_pad > 0:
-            past = cache.get(self)
-            cache[self] = (x if past is None else torch.cat([past, x], dim=2))[:, :, -CACHE_FRAMES:].clone()
-            if past is not None:
+        if self.time_pad:
+            past = cache.get(self) if cache is not None else None
+            if past is None:
+                x = F.pad(x, (0, 0, 0, 0, self.time_pad, 0))
+            else:
                 x = torch.cat([past, x], dim=2)
-                time_pad -= past.shape[2]
-        return super().forward(F.pad(x, (*self.space_pad, time_pad, 0)))
+            if cache is not None:  # a view: nothing writes to a convolution's input afterwards
+                cache[self] = x[:, :, -CACHE_FRAMES:]
+        return super().forward(x)
+
+
+def conv_frames(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """A 2D convolution applied to every frame of ``[B, C, T, H, W]``, as a 3D convolution whose
+    kernel spans one frame (no transposed copies of the video)."""
+    return F.conv3d(x, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, *conv.padding))
 
 
 class RMSNorm(nn.Module):
-    """``x / ||x||`` over channels, times ``sqrt(dim) * gamma`` (diffusers' ``WanRMS_norm``)."""
+    """``x / ||x||`` over channels, times ``sqrt(dim) * gamma`` (diffusers' ``WanRMS_norm``);
+    ``silu`` applies SiLU to the result (the residual blocks' norm-then-activation). ``fused``:
+    one Triton kernel (``mstar.layers.triton_channel_norm``) in place of the eager ops."""
 
     def __init__(self, dim: int, images: bool = False) -> None:
         super().__init__()
         self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, 1, 1) if images else torch.ones(dim, 1, 1, 1))
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        if self.fused:
+            from mstar.layers.triton_channel_norm import channel_norm
+
+            return channel_norm(x, self.gamma * self.scale, silu)
         low = x.dtype in (torch.float16, torch.bfloat16)
-        return F.normalize(x.float() if low else x, dim=1).to(x.dtype) * self.scale * self.gamma
+        y = F.normalize(x.float() if low else x, dim=1)
+        y = y.to(x.dtype) if low else y
+        y = y.mul_(self.scale).mul_(self.gamma)
+        return F.silu(y, inplace=True) if silu else y
+
+
+def use_fused_kernels(vae: nn.Module, enabled: bool = True) -> None:
+    """Run every VAE ``RMSNorm`` under ``vae`` (with its SiLU) as one Triton kernel."""
+    for module in vae.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = enabled
 
 
 class ResidualBlock(nn.Module):
@@ -119,8 +145,8 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        x = self.conv1(F.silu(self.norm1(x)), cache)
-        return self.conv2(F.silu(self.norm2(x)), cache) + skip
+        x = self.conv1(self.norm1(x, silu=True), cache)
+        return self.conv2(self.norm2(x, silu=True), cache).add_(skip)
 
 
 class AttentionBlock(nn.Module):
@@ -151,13 +177,6 @@ class MidBlock(nn.Module):
         return self.resnets[1](self.attentions[0](x), cache)
 
 
-def _per_frame(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A 2D module applied to every frame of ``[B, C, T, H, W]``."""
-    b, _, t = x.shape[:3]
-    y = conv(x.transpose(1, 2).flatten(0, 1))
-    return y.unflatten(0, (b, t)).transpose(1, 2)
-
-
 class Downsample(nn.Module):
     """Halve height and width (a stride-2 conv, padded right and bottom); with ``temporal``, also
     halve time (a stride-2 causal conv over the previous chunk's last frame and this chunk)."""
@@ -168,11 +187,11 @@ class Downsample(nn.Module):
         self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
-        x = _per_frame(self.resample, x)
+        x = conv_frames(self.resample[1], F.pad(x, (0, 1, 0, 1)))
         if self.time_conv is None:
             return x
         past = cache.get(self)
-        cache[self] = x[:, :, -1:].clone()
+        cache[self] = x[:, :, -1:]
         return x if past is None else self.time_conv(torch.cat([past, x], dim=2))
 
 
@@ -194,7 +213,8 @@ class Upsample(nn.Module):
                 x = torch.stack([x[:, 0], x[:, 1]], dim=3).reshape(b, c, 2 * t, h, w)
             else:
                 cache[self] = True  # the first chunk: its frame is not doubled
-        return _per_frame(self.resample, x)  # nearest copies values: exact in any dtype
+        x = F.interpolate(x, scale_factor=(1.0, 2.0, 2.0), mode="nearest-exact")  # copies values: exact
+        return conv_frames(self.resample[1], x)
 
 
 def avg_down(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int) -> torch.Tensor:
@@ -211,8 +231,9 @@ def dup_up(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int, first_ch
     """The up blocks' shortcut: channels repeated and unfolded into space (and time); the first
     chunk keeps only its last ``1`` of ``factor_t`` frames."""
     b, c, t, h, w = x.shape
-    x = x.repeat_interleave(out_dim * factor_t * factor_s * factor_s // c, dim=1)
-    x = x.view(b, out_dim, factor_t, factor_s, factor_s, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+    repeat = out_dim * factor_t * factor_s * factor_s // c  # each channel repeated in place, as a view
+    x = x[:, :, None].expand(b, c, repeat, t, h, w).reshape(b, out_dim, factor_t, factor_s, factor_s, t, h, w)
+    x = x.permute(0, 1, 5, 2, 6, 3, 7, 4)
     x = x.reshape(b, out_dim, t * factor_t, h * factor_s, w * factor_s)
     return x[:, :, factor_t - 1:] if first_chunk else x
 
@@ -246,7 +267,7 @@ class UpBlock(nn.Module):
             x = resnet(x, cache)
         if self.upsampler is not None:
             x = self.upsampler(x, cache)
-        return x if skip is None else x + skip
+        return x if skip is None else x.add_(skip)
 
 
 class Encoder(nn.Module):
@@ -267,7 +288,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, cache)
         x = self.mid_block(x, cache)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+        return self.conv_out(self.norm_out(x, silu=True), cache)
 
 
 class Decoder(nn.Module):
@@ -289,7 +310,7 @@ class Decoder(nn.Module):
         x = self.mid_block(self.conv_in(x, cache), cache)
         for block in self.up_blocks:
             x = block(x, cache, first_chunk)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+        return self.conv_out(self.norm_out(x, silu=True), cache)
 
 
 def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
@@ -328,12 +349,19 @@ class WanVAE(nn.Module):
         out = torch.cat([self.encoder(chunk, cache) for chunk in chunks], dim=2)
         return self.quant_conv(out)[:, : self.config.z_dim]
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """VAE latents ``[B, z_dim, T, h, w]`` -> video ``[B, 3, 1 + 4 (T - 1), 16h, 16w]`` in ``[-1, 1]``."""
+    def decode(self, latents: torch.Tensor, chunk: int = DECODE_CHUNK) -> torch.Tensor:
+        """VAE latents ``[B, z_dim, T, h, w]`` -> video ``[B, 3, 1 + 4 (T - 1), 16h, 16w]`` in ``[-1, 1]``.
+
+        The first latent frame is decoded alone, the rest ``chunk`` latent frames at a time: the
+        reference decodes one at a time, and as every layer is causal in time and carries its
+        past in the cache, larger chunks give the same video with fewer, larger convolutions."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1, got {chunk}")
         x = self.post_quant_conv(latents)
         cache = FrameCache()
-        out = torch.cat([self.decoder(x[:, :, i:i + 1], cache, i == 0) for i in range(x.shape[2])], dim=2)
-        return unpatchify(out, self.config.patch_size).clamp(-1.0, 1.0)
+        chunks = [x[:, :, :1], *(x[:, :, 1:].split(chunk, dim=2) if x.shape[2] > 1 else ())]
+        out = torch.cat([self.decoder(part, cache, i == 0) for i, part in enumerate(chunks)], dim=2)
+        return unpatchify(out, self.config.patch_size).clamp_(-1.0, 1.0)
 
     def _stats(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mean, 1 / std)``, per channel, computed in float32 then cast to ``latents``' dtype."""
@@ -358,4 +386,4 @@ def frames_uint8(video: torch.Tensor) -> torch.Tensor:
     return ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
 
 
-__all__: Sequence[str] = ["FrameCache", "WanVAE", "WanVAEConfig", "frames_uint8"]
+__all__: Sequence[str] = ["FrameCache", "WanVAE", "WanVAEConfig", "frames_uint8", "use_fused_kernels"]

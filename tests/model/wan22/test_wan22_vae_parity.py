@@ -53,15 +53,17 @@ def test_encode_parity(models):
         check("encode one frame", ours.encode(image), ref.encode(image).latent_dist.mode())
 
 
-@pytest.mark.parametrize("frames", [1, 3])
-def test_decode_parity(models, frames):
+@pytest.mark.parametrize(("frames", "chunk"), [(1, 4), (3, 4), (6, 1), (6, 2), (6, 4)])
+def test_decode_parity(models, frames, chunk):
+    """The reference decodes one latent frame at a time; ours after the first ``chunk`` at a time
+    (6 frames at 2 or 4: chunks of 2, 2, 1 and 4, 1)."""
     ours, ref = models
     latents = torch.randn(2, 4, frames, 2, 4, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = ref.decode(latents).sample
-        got = ours.decode(latents)
+        got = ours.decode(latents, chunk=chunk)
     assert got.shape == (2, 3, 1 + 4 * (frames - 1), 32, 64)
-    check(f"decode {frames} latent frames", got, want)
+    check(f"decode {frames} latent frames, chunk {chunk}", got, want)
 
 
 def test_normalize_round_trip(models):

@@ -1,0 +1,87 @@
+"""The fused channel RMS norm + SiLU kernel against its torch reference and the Wan2.2 VAE's
+eager norm, and a tiny VAE decode with the kernel against eager.
+
+Without a GPU the kernel runs on CPU tensors under Triton's interpreter (see
+tests/support/triton_interpreter.py); when Triton was imported first in this session the kernel
+tests skip here and ``test_kernels_in_a_fresh_interpreter`` runs the file again in a process of
+its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.layers import triton_channel_norm  # noqa: E402
+from mstar.layers.triton_channel_norm import channel_norm, torch_channel_norm  # noqa: E402
+from mstar.model.wan22.vae import RMSNorm, WanVAE, WanVAEConfig, use_fused_kernels  # noqa: E402
+from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
+
+RUNNABLE = kernels_runnable(triton_channel_norm)
+runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
+
+TINY_VAE = dict(base_dim=4, decoder_base_dim=6, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16, latents_mean=[0.0] * 4,
+                latents_std=[1.0] * 4)
+
+
+@runnable
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("shape", [(2, 37, 3, 5, 19), (1, 8, 130), (3, 64, 2, 4)], ids=["5d", "3d", "4d"])
+def test_kernel_matches_the_torch_reference(shape, silu):
+    """Channel counts past one tile (37, 64) and not a multiple of it; pixel counts past one
+    block (285, 130) and under it; one pixel of all zeros (the norm's floor)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(DEVICE)
+    x[0, :, 0] = 0.0
+    weight = torch.randn(shape[1], generator=g).to(DEVICE)
+    got, want = channel_norm(x, weight, silu), torch_channel_norm(x, weight, silu)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert (got - want).abs().max() < 1e-5
+    assert not got[0, :, 0].any()
+
+
+@runnable
+def test_bfloat16_keeps_its_dtype():
+    x = torch.randn(2, 40, 70).to(DEVICE, torch.bfloat16)
+    weight = torch.rand(40).to(DEVICE)
+    got = channel_norm(x, weight, True)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - torch_channel_norm(x, weight, True).float()).abs().max() < 2e-2
+
+
+@runnable
+@pytest.mark.parametrize("images", [False, True])
+def test_vae_norm_fused_equals_eager(images):
+    norm = RMSNorm(24, images=images).to(DEVICE)
+    with torch.no_grad():
+        norm.gamma.copy_(torch.rand_like(norm.gamma) + 0.5)
+    x = torch.randn(2, 24, 3, 9, 7, device=DEVICE)
+    x = x[:, :, 0] if images else x
+    with torch.no_grad():
+        eager = norm(x, silu=not images)
+        norm.fused = True
+        fused = norm(x, silu=not images)
+    assert (fused - eager).abs().max() < 1e-5
+
+
+@runnable
+def test_vae_decode_fused_equals_eager():
+    torch.manual_seed(0)
+    vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE)).to(DEVICE).eval()
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if "gamma" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+        latents = torch.randn(1, 4, 2, 2, 3, device=DEVICE)
+        eager = vae.decode(latents)
+        use_fused_kernels(vae)
+        fused = vae.decode(latents)
+    assert (fused - eager).abs().max() < 1e-4
+
+
+def test_kernels_in_a_fresh_interpreter():
+    if RUNNABLE or DEVICE.type == "cuda":
+        pytest.skip("the kernels ran in this process")
+    rerun_in_fresh_interpreter(__file__)
