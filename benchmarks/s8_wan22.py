@@ -384,7 +384,7 @@ def wan_dir(tmp: str | Path, settings: Settings) -> Path:
     return root
 
 
-def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
+def deployment(settings: Settings, model_dir: Path, vae_dtype: str = "float32") -> dict[str, Any]:
     area = settings.width * settings.height
     kwargs: dict[str, Any] = {"num_inference_steps": settings.steps, "guidance_scale": GUIDANCE,
                               "max_image_area": area, "max_video_pixels": area * settings.frames,
@@ -397,24 +397,24 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
         kwargs["attention_backend"] = settings.attention_backend
     if settings.fused_kernels:
         kwargs["fused_kernels"] = True
-    if settings.vae_dtype != "float32":
-        kwargs["vae_dtype"] = settings.vae_dtype
+    if vae_dtype != "float32":
+        kwargs["vae_dtype"] = vae_dtype
     return {"model": "wan22", "model_path": str(model_dir), "load_format": "dummy", "device": settings.device,
             "dtype": str(settings.dtype).removeprefix("torch."), "max_concurrent_requests": 2,
             "model_kwargs": kwargs}
 
 
-def run_ours(settings: Settings, model_dir: Path) -> dict[str, Any]:
+def run_ours(settings: Settings, model_dir: Path, vae_dtype: str = "float32") -> dict[str, Any]:
     """Seconds per clip through an in-process ``wan22`` deployment (a short warm-up request
-    first)."""
+    first), its VAE in ``vae_dtype``."""
     import mstar.model.wan22.model  # noqa: F401  (registers wan22)
     from mstar.config import parse_config
     from mstar.contract import GenerateSpec
     from mstar.runtime.launch import start
 
     t0 = time.perf_counter()
-    d = start(parse_config(deployment(settings, model_dir), "s8 config"), in_process=True)
-    out: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
+    d = start(parse_config(deployment(settings, model_dir, vae_dtype), "s8 config"), in_process=True)
+    out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "vae_dtype": vae_dtype}
     log.info("ours: wan22 deployment ready in %.1f s", out["startup_s"])
     expected = settings.frames * settings.height * settings.width * 3
     counter = iter(range(1 << 30))
@@ -532,7 +532,8 @@ def scenario_name(settings: Settings) -> str:
 
 
 def metrics_from(settings: Settings, rates: dict[str, float], flops: dict[str, Any], dit: dict | None,
-                 ours: dict | None, pipelines: dict[str, dict]) -> list[Metric]:
+                 ours: dict | None, pipelines: dict[str, dict], ours_more: dict[str, dict] | None = None
+                 ) -> list[Metric]:
     rows: list[Metric] = []
     scenario = scenario_name(settings)
     for n in settings.batches:
@@ -556,13 +557,18 @@ def metrics_from(settings: Settings, rates: dict[str, float], flops: dict[str, A
             row.ours = statistics.median(ours["s_per_clip"])
             row.notes.update({"ours_runtime_compile": settings.runtime_compile,
                               "ours_vae_compile": settings.vae_compile, "ours_fused_kernels": settings.fused_kernels,
-                              "ours_vae_dtype": settings.vae_dtype, "ours_s_per_clip": ours["s_per_clip"]})
+                              "ours_vae_dtype": ours["vae_dtype"], "ours_s_per_clip": ours["s_per_clip"]})
         if "s_per_clip" in pipeline:
             row.baseline = statistics.median(pipeline["s_per_clip"])
             row.notes["baseline_s_per_clip"] = pipeline["s_per_clip"]
         row.notes["baseline_is"] = f"diffusers WanPipeline (expand_timesteps), {kind}, output_type np"
         row.notes["clip"] = f"{settings.width}x{settings.height}x{settings.frames}, {settings.steps} steps, CFG 5"
         rows.append(row)
+        for dtype, more in (ours_more or {}).items():  # ours again with another VAE dtype
+            extra = Metric(scenario, f"clip {kind} baseline, ours' VAE {dtype}", "s/clip", "lower", floor=floor_s)
+            extra.ours, extra.baseline = statistics.median(more["s_per_clip"]), row.baseline
+            extra.notes = {**row.notes, "ours_vae_dtype": dtype, "ours_s_per_clip": more["s_per_clip"]}
+            rows.append(extra)
     return rows
 
 
@@ -584,8 +590,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vae-compile", action="store_true", help="model_kwargs.vae_compile=true for ours' clips")
     p.add_argument("--fused-kernels", action="store_true",
                    help="model_kwargs.fused_kernels=true for ours' clips (the VAE's norms as Triton kernels)")
-    p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="ours' VAE dtype (model_kwargs.vae_dtype); the baseline's stays float32")
+    p.add_argument("--vae-dtype", default="float32",
+                   help="ours' VAE dtype (model_kwargs.vae_dtype), or a comma list (one deployment each: "
+                        "float32,bfloat16); the baseline's stays float32")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-clips", action="store_true", help="do not time whole clips")
     p.add_argument("--skip-eager-pipeline", action="store_true", help="no eager WanPipeline clip")
@@ -608,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
              flops["vae_decode"] / 1e12)
 
     dit = ours = None
+    ours_more: dict[str, dict] = {}
     pipelines: dict[str, dict] = {}
     errors: dict[str, str] = {}
     if not args.skip_dit:
@@ -615,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_clips:
         with tempfile.TemporaryDirectory(prefix="s8-wan-") as tmp:
             model_dir = wan_dir(Path(tmp) / "model", settings)
-            ours = run_ours(settings, model_dir)
+            dtypes = settings.vae_dtype.split(",")
+            ours = run_ours(settings, model_dir, dtypes[0])
+            ours_more = {dtype: run_ours(settings, model_dir, dtype) for dtype in dtypes[1:]}
             kinds = ([] if args.skip_eager_pipeline else ["eager"]) + (["compiled"] if settings.compile else [])
             for kind in kinds:
                 try:
@@ -632,10 +642,10 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": {"matmul_tflops": rates, "dit_tokens": settings.tokens, "text_tokens": TEXT_TOKENS,
                      "flops": {k: ({str(n): f for n, f in v.items()} if isinstance(v, dict) else v)
                                for k, v in flops.items()}},
-        "metrics": metrics_from(settings, rates, flops, dit, ours, pipelines),
+        "metrics": metrics_from(settings, rates, flops, dit, ours, pipelines, ours_more),
         "dit": None if dit is None else {k: ({str(n): x for n, x in v.items()} if isinstance(v, dict) else v)
                                          for k, v in dit.items()},
-        "clips": {"ours": ours, **pipelines},
+        "clips": {"ours": ours, **{f"ours_vae_{k}": v for k, v in ours_more.items()}, **pipelines},
         "errors": errors,
         "total_s": time.perf_counter() - started,
     }

@@ -67,7 +67,8 @@ def test_vae_norm_fused_equals_eager(images):
 
 
 @runnable
-def test_vae_decode_fused_equals_eager():
+def test_vae_decode_fused_equals_eager(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions would swamp 1e-4
     torch.manual_seed(0)
     vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE)).to(DEVICE).eval()
     with torch.no_grad():

@@ -28,9 +28,9 @@ class WanKnobs(DiffusionKnobs, FusedKernels):
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     """The VAE's dtype, whatever the deployment's: float32 as in the model card's recipe."""
 
-    vae_decode_chunk: int = Field(4, ge=1)
-    """Latent frames the VAE decodes together after the first (diffusers: 1). The same video;
-    larger chunks make fewer, larger convolutions and hold more activations at once."""
+    vae_decode_chunk: int = Field(1, ge=1)
+    """Latent frames the VAE decodes together after the first (1, as diffusers). The same video;
+    larger chunks make fewer, larger convolutions and hold several times the activations."""
 
     max_video_pixels: int = Field(1 << 28, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (2^28: about 3.6x the

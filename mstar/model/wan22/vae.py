@@ -6,8 +6,8 @@ by name; the Wan2.1 layout (plain up blocks, 16 channels) is refused.
 
 Time is causal. Every 3D convolution sees only the present and past frames (zero-padded in
 front), and the video is coded chunk by chunk, as the reference does: the encoder takes the
-first frame alone, then four frames at a time; the decoder the first latent frame alone, then a
-few at a time (the reference: one). A ``FrameCache`` carries each convolution's last two input
+first frame alone, then four frames at a time; the decoder the first latent frame alone, then
+one (or ``chunk``) at a time. A ``FrameCache`` carries each convolution's last two input
 frames from one chunk to the next, so chunked coding equals coding the whole clip causally
 without holding all of its activations.
 The first chunk is special where the time resolution changes: the encoder's temporal
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 CACHE_FRAMES = 2  # past input frames a kernel-3 causal convolution needs
-DECODE_CHUNK = 4  # latent frames decoded together after the first (16 video frames)
+DECODE_CHUNK = 1  # latent frames decoded together after the first (as the reference)
 
 
 class FrameCache(dict):
@@ -93,8 +93,8 @@ class CausalConv3d(nn.Conv3d):
                 x = F.pad(x, (0, 0, 0, 0, self.time_pad, 0))
             else:
                 x = torch.cat([past, x], dim=2)
-            if cache is not None:  # a view: nothing writes to a convolution's input afterwards
-                cache[self] = x[:, :, -CACHE_FRAMES:]
+            if cache is not None:
+                cache[self] = x[:, :, -CACHE_FRAMES:].clone()  # not a view: it would hold the whole chunk
         return super().forward(x)
 
 
@@ -213,8 +213,9 @@ class Upsample(nn.Module):
                 x = torch.stack([x[:, 0], x[:, 1]], dim=3).reshape(b, c, 2 * t, h, w)
             else:
                 cache[self] = True  # the first chunk: its frame is not doubled
-        x = F.interpolate(x, scale_factor=(1.0, 2.0, 2.0), mode="nearest-exact")  # copies values: exact
-        return conv_frames(self.resample[1], x)
+        b, c, t, h, w = x.shape  # frames as channels: the 2D kernel (the 3D one is ~3x slower on a GPU)
+        x = F.interpolate(x.reshape(b, c * t, h, w), scale_factor=2.0, mode="nearest-exact")  # copies values
+        return conv_frames(self.resample[1], x.view(b, c, t, 2 * h, 2 * w))
 
 
 def avg_down(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int) -> torch.Tensor:
@@ -354,7 +355,8 @@ class WanVAE(nn.Module):
 
         The first latent frame is decoded alone, the rest ``chunk`` latent frames at a time: the
         reference decodes one at a time, and as every layer is causal in time and carries its
-        past in the cache, larger chunks give the same video with fewer, larger convolutions."""
+        past in the cache, larger chunks give the same video with fewer, larger convolutions
+        (~2% faster at 4 for S8's clip on an H100) and several times the activations."""
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1, got {chunk}")
         x = self.post_quant_conv(latents)
