@@ -183,8 +183,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def dit_step_flops(dit: dict[str, Any], tokens: int, text_tokens: int, batch: int) -> float:
     """FLOPs of one DiT forward, counted from the shapes: every matrix product (2 per
     multiply-add) and the attention products (``QK^T`` and ``PV``, self and cross); norms,
-    modulation, RoPE and softmax are left out. The time MLP counts once per row: ours runs it
-    once per distinct time (TI2V's per-token times take two values a row)."""
+    modulation, RoPE and softmax are left out. The time MLP counts twice per row: ours embeds
+    each row's smallest and largest time (TI2V's per-token times take those two values)."""
     d = dit["num_attention_heads"] * dit["attention_head_dim"]
     per_token = 4 * d * d + 2 * d * d + 2 * d * dit["ffn_dim"]  # self q,k,v,o; cross q,o; FFN in and out
     kv_text = 2 * text_tokens * d * d  # cross-attention's k and v over the text
@@ -193,7 +193,7 @@ def dit_step_flops(dit: dict[str, Any], tokens: int, text_tokens: int, batch: in
     patch = dit["in_channels"] * dit["patch_size"][0] * dit["patch_size"][1] * dit["patch_size"][2]
     embed = 2 * tokens * patch * d + 2 * text_tokens * (dit["text_dim"] * d + d * d)  # patches; text MLP
     out = 2 * tokens * d * patch * dit["out_channels"] // dit["in_channels"]
-    time = 2 * (dit["freq_dim"] * d + d * d + d * 6 * d)  # the time MLP and its modulation, once per distinct time
+    time = 2 * 2 * (dit["freq_dim"] * d + d * d + d * 6 * d)  # the time MLP and its modulation, two times a row
     return float(batch * (dit["num_layers"] * block + embed + out + time))
 
 

@@ -101,15 +101,14 @@ class UniPC:
                 order: int, corrector: torch.Tensor | None = None) -> torch.Tensor:
         """The UniPC-bh2 move from sigma ``s`` to sigma ``t`` (``t = s + 1``) from the estimates
         ``history`` (newest last, at sigma ``s``): the predictor, or with ``corrector`` (the new
-        estimate at ``t``) the corrector. Scalars in float32, in diffusers' order of operations."""
-        device = x.device
+        estimate at ``t``) the corrector. Scalars in float32, in diffusers' order of operations,
+        computed where ``sigmas`` live (the host): a 0-dim host tensor enters a GPU op as a
+        plain value, so a step makes no host-device copy and never waits for the GPU."""
 
         def log_snr(i: int) -> torch.Tensor:
-            sigma = sigmas[i].to(device)
-            return torch.log(1 - sigma) - torch.log(sigma)
+            return torch.log(1 - sigmas[i]) - torch.log(sigmas[i])
 
-        alpha_t, sigma_t = 1 - sigmas[t].to(device), sigmas[t].to(device)
-        sigma_s = sigmas[s].to(device)
+        alpha_t, sigma_t, sigma_s = 1 - sigmas[t], sigmas[t], sigmas[s]
         lambda_s = log_snr(s)
         h = log_snr(t) - lambda_s
         m0 = history[-1]
@@ -118,7 +117,7 @@ class UniPC:
             rk = (log_snr(s - i) - lambda_s) / h
             rks.append(rk)
             d1s.append((history[-(i + 1)] - m0) / rk)
-        rks.append(torch.ones((), device=device))
+        rks.append(torch.ones((), dtype=sigmas.dtype))
         rks = torch.stack(rks)
         hh = -h
         h_phi_1 = torch.expm1(hh)
@@ -136,11 +135,16 @@ class UniPC:
         if corrector is None:
             if not d1s:
                 return (x_t - alpha_t * b_h * 0).to(x.dtype)
-            rhos = torch.ones(1, dtype=x.dtype, device=device) * 0.5 if order == 2 else \
-                torch.linalg.solve(r[:-1, :-1], b[:-1]).to(x.dtype)
-            res = torch.einsum("k,bkc...->bc...", rhos, torch.stack(d1s, dim=1))
-            return (x_t - alpha_t * b_h * res).to(x.dtype)
-        rhos = torch.ones(1, dtype=x.dtype, device=device) * 0.5 if order == 1 else \
-            torch.linalg.solve(r, b).to(x.dtype)
-        res = torch.einsum("k,bkc...->bc...", rhos[:-1], torch.stack(d1s, dim=1)) if d1s else 0
+            rhos = torch.full((1,), 0.5, dtype=sigmas.dtype) if order == 2 else torch.linalg.solve(r[:-1, :-1], b[:-1])
+            return (x_t - alpha_t * b_h * _weighted(rhos, d1s)).to(x.dtype)
+        rhos = torch.full((1,), 0.5, dtype=sigmas.dtype) if order == 1 else torch.linalg.solve(r, b)
+        res = _weighted(rhos[:-1], d1s) if d1s else 0
         return (x_t - alpha_t * b_h * (res + rhos[-1] * (corrector - m0))).to(x.dtype)
+
+
+def _weighted(weights: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_k weights[k] * terms[k]`` with the weights (host scalars) as plain values."""
+    out = weights[0] * terms[0]
+    for weight, term in zip(weights[1:], terms[1:]):
+        out = out + weight * term
+    return out

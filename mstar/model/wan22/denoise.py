@@ -72,7 +72,8 @@ class WanDenoiseEngine(Engine):
         t = self._schedule(item)[1][item.iteration].float()
         c, f, h, w = item.inputs["latents"].shape
         pt, ph, pw = self.patch
-        time = torch.full((f // pt, h // ph, w // pw), float(t))
+        # made where the DiT runs: a host tensor copied up would make the host wait for the GPU
+        time = torch.full((f // pt, h // ph, w // pw), float(t), device=self.device)
         if "condition" in item.inputs:
             time[0] = 0.0
         return time.flatten()

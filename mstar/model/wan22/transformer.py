@@ -191,12 +191,20 @@ class ConditionEmbedder(nn.Module):
         self.text_embedder = TextProjection(config.text_dim, config.dim)
 
     def time(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``t [B, T]`` (time x 1000) -> ``temb [B, T, D]`` and ``time_proj [B, T, 6, D]``; each
-        distinct value is embedded once."""
-        values, where = torch.unique(t, return_inverse=True)
+        """``t [B, T]`` (time x 1000) -> ``temb [B, T, D]`` and ``time_proj [B, T, 6, D]``.
+
+        A row's times take at most two values (TI2V: the step's time, and 0 on an image's
+        condition frame), so each row's smallest and largest are embedded and every token takes
+        one of the two: no data-dependent shapes (``torch.unique``), so the host never waits for
+        the GPU here. A row with a third value fails an assertion on the device."""
+        low, high = t.amin(dim=1, keepdim=True), t.amax(dim=1, keepdim=True)
+        torch._assert_async(((t == low) | (t == high)).all(), "a row's per-token times take more than two values")
+        values = torch.cat([low, high], dim=1).flatten()  # [2B]: row b's low at 2b, high at 2b + 1
         features = timestep_sinusoid(values, self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
         temb = self.time_embedder(features).to(dtype)
         proj = self.time_proj(F.silu(temb))
+        rows = torch.arange(t.shape[0], device=t.device)[:, None]
+        where = 2 * rows + (t == high).long()
         return temb[where], proj[where].unflatten(-1, (6, -1))
 
 
