@@ -22,8 +22,9 @@ def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float | torch.Ten
     independently, so batching requests does not change their results.
     """
     dtype = v_cond.dtype
-    g = torch.as_tensor(scale, dtype=torch.float32, device=v_cond.device)
-    if g.ndim == 1:
-        g = g.view(-1, *([1] * (v_cond.ndim - 1)))
+    if isinstance(scale, torch.Tensor) and scale.ndim == 1:
+        g = scale.to(v_cond.device, torch.float32).view(-1, *([1] * (v_cond.ndim - 1)))
+    else:  # a 0-dim host tensor enters the product as a value: no copy up, no wait for the GPU
+        g = torch.as_tensor(scale, dtype=torch.float32, device="cpu")
     delta = v_cond - v_uncond
     return (v_uncond.float() + (g * delta.float()).to(dtype).float()).to(dtype)
