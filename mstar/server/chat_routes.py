@@ -78,9 +78,9 @@ async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBa
         return None
     data: list[bytes | None] = [input_audio_bytes(part.input_audio, name, MAX_CHAT_MEDIA_BYTES["audio"])
                                 if part.input_audio is not None else None for name, part in parts]
-    remote = [(i, getattr(part, part.type).url, f"{name}.{part.type}.url", MAX_CHAT_MEDIA_BYTES[part.modality])
-              for i, (name, part) in enumerate(parts) if data[i] is None]
-    for (i, *_), fetched in zip(remote, await fetch_all([ref for _, *ref in remote]), strict=True):
+    fetches = [(i, (getattr(part, part.type).url, f"{name}.{part.type}.url", MAX_CHAT_MEDIA_BYTES[part.modality]))
+               for i, (name, part) in enumerate(parts) if data[i] is None]
+    for (i, _), fetched in zip(fetches, await fetch_all([ref for _, ref in fetches]), strict=True):
         data[i] = fetched
     return data  # type: ignore[return-value]
 
