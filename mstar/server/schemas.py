@@ -34,7 +34,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}  # content part type -> modality
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video", "input_audio": "audio"}  # part type -> modality
+InputAudioFormat = Literal["wav", "mp3", "flac", "ogg"]  # what an ``input_audio`` part may hold (libsndfile reads)
 
 
 class MediaURL(BaseModel):
@@ -49,15 +50,25 @@ class MediaURL(BaseModel):
         None, description="accepted for OpenAI compatibility; the model's processor picks the resolution")
 
 
+class InputAudio(BaseModel):
+    """An ``input_audio`` part's clip: the file itself, base64 (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    data: str = Field(min_length=1, description="the audio file, base64 (a data URI is taken too)")
+    format: InputAudioFormat = Field(description="the file's container: OpenAI's wav and mp3, and flac and ogg")
+
+
 class ContentPart(BaseModel):
     """One part of a message's content; the field named like its ``type`` is required."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text", "image_url", "video_url"]
+    type: Literal["text", "image_url", "video_url", "input_audio"]
     text: str | None = None
     image_url: MediaURL | None = None
     video_url: MediaURL | None = None
+    input_audio: InputAudio | None = None
 
     @model_validator(mode="after")
     def _has_its_field(self) -> ContentPart:
@@ -69,16 +80,17 @@ class ContentPart(BaseModel):
         return self
 
     @property
-    def media(self) -> MediaURL | None:
-        """Where an image or video part's bytes are; None for a text part."""
-        return getattr(self, self.type) if self.type in MEDIA_PART_TYPES else None
+    def modality(self) -> str | None:
+        """What a media part holds (``image``, ``video``, ``audio``); None for a text part."""
+        return MEDIA_PART_TYPES.get(self.type)
 
 
 _CONTENT_PARTS = TypeAdapter(list[ContentPart])
 
 
 class ChatMessage(BaseModel):
-    """One message: ``content`` is a string or a list of parts (text, image_url, video_url)."""
+    """One message: ``content`` is a string or a list of parts (text, image_url, video_url,
+    input_audio)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -188,15 +200,62 @@ class SamplingRequest(BaseModel):
         )
 
 
+OutputAudioFormat = Literal["wav", "mp3", "flac", "opus", "pcm16", "aac"]  # OpenAI's; the route says which encode
+
+
+class AudioOptions(BaseModel):
+    """OpenAI's ``audio`` of a chat request: how a spoken answer (``modalities`` with
+    ``audio``) sounds and is packed. A custom voice may come as ``{"id": ...}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    voice: str = Field(min_length=1, description="one of the model's voices (/v1/audio/voices)")
+    format: OutputAudioFormat = Field(description="the whole answer's container; streamed deltas are always pcm16")
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("id"), str):
+            return value["id"]
+        return value
+
+
+def _refusal(kind: str, message: str, loc: tuple[str, ...], model: str) -> ValidationError:
+    """A ValidationError at ``loc`` (a model validator's own errors are rooted at the model)."""
+    return ValidationError.from_exception_data(
+        model, [InitErrorDetails(type=PydanticCustomError(kind, message), loc=loc, input=None)])
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions`` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, description='what the answer is made of: ["text"] (the default) or ["text", "audio"]')
+    audio: AudioOptions | None = Field(None, description='the spoken answer\'s voice and format; needed with '
+                                                         '"audio" in modalities')
     max_completion_tokens: int | None = Field(None, ge=1)
     enable_thinking: bool | None = Field(
         None, description="extension: the chat template's thinking switch (None: the template's default)")
     chat_template_kwargs: ChatTemplateKwargs | None = Field(
         None, description="extension (vLLM's): only enable_thinking is read; the top-level field wins")
+
+    @model_validator(mode="after")
+    def _audio_when_spoken(self) -> ChatCompletionRequest:
+        outputs = set(self.modalities or ["text"])
+        if outputs not in ({"text"}, {"text", "audio"}):
+            raise _refusal("unsupported", 'must be ["text"] or ["text", "audio"]', ("modalities",),
+                           "ChatCompletionRequest")
+        if "audio" in outputs and self.audio is None:
+            raise _refusal("missing", 'an "audio" object ({"voice", "format"}) is needed when modalities '
+                                      'hold "audio"', ("audio",), "ChatCompletionRequest")
+        return self
+
+    @property
+    def output_modalities(self) -> list[str]:
+        """``modalities`` in a fixed order, text first; ``["text"]`` when left out."""
+        outputs = set(self.modalities or ["text"])
+        return [m for m in ("text", "audio") if m in outputs]
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -209,27 +268,28 @@ class ChatCompletionRequest(SamplingRequest):
             return self.enable_thinking
         return self.chat_template_kwargs.enable_thinking
 
-    def media_parts(self) -> list[tuple[str, str, str]]:
-        """``(field, modality, url)`` of every image and video part, in prompt order;
-        ``field`` names the part (``messages[i].content[j]``)."""
+    def media_parts(self) -> list[tuple[str, ContentPart]]:
+        """``(field, part)`` of every image, video and audio part, in prompt order; ``field``
+        names the part (``messages[i].content[j]``)."""
         found = []
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.media is not None:
-                    found.append((f"messages[{i}].content[{j}]", MEDIA_PART_TYPES[part.type], part.media.url))
+                if part.modality is not None:
+                    found.append((f"messages[{i}].content[{j}]", part))
         return found
 
     def to_spec(self, request_id: str, media: list[bytes] | None = None) -> ChatSpec:
         """``media`` None: every content as one string (text parts joined), for a text-only
         model. Otherwise the bytes of ``media_parts()`` in order: list contents become the
-        model's parts ``{"type": "text", "text"}`` / ``{"type": "image" | "video", "data"}``."""
+        model's parts ``{"type": "text", "text"}`` / ``{"type": "image" | "video" | "audio",
+        "data"}``."""
         fetched = iter(media or [])
 
         def content(message: ChatMessage) -> str | list[dict]:
             if media is None or isinstance(message.content, str):
                 return message.text
-            return [{"type": "text", "text": part.text} if part.media is None
-                    else {"type": MEDIA_PART_TYPES[part.type], "data": next(fetched)} for part in message.content]
+            return [{"type": "text", "text": part.text} if part.modality is None
+                    else {"type": part.modality, "data": next(fetched)} for part in message.content]
 
         return ChatSpec(
             request_id=request_id,
@@ -239,6 +299,8 @@ class ChatCompletionRequest(SamplingRequest):
             stop=list(self.stop or []),
             ignore_eos=self.ignore_eos,
             enable_thinking=self.thinking,
+            output_modalities=self.output_modalities,
+            audio=self.audio.model_dump() if self.audio is not None and "audio" in self.output_modalities else None,
         )
 
 
@@ -267,9 +329,24 @@ class Usage(BaseModel):
         )
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+class AudioAnswer(BaseModel):
+    """A spoken answer (``message.audio``): the whole clip in the requested format, base64,
+    and what it says. Nothing is kept on the server: ``expires_at`` is the time of the answer."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is spoken (its words are the audio's transcript)
+    audio: AudioAnswer | None = Field(None, exclude_if=_is_none)
 
 
 class Choice(BaseModel):
@@ -288,13 +365,20 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
+class DeltaAudio(BaseModel):
+    """A piece of a streamed spoken answer: PCM16 (base64) or transcript text; the first
+    piece carries the answer's ``id``, the last only ``expires_at``."""
+
+    id: str | None = Field(None, exclude_if=_is_none)
+    data: str | None = Field(None, exclude_if=_is_none)
+    transcript: str | None = Field(None, exclude_if=_is_none)
+    expires_at: int | None = Field(None, exclude_if=_is_none)
 
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
     content: str | None = Field(None, exclude_if=_is_none)
+    audio: DeltaAudio | None = Field(None, exclude_if=_is_none)
 
 
 class ChunkChoice(BaseModel):

@@ -34,3 +34,13 @@ def model_aliases(backend: ServingBackend) -> dict[str, frozenset[str]]:
     """The models of a many-model deployment by their own names, with the tasks each serves
     there (a request may name ``smollm2`` on a ``voice_agent`` server); empty for one model."""
     return dict(getattr(backend, "model_aliases", None) or {})
+
+
+def output_modalities(backend: ServingBackend) -> frozenset[str]:
+    """What the served model's chat answer may be made of: the backend's
+    ``output_modalities``, else its model spec's (the runtime's backend), else text only.
+    With ``audio`` there, the backend speaks its answer (``sample_rate``, ``voices()``)."""
+    declared = getattr(backend, "output_modalities", None)
+    if declared is None:
+        declared = getattr(getattr(backend, "spec", None), "output_modalities", None)
+    return frozenset(declared or ("text",))

@@ -1,4 +1,5 @@
-"""OpenAI's text-to-speech route, /v1/audio/speech, and a voice list, /v1/audio/voices.
+"""OpenAI's text-to-speech route, /v1/audio/speech, and a voice list, /v1/audio/voices (of a
+speech model, or of a chat model that speaks its answers).
 
 The JSON body follows OpenAI (``model``, ``input``, ``voice``, ``response_format``,
 ``speed``, ``stream_format``) plus M* extras: ``stream`` (send the audio as it is
@@ -46,7 +47,7 @@ from mstar.server.errors import (
     validation_error_response,
 )
 from mstar.server.schemas import json_body_openapi, new_id
-from mstar.server.served import resolve_model
+from mstar.server.served import output_modalities, resolve_model
 from mstar.server.streaming import (
     STREAM_HEADERS,
     ClosingStreamingResponse,
@@ -274,6 +275,17 @@ def voice_list(backend: SpeakingBackend) -> list[Voice]:
     return list(described()) if described is not None else [Voice(n) for n in backend.voices()]
 
 
+def _voiced_model(request: Request, model: str | None, backend: SpeakingBackend) -> str:
+    """The model /v1/audio/voices lists the voices of: one that serves speech, or a chat model
+    that speaks its answers (``output_modalities`` with audio); any other is a 400 naming ``model``."""
+    try:
+        return resolve_model(request, model, "speech")
+    except APIError:
+        if "audio" not in output_modalities(backend):  # type: ignore[arg-type]
+            raise
+        return resolve_model(request, model, "chat")
+
+
 def speech_router(backend: SpeakingBackend) -> APIRouter:
     """The text-to-speech routes over ``backend``; its ``speech`` and ``voices`` are called
     only once the route has checked that the model serves speech."""
@@ -286,7 +298,7 @@ def speech_router(backend: SpeakingBackend) -> APIRouter:
     async def voices(request: Request, model: str | None = None) -> JSONResponse:
         """The voices ``voice`` may name: each with the model it belongs to, its language
         (ISO-639-1) where known, and whether it is ``bundled`` or a ``preset`` clip."""
-        name = resolve_model(request, model, "speech")
+        name = _voiced_model(request, model, backend)
         return JSONResponse({"voices": [
             {"voice_id": v.name, "name": v.name, "model": name, "language": v.language, "source": v.source}
             for v in voice_list(backend)]})

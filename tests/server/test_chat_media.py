@@ -193,7 +193,7 @@ def test_capability_comes_from_the_model_spec() -> None:
 
 
 @pytest.mark.parametrize(("part", "param"), [
-    ({"type": "input_audio", "input_audio": {"data": "x"}}, "messages[0].content[1].type"),
+    ({"type": "file", "file": {"file_data": "x"}}, "messages[0].content[1].type"),
     ({"text": "no type"}, "messages[0].content[1].type"),
     ({"type": "image_url"}, "messages[0].content[1].image_url"),
     ({"type": "video_url", "video_url": {}}, "messages[0].content[1].video_url.url"),
@@ -267,7 +267,7 @@ def test_too_many_media(client: TestClient, media_backend: MediaBackend) -> None
     cap = chat_routes.MAX_CHAT_MEDIA
     parts = [image(data_uri(PNG))] * (cap + 1)
     message = refused(chat(client, text("x"), *parts), f"messages[0].content[{cap + 1}]")
-    assert f"at most {cap} images and videos" in message
+    assert f"at most {cap} images, videos and audio clips" in message
     assert chat(client, *parts[:cap]).status_code == 200
 
 

@@ -100,7 +100,7 @@ def test_chat_content_parts_are_published(spec: dict) -> None:
     content = chat["properties"]["messages"]["items"]["properties"]["content"]["anyOf"]
     assert {"string", "array"} == {branch["type"] for branch in content}
     part = next(branch["items"] for branch in content if branch["type"] == "array")
-    assert part["properties"]["type"]["enum"] == ["text", "image_url", "video_url"]
+    assert part["properties"]["type"]["enum"] == ["text", "image_url", "video_url", "input_audio"]
     assert "url" in part["properties"]["image_url"]["anyOf"][0]["properties"]
 
 

@@ -14,7 +14,9 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
@@ -101,6 +103,41 @@ class FakeBackend:
         finally:
             if not finished:
                 self.cancelled.append(prompt)
+
+
+def spoken_samples(word: str, sample_rate: int = 16000) -> np.ndarray:
+    """What ``SpeakingChatBackend`` says for ``word``: 10 ms of a tone set by the word (float32)."""
+    t = np.arange(sample_rate // 100, dtype=np.float32) / sample_rate
+    pitch = 200.0 + 40.0 * (sum(word.encode()) % 16)
+    return (0.5 * np.sin(2 * np.pi * pitch * t)).astype(np.float32)
+
+
+class SpeakingChatBackend(FakeBackend):
+    """A chat model that hears and speaks: takes text and ``audio`` parts (each read as the
+    word ``audio:<bytes>``) and, asked for ``["text", "audio"]``, sends before each word's text
+    event its ``spoken_samples`` as float32 PCM, split unevenly across two events (a sample
+    cut in half). ``voices()`` lists two voices."""
+
+    input_modalities = frozenset({"text", "audio"})
+    output_modalities = frozenset({"text", "audio"})
+    sample_rate = 16000
+    tasks = frozenset({"chat"})
+
+    def voices(self) -> list[str]:
+        return ["ember", "slate"]
+
+    async def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
+        self.chat_specs.append(spec)
+        content = next(m["content"] for m in reversed(spec.messages) if m["role"] == "user")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        prompt = " ".join(p["text"] if p["type"] == "text" else f"{p['type']}:{len(p['data'])}" for p in parts)
+        async with aclosing(self._stream(prompt, len(prompt.split()), spec.max_tokens)) as events:
+            async for event in events:
+                if "audio" in spec.output_modalities:
+                    pcm = spoken_samples(event.text.strip(), self.sample_rate).tobytes()
+                    yield OutputEvent(modality="audio", data=pcm[:101])
+                    yield OutputEvent(modality="audio", data=pcm[101:])
+                yield event
 
 
 class LiveServer:
