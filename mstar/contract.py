@@ -81,9 +81,12 @@ class ChatSpec:
 
     Each message is ``{"role", "content"}``. For a text-only model ``content`` is a string;
     for a model that reads media (``input_modalities`` beyond text) it may be a list of parts
-    ``{"type": "text", "text": str}`` / ``{"type": "image" | "video", "data": bytes}``, the
-    bytes fetched but not decoded. ``enable_thinking``: the chat template's switch (None: the
-    template's default); models without one ignore it."""
+    ``{"type": "text", "text": str}`` / ``{"type": "image" | "video" | "audio", "data": bytes}``,
+    the bytes fetched but not decoded (an audio part's are the uploaded file: wav, flac, mp3,
+    ogg). ``enable_thinking``: the chat template's switch (None: the template's default);
+    models without one ignore it. ``output_modalities``: what the answer is made of (``["text"]``,
+    or ``["text", "audio"]`` for a model that speaks its answer); ``audio``: OpenAI's audio
+    output options, ``{"voice": str, "format": str}``."""
 
     request_id: str
     messages: list[dict]
@@ -92,6 +95,8 @@ class ChatSpec:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     enable_thinking: bool | None = None
+    output_modalities: list[str] = field(default_factory=lambda: ["text"])
+    audio: dict | None = None
 
 
 @dataclass(frozen=True)
