@@ -37,10 +37,12 @@ from mstar.model.qwen3_omni.inputs import splice_features, splice_images  # noqa
 from mstar.model.qwen3_omni.speech import (  # noqa: E402
     ChatTokens,
     new_caches,
+    run_talker,
     run_thinker,
     sequence_metadata,
     speak,
     special_codes,
+    talker_prompt,
 )
 from mstar.model.speech_output import pcm_to_array  # noqa: E402
 from mstar.runtime.launch import Deployment, start  # noqa: E402
@@ -273,6 +275,15 @@ def test_text_request_never_touches_the_talker(deployment: Deployment) -> None:
     assert not engines["thinker"].forward.kept and not engines["talker"].forward.prompts
 
 
+def test_an_answer_too_short_to_speak_ends_in_text(deployment: Deployment) -> None:
+    """One answer token leaves the talker prompt without its first text row: no frames, no
+    audio, no error (the reference's ``generate`` fails there)."""
+    spec = _spec("hi", "short", ("text", "audio"))
+    events = asyncio.run(_events(deployment, ChatSpec(spec.request_id, spec.messages, spec.sampling, 1,
+                                                      output_modalities=spec.output_modalities, audio=spec.audio)))
+    assert len(_ids(events)) == 1 and not _chunks(events) and events[-1].finish_reason == "length"
+
+
 def _cuts(frames: int) -> list[tuple[int, int, int]]:
     """(start, end, context) of each chunk the codec stream takes of a closed clip: its frames
     ``[start, end)``, the first ``context`` of them left context."""
@@ -327,6 +338,36 @@ def test_speech_walk_equals_speak(deployment: Deployment, plain) -> None:
     assert [first for first, _, _ in cuts] == [0, 0, 0, 4]
     assert max(errors[:3]) < 1e-5 and errors[3] < 0.15, errors
     assert pcm_to_array([e for e in events if e.modality == "audio"]).shape[0] == sum(c.shape[0] for c in chunks)
+
+
+def test_speech_walk_with_an_audio_prompt_equals_the_plain_pieces(deployment: Deployment, plain) -> None:
+    """An audio question answered in speech: the talker's user rows take the audio tokens'
+    thinker states through ``hidden_projection``. The plain pieces (``run_thinker`` on the
+    spliced embeddings, ``talker_prompt``, ``run_talker``) give the same text and codes."""
+    d = deployment
+    thinker, talker, code2wav = plain
+    content = [{"type": "audio", "data": CLIP}, {"type": "text", "text": "answer"}]
+    inputs = d.spec.prepare_chat(_spec(content, "probe")).inputs
+    ids = inputs["prompt_ids"]
+    with torch.no_grad():
+        embeds = splice_features(thinker.text.model.embed_tokens(ids), ids, AUDIO_TOKEN,
+                                 thinker.audio_tower([inputs["audio_mels"]]))
+        run = run_thinker(thinker.text, ids.tolist(), MAX_TOKENS, EOS, ACCEPT_HIDDEN_LAYER, prompt_embeds=embeds)
+        tts = thinker.text.model.embed_tokens(torch.tensor([TOKENS.tts_bos, TOKENS.tts_eos, TOKENS.tts_pad]))
+        prompt = talker_prompt(talker, TOKENS, talker.config.speaker_id[SPEAKER], ids.tolist(), run.generated,
+                               run.embeds, run.hidden, tts)
+        codes = run_talker(talker, prompt, MAX_FRAMES, special_codes(talker))
+    seen: list[torch.Tensor] = []
+    engine = d.runtime.workers.workers[0].engines["code2wav"]
+    original = engine.run
+    engine.run = lambda items: (seen.extend(i.inputs["codes"] for i in items), original(items))[1]
+    try:
+        events = asyncio.run(_events(d, _spec(content, "heard", ("text", "audio"))))
+    finally:
+        del engine.run
+    assert _ids(events) == run.generated
+    streamed = torch.cat([c[keep:] for c, (_, _, keep) in zip(seen, _cuts(codes.shape[1]))]).T
+    assert torch.equal(streamed, codes)
 
 
 def test_concurrent_requests_equal_solo(deployment: Deployment) -> None:
