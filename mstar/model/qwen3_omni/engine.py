@@ -301,7 +301,7 @@ class TalkerEngine(Engine):
         self.engine.release(request_id)
 
     def stats(self) -> dict[str, float]:
-        return {f"talker_{name}": value for name, value in self.engine.stats().items()}
+        return self.engine.stats()
 
 
 # ----------------------------------------------------------------------------- code2wav
