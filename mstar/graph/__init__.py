@@ -9,6 +9,7 @@ from mstar.graph.chunking import (
     ChunkPolicy,
     FixedFrames,
     GrowingChunks,
+    ScheduledChunks,
     SlidingWindow,
 )
 from mstar.graph.graph import Graph, GraphError
@@ -17,6 +18,6 @@ from mstar.graph.walk import Loop, Parallel, Sequential, StreamEdge, Walk
 
 __all__ = [
     "Chunk", "ChunkPolicy", "Emit", "EngineKind", "FixedFrames", "Graph", "GraphError",
-    "GrowingChunks", "Loop", "Modality", "Node", "Parallel", "Sequential", "SlidingWindow",
+    "GrowingChunks", "Loop", "Modality", "Node", "Parallel", "ScheduledChunks", "Sequential", "SlidingWindow",
     "Step", "StreamEdge", "Walk",
 ]

@@ -145,3 +145,34 @@ class SlidingWindow(ChunkPolicy):
             return None
         start = max(0, end - self.window)
         return Chunk(taken, start, end, covered, keep_end, False)
+
+
+@dataclass(frozen=True)
+class ScheduledChunks(ChunkPolicy):
+    """Chunks of ``schedule[0], schedule[1], ...`` new items, then of ``size`` each, every one
+    after up to ``context`` earlier items of left context (given to the consumer, not kept): a
+    codec that starts with a short chunk for a fast first sound, then settles on one size.
+    An empty ``schedule`` is plain ``size``-item chunks."""
+
+    schedule: tuple[int, ...]
+    size: int
+    context: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", tuple(self.schedule))
+        if self.size < 1 or self.context < 0 or any(n < 1 for n in self.schedule):
+            raise ValueError("ScheduledChunks needs chunk sizes >= 1 and context >= 0")
+
+    def size_of(self, index: int) -> int:
+        return self.schedule[index] if index < len(self.schedule) else self.size
+
+    def next_chunk(self, available, taken, covered, closed):
+        want = self.size_of(taken)
+        if available - covered >= want:
+            end = covered + want
+        elif closed and available > covered:
+            end = available
+        else:
+            return None
+        start = max(0, covered - self.context)
+        return Chunk(taken, start, end, covered, end, closed and end == available)

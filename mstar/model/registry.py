@@ -15,7 +15,7 @@ _REGISTRY: dict[str, type[ModelSpec]] = {}
 # Families are imported on first lookup so that `import mstar` stays light.
 _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.model.orpheus.model",
              "mstar.model.flux2.model", "mstar.model.flux2.guided",
-             "mstar.model.qwen3_5.model",
+             "mstar.model.qwen3_5.model", "mstar.model.qwen3_omni.model",
              "mstar.model.z_image.model", "mstar.model.wan22.model", "mstar.model.ltx2_5.model",
              "mstar.model.fastconformer.model",
              "mstar.model.canary.model",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar.graph import Chunk, ChunkPolicy, FixedFrames, GrowingChunks, SlidingWindow
+from mstar.graph import Chunk, ChunkPolicy, FixedFrames, GrowingChunks, ScheduledChunks, SlidingWindow
 
 POLICIES = [
     FixedFrames(1),
@@ -22,6 +22,9 @@ POLICIES = [
     SlidingWindow(window=5, stride=5, keep="middle"),
     SlidingWindow(window=1, stride=1, keep="last"),
     SlidingWindow(window=6, stride=1, keep="middle"),
+    ScheduledChunks((12, 13), 25, context=25),
+    ScheduledChunks((), 25, context=25),
+    ScheduledChunks((1, 2), 3),
 ]
 IDS = [repr(p) for p in POLICIES]
 
@@ -188,6 +191,7 @@ def test_nothing_is_offered_before_enough_items(policy):
         FixedFrames: lambda p: p.size,
         GrowingChunks: lambda p: p.first,
         SlidingWindow: lambda p: p.window,
+        ScheduledChunks: lambda p: p.size_of(0),
     }[type(policy)](policy)
     for n in range(first_needed):
         assert policy.next_chunk(n, 0, 0, False) is None
@@ -316,6 +320,26 @@ def test_growing_chunks_context_is_given_not_kept():
         Chunk(1, 1, 12, 4, 12, False),
         Chunk(2, 9, 20, 12, 20, True),
     ]
+
+
+def test_scheduled_chunks_follow_the_codec_schedule():
+    """Qwen3-Omni's: 12 frames, then 13, then 25 behind 25 of left context; ``()``: 25 from the start."""
+    s = one_by_one(ScheduledChunks((12, 13), 25, context=25), 90, close_with_last=True)
+    assert s.chunks == [
+        Chunk(0, 0, 12, 0, 12, False),
+        Chunk(1, 0, 25, 12, 25, False),
+        Chunk(2, 0, 50, 25, 50, False),
+        Chunk(3, 25, 75, 50, 75, False),
+        Chunk(4, 50, 90, 75, 90, True),
+    ]
+    plain = one_by_one(ScheduledChunks((), 25, context=25), 60, close_with_last=True)
+    assert [(c.start, c.keep_start, c.end) for c in plain.chunks] == [(0, 0, 25), (0, 25, 50), (25, 50, 60)]
+
+
+@pytest.mark.parametrize("args", [((0,), 25), ((12,), 0), ((12,), 25, -1)])
+def test_scheduled_chunks_constructor_errors(args):
+    with pytest.raises(ValueError):
+        ScheduledChunks(*args)
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,9 @@ def test_the_rule_is_named_with_the_value():
         knobs_of("smollm2").parse({"seed": -1})
     with pytest.raises(ConfigError, match=r"^model_kwargs.num_inference_steps: must be <= 100, got 101$"):
         knobs_of("z_image_turbo").parse({"num_inference_steps": 101})
+    with pytest.raises(ConfigError, match=r"^model_kwargs.codec_chunk_schedule: every chunk needs at least one frame"):
+        knobs_of("qwen3_omni").parse({"codec_chunk_schedule": [12, 0]})
+    assert knobs_of("qwen3_omni").parse({"codec_chunk_schedule": []}).codec_chunk_schedule == []
 
 
 @pytest.mark.parametrize("key, switch", [
@@ -65,6 +68,7 @@ def test_the_rule_is_named_with_the_value():
     ("flux2_klein", "overlap_scheduling"),
     ("whisper", "compile"),
     ("flux2_klein", "cfg_parallel"),  # klein base's alone
+    ("qwen3_omni", "cuda_graphs"),  # neither LLM's forward replays graphs yet
 ])
 def test_a_switch_the_family_does_not_run_is_refused(key, switch):
     with pytest.raises(ConfigError, match=rf"model_kwargs\.{switch}: unknown key"):

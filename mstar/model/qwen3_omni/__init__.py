@@ -1,5 +1,5 @@
 """Qwen3-Omni: the thinker (MoE text decoder, audio and vision encoders), the talker with its
-code predictor, and the codec decoder (code2wav); not yet wired into a model."""
+code predictor, and the codec decoder (code2wav); served as ``qwen3_omni`` (``model.py``)."""
 
 from mstar.model.qwen3_omni.code2wav import Qwen3OmniCode2Wav, Qwen3OmniCode2WavConfig
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,68 @@ def load_talker_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3
         talker.to(dtype)
     load_talker(talker, iter_safetensors(path), dtype=dtype)
     return talker.eval()
+
+
+# what a dummy deployment reads of a hub checkpoint: its configs and tokenizer, not its weights
+CONFIG_FILES = ("*.json", "*.txt", "*.jinja", "tokenizer*")
+
+
+@dataclass(frozen=True)
+class Qwen3OmniCheckpoint:
+    """A Qwen3-Omni checkpoint directory in the released layout (``config.json`` with
+    ``thinker_config`` / ``talker_config`` / ``code2wav_config``, the tokenizer, the
+    ``model-*.safetensors`` shards), and its parts built from it: each with the checkpoint's
+    tensors (coverage both ways) or, for ``load_format: dummy``, seeded random weights."""
+
+    path: Path
+
+    @classmethod
+    def locate(cls, model_path: str, cache_dir: str | None = None, *, dummy: bool = False) -> Qwen3OmniCheckpoint:
+        """``model_path`` (a directory, or a hub id resolved in the cache; with ``dummy`` only its
+        config and tokenizer files are fetched)."""
+        from mstar.model.weights import resolve_model_path
+
+        path = resolve_model_path(model_path, cache_dir=cache_dir, allow_patterns=CONFIG_FILES if dummy else None)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path {path}: no config.json (expected a Qwen3-Omni checkpoint directory)")
+        return cls(Path(path))
+
+    def hf_config(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    def generation_eos(self) -> list[int]:
+        """``eos_token_id`` of ``generation_config.json``, if any."""
+        file = self.path / "generation_config.json"
+        if not file.is_file():
+            return []
+        eos = json.loads(file.read_text()).get("eos_token_id")
+        return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+
+    def _tensors(self):
+        return iter_safetensors(self.path)
+
+    def thinker(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3OmniThinker:
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            thinker = Qwen3OmniThinker.from_hf_dict(self.hf_config()).to(dtype)
+        return fill_weights(thinker, self._tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=thinker_name)
+
+    def talker(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3OmniTalker:
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            talker = Qwen3OmniTalker.from_hf_dict(self.hf_config()).to(dtype)
+        return fill_weights(talker, self._tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=talker_name)
+
+    def code2wav(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3OmniCode2Wav:
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            decoder = Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(self.hf_config())).to(dtype)
+        return fill_weights(decoder, self._tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=code2wav_name)

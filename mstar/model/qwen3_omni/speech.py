@@ -172,9 +172,11 @@ class ThinkerRun:
 
 @torch.no_grad()
 def run_thinker(thinker: Qwen3OmniThinkerForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
-                eos_token_ids: Sequence[int], layer: int, page_size: int = 16) -> ThinkerRun:
-    """Greedy text of a text-only prompt (up to an EOS or ``max_new_tokens`` ids), keeping the
-    input embeddings and the ``layer`` states the talker prompt reads."""
+                eos_token_ids: Sequence[int], layer: int, page_size: int = 16,
+                prompt_embeds: torch.Tensor | None = None) -> ThinkerRun:
+    """Greedy text of a prompt without images (up to an EOS or ``max_new_tokens`` ids), keeping
+    the input embeddings and the ``layer`` states the talker prompt reads. ``prompt_embeds``
+    ``[L, H]``: the prompt's input embeddings when they are not the ids' own (audio spliced in)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens {max_new_tokens}: the thinker must draw at least one token")
     weight = thinker.model.embed_tokens.weight
@@ -185,7 +187,7 @@ def run_thinker(thinker: Qwen3OmniThinkerForCausalLM, prompt_ids: Sequence[int],
     generated: list[int] = []
     embeds, hidden, start = [], [], 0
     while len(generated) < max_new_tokens:
-        x = thinker.model.embed_tokens(step_ids)
+        x = thinker.model.embed_tokens(step_ids) if prompt_embeds is None or start else prompt_embeds
         meta = sequence_metadata(start, len(step_ids), page_size, weight.device)
         final, kept = thinker.forward_keeping(None, meta, caches, layer, inputs_embeds=x)
         embeds.append(x)
@@ -204,6 +206,14 @@ def default_suppressed_codes(talker: Qwen3OmniTalker) -> list[int]:
     vocabulary (the codec's special tokens, 2048 .. 3071 released) but the codec EOS."""
     vocab, eos = talker.config.text.vocab_size, talker.config.codec_eos_token_id
     return [i for i in range(max(vocab - 1024, 0), vocab) if i != eos]
+
+
+def special_codes(talker: Qwen3OmniTalker) -> list[int]:
+    """Every codebook-0 id above the codes (the code predictor's vocabulary) but the codec EOS:
+    the reference's suppressed ids on the released sizes (``default_suppressed_codes``), and the
+    same rule on a smaller vocabulary, where the top 1024 would be all of it."""
+    vocab, eos = talker.config.text.vocab_size, talker.config.codec_eos_token_id
+    return [i for i in range(talker.config.code_predictor.vocab_size, vocab) if i != eos]
 
 
 @torch.no_grad()
