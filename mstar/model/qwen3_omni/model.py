@@ -53,6 +53,7 @@ class Qwen3Omni(ChatLLM):
     tasks = frozenset({"chat"})
     default_weights = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
     input_modalities = frozenset({"text", "image", "audio"})
+    output_modalities = frozenset({"text", "audio"})
     sample_rate = SAMPLE_RATE
     Knobs = Qwen3OmniKnobs
     knobs: Qwen3OmniKnobs
