@@ -124,7 +124,8 @@ def test_route_checks_what_the_model_serves(key: str, method: str, path: str) ->
     probe.calls.clear()
     response = client.request(method, path, **arguments)
     assert response.status_code < 500, response.text
-    if task is not None and task not in model_class(key).tasks:
+    speaks_in_chat = path == "/v1/audio/voices" and "audio" in model_class(key).output_modalities
+    if task is not None and task not in model_class(key).tasks and not speaks_in_chat:
         error = response.json()["error"]
         assert (response.status_code, error["param"]) == (400, "model"), error
         assert f"{key!r} does not serve {task}" in error["message"]

@@ -108,10 +108,10 @@ class Qwen3Omni(ChatLLM):
         return super().default_capacity() | {TALKER_PAGES: self.knobs.talker_kv_pages}
 
     def voices(self) -> list[str]:
-        return list(self.speakers)
+        return list(getattr(self, "speakers", ()))  # none until the checkpoint is read
 
     def voice_list(self) -> list[Voice]:
-        return [Voice(name) for name in self.speakers]
+        return [Voice(name) for name in self.voices()]
 
     def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
         checked_sampling(spec.sampling)
