@@ -225,3 +225,17 @@ def test_s8_flop_count_matches_torch_counter():
     attention = rows * cfg["num_layers"] * 2 * (2 * tokens * tokens * d + 2 * tokens * text * d)
     products = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
     assert products + attention == s8.dit_step_flops(cfg, tokens, text, rows)
+
+
+@pytest.mark.slow  # builds and compiles the tiny models
+def test_s8_parts_smoke(tmp_path):
+    """The parts tool on S8's tiny configs: every VAE variant and UMT5 side timed, the DiT step
+    compiled and timed, one record written."""
+    from benchmarks import s8_parts
+
+    assert s8_parts.main(["--smoke", "--runs", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob(f"{s8_parts.NAME}-*.json")
+    data = json.loads(path.read_text())
+    assert {"diffusers_fp32", "ours_fp32", "ours_fp32_fused", "ours_bf16_fused"} <= set(data["vae"])
+    assert data["vae"]["ours_vs_diffusers_levels"] <= 1  # same weights, same video to a level
+    assert data["umt5"]["ours"] > 0 and data["umt5"]["transformers"] > 0 and data["dit"]["ms"] > 0
