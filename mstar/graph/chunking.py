@@ -26,6 +26,19 @@ class Chunk:
     last: bool
 
 
+def sized_chunk(want: int, context: int, available: int, taken: int, covered: int, closed: bool) -> Chunk | None:
+    """The next chunk of a policy whose chunk ``taken`` covers ``want`` new frames behind
+    ``context`` frames already sent (a short last chunk once the stream is closed); None while
+    too few frames have arrived."""
+    if available - covered >= want:
+        end = covered + want
+    elif closed and available > covered:
+        end = available
+    else:
+        return None
+    return Chunk(taken, max(0, covered - context), end, covered, end, closed and end == available)
+
+
 class ChunkPolicy(ABC):
     @abstractmethod
     def next_chunk(self, available: int, taken: int, covered: int, closed: bool) -> Chunk | None:
@@ -75,15 +88,7 @@ class GrowingChunks(ChunkPolicy):
         return int(min(self.max_size, size))
 
     def next_chunk(self, available, taken, covered, closed):
-        want = self.size_of(taken)
-        if available - covered >= want:
-            end = covered + want
-        elif closed and available > covered:
-            end = available
-        else:
-            return None
-        start = max(0, covered - self.context)
-        return Chunk(taken, start, end, covered, end, closed and end == available)
+        return sized_chunk(self.size_of(taken), self.context, available, taken, covered, closed)
 
 
 @dataclass(frozen=True)
@@ -167,12 +172,4 @@ class ScheduledChunks(ChunkPolicy):
         return self.schedule[index] if index < len(self.schedule) else self.size
 
     def next_chunk(self, available, taken, covered, closed):
-        want = self.size_of(taken)
-        if available - covered >= want:
-            end = covered + want
-        elif closed and available > covered:
-            end = available
-        else:
-            return None
-        start = max(0, covered - self.context)
-        return Chunk(taken, start, end, covered, end, closed and end == available)
+        return sized_chunk(self.size_of(taken), self.context, available, taken, covered, closed)

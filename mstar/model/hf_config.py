@@ -3,7 +3,9 @@ transformers 5 form (``rope_parameters``) and the older ``rope_theta`` / ``rope_
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling")
@@ -50,3 +52,13 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
         return None
     out["rope_type"] = rope_type
     return out
+
+
+def generation_eos(root: Path) -> list[int]:
+    """``eos_token_id`` of a checkpoint's ``generation_config.json`` as a list (the chat stop
+    tokens); empty when the file or the key is missing."""
+    file = root / "generation_config.json"
+    if not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []

@@ -215,9 +215,7 @@ class AudioOptions(BaseModel):
     @field_validator("voice", mode="before")
     @classmethod
     def _voice_id(cls, value: Any) -> Any:
-        if isinstance(value, dict) and isinstance(value.get("id"), str):
-            return value["id"]
-        return value
+        return voice_id(value)
 
 
 def _refusal(kind: str, message: str, loc: tuple[str, ...], model: str) -> ValidationError:
@@ -537,3 +535,10 @@ def form_body_openapi(model: type[BaseModel], files: dict[str, bool], required_f
     if urlencoded:  # the same text fields, no files
         content["application/x-www-form-urlencoded"] = {"schema": {**body, "properties": schema.get("properties", {})}}
     return {"requestBody": {"required": True, "content": content}}
+
+
+def voice_id(value: Any) -> Any:
+    """A voice as OpenAI takes it: a name, or a custom voice as ``{"id": ...}`` (its id)."""
+    if isinstance(value, dict) and isinstance(value.get("id"), str):
+        return value["id"]
+    return value

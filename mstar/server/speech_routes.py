@@ -46,7 +46,7 @@ from mstar.server.errors import (
     exception_response,
     validation_error_response,
 )
-from mstar.server.schemas import json_body_openapi, new_id
+from mstar.server.schemas import json_body_openapi, new_id, voice_id
 from mstar.server.served import output_modalities, resolve_model
 from mstar.server.streaming import (
     STREAM_HEADERS,
@@ -111,10 +111,7 @@ class SpeechRequest(BaseModel):
     @field_validator("voice", mode="before")
     @classmethod
     def _voice_id(cls, value: Any) -> Any:
-        """OpenAI also takes a custom voice as ``{"id": ...}``."""
-        if isinstance(value, dict) and isinstance(value.get("id"), str):
-            return value["id"]
-        return value
+        return voice_id(value)
 
     def model_kwargs(self) -> dict[str, Any]:
         kwargs = {k: v for k in _MODEL_KWARGS if (v := getattr(self, k)) is not None}

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mstar.model.hf_config import generation_eos
 from mstar.model.qwen3_5.config import Qwen3_5Config, Qwen3_5VisionConfig
 from mstar.model.qwen3_5.modeling import Qwen3_5ForCausalLM
 from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
@@ -79,11 +80,7 @@ class Qwen3_5Checkpoint:
 
     def generation_eos(self) -> list[int]:
         """``eos_token_id`` of ``generation_config.json`` (the chat stop tokens), if any."""
-        file = self.path / "generation_config.json"
-        if not file.is_file():
-            return []
-        eos = json.loads(file.read_text()).get("eos_token_id")
-        return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+        return generation_eos(self.path)
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.model.hf_config import generation_eos
 from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, Qwen3OmniAudioEncoder
 from mstar.model.qwen3_omni.code2wav import Qwen3OmniCode2Wav, Qwen3OmniCode2WavConfig
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
@@ -219,11 +220,7 @@ class Qwen3OmniCheckpoint:
 
     def generation_eos(self) -> list[int]:
         """``eos_token_id`` of ``generation_config.json``, if any."""
-        file = self.path / "generation_config.json"
-        if not file.is_file():
-            return []
-        eos = json.loads(file.read_text()).get("eos_token_id")
-        return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+        return generation_eos(self.path)
 
     def _tensors(self):
         return iter_safetensors(self.path)
