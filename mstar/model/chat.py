@@ -10,6 +10,7 @@ request's KV pages grow to those of its prompt plus its ``max_tokens`` (default:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +20,33 @@ from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, RequestError,
 from mstar.model.decoding import SamplingKnobs, checked_sampling, decode_request
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.text_stream import TextStream
+
+
+def split_content(messages: list[dict], kinds: Sequence[str], take: Callable[[str, dict, str], None]) -> list[dict]:
+    """The messages as a chat template takes them: in list contents, text parts kept and each
+    media part (``type`` in ``kinds``) handed to ``take(kind, part, where)`` in prompt order and
+    left as ``{"type": kind}``; any other part type is a RequestError naming the part
+    (``where``: ``messages[i].content[j]``), as ``take``'s refusals are."""
+    template: list[dict] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            template.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                continue
+            if kind not in kinds:
+                raise RequestError(where, f"unknown content part type {kind!r} (text, {', '.join(kinds[:-1])} or "
+                                          f"{kinds[-1]})")
+            take(kind, part, where)
+            parts.append({"type": kind})
+        template.append({**message, "content": parts})
+    return template
 
 
 class GenerateKnobs(SamplingKnobs):

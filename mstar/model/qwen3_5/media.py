@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from mstar.contract import RequestError
+from mstar.model.chat import split_content
 from mstar.model.qwen3_5.processor import (
     ImageProcessing,
     Media,
@@ -45,36 +46,22 @@ class MediaLimits:
 def split_media(messages: list[dict], limits: MediaLimits, images: ImageProcessing, videos: VideoProcessing,
                 serves_media: bool) -> tuple[list[dict], list[Media]]:
     """The messages as the chat template takes them, and their media processed in order."""
-    template: list[dict] = []
     media: list[Media] = []
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            template.append(message)
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
-                continue
-            if kind not in ("image", "video"):
-                raise RequestError(where, f"unknown content part type {kind!r} (text, image or video)")
-            if not serves_media:
-                raise RequestError(where, "this checkpoint has no vision tower: text only")
-            if len(media) >= limits.max_media:
-                raise RequestError(where, f"at most {limits.max_media} images and videos per request")
-            try:
-                if kind == "image":
-                    media.append(_image(part.get("data"), limits, images))
-                else:
-                    media.append(_video(part.get("data"), part.get("fps"), limits, videos))
-            except MediaError as err:
-                raise RequestError(where, str(err)) from None
-            parts.append({"type": kind})
-        template.append({**message, "content": parts})
-    return template, media
+
+    def take(kind: str, part: dict, where: str) -> None:
+        if not serves_media:
+            raise RequestError(where, "this checkpoint has no vision tower: text only")
+        if len(media) >= limits.max_media:
+            raise RequestError(where, f"at most {limits.max_media} images and videos per request")
+        try:
+            if kind == "image":
+                media.append(_image(part.get("data"), limits, images))
+            else:
+                media.append(_video(part.get("data"), part.get("fps"), limits, videos))
+        except MediaError as err:
+            raise RequestError(where, str(err)) from None
+
+    return split_content(messages, ("image", "video"), take), media
 
 
 def _image(data, limits: MediaLimits, cfg: ImageProcessing) -> Media:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mstar.contract import RequestError
+from mstar.model.chat import split_content
 from mstar.model.qwen3_5.processor import ImageProcessing, Media, MediaError, process_image
 from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, audio_token_count, mel_features
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
@@ -84,32 +85,18 @@ class PromptBuilder:
     # ------------------------------------------------------------------ media out of the messages
     def split(self, messages: list[dict]) -> tuple[list[dict], list[Clip | Media]]:
         """The messages as the chat template takes them, and their clips and images in order."""
-        template: list[dict] = []
         media: list[Clip | Media] = []
-        for i, message in enumerate(messages):
-            content = message.get("content") if isinstance(message, dict) else None
-            if not isinstance(content, list):
-                template.append(message)
-                continue
-            parts = []
-            for j, part in enumerate(content):
-                where = f"messages[{i}].content[{j}]"
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text":
-                    parts.append({"type": "text", "text": str(part.get("text", ""))})
-                    continue
-                if kind == "video":
-                    raise RequestError(where, "video input is not supported by qwen3_omni yet; send audio or images")
-                if kind not in ("audio", "image"):
-                    raise RequestError(where, f"unknown content part type {kind!r} (text, audio or image)")
-                if len(media) >= self.knobs.max_media_per_request:
-                    raise RequestError(where, f"at most {self.knobs.max_media_per_request} audio clips and images "
-                                              "per request")
-                media.append(self._clip(part.get("data"), where) if kind == "audio" else self._image(part.get("data"),
-                                                                                                        where))
-                parts.append({"type": kind})
-            template.append({**message, "content": parts})
-        return template, media
+
+        def take(kind: str, part: dict, where: str) -> None:
+            if kind == "video":
+                raise RequestError(where, "video input is not supported by qwen3_omni yet; send audio or images")
+            if len(media) >= self.knobs.max_media_per_request:
+                raise RequestError(where, f"at most {self.knobs.max_media_per_request} audio clips and images "
+                                          "per request")
+            data = part.get("data")
+            media.append(self._clip(data, where) if kind == "audio" else self._image(data, where))
+
+        return split_content(messages, ("audio", "image", "video"), take), media
 
     def _clip(self, data: Any, where: str) -> Clip:
         from mstar.audio import AudioError, decode_audio
