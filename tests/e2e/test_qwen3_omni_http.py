@@ -25,6 +25,7 @@ import openai
 import pytest
 import soundfile as sf
 import torch
+from PIL import Image
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
@@ -84,6 +85,13 @@ def _engines(d: Deployment) -> dict:
 
 def audio_part(data: bytes = CLIP, fmt: str = "wav") -> dict:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def png_part(size: tuple[int, int] = (16, 16)) -> dict:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": uri}}
 
 
 def user(*parts: dict | str) -> list[dict]:
@@ -184,6 +192,7 @@ def test_voices_are_listed_and_bad_choices_refused(oai: openai.OpenAI, server: U
         (user("hi"), {"voice": "nobody", "format": "wav"}, "audio.voice"),
         (user("hi"), {"voice": VOICE, "format": "opus"}, "audio.format"),
         (user("hi", audio_part(fmt="aiff")), None, "messages[0].content[1].input_audio.format"),
+        (user("see", png_part()), SPOKEN, "modalities"),  # no talker positions for images yet
     ]
     for messages, spoken, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
