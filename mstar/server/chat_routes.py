@@ -85,6 +85,18 @@ async def _chat_media(req: ChatCompletionRequest, model: str, backend: ServingBa
     return data  # type: ignore[return-value]
 
 
+# ChatSpec fields the chat body calls otherwise
+_BODY_NAMES = {"output_modalities": "modalities"}
+
+
+def _in_body_terms(exc: Exception) -> Exception:
+    """A model's refusal naming a ``ChatSpec`` field, renamed to the body's field that the
+    client sent (a model refusing speech for an image prompt names ``output_modalities``)."""
+    if type(exc) is RequestError and exc.field in _BODY_NAMES:
+        return RequestError(_BODY_NAMES[exc.field], exc.message, exc.status)
+    return exc
+
+
 async def chat_completions(request: Request) -> Response:
     req = await json_body(request, ChatCompletionRequest, max_bytes=MAX_CHAT_BODY_BYTES)
     model = resolve_model(request, req.model, "chat")
@@ -103,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
         spec = req.to_spec(request_id, await _chat_media(req, model, backend))
         first, events = await start_events(lambda: backend.chat(spec), request)
     except Exception as exc:
-        return exception_response(exc)
+        return exception_response(_in_body_terms(exc))
     if req.stream:
         deltas = AudioDeltas(rate) if speaks else None
         body = _chat_sse(request_id, model, first, events, req.include_usage, deltas)
