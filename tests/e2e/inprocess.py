@@ -1,6 +1,6 @@
-"""Helpers for tests that drive an in-process deployment: record the batches an engine
-runs, and wait until every request's resources are released (releases ride on the
-conductor's next plan after a request ends)."""
+"""Helpers for tests that drive an in-process deployment: start one and close it after,
+record the batches an engine runs, and wait until every request's resources are released
+(releases ride on the conductor's next plan after a request ends)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,19 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+
+@contextmanager
+def deployed(config: dict) -> Iterator:
+    """An in-process deployment of ``config`` (the YAML's keys as a dict), closed on exit."""
+    from mstar.config import parse_config
+    from mstar.runtime.launch import start
+
+    d = start(parse_config(config), in_process=True)
+    try:
+        yield d
+    finally:
+        d.close()
 
 
 @dataclass

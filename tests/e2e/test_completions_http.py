@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from inprocess import poll_drained
+from inprocess import deployed, poll_drained
 from live_server import Uvicorn
 
-from mstar.config import parse_config
 from mstar.contract import GenerateSpec
-from mstar.runtime.launch import Deployment, start
+from mstar.runtime.launch import Deployment
 from mstar.server.app import create_app
 
 MODEL = "smollm2"
@@ -38,14 +37,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
-    d = start(parse_config({
-        "model": MODEL, "max_seq_len": MAX_SEQ_LEN, "max_concurrent_requests": 16,
-        "resources": {"kv_cache": {"max_num_pages": 256, "page_size": 16}},
-    }), in_process=True)
-    try:
+    with deployed({"model": MODEL, "max_seq_len": MAX_SEQ_LEN, "max_concurrent_requests": 16,
+                   "resources": {"kv_cache": {"max_num_pages": 256, "page_size": 16}}}) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")

@@ -29,16 +29,15 @@ from PIL import Image
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
-from inprocess import poll_drained, record_batches  # noqa: E402
+from inprocess import deployed, poll_drained, record_batches  # noqa: E402
 from live_server import Uvicorn  # noqa: E402
 
-from mstar.config import parse_config  # noqa: E402
 from mstar.contract import ChatSpec, SamplingParams  # noqa: E402
 from mstar.model.qwen3_omni.checkpoint import Qwen3OmniCheckpoint  # noqa: E402
 from mstar.model.qwen3_omni.inputs import splice_features  # noqa: E402
 from mstar.model.qwen3_omni.speech import run_thinker  # noqa: E402
 from mstar.model.speech_output import pcm_to_array  # noqa: E402
-from mstar.runtime.launch import Deployment, start  # noqa: E402
+from mstar.runtime.launch import Deployment  # noqa: E402
 from mstar.server.app import create_app  # noqa: E402
 from tests.support.qwen3_omni import ACCEPT_HIDDEN_LAYER, AUDIO_TOKEN, CHAT  # noqa: E402
 from tests.support.qwen3_omni_dir import MAX_FRAMES, deployment_config, tokenizer, wav, write_checkpoint  # noqa: E402
@@ -59,11 +58,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def deployment(checkpoint: Path) -> Iterator[Deployment]:
-    d = start(parse_config(deployment_config(checkpoint)), in_process=True)
-    try:
+    with deployed(deployment_config(checkpoint)) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")

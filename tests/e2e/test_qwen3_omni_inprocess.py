@@ -20,10 +20,9 @@ import torch
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
-from inprocess import poll_drained, record_batches  # noqa: E402
+from inprocess import deployed, poll_drained, record_batches  # noqa: E402
 
 from mstar.audio import decode_audio  # noqa: E402
-from mstar.config import parse_config  # noqa: E402
 from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError, SamplingParams  # noqa: E402
 from mstar.graph import ScheduledChunks  # noqa: E402
 from mstar.model.qwen3_omni.audio import mel_features  # noqa: E402
@@ -40,7 +39,7 @@ from mstar.model.qwen3_omni.speech import (  # noqa: E402
     talker_prompt,
 )
 from mstar.model.speech_output import pcm_to_array  # noqa: E402
-from mstar.runtime.launch import Deployment, start  # noqa: E402
+from mstar.runtime.launch import Deployment  # noqa: E402
 from tests.support.qwen3_omni import (  # noqa: E402
     ACCEPT_HIDDEN_LAYER,
     AUDIO_TOKEN,
@@ -75,11 +74,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def deployment(checkpoint: Path) -> Iterator[Deployment]:
-    d = start(parse_config(deployment_config(checkpoint)), in_process=True)
-    try:
+    with deployed(deployment_config(checkpoint)) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,11 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+from inprocess import deployed
 from live_server import Uvicorn
 
 from mstar import MStarClient
-from mstar.config import parse_config
-from mstar.runtime.launch import Deployment, start
+from mstar.runtime.launch import Deployment
 from mstar.server.app import create_app
 from tests.support.cloner import PLAIN, expected_audio, timbre_of
 
@@ -67,12 +67,9 @@ def presets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def deployment(presets: Path) -> Iterator[Deployment]:
-    d = start(parse_config({"model": MODEL, "device": "cpu", "max_concurrent_requests": 8,
-                            "model_kwargs": {"voices_dir": str(presets)}}), in_process=True)
-    try:
+    with deployed({"model": MODEL, "device": "cpu", "max_concurrent_requests": 8,
+                   "model_kwargs": {"voices_dir": str(presets)}}) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")
