@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +22,6 @@ import torch
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
 from inprocess import poll_drained, record_batches  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from tokenizers.pre_tokenizers import ByteLevel  # noqa: E402
-from transformers import Qwen2Tokenizer  # noqa: E402
 
 from mstar.audio import decode_audio  # noqa: E402
 from mstar.config import parse_config  # noqa: E402
@@ -48,38 +44,14 @@ from mstar.model.speech_output import pcm_to_array  # noqa: E402
 from mstar.runtime.launch import Deployment, start  # noqa: E402
 from tests.support.qwen3_omni import (  # noqa: E402
     ACCEPT_HIDDEN_LAYER,
-    AUDIO_END,
-    AUDIO_START,
     AUDIO_TOKEN,
     CHAT,
     IMAGE_TOKEN,
     NEWLINE,
     VIDEO_TOKEN,
-    VISION_END,
-    VISION_START,
-    reference_omni,
-    released_code2wav_keys,
-    released_keys,
-    talker_released_keys,
+    write_tiny_omni,
 )
 
-# the tiny vocabulary (160): byte-level characters below 140, the chat and media tokens at the
-# ids tests/support/qwen3_omni.py gives them
-NAMED = {CHAT["im_start_token_id"]: "<|im_start|>", CHAT["im_end_token_id"]: "<|im_end|>",
-         CHAT["system_token_id"]: "system", CHAT["user_token_id"]: "user", CHAT["assistant_token_id"]: "assistant",
-         CHAT["tts_pad_token_id"]: "<tts_pad>", CHAT["tts_bos_token_id"]: "<tts_text_bos>",
-         CHAT["tts_eos_token_id"]: "<tts_text_eod>", NEWLINE: "\u010a", 149: "<|endoftext|>",
-         AUDIO_TOKEN: "<|audio_pad|>", IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
-         AUDIO_START: "<|audio_start|>", VISION_START: "<|vision_start|>", AUDIO_END: "<|audio_end|>",
-         VISION_END: "<|vision_end|>", 157: "<|fill_a|>", 158: "<|fill_b|>", 159: "<|fill_c|>"}
-TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
-    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in message.content %}"
-    "{%- if part.type == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
-    "{%- elif part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- else %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 TOKENS = ChatTokens(im_start=CHAT["im_start_token_id"], im_end=CHAT["im_end_token_id"], user=CHAT["user_token_id"],
                     assistant=CHAT["assistant_token_id"], tts_pad=CHAT["tts_pad_token_id"],
                     tts_bos=CHAT["tts_bos_token_id"], tts_eos=CHAT["tts_eos_token_id"], audio=AUDIO_TOKEN,
@@ -90,39 +62,9 @@ SCHEDULE, CHUNK, CONTEXT = [3, 4], 5, 8  # the codec's chunks: 3, 4, then 5 fram
 SPEAKER = "tiny"
 
 
-def _tokenizer() -> Qwen2Tokenizer:
-    alphabet = sorted(ByteLevel.alphabet())
-    ascii_first = [c for c in alphabet if "!" <= c <= "~"] + ["\u0120"]  # printable ASCII and the space
-    rest = [c for c in alphabet if c not in ascii_first and c != "\u010a"]
-    chars = (ascii_first + rest)[:140]
-    vocab = {c: i for i, c in enumerate(chars)} | {name: i for i, name in NAMED.items()}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", unk_token=None)
-    tok.add_tokens(["system", "user", "assistant"])
-    tok.add_tokens([n for n in NAMED.values() if n.startswith("<")], special_tokens=True)
-    tok.chat_template = TEMPLATE
-    return tok
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("qwen3_omni_tiny")
-    reference = reference_omni()
-    tok = _tokenizer()
-    tok.save_pretrained(directory)
-    assert [tok.convert_tokens_to_ids(n) for n in NAMED.values()] == list(NAMED)
-    config = reference.config.to_dict()
-    config["im_end_token_id"] = CHAT["im_end_token_id"]
-    (directory / "config.json").write_text(json.dumps(config))
-    (directory / "preprocessor_config.json").write_text(json.dumps(  # small images: a few dozen patches
-        {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2,
-         "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}}))
-    tensors = (released_keys(reference.thinker) + talker_released_keys(reference.talker)
-               + released_code2wav_keys(reference.code2wav))
-    half = len(tensors) // 2  # two shards, as the release has many
-    for i, part in enumerate((tensors[:half], tensors[half:])):
-        shard = directory / f"model-0000{i + 1}-of-00002.safetensors"
-        save_file({name: t.contiguous() for name, t in part}, str(shard))
-    return directory
+    return write_tiny_omni(tmp_path_factory.mktemp("qwen3_omni_tiny"))
 
 
 @pytest.fixture(scope="module")

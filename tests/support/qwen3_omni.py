@@ -1,8 +1,12 @@
 """Tiny random Qwen3-Omni parts from transformers (the parity references): the thinker and its
 weights in the released checkpoint's key layout (``thinker.model.…``, experts stored apart), and
-the codec decoder (``code2wav.…``)."""
+the codec decoder (``code2wav.…``), the talker, the whole model, and that model written as a
+served checkpoint directory with a tiny tokenizer (``write_tiny_omni``)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
@@ -184,3 +188,64 @@ def reference_omni(seed: int = 0):
                 p.copy_(noise * (0.5 / p[0].numel() ** 0.5 if p.ndim > 1 else 0.1))
     model.code2wav.load_state_dict(decoder.state_dict())
     return model
+
+
+# ------------------------------------------------------------------ a served checkpoint directory
+# the tiny vocabulary (160): byte-level characters below 140, the chat and media tokens at the
+# ids given above
+NAMED = {CHAT["im_start_token_id"]: "<|im_start|>", CHAT["im_end_token_id"]: "<|im_end|>",
+         CHAT["system_token_id"]: "system", CHAT["user_token_id"]: "user", CHAT["assistant_token_id"]: "assistant",
+         CHAT["tts_pad_token_id"]: "<tts_pad>", CHAT["tts_bos_token_id"]: "<tts_text_bos>",
+         CHAT["tts_eos_token_id"]: "<tts_text_eod>", NEWLINE: "\u010a", 149: "<|endoftext|>",
+         AUDIO_TOKEN: "<|audio_pad|>", IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
+         AUDIO_START: "<|audio_start|>", VISION_START: "<|vision_start|>", AUDIO_END: "<|audio_end|>",
+         VISION_END: "<|vision_end|>", 157: "<|fill_a|>", 158: "<|fill_b|>", 159: "<|fill_c|>"}
+TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- else %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer over the tiny vocabulary, with the chat template above."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    ascii_first = [c for c in alphabet if "!" <= c <= "~"] + ["\u0120"]  # printable ASCII and the space
+    rest = [c for c in alphabet if c not in ascii_first and c != "\u010a"]
+    chars = (ascii_first + rest)[:140]
+    vocab = {c: i for i, c in enumerate(chars)} | {name: i for i, name in NAMED.items()}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", unk_token=None)
+    tok.add_tokens(["system", "user", "assistant"])
+    tok.add_tokens([n for n in NAMED.values() if n.startswith("<")], special_tokens=True)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def write_tiny_omni(directory: Path) -> Path:
+    """``reference_omni()`` as a hub-like checkpoint directory: config.json, the tokenizer, a
+    small-image preprocessor config and the released-layout tensors in two shards."""
+    from safetensors.torch import save_file
+
+    reference = reference_omni()
+    tok = tiny_tokenizer()
+    tok.save_pretrained(directory)
+    assert [tok.convert_tokens_to_ids(n) for n in NAMED.values()] == list(NAMED)
+    config = reference.config.to_dict()
+    config["im_end_token_id"] = CHAT["im_end_token_id"]
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "preprocessor_config.json").write_text(json.dumps(  # small images: a few dozen patches
+        {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2,
+         "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}}))
+    tensors = (released_keys(reference.thinker) + talker_released_keys(reference.talker)
+               + released_code2wav_keys(reference.code2wav))
+    half = len(tensors) // 2  # two shards, as the release has many
+    for i, part in enumerate((tensors[:half], tensors[half:])):
+        shard = directory / f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({name: t.contiguous() for name, t in part}, str(shard))
+    return directory
