@@ -5,9 +5,10 @@ and a tiny talker (experts stacked as transformers 5 saves them). Two ranks each
 load it under the parallel state, as worker ranks do, and run the same work as one process:
 ``SparseMoE`` with and without a shared expert (1e-5), the thinker's logits over a batched
 prefill and two decode steps, the talker's codec logits and the code predictor's greedy frame
-(1e-5 relative); each rank holds its shard of every split weight, from either layout. A
-config whose sizes ``tp_size`` cannot split is refused naming the ``config.json`` key. All the
-TP=2 work runs in one pair of processes (one spawn for the file)."""
+(1e-5 relative); each rank holds its shard of every split weight, from either layout; all of
+it in one pair of processes. A config whose sizes ``tp_size`` cannot split is refused naming
+the ``config.json`` key, and ``configs/qwen3_omni_tp2.yaml`` places. Served through two worker
+processes (the runtime's lockstep), a text chat and a spoken one equal the TP=1 deployment's."""
 
 from __future__ import annotations
 
@@ -198,3 +199,92 @@ def test_parallel_dims_name_the_key(results):
         dims["talker"].problems(4, 1)
     assert "tp_size 3 does not divide talker_config.text_config.moe_intermediate_size (32)" in \
         dims["talker"].problems(3, 1)
+
+
+# ------------------------------------------------------------------ served: two worker processes
+SERVED_KWARGS = {"codec_chunk_schedule": [3, 4], "codec_chunk_frames": 5, "codec_left_context": 8,
+                 "max_speech_frames": 12, "talker_kv_pages": 64, "max_audio_seconds": 2.0}
+
+
+def _serve(folder: Path, node_groups: list[dict], in_process: bool) -> list[tuple[list[int], bytes]]:
+    """A text chat and a spoken one (greedy) through a deployment: each one's token ids and
+    its audio bytes joined."""
+    import asyncio
+
+    from mstar.config import parse_config
+    from mstar.contract import ChatSpec, SamplingParams
+    from mstar.runtime.launch import start
+
+    config = {"model": "qwen3_omni", "model_path": str(folder), "dtype": "float32", "max_seq_len": 128,
+              "max_concurrent_requests": 2, "resources": {"kv_cache": {"max_num_pages": 48, "page_size": 16}},
+              "node_groups": node_groups, "model_kwargs": SERVED_KWARGS}
+    deployment = start(parse_config(config), in_process=in_process)
+
+    async def chat(tag: str, outputs: list[str]) -> tuple[list[int], bytes]:
+        spec = ChatSpec(request_id=tag, messages=[{"role": "user", "content": f"hello {tag}"}],
+                        sampling=SamplingParams(temperature=0.0), max_tokens=6, output_modalities=outputs,
+                        audio={"voice": "tiny", "format": "pcm"} if "audio" in outputs else None)
+        ids, audio = [], b""
+        async for event in deployment.backend.chat(spec):
+            assert event.error is None, event.error
+            ids += event.token_ids
+            audio += event.data if event.modality == "audio" and event.data else b""
+        return ids, audio
+
+    try:
+        return [asyncio.run(chat("text", ["text"])), asyncio.run(chat("speech", ["text", "audio"]))]
+    finally:
+        deployment.close()
+
+
+def test_served_tp2_equals_tp1(tmp_path):
+    """``thinker`` and ``talker`` split over two worker processes (gloo), ``code2wav`` on the
+    leader's rank alone, answer a text chat and a spoken one as the in-process TP=1
+    deployment does: the same ids, the same audio within 1e-5."""
+    import numpy as np
+
+    from tests.support.qwen3_omni import write_tiny_omni
+
+    folder = write_tiny_omni(tmp_path)
+    one = _serve(folder, [{"node_names": ["thinker", "talker", "code2wav"], "ranks": [0]}], in_process=True)
+    two = _serve(folder, [{"node_names": ["thinker", "talker"], "ranks": [0, 1], "tp_size": 2},
+                          {"node_names": ["code2wav"], "ranks": [0]}], in_process=False)
+    (text_ids, no_audio), (speech_ids, audio) = one
+    assert len(text_ids) == 6 and not no_audio and len(audio) > 0
+    assert [ids for ids, _ in two] == [text_ids, speech_ids]
+    assert two[0][1] == b""
+    ours, ref = np.frombuffer(two[1][1], "<f4"), np.frombuffer(audio, "<f4")
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-5 * max(np.abs(ref).max(), 1e-6)
+
+
+def test_tp2_config_places_and_bad_splits_name_the_key(results):
+    """``configs/qwen3_omni_tp2.yaml`` places on the CPU (the tiny checkpoint's sizes split two
+    ways); a split the KV heads cannot take, and code2wav in a split group, are refused."""
+    from mstar.config import load_config, parse_config
+    from mstar.model.registry import model_class
+    from mstar.runtime.placement import build_placement
+
+    _, _, folder = results
+    path = Path(__file__).resolve().parents[2] / "configs" / "qwen3_omni_tp2.yaml"
+    config = load_config(path, {"device": "cpu", "model_path": str(folder)})
+    spec = model_class(config.model)(config)
+    placement = build_placement(spec.graph(), config, spec)
+    (split,) = placement.split_groups()
+    assert (split.node_names, split.ranks, split.tp_size) == (("thinker", "talker"), (0, 1), 2)
+    assert placement.followers() == {1}
+    for walk, node in (("text", "thinker"), ("speech", "talker"), ("speech", "code2wav")):
+        assert placement.rank_of(walk, node) == 0
+
+    raw = config.model_dump()
+    four = dict(raw, gpus=None, node_groups=[{"node_names": ["thinker"], "ranks": [0, 1, 2, 3], "tp_size": 4},
+                                             {"node_names": ["talker", "code2wav"], "ranks": [0]}])
+    config = parse_config(four)
+    with pytest.raises(ValueError, match=r"node_groups\[0\]\.tp_size.*tp_size 4 does not divide "
+                                         r"thinker_config\.text_config\.num_key_value_heads \(2\)"):
+        build_placement(spec.graph(), config, model_class(config.model)(config))
+    whole = dict(raw, gpus=None, node_groups=[{"node_names": ["thinker", "talker", "code2wav"], "ranks": [0, 1],
+                                               "tp_size": 2}])
+    config = parse_config(whole)
+    with pytest.raises(ValueError, match=r"node 'code2wav' cannot be split"):
+        build_placement(spec.graph(), config, model_class(config.model)(config))
