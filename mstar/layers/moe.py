@@ -12,7 +12,16 @@ the same signature.
 Checkpoints in the Hugging Face layout store every expert apart
 (``experts.{i}.gate_proj.weight``, ``up_proj``, ``down_proj``); each stacked weight here is a
 fused parameter with one segment per expert and projection, so ``load_weights`` fills a slice
-per checkpoint tensor and counts the stack loaded only once every slice is.
+per checkpoint tensor and counts the stack loaded only once every slice is. A stacked
+checkpoint tensor under the parameter's own name (``experts.gate_up.weight``
+``[E, 2I, H]``, ``experts.down.weight`` ``[E, H, I]``) loads whole through its weight loader.
+
+Tensor parallelism (built under ``mstar.distributed.use_parallel``): every rank holds every
+expert, but only its slice of each expert's ``I`` features (gate and up rows, down columns),
+as a dense SwiGLU is split; the router stays whole on every rank, so all ranks route alike.
+A rank's ``fused_moe`` then gives its partial sum of the expert outputs, the shared expert
+(split the same way, its sigmoid gate whole) adds its partial, and one all-reduce sums them.
+Loaders take this rank's slice out of the full per-expert or stacked tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.distributed.collectives import all_reduce
+from mstar.distributed.state import Group, current_parallel
+from mstar.layers.linear import set_weight_loader
 from mstar.layers.mlp import SwiGLU
 
 
@@ -73,32 +85,63 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 class StackedExpertWeight(nn.Module):
     """One weight ``[E, rows, cols]`` made of ``len(parts)`` row segments per expert, loaded from
     the checkpoint's per-expert tensors ``<parent>.{i}.<part>.weight`` (``parts`` such as
-    ``("gate_proj", "up_proj")``)."""
+    ``("gate_proj", "up_proj")``), each ``[part_rows, cols]`` in full.
 
-    def __init__(self, num_experts: int, part_rows: int, cols: int, parts: tuple[str, ...]) -> None:
+    Under tensor parallelism ``split`` says which axis of a per-expert tensor is divided over
+    the ranks: ``"rows"`` (gate and up: output features) or ``"cols"`` (down: input
+    features); this rank keeps its contiguous share of that axis."""
+
+    def __init__(self, num_experts: int, part_rows: int, cols: int, parts: tuple[str, ...], *,
+                 split: str = "rows") -> None:
         super().__init__()
-        self.part_rows = part_rows
+        if split not in ("rows", "cols"):
+            raise ValueError(f"split {split!r}: 'rows' or 'cols'")
+        tp = current_parallel().tp
+        self.tp = tp
+        self.split = split
+        self.full_shape = (part_rows, cols)  # one expert's part, unsharded
+        size = part_rows if split == "rows" else cols
+        if size % tp.size:
+            raise ValueError(f"cannot split the experts' {size} features evenly over {tp.size} tensor-parallel ranks")
+        self.part_rows = part_rows // tp.size if split == "rows" else part_rows
+        local_cols = cols // tp.size if split == "cols" else cols
         self.parts = parts
-        self.weight = nn.Parameter(torch.empty(num_experts, part_rows * len(parts), cols))
+        self.weight = nn.Parameter(torch.empty(num_experts, self.part_rows * len(parts), local_cols))
         self.segment_names = tuple(f"{i}.{part}" for i in range(num_experts) for part in parts)
+        set_weight_loader(self.weight, self._load_stacked)
+
+    def _shard(self, part: torch.Tensor) -> torch.Tensor:
+        """This rank's share of one expert's full part ``[..., part_rows, cols]``."""
+        return part.chunk(self.tp.size, dim=-2 if self.split == "rows" else -1)[self.tp.rank]
 
     @torch.no_grad()
     def load_segment(self, param: nn.Parameter, index: int, tensor: torch.Tensor) -> None:
-        expected = (self.part_rows, param.shape[2])
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
+        if tuple(tensor.shape) != self.full_shape:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {self.full_shape}")
         expert, part = divmod(index, len(self.parts))
-        param[expert, part * self.part_rows:(part + 1) * self.part_rows].copy_(tensor)
+        param[expert, part * self.part_rows:(part + 1) * self.part_rows].copy_(self._shard(tensor))
+
+    @torch.no_grad()
+    def _load_stacked(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """Every expert at once from the full stack ``[E, len(parts) * part_rows, cols]``."""
+        rows, cols = self.full_shape
+        expected = (param.shape[0], rows * len(self.parts), cols)
+        if tuple(full.shape) != expected:
+            raise ValueError(f"stacked tensor has shape {tuple(full.shape)}, the full (unsharded) stack "
+                             f"has shape {expected} (this rank holds {tuple(param.shape)})")
+        param.copy_(torch.cat([self._shard(p) for p in full.split(rows, dim=1)], dim=1))
 
 
 class MoEExperts(nn.Module):
-    """``num_experts`` SwiGLU experts of width ``inner``, stacked (see ``fused_moe``)."""
+    """``num_experts`` SwiGLU experts of width ``inner``, stacked (see ``fused_moe``); under
+    tensor parallelism each holds ``inner / tp_size`` of its features and ``forward`` returns
+    this rank's partial sum (the caller all-reduces)."""
 
     def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up = StackedExpertWeight(num_experts, inner, hidden, ("gate_proj", "up_proj"))
-        self.down = StackedExpertWeight(num_experts, hidden, inner, ("down_proj",))
+        self.gate_up = StackedExpertWeight(num_experts, inner, hidden, ("gate_proj", "up_proj"), split="rows")
+        self.down = StackedExpertWeight(num_experts, hidden, inner, ("down_proj",), split="cols")
 
     grouped_mm: bool = False  # run the experts as ``torch._grouped_mm`` (see ``fused_moe``)
 
@@ -115,13 +158,18 @@ class SparseMoE(nn.Module):
     ``shared_inner > 0`` adds a shared expert every token takes (Qwen2-MoE's, and Qwen3-Omni's
     talker): a SwiGLU of width ``shared_inner`` (``shared_expert.{gate,up,down}_proj``) scaled
     per token by ``sigmoid(shared_expert_gate(x))`` (a ``[1, H]`` gate), added to the routed
-    sum. At 0 (the default) the block has no such parameters and computes what it did without."""
+    sum. At 0 (the default) the block has no such parameters and computes what it did without.
+
+    Under tensor parallelism (see the module's docstring) the router and the shared expert's
+    gate are whole on every rank, the experts and the shared expert hold a slice of their
+    features, and the block's one all-reduce sums the ranks' partial outputs."""
 
     def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, normalize: bool,
                  shared_inner: int = 0) -> None:
         super().__init__()
         self.top_k = top_k
         self.normalize = normalize
+        self.tp: Group = current_parallel().tp
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden, inner)
         self.shared_expert = SwiGLU(hidden, shared_inner, fused=True) if shared_inner > 0 else None
@@ -133,5 +181,15 @@ class SparseMoE(nn.Module):
         ids, weights = route_topk(self.gate(flat), self.top_k, self.normalize)
         out = self.experts(flat, ids, weights)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.reshape(shape)
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self._shared(flat)
+        return all_reduce(out, self.tp).reshape(shape)
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, or under tensor parallelism this rank's partial of it
+        (``down_proj`` without its own all-reduce: the block sums once, the per-token gate
+        being the same on every rank)."""
+        expert = self.shared_expert
+        if self.tp.size == 1:
+            return expert(flat)
+        gate, up = expert.gate_up_proj.split_output(expert.gate_up_proj(flat))
+        return F.linear(F.silu(gate) * up, expert.down_proj.weight)

@@ -1,6 +1,7 @@
 """Tiny random Qwen3-Omni parts from transformers (the parity references): the thinker and its
 weights in the released checkpoint's key layout (``thinker.model.…``, experts stored apart), and
-the codec decoder (``code2wav.…``)."""
+the codec decoder (``code2wav.…``), the talker and the whole model (written as a served
+checkpoint directory by ``tests/support/qwen3_omni_dir.py``)."""
 
 from __future__ import annotations
 
@@ -184,3 +185,6 @@ def reference_omni(seed: int = 0):
                 p.copy_(noise * (0.5 / p[0].numel() ** 0.5 if p.ndim > 1 else 0.1))
     model.code2wav.load_state_dict(decoder.state_dict())
     return model
+
+
+# ------------------------------------------------------------------ a served checkpoint directory

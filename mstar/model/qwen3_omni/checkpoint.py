@@ -4,7 +4,10 @@ The released checkpoint holds the whole model under four prefixes: ``thinker.`` 
 the text decoder, ``audio_tower``, ``visual``, ``lm_head``), ``talker.``, ``code2wav.`` and
 the talker's code predictor inside ``talker.``. The thinker and the codec decoder
 (``load_code2wav``) load apart, each skipping the other's keys by prefix. Experts are stored apart
-(``mlp.experts.{i}.gate_proj.weight`` ...); ``load_weights`` stacks them (``SparseMoE``).
+(``mlp.experts.{i}.gate_proj.weight`` ...); ``load_weights`` stacks them (``SparseMoE``). A
+checkpoint saved by transformers 5 may hold them stacked instead (``mlp.experts.gate_up_proj``
+``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``): those load whole (``stacked_name``).
+Under tensor parallelism either layout gives each rank its slice of every expert.
 """
 
 from __future__ import annotations
@@ -32,12 +35,25 @@ THINKER = "thinker."
 NOT_TEXT = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
 
 
+# transformers' stacked expert tensors -> our stacked parameters
+STACKED = {"mlp.experts.gate_up_proj": "mlp.experts.gate_up.weight", "mlp.experts.down_proj": "mlp.experts.down.weight"}
+
+
+def stacked_name(name: str) -> str:
+    """``name`` with a stacked expert tensor's suffix renamed to our parameter's (else as is)."""
+    for theirs, ours in STACKED.items():
+        if name.endswith(theirs):
+            return name[: -len(theirs)] + ours
+    return name
+
+
 def thinker_text_name(name: str) -> str | None:
     """Our name in ``Qwen3OmniThinkerForCausalLM`` of a released checkpoint key (``None``: a
     key of another component, skipped). Keys outside the known prefixes pass through unchanged,
     so ``load_weights`` reports them."""
     if name.startswith(NOT_TEXT):
         return None
+    name = stacked_name(name)
     return name[len(THINKER):] if name.startswith(THINKER) else name
 
 
@@ -135,7 +151,7 @@ def thinker_name(name: str) -> str | None:
     if name.startswith(VISUAL):
         return "visual." + name[len(VISUAL):]
     if name.startswith(("thinker.model.", "thinker.lm_head.")):
-        return "text." + name[len(THINKER):]
+        return "text." + stacked_name(name)[len(THINKER):]
     return name
 
 
@@ -165,6 +181,7 @@ def talker_name(name: str) -> str | None:
     unknown keys pass through unchanged, so ``load_weights`` reports them."""
     if name.startswith((THINKER, "code2wav.")):
         return None
+    name = stacked_name(name)
     return name[len(TALKER):] if name.startswith(TALKER) else name
 
 

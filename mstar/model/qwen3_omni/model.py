@@ -26,6 +26,7 @@ from pathlib import PurePath
 import torch
 
 from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError, SamplingParams, Voice
+from mstar.distributed.dims import ParallelDims
 from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, Step, StreamEdge, Walk
 from mstar.model.chat import ChatLLM
@@ -34,6 +35,7 @@ from mstar.model.qwen3_omni import prompt as omni_prompt
 from mstar.model.qwen3_omni.checkpoint import Qwen3OmniCheckpoint
 from mstar.model.qwen3_omni.engine import MEDIA_INPUTS, TALKER_STOP, THINKER_STATES
 from mstar.model.qwen3_omni.knobs import Qwen3OmniGenerateKnobs, Qwen3OmniKnobs
+from mstar.model.qwen3_omni.parallel import omni_dims
 from mstar.model.registry import register
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.model.text_stream import TextStream
@@ -106,6 +108,11 @@ class Qwen3Omni(ChatLLM):
 
     def default_capacity(self) -> dict[str, int]:
         return super().default_capacity() | {TALKER_PAGES: self.knobs.talker_kv_pages}
+
+    def parallel_dims(self) -> dict[str, ParallelDims]:
+        """``thinker`` and ``talker`` split over ``tp_size`` ranks (``parallel.omni_dims``);
+        ``code2wav`` runs whole on one rank (its own node group)."""
+        return omni_dims(self.checkpoint().hf_config())
 
     def voices(self) -> list[str]:
         return list(getattr(self, "speakers", ()))  # none until the checkpoint is read

@@ -238,7 +238,8 @@ class Qwen3OmniCodePredictor(nn.Module):
         token that gave codebook 0), ``code0 [B]`` and its talker embedding ``code0_embeds [B, H]``.
         The ``Q - 1`` inner steps run all requests together on a fresh cache."""
         batch, groups = hidden.shape[0], self.config.num_code_groups
-        layers, heads, head_dim = len(self.model.layers), self.config.num_key_value_heads, self.config.head_dim
+        attn = self.model.layers[0].self_attn  # a tensor-parallel rank caches the KV heads it holds
+        layers, heads, head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
         caches = allocate_kv_cache(layers, batch, groups, heads, head_dim, hidden.dtype, hidden.device)
         prompt = torch.stack((hidden, code0_embeds), dim=1).reshape(2 * batch, -1)
         meta = frame_step_metadata(batch, 0, 2, groups, hidden.device)
