@@ -29,11 +29,12 @@ def audio_run(num_tokens: int, start_id: int, pad_id: int, end_id: int) -> list[
     return [start_id, *([pad_id] * num_tokens), end_id]
 
 
-def image_run(grid: tuple[int, int, int], config: Qwen3OmniVisionConfig) -> list[int]:
-    """The prompt token ids standing for one image of patch grid ``(t, h, w)``."""
+def image_run(grid: tuple[int, int, int], config: Qwen3OmniVisionConfig, *, video: bool = False) -> list[int]:
+    """The prompt token ids standing for one image (or ``video``) of patch grid ``(t, h, w)``."""
     t, h, w = grid
     count = t * h * w // config.spatial_merge_size**2
-    return [config.vision_start_token_id, *([config.image_token_id] * count), config.vision_end_token_id]
+    pad = config.video_token_id if video else config.image_token_id
+    return [config.vision_start_token_id, *([pad] * count), config.vision_end_token_id]
 
 
 def splice_features(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
@@ -57,19 +58,88 @@ def splice_images(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
     return out, Deepstack(input_ids == pad_id, list(images.deepstack))
 
 
+def splice_vision(embeds: torch.Tensor, input_ids: torch.Tensor, config: Qwen3OmniVisionConfig,
+                  features: VisionFeatures) -> tuple[torch.Tensor, Deepstack]:
+    """The image and video pad tokens' embeddings replaced by the encoder's rows (its images
+    and videos encoded in prompt order, so its rows follow the pads), and their deepstack
+    features. The reference scatters images and videos apart and joins their deepstack rows
+    in sequence order; encoding them together in prompt order gives the same rows."""
+    rows = (input_ids == config.image_token_id) | (input_ids == config.video_token_id)
+    if int(rows.sum()) != features.embeds.shape[0]:
+        raise ValueError(f"{int(rows.sum())} image and video placeholder tokens for {features.embeds.shape[0]} "
+                         "vision feature rows")
+    out = embeds.clone()
+    out[rows] = features.embeds.to(embeds.dtype)
+    return out, Deepstack(rows, list(features.deepstack))
+
+
 def image_positions(ids: list[int], grids: list[tuple[int, int, int]], config: Qwen3OmniVisionConfig
                     ) -> tuple[torch.Tensor, int]:
     """``[3, len(ids)]`` int64 MRoPE positions of a prompt of text, audio and image runs
     (``grids``: the images' patch grids in prompt order) and its rope delta (the later steps'
     shift: ``max position + 1 - len(ids)``)."""
     if config.video_token_id in ids:
-        raise NotImplementedError("video positions are not built for Qwen3-Omni yet")
+        raise ValueError("a prompt with video runs takes media_positions (it needs the videos' seconds per grid)")
     if any(t != 1 for t, _, _ in grids):
         raise ValueError(f"image grids {grids} must have t = 1 (a video's frames take other positions)")
     tokens = VisionTokens(image=config.image_token_id, video=config.video_token_id,
                           start=config.vision_start_token_id, end=config.vision_end_token_id,
                           merge=config.spatial_merge_size)
     return mrope_positions(ids, grids, tokens)
+
+
+def media_positions(ids: list[int], grids: list[tuple[int, int, int]], seconds_per_grid: list[float],
+                    config: Qwen3OmniVisionConfig) -> tuple[torch.Tensor, int | float]:
+    """``[3, len(ids)]`` MRoPE positions of a prompt of text, audio, image and video runs, and
+    its rope delta. ``grids``: the images' and videos' patch grids in prompt order;
+    ``seconds_per_grid``: each video's seconds per temporal group, in order.
+
+    A video run placed at ``p`` gives the token of temporal group ``k``, merged row ``r`` and
+    column ``c`` the positions ``(p + k * seconds_per_grid * position_id_per_seconds, p + r,
+    p + c)``; the token after a run sits one past the run's largest position. The maths is
+    float32, as the reference's; the positions come back int64 when they are all whole
+    numbers (always, unless a video's step is fractional), float32 otherwise."""
+    image, video = config.image_token_id, config.video_token_id
+    merge = config.spatial_merge_size
+    pending, seconds = iter(grids), iter(seconds_per_grid)
+    pieces: list[torch.Tensor] = []
+    start = torch.tensor(0.0)
+    i, length = 0, len(ids)
+    while i < length:
+        j = i + 1
+        if ids[i] in (image, video):
+            while j < length and ids[j] == ids[i]:
+                j += 1
+            grid = next(pending, None)
+            if grid is None:
+                raise ValueError(f"vision tokens at {i} but no grid left")
+            t, rows, cols = grid[0], grid[1] // merge, grid[2] // merge
+            if j - i != t * rows * cols:
+                raise ValueError(f"{j - i} vision tokens at {i} for a {t}x{rows}x{cols} merged grid")
+            if ids[i] == image:
+                step = torch.arange(t) * config.position_id_per_seconds
+            else:
+                spg = next(seconds, None)
+                if spg is None:
+                    raise ValueError(f"video tokens at {i} but no seconds per grid left")
+                step = torch.arange(t) * torch.tensor(float(spg)) * config.position_id_per_seconds
+            block = torch.stack([step.float().repeat_interleave(rows * cols),
+                                 torch.arange(rows).repeat_interleave(cols).repeat(t).float(),
+                                 torch.arange(cols).repeat(rows * t).float()])
+            pieces.append(block + start)
+        else:
+            while j < length and ids[j] not in (image, video):
+                j += 1
+            pieces.append(torch.arange(j - i)[None].expand(3, -1) + start)
+        start = pieces[-1].max() + 1
+        i = j
+    if next(pending, None) is not None or next(seconds, None) is not None:
+        raise ValueError("more grids (or video seconds) than vision token runs")
+    positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0)
+    delta = float(positions.max()) + 1 - length if length else 0.0
+    if torch.equal(positions, positions.round()):
+        return positions.long(), int(delta)
+    return positions, delta
 
 
 def shifted_positions(positions: torch.Tensor, rope_delta: int) -> torch.Tensor:
