@@ -19,6 +19,7 @@ from mstar.model.qwen3_omni.checkpoint import Qwen3OmniThinker, load_thinker  # 
 from mstar.model.qwen3_omni.inputs import (  # noqa: E402
     audio_run,
     image_run,
+    interleave_audio,
     media_positions,
     shifted_positions,
     splice_vision,
@@ -136,3 +137,71 @@ def test_refusals(config) -> None:
         media_positions(ids, [(2, 4, 4)], [1.0], config)
     with pytest.raises(ValueError, match="more grids"):
         media_positions(ids, [VIDEO, IMAGE], [1.0], config)
+
+
+# ---------------------------------------------------------------- a video with its soundtrack
+def audio_in_video(config: Qwen3OmniVisionConfig, frames: int, seconds: float,
+                   grid: tuple[int, int, int] = VIDEO) -> list[int]:
+    pads = interleave_audio(grid, seconds, audio_token_count(frames), config, AUDIO_TOKEN)
+    return [config.vision_start_token_id, AUDIO_START, *pads, AUDIO_END, VISION_END]
+
+
+@pytest.mark.parametrize("seconds, frames, grid", [(0.5, 130, VIDEO), (2 / 3, 130, VIDEO), (1.0, 250, VIDEO),
+                                                  (1.0, 30, VIDEO), (1.0, 30, (1, 12, 4))])
+def test_audio_in_video_positions_match_get_rope_index(reference, config, seconds: float, frames: int,
+                                                       grid: tuple[int, int, int]) -> None:
+    """An image and a plain clip before a video with its soundtrack (17 tokens of 130 frames,
+    32 of 250: more audio than video time; 4 of 30: less). The last case, one tall group then
+    4 audio tokens, puts the run's last piece (the audio) below its largest position (row 5):
+    the tokens after it resume from the piece, as the reference does."""
+    ids = [5, *image_run(IMAGE, config), 7, *audio_run(audio_token_count(130), AUDIO_START, AUDIO_TOKEN, AUDIO_END),
+           8, *audio_in_video(config, frames, seconds, grid), 9, 11]
+    got, delta = media_positions(ids, [IMAGE, grid], [seconds], config, audio_token=AUDIO_TOKEN)
+    want, want_delta = reference.model.get_rope_index(
+        torch.tensor([ids]), image_grid_thw=torch.tensor([IMAGE]), video_grid_thw=torch.tensor([grid]),
+        attention_mask=torch.ones(1, len(ids)), use_audio_in_video=True, audio_seqlens=torch.tensor([130, frames]),
+        second_per_grids=torch.tensor([seconds]))
+    assert torch.equal(got.float(), want[:, 0])
+    assert delta == pytest.approx(float(want_delta), abs=1e-4)
+
+
+@torch.no_grad()
+def test_audio_in_video_logits(reference, config) -> None:
+    from mstar.model.qwen3_omni.inputs import splice_features
+
+    thinker = Qwen3OmniThinker.from_hf_dict({"thinker_config": reference.config.to_dict()}).eval()
+    load_thinker(thinker, released_keys(reference))
+    text = thinker.text
+    seconds, frames = 0.5, 130
+    ids_list = [5, 17, *audio_in_video(config, frames, seconds), 9, 11]
+    video = patches(VIDEO, seed=16)
+    mel = torch.randn(16, frames, generator=torch.Generator().manual_seed(17))
+
+    def hf_logits(tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        return reference(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=mel[None],
+                         feature_attention_mask=torch.ones(1, frames, dtype=torch.long), pixel_values_videos=video,
+                         video_grid_thw=torch.tensor([VIDEO]), video_second_per_grid=torch.tensor([seconds]),
+                         use_audio_in_video=True, use_cache=False).logits[0]
+
+    caches = allocate_kv_cache(text.config.num_hidden_layers, 32, 8, text.config.num_key_value_heads,
+                               text.config.head_dim, torch.float32, "cpu")
+    pages = Pages(32, 8, seed=18)
+    ids = torch.tensor(ids_list)
+    embeds = splice_features(text.embed_input_ids(ids), ids, AUDIO_TOKEN, thinker.audio_tower([mel]))
+    embeds, deepstack = splice_vision(embeds, ids, config, thinker.visual(video, [VIDEO]))
+    positions, delta = media_positions(ids_list, [VIDEO], [seconds], config, audio_token=AUDIO_TOKEN)
+    meta = pages.step([("a", len(ids_list))])
+    logits = text.compute_logits(text(None, meta, caches, inputs_embeds=embeds, positions=positions,
+                                      deepstack=deepstack))
+    worst = rel_err(logits, hf_logits(ids_list))
+    tokens = list(ids_list)
+    for _ in range(2):
+        nxt = int(logits[-1].argmax())
+        tokens.append(nxt)
+        meta = pages.step([("a", 1)])
+        logits = text.compute_logits(text(torch.tensor([nxt]), meta, caches,
+                                          positions=shifted_positions(meta.positions, delta)))
+        worst = max(worst, rel_err(logits, hf_logits(tokens)[-1:]))
+    print(f"[parity] qwen3-omni thinker audio-in-video: worst logits rel err {worst:.2e}")
+    assert worst < 1e-4

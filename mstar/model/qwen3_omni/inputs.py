@@ -37,6 +37,26 @@ def image_run(grid: tuple[int, int, int], config: Qwen3OmniVisionConfig, *, vide
     return [config.vision_start_token_id, *([pad] * count), config.vision_end_token_id]
 
 
+def interleave_audio(grid: tuple[int, int, int], seconds_per_grid: float, audio_tokens: int,
+                     config: Qwen3OmniVisionConfig, audio_id: int) -> list[int]:
+    """The pads of a video with its soundtrack (``use_audio_in_video``), in time order: temporal
+    group ``k`` (its ``h * w / merge**2`` video pads) sits at ``k * seconds_per_grid *
+    position_id_per_seconds``, audio token ``a`` at ``a``; a group goes before an audio token
+    at the same time (the processor's rule). The prompt holds them between ``<|vision_start|><|audio_start|>`` and
+    ``<|audio_end|><|vision_end|>``."""
+    t, h, w = grid
+    per_group = h * w // config.spatial_merge_size**2
+    times = (torch.arange(t) * torch.tensor(float(seconds_per_grid)) * config.position_id_per_seconds).tolist()
+    out: list[int] = []
+    audio = 0
+    for time in times:
+        while audio < audio_tokens and audio < time:
+            out.append(audio_id)
+            audio += 1
+        out += [config.video_token_id] * per_group
+    return out + [audio_id] * (audio_tokens - audio)
+
+
 def splice_features(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
                     features: list[torch.Tensor], kind: str = "audio") -> torch.Tensor:
     """``embeds [T, hidden]`` with the rows of the ``pad_id`` tokens of ``input_ids [T]``
@@ -89,7 +109,8 @@ def image_positions(ids: list[int], grids: list[tuple[int, int, int]], config: Q
 
 
 def media_positions(ids: list[int], grids: list[tuple[int, int, int]], seconds_per_grid: list[float],
-                    config: Qwen3OmniVisionConfig) -> tuple[torch.Tensor, int | float]:
+                    config: Qwen3OmniVisionConfig, *, audio_token: int | None = None
+                    ) -> tuple[torch.Tensor, int | float]:
     """``[3, len(ids)]`` MRoPE positions of a prompt of text, audio, image and video runs, and
     its rope delta. ``grids``: the images' and videos' patch grids in prompt order;
     ``seconds_per_grid``: each video's seconds per temporal group, in order.
@@ -98,7 +119,13 @@ def media_positions(ids: list[int], grids: list[tuple[int, int, int]], seconds_p
     column ``c`` the positions ``(p + k * seconds_per_grid * position_id_per_seconds, p + r,
     p + c)``; the token after a run sits one past the run's largest position. The maths is
     float32, as the reference's; the positions come back int64 when they are all whole
-    numbers (always, unless a video's step is fractional), float32 otherwise."""
+    numbers (always, unless a video's step is fractional), float32 otherwise.
+
+    With ``audio_token``, a video run may hold its soundtrack's ``audio_token`` pads
+    interleaved by time (``interleave_audio``): the audio pads take ``p, p + 1, ...`` on all
+    three axes and the video pads their places above, both from the same ``p``; the token after
+    the run sits one past the largest position of the run's trailing tokens of one kind (the
+    reference's rule: its last piece, not the whole run)."""
     image, video = config.image_token_id, config.video_token_id
     merge = config.spatial_merge_size
     pending, seconds = iter(grids), iter(seconds_per_grid)
@@ -108,14 +135,17 @@ def media_positions(ids: list[int], grids: list[tuple[int, int, int]], seconds_p
     while i < length:
         j = i + 1
         if ids[i] in (image, video):
-            while j < length and ids[j] == ids[i]:
+            kinds = (ids[i], audio_token) if ids[i] == video and audio_token is not None else (ids[i],)
+            while j < length and ids[j] in kinds:
                 j += 1
             grid = next(pending, None)
             if grid is None:
                 raise ValueError(f"vision tokens at {i} but no grid left")
             t, rows, cols = grid[0], grid[1] // merge, grid[2] // merge
-            if j - i != t * rows * cols:
-                raise ValueError(f"{j - i} vision tokens at {i} for a {t}x{rows}x{cols} merged grid")
+            run = torch.tensor(ids[i:j])
+            pads = run == ids[i]
+            if int(pads.sum()) != t * rows * cols:
+                raise ValueError(f"{int(pads.sum())} vision tokens at {i} for a {t}x{rows}x{cols} merged grid")
             if ids[i] == image:
                 step = torch.arange(t) * config.position_id_per_seconds
             else:
@@ -126,12 +156,23 @@ def media_positions(ids: list[int], grids: list[tuple[int, int, int]], seconds_p
             block = torch.stack([step.float().repeat_interleave(rows * cols),
                                  torch.arange(rows).repeat_interleave(cols).repeat(t).float(),
                                  torch.arange(cols).repeat(rows * t).float()])
-            pieces.append(block + start)
+            last = block + start
+            if not bool(pads.all()):  # a video with its soundtrack between its groups
+                placed = torch.empty(3, j - i)
+                placed[:, pads] = block
+                placed[:, ~pads] = torch.arange(int((~pads).sum())).float()[None].expand(3, -1)
+                last = placed + start
+                pieces.append(last)
+                other = (run != run[-1]).nonzero()
+                last = last[:, int(other.max()) + 1:]  # the trailing tokens of one kind
+            else:
+                pieces.append(last)
         else:
             while j < length and ids[j] not in (image, video):
                 j += 1
-            pieces.append(torch.arange(j - i)[None].expand(3, -1) + start)
-        start = pieces[-1].max() + 1
+            last = torch.arange(j - i)[None].expand(3, -1) + start
+            pieces.append(last)
+        start = last.max() + 1
         i = j
     if next(pending, None) is not None or next(seconds, None) is not None:
         raise ValueError("more grids (or video seconds) than vision token runs")
