@@ -147,3 +147,23 @@ def decode_frames(data: bytes, indices: list[int]) -> np.ndarray:
         raise VideoDecodeError(f"the video has fewer frames than its header says ({len(kept)} of {len(indices)} "
                                "sampled frames decoded)")
     return np.stack(kept)
+
+
+def decode_soundtrack(data: bytes) -> tuple[np.ndarray, int] | None:
+    """A container's first audio stream as mono float32 samples (channels averaged) and its
+    rate; None when the container has no audio stream."""
+    av = _av()
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                return None
+            stream = container.streams.audio[0]
+            planar = av.AudioResampler(format="fltp")  # any sample format -> planar float
+            pieces = [f.to_ndarray() for frame in container.decode(stream) for f in planar.resample(frame)]
+            pieces += [f.to_ndarray() for f in planar.resample(None)]
+            rate = int(stream.rate)
+    except Exception as err:
+        raise VideoDecodeError(f"cannot decode the video's audio: {err}") from None
+    if not pieces:
+        return np.zeros(0, dtype=np.float32), rate
+    return np.concatenate(pieces, axis=1).mean(axis=0, dtype=np.float32), rate

@@ -233,10 +233,40 @@ def test_video_limits_name_the_part(deployment: Deployment) -> None:
     with pytest.raises(RequestError, match=r"4 sampled frames of 24x16 are 1536 pixels, over max_video_pixels") as err:
         small.split(messages)
     assert err.value.field == "messages[0].content[1]" and err.value.status == 400
-    messages[0]["content"][1]["use_audio_in_video"] = True
-    with pytest.raises(RequestError, match="use_audio_in_video is not supported") as err:
+    messages[0]["content"][1]["use_audio_in_video"] = True  # a silent video
+    with pytest.raises(RequestError, match="use_audio_in_video needs a video with an audio track") as err:
         front.split(messages)
     assert err.value.field == "messages[0].content[1]"
+
+
+SOUND_MP4 = mp4(8, (24, 16), 5.0, seed=7, sound=True)  # 1.6 s: under the deployment's 2 s of audio
+
+
+def test_video_with_its_soundtrack_equals_the_plain_thinker(deployment: Deployment, plain) -> None:
+    """``use_audio_in_video``: the mp4's AAC track (1.6 s: 21 audio tokens) decoded, resampled
+    to 16 kHz and heard beside a plain clip; its tokens sit between the video's two frame
+    groups by time (group 1 at position 25), the clips' rows spliced in prompt order."""
+    d = deployment
+    content = [{"type": "audio", "data": CLIP}, {"type": "text", "text": "and"},
+               {"type": "video", "data": SOUND_MP4, "use_audio_in_video": True}]
+    inputs = d.spec.prepare_chat(_spec(content, "probe")).inputs
+    ids = inputs["prompt_ids"].tolist()
+    assert inputs["audio_frames"].shape == (2,) and inputs["grid_thw"].tolist() == [[2, 4, 6]]
+    start = ids.index(VIDEO_TOKEN)
+    assert ids[start - 2:start] == [154, 153]  # <|vision_start|><|audio_start|>
+    run = ids[start:ids.index(155, start)]
+    heard = run.count(AUDIO_TOKEN)
+    assert heard == 21 and run == [VIDEO_TOKEN] * 6 + [AUDIO_TOKEN] * heard + [VIDEO_TOKEN] * 6
+    clip = mel_features(torch.from_numpy(decode_audio(CLIP, max_bytes=1 << 24, max_seconds=10).samples.copy()), 16)
+    assert torch.equal(inputs["audio_mels"][:, :clip.shape[1]], clip)  # the plain clip first: prompt order
+    ids_t = inputs["prompt_ids"]
+    thinker = plain[0]
+    with torch.no_grad():
+        rows = thinker.audio_tower(list(inputs["audio_mels"].split(inputs["audio_frames"].tolist(), dim=1)))
+        embeds = splice_features(thinker.text.model.embed_tokens(ids_t), ids_t, AUDIO_TOKEN, rows)
+    want = _greedy_with_images(thinker, ids_t, embeds, inputs["pixel_values"], inputs["grid_thw"],
+                               inputs["positions"], MAX_TOKENS)
+    assert _ids(asyncio.run(_events(d, _spec(content, "sound")))) == want
 
 
 def test_text_request_never_touches_the_talker(deployment: Deployment) -> None:

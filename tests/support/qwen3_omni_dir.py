@@ -113,9 +113,15 @@ def wav(seconds: float, seed: int, rate: int = 22050) -> bytes:
     return buffer.getvalue()
 
 
-def mp4(frames: int, size: tuple[int, int], fps: float, seed: int) -> bytes:
-    """An H.264 mp4 (PyAV) of ``frames`` random frames of ``size`` (width, height) at ``fps``."""
+def mp4(frames: int, size: tuple[int, int], fps: float, seed: int, sound: bool = False) -> bytes:
+    """An H.264 mp4 (PyAV) of ``frames`` random frames of ``size`` (width, height) at ``fps``;
+    ``sound``: with an AAC track as long as the frames (a 330 Hz tone under noise, 48 kHz)."""
     from mstar.media.video import encode_mp4
 
-    pixels = np.random.default_rng(seed).integers(0, 255, (frames, size[1], size[0], 3), dtype=np.uint8)
-    return encode_mp4(pixels, fps=fps)
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (frames, size[1], size[0], 3), dtype=np.uint8)
+    if not sound:
+        return encode_mp4(pixels, fps=fps)
+    t = np.arange(int(frames / fps * 48000)) / 48000
+    track = 0.3 * np.sin(2 * np.pi * 330 * t) + rng.normal(0, 0.05, t.shape)
+    return encode_mp4(pixels, fps=fps, audio=track[None].astype(np.float32), sample_rate=48000)

@@ -8,9 +8,10 @@ uploaded file: WAV, FLAC, OGG or MP3, decoded here to 16 kHz mono, capped at
 ``{"type": "audio" | "image" | "video"}`` and writes ``<|audio_start|><|audio_pad|><|audio_end|>``
 / ``<|vision_start|><|image_pad|><|vision_end|>`` / ``<|vision_start|><|video_pad|><|vision_end|>``
 where each stands. ``{"type": "video", "data": bytes}`` is a video file (``video.read_video``:
-sampled, capped at ``max_video_pixels``); its soundtrack is not heard (``use_audio_in_video``
-is refused by name). A part the rules refuse raises ``RequestError`` naming
-``messages[i].content[j]``.
+sampled, capped at ``max_video_pixels``); with ``"use_audio_in_video": true`` its soundtrack
+is heard too, its audio tokens interleaved with the frame groups by time
+(``inputs.interleave_audio``) between ``<|audio_start|>`` and ``<|audio_end|>`` inside the
+vision run. A part the rules refuse raises ``RequestError`` naming ``messages[i].content[j]``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from mstar.model.chat import split_content
 from mstar.model.qwen3_5.processor import ImageProcessing, Media, MediaError, process_image
 from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, audio_token_count, mel_features
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
-from mstar.model.qwen3_omni.inputs import media_positions
+from mstar.model.qwen3_omni.inputs import interleave_audio, media_positions
 from mstar.model.qwen3_omni.knobs import Qwen3OmniKnobs
 from mstar.model.qwen3_omni.speech import ChatTokens
-from mstar.model.qwen3_omni.video import VideoClip, VideoSettings, read_video
+from mstar.model.qwen3_omni.video import VideoClip, VideoSettings, read_soundtrack, read_video
 from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig
 
 AUDIO_RATE = 16000
@@ -64,6 +65,7 @@ class PromptBuilder:
     knobs: Qwen3OmniKnobs
     speakers: dict[str, int]
     eos: int | list[int] | None
+    audio_bounds: tuple[int, int] | None = None  # <|audio_start|>, <|audio_end|>: for use_audio_in_video
 
     @classmethod
     def from_checkpoint(cls, ckpt, tokenizer, knobs: Qwen3OmniKnobs) -> PromptBuilder:
@@ -72,7 +74,8 @@ class PromptBuilder:
         d = ckpt.hf_config()
         tokens = chat_tokens(d)
         named = {key: tokenizer.convert_tokens_to_ids(name) for key, name in
-                 (("im_end", "<|im_end|>"), ("vision_end", "<|vision_end|>"))}
+                 (("im_end", "<|im_end|>"), ("vision_end", "<|vision_end|>"), ("audio_start", "<|audio_start|>"),
+                  ("audio_end", "<|audio_end|>"))}
         if d.get("im_end_token_id") is None and isinstance(named["im_end"], int):
             tokens = replace(tokens, im_end=named["im_end"])
         vision = Qwen3OmniVisionConfig.from_hf_dict(d)
@@ -89,25 +92,26 @@ class PromptBuilder:
             temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size, fps=knobs.video_fps,
             max_frames=knobs.max_video_frames)
         talker = Qwen3OmniTalkerConfig.from_hf_dict(d)
+        bounds = (named["audio_start"], named["audio_end"])
+        known = all(isinstance(b, int) and b != tokenizer.unk_token_id for b in bounds)
         return cls(tokens, Qwen3OmniAudioConfig.from_hf_dict(d), vision, images, videos, knobs,
-                   dict(talker.speaker_id),
-                   Qwen3OmniTextConfig.from_hf_dict(d).eos_token_id)
+                   dict(talker.speaker_id), Qwen3OmniTextConfig.from_hf_dict(d).eos_token_id,
+                   bounds if known else None)
 
     # ------------------------------------------------------------------ media out of the messages
     def split(self, messages: list[dict]) -> tuple[list[dict], list[Clip | Media | VideoClip]]:
         """The messages as the chat template takes them, and their clips, images and videos in order."""
         media: list[Clip | Media | VideoClip] = []
-        read = {"audio": self._clip, "image": self._image, "video": self._video}
 
         def take(kind: str, part: dict, where: str) -> None:
             if len(media) >= self.knobs.max_media_per_request:
                 raise RequestError(where, f"at most {self.knobs.max_media_per_request} audio clips, images and "
                                           "videos per request")
-            if kind == "video" and part.get("use_audio_in_video"):
-                raise RequestError(where, "use_audio_in_video is not supported by qwen3_omni yet: the video's "
-                                          "frames are seen, its soundtrack is not heard; send the audio as an "
-                                          "audio part")
-            media.append(read[kind](part.get("data"), where))
+            data = part.get("data")
+            if kind == "video":
+                media.append(self._video(data, where, bool(part.get("use_audio_in_video"))))
+            else:
+                media.append(self._clip(data, where) if kind == "audio" else self._image(data, where))
 
         return split_content(messages, ("audio", "image", "video"), take), media
 
@@ -121,7 +125,10 @@ class PromptBuilder:
                                    max_seconds=self.knobs.max_audio_seconds, target_rate=AUDIO_RATE)
         except AudioError as err:
             raise RequestError(where, err.message, err.status) from None
-        wave = torch.from_numpy(decoded.samples.copy())
+        return self._mel(decoded.samples, where)
+
+    def _mel(self, samples, where: str) -> Clip:
+        wave = torch.from_numpy(samples.copy())
         mel = mel_features(wave, self.audio.num_mel_bins)
         if mel.shape[1] == 0:
             raise RequestError(where, "the audio is shorter than one 10 ms frame")
@@ -145,14 +152,19 @@ class PromptBuilder:
         except Exception as err:
             raise RequestError(where, f"cannot decode the image: {err}") from None
 
-    def _video(self, data: Any, where: str) -> VideoClip:
+    def _video(self, data: Any, where: str, with_audio: bool) -> VideoClip:
         if not isinstance(data, (bytes, bytearray)):
             raise RequestError(where, "a video part needs data: the video file's bytes")
         if len(data) > self.knobs.max_upload_bytes:
             raise RequestError(where, f"video of {len(data)} bytes exceeds max_upload_bytes "
                                       f"({self.knobs.max_upload_bytes})")
+        if with_audio and self.audio_bounds is None:
+            raise RequestError(where, "use_audio_in_video needs <|audio_start|> and <|audio_end|> in the tokenizer")
         try:
-            return read_video(bytes(data), self.videos, self.knobs.max_video_pixels)
+            clip = read_video(bytes(data), self.videos, self.knobs.max_video_pixels)
+            if with_audio:
+                clip.audio = self._mel(read_soundtrack(bytes(data), AUDIO_RATE, self.knobs.max_audio_seconds), where)
+            return clip
         except MediaError as err:
             raise RequestError(where, str(err)) from None
         except ModuleNotFoundError as err:  # PyAV is an optional dependency
@@ -178,6 +190,7 @@ class PromptBuilder:
         queues = {token: iter(items) for token, items in kinds.items()}
         out: list[int] = []
         seen: list[Media] = []  # images and videos in prompt order
+        heard: list[Clip] = []  # audio clips (a video's soundtrack included) in prompt order
         seconds: list[float] = []
         for token in ids:
             if token not in queues:
@@ -186,21 +199,30 @@ class PromptBuilder:
             item = next(queues[token])
             if isinstance(item, Clip):
                 out += [token] * item.tokens
+                heard.append(item)
                 continue
             if isinstance(item, VideoClip):
                 seconds.append(item.seconds_per_grid)
+                if item.audio is not None:
+                    start, end = self.audio_bounds
+                    out += [start, *interleave_audio(item.media.grid, item.seconds_per_grid, item.audio.tokens,
+                                                     self.vision, audio), end]
+                    heard.append(item.audio)
+                    seen.append(item.media)
+                    continue
                 item = item.media
             t, h, w = item.grid
             out += [token] * (t * h * w // merge)
             seen.append(item)
         inputs = self.no_media()
-        if kinds[audio]:
-            inputs["audio_mels"] = torch.cat([c.mel for c in kinds[audio]], dim=1)
-            inputs["audio_frames"] = torch.tensor([c.mel.shape[1] for c in kinds[audio]], dtype=torch.int64)
+        if heard:
+            inputs["audio_mels"] = torch.cat([c.mel for c in heard], dim=1)
+            inputs["audio_frames"] = torch.tensor([c.mel.shape[1] for c in heard], dtype=torch.int64)
         if seen:
             inputs["pixel_values"] = torch.cat([m.patches for m in seen])
             inputs["grid_thw"] = torch.tensor([m.grid for m in seen], dtype=torch.int64)
-            inputs["positions"], _ = media_positions(out, [m.grid for m in seen], seconds, self.vision)
+            inputs["positions"], _ = media_positions(out, [m.grid for m in seen], seconds, self.vision,
+                                                     audio_token=audio)
         return out, inputs
 
     def no_media(self) -> dict[str, torch.Tensor]:

@@ -11,6 +11,9 @@ max_pixels]``), a bicubic antialiased resize, the fused rescale and normalise, a
 layout of images (``mstar.model.qwen3_5.processor``, whose pieces this reuses). A temporal
 group spans ``temporal_patch_size / fps`` seconds: the processor's ``video_second_per_grid``
 when it is given the sampling rate.
+
+``read_soundtrack`` gives the container's audio for ``use_audio_in_video``: mono, resampled
+to the audio tower's 16 kHz as uploaded audio is (``mstar.audio.io.resample``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar.media.video import VideoDecodeError, decode_frames, probe_video
+from mstar.media.video import VideoDecodeError, decode_frames, decode_soundtrack, probe_video
 from mstar.model.qwen3_5.processor import HALF, Media, MediaError, _patchify, resize_frames, smart_resize
 
 
@@ -73,6 +76,7 @@ class VideoSettings:
 class VideoClip:
     media: Media  # kind "video": patches [t*h*w, C*T*P*P] and the grid
     seconds_per_grid: float
+    audio: Any = None  # the soundtrack's prompt.Clip, for use_audio_in_video
 
 
 def sample_indices(total: int, source_fps: float | None, cfg: VideoSettings) -> list[int]:
@@ -114,3 +118,21 @@ def read_video(data: bytes, cfg: VideoSettings, max_pixels: int) -> VideoClip:
     except VideoDecodeError as err:
         raise MediaError(str(err)) from None
     return VideoClip(process_frames(frames, cfg), cfg.seconds_per_grid)
+
+
+def read_soundtrack(data: bytes, rate: int, max_seconds: float) -> np.ndarray:
+    """The container's first audio stream, mono float32 at ``rate``; refused (``MediaError``)
+    when it has none, is empty, or is over ``max_seconds``."""
+    from mstar.audio.io import resample
+
+    try:
+        track = decode_soundtrack(data)
+    except VideoDecodeError as err:
+        raise MediaError(str(err)) from None
+    if track is None or not track[0].size:
+        raise MediaError("use_audio_in_video needs a video with an audio track; this one has none")
+    samples, source_rate = track
+    if samples.size / source_rate > max_seconds:
+        raise MediaError(f"the video's audio is {samples.size / source_rate:.1f} s, over max_audio_seconds "
+                         f"({max_seconds:g})")
+    return resample(samples, source_rate, rate).astype(np.float32)
