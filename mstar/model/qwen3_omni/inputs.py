@@ -1,18 +1,23 @@
-"""How audio and images enter the thinker's token sequence.
+"""How audio, images and videos enter the thinker's token sequence.
 
 A clip is a run ``<|audio_start|> <|audio_pad|> x n <|audio_end|>`` in the prompt, ``n`` the
 encoder's token count for it (``audio.audio_token_count``); an image is a run
 ``<|vision_start|> <|image_pad|> x n <|vision_end|>``, ``n = t * h * w / merge**2`` of its
-patch grid. The thinker's embeddings of the pad tokens are replaced, in order, by the
-encoders' output rows; an image's rows also bring their deepstack features (``Deepstack``).
+patch grid, and a video the same with ``<|video_pad|>`` (all its temporal groups in one run).
+A video heard with its soundtrack (``use_audio_in_video``) holds ``<|audio_start|>``, its
+video and audio pads interleaved by time (``interleave_audio``) and ``<|audio_end|>`` inside
+its vision run. The thinker's embeddings of the pad tokens are replaced, in order, by the
+encoders' output rows; image and video rows also bring their deepstack features
+(``Deepstack``; ``splice_vision`` takes both kinds, encoded together in prompt order).
 
-Positions (the reference's ``get_rope_index`` without video): text and audio tokens advance
-all three MRoPE axes together; an image whose first pad token would sit at ``p`` gives its
-tokens ``(p, p + row, p + col)`` on the merged grid, and the token after it resumes at
-``p + max(rows, cols)``. This is Qwen3.5's image rule, so ``image_positions`` reuses
-``mstar.model.qwen3_5.prompt.mrope_positions``. Without images every axis is ``0 .. L-1`` and
-an audio+text prompt runs on the paged metadata's 1-D positions. Later steps of a request run
-at ``position + rope_delta`` on all three axes (``shifted_positions``).
+Positions (the reference's ``get_rope_index``, ``media_positions``): text and audio tokens
+advance all three MRoPE axes together; an image whose first pad token would sit at ``p``
+gives its tokens ``(p, p + row, p + col)`` on the merged grid, a video's temporal group ``k``
+adds ``k * seconds_per_grid * position_id_per_seconds`` on the first axis, and the token after
+a run resumes one past its largest position. ``image_positions`` (images only) is Qwen3.5's
+rule, ``mstar.model.qwen3_5.prompt.mrope_positions``. Without images or videos every axis is
+``0 .. L-1`` and an audio+text prompt runs on the paged metadata's 1-D positions. Later steps
+of a request run at ``position + rope_delta`` on all three axes (``shifted_positions``).
 """
 
 from __future__ import annotations
