@@ -1,5 +1,7 @@
 """Video containers: uint8 RGB frames (and a soundtrack: AAC) -> an H.264 mp4, written with PyAV (``av``, the ``wan22``
-extra), which carries its own FFmpeg libraries, so no ``ffmpeg`` binary is needed.
+and ``video`` extras), which carries its own FFmpeg libraries, so no ``ffmpeg`` binary is needed; and back:
+``probe_video`` reads a container's frame count, rate and size, ``decode_frames`` decodes only the
+frames a sampler picks (video input).
 
 The stream is yuv420p (what every player decodes), so width and height must be even; the
 video families' sizes (multiples of 32) always are. ``crf`` 18 is x264's "visually lossless"
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-INSTALL_HINT = "mp4 output needs PyAV: pip install -e '.[wan22]' (or pip install av)"
+INSTALL_HINT = "video files need PyAV: pip install -e '.[video]' (or pip install av)"
 
 
 def _av():
@@ -97,3 +99,71 @@ def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
         rate = float(stream.average_rate or stream.base_rate or 0)
     return np.stack(frames), rate
+
+
+class VideoDecodeError(ValueError):
+    """A video container PyAV cannot read (or one with no video stream)."""
+
+
+def probe_video(data: bytes) -> tuple[int, float | None, int, int]:
+    """A container's first video stream: its frame count, frame rate (None when unknown), width
+    and height, read from the header (frames counted from the packets when the header has none),
+    nothing decoded."""
+    av = _av()
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise VideoDecodeError("the file has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.base_rate
+            width, height, count = stream.codec_context.width, stream.codec_context.height, stream.frames
+            if not count:
+                count = sum(1 for packet in container.demux(stream) if packet.size)
+    except VideoDecodeError:
+        raise
+    except Exception as err:  # PyAV raises FFmpeg's many error kinds
+        raise VideoDecodeError(f"cannot read the video: {err}") from None
+    return int(count), float(rate) if rate else None, int(width), int(height)
+
+
+def decode_frames(data: bytes, indices: list[int]) -> np.ndarray:
+    """The frames at ``indices`` (ascending, repeats allowed) of a container's first video stream
+    as ``uint8 [len(indices), H, W, 3]`` RGB; frames past the last index are never decoded."""
+    av = _av()
+    wanted: dict[int, int] = {}
+    for i in indices:
+        wanted[i] = wanted.get(i, 0) + 1
+    last, kept = max(indices), []
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index in wanted:
+                    kept += [frame.to_ndarray(format="rgb24")] * wanted[index]
+                if index >= last:
+                    break
+    except Exception as err:
+        raise VideoDecodeError(f"cannot decode the video: {err}") from None
+    if len(kept) != len(indices):
+        raise VideoDecodeError(f"the video has fewer frames than its header says ({len(kept)} of {len(indices)} "
+                               "sampled frames decoded)")
+    return np.stack(kept)
+
+
+def decode_soundtrack(data: bytes) -> tuple[np.ndarray, int] | None:
+    """A container's first audio stream as mono float32 samples (channels averaged) and its
+    rate; None when the container has no audio stream."""
+    av = _av()
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                return None
+            stream = container.streams.audio[0]
+            planar = av.AudioResampler(format="fltp")  # any sample format -> planar float
+            pieces = [f.to_ndarray() for frame in container.decode(stream) for f in planar.resample(frame)]
+            pieces += [f.to_ndarray() for f in planar.resample(None)]
+            rate = int(stream.rate)
+    except Exception as err:
+        raise VideoDecodeError(f"cannot decode the video's audio: {err}") from None
+    if not pieces:
+        return np.zeros(0, dtype=np.float32), rate
+    return np.concatenate(pieces, axis=1).mean(axis=0, dtype=np.float32), rate

@@ -1,11 +1,12 @@
 """Qwen3-Omni over HTTP with the official ``openai`` client: the tiny random whole model of
 ``tests/support/qwen3_omni_dir.py`` served in process (fp32, CPU) under uvicorn in a thread,
-every request greedy. A chat with an ``input_audio`` part answers the plain thinker's text; a
-spoken answer (``modalities: ["text", "audio"]``) comes whole as a 24 kHz WAV with that text as
-its transcript, and streamed as PCM16 pieces holding the same samples; a text request never
-runs the talker or code2wav; /v1/audio/voices lists the checkpoint's speakers and bad voices or
-formats are 400s naming the field; concurrent spoken requests equal their solo answers, and a
-client that leaves a spoken stream leaves nothing running and every KV page free."""
+every request greedy. A chat with an ``input_audio`` part answers the plain thinker's text, one
+with a ``video_url`` part the in-process backend's; a spoken answer (``modalities: ["text",
+"audio"]``) comes whole as a 24 kHz WAV with that text as its transcript, and streamed as PCM16
+pieces holding the same samples; a text request never runs the talker or code2wav;
+/v1/audio/voices lists the checkpoint's speakers and bad voices or formats are 400s naming the
+field; concurrent spoken requests equal their solo answers, and a client that leaves a spoken
+stream leaves nothing running and every KV page free."""
 
 from __future__ import annotations
 
@@ -40,7 +41,14 @@ from mstar.model.speech_output import pcm_to_array  # noqa: E402
 from mstar.runtime.launch import Deployment  # noqa: E402
 from mstar.server.app import create_app  # noqa: E402
 from tests.support.qwen3_omni import ACCEPT_HIDDEN_LAYER, AUDIO_TOKEN, CHAT  # noqa: E402
-from tests.support.qwen3_omni_dir import MAX_FRAMES, deployment_config, tokenizer, wav, write_checkpoint  # noqa: E402
+from tests.support.qwen3_omni_dir import (  # noqa: E402
+    MAX_FRAMES,
+    deployment_config,
+    mp4,
+    tokenizer,
+    wav,
+    write_checkpoint,
+)
 
 MODEL = "qwen3_omni"
 MAX_TOKENS = 6
@@ -49,6 +57,7 @@ RATE = 24000
 PCM16_STEP = 1 / 32767
 SPOKEN = {"voice": VOICE, "format": "wav"}
 CLIP = wav(1.3, 1)
+VIDEO = mp4(10, (24, 16), 5.0, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +97,10 @@ def png_part(size: tuple[int, int] = (16, 16)) -> dict:
     Image.fromarray(np.random.default_rng(5).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buffer, format="PNG")
     uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     return {"type": "image_url", "image_url": {"url": uri}}
+
+
+def video_part(data: bytes = VIDEO) -> dict:
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
 
 
 def user(*parts: dict | str) -> list[dict]:
@@ -180,6 +193,20 @@ def test_a_text_request_never_touches_the_talker(oai: openai.OpenAI, deployment:
         assert talker.batches and codec.batches  # the same counters see a spoken answer
 
 
+def test_a_video_url_chat_answers_as_the_backend(oai: openai.OpenAI, deployment: Deployment) -> None:
+    """A ``video_url`` part (an mp4 data URI) reaches the model as the video's bytes: the served
+    text equals the in-process backend's answer to the same bytes."""
+    content = [{"type": "text", "text": "watch"}, {"type": "video", "data": VIDEO}]
+    spec = ChatSpec(request_id=f"probe-{uuid.uuid4().hex[:8]}", messages=[{"role": "user", "content": content}],
+                    sampling=SamplingParams(temperature=0.0), max_tokens=MAX_TOKENS)
+
+    async def direct() -> str:
+        return "".join([e.text async for e in deployment.backend.chat(spec)])
+
+    want = asyncio.run(direct())
+    assert want and ask(oai, user("watch", video_part())).choices[0].message.content == want
+
+
 def test_voices_are_listed_and_bad_choices_refused(oai: openai.OpenAI, server: Uvicorn) -> None:
     voices = httpx.get(f"{server.url}/v1/audio/voices", timeout=10).json()["voices"]
     assert [(v["voice_id"], v["model"]) for v in voices] == [(VOICE, MODEL)]
@@ -189,6 +216,7 @@ def test_voices_are_listed_and_bad_choices_refused(oai: openai.OpenAI, server: U
         (user("hi"), {"voice": VOICE, "format": "opus"}, "audio.format"),
         (user("hi", audio_part(fmt="aiff")), None, "messages[0].content[1].input_audio.format"),
         (user("see", png_part()), SPOKEN, "modalities"),  # no talker positions for images yet
+        (user("watch", video_part()), SPOKEN, "modalities"),  # nor for videos
     ]
     for messages, spoken, param in cases:
         with pytest.raises(openai.BadRequestError) as info:

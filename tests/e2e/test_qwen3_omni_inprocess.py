@@ -1,10 +1,11 @@
 """Qwen3-Omni served through an in-process deployment, on a tiny random whole model written as a
 hub-like checkpoint directory (config.json, tokenizer, released-layout safetensors), fp32 on
 the CPU, greedy: the ``text`` walk's ids equal the plain thinker's (``run_thinker``) for a text
-and an audio+text prompt; the ``speech`` walk's text, codes and waveform equal ``speak``'s, its
-streamed chunks equal code2wav's decode of the same cuts and the whole decode within the codec
-window's tolerance; a text request never touches the talker or code2wav; concurrent requests
-equal their solo results; bad input is a RequestError naming the field."""
+and an audio+text prompt, and for image and video prompts (an mp4 written with PyAV); the
+``speech`` walk's text, codes and waveform equal ``speak``'s, its streamed chunks equal
+code2wav's decode of the same cuts and the whole decode within the codec window's tolerance; a
+text request never touches the talker or code2wav; concurrent requests equal their solo
+results; bad input is a RequestError naming the field."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from mstar.contract import ChatSpec, GenerateSpec, OutputEvent, RequestError, Sa
 from mstar.graph import ScheduledChunks  # noqa: E402
 from mstar.model.qwen3_omni.audio import mel_features  # noqa: E402
 from mstar.model.qwen3_omni.checkpoint import Qwen3OmniCheckpoint  # noqa: E402
-from mstar.model.qwen3_omni.inputs import splice_features, splice_images  # noqa: E402
+from mstar.model.qwen3_omni.inputs import splice_features, splice_vision  # noqa: E402
 from mstar.model.qwen3_omni.speech import (  # noqa: E402
     ChatTokens,
     new_caches,
@@ -54,6 +55,7 @@ from tests.support.qwen3_omni_dir import (  # noqa: E402
     MAX_FRAMES,
     SCHEDULE,
     deployment_config,
+    mp4,
     wav,
     write_checkpoint,
 )
@@ -154,18 +156,18 @@ def _png(seed: int, size: tuple[int, int]) -> bytes:
 @torch.no_grad()
 def _greedy_with_images(thinker, ids: torch.Tensor, embeds: torch.Tensor, patches: torch.Tensor,
                         grids: torch.Tensor, positions: torch.Tensor, steps: int) -> list[int]:
-    """Plain greedy decoding of an image prompt (``embeds``: its input embeddings, audio spliced
-    in): the vision rows and deepstack spliced in, the prompt on its 3-axis positions, later
-    tokens at ``position + rope delta``."""
+    """Plain greedy decoding of an image or video prompt (``embeds``: its input embeddings, audio
+    spliced in): the vision rows and deepstack spliced in, the prompt on its 3-axis positions,
+    later tokens at ``position + rope delta``."""
     text = thinker.text
     features = thinker.visual(patches, grids.tolist())
-    embeds, deepstack = splice_images(embeds, ids, IMAGE_TOKEN, features)
+    embeds, deepstack = splice_vision(embeds, ids, thinker.visual.config, features)
     config = text.text_config
     caches = new_caches(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                         len(ids) + steps, 16, embeds)
     hidden = text(None, sequence_metadata(0, len(ids), 16, embeds.device), caches, embeds, positions, deepstack)
     token = int(text.compute_logits(hidden[-1:]).argmax())
-    out, delta = [token], int(positions.max()) + 1 - positions.shape[1]
+    out, delta = [token], float(positions.max()) + 1 - positions.shape[1]
     for k in range(len(ids), len(ids) + steps - 1):
         meta = sequence_metadata(k, 1, 16, embeds.device)
         hidden = text(torch.tensor([token]), meta, caches, positions=(meta.positions + delta)[None].expand(3, -1))
@@ -189,6 +191,82 @@ def test_image_chat_equals_the_plain_thinker(deployment: Deployment, plain) -> N
     want = _greedy_with_images(thinker, ids, embeds, inputs["pixel_values"], inputs["grid_thw"], inputs["positions"],
                                MAX_TOKENS)
     assert _ids(asyncio.run(_events(d, _spec(content, "image")))) == want
+
+
+CLIP_MP4 = mp4(10, (24, 16), 5.0, seed=4)  # 2 s at 5 fps: 4 frames kept at 2 fps, 2 groups of 4x6 patches
+
+
+def test_video_chat_equals_the_plain_thinker(deployment: Deployment, plain) -> None:
+    """A video between text, an image and an audio clip: 4 of its 10 frames sampled (PyAV),
+    processed at 16x24, one run of 2 x 6 video pads whose temporal groups sit 25 positions apart
+    (1 s a group x the config's 25 positions a second); the answer equals plain greedy decoding."""
+    from mstar.media.video import decode_mp4
+    from mstar.model.qwen3_omni.video import process_frames
+
+    d = deployment
+    content = [{"type": "text", "text": "watch"}, {"type": "video", "data": CLIP_MP4},
+               {"type": "image", "data": _png(5, (24, 24))}, {"type": "audio", "data": CLIP}]
+    inputs = d.spec.prepare_chat(_spec(content, "probe")).inputs
+    assert inputs["grid_thw"].tolist() == [[2, 4, 6], [1, 6, 6]]
+    frames, fps = decode_mp4(CLIP_MP4)
+    assert (len(frames), fps) == (10, 5.0)
+    want_patches = process_frames(frames[[0, 2, 5, 7]], d.spec.front.videos).patches  # arange(0, 10, 2.5)
+    assert torch.equal(inputs["pixel_values"][:48], want_patches)
+    ids = inputs["prompt_ids"]
+    video = (ids == VIDEO_TOKEN).nonzero().squeeze(1)
+    assert len(video) == 12 and inputs["positions"][0, video[6]] - inputs["positions"][0, video[0]] == 25
+    thinker = plain[0]
+    with torch.no_grad():
+        rows = thinker.audio_tower([inputs["audio_mels"]])
+        embeds = splice_features(thinker.text.model.embed_tokens(ids), ids, AUDIO_TOKEN, rows)
+    want = _greedy_with_images(thinker, ids, embeds, inputs["pixel_values"], inputs["grid_thw"], inputs["positions"],
+                               MAX_TOKENS)
+    assert _ids(asyncio.run(_events(d, _spec(content, "video")))) == want
+
+
+def test_video_limits_name_the_part(deployment: Deployment) -> None:
+    from dataclasses import replace
+
+    front = deployment.spec.front
+    small = replace(front, knobs=front.knobs.model_copy(update={"max_video_pixels": 1000}))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "video", "data": CLIP_MP4}]}]
+    with pytest.raises(RequestError, match=r"4 sampled frames of 24x16 are 1536 pixels, over max_video_pixels") as err:
+        small.split(messages)
+    assert err.value.field == "messages[0].content[1]" and err.value.status == 400
+    messages[0]["content"][1]["use_audio_in_video"] = True  # a silent video
+    with pytest.raises(RequestError, match="use_audio_in_video needs a video with an audio track") as err:
+        front.split(messages)
+    assert err.value.field == "messages[0].content[1]"
+
+
+SOUND_MP4 = mp4(8, (24, 16), 5.0, seed=7, sound=True)  # 1.6 s: under the deployment's 2 s of audio
+
+
+def test_video_with_its_soundtrack_equals_the_plain_thinker(deployment: Deployment, plain) -> None:
+    """``use_audio_in_video``: the mp4's AAC track (1.6 s: 21 audio tokens) decoded, resampled
+    to 16 kHz and heard beside a plain clip; its tokens sit between the video's two frame
+    groups by time (group 1 at position 25), the clips' rows spliced in prompt order."""
+    d = deployment
+    content = [{"type": "audio", "data": CLIP}, {"type": "text", "text": "and"},
+               {"type": "video", "data": SOUND_MP4, "use_audio_in_video": True}]
+    inputs = d.spec.prepare_chat(_spec(content, "probe")).inputs
+    ids = inputs["prompt_ids"].tolist()
+    assert inputs["audio_frames"].shape == (2,) and inputs["grid_thw"].tolist() == [[2, 4, 6]]
+    start = ids.index(VIDEO_TOKEN)
+    assert ids[start - 2:start] == [154, 153]  # <|vision_start|><|audio_start|>
+    run = ids[start:ids.index(155, start)]
+    heard = run.count(AUDIO_TOKEN)
+    assert heard == 21 and run == [VIDEO_TOKEN] * 6 + [AUDIO_TOKEN] * heard + [VIDEO_TOKEN] * 6
+    clip = mel_features(torch.from_numpy(decode_audio(CLIP, max_bytes=1 << 24, max_seconds=10).samples.copy()), 16)
+    assert torch.equal(inputs["audio_mels"][:, :clip.shape[1]], clip)  # the plain clip first: prompt order
+    ids_t = inputs["prompt_ids"]
+    thinker = plain[0]
+    with torch.no_grad():
+        rows = thinker.audio_tower(list(inputs["audio_mels"].split(inputs["audio_frames"].tolist(), dim=1)))
+        embeds = splice_features(thinker.text.model.embed_tokens(ids_t), ids_t, AUDIO_TOKEN, rows)
+    want = _greedy_with_images(thinker, ids_t, embeds, inputs["pixel_values"], inputs["grid_thw"],
+                               inputs["positions"], MAX_TOKENS)
+    assert _ids(asyncio.run(_events(d, _spec(content, "sound")))) == want
 
 
 def test_text_request_never_touches_the_talker(deployment: Deployment) -> None:
@@ -356,6 +434,8 @@ def test_generate_speaks_with_files(deployment: Deployment) -> None:
     (lambda: _spec("hi", "bad", ("text", "audio"), voice="nobody"), "audio.voice"),
     (lambda: _spec([{"type": "video", "data": b"x"}], "bad"), "messages[0].content[0]"),
     (lambda: _spec([{"type": "image", "data": _png(4, (16, 16))}], "bad", ("text", "audio")), "output_modalities"),
+    (lambda: _spec([{"type": "video", "data": CLIP_MP4}], "bad", ("text", "audio")), "output_modalities"),
+    (lambda: _spec([{"type": "video", "data": mp4(1, (16, 16), 5.0, seed=6)}], "bad"), "messages[0].content[0]"),
     (lambda: _spec([{"type": "text", "text": "x"}, {"type": "audio", "data": b"\x89PNG\r\n\x1a\n" + bytes(64)}], "bad"),
      "messages[0].content[1]"),
     (lambda: _spec([{"type": "text", "text": "x"}, {"type": "audio", "data": bytes(range(256)) * 8}], "bad"),

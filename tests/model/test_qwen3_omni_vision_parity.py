@@ -124,7 +124,7 @@ def test_image_prompt_logits(reference, config) -> None:
 def test_refusals(config) -> None:
     with pytest.raises(ValueError, match=r"deepstack features \[\(3, 8\)\] for 2 image rows"):
         Deepstack(torch.tensor([True, False, True]), [torch.zeros(3, 8)])
-    with pytest.raises(NotImplementedError, match="video"):
+    with pytest.raises(ValueError, match="media_positions"):
         image_positions([1, config.video_token_id], [], config)
     with pytest.raises(ValueError, match="t = 1"):
         image_positions(image_run((2, 4, 4), config), [(2, 4, 4)], config)

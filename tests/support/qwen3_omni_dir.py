@@ -1,8 +1,8 @@
 """A tiny random whole Qwen3-Omni written as a hub-like checkpoint directory, for the tests that
 serve it (in process, and over HTTP): ``config.json`` (transformers' whole-model config of
 ``reference_omni``), a byte-level tokenizer with the chat and media tokens at the ids
-``tests/support/qwen3_omni.py`` gives them and a chat template that places audio and image
-parts, a small-image preprocessor config, and the weights in the release's key layout over two
+``tests/support/qwen3_omni.py`` gives them and a chat template that places audio, image
+and video parts, small-image and small-video preprocessor configs, and the weights in the release's key layout over two
 shards. ``deployment_config`` is the fp32 CPU deployment both tests serve it with."""
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ TEMPLATE = (
     "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in message.content %}"
     "{%- if part.type == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
     "{%- elif part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- else %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -79,6 +80,9 @@ def write_checkpoint(directory: Path) -> Path:
     (directory / "preprocessor_config.json").write_text(json.dumps(  # small images: a few dozen patches
         {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2,
          "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}}))
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(  # small frames: 16 to 24 patches
+        {"size": {"shortest_edge": 16 * 16, "longest_edge": 24 * 16}, "image_mean": [0.5] * 3,
+         "image_std": [0.5] * 3}))
     tensors = (released_keys(reference.thinker) + talker_released_keys(reference.talker)
                + released_code2wav_keys(reference.code2wav))
     half = len(tensors) // 2  # two shards, as the release has many
@@ -107,3 +111,17 @@ def wav(seconds: float, seed: int, rate: int = 22050) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, (0.3 * np.sin(2 * np.pi * 330 * t) + noise).astype(np.float32), rate, format="WAV")
     return buffer.getvalue()
+
+
+def mp4(frames: int, size: tuple[int, int], fps: float, seed: int, sound: bool = False) -> bytes:
+    """An H.264 mp4 (PyAV) of ``frames`` random frames of ``size`` (width, height) at ``fps``;
+    ``sound``: with an AAC track as long as the frames (a 330 Hz tone under noise, 48 kHz)."""
+    from mstar.media.video import encode_mp4
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (frames, size[1], size[0], 3), dtype=np.uint8)
+    if not sound:
+        return encode_mp4(pixels, fps=fps)
+    t = np.arange(int(frames / fps * 48000)) / 48000
+    track = 0.3 * np.sin(2 * np.pi * 330 * t) + rng.normal(0, 0.05, t.shape)
+    return encode_mp4(pixels, fps=fps, audio=track[None].astype(np.float32), sample_rate=48000)

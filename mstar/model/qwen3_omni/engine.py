@@ -1,13 +1,16 @@
 """Qwen3-Omni's engines: the thinker and the talker on the autoregressive engine, code2wav as
 a stateless node over chunks of codec frames.
 
-**Thinker** (``ThinkerForward``, ``ThinkerRules``): a prefill splices its request's audio
-clips (the audio tower, run per request: a clip's short last chunk depends on what else is in
-the encoder call) and images (the vision tower, with deepstack and 3-axis positions) into the
-prompt's embeddings. A request of the ``speech`` walk (param ``keep_states``) also keeps, over
-every step, the input embeddings and the talker's ``accept_hidden_layer`` states of the tokens
-it runs; its last step writes them (``thinker_embeds``, ``thinker_hidden``, the three
-``tts_*`` embeddings appended to the first) with its ids (``thinker_ids``) for the talker.
+**Thinker** (``ThinkerForward``, ``ThinkerRules``): a prefill splices its request's audio clips
+(the audio tower, run per request: a clip's short last chunk depends on what else is in the
+encoder call) and images and videos (the vision tower over both in prompt order, their rows
+spliced over the image and video pads, with deepstack and 3-axis positions) into the prompt's
+embeddings. Positions are float32 whenever a request has 3-axis ones (a video's temporal steps
+may be fractional; whole positions are exact in float32). A request of the ``speech`` walk
+(param ``keep_states``) also keeps, over every step, the input embeddings and the talker's
+``accept_hidden_layer`` states of the tokens it runs; its last step writes them
+(``thinker_embeds``, ``thinker_hidden``, the three ``tts_*`` embeddings appended to the first)
+with its ids (``thinker_ids``) for the talker.
 
 **Talker** (``TalkerEngine`` around an ``AutoregressiveEngine`` with ``TalkerForward`` and
 ``TalkerRules``): its prefill builds the request's talker prompt from the thinker's states
@@ -55,18 +58,19 @@ MEDIA_INPUTS = ("audio_mels", "audio_frames", "pixel_values", "grid_thw", "posit
 # ------------------------------------------------------------------------------ thinker
 class ThinkerForward(Forward):
     """The thinker over a step: media spliced into prefills, 3-axis positions for requests with
-    images, and the kept rows of ``keep_states`` requests."""
+    images or videos, and the kept rows of ``keep_states`` requests."""
 
     runs_ahead = False
     kv_from_tokens = False
     preemptible = False
 
-    def __init__(self, thinker: Qwen3OmniThinker, *, keep_layer: int, audio_id: int, image_id: int) -> None:
+    def __init__(self, thinker: Qwen3OmniThinker, *, keep_layer: int, audio_id: int, image_id: int,
+                 video_id: int) -> None:
         super().__init__(thinker)
         self.graph_rows = None
         self.keep_layer = keep_layer
-        self.audio_id, self.image_id = audio_id, image_id
-        self.rope_deltas: dict[str, int] = {}
+        self.audio_id, self.vision_ids = audio_id, torch.tensor([image_id, video_id])
+        self.rope_deltas: dict[str, float] = {}
         self.kept: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
 
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
@@ -80,22 +84,22 @@ class ThinkerForward(Forward):
             lo, hi = bounds[row], bounds[row + 1]
             if item.op == "prefill":
                 embeds[lo:hi] = self._audio(item, input_ids[lo:hi], embeds[lo:hi])
-                features = self._images(item)
+                features = self._vision(item)
                 if features is not None:
-                    mask = input_ids[lo:hi] == self.image_id
-                    embeds[lo:hi] = splice_features(embeds[lo:hi], input_ids[lo:hi], self.image_id,
-                                                    [features.embeds], kind="image")
+                    mask = torch.isin(input_ids[lo:hi], self.vision_ids.to(input_ids.device))
+                    embeds[lo:hi] = splice_features(embeds[lo:hi], mask.long(), 1, [features.embeds],
+                                                    kind="image and video")
                     image_rows[lo:hi] = mask
                     deepstack.append(list(features.deepstack))
                 given = item.inputs.get("positions")
                 if given is not None and given.numel():
                     if positions is None:
-                        positions = meta.positions[None].repeat(3, 1)
-                    positions[:, lo:hi] = given.to(positions.device)
-                    self.rope_deltas[item.request_id] = int(given.max()) + 1 - given.shape[1]
+                        positions = meta.positions[None].repeat(3, 1).float()
+                    positions[:, lo:hi] = given.to(positions.device, torch.float32)
+                    self.rope_deltas[item.request_id] = float(given.max()) + 1 - given.shape[1]
             elif item.request_id in self.rope_deltas:
                 if positions is None:
-                    positions = meta.positions[None].repeat(3, 1)
+                    positions = meta.positions[None].repeat(3, 1).float()
                 positions[:, lo:hi] += self.rope_deltas[item.request_id]
         stack = None
         if deepstack:
@@ -113,7 +117,7 @@ class ThinkerForward(Forward):
         clips = tower(list(mels.split(frames.tolist(), dim=1)))
         return splice_features(embeds, ids, self.audio_id, clips, kind="audio")
 
-    def _images(self, item: EngineItem):
+    def _vision(self, item: EngineItem):
         grid = item.inputs.get("grid_thw")
         if grid is None or not grid.numel():
             return None
@@ -329,7 +333,8 @@ def code2wav_fn(decoder: Qwen3OmniCode2Wav):
 def thinker_engine(thinker: Qwen3OmniThinker, tokens: ChatTokens, *, keep_layer: int, num_pages: int,
                    page_size: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                    attention_backend: str) -> AutoregressiveEngine:
-    forward = ThinkerForward(thinker, keep_layer=keep_layer, audio_id=tokens.audio, image_id=tokens.image)
+    forward = ThinkerForward(thinker, keep_layer=keep_layer, audio_id=tokens.audio, image_id=tokens.image,
+                             video_id=tokens.video)
     return AutoregressiveEngine(thinker, KVLayout(*thinker.text.cache_shape()), num_pages=num_pages,
                                 page_size=page_size, max_seq_len=max_seq_len, device=device, dtype=dtype,
                                 forward=forward, attention_backend=attention_backend,

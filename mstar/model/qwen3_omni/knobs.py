@@ -42,7 +42,18 @@ class Qwen3OmniKnobs(Knobs):
     """Width x height of one decoded image at most."""
 
     max_media_per_request: int = Field(16, ge=0)
-    """Audio clips and images one request may hold."""
+    """Audio clips, images and videos one request may hold."""
+
+    video_fps: float = Field(2.0, gt=0)
+    """Frames a second a video is sampled at; a temporal group of two frames then spans
+    ``2 / video_fps`` seconds of positions (the processor's ``video_second_per_grid``)."""
+
+    max_video_frames: int = Field(768, ge=2)
+    """Sampled frames of one video at most (a longer video is sampled more sparsely)."""
+
+    max_video_pixels: int = Field(1 << 28, ge=1)
+    """Sampled frames x source width x height of one video at most; a larger one is a 400
+    naming its part, refused before any frame is decoded."""
 
     default_voice: str | None = None
     """The voice of a request that names none (unset: the checkpoint's first speaker)."""

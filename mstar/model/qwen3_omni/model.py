@@ -1,7 +1,7 @@
 """Qwen3-Omni served: the declaration.
 
 Three nodes, each placeable on its own ranks: ``thinker`` (the MoE LLM with its audio and
-vision towers: text, audio and images in, text out), ``talker`` (the codec LM with the code
+vision towers: text, audio, images and videos in, text out), ``talker`` (the codec LM with the code
 predictor inside its decode step) and ``code2wav`` (the codec decoder). Two walks, picked by
 the request's output modalities:
 
@@ -54,7 +54,7 @@ class Qwen3Omni(ChatLLM):
     key = "qwen3_omni"
     tasks = frozenset({"chat"})
     default_weights = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
-    input_modalities = frozenset({"text", "image", "audio"})
+    input_modalities = frozenset({"text", "image", "video", "audio"})
     output_modalities = frozenset({"text", "audio"})
     sample_rate = SAMPLE_RATE
     Knobs = Qwen3OmniKnobs
@@ -129,8 +129,9 @@ class Qwen3Omni(ChatLLM):
         speaker = self._speaker(spec.audio) if "audio" in outputs else None
         messages, media = self.front.split(spec.messages)
         if speaker is not None and any(not isinstance(m, omni_prompt.Clip) for m in media):
-            raise RequestError("output_modalities", "a spoken answer to a prompt with images is not supported yet "
-                                                    "(the talker's positions for images); ask for ['text']")
+            raise RequestError("output_modalities", "a spoken answer to a prompt with images or videos is not "
+                                                    "supported yet (the talker's positions for them); ask for "
+                                                    "['text']")
         ids = self.chat_ids(messages)
         ids, inputs = self.front.expand(ids, media)
         request = self.text_request(ids, spec.max_tokens, spec.sampling, spec.ignore_eos)
@@ -250,10 +251,15 @@ class OmniStream(OutputStream):
 AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus"}
 
 
+VIDEO_SUFFIXES = {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi"}
+
+
 def _file_part(name: str, data: bytes) -> dict:
-    """A ``/generate`` upload as a content part: audio by its suffix or header, else an image."""
-    head = bytes(data[:12])
-    audio = (PurePath(name).suffix.lower() in AUDIO_SUFFIXES or head.startswith((b"RIFF", b"fLaC", b"OggS", b"ID3"))
+    """A ``/generate`` upload as a content part: audio or video by its suffix or header, else an image."""
+    head, suffix = bytes(data[:12]), PurePath(name).suffix.lower()
+    if suffix in VIDEO_SUFFIXES or head[4:8] == b"ftyp" or head.startswith(b"\x1a\x45\xdf\xa3"):
+        return {"type": "video", "data": data}  # ISO media (mp4, mov) or Matroska (mkv, webm)
+    audio = (suffix in AUDIO_SUFFIXES or head.startswith((b"RIFF", b"fLaC", b"OggS", b"ID3"))
              or head[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"))
     return {"type": "audio" if audio else "image", "data": data}
 

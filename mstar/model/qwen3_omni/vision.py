@@ -29,14 +29,16 @@ from mstar.model.qwen3_5.vision import PatchEmbed, Qwen3_5VisionModel, VisionBlo
 
 @dataclass
 class Qwen3OmniVisionConfig(Qwen3_5VisionConfig):
-    """The tower's hyper-parameters (``thinker_config.vision_config``) and the thinker's image
-    token ids (top level of ``thinker_config``); defaults follow transformers' Omni configs."""
+    """The tower's hyper-parameters (``thinker_config.vision_config``), the thinker's image and
+    video token ids and ``position_id_per_seconds`` (top level of ``thinker_config``); defaults
+    follow transformers' Omni configs."""
 
     deepstack_visual_indexes: list[int] = field(default_factory=lambda: [8, 16, 24])
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
+    position_id_per_seconds: float = 25  # a video's temporal positions per second (the thinker config's)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,7 +53,10 @@ class Qwen3OmniVisionConfig(Qwen3_5VisionConfig):
         d = d.get("thinker_config", d)
         if not d.get("vision_config"):
             raise ValueError("the thinker config has no vision_config")
-        return super().from_hf_dict(d)
+        config = super().from_hf_dict(d)
+        if d.get("position_id_per_seconds") is not None:
+            config.position_id_per_seconds = d["position_id_per_seconds"]
+        return config
 
 
 class OmniPatchMerger(nn.Module):
