@@ -13,7 +13,6 @@ import torch
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
-from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
 from mstar.model.qwen3_omni.audio import audio_token_count  # noqa: E402
 from mstar.model.qwen3_omni.checkpoint import Qwen3OmniThinker, load_thinker  # noqa: E402
 from mstar.model.qwen3_omni.inputs import (  # noqa: E402
@@ -21,17 +20,16 @@ from mstar.model.qwen3_omni.inputs import (  # noqa: E402
     image_run,
     interleave_audio,
     media_positions,
-    shifted_positions,
     splice_vision,
 )
 from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig  # noqa: E402
-from tests.support.pages import Pages  # noqa: E402
 from tests.support.qwen3_omni import (  # noqa: E402
     AUDIO_END,
     AUDIO_START,
     AUDIO_TOKEN,
     VISION_DEEP,
     VISION_END,
+    greedy_media_worst,
     reference_thinker,
     released_keys,
 )
@@ -106,25 +104,11 @@ def test_video_prompt_logits(reference, config) -> None:
                          video_grid_thw=torch.tensor([VIDEO]), video_second_per_grid=torch.tensor([seconds]),
                          use_cache=False).logits[0]
 
-    caches = allocate_kv_cache(text.config.num_hidden_layers, 32, 8, text.config.num_key_value_heads,
-                               text.config.head_dim, torch.float32, "cpu")
-    pages = Pages(32, 8, seed=15)
     ids = torch.tensor(ids_list)
     embeds, deepstack = splice_vision(text.embed_input_ids(ids), ids, config, features)
     positions, delta = media_positions(ids_list, [IMAGE, VIDEO], [seconds], config)
     assert positions.dtype == torch.float32 and (positions[0] % 1 == 0.5).any()
-    meta = pages.step([("a", len(ids_list))])
-    logits = text.compute_logits(text(None, meta, caches, inputs_embeds=embeds, positions=positions,
-                                      deepstack=deepstack))
-    worst = rel_err(logits, hf_logits(ids_list))
-    tokens = list(ids_list)
-    for _ in range(2):
-        nxt = int(logits[-1].argmax())
-        tokens.append(nxt)
-        meta = pages.step([("a", 1)])
-        logits = text.compute_logits(text(torch.tensor([nxt]), meta, caches,
-                                          positions=shifted_positions(meta.positions, delta)))
-        worst = max(worst, rel_err(logits, hf_logits(tokens)[-1:]))
+    worst = greedy_media_worst(text, ids_list, embeds, deepstack, positions, delta, hf_logits, seed=15)
     print(f"[parity] qwen3-omni thinker video+image+text: worst logits rel err {worst:.2e}")
     assert worst < 1e-4
 
@@ -184,24 +168,10 @@ def test_audio_in_video_logits(reference, config) -> None:
                          video_grid_thw=torch.tensor([VIDEO]), video_second_per_grid=torch.tensor([seconds]),
                          use_audio_in_video=True, use_cache=False).logits[0]
 
-    caches = allocate_kv_cache(text.config.num_hidden_layers, 32, 8, text.config.num_key_value_heads,
-                               text.config.head_dim, torch.float32, "cpu")
-    pages = Pages(32, 8, seed=18)
     ids = torch.tensor(ids_list)
     embeds = splice_features(text.embed_input_ids(ids), ids, AUDIO_TOKEN, thinker.audio_tower([mel]))
     embeds, deepstack = splice_vision(embeds, ids, config, thinker.visual(video, [VIDEO]))
     positions, delta = media_positions(ids_list, [VIDEO], [seconds], config, audio_token=AUDIO_TOKEN)
-    meta = pages.step([("a", len(ids_list))])
-    logits = text.compute_logits(text(None, meta, caches, inputs_embeds=embeds, positions=positions,
-                                      deepstack=deepstack))
-    worst = rel_err(logits, hf_logits(ids_list))
-    tokens = list(ids_list)
-    for _ in range(2):
-        nxt = int(logits[-1].argmax())
-        tokens.append(nxt)
-        meta = pages.step([("a", 1)])
-        logits = text.compute_logits(text(torch.tensor([nxt]), meta, caches,
-                                          positions=shifted_positions(meta.positions, delta)))
-        worst = max(worst, rel_err(logits, hf_logits(tokens)[-1:]))
+    worst = greedy_media_worst(text, ids_list, embeds, deepstack, positions, delta, hf_logits, seed=18)
     print(f"[parity] qwen3-omni thinker audio-in-video: worst logits rel err {worst:.2e}")
     assert worst < 1e-4

@@ -11,25 +11,23 @@ import torch
 
 pytest.importorskip("transformers.models.qwen3_omni_moe")
 
-from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
 from mstar.model.qwen3_omni.audio import audio_token_count  # noqa: E402
 from mstar.model.qwen3_omni.checkpoint import Qwen3OmniThinker, load_thinker, load_visual  # noqa: E402
 from mstar.model.qwen3_omni.inputs import (  # noqa: E402
     audio_run,
     image_positions,
     image_run,
-    shifted_positions,
     splice_images,
 )
 from mstar.model.qwen3_omni.modeling import Deepstack  # noqa: E402
 from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig, Qwen3OmniVisionEncoder  # noqa: E402
-from tests.support.pages import Pages  # noqa: E402
 from tests.support.qwen3_omni import (  # noqa: E402
     AUDIO_END,
     AUDIO_START,
     AUDIO_TOKEN,
     VISION_DEEP,
     VISION_END,
+    greedy_media_worst,
     reference_thinker,
     released_keys,
 )
@@ -98,25 +96,11 @@ def test_image_prompt_logits(reference, config) -> None:
         return reference(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                          image_grid_thw=torch.tensor(GRIDS), use_cache=False).logits[0]
 
-    caches = allocate_kv_cache(text.config.num_hidden_layers, 32, 8, text.config.num_key_value_heads,
-                               text.config.head_dim, torch.float32, "cpu")
-    pages = Pages(32, 8, seed=11)
     ids = torch.tensor(prompt)
     embeds, deepstack = splice_images(text.embed_input_ids(ids), ids, config.image_token_id,
                                       thinker.visual(pixels, GRIDS))
     positions, delta = image_positions(prompt, GRIDS, config)
-    meta = pages.step([("a", len(prompt))])
-    logits = text.compute_logits(text(None, meta, caches, inputs_embeds=embeds, positions=positions,
-                                      deepstack=deepstack))
-    worst = rel_err(logits, hf_logits(prompt))
-    tokens = list(prompt)
-    for _ in range(2):
-        nxt = int(logits[-1].argmax())
-        tokens.append(nxt)
-        meta = pages.step([("a", 1)])
-        logits = text.compute_logits(text(torch.tensor([nxt]), meta, caches,
-                                          positions=shifted_positions(meta.positions, delta)))
-        worst = max(worst, rel_err(logits, hf_logits(tokens)[-1:]))
+    worst = greedy_media_worst(text, prompt, embeds, deepstack, positions, delta, hf_logits, seed=11)
     print(f"[parity] qwen3-omni thinker image+text: worst logits rel err {worst:.2e}")
     assert worst < 1e-4
 

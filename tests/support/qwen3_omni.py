@@ -188,3 +188,33 @@ def reference_omni(seed: int = 0):
 
 
 # ------------------------------------------------------------------ a served checkpoint directory
+
+
+def greedy_media_worst(text, prompt: list[int], embeds: torch.Tensor, deepstack, positions: torch.Tensor,
+                       delta, hf_logits, seed: int, steps: int = 2) -> float:
+    """Our thinker's text model (``text``) on paged KV: the prompt's prefill from ``embeds`` (media
+    rows spliced in, ``deepstack`` features, 3-axis ``positions``), then ``steps`` greedy decode
+    steps at the shifted positions; the worst relative error of its logits against
+    ``hf_logits(tokens)`` (the reference's logits of the whole sequence so far)."""
+    from mstar.layers.paged_kv import allocate_kv_cache
+    from mstar.model.qwen3_omni.inputs import shifted_positions
+    from tests.support.pages import Pages
+
+    caches = allocate_kv_cache(text.config.num_hidden_layers, 32, 8, text.config.num_key_value_heads,
+                               text.config.head_dim, torch.float32, "cpu")
+    pages = Pages(32, 8, seed=seed)
+    meta = pages.step([("a", len(prompt))])
+    logits = text.compute_logits(text(None, meta, caches, inputs_embeds=embeds, positions=positions,
+                                      deepstack=deepstack))
+    reference = hf_logits(prompt)
+    worst = ((logits - reference).abs().max() / reference.abs().max()).item()
+    tokens = list(prompt)
+    for _ in range(steps):
+        nxt = int(logits[-1].argmax())
+        tokens.append(nxt)
+        meta = pages.step([("a", 1)])
+        logits = text.compute_logits(text(torch.tensor([nxt]), meta, caches,
+                                          positions=shifted_positions(meta.positions, delta)))
+        reference = hf_logits(tokens)[-1:]
+        worst = max(worst, ((logits - reference).abs().max() / reference.abs().max()).item())
+    return worst
