@@ -25,13 +25,13 @@ import torch
 
 from mstar.contract import RequestError
 from mstar.model.chat import split_content
-from mstar.model.qwen3_5.processor import ImageProcessing, Media, MediaError, process_image
+from mstar.model.qwen3_5.processor import ImageProcessing, Media, MediaError, VideoProcessing, process_image
 from mstar.model.qwen3_omni.audio import Qwen3OmniAudioConfig, audio_token_count, mel_features
 from mstar.model.qwen3_omni.config import Qwen3OmniTextConfig
 from mstar.model.qwen3_omni.inputs import interleave_audio, media_positions
 from mstar.model.qwen3_omni.knobs import Qwen3OmniKnobs
 from mstar.model.qwen3_omni.speech import ChatTokens
-from mstar.model.qwen3_omni.video import VideoClip, VideoSettings, read_soundtrack, read_video
+from mstar.model.qwen3_omni.video import VideoClip, read_soundtrack, read_video, video_settings
 from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig
 
 AUDIO_RATE = 16000
@@ -61,7 +61,7 @@ class PromptBuilder:
     audio: Qwen3OmniAudioConfig
     vision: Qwen3OmniVisionConfig
     images: ImageProcessing
-    videos: VideoSettings
+    videos: VideoProcessing
     knobs: Qwen3OmniKnobs
     speakers: dict[str, int]
     eos: int | list[int] | None
@@ -87,7 +87,7 @@ class PromptBuilder:
         images = ImageProcessing.from_hf_dict({"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
                                                "merge_size": v.spatial_merge_size} | processor)
         file = ckpt.path / "video_preprocessor_config.json"  # else the image one, as transformers falls back
-        videos = VideoSettings.from_hf_dict(
+        videos = video_settings(
             json.loads(file.read_text()) if file.is_file() else processor, patch_size=v.patch_size,
             temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size, fps=knobs.video_fps,
             max_frames=knobs.max_video_frames)

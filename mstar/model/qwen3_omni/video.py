@@ -18,58 +18,33 @@ to the audio tower's 16 kHz as uploaded audio is (``mstar.audio.io.resample``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from mstar.media.video import VideoDecodeError, decode_frames, decode_soundtrack, probe_video
-from mstar.model.qwen3_5.processor import HALF, Media, MediaError, _patchify, resize_frames, smart_resize
+from mstar.model.qwen3_5.processor import (
+    Media,
+    MediaError,
+    VideoProcessing,
+    _patchify,
+    resize_frames,
+    smart_resize,
+)
 
 
-@dataclass(frozen=True)
-class VideoSettings:
-    """Defaults: the Omni processor's video sizes (128 to 768 blocks of 32x32 pixels a frame),
-    its checkpoint's mean and std, transformers' frame bounds, and 2 frames a second."""
+def video_settings(d: dict[str, Any], **fixed: Any) -> VideoProcessing:
+    """Qwen3.5's video settings (``VideoProcessing``: sizes, mean and std, frame bounds, 2 frames a
+    second) from a ``video_preprocessor_config.json`` (or ``preprocessor_config.json``) dict;
+    ``fixed`` (the tower's patch sizes, the deployment's knobs) wins over it."""
+    return replace(VideoProcessing.from_hf_dict(d), **fixed)
 
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 128 * 32 * 32
-    max_pixels: int = 768 * 32 * 32
-    image_mean: tuple[float, ...] = HALF
-    image_std: tuple[float, ...] = HALF
-    rescale_factor: float = 1 / 255
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
 
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], **fixed: Any) -> VideoSettings:
-        """From a ``video_preprocessor_config.json`` (or ``preprocessor_config.json``) dict;
-        ``fixed`` (the tower's patch sizes, the deployment's knobs) wins over it."""
-        size = d.get("size") or {}
-        kwargs: dict[str, Any] = {}
-        if d.get("min_pixels") or size.get("shortest_edge"):
-            kwargs["min_pixels"] = int(d.get("min_pixels") or size["shortest_edge"])
-        if d.get("max_pixels") or size.get("longest_edge"):
-            kwargs["max_pixels"] = int(d.get("max_pixels") or size["longest_edge"])
-        for name in ("image_mean", "image_std"):
-            if d.get(name) is not None:
-                kwargs[name] = tuple(d[name])
-        for name in ("rescale_factor", "min_frames", "max_frames"):
-            if d.get(name) is not None:
-                kwargs[name] = type(getattr(cls, name))(d[name])
-        return cls(**(kwargs | fixed))
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def seconds_per_grid(self) -> float:
-        return self.temporal_patch_size / self.fps
+def seconds_per_grid(cfg: VideoProcessing) -> float:
+    """Seconds one temporal group of patches spans."""
+    return cfg.temporal_patch_size / cfg.fps
 
 
 @dataclass
@@ -79,7 +54,7 @@ class VideoClip:
     audio: Any = None  # the soundtrack's prompt.Clip, for use_audio_in_video
 
 
-def sample_indices(total: int, source_fps: float | None, cfg: VideoSettings) -> list[int]:
+def sample_indices(total: int, source_fps: float | None, cfg: VideoProcessing) -> list[int]:
     """The kept frames of ``total`` at ``source_fps`` (24 when the container gives none)."""
     tp = cfg.temporal_patch_size
     most = min(cfg.max_frames, total) // tp * tp
@@ -90,7 +65,7 @@ def sample_indices(total: int, source_fps: float | None, cfg: VideoSettings) -> 
     return torch.arange(0, total, total / count).int().tolist()
 
 
-def process_frames(frames: np.ndarray, cfg: VideoSettings) -> Media:
+def process_frames(frames: np.ndarray, cfg: VideoProcessing) -> Media:
     """``uint8 [T, H, W, 3]`` sampled frames -> the tower's patches and grid."""
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, 3, H, W]
     count, _, height, width = video.shape
@@ -105,7 +80,7 @@ def process_frames(frames: np.ndarray, cfg: VideoSettings) -> Media:
     return Media("video", patches, (video.shape[0] // cfg.temporal_patch_size, gh, gw))
 
 
-def read_video(data: bytes, cfg: VideoSettings, max_pixels: int) -> VideoClip:
+def read_video(data: bytes, cfg: VideoProcessing, max_pixels: int) -> VideoClip:
     """Probe, sample, decode only the kept frames, and process them. ``max_pixels`` caps the
     kept frames x source width x height, checked before any frame is decoded."""
     try:
@@ -117,7 +92,7 @@ def read_video(data: bytes, cfg: VideoSettings, max_pixels: int) -> VideoClip:
         frames = decode_frames(data, indices)
     except VideoDecodeError as err:
         raise MediaError(str(err)) from None
-    return VideoClip(process_frames(frames, cfg), cfg.seconds_per_grid)
+    return VideoClip(process_frames(frames, cfg), seconds_per_grid(cfg))
 
 
 def read_soundtrack(data: bytes, rate: int, max_seconds: float) -> np.ndarray:
