@@ -24,15 +24,19 @@ from outside, so the modeling files stay the float reference).
   int4 matrices whose products add: a code ``q`` in -128..127 is ``16 * hi + lo`` with ``lo``
   in 0..15 and ``hi`` in -8..7, so ``d * q = d * lo + 16d * hi``. Two int4 products read as
   many bytes as one int8 one, and PyTorch's int8 kernel takes only a scale per row.
+* ``BlockInt4Weight``, ``BlockInt8Weight``: the same int4 and Q8_0 maths with blocks of 32 on
+  our own kernel (``mstar.layers.native_cpu``, built on the machine): float32 activations
+  and scales, each weight block decoded once for all the rows of a step. ``int4_weight`` and
+  ``q8_weight`` pick them wherever that kernel loads, PyTorch's kernels otherwise.
 
-Precision. Both kernels are vectorised on x86 for bfloat16 activations only (with float32
-ones they are 10-20x slower than a float32 GEMM on this repository's 2-core AVX-512 test
-machine), so ``linear`` rounds the activations to bfloat16, accumulates in float32 inside
-the kernel and returns the input's dtype. The scales and zeros are bfloat16 too: a GGUF
-block scale (float16, 11 significant bits) loses its last 3 bits. Both errors are well
-below the 4-bit rounding of the weights themselves; llama.cpp itself rounds the activations
-further, to 8-bit blocks (Q8_0/Q8_1) for its integer dot products. Measured figures:
-``tests/layers/test_quantized.py`` and docs/benchmarks.md.
+Precision (PyTorch's kernels; ours round nothing but the sums' order). Both kernels are
+vectorised on x86 for bfloat16 activations only (with float32 ones they are 10-20x slower than
+a float32 GEMM on this repository's 2-core AVX-512 test machine), so ``linear`` rounds the
+activations to bfloat16, accumulates in float32 inside the kernel and returns the input's
+dtype. The scales and zeros are bfloat16 too: a GGUF block scale (float16, 11 significant bits)
+loses its last 3 bits. Both errors are well below the 4-bit rounding of the weights themselves;
+llama.cpp itself rounds the activations further, to 8-bit blocks (Q8_0/Q8_1) for its integer
+dot products. Measured figures: ``tests/layers/test_quantized.py`` and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int4Weight", "Int8Weight", "QuantizedLinear", "QuantizedWeight", "SplitInt8Weight", "W8A8Weight",
-           "quantized_kernels_available", "w8a8_kernel_available"]
+from mstar.layers.native_cpu import native_kernels
+
+__all__ = ["BlockInt4Weight", "BlockInt8Weight", "Int4Weight", "Int8Weight", "QuantizedLinear", "QuantizedWeight",
+           "SplitInt8Weight", "W8A8Weight", "int4_weight", "q8_weight", "quantized_kernels_available",
+           "round_int4", "w8a8_kernel_available"]
 
 INT4_GROUP_SIZE = 32
 """Input features per scale of ``quantization: int4`` (GGUF's block size too)."""
@@ -103,16 +110,8 @@ class Int4Weight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
-        """Round a float ``[out, in]`` matrix to 4 bits per weight: per group the range
-        ``[min, max]`` in 15 equal steps (``quantization: int4``)."""
-        out_features, in_features = weight.shape
-        if in_features % group_size:
-            raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
-        w = weight.detach().float().reshape(out_features, -1, group_size)
-        low, high = w.amin(-1), w.amax(-1)
-        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15)
-        return cls.from_codes(codes.reshape(out_features, in_features), scale, low)
+        """Round a float ``[out, in]`` matrix to 4 bits per weight (``round_int4``)."""
+        return cls.from_codes(*round_int4(weight, group_size))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ w.T + bias`` for ``x [..., in]`` (the product in bfloat16, returned in
@@ -122,6 +121,104 @@ class Int4Weight:
         if y.shape[-1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, :self.out_features]
         return _finish(y, x, bias, self.out_features)
+
+
+def round_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """``(codes, scale, offset)`` of a float ``[out, in]`` matrix rounded to 4 bits per weight:
+    per group of ``group_size`` inputs the range ``[min, max]`` in 15 equal steps
+    (``quantization: int4``)."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    w = weight.detach().float().reshape(out_features, -1, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return codes.reshape(out_features, in_features), scale, low
+
+
+_TILE = 16  # output rows per tile of the native kernel's layout (csrc/block_gemm.cpp)
+_BLOCK = 32  # input features per scale there
+
+
+def _tiled(t: torch.Tensor) -> torch.Tensor:
+    """``[out, C]`` as the native layout's ``[out / 16, C, 16]`` (rows padded with zeros)."""
+    t = F.pad(t, (0, 0, 0, -t.shape[0] % _TILE))
+    return t.reshape(-1, _TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _check_blocks(codes: torch.Tensor, scale: torch.Tensor) -> None:
+    if codes.shape[1] != _BLOCK * scale.shape[1] or codes.shape[0] != scale.shape[0]:
+        raise ValueError(f"codes {tuple(codes.shape)} are not in blocks of {_BLOCK} under scale {tuple(scale.shape)}")
+
+
+@dataclass
+class BlockInt4Weight:
+    """``w[n, k] = scale[n, g] * code[n, k] + offset[n, g]``, ``g = k // 32`` (Q4_0, Q4_1,
+    ``quantization: int4``) on the native kernel: ``codes`` uint8 ``[out / 16, in / 2, 16]``
+    (two inputs' codes a byte), ``scales`` and ``offsets`` float32 ``[out / 16, in / 32, 16]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> BlockInt4Weight:
+        """From codes ``[out, in]`` (0..15) and ``scale``, ``offset`` ``[out, in / 32]``."""
+        _check_blocks(codes, scale)
+        if scale.shape != offset.shape:
+            raise ValueError(f"scale {tuple(scale.shape)} and offset {tuple(offset.shape)} differ")
+        if int(codes.min()) < 0 or int(codes.max()) > 15:
+            raise ValueError("int4 codes must lie in 0..15")
+        pairs = _tiled(codes.to(torch.uint8))  # [tiles, in, 16]
+        packed = pairs[:, 0::2] | (pairs[:, 1::2] << 4)
+        return cls(packed.contiguous(), _tiled(scale.float()), _tiled(offset.float()), *codes.shape)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T + bias`` for ``x [..., in]`` (float32 inside, returned in ``x``'s dtype)."""
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.mstar_cpu.int4_block_mm(rows, self.codes, self.scales, self.offsets, self.out_features)
+        return _finish(y, x, bias, self.out_features)
+
+
+@dataclass
+class BlockInt8Weight:
+    """``w[n, k] = scale[n, k // 32] * code[n, k]`` (GGUF's Q8_0) on the native kernel:
+    ``codes`` int8 ``[out / 16, in, 16]``, ``scales`` float32 ``[out / 16, in / 32, 16]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor) -> BlockInt8Weight:
+        """From int8 ``codes [out, in]`` and ``scale [out, in / 32]``."""
+        _check_blocks(codes, scale)
+        return cls(_tiled(codes.to(torch.int8)), _tiled(scale.float()), *codes.shape)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.mstar_cpu.int8_block_mm(rows, self.codes, self.scales, self.out_features)
+        return _finish(y, x, bias, self.out_features)
+
+
+def int4_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
+    """The int4 matrix of ``codes``, ``scale``, ``offset`` (see ``Int4Weight.from_codes``) on
+    the native kernel where it loads and the blocks are 32 wide, else on PyTorch's."""
+    if codes.shape[1] == _BLOCK * scale.shape[1] and native_kernels():
+        return BlockInt4Weight.from_codes(codes, scale, offset)
+    return Int4Weight.from_codes(codes, scale, offset)
+
+
+def q8_weight(codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """GGUF's Q8_0 (int8 ``codes`` with a ``scale`` per block) on the native kernel where it
+    loads and the blocks are 32 wide, else as ``SplitInt8Weight``."""
+    if codes.shape[1] == _BLOCK * scale.shape[1] and native_kernels():
+        return BlockInt8Weight.from_codes(codes, scale)
+    return SplitInt8Weight.from_codes(codes, scale)
 
 
 @dataclass
@@ -247,7 +344,7 @@ class W8A8Weight:
         return _finish(y.mul_(sx), x, bias, self.out_features)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | SplitInt8Weight | W8A8Weight
+QuantizedWeight = Int4Weight | Int8Weight | SplitInt8Weight | W8A8Weight | BlockInt4Weight | BlockInt8Weight
 
 
 class QuantizedLinear(nn.Module):

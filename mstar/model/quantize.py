@@ -41,13 +41,14 @@ from torch import nn
 from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from mstar.layers.quantized import (
     INT4_GROUP_SIZE,
-    Int4Weight,
     Int8Weight,
     QuantizedLinear,
     QuantizedWeight,
-    SplitInt8Weight,
     W8A8Weight,
+    int4_weight,
+    q8_weight,
     quantized_kernels_available,
+    round_int4,
     w8a8_kernel_available,
 )
 
@@ -123,7 +124,7 @@ def _rounded(weight: torch.Tensor, mode: str) -> QuantizedWeight | None:
         return W8A8Weight.quantize(weight)
     if weight.shape[1] % INT4_GROUP_SIZE:
         return None
-    return Int4Weight.quantize(weight)
+    return int4_weight(*round_int4(weight))
 
 
 def _gguf_weight(name: str, module: nn.Module, stored: dict[str, GGUFBlocks]) -> QuantizedWeight | None:
@@ -141,5 +142,5 @@ def _gguf_weight(name: str, module: nn.Module, stored: dict[str, GGUFBlocks]) ->
         parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
         None if parts[0].offset is None else torch.cat([p.offset for p in parts]))
     if b.kind == "q8":
-        return SplitInt8Weight.from_codes(b.codes, b.scale)
-    return Int4Weight.from_codes(b.codes, b.scale, b.offset)
+        return q8_weight(b.codes, b.scale)
+    return int4_weight(b.codes, b.scale, b.offset)
