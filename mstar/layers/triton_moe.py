@@ -1,0 +1,234 @@
+"""The sparse MoE experts (``mstar.layers.moe.fused_moe``) as two grouped-GEMM Triton kernels.
+
+``triton_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down)`` computes what ``fused_moe``
+does, ``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, in four steps:
+
+1. **Sort** (torch, on the device): the ``P = T * k`` token-expert pairs (pair ``p = t * k +
+   slot``) are grouped by expert with a stable argsort, and each expert's run is padded to a
+   whole number of ``BLOCK_M`` rows. ``sorted_pairs`` holds, per padded row, its pair (``P``
+   on padding) and ``block_expert``, per block of ``BLOCK_M`` rows, its expert (``E`` for the
+   blocks past the last: their programs return at once). The padded length is not read back
+   to the host: the buffers take the upper bound ``P + min(E, P) * (BLOCK_M - 1)``, so the
+   step never waits for the GPU and can be captured in a CUDA graph.
+2. **gate_up** (``_gate_up_kernel``): a program owns one block of sorted rows (one expert) and
+   ``BLOCK_N`` of that expert's ``I`` features. It gathers its tokens' rows of ``x`` by index,
+   multiplies them with the expert's gate rows and its up rows (two accumulators over the same
+   ``x`` tile), and stores ``silu(gate) * up`` in the inputs' dtype: the ``[pairs, 2I]``
+   projection is never written, only the ``[padded rows, I]`` activation.
+3. **down** (``_down_kernel``): the same grid over ``H`` output columns; the routing weight of
+   each pair scales its row in the epilogue, and the row is stored at the pair's place in
+   token order, ``[T * k, H]``.
+4. **Sum**: ``[T, k, H]`` summed over ``k`` (fp32 inside torch's sum), so no atomics and the
+   result does not depend on timing. A token sent to one expert twice has two pairs, so two
+   rows: it counts twice, as in the reference.
+
+Both kernels accumulate in fp32 (fp32 operands as exact fp32 products, no TF32); inputs are
+bf16, fp16 or fp32 (all the same dtype), the output is ``x``'s dtype. Rounding differs from the
+reference only where the reference rounds intermediate results to the dtype (the projections,
+the activation, each weighted row): equal to float32 precision in fp32, within bf16's in bf16.
+
+Block sizes come from ``moe_config``: a small table keyed on the average rows per expert
+``T * k / E`` (decode: one or a few pairs per expert, so 16-row blocks that waste little on
+padding; prefill: 64 or 128 rows, so each weight tile is read once for many tokens). The
+entries are starting points, not yet swept on a GPU (``benchmarks/check_moe.py`` times them).
+Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (see
+``mstar.layers.triton_support``); without Triton the module imports and the wrapper raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.layers.triton_support import HAS_TRITON, INTERPRET, check_runnable, tl, triton
+
+__all__ = ["INTERPRET", "MoEConfig", "moe_config", "sort_pairs", "triton_fused_moe"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Launch parameters of both kernels: sorted rows per block (``block_m``), output features
+    per program (``block_n``: per half, gate and up, in the gate_up kernel; ``block_n_down`` in
+    the down kernel), the K step, warps and pipeline depth."""
+
+    block_m: int
+    block_n: int
+    block_n_down: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# By the average rows per expert (T * k / E) up to which each applies; for 2-byte inputs
+# (fp32 halves block_k so a stage takes the same shared memory). Untuned starting points.
+_TABLE = (
+    (4, MoEConfig(16, 32, 64, 128, 4, 4)),  # decode: a pair or a few per expert
+    (16, MoEConfig(16, 64, 64, 128, 4, 4)),
+    (48, MoEConfig(32, 64, 64, 128, 4, 4)),
+    (128, MoEConfig(64, 64, 128, 64, 4, 4)),
+    (float("inf"), MoEConfig(128, 64, 128, 64, 8, 3)),  # prefill
+)
+_INTERPRETER_CONFIG = MoEConfig(16, 16, 32, 32, 4, 1)  # tiny tests: several K steps and N tiles
+
+
+def moe_config(num_pairs: int, num_experts: int, element_size: int) -> MoEConfig:
+    """The launch parameters for ``num_pairs`` token-expert pairs over ``num_experts``."""
+    if INTERPRET:
+        return _INTERPRETER_CONFIG
+    rows = num_pairs / num_experts
+    cfg = next(c for limit, c in _TABLE if rows <= limit)
+    if element_size > 2:
+        cfg = MoEConfig(cfg.block_m, cfg.block_n, cfg.block_n_down, max(16, cfg.block_k // 2), cfg.num_warps,
+                        min(cfg.num_stages, 3))
+    return cfg
+
+
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_pairs, block_expert)`` for ``topk_ids [T, k]`` (see the module's step 1), on
+    the ids' device without a host sync: ``sorted_pairs`` (int32, a multiple of ``block_m``
+    long) lists each expert's pairs in pair order, its run padded with ``T * k`` to a whole
+    number of blocks, the runs in expert order, then padding; ``block_expert`` (int32) is each
+    block's expert, ``num_experts`` for the blocks past the runs."""
+    flat = topk_ids.reshape(-1).long()
+    pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    run_start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    row = padded_end[expert] - padded[expert] + torch.arange(pairs, device=device) - run_start[expert]
+    blocks = (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m  # the padded total's upper bound
+    sorted_pairs = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs[row] = order.to(torch.int32)
+    block_start = torch.arange(0, blocks * block_m, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gate_up_kernel(X, W, OUT, SORTED, BLOCK_EXPERT, num_pairs, num_experts,
+                        stride_x, stride_we, stride_wn, stride_wk, stride_out,
+                        TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """``silu(x W_gate^T) * (x W_up^T)`` for one block of sorted rows (one expert) and
+        ``BLOCK_N`` of its ``N = I`` features; ``W [E, 2N, K]`` rows ``[gate | up]``."""
+        block = tl.program_id(0)
+        expert = tl.load(BLOCK_EXPERT + block)
+        if expert >= num_experts:
+            return
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(SORTED + rows)
+        valid = pair < num_pairs
+        token = (pair // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = X + token[:, None] * stride_x + ks[None, :]
+        gate_ptrs = W + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+        up_ptrs = gate_ptrs + N * stride_wn
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
+            gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K * stride_wk
+            up_ptrs += BLOCK_K * stride_wk
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        # padding rows too (zeros): the down kernel then reads whole blocks without a row mask
+        out_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, act.to(OUT.dtype.element_ty), mask=col_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(A, W, OUT, SORTED, BLOCK_EXPERT, ROUTE_WEIGHTS, num_pairs, num_experts,
+                     stride_a, stride_we, stride_wn, stride_wk, stride_out,
+                     N: tl.constexpr, K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``route_weight * (a W_down^T)`` for one block of sorted rows (one expert) and
+        ``BLOCK_N`` of the ``N = H`` outputs, each row stored at its pair's place."""
+        block = tl.program_id(0)
+        expert = tl.load(BLOCK_EXPERT + block)
+        if expert >= num_experts:
+            return
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(SORTED + rows)
+        valid = pair < num_pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = A + rows.to(tl.int64)[:, None] * stride_a + ks[None, :]
+        w_ptrs = W + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(DOT_DTYPE)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_DTYPE)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        route = tl.load(ROUTE_WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * route[:, None]
+        out_ptrs = OUT + pair.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """The ``tl.dot`` operand type: the inputs' (the interpreter widens bf16, which NumPy lacks)."""
+    if dtype == torch.bfloat16:
+        return tl.float32 if INTERPRET else tl.bfloat16
+    return {torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def triton_fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+    """``fused_moe``'s result (same arguments: ``x [T, H]``, ``topk_ids`` and ``topk_weights
+    [T, k]``, ``w_gate_up [E, 2I, H]`` rows ``[gate | up]``, ``w_down [E, H, I]``) from the two
+    grouped-GEMM kernels; ``config`` overrides ``moe_config``'s choice (benchmarks)."""
+    check_runnable(x, "the fused MoE kernels", __name__)
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inner2, _ = w_gate_up.shape
+    inner = inner2 // 2
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(f"x is {x.dtype}, the expert weights {w_gate_up.dtype} and {w_down.dtype}: one dtype")
+    if tuple(w_down.shape) != (num_experts, hidden, inner) or w_gate_up.shape[2] != hidden:
+        raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} for x "
+                         f"{tuple(x.shape)}: expected [E, 2I, {hidden}] and [E, {hidden}, I]")
+    pairs = num_tokens * top_k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    cfg = config or moe_config(pairs, num_experts, x.element_size())
+    sorted_pairs, block_expert = sort_pairs(topk_ids, num_experts, cfg.block_m)
+    route_weights = topk_weights.reshape(-1).contiguous()
+    blocks = block_expert.numel()
+    dot_dtype = _dot_dtype(x.dtype)
+    precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # ignored for 16-bit operands
+    act = torch.empty(sorted_pairs.numel(), inner, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inner, cfg.block_n))](
+        x, w_gate_up, act, sorted_pairs, block_expert, pairs, num_experts,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
+        TOP_K=top_k, N=inner, K=hidden, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    rows = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
+        act, w_down, rows, sorted_pairs, block_expert, route_weights, pairs, num_experts,
+        act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), rows.stride(0),
+        N=hidden, K=inner, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return rows.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else rows
