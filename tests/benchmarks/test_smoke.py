@@ -197,6 +197,20 @@ def test_check_gemv_smoke():
     assert "all ok" in result.stdout and "FAIL" not in result.stdout
 
 
+def test_check_moe_smoke(tmp_path):
+    """benchmarks/check_moe.py --smoke (a process of its own, for Triton's interpreter): the
+    fused MoE kernels, the expert loop and grouped_mm at 1, 5 and 37 tokens, on the CPU."""
+    root = Path(__file__).resolve().parents[2]
+    log = tmp_path / "moe.jsonl"
+    result = subprocess.run([sys.executable, "benchmarks/check_moe.py", "--smoke", "--json", str(log)], cwd=root,
+                            env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "all ok" in result.stdout and "FAIL" not in result.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["tokens"] for r in records] == [1, 5, 37] and all(r["ok"] for r in records)
+    assert all(set(r["ms"]) == {"loop", "grouped_mm", "triton"} for r in records)
+
+
 @pytest.mark.slow  # runs the benchmark script end to end
 def test_s8_wan22_smoke(tmp_path):
     assert s8.main(["--smoke", "--out", str(tmp_path)]) == 0
