@@ -3,13 +3,16 @@
 ``triton_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down)`` computes what ``fused_moe``
 does, ``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, in four steps:
 
-1. **Sort** (torch, on the device): the ``P = T * k`` token-expert pairs (pair ``p = t * k +
-   slot``) are grouped by expert with a stable argsort, and each expert's run is padded to a
-   whole number of ``BLOCK_M`` rows. ``sorted_pairs`` holds, per padded row, its pair (``P``
-   on padding) and ``block_expert``, per block of ``BLOCK_M`` rows, its expert (``E`` for the
-   blocks past the last: their programs return at once). The padded length is not read back
-   to the host: the buffers take the upper bound ``P + min(E, P) * (BLOCK_M - 1)``, so the
-   step never waits for the GPU and can be captured in a CUDA graph.
+1. **Sort**: the ``P = T * k`` token-expert pairs (pair ``p = t * k + slot``) are grouped by
+   expert, stably, and each expert's run is padded to a whole number of ``BLOCK_M`` rows.
+   ``sorted_pairs`` holds, per padded row, its pair (``P`` on padding) and ``block_expert``,
+   per block of ``BLOCK_M`` rows, its expert (``E`` for the blocks past the last: their
+   programs return at once). The padded length is not read back to the host: the buffers
+   take the upper bound ``P + min(E, P) * (BLOCK_M - 1)``, so the step never waits for the
+   GPU and can be captured in a CUDA graph. Up to ``SORT_KERNEL_MAX_PAIRS`` pairs (decode and
+   short prefills) one single-program kernel does it (``_sort_pairs_kernel``: a bitonic sort
+   of ``expert * P_BLOCK + pair`` keys, a histogram, two scans); above, ``sort_pairs`` in torch
+   (some twenty small launches, negligible beside the GEMMs there). Both give the same layout.
 2. **gate_up** (``_gate_up_kernel``): a program owns one block of sorted rows (one expert) and
    ``BLOCK_N`` of that expert's ``I`` features. It gathers its tokens' rows of ``x`` by index,
    multiplies them with the expert's gate rows and its up rows (two accumulators over the same
@@ -43,7 +46,7 @@ import torch
 
 from mstar.layers.triton_support import HAS_TRITON, INTERPRET, check_runnable, tl, triton
 
-__all__ = ["INTERPRET", "MoEConfig", "moe_config", "sort_pairs", "triton_fused_moe"]
+__all__ = ["INTERPRET", "MoEConfig", "moe_config", "sort_pairs", "sort_pairs_fast", "triton_fused_moe"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,36 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _sort_pairs_kernel(IDS, SORTED, BLOCK_EXPERT, OFFSETS, num_pairs, num_experts, num_rows,
+                           BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+                           FILL: tl.constexpr):
+        """``sort_pairs`` in one program for at most ``P_BLOCK`` pairs: the pairs sorted by
+        ``expert * P_BLOCK + pair`` (so stably by expert), each expert's count (a histogram)
+        and padded run, then sorted position ``s`` goes to row ``s + offset[expert]``, offset
+        being the padded run's start less the unpadded one's. ``OFFSETS`` is an ``E_BLOCK``
+        scratch: the per-expert offsets go through it to be read per pair."""
+        s = tl.arange(0, P_BLOCK)
+        valid = s < num_pairs
+        ids = tl.load(IDS + s, mask=valid, other=0).to(tl.int32)
+        key = tl.sort(tl.where(valid, ids * P_BLOCK + s, E_BLOCK * P_BLOCK))  # invalid lanes last
+        pair = key % P_BLOCK
+        expert = key // P_BLOCK
+        counts = tl.histogram(ids, E_BLOCK, mask=valid)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        offsets = tl.cumsum(padded, 0) - padded - (tl.cumsum(counts, 0) - counts)
+        tl.store(OFFSETS + tl.arange(0, E_BLOCK), offsets)
+        # padding and expert-less blocks everywhere first (a constant bound: P_BLOCK and
+        # E_BLOCK bound the rows, and the interpreter takes no runtime loop bound here)
+        for r0 in range(0, P_BLOCK + E_BLOCK * (BLOCK_M - 1), FILL):
+            r = r0 + tl.arange(0, FILL)
+            tl.store(SORTED + r, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=r < num_rows)
+            tl.store(BLOCK_EXPERT + r, tl.zeros([FILL], dtype=tl.int32) + num_experts, mask=r < num_rows // BLOCK_M)
+        tl.debug_barrier()  # the fills and offsets written (one program: a block-wide barrier orders them)
+        row = s + tl.load(OFFSETS + expert, mask=valid, other=0)
+        tl.store(SORTED + row, pair, mask=valid)
+        tl.store(BLOCK_EXPERT + row // BLOCK_M, expert, mask=valid)  # every block of a run holds a pair
 
     @triton.jit
     def _gate_up_kernel(X, W, OUT, SORTED, BLOCK_EXPERT, num_pairs, num_experts,
@@ -183,6 +216,29 @@ if HAS_TRITON:
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
+SORT_KERNEL_MAX_PAIRS = 4096  # above: torch's sort, whose dozen launches no longer matter
+
+
+def sort_pairs_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sort_pairs``'s result, in one kernel launch up to ``SORT_KERNEL_MAX_PAIRS`` pairs
+    (decode steps: torch's version is about twenty small launches), else by ``sort_pairs``."""
+    pairs = topk_ids.numel()
+    if pairs > SORT_KERNEL_MAX_PAIRS or pairs == 0:
+        return sort_pairs(topk_ids, num_experts, block_m)
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    rows = (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m * block_m
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    e_block = max(32, triton.next_power_of_2(num_experts))  # histogram bins: at least a warp's lanes
+    offsets = torch.empty(e_block, dtype=torch.int32, device=ids.device)
+    p_block = max(16, triton.next_power_of_2(pairs))
+    _sort_pairs_kernel[(1,)](ids, sorted_pairs, block_expert, offsets, pairs, num_experts, rows,
+                             BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block, FILL=1024,
+                             num_warps=4 if p_block <= 1024 else 8)
+    return sorted_pairs, block_expert
+
+
 def _dot_dtype(dtype: torch.dtype):
     """The ``tl.dot`` operand type: the inputs' (the interpreter widens bf16, which NumPy lacks)."""
     if dtype == torch.bfloat16:
@@ -212,7 +268,7 @@ def triton_fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
     cfg = config or moe_config(pairs, num_experts, x.element_size())
-    sorted_pairs, block_expert = sort_pairs(topk_ids, num_experts, cfg.block_m)
+    sorted_pairs, block_expert = sort_pairs_fast(topk_ids, num_experts, cfg.block_m)
     route_weights = topk_weights.reshape(-1).contiguous()
     blocks = block_expert.numel()
     dot_dtype = _dot_dtype(x.dtype)

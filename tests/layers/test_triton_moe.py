@@ -21,7 +21,7 @@ from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, r
 from mstar.layers import triton_moe  # noqa: E402
 from mstar.layers.moe import MoEExperts, SparseMoE, fused_moe, use_moe_kernel  # noqa: E402
 from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
-from mstar.layers.triton_moe import moe_config, sort_pairs, triton_fused_moe  # noqa: E402
+from mstar.layers.triton_moe import moe_config, sort_pairs, sort_pairs_fast, triton_fused_moe  # noqa: E402
 from mstar.model.qwen3_omni import Qwen3OmniTextConfig, Qwen3OmniThinkerForCausalLM  # noqa: E402
 from tests.support.pages import Pages  # noqa: E402
 
@@ -61,6 +61,20 @@ def test_sort_pairs_layout() -> None:
     pad = 6  # T * k; room for 5 blocks: 6 pairs + 5 experts' padding of at most 3, in blocks of 4
     assert sorted_pairs.tolist() == [0, 1, 5, pad, 4, pad, pad, pad, 2, 3, pad, pad] + [pad] * 8
     assert block_expert.tolist() == [0, 1, 3, 5, 5]
+
+
+@runnable
+@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 8, 128, 16), (2, 3, 5, 4), (37, 3, 8, 16),
+                                                             (60, 8, 128, 64), (513, 8, 128, 64)])
+def test_sort_kernel_matches_torch(tokens: int, top_k: int, experts: int, block_m: int) -> None:
+    """The one-launch sort (up to 4096 pairs; 513 x 8 is past it, so torch's) lays the pairs
+    out exactly as torch's."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[0, -1] = ids[0, 0]
+    want = sort_pairs(ids, experts, block_m)
+    got = sort_pairs_fast(ids.to(DEVICE), experts, block_m)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
 
 
 @runnable
