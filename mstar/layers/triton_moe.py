@@ -148,10 +148,10 @@ if HAS_TRITON:
                         stride_x, stride_we, stride_wn, stride_wk, stride_out,
                         TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
         """``silu(x W_gate^T) * (x W_up^T)`` for one block of sorted rows (one expert) and
         ``BLOCK_N`` of its ``N = I`` features; ``W [E, 2N, K]`` rows ``[gate | up]``."""
-        block = tl.program_id(0)
+        block = tl.program_id(1)
         expert = tl.load(BLOCK_EXPERT + block)
         if expert >= num_experts:
             return
@@ -159,8 +159,8 @@ if HAS_TRITON:
         pair = tl.load(SORTED + rows)
         valid = pair < num_pairs
         token = (pair // TOP_K).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (cols < N) | EVEN_N  # a constant mask folds away
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = X + token[:, None] * stride_x + ks[None, :]
         gate_ptrs = W + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
@@ -168,7 +168,7 @@ if HAS_TRITON:
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
+            k_ok = (ks < K - k0) | EVEN_K
             a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
             w_mask = k_ok[:, None] & col_ok[None, :]
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
@@ -187,24 +187,25 @@ if HAS_TRITON:
     def _down_kernel(A, W, OUT, SORTED, BLOCK_EXPERT, ROUTE_WEIGHTS, num_pairs, num_experts,
                      stride_a, stride_we, stride_wn, stride_wk, stride_out,
                      N: tl.constexpr, K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                     EVEN_K: tl.constexpr):
         """``route_weight * (a W_down^T)`` for one block of sorted rows (one expert) and
         ``BLOCK_N`` of the ``N = H`` outputs, each row stored at its pair's place."""
-        block = tl.program_id(0)
+        block = tl.program_id(1)
         expert = tl.load(BLOCK_EXPERT + block)
         if expert >= num_experts:
             return
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(SORTED + rows)
         valid = pair < num_pairs
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (cols < N) | EVEN_N  # a constant mask folds away
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = A + rows.to(tl.int64)[:, None] * stride_a + ks[None, :]
         w_ptrs = W + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
+            k_ok = (ks < K - k0) | EVEN_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(DOT_DTYPE)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_DTYPE)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -274,17 +275,21 @@ def triton_fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     dot_dtype = _dot_dtype(x.dtype)
     precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # ignored for 16-bit operands
     act = torch.empty(sorted_pairs.numel(), inner, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(blocks, triton.cdiv(inner, cfg.block_n))](
+    # grid: the column tiles of a block launch together (its rows are read once from memory,
+    # then from L2), the blocks of an expert one after the other (its weights likewise)
+    _gate_up_kernel[(triton.cdiv(inner, cfg.block_n), blocks)](
         x, w_gate_up, act, sorted_pairs, block_expert, pairs, num_experts,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
         TOP_K=top_k, N=inner, K=hidden, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_N=inner % cfg.block_n == 0, EVEN_K=hidden % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     rows = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
+    _down_kernel[(triton.cdiv(hidden, cfg.block_n_down), blocks)](
         act, w_down, rows, sorted_pairs, block_expert, route_weights, pairs, num_experts,
         act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), rows.stride(0),
         N=hidden, K=inner, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
+        EVEN_N=hidden % cfg.block_n_down == 0, EVEN_K=inner % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return rows.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else rows
