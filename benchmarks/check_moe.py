@@ -20,6 +20,13 @@ the traffic).
     python benchmarks/check_moe.py                      # on a GPU: T = 1 8 64 512 4096
     python benchmarks/check_moe.py --tokens 1 2 4 --json moe.jsonl
     python benchmarks/check_moe.py --smoke              # tiny shapes on the CPU, Triton's interpreter
+    python benchmarks/check_moe.py --compile            # no GPU needed: build every kernel for sm_90
+
+``--compile`` builds (Triton to PTX, then the wheel's ptxas) every kernel the token counts would
+launch, bf16 and fp32, for an H100/H200 (``--arch``), with the launch's specialisations
+(16-byte aligned pointers and strides, the unit stride a constant), and prints each kernel's
+shared memory, its MMA instructions and whether its K loop is software-pipelined (``cp.async``
+in the PTX); a compile error or more shared memory than a Hopper block may take fails.
 """
 
 from __future__ import annotations
@@ -125,13 +132,86 @@ def check(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype, re
     return ok
 
 
+SMEM_LIMIT = 227 << 10  # shared memory one Hopper block may take
+
+
+def compile_kernels(tokens_list: list[int], sizes: dict, arch: int) -> bool:
+    """Build every kernel that ``tokens_list`` launches at ``sizes`` for CUDA ``arch`` (no GPU
+    needed) and report each; False if one fails to build or takes too much shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mstar.layers import triton_moe as moe
+
+    hidden, inner, experts, top_k = sizes["hidden"], sizes["inner"], sizes["experts"], sizes["top_k"]
+    target, built, ok = GPUTarget("cuda", arch, 32), set(), True
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+    def build(fn, constants: dict, dtype: torch.dtype, label: str) -> None:
+        nonlocal ok
+        constants = dict(constants, stride_wk=1) if "stride_wk" in fn.arg_names else dict(constants)
+        options = {key: constants.pop(key) for key in ("num_warps", "num_stages") if key in constants}
+        key = (fn.__name__, str(sorted(constants.items())), str(options))
+        if key in built:
+            return
+        built.add(key)
+        signature = {}
+        for name in fn.arg_names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name == "IDS":
+                signature[name] = "*i64"
+            elif name in ("SORTED", "BLOCK_EXPERT", "OFFSETS"):
+                signature[name] = "*i32"
+            elif name.isupper():
+                signature[name] = "*" + names[dtype]
+            else:
+                signature[name] = "i32"
+        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+                   if t.startswith("*") or n.startswith("stride")}
+        start = time.perf_counter()
+        try:
+            kernel = triton.compile(ASTSource(fn, signature, constants, aligned), target=target, options=options)
+        except Exception as err:  # noqa: BLE001 - every failure is reported, then the run fails
+            ok = False
+            print(f"{label:<28} {fn.__name__:<20} FAIL {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
+            return
+        ptx, shared = kernel.asm["ptx"], kernel.metadata.shared
+        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no mma"
+        pipelined = "pipelined" if "cp.async" in ptx else "not pipelined"
+        good = shared <= SMEM_LIMIT
+        ok &= good
+        print(f"{label:<28} {fn.__name__:<20} {shared >> 10:4d} KB shared  {mma:<8} {pipelined:<13} "
+              f"{time.perf_counter() - start:5.1f} s{'' if good else '  FAIL: too much shared memory'}", flush=True)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for tokens in tokens_list:
+            pairs = tokens * top_k
+            cfg = moe.moe_config(pairs, experts, torch.empty((), dtype=dtype).element_size())
+            label = f"T={tokens} {names[dtype]} block_m={cfg.block_m}"
+            if pairs <= moe.SORT_KERNEL_MAX_PAIRS:
+                build(moe._sort_pairs_kernel, moe.sort_constants(pairs, experts, cfg.block_m), dtype, label)
+            gate_up, down = moe.kernel_constants(cfg, dtype, hidden, inner, top_k)
+            build(moe._gate_up_kernel, gate_up, dtype, label)
+            build(moe._down_kernel, down, dtype, label)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=None, help="append every result to this file as JSON lines")
+    parser.add_argument("--compile", action="store_true", help="only build the kernels for --arch (no GPU needed)")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile (90: Hopper)")
     args = parser.parse_args(argv)
+    if args.compile:  # the kernels compiled, not interpreted: before anything imports Triton
+        os.environ["TRITON_INTERPRET"] = "0"
+        ok = compile_kernels(args.tokens or [1, 8, 64, 512, 4096], FULL, args.arch)
+        print("all ok" if ok else "FAILURES", flush=True)
+        return 0 if ok else 1
     if args.smoke:  # before anything imports Triton
         os.environ["TRITON_INTERPRET"] = "1"
         device, dtype, sizes = torch.device("cpu"), torch.float32, TINY

@@ -46,7 +46,8 @@ import torch
 
 from mstar.layers.triton_support import HAS_TRITON, INTERPRET, check_runnable, tl, triton
 
-__all__ = ["INTERPRET", "MoEConfig", "moe_config", "sort_pairs", "sort_pairs_fast", "triton_fused_moe"]
+__all__ = ["INTERPRET", "MoEConfig", "kernel_constants", "moe_config", "sort_constants", "sort_pairs",
+           "sort_pairs_fast", "triton_fused_moe"]
 
 
 @dataclass(frozen=True)
@@ -231,13 +232,31 @@ def sort_pairs_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     rows = (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m * block_m
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
-    e_block = max(32, triton.next_power_of_2(num_experts))  # histogram bins: at least a warp's lanes
-    offsets = torch.empty(e_block, dtype=torch.int32, device=ids.device)
-    p_block = max(16, triton.next_power_of_2(pairs))
-    _sort_pairs_kernel[(1,)](ids, sorted_pairs, block_expert, offsets, pairs, num_experts, rows,
-                             BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block, FILL=1024,
-                             num_warps=4 if p_block <= 1024 else 8)
+    constants = sort_constants(pairs, num_experts, block_m)
+    offsets = torch.empty(constants["E_BLOCK"], dtype=torch.int32, device=ids.device)
+    _sort_pairs_kernel[(1,)](ids, sorted_pairs, block_expert, offsets, pairs, num_experts, rows, **constants)
     return sorted_pairs, block_expert
+
+
+def sort_constants(pairs: int, num_experts: int, block_m: int) -> dict:
+    """The sort kernel's compile-time arguments and warps for ``pairs`` pairs."""
+    p_block = max(16, triton.next_power_of_2(pairs))
+    return dict(BLOCK_M=block_m, P_BLOCK=p_block,
+                E_BLOCK=max(32, triton.next_power_of_2(num_experts)),  # histogram bins: a warp's lanes at least
+                FILL=1024, num_warps=4 if p_block <= 1024 else 8)
+
+
+def kernel_constants(cfg: MoEConfig, dtype: torch.dtype, hidden: int, inner: int, top_k: int) -> tuple[dict, dict]:
+    """The compile-time arguments, warps and stages of the gate_up and the down kernel."""
+    dot_dtype = _dot_dtype(dtype)
+    precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # ignored for 16-bit operands
+    common = dict(DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    gate_up = dict(common, TOP_K=top_k, N=inner, K=hidden, BLOCK_N=cfg.block_n, EVEN_N=inner % cfg.block_n == 0,
+                   EVEN_K=hidden % cfg.block_k == 0)
+    down = dict(common, N=hidden, K=inner, BLOCK_N=cfg.block_n_down, EVEN_N=hidden % cfg.block_n_down == 0,
+                EVEN_K=inner % cfg.block_k == 0)
+    return gate_up, down
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -272,24 +291,15 @@ def triton_fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     sorted_pairs, block_expert = sort_pairs_fast(topk_ids, num_experts, cfg.block_m)
     route_weights = topk_weights.reshape(-1).contiguous()
     blocks = block_expert.numel()
-    dot_dtype = _dot_dtype(x.dtype)
-    precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # ignored for 16-bit operands
+    gate_up, down = kernel_constants(cfg, x.dtype, hidden, inner, top_k)
     act = torch.empty(sorted_pairs.numel(), inner, dtype=x.dtype, device=x.device)
     # grid: the column tiles of a block launch together (its rows are read once from memory,
     # then from L2), the blocks of an expert one after the other (its weights likewise)
     _gate_up_kernel[(triton.cdiv(inner, cfg.block_n), blocks)](
         x, w_gate_up, act, sorted_pairs, block_expert, pairs, num_experts,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
-        TOP_K=top_k, N=inner, K=hidden, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_N=inner % cfg.block_n == 0, EVEN_K=hidden % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0), **gate_up)
     rows = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(triton.cdiv(hidden, cfg.block_n_down), blocks)](
         act, w_down, rows, sorted_pairs, block_expert, route_weights, pairs, num_experts,
-        act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), rows.stride(0),
-        N=hidden, K=inner, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
-        EVEN_N=hidden % cfg.block_n_down == 0, EVEN_K=inner % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), rows.stride(0), **down)
     return rows.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else rows
