@@ -19,6 +19,7 @@ the traffic).
 
     python benchmarks/check_moe.py                      # on a GPU: T = 1 8 64 512 4096
     python benchmarks/check_moe.py --tokens 1 2 4 --json moe.jsonl
+    python benchmarks/check_moe.py --sweep              # then ~25 launch configs per token count (graphs)
     python benchmarks/check_moe.py --smoke              # tiny shapes on the CPU, Triton's interpreter
     python benchmarks/check_moe.py --compile            # no GPU needed: build every kernel for sm_90
 
@@ -85,19 +86,28 @@ def graphed(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.T
     return graph.replay, out
 
 
-def check(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype, repeats: int,
-          log: Callable[[dict], None]) -> bool:
-    from mstar.layers.moe import fused_moe, route_topk
-    from mstar.layers.triton_moe import moe_config, triton_fused_moe
+def problem(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``(x, ids, weights, w_gate_up, w_down)`` of one step: routed by random logits as the
+    thinker's ``SparseMoE`` routes (softmax, top-k, renormalised)."""
+    from mstar.layers.moe import route_topk
 
     hidden, inner, experts, top_k = sizes["hidden"], sizes["inner"], sizes["experts"], sizes["top_k"]
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
     logits = torch.randn(tokens, experts, device=device, generator=gen)
     ids, weights = route_topk(logits, top_k, normalize=True)
-    weights = weights.to(dtype)
     w_gate_up = (torch.randn(experts, 2 * inner, hidden, device=device, generator=gen) / hidden ** 0.5).to(dtype)
     w_down = (torch.randn(experts, hidden, inner, device=device, generator=gen) / inner ** 0.5).to(dtype)
+    return x, ids, weights.to(dtype), w_gate_up, w_down
+
+
+def check(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype, repeats: int,
+          log: Callable[[dict], None]) -> bool:
+    from mstar.layers.moe import fused_moe
+    from mstar.layers.triton_moe import moe_config, triton_fused_moe
+
+    inner, hidden, experts, top_k = sizes["inner"], sizes["hidden"], sizes["experts"], sizes["top_k"]
+    x, ids, weights, w_gate_up, w_down = problem(tokens, sizes, device, dtype)
     want = fused_moe(x.float(), ids, weights.float(), w_gate_up.float(), w_down.float())
 
     ways: dict[str, Callable[[], torch.Tensor]] = {
@@ -114,10 +124,15 @@ def check(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype, re
             continue
         times[name] = median_ms(fn, device, repeats)
     if device.type == "cuda":
-        replay, out = graphed(ways["triton"])
-        replay()
-        errors["triton graph"] = rel_err(out, want)
-        times["triton graph"] = median_ms(replay, device, repeats)
+        try:
+            replay, out = graphed(ways["triton"])
+        except RuntimeError as err:  # a host sync inside the call breaks the capture
+            print(f"  triton graph: FAIL ({str(err).splitlines()[0][:160]})", flush=True)
+            errors["triton graph"] = float("inf")
+        else:
+            replay()
+            errors["triton graph"] = rel_err(out, want)
+            times["triton graph"] = median_ms(replay, device, repeats)
     touched = ids.unique().numel() * 3 * inner * hidden * w_down.element_size()
     tbs = touched / (times["triton"] * 1e-3) / 1e12
     ok = all(err <= (1e-5 if dtype == torch.float32 else TOLERANCE) for name, err in errors.items()
@@ -130,6 +145,49 @@ def check(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype, re
     print(f"T={tokens:<5} {parts}  x{speedup:.1f} vs loop  {tbs:.2f} TB/s  block_m={cfg.block_m}"
           f"{'' if ok else '  FAIL'}", flush=True)
     return ok
+
+
+def sweep(tokens: int, sizes: dict, device: torch.device, dtype: torch.dtype, repeats: int,
+          log: Callable[[dict], None]) -> None:
+    """Time ``triton_fused_moe`` under launch configs around ``moe_config``'s choice (rows per
+    block halved and doubled; column blocks; K step), each replayed from a CUDA graph, and
+    print the fastest beside the default: what ``_TABLE`` in ``mstar/layers/triton_moe.py``
+    should say for this step size."""
+    from mstar.layers.moe import fused_moe
+    from mstar.layers.triton_moe import MoEConfig, moe_config, triton_fused_moe
+
+    x, ids, weights, w_gate_up, w_down = problem(tokens, sizes, device, dtype)
+    want = fused_moe(x.float(), ids, weights.float(), w_gate_up.float(), w_down.float())
+    default = moe_config(tokens * sizes["top_k"], sizes["experts"], x.element_size())
+    candidates = [default]
+    for block_m in sorted({max(16, default.block_m // 2), default.block_m, min(128, default.block_m * 2)}):
+        for block_n, block_n_down in ((32, 64), (64, 64), (64, 128), (128, 128)):
+            for block_k in (64, 128):
+                cfg = MoEConfig(block_m, block_n, block_n_down, block_k, 4 if block_m <= 64 else 8,
+                                4 if block_m <= 32 else 3)
+                if cfg not in candidates:
+                    candidates.append(cfg)
+    results = []
+    for cfg in candidates:
+        try:
+            replay, out = graphed(lambda cfg=cfg: triton_fused_moe(x, ids, weights, w_gate_up, w_down, config=cfg))
+            replay()
+            err = rel_err(out, want)
+            ms = median_ms(replay, device, repeats)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: the config is skipped
+            print(f"  T={tokens} {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        if err > TOLERANCE:
+            print(f"  T={tokens} {cfg}: wrong (err {err:.1e})", flush=True)
+            continue
+        results.append((ms, cfg))
+        log(dict(sweep=True, tokens=tokens, config=str(cfg), ms=ms, err=err, default=cfg == default))
+    results.sort(key=lambda r: r[0])
+    default_ms = next(ms for ms, cfg in results if cfg == default) if any(c == default for _, c in results) else None
+    for ms, cfg in results[:3]:
+        print(f"T={tokens:<5} {ms:8.3f} ms  {cfg}", flush=True)
+    print(f"T={tokens:<5} default {default_ms if default_ms is None else f'{default_ms:.3f}'} ms  {default}",
+          flush=True)
 
 
 SMEM_LIMIT = 227 << 10  # shared memory one Hopper block may take
@@ -204,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=None, help="append every result to this file as JSON lines")
+    parser.add_argument("--sweep", action="store_true", help="after the check, time launch configs around "
+                        "the default at each token count (GPU)")
     parser.add_argument("--compile", action="store_true", help="only build the kernels for --arch (no GPU needed)")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile (90: Hopper)")
     args = parser.parse_args(argv)
@@ -233,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for t in tokens:
         ok &= check(t, sizes, device, dtype, repeats, log)
+    if args.sweep and device.type == "cuda":
+        for t in tokens:
+            sweep(t, sizes, device, dtype, repeats, log)
     print("all ok" if ok else "FAILURES", flush=True)
     return 0 if ok else 1
 
