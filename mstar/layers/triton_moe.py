@@ -41,6 +41,7 @@ Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -238,16 +239,20 @@ def sort_pairs_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_pairs, block_expert
 
 
+@lru_cache(maxsize=256)
 def sort_constants(pairs: int, num_experts: int, block_m: int) -> dict:
-    """The sort kernel's compile-time arguments and warps for ``pairs`` pairs."""
+    """The sort kernel's compile-time arguments and warps for ``pairs`` pairs (cached: a
+    decode step asks with the same few values every layer; callers must not change it)."""
     p_block = max(16, triton.next_power_of_2(pairs))
     return dict(BLOCK_M=block_m, P_BLOCK=p_block,
                 E_BLOCK=max(32, triton.next_power_of_2(num_experts)),  # histogram bins: a warp's lanes at least
                 FILL=1024, num_warps=4 if p_block <= 1024 else 8)
 
 
+@lru_cache(maxsize=256)
 def kernel_constants(cfg: MoEConfig, dtype: torch.dtype, hidden: int, inner: int, top_k: int) -> tuple[dict, dict]:
-    """The compile-time arguments, warps and stages of the gate_up and the down kernel."""
+    """The compile-time arguments, warps and stages of the gate_up and the down kernel
+    (cached, as ``sort_constants``)."""
     dot_dtype = _dot_dtype(dtype)
     precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # ignored for 16-bit operands
     common = dict(DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
