@@ -6,8 +6,11 @@ w_down)``; the torch reference here groups the token-expert pairs by expert (one
 of the flattened ids), runs one GEMM pair per expert over its contiguous rows and scatter-adds
 the weighted rows back, or runs the two GEMMs of all experts as one ``torch._grouped_mm``
 each (``grouped_mm``; bit-identical on the CPU here, and 20-25% faster at 64-512 tokens of
-64 experts, top-8, H 256, one thread; slower at one token). A GPU kernel can replace it behind
-the same signature.
+64 experts, top-8, H 256, one thread; slower at one token). On CUDA,
+``mstar.layers.triton_moe.triton_fused_moe`` computes the same as two grouped-GEMM Triton
+kernels (SiLU * up and the routing weights in their epilogues, no host sync). ``MoEExperts``
+picks one of the three by its ``kernel`` attribute (``"loop"``, ``"grouped_mm"``,
+``"triton"``); ``use_moe_kernel`` sets it on every expert stack of a model.
 
 Checkpoints in the Hugging Face layout store every expert apart
 (``experts.{i}.gate_proj.weight``, ``up_proj``, ``down_proj``); each stacked weight here is a
@@ -143,11 +146,37 @@ class MoEExperts(nn.Module):
         self.gate_up = StackedExpertWeight(num_experts, inner, hidden, ("gate_proj", "up_proj"), split="rows")
         self.down = StackedExpertWeight(num_experts, hidden, inner, ("down_proj",), split="cols")
 
-    grouped_mm: bool = False  # run the experts as ``torch._grouped_mm`` (see ``fused_moe``)
+    # how the experts run: ``"loop"`` (``fused_moe``'s loop over experts, the reference),
+    # ``"grouped_mm"`` (``fused_moe`` with ``torch._grouped_mm``) or ``"triton"`` (the
+    # ``triton_fused_moe`` kernels: CUDA, or the CPU under Triton's interpreter)
+    kernel: str = "loop"
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "triton":
+            from mstar.layers.triton_moe import triton_fused_moe  # Triton only when asked for
+
+            return triton_fused_moe(x, topk_ids, topk_weights, self.gate_up.weight, self.down.weight)
         return fused_moe(x, topk_ids, topk_weights, self.gate_up.weight, self.down.weight,
-                         grouped_mm=self.grouped_mm)
+                         grouped_mm=self.kernel == "grouped_mm")
+
+
+MOE_KERNELS = ("loop", "grouped_mm", "triton")
+
+
+def use_moe_kernel(module: nn.Module, kernel: str) -> int:
+    """Run every ``MoEExperts`` inside ``module`` with ``kernel`` (one of ``MOE_KERNELS``);
+    returns how many were switched."""
+    if kernel not in MOE_KERNELS:
+        raise ValueError(f"MoE kernel {kernel!r}: one of {', '.join(MOE_KERNELS)}")
+    stacks = [m for m in module.modules() if isinstance(m, MoEExperts)]
+    for stack in stacks:
+        stack.kernel = kernel
+    return len(stacks)
+
+
+def moe_kernel(module: nn.Module) -> str | None:
+    """The kernel of the first ``MoEExperts`` inside ``module`` (None without one)."""
+    return next((m.kernel for m in module.modules() if isinstance(m, MoEExperts)), None)
 
 
 class SparseMoE(nn.Module):

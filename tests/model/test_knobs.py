@@ -136,3 +136,15 @@ def test_sampling_ranges_name_the_field():
     assert err.value.field == "top_p"
     speech = SpeechKnobs.parse({"temperature": 0.9}).sampling({"temperature": 0.6, "top_p": 0.8})
     assert (speech.temperature, speech.top_p) == (0.9, 0.8)  # what the request sent, over the defaults
+
+
+def test_qwen3_omni_fused_kernels_need_cuda_or_the_interpreter(monkeypatch):
+    """The MoE kernels' switch: taken on CUDA, and on the CPU only under Triton's interpreter."""
+    knobs = knobs_of("qwen3_omni")
+    assert knobs.parse({}).fused_kernels is False
+    assert knobs.parse({"fused_kernels": True}, device="cuda").fused_kernels is True
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match=r"^model_kwargs\.fused_kernels needs device: cuda$"):
+        knobs.parse({"fused_kernels": True}, device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert knobs.parse({"fused_kernels": True}, device="cpu").fused_kernels is True

@@ -137,6 +137,11 @@ class Qwen3OmniThinker(nn.Module):
         return cls(Qwen3OmniTextConfig.from_hf_dict(d), Qwen3OmniAudioConfig.from_hf_dict(d),
                    Qwen3OmniVisionConfig.from_hf_dict(d))
 
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """The text decoder's ``use_fused_kernels`` (its MoE experts as Triton kernels); the
+        encoders stay eager."""
+        self.text.use_fused_kernels(enabled)
+
 
 NOT_BUILT = ("talker.", "code2wav.")  # the thinker's loader skips them (the talker's: ``load_talker``)
 

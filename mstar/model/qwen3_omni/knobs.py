@@ -8,10 +8,15 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from mstar.model.chat import GenerateKnobs
-from mstar.model.knobs import Knobs
+from mstar.model.knobs import FusedKernels
 
 
-class Qwen3OmniKnobs(Knobs):
+class Qwen3OmniKnobs(FusedKernels):
+    """``fused_kernels`` runs the thinker's and the talker's MoE experts as the grouped-GEMM
+    Triton kernels (``mstar.layers.triton_moe``); the rest of both stays eager."""
+
+    interpreted_on_cpu = True  # its kernel tests run them on the CPU under the interpreter
+
     attention_backend: Literal["torch", "triton"] = "torch"
     """The thinker's and the talker's paged-attention kernels: ``torch`` (the reference) or ``triton``."""
 

@@ -200,11 +200,13 @@ class Qwen3Omni(ChatLLM):
         engines = {}
         if THINKER in nodes:
             thinker = ckpt.thinker(device, dtype, dummy=dummy, seed=seed)
+            thinker.use_fused_kernels(self.knobs.fused_kernels)
             engines[THINKER] = thinker_engine(thinker, tokens, keep_layer=accept, num_pages=kv.max_num_pages,
                                               page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
                                               device=device, dtype=dtype, attention_backend=backend)
         if TALKER in nodes:
             talker = ckpt.talker(device, dtype, dummy=dummy, seed=seed + 1)
+            talker.use_fused_kernels(self.knobs.fused_kernels)
             longest = self.config.max_seq_len + ASSISTANT_ROWS + self.knobs.max_speech_frames
             engines[TALKER] = talker_engine(talker, tokens, num_pages=self.knobs.talker_kv_pages,
                                             page_size=kv.page_size, max_seq_len=longest, device=device,

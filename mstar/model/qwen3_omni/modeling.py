@@ -16,8 +16,10 @@ checkpoint, less the ``thinker.`` prefix, except for the fused projections (``qk
 ``gate_up_proj``) and the stacked experts (``mlp.experts.gate_up.weight``,
 ``mlp.experts.down.weight``), which ``load_weights`` fills from the per-expert keys.
 
-The fused Triton kernels and ``torch.compile`` paths of the Llama decoder assume a dense MLP;
-they are not wired for the MoE yet (``use_fused_kernels`` and ``use_compile`` refuse).
+``use_fused_kernels(True)`` runs the sparse layers' experts as the grouped-GEMM Triton kernels
+(``mstar.layers.triton_moe``: CUDA, or the CPU under Triton's interpreter); everything else
+stays eager, since the Llama decoder's fused element-wise and GEMV paths assume a dense MLP.
+``use_compile`` is not wired for the MoE yet and refuses.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 
 from mstar.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from mstar.layers.mlp import SwiGLU
-from mstar.layers.moe import SparseMoE
+from mstar.layers.moe import SparseMoE, moe_kernel, use_moe_kernel
 from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.layers.rotary import MRotaryEmbedding
@@ -156,8 +158,14 @@ class Qwen3OmniThinkerForCausalLM(LlamaForCausalLM):
         return final, kept
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
-        if enabled:
-            raise NotImplementedError("the fused kernels do not cover the Qwen3-Omni MoE layers yet")
+        """Run the MoE experts as the Triton kernels (``triton_fused_moe``) or back as the
+        torch loop; attention, norms and the dense MLPs stay eager either way."""
+        use_moe_kernel(self, "triton" if enabled else "loop")
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether ``use_fused_kernels`` is on."""
+        return moe_kernel(self) == "triton"
 
     def use_compile(self, backend: str | None = "inductor") -> None:
         if backend is not None:

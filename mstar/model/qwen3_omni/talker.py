@@ -22,6 +22,10 @@ and thinker hidden states (``accept_hidden_layer``) into the talker's width.
 Parameter names are the released ``talker.`` keys less that prefix, except for the fused
 projections and stacked experts (see ``mstar.model.qwen3_omni.modeling``), which
 ``load_talker`` fills from the per-tensor keys.
+
+``Qwen3OmniTalker.use_fused_kernels(True)`` runs the talker decoder's routed experts as the
+grouped-GEMM Triton kernels (``mstar.layers.triton_moe``); its shared experts, attention and
+the code predictor stay eager.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from mstar.layers.moe import moe_kernel, use_moe_kernel
 from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.layers.rotary import MRotaryEmbedding, RotaryEmbedding
@@ -293,6 +298,17 @@ class Qwen3OmniTalker(nn.Module):
         """The whole frame (all ``Q`` codes and their embedding sum) after codebook 0 was drawn
         from ``compute_logits(hidden)``; ``hidden [B, H]``, ``code0 [B]``."""
         return self.code_predictor(hidden, code0, self.embed_codec(code0), sampler)
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Run the talker decoder's MoE experts as the Triton kernels (``triton_fused_moe``)
+        or back as the torch loop; the rest (shared experts, attention, the code predictor)
+        stays eager either way."""
+        use_moe_kernel(self, "triton" if enabled else "loop")
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether ``use_fused_kernels`` is on."""
+        return moe_kernel(self) == "triton"
 
     def cache_shape(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the talker's paged KV cache."""
