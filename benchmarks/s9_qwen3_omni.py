@@ -30,11 +30,11 @@ every MLP a sparse MoE of 128 experts of width 768, top-8 with ``norm_topk_prob`
   bf16, measured and freed in turn. ``--layers N`` builds N decoder layers instead of 48 (the
   record says so; decode time scales with the layers).
   ``latency@1`` is ours' median decode step at one stream, and transformers'
-  (generate(128) - generate(1)) / 127; ``throughput@N`` is N x 128 tokens over the wall time of
-  the batch, prefill included. Floor per decode step: the weights the step touches (attention,
-  router, norms, lm_head and the experts its tokens are expected to hit under uniform routing)
-  plus the KV cache read at the measured bandwidth, or its FLOPs at the matmul rate; the batch
-  adds its prefill (all experts read, or its FLOPs).
+  (generate(128) - generate(1)) / 127 (the quickest call of each); ``throughput@N`` is N x 128
+  tokens over the (median) wall time of the batch, prefill included. Floor per decode step:
+  the weights the step touches (attention, router, norms, lm_head and the experts its tokens
+  are expected to hit under uniform routing) plus the KV cache read at the measured bandwidth,
+  or its FLOPs at the matmul rate; the batch adds its prefill (all experts read, or its FLOPs).
 
 ``--smoke`` runs the same code paths with tiny shapes in float32 on the CPU in seconds.
 See benchmarks/README.md for the command lines.
@@ -181,7 +181,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.smoke:
         device, dtype, text = "cpu", torch.float32, dict(TINY_TEXT)
         tokens, prompt_len, new_tokens, batches = (1, 8, 32), 8, 6, (1, 2)
-        runs = dict(moe=args.moe_runs or 3, decode=args.decode_runs or 1, baseline=args.baseline_runs or 1)
+        runs = dict(moe=args.moe_runs or 3, decode=args.decode_runs or 1, baseline=args.baseline_runs or 2)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("S9 needs a CUDA GPU; use --smoke to run the tiny configuration on the CPU")
@@ -631,7 +631,7 @@ def build_baseline_thinker(settings: Settings):
     with built_on(settings.device, settings.dtype):
         model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
     init_dummy_weights(model, seed=settings.seed)
-    if settings.baseline_experts != model.config.text_config._experts_implementation:
+    if settings.baseline_experts != getattr(model.config.text_config, "_experts_implementation", None):
         model.set_experts_implementation(settings.baseline_experts)
     return model.eval()
 
@@ -644,8 +644,8 @@ def run_baseline_decode(settings: Settings) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = build_baseline_thinker(settings)
     out["build_s"] = time.perf_counter() - t0
-    out["experts_implementation"] = model.config.text_config._experts_implementation
-    out["attn_implementation"] = model.config.text_config._attn_implementation
+    out["experts_implementation"] = getattr(model.config.text_config, "_experts_implementation", None)
+    out["attn_implementation"] = getattr(model.config.text_config, "_attn_implementation", None)
     out["text_parameters"] = sum(p.numel() for n, p in model.named_parameters()
                                  if "audio_tower" not in n and "visual" not in n)
     log.info("decode: transformers built (%.2f B text parameters, experts %s, attention %s) in %.1f s",
@@ -674,11 +674,11 @@ def run_baseline_decode(settings: Settings) -> dict[str, Any]:
                 out["warmup_s"][n] = time.perf_counter() - t0
                 log.info("decode: transformers warm-up at batch %d took %.1f s", n, out["warmup_s"][n])
             for n in settings.batches:
-                runs = range(settings.baseline_runs)
-                whole = statistics.median(generate(model, n, settings.new_tokens) for _ in runs)
-                first = statistics.median(generate(model, n, 1) for _ in runs)
-                out[n] = {"wall_s": whole, "prefill_ms": first * 1e3,
-                          "step_ms": (whole - first) / (settings.new_tokens - 1) * 1e3,
+                wholes = [generate(model, n, settings.new_tokens) for _ in range(settings.baseline_runs)]
+                firsts = [generate(model, n, 1) for _ in range(settings.baseline_runs)]
+                whole, first = statistics.median(wholes), statistics.median(firsts)
+                out[n] = {"wall_s": wholes, "prefill_ms": first * 1e3,  # a step: the quickest calls' difference
+                          "step_ms": (min(wholes) - min(firsts)) / (settings.new_tokens - 1) * 1e3,
                           "total_ms_per_token": whole / settings.new_tokens * 1e3,
                           "throughput_tok_s": n * settings.new_tokens / whole}
                 log.info("decode: transformers batch %d: step %.2f ms, prefill %.0f ms, %.1f tok/s", n,
