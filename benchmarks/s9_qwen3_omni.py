@@ -295,6 +295,7 @@ def build_moe_pair(settings: Settings):
             if mine.shape != their.shape:
                 raise RuntimeError(f"transformers' {tuple(their.shape)} against ours {tuple(mine.shape)}")
             their.copy_(mine)
+    synchronize(torch.device(settings.device))
     return ours.eval(), theirs.eval()
 
 
@@ -511,6 +512,7 @@ def build_ours_thinker(settings: Settings):
     with built_on(settings.device, settings.dtype):
         model = Qwen3OmniThinkerForCausalLM(Qwen3OmniTextConfig.from_hf_dict(thinker_config(settings)))
     init_dummy_weights(model, seed=settings.seed)
+    synchronize(torch.device(settings.device))  # the draws are queued: count them in the build
     return model.eval()
 
 
@@ -631,6 +633,7 @@ def build_baseline_thinker(settings: Settings):
     with built_on(settings.device, settings.dtype):
         model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
     init_dummy_weights(model, seed=settings.seed)
+    synchronize(torch.device(settings.device))
     if settings.baseline_experts != getattr(model.config.text_config, "_experts_implementation", None):
         model.set_experts_implementation(settings.baseline_experts)
     return model.eval()
