@@ -131,6 +131,7 @@ class Settings:
     warmup_tokens: int
     decode_kernels: tuple[str, ...]
     fused: bool
+    cuda_graphs: bool
     attention_backend: str
     baseline_static: bool
     skip_ours: bool
@@ -158,7 +159,7 @@ class Settings:
             "baseline_experts": self.baseline_experts, "prompt_len": self.prompt_len,
             "new_tokens": self.new_tokens, "batches": list(self.batches), "decode_runs": self.decode_runs,
             "baseline_runs": self.baseline_runs, "warmup_tokens": self.warmup_tokens,
-            "decode_kernels": list(self.decode_kernels), "fused": self.fused,
+            "decode_kernels": list(self.decode_kernels), "fused": self.fused, "cuda_graphs": self.cuda_graphs,
             "attention_backend": self.attention_backend, "baseline_static_cache": self.baseline_static,
             "sampling": "greedy", "ignore_eos": True, "seed": self.seed, "page_size": PAGE_SIZE,
             "kv_cache_pages": self.kv_pages,
@@ -203,6 +204,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         new_tokens=new_tokens, batches=_ints(args.batches, batches), decode_runs=runs["decode"],
         baseline_runs=runs["baseline"], warmup_tokens=min(args.warmup_tokens, new_tokens),
         decode_kernels=_names(args.decode_kernels, KERNELS, "--decode-kernels"), fused=args.fused,
+        cuda_graphs=args.cuda_graphs,
         attention_backend=args.attention_backend, baseline_static=args.baseline_static,
         skip_ours=args.skip_ours, skip_baseline=args.skip_baseline, seed=args.seed,
     )
@@ -516,13 +518,17 @@ def build_ours_thinker(settings: Settings):
     return model.eval()
 
 
-def ours_engine(settings: Settings, model):
+def ours_engine(settings: Settings, model, cuda_graphs: bool = False):
+    """The decode engine; ``cuda_graphs``: decode steps replay captured graphs (the engine's
+    ``cuda_graphs`` knob, which runs the Triton attention)."""
     from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 
+    graphs = cuda_graphs and torch.device(settings.device).type == "cuda"
     return AutoregressiveEngine(model, KVLayout(*model.cache_shape()), num_pages=settings.kv_pages,
                                 page_size=PAGE_SIZE, max_seq_len=settings.max_seq_len,
                                 device=torch.device(settings.device), dtype=settings.dtype,
-                                attention_backend=settings.attention_backend)
+                                attention_backend="triton" if graphs else settings.attention_backend,
+                                cuda_graphs=graphs)
 
 
 def ours_batch(engine, prompts: list[torch.Tensor], new_tokens: int, tag: str) -> dict[str, Any]:
@@ -561,12 +567,13 @@ def run_ours_decode(settings: Settings) -> dict[str, Any]:
     out["parameters"] = sum(p.numel() for p in model.parameters())
     log.info("decode: ours built (%d layers, %.2f B parameters) in %.1f s", settings.layers, out["parameters"] / 1e9,
              out["build_s"])
-    variants = list(settings.decode_kernels) + (["fused"] if settings.fused else [])
+    variants = (list(settings.decode_kernels) + (["fused"] if settings.fused else [])
+                + (["fused+graphs"] if settings.cuda_graphs else []))
     generator = torch.Generator().manual_seed(settings.seed + 11)
     try:
         for variant in variants:
             try:
-                if variant == "fused":
+                if variant.startswith("fused"):
                     model.use_fused_kernels(True)
                 else:
                     set_experts_kernel(model, variant)
@@ -586,7 +593,7 @@ def run_ours_decode(settings: Settings) -> dict[str, Any]:
 
 
 def _ours_variant(settings: Settings, model, variant: str, generator: torch.Generator) -> dict[str, Any]:
-    engine = ours_engine(settings, model)
+    engine = ours_engine(settings, model, cuda_graphs=variant.endswith("+graphs"))
     result: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
@@ -754,6 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per stream of the warm-up batches")
     p.add_argument("--decode-kernels", default="loop,grouped_mm", help="ours' experts kernels in decode")
     p.add_argument("--fused", action="store_true", help="also decode with the thinker's use_fused_kernels(True)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also decode fused with the engine's cuda_graphs (variant fused+graphs; Triton attention)")
     p.add_argument("--attention-backend", choices=("torch", "triton"), default="torch",
                    help="ours' paged attention (the thinker's attention_backend knob)")
     p.add_argument("--baseline-static", action="store_true",
