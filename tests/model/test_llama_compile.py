@@ -3,13 +3,13 @@
 two graphs a layer around the eager attention) must decode as the eager model does.
 
 A tiny random Llama (``LLAMA_TINY``, hidden 64, 2 layers), built twice from the same seed,
-eager and compiled, each in float32 and with ``quantization: int4`` (the SmolLM2 path:
-bfloat16 activations into the int4 kernel). Checked: the logits of a prompt (a many-row
-step) and of its next token (a one-row decode step through the paged cache), and the greedy
-tokens of three streams decoded together through the engine, then of one stream alone. Steps
-of more than ``COMPILED_MAX_ROWS`` rows run eagerly by design; the test raises the cap so
-that both the one-row graphs and the many-row ones (dynamic rows, the prefill's halves
-around the eager attention) are checked.
+eager and compiled, each in float32 and with ``quantization: int4`` (the SmolLM2 path: our
+block-quantised kernel where it builds, else bfloat16 activations into PyTorch's int4 kernel).
+Checked: the logits of a prompt (a many-row step) and of its next token (a one-row decode step
+through the paged cache), and the greedy tokens of three streams decoded together through the
+engine, then of one stream alone. Steps of more than ``COMPILED_MAX_ROWS`` rows run eagerly by
+design; the test raises the cap so that both the one-row graphs and the many-row ones (dynamic
+rows, the prefill's halves around the eager attention) are checked.
 
 Why not exactly equal: inductor fuses RMSNorm's reduction and the RoPE arithmetic into loops
 of its own, whose float32 sums may round in another order (measured max |diff| below 1e-5
@@ -134,4 +134,4 @@ def test_steps_past_the_row_cap_run_eagerly(tmp_path):
         layer.compiled = (graph, graph, graph)
     # the prompt (one row past the cap) runs eagerly, its next token (one row) in the graphs
     with pytest.raises(AssertionError, match="graph called at 1 rows"):
-        _logits(model, PROMPTS["c"][:modeling.COMPILED_MAX_ROWS + 1])
+        _logits(model, (PROMPTS["c"] * 4)[:model.model.layers[0].compiled_rows + 1])

@@ -41,6 +41,7 @@ from mstar.layers.linear import (
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache, write_kv_cache_whole
+from mstar.layers.quantized import Int4Weight, SplitInt8Weight
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from mstar.model.llama.config import LlamaConfig
 
@@ -96,12 +97,24 @@ was added it had measured 7.0 us a layer less than cuBLAS; on 2026-12-03 its pro
 kernels were the slower ones: qkv 19.8 against 18.1 us, gate_up 67.2 against 60.2.)"""
 
 
-COMPILED_MAX_ROWS = 1
+COMPILED_MAX_ROWS = 16
 """Steps of at most this many rows take the compiled graphs of ``use_compile``; larger ones run
-eagerly. Measured on the 2-core test VM (SmolLM2 Q4_1, ``benchmarks/cpu_decode_step.py``,
-2026-12-04, docs/benchmarks.md): compiled, a one-row decode step took 15.3 against 16.2 ms
-eager, an eight-row one 44.4 against 37.8 ms (the int4 products, which inductor calls
-through its own lowering, grow slower with rows there; not yet understood)."""
+eagerly. With our block-quantised kernels (``mstar.layers.native_cpu``, which the graphs call
+as they are) or float weights. Measured on the 2-core test VM (SmolLM2 Q4_1,
+``benchmarks/cpu_decode_step.py``, 2026-12-05, docs/benchmarks.md): compiled against eager,
+1 / 8 / 16 streams 8.3 / 22.3 / 40.4 against 14.2 / 28.0 / 44.7 ms a step, greedy tokens
+equal."""
+
+TORCH_INT4_COMPILED_MAX_ROWS = 1
+"""The cap where the products are PyTorch's int4 kernel (``Int4Weight``, ``SplitInt8Weight``: no
+C++ compiler for ours): inductor lowers that kernel its own way, and an eight-row step took
+44.4 ms compiled against 37.8 eager (2026-12-04), one row 15.3 against 16.2."""
+
+
+def compiled_row_cap(model: nn.Module) -> int:
+    """The most rows a step of ``model`` may have to take its compiled graphs."""
+    torch_int4 = any(isinstance(getattr(m, "qweight", None), (Int4Weight, SplitInt8Weight)) for m in model.modules())
+    return min(COMPILED_MAX_ROWS, TORCH_INT4_COMPILED_MAX_ROWS) if torch_int4 else COMPILED_MAX_ROWS
 
 
 def kv_cache_shape(config: LlamaConfig) -> tuple[int, int, int]:
@@ -239,6 +252,7 @@ class LlamaDecoderLayer(nn.Module):
     # ``use_compile``: the compiled ``before_attention``, ``after_attention`` and
     # ``decode_attention_on`` (None: eager)
     compiled: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
+    compiled_rows: int = COMPILED_MAX_ROWS  # steps of at most this many rows take ``compiled``
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -257,7 +271,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_kernels and 0 < x.shape[0] <= DECODE_GEMV.max_rows:
             return self.forward_gemv(x, residual, cos_sin, meta, kv_cache)
-        if self.compiled is not None and x.shape[0] <= COMPILED_MAX_ROWS:
+        if self.compiled is not None and x.shape[0] <= self.compiled_rows:
             before, after, decode_rest = self.compiled
             if residual is None:  # the first layer: the graphs always take a stream (x + 0 is x)
                 x, residual = torch.zeros_like(x), x
@@ -351,6 +365,7 @@ class LlamaModel(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # ``use_compile``: the compiled ``decode_group_step`` (None: eager)
     compiled_step: Callable[..., Any] | None = None
+    compiled_rows: int = COMPILED_MAX_ROWS  # steps of at most this many rows take ``compiled_step``
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -373,7 +388,7 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         cos_sin = self.rotary_emb.cos_sin(meta.positions, x.dtype)
-        if self.compiled_step is not None and x.shape[0] <= COMPILED_MAX_ROWS:
+        if self.compiled_step is not None and x.shape[0] <= self.compiled_rows:
             group = one_decode_group(meta, x.shape[0])
             if group is not None:
                 return self.compiled_step(self, x, *cos_sin, kv_caches, meta.slot_mapping,
@@ -434,7 +449,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_compile(self, backend: str | None = "inductor") -> None:
         """Run the decoder as ``torch.compile``d graphs (``model_kwargs.compile``; None: back
-        to eager), for steps of at most ``COMPILED_MAX_ROWS`` rows. A decode step whose
+        to eager), for steps of at most ``compiled_row_cap`` rows. A decode step whose
         sequences share one key block (``one_decode_group``) is one graph from the embeddings
         to the final norm, cache writes included (``LlamaModel.decode_group_step``). Any other
         step runs each layer as two graphs around an eager cache write and attention (its
@@ -444,9 +459,11 @@ class LlamaForCausalLM(nn.Module):
         on first use: one row, then any row count and key length (automatic dynamic shapes);
         ``mstar.model.decode_engines.warm_compiled`` traces them before serving."""
         graphs = None if backend is None else compiled_layer(backend)
+        rows = compiled_row_cap(self)
         for layer in self.model.layers:
-            layer.compiled = graphs
+            layer.compiled, layer.compiled_rows = graphs, rows
         self.model.compiled_step = None if backend is None else compiled_step(backend)
+        self.model.compiled_rows = rows
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (e.g. to splice in other modalities)."""
