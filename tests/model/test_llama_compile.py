@@ -7,9 +7,10 @@ eager and compiled, each in float32 and with ``quantization: int4`` (the SmolLM2
 block-quantised kernel where it builds, else bfloat16 activations into PyTorch's int4 kernel).
 Checked: the logits of a prompt (a many-row step) and of its next token (a one-row decode step
 through the paged cache), and the greedy tokens of three streams decoded together through the
-engine, then of one stream alone. Steps of more than ``COMPILED_MAX_ROWS`` rows run eagerly by
-design; the test raises the cap so that both the one-row graphs and the many-row ones (dynamic
-rows, the prefill's halves around the eager attention) are checked.
+engine, then of one stream alone. Steps of more than ``COMPILED_MAX_ROWS`` rows (per-layer
+graphs: ``LAYER_GRAPH_MAX_ROWS``) run eagerly by design; the test raises the caps so that both
+the one-row graphs and the many-row ones (dynamic rows, the prefill's halves around the eager
+attention) are checked.
 
 Why not exactly equal: inductor fuses RMSNorm's reduction and the RoPE arithmetic into loops
 of its own, whose float32 sums may round in another order (measured max |diff| below 1e-5
@@ -88,7 +89,8 @@ def test_compiled_step_decodes_as_eager(tmp_path, quantization):
         pytest.skip("this torch lacks the int4 CPU kernels")
     # past dynamo's recompile limit the graphs would silently run eagerly: fail instead
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-            mock.patch.object(modeling, "COMPILED_MAX_ROWS", 64):
+            mock.patch.object(modeling, "COMPILED_MAX_ROWS", 64), \
+            mock.patch.object(modeling, "LAYER_GRAPH_MAX_ROWS", 64):
         _check_compiled_against_eager(tmp_path, quantization)
 
 

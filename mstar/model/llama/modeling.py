@@ -98,12 +98,19 @@ kernels were the slower ones: qkv 19.8 against 18.1 us, gate_up 67.2 against 60.
 
 
 COMPILED_MAX_ROWS = 16
-"""Steps of at most this many rows take the compiled graphs of ``use_compile``; larger ones run
-eagerly. With our block-quantised kernels (``mstar.layers.native_cpu``, which the graphs call
-as they are) or float weights. Measured on the 2-core test VM (SmolLM2 Q4_1,
+"""Decode steps in one key block of at most this many rows take the whole-step graph of
+``use_compile``; other steps take the per-layer graphs at one row only (``LAYER_GRAPH_MAX_ROWS``)
+and run eagerly above it. With our block-quantised kernels (``mstar.layers.native_cpu``, which
+the graphs call as they are) or float weights. Measured on the 2-core test VM (SmolLM2 Q4_1,
 ``benchmarks/cpu_decode_step.py``, 2026-12-05, docs/benchmarks.md): compiled against eager,
 1 / 8 / 16 streams 8.3 / 22.3 / 40.4 against 14.2 / 28.0 / 44.7 ms a step, greedy tokens
-equal."""
+equal. Served (8 chat requests at once, whose sequences cross key blocks at different steps)
+the per-layer graphs at eight rows lost to eager: 200-207 against ~258 tok/s; with them at one
+row only, 258-318."""
+
+LAYER_GRAPH_MAX_ROWS = 1
+"""The most rows a step may have to take the per-layer graphs (two a layer, each paying
+dynamo's guards and wrappers, around the eager attention)."""
 
 TORCH_INT4_COMPILED_MAX_ROWS = 1
 """The cap where the products are PyTorch's int4 kernel (``Int4Weight``, ``SplitInt8Weight``: no
@@ -252,7 +259,7 @@ class LlamaDecoderLayer(nn.Module):
     # ``use_compile``: the compiled ``before_attention``, ``after_attention`` and
     # ``decode_attention_on`` (None: eager)
     compiled: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
-    compiled_rows: int = COMPILED_MAX_ROWS  # steps of at most this many rows take ``compiled``
+    compiled_rows: int = LAYER_GRAPH_MAX_ROWS  # steps of at most this many rows take ``compiled``
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -461,7 +468,7 @@ class LlamaForCausalLM(nn.Module):
         graphs = None if backend is None else compiled_layer(backend)
         rows = compiled_row_cap(self)
         for layer in self.model.layers:
-            layer.compiled, layer.compiled_rows = graphs, rows
+            layer.compiled, layer.compiled_rows = graphs, min(rows, LAYER_GRAPH_MAX_ROWS)
         self.model.compiled_step = None if backend is None else compiled_step(backend)
         self.model.compiled_rows = rows
 
