@@ -41,11 +41,11 @@ from torch import nn
 from mstar.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from mstar.layers.quantized import (
     INT4_GROUP_SIZE,
-    Int8Weight,
     QuantizedLinear,
     QuantizedWeight,
     W8A8Weight,
     int4_weight,
+    int8_weight,
     q8_weight,
     quantized_kernels_available,
     round_int4,
@@ -119,7 +119,7 @@ def quantize_model(model: nn.Module, mode: str, *, blocks: Iterable[tuple[str, G
 
 def _rounded(weight: torch.Tensor, mode: str) -> QuantizedWeight | None:
     if mode == "int8":
-        return Int8Weight.quantize(weight)
+        return int8_weight(weight)
     if mode == "w8a8":
         return W8A8Weight.quantize(weight)
     if weight.shape[1] % INT4_GROUP_SIZE:

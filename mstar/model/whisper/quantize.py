@@ -1,7 +1,8 @@
 """``model_kwargs.quantization`` for Whisper: which layers run as int8, and with which kernel.
 
-``int8`` rounds the layers a decode step runs to weight-only int8 (``Int8Weight``: one
-symmetric scale per output row, ``aten._weight_int8pack_mm`` over bfloat16 activations),
+``int8`` rounds the layers a decode step runs to weight-only int8 (one symmetric scale per
+output row: ``mstar.layers.quantized.int8_weight``, our float32 kernel where it builds, else
+``aten._weight_int8pack_mm`` over bfloat16 activations),
 through the project's ``mstar.model.quantize`` after the weights load; the modeling file stays
 the float reference:
 
@@ -36,8 +37,14 @@ one is slower for ``fc1`` (3x) and faster only for ``fc2`` (and, in some later r
 machine, for the 512 x 512 projections: 1.0 against 2.4 ms), so the encoder and the per-request
 cross K/V stay float32. A mixed encoder (dynamic int8 where it wins) is left for later.
 
-``w8a8`` quantises the same layers as int8 x int8 products (``W8A8Weight``: activations
-rounded to int8 per row at every call, as CTranslate2's int8 mode does).
+``w8a8`` quantises every linear layer, the encoder's and the cross-attention k/v too, as int8 x
+int8 products (``W8A8Weight``: activations rounded to int8 per row at every call), as
+CTranslate2's int8 mode does. On the 2-core AMD EPYC VM of 2026-12-05 (AVX-512 with VNNI, no
+AMX) fbgemm's int8 GEMM beat oneDNN's float32 one ~3x at the encoder's shapes (1500 x 512 x
+2048: 5.2 against 16.8 ms; 1500 x 2048 x 512: 6.0 against 15.8), and whisper_base with
+``w8a8`` transcribed the 8.7 s clip at 12.9x real time against 10.0x with ``int8`` (decoder
+only) and CTranslate2 int8's 12.3x, the same text; its logits move further from float32's
+(4.4e-2 relative against 1.7e-2, ``tests/model/test_whisper_int8.py``).
 """
 
 from __future__ import annotations
@@ -64,4 +71,11 @@ def quantize_whisper(model: nn.Module, mode: str) -> list[str]:
     ``mode`` (one of ``WHISPER_QUANTIZATIONS``); the names of the layers quantised."""
     if mode not in WHISPER_QUANTIZATIONS:
         raise ValueError(f"Whisper's quantization must be one of {', '.join(WHISPER_QUANTIZATIONS)}, got {mode!r}")
-    return quantize_model(model, mode, logits_from_embeddings=True, where=per_token_layer)
+    where = every_linear if mode == "w8a8" else per_token_layer
+    return quantize_model(model, mode, logits_from_embeddings=True, where=where)
+
+
+def every_linear(name: str) -> bool:
+    """``w8a8``'s choice: the encoder's and the cross-attention's layers too (see the module's
+    docstring), all but the convolution front end, which is not a linear layer."""
+    return name.startswith(("model.encoder.", "model.decoder."))
