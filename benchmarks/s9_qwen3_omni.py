@@ -46,7 +46,6 @@ import argparse
 import gc
 import importlib.util
 import logging
-import os
 import statistics
 import sys
 import time
@@ -239,8 +238,17 @@ def triton_available(device: str) -> None:
     """Raise ``KernelUnavailable`` unless ``mstar.layers.triton_moe`` exists and can run here."""
     if importlib.util.find_spec("mstar.layers.triton_moe") is None:
         raise KernelUnavailable("mstar.layers.triton_moe is not in this tree")
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelUnavailable("Triton needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    if device != "cuda" and not _interpreting():
+        raise KernelUnavailable("Triton needs CUDA, or its interpreter (TRITON_INTERPRET=1 set before triton's "
+                                "first import in this process)")
+
+
+def _interpreting() -> bool:
+    """Whether our kernels and Triton itself run under Triton's CPU interpreter in this process
+    (the variable set after Triton's first import, e.g. by another test, is not enough)."""
+    from mstar.layers.triton_support import INTERPRET, triton
+
+    return INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
 
 
 def set_experts_kernel(model: torch.nn.Module, kernel: str) -> None:
