@@ -31,7 +31,8 @@ _NAME = re.compile(r"^(?P<kind>.+?)@(?P<n>\d+)(?P<rest>.*)$")
 _AS_RATE = {"ms/token": ("tok/s", 1e-3), "s/image": ("images/s", 1.0)}
 # what the bars of ours and the baseline are, where it is not "ours (M*)" and "baseline"
 _SIDES = {"s5_shared_prefix": ("ours, prefix cache on", "ours, prefix cache off")}
-_BASELINES = {"s1_llama_decode": "transformers", "s2_flux2_klein": "diffusers", "s4_whisper": "transformers"}
+_BASELINES = {"s1_llama_decode": "transformers", "s2_flux2_klein": "diffusers", "s4_whisper": "transformers",
+              "s9_qwen3_omni": "transformers"}
 COLOURS = {"ours": "#1f77b4", "baseline": "#ff7f0e", "floor": "#9e9e9e", "other": "#2ca02c"}
 
 
@@ -73,6 +74,7 @@ def panels(record: dict[str, Any]) -> dict[tuple[str, str, bool], list[Point]]:
     A metric ``kind@N rest`` goes to panel ``kind rest``; a time per token or per image
     becomes a rate (``latency@1`` in ms/token joins ``throughput`` in tok/s as 1 stream)."""
     groups: dict[tuple[str, str, bool], list[Point]] = defaultdict(list)
+    usual = _BASELINES.get(record.get("name", ""))  # a baseline named after it is the usual one
     for metric in record["metrics"]:
         match = _NAME.match(metric["metric"])
         if match is None:
@@ -89,7 +91,7 @@ def panels(record: dict[str, Any]) -> dict[tuple[str, str, bool], list[Point]]:
                 kind = "throughput"
         title = f"{kind} {rest}".strip()
         baseline_is = (metric.get("notes") or {}).get("baseline_is")
-        if baseline_is:  # e.g. the HTTP rows, whose baseline is ours in process
+        if baseline_is and not (usual and baseline_is.startswith(usual)):  # e.g. S1's HTTP rows: ours in process
             title += f" (vs {baseline_is.split(' (')[0].split(',')[0]})"
         groups[(title, unit, higher)].append(Point(n, *values))
     for points in groups.values():
