@@ -68,12 +68,10 @@ def _cpu_flags() -> str:
 def _build(compiler: str, target: Path, openmp: str | None) -> None:
     include = Path(torch.__file__).parent / "include"
     lib = Path(torch.__file__).parent / "lib"
-    command = [compiler, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    command = [compiler, *_FLAGS, *(["-fopenmp"] if openmp else []),
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", str(_SOURCE),
-               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-    if openmp is not None:
-        command[len(_FLAGS) + 1:len(_FLAGS) + 1] = ["-fopenmp"]
-        command.append(openmp)
+               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", *([openmp] if openmp else [])]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name

@@ -148,6 +148,12 @@ def _tiled(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, _TILE, t.shape[1]).transpose(1, 2).contiguous()
 
 
+def _native(in_features: int, blocks: int) -> bool:
+    """Whether a matrix of ``blocks`` scales per row goes to the native kernel: blocks of 32
+    inputs, and the kernel loaded."""
+    return in_features == _BLOCK * blocks and native_kernels()
+
+
 def _check_blocks(codes: torch.Tensor, scale: torch.Tensor) -> None:
     if codes.shape[1] != _BLOCK * scale.shape[1] or codes.shape[0] != scale.shape[0]:
         raise ValueError(f"codes {tuple(codes.shape)} are not in blocks of {_BLOCK} under scale {tuple(scale.shape)}")
@@ -209,7 +215,7 @@ class BlockInt8Weight:
 def int4_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
     """The int4 matrix of ``codes``, ``scale``, ``offset`` (see ``Int4Weight.from_codes``) on
     the native kernel where it loads and the blocks are 32 wide, else on PyTorch's."""
-    if codes.shape[1] == _BLOCK * scale.shape[1] and native_kernels():
+    if _native(codes.shape[1], scale.shape[1]):
         return BlockInt4Weight.from_codes(codes, scale, offset)
     return Int4Weight.from_codes(codes, scale, offset)
 
@@ -226,7 +232,7 @@ def int8_weight(weight: torch.Tensor) -> QuantizedWeight:
     """``weight`` rounded by ``round_int8``, on the native kernel where it loads (the row's
     scale repeated for each block of 32: the same maths, in float32; ~30% faster than
     PyTorch's int8 kernel at Whisper base's one-row shapes), else as ``Int8Weight``."""
-    if weight.shape[1] % _BLOCK or not native_kernels():
+    if not _native(weight.shape[1], weight.shape[1] // _BLOCK):
         return Int8Weight.quantize(weight)
     codes, scale = round_int8(weight)
     return BlockInt8Weight.from_codes(codes, scale[:, None].expand(-1, weight.shape[1] // _BLOCK))
@@ -235,7 +241,7 @@ def int8_weight(weight: torch.Tensor) -> QuantizedWeight:
 def q8_weight(codes: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     """GGUF's Q8_0 (int8 ``codes`` with a ``scale`` per block) on the native kernel where it
     loads and the blocks are 32 wide, else as ``SplitInt8Weight``."""
-    if codes.shape[1] == _BLOCK * scale.shape[1] and native_kernels():
+    if _native(codes.shape[1], scale.shape[1]):
         return BlockInt8Weight.from_codes(codes, scale)
     return SplitInt8Weight.from_codes(codes, scale)
 
