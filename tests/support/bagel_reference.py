@@ -191,3 +191,50 @@ def reference_chat_logits(model: Bagel, images: list[torch.Tensor], prompt_ids: 
         finally:
             hook.remove()
     return torch.cat(logits), fed[:, 0].tolist()
+
+
+# ---------------------------------------------------------------------------- a checkpoint dir
+NAMED = {TOKENS["bos_token_id"]: "<|im_start|>", TOKENS["eos_token_id"]: "<|im_end|>",
+         TOKENS["start_of_image"]: "<|vision_start|>", TOKENS["end_of_image"]: "<|vision_end|>",
+         94: "<|endoftext|>", 95: "<|fill|>"}
+
+
+def tokenizer():
+    """A byte-level Qwen2 tokenizer over the tiny vocabulary: 90 characters (printable ASCII
+    first, the space included), then BAGEL's special tokens at the ids of ``TOKENS``."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    ascii_first = [c for c in alphabet if "!" <= c <= "~"] + ["\u0120"]
+    chars = (ascii_first + [c for c in alphabet if c not in ascii_first])[:90]
+    vocab = {c: i for i, c in enumerate(chars)} | {name: i for i, name in NAMED.items()}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|endoftext|>", unk_token=None)
+    tok.add_tokens(list(NAMED.values()), special_tokens=True)
+    return tok
+
+
+def write_checkpoint(directory, model: Bagel | None = None, tensors: dict | None = None):
+    """``model`` (default ``reference_bagel()``) as a directory laid out like the hub snapshot
+    of BAGEL-7B-MoT: ``llm_config.json``, ``vit_config.json`` (one ViT layer more than the
+    model runs, as released), ``config.json``, the tokenizer, and ``ema.safetensors`` with
+    every tensor of the model (or ``tensors`` instead)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    model = model if model is not None else reference_bagel()
+    llm = dict(LLM, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    vit = dict(VIT, num_hidden_layers=VIT["num_hidden_layers"] + 1, model_type="siglip_vision_model")
+    (directory / "llm_config.json").write_text(json.dumps(llm))
+    (directory / "vit_config.json").write_text(json.dumps(vit))
+    top = {k: BAGEL[k] for k in ("vit_max_num_patch_per_side", "latent_patch_size", "max_latent_size")}
+    (directory / "config.json").write_text(json.dumps(top))
+    tok = tokenizer()
+    tok.save_pretrained(directory)
+    assert [tok.convert_tokens_to_ids(n) for n in NAMED.values()] == list(NAMED)
+    state = tensors if tensors is not None else model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "ema.safetensors"))
+    return directory
