@@ -200,14 +200,16 @@ NAMED = {TOKENS["bos_token_id"]: "<|im_start|>", TOKENS["eos_token_id"]: "<|im_e
 
 
 def tokenizer():
-    """A byte-level Qwen2 tokenizer over the tiny vocabulary: 90 characters (printable ASCII
-    first, the space included), then BAGEL's special tokens at the ids of ``TOKENS``."""
+    """A byte-level Qwen2 tokenizer over the tiny vocabulary: 90 characters (the space, letters,
+    digits, then punctuation), then BAGEL's special tokens at the ids of ``TOKENS``."""
+    import string
+
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     alphabet = sorted(ByteLevel.alphabet())
-    ascii_first = [c for c in alphabet if "!" <= c <= "~"] + ["\u0120"]
-    chars = (ascii_first + [c for c in alphabet if c not in ascii_first])[:90]
+    first = ["\u0120", *string.ascii_letters, *string.digits, *string.punctuation]  # the space is "\u0120"
+    chars = (first + [c for c in alphabet if c not in first])[:90]
     vocab = {c: i for i, c in enumerate(chars)} | {name: i for i, name in NAMED.items()}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|endoftext|>", unk_token=None)
     tok.add_tokens(list(NAMED.values()), special_tokens=True)
