@@ -145,17 +145,20 @@ def test_mot_layer_mixed_tokens(ref, config):
     assert rel_err(und_only[1], ref_block[1]) > 1e-3
 
 
-def run_chat(llm: BagelLanguageModel, vision: BagelVision, imgs, prompt: list[int], steps: int):
-    """Ours: the prompt (images then text) as one prefill over the paged cache, then ``steps``
-    greedy decodes from ``<|im_start|>``. Returns the decode logits and the fed tokens."""
-    parts = [vision.image_tokens(img) for img in imgs]
-    plan = layout([len(pos) for _, pos in parts] + [prompt], SPECIAL)
+def run_chat(llm: BagelLanguageModel, vision: BagelVision, blocks: list, steps: int):
+    """Ours: the prompt's blocks (images ``[3, H, W]`` and texts) as one prefill over the paged
+    cache, then ``steps`` greedy decodes from ``<|im_start|>``. Returns the decode logits and the
+    fed tokens."""
+    parts = [vision.image_tokens(b) for b in blocks if isinstance(b, torch.Tensor)]
+    counts = iter([len(q) for _, q in parts])
+    plan = layout([next(counts) if isinstance(b, torch.Tensor) else b for b in blocks], SPECIAL)
     pages = Pages(num_pages=32, page_size=4, seed=3)
     kv = allocate_kv_cache(2, 32, 4, 2, 16, torch.float32, "cpu")
     with torch.no_grad():
         embeds = llm.embed(plan.token_ids)
-        embeds[plan.vision_rows] = vision(torch.cat([p for p, _ in parts]), torch.cat([q for _, q in parts]),
-                                          [len(q) for _, q in parts])
+        if parts:
+            embeds[plan.vision_rows] = vision(torch.cat([p for p, _ in parts]), torch.cat([q for _, q in parts]),
+                                              [len(q) for _, q in parts])
         meta = dataclasses.replace(pages.step([("a", len(plan))]), positions=plan.mask_positions)
         llm(embeds, plan.rope_positions, kv, meta)
         token, rope, logits, fed = SPECIAL.im_start, plan.next_rope, [], []
@@ -168,11 +171,15 @@ def run_chat(llm: BagelLanguageModel, vision: BagelVision, imgs, prompt: list[in
     return torch.cat(logits), fed
 
 
-def test_understanding_logits_and_greedy_decode(ref, ours):
+@pytest.mark.parametrize("order", ["images_then_text", "interleaved", "text_only"])
+def test_understanding_logits_and_greedy_decode(ref, ours, order):
     llm, vision = ours
-    prompt = [5, 17, 33, 2, 60, 71, 8]
-    expected, ref_fed = reference_chat_logits(ref, images(), prompt, steps=3)
-    got, fed = run_chat(llm, vision, images(), prompt, steps=3)
+    first, second = images()
+    blocks = {"images_then_text": [first, second, [5, 17, 33, 2, 60, 71, 8]],
+              "interleaved": [[12, 13], first, [5, 17, 33], second, [60, 71, 8]],
+              "text_only": [[12, 13, 14], [5, 17, 33, 2]]}[order]
+    expected, ref_fed = reference_chat_logits(ref, blocks, steps=3)
+    got, fed = run_chat(llm, vision, blocks, steps=3)
     assert fed == ref_fed
     assert rel_err(got, expected) < TOL
 
@@ -187,16 +194,17 @@ def test_serving_engine_matches_reference_greedy(ref, ours):
 
     llm, vision = ours
     steps = 6
-    prompts = {"img": (images(), [5, 17, 33, 2, 60]), "txt": ([], [40, 41, 7])}
-    expected = {rid: reference_chat_logits(ref, imgs, prompt, steps + 1)[1][1:]  # it feeds, we sample
-                for rid, (imgs, prompt) in prompts.items()}
+    prompts = {"img": [[40, 2], *images(), [5, 17, 33, 2, 60]], "txt": [[40, 41, 7]]}
+    expected = {rid: reference_chat_logits(ref, blocks, steps + 1)[1][1:]  # it feeds, we sample
+                for rid, blocks in prompts.items()}
     engine = AutoregressiveEngine(llm, KVLayout(*llm.cache_shape()), num_pages=32, page_size=4, max_seq_len=128,
                                   device=torch.device("cpu"), dtype=torch.float32, forward=BagelForward(llm))
     params = {"sampling": {"temperature": 0.0}, "max_new_tokens": steps, "stop_token_ids": []}
     items = []
-    for rid, (imgs, prompt) in prompts.items():
-        parts = [vision.image_tokens(img) for img in imgs]
-        plan = layout([len(q) for _, q in parts] + [prompt], SPECIAL, answer=True)
+    for rid, blocks in prompts.items():
+        parts = [vision.image_tokens(b) for b in blocks if isinstance(b, torch.Tensor)]
+        counts = iter([len(q) for _, q in parts])
+        plan = layout([next(counts) if isinstance(b, torch.Tensor) else b for b in blocks], SPECIAL, answer=True)
         inputs = {"prompt_ids": plan.token_ids}
         if parts:
             vision_inputs = {"patches": torch.cat([p for p, _ in parts]),

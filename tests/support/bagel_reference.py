@@ -167,22 +167,24 @@ class IdTokenizer:
         return list(prompt)
 
 
-def reference_chat_logits(model: Bagel, images: list[torch.Tensor], prompt_ids: list[int],
-                          steps: int) -> tuple[torch.Tensor, list[int]]:
-    """The reference's understanding path as its ``chat`` runs it: each image (``[3, H, W]``,
-    already normalised, sides multiples of the patch) through ``forward_cache_update_vit``, the
-    prompt (wrapped in ``<|im_start|> … <|im_end|>``) through ``forward_cache_update_text``,
-    then ``generate_text`` greedily from ``<|im_start|>`` for ``steps`` tokens. Returns the
-    logits of every decode step ``[steps, vocab]`` (read off ``lm_head``) and the tokens it fed
-    (the start token, then the argmaxes)."""
+def reference_chat_logits(model: Bagel, blocks: list, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The reference's understanding path as its inferencer runs it: ``blocks`` in order, an
+    image (``[3, H, W]``, already normalised, sides multiples of the patch) through
+    ``forward_cache_update_vit``, a text (a list of token ids, wrapped by the reference in
+    ``<|im_start|> … <|im_end|>``) through ``forward_cache_update_text``; then ``generate_text``
+    greedily from ``<|im_start|>`` for ``steps`` tokens. Returns the logits of every decode step
+    ``[steps, vocab]`` (read off ``lm_head``) and the tokens it fed (the start token, then the
+    argmaxes)."""
     cache = NaiveCache(model.config.llm_config.num_hidden_layers)
     lens, ropes = [0], [0]
     with torch.no_grad():
-        for image in images:
-            inputs, lens, ropes = model.prepare_vit_images(lens, ropes, [image], lambda x: x, TOKENS)
-            cache = model.forward_cache_update_vit(cache, **inputs)
-        inputs, lens, ropes = model.prepare_prompts(lens, ropes, [prompt_ids], IdTokenizer(), TOKENS)
-        cache = model.forward_cache_update_text(cache, **inputs)
+        for block in blocks:
+            if isinstance(block, torch.Tensor):
+                inputs, lens, ropes = model.prepare_vit_images(lens, ropes, [block], lambda x: x, TOKENS)
+                cache = model.forward_cache_update_vit(cache, **inputs)
+            else:
+                inputs, lens, ropes = model.prepare_prompts(lens, ropes, [block], IdTokenizer(), TOKENS)
+                cache = model.forward_cache_update_text(cache, **inputs)
         start = model.prepare_start_tokens(lens, ropes, TOKENS)
         logits = []
         hook = model.language_model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out))
