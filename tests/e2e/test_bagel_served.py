@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -119,3 +120,20 @@ def test_bad_input_is_a_400_naming_the_part(oai: openai.OpenAI, content: list[di
     error = info.value.body
     assert error["param"] == param and rule in error["message"], error  # type: ignore[index]
     assert ask(oai, "still serving").usage.completion_tokens == MAX_TOKENS
+
+
+def test_generate_route_takes_image_files(oai: openai.OpenAI, http) -> None:
+    """``/generate`` with an uploaded image and text answers as the chat route does (image first,
+    then the text); a non-image upload is a 400 naming the file's part."""
+    uri = png_uri(1, (40, 28))
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+        image(uri), text("what is this?")]}], max_tokens=MAX_TOKENS, temperature=0).choices[0].message.content
+    options = json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0})
+    png = base64.b64decode(uri.split(",", 1)[1])
+    response = http.post("/generate", data={"text": "what is this?", "model_kwargs": options},
+                         files=[("files", ("cat.png", png, "image/png"))])
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == chat
+    bad = http.post("/generate", data={"text": "x", "model_kwargs": options},
+                    files=[("files", ("notes.txt", b"not an image", "text/plain"))])
+    assert bad.status_code == 400 and "cannot decode the image" in bad.text, bad.text

@@ -19,7 +19,7 @@ import io
 
 import torch
 
-from mstar.contract import ChatSpec, RequestError
+from mstar.contract import ChatSpec, GenerateSpec, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.bagel.checkpoint import BagelCheckpoint
 from mstar.model.bagel.knobs import BagelKnobs
@@ -114,6 +114,25 @@ class Bagel(ChatLLM):
                                   patch_counts=torch.tensor(sizes, dtype=torch.int64), vision_rows=plan.vision_rows,
                                   rope_positions=plan.rope_positions, mask_positions=plan.mask_positions)
         return request
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        """``/generate``: the uploaded images, in order, then the text, as one user message
+        (``chat: false``: the text's ids as they are, no blocks, no images)."""
+        if set(spec.output_modalities) - {"text"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs text here (image output: "
+                                                    "the generation walks)")
+        if not spec.text and not spec.files:
+            raise RequestError("text", "must not be empty")
+        options = self.GenerateKnobs.parse(spec.model_kwargs)
+        if not options.chat:
+            if spec.files:
+                raise RequestError("files", "images need BAGEL's prompt layout (chat: true)")
+            return super().prepare_generate(spec)
+        content = [{"type": "image", "data": data} for _, data in spec.files]
+        if spec.text:
+            content.append({"type": "text", "text": spec.text})
+        messages = [{"role": "user", "content": content}]
+        return self.prepare_chat(ChatSpec(spec.request_id, messages, options.sampling(), options.max_tokens))
 
     def _image(self, data, where: str):
         from PIL import Image
