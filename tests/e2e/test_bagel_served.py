@@ -9,9 +9,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -137,3 +140,26 @@ def test_generate_route_takes_image_files(oai: openai.OpenAI, http) -> None:
     bad = http.post("/generate", data={"text": "x", "model_kwargs": options},
                     files=[("files", ("notes.txt", b"not an image", "text/plain"))])
     assert bad.status_code == 400 and "cannot decode the image" in bad.text, bad.text
+
+
+def held(http) -> tuple[float, float]:
+    """The LLM's KV pages in use, and requests running or waiting (``/metrics``)."""
+    text = http.get("/metrics").text
+    pages = float(re.search(r'^mstar_kv_pages_used\{[^}]*node="llm"[^}]*\} (\S+)$', text, re.M).group(1))
+    live = [float(m) for m in re.findall(r"^mstar_requests_(?:running|waiting) (\S+)$", text, re.M)]
+    return pages, sum(live)
+
+
+def test_disconnect_frees_the_pages(server: Uvicorn, oai: openai.OpenAI, http) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": CONTENTS[0]}], "max_tokens": 190,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            next(line for line in response.iter_lines() if line.startswith("data:"))
+            assert held(http)[0] > 0
+    deadline = time.monotonic() + 20
+    while any(held(http)):
+        assert time.monotonic() < deadline, f"still held after the client left: {held(http)}"
+        time.sleep(0.05)
+    assert ask(oai, CONTENTS[0]).usage.completion_tokens == MAX_TOKENS
