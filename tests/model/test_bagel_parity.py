@@ -49,8 +49,8 @@ def ours(ref, config):
     llm = BagelLanguageModel(config.llm)
     llm.load_state_dict(sub_state(ref, "language_model."))
     vision = BagelVision(config)
-    vision.load_state_dict({k: v for k, v in ref.state_dict().items()
-                            if k.startswith(("vit_model.", "connector.", "vit_pos_embed."))})
+    vision.load_state_dict({k: v for k, v in ref.state_dict().items() if k.startswith(("vit_model.", "connector."))})
+    assert torch.equal(vision.vit_pos_embed.pos_embed, ref.vit_pos_embed.pos_embed)  # made, not loaded
     return llm.eval(), vision.eval()
 
 

@@ -127,8 +127,9 @@ BAGEL = dict(visual_gen=True, visual_und=True, latent_patch_size=2, max_latent_s
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter and buffer drawn again (norm scales around 1, the rest small), so no
-    weight is left at an initialisation a wrong port could also reproduce (zeros, ones)."""
+    """Every trained parameter drawn again (norm scales around 1, the rest small), so no weight
+    is left at an initialisation a wrong port could also reproduce (zeros, ones). The fixed
+    2D sine-cosine tables (``*pos_embed``) keep their values, as in every BAGEL checkpoint."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -136,7 +137,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             if "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * noise)
             elif name.endswith("pos_embed"):
-                p.copy_(noise)
+                continue  # BAGEL's fixed sine-cosine tables, never trained
             else:
                 p.copy_((0.2 if p.ndim == 1 else 0.1) * noise)
 

@@ -44,7 +44,7 @@ def sincos_table(side: int, dim: int) -> torch.Tensor:
     """The fixed 2D sine-cosine table ``[side * side, dim]`` of BAGEL's position embeddings
     (computed in float64, stored as float32): for the cell ``(r, c)``, the first half encodes
     the column ``c`` and the second the row ``r``, each half ``[sin(pos * w), cos(pos * w)]`` with frequencies
-    ``w_k = 10000^(-k / (dim / 4))``. The checkpoint stores it too; this is its dummy value."""
+    ``w_k = 10000^(-k / (dim / 4))``."""
     quarter = dim // 4
     freqs = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
     coords = torch.arange(side, dtype=torch.float64)
@@ -149,11 +149,15 @@ class MLPConnector(nn.Module):
 
 
 class PositionTable(nn.Module):
-    """A fixed ``[side * side, dim]`` table read by flattened position (``pos_embed``)."""
+    """A fixed ``[side * side, dim]`` table read by flattened position (``pos_embed``).
+
+    BAGEL computes it when the model is built and never trains it; some checkpoints store it
+    and some do not, so it is a buffer made here, never read from the checkpoint
+    (``checkpoint.FIXED_TABLES``)."""
 
     def __init__(self, side: int, dim: int) -> None:
         super().__init__()
-        self.pos_embed = nn.Parameter(sincos_table(side, dim), requires_grad=False)
+        self.register_buffer("pos_embed", sincos_table(side, dim), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[positions]
