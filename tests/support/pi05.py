@@ -94,3 +94,61 @@ def _vision_dims() -> dict:
     return {"hidden_size": VISION["hidden_size"], "intermediate_size": VISION["intermediate_size"],
             "num_layers": VISION["num_hidden_layers"], "num_heads": VISION["num_attention_heads"],
             "patch_size": VISION["patch_size"]}
+
+
+STATE_STATS = {"q01": [-1.0, -2.0, 0.0, 0.5], "q99": [1.0, 2.0, 4.0, 0.5], "mean": [0.0, 0.1, 2.0, 0.5],
+               "std": [0.5, 1.0, 1.0, 0.1]}
+ACTION_STATS = {"q01": [-1.0, 0.0, -3.0, 10.0, -0.5], "q99": [1.0, 2.0, 3.0, 20.0, 0.5],
+                "mean": [0.0, 1.0, 0.0, 15.0, 0.0], "std": [1.0, 0.5, 2.0, 3.0, 0.25]}
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?-_\n'"
+
+
+def write_tokenizer(directory) -> None:
+    """A character-level tokenizer (ids below the image token) that prepends ``<bos>``, saved
+    as ``tokenizer.json``: a stand-in for PaliGemma's, which is not on this machine."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
+    tok.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(directory)
+
+
+def write_checkpoint(directory, model=None, *, prefix: str = "") -> None:
+    """A lerobot Pi0.5 policy directory for the tiny model: config, weights of ``model`` (a
+    reference from ``reference_model``; none: no weights, for ``load_format: dummy``) in the
+    released key layout (every key behind ``prefix``), the processor pipelines with their
+    statistics, and the tokenizer."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny_lerobot_config()))
+    if model is not None:
+        save_file({prefix + k: v for k, v in lerobot_state_dict(model).items()}, str(directory / "model.safetensors"))
+    state = {f"observation.state.{k}": torch.tensor(v) for k, v in STATE_STATS.items()}
+    action = {f"action.{k}": torch.tensor(v) for k, v in ACTION_STATS.items()}
+    save_file({**state, **action}, str(directory / "policy_preprocessor_step_2_normalizer_processor.safetensors"))
+    save_file(action, str(directory / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
+    norm_map = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+    pre = {"name": "policy_preprocessor", "steps": [
+        {"registry_name": "rename_observations_processor", "config": {}},
+        {"registry_name": "to_batch_processor", "config": {}},
+        {"registry_name": "normalizer_processor", "config": {"eps": 1e-8, "norm_map": norm_map, "features": {}},
+         "state_file": "policy_preprocessor_step_2_normalizer_processor.safetensors"}]}
+    post = {"name": "policy_postprocessor", "steps": [
+        {"registry_name": "unnormalizer_processor", "config": {"eps": 1e-8, "norm_map": norm_map, "features": {}},
+         "state_file": "policy_postprocessor_step_0_unnormalizer_processor.safetensors"}]}
+    (directory / "policy_preprocessor.json").write_text(json.dumps(pre))
+    (directory / "policy_postprocessor.json").write_text(json.dumps(post))
+    write_tokenizer(directory)

@@ -106,7 +106,7 @@ class Pi05Config:
         expert = _gemma(dims.get("expert"), data.get("action_expert_variant", "gemma_300m"))
         inputs = data.get("input_features") or {}
         outputs = data.get("output_features") or {}
-        cameras = tuple(sorted(k for k, f in inputs.items() if f.get("type") == "VISUAL"))
+        cameras = tuple(k for k, f in inputs.items() if f.get("type") == "VISUAL")  # the policy's order
         max_state = int(data.get("max_state_dim", 32))
         max_action = int(data.get("max_action_dim", 32))
         state = inputs.get("observation.state", {}).get("shape", [max_state])
