@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -131,9 +132,19 @@ async def generate(request: Request) -> Response:
             result["data"] = {m: base64.b64encode(b).decode() for m, b in out.data.items()}
             if "audio" in out.data and rate:
                 result["sample_rate"] = rate
+            if "action" in out.data:
+                result.update(_action_fields(out.data["action"], getattr(backend, "action_chunk", 0)))
         return JSONResponse(result)
 
     return await unless_disconnected(request, complete)
+
+
+def _action_fields(data: bytes, chunk: int) -> dict[str, Any]:
+    """A robot policy's action chunk (float32 little-endian, row-major, ``chunk`` actions) as a
+    JSON array beside its shape; ``data.action`` keeps the same floats in base64."""
+    values = np.frombuffer(data, dtype="<f4")
+    rows = values.reshape(chunk or 1, -1)
+    return {"action": rows.tolist(), "action_shape": list(rows.shape), "action_dtype": "float32"}
 
 
 async def _generate_ndjson(

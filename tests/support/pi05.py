@@ -73,7 +73,7 @@ def tiny_lerobot_config() -> dict:
     return {
         "type": "pi05", "chunk_size": CHUNK, "n_action_steps": CHUNK, "max_state_dim": ACTION_DIM,
         "max_action_dim": ACTION_DIM, "num_inference_steps": STEPS, "image_resolution": [16, 16],
-        "tokenizer_max_length": 48,
+        "tokenizer_max_length": 96,
         "input_features": {
             "observation.images.base_0_rgb": {"type": "VISUAL", "shape": [3, 16, 16]},
             "observation.images.left_wrist_0_rgb": {"type": "VISUAL", "shape": [3, 16, 16]},
