@@ -21,14 +21,16 @@ from PIL import Image
 
 from mstar.client import MStarClient, MStarError
 from mstar.config import parse_config
-from mstar.model.pi05.checkpoint import Pi05Checkpoint
+from mstar.model.pi05.checkpoint import Pi05Checkpoint, read_embodiment
 from mstar.model.pi05.model import prompt_text, resize_with_pad
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
-from tests.support.pi05 import write_checkpoint
+from tests.support.pi05 import write_checkpoint, write_stats
 
 MODEL = "pi05"
 STATE = [0.2, -1.0, 3.0, 0.5]
+ARM = {"state": {"mean": [0.0, 1.0, -1.0], "std": [1.0, 2.0, 0.5]},  # another robot: 3 joints in, 4 out
+       "action": {"mean": [10.0, 0.0, 0.0, -5.0], "std": [2.0, 1.0, 0.1, 3.0]}}
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -42,10 +44,11 @@ def png(width: int, height: int, seed: int) -> bytes:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Uvicorn, object, object]]:
     root = tmp_path_factory.mktemp("pi05-dummy")
     write_checkpoint(root)
+    write_stats(root / "arm3", ARM["state"], ARM["action"], "MEAN_STD")
     deployment = start(parse_config({
         "model": MODEL, "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 8,
         "resources": {"kv_cache": {"max_num_pages": 256, "page_size": 4}},
-        "model_kwargs": {"num_inference_steps": 3},
+        "model_kwargs": {"num_inference_steps": 3, "embodiments": {"arm3": str(root / "arm3")}},
     }), in_process=True)
     try:
         with Uvicorn(create_app(deployment.backend, served_model_names=[MODEL])) as live:
@@ -59,16 +62,17 @@ def client(served) -> MStarClient:
     return MStarClient(served[0].url, timeout=120)
 
 
-def eager(root, images: list[bytes], state: list[float], prompt: str, seed: int) -> np.ndarray:
+def eager(root, images: list[bytes], state: list[float], prompt: str, seed: int, embodiment=None) -> np.ndarray:
     """The chunk by the eager policy with the same dummy weights and lerobot's preprocessing."""
     ckpt = Pi05Checkpoint.locate(str(root))
     model = ckpt.load_model(torch.device("cpu"), torch.float32, dummy=True, seed=0)
-    config, embodiment = model.config, ckpt.embodiment()
+    config, embodiment = model.config, embodiment or ckpt.embodiment()
     pixels = torch.stack([resize_with_pad(torch.from_numpy(np.array(Image.open(io.BytesIO(b)).convert("RGB")))
                                           .permute(2, 0, 1).float() / 255, 16) * 2 - 1 for b in images])
     ids = torch.tensor(ckpt.tokenizer()(prompt_text(prompt, embodiment.state.normalize(torch.tensor(state)))).input_ids)
     noise = torch.randn(config.chunk_size, config.max_action_dim, generator=torch.Generator().manual_seed(seed))
-    chunk = model.sample_actions([pixels], [ids], noise[None], num_steps=3)[0, :, :config.action_dim]
+    width = embodiment.action.width or config.action_dim
+    chunk = model.sample_actions([pixels], [ids], noise[None], num_steps=3)[0, :, :width]
     return embodiment.action.unnormalize(chunk).numpy()
 
 
@@ -82,6 +86,18 @@ def test_act_equals_eager_policy(served, client: MStarClient) -> None:
     want = eager(root, images, STATE, "pick up the cube", 5)
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
     assert np.abs(got).max() > 0
+
+
+def test_embodiment_picks_its_statistics(served, client: MStarClient) -> None:
+    _, _, root = served
+    images = [png(16, 16, 7)]
+    result = client.act(images=images, state=[0.5, 1.0, -2.0], prompt="wave", seed=3, embodiment="arm3")
+    assert result.shape == (5, 4)
+    want = eager(root, images, [0.5, 1.0, -2.0], "wave", 3, read_embodiment(root / "arm3"))
+    assert np.abs(result.to_numpy() - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    with pytest.raises(MStarError) as err:  # the default robot's 4 values are not this one's 3
+        client.act(images=images, state=STATE, prompt="wave", embodiment="arm3")
+    assert err.value.status == 400 and err.value.param == "state"
 
 
 def test_generate_returns_array_and_shape(served) -> None:

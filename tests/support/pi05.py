@@ -136,11 +136,25 @@ def write_checkpoint(directory, model=None, *, prefix: str = "") -> None:
     (directory / "config.json").write_text(json.dumps(tiny_lerobot_config()))
     if model is not None:
         save_file({prefix + k: v for k, v in lerobot_state_dict(model).items()}, str(directory / "model.safetensors"))
-    state = {f"observation.state.{k}": torch.tensor(v) for k, v in STATE_STATS.items()}
-    action = {f"action.{k}": torch.tensor(v) for k, v in ACTION_STATS.items()}
+    write_stats(directory, STATE_STATS, ACTION_STATS, "QUANTILES")
+    write_tokenizer(directory)
+
+
+def write_stats(directory, state_stats: dict, action_stats: dict, mode: str) -> None:
+    """lerobot's processor pipelines with their normaliser steps' statistics files (an
+    embodiment): the state and action statistics, both normalised by ``mode``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {f"observation.state.{k}": torch.tensor(v) for k, v in state_stats.items()}
+    action = {f"action.{k}": torch.tensor(v) for k, v in action_stats.items()}
     save_file({**state, **action}, str(directory / "policy_preprocessor_step_2_normalizer_processor.safetensors"))
     save_file(action, str(directory / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
-    norm_map = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+    norm_map = {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode}
     pre = {"name": "policy_preprocessor", "steps": [
         {"registry_name": "rename_observations_processor", "config": {}},
         {"registry_name": "to_batch_processor", "config": {}},
@@ -151,4 +165,3 @@ def write_checkpoint(directory, model=None, *, prefix: str = "") -> None:
          "state_file": "policy_postprocessor_step_0_unnormalizer_processor.safetensors"}]}
     (directory / "policy_preprocessor.json").write_text(json.dumps(pre))
     (directory / "policy_postprocessor.json").write_text(json.dumps(post))
-    write_tokenizer(directory)
