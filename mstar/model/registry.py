@@ -100,7 +100,7 @@ def describe(key: str) -> ModelInfo:
     (its embedded-weights packages installed, or its default weights in the hub cache).
     Loads no model: nothing but class attributes and the installed packages are read."""
     cls = model_class(key)
-    inputs, outputs = set(), set()
+    inputs, outputs = set(cls.generate_modalities[0]), set(cls.generate_modalities[1])
     for task in cls.tasks:
         takes, makes = (cls.input_modalities, cls.output_modalities) if task == "chat" else _TASK_MODALITIES[task]
         inputs |= takes

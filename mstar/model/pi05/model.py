@@ -32,6 +32,7 @@ from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 class Pi05(ModelSpec):
     key = "pi05"
     tasks = frozenset()  # /generate only
+    generate_modalities = (frozenset({"text", "image"}), frozenset({"action"}))
     default_weights = "lerobot/pi05_base"
     Knobs = Pi05Knobs
     knobs: Pi05Knobs
