@@ -114,7 +114,7 @@ async def generate(request: Request) -> Response:
         return exception_response(exc)
     rate: int | None = getattr(backend, "sample_rate", None)  # of "audio" data, if any
     if streaming:
-        body = _generate_ndjson(spec.request_id, first, events, rate)
+        body = _generate_ndjson(spec.request_id, first, events, rate, getattr(backend, "action_chunk", 0))
         return stream_response(body, "application/x-ndjson")
 
     async def complete() -> Response:
@@ -148,10 +148,12 @@ def _action_fields(data: bytes, chunk: int) -> dict[str, Any]:
 
 
 async def _generate_ndjson(
-    request_id: str, first: OutputEvent | None, events: Events, sample_rate: int | None = None
+    request_id: str, first: OutputEvent | None, events: Events, sample_rate: int | None = None,
+    action_chunk: int = 0,
 ) -> AsyncIterator[str]:
     """One JSON line per event; the last line carries finish_reason and usage. Binary
-    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one. A
+    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one, action
+    lines the chunk as a JSON array with its shape (``_action_fields``). A
     denoising model's progress comes as ``{"modality": "progress", "step": k, "total": n}``."""
     tally = Tally()
 
@@ -173,6 +175,8 @@ async def _generate_ndjson(
                     payload["data"] = base64.b64encode(event.data).decode()
                     if event.modality == "audio" and sample_rate:
                         payload["sample_rate"] = sample_rate
+                    if event.modality == "action":
+                        payload.update(_action_fields(event.data, action_chunk))
                 if event.finish_reason:
                     payload["usage"] = tally.usage().model_dump()
                 yield line(**payload)

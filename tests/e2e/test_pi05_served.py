@@ -112,6 +112,19 @@ def test_generate_returns_array_and_shape(served) -> None:
     assert body["finish_reason"] == "stop"
 
 
+def test_streamed_generate_carries_the_chunk(served, client: MStarClient) -> None:
+    images = [png(16, 16, 3)]
+    events = list(client.generate("wave", files=[("a.png", images[0])], output_modalities=["action"],
+                                  model_kwargs={"state": STATE, "seed": 1}, stream=True))
+    [action] = [e for e in events if e.modality == "action"]
+    assert action.raw["action_shape"] == [5, 5]
+    streamed = np.frombuffer(action.data, dtype="<f4").reshape(5, 5)
+    assert np.array_equal(np.asarray(action.raw["action"], dtype=np.float32), streamed)
+    whole = client.act(images=images, state=STATE, prompt="wave", seed=1).to_numpy()
+    assert np.array_equal(streamed, whole)
+    assert events[-1].finish_reason == "stop"
+
+
 def test_seed_fixes_the_chunk(client: MStarClient) -> None:
     images = [png(16, 16, 4)]
     a = client.act(images=images, state=STATE, prompt="stack", seed=11).to_numpy()
