@@ -11,6 +11,7 @@ Medians of ``--repeats``, microseconds. On a GPU:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -26,6 +27,13 @@ def timed(fn, before) -> float:
     end.record()
     end.synchronize()
     return 1000 * start.elapsed_time(end)
+
+
+def fetched(cold, fetch) -> None:
+    """L2 flushed, then the prefetch run to completion."""
+    cold()
+    fetch()
+    torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -49,23 +57,18 @@ def main() -> int:
 
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
-        silu = name == "gate_up"
         for rows in args.rows:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            product = functools.partial(gemv, x, w, None, silu_mul=name == "gate_up")
             for _ in range(3):
-                gemv(x, w, None, silu_mul=silu)
-            base = statistics.median(timed(lambda: gemv(x, w, None, silu_mul=silu), cold)
-                                     for _ in range(args.repeats))
+                product()
+            base = statistics.median(timed(product, cold) for _ in range(args.repeats))
             line = f"{name:8} rows {rows:3}: cold {base:6.1f} us ({n * k * 2 / base / 1e3:.2f} TB/s)"
             for fraction in args.fractions:
-                def fetched(fraction=fraction) -> None:
-                    cold()
-                    l2_prefetch(w, fraction)
-                    torch.cuda.synchronize()
-                warm = statistics.median(timed(lambda: gemv(x, w, None, silu_mul=silu), fetched)
+                fetch = functools.partial(l2_prefetch, w, fraction)
+                warm = statistics.median(timed(product, functools.partial(fetched, cold, fetch))
                                          for _ in range(args.repeats))
-                alone = statistics.median(timed(lambda fraction=fraction: l2_prefetch(w, fraction), cold)
-                                          for _ in range(args.repeats))
+                alone = statistics.median(timed(fetch, cold) for _ in range(args.repeats))
                 line += f" | {fraction:g}: {warm:6.1f} us (prefetch {alone:5.1f})"
             print(line, flush=True)
     return 0
