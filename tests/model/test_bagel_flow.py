@@ -190,3 +190,75 @@ def test_edit(models, name, options):
     want = reference_generate(ref, ref_vae, image, (32, 32), seed=21, num_timesteps=5, timestep_shift=3.0, **options)
     got = ours_generate(ours, image, (32, 32), seed=21, cfg=as_cfg(options), steps=5, shift=3.0)
     check(f"edit latents ({name})", got, want)
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def engine_item(rid: str, op: str, iteration: int, inputs: dict, params: dict):
+    from mstar.engine.base import EngineItem
+
+    return EngineItem(rid, op, iteration, inputs, params)
+
+
+def image_params(shape, steps, options) -> dict:
+    return {"height": shape[0], "width": shape[1], "num_timesteps": steps, "timestep_shift": 3.0, **options}
+
+
+def test_engine_batches_requests_as_solo(models):
+    """A text-to-image and an edit request in one engine, their contexts built in one run and
+    their steps batched (the edit one step behind): each equals the reference's own loop."""
+    from mstar.model.bagel.image_engine import BagelImageEngine
+
+    ref, ref_vae, ours = models
+    engine = BagelImageEngine(ours.llm, ours.proj, ours.vae, TOKENS, num_pages=40, page_size=PAGE,
+                              device=torch.device("cpu"), dtype=torch.float32, vit_embed=ours.vit_embeds)
+    image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    t2i_opts, edit_opts = CFG, dict(CFG, cfg_img_scale=2.0, cfg_renorm_type="channel")
+    want_t2i = reference_generate(ref, ref_vae, None, (48, 32), seed=11, num_timesteps=6, timestep_shift=3.0,
+                                  **t2i_opts)
+    want_edit = reference_generate(ref, ref_vae, image, (32, 32), seed=21, num_timesteps=6, timestep_shift=3.0,
+                                   **edit_opts)
+
+    torch.manual_seed(11)
+    a = {"prompt_ids": torch.tensor(PROMPT), "latents": torch.randn(6, 4 * br.VAE.z_channels)}
+    torch.manual_seed(22)
+    image_noise = torch.randn(br.VAE.z_channels, 4, 4)
+    torch.manual_seed(21)
+    b = {"prompt_ids": torch.tensor(PROMPT), "latents": torch.randn(4, 4 * br.VAE.z_channels), "image": image,
+         "image_noise": image_noise, "vit_image": image}
+    pa, pb = image_params((48, 32), 6, t2i_opts), image_params((32, 32), 6, edit_opts)
+    out = engine.run([engine_item("a", "context", 0, a, pa)])
+    xa = out[0].outputs["latents"]
+    xa = engine.run([engine_item("a", "step", 0, {"latents": xa}, pa)])[0].outputs["latents"]
+    xb = engine.run([engine_item("b", "context", 0, b, pb)])[0].outputs["latents"]
+    for i in range(5):
+        items = [engine_item("b", "step", i, {"latents": xb}, pb)]
+        if i + 1 < 5:
+            items.insert(0, engine_item("a", "step", i + 1, {"latents": xa}, pa))
+        outs = engine.run(items)
+        xb = outs[-1].outputs["latents"]
+        if i + 1 < 5:
+            xa = outs[0].outputs["latents"]
+    check("engine t2i", xa, want_t2i)
+    check("engine edit", xb, want_edit)  # its posterior noise drawn as the reference's VAE draws it
+    used = engine.pool.num_used_pages
+    engine.release("a")
+    engine.release("b")
+    assert used > 0 and engine.pool.num_used_pages == 0
+
+
+def test_engine_preempts_a_context_the_pool_cannot_hold_yet(models):
+    from mstar.model.bagel.image_engine import BagelImageEngine
+
+    _, _, ours = models
+    engine = BagelImageEngine(ours.llm, ours.proj, ours.vae, TOKENS, num_pages=3, page_size=PAGE,
+                              device=torch.device("cpu"), dtype=torch.float32)
+    params = image_params((48, 32), 4, CFG)
+    inputs = {"prompt_ids": torch.tensor(PROMPT), "latents": torch.zeros(6, 4 * br.VAE.z_channels)}
+    assert not engine.run([engine_item("a", "context", 0, inputs, params)])[0].preempted
+    assert engine.run([engine_item("b", "context", 0, inputs, params)])[0].preempted
+    engine.release("a")
+    assert not engine.run([engine_item("b", "context", 0, inputs, params)])[0].preempted
+    with pytest.raises(ValueError, match="need 5 KV pages, the generator has 3"):
+        engine.run([engine_item("c", "context", 0, {**inputs, "prompt_ids": torch.arange(40)}, params)])

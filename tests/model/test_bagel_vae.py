@@ -111,3 +111,25 @@ def test_coverage_both_ways(pair):
     extra = {**tensors, "encoder.down.0.attn.0.q.weight": torch.zeros(32, 32, 1, 1)}
     with pytest.raises(WeightLoadError, match=r"nothing loads .*encoder\.down\.0\.attn\.0\.q\.weight"):
         load_weights(ours, from_original_layout(extra.items(), levels=2))
+
+
+def test_decode_engine(pair):
+    """The VAE node: latent tokens of two sizes -> pixels, as bagel2's inferencer unpacks them
+    (``decode_image``) and its AutoEncoder decodes them (rounded, where the inferencer truncates)."""
+    from mstar.engine.base import EngineItem
+    from mstar.model.bagel.generation import patchify_latent
+    from mstar.model.bagel.image_engine import vae_decode_engine
+    from mstar.model.image_output import to_pixels
+
+    ref, ours = pair
+    engine = vae_decode_engine(ours, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    # the tiny VAE downsamples 2x, so a 2x2-patched token covers 4 pixels: (height, width) / 4 tokens
+    sizes = [(8, 12), (8, 12), (12, 4)]
+    latents = [torch.randn(4, h // 2, w // 2, generator=gen) for h, w in sizes]
+    items = [EngineItem(str(i), "decode", 0, {"latents": patchify_latent(z, h // 4, w // 4)},
+                        {"height": h, "width": w}) for i, (z, (h, w)) in enumerate(zip(latents, sizes))]
+    outs = engine.run(items)
+    with torch.no_grad():
+        for z, out in zip(latents, outs):
+            assert torch.equal(out.outputs["image"], to_pixels(ref.decode(z[None])[0]))

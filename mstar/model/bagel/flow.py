@@ -29,7 +29,8 @@ from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.bagel.generation import CfgOptions, LatentProjections, cfg_active, cfg_combine, timestep_schedule
 
 __all__ = ["FlowQuery", "ImageContexts", "KVContext", "Segment", "SpecialTokens", "extend", "flow_velocities",
-           "generate_latents", "image_segment", "latent_segment", "step_metadata", "text_segment"]
+           "generate_latents", "guided_velocity", "image_segment", "latent_segment", "step_metadata", "step_queries",
+           "text_segment"]
 
 
 class MoTLanguageModel(Protocol):
@@ -38,6 +39,8 @@ class MoTLanguageModel(Protocol):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor: ...
 
     def parameters(self): ...
+
+    def cache_shape(self) -> tuple[int, int, int]: ...
 
     def __call__(self, embeds: torch.Tensor, rope_positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: PagedAttentionMetadata, generation: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -200,6 +203,28 @@ class ImageContexts:
     no_image: KVContext | None = None
 
 
+def step_queries(contexts: ImageContexts, x: torch.Tensor, t: float, position_ids: torch.Tensor,
+                 cfg: CfgOptions | None) -> list[FlowQuery]:
+    """The velocities one step of one image needs: the full context's, and inside the guidance
+    interval the text-dropped one's and (image guidance, when there is an image to drop) the
+    image-dropped one's."""
+    variants = [contexts.full]
+    if cfg is not None and cfg_active(t, cfg.interval) and cfg.text_scale > 1.0:
+        variants.append(contexts.no_text)
+        if cfg.img_scale > 1.0 and contexts.no_image is not None:
+            variants.append(contexts.no_image)
+    return [FlowQuery(c, x, t, position_ids) for c in variants]
+
+
+def guided_velocity(v: Sequence[torch.Tensor], cfg: CfgOptions | None) -> torch.Tensor:
+    """The step's velocity from those of ``step_queries`` (in its order)."""
+    if len(v) == 1:
+        return v[0]
+    assert cfg is not None
+    v_img = v[2] if len(v) > 2 else v[0]  # no image to drop: the image-dropped context is the full one
+    return cfg_combine(v[0], v[1], v_img, cfg.text_scale, cfg.img_scale, cfg.renorm_type, cfg.renorm_min)
+
+
 def generate_latents(llm: MoTLanguageModel, proj: LatentProjections, kv_caches: list[torch.Tensor], page_size: int,
                      contexts: ImageContexts, noise: torch.Tensor, position_ids: torch.Tensor, tokens: SpecialTokens,
                      num_timesteps: int = 50, shift: float = 3.0, cfg: CfgOptions | None = None) -> torch.Tensor:
@@ -207,19 +232,7 @@ def generate_latents(llm: MoTLanguageModel, proj: LatentProjections, kv_caches: 
     schedule, guided by ``cfg`` (``None``: unguided) inside its interval."""
     x = noise.float()
     for t, dt in zip(*timestep_schedule(num_timesteps, shift)):
-        t = float(t)
-        guided = cfg is not None and cfg_active(t, cfg.interval) and cfg.text_scale > 1.0
-        variants = [contexts.full]
-        if guided:
-            variants.append(contexts.no_text)
-            if cfg.img_scale > 1.0 and contexts.no_image is not None:
-                variants.append(contexts.no_image)
-        v = flow_velocities(llm, proj, kv_caches, page_size, [FlowQuery(c, x, t, position_ids) for c in variants],
-                            tokens)
-        if guided:
-            v_img = v[2] if len(v) > 2 else v[0]
-            velocity = cfg_combine(v[0], v[1], v_img, cfg.text_scale, cfg.img_scale, cfg.renorm_type, cfg.renorm_min)
-        else:
-            velocity = v[0]
-        x = x - velocity * dt
+        queries = step_queries(contexts, x, float(t), position_ids, cfg)
+        v = flow_velocities(llm, proj, kv_caches, page_size, queries, tokens)
+        x = x - guided_velocity(v, cfg) * dt
     return x
