@@ -112,11 +112,14 @@ def profile_graph(graph: torch.cuda.CUDAGraph, replays: int) -> str:
 
 
 def time_rule(model, rule, rows: int, context: int, caches, replays: int, pdl: str = "off",
-              profile: bool = False) -> tuple[float, torch.Tensor]:
-    """Median ms of a replayed step under ``rule`` and ``pdl`` (``set_launch``), and its logits."""
+              profile: bool = False, prefetch: str = "off") -> tuple[float, torch.Tensor]:
+    """Median ms of a replayed step under ``rule``, ``pdl`` (``set_launch``) and the L2
+    ``prefetch`` plan (``PrefetchPlan.parse``), and its logits."""
+    from mstar.layers.triton_prefetch import PrefetchPlan
     from mstar.model.llama import modeling
 
     modeling.DECODE_GEMV = rule
+    modeling.L2_PREFETCH = PrefetchPlan.parse(prefetch)
     set_launch(pdl)
     ids, meta, _ = step_inputs(rows, context, caches[0].device)
     with torch.inference_mode():
@@ -141,7 +144,7 @@ def time_rule(model, rule, rows: int, context: int, caches, replays: int, pdl: s
             times.append(start.elapsed_time(end))
         out = logits.clone()
         if profile:
-            print(f"  rows {rows}, pdl {pdl}:\n" + profile_graph(graph, 5), flush=True)
+            print(f"  rows {rows}, pdl {pdl}, prefetch {prefetch}:\n" + profile_graph(graph, 5), flush=True)
     del graph
     return statistics.median(times), out
 
@@ -156,6 +159,9 @@ def main() -> int:
     parser.add_argument("--pdl", nargs="+", default=["off"],
                         help="launch settings, each tried with every rule: off (plain launches) or MB of "
                              "weights a GEMV prefetches under programmatic dependent launch (0: PDL, no prefetch)")
+    parser.add_argument("--prefetch", nargs="+", default=["off"],
+                        help="L2 prefetch plans, each tried with every rule and launch setting: off, or "
+                             "e.g. o=1,gate_up=0.25,qkv=0.25,max_rows=64 (mstar.layers.triton_prefetch)")
     parser.add_argument("--profile-rows", type=int, nargs="*", default=[],
                         help="row counts at which to print a kernel profile of each variant's step")
     args = parser.parse_args()
@@ -163,6 +169,7 @@ def main() -> int:
         print("needs a CUDA GPU")
         return 1
     from mstar.layers.paged_kv import allocate_kv_cache
+    from mstar.layers.triton_prefetch import PrefetchPlan
     from mstar.model.llama import modeling
     from mstar.model.llama.modeling import GemvRule
 
@@ -179,13 +186,14 @@ def main() -> int:
              "no_prologue": replace(tuned, norm_prologue=0), "cublas": GemvRule(0, 0, 0, 0, 0)}
     rules = {name: known[name] for name in args.rules}
     print("rules: " + "; ".join(f"{name} {rule}" for name, rule in rules.items()), flush=True)
-    variants = {(name if len(args.pdl) == 1 else f"{name}/pdl-{pdl}"): (rule, pdl)
-                for name, rule in rules.items() for pdl in args.pdl}
+    variants = {"/".join([name] + ([f"pdl-{pdl}"] if len(args.pdl) > 1 else [])
+                         + ([f"prefetch-{plan}"] if len(args.prefetch) > 1 else [])): (rule, pdl, plan)
+                for name, rule in rules.items() for pdl in args.pdl for plan in args.prefetch}
     try:
         for rows in args.rows:
             results = {name: time_rule(model, rule, rows, args.context, caches, args.replays, pdl,
-                                            rows in args.profile_rows)
-                       for name, (rule, pdl) in variants.items()}
+                                       rows in args.profile_rows, plan)
+                       for name, (rule, pdl, plan) in variants.items()}
             (base_name, (base, base_logits)), *others = results.items()
             line = f"rows {rows:2}: {base_name} {base:.3f} ms"
             for name, (ms, logits) in others:
@@ -194,6 +202,7 @@ def main() -> int:
             print(line, flush=True)
     finally:
         modeling.DECODE_GEMV = tuned
+        modeling.L2_PREFETCH = PrefetchPlan()
         set_launch("off")
     return 0
 

@@ -1,2 +1,3 @@
-"""BAGEL (ByteDance-Seed/BAGEL-7B-MoT): one Qwen2 mixture-of-transformers LLM that reads text and
-images (SigLIP) and generates and edits images by flow matching over FLUX.1 VAE latents."""
+"""BAGEL (ByteDance-Seed/BAGEL-7B-MoT): one mixture-of-transformers Qwen2 LLM that reads
+images (a SigLIP NaViT tower) and text, and generates images by flow matching over a FLUX
+VAE's latents. See ``docs/bagel.md``."""

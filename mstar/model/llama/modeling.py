@@ -24,6 +24,7 @@ up, down), with the same sums and rounding points.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import DecodeGroup, PagedAttentionMetadata, write_kv_cache, write_kv_cache_whole
 from mstar.layers.quantized import Int4Weight, SplitInt8Weight
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary_qk
+from mstar.layers.triton_prefetch import L2Prefetch, PrefetchPlan
 from mstar.model.llama.config import LlamaConfig
 
 
@@ -116,6 +118,13 @@ TORCH_INT4_COMPILED_MAX_ROWS = 1
 """The cap where the products are PyTorch's int4 kernel (``Int4Weight``, ``SplitInt8Weight``: no
 C++ compiler for ours): inductor lowers that kernel its own way, and an eight-row step took
 44.4 ms compiled against 37.8 eager (2026-12-04), one row 15.3 against 16.2."""
+
+
+L2_PREFETCH = PrefetchPlan.parse(os.environ.get("MSTAR_L2_PREFETCH", ""))
+"""How much of which projection's weights ``forward_gemv`` fetches into L2 from a side stream
+before their kernels (``mstar.layers.triton_prefetch``); off unless ``MSTAR_L2_PREFETCH`` says."""
+
+_L2 = L2Prefetch()
 
 
 def compiled_row_cap(model: nn.Module) -> int:
@@ -359,11 +368,17 @@ class LlamaDecoderLayer(nn.Module):
                 return gemv(h, proj.weight, proj.bias, silu_mul=silu_mul), residual
             return (silu_and_mul(proj(h)) if silu_mul else proj(h)), residual
 
+        plan = L2_PREFETCH if L2_PREFETCH.active and rows <= L2_PREFETCH.max_rows else PrefetchPlan()
+        _L2.fetch(attn.qkv_proj.weight, plan.qkv)
         qkv, residual = norm_then(self.input_layernorm, x, residual, attn.qkv_proj, rule.qkv, False)
+        _L2.fetch(attn.o_proj.weight, plan.o)
         out = attn.attend(qkv, cos_sin, meta, kv_cache)
         h = attn.o_proj(out, linear=gemv) if rows <= rule.o else attn.o_proj(out)
+        _L2.fetch(mlp.gate_up_proj.weight, plan.gate_up)
         act, residual = norm_then(self.post_attention_layernorm, h, residual, mlp.gate_up_proj, rule.gate_up, True)
-        return (mlp.down_proj(act, linear=gemv) if rows <= rule.down else mlp.down_proj(act)), residual
+        out = mlp.down_proj(act, linear=gemv) if rows <= rule.down else mlp.down_proj(act)
+        _L2.join()
+        return out, residual
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,182 @@
+"""BAGEL's image reader: a SigLIP NaViT tower over images of any size, a connector MLP into
+the LLM's width, and a fixed 2D sine-cosine table added there.
+
+An image (``[3, H, W]``, both sides multiples of the patch) becomes ``(H / p) * (W / p)``
+patches, each flattened in ``(row, column, channel)`` order (``patchify``): the tower's patch
+embedding is a linear layer over that vector (the released checkpoint stores it so). A patch
+at grid cell ``(r, c)`` has the flattened position ``r * max_side + c`` (``max_side`` =
+``vit_max_num_patch_per_side``, 70 for BAGEL-7B), which indexes both the tower's learned
+position table and the LLM-side ``vit_pos_embed``. Several images run in one forward,
+packed, each attending to its own patches only.
+
+Parameter names are the released checkpoint's: ``vit_model.vision_model.…``,
+``connector.fc1 / fc2``, ``vit_pos_embed.pos_embed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.model.bagel.config import BagelConfig, BagelVisionConfig
+
+
+def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:
+    """``[C, H, W]`` -> ``[(H/p) * (W/p), p * p * C]``, patches in raster order, each flattened
+    as ``(row in patch, column in patch, channel)``."""
+    c, h, w = image.shape
+    if h % patch or w % patch:
+        raise ValueError(f"image sides {h}x{w} are not multiples of the patch size {patch}")
+    grid = image.reshape(c, h // patch, patch, w // patch, patch).permute(1, 3, 2, 4, 0)
+    return grid.reshape(-1, patch * patch * c)
+
+
+def patch_positions(height: int, width: int, patch: int, max_side: int) -> torch.Tensor:
+    """Flattened positions ``[(H/p) * (W/p)]`` of an image's patches: ``row * max_side + col``."""
+    rows, cols = height // patch, width // patch
+    if rows > max_side or cols > max_side:
+        raise ValueError(f"an image of {rows}x{cols} patches exceeds the {max_side}x{max_side} position grid")
+    return (torch.arange(rows)[:, None] * max_side + torch.arange(cols)[None, :]).flatten()
+
+
+def sincos_table(side: int, dim: int) -> torch.Tensor:
+    """The fixed 2D sine-cosine table ``[side * side, dim]`` of BAGEL's position embeddings
+    (computed in float64, stored as float32): for the cell ``(r, c)``, the first half encodes
+    the column ``c`` and the second the row ``r``, each half ``[sin(pos * w), cos(pos * w)]`` with frequencies
+    ``w_k = 10000^(-k / (dim / 4))``. The checkpoint stores it too; this is its dummy value."""
+    quarter = dim // 4
+    freqs = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    coords = torch.arange(side, dtype=torch.float64)
+    rows, cols = coords.repeat_interleave(side), coords.repeat(side)
+
+    def encode(pos: torch.Tensor) -> torch.Tensor:
+        angles = pos[:, None] * freqs[None, :]
+        return torch.cat((angles.sin(), angles.cos()), dim=1)
+
+    return torch.cat((encode(cols), encode(rows)), dim=1).float()
+
+
+class SiglipAttention(nn.Module):
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        rows = x.shape[0]
+        q, k, v = (proj(x).view(rows, self.num_heads, self.head_dim).transpose(0, 1)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = torch.empty_like(q)
+        start = 0
+        for length in lengths:  # each image attends to its own patches
+            end = start + length
+            out[:, start:end] = F.scaled_dot_product_attention(q[:, start:end], k[:, start:end], v[:, start:end])
+            start = end
+        return self.out_proj(out.transpose(0, 1).reshape(rows, -1))
+
+
+class SiglipMLP(nn.Module):
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SiglipEncoderLayer(nn.Module):
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.layer_norm_eps
+        self.self_attn = SiglipAttention(config)
+        self.layer_norm1 = nn.LayerNorm(d, eps=eps)
+        self.mlp = SiglipMLP(config)
+        self.layer_norm2 = nn.LayerNorm(d, eps=eps)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), lengths)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class SiglipEmbeddings(nn.Module):
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        patch_dim = config.num_channels * config.patch_size ** 2
+        self.patch_embedding = nn.Linear(patch_dim, config.hidden_size)
+        self.position_embedding = nn.Embedding(config.num_positions, config.hidden_size)
+
+
+class SiglipEncoder(nn.Module):
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class SiglipVisionTransformer(nn.Module):
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        self.embeddings = SiglipEmbeddings(config)
+        self.encoder = SiglipEncoder(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = self.embeddings.patch_embedding(patches) + self.embeddings.position_embedding(positions)
+        for layer in self.encoder.layers:
+            x = layer(x, lengths)
+        return self.post_layernorm(x)
+
+
+class SiglipVisionModel(nn.Module):
+    """``vit_model``: the tower, under its released prefix ``vision_model``."""
+
+    def __init__(self, config: BagelVisionConfig) -> None:
+        super().__init__()
+        self.vision_model = SiglipVisionTransformer(config)
+
+
+class MLPConnector(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, out_dim)
+        self.fc2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class PositionTable(nn.Module):
+    """A fixed ``[side * side, dim]`` table read by flattened position (``pos_embed``)."""
+
+    def __init__(self, side: int, dim: int) -> None:
+        super().__init__()
+        self.pos_embed = nn.Parameter(sincos_table(side, dim), requires_grad=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.pos_embed[positions]
+
+
+class BagelVision(nn.Module):
+    """Images to LLM tokens: ``forward(patches, positions, lengths)`` takes the packed patches
+    ``[N, p * p * C]`` of several images, their flattened positions ``[N]`` and the patch count
+    of each image, and returns one LLM-width embedding per patch ``[N, hidden]``."""
+
+    def __init__(self, config: BagelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vit_model = SiglipVisionModel(config.vision)
+        self.connector = MLPConnector(config.vision.hidden_size, config.llm.hidden_size)
+        self.vit_pos_embed = PositionTable(config.vit_max_num_patch_per_side, config.llm.hidden_size)
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        features = self.vit_model.vision_model(patches, positions, lengths)
+        return self.connector(features) + self.vit_pos_embed(positions)
+
+    def image_tokens(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One preprocessed image ``[3, H, W]`` as ``(patches, positions)``."""
+        patch = self.config.vision.patch_size
+        return (patchify(image, patch),
+                patch_positions(image.shape[1], image.shape[2], patch, self.config.vit_max_num_patch_per_side))
