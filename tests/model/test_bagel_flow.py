@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
-from mstar.model.bagel.config import BagelLLMConfig
+from mstar.model.bagel.checkpoint import load_parts
+from mstar.model.bagel.config import BagelConfig
 from mstar.model.bagel.flow import (
     ImageContexts,
     KVContext,
-    SpecialTokens,
     extend,
     generate_latents,
     image_segment,
@@ -29,15 +29,17 @@ from mstar.model.bagel.generation import (
     patchify_latent,
 )
 from mstar.model.bagel.llm import BagelLanguageModel
+from mstar.model.bagel.prompt import SpecialTokens
 from mstar.model.bagel.vae import encode, flux1_vae_config, from_original_layout
+from mstar.model.bagel.vision import BagelVision
 from mstar.model.weights import load_weights
 from mstar.model.z_image.vae import ZImageVAE
 from tests.support import bagel_reference as br
 
 TOL = 1e-5
 PAGE = 16
-TOKENS = SpecialTokens(bos=br.TOKENS["bos_token_id"], eos=br.TOKENS["eos_token_id"],
-                       start_of_image=br.TOKENS["start_of_image"], end_of_image=br.TOKENS["end_of_image"])
+TOKENS = SpecialTokens(br.TOKENS["bos_token_id"], br.TOKENS["eos_token_id"], br.TOKENS["start_of_image"],
+                       br.TOKENS["end_of_image"])
 PROMPT = [5, 17, 33, 2, 64, 8, 41]
 AE = dict(resolution=32, in_channels=3, downsample=8, ch=32, out_ch=3, ch_mult=[1, 1, 1, 1], num_res_blocks=1,
           z_channels=br.VAE.z_channels, scale_factor=0.3611, shift_factor=0.1159)
@@ -51,21 +53,17 @@ def check(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 class Ours:
-    """Our modules with the reference's weights, a paged KV cache and a page allocator."""
+    """Our modules with the reference's weights (``load_parts``: coverage both ways over the
+    whole reference model), a paged KV cache and a page allocator."""
 
     def __init__(self, ref, ref_vae) -> None:
-        self.ref = ref
-        cfg = ref.config.llm_config
-        self.llm = BagelLanguageModel(BagelLLMConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads, rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=cfg.rope_theta)).eval()
-        load_weights(self.llm, ref.language_model.state_dict().items())
-        self.proj = LatentProjections(cfg.hidden_size, br.VAE.z_channels, ref.latent_patch_size,
-                                      ref.max_latent_size).eval()
-        keys = tuple(f"{name}." for name in self.proj._modules)
-        load_weights(self.proj, ((k, v) for k, v in ref.state_dict().items() if k.startswith(keys)))
+        vit = dict(br.VIT, num_hidden_layers=br.VIT["num_hidden_layers"] + 1)  # the file counts one more
+        config = BagelConfig.from_dicts(br.LLM, vit, {"vit_max_num_patch_per_side": 8, "max_latent_size": 8})
+        self.llm = BagelLanguageModel(config.llm).eval()
+        self.vision = BagelVision(config).eval()
+        self.proj = LatentProjections(config.llm.hidden_size, br.VAE.z_channels, config.latent_patch_size,
+                                      config.max_latent_size).eval()
+        load_parts({"llm": self.llm, "vision": self.vision, "generation": self.proj}, ref.state_dict().items())
         self.vae = ZImageVAE(flux1_vae_config(ch=AE["ch"], ch_mult=tuple(AE["ch_mult"]), num_res_blocks=1,
                                               z_channels=AE["z_channels"])).eval()
         load_weights(self.vae, from_original_layout(ref_vae.state_dict().items(), levels=len(AE["ch_mult"])))
@@ -74,17 +72,10 @@ class Ours:
         self.free = list(range(31, -1, -1))
 
     def vit_embeds(self, image: torch.Tensor) -> torch.Tensor:
-        """The image's ViT tokens as LLM inputs (tower, connector, position table): the reference's
-        own modules until the tower's port is merged."""
-        ref, p = self.ref, self.ref.vit_patch_size
-        tokens = br._bagel.patchify(image, p)
-        pos = ref.get_flattened_position_ids(image.shape[1], image.shape[2], p,
-                                             max_num_patches_per_side=ref.vit_max_num_patch_per_side)
+        """The image's ViT tokens as LLM inputs (tower, connector, position table)."""
+        patches, positions = self.vision.image_tokens(image)
         with torch.no_grad():
-            out = ref.vit_model(packed_pixel_values=tokens, packed_flattened_position_ids=pos,
-                                cu_seqlens=torch.tensor([0, tokens.shape[0]], dtype=torch.int32),
-                                max_seqlen=tokens.shape[0])
-            return ref.connector(out) + ref.vit_pos_embed(pos)
+            return self.vision(patches, positions, [len(positions)])
 
     def context(self, pages: int = 8) -> KVContext:
         return KVContext([self.free.pop() for _ in range(pages)])

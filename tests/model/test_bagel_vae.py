@@ -6,10 +6,6 @@ coverage checked both ways."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
-import types
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -17,23 +13,15 @@ from safetensors.torch import save_file
 from mstar.model.bagel.vae import decode, encode, flux1_vae_config, from_original_layout
 from mstar.model.weights import WeightLoadError, iter_safetensors, load_weights
 from mstar.model.z_image.vae import ZImageVAE
+from tests.support import bagel_reference  # noqa: F401  (makes bagel2 importable: its flash_attn stand-in)
 
 TOL = 1e-5
 PARAMS = dict(ch=32, ch_mult=[1, 2], num_res_blocks=1, z_channels=4, scale_factor=0.3611, shift_factor=0.1159)
 
 
 def _reference():
-    # bagel2's package __init__ imports its LLM, which imports flash_attn at module level; the
-    # autoencoder itself needs none of it: a stub stands in while bagel2 is imported.
-    stub = types.ModuleType("flash_attn")
-    stub.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
-    stub.flash_attn_varlen_func = None
-    added = sys.modules.setdefault("flash_attn", stub) is stub
-    try:
-        from bagel2.modeling import autoencoder
-    finally:
-        if added:
-            del sys.modules["flash_attn"]
+    from bagel2.modeling import autoencoder
+
     return autoencoder
 
 

@@ -27,8 +27,9 @@ import torch
 
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.bagel.generation import CfgOptions, LatentProjections, cfg_active, cfg_combine, timestep_schedule
+from mstar.model.bagel.prompt import SpecialTokens
 
-__all__ = ["FlowQuery", "ImageContexts", "KVContext", "Segment", "SpecialTokens", "extend", "flow_velocities",
+__all__ = ["FlowQuery", "ImageContexts", "KVContext", "Segment", "extend", "flow_velocities",
            "generate_latents", "guided_velocity", "image_segment", "latent_segment", "step_metadata", "step_queries",
            "text_segment"]
 
@@ -44,16 +45,6 @@ class MoTLanguageModel(Protocol):
 
     def __call__(self, embeds: torch.Tensor, rope_positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: PagedAttentionMetadata, generation: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    """The ids BAGEL adds to the Qwen2 tokenizer."""
-
-    bos: int  # <|im_start|>
-    eos: int  # <|im_end|>
-    start_of_image: int  # <|vision_start|>
-    end_of_image: int  # <|vision_end|>
 
 
 @dataclass
@@ -83,7 +74,7 @@ class Segment:
 
 def text_segment(llm: MoTLanguageModel, ids: Sequence[int], tokens: SpecialTokens) -> Segment:
     """``<|im_start|> ids <|im_end|>``, causal."""
-    wrapped = torch.tensor([tokens.bos, *ids, tokens.eos], dtype=torch.long)
+    wrapped = torch.tensor([tokens.im_start, *ids, tokens.im_end], dtype=torch.long)
     return Segment(_embed(llm, wrapped), causal=True, generation=None, rope_span=len(wrapped))
 
 
@@ -91,7 +82,7 @@ def image_segment(llm: MoTLanguageModel, inner: torch.Tensor, tokens: SpecialTok
     """``<|vision_start|> inner <|vision_end|>``: ``inner`` ``[N, hidden]`` (ViT tokens through
     the connector, or latent tokens, which take the generation weights), both ways, one rope
     position."""
-    marks = _embed(llm, torch.tensor([tokens.start_of_image, tokens.end_of_image]))
+    marks = _embed(llm, torch.tensor([tokens.vision_start, tokens.vision_end]))
     embeds = torch.cat([marks[:1], inner.to(marks.dtype), marks[1:]])
     mask = None
     if generation:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mstar.model.bagel.vision import sincos_table
+
 __all__ = [
     "CfgOptions",
     "LatentPositionEmbedding",
@@ -31,7 +33,6 @@ __all__ = [
     "latent_grid",
     "latent_position_ids",
     "patchify_latent",
-    "sincos_2d_table",
     "timestep_schedule",
     "unpatchify_latent",
 ]
@@ -58,31 +59,14 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(features.to(self.mlp[0].weight.dtype))
 
 
-def sincos_2d_table(hidden_size: int, side: int) -> torch.Tensor:
-    """The fixed ``[side * side, hidden]`` table of MAE/DiT 2D sine-cosine embeddings, row
-    ``r * side + c``: the first half encodes the column ``c``, the second the row ``r``, each as
-    ``[sin(p w_i), cos(p w_i)]`` with ``w_i = 10000^(-i / (hidden / 4))``."""
-    if hidden_size % 4:
-        raise ValueError(f"hidden size {hidden_size} is not a multiple of 4")
-    quarter = hidden_size // 4
-    omega = 1.0 / 10000.0 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
-    coords = torch.arange(side, dtype=torch.float64)
-
-    def axis(pos: torch.Tensor) -> torch.Tensor:
-        out = pos[:, None] * omega[None]
-        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
-
-    rows, cols = coords.repeat_interleave(side), coords.repeat(side)
-    return torch.cat([axis(cols), axis(rows)], dim=1).float()
-
-
 class LatentPositionEmbedding(nn.Module):
-    """A latent token's 2D position (``row * max_latent_size + col``) -> a row of a fixed table."""
+    """A latent token's 2D position (``row * max_latent_size + col``) -> a row of the fixed 2D
+    sine-cosine table (``vision.sincos_table``; the checkpoint stores it too)."""
 
     def __init__(self, max_latent_size: int, hidden_size: int) -> None:
         super().__init__()
         self.max_latent_size = max_latent_size
-        self.pos_embed = nn.Parameter(sincos_2d_table(hidden_size, max_latent_size), requires_grad=False)
+        self.pos_embed = nn.Parameter(sincos_table(max_latent_size, hidden_size), requires_grad=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[position_ids]

@@ -36,7 +36,6 @@ from mstar.model.bagel.flow import (
     KVContext,
     MoTLanguageModel,
     Segment,
-    SpecialTokens,
     extend,
     flow_velocities,
     guided_velocity,
@@ -54,6 +53,7 @@ from mstar.model.bagel.generation import (
     timestep_schedule,
     unpatchify_latent,
 )
+from mstar.model.bagel.prompt import SpecialTokens
 from mstar.model.bagel.vae import decode, encode
 from mstar.model.image_output import to_pixels
 from mstar.model.z_image.vae import ZImageVAE
