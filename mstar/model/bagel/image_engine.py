@@ -3,7 +3,8 @@ paged KV cache of its own) and the VAE.
 
 Generator ops (ports in brackets):
 
-- ``context`` [prompt_ids, latents, and for an edit image, image_noise, vit_image -> latents]:
+- ``context`` [prompt_ids, latents, and for an edit image, image_noise and vision_embeds (the
+  vision node's; or vit_image, given a ``vit_embed``) -> latents]:
   builds the request's three contexts (``mstar.model.bagel.flow``): full, without the text,
   without the input image. The KV pages for each, the flow queries' scratch slots included,
   are reserved up front; when the pool cannot hold them the step is preempted (sent again
@@ -121,9 +122,11 @@ class BagelImageEngine(Engine):
         latent = patchify_latent(encode(self.vae, image[None], noise[None])[0], h, w)
         pos = latent_position_ids(h, w, self.proj.latent_pos_embed.max_latent_size)
         seen = [latent_segment(self.llm, self.proj, latent, 0.0, pos, self.tokens)]
-        if self.vit_embed is not None:
+        vit = item.inputs.get("vision_embeds")  # the vision node's output, in a walk
+        if vit is None and self.vit_embed is not None and "vit_image" in item.inputs:
             vit = self.vit_embed(item.inputs["vit_image"].to(self.device, self.dtype))
-            seen.append(image_segment(self.llm, vit, self.tokens, generation=False))
+        if vit is not None:
+            seen.append(image_segment(self.llm, vit.to(self.device, self.dtype), self.tokens, generation=False))
         return {"full": [*seen, text], "no_text": seen, "no_image": [text]}
 
     def _contexts(self, items: list[EngineItem]) -> list[EngineOutput]:
