@@ -121,3 +121,47 @@ def test_decode_engine(pair):
     with torch.no_grad():
         for z, out in zip(latents, outs):
             assert torch.equal(out.outputs["image"], to_pixels(ref.decode(z[None])[0]))
+
+
+def test_config_from_shapes_of_bagels_ae():
+    from mstar.model.bagel.vae import config_from_shapes
+
+    with torch.device("meta"):
+        full, _ = _reference().load_ae(None)
+    assert config_from_shapes({k: v.shape for k, v in full.state_dict().items()}) == flux1_vae_config()
+    with pytest.raises(ValueError, match="not a FLUX autoencoder"):
+        config_from_shapes({"encoder.conv_in.weight": (32, 3, 3, 3)})
+
+
+def test_load_generation_side(pair, tmp_path):
+    """The generator's modules from ``ema.safetensors`` (other parts' tensors skipped) and the
+    VAE from ``ae.safetensors``, its shape read off the file; dummy weights without a file."""
+    from types import SimpleNamespace as NS
+
+    from mstar.model.bagel.generation import LatentProjections
+    from mstar.model.bagel.image_engine import load_generation_side
+    from mstar.model.bagel.vision import sincos_table
+
+    ref, _ = pair
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "ae.safetensors")
+    source = LatentProjections(32, 4, 2, 8)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_()
+    ema = {**source.state_dict(), "language_model.lm_head.weight": torch.zeros(3, 32)}
+    ckpt = NS(path=tmp_path, tensors=lambda: iter(ema.items()))
+    config = NS(llm=NS(hidden_size=32), latent_patch_size=2, max_latent_size=8)
+    proj, vae = load_generation_side(ckpt, config, torch.device("cpu"), torch.float32, dummy=False, seed=0)
+    assert all(torch.equal(proj.state_dict()[k], v) for k, v in source.state_dict().items())
+    images = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    ref.reg.sample = False
+    with torch.no_grad():
+        check("loaded vae encode", encode(vae, images), ref.encode(images))
+
+    empty = tmp_path / "dummy"
+    empty.mkdir()
+    proj, vae = load_generation_side(NS(path=empty), config, torch.device("meta"), torch.float32, dummy=True, seed=0)
+    assert vae.config == flux1_vae_config()
+    proj, _ = load_generation_side(NS(path=tmp_path), config, torch.device("cpu"), torch.float32, dummy=True, seed=0)
+    assert torch.equal(proj.latent_pos_embed.pos_embed, sincos_table(8, 32))
+    assert proj.vae2llm.weight.abs().sum() > 0

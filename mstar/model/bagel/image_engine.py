@@ -23,8 +23,9 @@ VAE ops: ``encode`` is the generator's (an edit's latents are part of its contex
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -220,3 +221,55 @@ def vae_decode_engine(vae: ZImageVAE, device: torch.device, dtype: torch.dtype,
         return out
 
     return StatelessEngine(run)
+
+
+# --------------------------------------------------------------------------- building them
+
+
+def load_generation_side(ckpt, config, device: torch.device, dtype: torch.dtype, *, dummy: bool,
+                         seed: int) -> tuple[LatentProjections, ZImageVAE]:
+    """The generation modules (from ``ema.safetensors``: ``load_parts``' ``generation`` part) and
+    the VAE (``ae.safetensors``, the original FLUX layout, its shape read off the file; FLUX.1's
+    when there is no file and ``dummy``), coverage checked both ways; with ``dummy``, seeded
+    random weights (the latent position table keeps its sine-cosine values), the VAE's seed one
+    past the modules'. ``ckpt`` is a ``BagelCheckpoint``, ``config`` its ``BagelConfig``."""
+    from mstar.model.bagel.checkpoint import VAE_FILE, load_parts
+    from mstar.model.bagel.vae import config_from_shapes, flux1_vae_config, from_original_layout
+    from mstar.model.weights import fill_weights, init_dummy_weights
+
+    ae = ckpt.path / VAE_FILE
+    vae_config = flux1_vae_config() if dummy and not ae.is_file() else config_from_shapes(_shapes(ae))
+    with torch.device(device):
+        proj = LatentProjections(config.llm.hidden_size, vae_config.net.latent_channels, config.latent_patch_size,
+                                 config.max_latent_size).to(dtype)
+        vae = ZImageVAE(vae_config).to(dtype)
+    if dummy:
+        table = proj.latent_pos_embed.pos_embed.detach().clone()
+        init_dummy_weights(proj, seed=seed)
+        with torch.no_grad():
+            proj.latent_pos_embed.pos_embed.copy_(table)
+    else:
+        load_parts({"generation": proj}, ckpt.tensors(), dtype)
+    levels = len(vae_config.net.block_out_channels)
+    fill_weights(vae, lambda: from_original_layout(_tensors(ae), levels),
+                 dummy=dummy, seed=seed + 1, dtype=dtype)
+    return proj.eval(), vae.eval()
+
+
+def _tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise FileNotFoundError(f"no {file.name} in {file.parent} (BAGEL's VAE)")
+    with safe_open(file, framework="pt") as handle:
+        for name in handle.keys():
+            yield name, handle.get_tensor(name)
+
+
+def _shapes(file: Path) -> dict[str, list[int]]:
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise FileNotFoundError(f"no {file.name} in {file.parent} (BAGEL's VAE)")
+    with safe_open(file, framework="pt") as handle:
+        return {name: handle.get_slice(name).get_shape() for name in handle.keys()}

@@ -15,14 +15,14 @@ takes them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from mstar.model.flux2.vae import Flux2VAEConfig
 from mstar.model.z_image.vae import ZImageVAE, ZImageVAEConfig
 
-__all__ = ["decode", "encode", "flux1_vae_config", "from_original_layout", "original_name"]
+__all__ = ["config_from_shapes", "decode", "encode", "flux1_vae_config", "from_original_layout", "original_name"]
 
 AE_FILE = "ae.safetensors"  # the VAE's file in the BAGEL-7B-MoT repository
 
@@ -43,6 +43,21 @@ def flux1_vae_config(ch: int = 128, ch_mult: tuple[int, ...] = (1, 2, 4, 4), num
                          latent_channels=z_channels, norm_num_groups=32, use_quant_conv=False,
                          use_post_quant_conv=False)
     return ZImageVAEConfig(net, scaling_factor=scale_factor, shift_factor=shift_factor)
+
+
+def config_from_shapes(shapes: Mapping[str, Sequence[int]]) -> ZImageVAEConfig:
+    """The VAE an ``ae.safetensors`` holds, read off its tensors' shapes (``{name: shape}``): the
+    base width, the resolutions' widths, blocks per resolution and latent channels. The latent
+    normalisation is not in the file: FLUX.1's, as BAGEL's ``load_ae`` hard-codes it."""
+    try:
+        ch = shapes["encoder.conv_in.weight"][0]
+        levels = 1 + max(int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down\.(\d+)\.", k)))
+        blocks = 1 + max(int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down\.0\.block\.(\d+)\.", k)))
+        widths = [shapes[f"encoder.down.{i}.block.0.conv1.weight"][0] for i in range(levels)]
+        z_channels = shapes["decoder.conv_in.weight"][1]
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"not a FLUX autoencoder in the original layout (no {err})") from None
+    return flux1_vae_config(ch, tuple(w // ch for w in widths), blocks, z_channels)
 
 
 def original_name(name: str, levels: int) -> str:
