@@ -219,10 +219,9 @@ def test_engine_batches_requests_as_solo(models):
     b = {"prompt_ids": torch.tensor(PROMPT), "latents": torch.randn(4, 4 * br.VAE.z_channels), "image": image,
          "image_noise": image_noise, "vit_image": image}
     pa, pb = image_params((48, 32), 6, t2i_opts), image_params((32, 32), 6, edit_opts)
-    out = engine.run([engine_item("a", "context", 0, a, pa)])
-    xa = out[0].outputs["latents"]
+    out = engine.run([engine_item("a", "context", 0, a, pa), engine_item("b", "context", 0, b, pb)])
+    xa, xb = (o.outputs["latents"] for o in out)  # both contexts built together: text and image rows mixed
     xa = engine.run([engine_item("a", "step", 0, {"latents": xa}, pa)])[0].outputs["latents"]
-    xb = engine.run([engine_item("b", "context", 0, b, pb)])[0].outputs["latents"]
     for i in range(5):
         items = [engine_item("b", "step", i, {"latents": xb}, pb)]
         if i + 1 < 5:
