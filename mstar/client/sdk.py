@@ -9,6 +9,7 @@ to text, text to speech, images, video).
     >>> client.tts("Hello there.").to_wav("hello.wav")
     >>> Path("cat.png").write_bytes(client.generate_image("a cat", width=512, height=512))
     >>> client.generate_video("a cat walks", seconds=2).save("cat.mp4")
+    >>> client.act(images=["base.png"], state=[0.1, 0.2], prompt="pick the cube").actions
     >>> async with client.realtime() as conn:  # the Realtime API (mstar.client.realtime)
     ...     await conn.send({"type": "response.create"})
 
@@ -29,6 +30,7 @@ from typing import Any, Literal, overload
 
 import httpx
 
+from mstar.client.actions import ActionResult, ActionsMixin
 from mstar.client.errors import MStarError, in_band_error, raise_for_status
 from mstar.client.images import ImagesMixin
 from mstar.client.realtime import RealtimeConnection, RealtimeMixin
@@ -36,7 +38,7 @@ from mstar.client.speech import SpeechMixin, SpeechResult, SpeechStream
 from mstar.client.videos import VideoResult, VideosMixin
 
 __all__ = [
-    "ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError",
+    "ActionResult", "ChatEvent", "ChatResult", "GenerateEvent", "GenerateResult", "MStarClient", "MStarError",
     "RealtimeConnection", "SpeechResult", "SpeechStream", "TranscriptionResult", "VideoResult",
 ]
 
@@ -129,7 +131,7 @@ def _as_upload(item: FileLike) -> tuple[str, bytes]:
     return path.name, path.read_bytes()
 
 
-class MStarClient(SpeechMixin, ImagesMixin, VideosMixin, RealtimeMixin):
+class MStarClient(SpeechMixin, ImagesMixin, VideosMixin, RealtimeMixin, ActionsMixin):
     """Synchronous client; usable as a context manager (closes its connection pool).
     Text to speech (``tts``, ``voices``), images (``generate_image``, ``edit_image``) and
     video (``generate_video``) come from the mixins in ``mstar.client.speech``,

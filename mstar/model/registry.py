@@ -21,7 +21,7 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
              "mstar.model.canary.model",
              "mstar.model.canary_qwen.model", "mstar.model.kokoro.model",
              "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model",
-             "mstar.model.voice_agent")
+             "mstar.model.pi05.model", "mstar.model.voice_agent", "mstar.model.bagel.model")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:
@@ -100,7 +100,7 @@ def describe(key: str) -> ModelInfo:
     (its embedded-weights packages installed, or its default weights in the hub cache).
     Loads no model: nothing but class attributes and the installed packages are read."""
     cls = model_class(key)
-    inputs, outputs = set(), set()
+    inputs, outputs = set(cls.generate_modalities[0]), set(cls.generate_modalities[1])
     for task in cls.tasks:
         takes, makes = (cls.input_modalities, cls.output_modalities) if task == "chat" else _TASK_MODALITIES[task]
         inputs |= takes

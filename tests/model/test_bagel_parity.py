@@ -49,8 +49,8 @@ def ours(ref, config):
     llm = BagelLanguageModel(config.llm)
     llm.load_state_dict(sub_state(ref, "language_model."))
     vision = BagelVision(config)
-    vision.load_state_dict({k: v for k, v in ref.state_dict().items()
-                            if k.startswith(("vit_model.", "connector.", "vit_pos_embed."))})
+    vision.load_state_dict({k: v for k, v in ref.state_dict().items() if k.startswith(("vit_model.", "connector."))})
+    assert torch.equal(vision.vit_pos_embed.pos_embed, ref.vit_pos_embed.pos_embed)  # made, not loaded
     return llm.eval(), vision.eval()
 
 
@@ -145,17 +145,20 @@ def test_mot_layer_mixed_tokens(ref, config):
     assert rel_err(und_only[1], ref_block[1]) > 1e-3
 
 
-def run_chat(llm: BagelLanguageModel, vision: BagelVision, imgs, prompt: list[int], steps: int):
-    """Ours: the prompt (images then text) as one prefill over the paged cache, then ``steps``
-    greedy decodes from ``<|im_start|>``. Returns the decode logits and the fed tokens."""
-    parts = [vision.image_tokens(img) for img in imgs]
-    plan = layout([len(pos) for _, pos in parts] + [prompt], SPECIAL)
+def run_chat(llm: BagelLanguageModel, vision: BagelVision, blocks: list, steps: int):
+    """Ours: the prompt's blocks (images ``[3, H, W]`` and texts) as one prefill over the paged
+    cache, then ``steps`` greedy decodes from ``<|im_start|>``. Returns the decode logits and the
+    fed tokens."""
+    parts = [vision.image_tokens(b) for b in blocks if isinstance(b, torch.Tensor)]
+    counts = iter([len(q) for _, q in parts])
+    plan = layout([next(counts) if isinstance(b, torch.Tensor) else b for b in blocks], SPECIAL)
     pages = Pages(num_pages=32, page_size=4, seed=3)
     kv = allocate_kv_cache(2, 32, 4, 2, 16, torch.float32, "cpu")
     with torch.no_grad():
         embeds = llm.embed(plan.token_ids)
-        embeds[plan.vision_rows] = vision(torch.cat([p for p, _ in parts]), torch.cat([q for _, q in parts]),
-                                          [len(q) for _, q in parts])
+        if parts:
+            embeds[plan.vision_rows] = vision(torch.cat([p for p, _ in parts]), torch.cat([q for _, q in parts]),
+                                              [len(q) for _, q in parts])
         meta = dataclasses.replace(pages.step([("a", len(plan))]), positions=plan.mask_positions)
         llm(embeds, plan.rope_positions, kv, meta)
         token, rope, logits, fed = SPECIAL.im_start, plan.next_rope, [], []
@@ -168,10 +171,80 @@ def run_chat(llm: BagelLanguageModel, vision: BagelVision, imgs, prompt: list[in
     return torch.cat(logits), fed
 
 
-def test_understanding_logits_and_greedy_decode(ref, ours):
+@pytest.mark.parametrize("order", ["images_then_text", "interleaved", "text_only"])
+def test_understanding_logits_and_greedy_decode(ref, ours, order):
     llm, vision = ours
-    prompt = [5, 17, 33, 2, 60, 71, 8]
-    expected, ref_fed = reference_chat_logits(ref, images(), prompt, steps=3)
-    got, fed = run_chat(llm, vision, images(), prompt, steps=3)
+    first, second = images()
+    blocks = {"images_then_text": [first, second, [5, 17, 33, 2, 60, 71, 8]],
+              "interleaved": [[12, 13], first, [5, 17, 33], second, [60, 71, 8]],
+              "text_only": [[12, 13, 14], [5, 17, 33, 2]]}[order]
+    expected, ref_fed = reference_chat_logits(ref, blocks, steps=3)
+    got, fed = run_chat(llm, vision, blocks, steps=3)
     assert fed == ref_fed
     assert rel_err(got, expected) < TOL
+
+
+def test_serving_engine_matches_reference_greedy(ref, ours):
+    """The served path: the vision node's function and the autoregressive engine with BAGEL's
+    forward side, two requests (one with two images, one text only) prefilled in one step and
+    decoded together, each giving the reference's greedy tokens."""
+    from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+    from mstar.engine.base import EngineItem
+    from mstar.model.bagel.engine import BagelForward, vision_fn
+
+    llm, vision = ours
+    steps = 6
+    prompts = {"img": [[40, 2], *images(), [5, 17, 33, 2, 60]], "txt": [[40, 41, 7]]}
+    expected = {rid: reference_chat_logits(ref, blocks, steps + 1)[1][1:]  # it feeds, we sample
+                for rid, blocks in prompts.items()}
+    engine = AutoregressiveEngine(llm, KVLayout(*llm.cache_shape()), num_pages=32, page_size=4, max_seq_len=128,
+                                  device=torch.device("cpu"), dtype=torch.float32, forward=BagelForward(llm))
+    params = {"sampling": {"temperature": 0.0}, "max_new_tokens": steps, "stop_token_ids": []}
+    items = []
+    for rid, blocks in prompts.items():
+        parts = [vision.image_tokens(b) for b in blocks if isinstance(b, torch.Tensor)]
+        counts = iter([len(q) for _, q in parts])
+        plan = layout([next(counts) if isinstance(b, torch.Tensor) else b for b in blocks], SPECIAL, answer=True)
+        inputs = {"prompt_ids": plan.token_ids}
+        if parts:
+            vision_inputs = {"patches": torch.cat([p for p, _ in parts]),
+                             "patch_positions": torch.cat([q for _, q in parts]),
+                             "patch_counts": torch.tensor([len(q) for _, q in parts])}
+            (embeds,) = vision_fn(vision)("run", [EngineItem(rid, "run", 0, vision_inputs, {})])
+            inputs.update(embeds, vision_rows=plan.vision_rows, rope_positions=plan.rope_positions,
+                          mask_positions=plan.mask_positions)
+        items.append(EngineItem(rid, "prefill", 0, inputs, params))
+    with torch.no_grad():
+        tokens = {item.request_id: [int(out.outputs["token"])] for item, out in zip(items, engine.run(items))}
+        for _ in range(steps - 1):
+            decodes = [EngineItem(rid, "decode", 0, {"token": torch.tensor([t[-1]])}, {}) for rid, t in tokens.items()]
+            for rid, out in zip(tokens, engine.run(decodes)):
+                tokens[rid].append(int(out.outputs["token"]))
+    assert tokens == expected
+
+
+@pytest.mark.parametrize(("size", "first", "second"), [
+    ((300, 200), (768, 512), (770, 518)),  # raised to the shortest side, then rounded to 14
+    ((50, 80), (512, 816), (518, 812)),
+    ((2000, 900), (1024, 464), (980, 448)),  # the longest side capped twice
+    ((224, 3000), (80, 1024), (70, 980)),
+])
+def test_resize_rules(size, first, second):
+    """BAGEL's two resizes (the inferencer's VAE-side one, then the tower's), worked out by
+    hand from the reference's rules (its transforms need torchvision and cv2, not installed)."""
+    from mstar.model.bagel.vision import VAE_RESIZE, VAE_STRIDE, VIT_RESIZE, resized_size
+
+    assert resized_size(*size, *VAE_RESIZE, VAE_STRIDE) == first
+    assert resized_size(*first, *VIT_RESIZE, 14) == second
+
+
+def test_preprocess_rgb_range_and_transparency():
+    from PIL import Image
+
+    from mstar.model.bagel.vision import preprocess
+
+    clear = Image.new("RGBA", (40, 28), (10, 20, 30, 0))  # fully transparent: white
+    pixels = preprocess(clear, 4, (32, 16), (64, 32))
+    assert pixels.shape == (3, 20, 32) and torch.allclose(pixels, torch.ones_like(pixels))
+    black = preprocess(Image.new("L", (20, 20), 0), 4, (32, 16), (64, 32))
+    assert black.shape == (3, 32, 32) and torch.allclose(black, -torch.ones_like(black))

@@ -57,6 +57,9 @@ def test_the_rule_is_named_with_the_value():
     with pytest.raises(ConfigError, match=r"^model_kwargs.codec_chunk_schedule: every chunk needs at least one frame"):
         knobs_of("qwen3_omni").parse({"codec_chunk_schedule": [12, 0]})
     assert knobs_of("qwen3_omni").parse({"codec_chunk_schedule": []}).codec_chunk_schedule == []
+    with pytest.raises(ConfigError, match=r"^model_kwargs.vit_resize: must be \[longest side at most, shortest"):
+        knobs_of("bagel").parse({"vit_resize": [224, 980]})
+    assert knobs_of("bagel").parse({"vae_resize": [64, 32]}).vae_resize == [64, 32]
 
 
 @pytest.mark.parametrize("key, switch", [

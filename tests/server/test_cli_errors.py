@@ -49,8 +49,8 @@ def _serve(tmp_path: Path, *args: str) -> str:
 
 
 def test_unknown_model(tmp_path: Path) -> None:
-    line = _serve(tmp_path, "bagel")
-    assert "unknown model 'bagel'" in line and "`mstar models` lists" in line
+    line = _serve(tmp_path, "no_such_model")
+    assert "unknown model 'no_such_model'" in line and "`mstar models` lists" in line
 
 
 def test_weights_that_cannot_be_found_offline(tmp_path: Path) -> None:

@@ -127,8 +127,9 @@ BAGEL = dict(visual_gen=True, visual_und=True, latent_patch_size=2, max_latent_s
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter and buffer drawn again (norm scales around 1, the rest small), so no
-    weight is left at an initialisation a wrong port could also reproduce (zeros, ones)."""
+    """Every trained parameter drawn again (norm scales around 1, the rest small), so no weight
+    is left at an initialisation a wrong port could also reproduce (zeros, ones). The fixed
+    2D sine-cosine tables (``*pos_embed``) keep their values, as in every BAGEL checkpoint."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -136,7 +137,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             if "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * noise)
             elif name.endswith("pos_embed"):
-                p.copy_(noise)
+                continue  # BAGEL's fixed sine-cosine tables, never trained
             else:
                 p.copy_((0.2 if p.ndim == 1 else 0.1) * noise)
 
@@ -167,22 +168,24 @@ class IdTokenizer:
         return list(prompt)
 
 
-def reference_chat_logits(model: Bagel, images: list[torch.Tensor], prompt_ids: list[int],
-                          steps: int) -> tuple[torch.Tensor, list[int]]:
-    """The reference's understanding path as its ``chat`` runs it: each image (``[3, H, W]``,
-    already normalised, sides multiples of the patch) through ``forward_cache_update_vit``, the
-    prompt (wrapped in ``<|im_start|> … <|im_end|>``) through ``forward_cache_update_text``,
-    then ``generate_text`` greedily from ``<|im_start|>`` for ``steps`` tokens. Returns the
-    logits of every decode step ``[steps, vocab]`` (read off ``lm_head``) and the tokens it fed
-    (the start token, then the argmaxes)."""
+def reference_chat_logits(model: Bagel, blocks: list, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The reference's understanding path as its inferencer runs it: ``blocks`` in order, an
+    image (``[3, H, W]``, already normalised, sides multiples of the patch) through
+    ``forward_cache_update_vit``, a text (a list of token ids, wrapped by the reference in
+    ``<|im_start|> … <|im_end|>``) through ``forward_cache_update_text``; then ``generate_text``
+    greedily from ``<|im_start|>`` for ``steps`` tokens. Returns the logits of every decode step
+    ``[steps, vocab]`` (read off ``lm_head``) and the tokens it fed (the start token, then the
+    argmaxes)."""
     cache = NaiveCache(model.config.llm_config.num_hidden_layers)
     lens, ropes = [0], [0]
     with torch.no_grad():
-        for image in images:
-            inputs, lens, ropes = model.prepare_vit_images(lens, ropes, [image], lambda x: x, TOKENS)
-            cache = model.forward_cache_update_vit(cache, **inputs)
-        inputs, lens, ropes = model.prepare_prompts(lens, ropes, [prompt_ids], IdTokenizer(), TOKENS)
-        cache = model.forward_cache_update_text(cache, **inputs)
+        for block in blocks:
+            if isinstance(block, torch.Tensor):
+                inputs, lens, ropes = model.prepare_vit_images(lens, ropes, [block], lambda x: x, TOKENS)
+                cache = model.forward_cache_update_vit(cache, **inputs)
+            else:
+                inputs, lens, ropes = model.prepare_prompts(lens, ropes, [block], IdTokenizer(), TOKENS)
+                cache = model.forward_cache_update_text(cache, **inputs)
         start = model.prepare_start_tokens(lens, ropes, TOKENS)
         logits = []
         hook = model.language_model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out))
@@ -200,14 +203,16 @@ NAMED = {TOKENS["bos_token_id"]: "<|im_start|>", TOKENS["eos_token_id"]: "<|im_e
 
 
 def tokenizer():
-    """A byte-level Qwen2 tokenizer over the tiny vocabulary: 90 characters (printable ASCII
-    first, the space included), then BAGEL's special tokens at the ids of ``TOKENS``."""
+    """A byte-level Qwen2 tokenizer over the tiny vocabulary: 90 characters (the space, letters,
+    digits, then punctuation), then BAGEL's special tokens at the ids of ``TOKENS``."""
+    import string
+
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     alphabet = sorted(ByteLevel.alphabet())
-    ascii_first = [c for c in alphabet if "!" <= c <= "~"] + ["\u0120"]
-    chars = (ascii_first + [c for c in alphabet if c not in ascii_first])[:90]
+    first = ["\u0120", *string.ascii_letters, *string.digits, *string.punctuation]  # the space is "\u0120"
+    chars = (first + [c for c in alphabet if c not in first])[:90]
     vocab = {c: i for i, c in enumerate(chars)} | {name: i for i, name in NAMED.items()}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|endoftext|>", unk_token=None)
     tok.add_tokens(list(NAMED.values()), special_tokens=True)

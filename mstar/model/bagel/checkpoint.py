@@ -13,7 +13,8 @@ official module names, grouped here by the part that loads them:
 
 ``load_parts`` fills the parts it is given and checks coverage both ways over them: a
 parameter nothing fills, or a tensor of none of the three parts, fails startup naming it;
-the tensors of a part not loaded on this rank are skipped (and counted).
+the tensors of a part not loaded on this rank are skipped (and counted), as is the fixed
+2D table of the vision side (``FIXED_TABLES``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 from mstar.model.bagel.config import BagelConfig
 from mstar.model.bagel.llm import BagelLanguageModel
 from mstar.model.bagel.prompt import SpecialTokens
-from mstar.model.bagel.vision import BagelVision, sincos_table
+from mstar.model.bagel.vision import BagelVision
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ PART_PREFIXES: dict[str, tuple[str, ...]] = {
     "generation": ("time_embedder.", "vae2llm.", "llm2vae.", "latent_pos_embed."),
 }
 """Which ``ema.safetensors`` keys each part loads (the generation side claims the last)."""
+FIXED_TABLES = frozenset({"vit_pos_embed.pos_embed"})
+"""Tensors skipped on purpose: the vision side's fixed sine-cosine table, computed when the
+module is built (``vision.PositionTable``). BAGEL never trains it, and released checkpoints
+differ on whether they store it."""
 
 
 def part_of(name: str) -> str | None:
@@ -99,8 +104,8 @@ class BagelCheckpoint:
                     seed: int) -> tuple[BagelLanguageModel | None, BagelVision | None]:
         """The language model (when ``llm``) and the vision side (when ``vision``) on ``device``
         in ``dtype``, with the checkpoint's weights or, when ``dummy``, seeded random ones (the
-        LLM's seed ``seed``, the vision side's the next; the fixed 2D table keeps its sine-cosine
-        values), in eval mode."""
+        LLM's seed ``seed``, the vision side's the next; the fixed 2D table is never drawn), in
+        eval mode."""
         from mstar.model.weights import init_dummy_weights
 
         config = self.config()
@@ -111,10 +116,6 @@ class BagelCheckpoint:
         if dummy:
             for i, module in enumerate(parts.values()):
                 init_dummy_weights(module, seed=seed + i)
-            if tower is not None:
-                with torch.no_grad():
-                    side = config.vit_max_num_patch_per_side
-                    tower.vit_pos_embed.pos_embed.copy_(sincos_table(side, config.llm.hidden_size))
         else:
             load_parts(parts, self.tensors(), dtype)
         for module in parts.values():
@@ -154,7 +155,7 @@ def load_parts(parts: dict[str, nn.Module], tensors, dtype: torch.dtype | None =
 
     def name_map(name: str) -> str | None:
         part = part_of(name)
-        if part is not None and part not in parts:
+        if name in FIXED_TABLES or (part is not None and part not in parts):
             skipped.append(name)
             return None
         return name  # the released name is the parameter's (a stranger: load_weights names it)

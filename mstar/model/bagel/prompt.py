@@ -53,9 +53,11 @@ class PromptLayout:
         return int(self.token_ids.shape[0])
 
 
-def layout(blocks: list[list[int] | int], tokens: SpecialTokens) -> PromptLayout:
+def layout(blocks: list[list[int] | int], tokens: SpecialTokens, *, answer: bool = False) -> PromptLayout:
     """Lay out ``blocks`` in order: a list of token ids is a text block (wrapped here in
-    ``<|im_start|> … <|im_end|>``), an int is an image of that many patches."""
+    ``<|im_start|> … <|im_end|>``), an int is an image of that many patches. ``answer``: end
+    with the ``<|im_start|>`` that opens the answer (its logits give the answer's first token;
+    ``next_rope`` is then the rope position after it)."""
     ids: list[int] = []
     vision: list[bool] = []
     rope: list[int] = []
@@ -76,6 +78,12 @@ def layout(blocks: list[list[int] | int], tokens: SpecialTokens) -> PromptLayout
             rope += range(position, position + len(text))
             mask += range(start, start + len(text))
             position += len(text)
+    if answer:
+        mask.append(len(ids))
+        ids.append(tokens.im_start)
+        vision.append(False)
+        rope.append(position)
+        position += 1
     long = torch.long
     return PromptLayout(torch.tensor(ids, dtype=long), torch.tensor(vision, dtype=torch.bool),
                         torch.tensor(rope, dtype=long), torch.tensor(mask, dtype=long), position)

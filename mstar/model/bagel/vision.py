@@ -44,7 +44,7 @@ def sincos_table(side: int, dim: int) -> torch.Tensor:
     """The fixed 2D sine-cosine table ``[side * side, dim]`` of BAGEL's position embeddings
     (computed in float64, stored as float32): for the cell ``(r, c)``, the first half encodes
     the column ``c`` and the second the row ``r``, each half ``[sin(pos * w), cos(pos * w)]`` with frequencies
-    ``w_k = 10000^(-k / (dim / 4))``. The checkpoint stores it too; this is its dummy value."""
+    ``w_k = 10000^(-k / (dim / 4))``."""
     quarter = dim // 4
     freqs = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
     coords = torch.arange(side, dtype=torch.float64)
@@ -149,11 +149,15 @@ class MLPConnector(nn.Module):
 
 
 class PositionTable(nn.Module):
-    """A fixed ``[side * side, dim]`` table read by flattened position (``pos_embed``)."""
+    """A fixed ``[side * side, dim]`` table read by flattened position (``pos_embed``).
+
+    BAGEL computes it when the model is built and never trains it; some checkpoints store it
+    and some do not, so it is a buffer made here, never read from the checkpoint
+    (``checkpoint.FIXED_TABLES``)."""
 
     def __init__(self, side: int, dim: int) -> None:
         super().__init__()
-        self.pos_embed = nn.Parameter(sincos_table(side, dim), requires_grad=False)
+        self.register_buffer("pos_embed", sincos_table(side, dim), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[positions]
@@ -180,3 +184,54 @@ class BagelVision(nn.Module):
         patch = self.config.vision.patch_size
         return (patchify(image, patch),
                 patch_positions(image.shape[1], image.shape[2], patch, self.config.vit_max_num_patch_per_side))
+
+
+# ------------------------------------------------------------------ preprocessing
+VAE_RESIZE = (1024, 512)
+"""The first resize of an input image, (longest side at most, shortest side at least), sides
+multiples of 16: the generation side's, which the reference's inferencer applies to every
+image, understanding included."""
+VAE_STRIDE = 16
+VIT_RESIZE = (980, 224)
+"""The tower's resize, sides multiples of its patch: up to 70 x 70 patches of 14."""
+MAX_PIXELS = 14 * 14 * 9 * 1024
+
+
+def resized_size(width: int, height: int, max_size: int, min_size: int, stride: int,
+                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """BAGEL's ``(width, height)`` for an image: scaled so that its longest side is at most
+    ``max_size`` and then its shortest at least ``min_size``, its area at most ``max_pixels``,
+    each side rounded to a multiple of ``stride`` (at least one stride)."""
+    def scaled(w: int, h: int, scale: float) -> tuple[int, int]:
+        return (max(stride, int(round(round(w * scale) / stride) * stride)),
+                max(stride, int(round(round(h * scale) / stride) * stride)))
+
+    scale = max(min(max_size / max(width, height), 1.0), min_size / min(width, height))
+    w, h = scaled(width, height, scale)
+    if w * h > max_pixels:
+        w, h = scaled(w, h, max_pixels / (w * h))
+    if max(w, h) > max_size:
+        w, h = scaled(w, h, max_size / max(w, h))
+    return w, h
+
+
+def preprocess(image, patch: int, vit_resize: tuple[int, int] = VIT_RESIZE,
+               vae_resize: tuple[int, int] = VAE_RESIZE) -> torch.Tensor:
+    """A PIL image as the tower reads it: RGB (transparency over white), resized twice as the
+    reference's inferencer does (``vae_resize`` with sides multiples of 16, then ``vit_resize``
+    with sides multiples of ``patch``; bicubic), scaled to ``[-1, 1]``: ``[3, H, W]`` float32."""
+    import numpy as np
+    from PIL import Image
+
+    if image.mode == "RGBA" or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        image = Image.new("RGB", rgba.size, (255, 255, 255))
+        image.paste(rgba, mask=rgba.split()[3])
+    else:
+        image = image.convert("RGB")
+    for (max_size, min_size), stride in ((vae_resize, VAE_STRIDE), (vit_resize, patch)):
+        size = resized_size(*image.size, max_size, min_size, stride)
+        if size != image.size:
+            image = image.resize(size, Image.BICUBIC)
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    return (pixels - 0.5) / 0.5

@@ -1,0 +1,66 @@
+"""Pi0.5's engine against the eager policy: requests that arrive while others are denoising
+(a prefill in the same ``run`` as another request's steps), each at its own iteration and step
+count, end with the chunks ``sample_actions`` makes alone; pages come back when they finish."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engine.base import EngineItem
+from mstar.model.pi05.checkpoint import IDENTITY, Embodiment
+from mstar.model.pi05.config import Pi05Config
+from mstar.model.pi05.engine import Pi05Engine
+from mstar.model.pi05.modeling import Pi05Policy
+from mstar.model.weights import init_dummy_weights
+from tests.support.pi05 import tiny_lerobot_config
+
+
+def test_interleaved_requests_equal_eager() -> None:
+    torch.manual_seed(0)
+    model = Pi05Policy(Pi05Config.from_lerobot(tiny_lerobot_config()))
+    init_dummy_weights(model, seed=4, std=0.1)
+    model.eval()
+    engine = Pi05Engine(model, lambda name: Embodiment(IDENTITY, IDENTITY), torch.device("cpu"), torch.float32,
+                        num_pages=64, page_size=4)
+    g = torch.Generator().manual_seed(1)
+    requests = {  # id -> (pixels, ids, noise, steps)
+        "a": (torch.rand(2, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 90, (11,), generator=g),
+              torch.randn(5, 6, generator=g), 3),
+        "b": (torch.rand(1, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 90, (7,), generator=g),
+              torch.randn(5, 6, generator=g), 4),
+    }
+    actions = {r: noise for r, (_, _, noise, _) in requests.items()}
+    done = {}
+
+    def item(r, op, iteration=0):
+        pixels, ids, _, steps = requests[r]
+        inputs = {"pixels": pixels, "prompt_ids": ids} if op == "prefill" else {"actions": actions[r]}
+        return EngineItem(r, op, iteration, inputs, {"num_steps": steps, "action_dim": 5})
+
+    schedule = [[item("a", "prefill")]]  # b arrives while a denoises
+    for k in range(5):
+        batch = []
+        if k < 3:
+            batch.append(("a", "step", k))
+        elif k == 3:
+            batch.append(("a", "finish", 0))
+        if k == 0:
+            batch.append(("b", "prefill", 0))
+        elif k <= 4:
+            batch.append(("b", "step", k - 1))
+        schedule.append(batch)
+    schedule.append([("b", "finish", 0)])
+    for batch in schedule:
+        items = [b if isinstance(b, EngineItem) else item(*b) for b in batch]
+        for it, out in zip(items, engine.run(items), strict=True):
+            if it.op == "step":
+                actions[it.request_id] = out.outputs["actions"]
+            elif it.op == "finish":
+                done[it.request_id] = out.outputs["action"]
+    assert max(engine.forward_rows) == 2  # a's and b's steps shared forwards
+    assert engine.pool.num_used_pages == 0
+    for r, (pixels, ids, noise, steps) in requests.items():
+        want = model.sample_actions([pixels], [ids], noise[None], num_steps=steps, page_size=4)[0, :, :5]
+        assert done[r].shape == (5, 5) and done[r].dtype == torch.float32
+        assert float((done[r] - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+        assert float((want - noise[:, :5]).abs().max()) > 0.1
