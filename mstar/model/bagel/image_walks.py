@@ -15,24 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from mstar.contract import GenerateSpec, ImageSpec, RequestError
+from mstar.contract import ImageSpec, RequestError
 from mstar.graph import Emit, Loop, Node, Sequential, Step, Walk
-from mstar.model.bagel.image_request import EDIT, GENERATE, BagelImageOptions, LatentShape, image_request, vae_pixels
-from mstar.model.image_output import ImageGenerateKnobs, ImageStream
+from mstar.model.bagel.image_request import EDIT, GENERATE, LatentShape, image_request, vae_pixels
+from mstar.model.image_output import ImageStream
 from mstar.model.spec import WalkRequest
 
 GENERATOR, VAE = "generator", "vae"
 VISION_INPUTS = ("patches", "patch_positions", "patch_counts")  # the vision node's (model.py)
-
-
-class BagelImageGenerateKnobs(ImageGenerateKnobs, BagelImageOptions):
-    """``/generate``'s ``model_kwargs`` for an image: the ``ImageSpec`` fields and BAGEL's options."""
-
-    def image_spec(self, spec: GenerateSpec) -> ImageSpec:
-        image = super().image_spec(spec)
-        options = self.model_dump(include=set(BagelImageOptions.model_fields), exclude_unset=True)
-        image.model_kwargs.update(options)
-        return image
 
 
 class BagelImageWalks:
@@ -93,10 +83,6 @@ class BagelImageWalks:
         return image_request(spec, ids, self._latent_shape, index=index, edit_image=vae_pixels(image, vae_resize),
                              vit_image=preprocess(image, vit, vit_resize, vae_resize), vit_patch=vit,
                              vit_max_side=self.bagel_config.vit_max_num_patch_per_side)
-
-    def prepare_image_generate(self, spec: GenerateSpec) -> WalkRequest:
-        """``/generate`` with ``output_modalities`` ``["image"]``."""
-        return self.prepare_image(BagelImageGenerateKnobs.parse(spec.model_kwargs).image_spec(spec))
 
     def output_stream(self, request: WalkRequest, stop: list[str]):
         if request.walk in (GENERATE, EDIT):

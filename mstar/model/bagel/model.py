@@ -119,10 +119,9 @@ class Bagel(BagelImageWalks, ChatLLM):
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         """``/generate``: the uploaded images, in order, then the text, as one user message
         (``chat: false``: the text's ids as they are, no blocks, no images)."""
-        if set(spec.output_modalities) == {"image"}:
-            return self.prepare_image_generate(spec)
         if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs text or an image, not both")
+            raise RequestError("output_modalities", f"model {self.key!r} outputs text here (image output: "
+                                                    "the generation walks)")
         if not spec.text and not spec.files:
             raise RequestError("text", "must not be empty")
         options = self.GenerateKnobs.parse(spec.model_kwargs)
