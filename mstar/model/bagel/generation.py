@@ -10,7 +10,7 @@ over three contexts (full; without the text; without the input images) whose com
 is rescaled towards the conditional one's norm (``cfg_renorm_type``).
 
 Module and parameter names are the released checkpoint's keys (``time_embedder.mlp.0.weight``,
-``vae2llm.weight``, ``llm2vae.bias``, ``latent_pos_embed.pos_embed``).
+``vae2llm.weight``, ``llm2vae.bias``); ``latent_pos_embed.pos_embed``, a fixed table, is made.
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ class TimestepEmbedder(nn.Module):
 
 class LatentPositionEmbedding(nn.Module):
     """A latent token's 2D position (``row * max_latent_size + col``) -> a row of the fixed 2D
-    sine-cosine table (``vision.sincos_table``; the checkpoint stores it too)."""
+    sine-cosine table (``vision.sincos_table``), made here and never loaded: BAGEL never trains
+    it, and a checkpoint's copy is skipped (``checkpoint.FIXED_TABLES``)."""
 
     def __init__(self, max_latent_size: int, hidden_size: int) -> None:
         super().__init__()
         self.max_latent_size = max_latent_size
-        self.pos_embed = nn.Parameter(sincos_table(max_latent_size, hidden_size), requires_grad=False)
+        self.register_buffer("pos_embed", sincos_table(max_latent_size, hidden_size), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[position_ids]

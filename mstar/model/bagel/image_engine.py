@@ -231,7 +231,7 @@ def load_generation_side(ckpt, config, device: torch.device, dtype: torch.dtype,
     """The generation modules (from ``ema.safetensors``: ``load_parts``' ``generation`` part) and
     the VAE (``ae.safetensors``, the original FLUX layout, its shape read off the file; FLUX.1's
     when there is no file and ``dummy``), coverage checked both ways; with ``dummy``, seeded
-    random weights (the latent position table keeps its sine-cosine values), the VAE's seed one
+    random weights (the fixed latent position table is made, never drawn), the VAE's seed one
     past the modules'. ``ckpt`` is a ``BagelCheckpoint``, ``config`` its ``BagelConfig``."""
     from mstar.model.bagel.checkpoint import VAE_FILE, load_parts
     from mstar.model.bagel.vae import config_from_shapes, flux1_vae_config, from_original_layout
@@ -244,10 +244,7 @@ def load_generation_side(ckpt, config, device: torch.device, dtype: torch.dtype,
                                  config.max_latent_size).to(dtype)
         vae = ZImageVAE(vae_config).to(dtype)
     if dummy:
-        table = proj.latent_pos_embed.pos_embed.detach().clone()
-        init_dummy_weights(proj, seed=seed)
-        with torch.no_grad():
-            proj.latent_pos_embed.pos_embed.copy_(table)
+        init_dummy_weights(proj, seed=seed)  # the fixed position table is a buffer: never drawn
     else:
         load_parts({"generation": proj}, ckpt.tensors(), dtype)
     levels = len(vae_config.net.block_out_channels)
