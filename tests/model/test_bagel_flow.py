@@ -203,7 +203,7 @@ def test_engine_batches_requests_as_solo(models):
 
     ref, ref_vae, ours = models
     engine = BagelImageEngine(ours.llm, ours.proj, ours.vae, TOKENS, num_pages=40, page_size=PAGE,
-                              device=torch.device("cpu"), dtype=torch.float32, vit_embed=ours.vit_embeds)
+                              device=torch.device("cpu"), dtype=torch.float32)
     image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
     t2i_opts, edit_opts = CFG, dict(CFG, cfg_img_scale=2.0, cfg_renorm_type="channel")
     want_t2i = reference_generate(ref, ref_vae, None, (48, 32), seed=11, num_timesteps=6, timestep_shift=3.0,
@@ -217,7 +217,7 @@ def test_engine_batches_requests_as_solo(models):
     image_noise = torch.randn(br.VAE.z_channels, 4, 4)
     torch.manual_seed(21)
     b = {"prompt_ids": torch.tensor(PROMPT), "latents": torch.randn(4, 4 * br.VAE.z_channels), "image": image,
-         "image_noise": image_noise, "vit_image": image}
+         "image_noise": image_noise, "vision_embeds": ours.vit_embeds(image)}
     pa, pb = image_params((48, 32), 6, t2i_opts), image_params((32, 32), 6, edit_opts)
     out = engine.run([engine_item("a", "context", 0, a, pa), engine_item("b", "context", 0, b, pb)])
     xa, xb = (o.outputs["latents"] for o in out)  # both contexts built together: text and image rows mixed

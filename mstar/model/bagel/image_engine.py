@@ -4,7 +4,7 @@ paged KV cache of its own) and the VAE.
 Generator ops (ports in brackets):
 
 - ``context`` [prompt_ids, latents, and for an edit image, image_noise and vision_embeds (the
-  vision node's; or vit_image, given a ``vit_embed``) -> latents]:
+  vision node's) -> latents]:
   builds the request's three contexts (``mstar.model.bagel.flow``): full, without the text,
   without the input image. The KV pages for each, the flow queries' scratch slots included,
   are reserved up front; when the pool cannot hold them the step is preempted (sent again
@@ -23,7 +23,7 @@ VAE ops: ``encode`` is the generator's (an edit's latents are part of its contex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +85,8 @@ class _Job:
 
 class BagelImageEngine(Engine):
     def __init__(self, llm: MoTLanguageModel, proj: LatentProjections, vae: ZImageVAE, tokens: SpecialTokens, *,
-                 num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype,
-                 vit_embed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.llm, self.proj, self.vae, self.tokens, self.vit_embed = llm, proj, vae, tokens, vit_embed
+                 num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.llm, self.proj, self.vae, self.tokens = llm, proj, vae, tokens
         self.device, self.dtype, self.page_size = device, dtype, page_size
         self.downsample = vae.config.scale_factor * proj.patch_size  # pixels per latent token side
         layers, heads, head_dim = llm.cache_shape()
@@ -110,6 +109,18 @@ class BagelImageEngine(Engine):
         return outputs  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- contexts
+    def _lengths(self, item: EngineItem) -> dict[str, int]:
+        """Each context's tokens, from the inputs' shapes (before anything is computed: a
+        context op the pool cannot hold yet costs nothing)."""
+        text = item.inputs["prompt_ids"].shape[0] + 2
+        if "image" not in item.inputs:
+            return {"full": text, "no_text": 0}
+        h, w = latent_grid(item.inputs["image"].shape[1], item.inputs["image"].shape[2], self.downsample)
+        seen = h * w + 2
+        if "vision_embeds" in item.inputs:
+            seen += item.inputs["vision_embeds"].shape[0] + 2
+        return {"full": seen + text, "no_text": seen, "no_image": text}
+
     def _segments(self, item: EngineItem) -> dict[str, list[Segment]]:
         """Each context's segments, in order (BAGEL's inferencer: the image as VAE latents,
         then as ViT tokens, then the text; the text-dropped context stops before the text,
@@ -123,9 +134,7 @@ class BagelImageEngine(Engine):
         latent = patchify_latent(encode(self.vae, image[None], noise[None])[0], h, w)
         pos = latent_position_ids(h, w, self.proj.latent_pos_embed.max_latent_size)
         seen = [latent_segment(self.llm, self.proj, latent, 0.0, pos, self.tokens)]
-        vit = item.inputs.get("vision_embeds")  # the vision node's output, in a walk
-        if vit is None and self.vit_embed is not None and "vit_image" in item.inputs:
-            vit = self.vit_embed(item.inputs["vit_image"].to(self.device, self.dtype))
+        vit = item.inputs.get("vision_embeds")  # the vision node's output
         if vit is not None:
             seen.append(image_segment(self.llm, vit.to(self.device, self.dtype), self.tokens, generation=False))
         return {"full": [*seen, text], "no_text": seen, "no_image": [text]}
@@ -133,19 +142,19 @@ class BagelImageEngine(Engine):
     def _contexts(self, items: list[EngineItem]) -> list[EngineOutput]:
         outputs, built = [], []
         for item in items:
-            segments = self._segments(item)
             h, w = latent_grid(int(item.params["height"]), int(item.params["width"]), self.downsample)
             query = h * w + 2  # a flow step's tokens, in scratch slots past the context
-            need = {v: sum(s.embeds.shape[0] for s in segs) + query for v, segs in segments.items()}
+            need = {v: n + query for v, n in self._lengths(item).items()}
             if not self._reserve(item.request_id, need):
                 outputs.append(EngineOutput(preempted=True))
                 continue
+            segments = self._segments(item)
             ctx = {v: KVContext(self.pool.page_table(_seq(item.request_id, v))) for v in segments}
             times, steps = timestep_schedule(int(item.params["num_timesteps"]),
                                              float(item.params.get("timestep_shift", 3.0)))
+            position_ids = latent_position_ids(h, w, self.proj.latent_pos_embed.max_latent_size).to(self.device)
             self.jobs[item.request_id] = _Job(ImageContexts(ctx["full"], ctx["no_text"], ctx.get("no_image")),
-                                              latent_position_ids(h, w, self.proj.latent_pos_embed.max_latent_size),
-                                              times, steps, cfg_options(item.params))
+                                              position_ids, times, steps, cfg_options(item.params))
             built.append((ctx, segments))
             outputs.append(EngineOutput({"latents": item.inputs["latents"]}))
         # One forward per segment index: each context's first segments together, then the next.
@@ -174,8 +183,8 @@ class BagelImageEngine(Engine):
         for item in items:
             job = self.jobs[item.request_id]
             x = item.inputs["latents"].to(self.device, torch.float32)
-            per_item.append(step_queries(job.contexts, x, float(job.times[item.iteration]), job.position_ids.to(
-                self.device), job.cfg))
+            per_item.append(step_queries(job.contexts, x, float(job.times[item.iteration]), job.position_ids,
+                                         job.cfg))
         velocities = flow_velocities(self.llm, self.proj, self.kv, self.page_size,
                                      [q for qs in per_item for q in qs], self.tokens)
         outputs, start = [], 0
