@@ -14,7 +14,7 @@ official module names, grouped here by the part that loads them:
 ``load_parts`` fills the parts it is given and checks coverage both ways over them: a
 parameter nothing fills, or a tensor of none of the three parts, fails startup naming it;
 the tensors of a part not loaded on this rank are skipped (and counted), as is the fixed
-2D table of the vision side (``FIXED_TABLES``).
+2D tables (``FIXED_TABLES``).
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ PART_PREFIXES: dict[str, tuple[str, ...]] = {
     "generation": ("time_embedder.", "vae2llm.", "llm2vae.", "latent_pos_embed."),
 }
 """Which ``ema.safetensors`` keys each part loads (the generation side claims the last)."""
-FIXED_TABLES = frozenset({"vit_pos_embed.pos_embed"})
-"""Tensors skipped on purpose: the vision side's fixed sine-cosine table, computed when the
-module is built (``vision.PositionTable``). BAGEL never trains it, and released checkpoints
-differ on whether they store it."""
+FIXED_TABLES = frozenset({"vit_pos_embed.pos_embed", "latent_pos_embed.pos_embed"})
+"""Tensors skipped on purpose: the fixed sine-cosine tables of the vision and generation
+sides, computed when their modules are built (``vision.PositionTable``,
+``generation.LatentPositionEmbedding``). BAGEL never trains them, and released checkpoints
+differ on whether they store them."""
 
 
 def part_of(name: str) -> str | None:

@@ -28,6 +28,12 @@ class BagelKnobs(Knobs):
     """The resize BAGEL's inference code applies first to every input image, understanding
     included: (longest side at most, shortest side at least), sides multiples of 16."""
 
+    generator_kv_pages: int = Field(4096, ge=1)
+    """KV pages of the image generator's own pool (``resources.kv_cache.page_size`` tokens
+    each): an image request holds three contexts (full, without its text, without its input
+    image), each with room for its latent tokens (4096 for 1024 x 1024) past it; a 1024 x 1024
+    edit takes about 30k tokens (BAGEL-7B: 56 KiB each in bfloat16)."""
+
     @field_validator("vit_resize", "vae_resize")
     @classmethod
     def _sizes(cls, value: list[int]) -> list[int]:

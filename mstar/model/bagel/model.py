@@ -22,6 +22,7 @@ import torch
 from mstar.contract import ChatSpec, GenerateSpec, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.bagel.checkpoint import BagelCheckpoint
+from mstar.model.bagel.image_walks import GENERATOR, BagelImageWalks
 from mstar.model.bagel.knobs import BagelKnobs
 from mstar.model.bagel.prompt import layout
 from mstar.model.chat import ChatLLM, split_content
@@ -35,9 +36,9 @@ PREFILL_INPUTS = ("vision_embeds", "vision_rows", "rope_positions", "mask_positi
 
 
 @register
-class Bagel(ChatLLM):
+class Bagel(BagelImageWalks, ChatLLM):
     key = "bagel"
-    tasks = frozenset({"chat"})
+    tasks = frozenset({"chat"}) | BagelImageWalks.image_tasks
     default_weights = "ByteDance-Seed/BAGEL-7B-MoT"
     input_modalities = frozenset({"text", "image"})
     Knobs = BagelKnobs
@@ -46,7 +47,7 @@ class Bagel(ChatLLM):
 
     # ------------------------------------------------------------ the graph
     def nodes(self) -> list[Node]:
-        return [Node(VISION, "stateless", inputs=VISION_INPUTS, outputs=("vision_embeds",)),
+        return [*self.image_nodes(), Node(VISION, "stateless", inputs=VISION_INPUTS, outputs=("vision_embeds",)),
                 Node(LLM, "autoregressive", inputs=("prompt_ids", *PREFILL_INPUTS, "token"), outputs=("token",),
                      ops=("prefill", "decode"), flags=("stop",))]
 
@@ -62,7 +63,7 @@ class Bagel(ChatLLM):
             Step(VISION, reads=VISION_INPUTS, writes="vision_embeds"),
             Step(LLM, "prefill", reads=("prompt_ids", *PREFILL_INPUTS), writes="token", emit=Emit("token", "text")),
             decode_loop()), inputs=("prompt_ids", *VISION_INPUTS, *PREFILL_INPUTS[1:]))
-        return [chat, chat_vision]
+        return [chat, chat_vision, *self.image_walks(VISION)]
 
     def graph(self) -> Graph:
         return Graph.build(self.nodes(), self.walks())
@@ -169,6 +170,7 @@ class Bagel(ChatLLM):
         from mstar.model.bagel.engine import bagel_engines
 
         model, tower = self.checkpoint().load_models(
-            device, self.config.torch_dtype(), llm=LLM in nodes, vision=VISION in nodes,
+            device, self.config.torch_dtype(), llm=bool({LLM, GENERATOR} & nodes), vision=VISION in nodes,
             dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
-        return bagel_engines(model, tower, self.knobs, self.config, device)
+        engines = bagel_engines(model if LLM in nodes else None, tower, self.knobs, self.config, device)
+        return {**engines, **self.image_engines(nodes, device, model)}
