@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.model.bagel.config import BagelConfig, BagelVisionConfig
+from mstar.model.siglip import SiglipEncoder
 
 
 def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:
@@ -57,51 +58,6 @@ def sincos_table(side: int, dim: int) -> torch.Tensor:
     return torch.cat((encode(cols), encode(rows)), dim=1).float()
 
 
-class SiglipAttention(nn.Module):
-    def __init__(self, config: BagelVisionConfig) -> None:
-        super().__init__()
-        d = config.hidden_size
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
-        self.out_proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        rows = x.shape[0]
-        q, k, v = (proj(x).view(rows, self.num_heads, self.head_dim).transpose(0, 1)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = torch.empty_like(q)
-        start = 0
-        for length in lengths:  # each image attends to its own patches
-            end = start + length
-            out[:, start:end] = F.scaled_dot_product_attention(q[:, start:end], k[:, start:end], v[:, start:end])
-            start = end
-        return self.out_proj(out.transpose(0, 1).reshape(rows, -1))
-
-
-class SiglipMLP(nn.Module):
-    def __init__(self, config: BagelVisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class SiglipEncoderLayer(nn.Module):
-    def __init__(self, config: BagelVisionConfig) -> None:
-        super().__init__()
-        d, eps = config.hidden_size, config.layer_norm_eps
-        self.self_attn = SiglipAttention(config)
-        self.layer_norm1 = nn.LayerNorm(d, eps=eps)
-        self.mlp = SiglipMLP(config)
-        self.layer_norm2 = nn.LayerNorm(d, eps=eps)
-
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), lengths)
-        return x + self.mlp(self.layer_norm2(x))
-
-
 class SiglipEmbeddings(nn.Module):
     def __init__(self, config: BagelVisionConfig) -> None:
         super().__init__()
@@ -110,24 +66,17 @@ class SiglipEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(config.num_positions, config.hidden_size)
 
 
-class SiglipEncoder(nn.Module):
-    def __init__(self, config: BagelVisionConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
-
-
 class SiglipVisionTransformer(nn.Module):
     def __init__(self, config: BagelVisionConfig) -> None:
         super().__init__()
         self.embeddings = SiglipEmbeddings(config)
-        self.encoder = SiglipEncoder(config)
+        self.encoder = SiglipEncoder(config.hidden_size, config.num_attention_heads, config.intermediate_size,
+                                     config.num_hidden_layers, config.layer_norm_eps)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, patches: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = self.embeddings.patch_embedding(patches) + self.embeddings.position_embedding(positions)
-        for layer in self.encoder.layers:
-            x = layer(x, lengths)
-        return self.post_layernorm(x)
+        return self.post_layernorm(self.encoder(x, lengths))
 
 
 class SiglipVisionModel(nn.Module):
