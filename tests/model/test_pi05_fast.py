@@ -72,3 +72,20 @@ def test_compiled_expert_equals_eager_on_gpu() -> None:
     torch._dynamo.reset()
     eager, fast = policies("cuda", "inductor")
     compare(eager, fast, "cuda", 1e-4)
+
+
+def test_knob_compiles_the_served_engine(tmp_path) -> None:
+    """``model_kwargs.compile`` reaches the engine's policy: its blocks compiled, the rest eager."""
+    from mstar.config import parse_config
+    from mstar.model.pi05.model import Pi05
+    from tests.support.pi05 import write_checkpoint
+
+    write_checkpoint(tmp_path)
+    engines = {}
+    for compile in (False, True):
+        spec = Pi05(parse_config({"model": "pi05", "model_path": str(tmp_path), "load_format": "dummy",
+                                  "model_kwargs": {"compile": compile, "compile_backend": "aot_eager"}}))
+        engines[compile] = spec.build_engines({"policy"}, torch.device("cpu"))["policy"]
+    assert all(b._compiled_call_impl is not None for b in expert_blocks(engines[True].model))
+    assert all(b._compiled_call_impl is None for b in expert_blocks(engines[False].model))
+    assert engines[True].model.paligemma_with_expert.paligemma.model.language_model._compiled_call_impl is None
