@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.model.knobs import Compile, RequestKnobs
 
 
-class Pi05Knobs(Knobs):
+class Pi05Knobs(Compile):
+    """``compile``: the action expert's dense blocks (norms, MLPs) under ``torch.compile``
+    (``mstar.model.pi05.fast``; the attention stays eager); eager is the reference."""
+
     num_inference_steps: int | None = Field(None, ge=1, le=100)
     """Euler steps of a request that does not send ``num_inference_steps`` (None: the
     checkpoint config's, 10 for pi05_base)."""

@@ -122,6 +122,10 @@ class Pi05(ModelSpec):
         ckpt = self.checkpoint()
         dtype = self.config.torch_dtype()
         model = ckpt.load_model(device, dtype, dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
+        if self.knobs.compile:
+            from mstar.model.pi05.fast import compile_expert
+
+            compile_expert(model, self.knobs.compile_backend)
         kv = self.config.resources.kv_cache
         return {"policy": Pi05Engine(model, self.embodiment, device, dtype, kv.max_num_pages, kv.page_size)}
 
