@@ -42,7 +42,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         n, length = q_hi - q_lo, k_hi - k_lo
         mask = None
         if causal:
-            mask = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+            rows, cols = torch.arange(n, device=q.device), torch.arange(length, device=q.device)
+            mask = cols[None, :] <= rows[:, None] + (length - n)
         o = F.scaled_dot_product_attention(q[q_lo:q_hi].transpose(0, 1), k[k_lo:k_hi].transpose(0, 1),
                                            v[k_lo:k_hi].transpose(0, 1), attn_mask=mask, scale=softmax_scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
