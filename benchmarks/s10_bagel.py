@@ -162,7 +162,7 @@ def model_dir(root: Path, settings: Settings) -> Path:
     """A BAGEL-7B-MoT-shaped directory with no weights (``load_format: dummy``): the three
     configs and the tiny test tokenizer (its ids are below any vocabulary here); in a smoke run
     also a tiny ``ae.safetensors`` (its shapes set the VAE; dummy weights replace its values)."""
-    from tests.support import bagel_reference as br
+    from tests.support.bagel_tokenizer import tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     llm = dict(settings.llm, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
@@ -171,7 +171,7 @@ def model_dir(root: Path, settings: Settings) -> Path:
     (root / "llm_config.json").write_text(json.dumps(llm))
     (root / "vit_config.json").write_text(json.dumps(vit))
     (root / "config.json").write_text(json.dumps(settings.top))
-    br.tokenizer().save_pretrained(root)
+    tokenizer().save_pretrained(root)
     if settings.smoke:
         from safetensors.torch import save_file
 
