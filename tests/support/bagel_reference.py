@@ -42,7 +42,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         n, length = q_hi - q_lo, k_hi - k_lo
         mask = None
         if causal:
-            mask = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+            rows, cols = torch.arange(n, device=q.device), torch.arange(length, device=q.device)
+            mask = cols[None, :] <= rows[:, None] + (length - n)
         o = F.scaled_dot_product_attention(q[q_lo:q_hi].transpose(0, 1), k[k_lo:k_hi].transpose(0, 1),
                                            v[k_lo:k_hi].transpose(0, 1), attn_mask=mask, scale=softmax_scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
@@ -103,10 +104,7 @@ __all__ = ["Bagel", "BagelConfig", "NaiveCache", "Qwen2Config", "Qwen2ForCausalL
            "SiglipVisionModel", "TOKENS", "reference_bagel", "randomize", "LLM", "VIT", "VAE", "BAGEL"]
 
 # ---------------------------------------------------------------------------- tiny configs
-VOCAB = 96
-TOKENS = dict(bos_token_id=90, eos_token_id=91, start_of_image=92, end_of_image=93)
-"""The special ids BAGEL adds to its tokenizer (``<|im_start|>``, ``<|im_end|>``,
-``<|vision_start|>``, ``<|vision_end|>``), in the tiny vocabulary."""
+from tests.support.bagel_tokenizer import NAMED, TOKENS, VOCAB, tokenizer  # noqa: E402
 
 LLM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -197,28 +195,6 @@ def reference_chat_logits(model: Bagel, blocks: list, steps: int) -> tuple[torch
 
 
 # ---------------------------------------------------------------------------- a checkpoint dir
-NAMED = {TOKENS["bos_token_id"]: "<|im_start|>", TOKENS["eos_token_id"]: "<|im_end|>",
-         TOKENS["start_of_image"]: "<|vision_start|>", TOKENS["end_of_image"]: "<|vision_end|>",
-         94: "<|endoftext|>", 95: "<|fill|>"}
-
-
-def tokenizer():
-    """A byte-level Qwen2 tokenizer over the tiny vocabulary: 90 characters (the space, letters,
-    digits, then punctuation), then BAGEL's special tokens at the ids of ``TOKENS``."""
-    import string
-
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2Tokenizer
-
-    alphabet = sorted(ByteLevel.alphabet())
-    first = ["\u0120", *string.ascii_letters, *string.digits, *string.punctuation]  # the space is "\u0120"
-    chars = (first + [c for c in alphabet if c not in first])[:90]
-    vocab = {c: i for i, c in enumerate(chars)} | {name: i for i, name in NAMED.items()}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|endoftext|>", unk_token=None)
-    tok.add_tokens(list(NAMED.values()), special_tokens=True)
-    return tok
-
-
 def write_checkpoint(directory, model: Bagel | None = None, tensors: dict | None = None):
     """``model`` (default ``reference_bagel()``) as a directory laid out like the hub snapshot
     of BAGEL-7B-MoT: ``llm_config.json``, ``vit_config.json`` (one ViT layer more than the

@@ -105,9 +105,11 @@ def latent_segment(llm: MoTLanguageModel, proj: LatentProjections, x: torch.Tens
 
 
 def step_metadata(rows: Sequence[tuple[KVContext, Segment]], page_size: int,
-                  device: torch.device | None = None) -> PagedAttentionMetadata:
+                  device: torch.device | None = None, backend: str = "torch") -> PagedAttentionMetadata:
     """The metadata of one forward appending each segment at its context's end. A causal
-    segment's tokens see the cache up to themselves, an image's up to its last token."""
+    segment's tokens see the cache up to themselves, an image's up to its last token: every
+    backend's rule (a query sees the keys at or below its mask position), so ``backend``
+    (``"torch"`` or ``"triton"``, ``mstar.layers.attention``) runs images both ways as well."""
     positions, slots, starts, seq_lens = [], [], [0], []
     for ctx, seg in rows:
         n = seg.embeds.shape[0]
@@ -126,18 +128,18 @@ def step_metadata(rows: Sequence[tuple[KVContext, Segment]], page_size: int,
     meta = PagedAttentionMetadata(
         positions=torch.cat(positions), slot_mapping=torch.cat(slots), query_start_loc=torch.tensor(starts),
         seq_lens=torch.tensor(seq_lens), page_table=table, page_size=page_size,
-        host_query_start_loc=tuple(starts), host_seq_lens=tuple(seq_lens))
+        host_query_start_loc=tuple(starts), host_seq_lens=tuple(seq_lens), backend=backend)
     if device is None or device.type == "cpu":
         return meta
     return PagedAttentionMetadata(
         positions=meta.positions.to(device), slot_mapping=meta.slot_mapping.to(device),
         query_start_loc=meta.query_start_loc.to(device), seq_lens=meta.seq_lens.to(device),
         page_table=meta.page_table.to(device), page_size=page_size, host_query_start_loc=tuple(starts),
-        host_seq_lens=tuple(seq_lens))
+        host_seq_lens=tuple(seq_lens), backend=backend)
 
 
 def _forward(llm: MoTLanguageModel, kv_caches: list[torch.Tensor], page_size: int,
-             rows: Sequence[tuple[KVContext, Segment]]) -> torch.Tensor:
+             rows: Sequence[tuple[KVContext, Segment]], backend: str) -> torch.Tensor:
     device = kv_caches[0].device
     embeds = torch.cat([seg.embeds for _, seg in rows]).to(device)
     rope = torch.cat([seg.rope_positions(ctx.rope) for ctx, seg in rows]).to(device)
@@ -145,15 +147,15 @@ def _forward(llm: MoTLanguageModel, kv_caches: list[torch.Tensor], page_size: in
     if any(seg.generation is not None for _, seg in rows):
         generation = torch.cat([seg.generation if seg.generation is not None
                                 else torch.zeros(seg.embeds.shape[0], dtype=torch.bool) for _, seg in rows])
-    return llm(embeds, rope, kv_caches, step_metadata(rows, page_size, device), generation)
+    return llm(embeds, rope, kv_caches, step_metadata(rows, page_size, device, backend), generation)
 
 
 @torch.no_grad()
 def extend(llm: MoTLanguageModel, kv_caches: list[torch.Tensor], page_size: int,
-           rows: Sequence[tuple[KVContext, Segment]]) -> None:
-    """Append each segment to its context (one forward for all): the keys and values are
-    cached, and the contexts advance."""
-    _forward(llm, kv_caches, page_size, rows)
+           rows: Sequence[tuple[KVContext, Segment]], backend: str = "torch") -> None:
+    """Append each segment to its context (one forward for all, attention by ``backend``): the
+    keys and values are cached, and the contexts advance."""
+    _forward(llm, kv_caches, page_size, rows, backend)
     for ctx, seg in rows:
         ctx.length += seg.embeds.shape[0]
         ctx.rope += seg.rope_span
@@ -171,11 +173,12 @@ class FlowQuery:
 
 @torch.no_grad()
 def flow_velocities(llm: MoTLanguageModel, proj: LatentProjections, kv_caches: list[torch.Tensor], page_size: int,
-                    queries: Sequence[FlowQuery], tokens: SpecialTokens) -> list[torch.Tensor]:
-    """The velocity ``[N, 4C]`` (float32) of each query, all in one forward; the contexts are
-    left as they were (the queries' keys and values sit in scratch slots past them)."""
+                    queries: Sequence[FlowQuery], tokens: SpecialTokens, backend: str = "torch") -> list[torch.Tensor]:
+    """The velocity ``[N, 4C]`` (float32) of each query, all in one forward (attention by
+    ``backend``); the contexts are left as they were (the queries' keys and values sit in
+    scratch slots past them)."""
     rows = [(q.context, latent_segment(llm, proj, q.x, q.t, q.position_ids, tokens)) for q in queries]
-    hidden = _forward(llm, kv_caches, page_size, rows)
+    hidden = _forward(llm, kv_caches, page_size, rows, backend)
     out, start = [], 0
     for _, seg in rows:
         n = seg.embeds.shape[0]
@@ -218,12 +221,13 @@ def guided_velocity(v: Sequence[torch.Tensor], cfg: CfgOptions | None) -> torch.
 
 def generate_latents(llm: MoTLanguageModel, proj: LatentProjections, kv_caches: list[torch.Tensor], page_size: int,
                      contexts: ImageContexts, noise: torch.Tensor, position_ids: torch.Tensor, tokens: SpecialTokens,
-                     num_timesteps: int = 50, shift: float = 3.0, cfg: CfgOptions | None = None) -> torch.Tensor:
+                     num_timesteps: int = 50, shift: float = 3.0, cfg: CfgOptions | None = None,
+                     backend: str = "torch") -> torch.Tensor:
     """One image's latent tokens ``[N, 4C]``: Euler steps from ``noise`` over the shifted
-    schedule, guided by ``cfg`` (``None``: unguided) inside its interval."""
+    schedule, guided by ``cfg`` (``None``: unguided) inside its interval, attention by ``backend``."""
     x = noise.float()
     for t, dt in zip(*timestep_schedule(num_timesteps, shift)):
         queries = step_queries(contexts, x, float(t), position_ids, cfg)
-        v = flow_velocities(llm, proj, kv_caches, page_size, queries, tokens)
+        v = flow_velocities(llm, proj, kv_caches, page_size, queries, tokens, backend)
         x = x - guided_velocity(v, cfg) * dt
     return x

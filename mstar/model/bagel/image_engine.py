@@ -12,6 +12,11 @@ Generator ops (ports in brackets):
 - ``step`` [latents -> latents]: Euler step ``iteration`` of the request's schedule. Every
   variant of every request in the batch runs in one forward of the LLM.
 
+``attention_backend`` (the family's knob) names the paged attention of both ops: ``torch``
+(the reference) or ``triton`` (``mstar.layers.triton_attention``). The Triton prefill kernel
+masks each query by its mask position as the torch path does, so an image's tokens, which all
+share the image's last position, attend both ways within it.
+
 Request params: ``height``, ``width`` (pixels), ``num_timesteps`` (the schedule's points; the
 walk loops ``num_timesteps - 1`` steps), ``timestep_shift`` and the guidance
 (``cfg_text_scale``, ``cfg_img_scale``, ``cfg_interval``, ``cfg_renorm_type``,
@@ -31,7 +36,7 @@ import torch
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
 from mstar.engine.page_pool import PagePool
-from mstar.layers.paged_kv import allocate_kv_cache
+from mstar.layers.paged_kv import ATTENTION_BACKENDS, allocate_kv_cache
 from mstar.model.bagel.flow import (
     FlowQuery,
     ImageContexts,
@@ -85,8 +90,12 @@ class _Job:
 
 class BagelImageEngine(Engine):
     def __init__(self, llm: MoTLanguageModel, proj: LatentProjections, vae: ZImageVAE, tokens: SpecialTokens, *,
-                 num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype) -> None:
+                 num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype,
+                 attention_backend: str = "torch") -> None:
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
         self.llm, self.proj, self.vae, self.tokens = llm, proj, vae, tokens
+        self.backend = attention_backend
         self.device, self.dtype, self.page_size = device, dtype, page_size
         self.downsample = vae.config.scale_factor * proj.patch_size  # pixels per latent token side
         layers, heads, head_dim = llm.cache_shape()
@@ -161,7 +170,7 @@ class BagelImageEngine(Engine):
         depth = max((len(segs) for _, segments in built for segs in segments.values()), default=0)
         for k in range(depth):
             rows = [(ctx[v], segs[k]) for ctx, segments in built for v, segs in segments.items() if k < len(segs)]
-            extend(self.llm, self.kv, self.page_size, rows)
+            extend(self.llm, self.kv, self.page_size, rows, self.backend)
         return outputs
 
     def _reserve(self, request_id: str, need: dict[str, int]) -> bool:
@@ -186,7 +195,7 @@ class BagelImageEngine(Engine):
             per_item.append(step_queries(job.contexts, x, float(job.times[item.iteration]), job.position_ids,
                                          job.cfg))
         velocities = flow_velocities(self.llm, self.proj, self.kv, self.page_size,
-                                     [q for qs in per_item for q in qs], self.tokens)
+                                     [q for qs in per_item for q in qs], self.tokens, self.backend)
         outputs, start = [], 0
         for item, queries in zip(items, per_item):
             job = self.jobs[item.request_id]

@@ -105,7 +105,8 @@ class BagelImageWalks:
             tokens = ckpt.special_tokens(ckpt.tokenizer())
             engines[GENERATOR] = BagelImageEngine(
                 model, proj, vae, tokens, num_pages=self.knobs.generator_kv_pages,
-                page_size=self.config.resources.kv_cache.page_size, device=device, dtype=dtype)
+                page_size=self.config.resources.kv_cache.page_size, device=device, dtype=dtype,
+                attention_backend=self.knobs.attention_backend)
         if VAE in nodes:
             engines[VAE] = vae_decode_engine(vae, device, dtype, proj.patch_size)
         return engines

@@ -12,7 +12,8 @@ from mstar.model.knobs import Knobs
 
 class BagelKnobs(Knobs):
     attention_backend: Literal["torch", "triton"] = "torch"
-    """The decoder's paged-attention kernels: ``torch`` (the reference) or ``triton``."""
+    """The paged-attention kernels of the decoder and of the image generator (its contexts and
+    denoise steps): ``torch`` (the reference) or ``triton``."""
 
     max_images_per_request: int = Field(8, ge=0)
     """Images one chat request may hold; more is a 400 naming the first image over."""
