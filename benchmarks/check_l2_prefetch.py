@@ -20,8 +20,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def timed(fn, before) -> float:
+    """Microseconds of ``fn`` on the GPU after ``before``. A spin kernel first keeps the GPU
+    busy while the host launches ``fn``, so its launch latency is not timed."""
     before()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(200_000)  # ~0.1 ms
     start.record()
     fn()
     end.record()
@@ -63,7 +66,7 @@ def main() -> int:
             for _ in range(3):
                 product()
             base = statistics.median(timed(product, cold) for _ in range(args.repeats))
-            line = f"{name:8} rows {rows:3}: cold {base:6.1f} us ({n * k * 2 / base / 1e3:.2f} TB/s)"
+            line = f"{name:8} rows {rows:3}: cold {base:6.1f} us ({n * k * 2 / base / 1e6:.2f} TB/s)"
             for fraction in args.fractions:
                 fetch = functools.partial(l2_prefetch, w, fraction)
                 warm = statistics.median(timed(product, functools.partial(fetched, cold, fetch))
