@@ -106,6 +106,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def free_device(device: torch.device | str) -> None:
+    """Drop what a finished part of a run left: garbage first, then the CUDA cache's blocks."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _time_op(op, device: torch.device, repeats: int, warmup: int) -> list[float]:
     """Seconds each of ``repeats`` calls of ``op`` took (CUDA events on a GPU)."""
     for _ in range(warmup):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import io
 import json
 import logging
@@ -55,6 +54,7 @@ import torch
 from benchmarks.common import (
     Metric,
     add_run_args,
+    free_device,
     hardware,
     measure_matmul_tflops,
     measure_memory_bandwidth,
@@ -304,7 +304,7 @@ def run_ours(settings: Settings, directory: Path) -> dict[str, Any]:
                  statistics.median(out["chat_ttft_s"]) * 1e3, statistics.median(out["chat_ms_per_token"]))
     finally:
         d.close()
-        _free(settings)
+        free_device(settings.device)
     return out
 
 
@@ -381,7 +381,7 @@ def build_reference(settings: Settings, directory: Path, br) -> tuple[Any, Any]:
                  for k, v in ae.state_dict().items()}
         ae.load_state_dict(state, strict=True)
     ours.clear()
-    _free(settings)
+    free_device(settings.device)
     return model, ae
 
 
@@ -472,14 +472,8 @@ def run_reference(settings: Settings, directory: Path, attention: str) -> dict[s
                  statistics.median(out["chat_ms_per_token"]))
     finally:
         held.clear()
-        _free(settings)
+        free_device(settings.device)
     return out
-
-
-def _free(settings: Settings) -> None:
-    gc.collect()
-    if settings.device == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- report

@@ -35,7 +35,6 @@ them against transformers').
 from __future__ import annotations
 
 import argparse
-import gc
 import io
 import json
 import logging
@@ -56,6 +55,7 @@ from benchmarks.common import (
     Metric,
     TimedSink,
     add_run_args,
+    free_device,
     hardware,
     measure_matmul_tflops,
     measure_memory_bandwidth,
@@ -518,12 +518,6 @@ def run_baseline(settings: Settings, policy_dir: Path, prompt_ids: torch.Tensor)
         free_device(settings.device)
     out["total_s"] = time.perf_counter() - t0
     return out
-
-
-def free_device(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- metrics
