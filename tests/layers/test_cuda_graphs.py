@@ -68,6 +68,24 @@ def step_meta(pool: PagePool, chunks: list[tuple[str, int, int]], device: torch.
                                   table.to(device), pool.page_size, backend)
 
 
+def eager_and_graphed_step(model, lens: dict[str, int], prompt: torch.Tensor, tokens: torch.Tensor,
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one decode step of ``tokens`` after prefilling ``prompt`` (the sequences
+    ``lens``, in a fresh cache and pool), eagerly and from a CUDA graph captured on the spot,
+    with the Triton attention."""
+    caches = allocate_kv_cache(2, 256, 4, 2, 64, torch.bfloat16, device)
+    pool = PagePool(255, 4)
+    model(prompt, step_meta(pool, [(s, 0, n) for s, n in lens.items()], device, "triton"), caches)
+    meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], device, "triton")
+    eager = model.compute_logits(model(tokens, meta, caches))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = model.compute_logits(model(tokens, meta, caches))
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager.clone(), graphed.clone()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 

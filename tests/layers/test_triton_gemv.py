@@ -362,18 +362,15 @@ def test_pdl_launches_give_the_same_logits(rows: int) -> None:
     from a captured graph, gives bit-identical logits with and without programmatic dependent
     launch: the kernels are the same, only when they may start differs. Skips where the GPU
     has no PDL (before compute capability 9.0)."""
-    from test_cuda_graphs import step_meta
+    from test_cuda_graphs import eager_and_graphed_step
     from test_cuda_graphs import tiny_llama as gpu_llama
 
-    from mstar.engine.page_pool import PagePool
-    from mstar.layers.paged_kv import allocate_kv_cache
     from mstar.layers.triton_support import pdl, set_pdl
 
     if not pdl(torch.zeros(1, device=DEVICE)):
         pytest.skip("this GPU takes no programmatic dependent launch")
     model = gpu_llama(DEVICE, torch.bfloat16)
     model.use_fused_kernels()
-    pool = PagePool(255, 4)
     lens = {f"s{i}": 3 + i for i in range(rows)}
     prompt = torch.randint(0, 512, (sum(lens.values()),), device=DEVICE)
     tokens = torch.randint(0, 512, (rows,), device=DEVICE)
@@ -383,17 +380,7 @@ def test_pdl_launches_give_the_same_logits(rows: int) -> None:
             patch.setattr(modeling, "DECODE_GEMV", GemvRule(qkv=64, o=64, gate_up=64, down=64, norm_prologue=0))
             for on in (False, True):
                 set_pdl(on, 1 << 20)
-                caches = allocate_kv_cache(2, 256, 4, 2, 64, torch.bfloat16, DEVICE)
-                pool = PagePool(255, 4)
-                model(prompt, step_meta(pool, [(s, 0, n) for s, n in lens.items()], DEVICE, "triton"), caches)
-                meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], DEVICE, "triton")
-                eager = model.compute_logits(model(tokens, meta, caches))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    graphed = model.compute_logits(model(tokens, meta, caches))
-                graph.replay()
-                torch.cuda.synchronize()
-                results[on] = (eager.clone(), graphed.clone())
+                results[on] = eager_and_graphed_step(model, lens, prompt, tokens, DEVICE)
     finally:
         set_pdl(None, 2 << 20)
     assert torch.equal(results[True][0], results[False][0])

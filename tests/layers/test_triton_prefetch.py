@@ -34,11 +34,8 @@ def test_cpu_tensors_are_left_alone() -> None:
 @needs_cuda(triton=True)
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_prefetch_gives_the_same_logits(rows: int) -> None:
-    from test_cuda_graphs import step_meta
+    from test_cuda_graphs import eager_and_graphed_step
     from test_cuda_graphs import tiny_llama as gpu_llama
-
-    from mstar.engine.page_pool import PagePool
-    from mstar.layers.paged_kv import allocate_kv_cache
 
     device = torch.device("cuda")
     model = gpu_llama(device, torch.bfloat16)
@@ -51,16 +48,6 @@ def test_prefetch_gives_the_same_logits(rows: int) -> None:
         patch.setattr(modeling, "DECODE_GEMV", GemvRule(qkv=64, o=64, gate_up=64, down=64, norm_prologue=0))
         for plan in ("off", "qkv=0.5,o=1,gate_up=0.25,max_rows=64"):
             patch.setattr(modeling, "L2_PREFETCH", PrefetchPlan.parse(plan))
-            caches = allocate_kv_cache(2, 256, 4, 2, 64, torch.bfloat16, device)
-            pool = PagePool(255, 4)
-            model(prompt, step_meta(pool, [(s, 0, n) for s, n in lens.items()], device, "triton"), caches)
-            meta = step_meta(pool, [(s, n, n + 1) for s, n in lens.items()], device, "triton")
-            eager = model.compute_logits(model(tokens, meta, caches))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                graphed = model.compute_logits(model(tokens, meta, caches))
-            graph.replay()
-            torch.cuda.synchronize()
-            results[plan] = (eager.clone(), graphed.clone())
+            results[plan] = eager_and_graphed_step(model, lens, prompt, tokens, device)
     (off_eager, off_graphed), (on_eager, on_graphed) = results.values()
     assert torch.equal(on_eager, off_eager) and torch.equal(on_graphed, off_graphed)
