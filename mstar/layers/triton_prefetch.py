@@ -76,7 +76,7 @@ class PrefetchPlan:
         does not have is refused by name."""
         if text.strip() in ("", "off", "0"):
             return cls()
-        known = {f.name: f.type for f in fields(cls)}
+        known = [f.name for f in fields(cls)]
         values: dict[str, float | int] = {}
         for part in text.split(","):
             key, _, value = part.partition("=")

@@ -368,16 +368,20 @@ class LlamaDecoderLayer(nn.Module):
                 return gemv(h, proj.weight, proj.bias, silu_mul=silu_mul), residual
             return (silu_and_mul(proj(h)) if silu_mul else proj(h)), residual
 
-        plan = L2_PREFETCH if L2_PREFETCH.active and rows <= L2_PREFETCH.max_rows else PrefetchPlan()
-        _L2.fetch(attn.qkv_proj.weight, plan.qkv)
+        plan = L2_PREFETCH if L2_PREFETCH.active and rows <= L2_PREFETCH.max_rows else None
+        if plan:
+            _L2.fetch(attn.qkv_proj.weight, plan.qkv)
         qkv, residual = norm_then(self.input_layernorm, x, residual, attn.qkv_proj, rule.qkv, False)
-        _L2.fetch(attn.o_proj.weight, plan.o)
+        if plan:
+            _L2.fetch(attn.o_proj.weight, plan.o)
         out = attn.attend(qkv, cos_sin, meta, kv_cache)
         h = attn.o_proj(out, linear=gemv) if rows <= rule.o else attn.o_proj(out)
-        _L2.fetch(mlp.gate_up_proj.weight, plan.gate_up)
+        if plan:
+            _L2.fetch(mlp.gate_up_proj.weight, plan.gate_up)
         act, residual = norm_then(self.post_attention_layernorm, h, residual, mlp.gate_up_proj, rule.gate_up, True)
         out = mlp.down_proj(act, linear=gemv) if rows <= rule.down else mlp.down_proj(act)
-        _L2.join()
+        if plan:
+            _L2.join()
         return out, residual
 
 
