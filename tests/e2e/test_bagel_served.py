@@ -7,23 +7,21 @@ many images, an image over the pixel budget and a broken one each get a 400 nami
 from __future__ import annotations
 
 import base64
-import io
 import json
 import re
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from live_server import Uvicorn
-from PIL import Image
 
 from mstar.config import parse_config
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
+from tests.support import chat_http
+from tests.support.chat_http import image, png_uri, text
 
 MODEL = "bagel"
 MAX_TOKENS = 5
@@ -55,25 +53,14 @@ def oai(server: Uvicorn) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def png_uri(seed: int, size: tuple[int, int]) -> str:
-    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
-def text(value: str) -> dict:
-    return {"type": "text", "text": value}
 
 
 def ask(oai: openai.OpenAI, content: list[dict] | str, **extra: object):
-    return oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True, **extra})
+    return chat_http.ask(oai, MODEL, content, MAX_TOKENS, **extra)
 
 
 CONTENTS = [
@@ -96,19 +83,7 @@ def test_text_and_image_chats(oai: openai.OpenAI) -> None:
 
 
 def test_concurrent_requests_equal_solo(oai: openai.OpenAI) -> None:
-    def answer(content) -> tuple[str, int]:
-        result = ask(oai, content)
-        return result.choices[0].message.content, result.usage.prompt_tokens
-
-    alone = [answer(c) for c in CONTENTS]
-    assert len(set(alone)) == len(CONTENTS)
-    with ThreadPoolExecutor(len(CONTENTS) * 2) as pool:
-        together = list(pool.map(answer, CONTENTS * 2))
-    assert together == alone * 2
-    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CONTENTS[1]}],
-                                         max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == alone[1][0]
+    chat_http.check_concurrent_equals_solo(oai, MODEL, CONTENTS, MAX_TOKENS, streamed=1)
 
 
 @pytest.mark.parametrize(("content", "param", "rule"), [

@@ -12,7 +12,6 @@ import base64
 import io
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,8 @@ from transformers import Qwen3_5Config as HFConfig
 from mstar.config import parse_config
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
+from tests.support import chat_http
+from tests.support.chat_http import image, png_uri, text
 
 MODEL = "qwen3_5_0_8b"
 MAX_TOKENS = 5
@@ -77,11 +78,6 @@ def write_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def png_uri(seed: int, size: tuple[int, int]) -> str:
-    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def gif_uri(seed: int, frames: int, size: tuple[int, int]) -> str:
@@ -92,16 +88,12 @@ def gif_uri(seed: int, frames: int, size: tuple[int, int]) -> str:
     return "data:image/gif;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def video(url: str) -> dict:
     return {"type": "video_url", "video_url": {"url": url}}
 
 
-def text(value: str) -> dict:
-    return {"type": "text", "text": value}
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +118,7 @@ def oai(server: Uvicorn) -> openai.OpenAI:
 
 
 def ask(oai: openai.OpenAI, content: list[dict] | str, **extra: object):
-    return oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True, **extra})
+    return chat_http.ask(oai, MODEL, content, MAX_TOKENS, **extra)
 
 
 CONTENTS = [
@@ -159,19 +149,7 @@ def test_enable_thinking_reaches_the_template(oai: openai.OpenAI) -> None:
 
 
 def test_concurrent_requests_equal_solo(oai: openai.OpenAI) -> None:
-    def answer(content) -> tuple[str, int]:
-        result = ask(oai, content)
-        return result.choices[0].message.content, result.usage.prompt_tokens
-
-    alone = [answer(c) for c in CONTENTS]
-    assert len(set(alone)) == len(CONTENTS)
-    with ThreadPoolExecutor(len(CONTENTS) * 2) as pool:
-        together = list(pool.map(answer, CONTENTS * 2))
-    assert together == alone * 2
-    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CONTENTS[0]}],
-                                         max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == alone[0][0]
+    chat_http.check_concurrent_equals_solo(oai, MODEL, CONTENTS, MAX_TOKENS, streamed=0)
 
 
 @pytest.mark.parametrize(("content", "param", "rule"), [
