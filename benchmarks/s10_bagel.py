@@ -354,6 +354,12 @@ def build_reference(settings: Settings, directory: Path, br) -> tuple[Any, Any]:
     from mstar.model.bagel.vae import original_name
 
     device = torch.device(settings.device)
+    # Ours' weights are drawn on the device (where the deployment draws them), kept on the
+    # host while the reference is built: both at once do not fit an 80 GB card at 7B.
+    ours = ours_released_state(settings, directory, device)
+    ours["model"] = {k: v.cpu() for k, v in ours["model"].items()}
+    ours["vae"] = {k: v.cpu() for k, v in ours["vae"].items()}
+    free_device(settings.device)
     llm_config = br.Qwen2Config(**settings.llm)
     vit_config = br.SiglipVisionConfig(**settings.vit)
     config = br.BagelConfig(llm_config=llm_config, vit_config=vit_config,
@@ -371,7 +377,6 @@ def build_reference(settings: Settings, directory: Path, br) -> tuple[Any, Any]:
         torch.set_default_dtype(default)
     model = model.to(settings.dtype).eval()
     ae = reference_autoencoder(settings, device).to(settings.dtype)
-    ours = ours_released_state(settings, directory, device)
     with torch.no_grad():
         missing, unexpected = model.load_state_dict(ours["model"], strict=False)
         if set(missing) - FIXED_TABLES or unexpected:
@@ -391,13 +396,13 @@ class VitTransform:
     ``ImageTransform`` gives; bagel2's own needs OpenCV, which the benchmark does without."""
 
     def __init__(self, settings: Settings) -> None:
-        self.patch = settings.vit["patch_size"]
+        self.patch, self.device = settings.vit["patch_size"], torch.device(settings.device)
         self.vit_resize, self.vae_resize = ((32, 16), (64, 32)) if settings.smoke else ((980, 224), (1024, 512))
 
     def __call__(self, image, img_num: int = 1) -> torch.Tensor:
         from mstar.model.bagel.vision import preprocess
 
-        return preprocess(image, self.patch, self.vit_resize, self.vae_resize)
+        return preprocess(image, self.patch, self.vit_resize, self.vae_resize).to(self.device)
 
 
 def run_reference(settings: Settings, directory: Path, attention: str) -> dict[str, Any]:
@@ -425,8 +430,9 @@ def run_reference(settings: Settings, directory: Path, attention: str) -> dict[s
         synchronize(device)
         start_s = time.perf_counter()
         torch.manual_seed(settings.seed)
-        [picture] = held["inferencer"].interleave_inference(
-            [PROMPT], image_shapes=(settings.size, settings.size), num_timesteps=steps, **CFG)
+        with torch.device(device):  # bagel2 makes its index tensors on the default device
+            [picture] = held["inferencer"].interleave_inference(
+                [PROMPT], image_shapes=(settings.size, settings.size), num_timesteps=steps, **CFG)
         synchronize(device)
         if picture.size != (settings.size, settings.size):
             raise RuntimeError(f"the reference drew an image of {picture.size}")
@@ -439,7 +445,8 @@ def run_reference(settings: Settings, directory: Path, attention: str) -> dict[s
         """Seconds of the prompt (image and text into the cache) and of ``tokens`` new tokens."""
         synchronize(device)
         start_s = time.perf_counter()
-        with torch.autocast(device_type="cuda", enabled=device.type == "cuda", dtype=torch.bfloat16):
+        with (torch.device(device),
+              torch.autocast(device_type="cuda", enabled=device.type == "cuda", dtype=torch.bfloat16)):
             context = held["inferencer"].init_gen_context()
             context = held["inferencer"].update_context_image(picture, context, vae=False)
             context = held["inferencer"].update_context_text(QUESTION, context)

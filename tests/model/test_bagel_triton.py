@@ -78,7 +78,7 @@ def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
+            noise = torch.randn(p.shape, generator=gen, device="cpu")  # the CPU stream on any device
             p.copy_(1.0 + 0.1 * noise if "norm" in name else (0.2 if p.ndim == 1 else 0.1) * noise)
     return module
 
