@@ -209,3 +209,34 @@ def test_ac_concurrent_requests_equal_solo(vjepa2_ac) -> None:
 def test_ac_bad_input_is_400_naming_the_field(vjepa2_ac, frames: int, kwargs: dict, field: str) -> None:
     response = post(vjepa2_ac[0], [png(32, 32, i) for i in range(frames)], kwargs)
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+def test_a_video_file_is_a_clip(vjepa2) -> None:
+    from mstar.media.video import decode_frames, encode_mp4
+
+    url, deployment = vjepa2
+    pixels = np.random.default_rng(5).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    mp4 = encode_mp4(pixels, fps=4)
+    form = {"output_modalities": '["latent"]'}
+    got = arrays(httpx.post(f"{url}/generate", data=form, files=[("files", ("clip.mp4", mp4))], timeout=120))
+    model = VJEPA2Checkpoint.locate(deployment.config.model_path).load_model(CPU, torch.float32, dummy=True, seed=0)
+    decoded = torch.from_numpy(decode_frames(mp4, [0, 1]))  # what the server decodes (H.264 is lossy)
+    with torch.no_grad():
+        close(got["embeddings"], model.encoder(processor_frames(decoded, 32)[None])[0])
+    response = httpx.post(f"{url}/generate", data=form, files=[("files", ("x.bin", b"not a clip"))], timeout=120)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "files.0", response.text
+
+
+def test_frame_preparation_crops_where_the_recipes_say() -> None:
+    """A 36x36 frame is already at the processor's short edge: its centre 32 square is cut. A
+    64x40 frame in 2-AC keeps its central 40x40 square: the 12-pixel side bands never show."""
+    frame = torch.randint(0, 256, (1, 36, 36, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    got = processor_frames(frame, 32)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    want = (frame[:, 2:34, 2:34].permute(0, 3, 1, 2).float() / 255 - mean.view(3, 1, 1)) / std.view(3, 1, 1)
+    assert torch.allclose(got, want, atol=1e-6)
+    wide = torch.zeros(1, 40, 64, 3, dtype=torch.uint8)
+    wide[:, :, :12] = wide[:, :, 52:] = 255  # white bands left and right, black square in the middle
+    out = square_crop_frames(wide, 32) * std.view(3, 1, 1) + mean.view(3, 1, 1)
+    assert out.shape == (1, 3, 32, 32) and float(out.abs().max()) < 1e-6
+    assert float(processor_frames(wide, 32).mul(std.view(3, 1, 1)).add(mean.view(3, 1, 1)).max()) < 1e-6

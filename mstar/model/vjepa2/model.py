@@ -218,7 +218,7 @@ class VJEPA2AC(ModelSpec):
     key = "vjepa2_ac"
     tasks = frozenset()  # /generate only
     generate_modalities = (frozenset({"image", "video"}), frozenset({"latent"}))
-    default_weights = "vjepa2-ac-vitg"
+    default_weights = None  # the release is a file on Meta's CDN, not a hub repo (checkpoint.AC_URL)
     Knobs = VJEPA2ACKnobs
     knobs: VJEPA2ACKnobs
 
@@ -227,7 +227,7 @@ class VJEPA2AC(ModelSpec):
                            outputs=("predicted",)))
 
     def checkpoint(self) -> VJEPA2ACCheckpoint:
-        return VJEPA2ACCheckpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir)
+        return VJEPA2ACCheckpoint.locate(self.config.model_path or "vjepa2-ac-vitg", self.config.cache_dir)
 
     def load_frontend(self) -> None:
         self.model_config = self.checkpoint().config()
