@@ -6,6 +6,7 @@ A voice to clone comes as ``model_kwargs`` ``ref_audio`` / ``ref_text``, resolve
 from __future__ import annotations
 
 import base64
+import io
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -134,6 +135,8 @@ async def generate(request: Request) -> Response:
                 result["sample_rate"] = rate
             if "action" in out.data:
                 result.update(_action_fields(out.data["action"], getattr(backend, "action_chunk", 0)))
+            if "latent" in out.data:
+                result.update(_latent_fields(out.data["latent"]))
         return JSONResponse(result)
 
     return await unless_disconnected(request, complete)
@@ -145,6 +148,15 @@ def _action_fields(data: bytes, chunk: int) -> dict[str, Any]:
     values = np.frombuffer(data, dtype="<f4")
     rows = values.reshape(chunk or 1, -1)
     return {"action": rows.tolist(), "action_shape": list(rows.shape), "action_dtype": "float32"}
+
+
+def _latent_fields(data: bytes) -> dict[str, Any]:
+    """A model's latent arrays (an ``.npz`` archive of named float32 arrays, base64 in
+    ``data.latent``) described beside it: each array's shape and dtype by name."""
+    with np.load(io.BytesIO(data)) as archive:
+        arrays = {name: {"shape": list(archive[name].shape), "dtype": str(archive[name].dtype)}
+                  for name in archive.files}
+    return {"latent_format": "npz", "latent_arrays": arrays}
 
 
 async def _generate_ndjson(
@@ -177,6 +189,8 @@ async def _generate_ndjson(
                         payload["sample_rate"] = sample_rate
                     if event.modality == "action":
                         payload.update(_action_fields(event.data, action_chunk))
+                    if event.modality == "latent":
+                        payload.update(_latent_fields(event.data))
                 if event.finish_reason:
                     payload["usage"] = tally.usage().model_dump()
                 yield line(**payload)
