@@ -42,3 +42,38 @@ def randomize(module: nn.Module, seed: int) -> nn.Module:
         else:
             param.copy_(0.3 * torch.randn(param.shape, generator=gen))
     return module.eval()
+
+
+def snapshot_dir(cache, repo: str):
+    """An empty snapshot of ``repo`` in the hub cache at ``cache`` (refs/main names it)."""
+    org, name = repo.split("/")
+    root = cache / f"models--{org}--{name}"
+    snapshot = root / "snapshots" / ("d" * 40)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text("d" * 40)
+    return snapshot
+
+
+def write_checkpoint(root, seed: int = 0, ae_subdir: str = "ae", **dit_overrides):
+    """A tiny Waypoint directory in the released layout (``config.yaml``, ``model.safetensors``,
+    the TAEHV folder with ``config.json`` and its weights); returns the source modules."""
+    import json
+
+    import yaml
+    from safetensors.torch import save_file
+
+    from mstar.model.waypoint.dit import WorldDiT
+    from mstar.model.waypoint.taehv import TAEHV
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = {**TINY_DIT, **dit_overrides, "ae_uri": ae_subdir, "ctrl_cond_dropout": 0.1}  # a training-only key
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    dit = randomize(WorldDiT(WaypointConfig.from_dict(config)), seed)
+    save_file({k: v.contiguous() for k, v in dit.state_dict().items()}, str(root / "model.safetensors"))
+    ae = root / ae_subdir
+    ae.mkdir(parents=True, exist_ok=True)
+    (ae / "config.json").write_text(json.dumps(TINY_TAEHV))
+    tae = randomize(TAEHV(TAEHVConfig.from_dict(TINY_TAEHV)), seed + 1)
+    save_file({k: v.contiguous() for k, v in tae.state_dict().items()}, str(ae / "taehv.safetensors"))
+    return dit, tae

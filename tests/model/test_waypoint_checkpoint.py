@@ -1,0 +1,81 @@
+"""Waypoint's checkpoint: a tiny directory in the released layout, in the hub cache, loads into
+the same DiT and TAEHV that wrote it (the rollout's frames equal the source modules'); a tensor
+the model lacks or a parameter the checkpoint lacks fails naming it; ``ae_uri`` may point
+elsewhere; dummy weights need no files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mstar.model.waypoint.checkpoint import WaypointCheckpoint
+from mstar.model.waypoint.rollout import WaypointWorld
+from mstar.model.weights import WeightLoadError
+from tests.support.waypoint import snapshot_dir, write_checkpoint
+
+REPO = "Overworld/Waypoint-1.5-1B"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def frames(world: WaypointWorld, seed: int = 3) -> list[torch.Tensor]:
+    rollout = world.new_rollout(seed)
+    world.start(rollout, torch.rand(3, 16, 32, generator=torch.Generator().manual_seed(1)))
+    controls = torch.randn(3, world.dit.config.control_dim, generator=torch.Generator().manual_seed(2))
+    return [world.step(rollout, row) for row in controls]
+
+
+def test_hub_cache_checkpoint_loads_the_source(tmp_path: Path, offline) -> None:
+    cache = tmp_path / "hub"
+    dit, tae = write_checkpoint(snapshot_dir(cache, REPO))
+    ckpt = WaypointCheckpoint.locate(REPO, str(cache))
+    assert ckpt.config().n_buttons == 5 and ckpt.ae_config().latent_channels == 4
+    loaded = ckpt.load_world(CPU, torch.float32)
+    want = frames(WaypointWorld(dit, tae, CPU))
+    got = frames(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert max(int(f.max()) - int(f.min()) for f in got) > 10  # not flat frames
+
+
+def test_ae_uri_may_point_elsewhere(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "model", ae_subdir="../taehv")
+    ckpt = WaypointCheckpoint.locate(str(tmp_path / "model"))
+    assert ckpt.ae_dir().resolve() == (tmp_path / "taehv").resolve()
+    ckpt.load_world(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("part", ["model.safetensors", "ae/taehv.safetensors"])
+def test_coverage_is_checked_both_ways(tmp_path: Path, part: str) -> None:
+    write_checkpoint(tmp_path)
+    path = tmp_path / part
+    tensors = load_file(str(path))
+    dropped = sorted(tensors)[0]
+    save_file({**{k: v for k, v in tensors.items() if k != dropped}, "extra.weight": torch.zeros(1)}, str(path))
+    with pytest.raises(WeightLoadError) as err:
+        WaypointCheckpoint.locate(str(tmp_path)).load_world(CPU, torch.float32)
+    assert dropped in str(err.value) and "extra.weight" in str(err.value)
+
+
+def test_dummy_weights_read_no_tensors(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "ae" / "taehv.safetensors").unlink()
+    world = WaypointCheckpoint.locate(str(tmp_path)).load_world(CPU, torch.float32, dummy=True, seed=0)
+    assert frames(world)[0].shape == (4, 16, 32, 3)
+
+
+def test_a_text_prompted_config_is_refused(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path)
+    with open(tmp_path / "config.yaml", "a") as f:
+        f.write("prompt_conditioning: cross_attention\n")
+    with pytest.raises(ValueError, match="prompt_conditioning"):
+        WaypointCheckpoint.locate(str(tmp_path)).config()
