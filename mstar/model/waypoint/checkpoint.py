@@ -90,7 +90,9 @@ class WaypointCheckpoint:
     def load_dit(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> WorldDiT:
         with torch.device(device):
             dit = WorldDiT(self.config())
-        return fill_weights(dit.to(dtype), _tensors(self.root / WEIGHTS), dummy=dummy, seed=seed)
+        dit = fill_weights(dit.to(dtype), _tensors(self.root / WEIGHTS), dummy=dummy, seed=seed)
+        dit.denoise_step_emb.float()  # float32 in any deployment, as the reference keeps it
+        return dit
 
     def load_taehv(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> TAEHV:
         with torch.device(device):

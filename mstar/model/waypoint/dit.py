@@ -64,7 +64,8 @@ def gate(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 class NoiseConditioner(nn.Module):
-    """Noise level -> Fourier features of ``1000 sigma`` over a geometric spectrum -> MLP."""
+    """Noise level -> Fourier features of ``1000 sigma`` over a geometric spectrum -> MLP. The
+    reference keeps this module in float32 whatever the model's dtype (the loader does too)."""
 
     def __init__(self, dim: int, fourier_dim: int = 512, base: float = 10_000.0):
         super().__init__()
@@ -304,7 +305,7 @@ class WorldDiT(nn.Module):
             raise ValueError(f"latent frames of {h}x{w} do not make the DiT's {c.height}x{c.width} token grid")
         frames = list(range(first_frame, first_frame + n))
         angles = self.rotary.angles(torch.tensor(frames, device=x.device))
-        cond = self.denoise_step_emb(sigma)
+        cond = self.denoise_step_emb(sigma).to(self.unpatchify.weight.dtype)
         ctrl = self.ctrl_emb(control)
         tokens = self.patchify(x.reshape(b * n, ch, h, w)).flatten(2).transpose(1, 2)  # [B*N, T, D]
         tokens = tokens.reshape(b, n * c.tokens_per_frame, c.d_model)
