@@ -113,11 +113,21 @@ def test_taehv_shapes_and_streaming_equal_whole(tae: TAEHV) -> None:
     z = torch.randn(2, 5, 4, 2, 4, generator=gen)
     whole = tae.decode_whole(z)
     assert whole.shape == (2, 5 * 4 - 3, 3, 16, 32)
-    decoder = StreamingDecoder(tae)
-    frames = [decoder.push(z[:, i:i + 1]) for i in range(5)]
-    assert [f.shape[1] for f in frames] == [1, 4, 4, 4, 4]
-    assert close(torch.cat(frames, 1), whole)
+    stream = TimeStream(tae.decoder)
+    raw = torch.cat([stream.push(z[:, i:i + 1]) for i in range(5)], 1)
+    assert close(tae.from_decoder(raw)[:, 3:], whole)
     assert whole.min() >= 0 and whole.max() <= 1 and whole.std() > 1e-3
+
+
+def test_streaming_decoder_primes_with_the_first_latent(tae: TAEHV) -> None:
+    """The world-model decode: the first latent is fed time_upscale times, only the last pass's
+    frames kept; then four frames per latent. == the whole decode of the primed sequence."""
+    z = torch.randn(1, 3, 4, 2, 4, generator=torch.Generator().manual_seed(8))
+    decoder = StreamingDecoder(tae)
+    frames = [decoder.push(z[:, i:i + 1]) for i in range(3)]
+    assert [f.shape[1] for f in frames] == [4, 4, 4]
+    primed = torch.cat((z[:, :1].expand(-1, 3, -1, -1, -1), z), 1)
+    assert close(torch.cat(frames, 1), tae.decode_whole(primed)[:, 9:])
 
 
 def test_a_single_image_encodes_to_one_latent(tae: TAEHV) -> None:
@@ -177,3 +187,15 @@ def test_rollout_equals_the_sampler_written_out(dit: WorldDiT, tae: TAEHV) -> No
             x = x + (s_next - s) * dit(torch.cat((past, x), 1), sigma, 0, ctrl)[:, -1:]
         assert close(latent, x[:, 0])
         past, past_c = torch.cat((past, x), 1), ctrl
+
+
+def test_frames_are_resized_to_the_display_size(dit: WorldDiT, tae: TAEHV, monkeypatch) -> None:
+    """The released 16:8 autoencoder sizes are shown at 16:9 (bilinear), as the reference does;
+    here the tiny model's 16x32 stands in for one of them."""
+    from mstar.model.waypoint import rollout as module
+
+    monkeypatch.setattr(module, "DISPLAY_SIZES", {(16, 32): (18, 32)})
+    world = WaypointWorld(dit, tae, torch.device("cpu"))
+    state = world.new_rollout(0)
+    world.start(state, torch.rand(3, 16, 32, generator=torch.Generator().manual_seed(1)))
+    assert world.step(state, torch.zeros(dit.config.control_dim)).shape == (4, 18, 32, 3)

@@ -9,16 +9,18 @@ One node, ``world`` (``mstar.model.waypoint.engine``), and one walk, ``rollout``
 ``/generate`` takes the seed image as its one file and ``model_kwargs`` ``{"controls": [{"buttons":
 [..], "mouse": [x, y], "scroll": -1|0|1}, ...], "seed": n}`` with ``output_modalities=["video"]``;
 each step's frames stream out as they are made, one ``video`` event per control: uint8 RGB, frame
-after frame, ``time_upscale`` frames of ``height x width`` (the model's size, ``frame_shape``).
-The seed image is resized (bicubic) to that size. A client that sends controls one message at a
-time (``/generate/ws`` with sessions) drives the same ``Rollout`` step by step.
+after frame, ``time_upscale`` frames of ``height x width`` (the display size, ``frame_shape``).
+The seed image is resized (bilinear) to the autoencoder's size; for the released 16:8 latent
+grids the frames are resized back to 16:9 (720p or 360p), as the reference does. A client that
+sends controls one message at a time (``/generate/ws`` with sessions) drives the same
+``Rollout`` step by step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from PIL import Image
+import torch.nn.functional as F
 
 from mstar.contract import GenerateSpec, OutputEvent, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
@@ -28,6 +30,7 @@ from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.waypoint.checkpoint import WaypointCheckpoint
 from mstar.model.waypoint.engine import FRAME, START, control_vector
 from mstar.model.waypoint.knobs import WaypointKnobs, WaypointRequest
+from mstar.model.waypoint.rollout import DISPLAY_SIZES
 
 
 @register
@@ -58,8 +61,9 @@ class Waypoint(ModelSpec):
         self.world_config = ckpt.config()
         ae = ckpt.ae_config()
         c = self.world_config
-        height, width = (c.height * c.patch[0] * ae.space_scale, c.width * c.patch[1] * ae.space_scale)
-        self.frame_shape = (ae.time_upscale, height, width, 3)  # one step's frames
+        self.pixel_size = (c.height * c.patch[0] * ae.space_scale, c.width * c.patch[1] * ae.space_scale)
+        height, width = DISPLAY_SIZES.get(self.pixel_size, self.pixel_size)
+        self.frame_shape = (ae.time_upscale, height, width, 3)  # one step's frames, as sent
         self.max_controls = min(self.knobs.max_frames, c.n_frames - 1)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
@@ -84,15 +88,16 @@ class Waypoint(ModelSpec):
         return WalkRequest("rollout", inputs, {"num_frames": len(rows), "seed": seed})
 
     def pixels(self, data: bytes) -> torch.Tensor:
-        """The seed image as RGB ``[3, H, W]`` in [0, 1] at the model's size."""
+        """The seed image as RGB ``[3, H, W]`` in [0, 1] at the autoencoder's size (bilinear, as
+        the reference resizes its 16:9 frames to 16:8)."""
         try:
             image = decode_image(data, field="files[0]")
         except ImageError as err:
             raise RequestError(err.field, err.message, err.status) from None
-        _, height, width, _ = self.frame_shape
-        if image.size != (width, height):
-            image = image.resize((width, height), resample=Image.BICUBIC)
-        return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
+        rgb = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+        if tuple(rgb.shape[1:]) != self.pixel_size:
+            rgb = F.interpolate(rgb[None], size=self.pixel_size, mode="bilinear", align_corners=False)[0]
+        return rgb.contiguous()
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream:
         return FrameStream()

@@ -18,9 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from mstar.model.waypoint.dit import FrameKV, WorldDiT
 from mstar.model.waypoint.taehv import TAEHV, StreamingDecoder
+
+# The autoencoder's 16:8 frames -> the 16:9 frames shown, as the reference resizes them
+# (bilinear both ways: a seed image is resized to the autoencoder's size on the way in).
+DISPLAY_SIZES = {(512, 1024): (720, 1280), (256, 512): (360, 640)}
 
 
 @dataclass
@@ -44,6 +49,7 @@ class WaypointWorld:
         scale = tae.config.space_scale
         self.latent_shape = (c.channels, c.height * c.patch[0], c.width * c.patch[1])
         self.pixel_size = (self.latent_shape[1] * scale, self.latent_shape[2] * scale)  # (height, width)
+        self.display_size = DISPLAY_SIZES.get(self.pixel_size, self.pixel_size)
         self.sigmas = c.scheduler_sigmas
 
     def new_rollout(self, seed: int) -> Rollout:
@@ -52,22 +58,25 @@ class WaypointWorld:
 
     @torch.inference_mode()
     def start(self, rollout: Rollout, pixels: torch.Tensor) -> torch.Tensor:
-        """The seed image ``[3, H, W]`` in [0, 1] (the model's size) -> its latent, appended as
-        frame 0 with a zero control. The decoder is primed with it; its frames are not sent."""
+        """The seed image ``[3, H, W]`` in [0, 1] at the autoencoder's size -> its latent (the
+        image taken as ``time_downscale`` identical frames), appended as frame 0 with a zero
+        control. It is not decoded: the client has the image."""
         if rollout.frame:
             raise ValueError("the rollout has started already")
         video = pixels.to(self.device, self.dtype)[None, None]
         latent = self.tae.encode_whole(video)[:, 0]
         self._append(rollout, latent, torch.zeros(self.dit.config.control_dim))
-        rollout.decoder.push(latent[:, None])
         return latent
 
     @torch.inference_mode()
     def step(self, rollout: Rollout, control: torch.Tensor) -> torch.Tensor:
-        """One control ``[control_dim]`` -> the next frames, uint8 ``[time_upscale, H, W, 3]``."""
+        """One control ``[control_dim]`` -> the next frames, uint8 ``[time_upscale, H, W, 3]``
+        at the display size."""
         latent = self.generate_latent(rollout, control)
-        frames = rollout.decoder.push(latent[:, None])[0]  # [T, 3, H, W] in [0, 1]
-        return (frames.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+        frames = rollout.decoder.push(latent[:, None])[0]  # [T, 3, h, w] in [0, 1]
+        if tuple(frames.shape[-2:]) != self.display_size:
+            frames = F.interpolate(frames, size=self.display_size, mode="bilinear", align_corners=False)
+        return (frames.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
     def generate_latent(self, rollout: Rollout, control: torch.Tensor) -> torch.Tensor:
         if rollout.frame >= self.dit.config.n_frames:

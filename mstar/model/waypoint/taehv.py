@@ -182,15 +182,20 @@ class TimeStream:
 
 
 class StreamingDecoder:
-    """Latent frames in, RGB frames in [0, 1] out, one latent at a time; the first
-    ``time_upscale - 1`` frames of the stream are warm-up and are cut (as ``decode_whole``)."""
+    """Latent frames in, RGB frames in [0, 1] out, one latent at a time, ``time_upscale`` frames
+    each. The stream is primed as the reference's world-model decode primes it: the first
+    latent goes in ``time_upscale`` times and only the last pass's frames come out (the first
+    passes fill the memory blocks and absorb the warm-up frames ``decode_whole`` cuts)."""
 
     def __init__(self, tae: TAEHV):
         self.tae = tae
         self.stream = TimeStream(tae.decoder)
-        self.to_cut = tae.config.time_upscale - 1
+        self.primed = False
 
-    def push(self, latents: torch.Tensor) -> torch.Tensor:
-        frames = self.tae.from_decoder(self.stream.push(latents))
-        cut, self.to_cut = min(self.to_cut, frames.shape[1]), self.to_cut - min(self.to_cut, frames.shape[1])
-        return frames[:, cut:]
+    def push(self, latent: torch.Tensor) -> torch.Tensor:
+        """``[N, 1, C, h, w]`` -> ``[N, time_upscale, 3, H, W]``."""
+        if not self.primed:
+            for _ in range(self.tae.config.time_upscale - 1):
+                self.stream.push(latent)
+            self.primed = True
+        return self.tae.from_decoder(self.stream.push(latent))
