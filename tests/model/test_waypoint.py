@@ -199,3 +199,16 @@ def test_frames_are_resized_to_the_display_size(dit: WorldDiT, tae: TAEHV, monke
     state = world.new_rollout(0)
     world.start(state, torch.rand(3, 16, 32, generator=torch.Generator().manual_seed(1)))
     assert world.step(state, torch.zeros(dit.config.control_dim)).shape == (4, 18, 32, 3)
+
+
+def test_the_default_config_is_waypoint_1_5_1b_sized() -> None:
+    """The 1.5 defaults (Overworld's quark engine's numbers) with the conditioning projections
+    tied across blocks make the model card's 1.28B parameters; global layers 3, 7, ..., 23."""
+    from mstar.model.waypoint.config import WaypointConfig
+
+    config = WaypointConfig()
+    with torch.device("meta"):
+        model = WorldDiT(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 1.28
+    assert [i for i in range(config.n_layers) if config.is_global(i)] == [3, 7, 11, 15, 19, 23]
+    assert config.window(3) == (16, 8) and config.window(0) == (16, 1)

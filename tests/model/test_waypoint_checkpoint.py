@@ -91,3 +91,47 @@ def test_bfloat16_keeps_the_noise_conditioner_in_float32(tmp_path: Path) -> None
     assert all(g.shape == w.shape for g, w in zip(got, want))
     # bf16 drifts from the float32 rollout, but stays near it on the first step
     assert (got[0].float() - want[0].float()).abs().mean() < 20
+
+
+def other_spellings(dit, config) -> dict[str, torch.Tensor]:
+    """``dit``'s state dict as world_engine's other spellings have it: split conditioning heads
+    (the module's own), ``dit_mlp``, the fusion's ``fc1_x`` / ``fc1_c`` / ``fc2``, a transposed-
+    conv ``unpatchify`` with a per-channel bias and a flat ``patchify``."""
+    ph, pw = config.patch
+    out = {}
+    for name, tensor in dit.state_dict().items():
+        if ".mlp." in name and ".ctrl_mlpfusion." not in name and ".ctrl_emb." not in name and "transformer." in name:
+            out[name.replace(".mlp.", ".dit_mlp.")] = tensor
+        elif name.endswith("ctrl_mlpfusion.mlp.fc1.weight"):
+            x, c = tensor.chunk(2, dim=1)
+            prefix = name.removesuffix(".mlp.fc1.weight")
+            out[f"{prefix}.fc1_x.weight"], out[f"{prefix}.fc1_c.weight"] = x.contiguous(), c.contiguous()
+        elif name.endswith("ctrl_mlpfusion.mlp.fc2.weight"):
+            out[name.replace(".mlp.fc2.", ".fc2.")] = tensor
+        elif name == "unpatchify.weight":
+            out[name] = tensor.reshape(config.channels, ph, pw, -1).permute(3, 0, 1, 2).contiguous()
+        elif name == "unpatchify.bias":
+            out[name] = tensor[::ph * pw].contiguous()
+        elif name == "patchify.weight":
+            out[name] = tensor.flatten(1)
+        else:
+            out[name] = tensor
+    return {name: tensor.clone() for name, tensor in out.items()}  # tied tensors saved as copies
+
+
+def test_world_engine_spellings_load(tmp_path: Path) -> None:
+    from mstar.model.waypoint.dit import WorldDiT
+    from tests.support.waypoint import randomize, tiny_dit_config
+
+    _, tae = write_checkpoint(tmp_path)
+    config = tiny_dit_config(split_cond_heads=True)
+    dit = randomize(WorldDiT(config), 5)
+    with torch.no_grad():  # a per-channel bias, as a transposed conv has
+        dit.unpatchify.bias.copy_(dit.unpatchify.bias[::2].repeat_interleave(2))
+    saved = other_spellings(dit, config)
+    assert any(".attn_cond_head." in k for k in saved) and "transformer.blocks.0.dit_mlp.fc1.weight" in saved
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    loaded = WaypointCheckpoint.locate(str(tmp_path)).load_world(CPU, torch.float32)
+    assert loaded.dit.config.split_cond_heads
+    got, want = frames(loaded), frames(WaypointWorld(dit, tae, CPU))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

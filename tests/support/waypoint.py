@@ -70,10 +70,10 @@ def write_checkpoint(root, seed: int = 0, ae_subdir: str = "ae", **dit_overrides
     config = {**TINY_DIT, **dit_overrides, "ae_uri": ae_subdir, "ctrl_cond_dropout": 0.1}  # a training-only key
     (root / "config.yaml").write_text(yaml.safe_dump(config))
     dit = randomize(WorldDiT(WaypointConfig.from_dict(config)), seed)
-    save_file({k: v.contiguous() for k, v in dit.state_dict().items()}, str(root / "model.safetensors"))
+    save_file({k: v.clone() for k, v in dit.state_dict().items()}, str(root / "model.safetensors"))  # tied: copies
     ae = root / ae_subdir
     ae.mkdir(parents=True, exist_ok=True)
     (ae / "config.json").write_text(json.dumps(TINY_TAEHV))
     tae = randomize(TAEHV(TAEHVConfig.from_dict(TINY_TAEHV)), seed + 1)
-    save_file({k: v.contiguous() for k, v in tae.state_dict().items()}, str(ae / "taehv.safetensors"))
+    save_file({k: v.clone() for k, v in tae.state_dict().items()}, str(ae / "taehv.safetensors"))
     return dit, tae

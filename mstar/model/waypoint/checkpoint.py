@@ -4,7 +4,9 @@ the hub cache, or a local one) laid out as Overworld's ``world_engine`` loads a 
 * ``config.yaml``: the DiT's hyper-parameters as top-level keys (``WaypointConfig``) and, unless
   the directory has an ``ae/`` folder, ``ae_uri``: where the autoencoder lives (a hub id or a
   path, relative paths from the model directory);
-* ``model.safetensors``: the DiT's state dict (``transformer.blocks.N.attn.q_proj.weight``, ...);
+* ``model.safetensors``: the DiT's state dict (``transformer.blocks.N.attn.q_proj.weight``, ...),
+  under any of the spellings ``released_tensors`` maps (one conditioning head a block, or one
+  for attention and one for the MLP: read from the keys);
 * the autoencoder's directory (``ae/`` or ``ae_uri``): ``config.json`` with ``TAEHVConfig``'s keys
   (absent: TAEHV 1.5's, 32 latent channels, 2x2 pixel patches) and one ``*.safetensors`` in
   madebyollin/taehv's key layout (``encoder.N.*``, ``decoder.N.*``).
@@ -17,6 +19,7 @@ parameter nothing fills, or a tensor nothing loads, fails startup naming it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,48 @@ from mstar.model.weights import fill_weights, resolve_model_path
 CONFIG = "config.yaml"
 WEIGHTS = "model.safetensors"
 AE_DIR = "ae"
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def released_tensors(named: Iterable[tuple[str, torch.Tensor]], config: WaypointConfig):
+    """world_engine's other spellings of the DiT's tensors, as our modules name them (each seen
+    in Overworld's loaders; which one a release uses is read, not assumed):
+
+    * ``dit_mlp.*`` for a block's ``mlp.*``;
+    * ``ctrl_mlpfusion.fc1_x`` / ``fc1_c`` / ``fc2`` for the fusion MLP's halves of ``fc1``;
+    * a 4-d ``unpatchify.weight`` (a strided transposed conv, ``[d, C, ph, pw]``) and its
+      per-channel bias, for the linear ``[C * ph * pw, d]`` and its per-output bias;
+    * a 2-d ``patchify.weight`` for the strided conv's 4-d one.
+    """
+    ph, pw = config.patch
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        if ".dit_mlp." in name:
+            name = name.replace(".dit_mlp.", ".mlp.")
+        elif ".ctrl_mlpfusion.fc1_" in name:
+            prefix, half = name.rsplit(".fc1_", 1)
+            got = halves.setdefault(prefix, {})
+            got[half.split(".")[0]] = tensor
+            if len(got) == 2:
+                yield f"{prefix}.mlp.fc1.weight", torch.cat((got.pop("x"), got.pop("c")), 1)
+                del halves[prefix]
+            continue
+        elif name.endswith(".ctrl_mlpfusion.fc2.weight"):
+            name = name.replace(".ctrl_mlpfusion.fc2.", ".ctrl_mlpfusion.mlp.fc2.")
+        elif name == "unpatchify.weight" and tensor.dim() == 4:
+            tensor = tensor.permute(1, 2, 3, 0).reshape(-1, tensor.shape[0])
+        elif name == "unpatchify.bias" and tensor.numel() == config.channels and ph * pw > 1:
+            tensor = tensor.repeat_interleave(ph * pw)
+        elif name == "patchify.weight" and tensor.dim() == 2:
+            tensor = tensor.view(tensor.shape[0], config.channels, ph, pw)
+        yield name, tensor
+    for prefix, got in halves.items():  # a half without its pair: coverage names it
+        for half, tensor in got.items():
+            yield f"{prefix}.fc1_{half}.weight", tensor
 
 
 def _tensors(path: Path):
@@ -88,9 +133,13 @@ class WaypointCheckpoint:
         return files[0]
 
     def load_dit(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> WorldDiT:
+        config = self.config()
+        if not dummy:
+            config.split_cond_heads = any(".attn_cond_head." in k for k in _keys(self.root / WEIGHTS))
         with torch.device(device):
-            dit = WorldDiT(self.config())
-        dit = fill_weights(dit.to(dtype), _tensors(self.root / WEIGHTS), dummy=dummy, seed=seed)
+            dit = WorldDiT(config)
+        dit = fill_weights(dit.to(dtype), lambda: released_tensors(_tensors(self.root / WEIGHTS)(), config),
+                           dummy=dummy, seed=seed)
         dit.denoise_step_emb.float()  # float32 in any deployment, as the reference keeps it
         return dit
 

@@ -18,28 +18,34 @@ from typing import Any
 class WaypointConfig:
     """Hyper-parameters of the frame-causal world DiT."""
 
+    # Defaults: Waypoint-1.5-1B at 720p as Overworld's quark engine describes it; a checkpoint's
+    # config.yaml sets its own.
     d_model: int = 2048
-    n_heads: int = 16
-    n_kv_heads: int | None = None  # None: as many as n_heads
-    n_layers: int = 20
+    n_heads: int = 32
+    n_kv_heads: int | None = 16  # None: as many as n_heads
+    n_layers: int = 24
     mlp_ratio: int = 4
     channels: int = 32  # latent channels (the AE's)
     height: int = 16  # token rows of one frame (latent rows / patch rows)
-    width: int = 16  # token columns of one frame
-    patch: tuple[int, int] = (1, 1)  # latent cells per token (rows, columns)
+    width: int = 32  # token columns of one frame
+    patch: tuple[int, int] = (2, 2)  # latent cells per token (rows, columns)
     n_frames: int = 512  # the frame context: temporal rotary positions a rollout may use
     n_buttons: int = 256  # keyboard / mouse buttons; a control is mouse (2) + buttons + scroll (1)
     local_window: int = 16  # frames a local layer attends to (the current one included)
-    global_window: int = 64  # frames a global layer attends to
+    global_window: int = 128  # frames of the past a global layer spans
     global_attn_period: int = 4  # every period-th layer (from the offset) is global
-    global_attn_offset: int = 0
-    global_pinned_dilation: int = 1  # a global layer keeps only every d-th frame of the past
-    ctrl_conditioning_period: int = 1  # every period-th layer fuses the controls in
-    noise_conditioning: str = "wan"  # "wan": the per-layer conditioning head has an input bias
-    value_residual: bool = False  # layers mix the first layer's values in (learned lerp)
+    global_attn_offset: int = -1  # -1: layers 3, 7, 11, ...
+    global_pinned_dilation: int = 8  # a global layer keeps only every d-th frame of the past
+    ctrl_conditioning_period: int = 3  # every period-th layer fuses the controls in
+    noise_conditioning: str = "wan"  # "wan": the per-layer conditioning heads have an input bias
+    value_residual: bool = True  # layers mix the first layer's values in (learned lerp)
     gated_attn: bool = False  # a per-head sigmoid gate on the attention output
     ctrl_conditioning: str | None = "mlp_fusion"  # not None: the checkpoint has ctrl_cfg.null_emb
-    scheduler_sigmas: list[float] = field(default_factory=lambda: [1.0, 0.75, 0.5, 0.25, 0.0])
+    scheduler_sigmas: list[float] = field(default_factory=lambda: [1.0, 0.9, 0.75, 0.3, 0.0])
+    # Not a config.yaml key: set by the loader when the checkpoint holds separate attention and
+    # MLP conditioning heads (attn_cond_head / mlp_cond_head, three projections and a bias each)
+    # instead of one six-projection cond_head.
+    split_cond_heads: bool = False
     tokens_per_frame: int | None = None  # height * width (checked)
 
     def __post_init__(self) -> None:
