@@ -135,3 +135,17 @@ def test_world_engine_spellings_load(tmp_path: Path) -> None:
     assert loaded.dit.config.split_cond_heads
     got, want = frames(loaded), frames(WaypointWorld(dit, tae, CPU))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_taehv_pth_with_wider_time_grow_loads(tmp_path: Path) -> None:
+    """taehv's own ``.pth`` files; a time-grow conv saved for 2x upscaling keeps its last time
+    step's channels when the config turns that upscaling off (taehv's loader does the same)."""
+    dit, tae = write_checkpoint(tmp_path)
+    (tmp_path / "ae" / "taehv.safetensors").unlink()
+    state = {k: v.clone() for k, v in tae.state_dict().items()}
+    grow = "decoder.7.conv.weight"  # the first time-grow block: stride 1 in the default flags
+    assert state[grow].shape[0] == 256
+    state[grow] = torch.cat((torch.randn_like(state[grow]), state[grow]))  # as if saved for stride 2
+    torch.save(state, tmp_path / "ae" / "taehv1_5.pth")
+    loaded = WaypointCheckpoint.locate(str(tmp_path)).load_world(CPU, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(frames(loaded), frames(WaypointWorld(dit, tae, CPU))))

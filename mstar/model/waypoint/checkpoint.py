@@ -8,8 +8,9 @@ the hub cache, or a local one) laid out as Overworld's ``world_engine`` loads a 
   under any of the spellings ``released_tensors`` maps (one conditioning head a block, or one
   for attention and one for the MLP: read from the keys);
 * the autoencoder's directory (``ae/`` or ``ae_uri``): ``config.json`` with ``TAEHVConfig``'s keys
-  (absent: TAEHV 1.5's, 32 latent channels, 2x2 pixel patches) and one ``*.safetensors`` in
-  madebyollin/taehv's key layout (``encoder.N.*``, ``decoder.N.*``).
+  (absent: TAEHV 1.5's, 32 latent channels, 2x2 pixel patches) and one ``*.safetensors`` or
+  ``*.pth`` (``taehv1_5.pth``, as Overworld's engine loads it) in madebyollin/taehv's key
+  layout (``encoder.N.*``, ``decoder.N.*``).
 
 The released 1.5 repository's exact autoencoder layout was not available to this port; see
 ``docs/waypoint.md``. Both halves load with coverage checked both ways (``fill_weights``): a
@@ -89,6 +90,21 @@ def _tensors(path: Path):
     return read
 
 
+def taehv_tensors(path: Path, tae: TAEHV):
+    """The autoencoder's tensors. A time-grow conv saved wider than the model builds it (trained
+    with time upscaling the config turns off) keeps its last time step's channels, as taehv's
+    own loader does."""
+    named = _tensors(path)() if path.suffix == ".safetensors" else torch.load(
+        path, map_location="cpu", weights_only=True).items()
+    wanted = dict(tae.state_dict())
+    for name, tensor in named:
+        target = wanted.get(name)
+        if target is not None and name.startswith("decoder.") and tensor.dim() == 4 and \
+                tensor.shape[0] > target.shape[0] and tensor.shape[1:] == target.shape[1:]:
+            tensor = tensor[-target.shape[0]:]
+        yield name, tensor
+
+
 @dataclass(frozen=True)
 class WaypointCheckpoint:
     root: Path
@@ -126,9 +142,12 @@ class WaypointCheckpoint:
         return TAEHVConfig.from_dict(json.loads(path.read_text())) if path.is_file() else TAEHVConfig()
 
     def ae_weights(self) -> Path:
-        files = sorted(self.ae_dir().glob("*.safetensors"))
+        """The one ``*.safetensors`` of the autoencoder's folder, or else its one ``*.pth`` (taehv's
+        own files, e.g. ``taehv1_5.pth``, read with ``weights_only``)."""
+        folder = self.ae_dir()
+        files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.pth"))
         if len(files) != 1:
-            raise FileNotFoundError(f"{self.ae_dir()} should hold one .safetensors of TAEHV weights, "
+            raise FileNotFoundError(f"{folder} should hold one .safetensors (or one .pth) of TAEHV weights, "
                                     f"has {[f.name for f in files]}")
         return files[0]
 
@@ -146,7 +165,7 @@ class WaypointCheckpoint:
     def load_taehv(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> TAEHV:
         with torch.device(device):
             tae = TAEHV(self.ae_config())
-        return fill_weights(tae.to(dtype), lambda: _tensors(self.ae_weights())(), dummy=dummy, seed=seed)
+        return fill_weights(tae.to(dtype), lambda: taehv_tensors(self.ae_weights(), tae), dummy=dummy, seed=seed)
 
     def load_world(self, device: torch.device, dtype: torch.dtype, *, dummy: bool = False,
                    seed: int = 0) -> WaypointWorld:
