@@ -147,5 +147,6 @@ def test_a_taehv_pth_with_wider_time_grow_loads(tmp_path: Path) -> None:
     assert state[grow].shape[0] == 256
     state[grow] = torch.cat((torch.randn_like(state[grow]), state[grow]))  # as if saved for stride 2
     torch.save(state, tmp_path / "ae" / "taehv1_5.pth")
+    torch.save({}, tmp_path / "ae" / "taew2_1.pth")  # another variant beside it: the 1.5 file is taken
     loaded = WaypointCheckpoint.locate(str(tmp_path)).load_world(CPU, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(frames(loaded), frames(WaypointWorld(dit, tae, CPU))))

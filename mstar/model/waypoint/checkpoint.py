@@ -38,6 +38,7 @@ from mstar.model.weights import fill_weights, resolve_model_path
 CONFIG = "config.yaml"
 WEIGHTS = "model.safetensors"
 AE_DIR = "ae"
+TAEHV_1_5 = "taehv1_5.pth"  # the file Overworld's engine loads from its autoencoder repository
 
 
 def _keys(path: Path) -> list[str]:
@@ -142,9 +143,11 @@ class WaypointCheckpoint:
         return TAEHVConfig.from_dict(json.loads(path.read_text())) if path.is_file() else TAEHVConfig()
 
     def ae_weights(self) -> Path:
-        """The one ``*.safetensors`` of the autoencoder's folder, or else its one ``*.pth`` (taehv's
-        own files, e.g. ``taehv1_5.pth``, read with ``weights_only``)."""
+        """``taehv1_5.pth`` when the autoencoder's folder has it, else its one ``*.safetensors``, or
+        else its one ``*.pth`` (taehv's own files, read with ``weights_only``)."""
         folder = self.ae_dir()
+        if (folder / TAEHV_1_5).is_file():  # a folder of several taehv variants: the 1.5 one
+            return folder / TAEHV_1_5
         files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.pth"))
         if len(files) != 1:
             raise FileNotFoundError(f"{folder} should hold one .safetensors (or one .pth) of TAEHV weights, "
