@@ -1,0 +1,58 @@
+"""Waypoint's engine: one node, ``world``, holding each running rollout's state.
+
+Ops (ports in brackets):
+
+- ``start`` [pixels -> latent]: a new ``Rollout`` for the request (seeded by its ``seed``
+  parameter), the seed image encoded and appended as frame 0.
+- ``frame`` [controls, latent -> frames]: the control row of this loop iteration in, one latent
+  frame generated and decoded to uint8 RGB ``[time_upscale, H, W, 3]`` out.
+
+The state between steps is the ``Rollout`` alone (``mstar.model.waypoint.rollout``), kept here
+by request id and freed by ``release``: a session store can take it over unchanged. Rollouts run
+one after another (batch 1 each, as the reference does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.model.waypoint.rollout import Rollout, WaypointWorld
+
+START, FRAME = "start", "frame"
+
+
+class WaypointEngine(Engine):
+    def __init__(self, world: WaypointWorld):
+        self.world = world
+        self.rollouts: dict[str, Rollout] = {}
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        return [self._run(item) for item in items]
+
+    def _run(self, item: EngineItem) -> EngineOutput:
+        if item.op == START:
+            self.release(item.request_id)  # a retried start starts over
+            rollout = self.rollouts[item.request_id] = self.world.new_rollout(item.params["seed"])
+            latent = self.world.start(rollout, item.inputs["pixels"])
+            return EngineOutput({"latent": latent.float().cpu()})
+        if item.op == FRAME:
+            control = item.inputs["controls"][item.iteration]
+            return EngineOutput({"frames": self.world.step(self.rollouts[item.request_id], control)})
+        raise ValueError(f"the waypoint engine has no op {item.op!r} (it has {START!r}, {FRAME!r})")
+
+    def release(self, request_id: str) -> None:
+        self.rollouts.pop(request_id, None)
+
+    def stats(self) -> dict[str, float]:
+        return {"rollouts": float(len(self.rollouts))}
+
+
+def control_vector(buttons: list[int], mouse: list[float], scroll: int, n_buttons: int) -> torch.Tensor:
+    """A control as the DiT reads it: ``[mouse x, mouse y, buttons one-hot..., scroll sign]``."""
+    vector = torch.zeros(n_buttons + 3)
+    vector[0], vector[1] = float(mouse[0]), float(mouse[1])
+    for button in buttons:
+        vector[2 + button] = 1.0
+    vector[-1] = float((scroll > 0) - (scroll < 0))
+    return vector
