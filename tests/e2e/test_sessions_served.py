@@ -278,3 +278,40 @@ def test_ws_malformed_messages_name_the_field(served):
     assert messages[0]["type"] == "error" and messages[0]["field"] == "session_timeout_s"
     assert ws.close_code == 1008
     wait_until(lambda: idle(d) and not worker_sessions(d), "nothing is left")
+
+
+def test_sdk_and_a_real_socket(served):
+    """The SDK's session arguments, and /generate/ws over uvicorn and a real WebSocket client."""
+    from live_server import Uvicorn
+    from websockets.sync.client import connect
+
+    from mstar import MStarClient
+    from mstar.client.errors import MStarError
+
+    d, app = served
+    ctrl = controls(6, seed=11)
+    with Uvicorn(app) as server, MStarClient(server.url, timeout=30) as sdk:
+        def run(part, **session):
+            out = sdk.generate(output_modalities=["latent"], model_kwargs={"controls": part}, **session)
+            return np.frombuffer(out.data["latent"], "<f4").reshape(-1, DIM)
+
+        got = np.concatenate([run(ctrl[:2], session_id="sdk"),
+                              run(ctrl[2:], session_id="sdk", resume_session=True, end_session=True)])
+        np.testing.assert_array_equal(got, rollout.reference(ctrl))
+        with pytest.raises(MStarError) as err:
+            run(ctrl[:1], session_id="sdk", resume_session=True)
+        assert err.value.status == 410
+
+        with connect(server.url.replace("http", "ws") + "/generate/ws") as ws:
+            ws.send(json.dumps({"output_modalities": "latent"}))
+            for c in ctrl:
+                ws.send(json.dumps({"type": "append", "model_kwargs": {"controls": [c]}}))
+            ws.send(json.dumps({"type": "end_input"}))
+            messages = []
+            while True:
+                raw = ws.recv(timeout=30)
+                messages.append(raw if isinstance(raw, bytes) else json.loads(raw))
+                if isinstance(messages[-1], dict) and messages[-1]["type"] == "done":
+                    break
+        np.testing.assert_array_equal(outputs_of(messages), rollout.reference(ctrl))
+    wait_until(lambda: idle(d) and not worker_sessions(d), "nothing is left")
