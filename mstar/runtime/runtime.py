@@ -204,6 +204,13 @@ class Runtime:
         """The client ends a session: its state is freed now, or once its request in flight ends."""
         self._drop_sessions(self.sessions.end(session_id))
 
+    def _finish_session(self, session: SessionSpec, done: Finished | None, reason: str) -> None:
+        """Its request ended: the session goes idle, or (ended by the client, or its request
+        failed, was cancelled or timed out, so its state may be half-written) it is dropped."""
+        keep = (done is not None and done.error is None and reason == done.reason
+                and reason not in ("cancelled", "error", "timeout") and not session.end)
+        self._drop_sessions(self.sessions.finish(session.session_id, keep=keep, now=time.monotonic()))
+
     def pin_session(self, session_id: str, pinned: bool = True) -> None:
         """Keep a session from eviction and expiry between its requests (a live socket's)."""
         self.sessions.pin(session_id, pinned)
@@ -524,6 +531,8 @@ class Runtime:
             reason = reason or (done.reason if done else "stop")
             error = done.error if done and reason == done.reason else None
             tail = None if error else tracked.stream.finish(reason)
+            if tracked.session is not None:  # idle before the client hears of the end: its next request may follow
+                self._finish_session(tracked.session, done, reason)
             final = OutputEvent(finish_reason=reason, error=error, prompt_tokens=tracked.prompt_tokens,
                                 text=tail.text if tail else "",
                                 completion_tokens=tracked.stream.generated,
@@ -532,11 +541,6 @@ class Runtime:
             tracked.sink(None)
         self.tracked.pop(request_id, None)
         self._forget_id(tracked.client_id)
-        if tracked.session is not None:
-            # a failed, cancelled or timed-out request may have left its state half-written: it goes
-            keep = (done is not None and done.error is None and reason == done.reason
-                    and reason not in ("cancelled", "error", "timeout") and not tracked.session.end)
-            self._drop_sessions(self.sessions.finish(tracked.session.session_id, keep=keep, now=time.monotonic()))
 
 
 

@@ -223,6 +223,10 @@ class _Socket:
             results = await asyncio.gather(reader, runner, return_exceptions=True)
             if any(isinstance(r, _Overflow) for r in results):
                 self._not_reading()
+            failed = [r for r in results if isinstance(r, Exception) and not isinstance(r, _Overflow)]
+            if failed:
+                log.error("/generate/ws session %s failed: %r", self.session.session_id, failed[0])
+                self.close_code, self.close_reason = CLOSE_INTERNAL, f"the server failed: {failed[0]}"
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             if pin is not None:

@@ -193,7 +193,7 @@ def test_ws_fifty_controls_give_fifty_outputs_in_order(served):
     d, app = served
     ctrl = controls(50, seed=7)
     messages, ws = asyncio.run(ws_rollout(app, ctrl))
-    assert ws.close_code == 1000
+    assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
     assert messages[0]["type"] == "session" and messages[-1]["type"] == "done"
     assert messages[-1]["appends"] == 50 and messages[-1]["session_kept"] is False
     got = outputs_of(messages)
@@ -315,3 +315,21 @@ def test_sdk_and_a_real_socket(served):
                     break
         np.testing.assert_array_equal(outputs_of(messages), rollout.reference(ctrl))
     wait_until(lambda: idle(d) and not worker_sessions(d), "nothing is left")
+
+
+def test_ws_checks_the_api_key(served):
+    d, _ = served
+    app = create_app(d.backend, api_key="k3y")
+
+    async def attempt(headers):
+        async with AsgiSocket(app, headers=headers) as ws:
+            await ws.send_json({"output_modalities": "latent", "end_input": True,
+                                "model_kwargs": {"controls": controls(2)}})
+            return await ws.receive_all(), ws
+
+    messages, ws = asyncio.run(attempt([]))
+    assert messages == [{"type": "error", "field": None, "status": 401, "message": "missing or invalid API key"}]
+    assert ws.close_code == 1008
+    messages, ws = asyncio.run(attempt([(b"authorization", b"Bearer k3y")]))  # a one-shot request
+    assert ws.close_code == 1000 and messages[-1]["appends"] == 1
+    np.testing.assert_array_equal(outputs_of(messages), rollout.reference(controls(2)))
