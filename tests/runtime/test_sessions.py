@@ -177,3 +177,50 @@ def test_the_session_keys_are_typed_in_the_deployment_config():
         parse_config({"model": "m", "session_store_size": 0})
     with pytest.raises(ConfigError, match="session_store: unknown key"):
         parse_config({"model": "m", "session_store": 4})
+
+
+def test_a_worker_restart_drops_its_sessions_and_a_resume_then_gets_410():
+    """The runtime's loop against hand-answered workers: a session's request runs on rank 0,
+    rank 0 dies and is restarted, and the session is gone (410 on resume, dropped on rank 0)."""
+    import time
+
+    import torch
+
+    from mstar.model.spec import WalkRequest
+    from mstar.runtime.protocol import WorkerFailed
+    from mstar.runtime.runtime import Runtime
+    from tests.runtime.test_runtime_loop import TIMEOUT, HeldWorkers, Nowhere, Stream
+
+    class Restartable(HeldWorkers):
+        def restart(self, rank, ready) -> None:  # the new process loads at once
+            ready(rank, {})
+
+    placement = single_rank(GRAPH)
+    workers = Restartable()
+    runtime = Runtime(Conductor(GRAPH, placement, max_concurrent_requests=4), placement, workers, Nowhere(),
+                      sessions=SessionBook(4, 60))
+    runtime.supervise(3)
+    paint = WalkRequest("paint", {"x": torch.zeros(1)}, {"n": 1})
+    try:
+        runtime.submit("r1", paint, Stream(), lambda event: None, session=SessionSpec("s"))
+        plan = workers.next_plan()
+        assert plan.items[0].session == SessionRef("s", False)
+        workers.finish(plan)
+        deadline = time.monotonic() + TIMEOUT
+        while runtime.tracked or runtime.sessions.busy:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert "s" in runtime.sessions
+        workers.pool._results.put(WorkerFailed(0, "killed"))
+        while "s" in runtime.sessions or not runtime.healthy:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        drops = []
+        while not drops:
+            drops = workers.plans.get(timeout=TIMEOUT).drop_sessions
+        assert drops == ["s"]
+        with pytest.raises(RequestError) as err:
+            runtime.submit("r2", paint, Stream(), lambda event: None, session=SessionSpec("s", resume=True))
+        assert err.value.status == 410 and not runtime.tracked
+    finally:
+        runtime.close()
