@@ -29,7 +29,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import WebSocket
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
 from mstar.contract import GenerateSpec, RequestError, SessionSpec
@@ -55,8 +55,11 @@ _MAX_REASON = 120  # a close reason is at most 123 bytes
 
 class GenerateWsOpen(GenerateForm):
     """The opening message: ``/generate``'s fields, ``model_kwargs`` as an object (or its
-    JSON string), and ``end_input`` for a one-shot request whose inputs are all here."""
+    JSON string), and ``end_input`` for a one-shot request whose inputs are all here. Unlike
+    the form, an unknown field is an error naming it (a misspelt ``session_id`` would
+    otherwise start a session nobody can resume)."""
 
+    model_config = ConfigDict(extra="forbid")
     model_kwargs: dict[str, Any] | str | None = None  # type: ignore[assignment]
     end_input: bool = Field(False, description="run the opening's inputs as the only request, then close")
 

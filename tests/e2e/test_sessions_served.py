@@ -269,14 +269,16 @@ def test_ws_malformed_messages_name_the_field(served):
                                       end_session=True)))
     np.testing.assert_array_equal(resumed, rollout.reference(controls(2) + controls(1, seed=9))[2:])
 
-    async def bad_opening():
+    async def opening(body):
         async with AsgiSocket(app) as ws:
-            await ws.send_json({"session_timeout_s": -1})
+            await ws.send_json(body)
             return await ws.receive_all(), ws
 
-    messages, ws = asyncio.run(bad_opening())
-    assert messages[0]["type"] == "error" and messages[0]["field"] == "session_timeout_s"
-    assert ws.close_code == 1008
+    for body, field in (({"session_timeout_s": -1}, "session_timeout_s"), ({"sesion_id": "x"}, "sesion_id"),
+                        ({"end_session": True}, "end_session"), ({"model_kwargs": "{"}, "model_kwargs")):
+        messages, ws = asyncio.run(opening(body))
+        assert len(messages) == 1 and messages[0]["type"] == "error" and messages[0]["field"] == field, messages
+        assert ws.close_code == 1008
     wait_until(lambda: idle(d) and not worker_sessions(d), "nothing is left")
 
 
