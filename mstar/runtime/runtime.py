@@ -223,7 +223,7 @@ class Runtime:
     def gauges(self) -> dict[str, float]:
         """Live values for /metrics: requests waiting and running, sessions kept (and busy),
         and every rank's engine gauges as ``rank<R>.<node>.<stat>`` (as of that rank's latest
-        step; ``rank<R>.sessions.held``: the sessions whose state the rank holds)."""
+        step; ``rank<R>.<node>.sessions_held``: the sessions whose state that node keeps there)."""
         out = {"requests_waiting": float(self.admission.waiting),
                "requests_running": float(self.conductor.num_live),
                "sessions_open": float(self.sessions.open),

@@ -169,12 +169,14 @@ class SessionStore:
 
     def __init__(self) -> None:
         self._state: dict[str, dict[str, Any]] = {}
+        self._nodes: set[str] = set()  # the nodes that ever kept state here (their gauge stays, at 0 when freed)
 
     def get(self, session_id: str, node: str) -> Any | None:
         return self._state.get(session_id, {}).get(node)
 
     def put(self, session_id: str, node: str, state: Any) -> None:
         self._state.setdefault(session_id, {})[node] = state
+        self._nodes.add(node)
 
     def drop(self, session_id: str, node: str | None = None) -> None:
         """Free a session's state (one node's, or all of it)."""
@@ -191,6 +193,14 @@ class SessionStore:
     def sessions(self) -> list[str]:
         """The sessions that hold state here."""
         return list(self._state)
+
+    def held(self) -> dict[str, int]:
+        """Per node that ever kept state here, the sessions it holds state for now."""
+        counts = dict.fromkeys(self._nodes, 0)
+        for nodes in self._state.values():
+            for node in nodes:
+                counts[node] += 1
+        return counts
 
     def __len__(self) -> int:
         return len(self._state)

@@ -251,7 +251,7 @@ class Worker:
 
     def stats(self) -> dict[str, float]:
         """Every engine's gauges, as ``"node.stat" -> value`` (they ride on each StepResult)."""
-        out: dict[str, float] = {"sessions.held": float(len(self.sessions))}
+        out = {f"{node}.sessions_held": float(count) for node, count in self.sessions.held().items()}
         for node, engine in self.engines.items():
             for name, value in engine.stats().items():
                 out[f"{node}.{name}"] = value

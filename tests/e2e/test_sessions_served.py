@@ -151,12 +151,20 @@ def test_an_idle_session_expires(served):
 def test_metrics_count_sessions(served):
     d, app = served
     frames(asyncio.run(post(app, controls(1), session_id="m1")))
-    wait_until(lambda: d.runtime.gauges().get("rank0.sessions.held") == 1.0 or "m1" in worker_sessions(d),
-               "the worker holds the session")
+    wait_until(lambda: d.runtime.gauges().get("rank0.roll.sessions_held") == 1.0, "the worker reports the session")
     gauges = d.runtime.gauges()
     assert gauges["sessions_open"] == 1.0 and gauges["sessions_busy"] == 0.0
+    scraped = asyncio.run(scrape(app))
+    assert 'mstar_sessions_held{node="roll",rank="0"} 1.0' in scraped and "mstar_sessions_open 1.0" in scraped
     asyncio.run(post(app, controls(1), session_id="m1", resume_session=True, end_session=True))
     wait_until(lambda: d.runtime.sessions.open == 0 and not worker_sessions(d), "the session is gone")
+    frames(asyncio.run(post(app, controls(1))))  # a plan after the drop carries the rank's gauges
+    wait_until(lambda: d.runtime.gauges().get("rank0.roll.sessions_held") == 0.0, "the worker reports none")
+
+
+async def scrape(app) -> str:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        return (await client.get("/metrics")).text
 
 
 # ------------------------------------------------------------------ /generate/ws

@@ -140,10 +140,11 @@ def test_store_and_handle():
     a.put(1)
     b.put(2)
     assert (a.get(), b.get(), len(store), store.sessions) == (1, 2, 1, ["s"])
+    assert store.held() == {"dit": 1, "vae": 1}
     a.drop()
-    assert a.get() is None and b.get() == 2
+    assert a.get() is None and b.get() == 2 and store.held() == {"dit": 0, "vae": 1}
     store.drop("s")
-    assert len(store) == 0 and b.get() is None
+    assert len(store) == 0 and b.get() is None and store.held() == {"dit": 0, "vae": 0}
 
 
 def test_the_conductor_drops_sessions_on_every_live_rank_before_the_plans_items():
