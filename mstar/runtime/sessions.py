@@ -31,7 +31,7 @@ state may be half-written, and resuming it would continue from that.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ class SessionBook:
         self.store_size = store_size
         self.timeout_max_s = timeout_max_s
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # idle ones least recently used first
-        self._pinned: set[str] = set()
+        self._pinned: Counter[str] = Counter()  # session -> the pins on it (two sockets may name one)
         self._lock = threading.Lock()
 
     def begin(self, spec: SessionSpec, ranks: frozenset[int], now: float) -> list[str]:
@@ -103,12 +103,15 @@ class SessionBook:
             return drops
 
     def pin(self, session_id: str, pinned: bool = True) -> None:
-        """Keep the session (once it exists) from eviction and expiry while ``pinned``."""
+        """Keep the session (once it exists) from eviction and expiry while it has a pin:
+        ``pinned`` adds one, else one is taken off."""
         with self._lock:
             if pinned:
-                self._pinned.add(session_id)
+                self._pinned[session_id] += 1
+            elif self._pinned[session_id] > 1:
+                self._pinned[session_id] -= 1
             else:
-                self._pinned.discard(session_id)
+                self._pinned.pop(session_id, None)
 
     def end(self, session_id: str) -> list[str]:
         """The client ends the session: dropped now if idle, when its request finishes if busy."""

@@ -192,6 +192,7 @@ class _Socket:
         self.client = _Client(websocket)
         self.appends: asyncio.Queue[tuple[dict[str, Any], list[bytes]] | None] = asyncio.Queue()
         self.started = self.session.resume  # whether the next append resumes the session
+        self.owned = False  # one of its appends ran in the session: the socket may end it
         self.ran = 0
         self.close_code, self.close_reason = CLOSE_NORMAL, "done"
         self.kept = False
@@ -234,7 +235,7 @@ class _Socket:
             await asyncio.gather(writer, return_exceptions=True)
             if pin is not None:
                 pin(self.session.session_id, False)
-                if not self.kept:
+                if self.owned and not self.kept:  # never end a session another client holds (a 409)
                     self.backend.end_session(self.session.session_id)
             await _close(self.websocket, self.close_code, self.close_reason)
 
@@ -325,7 +326,7 @@ class _Socket:
         try:
             async with aclosing(self.backend.generate(spec)) as events:
                 async for event in events:
-                    self.started = True  # it was submitted: the session holds its state now
+                    self.started = self.owned = True  # it was submitted: the session holds its state now
                     if event.error:
                         self.client.error(None, event.error, event.error_status or 500)
                         self.close_code, self.close_reason = CLOSE_INTERNAL, "a request of the session failed"
@@ -339,7 +340,7 @@ class _Socket:
                 self.close_reason = exc.message
                 return False
             return True  # refused before it ran (a bad input): the session is as it was
-        self.started = True
+        self.started = self.owned = True
         self.ran += 1
         self.client.send({"type": "append_done", "append": index, "finish_reason": finish or "stop"})
         return True

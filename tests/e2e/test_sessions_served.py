@@ -343,3 +343,36 @@ def test_ws_checks_the_api_key(served):
     messages, ws = asyncio.run(attempt([(b"authorization", b"Bearer k3y")]))  # a one-shot request
     assert ws.close_code == 1000 and messages[-1]["appends"] == 1
     np.testing.assert_array_equal(outputs_of(messages), rollout.reference(controls(2)))
+
+
+def test_ws_a_second_socket_on_a_busy_session_gets_4409_and_leaves_it_alone(served):
+    d, app = served
+    engine = d.runtime.workers.workers[0].engines["roll"]
+    ctrl = controls(3, seed=21)
+
+    async def scenario():
+        engine.gate.clear()
+        try:
+            async with AsgiSocket(app) as first:
+                await first.send_json({"output_modalities": "latent", "session_id": "shared"})
+                await first.send_json({"type": "append", "model_kwargs": {"controls": ctrl[:2]}})
+                while d.runtime.sessions.busy == 0:
+                    await asyncio.sleep(0.01)
+                async with AsgiSocket(app) as second:
+                    await second.send_json({"output_modalities": "latent", "session_id": "shared",
+                                            "resume_session": True})
+                    await second.send_json({"type": "append", "model_kwargs": {"controls": ctrl[2:]}})
+                    refused = await second.receive_all()
+                engine.gate.set()
+                await first.send_json({"type": "end_input"})
+                return refused, second, await first.receive_all(), first
+        finally:
+            engine.gate.set()
+
+    refused, second, accepted, first = asyncio.run(scenario())
+    assert second.close_code == 4409 and "'shared'" in second.close_reason
+    assert [m["status"] for m in refused if m["type"] == "error"] == [409]
+    assert first.close_code == 1000 and accepted[-1]["session_kept"] is True
+    resumed = frames(asyncio.run(post(app, ctrl[2:], session_id="shared", resume_session=True, end_session=True)))
+    np.testing.assert_array_equal(np.concatenate([outputs_of(accepted), resumed]), rollout.reference(ctrl))
+    wait_until(lambda: idle(d) and not worker_sessions(d), "nothing is left")

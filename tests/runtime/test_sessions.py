@@ -113,6 +113,9 @@ def test_pinned_sessions_are_neither_evicted_nor_expired():
     started(book, "other", 2)
     assert book.finish("other", keep=True, now=3) == ["other"]  # the pinned one stays; the other goes
     assert book.expire(1000) == []
+    book.pin("live")  # a second socket names it too
+    book.pin("live", False)
+    assert book.expire(1000) == []
     book.pin("live", False)
     assert book.expire(1000) == ["live"]
 
