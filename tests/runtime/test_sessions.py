@@ -228,3 +228,12 @@ def test_a_worker_restart_drops_its_sessions_and_a_resume_then_gets_410():
         assert err.value.status == 410 and not runtime.tracked
     finally:
         runtime.close()
+
+
+def test_the_session_fields_cross_the_wire():
+    from mstar.runtime.protocol import StepPlan, VarRef, WorkItem, decode, encode
+
+    item = WorkItem("r", "dit", "forward", "step", 0, {"x": VarRef("x", 0)}, {}, session=SessionRef("s", True))
+    plan = StepPlan(7, [item], ["old-request"], ["old-session"])
+    assert decode(encode(plan)) == plan
+    assert decode(encode(StepPlan(8))).drop_sessions == []
