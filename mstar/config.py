@@ -100,6 +100,10 @@ class DeploymentConfig(_Strict):
     ray_address: str | None = None
     request_timeout_s: float | None = Field(None, gt=0)
     stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can
+    # Sessions (``mstar.runtime.sessions``): idle sessions kept per deployment (the least
+    # recently used past it are evicted), and the cap on a request's ``session_timeout_s``.
+    session_store_size: int = Field(16, ge=1)
+    session_timeout_max_s: float = Field(3600.0, gt=0)
     # The models of a many-model deployment (``voice_agent``), by part name; their nodes are
     # named ``<part>/<node>`` in node_groups. Only such a deployment takes it.
     models: dict[str, PartConfig] = Field(default_factory=dict)

@@ -145,6 +145,18 @@ class Voice:
 
 
 @dataclass(frozen=True)
+class SessionSpec:
+    """A request's world-state session (``/generate``'s ``session_id``, ``resume_session``,
+    ``end_session``, ``session_timeout_s``; see ``mstar.runtime.sessions``). ``timeout_s`` is
+    what the client asked for; the runtime caps it at the deployment's maximum."""
+
+    session_id: str
+    resume: bool = False
+    end: bool = False
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
 class GenerateSpec:
     """One native /generate request. ``reference``: the voice to clone (``model_kwargs``'
     ``ref_audio`` and ``ref_text``, resolved and decoded by the route)."""
@@ -156,6 +168,7 @@ class GenerateSpec:
     model_kwargs: dict
     reference: VoiceClip | None = None
     stream: bool = False  # the client reads the output as it comes (``streaming``)
+    session: SessionSpec | None = None  # the world-state session it continues or starts
 
 
 @dataclass

@@ -302,14 +302,16 @@ class MStarClient(SpeechMixin, ImagesMixin, VideosMixin, RealtimeMixin, ActionsM
     def generate(
         self, text: str | None = None, files: Sequence[FileLike] | None = None,
         output_modalities: Sequence[str] = ..., model_kwargs: Mapping[str, Any] | None = None,
-        stream: Literal[False] = False,
+        stream: Literal[False] = False, *, session_id: str | None = None, resume_session: bool = False,
+        end_session: bool = False, session_timeout_s: float | None = None,
     ) -> GenerateResult: ...
 
     @overload
     def generate(
         self, text: str | None = None, files: Sequence[FileLike] | None = None,
         output_modalities: Sequence[str] = ..., model_kwargs: Mapping[str, Any] | None = None,
-        *, stream: Literal[True],
+        *, stream: Literal[True], session_id: str | None = None, resume_session: bool = False,
+        end_session: bool = False, session_timeout_s: float | None = None,
     ) -> Iterator[GenerateEvent]: ...
 
     def generate(
@@ -319,14 +321,27 @@ class MStarClient(SpeechMixin, ImagesMixin, VideosMixin, RealtimeMixin, ActionsM
         output_modalities: Sequence[str] = ("text",),
         model_kwargs: Mapping[str, Any] | None = None,
         stream: bool = False,
+        *,
+        session_id: str | None = None,
+        resume_session: bool = False,
+        end_session: bool = False,
+        session_timeout_s: float | None = None,
     ) -> GenerateResult | Iterator[GenerateEvent]:
-        """The native multimodal endpoint. ``files`` are paths or ``(name, bytes)`` pairs."""
+        """The native multimodal endpoint. ``files`` are paths or ``(name, bytes)`` pairs.
+        ``session_id`` names a world-state session (``resume_session`` continues it,
+        ``end_session`` drops it after this request; a busy session raises ``MStarError``
+        409, a gone one 410; see docs/sessions.md)."""
         form = {
             "text": text or "",
             "output_modalities": json.dumps(list(output_modalities)),
             "streaming": "true" if stream else "false",
             "model_kwargs": json.dumps(dict(model_kwargs or {})),
         }
+        if session_id is not None:
+            form |= {"session_id": session_id, "resume_session": str(resume_session).lower(),
+                     "end_session": str(end_session).lower()}
+            if session_timeout_s is not None:
+                form["session_timeout_s"] = str(session_timeout_s)
         uploads = [("files", _as_upload(f)) for f in files or []]
         kwargs: dict[str, Any] = {"data": form}
         if uploads:

@@ -19,6 +19,9 @@ class EngineItem:
     inputs: dict[str, torch.Tensor]
     params: dict[str, Any]
     chunk: Any = None  # a ChunkRef when the step consumes a stream edge (keep range, last)
+    # a ``mstar.runtime.sessions.SessionHandle`` when the request runs in a session: the
+    # node's state kept for it between requests (``get`` / ``put`` / ``drop``)
+    session: Any = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from mstar.contract import (
     OutputEvent,
     RequestError,
     ServiceError,
+    SessionSpec,
     SpeechSpec,
     Transcription,
     TranscriptionSpec,
@@ -76,7 +77,15 @@ class RuntimeBackend(OnRuntime):
             stop = [stop]
         if spec.reference is not None and not self.clones_voices:
             raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
-        return self._pieces(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop))
+        return self._pieces(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop), spec.session)
+
+    def pin_session(self, session_id: str, pinned: bool = True) -> None:
+        """Keep a session from eviction and expiry while a client holds it open (``/generate/ws``)."""
+        self.runtime.pin_session(session_id, pinned)
+
+    def end_session(self, session_id: str) -> None:
+        """End a session (``/generate/ws`` at ``end_input`` or a hang-up): its kept state is freed."""
+        self.runtime.end_session(session_id)
 
     # ---------------------------------------------------------------- images
     async def generate_images(self, spec: ImageSpec) -> list[bytes]:
@@ -164,7 +173,8 @@ class RuntimeBackend(OnRuntime):
             raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
         return self._pieces(spec.request_id, lambda: prepare(spec), [])
 
-    async def _pieces(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
+    async def _pieces(self, request_id: str, prepare, stop: list[str],
+                      session: SessionSpec | None = None) -> AsyncIterator[OutputEvent]:
         """One walk's events, or, when ``prepare`` returns a list (a family that speaks long
         text as sentence pieces, one walk each), the pieces' walks as one stream in order,
         the next piece already running while one streams (``stream_pieces``)."""
@@ -174,7 +184,10 @@ class RuntimeBackend(OnRuntime):
         if not planned:
             raise RequestError("input", "has nothing to speak")
         if len(planned) == 1:
-            events = self._run(request_id, lambda: planned[0], stop)
+            events = self._run(request_id, lambda: planned[0], stop, session)
+        elif session is not None:
+            raise RequestError("session_id", f"model {self.model_id!r} splits this request into pieces, "
+                                             "which cannot share a session")
         else:
             events = stream_pieces(planned, lambda i, piece: self._run(f"{request_id}-p{i}", lambda: piece, stop),
                                    ahead=PIECES_AHEAD)
@@ -212,7 +225,8 @@ class RuntimeBackend(OnRuntime):
         except AudioError as err:
             raise RequestError(err.field, err.message, err.status) from None
 
-    async def _run(self, request_id: str, prepare, stop: list[str]) -> AsyncIterator[OutputEvent]:
+    async def _run(self, request_id: str, prepare, stop: list[str],
+                   session: SessionSpec | None = None) -> AsyncIterator[OutputEvent]:
         # Tokenising and applying templates can take a while: keep it off the event loop.
         request: WalkRequest = await asyncio.to_thread(prepare)
         capacity = self.runtime.conductor.capacity
@@ -222,7 +236,8 @@ class RuntimeBackend(OnRuntime):
                 raise RequestError("max_tokens", f"the request needs {units} {name} but the deployment holds "
                                                  f"{capacity[name]}; ask for fewer tokens")
         sink = AsyncSink(asyncio.get_running_loop())
-        self.runtime.submit(request_id, request, self.spec.output_stream(request, stop), sink, self.timeout_s)
+        self.runtime.submit(request_id, request, self.spec.output_stream(request, stop), sink, self.timeout_s,
+                            session)
         finished = False
         echo = request.echo  # sent once the request is under way: a failure in the queue stays a plain error
         try:

@@ -20,6 +20,7 @@ from mstar.runtime.placement import Placement, Routes, all_routes
 from mstar.runtime.protocol import (
     ChunkRef,
     ItemResult,
+    SessionRef,
     StepPlan,
     StepResult,
     VarRef,
@@ -41,6 +42,7 @@ class RequestSpec:
     # tokens grow, preempted by the engine when they run out): admission counts ``cost``, and
     # a request whose peak is more than the whole pool is refused.
     peak: dict[str, int] = field(default_factory=dict)
+    session: SessionRef | None = None  # the session its steps run in (``mstar.runtime.sessions``)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Conductor:
         self.live: dict[str, _Live] = {}
         self.busy: dict[int, int] = {}  # rank -> plan id in flight
         self.releases: dict[int, list[str]] = {rank: [] for rank in self.ranks}
+        self.session_drops: dict[int, list[str]] = {rank: [] for rank in self.ranks}
         self.failed_ranks: dict[int, str] = {}
         self._plan_ids = 0
         self._ended: list[Finished] = []
@@ -145,6 +148,13 @@ class Conductor:
         if live is not None and live.ending is None:
             live.ending = Finished(request_id, reason, error, live.emitted, live.profile)
 
+    def drop_sessions(self, session_ids: list[str]) -> None:
+        """Every live rank frees these sessions' kept state with its next plan, before that
+        plan's items (a rank that holds none of it has nothing to free)."""
+        for rank in self.ranks:
+            if rank not in self.failed_ranks:
+                self.session_drops[rank].extend(session_ids)
+
     def on_result(self, result: StepResult) -> None:
         if self.busy.get(result.rank) == result.plan_id:
             del self.busy[result.rank]
@@ -164,6 +174,7 @@ class Conductor:
         self.failed_ranks[rank] = error
         self.busy.pop(rank, None)
         self.releases[rank] = []  # never sent: releases still owed to it would keep idle False
+        self.session_drops[rank] = []
         failed = []
         for live in self.live.values():
             if rank in live.ranks_seen:
@@ -182,6 +193,7 @@ class Conductor:
         error = self.failed_ranks.pop(rank, "restarted")
         self.busy.pop(rank, None)
         self.releases[rank] = []
+        self.session_drops[rank] = []
         failed = []
         for live in self.live.values():
             uses_rank = rank in self.routes[live.spec.walk].step_rank.values()
@@ -242,10 +254,11 @@ class Conductor:
         for rank in self.ranks:
             if rank in self.busy or rank in self.failed_ranks:
                 continue
-            if items[rank] or self.releases[rank]:
+            if items[rank] or self.releases[rank] or self.session_drops[rank]:
                 self._plan_ids += 1
-                decisions.plans[rank] = StepPlan(self._plan_ids, items[rank], self.releases[rank])
-                self.releases[rank] = []
+                decisions.plans[rank] = StepPlan(self._plan_ids, items[rank], self.releases[rank],
+                                                 self.session_drops[rank])
+                self.releases[rank], self.session_drops[rank] = [], []
                 if items[rank]:
                     self.busy[rank] = self._plan_ids
         if held and not self.busy:  # nothing runs until a held stream needs a step
@@ -301,7 +314,7 @@ class Conductor:
         first = rank not in live.ranks_seen
         live.ranks_seen.add(rank)
         return WorkItem(live.spec.request_id, step.node, step.op, step.name, iteration, reads, writes,
-                        send, emit, live.spec.params if first else None, chunk)
+                        send, emit, live.spec.params if first else None, chunk, live.spec.session)
 
     def _apply(self, item: ItemResult) -> None:
         live = self.live.get(item.request_id)
@@ -411,10 +424,11 @@ class Conductor:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.live and not any(self.releases.values())
+        return (not self.waiting and not self.live and not any(self.releases.values())
+                and not any(self.session_drops.values()))
 
     def has_work_for_idle_rank(self) -> bool:
-        return bool(self.waiting) or any(self.releases.values()) or any(
+        return bool(self.waiting) or any(self.releases.values()) or any(self.session_drops.values()) or any(
             live.ending is not None and not live.in_flight for live in self.live.values()
         )
 

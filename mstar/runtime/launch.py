@@ -27,6 +27,7 @@ from mstar.runtime.conductor import Conductor
 from mstar.runtime.placement import build_placement
 from mstar.runtime.replicas import Replicas
 from mstar.runtime.runtime import Runtime
+from mstar.runtime.sessions import SessionBook
 from mstar.runtime.transport import make_transport
 from mstar.runtime.transport.inproc import InProcessHub
 from mstar.runtime.workers import InProcessWorkers, ProcessWorkers, build_worker
@@ -143,7 +144,9 @@ def _start_replica(config: DeploymentConfig, spec: ModelSpec, graph, placement, 
         log.info("starting %d worker process(es)", num_ranks)
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend,
                               split_groups=placement.split_groups())
-    return Runtime(conductor, placement, pool, frontend, log_stats=log_stats, max_queue_size=config.queue_limit)
+    sessions = SessionBook(config.session_store_size, config.session_timeout_max_s)
+    return Runtime(conductor, placement, pool, frontend, log_stats=log_stats, max_queue_size=config.queue_limit,
+                   sessions=sessions)
 
 
 def _refuse_split_groups(config: DeploymentConfig) -> None:

@@ -34,6 +34,14 @@ class ChunkRef(msgspec.Struct, frozen=True, omit_defaults=True):
     last: bool = False
 
 
+class SessionRef(msgspec.Struct, frozen=True, array_like=True):
+    """The session a request's steps run in (``mstar.runtime.sessions``): its id, and
+    whether the request continues the state kept under it (``resume``) or starts afresh."""
+
+    id: str
+    resume: bool = False
+
+
 class WorkItem(msgspec.Struct, frozen=True, omit_defaults=True):
     """Run one step of one request.
 
@@ -53,12 +61,14 @@ class WorkItem(msgspec.Struct, frozen=True, omit_defaults=True):
     emit: dict[str, str] = {}  # output port -> modality
     params: dict[str, Any] | None = None  # the request's parameters, on first contact only
     chunk: ChunkRef | None = None  # set when the step consumes a stream edge
+    session: SessionRef | None = None  # set when the request runs in a session
 
 
 class StepPlan(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     plan_id: int
     items: list[WorkItem] = []
     release: list[str] = []  # requests whose state the worker must free now
+    drop_sessions: list[str] = []  # sessions whose kept state the worker must free now (before items)
 
 
 class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):

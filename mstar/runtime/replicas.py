@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from mstar.contract import RequestError
+from mstar.contract import RequestError, SessionSpec
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.runtime import Runtime, Sink
 
@@ -53,7 +53,8 @@ class Replicas:
                 | ({} if r.healthy else {"failure": r.failure}) for i, r in enumerate(self.replicas)]
 
     def submit(self, request_id: str, request: WalkRequest, stream: OutputStream, sink: Sink,
-               timeout_s: float | None = None) -> None:
+               timeout_s: float | None = None, session: SessionSpec | None = None) -> None:
+        """A request of a session the replicas know goes to the one keeping that session."""
         with self._lock:
             if self._holder(request_id) is not None:
                 raise RequestError("request_id", f"request id {request_id!r} is already in use", 409)
@@ -61,9 +62,20 @@ class Replicas:
             if not healthy:
                 raise RequestError("model", f"the server is unhealthy: {self.failure}", 503)
             index = min(healthy, key=lambda i: (len(self.replicas[i].tracked), i))
+            keeper = next((i for i, r in enumerate(self.replicas) if session is not None
+                           and session.session_id in r.sessions), None)
+            index = keeper if keeper is not None else index
             self.routed[index] += 1
             # submitted under the lock: the next choice sees this request as open
-            self.replicas[index].submit(request_id, request, stream, sink, timeout_s)
+            self.replicas[index].submit(request_id, request, stream, sink, timeout_s, session)
+
+    def pin_session(self, session_id: str, pinned: bool = True) -> None:
+        for r in self.replicas:
+            r.pin_session(session_id, pinned)
+
+    def end_session(self, session_id: str) -> None:
+        for r in self.replicas:
+            r.end_session(session_id)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         index = self._holder(request_id)

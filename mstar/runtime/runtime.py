@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar.contract import OutputEvent, RequestError
+from mstar.contract import OutputEvent, RequestError, SessionSpec
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.runtime.admission import AdmissionGate
 from mstar.runtime.conductor import AdmissionError, Conductor, Finished, Progress, RequestSpec
 from mstar.runtime.placement import Placement, Routes
 from mstar.runtime.protocol import (
+    SessionRef,
     StepResult,
     WorkerFailed,
     abandon_key,
@@ -34,6 +35,7 @@ from mstar.runtime.protocol import (
     tensor_key,
     unpack_values,
 )
+from mstar.runtime.sessions import SessionBook
 from mstar.runtime.worker import RELEASED_REMEMBERED
 
 log = logging.getLogger(__name__)
@@ -66,15 +68,19 @@ class _Tracked:
     steps: dict[str, dict[str, int]] = field(default_factory=dict)
     delivering: threading.Lock = field(default_factory=threading.Lock)  # one thread delivers at a time
     progress_logged: float = 0.0  # when its progress was last logged (monotonic)
+    session: SessionSpec | None = None  # the session it runs in, finished in the book when it closes
 
 
 class Runtime:
     """``max_queue_size``: how many requests may wait for admission before ``submit``
-    refuses more (``Overloaded``); None: no limit."""
+    refuses more (``Overloaded``); None: no limit. ``sessions``: the book of the
+    deployment's sessions (default: 16 idle sessions kept, timeouts capped at an hour)."""
 
     def __init__(self, conductor: Conductor, placement: Placement, workers, frontend_transport,
-                 *, log_stats: bool = False, max_queue_size: int | None = None):
+                 *, log_stats: bool = False, max_queue_size: int | None = None,
+                 sessions: SessionBook | None = None):
         self.conductor = conductor
+        self.sessions = sessions or SessionBook(16, 3600.0)
         self.admission = AdmissionGate(conductor, max_queue_size)
         self.log_stats = log_stats
         self.placement = placement
@@ -101,7 +107,9 @@ class Runtime:
 
     # ----------------------------------------------------------- client side
     def submit(self, request_id: str, request: WalkRequest, stream: OutputStream, sink: Sink,
-               timeout_s: float | None = None) -> None:
+               timeout_s: float | None = None, session: SessionSpec | None = None) -> None:
+        """Queue the request. With ``session`` its steps run in that session: a busy one is
+        refused (409), a resumed one the book does not know too (410), before anything queues."""
         if not self.healthy:
             raise RequestError("model", f"the server is unhealthy: {self.failure}", 503)
         client_id, request_id = request_id, self._runtime_id(request_id)
@@ -110,10 +118,22 @@ class Runtime:
         except BaseException:
             self._forget_id(client_id, ended=False)
             raise
+        if session is not None:
+            try:
+                walk_routes = self.conductor.routes.get(request.walk)
+                ranks = frozenset(walk_routes.step_rank.values()) if walk_routes is not None else frozenset()
+                stale = self.sessions.begin(session, ranks, time.monotonic())
+            except BaseException:
+                self._forget_id(client_id, ended=False)
+                self.admission.withdraw()
+                raise
+            if stale:  # queued ahead of the submission: its plan drops them before its items run
+                self.commands.put(("drop_sessions", stale))
         try:
             deadline = time.monotonic() + timeout_s if timeout_s else None
-            spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline, request.peak)
-            self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens, client_id)
+            ref = SessionRef(session.session_id, session.resume) if session is not None else None
+            spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline, request.peak, ref)
+            self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens, client_id, session=session)
             routes: Routes = self.conductor.routes[request.walk]
             later = []
             for var, value in request.inputs.items():
@@ -126,6 +146,8 @@ class Runtime:
             self.tracked.pop(request_id, None)
             self._forget_id(client_id, ended=False)
             self.admission.withdraw()
+            if session is not None:
+                self._drop_sessions(self.sessions.finish(session.session_id, keep=False, now=time.monotonic()))
             raise
         self.commands.put(("submit", spec))
         self.workers.wake()
@@ -178,11 +200,34 @@ class Runtime:
                 while len(self._ended_ids) > RELEASED_REMEMBERED:
                     self._ended_ids.popitem(last=False)
 
+    def end_session(self, session_id: str) -> None:
+        """The client ends a session: its state is freed now, or once its request in flight ends."""
+        self._drop_sessions(self.sessions.end(session_id))
+
+    def _finish_session(self, session: SessionSpec, done: Finished | None, reason: str) -> None:
+        """Its request ended: the session goes idle, or (ended by the client, or its request
+        failed, was cancelled or timed out, so its state may be half-written) it is dropped."""
+        keep = (done is not None and done.error is None and reason == done.reason
+                and reason not in ("cancelled", "error", "timeout") and not session.end)
+        self._drop_sessions(self.sessions.finish(session.session_id, keep=keep, now=time.monotonic()))
+
+    def pin_session(self, session_id: str, pinned: bool = True) -> None:
+        """Keep a session from eviction and expiry between its requests (a live socket's)."""
+        self.sessions.pin(session_id, pinned)
+
+    def _drop_sessions(self, session_ids: list[str]) -> None:
+        if session_ids:
+            self.commands.put(("drop_sessions", session_ids))
+            self.workers.wake()
+
     def gauges(self) -> dict[str, float]:
-        """Live values for /metrics: requests waiting and running, and every rank's engine
-        gauges as ``rank<R>.<node>.<stat>`` (as of that rank's latest step)."""
+        """Live values for /metrics: requests waiting and running, sessions kept (and busy),
+        and every rank's engine gauges as ``rank<R>.<node>.<stat>`` (as of that rank's latest
+        step; ``rank<R>.<node>.sessions_held``: the sessions whose state that node keeps there)."""
         out = {"requests_waiting": float(self.admission.waiting),
-               "requests_running": float(self.conductor.num_live)}
+               "requests_running": float(self.conductor.num_live),
+               "sessions_open": float(self.sessions.open),
+               "sessions_busy": float(self.sessions.busy)}
         for rank, gauges in list(self.rank_gauges.items()):
             out.update({f"rank{rank}.{name}": float(value) for name, value in gauges.items()})
         return out
@@ -213,7 +258,11 @@ class Runtime:
                 # Whatever arrived while the poll waited (a step can take a while) goes into
                 # this tick's plans, not the next one's; a submission also ends that wait.
                 self._drain_commands(block=False)
-                decisions = self.conductor.tick(time.monotonic())
+                now = time.monotonic()
+                expired = self.sessions.expire(now)
+                if expired:
+                    self.conductor.drop_sessions(expired)
+                decisions = self.conductor.tick(now)
                 for progress in decisions.progress:
                     self._report_progress(progress)
                 for rank, plan in decisions.plans.items():
@@ -253,6 +302,8 @@ class Runtime:
                         self.admission.handed_over()
                 elif kind == "cancel":
                     self.conductor.cancel(*arg)  # (request_id, reason[, error])
+                elif kind == "drop_sessions":
+                    self.conductor.drop_sessions(arg)
                 command = self.commands.get_nowait()
         except queue.Empty:
             return
@@ -320,6 +371,9 @@ class Runtime:
         recovery.loading.discard(rank)
         self.rank_gauges[rank] = dict(gauges)
         self._abandon(rank, self.conductor.on_rank_restarted(rank))
+        lost = self.sessions.lost_rank(rank)  # its new process holds none of their state
+        if lost:
+            self.conductor.drop_sessions(lost)
         log.warning("worker rank %d restarted", rank)
         if not self.conductor.failed_ranks and not recovery.gave_up:
             self.healthy, self.failure = True, None
@@ -477,6 +531,8 @@ class Runtime:
             reason = reason or (done.reason if done else "stop")
             error = done.error if done and reason == done.reason else None
             tail = None if error else tracked.stream.finish(reason)
+            if tracked.session is not None:  # idle before the client hears of the end: its next request may follow
+                self._finish_session(tracked.session, done, reason)
             final = OutputEvent(finish_reason=reason, error=error, prompt_tokens=tracked.prompt_tokens,
                                 text=tail.text if tail else "",
                                 completion_tokens=tracked.stream.generated,

@@ -30,6 +30,7 @@ from mstar.runtime.protocol import (
     tensor_key,
     unpack_values,
 )
+from mstar.runtime.sessions import SessionHandle, SessionStore
 from mstar.runtime.transport import TensorTransport
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Worker:
         self.frontend_rank = frontend_rank
         self.store = TensorStore(stream_vars)
         self.params: dict[str, dict] = {}
+        self.sessions = SessionStore()  # state kept between a session's requests (``mstar.runtime.sessions``)
         self._emits: list[tuple[str, torch.Tensor]] = []  # (emit key, value) streamed by this plan
         self._sends: dict[int, list[tuple[str, torch.Tensor]]] = {}  # rank -> (tensor key, value) for it
         self._dead_rank: int | None = None  # the rank of the latest abandon notice, for its errors
@@ -94,6 +96,8 @@ class Worker:
         self._sends = {}
         for request_id in plan.release:
             self._release(request_id)
+        for session_id in plan.drop_sessions:
+            self.sessions.drop(session_id)
         for item in plan.items:
             if item.params is not None:
                 self.params[item.request_id] = item.params
@@ -118,7 +122,7 @@ class Worker:
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
         batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[id(i)], self.params.get(i.request_id, {}),
-                            i.chunk) for i in items]
+                            i.chunk, self._session(node, i)) for i in items]
         try:
             outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
         except Exception:
@@ -157,6 +161,10 @@ class Worker:
                 emitted += 1
         return ItemResult(item.request_id, item.step, list(out.flags), out.finish_reason, emitted=emitted,
                           silent=silent)
+
+    def _session(self, node: str, item: WorkItem) -> SessionHandle | None:
+        ref = item.session
+        return None if ref is None else SessionHandle(self.sessions, ref.id, node, ref.resume)
 
     def _flush_sends(self) -> None:
         """Send the plan's outputs that other ranks read as one message per rank (a decode
@@ -243,7 +251,7 @@ class Worker:
 
     def stats(self) -> dict[str, float]:
         """Every engine's gauges, as ``"node.stat" -> value`` (they ride on each StepResult)."""
-        out: dict[str, float] = {}
+        out = {f"{node}.sessions_held": float(count) for node, count in self.sessions.held().items()}
         for node, engine in self.engines.items():
             for name, value in engine.stats().items():
                 out[f"{node}.{name}"] = value

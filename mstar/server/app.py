@@ -25,6 +25,7 @@ from mstar.server.chat_routes import chat_completions
 from mstar.server.completion_routes import CompletionRequest, completions
 from mstar.server.errors import APIError, install_error_handlers
 from mstar.server.generate_routes import generate
+from mstar.server.generate_ws import generate_ws_route
 from mstar.server.image_routes import image_router
 from mstar.server.metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from mstar.server.options import VideoJobOptions
@@ -114,6 +115,7 @@ def create_app(
     app.include_router(router)
     # a WebSocket route checks the key and the model itself, so that a refused client is told why
     app.add_api_websocket_route("/v1/realtime", realtime_route(backend, api_key))  # type: ignore[arg-type]
+    app.add_api_websocket_route("/generate/ws", generate_ws_route(api_key))
     app.add_api_route("/health", health, methods=["GET"])
     app.include_router(playground_router())
     return app

@@ -47,6 +47,7 @@ from mstar.server.voice_refs import resolve_reference
 MAX_GENERATE_FILES = 16  # files and media references per /generate request
 MAX_GENERATE_FILE_BYTES = 64 * 1024 * 1024  # per input, checked before anything decodes it
 _FORM_OVERHEAD = 1024 * 1024  # room for the text fields and the multipart framing
+SESSION_FIELDS = ("session_id", "resume_session", "end_session", "session_timeout_s")
 
 
 async def _generate_inputs(form: FormData) -> list[tuple[str, bytes]]:
@@ -76,7 +77,8 @@ async def _generate_inputs(form: FormData) -> list[tuple[str, bytes]]:
 async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
     limit = MAX_GENERATE_FILES * MAX_GENERATE_FILE_BYTES + _FORM_OVERHEAD
     async with capped_form(request, max_bytes=limit, field="files", max_files=MAX_GENERATE_FILES) as form:
-        fields = {name: form.get(name) for name in ("text", "output_modalities", "streaming", "model_kwargs")}
+        fields = {name: form.get(name) for name in ("text", "output_modalities", "streaming", "model_kwargs",
+                                                    *SESSION_FIELDS)}
         for name, value in fields.items():
             if value is not None and not isinstance(value, str):
                 raise RequestError(name, "must be a text field, not a file")
@@ -94,6 +96,7 @@ async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
         model_kwargs=model_kwargs,
         reference=reference,
         stream=bool(req.streaming),
+        session=req.session(),
     )
     return spec, req.streaming
 

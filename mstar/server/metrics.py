@@ -11,7 +11,9 @@
   gauge ``rank<R>.<node>.<stat>`` as ``mstar_<stat>{rank, node}`` (e.g.
   ``mstar_kv_pages_used`` and ``mstar_kv_pages_total`` per KV pool; with prefix caching,
   ``mstar_kv_pages_cached`` and the running totals ``mstar_prefix_cache_queried_tokens`` and
-  ``mstar_prefix_cache_hit_tokens``, whose ratio is the hit rate); ``mstar_healthy``.
+  ``mstar_prefix_cache_hit_tokens``, whose ratio is the hit rate; ``mstar_sessions_held`` per
+  node that keeps session state); ``mstar_sessions_open`` and ``mstar_sessions_busy`` (the
+  frontend's session book); ``mstar_healthy``.
 
 Each app has its own registry, so several apps in one process never clash.
 """
@@ -49,6 +51,9 @@ _DOCS = {
     "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not computed) since startup, "
                                "per rank and node",
     "preemptions": "Sequences preempted since start (KV pages freed, recomputed later), per worker rank and node",
+    "sessions_open": "Sessions kept (idle or with a request in flight), as the frontend's book counts them",
+    "sessions_busy": "Sessions with a request in flight",
+    "sessions_held": "Sessions whose state a node keeps on its worker rank, per rank and node",
     "prefills_deferred": "Prompts sent back to wait a step because a step's prefill budget "
                          "(model_kwargs.max_prefill_tokens) was spent, per rank and node",
 }

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from mstar.contract import ChatSpec, RequestError, SamplingParams
+from mstar.contract import ChatSpec, RequestError, SamplingParams, SessionSpec
 
 # --------------------------------------------------------------------------- requests
 
@@ -475,6 +475,23 @@ class GenerateForm(BaseModel):
         default_factory=list,
         description="inputs by reference: a data URI or base64; an http(s) URL only when the server "
                     "sets MSTAR_ALLOW_REMOTE=1; paths on the server are refused")
+    session_id: str | None = Field(
+        None, min_length=1, max_length=128,
+        description="names a world-state session: the model's nodes keep its state between requests")
+    resume_session: bool = Field(False, description="continue the named session's state (410 if it is gone)")
+    end_session: bool = Field(False, description="drop the named session's state once this request is done")
+    session_timeout_s: float = Field(
+        600.0, gt=0, description="seconds the idle session is kept, capped at the deployment's session_timeout_max_s")
+
+    def session(self) -> SessionSpec | None:
+        """The request's session, None without ``session_id`` (``resume_session`` or
+        ``end_session`` without one is a ``RequestError`` naming it)."""
+        if self.session_id is None:
+            for name in ("resume_session", "end_session"):
+                if getattr(self, name):
+                    raise RequestError(name, "needs session_id")
+            return None
+        return SessionSpec(self.session_id, self.resume_session, self.end_session, self.session_timeout_s)
 
 
 class TranscriptionForm(BaseModel):

@@ -70,6 +70,7 @@ ROUTES = {
     ("GET", "/health"): (None, {}),
     ("GET", "/metrics"): (None, {}),
     ("WS", "/v1/realtime"): ("realtime", {}),  # a WebSocket: test_realtime_route_checks_what_the_model_serves
+    ("WS", "/generate/ws"): (None, {}),  # every model, as /generate: tests/e2e/test_sessions_served.py
 }
 
 
