@@ -1,7 +1,7 @@
 """Where LingBot-World's weights come from.
 
 The release (``robbyant/lingbot-world-v2-1.3b-causal-fast``) ships the causal DiT only: its
-safetensors (one file, or shards with an index) at the repository root, in the reference's key
+safetensors (shards with ``model.safetensors.index.json``, or one file) at the repository root, in the reference's key
 names (``blocks.0.self_attn.q.weight``, ``head.modulation``, ``cam_injector_layer1``, ...),
 with an optional ``config.json`` in the reference's constructor names (``dim``, ``num_heads``,
 ``local_attn_size``, ...). ``dit_name`` renames the Wan parts to the diffusers names our blocks

@@ -1,5 +1,6 @@
 """LingBot-World's checkpoint: a tiny release written in the reference's key layout (DiT
-safetensors and a reference ``config.json`` at the root of a hub-cache-like snapshot), loaded
+safetensors shards with ``model.safetensors.index.json`` and a reference ``config.json`` at the
+root of a hub-cache-like snapshot), loaded
 with coverage checked both ways; the renaming agrees with diffusers' own single-file converter
 for the Wan parts; dummy weights fill every parameter."""
 
@@ -58,7 +59,12 @@ def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub") / "models--robbyant--lingbot-world-v2-1.3b-causal-fast" / "snapshots" / "0f"
     root.mkdir(parents=True)
     tensors = {reference_name(k): v.contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, root / "model.safetensors")
+    names = sorted(tensors)  # sharded with an index, as the release is (model-0000k-of-0000n)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, root / file)
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "config.json").write_text(json.dumps(REFERENCE_CONFIG))
     return root, model, tensors
 
