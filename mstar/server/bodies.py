@@ -73,10 +73,13 @@ async def fetch_all(refs: Sequence[tuple[str, str, int]]) -> list[bytes]:
 
 
 @asynccontextmanager
-async def capped_form(request: Request, *, max_bytes: int, field: str, max_files: int) -> AsyncIterator[FormData]:
+async def capped_form(request: Request, *, max_bytes: int, field: str, max_files: int,
+                      text_field: str | None = None) -> AsyncIterator[FormData]:
     """The request's form (multipart or urlencoded), read through a byte counter: a body
     declared or streamed past ``max_bytes`` is a 413 naming ``field`` before any part of it
-    is decoded; a malformed body is a 400 naming ``field``. Uploads are closed afterwards."""
+    is decoded; a malformed body is a 400 naming ``field``, a text part over Starlette's 1 MiB
+    a 400 naming ``text_field`` (the form's big text field) where given. Uploads are closed
+    afterwards."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise RequestError(field, f"the request is {declared} bytes; the limit is {max_bytes} bytes", 413)
@@ -93,8 +96,9 @@ async def capped_form(request: Request, *, max_bytes: int, field: str, max_files
 
     try:
         form = await Request(request.scope, receive).form(max_files=max_files)
-    except StarletteHTTPException as exc:  # a malformed multipart body
-        raise RequestError(field, str(exc.detail), exc.status_code) from None
+    except StarletteHTTPException as exc:  # a malformed multipart body, or a text part over 1 MiB
+        big = text_field is not None and str(exc.detail).startswith("Part exceeded maximum size")
+        raise RequestError(text_field if big else field, str(exc.detail), exc.status_code) from None
     try:
         yield form
     finally:

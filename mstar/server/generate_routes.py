@@ -76,7 +76,8 @@ async def _generate_inputs(form: FormData) -> list[tuple[str, bytes]]:
 
 async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
     limit = MAX_GENERATE_FILES * MAX_GENERATE_FILE_BYTES + _FORM_OVERHEAD
-    async with capped_form(request, max_bytes=limit, field="files", max_files=MAX_GENERATE_FILES) as form:
+    async with capped_form(request, max_bytes=limit, field="files", max_files=MAX_GENERATE_FILES,
+                           text_field="model_kwargs") as form:
         fields = {name: form.get(name) for name in ("text", "output_modalities", "streaming", "model_kwargs",
                                                     *SESSION_FIELDS)}
         for name, value in fields.items():

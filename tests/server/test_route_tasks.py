@@ -123,6 +123,8 @@ def test_route_checks_what_the_model_serves(key: str, method: str, path: str) ->
     client, probe = _served(key)
     task, arguments = ROUTES[(method, path)]
     probe.calls.clear()
+    if (method, path) == ("POST", "/v1/videos") and getattr(model_class(key), "video_needs_image", False):
+        arguments = {**arguments, "files": {"input_reference": ("start.png", _png(), "image/png")}}
     response = client.request(method, path, **arguments)
     assert response.status_code < 500, response.text
     speaks_in_chat = path == "/v1/audio/voices" and "audio" in model_class(key).output_modalities

@@ -36,7 +36,10 @@ class WanCheckpoint(DiffusersCheckpoint):
         return WanTransformerConfig.from_dict(self.read_json("transformer", "config.json"))
 
     def vae_config(self) -> WanVAEConfig:
-        return WanVAEConfig.from_dict(self.read_json("vae", "config.json"))
+        config = WanVAEConfig.from_dict(self.read_json("vae", "config.json"))
+        if not config.residual:
+            raise ValueError("vae config: is_residual is false (the Wan2.1 VAE); wan22 serves only the Wan2.2 VAE")
+        return config
 
     def schedule(self) -> UniPC:
         return UniPC.from_config(self.read_json("scheduler", "scheduler_config.json"))

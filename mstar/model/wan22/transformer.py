@@ -78,15 +78,19 @@ class WanRope(nn.Module):
         self.register_buffer("sin", torch.cat([s for _, s in tables], dim=1), persistent=False)
         self.max_len = config.rope_max_seq_len
 
-    def forward(self, grid: tuple[int, int, int]) -> Rope:
-        if max(grid) > self.max_len:
-            raise ValueError(f"token grid {grid} exceeds the DiT's {self.max_len} rotary positions")
+    def forward(self, grid: tuple[int, int, int], first_frame: int = 0) -> Rope:
+        """The tables of a ``grid`` of tokens whose frames start at position ``first_frame`` (a
+        causal rollout's chunk sits at its absolute frame, LingBot-World)."""
         f, h, w = grid
+        if max(first_frame + f, h, w) > self.max_len:
+            raise ValueError(f"token grid {grid} at frame {first_frame} exceeds the DiT's {self.max_len} "
+                             "rotary positions")
         halves = [d // 2 for d in self.dims]
 
         def table(full: torch.Tensor) -> torch.Tensor:
             tf, th, tw = full.split(halves, dim=1)
-            return torch.cat([tf[:f, None, None].expand(f, h, w, -1), th[None, :h, None].expand(f, h, w, -1),
+            tf = tf[first_frame:first_frame + f]
+            return torch.cat([tf[:, None, None].expand(f, h, w, -1), th[None, :h, None].expand(f, h, w, -1),
                               tw[None, None, :w].expand(f, h, w, -1)], dim=-1).reshape(f * h * w, -1)
 
         return table(self.cos), table(self.sin)
@@ -108,7 +112,9 @@ class WanAttention(nn.Module):
         self.norm_k = WideRMSNorm(dim, eps, self.head_dim)
         self.attention = full_attention if cross else UlyssesAttention(full_attention)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None,
+                rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [B, S, H, D]``: normed queries and keys, rotated by ``rope`` when given."""
         kv = x if context is None else context
         heads = (-1, self.head_dim)
         q = self.norm_q(self.to_q(x)).unflatten(2, heads)
@@ -116,6 +122,10 @@ class WanAttention(nn.Module):
         v = self.to_v(kv).unflatten(2, heads)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
+        q, k, v = self.project(x, context, rope)
         out = self.attention(q, k, v)
         return self.to_out[0](out.flatten(2).type_as(q))
 

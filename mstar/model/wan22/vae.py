@@ -1,8 +1,10 @@
-"""The Wan2.2 VAE: videos <-> 48-channel latents, 16x smaller in each side and 4x in time.
+"""The Wan VAEs: videos <-> latents, 4x shorter in time. Wan2.2's (``residual``): 48 channels,
+16x smaller in each side (pixels patchified by 2, residual down and up blocks with shortcut
+averaging and duplication). Wan2.1's (LingBot-World's): 16 channels, 8x smaller, a flat list of
+residual blocks and resamplers in the encoder, plain up blocks whose upsamplers halve the width.
 
 Parameter names equal the state dict keys of diffusers' ``AutoencoderKLWan`` (0.42.1) built with
-the Wan2.2 config (``is_residual``, ``patch_size`` 2), so a checkpoint's ``vae/`` folder loads
-by name; the Wan2.1 layout (plain up blocks, 16 channels) is refused.
+either config, so a checkpoint's ``vae/`` folder loads by name.
 
 Time is causal. Every 3D convolution sees only the present and past frames (zero-padded in
 front), and the video is coded chunk by chunk, as the reference does: the encoder takes the
@@ -51,17 +53,19 @@ class WanVAEConfig:
     scale_factor_spatial: int = 16
     latents_mean: tuple[float, ...] = ()
     latents_std: tuple[float, ...] = ()
+    residual: bool = True  # Wan2.2's blocks; False: Wan2.1's
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WanVAEConfig:
-        """Build from a diffusers ``config.json`` dict; the Wan2.1 layout and options we do not
-        implement raise, naming the key."""
-        if not data.get("is_residual", False):
-            raise ValueError("vae config: is_residual is false (the Wan2.1 VAE); only the Wan2.2 VAE is supported")
+        """Build from a diffusers ``config.json`` dict; options we do not implement raise, naming
+        the key."""
+        residual = bool(data.get("is_residual", False))
         if data.get("attn_scales"):
             raise ValueError(f"vae config: attn_scales {data['attn_scales']} is not supported (only [])")
-        if data.get("patch_size") is None:
+        if residual and data.get("patch_size") is None:
             raise ValueError("vae config: patch_size is missing (the Wan2.2 VAE patchifies by 2)")
+        if not residual and data.get("patch_size") not in (None, 1):
+            raise ValueError(f"vae config: patch_size {data['patch_size']} with is_residual false is not supported")
         base = int(data.get("base_dim", 96))
         return cls(
             base_dim=base, decoder_base_dim=int(data.get("decoder_base_dim") or base), z_dim=int(data["z_dim"]),
@@ -69,10 +73,11 @@ class WanVAEConfig:
             num_res_blocks=int(data.get("num_res_blocks", 2)),
             temperal_downsample=tuple(bool(t) for t in data.get("temperal_downsample", (False, True, True))),
             in_channels=int(data.get("in_channels", 3)), out_channels=int(data.get("out_channels", 3)),
-            patch_size=int(data["patch_size"]), scale_factor_temporal=int(data.get("scale_factor_temporal") or 4),
+            patch_size=int(data.get("patch_size") or 1),
+            scale_factor_temporal=int(data.get("scale_factor_temporal") or 4),
             scale_factor_spatial=int(data.get("scale_factor_spatial") or 8),
             latents_mean=tuple(float(v) for v in data["latents_mean"]),
-            latents_std=tuple(float(v) for v in data["latents_std"]))
+            latents_std=tuple(float(v) for v in data["latents_std"]), residual=residual)
 
 
 class CausalConv3d(nn.Conv3d):
@@ -196,13 +201,14 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Double height and width (nearest, then a conv); with ``temporal``, also double time from
-    the second chunk on (a causal conv emits two frames per frame)."""
+    """Double height and width (nearest, then a conv to ``out_dim``, ``dim`` by default); with
+    ``temporal``, also double time from the second chunk on (a causal conv emits two frames per
+    frame)."""
 
-    def __init__(self, dim: int, temporal: bool) -> None:
+    def __init__(self, dim: int, temporal: bool, out_dim: int | None = None) -> None:
         super().__init__()
         self.resample = nn.Sequential(nn.Upsample(scale_factor=(2.0, 2.0), mode="nearest-exact"),
-                                      nn.Conv2d(dim, dim, 3, padding=1))
+                                      nn.Conv2d(dim, out_dim or dim, 3, padding=1))
         self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
@@ -271,6 +277,31 @@ class UpBlock(nn.Module):
         return x if skip is None else x.add_(skip)
 
 
+class PlainUpBlock(nn.Module):
+    """Wan2.1's up block: residual blocks, then an upsampler that halves the width."""
+
+    def __init__(self, in_dim: int, out_dim: int, blocks: int, temporal: bool, up: bool) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(ResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(blocks + 1))
+        self.upsamplers = nn.ModuleList([Upsample(out_dim, temporal, out_dim // 2)]) if up else None
+
+    def forward(self, x: torch.Tensor, cache: FrameCache, first_chunk: bool) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        return x if self.upsamplers is None else self.upsamplers[0](x, cache)
+
+
+def plain_down_blocks(config: WanVAEConfig, dims: list[int]) -> list[nn.Module]:
+    """Wan2.1's encoder body as one flat list: each level's residual blocks, then its downsampler."""
+    blocks: list[nn.Module] = []
+    last = len(config.dim_mult) - 1
+    for i in range(len(config.dim_mult)):
+        blocks += [ResidualBlock(dims[i] if j == 0 else dims[i + 1], dims[i + 1]) for j in range(config.num_res_blocks)]
+        if i != last:
+            blocks.append(Downsample(dims[i + 1], config.temperal_downsample[i]))
+    return blocks
+
+
 class Encoder(nn.Module):
     def __init__(self, config: WanVAEConfig) -> None:
         super().__init__()
@@ -279,7 +310,8 @@ class Encoder(nn.Module):
         self.conv_in = CausalConv3d(config.in_channels, dims[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
             DownBlock(dims[i], dims[i + 1], config.num_res_blocks, i != last and config.temperal_downsample[i],
-                      i != last) for i in range(len(config.dim_mult)))
+                      i != last) for i in range(len(config.dim_mult))) if config.residual else \
+            nn.ModuleList(plain_down_blocks(config, dims))
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = CausalConv3d(dims[-1], 2 * config.z_dim, 3, padding=1)
@@ -301,8 +333,11 @@ class Decoder(nn.Module):
         last = len(mult) - 1
         self.conv_in = CausalConv3d(config.z_dim, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
+        block = UpBlock if config.residual else PlainUpBlock
+        # Wan2.1's upsamplers halve the width, so its blocks after the first take half
+        ins = [d if config.residual or i == 0 else d // 2 for i, d in enumerate(dims[:-1])]
         self.up_blocks = nn.ModuleList(
-            UpBlock(dims[i], dims[i + 1], config.num_res_blocks, i != last and upsample_t[i], i != last)
+            block(ins[i], dims[i + 1], config.num_res_blocks, i != last and upsample_t[i], i != last)
             for i in range(len(mult)))
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = CausalConv3d(dims[-1], config.out_channels, 3, padding=1)
@@ -316,19 +351,23 @@ class Decoder(nn.Module):
 
 def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
     """``[B, C, T, H, W]`` -> ``[B, C * p * p, T, H / p, W / p]`` (channel order: c, column, row)."""
+    if p == 1:
+        return x
     b, c, t, h, w = x.shape
     x = x.view(b, c, t, h // p, p, w // p, p).permute(0, 1, 6, 4, 2, 3, 5)
     return x.reshape(b, c * p * p, t, h // p, w // p)
 
 
 def unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    if p == 1:
+        return x
     b, cp, t, h, w = x.shape
     x = x.view(b, cp // (p * p), p, p, t, h, w).permute(0, 1, 4, 5, 3, 6, 2)
     return x.reshape(b, cp // (p * p), t, h * p, w * p)
 
 
 class WanVAE(nn.Module):
-    """The Wan2.2 autoencoder with diffusers ``AutoencoderKLWan`` parameter names."""
+    """The Wan2.2 (or Wan2.1) autoencoder with diffusers ``AutoencoderKLWan`` parameter names."""
 
     def __init__(self, config: WanVAEConfig) -> None:
         super().__init__()
@@ -339,8 +378,8 @@ class WanVAE(nn.Module):
         self.decoder = Decoder(config)
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
-        """``[B, in/p^2 channels (3), 1 + 4k, H, W]`` in ``[-1, 1]`` -> the posterior mean
-        ``[B, z_dim, 1 + k, H / 16, W / 16]`` (VAE latents, not normalised)."""
+        """``[B, 3, 1 + 4k, H, W]`` in ``[-1, 1]`` -> the posterior mean ``[B, z_dim, 1 + k, H / s,
+        W / s]`` (VAE latents, not normalised; ``s`` 16 for Wan2.2, 8 for Wan2.1)."""
         x = patchify(video, self.config.patch_size)
         cache = FrameCache()
         step = self.config.scale_factor_temporal

@@ -75,6 +75,14 @@ def test_normalize_round_trip(models):
     assert torch.equal(ours.denormalize(z), z / inv_std + mean)
 
 
-def test_refuses_wan21_layout():
+def test_wan22_checkpoint_refuses_wan21_layout(tmp_path):
+    """The VAE module also builds Wan2.1's layout (LingBot-World's); the wan22 family refuses it."""
+    import json
+
+    from mstar.model.wan22.checkpoint import WanCheckpoint
+
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({**TINY, "is_residual": False, "patch_size": None}))
+    assert not WanVAEConfig.from_dict({**TINY, "is_residual": False, "patch_size": None}).residual
     with pytest.raises(ValueError, match="is_residual"):
-        WanVAEConfig.from_dict({**TINY, "is_residual": False})
+        WanCheckpoint(tmp_path).vae_config()

@@ -1,0 +1,118 @@
+"""LingBot-World's rollout engine: one ``chunk`` op makes a request's next chunk of video.
+
+A chunk is ``chunk_frames`` latent frames: their image condition (4 mask channels, 1 on the
+first latent frame only, and the Wan2.1 VAE's latents of the start image followed by black
+frames, encoded frame by frame as the rollout goes on), their camera rays, the few-step
+sampler through the causal DiT and its rolling KV cache, and the VAE decode of the clean
+latents to uint8 frames (the first latent frame makes one video frame, every later one four).
+
+Everything a rollout carries between chunks is one ``Rollout`` (the DiT's KV cache, the
+sampler's random stream, the VAE encoder's and decoder's frame caches), kept here by request
+id and dropped by ``release``. ``detach`` hands a rollout out and ``attach`` takes one back, so
+a session store can hold it between requests and a later request resumes the same video.
+Requests run one after another: a rollout's cache is its own, and the model is meant to run
+one rollout per GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.model.lingbot.camera import plucker_rays
+from mstar.model.lingbot.sampler import Rollout, denoise_chunk
+from mstar.model.lingbot.transformer import LingbotTransformer
+from mstar.model.wan22.vae import FrameCache, WanVAE, frames_uint8
+
+OPS = ("chunk",)
+
+
+class RolloutVAE:
+    """The VAE's per-rollout halves: the condition encoded one latent frame at a time, the
+    latents decoded one at a time, each through its own frame cache."""
+
+    def __init__(self, vae: WanVAE, image: torch.Tensor) -> None:
+        self.vae = vae
+        self.image = image  # [1, 3, 1, H, W] in [-1, 1]
+        self.encode_cache, self.decode_cache = FrameCache(), FrameCache()
+        self.encoded: list[torch.Tensor] = []  # normalised latent frames of the condition video
+        self.decoded = 0
+
+    def condition(self, frames: int) -> torch.Tensor:
+        """The first ``frames`` latent frames of [image, black, black, ...], ``[1, z, frames, h, w]``."""
+        vae = self.vae
+        step = vae.config.scale_factor_temporal
+        while len(self.encoded) < frames:
+            pixels = self.image if not self.encoded else torch.zeros_like(self.image).expand(-1, -1, step, -1, -1)
+            z = vae.quant_conv(vae.encoder(pixels, self.encode_cache))[:, : vae.config.z_dim]
+            self.encoded.append(vae.normalize(z.float()))
+        return torch.cat(self.encoded[:frames], dim=2)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents ``[1, z, f, h, w]`` (the next ones) -> ``[3, F, H, W]`` in [-1, 1]."""
+        vae = self.vae
+        x = vae.post_quant_conv(vae.denormalize(latents).to(vae.post_quant_conv.weight.dtype))
+        out = []
+        for i in range(x.shape[2]):
+            out.append(vae.decoder(x[:, :, i:i + 1], self.decode_cache, self.decoded == 0))
+            self.decoded += 1
+        return torch.cat(out, dim=2)[0].clamp(-1.0, 1.0)
+
+
+class WorldEngine(Engine):
+    def __init__(self, dit: LingbotTransformer, vae: WanVAE, device: torch.device) -> None:
+        self.dit = dit
+        self.vae = vae
+        self.device = device
+        self.rollouts: dict[str, Rollout] = {}
+
+    def _start(self, item: EngineItem) -> Rollout:
+        text = item.inputs["text"].to(self.device)[None]
+        gen = torch.Generator().manual_seed(int(item.params["seed"]))
+        rollout = Rollout(self.dit.new_cache(), text, gen)
+        image = item.inputs["pixels"].to(self.device, self.vae.post_quant_conv.weight.dtype)[None]
+        rollout.extra["vae"] = RolloutVAE(self.vae, image)
+        return rollout
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        outputs = []
+        for item in items:
+            if item.op not in OPS:
+                raise ValueError(f"the LingBot-World engine has no op {item.op!r} (it has {list(OPS)})")
+            with torch.inference_mode():
+                outputs.append(EngineOutput({"frames": self._chunk(item)}))
+        return outputs
+
+    def _chunk(self, item: EngineItem) -> torch.Tensor:
+        rollout = self.rollouts.get(item.request_id)
+        if rollout is None:
+            rollout = self.rollouts[item.request_id] = self._start(item)
+        config = self.dit.config
+        vae: RolloutVAE = rollout.extra["vae"]
+        c = config.chunk_frames
+        first = rollout.cache.frames
+        condition = vae.condition(first + c)[:, :, first:]
+        _, z, _, h, w = condition.shape
+        mask = torch.zeros(1, config.vae_stride[0], c, h, w, device=self.device)
+        if first == 0:
+            mask[:, :, 0] = 1.0
+        poses = item.inputs["camera"][item.iteration * c:(item.iteration + 1) * c]  # this request's own chunks
+        intrinsics = tuple(float(v) for v in item.params["intrinsics"])
+        cell = config.vae_stride[1:]
+        rays = plucker_rays(poses, intrinsics, h * cell[0], w * cell[1], cell)[None].to(self.device)
+        latents = denoise_chunk(self.dit, rollout, torch.cat([mask, condition], dim=1), rays, (1, z, c, h, w))
+        return frames_uint8(vae.decode(latents)).cpu()
+
+    def detach(self, request_id: str) -> Rollout | None:
+        """The request's rollout, no longer held here (a session keeps it)."""
+        return self.rollouts.pop(request_id, None)
+
+    def attach(self, request_id: str, rollout: Rollout) -> None:
+        """Continue ``rollout`` under ``request_id``: its next chunk follows its last."""
+        self.rollouts[request_id] = rollout
+
+    def release(self, request_id: str) -> None:
+        self.rollouts.pop(request_id, None)
+
+    def stats(self) -> dict[str, float]:
+        return {"rollouts": float(len(self.rollouts))}
