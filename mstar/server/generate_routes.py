@@ -156,7 +156,11 @@ def _action_fields(data: bytes, chunk: int) -> dict[str, Any]:
 
 def _latent_fields(data: bytes) -> dict[str, Any]:
     """A model's latent arrays (an ``.npz`` archive of named float32 arrays, base64 in
-    ``data.latent``) described beside it: each array's shape and dtype by name."""
+    ``data.latent``) described beside it: each array's shape and dtype by name. Latents that
+    stream one event per frame (raw float32, joined in the reply) are not an archive: nothing
+    to describe."""
+    if not data.startswith(b"PK"):  # a zip archive's signature
+        return {}
     with np.load(io.BytesIO(data)) as archive:
         arrays = {name: {"shape": list(archive[name].shape), "dtype": str(archive[name].dtype)}
                   for name in archive.files}
