@@ -5,9 +5,10 @@
     python3 benchmarks/profile_gpu.py s2 --batch 1 [--runtime-compile]
     python3 benchmarks/profile_gpu.py s3 --batch 32 --attention-backend triton --cuda-graphs --overlap
     python3 benchmarks/profile_gpu.py s7 --batch 32 [--fused-kernels]
+    python3 benchmarks/profile_gpu.py s10 --batch 1 [--compile]
 
-The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``; S3's deployment
-in process, its speech requests through the backend rather than HTTP) starts the
+The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``, S10's
+Pi0.5 ``Ours``; S3's deployment in process, its speech requests through the backend rather than HTTP) starts the
 deployment on dummy weights, runs the batch twice unprofiled (warm-up: kernels compiled,
 graphs captured), then once inside ``torch.profiler``. Printed: the batch's wall time, how
 long the GPU was busy in it (the union of kernel intervals) and so how much of the wall was
@@ -102,7 +103,18 @@ def _s7(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable
     return (lambda: runner.run(args.batch)), runner.close
 
 
-SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4, "s7": _s7}
+def _s10(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """S10's Pi0.5 deployment in process (its policy directory, dummy weights) and ``--batch``
+    observations submitted at once."""
+    from benchmarks import s10_pi05 as s10
+
+    argv = ["--batches", str(args.batch), "--skip-baseline", *args.scenario_args]
+    settings = s10.settings_from(s10.parse_args(argv + (["--smoke"] if args.smoke else [])))
+    runner = s10.Ours(settings, s10.write_policy_dir(settings, Path(tmp) / "policy"), args.compile)
+    return (lambda: runner.run(args.batch)), runner.close
+
+
+SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4, "s7": _s7, "s10": _s10}
 
 
 def busy_seconds(events) -> float:
@@ -196,6 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     p.add_argument("--batch", type=int, default=1, help="streams, images or clips submitted at once")
     p.add_argument("--fused-kernels", action="store_true", help="s7: the vocoder's fused AdaIN kernels")
+    p.add_argument("--compile", action="store_true", help="s10: the action expert's blocks compiled")
     p.add_argument("--top", type=int, default=20, help="rows per table")
     p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
     p.add_argument("--out", default=None, help="directory for the full tables (and the trace)")
