@@ -90,9 +90,10 @@ class WorldEngine(Engine):
             rollout.text = item.inputs["text"].to(self.device)[None]
         else:
             rollout = self._start(item)
-        poses = item.inputs["camera"].double()
-        relative, rollout.extra["scale"] = continue_trajectory(poses, rollout.extra.get("pose"),
-                                                               rollout.extra.get("scale", 0.0))
+        poses, last = item.inputs["camera"].double(), rollout.extra.get("pose")
+        if last is not None and not item.params.get("camera_given", True):
+            poses = last.repeat(len(poses), 1, 1)  # a resume without poses: the camera stays where it was
+        relative, rollout.extra["scale"] = continue_trajectory(poses, last, rollout.extra.get("scale", 0.0))
         rollout.extra["pose"] = poses[-1].clone()
         self.cameras[item.request_id] = relative.float()
         self.rollouts[item.request_id] = rollout

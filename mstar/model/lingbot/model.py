@@ -12,6 +12,11 @@ image (required), the prompt, the size, ``num_frames`` (whole chunks: 1 + 4 (3k 
 default chunk) and the camera: ``camera_poses``, one pose per frame as ``[F, 4, 4]`` or ``[F, 3,
 4]`` nested lists (None: a still camera), and ``intrinsics``. Checks name the field; nothing is
 queued before they pass. Deployment knobs: ``LingbotKnobs``.
+
+With ``session_id`` the rollout stays on the worker after the request; ``resume_session`` runs
+the ``resume`` walk (no start image), whose chunks continue it: ``num_frames`` then counts the
+new frames (``12k``), and the poses, one per new frame, extend the trajectory so far
+(docs/lingbot.md).
 """
 
 from __future__ import annotations
@@ -182,6 +187,7 @@ class LingbotWorld(ModelSpec):
         inputs = {"prompt_ids": ids, "prompt_mask": mask, "camera": poses}  # absolute poses: the engine
         # makes them relative to the rollout's trajectory so far
         params = {"num_chunks": chunks, "seed": seed, "intrinsics": options.intrinsics,
+                  "camera_given": options.camera_poses is not None,
                   "num_frames": options.num_frames, "fps": options.fps}
         if pixels is None:
             return WalkRequest("resume", inputs, params, prompt_tokens=int(mask.sum()))

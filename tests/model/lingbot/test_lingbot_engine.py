@@ -47,14 +47,14 @@ def trajectory(frames: int) -> torch.Tensor:
 
 
 def item(request_id: str, iteration: int, chunks: int = 3, first: int = 0, session=None,
-         text_seed: int = 5) -> EngineItem:
+         text_seed: int = 5, **params) -> EngineItem:
     """Iteration ``iteration`` of a request for ``chunks`` chunks from latent frame ``first`` on."""
     gen = torch.Generator().manual_seed(text_seed)
     c = CONFIG.chunk_frames
     inputs = {"text": torch.randn(7, 16, generator=gen), "pixels": torch.rand(3, 1, 32, 48, generator=gen) * 2 - 1,
               "camera": trajectory(first + chunks * c)[first:]}
-    return EngineItem(request_id, "chunk", iteration, inputs, {"seed": 9, "intrinsics": [40.0, 40.0, 24.0, 16.0]},
-                      session=session)
+    params = {"seed": 9, "intrinsics": [40.0, 40.0, 24.0, 16.0], **params}
+    return EngineItem(request_id, "chunk", iteration, inputs, params, session=session)
 
 
 def test_streamed_condition_equals_whole_clip_encode():
@@ -105,6 +105,16 @@ def test_resume_takes_the_new_prompt_and_a_fresh_start_ignores_the_store():
     assert not torch.equal(kept[0], other[0])  # the resumed request's prompt conditions its own chunks
     fresh = run_request(engine, "c", 1, session=SessionHandle(store, "s", "world", resume=False))
     assert torch.equal(fresh[0], run_request(make_engine(), "d", 1)[0])  # a fresh start does not read the store
+
+
+def test_a_resume_without_poses_keeps_the_camera_still():
+    engine, store = make_engine(), SessionStore()
+    run_request(engine, "a", 1, session=SessionHandle(store, "s", "world", resume=False))
+    resumed = item("b", 0, 1, first=2, session=SessionHandle(store, "s", "world", resume=True), camera_given=False)
+    resumed.inputs["camera"] = torch.eye(4, dtype=torch.float64).repeat(2, 1, 1)  # as the frontend fills it
+    engine.run([resumed])
+    assert torch.equal(engine.cameras["b"], torch.eye(4).repeat(2, 1, 1))  # no step from where it stopped
+    assert torch.equal(store.get("s", "world").extra["pose"], trajectory(2)[1])
 
 
 def test_resume_without_state_fails():
