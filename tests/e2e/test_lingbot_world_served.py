@@ -4,7 +4,9 @@ release (the reference's ``config.json`` at the root, diffusers-layout ``text_en
 ``/generate`` streams the video chunk by chunk (NDJSON lines of raw frames: 9 frames, then 12
 a chunk), the camera trajectory changes the video, concurrent rollouts equal their solo runs
 (seeded), bad fields (poses, frame counts, image) are 400s naming them, the video route answers
-an mp4, and every rollout is released at the end."""
+an mp4, and every rollout is released at the end. Sessions: a rollout of one chunk resumed for
+two more equals one request of three bit for bit; ending a session or its eviction (the store
+keeps one idle session here) leaves nothing on the worker, and its resume is a 410."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def write_release(root):
 def served(tmp_path_factory) -> Iterator[tuple]:
     root = write_release(tmp_path_factory.mktemp("lingbot-tiny"))
     config = {"model": MODEL, "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 4,
-              "model_kwargs": {"max_image_area": 64 * 64, "window_frames": 6}}
+              "session_store_size": 1, "model_kwargs": {"max_image_area": 64 * 64, "window_frames": 6}}
     deployment = start(parse_config(config), in_process=True)
     try:
         with Uvicorn(create_app(deployment.backend, served_model_names=[MODEL])) as live:
@@ -91,12 +93,16 @@ def orbit(frames: int, step: float = 0.05) -> list:
     return poses
 
 
-def generate(http: httpx.Client, *, seed: int = 3, image: bytes | None = None, **kwargs) -> httpx.Response:
+def generate(http: httpx.Client, *, seed: int = 3, image: bytes | None = None, session: dict | None = None,
+             **kwargs) -> httpx.Response:
     options = {"width": WIDTH, "height": HEIGHT, "num_frames": FRAMES, "seed": seed, **kwargs}
     files = [("files", ("start.png", image if image is not None else png(), "image/png"))]
+    if session and session.get("resume_session"):
+        files = [] if image is None else files
     data = {"text": "a cat walks on the moon", "output_modalities": '["video"]', "streaming": "true",
             "model_kwargs": json.dumps(options)}
-    return http.post("/generate", data=data, files=files)
+    data |= {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (session or {}).items()}
+    return http.post("/generate", data=data, files=files or None)
 
 
 def chunks_of(response: httpx.Response) -> list[np.ndarray]:
@@ -185,3 +191,66 @@ def test_rollouts_are_released(served, http):
     while engine.rollouts and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.rollouts
+
+
+# ------------------------------------------------------------------------ sessions
+def slowing(frames: int) -> list:
+    """Poses turning about y and moving forward ever slower: the longest step comes first, so
+    a trajectory sent in stretches is normalised as the whole one (docs/lingbot.md)."""
+    poses = []
+    for i in range(frames):
+        a, z = 0.04 * i, 0.5 * (1 - 0.97 ** i)
+        rot = [[np.cos(a), 0.0, np.sin(a)], [0.0, 1.0, 0.0], [-np.sin(a), 0.0, np.cos(a)]]
+        poses.append([rot[r] + [z if r == 2 else 0.0] for r in range(3)])
+    return poses
+
+
+def held(deployment) -> tuple[list, dict]:
+    """The sessions the worker's store holds and the engine's live rollouts, once idle."""
+    runtime = deployment.runtime
+    deadline = time.monotonic() + 10
+    while not (runtime.conductor.idle and not runtime.tracked) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    worker = runtime.workers.workers[0]
+    return worker.sessions.sessions, worker.engines["world"].rollouts
+
+
+def test_resumed_session_equals_one_request(served, http):
+    total = 33  # 9 latent frames: three chunks of 3 (9 video frames, then 12, 12)
+    poses = slowing(total)
+    whole = np.concatenate(chunks_of(generate(http, num_frames=total, camera_poses=poses)))
+    first = chunks_of(generate(http, num_frames=9, camera_poses=poses[:9], session={"session_id": "walk"}))
+    rest = chunks_of(generate(http, num_frames=24, camera_poses=poses[9:], seed=99,  # the seed is the session's
+                              session={"session_id": "walk", "resume_session": True, "end_session": True}))
+    assert [len(c) for c in first + rest] == [9, 12, 12]  # only the new chunks come back
+    assert np.array_equal(np.concatenate(first + rest), whole)
+    sessions, rollouts = held(served[0])
+    assert sessions == [] and rollouts == {}
+    gone = generate(http, num_frames=12, session={"session_id": "walk", "resume_session": True})
+    assert gone.status_code == 410 and gone.json()["error"]["param"] == "session_id", gone.text
+
+
+def test_an_evicted_session_leaves_nothing(served, http):
+    chunks_of(generate(http, num_frames=9, session={"session_id": "one"}))
+    assert held(served[0]) == (["one"], {})
+    chunks_of(generate(http, num_frames=9, session={"session_id": "two"}))  # the store keeps one idle session
+    assert held(served[0]) == (["two"], {})
+    gone = generate(http, num_frames=12, session={"session_id": "one", "resume_session": True})
+    assert gone.status_code == 410, gone.text
+    chunks_of(generate(http, num_frames=12, session={"session_id": "two", "resume_session": True,
+                                                     "end_session": True}))
+    assert held(served[0]) == ([], {})
+
+
+@pytest.mark.parametrize("kwargs, image, field", [
+    ({"num_frames": 9}, False, "num_frames"),  # a resume makes whole later chunks: 12k frames
+    ({"num_frames": 12}, True, "image"),  # the rollout has its start image
+])
+def test_bad_resumes_are_400_naming_the_field(served, http, kwargs, image, field):
+    chunks_of(generate(http, num_frames=9, session={"session_id": "bad"}))
+    response = generate(http, image=png() if image else None, session={"session_id": "bad", "resume_session": True},
+                        **kwargs)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+    chunks_of(generate(http, num_frames=12, session={"session_id": "bad", "resume_session": True,
+                                                     "end_session": True}))
+    assert held(served[0]) == ([], {})

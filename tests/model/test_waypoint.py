@@ -212,3 +212,34 @@ def test_the_default_config_is_waypoint_1_5_1b_sized() -> None:
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 1.28
     assert [i for i in range(config.n_layers) if config.is_global(i)] == [3, 7, 11, 15, 19, 23]
     assert config.window(3) == (16, 8) and config.window(0) == (16, 1)
+
+
+def test_engine_resumes_a_session_rollout(dit: WorldDiT, tae: TAEHV) -> None:
+    """The engine keeps a session's rollout in the store: 2 steps, then a resumed request's 3
+    (no start) equal one request of 5, bit for bit; release leaves only the store's copy."""
+    from mstar.engine.base import EngineItem
+    from mstar.model.waypoint.engine import FRAME, START, WaypointEngine
+    from mstar.runtime.sessions import SessionHandle, SessionStore
+
+    world = WaypointWorld(dit, tae, torch.device("cpu"))
+    pixels = torch.rand(3, 16, 32, generator=torch.Generator().manual_seed(6))
+    controls = control_rows(5, dit.config.control_dim, 7)
+    whole, _ = rollout_frames(world, 11, controls, pixels)
+
+    engine, store = WaypointEngine(world), SessionStore()
+
+    def request(rid: str, rows: torch.Tensor, resume: bool) -> list[torch.Tensor]:
+        session = SessionHandle(store, "s", "world", resume)
+        if not resume:
+            engine.run([EngineItem(rid, START, 0, {"pixels": pixels}, {"seed": 11}, session=session)])
+        out = [engine.run([EngineItem(rid, FRAME, i, {"controls": rows}, {}, session=session)])[0].outputs["frames"]
+               for i in range(len(rows))]
+        engine.release(rid)
+        return out
+
+    got = request("a", controls[:2], False) + request("b", controls[2:], True)
+    assert all(torch.equal(x, y) for x, y in zip(whole, got)) and len(got) == 5
+    assert engine.rollouts == {} and store.get("s", "world").frame == 6
+    store.drop("s")
+    with pytest.raises(RuntimeError, match="no waypoint rollout"):
+        request("c", controls[:1], True)

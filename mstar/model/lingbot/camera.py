@@ -31,14 +31,27 @@ def as_poses(values: torch.Tensor) -> torch.Tensor:
 def relative_poses(poses: torch.Tensor) -> torch.Tensor:
     """Each pose relative to the previous one (the first: identity), translations normalised
     by the largest one's length when it is positive."""
-    out = torch.eye(4, dtype=poses.dtype).repeat(len(poses), 1, 1)
-    if len(poses) > 1:
-        out[1:] = torch.linalg.solve(poses[:-1], poses[1:])  # previous^-1 @ next
+    return continue_trajectory(poses)[0]
+
+
+def continue_trajectory(poses: torch.Tensor, last: torch.Tensor | None = None,
+                        scale: float = 0.0) -> tuple[torch.Tensor, float]:
+    """A stretch of a trajectory, relative: each pose to the one before it (the first to
+    ``last``, the pose that ended the trajectory so far; identity when there is none), the
+    translations divided by the longest step so far (``scale``, or a longer one of this stretch).
+    Returns the relative poses and the new longest step. ``relative_poses`` is the whole
+    trajectory in one stretch; a session continues its rollout's trajectory stretch by stretch."""
+    chain = poses if last is None else torch.cat([last[None].to(poses), poses])
+    out = torch.eye(4, dtype=poses.dtype).repeat(len(chain), 1, 1)
+    if len(chain) > 1:
+        out[1:] = torch.linalg.solve(chain[:-1], chain[1:])  # previous^-1 @ next
         out[1:, 3] = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=poses.dtype)
-    longest = out[:, :3, 3].norm(dim=-1).max()
+    if last is not None:
+        out = out[1:]
+    longest = max([float(scale), *out[:, :3, 3].norm(dim=-1).tolist()])
     if longest > 0:
         out[:, :3, 3] /= longest
-    return out
+    return out, longest
 
 
 def default_intrinsics(width: int, height: int) -> tuple[float, float, float, float]:

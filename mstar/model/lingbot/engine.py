@@ -7,9 +7,12 @@ sampler through the causal DiT and its rolling KV cache, and the VAE decode of t
 latents to uint8 frames (the first latent frame makes one video frame, every later one four).
 
 Everything a rollout carries between chunks is one ``Rollout`` (the DiT's KV cache, the
-sampler's random stream, the VAE encoder's and decoder's frame caches), kept here by request
-id and dropped by ``release``. ``detach`` hands a rollout out and ``attach`` takes one back, so
-a session store can hold it between requests and a later request resumes the same video.
+sampler's random stream, the VAE encoder's and decoder's frame caches, the camera's last pose
+and step scale), held here by request id while its request runs and dropped by ``release``.
+A request with a session also puts it in the session's store (``item.session``), where it
+stays between requests: a request that resumes the session takes it from there and its
+chunks continue the same video (its ``camera`` poses extending the trajectory so far, its
+prompt applying to its own chunks).
 Requests run one after another: a rollout's cache is its own, and the model is meant to run
 one rollout per GPU.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.model.lingbot.camera import plucker_rays
+from mstar.model.lingbot.camera import continue_trajectory, default_intrinsics, plucker_rays
 from mstar.model.lingbot.sampler import Rollout, denoise_chunk
 from mstar.model.lingbot.transformer import LingbotTransformer
 from mstar.model.wan22.vae import FrameCache, WanVAE, frames_uint8
@@ -65,6 +68,7 @@ class WorldEngine(Engine):
         self.vae = vae
         self.device = device
         self.rollouts: dict[str, Rollout] = {}
+        self.cameras: dict[str, torch.Tensor] = {}  # request id -> its latent frames' relative poses
 
     def _start(self, item: EngineItem) -> Rollout:
         text = item.inputs["text"].to(self.device)[None]
@@ -72,6 +76,29 @@ class WorldEngine(Engine):
         rollout = Rollout(self.dit.new_cache(), text, gen)
         image = item.inputs["pixels"].to(self.device, self.vae.post_quant_conv.weight.dtype)[None]
         rollout.extra["vae"] = RolloutVAE(self.vae, image)
+        return rollout
+
+    def _open(self, item: EngineItem) -> Rollout:
+        """The request's first chunk: a new rollout, or its session's to continue (the request's
+        prompt then applies from its first chunk on); its poses made relative to the rollout's
+        trajectory so far, which they extend."""
+        session = item.session
+        if session is not None and session.resume:
+            rollout = session.get()
+            if rollout is None:
+                raise RuntimeError(f"session {session.session_id!r} holds no LingBot-World rollout to resume")
+            rollout.text = item.inputs["text"].to(self.device)[None]
+        else:
+            rollout = self._start(item)
+        poses, last = item.inputs["camera"].double(), rollout.extra.get("pose")
+        if last is not None and not item.params.get("camera_given", True):
+            poses = last.repeat(len(poses), 1, 1)  # a resume without poses: the camera stays where it was
+        relative, rollout.extra["scale"] = continue_trajectory(poses, last, rollout.extra.get("scale", 0.0))
+        rollout.extra["pose"] = poses[-1].clone()
+        self.cameras[item.request_id] = relative.float()
+        self.rollouts[item.request_id] = rollout
+        if session is not None:
+            session.put(rollout)  # kept whole (the caches grow in place): the session's next request continues it
         return rollout
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
@@ -86,7 +113,7 @@ class WorldEngine(Engine):
     def _chunk(self, item: EngineItem) -> torch.Tensor:
         rollout = self.rollouts.get(item.request_id)
         if rollout is None:
-            rollout = self.rollouts[item.request_id] = self._start(item)
+            rollout = self._open(item)
         config = self.dit.config
         vae: RolloutVAE = rollout.extra["vae"]
         c = config.chunk_frames
@@ -96,23 +123,19 @@ class WorldEngine(Engine):
         mask = torch.zeros(1, config.vae_stride[0], c, h, w, device=self.device)
         if first == 0:
             mask[:, :, 0] = 1.0
-        poses = item.inputs["camera"][item.iteration * c:(item.iteration + 1) * c]  # this request's own chunks
-        intrinsics = tuple(float(v) for v in item.params["intrinsics"])
+        poses = self.cameras[item.request_id][item.iteration * c:(item.iteration + 1) * c]  # this request's chunks
         cell = config.vae_stride[1:]
-        rays = plucker_rays(poses, intrinsics, h * cell[0], w * cell[1], cell)[None].to(self.device)
+        height, width = h * cell[0], w * cell[1]
+        given = item.params.get("intrinsics")
+        intrinsics = default_intrinsics(width, height) if given is None else tuple(float(v) for v in given)
+        rays = plucker_rays(poses, intrinsics, height, width, cell)[None].to(self.device)
         latents = denoise_chunk(self.dit, rollout, torch.cat([mask, condition], dim=1), rays, (1, z, c, h, w))
         return frames_uint8(vae.decode(latents)).cpu()
 
-    def detach(self, request_id: str) -> Rollout | None:
-        """The request's rollout, no longer held here (a session keeps it)."""
-        return self.rollouts.pop(request_id, None)
-
-    def attach(self, request_id: str, rollout: Rollout) -> None:
-        """Continue ``rollout`` under ``request_id``: its next chunk follows its last."""
-        self.rollouts[request_id] = rollout
-
     def release(self, request_id: str) -> None:
+        """The request is over; a rollout its session keeps stays in the session store."""
         self.rollouts.pop(request_id, None)
+        self.cameras.pop(request_id, None)
 
     def stats(self) -> dict[str, float]:
         return {"rollouts": float(len(self.rollouts))}

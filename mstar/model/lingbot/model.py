@@ -12,6 +12,11 @@ image (required), the prompt, the size, ``num_frames`` (whole chunks: 1 + 4 (3k 
 default chunk) and the camera: ``camera_poses``, one pose per frame as ``[F, 4, 4]`` or ``[F, 3,
 4]`` nested lists (None: a still camera), and ``intrinsics``. Checks name the field; nothing is
 queued before they pass. Deployment knobs: ``LingbotKnobs``.
+
+With ``session_id`` the rollout stays on the worker after the request; ``resume_session`` runs
+the ``resume`` walk (no start image), whose chunks continue it: ``num_frames`` then counts the
+new frames (``12k``), and the poses, one per new frame, extend the trajectory so far
+(docs/lingbot.md).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from PIL import Image
 from mstar.contract import GenerateSpec, OutputEvent, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
-from mstar.model.lingbot.camera import FRAME_STEP, as_poses, default_intrinsics, relative_poses
+from mstar.model.lingbot.camera import FRAME_STEP, as_poses
 from mstar.model.lingbot.checkpoint import LingbotCheckpoint
 from mstar.model.lingbot.config import LingbotConfig
 from mstar.model.lingbot.knobs import LingbotKnobs, LingbotRequest
@@ -106,7 +111,12 @@ class LingbotWorld(ModelSpec):
             Loop(Step("world", "chunk", reads=("text", "pixels", "camera"), writes="frames",
                       emit=Emit("frames", "video")), max_iters="num_chunks", progress=True),
         ), inputs=("prompt_ids", "prompt_mask", "pixels", "camera"))
-        return Graph.build([text_encoder, world], [walk])
+        resume = Walk("resume", Sequential(  # a session's next chunks: no start image, the rollout has it
+            Step("text_encoder", reads=("prompt_ids", "prompt_mask"), writes="text"),
+            Loop(Step("world", "chunk", reads=("text", "camera"), writes="frames",
+                      emit=Emit("frames", "video")), max_iters="num_chunks", progress=True),
+        ), inputs=("prompt_ids", "prompt_mask", "camera"))
+        return Graph.build([text_encoder, world], [walk, resume])
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> LingbotCheckpoint:
@@ -126,12 +136,13 @@ class LingbotWorld(ModelSpec):
         self.text = ckpt.text()
         self.world = self.model_config(ckpt)
 
-    def check(self, spec: GenerateSpec) -> tuple[LingbotRequest, torch.Tensor, torch.Tensor, int]:
-        """The request's options, start image, poses and chunk count; a ``RequestError`` naming
-        the field for anything wrong."""
+    def check(self, spec: GenerateSpec) -> tuple[LingbotRequest, torch.Tensor | None, torch.Tensor, int]:
+        """The request's options, start image (None when it resumes a session), latent frames'
+        camera poses and chunk count; a ``RequestError`` naming the field for anything wrong."""
         if set(spec.output_modalities) != {"video"}:
             raise RequestError("output_modalities", f"model {self.key!r} outputs video only")
         options = LingbotRequest.parse(spec.model_kwargs)
+        resume = spec.session is not None and spec.session.resume
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
         for field, side in (("width", options.width), ("height", options.height)):
@@ -142,19 +153,28 @@ class LingbotWorld(ModelSpec):
                                         f"({self.knobs.max_image_area} pixels a frame)")
         chunk = self.knobs.chunk_frames
         whole = FRAME_STEP * chunk  # video frames a chunk after the first
-        if (options.num_frames + FRAME_STEP - 1) % whole or options.num_frames > self.knobs.max_frames:
+        if resume:  # later chunks only: 4c video frames each
+            if options.num_frames % whole or options.num_frames > self.knobs.max_frames:
+                raise RequestError("num_frames", f"resuming a session, must be {whole}k (whole later chunks of "
+                                                 f"{chunk} latent frames) and at most {self.knobs.max_frames}, "
+                                                 f"got {options.num_frames}")
+        elif (options.num_frames + FRAME_STEP - 1) % whole or options.num_frames > self.knobs.max_frames:
             low = max(1, (options.num_frames + FRAME_STEP - 1) // whole) * whole - FRAME_STEP + 1
             raise RequestError("num_frames", f"must be {whole}k - {FRAME_STEP - 1} (whole chunks of {chunk} latent "
                                              f"frames) and at most {self.knobs.max_frames}, got {options.num_frames} "
                                              f"(nearest: {low})")
-        if len(spec.files) != 1:
+        if resume and spec.files:
+            raise RequestError("image", "a resumed session continues its rollout's video; send no start image")
+        if not resume and len(spec.files) != 1:
             raise RequestError("image", f"LingBot-World starts from one image, got {len(spec.files)}")
         if options.intrinsics is not None and len(options.intrinsics) != 4:
             raise RequestError("intrinsics", "must be [fx, fy, cx, cy]")
         poses = camera_poses(options, options.num_frames)
+        if resume:  # frame 4c k - 3 + 4j + 3 of the whole video is latent frame c k + j's
+            return options, None, poses[FRAME_STEP - 1::FRAME_STEP], options.num_frames // whole
         pixels = start_image(spec.files[0][1], options.width, options.height)
         latent_frames = (options.num_frames - 1) // FRAME_STEP + 1
-        return options, pixels, poses, latent_frames // chunk
+        return options, pixels, poses[::FRAME_STEP], latent_frames // chunk
 
     def check_video(self, spec: GenerateSpec) -> None:
         """The request's checks without queueing anything (the video job route runs them first)."""
@@ -164,12 +184,14 @@ class LingbotWorld(ModelSpec):
         options, pixels, poses, chunks = self.check(spec)
         ids, mask = self.text.tokenize(spec.text)
         seed = options.seed if options.seed is not None else torch.seed() % (1 << 31)
-        intrinsics = options.intrinsics or default_intrinsics(options.width, options.height)
-        inputs = {"prompt_ids": ids, "prompt_mask": mask, "pixels": pixels,
-                  "camera": relative_poses(poses[::FRAME_STEP]).float()}
-        params = {"num_chunks": chunks, "seed": seed, "intrinsics": list(intrinsics),
+        inputs = {"prompt_ids": ids, "prompt_mask": mask, "camera": poses}  # absolute poses: the engine
+        # makes them relative to the rollout's trajectory so far
+        params = {"num_chunks": chunks, "seed": seed, "intrinsics": options.intrinsics,
+                  "camera_given": options.camera_poses is not None,
                   "num_frames": options.num_frames, "fps": options.fps}
-        return WalkRequest("i2w", inputs, params, prompt_tokens=int(mask.sum()))
+        if pixels is None:
+            return WalkRequest("resume", inputs, params, prompt_tokens=int(mask.sum()))
+        return WalkRequest("i2w", inputs | {"pixels": pixels}, params, prompt_tokens=int(mask.sum()))
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> VideoChunks:
         return VideoChunks()

@@ -7,9 +7,12 @@ Ops (ports in brackets):
 - ``frame`` [controls, latent -> frames]: the control row of this loop iteration in, one latent
   frame generated and decoded to uint8 RGB ``[time_upscale, H, W, 3]`` out.
 
-The state between steps is the ``Rollout`` alone (``mstar.model.waypoint.rollout``), kept here
-by request id and freed by ``release``: a session store can take it over unchanged. Rollouts run
-one after another (batch 1 each, as the reference does).
+The state between steps is the ``Rollout`` alone (``mstar.model.waypoint.rollout``), held here
+by request id while its request runs and dropped by ``release``. A request with a session also
+puts it in the session's store (``item.session``) at ``start``; a request that resumes the
+session has no ``start`` (the model's ``resume`` walk) and its first ``frame`` takes the
+rollout from the store, so its controls continue the same rollout. Rollouts run one after
+another (batch 1 each, as the reference does).
 """
 
 from __future__ import annotations
@@ -35,11 +38,25 @@ class WaypointEngine(Engine):
             self.release(item.request_id)  # a retried start starts over
             rollout = self.rollouts[item.request_id] = self.world.new_rollout(item.params["seed"])
             latent = self.world.start(rollout, item.inputs["pixels"])
+            if item.session is not None:
+                item.session.put(rollout)  # kept whole (it grows in place) for the session's next request
             return EngineOutput({"latent": latent.float().cpu()})
         if item.op == FRAME:
             control = item.inputs["controls"][item.iteration]
-            return EngineOutput({"frames": self.world.step(self.rollouts[item.request_id], control)})
+            return EngineOutput({"frames": self.world.step(self._rollout(item), control)})
         raise ValueError(f"the waypoint engine has no op {item.op!r} (it has {START!r}, {FRAME!r})")
+
+    def _rollout(self, item: EngineItem) -> Rollout:
+        """The request's rollout: its own, or on a resumed session's first step the session's."""
+        rollout = self.rollouts.get(item.request_id)
+        if rollout is None:
+            session = item.session
+            rollout = session.get() if session is not None and session.resume else None
+            if rollout is None:
+                raise RuntimeError(f"request {item.request_id!r} has no waypoint rollout to step (no start, and no "
+                                   "session to resume)")
+            self.rollouts[item.request_id] = rollout
+        return rollout
 
     def release(self, request_id: str) -> None:
         self.rollouts.pop(request_id, None)

@@ -1,19 +1,23 @@
 """Waypoint-1.5 (``Overworld/Waypoint-1.5-1B``): a seed image and controls -> live video frames.
 
-One node, ``world`` (``mstar.model.waypoint.engine``), and one walk, ``rollout``::
+One node, ``world`` (``mstar.model.waypoint.engine``), and two walks: ``rollout``::
 
     start [pixels -> latent]                 the seed image encoded by TAEHV, appended as frame 0
     Loop(frame [controls, latent -> frames]) one control per iteration: a latent frame denoised
                                              over the KV cache of past frames, decoded; emitted
 
+and ``resume``, the loop alone, for a request that continues its session's rollout.
+
 ``/generate`` takes the seed image as its one file and ``model_kwargs`` ``{"controls": [{"buttons":
 [..], "mouse": [x, y], "scroll": -1|0|1}, ...], "seed": n}`` with ``output_modalities=["video"]``;
 each step's frames stream out as they are made, one ``video`` event per control: uint8 RGB, frame
 after frame, ``time_upscale`` frames of ``height x width`` (the display size, ``frame_shape``).
+With ``session_id`` the rollout stays on the worker after the request; ``resume_session`` runs
+the ``resume`` walk (controls only, no seed image) whose frames continue it.
 The seed image is resized (bilinear) to the autoencoder's size; for the released 16:8 latent
 grids the frames are resized back to 16:9 (720p or 360p), as the reference does. A client that
-sends controls one message at a time (``/generate/ws`` with sessions) drives the same
-``Rollout`` step by step.
+sends controls one message at a time (``/generate/ws``: the opening names the seed image and
+``seed``, each ``append`` its controls) drives the same ``Rollout`` step by step.
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ class Waypoint(ModelSpec):
             Loop(Step("world", FRAME, reads=("controls", "latent"), writes="frames", emit=Emit("frames", "video")),
                  max_iters="num_frames"),
         ), inputs=("pixels", "controls"))
-        return Graph.build([world], [rollout])
+        resume = Walk("resume", Loop(  # a session's next controls: its rollout goes on from its last frame
+            Step("world", FRAME, reads="controls", writes="frames", emit=Emit("frames", "video")),
+            max_iters="num_frames"), inputs=("controls",))
+        return Graph.build([world], [rollout, resume])
 
     def checkpoint(self) -> WaypointCheckpoint:
         return WaypointCheckpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir)
@@ -70,7 +77,10 @@ class Waypoint(ModelSpec):
         if list(spec.output_modalities) != ["video"]:
             raise RequestError("output_modalities", f"model {self.key!r} outputs [\"video\"] only")
         options = WaypointRequest.parse(spec.model_kwargs)
-        if len(spec.files) != 1:
+        resume = spec.session is not None and spec.session.resume
+        if resume and spec.files:
+            raise RequestError("files", "a resumed session continues its rollout; send no seed image")
+        if not resume and len(spec.files) != 1:
             raise RequestError("files", f"expected one seed image, got {len(spec.files)}")
         if len(options.controls) > self.max_controls:
             raise RequestError("controls", f"at most {self.max_controls} controls a request, "
@@ -82,6 +92,8 @@ class Waypoint(ModelSpec):
             if bad:
                 raise RequestError(f"controls[{i}].buttons", f"button ids must be in [0, {n_buttons}), got {bad}")
             rows.append(control_vector(control.buttons, control.mouse, control.scroll, n_buttons))
+        if resume:  # the seed image, the noise stream and the frame count are the session's
+            return WalkRequest("resume", {"controls": torch.stack(rows)}, {"num_frames": len(rows)})
         pixels = self.pixels(spec.files[0][1])
         seed = options.seed if options.seed is not None else torch.seed() % (1 << 31)
         inputs = {"pixels": pixels, "controls": torch.stack(rows)}

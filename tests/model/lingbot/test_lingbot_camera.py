@@ -9,7 +9,7 @@ import math
 import torch
 from einops import rearrange
 
-from mstar.model.lingbot.camera import as_poses, plucker_rays, relative_poses, trajectory_rays
+from mstar.model.lingbot.camera import as_poses, continue_trajectory, plucker_rays, relative_poses, trajectory_rays
 
 
 def random_poses(n: int, seed: int = 0) -> torch.Tensor:
@@ -57,3 +57,20 @@ def test_trajectory_takes_every_fourth_frame_and_3x4_rows():
     assert torch.equal(as_poses(poses[:, :3]), poses)
     focal = 8 / (2 * math.tan(math.radians(30)))
     assert torch.equal(rays, plucker_rays(relative_poses(poses[::4]), (focal, focal, 4, 4), 8, 8, (2, 2)))
+
+
+def test_a_trajectory_continued_in_stretches_equals_the_whole():
+    poses = random_poses(9, seed=3)
+    poses[2, :3, 3] += 10.0  # the longest step early on
+    whole = relative_poses(poses)
+    steps = whole[:, :3, 3].norm(dim=-1)
+    cut = int(steps.argmax()) + 1
+    assert cut < 5  # the longest step in the first stretch: the same normaliser throughout
+    head, scale = continue_trajectory(poses[:cut])
+    tail, scale2 = continue_trajectory(poses[cut:], poses[cut - 1], scale)
+    assert torch.equal(torch.cat([head, tail]), whole) and scale2 == scale
+    # a longer step later rescales only the stretches from then on (the running longest step)
+    faster = poses.clone()
+    faster[cut:, :3, 3] = faster[cut - 1, :3, 3] + 100 * (faster[cut:, :3, 3] - faster[cut - 1, :3, 3])
+    tail, longer = continue_trajectory(faster[cut:], faster[cut - 1], scale)
+    assert longer > scale and abs(float(tail[:, :3, 3].norm(dim=-1).max()) - 1.0) < 1e-12

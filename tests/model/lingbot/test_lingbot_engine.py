@@ -1,19 +1,21 @@
 """The rollout engine on a tiny random DiT and Wan2.1 VAE, float32 on the CPU: its streamed
-condition encode equals the VAE's whole-clip encode of [image, black frames], a rollout in one
-request equals the same rollout detached after a chunk and attached to a second request (what a
-session store does to resume), and release frees the rollout."""
+condition encode equals the VAE's whole-clip encode of [image, black frames]; a rollout of N
+chunks kept in a session store and resumed for M more equals one request of N + M chunks bit
+for bit (the resumed request's own poses extending the trajectory); release frees the engine's
+hold, dropping the session frees the rest."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mstar.engine.base import EngineItem
-from mstar.model.lingbot.camera import relative_poses
 from mstar.model.lingbot.config import LingbotConfig
 from mstar.model.lingbot.engine import RolloutVAE, WorldEngine
 from mstar.model.lingbot.transformer import LingbotTransformer
 from mstar.model.wan22.config import WanTransformerConfig
 from mstar.model.wan22.vae import WanVAE, WanVAEConfig
+from mstar.runtime.sessions import SessionHandle, SessionStore
 from tests.support.diffusers_dirs import randomize
 
 VAE = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
@@ -33,17 +35,26 @@ def make_engine() -> WorldEngine:
     return WorldEngine(dit, vae, torch.device("cpu"))
 
 
-def item(request_id: str, iteration: int, chunks: int = 3) -> EngineItem:
-    gen = torch.Generator().manual_seed(5)
-    frames = chunks * CONFIG.chunk_frames
-    angles = torch.linspace(0, 0.5, frames, dtype=torch.float64)
+def trajectory(frames: int) -> torch.Tensor:
+    """Absolute latent-frame poses ``[frames, 4, 4]`` float64: turning, slowing down (the longest
+    step first, so a split trajectory normalises as the whole one)."""
+    angles = 0.1 * torch.arange(frames, dtype=torch.float64)
     poses = torch.eye(4, dtype=torch.float64).repeat(frames, 1, 1)
     poses[:, 0, 0], poses[:, 0, 2], poses[:, 2, 0], poses[:, 2, 2] = angles.cos(), angles.sin(), -angles.sin(), \
         angles.cos()
-    poses[:, 2, 3] = torch.arange(frames) * 0.2
+    poses[:, 2, 3] = torch.tensor([0.3 * (1 - 0.8 ** i) for i in range(frames)], dtype=torch.float64)
+    return poses
+
+
+def item(request_id: str, iteration: int, chunks: int = 3, first: int = 0, session=None,
+         text_seed: int = 5, **params) -> EngineItem:
+    """Iteration ``iteration`` of a request for ``chunks`` chunks from latent frame ``first`` on."""
+    gen = torch.Generator().manual_seed(text_seed)
+    c = CONFIG.chunk_frames
     inputs = {"text": torch.randn(7, 16, generator=gen), "pixels": torch.rand(3, 1, 32, 48, generator=gen) * 2 - 1,
-              "camera": relative_poses(poses).float()}
-    return EngineItem(request_id, "chunk", iteration, inputs, {"seed": 9, "intrinsics": [40.0, 40.0, 24.0, 16.0]})
+              "camera": trajectory(first + chunks * c)[first:]}
+    params = {"seed": 9, "intrinsics": [40.0, 40.0, 24.0, 16.0], **params}
+    return EngineItem(request_id, "chunk", iteration, inputs, params, session=session)
 
 
 def test_streamed_condition_equals_whole_clip_encode():
@@ -59,18 +70,53 @@ def test_streamed_condition_equals_whole_clip_encode():
     assert err <= 1e-5
 
 
-def test_resumed_rollout_equals_one_request():
-    one = make_engine()
-    whole = [one.run([item("a", i)])[0].outputs["frames"] for i in range(3)]
+def run_request(engine: WorldEngine, request_id: str, chunks: int, first: int = 0, session=None,
+                **kwargs) -> list[torch.Tensor]:
+    out = [engine.run([item(request_id, i, chunks, first, session, **kwargs)])[0].outputs["frames"]
+           for i in range(chunks)]
+    engine.release(request_id)
+    return out
+
+
+def test_resumed_session_equals_one_request():
+    whole = run_request(make_engine(), "a", 3)
     assert [f.shape[0] for f in whole] == [5, 8, 8]  # 1 + 4 (c - 1) frames, then 4c
 
-    two = make_engine()
-    first = two.run([item("b", 0)])[0].outputs["frames"]
-    rollout = two.detach("b")
-    assert rollout is not None and rollout.chunks == 1 and "b" not in two.rollouts
-    two.attach("c", rollout)
-    rest = [two.run([item("c", i)])[0].outputs["frames"] for i in (1, 2)]  # the new request's own chunks 1, 2
-    assert all(torch.equal(a, b) for a, b in zip(whole, [first, *rest]))
-    assert rollout.cache.frames == 6 and rollout.cache.tokens() == 3 * 6  # the window holds 3 frames
-    two.release("c")
-    assert not two.rollouts
+    engine, store = make_engine(), SessionStore()
+    first = run_request(engine, "b", 1, session=SessionHandle(store, "s", "world", resume=False))
+    assert not engine.rollouts and not engine.cameras and store.sessions == ["s"]
+    rest = run_request(engine, "c", 2, first=2, session=SessionHandle(store, "s", "world", resume=True))
+    got = [*first, *rest]
+    assert all(torch.equal(a, b) for a, b in zip(whole, got)), "a resumed rollout differs from one request"
+    rollout = store.get("s", "world")
+    assert rollout.chunks == 3 and rollout.cache.frames == 6 and rollout.cache.tokens() == 3 * 6  # window: 3
+    assert not engine.rollouts and not engine.cameras
+    store.drop("s")
+    assert not store.sessions and len(store) == 0
+
+
+def test_resume_takes_the_new_prompt_and_a_fresh_start_ignores_the_store():
+    engine, store = make_engine(), SessionStore()
+    run_request(engine, "a", 1, session=SessionHandle(store, "s", "world", resume=False))
+    kept = run_request(engine, "b", 1, first=2, session=SessionHandle(store, "s", "world", resume=True))
+    engine, store = make_engine(), SessionStore()
+    run_request(engine, "a", 1, session=SessionHandle(store, "s", "world", resume=False))
+    other = run_request(engine, "b", 1, first=2, session=SessionHandle(store, "s", "world", resume=True), text_seed=6)
+    assert not torch.equal(kept[0], other[0])  # the resumed request's prompt conditions its own chunks
+    fresh = run_request(engine, "c", 1, session=SessionHandle(store, "s", "world", resume=False))
+    assert torch.equal(fresh[0], run_request(make_engine(), "d", 1)[0])  # a fresh start does not read the store
+
+
+def test_a_resume_without_poses_keeps_the_camera_still():
+    engine, store = make_engine(), SessionStore()
+    run_request(engine, "a", 1, session=SessionHandle(store, "s", "world", resume=False))
+    resumed = item("b", 0, 1, first=2, session=SessionHandle(store, "s", "world", resume=True), camera_given=False)
+    resumed.inputs["camera"] = torch.eye(4, dtype=torch.float64).repeat(2, 1, 1)  # as the frontend fills it
+    engine.run([resumed])
+    assert torch.equal(engine.cameras["b"], torch.eye(4).repeat(2, 1, 1))  # no step from where it stopped
+    assert torch.equal(store.get("s", "world").extra["pose"], trajectory(2)[1])
+
+
+def test_resume_without_state_fails():
+    with pytest.raises(RuntimeError, match="gone"):
+        make_engine().run([item("a", 0, 1, session=SessionHandle(SessionStore(), "gone", "world", resume=True))])
