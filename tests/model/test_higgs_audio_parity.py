@@ -20,7 +20,7 @@ from mstar.model.canary_qwen.modeling import splice
 from mstar.model.higgs_audio.checkpoint import HiggsAudioCheckpoint
 from mstar.model.higgs_audio.config import HiggsAudioConfig
 from tests.support.fastconformer import snapshot_dir
-from tests.support.higgs_audio import N_MELS, REPO, write_higgs_audio
+from tests.support.higgs_audio import N_MELS, REPO, reference_projector, reference_tower, write_higgs_audio
 from tests.support.pages import Pages
 
 TOL = 1e-5
@@ -41,26 +41,6 @@ def loaded(tmp_path_factory):
     refs = write_higgs_audio(root)
     ckpt = HiggsAudioCheckpoint.locate(str(snapshot_dir(root, REPO)), str(root))
     return ckpt.load_model(torch.device("cpu"), torch.float32, dummy=False, seed=0), refs
-
-
-def reference_tower(encoder, mel: torch.Tensor) -> torch.Tensor:
-    """transformers' Whisper conv stem, positions and layers, then the pool and the norm."""
-    x = F.gelu(encoder.conv2(F.gelu(encoder.conv1(mel)))).permute(0, 2, 1)
-    x = x + encoder.embed_positions.weight[:x.shape[1]]
-    for layer in encoder.layers:
-        x = layer(x, None)
-    x = torch.nn.AvgPool1d(2, 2)(x.permute(0, 2, 1)).permute(0, 2, 1)
-    return encoder.layer_norm(x)
-
-
-def reference_projector(projector, frames: torch.Tensor) -> torch.Tensor:
-    """By hand: each channel's 3-tap stride-2 filter over time (zero-padded), then the MLP."""
-    x = F.pad(frames, (0, 0, 1, 1))  # [B, S + 2, C]
-    taps = projector.temporal.weight[:, 0, :]  # [C, 3]
-    out = torch.stack([(x[:, 2 * j:2 * j + 3] * taps.T).sum(1) for j in range((frames.shape[1] + 1) // 2)], 1)
-    out = out + projector.temporal.bias
-    hidden = torch.clamp(out @ projector.linear1.weight.T + projector.linear1.bias, min=0)
-    return hidden @ projector.linear2.weight.T + projector.linear2.bias
 
 
 def test_tower_matches_whisper_encoder_at_full_length(loaded) -> None:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tests.support.fastconformer import snapshot_dir
@@ -79,7 +80,7 @@ class Projector(torch.nn.Module):
 
 def reference(seed: int = 0):
     """Random reference modules ``(whisper_encoder, projector, qwen3)`` (eval, float32)."""
-    from transformers import Qwen3ForCausalLM, WhisperConfig  # noqa: F401
+    from transformers import Qwen3ForCausalLM
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     torch.manual_seed(seed)
@@ -123,3 +124,56 @@ def write_higgs_audio(root: Path, seed: int = 0):
     (snapshot / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
                                                                 "pad_token": "<|endoftext|>"}))
     return refs
+
+
+def reference_tower(encoder, mel: torch.Tensor) -> torch.Tensor:
+    """transformers' Whisper conv stem, positions and layers, then the pool and the norm."""
+    x = F.gelu(encoder.conv2(F.gelu(encoder.conv1(mel)))).permute(0, 2, 1)
+    x = x + encoder.embed_positions.weight[:x.shape[1]]
+    for layer in encoder.layers:
+        x = layer(x, None)
+    x = torch.nn.AvgPool1d(2, 2)(x.permute(0, 2, 1)).permute(0, 2, 1)
+    return encoder.layer_norm(x)
+
+
+def reference_projector(projector, frames: torch.Tensor) -> torch.Tensor:
+    """By hand: each channel's 3-tap stride-2 filter over time (zero-padded), then the MLP."""
+    x = F.pad(frames, (0, 0, 1, 1))  # [B, S + 2, C]
+    taps = projector.temporal.weight[:, 0, :]  # [C, 3]
+    out = torch.stack([(x[:, 2 * j:2 * j + 3] * taps.T).sum(1) for j in range((frames.shape[1] + 1) // 2)], 1)
+    out = out + projector.temporal.bias
+    hidden = torch.clamp(out @ projector.linear1.weight.T + projector.linear1.bias, min=0)
+    return hidden @ projector.linear2.weight.T + projector.linear2.bias
+
+
+def reference_transcript(refs, tok: Tokenizer, audio, instruction: str, max_new: int) -> list[int]:
+    """The greedy transcript ids (with the end token, if reached) of the reference pipeline:
+    each 0.5 s slice's log-mel by transformers' ``WhisperFeatureExtractor``, the tower and
+    projector references, the embeddings concatenated between ``<|audio_bos|>`` and
+    ``<|audio_eos|>``, ``Qwen3ForCausalLM.generate`` over the input embeddings."""
+    from transformers import WhisperFeatureExtractor
+
+    encoder, projector, llm = refs
+    extractor = WhisperFeatureExtractor(feature_size=N_MELS)
+    step = int(CHUNK_SECONDS * 16000)
+    pieces = []
+    for start in range(0, len(audio), step):
+        piece = audio[start:start + step]
+        if len(piece) // 160 < 3:
+            continue
+        mel = extractor(piece, sampling_rate=16000, padding="longest", return_tensors="pt").input_features
+        with torch.no_grad():
+            pieces.append(reference_projector(projector, reference_tower(encoder, mel))[0])
+    ids = {t: i for i, t in enumerate(SPECIALS)}
+    before = tok.encode(f"<|im_start|>user\n{instruction} ", add_special_tokens=False).ids + [ids["<|audio_bos|>"]]
+    after = [ids["<|audio_eos|>"]] + tok.encode("\n<|im_end|>\n<|im_start|>assistant\n",
+                                                add_special_tokens=False).ids
+    stop = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    with torch.no_grad():
+        embed = llm.get_input_embeddings()
+        inputs = torch.cat([embed(torch.tensor(before)), *pieces, embed(torch.tensor(after))])
+        out = llm.generate(inputs_embeds=inputs[None], max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
+                           pad_token_id=0)
+    tokens = out[0].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in stop]
+    return tokens[:ends[0] + 1] if ends else tokens
