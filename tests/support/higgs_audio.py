@@ -39,7 +39,8 @@ def whisper_config():
     return WhisperConfig(vocab_size=8, num_mel_bins=N_MELS, d_model=D_AUDIO, encoder_layers=2,
                          encoder_attention_heads=4, encoder_ffn_dim=64, decoder_layers=1, decoder_attention_heads=4,
                          decoder_ffn_dim=64, max_source_positions=32, max_target_positions=16, dropout=0.0,
-                         attention_dropout=0.0, activation_dropout=0.0)
+                         attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=0,
+                         eos_token_id=0, decoder_start_token_id=1)
 
 
 def qwen_config():
