@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mstar.contract import GenerateSpec, OutputEvent, RequestError
+from mstar.contract import GenerateSpec, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
 from mstar.model.lingbot.camera import FRAME_STEP, as_poses
@@ -35,25 +35,11 @@ from mstar.model.lingbot.checkpoint import LingbotCheckpoint
 from mstar.model.lingbot.config import LingbotConfig
 from mstar.model.lingbot.knobs import LingbotKnobs, LingbotRequest
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.video_output import VideoFrames
 
 SIZE_MULTIPLE = 16  # the VAE's 8, then the DiT's 2x2 patches
 MAX_POSES_BYTES = 1 << 20  # the camera trajectory's JSON, as the API server caps a form field
-
-
-class VideoChunks(OutputStream):
-    """Each chunk's ``uint8 [F, H, W, 3]`` frames -> one ``video`` event of their raw bytes."""
-
-    def __init__(self) -> None:
-        self.frames = 0
-
-    @property
-    def generated(self) -> int:
-        return self.frames
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        self.frames += int(value.shape[0])
-        return OutputEvent(modality="video", data=value.contiguous().numpy().tobytes())
 
 
 def start_image(data: bytes, width: int, height: int) -> torch.Tensor:
@@ -193,8 +179,8 @@ class LingbotWorld(ModelSpec):
             return WalkRequest("resume", inputs, params, prompt_tokens=int(mask.sum()))
         return WalkRequest("i2w", inputs | {"pixels": pixels}, params, prompt_tokens=int(mask.sum()))
 
-    def output_stream(self, request: WalkRequest, stop: list[str]) -> VideoChunks:
-        return VideoChunks()
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> VideoFrames:
+        return VideoFrames()
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):

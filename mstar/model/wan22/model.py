@@ -27,14 +27,15 @@ import torch
 from PIL import Image
 from pydantic import Field
 
-from mstar.contract import GenerateSpec, OutputEvent, RequestError
+from mstar.contract import GenerateSpec, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.graph import Emit, Graph, Loop, Node, Parallel, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
 from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.knobs import RequestKnobs
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.video_output import VideoFrames
 from mstar.model.wan22.checkpoint import WanCheckpoint
 from mstar.model.wan22.knobs import WanKnobs
 
@@ -92,22 +93,6 @@ def image_pixels(data: bytes, width: int, height: int) -> torch.Tensor:
         image = image.resize((width, height), resample=Image.LANCZOS)
     pixels = torch.from_numpy(np.asarray(image).astype(np.float32) / 255.0)
     return (2.0 * pixels - 1.0).permute(2, 0, 1)[:, None].contiguous()
-
-
-class VideoFrames(OutputStream):
-    """The emitted ``uint8 [F, H, W, 3]`` frames -> one ``video`` event holding their raw bytes
-    (frame-major RGB). The mp4 container is the next step (the HTTP video routes)."""
-
-    def __init__(self) -> None:
-        self.frames = 0
-
-    @property
-    def generated(self) -> int:
-        return self.frames
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        self.frames += int(value.shape[0])
-        return OutputEvent(modality="video", data=value.contiguous().numpy().tobytes())
 
 
 @register

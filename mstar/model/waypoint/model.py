@@ -26,11 +26,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mstar.contract import GenerateSpec, OutputEvent, RequestError
+from mstar.contract import GenerateSpec, RequestError
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.media.images import ImageError, decode_image
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+from mstar.model.video_output import VideoFrames
 from mstar.model.waypoint.checkpoint import WaypointCheckpoint
 from mstar.model.waypoint.engine import FRAME, START, control_vector
 from mstar.model.waypoint.knobs import WaypointKnobs, WaypointRequest
@@ -112,7 +113,7 @@ class Waypoint(ModelSpec):
         return rgb.contiguous()
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream:
-        return FrameStream()
+        return VideoFrames()
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
@@ -121,18 +122,3 @@ class Waypoint(ModelSpec):
         world = self.checkpoint().load_world(device, self.config.torch_dtype(),
                                              dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
         return {"world": WaypointEngine(world)}
-
-
-class FrameStream(OutputStream):
-    """Each step's uint8 ``[T, H, W, 3]`` frames -> one ``video`` event of their raw bytes."""
-
-    def __init__(self) -> None:
-        self.frames = 0
-
-    @property
-    def generated(self) -> int:
-        return self.frames
-
-    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        self.frames += int(value.shape[0])
-        return OutputEvent(modality="video", data=value.contiguous().numpy().tobytes())
