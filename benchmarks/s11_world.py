@@ -161,7 +161,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         device, dtype, runs = "cpu", torch.float32, args.runs or 1
         lingbot = (TINY_LINGBOT_DIT, TINY_UMT5, TINY_WAN21_VAE)
         waypoint = (TINY_WAYPOINT_DIT, TINY_TAEHV)
-        width, height, chunks, controls = args.width or 32, args.height or 32, args.chunks or 2, args.controls or 4
+        width, height, chunks, controls = args.width or 32, args.height or 32, args.chunks or 2, args.controls or 3
     else:
         if not torch.cuda.is_available():
             raise SystemExit("S11 needs a CUDA GPU; use --smoke to run the tiny configuration on the CPU")
@@ -573,10 +573,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("lingbot", "waypoint", "both"), default="both")
     p.add_argument("--sessions", default="1,4", help="rollouts submitted at once")
     p.add_argument("--runs", type=int, default=None, help="timed rounds per concurrency (default 2; smoke 1)")
-    p.add_argument("--chunks", type=int, default=None, help="LingBot chunks a rollout (default 4: 45 frames)")
+    p.add_argument("--chunks", type=int, default=None, help="LingBot chunks a rollout (default 4: 45 frames; smoke 2)")
     p.add_argument("--width", type=int, default=None, help="LingBot width (default 832; smoke 32)")
     p.add_argument("--height", type=int, default=None, help="LingBot height (default 480; smoke 32)")
-    p.add_argument("--controls", type=int, default=None, help="Waypoint controls a rollout (default 32; smoke 4)")
+    p.add_argument("--controls", type=int, default=None, help="Waypoint controls a rollout (default 32; smoke 3)")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -587,8 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args)
     started = time.perf_counter()
     log.info("S11 settings: %s", {k: v for k, v in settings.describe().items() if not isinstance(v, dict)})
-    bandwidth = measure_memory_bandwidth(settings.device)
-    rates = {"bf16": measure_matmul_tflops(settings.device, settings.dtype), "tf32": tf32_tflops(settings.device)}
+    if settings.smoke:  # the CPU's rates, quickly: smaller buffers and products
+        bandwidth = measure_memory_bandwidth("cpu", 64 * 2**20)
+        rates = {"bf16": measure_matmul_tflops("cpu", settings.dtype, 512)}
+        rates["tf32"] = rates["bf16"]
+    else:
+        bandwidth = measure_memory_bandwidth(settings.device)
+        rates = {"bf16": measure_matmul_tflops(settings.device, settings.dtype), "tf32": tf32_tflops(settings.device)}
     log.info("measured %.0f GB/s copy bandwidth, %.1f TFLOP/s %s matmul, %.1f float32 (TF32)", bandwidth,
              rates["bf16"], settings.dtype, rates["tf32"])
     builders = {"lingbot": lingbot_floor, "waypoint": waypoint_floor}
