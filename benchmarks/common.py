@@ -175,11 +175,14 @@ def measure_matmul_tflops(device: torch.device | str, dtype: torch.dtype, n: int
 @dataclass
 class TimedSink:
     """A runtime sink (``Runtime.submit``'s ``sink``) that timestamps one request's events as
-    the frontend gets them: every token, and the first event carrying data (audio, an image)."""
+    the frontend gets them: every token, and every event carrying data (audio, an image, a
+    video chunk): ``data_times`` and ``data_sizes``, one entry per such event."""
 
     submitted: float = 0.0
     token_times: list[float] = field(default_factory=list)
     first_data: float | None = None
+    data_times: list[float] = field(default_factory=list)
+    data_sizes: list[int] = field(default_factory=list)
     data_bytes: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -195,6 +198,8 @@ class TimedSink:
         if event.data:
             self.first_data = self.first_data or now
             self.data_bytes += len(event.data)
+            self.data_times.append(now)
+            self.data_sizes.append(len(event.data))
         if event.error:
             self.error = event.error
         if event.finish_reason:
