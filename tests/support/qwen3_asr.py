@@ -69,3 +69,33 @@ def write_released(model, directory: Path, extra: dict[str, torch.Tensor] | None
         del state[drop]
     save_file(state, str(directory / "model.safetensors"))
     return directory
+
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>"]
+WORDS = [f"w{i}" for i in range(80)] + SPECIAL + ["<asr_text>", "language", "English", "system", "user",
+                                                  "<|audio_pad|>", "assistant", "German", "[UNK]"]
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer whose ids fit the tiny config (``<|audio_pad|>`` is 90), the chat
+    markers special, ``<asr_text>`` an added token that is not."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    assert WORDS.index("<|audio_pad|>") == AUDIO_TOKEN
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL + ["<|audio_pad|>"]])
+    tok.add_tokens([AddedToken("<asr_text>", special=False)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "[UNK]"}))
+
+
+def write_hub(cache: Path, repo: str, seed: int = 0) -> Path:
+    """A hub-cache snapshot of ``repo`` in the released layout, tokenizer included."""
+    from tests.support.fastconformer import snapshot_dir
+
+    snapshot = snapshot_dir(cache, repo)
+    write_released(reference(seed), snapshot)
+    write_tokenizer(snapshot)
+    return snapshot
