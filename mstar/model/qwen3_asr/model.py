@@ -181,8 +181,12 @@ class Qwen3ASR(ModelSpec):
 
 @register
 class Qwen3ASRRealtime(Qwen3ASR):
+    """The 0.6B checkpoint, also on ``/v1/realtime`` as transcription sessions: each committed
+    turn (by hand, or by server VAD) is transcribed and sent as a delta, then completed."""
+
     key = "qwen3_asr_realtime"
     default_weights = "Qwen/Qwen3-ASR-0.6B"
+    tasks = frozenset({"transcription", "realtime"})
 
 
 __all__ = ["Qwen3ASR", "Qwen3ASRRealtime"]
