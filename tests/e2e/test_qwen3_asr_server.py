@@ -110,3 +110,28 @@ def test_translation_is_400_naming_model(http: httpx.Client) -> None:
     response = http.post("/v1/audio/translations", data={"model": MODEL},
                          files={"file": ("clip.wav", wav(noise_clip(0.5, seed=3)))})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("key", ["qwen3_asr", "qwen3_asr_realtime"])
+def test_shipped_yaml_holds_its_longest_clip_and_request_cap(hub, key: str) -> None:
+    from pathlib import Path
+
+    from mstar.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / f"{key}.yaml")
+    spec = model_class(key)(config.model_copy(update={"cache_dir": str(hub), "load_format": "dummy",
+                                                       "model_path": str(hub / "models--Qwen--Qwen3-ASR-1.7B"
+                                                                         / "snapshots" / ("b" * 40))}))
+    assert spec.default_capacity() == {"kv_pages": config.max_concurrent_requests * config.max_seq_len // 16}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        spec.load_frontend()  # refuses a max_seq_len that cannot hold max_audio_seconds
+
+
+def test_a_max_seq_len_short_of_20_minutes_is_refused(hub) -> None:
+    from mstar.config import ConfigError
+
+    spec = model_class(MODEL)(parse_config(CONFIG | {"cache_dir": str(hub), "max_seq_len": 15000}))
+    with pytest.MonkeyPatch.context() as env, pytest.raises(ConfigError, match="max_seq_len"):
+        env.setenv("HF_HUB_OFFLINE", "1")
+        spec.load_frontend()
