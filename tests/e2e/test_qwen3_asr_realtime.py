@@ -134,14 +134,21 @@ def test_a_transcription_session_makes_no_responses(server: Server) -> None:
 
 
 def test_closing_the_socket_mid_transcription_frees_its_state(server: Server, http: httpx.Client) -> None:
+    """The socket closes once the turn's walk holds KV pages; then every page and request is
+    given back."""
+
     async def session() -> None:
         async with client(server).realtime.connect(model=MODEL) as conn:
             await until(conn, "session.created")
             await conn.send({"type": "session.update", "session": SESSION})
             await until(conn, "session.updated")
-            await append(conn, noise_24k(180.0, seed=4), piece_s=2.0)
+            await append(conn, noise_24k(300.0, seed=4), piece_s=2.0)
             await conn.send({"type": "input_audio_buffer.commit"})
             await until(conn, "input_audio_buffer.committed")
+            deadline = time.monotonic() + 20
+            while not (await asyncio.to_thread(in_use, http))[0]:
+                assert time.monotonic() < deadline, "the turn's transcription never held KV pages"
+                await asyncio.sleep(0.01)
 
     run(session())
     deadline = time.monotonic() + 30
