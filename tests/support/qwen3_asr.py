@@ -19,8 +19,9 @@ TEXT = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidd
         "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 
 
-def reference(seed: int = 0):
-    """The transformers model, seeded, float32, eval mode."""
+def reference(seed: int = 0, spread: float | None = None):
+    """The transformers model, seeded, float32, eval mode; ``spread``: every matrix drawn again
+    from N(0, spread), so that a greedy decode does not just repeat the prompt's last token."""
     from transformers import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
 
     config = Qwen3ASRConfig(audio_config=dict(AUDIO), text_config=dict(TEXT), audio_token_id=AUDIO_TOKEN,
@@ -34,6 +35,8 @@ def reference(seed: int = 0):
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0, 0.05)
+            elif spread is not None and p.dim() >= 2:
+                p.normal_(0, spread)
     return model
 
 
@@ -74,6 +77,7 @@ def write_released(model, directory: Path, extra: dict[str, torch.Tensor] | None
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>"]
 WORDS = [f"w{i}" for i in range(80)] + SPECIAL + ["<asr_text>", "language", "English", "system", "user",
                                                   "<|audio_pad|>", "assistant", "German", "[UNK]"]
+WORDS += [f"x{i}" for i in range(len(WORDS), TEXT["vocab_size"])]  # every id the LLM can write decodes
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -91,11 +95,11 @@ def write_tokenizer(directory: Path) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "[UNK]"}))
 
 
-def write_hub(cache: Path, repo: str, seed: int = 0) -> Path:
+def write_hub(cache: Path, repo: str, seed: int = 0, spread: float | None = None) -> Path:
     """A hub-cache snapshot of ``repo`` in the released layout, tokenizer included."""
     from tests.support.fastconformer import snapshot_dir
 
     snapshot = snapshot_dir(cache, repo)
-    write_released(reference(seed), snapshot)
+    write_released(reference(seed, spread), snapshot)
     write_tokenizer(snapshot)
     return snapshot
