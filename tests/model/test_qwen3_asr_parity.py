@@ -57,6 +57,10 @@ def test_encoder_batched_solo_and_reference_agree(loaded) -> None:
     with torch.no_grad():
         batched = ours.encode(clips)
         solo = [ours.encode([m])[0] for m in clips]
+        states = ours.audio_tower(clips)
+        in_parts = ours.audio_tower(clips, conv_batch=3)  # the 11 chunks through the convolutions 3 at a time
+    for whole, parts in zip(states, in_parts):
+        check("conv chunks in parts vs at once", parts, whole, 1e-6)
     assert [b.shape[0] for b in batched] == [ours.config.audio.positions(m.shape[0]) for m in clips]
     want = reference_features(ref, clips).split([b.shape[0] for b in batched])
     for name, b, s, r in zip(mels, batched, solo, want):
