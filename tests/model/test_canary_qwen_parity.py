@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mstar.layers.paged_kv import allocate_kv_cache
+from mstar.model.audio_prompt import splice
 from mstar.model.canary_qwen.checkpoint import CanaryQwenCheckpoint
-from mstar.model.canary_qwen.modeling import splice
 from tests.support.fastconformer import (
     CANARY_QWEN_REPO,
     LORA_ALPHA,

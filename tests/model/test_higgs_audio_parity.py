@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.layers.paged_kv import allocate_kv_cache
-from mstar.model.canary_qwen.modeling import splice
+from mstar.model.audio_prompt import splice
 from mstar.model.higgs_audio.checkpoint import HiggsAudioCheckpoint
 from mstar.model.higgs_audio.config import HiggsAudioConfig
 from tests.support.fastconformer import snapshot_dir

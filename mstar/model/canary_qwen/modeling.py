@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mstar.model.audio_prompt import splice
 from mstar.model.canary_qwen.config import CanaryQwenConfig
 from mstar.model.fastconformer.encoder import FastConformerEncoder
 from mstar.model.qwen3.causal import Qwen3ForCausalLM
@@ -49,15 +50,6 @@ class CanaryQwenModel(nn.Module):
 
     def cache_shape(self) -> tuple[int, int, int]:
         return self.llm.cache_shape()
-
-
-def splice(embeds: torch.Tensor, input_ids: torch.Tensor, locator_id: int, audio: torch.Tensor) -> torch.Tensor:
-    """``embeds`` ``[T, hidden]`` with the rows at ``locator_id`` tokens replaced, in order, by
-    ``audio`` ``[n, hidden]`` (there must be exactly ``n`` of them)."""
-    positions = (input_ids == locator_id).nonzero().squeeze(-1)
-    if positions.numel() != audio.shape[0]:
-        raise ValueError(f"{positions.numel()} audio positions in the prompt but {audio.shape[0]} audio embeddings")
-    return embeds.index_copy(0, positions, audio.to(embeds.dtype))
 
 
 __all__ = ["CanaryQwenModel", "splice"]

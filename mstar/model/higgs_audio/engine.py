@@ -11,7 +11,7 @@ import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, StatelessEngine
-from mstar.model.canary_qwen.engine import AudioPromptForward
+from mstar.model.audio_prompt import AudioPromptForward
 from mstar.model.higgs_audio.modeling import HiggsAudioModel
 
 

@@ -85,7 +85,7 @@ def _one_modality(value: list[str]) -> list[str]:
 class SessionConfig(_Model):
     """The session as the server holds it (and echoes in ``session.created`` / ``.updated``)."""
 
-    type: Literal["realtime"] = "realtime"
+    type: Literal["realtime", "transcription"] = "realtime"  # transcription: turns are transcribed, not answered
     id: str = ""
     object: Literal["realtime.session"] = "realtime.session"
     model: str | None = None

@@ -93,7 +93,9 @@ class RealtimeSession:
                  model: str) -> None:
         self.backend, self.send, self.vad = backend, send, vad
         self.key = new_id("sess")
-        self.config = SessionConfig(id=self.key, model=model)
+        # a backend that only transcribes (a speech recogniser) holds transcription sessions
+        self.responds = callable(getattr(backend, "respond", None))
+        self.config = SessionConfig(id=self.key, model=model, type="realtime" if self.responds else "transcription")
         self.items: list[Item] = []
         self._buffer = bytearray()  # input since the last commit or clear, PCM16 24 kHz
         self._stream_pos = 0  # samples appended since the VAD stream (re)started
@@ -152,6 +154,9 @@ class RealtimeSession:
 
     async def _update(self, event: SessionUpdate) -> None:
         config = merge_session(self.config, event.session, event.event_id)
+        if not self.responds and config.type != "transcription":
+            raise ClientEventError(f"session.type: model {config.model!r} only transcribes; use 'transcription'",
+                                   "session.type", "invalid_value", event.event_id)
         self._check_voice(config.audio.output.voice, "session.audio.output.voice")
         detection_changed = config.audio.input.turn_detection != self.config.audio.input.turn_detection
         self.config = config
@@ -268,7 +273,7 @@ class RealtimeSession:
             early[1].cancel()
             early = None
         self._commit(self._take(start_ms, turn.ms), item_id, early[1] if early else None)
-        if detection.create_response and self._response is None:
+        if detection.create_response and self._response is None and self.config.type == "realtime":
             self._start_response(ResponseOverrides())
 
     def _read_early(self, item_id: str, start_ms: int, end_ms: int) -> None:
@@ -316,6 +321,9 @@ class RealtimeSession:
             item.text = ""
         else:
             item.text = result.text.strip()
+            if self.config.type == "transcription":
+                self.send(server_event("conversation.item.input_audio_transcription.delta", item_id=item.id,
+                                       content_index=0, delta=item.text))
             usage = {"type": "duration", "seconds": round(len(pcm) / 2 / API_RATE, 3)}
             self.send(server_event("conversation.item.input_audio_transcription.completed", item_id=item.id,
                                    content_index=0, transcript=item.text, usage=usage))
@@ -364,6 +372,9 @@ class RealtimeSession:
     # ------------------------------------------------------------------ responses
 
     def _create_response(self, overrides: ResponseOverrides) -> None:
+        if self.config.type == "transcription":
+            raise ClientEventError("a transcription session makes no responses: its turns are transcribed", None,
+                                   "invalid_session_type")
         if self._response is not None:
             raise ClientEventError(f"the conversation already has an active response ({self._response.id})", None,
                                    "conversation_already_has_active_response")
