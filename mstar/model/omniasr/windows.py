@@ -21,7 +21,8 @@ import numpy as np
 
 def quiet_cut(samples: np.ndarray, lo: int, hi: int, span: int) -> int:
     """The middle of the quietest ``span`` samples (least energy) whose middle lies in
-    ``[lo, hi]``; ties go to the earliest. Where no whole span fits, the middle of the range."""
+    ``[lo, hi]``. Equally quiet spans in a row (a pause longer than a span, digital silence)
+    give the middle of the first such run. Where no whole span fits, the middle of the range."""
     half = span // 2
     first = max(lo - half, 0)
     last = min(hi - half, len(samples) - span)
@@ -30,7 +31,10 @@ def quiet_cut(samples: np.ndarray, lo: int, hi: int, span: int) -> int:
     piece = np.square(samples[first:last + span], dtype=np.float64)
     sums = np.concatenate(([0.0], np.cumsum(piece)))
     energy = sums[span:] - sums[:-span]  # energy[j]: the span starting at first + j
-    return int(min(max(first + int(np.argmin(energy)) + half, lo), hi))
+    best = int(np.argmin(energy))
+    quiet = energy <= energy[best] * (1 + 1e-6) + 1e-12
+    run_end = best + int(np.argmin(quiet[best:])) if not quiet[best:].all() else len(quiet)
+    return int(min(max(first + (best + run_end - 1) // 2 + half, lo), hi))
 
 
 def cut_windows(samples: np.ndarray, rate: int, *, whole_s: float = 20.0, window_s: float = 16.0,
