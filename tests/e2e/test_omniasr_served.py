@@ -153,6 +153,12 @@ def test_generate_transcribes_the_same(oai: openai.OpenAI, http) -> None:
                          files=[("files", ("clip.wav", audio, "audio/wav"))])
     assert response.status_code == 200, response.text
     assert response.json()["text"] == transcribe(oai, audio)
+    long = wav(noise_clip(41.0, seed=51))  # /generate reads a clip whole: over 40 s is refused
+    response = http.post("/generate", files=[("files", ("long.wav", long, "audio/wav"))])
+    assert response.status_code == 400 and "40 s" in response.json()["error"]["message"], response.text
+    response = http.post("/generate", data={"model_kwargs": json.dumps({"whole": False})},
+                         files=[("files", ("long.wav", long, "audio/wav"))])
+    assert response.status_code == 200, response.text
 
 
 def test_translation_is_not_served(http) -> None:

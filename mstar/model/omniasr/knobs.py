@@ -59,3 +59,7 @@ class OmniAsrRequestKnobs(RequestKnobs):
 
     window_seconds: float | None = Field(None, gt=0, le=MODEL_SECONDS, allow_inf_nan=False)
     """This request's window length (both the whole-clip limit and the window), up to 40 s."""
+
+    whole: bool = False
+    """Transcribe the clip as one window, refusing one over 40 s (the model's limit) rather
+    than cutting it; ``/generate`` sets it unless its ``model_kwargs`` say otherwise."""

@@ -29,7 +29,7 @@ from mstar.graph import Emit, Graph, Node, Sequential, Step, Walk
 from mstar.model.omniasr.checkpoint import OmniAsrCheckpoint
 from mstar.model.omniasr.config import HUB_REPOS, SAMPLE_RATE, SIZES
 from mstar.model.omniasr.engine import ctc_engines
-from mstar.model.omniasr.knobs import OmniAsrKnobs, OmniAsrRequestKnobs
+from mstar.model.omniasr.knobs import MODEL_SECONDS, OmniAsrKnobs, OmniAsrRequestKnobs
 from mstar.model.omniasr.modeling import normalize_utterance
 from mstar.model.omniasr.vocabulary import CtcVocabulary
 from mstar.model.omniasr.windows import cut_windows
@@ -97,23 +97,27 @@ class OmniAsrCtcSpec(ModelSpec):
         return WalkRequest("transcribe", {"waveform": normalize_utterance(samples)}, {}, {})
 
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
-        """``/generate``: its one file is the audio, its ``model_kwargs`` the options."""
+        """``/generate``: its one file is the audio, its ``model_kwargs`` the options; the clip
+        is read whole (``whole``, default on here): one over 40 s is a 400, not cut."""
         if len(spec.files) != 1:
             raise RequestError("files", "send exactly one audio file to transcribe")
         if set(spec.output_modalities) - {"text"}:
             raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
-        options = OmniAsrRequestKnobs.parse(spec.model_kwargs)
+        options = OmniAsrRequestKnobs.parse({"whole": True} | dict(spec.model_kwargs))
         filename, data = spec.files[0]
         return TranscriptionSpec(spec.request_id, data, filename, language=options.language,
-                                 model_kwargs=dict(spec.model_kwargs))
+                                 model_kwargs=options.model_dump(exclude_none=True))
 
     async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:
         options = OmniAsrRequestKnobs.parse(spec.model_kwargs)
         whole, window = self.knobs.whole_seconds, self.knobs.window_seconds
         if options.window_seconds is not None:
             whole = window = options.window_seconds
+        longest = self.knobs.max_audio_seconds
+        if options.whole:
+            whole = window = longest = MODEL_SECONDS
         audio = await asyncio.to_thread(decode_audio, spec.audio, max_bytes=self.knobs.max_upload_bytes,
-                                        max_seconds=self.knobs.max_audio_seconds, target_rate=SAMPLE_RATE)
+                                        max_seconds=longest, target_rate=SAMPLE_RATE)
         least = self.model_config.min_samples
         if audio.samples.shape[0] < least:
             raise RequestError("file", f"the audio is shorter than {least / SAMPLE_RATE:.3f} s")
