@@ -165,3 +165,17 @@ def test_translation_is_not_served(http) -> None:
     response = http.post("/v1/audio/translations", data={"model": MODEL},
                          files={"file": ("clip.wav", wav(noise_clip(0.5, seed=4)), "audio/wav")})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("size", ["300m", "1b", "3b", "7b"])
+def test_reference_yamls_parse(size: str) -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from mstar.model.registry import model_class
+
+    config = parse_config(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" /
+                                          f"omnilingual_asr_ctc_{size}.yaml").read_text()))
+    spec = model_class(config.model)(config)
+    assert spec.size == size and spec.knobs.max_batch_seconds == 320 and spec.graph()
