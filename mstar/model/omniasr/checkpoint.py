@@ -3,9 +3,9 @@
 Two layouts load:
 
 - the release's (``weights_version: v1``, the ``facebook/omniASR-CTC-*`` Hub repos, or Meta's
-  ``.pt`` files given as ``checkpoint_path``): one PyTorch file holding fairseq2's state dict
-  (at the top level or under ``"model"``), whose names are our parameter names, and a
-  SentencePiece tokenizer (``*.model``);
+  ``.pt`` files given as ``checkpoint_path``): fairseq2's state dict, whose names are our
+  parameter names, in one PyTorch file (at the top level or under ``"model"``) or in
+  safetensors with no ``config.json`` beside them, and a SentencePiece tokenizer (``*.model``);
 - transformers' (``OmniASRForCTC``): ``config.json``, safetensors and ``tokenizer.json``. Its
   names are mapped onto ours (``hf_name``), and its position convolution, stored with the weight
   norm folded in, is split back into a direction and a per-tap norm (``from_hf_layout``), which
@@ -107,10 +107,10 @@ class OmniAsrCheckpoint:
         if local.is_dir():
             if not (local / "config.json").is_file():
                 found = sorted(local.glob("*.pt"))
-                if len(found) != 1:
-                    raise ValueError(f"{local}: expected one .pt checkpoint or a transformers config.json, "
-                                     f"found {[p.name for p in found]}")
-                weights = found[0]
+                if len(found) > 1 or not (found or any(local.glob("*.safetensors"))):
+                    raise ValueError(f"{local}: expected one .pt checkpoint, safetensors, or a transformers "
+                                     f"config.json; found {[p.name for p in found]}")
+                weights = found[0] if found else local
             if tokenizer is None:
                 found = sorted(local.glob("*.model")) or sorted(local.glob("tokenizer.json"))
                 tokenizer = found[0] if found else None
@@ -121,7 +121,8 @@ class OmniAsrCheckpoint:
 
     @property
     def hf_layout(self) -> bool:
-        return self.weights is not None and self.weights.is_dir()
+        """transformers' layout (a directory with ``config.json``)."""
+        return self.weights is not None and (self.weights / "config.json").is_file()
 
     def vocabulary(self, vocab_size: int | None = None) -> CtcVocabulary:
         if self.tokenizer is None:
@@ -142,10 +143,11 @@ class OmniAsrCheckpoint:
         if self.weights is None:
             raise ValueError("no checkpoint: give model_kwargs.checkpoint_path or weights_version, or "
                              "load_format: dummy")
-        if self.hf_layout:
+        if self.weights.is_dir():
             from mstar.model.weights import iter_safetensors
 
-            return from_hf_layout(iter_safetensors(self.weights))
+            tensors = iter_safetensors(self.weights)
+            return from_hf_layout(tensors) if self.hf_layout else tensors
         return iter(read_release_state(self.weights).items())
 
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int,
