@@ -10,6 +10,8 @@ the same length); the budget bounds a forward's memory, which grows with rows ti
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from mstar.engine.base import EngineItem, StatelessEngine
@@ -31,6 +33,22 @@ def pack(lengths: list[int], *, max_rows: int, max_samples: int) -> list[list[in
     return groups
 
 
+@contextmanager
+def exact_float32(on: bool):
+    """TF32 off for the matmuls and convolutions inside (when ``on``), restored after: a
+    float32 deployment asks for float32 numerics (batch-invariant transcripts)."""
+    if not on:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+
+
 def ctc_fn(model: OmniAsrCtc, *, max_batch_size: int, max_batch_seconds: float):
     """The node's function: ``waveform`` (one clip, normalised, float32) in, ``frame_ids``
     (its per-frame argmax over its frames) out."""
@@ -46,7 +64,8 @@ def ctc_fn(model: OmniAsrCtc, *, max_batch_size: int, max_batch_seconds: float):
             for row, i in enumerate(group):
                 waves[row, :clips[i].shape[0]] = clips[i].to(weight.device, weight.dtype)
             lengths = torch.tensor([clips[i].shape[0] for i in group], device=weight.device)
-            logits, frames = model(waves, lengths)
+            with exact_float32(weight.dtype == torch.float32 and weight.device.type == "cuda"):
+                logits, frames = model(waves, lengths)
             for i, ids in zip(group, model.greedy(logits, frames)):
                 out[i] = {"frame_ids": torch.tensor(ids, dtype=torch.int64)}
         return out

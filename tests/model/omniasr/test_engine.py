@@ -42,6 +42,19 @@ def test_batched_forwards_give_each_clip_its_solo_ids(monkeypatch):
         assert len(a["frame_ids"]) > 0
 
 
+def test_exact_float32_restores_the_tf32_switches():
+    from mstar.model.omniasr.engine import exact_float32
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with exact_float32(True):
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def test_text_stream_collapses_and_drops_blanks():
     vocab = CtcVocabulary.synthetic(12)
     stream = CtcTextStream(vocab)
