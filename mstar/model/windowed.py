@@ -11,10 +11,29 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from mstar.audio import decode_audio, split_at_quiet_points
-from mstar.contract import RequestError, Transcription, TranscriptionSegment
+from mstar.contract import GenerateSpec, RequestError, Transcription, TranscriptionSegment, TranscriptionSpec
+from mstar.model.knobs import RequestKnobs
 from mstar.model.spec import WalkOutput, WalkRequest
 
 RunWalk = Callable[[WalkRequest], Awaitable[WalkOutput]]
+
+
+def generate_audio_file(spec: GenerateSpec, key: str) -> tuple[str, bytes]:
+    """The one audio file (name, bytes) of a ``/generate`` transcription; a 400 naming ``files``
+    for none or several, naming ``output_modalities`` for anything but text."""
+    if len(spec.files) != 1:
+        raise RequestError("files", "send exactly one audio file to transcribe")
+    if set(spec.output_modalities) - {"text"}:
+        raise RequestError("output_modalities", f"model {key!r} outputs text only")
+    return spec.files[0]
+
+
+def options_transcription(spec: GenerateSpec, key: str, options: type[RequestKnobs]) -> TranscriptionSpec:
+    """``/generate`` as a transcription whose ``model_kwargs`` are its options: checked by
+    ``options`` here (a 400 naming the field) and handed on whole; its text is not read."""
+    filename, data = generate_audio_file(spec, key)
+    options.parse(spec.model_kwargs)
+    return TranscriptionSpec(spec.request_id, data, filename, model_kwargs=dict(spec.model_kwargs))
 
 
 async def transcribe_windows(audio: bytes, run: RunWalk, window_request: Callable[[torch.Tensor], WalkRequest], *,

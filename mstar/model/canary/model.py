@@ -26,7 +26,7 @@ from mstar.model.fastconformer.features import log_mel
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.text_stream import TokenTextStream
-from mstar.model.windowed import RunWalk, transcribe_windows
+from mstar.model.windowed import RunWalk, options_transcription, transcribe_windows
 
 SAMPLE_RATE = 16000
 PROMPT_TOKENS = 9  # the multitask prompt (prompt.py)
@@ -105,13 +105,7 @@ class Canary(ModelSpec):
 
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
         """``/generate`` with one audio file: its ``model_kwargs`` are the options."""
-        if len(spec.files) != 1:
-            raise RequestError("files", "send exactly one audio file to transcribe")
-        if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
-        CanaryRequestKnobs.parse(spec.model_kwargs)
-        filename, data = spec.files[0]
-        return TranscriptionSpec(spec.request_id, data, filename, model_kwargs=dict(spec.model_kwargs))
+        return options_transcription(spec, self.key, CanaryRequestKnobs)
 
     async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:
         source, target, punctuation = self.options(spec)

@@ -31,7 +31,7 @@ from mstar.model.fastconformer.knobs import NemotronAsrKnobs, TransducerKnobs, T
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.text_stream import TokenTextStream
-from mstar.model.windowed import RunWalk, transcribe_windows
+from mstar.model.windowed import RunWalk, generate_audio_file, transcribe_windows
 
 SAMPLE_RATE = 16000
 TRANSDUCER_SLOTS = "transducer_slots"
@@ -110,12 +110,8 @@ class Transducer(ModelSpec):
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
         """The transcription ``/generate`` asks for: its one file is the audio, its
         ``model_kwargs`` the options (``TransducerRequestKnobs``); its text is not read."""
-        if len(spec.files) != 1:
-            raise RequestError("files", "send exactly one audio file to transcribe")
-        if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
+        filename, data = generate_audio_file(spec, self.key)
         options = TransducerRequestKnobs.parse(spec.model_kwargs)
-        filename, data = spec.files[0]
         return TranscriptionSpec(spec.request_id, data, filename, language=options.language)
 
     async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:

@@ -31,7 +31,7 @@ from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.text_stream import TokenTextStream
 from mstar.model.whisper.features import HOP_LENGTH, SAMPLE_RATE, log_mel_spectrogram
-from mstar.model.windowed import RunWalk, transcribe_windows
+from mstar.model.windowed import RunWalk, options_transcription, transcribe_windows
 
 MIN_FRAMES = 3  # the shortest slice that gives an audio embedding
 
@@ -136,13 +136,7 @@ class HiggsAudio(ModelSpec):
 
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
         """``/generate`` with one audio file: its ``model_kwargs`` are the options, its text unused."""
-        if len(spec.files) != 1:
-            raise RequestError("files", "send exactly one audio file to transcribe")
-        if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
-        HiggsAudioRequestKnobs.parse(spec.model_kwargs)
-        filename, data = spec.files[0]
-        return TranscriptionSpec(spec.request_id, data, filename, model_kwargs=dict(spec.model_kwargs))
+        return options_transcription(spec, self.key, HiggsAudioRequestKnobs)
 
     async def transcribe(self, spec: TranscriptionSpec, run: RunWalk) -> Transcription:
         instruction = self.instruction(spec)

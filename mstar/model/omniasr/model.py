@@ -35,6 +35,7 @@ from mstar.model.omniasr.vocabulary import CtcVocabulary
 from mstar.model.omniasr.windows import cut_windows
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkOutput, WalkRequest
+from mstar.model.windowed import generate_audio_file
 
 RunWalk = Callable[[WalkRequest], Awaitable[WalkOutput]]
 
@@ -99,12 +100,8 @@ class OmniAsrCtcSpec(ModelSpec):
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
         """``/generate``: its one file is the audio, its ``model_kwargs`` the options; the clip
         is read whole (``whole``, default on here): one over 40 s is a 400, not cut."""
-        if len(spec.files) != 1:
-            raise RequestError("files", "send exactly one audio file to transcribe")
-        if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
+        filename, data = generate_audio_file(spec, self.key)
         options = OmniAsrRequestKnobs.parse({"whole": True} | dict(spec.model_kwargs))
-        filename, data = spec.files[0]
         return TranscriptionSpec(spec.request_id, data, filename, language=options.language,
                                  model_kwargs=options.model_dump(exclude_none=True))
 

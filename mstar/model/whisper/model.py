@@ -42,6 +42,7 @@ from mstar.model.whisper.engine import whisper_engines
 from mstar.model.whisper.features import log_mel_spectrogram
 from mstar.model.whisper.knobs import TranscribeKnobs, WhisperKnobs
 from mstar.model.whisper.quantize import quantize_whisper
+from mstar.model.windowed import generate_audio_file
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30.0
@@ -149,12 +150,8 @@ class Whisper(ModelSpec):
     def transcription_of(self, spec: GenerateSpec) -> TranscriptionSpec:
         """The transcription ``/generate`` asks for: its one file is the audio, its
         ``model_kwargs`` the options (``TranscribeKnobs``), its text the default prompt."""
-        if len(spec.files) != 1:
-            raise RequestError("files", "send exactly one audio file to transcribe")
-        if set(spec.output_modalities) - {"text"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs text only")
+        filename, data = generate_audio_file(spec, self.key)
         options = TranscribeKnobs.parse(spec.model_kwargs)
-        filename, data = spec.files[0]
         return TranscriptionSpec(spec.request_id, data, filename, task=options.task, language=options.language,
                                  prompt=options.prompt or spec.text or None, temperature=options.temperature)
 
