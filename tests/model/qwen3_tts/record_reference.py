@@ -148,12 +148,72 @@ def record_codec(tok: types.ModuleType) -> None:
     save_file(tensors, HERE / "codec.safetensors", metadata=meta)
 
 
+def generate_config() -> dict:
+    """A whole tiny ``config.json``: a talker vocabulary of 64 codes and the 1024 special ids
+    above them (the reference suppresses the top 1024 ids but EOS), text ids under 200."""
+    talker = talker_config(24)
+    talker.update(vocab_size=1088, text_vocab_size=200, codec_eos_token_id=1060, codec_pad_id=1061,
+                  codec_bos_id=1062, codec_think_id=1055, codec_nothink_id=1056, codec_think_bos_id=1057,
+                  codec_think_eos_id=1058, spk_id={"vivian": 1050, "dylan": 1051},
+                  spk_is_dialect={"vivian": False, "dylan": "beijing_dialect"},
+                  codec_language_id={"english": 1052, "chinese": 1053, "beijing_dialect": 1054})
+    talker["code_predictor_config"]["vocab_size"] = 64
+    return dict(talker_config=talker, tts_model_type="custom_voice", tokenizer_type="qwen3_tts_tokenizer_12hz",
+                im_start_token_id=190, im_end_token_id=191, tts_pad_token_id=195, tts_bos_token_id=196,
+                tts_eos_token_id=197)
+
+
+@torch.no_grad()
+def record_generate(ref: types.ModuleType) -> None:
+    """The reference's whole ``generate`` (greedy, no repetition penalty) for four requests:
+    speaker + English, a dialect speaker with auto language, an instruction with no speaker
+    (voice design), and the non-streaming text layout; the codes of every frame."""
+    config = ref.Qwen3TTSConfig(**generate_config())
+    config.talker_config._attn_implementation = "eager"
+    config.talker_config.code_predictor_config._attn_implementation = "eager"
+    torch.manual_seed(21)
+    model = ref.Qwen3TTSForConditionalGeneration(config).eval()
+    randomize(model, 21, scale=0.3)
+    for p in model.parameters():  # values fp16 holds exactly, so the weights are stored at half size
+        p.data.copy_(p.data.half().float())
+    gen = torch.Generator().manual_seed(22)
+
+    def ids(text_len: int) -> torch.Tensor:  # <|im_start|>assistant\n {text} <|im_end|>\n<|im_start|>assistant\n
+        text = torch.randint(0, 150, (text_len,), generator=gen).tolist()
+        return torch.tensor([[190, 160, 161, *text, 191, 161, 190, 160, 161]])
+
+    cases = {"speaker": dict(languages=["english"], speakers=["vivian"]),
+             "dialect": dict(languages=["auto"], speakers=["dylan"]),
+             "design": dict(languages=["auto"], speakers=[None], instruct_ids=[torch.tensor([[190, 170, 161, 171,
+                                                                                             172, 191, 161]])]),
+             "non_streaming": dict(languages=["chinese"], speakers=["vivian"], non_streaming_mode=True)}
+    tensors = {f"talker.{k}": v.half().contiguous() for k, v in model.talker.state_dict().items()}
+    for name, kwargs in cases.items():
+        input_ids = ids(6)
+        codes, _ = model.generate(input_ids=[input_ids], max_new_tokens=8, do_sample=False,
+                                  subtalker_dosample=False, repetition_penalty=1.0, **kwargs)
+        tensors[f"fx.{name}.input_ids"] = input_ids[0]
+        tensors[f"fx.{name}.codes"] = codes[0]
+        if "instruct_ids" in kwargs:
+            tensors[f"fx.{name}.instruct_ids"] = kwargs["instruct_ids"][0][0]
+    meta = {"config": json.dumps(generate_config()), "cases": json.dumps({k: {a: b for a, b in v.items()
+                                                                          if a != "instruct_ids"}
+                                                                      for k, v in cases.items()}),
+            "made_by": "qwen-tts 0.1.1, transformers 4.57.3"}
+    save_file(tensors, HERE / "generate.safetensors", metadata=meta)
+
+
 def main() -> None:
     ref, tok = import_reference()
     HERE.mkdir(exist_ok=True)
-    record_talker(ref, "talker_same_width", predictor_hidden=32, seed=11)
-    record_talker(ref, "talker_projected", predictor_hidden=24, seed=12)
-    record_codec(tok)
+    only = set(sys.argv[1:])  # fixture names to record (default: all)
+    if not only or "talker" in only:
+        record_talker(ref, "talker_same_width", predictor_hidden=32, seed=11)
+        record_talker(ref, "talker_projected", predictor_hidden=24, seed=12)
+    if not only or "codec" in only:
+        record_codec(tok)
+    if not only or "generate" in only:
+        record_generate(ref)
     for path in sorted(HERE.glob("*.safetensors")):
         print(path.name, path.stat().st_size)
 
