@@ -20,10 +20,11 @@ import torch
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
 from mstar.model.qwen3_tts.config import CodecConfig, Qwen3TTSConfig
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
-from mstar.model.weights import fill_weights, iter_safetensors, load_weights
+from mstar.model.weights import fill_weights, init_dummy_weights, iter_safetensors, load_weights
 
 TALKER, CODEC = "talker.", "decoder."
 SPEECH_TOKENIZER = "speech_tokenizer"
+DUMMY_CODEC_STD = 0.15
 # what a dummy deployment reads of a hub checkpoint: configs and tokenizer files, not weights
 CONFIG_FILES = ("*.json", "*.txt", "*.jinja", "tokenizer*", f"{SPEECH_TOKENIZER}/*.json")
 
@@ -94,7 +95,16 @@ class Qwen3TTSCheckpoint:
                             name_map=talker_name)
 
     def codec(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3TTSCodec:
+        """The codec decoder; dummy weights are drawn wider than a dummy LM's (std 0.15, codebook
+        usage 1) so that a dummy deployment's audio is audible, not rounded to silence."""
         with torch.device(device):
             codec = Qwen3TTSCodec(self.codec_config()).to(dtype)
-        return fill_weights(codec, lambda: iter_safetensors(self.path / SPEECH_TOKENIZER), dummy=dummy, seed=seed,
+        if dummy:
+            init_dummy_weights(codec, seed=seed, std=DUMMY_CODEC_STD)
+            with torch.no_grad():
+                for name, p in codec.named_parameters():
+                    if name.endswith("cluster_usage"):
+                        p.fill_(1.0)
+            return codec.eval()
+        return fill_weights(codec, lambda: iter_safetensors(self.path / SPEECH_TOKENIZER), dummy=False, seed=seed,
                             dtype=dtype, name_map=codec_name)
