@@ -23,6 +23,8 @@ TALKER = dict(
 CODEC = dict(codebook_size=64, codebook_dim=16, hidden_size=16, latent_dim=16, num_attention_heads=2,
              num_key_value_heads=2, sliding_window=8, intermediate_size=32, num_hidden_layers=1, num_quantizers=4,
              upsample_rates=[4, 3], upsampling_ratios=[2, 2], decoder_dim=16)
+SPEAKER = dict(mel_dim=128, enc_dim=32, enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1],
+               enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8, enc_res2net_scale=4, enc_se_channels=8)
 SAMPLES_PER_FRAME = 48
 
 
@@ -30,8 +32,9 @@ def write_checkpoint(root: Path, variant: str = "custom_voice") -> Path:
     (root / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
     tokenizer().save_pretrained(root)
     config = {"model_type": "qwen3_tts", "tts_model_type": variant, "tokenizer_type": "qwen3_tts_tokenizer_12hz",
-              "talker_config": TALKER, "im_start_token_id": CHAT["im_start_token_id"],
-              "im_end_token_id": CHAT["im_end_token_id"], "tts_pad_token_id": CHAT["tts_pad_token_id"],
+              "talker_config": TALKER, "speaker_encoder_config": SPEAKER,
+              "im_start_token_id": CHAT["im_start_token_id"], "im_end_token_id": CHAT["im_end_token_id"],
+              "tts_pad_token_id": CHAT["tts_pad_token_id"],
               "tts_bos_token_id": CHAT["tts_bos_token_id"], "tts_eos_token_id": CHAT["tts_eos_token_id"]}
     (root / "config.json").write_text(json.dumps(config))
     (root / "speech_tokenizer" / "config.json").write_text(json.dumps(

@@ -19,10 +19,11 @@ import torch
 
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
 from mstar.model.qwen3_tts.config import CodecConfig, Qwen3TTSConfig
+from mstar.model.qwen3_tts.speaker import Qwen3TTSSpeakerEncoder
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
 from mstar.model.weights import fill_weights, init_dummy_weights, iter_safetensors, load_weights
 
-TALKER, CODEC = "talker.", "decoder."
+TALKER, CODEC, SPEAKER = "talker.", "decoder.", "speaker_encoder."
 SPEECH_TOKENIZER = "speech_tokenizer"
 DUMMY_CODEC_STD = 0.15
 # what a dummy deployment reads of a hub checkpoint: configs and tokenizer files, not weights
@@ -43,6 +44,18 @@ def codec_name(name: str) -> str | None:
     if name.startswith("encoder.") or name.endswith(".input_proj.weight") and ".quantizer." in name:
         return None
     return name[len(CODEC):] if name.startswith(CODEC) else name
+
+
+def speaker_name(name: str) -> str | None:
+    """Our name in ``Qwen3TTSSpeakerEncoder`` of a released key (``None``: the talker's)."""
+    if name.startswith(TALKER):
+        return None
+    return name[len(SPEAKER):] if name.startswith(SPEAKER) else name
+
+
+def load_speaker_encoder(encoder: Qwen3TTSSpeakerEncoder, tensors: Iterable[tuple[str, torch.Tensor]],
+                         dtype: torch.dtype | None = None) -> None:
+    load_weights(encoder, tensors, name_map=speaker_name, dtype=dtype)
 
 
 def load_talker(talker: Qwen3TTSTalker, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -93,6 +106,17 @@ class Qwen3TTSCheckpoint:
             talker = Qwen3TTSTalker(self.config().talker).to(dtype)
         return fill_weights(talker, lambda: iter_safetensors(self.path), dummy=dummy, seed=seed, dtype=dtype,
                             name_map=talker_name)
+
+    def speaker_encoder(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool,
+                        seed: int) -> Qwen3TTSSpeakerEncoder:
+        """The base checkpoints' speaker encoder (``speaker_encoder.`` keys of the same file)."""
+        config = self.config()
+        if not config.clones:
+            raise ValueError(f"{self.path}: a {config.tts_model_type} checkpoint has no speaker encoder")
+        with torch.device(device):
+            encoder = Qwen3TTSSpeakerEncoder(config.speaker_encoder).to(dtype)
+        return fill_weights(encoder, lambda: iter_safetensors(self.path), dummy=dummy, seed=seed, dtype=dtype,
+                            name_map=speaker_name)
 
     def codec(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3TTSCodec:
         """The codec decoder; dummy weights are drawn wider than a dummy LM's (std 0.15, codebook

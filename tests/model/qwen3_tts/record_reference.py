@@ -7,7 +7,7 @@ reference's modules and the old transformers ahead of ours on the path::
     pip install --no-deps --target /tmp/qtts_tf457 transformers==4.57.3 huggingface_hub==0.36.0 \
         tokenizers==0.22.1
     unzip -o qwen_tts-0.1.1-py3-none-any.whl -d /tmp/qtts_x
-    PYTHONPATH=/tmp/qtts_tf457:/tmp/qtts_x python tests/model/qwen3_tts/record_reference.py
+    PYTHONPATH=/tmp/qtts_tf457:/tmp/qtts_x:. python tests/model/qwen3_tts/record_reference.py [talker codec ...]
 
 Only the model modules are imported (``qwen_tts.core.models.modeling_qwen3_tts`` and the 12 Hz
 tokenizer's), bypassing the package ``__init__`` (it loads the 25 Hz tokenizer); librosa, used
@@ -203,6 +203,36 @@ def record_generate(ref: types.ModuleType) -> None:
     save_file(tensors, HERE / "generate.safetensors", metadata=meta)
 
 
+SPEAKER_CONFIG = dict(mel_dim=128, enc_dim=32, enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1],
+                      enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8, enc_res2net_scale=4, enc_se_channels=8,
+                      sample_rate=24000)
+
+
+@torch.no_grad()
+def record_speaker(ref: types.ModuleType) -> None:
+    """The speaker encoder (``extract_speaker_embedding``: mel front end and ECAPA-TDNN) on a
+    0.6 s clip. librosa is not installed here: its ``filters.mel`` is M*'s Slaney filterbank
+    (``mstar.model.s3gen.mel.mel_filterbank``, itself checked against librosa's table)."""
+    from mstar.model.s3gen.mel import MelConfig, mel_filterbank
+
+    def librosa_mel(sr, n_fft, n_mels, fmin, fmax):
+        return mel_filterbank(MelConfig(sr, n_fft, n_fft // 4, n_mels, float(fmin), float(fmax))).numpy()
+
+    ref.librosa_mel_fn = librosa_mel
+    config = ref.Qwen3TTSSpeakerEncoderConfig(**SPEAKER_CONFIG)
+    encoder = ref.Qwen3TTSSpeakerEncoder(config).eval()
+    randomize(encoder, 31, scale=0.3)
+    gen = torch.Generator().manual_seed(32)
+    t = torch.arange(14400) / 24000
+    clip = (0.4 * torch.sin(2 * torch.pi * 220 * t) + 0.05 * torch.randn(t.shape, generator=gen)).numpy()
+    model = types.SimpleNamespace(speaker_encoder=encoder, device=torch.device("cpu"), dtype=torch.float32)
+    embedding = ref.Qwen3TTSForConditionalGeneration.extract_speaker_embedding(model, clip, 24000)
+    tensors = {f"speaker_encoder.{k}": v.contiguous() for k, v in encoder.state_dict().items()}
+    tensors.update({"fx.clip": torch.from_numpy(clip), "fx.embedding": embedding})
+    meta = {"config": json.dumps(SPEAKER_CONFIG), "made_by": "qwen-tts 0.1.1, transformers 4.57.3"}
+    save_file(tensors, HERE / "speaker.safetensors", metadata=meta)
+
+
 def main() -> None:
     ref, tok = import_reference()
     HERE.mkdir(exist_ok=True)
@@ -214,6 +244,8 @@ def main() -> None:
         record_codec(tok)
     if not only or "generate" in only:
         record_generate(ref)
+    if not only or "speaker" in only:
+        record_speaker(ref)
     for path in sorted(HERE.glob("*.safetensors")):
         print(path.name, path.stat().st_size)
 

@@ -25,11 +25,14 @@ def write_checkpoint(root: Path, variant: str = "custom_voice", *, drop: str | N
     talker_config, talker_weights, _ = read_fixture("talker_same_width")
     codec_config, codec_weights, _ = read_fixture("codec")
     (root / "speech_tokenizer").mkdir(parents=True)
+    speaker_config, speaker_weights, _ = read_fixture("speaker")
     config = {"architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
               "tts_model_type": variant, "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_size": "0b6",
-              "talker_config": talker_config}
+              "talker_config": talker_config, "speaker_encoder_config": speaker_config}
     (root / "config.json").write_text(json.dumps(config))
     weights = {k: v for k, v in talker_weights.items() if drop is None or drop not in k}
+    if variant == "base":  # the speaker encoder's keys beside the talker's
+        weights.update({k: v for k, v in speaker_weights.items() if drop is None or drop not in k})
     if extra:
         weights["talker.model.unused.weight"] = torch.zeros(2)
     save_file(weights, root / "model.safetensors")
@@ -56,6 +59,21 @@ def test_released_layout_loads_and_matches(tmp_path: Path) -> None:
     _, _, codec_fx = read_fixture("codec")
     assert rel_err(codec(codec_fx["codes"]), codec_fx["wav"]) < 1e-4
     assert checkpoint.codec_config().output_sample_rate == 24000
+
+
+@torch.no_grad()
+def test_base_checkpoint_loads_talker_and_speaker_encoder(tmp_path: Path) -> None:
+    checkpoint = Qwen3TTSCheckpoint.locate(str(write_checkpoint(tmp_path / "ok", "base")))
+    checkpoint.talker("cpu", torch.float32, dummy=False, seed=0)  # the speaker encoder's keys are not its
+    encoder = checkpoint.speaker_encoder("cpu", torch.float32, dummy=False, seed=0)
+    _, _, fx = read_fixture("speaker")
+    assert rel_err(encoder.embed_clip(fx["clip"].numpy()), fx["embedding"]) < 1e-5
+    broken = Qwen3TTSCheckpoint.locate(str(write_checkpoint(tmp_path / "broken", "base", drop="asp.conv")))
+    with pytest.raises(WeightLoadError, match="asp.conv"):
+        broken.speaker_encoder("cpu", torch.float32, dummy=False, seed=0)
+    with pytest.raises(ValueError, match="no speaker encoder"):
+        Qwen3TTSCheckpoint.locate(str(write_checkpoint(tmp_path / "cv"))).speaker_encoder(
+            "cpu", torch.float32, dummy=True, seed=0)
 
 
 @pytest.mark.parametrize("variant", ["voice_design", "base"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mstar.config import load_config, parse_config
@@ -59,10 +60,20 @@ def test_variant_rules(spec) -> None:
         request = spec.prepare_speech(speech(model_kwargs={"instructions": "A calm low voice."}))
         assert request.params["speaker"] is None and len(request.params["instruct_ids"]) > 5
     else:
-        clip = VoiceClip(b"\0" * 4000, 16000, None)
-        with pytest.raises(RequestError) as err:
-            spec.prepare_speech(speech(reference=clip))
-        assert err.value.field == "ref_audio"
+        t = np.arange(16000) / 16000
+        pcm = (0.3 * np.sin(2 * np.pi * 200 * t)).astype("<f4").tobytes()
+        for reference, kwargs, field in [(None, {}, "ref_audio"), (VoiceClip(pcm, 16000), {}, "ref_text"),
+                                         (VoiceClip(pcm, 16000, "Hi."), {}, "x_vector_only_mode"),
+                                         (VoiceClip(pcm[:400], 16000), {"x_vector_only_mode": True}, "ref_audio")]:
+            with pytest.raises(RequestError) as err:
+                spec.prepare_speech(speech(reference=reference, model_kwargs=kwargs))
+            assert err.value.field == field
+        x_vector = {"x_vector_only_mode": True}
+        request = spec.prepare_speech(speech(reference=VoiceClip(pcm, 16000), model_kwargs=x_vector))
+        embed = request.inputs["speaker_embed"]
+        assert embed.shape == (32,) and request.params["non_streaming"] is False  # base: text fed per frame
+        again = spec.prepare_speech(speech(reference=VoiceClip(pcm, 16000), model_kwargs=x_vector))
+        assert again.inputs["speaker_embed"] is embed  # memoised by content
 
 
 def test_common_rules(spec) -> None:

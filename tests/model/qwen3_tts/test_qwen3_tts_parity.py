@@ -144,3 +144,18 @@ def test_codec_stream_joined_equals_whole_decode(codec_fixture) -> None:
     assert rel_err(joined, fx["wav"]) < AUDIO_TOL
     short = torch.cat(list(codec.decode_stream(codes, ramp=(7,), left_context=5)), dim=-1)
     assert rel_err(short, fx["chunked"]) < AUDIO_TOL
+
+
+@torch.no_grad()
+def test_speaker_encoder_matches_reference() -> None:
+    """The base checkpoints' x-vector of a 0.6 s clip: mel front end and ECAPA-TDNN."""
+    from mstar.model.qwen3_tts.checkpoint import load_speaker_encoder
+    from mstar.model.qwen3_tts.config import SpeakerEncoderConfig
+    from mstar.model.qwen3_tts.speaker import Qwen3TTSSpeakerEncoder
+
+    config, weights, fx = read_fixture("speaker")
+    encoder = Qwen3TTSSpeakerEncoder(SpeakerEncoderConfig.from_hf_dict(config)).eval()
+    load_speaker_encoder(encoder, weights.items())
+    assert rel_err(encoder.embed_clip(fx["clip"].numpy()), fx["embedding"]) < TOL
+    with pytest.raises(WeightLoadError, match="fc.weight"):
+        load_speaker_encoder(encoder, [(k, v) for k, v in weights.items() if not k.startswith("speaker_encoder.fc")])
