@@ -139,7 +139,7 @@ def record_codec(tok: types.ModuleType) -> None:
     config = tok.Qwen3TTSTokenizerV2DecoderConfig(**CODEC_CONFIG)
     config._attn_implementation = "eager"
     decoder = tok.Qwen3TTSTokenizerV2Decoder(config).eval()
-    randomize(decoder, 7, scale=0.3)
+    randomize(decoder, 7, scale=0.1)  # wider weights saturate the clamp at +-1 and hide the maths
     codes = torch.randint(0, 32, (2, 4, 40), generator=torch.Generator().manual_seed(8))
     tensors = {f"decoder.{k}": v.contiguous() for k, v in decoder.state_dict().items()}
     tensors.update({"fx.codes": codes, "fx.wav": decoder(codes)[:, 0],

@@ -144,6 +144,8 @@ def test_codec_stream_joined_equals_whole_decode(codec_fixture) -> None:
     assert rel_err(joined, fx["wav"]) < AUDIO_TOL
     short = torch.cat(list(codec.decode_stream(codes, ramp=(7,), left_context=5)), dim=-1)
     assert rel_err(short, fx["chunked"]) < AUDIO_TOL
+    assert rel_err(fx["chunked"], fx["wav"]) > 1e-2  # a short context is audibly not the whole decode
+    assert (fx["wav"].abs() > 0.999).float().mean() < 0.01  # the fixture's audio is not clamped flat
 
 
 @torch.no_grad()
