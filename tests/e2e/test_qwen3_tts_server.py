@@ -12,9 +12,13 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from live_server import launch_server
 from openai import OpenAI
 
+from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
+from mstar.model.qwen3_tts.prompt import assistant_text, talker_prompt
+from mstar.model.qwen3_tts.speech import run_talker
 from tests.support.qwen3_tts_dir import SAMPLES_PER_FRAME, deployment_yaml, write_checkpoint
 
 TIMEOUT_S = 120.0
@@ -22,12 +26,35 @@ FRAMES = 6
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("qwen3_tts_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint):
     work = tmp_path_factory.mktemp("qwen3_tts")
-    checkpoint = write_checkpoint(work / "ckpt")
     (work / "qwen3_tts.yaml").write_text(deployment_yaml("qwen3_tts", checkpoint))
     with launch_server("qwen3_tts", work, ["--config", str(work / "qwen3_tts.yaml")]) as live:
         yield live
+
+
+@torch.no_grad()
+def test_greedy_audio_equals_the_eager_loop(server, checkpoint) -> None:
+    """Greedy (temperature 0): the served audio is ``run_talker``'s frames (the loop checked
+    against the reference's ``generate``) decoded over the deployment's ramp, to the int16 step."""
+    pcm = speak(server, "Hello there.", 0, temperature=0.0)
+    ckpt = Qwen3TTSCheckpoint.locate(str(checkpoint), dummy=True)
+    config = ckpt.config()
+    talker = ckpt.talker("cpu", torch.float32, dummy=True, seed=0)
+    codec = ckpt.codec("cpu", torch.float32, dummy=True, seed=1)
+    ids = ckpt.tokenizer()(assistant_text("Hello there."), add_special_tokens=False)["input_ids"]
+    prompt = talker_prompt(talker, config, ids, speaker="vivian", non_streaming=True)
+    codes = run_talker(talker, prompt, max_frames=FRAMES)
+    wave = torch.cat(list(codec.decode_stream(codes[None], ramp=(1, 3, 8, 6), left_context=12)), dim=-1)[0]
+    expected = np.rint(np.clip(wave.numpy(), -1, 1) * 32767).astype(int)
+    served = np.frombuffer(pcm, "<i2").astype(int)
+    assert served.shape == expected.shape and np.abs(served - expected).max() <= 2
+    assert codes.shape[1] >= 2 and np.abs(served).max() > 100  # not silence
 
 
 def client(server) -> OpenAI:
