@@ -107,10 +107,12 @@ class Qwen3TTS(ModelSpec):
         return self._pieces(spec.input, spec.voice, options, spec.sentence_chunking, spec.reference)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest | list[WalkRequest]:
-        check_speech_generate(self.key, spec)
+        """``/generate``: ``voice`` and ``sentence_chunking`` beside the speech options in
+        ``model_kwargs``; a clone's clip arrives as ``reference``."""
+        check_speech_generate(self.key, spec, clones=self.tts.clones)
         kwargs = dict(spec.model_kwargs)
         voice, chunking = kwargs.pop("voice", None), kwargs.pop("sentence_chunking", None)
-        return self._pieces(spec.text, voice, Qwen3TTSSpeechKnobs.parse(kwargs), chunking, None)
+        return self._pieces(spec.text, voice, Qwen3TTSSpeechKnobs.parse(kwargs), chunking, spec.reference)
 
     def _pieces(self, text: str, voice: str | None, options: Qwen3TTSSpeechKnobs, chunking: bool | None,
                 clip: VoiceClip | None) -> WalkRequest | list[WalkRequest]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mstar.config import load_config, parse_config
-from mstar.contract import RequestError, SpeechSpec, VoiceClip
+from mstar.contract import GenerateSpec, RequestError, SpeechSpec, VoiceClip
 from mstar.model.registry import model_class
 from tests.support.qwen3_tts_dir import write_checkpoint
 
@@ -74,6 +74,19 @@ def test_variant_rules(spec) -> None:
         assert embed.shape == (32,) and request.params["non_streaming"] is False  # base: text fed per frame
         again = spec.prepare_speech(speech(reference=VoiceClip(pcm, 16000), model_kwargs=x_vector))
         assert again.inputs["speaker_embed"] is embed  # memoised by content
+
+
+def test_generate_requests(spec) -> None:
+    variant = spec.tts.tts_model_type
+    kwargs = {"voice": "vivian"} if variant == "custom_voice" else \
+        {"instructions": "A bright voice."} if variant == "voice_design" else {"x_vector_only_mode": True}
+    t = np.arange(16000) / 16000
+    clip = VoiceClip((0.3 * np.sin(2 * np.pi * 200 * t)).astype("<f4").tobytes(), 16000) if variant == "base" else None
+    request = spec.prepare_generate(GenerateSpec("g", "Hello.", [], ["audio"], kwargs, reference=clip))
+    assert request.walk == "tts" and request.inputs["prompt_ids"].numel() > 8
+    with pytest.raises(RequestError) as err:
+        spec.prepare_generate(GenerateSpec("g", "Hello.", [], ["text"], kwargs, reference=clip))
+    assert err.value.field == "output_modalities"
 
 
 def test_common_rules(spec) -> None:
