@@ -15,8 +15,11 @@ each a text row (through ``text_projection``) plus a codec row (the talker's cod
 * **non-streaming layout**: every text row and ``tts_eos`` over ``pad`` codec rows, then
   ``tts_pad`` over ``bos``; the frames see only ``tts_pad``.
 
-Cloning in context (reference codes and transcript in the prompt) needs the codec's encoder
-and is not laid out here.
+* **in-context cloning** (``reference``): after the codec prefix, the clip's transcript, the
+  text and ``tts_eos`` as text rows, beside ``bos`` and the clip's frames (each frame its
+  codes' embedding sum) as codec rows. Streaming: the two run side by side, the longer text
+  going on one row per frame, the shorter padded with ``tts_pad``; non-streaming: all the text
+  over codec ``pad`` rows, then the frames under ``tts_pad``.
 """
 
 from __future__ import annotations
@@ -75,9 +78,12 @@ def languages(config: Qwen3TTSConfig) -> list[str]:
 @torch.no_grad()
 def talker_prompt(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, assistant_ids: Sequence[int], *,
                   language: str = "auto", speaker: str | None = None, instruct_ids: Sequence[int] | None = None,
-                  speaker_embed: torch.Tensor | None = None, non_streaming: bool = False) -> TalkerPrompt:
+                  speaker_embed: torch.Tensor | None = None, non_streaming: bool = False,
+                  reference: tuple[Sequence[int], torch.Tensor] | None = None) -> TalkerPrompt:
     """The prompt of one utterance: ``assistant_ids`` (``assistant_text`` tokenized, at least
-    one text id), a built-in ``speaker`` or a clip's ``speaker_embed`` ``[H]`` (not both)."""
+    one text id), a built-in ``speaker`` or a clip's ``speaker_embed`` ``[H]`` (not both);
+    ``reference``: in-context cloning, the clip's transcript ids (between ``ref_text``'s role
+    and closing) and its codec frames ``[T, Q]``."""
     device = talker.codec_head.weight.device
     tc = config.talker
     if len(assistant_ids) < ROLE + CLOSING + 1:
@@ -106,6 +112,11 @@ def talker_prompt(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, assistant_ids:
     rows = [text(instruct_ids)] if instruct_ids else []
     rows += [text(assistant_ids[:ROLE]), under]
     body = assistant_ids[ROLE:-CLOSING]
+    if reference is not None:
+        ref_ids, ref_codes = reference
+        spoken, trailing = in_context_rows(talker, config, text([*ref_ids, *body]), eos, pad, ref_codes,
+                                           non_streaming)
+        return TalkerPrompt(torch.cat([*rows, spoken]), trailing, pad)
     if non_streaming:
         spoken = torch.cat([text(body), eos[None]]) + codec([tc.codec_pad_id] * (len(body) + 1))
         rows += [spoken, (pad + codec([tc.codec_bos_id])[0])[None]]
@@ -114,3 +125,30 @@ def talker_prompt(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, assistant_ids:
         rows.append(text(body[:1]) + codec_rows[-1:])
         trailing = torch.cat([text(body[1:]), eos[None]])
     return TalkerPrompt(torch.cat(rows), trailing, pad)
+
+
+def frame_embeds(talker: Qwen3TTSTalker, codes: torch.Tensor) -> torch.Tensor:
+    """Frames ``[T, Q]`` to the talker's input rows ``[T, H]``: codebook 0 through the talker's
+    codec embedding, the others through the code predictor's, summed."""
+    rows = talker.embed_codec(codes[:, 0])
+    for group, table in enumerate(talker.code_predictor.model.codec_embedding, start=1):
+        rows = rows + table(codes[:, group])
+    return rows
+
+
+def in_context_rows(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, text_rows: torch.Tensor, eos: torch.Tensor,
+                    pad: torch.Tensor, ref_codes: torch.Tensor, non_streaming: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt rows and the trailing text rows of in-context cloning (see the module doc)."""
+    tc = config.talker
+    device = text_rows.device
+    text_rows = torch.cat([text_rows, eos[None]])
+    bos = talker.embed_codec(torch.tensor([tc.codec_bos_id], device=device))
+    codec_rows = torch.cat([bos, frame_embeds(talker, ref_codes.to(device))])
+    if non_streaming:
+        pads = talker.embed_codec(torch.full((len(text_rows),), tc.codec_pad_id, device=device))
+        return torch.cat([text_rows + pads, codec_rows + pad]), pad[None]
+    if len(text_rows) > len(codec_rows):
+        return text_rows[:len(codec_rows)] + codec_rows, text_rows[len(codec_rows):]
+    padded = torch.cat([text_rows, pad.expand(len(codec_rows) - len(text_rows), -1)])
+    return padded + codec_rows, pad[None]

@@ -196,6 +196,24 @@ def record_generate(ref: types.ModuleType) -> None:
         tensors[f"fx.{name}.codes"] = codes[0]
         if "instruct_ids" in kwargs:
             tensors[f"fx.{name}.instruct_ids"] = kwargs["instruct_ids"][0][0]
+    # cloning: a clip's x-vector alone, and in context (its transcript and codes in the prompt)
+    x_vector = torch.randn(32, generator=gen).half().float()
+    ref_code = torch.randint(0, 64, (12, 4), generator=gen)  # 13 codec rows with bos
+    ref_ids = torch.tensor([[190, 160, 161, 120, 121, 122, 123, 191, 161]])
+    # text rows: 4 of the transcript, the text, tts_eos: 8 (fewer than the codec rows) or 14 (more)
+    clones = {"x_vector": (True, False, False, 6), "icl": (False, True, False, 3),
+              "icl_long_text": (False, True, False, 9), "icl_non_streaming": (False, True, True, 6)}
+    for name, (x_only, icl, non_streaming, text_len) in clones.items():
+        input_ids = ids(text_len)
+        prompt = {"ref_code": [ref_code], "ref_spk_embedding": [x_vector], "x_vector_only_mode": [x_only],
+                  "icl_mode": [icl]}
+        codes, _ = model.generate(input_ids=[input_ids], ref_ids=[ref_ids], voice_clone_prompt=prompt,
+                                  languages=["auto"], speakers=[None], non_streaming_mode=non_streaming,
+                                  max_new_tokens=8, do_sample=False, subtalker_dosample=False, repetition_penalty=1.0)
+        tensors[f"fx.{name}.input_ids"] = input_ids[0]
+        tensors[f"fx.{name}.codes"] = codes[0]
+        cases[name] = dict(languages=["auto"], speakers=[None], non_streaming_mode=non_streaming, icl=icl)
+    tensors.update({"fx.x_vector": x_vector, "fx.ref_code": ref_code, "fx.ref_ids": ref_ids[0]})
     meta = {"config": json.dumps(generate_config()), "cases": json.dumps({k: {a: b for a, b in v.items()
                                                                           if a != "instruct_ids"}
                                                                       for k, v in cases.items()}),

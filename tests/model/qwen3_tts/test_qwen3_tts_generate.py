@@ -44,6 +44,19 @@ def test_frames_match_reference_generate(recorded, case: str) -> None:
     assert torch.equal(codes.T, fx[f"{case}.codes"]), case
 
 
+@pytest.mark.parametrize("case", ["x_vector", "icl", "icl_long_text", "icl_non_streaming"])
+def test_clone_frames_match_reference_generate(recorded, case: str) -> None:
+    """A clip's x-vector as the speaker row; in context, its transcript and frames too (text rows
+    fewer and more than the clip's frame rows, and the non-streaming layout)."""
+    config, talker, fx, cases = recorded
+    kwargs = cases[case]
+    reference = (fx["ref_ids"][3:-2].tolist(), fx["ref_code"]) if kwargs["icl"] else None
+    prompt = talker_prompt(talker, config, fx[f"{case}.input_ids"].tolist(), speaker_embed=fx["x_vector"],
+                           non_streaming=kwargs["non_streaming_mode"], reference=reference)
+    codes = run_talker(talker, prompt, max_frames=len(fx[f"{case}.codes"]))
+    assert torch.equal(codes.T, fx[f"{case}.codes"]), case
+
+
 def test_language_and_speaker_names(recorded) -> None:
     config, talker, fx, _ = recorded
     assert languages(config) == ["auto", "chinese", "english"]
