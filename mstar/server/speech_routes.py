@@ -69,7 +69,8 @@ MAX_BODY_BYTES = 48 * 1024 * 1024  # a reference clip of up to 32 MB, base64 in 
 Chunks = AsyncGenerator[bytes, None]
 _MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code",
                  "exaggeration", "cfg_weight", "min_p", "top_k", "language_id", "max_new_tokens", "watermark",
-                 "phoneme_ids", "noise_scale", "noise_w")
+                 "phoneme_ids", "noise_scale", "noise_w",
+                 "language", "non_streaming_mode", "x_vector_only_mode")
 
 
 class SpeechRequest(BaseModel):
@@ -107,6 +108,10 @@ class SpeechRequest(BaseModel):
     phoneme_ids: Any = None
     noise_scale: Any = None
     noise_w: Any = None
+    # Qwen3-TTS's options, checked by its strict options likewise
+    language: Any = None
+    non_streaming_mode: Any = None
+    x_vector_only_mode: Any = None
 
     @field_validator("voice", mode="before")
     @classmethod

@@ -1,0 +1,178 @@
+"""Qwen3-TTS's engines: the talker on the autoregressive engine, the codec as a stateless node
+over the stream's windows.
+
+**Talker** (``TalkerEngine`` around an ``AutoregressiveEngine`` with Qwen3-Omni's
+``TalkerForward``, which runs a prefill's prompt rows and a decode's next input, and
+``TalkerRules``): the prefill builds the request's prompt (``prompt.talker_prompt``) on the
+worker, where the embeddings are; each step draws codebook 0 (the codec's special ids masked,
+EOS too before ``min_frames``), the code predictor fills the frame inside the same step, and
+the frame's embedding sum plus the next text row is the next input. A step writes its frame
+(``codes [1, Q]``) for the codec, silent at EOS.
+
+The code predictor samples each request's codes with its own generator (seeded from the
+request's seed and the frame), so a request's frames do not depend on what it is batched
+with; a request with ``temperature`` 0 takes the greedy codes.
+
+**Codec** (``codec_fn``): each window's frames after its left context, the conv stack over the
+new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.rules import Sample, TokenRules
+from mstar.engine.sequence import Sequence
+from mstar.model.qwen3_omni.engine import TalkerForward
+from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
+from mstar.model.qwen3_tts.config import Qwen3TTSConfig
+from mstar.model.qwen3_tts.prompt import talker_prompt
+from mstar.model.qwen3_tts.speech import suppressed_codes
+from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
+
+MIN_FRAMES = 2  # the reference's ``min_new_tokens``
+SUBTALKER = {"temperature": 0.9, "top_k": 50}  # the reference's code-predictor sampling
+
+
+@dataclass
+class TalkerState:
+    frames: int = 0  # frames drawn so far: the next text row's index
+    codes: torch.Tensor | None = None  # [1, Q]: the last step's frame
+    greedy: bool = False
+    seed: int = 0
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+def sample_codes(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One code from ``logits [vocab]`` as the reference's subtalker samples: the top 50 at
+    temperature 0.9."""
+    top = logits.float().topk(min(SUBTALKER["top_k"], logits.shape[-1]))
+    probs = torch.softmax(top.values / SUBTALKER["temperature"], dim=-1)
+    pick = torch.multinomial(probs.cpu(), 1, generator=generator)
+    return top.indices[pick.to(top.indices.device)]
+
+
+class TalkerRules(TokenRules):
+    extra_outputs = True
+
+    def __init__(self, forward: TalkerForward) -> None:
+        self.forward = forward
+        talker: Qwen3TTSTalker = forward.model
+        self.eos = talker.config.codec_eos_token_id
+        self.suppressed = torch.tensor(suppressed_codes(talker), dtype=torch.int64)
+
+    def start(self, params: dict) -> TalkerState:
+        sampling = params.get("sampling") or {}
+        seed = sampling.get("seed")
+        return TalkerState(greedy=float(sampling.get("temperature", 1.0)) == 0.0,
+                           seed=int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item()))
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
+        logits = logits.index_fill(1, self.suppressed.to(logits.device), float("-inf"))
+        early = [row for row, seq in enumerate(seqs) if seq.state.frames < MIN_FRAMES]
+        if early:
+            logits[torch.tensor(early, device=logits.device), self.eos] = float("-inf")
+        code0 = sample(logits, seqs)
+        speaking = [row for row, token in enumerate(code0.tolist()) if token != self.eos]
+        if speaking:
+            rows = torch.tensor(speaking, device=code0.device)
+            states = [seqs[row].state for row in speaking]
+
+            def sampler(group_logits: torch.Tensor, group: int) -> torch.Tensor:
+                picks = []
+                for j, state in enumerate(states):
+                    if state.greedy:
+                        picks.append(group_logits[j].argmax()[None])
+                    else:
+                        if state.generator is None or group == 1:  # one stream per frame
+                            state.generator = torch.Generator().manual_seed(state.seed * 100003 + state.frames)
+                        picks.append(sample_codes(group_logits[j], state.generator))
+                return torch.cat(picks)
+
+            frame = self.forward.model.predict_frame(self.forward.last_hidden.index_select(0, rows),
+                                                     code0.index_select(0, rows), sampler)
+            for j, row in enumerate(speaking):
+                seq = seqs[row]
+                state: TalkerState = seq.state
+                state.codes = frame.codes[j:j + 1].cpu()
+                prompt = self.forward.prompts[seq.request_id]
+                self.forward.next_input[seq.request_id] = frame.embeds[j] + prompt.text_row(state.frames)
+                state.frames += 1
+        return code0
+
+    def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
+        return {} if token == self.eos else {"codes": seq.state.codes}
+
+
+class TalkerEngine(Engine):
+    """The talker node: each request's prompt built at its prefill from its params (text ids,
+    instruction ids, language, speaker or clip vector, text layout)."""
+
+    def __init__(self, engine: AutoregressiveEngine, config: Qwen3TTSConfig) -> None:
+        self.engine = engine
+        self.forward: TalkerForward = engine.forward
+        self.config = config
+        self.placeholder = config.talker.codec_pad_id  # the id the prompt's rows stand under
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        runs = []
+        for item in items:
+            if item.op == "prefill":
+                prompt = self._prompt(item)
+                self.forward.prompts[item.request_id] = prompt
+                ids = torch.full((prompt.embeds.shape[0],), self.placeholder, dtype=torch.int64)
+                item = EngineItem(item.request_id, "prefill", item.iteration, {"prompt_ids": ids}, item.params)
+            runs.append(item)
+        return self.engine.run(runs)
+
+    @torch.inference_mode()
+    def _prompt(self, item: EngineItem):
+        params, talker = item.params, self.forward.model
+        weight = talker.codec_head.weight
+        embed = item.inputs.get("speaker_embed")
+        embed = embed.reshape(-1).to(weight.device, weight.dtype) if embed is not None and embed.numel() else None
+        return talker_prompt(talker, self.config, item.inputs["prompt_ids"].reshape(-1).tolist(),
+                             language=params["language"], speaker=params.get("speaker"),
+                             instruct_ids=params.get("instruct_ids") or None, speaker_embed=embed,
+                             non_streaming=bool(params["non_streaming"]))
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+
+def codec_fn(codec: Qwen3TTSCodec):
+    """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
+    context's frames run through the transformer only; windows of one shape batched."""
+    weight = next(codec.parameters())
+
+    def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
+        results: list[dict[str, torch.Tensor] | None] = [None] * len(items)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, item in enumerate(items):
+            groups[(item.inputs["codes"].shape[0], item.chunk.keep_start)].append(i)
+        for (length, context), indices in groups.items():
+            codes = torch.stack([items[i].inputs["codes"].reshape(length, -1).T for i in indices])
+            with torch.inference_mode():
+                wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()
+            for row, i in enumerate(indices):
+                results[i] = {"audio": wav[row].clone()}
+        return results  # type: ignore[return-value]
+
+    return run
+
+
+def talker_engine(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, *, num_pages: int, page_size: int,
+                  max_seq_len: int, device: torch.device, dtype: torch.dtype) -> TalkerEngine:
+    forward = TalkerForward(talker)
+    engine = AutoregressiveEngine(talker, KVLayout(*talker.cache_shape()), num_pages=num_pages, page_size=page_size,
+                                  max_seq_len=max_seq_len, device=device, dtype=dtype, forward=forward,
+                                  rules=TalkerRules(forward))
+    return TalkerEngine(engine, config)

@@ -1,0 +1,56 @@
+"""Qwen3-TTS's deployment knobs (the talker's budget, the codec's chunk ramp) and the options
+of a speech request."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from mstar.model.decoding import SamplingKnobs
+from mstar.model.knobs import Knobs
+
+
+class Qwen3TTSKnobs(Knobs):
+    max_new_frames: int = Field(2048, ge=2)
+    """Codec frames (12.5 a second) a request may speak when it does not send ``max_tokens``."""
+
+    codec_chunk_schedule: list[int] = Field(default_factory=lambda: [1, 3, 8, 16])
+    """New frames of the codec's first windows (the first audio waits for the first), before
+    windows of ``codec_chunk_frames``: the reference's ramp."""
+
+    codec_chunk_frames: int = Field(25, ge=1)
+    """New frames of every later codec window."""
+
+    codec_left_context: int = Field(72, ge=0)
+    """Frames already spoken that a window's transformer reads again (its sliding window)."""
+
+    default_voice: str | None = None
+    """The built-in speaker of a request that names none (unset: the checkpoint's first)."""
+
+    @field_validator("codec_chunk_schedule")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(n < 1 for n in value):
+            raise ValueError(f"every window needs at least one new frame, got {value}")
+        return value
+
+
+class Qwen3TTSSpeechKnobs(SamplingKnobs):
+    """A speech request's ``model_kwargs``: sampling (codebook 0's; the code predictor samples
+    with the reference's subtalker defaults, or greedily when ``temperature`` is 0), the
+    budget and the text options."""
+
+    max_tokens: int | None = Field(None, ge=2)
+    """Codec frames at most (default: the deployment's ``max_new_frames``)."""
+
+    language: str = "auto"
+    """The language spoken (``auto``: detected by the model)."""
+
+    instructions: str | None = None
+    """A style instruction (1.7B CustomVoice) or the voice's description (VoiceDesign)."""
+
+    non_streaming_mode: bool | None = None
+    """True: the whole text goes into the prefill; False: one text token per frame (default:
+    the checkpoint's variant decides: whole for CustomVoice and VoiceDesign)."""
+
+    x_vector_only_mode: bool = False
+    """Cloning from the clip's speaker vector alone, without its transcript."""

@@ -1,0 +1,241 @@
+"""Qwen3-TTS served: one declaration for every 12 Hz checkpoint, the variant read from its
+``config.json`` (``tts_model_type``).
+
+Two nodes: ``talker`` (the codec LM on paged KV, the code predictor inside its decode step)
+and ``codec`` (the 12 Hz decoder). The ``tts`` walk is the talker's prefill and a Loop of
+decodes, each writing one codec frame; the frames stream to the codec over a ``StreamEdge``
+in the reference's ramp of windows (1, 3, 8, 16 new frames, then 25, each behind up to 72
+frames of left context), and its samples stream out as 24 kHz PCM.
+
+* ``custom_voice`` (``qwen3_tts``, ``qwen3_tts_1p7b``): ``voice`` picks a built-in speaker;
+  ``instructions`` is a style instruction.
+* ``voice_design`` (``qwen3_tts_voicedesign``): ``instructions`` describes the voice (required).
+* ``base`` (``qwen3_tts_base``): clones from ``ref_audio`` with ``x_vector_only_mode``: the
+  clip's x-vector (the speaker encoder, run by the API server and memoised by content) takes
+  the built-in speaker's row. In-context cloning (the clip's codes and ``ref_text`` in the
+  prompt) needs the codec's encoder, not ported yet: without ``x_vector_only_mode`` a request
+  is refused with a 400 naming ``ref_text`` (missing) or ``x_vector_only_mode``.
+
+Text of 600 characters or more (or any text with ``sentence_chunking: true``) is spoken as
+ordered sentence pieces of about 400 characters, one walk each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar.audio.io import resample
+from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice, VoiceClip
+from mstar.engine.base import StatelessEngine
+from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, Step, StreamEdge, Walk
+from mstar.model.decoding import decode_request
+from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
+from mstar.model.qwen3_tts.config import Qwen3TTSConfig
+from mstar.model.qwen3_tts.knobs import Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
+from mstar.model.qwen3_tts.prompt import assistant_text, instruct_text, language_id, languages
+from mstar.model.registry import register
+from mstar.model.sentences import SentenceChunker
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.speech_output import PcmStream, check_speech_generate
+from mstar.model.voice_cloning import VoiceCloning
+
+TALKER, CODEC = "talker", "codec"
+SAMPLE_RATE = 24000
+MAX_INPUT_CHARS = 8192
+CHUNK_FROM = 600  # characters: longer inputs are spoken as sentence pieces by default
+PIECES = SentenceChunker(limit=400)
+MAX_PIECES = 64
+PROMPT_ROWS = 8  # the prompt's rows besides the text and the instruction: the codec prefix
+# the reference's talker sampling (its generate_config.json)
+DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
+
+
+class Qwen3TTS(ModelSpec):
+    """Every Qwen3-TTS 12 Hz checkpoint; the keys differ only in their default weights."""
+
+    tasks = frozenset({"speech"})
+    sample_rate = SAMPLE_RATE
+    takes_instructions = True
+    Knobs = Qwen3TTSKnobs
+    knobs: Qwen3TTSKnobs
+
+    def graph(self) -> Graph:
+        talker = Node(TALKER, "autoregressive", inputs=("prompt_ids", "speaker_embed", "token"),
+                      outputs=("token", "codes"),
+                      ops=("prefill", "decode"), flags=("stop",))
+        codec = Node(CODEC, "stream", inputs=("codes",), outputs=("audio",))
+        writes = {"token": "code0", "codes": "codes"}
+        speak = Sequential(
+            Step(TALKER, "prefill", reads=("prompt_ids", "speaker_embed"), writes=writes),
+            Loop(Step(TALKER, "decode", reads={"token": "code0"}, writes=writes),
+                 until="stop", max_iters="max_decode_steps"))
+        knobs = self.knobs
+        policy = ScheduledChunks(tuple(knobs.codec_chunk_schedule), knobs.codec_chunk_frames, knobs.codec_left_context)
+        decode = StreamEdge("codes", into=Step(CODEC, reads="codes", writes="audio", emit=Emit("audio", "audio")),
+                            policy=policy)
+        return Graph.build([talker, codec], [Walk("tts", speak, inputs=("prompt_ids", "speaker_embed"),
+                                                     streams=[decode])])
+
+    # -------------------------------------------------------------- frontend
+    def checkpoint(self) -> Qwen3TTSCheckpoint:
+        return Qwen3TTSCheckpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir,
+                                         dummy=self.config.load_format == "dummy")
+
+    def load_frontend(self) -> None:
+        ckpt = self.checkpoint()
+        self.tokenizer = ckpt.tokenizer()
+        self.tts: Qwen3TTSConfig = ckpt.config()
+        if self.tts.clones:  # the API server encodes the clips (``condition_on_clip``)
+            self.speaker_encoder = ckpt.speaker_encoder("cpu", torch.float32, dummy=self.config.load_format == "dummy",
+                                                        seed=self.knobs.seed + 2)
+
+    def default_capacity(self) -> dict[str, int]:
+        return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
+
+    def voices(self) -> list[str]:
+        tts = getattr(self, "tts", None)
+        return tts.speakers if tts is not None else []
+
+    def voice_list(self) -> list[Voice]:
+        return [Voice(name) for name in self.voices()]
+
+    def prepare_speech(self, spec: SpeechSpec) -> WalkRequest | list[WalkRequest]:
+        if spec.speed != 1.0:
+            raise RequestError("speed", "Qwen3-TTS cannot change its speaking rate; send speed 1.0")
+        options = Qwen3TTSSpeechKnobs.parse(spec.model_kwargs)
+        return self._pieces(spec.input, spec.voice, options, spec.sentence_chunking, spec.reference)
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest | list[WalkRequest]:
+        """``/generate``: ``voice`` and ``sentence_chunking`` beside the speech options in
+        ``model_kwargs``; a clone's clip arrives as ``reference``."""
+        check_speech_generate(self.key, spec, clones=self.tts.clones)
+        kwargs = dict(spec.model_kwargs)
+        voice, chunking = kwargs.pop("voice", None), kwargs.pop("sentence_chunking", None)
+        return self._pieces(spec.text, voice, Qwen3TTSSpeechKnobs.parse(kwargs), chunking, spec.reference)
+
+    def _pieces(self, text: str, voice: str | None, options: Qwen3TTSSpeechKnobs, chunking: bool | None,
+                clip: VoiceClip | None) -> WalkRequest | list[WalkRequest]:
+        text = text.strip()
+        if not text:
+            raise RequestError("input", "must not be empty")
+        if len(text) > MAX_INPUT_CHARS:
+            raise RequestError("input", f"is {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
+        speaker = self._voice(voice, options, clip)
+        embed = self._clone(clip, options) if self.tts.clones else torch.zeros(0)
+        if chunking is None:
+            chunking = len(text) >= CHUNK_FROM
+        pieces = PIECES.split(text) if chunking else [text]
+        if len(pieces) > MAX_PIECES:
+            raise RequestError("input", f"makes {len(pieces)} sentence pieces; the limit is {MAX_PIECES}")
+        requests = [self._speak(piece, speaker, embed, options) for piece in pieces or [text]]
+        return requests[0] if len(requests) == 1 else requests
+
+    def _voice(self, voice: str | None, options: Qwen3TTSSpeechKnobs, clip: VoiceClip | None) -> str | None:
+        """The built-in speaker (CustomVoice), or None; the variant's own rules checked."""
+        variant = self.tts.tts_model_type
+        if variant == "base":
+            return None
+        if clip is not None:
+            raise RequestError("ref_audio", f"{self.key} speaks with built-in or described voices; only the base "
+                                            "checkpoints clone")
+        if variant == "voice_design":
+            if not options.instructions:
+                raise RequestError("instructions", "describe the voice: VoiceDesign takes it from the instructions")
+            return None
+        speakers = self.tts.speakers
+        name = voice or self.knobs.default_voice or (speakers[0] if speakers else None)
+        if name is None or name.lower() not in speakers:
+            raise RequestError("voice", f"unknown voice {name!r}; voices are {', '.join(speakers)}")
+        return name.lower()
+
+    def _clone(self, clip: VoiceClip | None, options: Qwen3TTSSpeechKnobs) -> torch.Tensor:
+        """The clip's x-vector (base checkpoints), memoised by content."""
+        if clip is None:
+            raise RequestError("ref_audio", "the base checkpoints clone a voice: send ref_audio")
+        if not options.x_vector_only_mode:
+            if clip.text is None:
+                raise RequestError("ref_text", "send the clip's transcript, or x_vector_only_mode: true")
+            raise RequestError("x_vector_only_mode", "in-context cloning (ref_text in the prompt) is not "
+                                                     "supported yet; send x_vector_only_mode: true")
+        return self.clip_conditioning(clip)  # type: ignore[attr-defined]
+
+    def _speak(self, text: str, speaker: str | None, embed: torch.Tensor,
+               options: Qwen3TTSSpeechKnobs) -> WalkRequest:
+        try:
+            language_id(self.tts, options.language, speaker)
+        except KeyError as err:
+            raise RequestError("language", f"unknown language {options.language!r}; expected one of "
+                                           f"{', '.join(languages(self.tts))}") from err
+        ids = self.tokenizer(assistant_text(text), add_special_tokens=False)["input_ids"]
+        instruct = (self.tokenizer(instruct_text(options.instructions), add_special_tokens=False)["input_ids"]
+                    if options.instructions else [])
+        # the reference's layouts: the whole text in the prefill for these variants
+        non_streaming = options.non_streaming_mode if options.non_streaming_mode is not None else \
+            not self.tts.clones
+        rows = len(ids) + len(instruct) + PROMPT_ROWS
+        room = self.config.max_seq_len - rows
+        if room < 2:
+            raise RequestError("input", f"makes a {rows}-row prompt; max_seq_len is {self.config.max_seq_len}")
+        frames = min(options.max_tokens or self.knobs.max_new_frames, room)
+        sampling = options.sampling(DEFAULTS, field="model_kwargs")
+        inputs = {"prompt_ids": torch.tensor(ids, dtype=torch.int64), "speaker_embed": embed}
+        return decode_request("tts", inputs, rows, frames, sampling,
+                              [self.tts.talker.codec_eos_token_id], self.config, upfront=True,
+                              language=options.language, speaker=speaker, instruct_ids=instruct,
+                              non_streaming=non_streaming)
+
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> PcmStream:
+        return PcmStream(SAMPLE_RATE)
+
+    # ---------------------------------------------------------------- worker
+    def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.model.qwen3_tts.engine import codec_fn, talker_engine
+
+        ckpt, dtype = self.checkpoint(), self.config.torch_dtype()
+        dummy, seed = self.config.load_format == "dummy", self.knobs.seed
+        kv = self.config.resources.kv_cache
+        engines = {}
+        if TALKER in nodes:
+            talker = ckpt.talker(device, dtype, dummy=dummy, seed=seed)
+            engines[TALKER] = talker_engine(talker, ckpt.config(), num_pages=kv.max_num_pages,
+                                            page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
+                                            device=device, dtype=dtype)
+        if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
+            codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
+            engines[CODEC] = StatelessEngine(codec_fn(codec))
+        return engines
+
+
+@register
+class Qwen3TTSCustomVoice(Qwen3TTS):
+    key = "qwen3_tts"
+    default_weights = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+
+
+@register
+class Qwen3TTSCustomVoice1p7b(Qwen3TTS):
+    key = "qwen3_tts_1p7b"
+    default_weights = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
+
+
+@register
+class Qwen3TTSVoiceDesign(Qwen3TTS):
+    key = "qwen3_tts_voicedesign"
+    default_weights = "Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign"
+
+
+@register
+class Qwen3TTSBase(Qwen3TTS, VoiceCloning):
+    key = "qwen3_tts_base"
+    default_weights = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
+
+    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> torch.Tensor:
+        """The clip's x-vector ``[hidden]`` (the speaker encoder reads 24 kHz)."""
+        if len(samples) < sample_rate // 10:
+            raise RequestError("ref_audio", "is shorter than 0.1 s")
+        embed = self.speaker_encoder.embed_clip(resample(samples, sample_rate, SAMPLE_RATE))
+        if embed.shape[-1] != self.tts.talker.text.hidden_size:
+            raise ValueError(f"speaker_encoder_config.enc_dim {embed.shape[-1]} != the talker's hidden_size "
+                             f"{self.tts.talker.text.hidden_size}")
+        return embed.clone()
