@@ -93,3 +93,22 @@ def test_floor_counts_the_released_model():
     assert one["decode_s"] >= 99 * step_bytes / 1e12  # batch 1: at least the weights once a step
     assert one["floor_s"] == pytest.approx(one["encoder_s"] + one["prefill_s"] + one["decode_s"])
     assert 0.2e12 < roof.encoder_flops(frames) < 2e12  # about 2 x 0.3 B weights x 390 positions and the convs
+
+
+def test_released_model_dir_gives_the_30_s_prompt(tmp_path):
+    """The GPU run's directory: the config reads back at the 1.7B shapes and the 151,936-word
+    tokenizer puts the chat markers at the release's ids (390 audio rows, 400 prompt ids)."""
+    from transformers import AutoTokenizer
+
+    from mstar.model.qwen3_asr.checkpoint import Qwen3ASRCheckpoint
+
+    settings = dataclasses.replace(s13.settings_from(s13.parse_args(["--smoke"])), audio=dict(s13.RELEASED_AUDIO),
+                                   text=dict(s13.RELEASED_TEXT), special=dict(s13.RELEASED_SPECIAL))
+    directory = s13.write_model_dir(settings, tmp_path / "model")
+    config = Qwen3ASRCheckpoint(directory).config()
+    assert (config.llm.num_hidden_layers, config.llm.vocab_size, config.audio.encoder_layers) == (28, 151936, 24)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids = s13.prompt_ids(tokenizer, config.audio.positions(3000), config.audio_token_id)
+    assert len(ids) == 400 and ids.count(151676) == 390
+    assert ids[:3] == [151644, s13.PLAIN_WORDS.index("system"), 151645] and ids[-1] == 2  # "assistant"
+    assert len(s13.speech_like(30.0, 1)) == 480000
