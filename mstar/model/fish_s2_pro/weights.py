@@ -64,3 +64,36 @@ def dual_ar_tensors(config: DualARConfig, released: dict[str, torch.Tensor]) -> 
     if tensors:
         raise KeyError(f"released tensors with no place in the model: {sorted(tensors)[:8]}")
     return out
+
+
+CODEC_ENCODER_SIDE = ("encoder.", "quantizer.downsample.", "quantizer.pre_module.", "quantizer.semantic_predictor")
+
+
+def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``g * v / |v|``, the norm over every dim but the first (``weight_norm(dim=0)``)."""
+    norm = v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
+    return g * v / norm
+
+
+def codec_tensors(released: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """``CodecDecoder``'s state dict from the released codec tensors: weight norm folded (either
+    the ``parametrizations.weight.original0/1`` or the ``weight_g/weight_v`` spelling), the
+    encoder side (used only to encode reference audio) left out. A decoder-side tensor with no
+    place in ``expected`` raises, naming it."""
+    out, pending = {}, {}
+    for name, tensor in released.items():
+        if name.startswith(CODEC_ENCODER_SIDE) or ".in_proj." in name:
+            continue
+        for suffix, part in ((".parametrizations.weight.original0", "g"), (".parametrizations.weight.original1", "v"),
+                             (".weight_g", "g"), (".weight_v", "v")):
+            if name.endswith(suffix):
+                pending.setdefault(name[: -len(suffix)] + ".weight", {})[part] = tensor
+                break
+        else:
+            out[name] = tensor
+    for name, parts in pending.items():
+        out[name] = fold_weight_norm(parts["g"], parts["v"])
+    extra = sorted(set(out) - expected)
+    if extra:
+        raise KeyError(f"released codec tensors with no place in the decoder: {extra[:8]}")
+    return out
