@@ -39,6 +39,7 @@ class DualARConfig:
     fast_head_dim: int | None = None
     fast_intermediate_size: int | None = None
     fast_attention_qk_norm: bool | None = None
+    norm_fastlayer_input: bool = False  # the fast AR reads the slow AR's final-normed state (S2)
     # not in config.json: the tokenizer's ids, filled in by the checkpoint
     semantic_begin_id: int = 151678  # ``<|semantic:0|>``; ``<|semantic:k|>`` is begin + k
     eos_token_id: int = 151645  # ``<|im_end|>``: the slow AR's stop token
@@ -81,6 +82,27 @@ class DualARConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DualARConfig:
-        """From a fish-speech ``config.json`` dict (unknown keys ignored)."""
+        """From a fish-speech ``config.json`` dict (unknown keys ignored): the flat
+        ``dual_ar`` form, or S2's ``fish_qwen3_omni`` form (``text_config`` for the slow AR,
+        ``audio_decoder_config`` for the fast AR, the semantic token range at the top),
+        read as fish-speech reads it: codebook embeddings scaled, the fast AR on normed input."""
+        if d.get("model_type") == "fish_qwen3_omni":
+            d = _flatten_s2(d)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+
+def _flatten_s2(d: dict[str, Any]) -> dict[str, Any]:
+    text, fast = d["text_config"], d["audio_decoder_config"]
+    flat = {k: v for k, v in text.items() if k != "model_type"}
+    flat.update(scale_codebook_embeddings=True, norm_fastlayer_input=True, codebook_size=fast["vocab_size"],
+                num_codebooks=fast["num_codebooks"], n_fast_layer=fast["n_layer"])
+    for name in ("dim", "n_head", "n_local_heads", "head_dim", "intermediate_size", "attention_qk_norm"):
+        if fast.get(name) is not None:
+            flat["fast_" + name] = fast[name]
+    for name in ("attention_qkv_bias", "attention_o_bias"):
+        if fast.get(name):
+            flat[name] = True  # refused in __post_init__, as the slow AR's are
+    if "semantic_start_token_id" in d:
+        flat["semantic_begin_id"] = d["semantic_start_token_id"]
+    return flat

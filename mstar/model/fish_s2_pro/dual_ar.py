@@ -10,8 +10,9 @@ One slow step makes one audio frame of ``N = num_codebooks`` codes:
   ``scale_codebook_embeddings``). Its final-normed state, through the output head (the
   embeddings, tied), gives the logits of the next token: a semantic token (codebook 0 is its
   offset from ``<|semantic:0|>``) or ``<|im_end|>``.
-* the **fast AR** then runs that frame alone: row 0 is the slow AR's last hidden state
-  *before* the final norm (through ``fast_project_in`` when the widths differ), row ``i`` the
+* the **fast AR** then runs that frame alone: row 0 is the slow AR's last hidden state,
+  final-normed with ``norm_fastlayer_input`` (S2) and before the final norm otherwise
+  (fish-speech 0.1.0's S1 models), through ``fast_project_in`` when the widths differ; row ``i`` the
   ``fast_embeddings`` of code ``i - 1``; row ``i``'s ``fast_output`` logits give code ``i``.
   Its KV lives for the frame only: a fresh page of ``N`` slots per request.
 
@@ -78,16 +79,16 @@ class SlowAR(LlamaModel):
 
     def forward(self, tokens: torch.Tensor, codes: torch.Tensor, meta: PagedAttentionMetadata,  # type: ignore[override]
                 kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(normed, hidden)``, each ``[T, dim]``: the final-normed states (for the logits)
-        and the states before the final norm (for the fast AR)."""
+        """``(normed, fast_input)``, each ``[T, dim]``: the final-normed states (for the logits)
+        and the fast AR's input rows (the normed states with ``norm_fastlayer_input``, else
+        the states before the final norm)."""
         x = self.embed(tokens, codes)
         cos_sin = self.rotary_emb.cos_sin(meta.positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, meta, kv_cache)
-        if residual is None:
-            return self.norm(x), x
-        return self.norm(x, residual)
+        normed, hidden = (self.norm(x), x) if residual is None else self.norm(x, residual)
+        return normed, normed if self.config.norm_fastlayer_input else hidden
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         weight = self.embeddings.weight if self.output is None else self.output.weight
@@ -125,7 +126,7 @@ class FastAR(nn.Module):
 
     def forward(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: Sampler | None = None,
                 on_logits: Callable[[int, torch.Tensor], None] | None = None) -> Frame:
-        """The frame of ``B`` requests from the slow AR's pre-norm ``hidden [B, dim]`` and
+        """The frame of ``B`` requests from the slow AR's ``fast_input`` rows ``hidden [B, dim]`` and
         ``code0 [B]``; ``on_logits(codebook, logits)`` sees each step's logits (tests)."""
         c = self.config
         batch, n = hidden.shape[0], c.num_codebooks

@@ -44,10 +44,25 @@ def _layer(prefix: str, ours: str, heads: int, kv_heads: int, head_dim: int,
     yield ours + "post_attention_layernorm.weight", take("ffn_norm.weight")
 
 
+def s1_names(released: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """S2's names (``text_model.model.*`` for the slow AR, ``audio_decoder.*`` for the fast
+    AR and the codebook embeddings) in the flat fish-speech form; other names as they are."""
+    out = {}
+    for name, tensor in released.items():
+        if name.startswith("text_model.model."):
+            name = name[len("text_model.model."):]
+        elif name.startswith("audio_decoder."):
+            rest = name[len("audio_decoder."):]
+            name = rest if rest.startswith("codebook_embeddings.") else "fast_" + rest
+        out[name] = tensor
+    return out
+
+
 def dual_ar_tensors(config: DualARConfig, released: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``DualAR``'s state dict from the released tensors (left untouched). A released tensor
-    that nothing here takes raises, naming it: the coverage check's released side."""
-    c, tensors, out = config, dict(released), {}
+    """``DualAR``'s state dict from the released tensors (left untouched), in either naming
+    (``s1_names``). A released tensor that nothing here takes raises, naming it: the coverage
+    check's released side."""
+    c, tensors, out = config, s1_names(released), {}
     for i in range(c.n_layer):
         out.update(_layer(f"layers.{i}.", f"slow.layers.{i}.", c.n_head, c.n_local_heads, c.head_dim, tensors))
     for i in range(c.n_fast_layer):

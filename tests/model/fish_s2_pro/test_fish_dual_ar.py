@@ -1,6 +1,8 @@
-"""Fish S2-Pro's dual AR against fish-speech 0.1.0's ``DualARTransformer`` (the fixture
-``record_reference.py`` wrote): slow logits and fast logits at every step within 1e-5 on a
-tiny random config, fp32, on the CPU, the slow AR on a paged KV cache of 4-slot pages."""
+"""Fish S2-Pro's dual AR against fish-speech's ``DualARTransformer`` (the fixtures
+``record_reference.py`` wrote: fish-speech 0.1.0 in the S1 form, and the GitHub source with
+S2's config, names and normed fast-AR input): slow logits and fast logits at every step
+within 1e-5 on a tiny random config, fp32, on the CPU, the slow AR on a paged KV cache of
+4-slot pages."""
 
 from __future__ import annotations
 
@@ -15,26 +17,27 @@ from mstar.model.fish_s2_pro.dual_ar import DualAR
 from mstar.model.fish_s2_pro.weights import dual_ar_tensors, interleaved_to_half
 from mstar.model.pi05.modeling import step_metadata
 
-FIXTURE = torch.load(Path(__file__).parent / "fixtures" / "dual_ar.pt")
+FIXTURES = {name: torch.load(Path(__file__).parent / "fixtures" / f"{name}.pt") for name in ("dual_ar", "dual_ar_s2")}
+FIXTURE = FIXTURES["dual_ar"]
 PAGE = 4
 
 
-def reference_model() -> DualAR:
-    config = DualARConfig.from_dict({**FIXTURE["config"], "semantic_begin_id": FIXTURE["semantic_begin_id"],
+def reference_model(fixture: dict = FIXTURE) -> DualAR:
+    config = DualARConfig.from_dict({"semantic_begin_id": fixture["semantic_begin_id"], **fixture["config"],
                                      "eos_token_id": 2})
     model = DualAR(config).eval()
-    model.load_state_dict(dual_ar_tensors(config, FIXTURE["state_dict"]), strict=True)
+    model.load_state_dict(dual_ar_tensors(config, fixture["state_dict"]), strict=True)
     return model
 
 
-def run_steps(model: DualAR, pages: list[int], teacher: bool = True):
+def run_steps(model: DualAR, pages: list[int], teacher: bool = True, fixture: dict = FIXTURE):
     """Prefill then decode on ``pages``; each step's slow logits, fast logits and frame."""
     layers, heads, head_dim = model.cache_shape()
     caches = allocate_kv_cache(layers, 16, PAGE, heads, head_dim, torch.float32, "cpu")
-    tokens, codes = FIXTURE["prompt_tokens"], FIXTURE["prompt_codes"]
+    tokens, codes = fixture["prompt_tokens"], fixture["prompt_codes"]
     start, slow, fast, frames = 0, [], [], []
     with torch.no_grad():
-        for step in range(len(FIXTURE["codes"])):
+        for step in range(len(fixture["codes"])):
             meta = step_metadata([pages], [start], [len(tokens)], PAGE)
             normed, hidden = model.slow(tokens, codes, meta, caches)
             logits = model.slow.logits(normed[-1:])[0]
@@ -47,21 +50,31 @@ def run_steps(model: DualAR, pages: list[int], teacher: bool = True):
             fast.append(torch.stack(books))
             frames.append(frame.codes[0])
             start += len(tokens)
-            next_codes = FIXTURE["codes"][step] if teacher else frame.codes[0]
+            next_codes = fixture["codes"][step] if teacher else frame.codes[0]
             tokens, codes = torch.tensor([token]), next_codes[None]
     return torch.stack(slow), torch.stack(fast), torch.stack(frames)
 
 
-def test_slow_and_fast_logits_match_fish_speech():
-    slow, fast, frames = run_steps(reference_model(), pages=[3, 0, 7, 1])
-    torch.testing.assert_close(slow, FIXTURE["slow_logits"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(fast, FIXTURE["fast_logits"], rtol=0, atol=1e-5)
-    assert torch.equal(frames, FIXTURE["codes"])
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_slow_and_fast_logits_match_fish_speech(name):
+    fixture = FIXTURES[name]
+    slow, fast, frames = run_steps(reference_model(fixture), pages=[3, 0, 7, 1], fixture=fixture)
+    torch.testing.assert_close(slow, fixture["slow_logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast, fixture["fast_logits"], rtol=0, atol=1e-5)
+    assert torch.equal(frames, fixture["codes"])
 
 
-def test_free_running_greedy_codes_match():
-    _, _, frames = run_steps(reference_model(), pages=[5, 2, 9, 4], teacher=False)
-    assert torch.equal(frames, FIXTURE["codes"])
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_free_running_greedy_codes_match(name):
+    fixture = FIXTURES[name]
+    _, _, frames = run_steps(reference_model(fixture), pages=[5, 2, 9, 4], teacher=False, fixture=fixture)
+    assert torch.equal(frames, fixture["codes"])
+
+
+def test_s2_config_reads_as_fish_speech_reads_it():
+    config = reference_model(FIXTURES["dual_ar_s2"]).config
+    assert config.norm_fastlayer_input and config.scale_codebook_embeddings
+    assert (config.semantic_begin_id, config.num_codebooks, config.n_fast_layer, config.fast_dim) == (70, 4, 2, 24)
 
 
 def test_interleaved_to_half_keeps_pairs_together():
