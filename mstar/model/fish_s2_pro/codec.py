@@ -55,6 +55,26 @@ class CodecConfig:
         return math.prod(self.decoder_rates) * math.prod(self.downsample_factor)
 
 
+@dataclass(frozen=True)
+class WindowSpec:
+    """A causal window transformer's sizes (the quantizer's ``post_module`` and
+    ``pre_module``, the encoder's last block)."""
+
+    dim: int
+    n_layer: int
+    n_head: int
+    head_dim: int
+    intermediate_size: int
+    window_size: int
+    rope_base: float
+    norm_eps: float
+
+
+def post_spec(c: CodecConfig) -> WindowSpec:
+    return WindowSpec(c.latent_dim, c.n_layer, c.n_head, c.head_dim, c.intermediate_size, c.window_size,
+                      c.rope_base, c.norm_eps)
+
+
 @dataclass
 class CodecState:
     """One stream's decoder state; fresh (empty) at the stream's start."""
@@ -209,12 +229,12 @@ class WindowAttention(nn.Module):
     """Causal attention over the last ``window`` positions; streamed, the last ``window - 1``
     rotated keys and values of the stream are kept."""
 
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowSpec) -> None:
         super().__init__()
         self.config = config
         inner = config.n_head * config.head_dim
-        self.wqkv = nn.Linear(config.latent_dim, 3 * inner, bias=False)
-        self.wo = nn.Linear(inner, config.latent_dim, bias=False)
+        self.wqkv = nn.Linear(config.dim, 3 * inner, bias=False)
+        self.wo = nn.Linear(inner, config.dim, bias=False)
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, state: CodecState) -> torch.Tensor:
         c = self.config
@@ -246,29 +266,29 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowSpec) -> None:
         super().__init__()
         self.attention = WindowAttention(config)
-        self.feed_forward = FeedForward(config.latent_dim, config.intermediate_size)
-        self.attention_norm = RMSNorm(config.latent_dim, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.latent_dim, config.norm_eps)
-        self.attention_layer_scale = LayerScale(config.latent_dim)
-        self.ffn_layer_scale = LayerScale(config.latent_dim)
+        self.feed_forward = FeedForward(config.dim, config.intermediate_size)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_layer_scale = LayerScale(config.dim)
+        self.ffn_layer_scale = LayerScale(config.dim)
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, state: CodecState) -> torch.Tensor:
         h = x + self.attention_layer_scale(self.attention.step(self.attention_norm(x), positions, state))
         return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
 
 
-class PostModule(nn.Module):
-    """The quantizer's causal window transformer, channels first in and out."""
+class WindowTransformer(nn.Module):
+    """A causal window transformer, channels first in and out."""
 
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowSpec) -> None:
         super().__init__()
-        if config.n_head * config.head_dim != config.latent_dim:
-            raise NotImplementedError("post_module: n_head * head_dim must equal latent_dim")
+        if config.n_head * config.head_dim != config.dim:
+            raise NotImplementedError("window transformer: n_head * head_dim must equal its width")
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.latent_dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
 
     def step(self, x: torch.Tensor, state: CodecState) -> torch.Tensor:
         positions = torch.arange(state.frames, state.frames + x.shape[-1], device=x.device)
@@ -303,7 +323,7 @@ class Quantizer(nn.Module):
         c = config
         self.semantic_quantizer = BookSet(1, c.semantic_codebook_size, c.codebook_dim, c.latent_dim)
         self.quantizer = BookSet(c.n_codebooks, c.codebook_size, c.codebook_dim, c.latent_dim)
-        self.post_module = PostModule(c)
+        self.post_module = WindowTransformer(post_spec(c))
         self.upsample = StreamSequential(*(StreamSequential(CausalTransConv(c.latent_dim, c.latent_dim, f, f),
                                                             ConvNeXtBlock(c.latent_dim))
                                            for f in reversed(c.downsample_factor)))
