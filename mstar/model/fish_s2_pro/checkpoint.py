@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from mstar.model.fish_s2_pro.codec import CodecConfig, CodecDecoder
+from mstar.model.fish_s2_pro.codec_encoder import CodecEncoder, EncoderConfig
 from mstar.model.fish_s2_pro.config import DualARConfig
 from mstar.model.fish_s2_pro.dual_ar import DualAR
-from mstar.model.fish_s2_pro.weights import codec_tensors, dual_ar_tensors
+from mstar.model.fish_s2_pro.weights import codec_encoder_tensors, codec_tensors, dual_ar_tensors
 from mstar.model.weights import fill_weights, iter_safetensors, resolve_model_path
 
 SEMANTIC_ZERO = "<|semantic:0|>"
@@ -86,3 +87,15 @@ class FishS2ProCheckpoint:
             yield from codec_tensors(released, set(codec.state_dict())).items()
 
         return fill_weights(codec, tensors, dummy=dummy, seed=seed)
+
+    def codec_encoder(self, device: torch.device, *, dummy: bool, seed: int, config: CodecConfig | None = None,
+                      encoder: EncoderConfig | None = None) -> CodecEncoder:
+        """The codec's encode side (reference clips to codes), fp32."""
+        with torch.device(device):
+            module = CodecEncoder(encoder or EncoderConfig(), config or CodecConfig())
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            released = _torch_file(self.path / "codec.pth", "generator.")
+            yield from codec_encoder_tensors(released, set(module.state_dict())).items()
+
+        return fill_weights(module, tensors, dummy=dummy, seed=seed)

@@ -90,6 +90,32 @@ def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return g * v / norm
 
 
+def _folded(released: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, pending = {}, {}
+    for name, tensor in released.items():
+        for suffix, part in ((".parametrizations.weight.original0", "g"), (".parametrizations.weight.original1", "v"),
+                             (".weight_g", "g"), (".weight_v", "v")):
+            if name.endswith(suffix):
+                pending.setdefault(name[: -len(suffix)] + ".weight", {})[part] = tensor
+                break
+        else:
+            out[name] = tensor
+    for name, parts in pending.items():
+        out[name] = fold_weight_norm(parts["g"], parts["v"])
+    return out
+
+
+def codec_encoder_tensors(released: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """``CodecEncoder``'s state dict from the released codec tensors (weight norm folded): the
+    encoder side and the codebooks; an encoder-side tensor with no place raises, naming it."""
+    out = {name: t for name, t in _folded(released).items() if name in expected}
+    extra = sorted(name for name in _folded(released)
+                   if name not in expected and (name.startswith(CODEC_ENCODER_SIDE) or ".in_proj." in name))
+    if extra:
+        raise KeyError(f"released codec encoder tensors with no place in the encoder: {extra[:8]}")
+    return out
+
+
 def codec_tensors(released: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
     """``CodecDecoder``'s state dict from the released codec tensors: weight norm folded (either
     the ``parametrizations.weight.original0/1`` or the ``weight_g/weight_v`` spelling), the

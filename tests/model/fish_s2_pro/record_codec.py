@@ -66,17 +66,8 @@ def main() -> None:
         downsample_factor=c["downsample_factor"], post_module=post)
     decoder = Decoder(c["latent_dim"], c["decoder_dim"], list(c["decoder_rates"]), causal=True)
     codec = nn.ModuleDict({"quantizer": quantizer, "decoder": decoder}).eval()
+    randomize(codec, [post], args)
     with torch.no_grad():
-        for name, p in codec.named_parameters():
-            if name.endswith("original0"):  # weight-norm gains: each output channel's norm
-                p.copy_(0.2 + 0.3 * torch.rand_like(p))
-            elif name.endswith(("alpha", "gamma")) or "norm" in name:
-                p.copy_(0.6 + 0.4 * torch.rand_like(p))
-            else:
-                p.copy_(0.12 * torch.randn_like(p))
-        freqs = 1.0 / (c["rope_base"] ** (torch.arange(0, c["head_dim"], 2).float() / c["head_dim"]))
-        angles = torch.outer(torch.arange(args.block_size).float(), freqs)
-        post.freqs_cis = torch.stack((angles.cos(), angles.sin()), dim=-1)
         sizes = [c["semantic_codebook_size"]] + [c["codebook_size"]] * c["n_codebooks"]
         codes = torch.stack([torch.randint(0, n, (2, FRAMES)) for n in sizes], dim=1)
         audio = decoder(quantizer.decode(codes))[:, 0]
@@ -86,6 +77,24 @@ def main() -> None:
     torch.save({"version": "fish-speech 0.1.0 + descript-audio-codec 1.0.0 (dac.nn)", "config": CONFIG,
                 "state_dict": state, "codes": codes, "audio": audio}, OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes); audio peak {audio.abs().max():.3f} std {audio.std():.3f}")
+
+
+def randomize(codec: nn.Module, transformers: list[nn.Module], args) -> None:
+    """Weights at scales that make every part matter and keep tanh unsaturated; the
+    transformers' RoPE tables in fp32 (the reference keeps them in bf16)."""
+    with torch.no_grad():
+        for name, p in codec.named_parameters():
+            if name.endswith("original0"):  # weight-norm gains: each output channel's norm
+                p.copy_(0.2 + 0.3 * torch.rand_like(p))
+            elif name.endswith(("alpha", "gamma")) or "norm" in name:
+                p.copy_(0.6 + 0.4 * torch.rand_like(p))
+            else:
+                p.copy_(0.12 * torch.randn_like(p))
+    for module in transformers:
+        dim = module.config.head_dim
+        freqs = 1.0 / (module.config.rope_base ** (torch.arange(0, dim, 2).float() / dim))
+        angles = torch.outer(torch.arange(module.config.block_size).float(), freqs)
+        module.freqs_cis = torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
 if __name__ == "__main__":

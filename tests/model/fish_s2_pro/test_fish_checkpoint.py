@@ -11,12 +11,14 @@ import torch
 
 from mstar.model.fish_s2_pro.checkpoint import FishS2ProCheckpoint
 from mstar.model.fish_s2_pro.codec import CodecConfig
+from mstar.model.fish_s2_pro.codec_encoder import EncoderConfig
 from mstar.model.fish_s2_pro.weights import dual_ar_tensors
 from mstar.model.weights import WeightLoadError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AR = torch.load(FIXTURES / "dual_ar.pt")
 CODEC = torch.load(FIXTURES / "codec.pt")
+ENCODER = torch.load(FIXTURES / "codec_encoder.pt")
 
 
 def release(tmp_path: Path, ar_state: dict | None = None) -> FishS2ProCheckpoint:
@@ -67,3 +69,12 @@ def test_dummy_weights_need_no_files(tmp_path):
     codec = ckpt.codec(torch.device("cpu"), dummy=True, seed=4, config=CodecConfig(**CODEC["config"]))
     with torch.no_grad():
         assert torch.isfinite(codec.decode(CODEC["codes"])).all()
+
+
+def test_codec_encoder_from_released_codec(tmp_path):
+    torch.save({"generator." + k: v for k, v in ENCODER["state_dict"].items()}, tmp_path / "codec.pth")
+    encoder = FishS2ProCheckpoint(tmp_path).codec_encoder(torch.device("cpu"), dummy=False, seed=0,
+                                                          config=CodecConfig(**ENCODER["config"]),
+                                                          encoder=EncoderConfig(**ENCODER["encoder"]))
+    with torch.no_grad():
+        assert torch.equal(encoder(ENCODER["audio"]), ENCODER["codes"])
