@@ -35,10 +35,10 @@ from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.layers.rotary import RotaryEmbedding
 from mstar.model.fish_s2_pro.config import DualARConfig
+from mstar.model.fish_s2_pro.paging import step_metadata
 from mstar.model.llama.config import LlamaConfig
 from mstar.model.llama.modeling import LlamaDecoderLayer, LlamaModel, kv_cache_shape
 from mstar.model.qwen3.causal import Qwen3PagedDecoderLayer
-from mstar.model.qwen3_omni.talker import frame_step_metadata
 
 Sampler = Callable[[torch.Tensor, int], torch.Tensor]
 """``sampler(logits [B, codebook_size], codebook) -> codes [B]`` for codebooks 1 .. N - 1;
@@ -135,7 +135,9 @@ class FastAR(nn.Module):
         layers, heads, head_dim = self.kv_shape
         caches = allocate_kv_cache(layers, batch, n, heads, head_dim, hidden.dtype, hidden.device)
         prompt = torch.stack((hidden, self.fast_embeddings(code0)), dim=1).reshape(2 * batch, -1)
-        last = self._run(prompt, frame_step_metadata(batch, 0, 2, n, hidden.device), caches).view(batch, 2, -1)[:, 1]
+        pages = [[b] for b in range(batch)]  # request b: page b of n slots
+        meta = step_metadata(pages, [0] * batch, [2] * batch, n, hidden.device)
+        last = self._run(prompt, meta, caches).view(batch, 2, -1)[:, 1]
         codes = [code0]
         for book in range(1, n):
             logits = self.fast_output(last)
@@ -144,7 +146,7 @@ class FastAR(nn.Module):
             code = logits.argmax(dim=-1) if sampler is None else sampler(logits, book)
             codes.append(code)
             if book < n - 1:  # the last code is never fed back
-                meta = frame_step_metadata(batch, book + 1, 1, n, hidden.device)
+                meta = step_metadata(pages, [book + 1] * batch, [1] * batch, n, hidden.device)
                 last = self._run(self.fast_embeddings(code), meta, caches)
         return Frame(torch.stack(codes, dim=1))
 

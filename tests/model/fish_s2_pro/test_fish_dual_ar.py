@@ -14,8 +14,8 @@ import torch
 from mstar.layers.paged_kv import allocate_kv_cache
 from mstar.model.fish_s2_pro.config import DualARConfig
 from mstar.model.fish_s2_pro.dual_ar import DualAR
+from mstar.model.fish_s2_pro.paging import step_metadata
 from mstar.model.fish_s2_pro.weights import dual_ar_tensors, interleaved_to_half
-from mstar.model.pi05.modeling import step_metadata
 
 FIXTURES = {name: torch.load(Path(__file__).parent / "fixtures" / f"{name}.pt") for name in ("dual_ar", "dual_ar_s2")}
 FIXTURE = FIXTURES["dual_ar"]
