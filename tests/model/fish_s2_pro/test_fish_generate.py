@@ -64,3 +64,30 @@ def test_generated_frames_stream_through_the_codec():
         streamed = torch.cat([codec.step(codes[..., i:i + 1], state) for i in range(codes.shape[-1])], dim=-1)
     assert whole.shape == (1, len(frames) * 8)
     assert (streamed - whole).abs().max() <= 1e-4 * whole.abs().max()
+
+
+def test_pick_follows_fish_speech_top_p_and_top_k():
+    from mstar.model.fish_s2_pro.generate import pick
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    seen = {pick(logits, torch.Generator().manual_seed(s), Sampling(temperature=1.0, top_p=0.7, top_k=30))
+            for s in range(200)}
+    assert seen == {0}  # 0.5 + 0.3 passes 0.7 at the second token: it is dropped, the first kept
+    seen = {pick(logits, torch.Generator().manual_seed(s), Sampling(temperature=1.0, top_p=0.95, top_k=2))
+            for s in range(200)}
+    assert seen == {0, 1}
+
+
+def test_repetition_aware_sampling_redraws_a_recent_semantic_token():
+    from collections import deque
+
+    from mstar.model.fish_s2_pro.generate import pick_slow
+
+    logits = torch.full((20,), -5.0)
+    logits[12], logits[13], logits[14] = 3.0, 2.9, 2.8  # the ordinary draw (top-p 0.1) is always 12
+    sampling = Sampling(temperature=1.0, top_p=0.1, top_k=30)
+    semantic = range(10, 20)
+    draws = {pick_slow(logits, torch.Generator().manual_seed(s), sampling, deque([12]), semantic) for s in range(100)}
+    assert draws == {12, 13}  # 12 repeats: the fallback draw is taken (top-p 0.9 keeps 12 and 13)
+    draws = {pick_slow(logits, torch.Generator().manual_seed(s), sampling, deque([11]), semantic) for s in range(50)}
+    assert draws == {12}
