@@ -52,13 +52,17 @@ class FishS2ProCheckpoint:
         return {token["content"]: token["id"] for token in added}
 
     def config(self) -> DualARConfig:
+        """The dual AR's config; ``<|semantic:0|>`` from the config (S2's
+        ``semantic_start_token_id``) or else the tokenizer, ``<|im_end|>`` from the tokenizer."""
         raw = json.loads((self.path / "config.json").read_text())
         tokens = self.special_tokens()
-        for name in (SEMANTIC_ZERO, IM_END):
+        ids = {"eos_token_id": IM_END}
+        if "semantic_start_token_id" not in raw:
+            ids["semantic_begin_id"] = SEMANTIC_ZERO
+        for name in ids.values():
             if name not in tokens:
                 raise KeyError(f"{self.path}: the tokenizer has no {name} token")
-        return DualARConfig.from_dict({**raw, "semantic_begin_id": tokens[SEMANTIC_ZERO],
-                                       "eos_token_id": tokens[IM_END]})
+        return DualARConfig.from_dict({**raw, **{key: tokens[name] for key, name in ids.items()}})
 
     def dual_ar_released(self) -> dict[str, torch.Tensor]:
         if (self.path / "model.pth").exists():

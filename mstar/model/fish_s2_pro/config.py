@@ -87,7 +87,7 @@ class DualARConfig:
         ``audio_decoder_config`` for the fast AR, the semantic token range at the top),
         read as fish-speech reads it: codebook embeddings scaled, the fast AR on normed input."""
         if d.get("model_type") == "fish_qwen3_omni":
-            d = _flatten_s2(d)
+            d = {**_flatten_s2(d), **{k: d[k] for k in ("eos_token_id",) if k in d}}
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 

@@ -78,3 +78,18 @@ def test_codec_encoder_from_released_codec(tmp_path):
                                                           encoder=EncoderConfig(**ENCODER["encoder"]))
     with torch.no_grad():
         assert torch.equal(encoder(ENCODER["audio"]), ENCODER["codes"])
+
+
+def test_s2_release_reads_its_config_and_names(tmp_path):
+    s2 = torch.load(FIXTURES / "dual_ar_s2.pt")
+    (tmp_path / "config.json").write_text(json.dumps(s2["config"]))
+    (tmp_path / "special_tokens.json").write_text(json.dumps({"<|im_end|>": 2}))  # semantic ids: in the config
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in s2["state_dict"].items()}, tmp_path / "model.safetensors")
+    ckpt = FishS2ProCheckpoint(tmp_path)
+    config = ckpt.config()
+    assert (config.semantic_begin_id, config.eos_token_id, config.norm_fastlayer_input) == (70, 2, True)
+    model = ckpt.dual_ar(torch.device("cpu"), torch.float32, dummy=False, seed=0)
+    direct = dual_ar_tensors(config, s2["state_dict"])
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in direct.items())
