@@ -54,12 +54,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def install_flash_attn_stand_in() -> None:
     """Put the stand-in ``flash_attn`` into ``sys.modules`` unless one is there already.
 
-    transformers probes for flash-attn (``importlib.util.find_spec``, which a module without
-    a spec fails) when ``transformers.modeling_utils`` is first imported: it is imported
-    before, so the probe sees no flash-attn, as it should."""
+    transformers and diffusers probe for flash-attn (``importlib.util.find_spec``, which a
+    module without a spec fails) when first imported (``transformers.modeling_utils``,
+    ``diffusers.utils``): both are imported before, so their probes see no flash-attn, as
+    they should, whichever test imports them later in the same process."""
     if "flash_attn" in sys.modules:
         return
     import transformers.modeling_utils  # noqa: F401
+
+    try:
+        import diffusers.utils  # noqa: F401
+    except ImportError:  # not a dependency of the BAGEL tests themselves
+        pass
 
     module = types.ModuleType("flash_attn")
     module.flash_attn_varlen_func = flash_attn_varlen_func
