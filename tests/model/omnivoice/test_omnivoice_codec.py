@@ -6,27 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnivoice_reference import stand_in_audio_io
+from omnivoice_reference import hf_codec_config, stand_in_audio_io
 
 from mstar.model.omnivoice import CodecDecoder, tiny_config
-from mstar.model.omnivoice.config import CodecConfig
-
-
-def hf_config(codec: CodecConfig):
-    from transformers import HiggsAudioV2TokenizerConfig
-
-    return HiggsAudioV2TokenizerConfig(
-        sample_rate=codec.sample_rate, codebook_size=codec.codebook_size, codebook_dim=codec.codebook_dim,
-        target_bandwidths=list(codec.target_bandwidths),
-        acoustic_model_config=dict(model_type="dac", encoder_hidden_size=4, hidden_size=codec.acoustic_hidden_size,
-                                   downsampling_ratios=list(codec.downsampling_ratios),
-                                   upsampling_ratios=list(codec.upsampling_ratios),
-                                   decoder_hidden_size=codec.decoder_hidden_size),
-        semantic_model_config=dict(model_type="hubert", hidden_size=codec.semantic_hidden_size,
-                                   num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-                                   conv_dim=[8, 8], conv_stride=[5, 2], conv_kernel=[10, 3],
-                                   num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2),
-        downsample_factor=10)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +18,7 @@ def pair():
 
     codec = tiny_config().codec
     torch.manual_seed(0)
-    ref = HiggsAudioV2TokenizerModel(hf_config(codec)).eval()
+    ref = HiggsAudioV2TokenizerModel(hf_codec_config(codec)).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # unit-gain random weights, so the waveform stays near 1
         for name, t in ref.state_dict(keep_vars=True).items():

@@ -1,0 +1,126 @@
+"""Where OmniVoice's config, tokenizer and weights come from: the release's directory (or hub
+id, ``k2-fsa/OmniVoice``).
+
+Layout (as ``OmniVoice.from_pretrained`` of omnivoice 0.2.1 reads it): ``config.json``
+(``model_type: omnivoice``, the Qwen3 backbone under ``llm_config``), the tokenizer files
+(``tokenizer.json``: Qwen's BPE with OmniVoice's control tokens), safetensors with
+``llm.*``, ``audio_embeddings.weight``, ``audio_heads.weight`` (and the
+``codebook_layer_offsets`` buffer, which is derived, not read), and ``audio_tokenizer/``:
+transformers' Higgs Audio v2 tokenizer (``config.json``, safetensors). Of the tokenizer only
+the decoder half is read (``quantizer.quantizers.N.codebook.embed``, ``...project_out``,
+``fc2``, ``acoustic_decoder``); its encoders (``acoustic_encoder``, ``semantic_model``,
+``encoder_semantic``, ``decoder_semantic``, ``fc``, ``fc1``, ``project_in`` and the codebooks'
+training statistics) are skipped by name. Anything else, or a parameter nothing fills, fails
+the load naming it. Weight-normed convolutions (``weight_g``/``weight_v`` or
+``parametrizations.weight.original0/1``) are folded into plain weights as they load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mstar.model.omnivoice.config import OmniVoiceConfig
+from mstar.model.omnivoice.modeling import OmniVoiceModel
+
+HUB_ID = "k2-fsa/OmniVoice"
+CODEC_DIR = "audio_tokenizer"
+_CODEC_UNUSED = re.compile(
+    r"^(acoustic_encoder|semantic_model|encoder_semantic|decoder_semantic|fc|fc1)\."
+    r"|^quantizer\.quantizers\.\d+\.(project_in\.|codebook\.(inited|cluster_size|embed_avg)$)"
+)
+_NORMED = re.compile(r"^(.*)\.(?:weight_([gv])|parametrizations\.weight\.original([01]))$")
+
+
+def backbone_name(name: str) -> str | None:
+    """The backbone parameter a released tensor fills (None: not read)."""
+    return None if name == "codebook_layer_offsets" else name
+
+
+def codec_name(name: str) -> str | None:
+    """The codec-decoder parameter a tokenizer tensor fills (None: the encoder side)."""
+    return None if _CODEC_UNUSED.search(name) else name
+
+
+def fold_weight_norm(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, turning each weight-norm pair into ``<layer>.weight``
+    (``g * v / |v|``, the norm over every axis but the one ``g`` spans)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = _NORMED.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer = match.group(1)
+        part = "g" if (match.group(2) or "") == "g" or match.group(3) == "0" else "v"
+        pair = pending.setdefault(layer, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del pending[layer]
+            g, v = pair["g"].float(), pair["v"].float()
+            axes = [d for d in range(v.dim()) if g.shape[d] == 1]
+            weight = g * v / v.norm(dim=axes, keepdim=True)
+            yield f"{layer}.weight", weight.to(pair["v"].dtype)
+    if pending:
+        raise ValueError(f"weight-norm halves without their pair: {sorted(pending)}")
+
+
+@dataclass
+class OmniVoiceCheckpoint:
+    directory: Path
+
+    @classmethod
+    def locate(cls, model_path: str = HUB_ID, cache_dir: str | None = None) -> OmniVoiceCheckpoint:
+        from mstar.model.weights import resolve_model_path
+
+        path = resolve_model_path(model_path, cache_dir=cache_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path {path}: no config.json (an OmniVoice checkpoint)")
+        if not (path / CODEC_DIR / "config.json").is_file():
+            raise ValueError(f"model_path {path}: no {CODEC_DIR}/config.json (the audio codec)")
+        return cls(path)
+
+    def config(self) -> OmniVoiceConfig:
+        top = json.loads((self.directory / "config.json").read_text())
+        codec = json.loads((self.directory / CODEC_DIR / "config.json").read_text())
+        return OmniVoiceConfig.from_hf_dict(top, codec)
+
+    def tokenizer(self):
+        from tokenizers import Tokenizer
+
+        path = self.directory / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model_path {self.directory}: no tokenizer.json")
+        return Tokenizer.from_file(str(path))
+
+    def backbone_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from mstar.model.weights import iter_safetensors
+
+        return iter_safetensors(self.directory)
+
+    def codec_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from mstar.model.weights import iter_safetensors
+
+        return fold_weight_norm(iter_safetensors(self.directory / CODEC_DIR))
+
+    def load_model(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool,
+                   seed: int) -> OmniVoiceModel:
+        """The backbone in ``dtype``; the codec decoder stays float32 (its Snake activations and
+        long transposed-conv stacks are where bfloat16 would show)."""
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            model = OmniVoiceModel(self.config())
+        model.backbone.to(dtype)
+        fill_weights(model.backbone, self.backbone_tensors, dummy=dummy, seed=seed, dtype=dtype,
+                     name_map=backbone_name)
+        fill_weights(model.codec, self.codec_tensors, dummy=dummy, seed=seed + 1,
+                     dtype=torch.float32, name_map=codec_name)
+        if dummy:
+            model.init_codebooks(seed)
+        return model.eval()
