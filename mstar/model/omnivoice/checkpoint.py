@@ -6,11 +6,9 @@ Layout (as ``OmniVoice.from_pretrained`` of omnivoice 0.2.1 reads it): ``config.
 (``tokenizer.json``: Qwen's BPE with OmniVoice's control tokens), safetensors with
 ``llm.*``, ``audio_embeddings.weight``, ``audio_heads.weight`` (and the
 ``codebook_layer_offsets`` buffer, which is derived, not read), and ``audio_tokenizer/``:
-transformers' Higgs Audio v2 tokenizer (``config.json``, safetensors). Of the tokenizer only
-the decoder half is read (``quantizer.quantizers.N.codebook.embed``, ``...project_out``,
-``fc2``, ``acoustic_decoder``); its encoders (``acoustic_encoder``, ``semantic_model``,
-``encoder_semantic``, ``decoder_semantic``, ``fc``, ``fc1``, ``project_in`` and the codebooks'
-training statistics) are skipped by name. Anything else, or a parameter nothing fills, fails
+transformers' Higgs Audio v2 tokenizer (``config.json``, safetensors). Of the tokenizer, what
+only its training uses is skipped by name (``decoder_semantic``, ``fc1`` and the codebooks'
+``inited``, ``cluster_size``, ``embed_avg``). Anything else, or a parameter nothing fills, fails
 the load naming it. Weight-normed convolutions (``weight_g``/``weight_v`` or
 ``parametrizations.weight.original0/1``) are folded into plain weights as they load.
 """
@@ -31,8 +29,7 @@ from mstar.model.omnivoice.modeling import OmniVoiceModel
 HUB_ID = "k2-fsa/OmniVoice"
 CODEC_DIR = "audio_tokenizer"
 _CODEC_UNUSED = re.compile(
-    r"^(acoustic_encoder|semantic_model|encoder_semantic|decoder_semantic|fc|fc1)\."
-    r"|^quantizer\.quantizers\.\d+\.(project_in\.|codebook\.(inited|cluster_size|embed_avg)$)"
+    r"^(decoder_semantic|fc1)\.|^quantizer\.quantizers\.\d+\.codebook\.(inited|cluster_size|embed_avg)$"
 )
 _NORMED = re.compile(r"^(.*)\.(?:weight_([gv])|parametrizations\.weight\.original([01]))$")
 
@@ -43,7 +40,7 @@ def backbone_name(name: str) -> str | None:
 
 
 def codec_name(name: str) -> str | None:
-    """The codec-decoder parameter a tokenizer tensor fills (None: the encoder side)."""
+    """The codec parameter a tokenizer tensor fills (None: used in training only)."""
     return None if _CODEC_UNUSED.search(name) else name
 
 

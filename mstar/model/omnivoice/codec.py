@@ -1,4 +1,4 @@
-"""The decoder half of the Higgs Audio v2 tokenizer, OmniVoice's codec: codes -> 24 kHz audio.
+"""The decoder side of the Higgs Audio v2 tokenizer, OmniVoice's codec: codes -> 24 kHz audio.
 
 Codes ``[B, C, T]`` (``C`` residual codebooks) become a latent by summing, per codebook, the
 looked-up codeword (``codebook_dim`` wide) projected back to the RVQ width (``project_out``);
@@ -11,7 +11,8 @@ block upsample exactly ``r`` times, so ``T`` frames give ``T * hop_length`` samp
 
 Parameter names are transformers' ``HiggsAudioV2TokenizerModel`` ones (``quantizer.quantizers.
 {i}.codebook.embed``, ``quantizer.quantizers.{i}.project_out``, ``fc2``, ``acoustic_decoder.*``);
-convolutions hold plain weights (``checkpoint.py`` folds weight-normed ones).
+convolutions hold plain weights (``checkpoint.py`` folds weight-normed ones). ``modeling.Codec``
+puts this and the encoder side (``codec_encoder``) together.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Quantizer(nn.Module):
     def __init__(self, config: CodecConfig) -> None:
         super().__init__()
         self.codebook = Codebook(config)
+        self.project_in = nn.Linear(config.hidden_size, config.codebook_dim)
         self.project_out = nn.Linear(config.codebook_dim, config.hidden_size)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
@@ -106,21 +108,8 @@ class ResidualQuantizer(nn.Module):
         super().__init__()
         self.quantizers = nn.ModuleList(Quantizer(config) for _ in range(config.num_quantizers))
 
-
-class CodecDecoder(nn.Module):
-    """Codes ``[B, C, T]`` -> waveform ``[B, T * hop_length]`` at ``sample_rate``."""
-
-    def __init__(self, config: CodecConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.quantizer = ResidualQuantizer(config)
-        self.fc2 = nn.Linear(config.hidden_size, config.acoustic_hidden_size)
-        self.acoustic_decoder = AcousticDecoder(config)
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        if codes.shape[1] > len(self.quantizer.quantizers):
-            raise ValueError(f"{codes.shape[1]} codebooks given, the codec has "
-                             f"{len(self.quantizer.quantizers)}")
-        latent = sum(q(codes[:, i]) for i, q in enumerate(self.quantizer.quantizers[:codes.shape[1]]))
-        latent = self.fc2(latent).transpose(1, 2)
-        return self.acoustic_decoder(latent)[:, 0]
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[B, C, T]`` -> the summed latent ``[B, T, hidden]`` of the first ``C`` stages."""
+        if codes.shape[1] > len(self.quantizers):
+            raise ValueError(f"{codes.shape[1]} codebooks given, the codec has {len(self.quantizers)}")
+        return sum(q(codes[:, i]) for i, q in enumerate(self.quantizers[:codes.shape[1]]))

@@ -32,6 +32,16 @@ class CodecConfig:
     decoder_hidden_size: int = 1024
     upsampling_ratios: tuple[int, ...] = (8, 5, 4, 2, 3)
     downsampling_ratios: tuple[int, ...] = (8, 5, 4, 2, 3)
+    # The encoder side (reference clips -> codes).
+    encoder_hidden_size: int = 64
+    semantic: dict[str, Any] = field(default_factory=dict)  # HuBERT's config.json dict
+    semantic_sample_rate: int = 16000
+    downsample_factor: int = 320
+    kernel_size: int = 3
+    channel_ratios: tuple[float, ...] = (1, 1)
+    strides: tuple[int, ...] = (1, 1)
+    block_dilations: tuple[int, ...] = (1, 1)
+    unit_kernel_size: int = 3
 
     @property
     def hidden_size(self) -> int:
@@ -47,6 +57,11 @@ class CodecConfig:
         return math.ceil(self.sample_rate / self.hop_length)
 
     @property
+    def semantic_stride(self) -> int:
+        """Every how many HuBERT frames one codec frame takes."""
+        return int(self.hop_length / (self.sample_rate / self.semantic_sample_rate) / self.downsample_factor)
+
+    @property
     def num_quantizers(self) -> int:
         """Quantizers in the checkpoint: as many as the highest bandwidth needs."""
         bits = math.ceil(math.log2(self.codebook_size))
@@ -58,6 +73,7 @@ class CodecConfig:
         acoustic = d.get("acoustic_model_config") or {}
         semantic = d.get("semantic_model_config") or {}
         base = cls()
+        semantic = {"mask_time_prob": 0.0, **semantic}
         return cls(
             sample_rate=d.get("sample_rate", base.sample_rate),
             codebook_size=d.get("codebook_size", base.codebook_size),
@@ -68,6 +84,15 @@ class CodecConfig:
             decoder_hidden_size=acoustic.get("decoder_hidden_size", 1024),
             upsampling_ratios=tuple(acoustic.get("upsampling_ratios", (8, 5, 4, 2))),
             downsampling_ratios=tuple(acoustic.get("downsampling_ratios", (8, 5, 4, 2))),
+            encoder_hidden_size=acoustic.get("encoder_hidden_size", 64),
+            semantic=semantic,
+            semantic_sample_rate=d.get("semantic_sample_rate", 16000),
+            downsample_factor=d.get("downsample_factor", 320),
+            kernel_size=d.get("kernel_size", 3),
+            channel_ratios=tuple(d.get("channel_ratios", (1, 1))),
+            strides=tuple(d.get("strides", (1, 1))),
+            block_dilations=tuple(d.get("block_dilations", (1, 1))),
+            unit_kernel_size=d.get("unit_kernel_size", 3),
         )
 
 
@@ -102,14 +127,21 @@ class OmniVoiceConfig:
         )
 
 
+TINY_HUBERT = {"model_type": "hubert", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "intermediate_size": 16, "conv_dim": [8] * 7, "conv_stride": [5, 2, 2, 2, 2, 2, 2],
+               "conv_kernel": [10, 3, 3, 3, 3, 2, 2], "num_conv_pos_embeddings": 4,
+               "num_conv_pos_embedding_groups": 2, "mask_time_prob": 0.0}
+
+
 def tiny_config() -> OmniVoiceConfig:
     """A small config for tests and dummy weights (the text vocabulary must hold the mask id,
     which pads canvas rows and is embedded as text there)."""
     llm = Qwen3Config(vocab_size=1100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       rope_theta=1_000_000.0, max_position_embeddings=2048)
-    codec = CodecConfig(sample_rate=2400, codebook_size=1024, codebook_dim=8,
-                        target_bandwidths=(1, 2, 4),
+    # 25 codec frames a second as released (hop 96 at 2.4 kHz); HuBERT at 16 kHz, 50 frames a second.
+    codec = CodecConfig(sample_rate=2400, codebook_size=1024, codebook_dim=8, target_bandwidths=(0.5, 1),
                         acoustic_hidden_size=16, semantic_hidden_size=8, decoder_hidden_size=32,
-                        upsampling_ratios=(4, 3, 2), downsampling_ratios=(4, 3, 2))
+                        upsampling_ratios=(4, 4, 6), downsampling_ratios=(4, 4, 6), encoder_hidden_size=4,
+                        semantic=TINY_HUBERT)
     return OmniVoiceConfig(llm=llm, codec=codec, num_audio_codebook=4)

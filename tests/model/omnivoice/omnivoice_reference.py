@@ -81,19 +81,16 @@ class CharTokenizer:
 
 
 def hf_codec_config(codec):
-    """transformers' ``HiggsAudioV2TokenizerConfig`` for our ``CodecConfig`` (a tiny HuBERT and
-    DAC encoder: the decoder is what is compared)."""
+    """transformers' ``HiggsAudioV2TokenizerConfig`` for our ``CodecConfig``."""
     from transformers import HiggsAudioV2TokenizerConfig
 
     return HiggsAudioV2TokenizerConfig(
         sample_rate=codec.sample_rate, codebook_size=codec.codebook_size, codebook_dim=codec.codebook_dim,
-        target_bandwidths=list(codec.target_bandwidths),
-        acoustic_model_config=dict(model_type="dac", encoder_hidden_size=4, hidden_size=codec.acoustic_hidden_size,
+        target_bandwidths=list(codec.target_bandwidths), semantic_sample_rate=codec.semantic_sample_rate,
+        downsample_factor=codec.downsample_factor,
+        acoustic_model_config=dict(model_type="dac", encoder_hidden_size=codec.encoder_hidden_size,
+                                   hidden_size=codec.acoustic_hidden_size,
                                    downsampling_ratios=list(codec.downsampling_ratios),
                                    upsampling_ratios=list(codec.upsampling_ratios),
                                    decoder_hidden_size=codec.decoder_hidden_size),
-        semantic_model_config=dict(model_type="hubert", hidden_size=codec.semantic_hidden_size,
-                                   num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-                                   conv_dim=[8, 8], conv_stride=[5, 2], conv_kernel=[10, 3],
-                                   num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2),
-        downsample_factor=10)
+        semantic_model_config=dict(codec.semantic))
