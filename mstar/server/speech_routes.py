@@ -69,7 +69,7 @@ MAX_BODY_BYTES = 48 * 1024 * 1024  # a reference clip of up to 32 MB, base64 in 
 Chunks = AsyncGenerator[bytes, None]
 _MODEL_KWARGS = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "phonemes", "lang_code",
                  "exaggeration", "cfg_weight", "min_p", "top_k", "language_id", "max_new_tokens", "watermark",
-                 "phoneme_ids", "noise_scale", "noise_w")
+                 "phoneme_ids", "noise_scale", "noise_w", "language")
 
 
 class SpeechRequest(BaseModel):
@@ -107,6 +107,7 @@ class SpeechRequest(BaseModel):
     phoneme_ids: Any = None
     noise_scale: Any = None
     noise_w: Any = None
+    language: Any = None  # the language to speak (OmniVoice: a name or an id), checked by the model
 
     @field_validator("voice", mode="before")
     @classmethod

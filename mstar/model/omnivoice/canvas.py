@@ -5,7 +5,8 @@ reference audio codes, then its ``T_i`` target frames) and row ``B + i`` (uncond
 target frames alone, from position 0). Rows are padded with the mask id to the longest
 conditional row. A row attends within its own real positions only; a padding position of an
 unconditional row attends to itself alone and one of a conditional row to nothing (its output is
-zeros and never read), so a request's logits do not depend on what it is batched with.
+zeros and never read). This padded layout is the reference's; ``packed_logits`` gives the
+same logits without padding (what the served engine runs: bit-identical whatever the batch).
 """
 
 from __future__ import annotations
@@ -85,6 +86,23 @@ class Canvas:
         c, t = self.cond_lens[i], self.target_lens[i]
         self.ids[i, :, c - t:c] = target
         self.ids[self.batch + i, :, :t] = target
+
+
+def packed_logits(backbone: OmniVoiceBackbone,
+                  prompts: list[CanvasPrompt]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's conditional and unconditional target logits ``[C, T, V]`` from one packed
+    forward (``OmniVoiceBackbone.forward_packed``: no padding, so batch-invariant)."""
+    rows, masks = [], []
+    for p in prompts:
+        length = p.ids.shape[-1]
+        rows.append(p.ids)
+        masks.append(torch.arange(length, device=p.ids.device) >= p.audio_start)
+    for p in prompts:
+        rows.append(p.ids[:, -p.target_len:])
+        masks.append(torch.ones(p.target_len, dtype=torch.bool, device=p.ids.device))
+    logits = backbone.forward_packed(rows, masks)
+    batch = len(prompts)
+    return [(logits[i][:, -p.target_len:], logits[batch + i]) for i, p in enumerate(prompts)]
 
 
 def denoise(backbone: OmniVoiceBackbone, canvas: Canvas, knobs: list[UnmaskKnobs],

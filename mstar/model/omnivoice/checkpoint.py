@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mstar.model.omnivoice.config import OmniVoiceConfig
-from mstar.model.omnivoice.modeling import OmniVoiceModel
+from mstar.model.omnivoice.modeling import Codec, OmniVoiceModel
 
 HUB_ID = "k2-fsa/OmniVoice"
 CODEC_DIR = "audio_tokenizer"
@@ -67,6 +67,30 @@ def fold_weight_norm(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
         raise ValueError(f"weight-norm halves without their pair: {sorted(pending)}")
 
 
+@torch.no_grad()
+def unit_gain_weights(module: torch.nn.Module, seed: int) -> None:
+    """Seeded dummy weights that keep activations near unit scale through the codec's ~40
+    convolutions (``N(0, 1/fan_in)`` matrices, Snake alphas near 1, small biases, unit
+    codewords), so a dummy deployment speaks audible noise rather than underflowing to
+    silence. Depends only on the seed and the parameter names and shapes."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in module.state_dict(keep_vars=True).items():
+        if not t.is_floating_point():
+            continue
+        noise = torch.randn(t.shape, generator=g)
+        if name.endswith("alpha"):
+            value = 1 + 0.3 * noise
+        elif name.endswith("codebook.embed"):
+            value = noise
+        elif "norm" in name and name.endswith("weight"):
+            value = torch.ones(t.shape)
+        elif t.dim() < 2:
+            value = 0.1 * noise if name.endswith("bias") else torch.zeros(t.shape)
+        else:
+            value = noise * (t.shape[0] / t.numel()) ** 0.5
+        t.copy_(value.to(t))
+
+
 @dataclass
 class OmniVoiceCheckpoint:
     directory: Path
@@ -105,10 +129,23 @@ class OmniVoiceCheckpoint:
 
         return fold_weight_norm(iter_safetensors(self.directory / CODEC_DIR))
 
+    def load_codec(self, device: torch.device | str, *, dummy: bool, seed: int) -> Codec:
+        """The codec, float32 (its Snake activations and long transposed-conv stacks are where
+        a low precision would show); ``dummy``: ``unit_gain_weights``."""
+        from mstar.model.weights import fill_weights
+
+        with torch.device(device):
+            codec = Codec(self.config().codec)
+        if dummy:
+            unit_gain_weights(codec, seed + 1)
+        else:
+            fill_weights(codec, self.codec_tensors, dummy=False, seed=seed, dtype=torch.float32,
+                         name_map=codec_name)
+        return codec.eval()
+
     def load_model(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool,
                    seed: int) -> OmniVoiceModel:
-        """The backbone in ``dtype``; the codec decoder stays float32 (its Snake activations and
-        long transposed-conv stacks are where bfloat16 would show)."""
+        """The backbone in ``dtype`` and the codec (``load_codec``)."""
         from mstar.model.weights import fill_weights
 
         with torch.device(device):
@@ -116,8 +153,5 @@ class OmniVoiceCheckpoint:
         model.backbone.to(dtype)
         fill_weights(model.backbone, self.backbone_tensors, dummy=dummy, seed=seed, dtype=dtype,
                      name_map=backbone_name)
-        fill_weights(model.codec, self.codec_tensors, dummy=dummy, seed=seed + 1,
-                     dtype=torch.float32, name_map=codec_name)
-        if dummy:
-            model.init_codebooks(seed)
+        model.codec = self.load_codec(device, dummy=dummy, seed=seed)
         return model.eval()

@@ -67,12 +67,3 @@ class OmniVoiceModel(nn.Module):
         self.config = config
         self.backbone = OmniVoiceBackbone(config)
         self.codec = Codec(config.codec)
-
-    @torch.no_grad()
-    def init_codebooks(self, seed: int) -> None:
-        """Seeded codewords for dummy weights (buffers, which dummy filling leaves at zero, so
-        every code would otherwise decode to the same frame)."""
-        g = torch.Generator().manual_seed(seed)
-        for q in self.codec.quantizer.quantizers:
-            embed = q.codebook.embed
-            embed.copy_(torch.randn(embed.shape, generator=g).to(embed))

@@ -94,20 +94,3 @@ def hf_codec_config(codec):
                                    upsampling_ratios=list(codec.upsampling_ratios),
                                    decoder_hidden_size=codec.decoder_hidden_size),
         semantic_model_config=dict(codec.semantic))
-
-
-SPECIAL_TOKENS = ("<|denoise|>", "<|lang_start|>", "<|lang_end|>", "<|instruct_start|>", "<|instruct_end|>",
-                  "<|text_start|>", "<|text_end|>")
-
-
-def char_tokenizer(extra: str = "你好世界。，한국어こんにちはการ"):
-    """A ``tokenizers.Tokenizer`` of one id per character (ASCII and ``extra``; others are
-    ``<unk>``) with OmniVoice's control tokens, under 1100 ids (the tiny LLM's vocabulary)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    chars = [chr(i) for i in range(32, 127)] + sorted(set(extra))
-    vocab = {"<unk>": 0, **{ch: i + 1 for i, ch in enumerate(chars)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    return tokenizer

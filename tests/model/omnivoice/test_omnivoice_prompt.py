@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnivoice_reference import char_tokenizer, reference
+from omnivoice_reference import reference
 
 from mstar.model.omnivoice.prompt import (
     combine_text,
@@ -15,6 +15,7 @@ from mstar.model.omnivoice.prompt import (
     resolve_language,
     target_frames,
 )
+from tests.support.omnivoice import char_tokenizer
 
 SAMPLES = ["Hello there, how are you?", "你好，世界。", "안녕하세요 여러분", "こんにちは、世界",
            "नमस्ते दुनिया", "مَرْحَبًا بِالْعَالَم", "Chào thế giới", "สวัสดีครับ", "Привет, мир! 123",
