@@ -6,7 +6,8 @@ Layout (as ``OmniVoice.from_pretrained`` of omnivoice 0.2.1 reads it): ``config.
 (``tokenizer.json``: Qwen's BPE with OmniVoice's control tokens), safetensors with
 ``llm.*``, ``audio_embeddings.weight``, ``audio_heads.weight`` (and the
 ``codebook_layer_offsets`` buffer, which is derived, not read), and ``audio_tokenizer/``:
-transformers' Higgs Audio v2 tokenizer (``config.json``, safetensors). Of the tokenizer, what
+transformers' Higgs Audio v2 tokenizer (``config.json``, safetensors; without that folder, the
+hub repo ``eustlb/higgs-audio-v2-tokenizer``, as the reference does). Of the tokenizer, what
 only its training uses is skipped by name (``decoder_semantic``, ``fc1`` and the codebooks'
 ``inited``, ``cluster_size``, ``embed_avg``). Anything else, or a parameter nothing fills, fails
 the load naming it. Weight-normed convolutions (``weight_g``/``weight_v`` or
@@ -28,6 +29,7 @@ from mstar.model.omnivoice.modeling import Codec, OmniVoiceModel
 
 HUB_ID = "k2-fsa/OmniVoice"
 CODEC_DIR = "audio_tokenizer"
+CODEC_HUB_ID = "eustlb/higgs-audio-v2-tokenizer"  # where the reference looks when CODEC_DIR is absent
 _CODEC_UNUSED = re.compile(
     r"^(decoder_semantic|fc1)\.|^quantizer\.quantizers\.\d+\.codebook\.(inited|cluster_size|embed_avg)$"
 )
@@ -94,6 +96,7 @@ def unit_gain_weights(module: torch.nn.Module, seed: int) -> None:
 @dataclass
 class OmniVoiceCheckpoint:
     directory: Path
+    codec_directory: Path
 
     @classmethod
     def locate(cls, model_path: str = HUB_ID, cache_dir: str | None = None) -> OmniVoiceCheckpoint:
@@ -102,13 +105,16 @@ class OmniVoiceCheckpoint:
         path = resolve_model_path(model_path, cache_dir=cache_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"model_path {path}: no config.json (an OmniVoice checkpoint)")
-        if not (path / CODEC_DIR / "config.json").is_file():
-            raise ValueError(f"model_path {path}: no {CODEC_DIR}/config.json (the audio codec)")
-        return cls(path)
+        codec = path / CODEC_DIR
+        if not (codec / "config.json").is_file():  # as the reference: the codec's own hub repo
+            codec = resolve_model_path(CODEC_HUB_ID, cache_dir=cache_dir)
+            if not (codec / "config.json").is_file():
+                raise ValueError(f"model_path {path}: no {CODEC_DIR}/config.json, and {CODEC_HUB_ID} has none")
+        return cls(path, codec)
 
     def config(self) -> OmniVoiceConfig:
         top = json.loads((self.directory / "config.json").read_text())
-        codec = json.loads((self.directory / CODEC_DIR / "config.json").read_text())
+        codec = json.loads((self.codec_directory / "config.json").read_text())
         return OmniVoiceConfig.from_hf_dict(top, codec)
 
     def tokenizer(self):
@@ -127,7 +133,7 @@ class OmniVoiceCheckpoint:
     def codec_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from mstar.model.weights import iter_safetensors
 
-        return fold_weight_norm(iter_safetensors(self.directory / CODEC_DIR))
+        return fold_weight_norm(iter_safetensors(self.codec_directory))
 
     def load_codec(self, device: torch.device | str, *, dummy: bool, seed: int) -> Codec:
         """The codec, float32 (its Snake activations and long transposed-conv stacks are where

@@ -106,3 +106,28 @@ def test_dummy_weights_need_no_tensors(release):
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
     assert a.codec.quantizer.quantizers[0].codebook.embed.std() > 0.5
+
+
+def test_a_release_without_its_codec_folder_takes_the_codec_repo(release, tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+
+    import mstar.model.weights as weights
+    from mstar.model.omnivoice.checkpoint import CODEC_HUB_ID
+
+    directory, _, _ = release
+    bare = tmp_path / "bare"
+    shutil.copytree(directory, bare, ignore=shutil.ignore_patterns("audio_tokenizer"))
+    asked = []
+
+    def resolve(path, cache_dir=None, allow_patterns=None):
+        asked.append(str(path))
+        return directory / "audio_tokenizer" if str(path) == CODEC_HUB_ID else Path(path)
+
+    monkeypatch.setattr(weights, "resolve_model_path", resolve)
+    checkpoint = OmniVoiceCheckpoint.locate(str(bare))
+    assert asked == [str(bare), CODEC_HUB_ID]
+    model = checkpoint.load_model("cpu", torch.float32, dummy=False, seed=0)
+    expected = OmniVoiceCheckpoint.locate(str(directory)).load_model("cpu", torch.float32, dummy=False, seed=0)
+    for (name, a), (_, b) in zip(model.state_dict().items(), expected.state_dict().items()):
+        assert torch.equal(a, b), name
