@@ -119,3 +119,20 @@ def test_bad_requests_name_their_field(oai: openai.OpenAI, extra: dict, field: s
     with pytest.raises(openai.BadRequestError) as err:
         speak(oai, text, **extra)
     assert field in str(err.value)
+
+
+def test_generate_takes_the_same_options(oai: openai.OpenAI, http) -> None:
+    import json
+
+    options = {"seed": 4, "ref_audio": data_uri(clip_wav()), "ref_text": "A short clip", "language": "en"}
+    form = {"text": "Hello again.", "output_modalities": "audio", "model_kwargs": json.dumps(options)}
+    response = http.post("/generate", data=form)
+    assert response.status_code == 200, response.text
+    audio = np.frombuffer(base64.b64decode(response.json()["data"]["audio"]), "<f4")
+    spoken = np.frombuffer(speak(oai, "Hello again.", **options), "<i2")
+    assert audio.size == spoken.size > 0
+    # the same audio, as float32 and as int16 (dummy weights are loud: int16 clips at full scale)
+    assert np.abs(np.clip(audio, -1, 1) * 32767 - spoken).max() <= 1.0
+    fewer = {**options, "num_step": 2}
+    form["model_kwargs"] = json.dumps(fewer)
+    assert http.post("/generate", data=form).json()["data"]["audio"] != response.json()["data"]["audio"]
