@@ -48,6 +48,12 @@ def stand_in_audio_io() -> None:
     Higgs Audio v2 tokenizer module imports it but decodes without it)."""
     for name, attrs in _STUBS.items():
         _stand_in(name, attrs)
+    # transformers caches whether torchaudio is installed; a test collected earlier may have
+    # asked before the stand-in existed.
+    from transformers.utils import import_utils
+
+    for probe in ("is_torchaudio_available", "is_speech_available"):
+        getattr(getattr(import_utils, probe, None), "cache_clear", lambda: None)()
 
 
 def reference():

@@ -20,7 +20,9 @@ from mstar.model.weights import WeightLoadError
 def release(tmp_path_factory):
     ref_module = reference()
     stand_in_audio_io()
-    from transformers import HiggsAudioV2TokenizerModel
+    from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
+        HiggsAudioV2TokenizerModel,
+    )
 
     config = tiny_config()
     directory = tmp_path_factory.mktemp("omnivoice")

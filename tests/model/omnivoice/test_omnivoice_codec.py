@@ -27,8 +27,10 @@ def ours_resample(wave: torch.Tensor, orig_freq: int, new_freq: int) -> torch.Te
 @pytest.fixture(scope="module")
 def pair():
     stand_in_audio_io()
-    from transformers import HiggsAudioV2TokenizerModel
     from transformers.models.higgs_audio_v2_tokenizer import modeling_higgs_audio_v2_tokenizer as hm
+    from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
+        HiggsAudioV2TokenizerModel,
+    )
 
     codec = tiny_config().codec
     torch.manual_seed(0)
