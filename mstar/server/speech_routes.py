@@ -108,8 +108,8 @@ class SpeechRequest(BaseModel):
     phoneme_ids: Any = None
     noise_scale: Any = None
     noise_w: Any = None
+    language: Any = None  # the language to speak (Qwen3-TTS, OmniVoice: a name or an id), checked by the model
     # Qwen3-TTS's options, checked by its strict options likewise
-    language: Any = None
     non_streaming_mode: Any = None
     x_vector_only_mode: Any = None
 
