@@ -1,4 +1,4 @@
-"""Record Omnilingual ASR's own outputs for ``test_reference.py`` (run once, in its own venv).
+"""Record Omnilingual ASR's own outputs for ``test_omniasr_reference.py`` (run once, in its own venv).
 
 ``omnilingual-asr==0.2.0`` pins fairseq2 0.5-0.6 (torch 2.8) and Python <= 3.12.0, so it
 cannot sit beside our torch; this script runs in a separate environment (pyarrow 17: the

@@ -11,7 +11,7 @@ from mstar.model.omniasr.engine import ctc_fn
 from mstar.model.omniasr.model import CtcTextStream
 from mstar.model.omniasr.modeling import OmniAsrCtc, normalize_utterance
 from mstar.model.omniasr.vocabulary import CtcVocabulary
-from tests.model.omniasr.test_checkpoint import random_model
+from tests.model.omniasr.test_omniasr_checkpoint import random_model
 
 
 def items(clips):
