@@ -92,7 +92,9 @@ def test_frames_decode_independently_of_the_batch(pair):
     together = ours(codes)
     for i in range(3):
         alone = ours(codes[i:i + 1])[0]
-        assert (alone - together[i]).abs().max() <= 1e-5 * together[i].abs().max()
+        # audio's tolerance (1e-4 of peak): a batch of 3 and of 1 take differently blocked
+        # float32 products, 1e-5 of peak apart in a whole-suite run on 2 cores
+        assert (alone - together[i]).abs().max() <= 1e-4 * together[i].abs().max()
 
 
 def test_too_many_codebooks_are_refused(pair):
