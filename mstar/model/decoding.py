@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import torch
 
-from mstar.config import DeploymentConfig
+from mstar.config import ConfigError, DeploymentConfig
 from mstar.contract import RequestError, SamplingParams
 from mstar.engine.sampler import validate_sampling
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
@@ -58,6 +58,19 @@ def checked_sampling(params: SamplingParams, *, field: str | None = None) -> Sam
 def kv_pages(tokens: int, config: DeploymentConfig) -> int:
     """KV pages that hold ``tokens`` positions."""
     return -(-tokens // config.resources.kv_cache.page_size)
+
+
+def pool_for_every_request(config: DeploymentConfig, tokens: int, what: str) -> dict[str, int]:
+    """The KV pool as a capacity, refused at startup (naming ``what`` the ``tokens`` are) unless
+    every admitted request can hold ``tokens`` positions at once."""
+    kv = config.resources.kv_cache
+    each = kv_pages(tokens, config)
+    need = each * config.max_concurrent_requests
+    if kv.max_num_pages < need:
+        raise ConfigError(f"resources.kv_cache.max_num_pages ({kv.max_num_pages}) cannot hold "
+                          f"max_concurrent_requests ({config.max_concurrent_requests}) requests of up to "
+                          f"{each} pages each ({what}): set it to at least {need} or lower max_concurrent_requests")
+    return {"kv_pages": kv.max_num_pages}
 
 
 def decode_request(walk: str, inputs: dict[str, torch.Tensor], prompt_tokens: int, max_tokens: int,

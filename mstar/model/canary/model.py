@@ -21,7 +21,7 @@ from mstar.model.canary.checkpoint import CanaryCheckpoint
 from mstar.model.canary.engine import canary_engines
 from mstar.model.canary.knobs import CanaryKnobs, CanaryRequestKnobs
 from mstar.model.canary.prompt import LANGUAGES, CanaryPrompt
-from mstar.model.decoding import decode_request, transcribe_graph
+from mstar.model.decoding import decode_request, pool_for_every_request, transcribe_graph
 from mstar.model.fastconformer.features import log_mel
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
@@ -67,18 +67,8 @@ class Canary(ModelSpec):
     def default_capacity(self) -> dict[str, int]:
         """The KV pool, refused at startup unless every admitted request can hold its longest
         window's pages (the prompt and ``max_new_tokens``) at once."""
-        from mstar.config import ConfigError
-        from mstar.model.decoding import kv_pages
-
-        kv = self.config.resources.kv_cache
-        each = kv_pages(PROMPT_TOKENS + self.knobs.max_new_tokens, self.config)
-        need = each * self.config.max_concurrent_requests
-        if kv.max_num_pages < need:
-            raise ConfigError(f"resources.kv_cache.max_num_pages ({kv.max_num_pages}) cannot hold "
-                              f"max_concurrent_requests ({self.config.max_concurrent_requests}) requests of up to "
-                              f"{each} pages each (the prompt and model_kwargs.max_new_tokens): set it to at least "
-                              f"{need} or lower max_concurrent_requests")
-        return {"kv_pages": kv.max_num_pages}
+        return pool_for_every_request(self.config, PROMPT_TOKENS + self.knobs.max_new_tokens,
+                                      "the prompt and model_kwargs.max_new_tokens")
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> TokenTextStream:
         return TokenTextStream(self.tokenizer)

@@ -23,7 +23,7 @@ from mstar.graph import Graph
 from mstar.model.canary_qwen.checkpoint import CanaryQwenCheckpoint
 from mstar.model.canary_qwen.engine import canary_qwen_engines
 from mstar.model.canary_qwen.knobs import TRAINED_INSTRUCTION, CanaryQwenKnobs, CanaryQwenRequestKnobs
-from mstar.model.decoding import decode_request, kv_pages, transcribe_graph
+from mstar.model.decoding import decode_request, pool_for_every_request, transcribe_graph
 from mstar.model.fastconformer.features import log_mel
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
@@ -88,15 +88,7 @@ class CanaryQwen(ModelSpec):
     def default_capacity(self) -> dict[str, int]:
         """The KV pool, refused at startup unless every admitted request can hold ``max_seq_len``
         positions (its prompt, audio included, and its tokens) at once."""
-        kv = self.config.resources.kv_cache
-        each = kv_pages(self.config.max_seq_len, self.config)
-        need = each * self.config.max_concurrent_requests
-        if kv.max_num_pages < need:
-            raise ConfigError(f"resources.kv_cache.max_num_pages ({kv.max_num_pages}) cannot hold "
-                              f"max_concurrent_requests ({self.config.max_concurrent_requests}) requests of up to "
-                              f"{each} pages each (max_seq_len {self.config.max_seq_len}): set it to at least "
-                              f"{need} or lower max_concurrent_requests")
-        return {"kv_pages": kv.max_num_pages}
+        return pool_for_every_request(self.config, self.config.max_seq_len, f"max_seq_len {self.config.max_seq_len}")
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> TokenTextStream:
         return TokenTextStream(self.tokenizer)

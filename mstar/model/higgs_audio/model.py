@@ -23,7 +23,7 @@ import torch
 from mstar.config import ConfigError
 from mstar.contract import GenerateSpec, RequestError, Transcription, TranscriptionSpec
 from mstar.graph import Graph
-from mstar.model.decoding import decode_request, kv_pages, transcribe_graph
+from mstar.model.decoding import decode_request, pool_for_every_request, transcribe_graph
 from mstar.model.higgs_audio.checkpoint import HiggsAudioCheckpoint
 from mstar.model.higgs_audio.engine import higgs_audio_engines
 from mstar.model.higgs_audio.knobs import DEFAULT_INSTRUCTION, HiggsAudioKnobs, HiggsAudioRequestKnobs
@@ -97,15 +97,7 @@ class HiggsAudio(ModelSpec):
     def default_capacity(self) -> dict[str, int]:
         """The KV pool, refused at startup unless every admitted request can hold ``max_seq_len``
         positions (its prompt, audio included, and its tokens) at once."""
-        kv = self.config.resources.kv_cache
-        each = kv_pages(self.config.max_seq_len, self.config)
-        need = each * self.config.max_concurrent_requests
-        if kv.max_num_pages < need:
-            raise ConfigError(f"resources.kv_cache.max_num_pages ({kv.max_num_pages}) cannot hold "
-                              f"max_concurrent_requests ({self.config.max_concurrent_requests}) requests of up to "
-                              f"{each} pages each (max_seq_len {self.config.max_seq_len}): set it to at least "
-                              f"{need} or lower max_concurrent_requests")
-        return {"kv_pages": kv.max_num_pages}
+        return pool_for_every_request(self.config, self.config.max_seq_len, f"max_seq_len {self.config.max_seq_len}")
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> TokenTextStream:
         return TokenTextStream(self.tokenizer)
