@@ -22,6 +22,9 @@ $(BIN)/mstar: pyproject.toml
 	# A parity reference whose declared dependencies are a training stack: the tests import
 	# only its HiFT vocoder modules (they need torch and scipy), so --no-deps.
 	$(BIN)/pip install -q --no-deps cosyvoice-minicpmo==0.1.0
+	# OmniVoice's reference pins torch 2.8 and wants torchaudio: only its model file is imported
+	# (tests/model/omnivoice/omnivoice_reference.py), from a private folder, without its deps.
+	$(BIN)/pip install -q --no-deps --upgrade --target scratch/omnivoice-0.2.1 omnivoice==0.2.1
 	# The playground's browser test drives Debian's Chromium through Playwright (whose own
 	# browser download is never used): installed here where apt-get can, as root or with sudo.
 	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
