@@ -5,7 +5,7 @@
     python3 benchmarks/profile_gpu.py s2 --batch 1 [--runtime-compile]
     python3 benchmarks/profile_gpu.py s3 --batch 32 --attention-backend triton --cuda-graphs --overlap
     python3 benchmarks/profile_gpu.py s7 --batch 32 [--fused-kernels]
-    python3 benchmarks/profile_gpu.py s10 --batch 1 [--compile]
+    python3 benchmarks/profile_gpu.py s10 --batch 1 [--compile] [--cuda-graphs]
 
 The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``, S10's
 Pi0.5 ``Ours``; S3's deployment in process, its speech requests through the backend rather than HTTP) starts the
@@ -110,7 +110,8 @@ def _s10(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callabl
 
     argv = ["--batches", str(args.batch), "--skip-baseline", *args.scenario_args]
     settings = s10.settings_from(s10.parse_args(argv + (["--smoke"] if args.smoke else [])))
-    runner = s10.Ours(settings, s10.write_policy_dir(settings, Path(tmp) / "policy"), args.compile)
+    variant = {**({"compile": True} if args.compile else {}), **({"cuda_graphs": True} if args.cuda_graphs else {})}
+    runner = s10.Ours(settings, s10.write_policy_dir(settings, Path(tmp) / "policy"), variant)
     return (lambda: runner.run(args.batch)), runner.close
 
 
@@ -209,6 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="streams, images or clips submitted at once")
     p.add_argument("--fused-kernels", action="store_true", help="s7: the vocoder's fused AdaIN kernels")
     p.add_argument("--compile", action="store_true", help="s10: the action expert's blocks compiled")
+    p.add_argument("--cuda-graphs", action="store_true", help="s10: each denoise step from a CUDA graph")
     p.add_argument("--top", type=int, default=20, help="rows per table")
     p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
     p.add_argument("--out", default=None, help="directory for the full tables (and the trace)")

@@ -8,7 +8,9 @@ dummy (seeded random) weights. Each observation is one ``/generate`` request for
 * **ours**: a ``pi05`` deployment in this process (``load_format: dummy``), its requests
   prepared by the model's front end (PNG decode, resize, prompt, noise) and submitted to the
   runtime N at once (N = 1 and 16). ``--compile`` adds a variant with ``model_kwargs.compile``
-  (the expert's norms and MLPs compiled; ``mstar.model.pi05.fast``).
+  (the expert's norms and MLPs compiled; ``mstar.model.pi05.fast``), ``--cuda-graphs`` one with
+  ``model_kwargs.cuda_graphs`` (each denoise step replayed from a CUDA graph), and both
+  together a fourth.
 * **baseline**: transformers' ``PI05ForConditionalGeneration.sample_actions`` in the same
   process, with ours' weights copied in (the same seeded dummy weights, built once more and
   renamed), on a batch of N already-preprocessed observations: pixels on the device, ids of
@@ -106,6 +108,7 @@ class Settings:
     batches: tuple[int, ...]
     runs: int
     compile: bool
+    cuda_graphs: bool
     baseline_compile: bool
     skip_ours: bool
     skip_baseline: bool
@@ -118,8 +121,8 @@ class Settings:
     def describe(self) -> dict[str, Any]:
         return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
                 "config": self.lerobot, "cameras": self.cameras, "batches": list(self.batches), "runs": self.runs,
-                "compile": self.compile, "baseline_compile": self.baseline_compile, "task": TASK,
-                "seed": self.seed, "page_size": PAGE_SIZE, "load_format": "dummy"}
+                "compile": self.compile, "cuda_graphs": self.cuda_graphs, "baseline_compile": self.baseline_compile,
+                "task": TASK, "seed": self.seed, "page_size": PAGE_SIZE, "load_format": "dummy"}
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -136,7 +139,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.steps is not None:
         lerobot = {**lerobot, "num_inference_steps": args.steps}
     return Settings(smoke=args.smoke, device=device, dtype=dtype, lerobot=dict(lerobot), cameras=args.cameras,
-                    batches=batches, runs=runs, compile=args.compile, baseline_compile=args.baseline_compile,
+                    batches=batches, runs=runs, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                    baseline_compile=args.baseline_compile,
                     skip_ours=args.skip_ours, skip_baseline=args.skip_baseline, seed=args.seed)
 
 
@@ -291,7 +295,7 @@ class Pi05Roofline:
 class Ours:
     """A ``pi05`` deployment in this process; ``run(n)`` submits n observations at once."""
 
-    def __init__(self, settings: Settings, policy_dir: Path, compile: bool):
+    def __init__(self, settings: Settings, policy_dir: Path, variant: dict[str, Any]):
         import mstar.model.pi05.model  # noqa: F401  (registers the family)
         from mstar.config import parse_config
         from mstar.runtime.launch import start
@@ -301,9 +305,7 @@ class Ours:
 
         prefix = settings.cameras * Pi05Config.from_lerobot(lerobot_config(settings)).tokens_per_image + 256
         pages = max(settings.batches) * -(-(prefix + settings.lerobot["chunk_size"]) // PAGE_SIZE) + 64
-        kwargs: dict[str, Any] = {"seed": settings.seed}
-        if compile:
-            kwargs.update({"compile": True, "compile_backend": "inductor"})
+        kwargs: dict[str, Any] = {"seed": settings.seed, **variant}
         self.config = parse_config({
             "model": "pi05", "model_path": str(policy_dir), "load_format": "dummy", "device": settings.device,
             "dtype": str(settings.dtype).removeprefix("torch."), "max_concurrent_requests": max(settings.batches),
@@ -349,9 +351,9 @@ class Ours:
         del self.deployment
 
 
-def run_ours(settings: Settings, policy_dir: Path, compile: bool) -> dict[str, Any]:
+def run_ours(settings: Settings, policy_dir: Path, name: str, variant: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    ours = Ours(settings, policy_dir, compile)
+    ours = Ours(settings, policy_dir, variant)
     out: dict[str, Any] = {"startup_s": ours.startup_s, "prompt_len": ours.prompt_len(), "warmup_s": {}}
     try:
         for n in settings.batches:  # the first batch of a size builds (and with compile, traces) its kernels
@@ -365,8 +367,7 @@ def run_ours(settings: Settings, policy_dir: Path, compile: bool) -> dict[str, A
             out[n] = {"wall_s": [r["wall_s"] for r in runs], "wall_ms_median": wall * 1e3,
                       "latency_ms_median": 1e3 * statistics.median(t for r in runs for t in r["latency_s"]),
                       "chunks_per_s": n / wall}
-            log.info("ours%s at %d: %.1f ms per batch, %.2f chunks/s", " (compile)" if compile else "", n,
-                     wall * 1e3, n / wall)
+            log.info("ours (%s) at %d: %.1f ms per batch, %.2f chunks/s", name, n, wall * 1e3, n / wall)
     finally:
         ours.close()
         free_device(settings.device)
@@ -569,6 +570,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="timed batches per size, median (default 5)")
     p.add_argument("--compile", action="store_true",
                    help="also run ours with model_kwargs.compile (the expert's norms and MLPs compiled)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also run ours with model_kwargs.cuda_graphs (each denoise step from a CUDA graph)")
     p.add_argument("--baseline-compile", action="store_true", help="transformers' model with model.compile()")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
@@ -595,10 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="s10-") as tmp:
         policy_dir = write_policy_dir(settings, Path(tmp) / "policy")
         tokenizer_ids = _prompt_ids(policy_dir, settings)
-        variants = [("eager", False)] + ([("compile", True)] if settings.compile else [])
-        for variant, compile in variants if not settings.skip_ours else []:
+        for variant, kwargs in variants(settings) if not settings.skip_ours else []:
             try:
-                ours[variant] = run_ours(settings, policy_dir, compile)
+                ours[variant] = run_ours(settings, policy_dir, variant, kwargs)
             except Exception as err:
                 log.exception("ours (%s) failed", variant)
                 errors[f"ours {variant}"] = f"{type(err).__name__}: {err}"
@@ -630,6 +632,19 @@ def main(argv: list[str] | None = None) -> int:
     write_record(NAME, record, args.out)
     log.info("S10 done in %.1f s%s", record["total_s"], f"; errors: {sorted(errors)}" if errors else "")
     return 1 if errors else 0
+
+
+def variants(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
+    """Ours' deployments to run: eager, then each fast path asked for (``model_kwargs``)."""
+    compiled = {"compile": True, "compile_backend": "inductor"}
+    out: list[tuple[str, dict[str, Any]]] = [("eager", {})]
+    if settings.compile:
+        out.append(("compile", compiled))
+    if settings.cuda_graphs:
+        out.append(("graphs", {"cuda_graphs": True}))
+    if settings.compile and settings.cuda_graphs:
+        out.append(("graphs+compile", {"cuda_graphs": True, **compiled}))
+    return out
 
 
 def _prompt_ids(policy_dir: Path, settings: Settings) -> torch.Tensor:

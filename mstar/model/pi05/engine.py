@@ -7,7 +7,12 @@ Ops (ports in brackets):
   forward, and run all their prefixes through the language model in one forward. ``prefix``
   is the prefix length, a marker the denoise steps read.
 - ``step`` [actions, prefix -> actions]: one Euler step of the flow from time 1 to 0, for every
-  request in the batch in one expert forward (each at its own iteration and step count).
+  request in the batch in one expert forward (each at its own iteration and step count). Its
+  attention takes the step as ``ChunkKeys``: every request's keys gathered to one padded length
+  and attended to at once. With ``cuda_graphs`` the whole step (time embedding, expert, Euler
+  update) replays from a CUDA graph per (batch bucket, key-length bucket): a step of a small
+  expert is hundreds of launches whose host time exceeds their GPU time. Padded rows write to a
+  scratch page no request owns.
 - ``finish`` [actions -> action]: the chunk cut to the embodiment's action width and
   unnormalised with its statistics, float32 on the host; the pages are freed.
 """
@@ -20,25 +25,32 @@ from collections.abc import Callable
 import torch
 
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, ShapeGraphs
 from mstar.engine.page_pool import PagePool
 from mstar.layers.paged_kv import allocate_kv_cache
 from mstar.model.pi05.checkpoint import Embodiment
+from mstar.model.pi05.gemma import ChunkKeys
 from mstar.model.pi05.modeling import Pi05Policy, step_metadata
 
 PREFILL, STEP, FINISH = "prefill", "step", "finish"
+KEY_BUCKET = 64  # a graphed step's key length is rounded up to a multiple of this
 
 
 class Pi05Engine(Engine):
     def __init__(self, model: Pi05Policy, embodiments: Callable[[str], Embodiment], device: torch.device,
-                 dtype: torch.dtype, num_pages: int, page_size: int):
+                 dtype: torch.dtype, num_pages: int, page_size: int, cuda_graphs: bool = False,
+                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, max_graphs: int = 32):
         self.model = model
         self.embodiments = embodiments
         self.device = device
         self.dtype = dtype
         self.pool = PagePool(num_pages, page_size)
+        self.scratch = num_pages  # the page padded rows of a graphed step write to (cuda_graphs)
         dims = model.config.text
-        self.caches = allocate_kv_cache(dims.num_layers, num_pages, page_size, dims.num_kv_heads, dims.head_dim,
-                                        dtype, device)
+        self.caches = allocate_kv_cache(dims.num_layers, num_pages + int(cuda_graphs), page_size, dims.num_kv_heads,
+                                        dims.head_dim, dtype, device)
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.graphs = ShapeGraphs(self._denoise, device, max_graphs) if cuda_graphs else None
         self.prefix_lens: dict[str, int] = {}
         self.forward_rows: list[int] = []  # requests of each recent denoise forward (batch log)
 
@@ -76,17 +88,61 @@ class Pi05Engine(Engine):
         return [{"prefix": torch.tensor([n])} for n in lengths]
 
     def _step(self, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
-        chunk = self.model.config.chunk_size
-        ids = [item.request_id for item in items]
-        starts = [self.prefix_lens[r] for r in ids]
-        meta = step_metadata(self.pool.tables(ids), starts, [chunk] * len(items), self.pool.page_size, self.device)
-        steps = torch.tensor([float(item.params["num_steps"]) for item in items], device=self.device)
+        count = len(items)
+        rows = next((b for b in self.batch_sizes if b >= count), None) if self.graphs is not None else None
+        steps = torch.tensor([float(item.params["num_steps"]) for item in items])
         dt = -1.0 / steps
-        time = 1.0 + torch.tensor([float(item.iteration) for item in items], device=self.device) * dt
+        time = 1.0 + torch.tensor([float(item.iteration) for item in items]) * dt
         x = torch.stack([item.inputs["actions"].to(self.device, torch.float32) for item in items])
-        self.forward_rows = [*self.forward_rows[-1023:], len(items)]
-        x = x + dt[:, None, None] * self.model.velocity(x, time, self.caches, meta)
-        return [{"actions": row} for row in x]
+        keys = self.chunk_keys([item.request_id for item in items], rows or count, rows is not None)
+        self.forward_rows = [*self.forward_rows[-1023:], count]
+        if rows is None:
+            inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys))
+            return [{"actions": row} for row in self._denoise(*inputs)]
+        pad = rows - count
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        time, dt = torch.cat([time, torch.ones(pad)]), torch.cat([dt, torch.zeros(pad)])
+        inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys))
+        out = self.graphs((rows, keys.key_slots.shape[1]), *inputs)
+        return [{"actions": row} for row in out[:count]]
+
+    def chunk_keys(self, request_ids: list[str], rows: int, bucket: bool) -> ChunkKeys:
+        """The step of ``request_ids`` (each writing its chunk after its prefix) as host
+        ``ChunkKeys`` over ``rows >= len(request_ids)`` rows: the rows past the requests write
+        to and read the scratch page. ``bucket``: the key length rounded up to ``KEY_BUCKET``."""
+        chunk, page_size = self.model.config.chunk_size, self.pool.page_size
+        starts = torch.tensor([self.prefix_lens[r] for r in request_ids])
+        tables = self.pool.tables(request_ids)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [t[0]] * (width - len(t)) for t in tables])
+        length = int(starts.max()) + chunk
+        if bucket:
+            length = -(-length // KEY_BUCKET) * KEY_BUCKET
+        pos = torch.arange(length)
+        slots = table[:, (pos // page_size).clamp(max=width - 1)] * page_size + pos % page_size
+        visible = pos[None, :] < (starts + chunk)[:, None]
+        key_slots = torch.where(visible, slots, slots[:, :1])
+        positions = starts[:, None] + torch.arange(chunk)
+        write_slots = slots.gather(1, positions)
+        pad = rows - len(request_ids)
+        if pad:
+            scratch = self.scratch * page_size
+            positions = torch.cat([positions, torch.arange(chunk).expand(pad, chunk)])
+            write_slots = torch.cat([write_slots, scratch + torch.arange(chunk).expand(pad, chunk) % page_size])
+            key_slots = torch.cat([key_slots, torch.full((pad, length), scratch)])
+            visible = torch.cat([visible, pos[None, :].expand(pad, length) == 0])
+        return ChunkKeys(positions.reshape(-1), write_slots.reshape(-1), key_slots, visible)
+
+    def _on_device(self, keys: ChunkKeys) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(self.device, non_blocking=True) for t in
+                     (keys.positions, keys.write_slots, keys.key_slots, keys.visible))
+
+    def _denoise(self, x: torch.Tensor, time: torch.Tensor, dt: torch.Tensor, positions: torch.Tensor,
+                 write_slots: torch.Tensor, key_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One Euler step of every row: ``x [B, chunk, max_action_dim]`` at ``time [B]`` plus
+        ``dt [B]`` times its velocity (what a graph records; tensors only)."""
+        keys = ChunkKeys(positions, write_slots, key_slots, visible)
+        return x + dt[:, None, None] * self.model.velocity(x, time, self.caches, keys)
 
     def _finish(self, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         out = []

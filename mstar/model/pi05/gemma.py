@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention import paged_attention
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata, write_kv_cache
 from mstar.layers.rotary import RotaryEmbedding
 from mstar.model.pi05.config import GemmaDims
 
@@ -36,6 +36,42 @@ def sees_whole_sequence(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
     last = [lengths[b] - 1 for b in range(len(lengths)) for _ in range(starts[b + 1] - starts[b])]
     positions = torch.tensor(last, dtype=torch.int64, device=meta.positions.device)
     return dataclasses.replace(meta, positions=positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKeys:
+    """A denoise step's attention as fixed-shape tensors (what a CUDA graph can replay): ``B``
+    sequences of ``n`` new tokens each (``positions [B * n]``, written to ``write_slots [B * n]``
+    of the flat cache), every token seeing all of its sequence's keys: ``key_slots [B, L]`` the
+    flat slots of positions ``0 .. L-1`` and ``visible [B, L]`` which of them exist (the rest
+    are padding to a common length, masked out, pointing at a real slot so that what they
+    read is finite)."""
+
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    key_slots: torch.Tensor
+    visible: torch.Tensor
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, keys: ChunkKeys,
+                    scale: float) -> torch.Tensor:
+    """``paged_attention``'s contract for ``ChunkKeys``: the new K/V written to the cache, then
+    one attention over every sequence's padded keys at once (``[B * n, Hq, D]`` out) instead of
+    one per sequence."""
+    write_kv_cache(k, v, kv_cache, keys.write_slots)
+    rows, length = keys.key_slots.shape
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    slots = keys.key_slots.reshape(-1)
+
+    def gather(which: int) -> torch.Tensor:  # [B, Hkv, L, D]
+        return flat[which].index_select(0, slots).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
+
+    query = q.view(rows, -1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, n, D]
+    out = F.scaled_dot_product_attention(query, gather(0).to(q.dtype), gather(1).to(q.dtype),
+                                         attn_mask=keys.visible[:, None, None, :], scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -82,13 +118,16 @@ class GemmaAttention(nn.Module):
         self.scale = dims.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: PagedAttentionMetadata) -> torch.Tensor:
+                meta: PagedAttentionMetadata | ChunkKeys) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if isinstance(meta, ChunkKeys):
+            out = chunk_attention(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -169,10 +208,12 @@ class ExpertModel(nn.Module):
         self.norm = AdaptiveRMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, cond: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: PagedAttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: PagedAttentionMetadata | ChunkKeys) -> torch.Tensor:
         """The chunks' final hidden states ``[T, hidden]``; ``cond [B, hidden]`` is each
-        sequence's time embedding (its tokens are ``T / B`` consecutive rows)."""
-        meta = sees_whole_sequence(meta)
+        sequence's time embedding (its tokens are ``T / B`` consecutive rows). ``meta``: the
+        paged metadata, or the same step as ``ChunkKeys``."""
+        if isinstance(meta, PagedAttentionMetadata):
+            meta = sees_whole_sequence(meta)
         x = embeds
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cond, positions, cache, meta)

@@ -127,7 +127,8 @@ class Pi05(ModelSpec):
 
             compile_expert(model, self.knobs.compile_backend)
         kv = self.config.resources.kv_cache
-        return {"policy": Pi05Engine(model, self.embodiment, device, dtype, kv.max_num_pages, kv.page_size)}
+        return {"policy": Pi05Engine(model, self.embodiment, device, dtype, kv.max_num_pages, kv.page_size,
+                                     cuda_graphs=self.knobs.cuda_graphs)}
 
 
 def prompt_text(task: str, state: torch.Tensor) -> str:

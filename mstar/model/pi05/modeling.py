@@ -20,7 +20,7 @@ from torch import nn
 
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.pi05.config import Pi05Config
-from mstar.model.pi05.gemma import GemmaExpert, GemmaLanguageModel
+from mstar.model.pi05.gemma import ChunkKeys, GemmaExpert, GemmaLanguageModel
 from mstar.model.pi05.vision import MultiModalProjector, SiglipVisionTower
 
 
@@ -119,9 +119,10 @@ class Pi05Policy(nn.Module):
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(sinusoid))))
 
     def velocity(self, noisy: torch.Tensor, time: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: PagedAttentionMetadata) -> torch.Tensor:
+                 meta: PagedAttentionMetadata | ChunkKeys) -> torch.Tensor:
         """One flow step's velocity ``[B, chunk, max_action_dim]`` for noisy actions ``[B, chunk,
-        max_action_dim]`` at times ``[B]``; ``meta`` writes each chunk after its prefix."""
+        max_action_dim]`` at times ``[B]``; ``meta`` writes each chunk after its prefix (the
+        paged metadata, or ``ChunkKeys``: the engine's fixed-shape form of the same step)."""
         batch, chunk, _ = noisy.shape
         embeds = self.action_in_proj(noisy.to(self.action_in_proj.weight.dtype)).reshape(batch * chunk, -1)
         cond = self.time_embedding(time)
