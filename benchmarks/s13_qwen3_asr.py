@@ -110,6 +110,8 @@ class Settings:
     runs: int
     attention_backend: str
     fused_kernels: bool
+    cuda_graphs: bool
+    overlap: bool
     skip_ours: bool
     skip_baseline: bool
     seed: int
@@ -119,6 +121,7 @@ class Settings:
                 "audio_config": self.audio, "text_config": self.text, "clip_s": self.clip_s,
                 "batches": list(self.batches), "new_tokens": self.new_tokens, "runs": self.runs,
                 "attention_backend": self.attention_backend, "fused_kernels": self.fused_kernels,
+                "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
                 "seed": self.seed, "page_size": PAGE_SIZE, "load_format": "dummy", "language": "detected"}
 
 
@@ -138,6 +141,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(smoke=args.smoke, device=device, dtype=dtype, audio=dict(audio), text=dict(text),
                     special=dict(special), clip_s=clip_s, batches=batches, new_tokens=new_tokens, runs=runs,
                     attention_backend=args.attention_backend, fused_kernels=args.fused_kernels,
+                    cuda_graphs=args.cuda_graphs, overlap=args.overlap,
                     skip_ours=args.skip_ours, skip_baseline=args.skip_baseline, seed=args.seed)
 
 
@@ -307,7 +311,8 @@ class Ours:
         kwargs: dict[str, Any] = {"seed": settings.seed, "max_new_tokens": settings.new_tokens,
                                   "max_audio_seconds": settings.clip_s,
                                   "attention_backend": settings.attention_backend,
-                                  "fused_kernels": settings.fused_kernels}
+                                  "fused_kernels": settings.fused_kernels, "cuda_graphs": settings.cuda_graphs,
+                                  "overlap_scheduling": settings.overlap}
         config = parse_config({
             "model": "qwen3_asr", "model_path": str(model_dir), "load_format": "dummy", "device": settings.device,
             "dtype": str(settings.dtype).removeprefix("torch."), "max_concurrent_requests": max(settings.batches),
@@ -562,6 +567,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=("torch", "triton"), default="torch",
                    help="ours' paged attention (model_kwargs.attention_backend)")
     p.add_argument("--fused-kernels", action="store_true", help="ours with model_kwargs.fused_kernels (CUDA)")
+    p.add_argument("--cuda-graphs", action="store_true", help="ours with model_kwargs.cuda_graphs (CUDA)")
+    p.add_argument("--overlap", action="store_true", help="ours with model_kwargs.overlap_scheduling")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     add_run_args(p)

@@ -7,7 +7,9 @@ clip's count), so positions, pages and the token budget count the real sequence.
 row's ``audio_features`` ``[n, hidden]`` replace, in order, the embeddings of its placeholder
 tokens. The K/V of those positions depend on the audio, not the token ids: no prefix caching,
 and no preemption (a recomputed prefill would need the audio again), so requests hold their
-peak pages from admission (``decode_request(upfront=True)``). Decode steps are plain steps.
+peak pages from admission (``decode_request(upfront=True)``). Decode steps are plain steps:
+they take no inputs besides the ids, so they replay from the engine's decode graphs
+(``cuda_graphs``) and may be launched ahead (``overlap_scheduling``).
 
 The model needs ``embed_input_ids(ids)`` and ``forward(ids, meta, kv_caches, inputs_embeds)``.
 """
@@ -38,14 +40,15 @@ class AudioPromptForward(Forward):
 
     def __init__(self, model: Any, placeholder_id: int) -> None:
         super().__init__(model)
-        self.graph_rows = None  # eager decode steps only
         self.placeholder_id = placeholder_id
 
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                 counts: list[int] | None) -> dict[str, Any]:
+        if counts is None:  # one token a row: decodes, or the step launched ahead after a prefill
+            return {}
         audio = [item.inputs.get("audio_features") if item.op == "prefill" else None for item in items]
         if all(a is None for a in audio):
-            return {"embeds": None}
+            return {}
         bounds = meta.query_start_loc.tolist()
         prefill = torch.zeros_like(input_ids, dtype=torch.bool)
         for row, clip in enumerate(audio):
@@ -60,7 +63,7 @@ class AudioPromptForward(Forward):
 
     def hidden(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
                inputs: dict[str, Any], counts: list[int] | None) -> torch.Tensor:
-        return self.model(input_ids, meta, kv_caches, inputs_embeds=inputs["embeds"])
+        return self.model(input_ids, meta, kv_caches, inputs_embeds=inputs.get("embeds"))
 
 
 __all__ = ["AudioPromptForward", "splice"]

@@ -56,12 +56,16 @@ def expected(ref, tokenizer, audio: np.ndarray, context: str, language: str | No
     return tokens[:ends[0] + 1] if ends else tokens
 
 
-def test_served_transcripts_equal_the_reference(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("fast", [{}, {"cuda_graphs": True, "overlap_scheduling": True}], ids=["eager", "fast"])
+def test_served_transcripts_equal_the_reference(tmp_path, monkeypatch, fast) -> None:
+    """``fast``: decode steps launched ahead and replayed through the graph path's buckets
+    (eagerly here: the knob's CUDA check is lifted for the CPU)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("mstar.model.knobs.require_cuda", lambda key, device: None)
     write_hub(tmp_path, "Qwen/Qwen3-ASR-1.7B", seed=SEED, spread=SPREAD)
     config = {"model": "qwen3_asr", "cache_dir": str(tmp_path), "max_concurrent_requests": 4, "max_seq_len": 256,
               "resources": {"kv_cache": {"max_num_pages": 256, "page_size": 4}},
-              "model_kwargs": {"max_new_tokens": MAX_NEW, "max_audio_seconds": 10.0}}
+              "model_kwargs": {"max_new_tokens": MAX_NEW, "max_audio_seconds": 10.0, **fast}}
     d = start(parse_config(config), in_process=True)
     try:
         audio = {"short": clip(1.3, 1), "long": clip(9.5, 2)}  # 9.5 s: two attention windows (8 s each)
@@ -81,6 +85,7 @@ def test_served_transcripts_equal_the_reference(tmp_path, monkeypatch) -> None:
             assert got[name].segments[0].tokens == want[name], name
         assert got["forced"].language == "de"
         decoder = d.runtime.workers.workers[0].engines["decoder"]
+        assert (decoder.graphs is not None) == fast.get("cuda_graphs", False)
         deadline = time.monotonic() + 10
         while decoder.pool.num_used_pages and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -6,13 +6,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from mstar.model.knobs import FusedKernels, RequestKnobs
+from mstar.model.knobs import CudaGraphs, FusedKernels, OverlapScheduling, RequestKnobs
 
 
-class Qwen3ASRKnobs(FusedKernels):
+class Qwen3ASRKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
     """Qwen3-ASR's ``model_kwargs``; eager torch and the paged reference attention are the
     default and the reference. ``fused_kernels`` (CUDA) runs the LLM's norms, SiLU * up and
-    RoPE as the Llama decoder's Triton kernels."""
+    RoPE as the Llama decoder's Triton kernels; ``cuda_graphs`` (CUDA) replays its decode steps
+    from graphs, with the Triton attention kernels whatever ``attention_backend`` says;
+    ``overlap_scheduling`` launches decode step k+1 before step k's bookkeeping."""
 
     attention_backend: Literal["torch", "triton"] = "torch"
     """The LLM's paged-attention kernels: ``torch`` (the reference) or ``triton``."""

@@ -162,7 +162,8 @@ class Qwen3ASR(ModelSpec):
         return qwen3_asr_engines(model, nodes, num_pages=kv.max_num_pages, page_size=kv.page_size,
                                  max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
                                  attention_backend=self.knobs.attention_backend,
-                                 fused_kernels=self.knobs.fused_kernels)
+                                 fused_kernels=self.knobs.fused_kernels, cuda_graphs=self.knobs.cuda_graphs,
+                                 overlap_scheduling=self.knobs.overlap_scheduling)
 
 
 @register
