@@ -1,8 +1,8 @@
 """OmniVoice served in process (CPU, fp32, a tiny release's configs and tokenizer with
 ``load_format: dummy`` weights) through the official ``openai`` client: cloning from a WAV data
 URI with its ``ref_text``, ``language`` by name or id, concurrent requests equal to their solo
-audio (seeded; they share canvas forwards), and 400s naming ``ref_text``, ``ref_audio``,
-``voice`` and ``input``."""
+audio (seeded; they share canvas forwards), 400s naming ``ref_text``, ``ref_audio``,
+``voice`` and ``input``, and a clip sent again not encoded again (/metrics)."""
 
 from __future__ import annotations
 
@@ -136,3 +136,25 @@ def test_generate_takes_the_same_options(oai: openai.OpenAI, http) -> None:
     fewer = {**options, "num_step": 2}
     form["model_kwargs"] = json.dumps(fewer)
     assert http.post("/generate", data=form).json()["data"]["audio"] != response.json()["data"]["audio"]
+
+
+def cache_gauges(http) -> dict[str, float]:
+    lines = http.get("/metrics").text.splitlines()
+    return {line.split()[0].removeprefix("mstar_conditioning_cache_"): float(line.split()[1])
+            for line in lines if line.startswith("mstar_conditioning_cache_")}
+
+
+def test_a_clip_sent_again_is_encoded_once(oai: openai.OpenAI, http) -> None:
+    """The conditioning cache (/metrics' ``mstar_conditioning_cache_*``): the first request
+    encodes the clip, the second (another transcript: the codes are the audio's) reuses it, and
+    the first's audio is what a warm request speaks with the same transcript."""
+    clip = {"ref_audio": data_uri(clip_wav(pitch=333.0)), "ref_text": "A clip", "seed": 5}
+    before = cache_gauges(http)
+    cold = speak(oai, "Once more.", **clip)
+    after_cold = cache_gauges(http)
+    assert after_cold["misses"] == before["misses"] + 1 and after_cold["hits"] == before["hits"]
+    assert after_cold["entries"] == before["entries"] + 1 and after_cold["bytes"] > before["bytes"]
+    retold = speak(oai, "Once more.", **{**clip, "ref_text": "Another transcript"})
+    assert speak(oai, "Once more.", **clip) == cold and retold != cold
+    after = cache_gauges(http)
+    assert after["hits"] == after_cold["hits"] + 2 and after["misses"] == after_cold["misses"]

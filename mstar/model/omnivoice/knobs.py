@@ -6,11 +6,12 @@ from pydantic import Field
 
 from mstar.model.knobs import Knobs, RequestKnobs
 from mstar.model.omnivoice.schedule import UnmaskKnobs
+from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 __all__ = ["OmniVoiceGenerateKnobs", "OmniVoiceKnobs", "OmniVoiceSpeechKnobs"]
 
 
-class OmniVoiceKnobs(Knobs):
+class OmniVoiceKnobs(ConditioningCacheKnobs, Knobs):
     num_step: int = Field(32, ge=1, le=256)
     """Unmasking steps (backbone forwards) per request, the reference's default 32."""
 

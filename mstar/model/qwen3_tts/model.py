@@ -32,7 +32,7 @@ from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, St
 from mstar.model.decoding import decode_request
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
-from mstar.model.qwen3_tts.knobs import Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
+from mstar.model.qwen3_tts.knobs import Qwen3TTSBaseKnobs, Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
 from mstar.model.qwen3_tts.prompt import assistant_text, instruct_text, language_id, languages
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
@@ -229,6 +229,9 @@ class Qwen3TTSVoiceDesign(Qwen3TTS):
 class Qwen3TTSBase(Qwen3TTS, VoiceCloning):
     key = "qwen3_tts_base"
     default_weights = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
+    Knobs = Qwen3TTSBaseKnobs
+    knobs: Qwen3TTSBaseKnobs
+    conditions_on_text = False  # the x-vector is the audio's alone
 
     def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> torch.Tensor:
         """The clip's x-vector ``[hidden]`` (the speaker encoder reads 24 kHz)."""
