@@ -40,6 +40,10 @@ class OmniVoiceKnobs(ConditioningCacheKnobs, Knobs):
     max_batch_size: int = Field(16, ge=1)
     """Requests in one canvas forward (each takes two rows: prompted and target-only)."""
 
+    voices_dir: str | None = None
+    """Preset voices: ``<name>.wav`` (or .flac, .ogg, .mp3) with its transcript in
+    ``<name>.txt`` (required), each a ``voice`` cloned as an uploaded clip is."""
+
     def unmask(self, num_step: int | None = None, guidance_scale: float | None = None) -> UnmaskKnobs:
         return UnmaskKnobs(num_step=num_step or self.num_step,
                            guidance_scale=self.guidance_scale if guidance_scale is None else guidance_scale,

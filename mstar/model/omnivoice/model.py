@@ -10,7 +10,8 @@ Preparing a request (API-server side): a clip is resampled to the codec's rate, 
 0.1 RMS if quieter, cut to whole frames and encoded to codes, once per content whatever its
 transcript (``VoiceCloning``); the transcript (``ref_text``, required) gets a closing full stop. The
 target length follows the character-weight rule (``prompt.target_frames``) over the clip's
-speaking rate, divided by ``speed``. Without a clip (voice ``auto``) the model picks a voice.
+speaking rate, divided by ``speed``. Without a clip (voice ``auto``) the model picks a voice;
+a preset of the deployment's ``voices_dir`` is a ``voice`` cloned as its clip would be.
 Not ported: the reference's silence trimming of clips and output (pydub), its chunked
 generation above 30 s (refused here beyond ``max_seconds``), voice design (``instruct``) and
 text normalisation.
@@ -33,7 +34,7 @@ from mstar.model.omnivoice.prompt import end_with_punctuation, prompt_row, resol
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream, check_speech_generate
-from mstar.model.voice_cloning import VoiceCloning
+from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
 __all__ = ["ClipCodes", "ClipPrompt", "OmniVoice"]
 
@@ -94,12 +95,23 @@ class OmniVoice(VoiceCloning, ModelSpec):
         self.tokenizer = ckpt.tokenizer()
         # The clip encoder runs here, in the prepare thread (float32 on the CPU).
         self.codec = ckpt.load_codec("cpu", dummy=self.dummy, seed=self.knobs.seed)
+        self.presets = VoicePresets(self.knobs.voices_dir) if self.knobs.voices_dir else None
 
     def voices(self) -> list[str]:
-        return [AUTO_VOICE]
+        presets = getattr(self, "presets", None)
+        return [AUTO_VOICE, *(presets.names if presets is not None else [])]
 
     def voice_list(self) -> list[Voice]:
-        return [Voice(AUTO_VOICE, None, "bundled")]
+        presets = getattr(self, "presets", None)
+        return [Voice(AUTO_VOICE, None, "bundled"), *(presets.voices() if presets is not None else [])]
+
+    def preset_clip(self, voice: str) -> VoiceClip:
+        """The clip of preset ``voice``; one without a transcript is refused naming ``voice``."""
+        clip = self.presets.clip(voice)
+        if not clip.text:
+            raise RequestError("voice", f"the preset {voice!r} has no transcript ({voice}.txt beside its clip); "
+                               "OmniVoice clones from a clip and its transcript")
+        return clip
 
     def clip_prompt(self, clip: VoiceClip) -> ClipPrompt:
         """A clip and its transcript as the canvas takes them (the codes memoised)."""
@@ -140,8 +152,11 @@ class OmniVoice(VoiceCloning, ModelSpec):
     def _speak(self, text: str, voice: str | None, reference: VoiceClip | None, speed: float,
                options: OmniVoiceSpeechKnobs) -> WalkRequest:
         if reference is None and voice not in (None, AUTO_VOICE):
-            raise RequestError("voice", f"unknown voice {voice!r}: OmniVoice has no preset voices; send ref_audio "
-                               f"and ref_text to clone one, or voice {AUTO_VOICE!r}")
+            if self.presets is None or voice not in self.presets:
+                known = ", ".join(self.voices())
+                raise RequestError("voice", f"unknown voice {voice!r}: the voices are {known}; send ref_audio and "
+                                   "ref_text to clone another")
+            reference = self.preset_clip(voice)
         if not 0.25 <= speed <= 4.0:
             raise RequestError("speed", f"{speed:g} is outside 0.25 to 4.0")
         if not text.strip():

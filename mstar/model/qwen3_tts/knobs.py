@@ -36,7 +36,11 @@ class Qwen3TTSKnobs(Knobs):
 
 
 class Qwen3TTSBaseKnobs(Qwen3TTSKnobs, ConditioningCacheKnobs):
-    """The base checkpoints' knobs: the others' and the clip memo's bound."""
+    """The base checkpoints' knobs: the others', the clip memo's bound and preset voices."""
+
+    voices_dir: str | None = None
+    """Preset voices: ``<name>.wav`` (or .flac, .ogg, .mp3), each a ``voice`` cloned from its
+    x-vector as an uploaded clip is (``x_vector_only_mode``)."""
 
 
 class Qwen3TTSSpeechKnobs(SamplingKnobs):
