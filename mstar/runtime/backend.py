@@ -63,6 +63,14 @@ class RuntimeBackend(OnRuntime):
         self.max_model_len = spec.max_model_len
         self.timeout_s = timeout_s
 
+    def gauges(self) -> dict[str, float]:
+        """The runtime's gauges, and a cloning model's clip memo as ``conditioning_cache_*``."""
+        gauges = dict(self.runtime.gauges())
+        if self.clones_voices:
+            stats = self.spec.clip_memo.stats()  # type: ignore[attr-defined]
+            gauges.update({f"conditioning_cache_{name}": value for name, value in stats.items()})
+        return gauges
+
     def chat(self, spec: ChatSpec) -> AsyncIterator[OutputEvent]:
         return self._run(spec.request_id, lambda: self.spec.prepare_chat(spec), spec.stop)
 

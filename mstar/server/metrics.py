@@ -13,7 +13,9 @@
   ``mstar_kv_pages_cached`` and the running totals ``mstar_prefix_cache_queried_tokens`` and
   ``mstar_prefix_cache_hit_tokens``, whose ratio is the hit rate; ``mstar_sessions_held`` per
   node that keeps session state); ``mstar_sessions_open`` and ``mstar_sessions_busy`` (the
-  frontend's session book); ``mstar_healthy``.
+  frontend's session book); ``mstar_healthy``; for a model that clones voices, its clip
+  memo's running ``mstar_conditioning_cache_hits`` and ``..._misses`` and the
+  ``..._entries`` and ``..._bytes`` it keeps.
 
 Each app has its own registry, so several apps in one process never clash.
 """
@@ -54,6 +56,10 @@ _DOCS = {
     "sessions_open": "Sessions kept (idle or with a request in flight), as the frontend's book counts them",
     "sessions_busy": "Sessions with a request in flight",
     "sessions_held": "Sessions whose state a node keeps on its worker rank, per rank and node",
+    "conditioning_cache_hits": "Reference clips whose conditioning came from the memo since startup",
+    "conditioning_cache_misses": "Reference clips encoded since startup (not in the memo)",
+    "conditioning_cache_entries": "Reference clips whose conditioning the memo keeps",
+    "conditioning_cache_bytes": "Bytes of reference-clip conditioning the memo keeps",
     "prefills_deferred": "Prompts sent back to wait a step because a step's prefill budget "
                          "(model_kwargs.max_prefill_tokens) was spent, per rank and node",
 }

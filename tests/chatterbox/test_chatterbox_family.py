@@ -110,7 +110,8 @@ def test_a_clip_is_encoded_once_and_its_prompt_is_aligned():
     reference = clip(seconds=3.0)
     first = spec.clip_conditioning(reference)
     assert spec.clip_conditioning(VoiceClip(reference.pcm, reference.sample_rate)) is first
-    assert spec.clip_memo.misses == 1 and spec.clip_memo.hits == 1
+    assert spec.clip_conditioning(VoiceClip(reference.pcm, reference.sample_rate, "Words.")) is first  # audio alone
+    assert spec.clip_memo.misses == 1 and spec.clip_memo.hits == 2
     assert first.s3gen.mel.shape[1] == 2 * first.s3gen.tokens.shape[1] or \
         first.s3gen.tokens.shape[1] == first.s3gen.mel.shape[1] // 2
     assert 0 < first.prompt_tokens.shape[1] <= spec.t3_config.speech_cond_prompt_len

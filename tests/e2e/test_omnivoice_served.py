@@ -1,8 +1,9 @@
 """OmniVoice served in process (CPU, fp32, a tiny release's configs and tokenizer with
 ``load_format: dummy`` weights) through the official ``openai`` client: cloning from a WAV data
 URI with its ``ref_text``, ``language`` by name or id, concurrent requests equal to their solo
-audio (seeded; they share canvas forwards), and 400s naming ``ref_text``, ``ref_audio``,
-``voice`` and ``input``."""
+audio (seeded; they share canvas forwards), 400s naming ``ref_text``, ``ref_audio``,
+``voice`` and ``input``, a clip sent again not encoded again (/metrics), and the presets of
+``voices_dir`` listed by /v1/audio/voices and spoken as their clips are."""
 
 from __future__ import annotations
 
@@ -40,13 +41,21 @@ def data_uri(data: bytes) -> str:
     return "data:audio/wav;base64," + base64.b64encode(data).decode()
 
 
+PRESET_WAV = clip_wav(pitch=260.0)
+PRESET_TEXT = "Anna's own words"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uvicorn]:
     release = write_tiny_release(tmp_path_factory.mktemp("omnivoice"))
+    voices = tmp_path_factory.mktemp("voices")
+    (voices / "anna.wav").write_bytes(PRESET_WAV)
+    (voices / "anna.txt").write_text(PRESET_TEXT + "\n")
+    (voices / "mute.wav").write_bytes(clip_wav(pitch=90.0))  # no transcript
     deployment = start(parse_config({
         "model": MODEL, "model_path": str(release), "device": "cpu", "dtype": "float32", "load_format": "dummy",
         "max_concurrent_requests": 8, "node_groups": [{"node_names": ["canvas", "codec"], "ranks": [0]}],
-        "model_kwargs": {"seed": 3, "num_step": 4}}), in_process=True)
+        "model_kwargs": {"seed": 3, "num_step": 4, "voices_dir": str(voices)}}), in_process=True)
     try:
         with Uvicorn(create_app(deployment.backend, served_model_names=[MODEL])) as live:
             yield live
@@ -136,3 +145,42 @@ def test_generate_takes_the_same_options(oai: openai.OpenAI, http) -> None:
     fewer = {**options, "num_step": 2}
     form["model_kwargs"] = json.dumps(fewer)
     assert http.post("/generate", data=form).json()["data"]["audio"] != response.json()["data"]["audio"]
+
+
+def cache_gauges(http) -> dict[str, float]:
+    lines = http.get("/metrics").text.splitlines()
+    return {line.split()[0].removeprefix("mstar_conditioning_cache_"): float(line.split()[1])
+            for line in lines if line.startswith("mstar_conditioning_cache_")}
+
+
+def test_a_clip_sent_again_is_encoded_once(oai: openai.OpenAI, http) -> None:
+    """The conditioning cache (/metrics' ``mstar_conditioning_cache_*``): the first request
+    encodes the clip, the second (another transcript: the codes are the audio's) reuses it, and
+    the first's audio is what a warm request speaks with the same transcript."""
+    clip = {"ref_audio": data_uri(clip_wav(pitch=333.0)), "ref_text": "A clip", "seed": 5}
+    before = cache_gauges(http)
+    cold = speak(oai, "Once more.", **clip)
+    after_cold = cache_gauges(http)
+    assert after_cold["misses"] == before["misses"] + 1 and after_cold["hits"] == before["hits"]
+    assert after_cold["entries"] == before["entries"] + 1 and after_cold["bytes"] > before["bytes"]
+    retold = speak(oai, "Once more.", **{**clip, "ref_text": "Another transcript"})
+    assert speak(oai, "Once more.", **clip) == cold and retold != cold
+    after = cache_gauges(http)
+    assert after["hits"] == after_cold["hits"] + 2 and after["misses"] == after_cold["misses"]
+
+
+def test_presets_are_listed_and_cloned_as_their_clips(oai: openai.OpenAI, http) -> None:
+    voices = http.get("/v1/audio/voices", params={"model": MODEL}).json()["voices"]
+    assert [(v["voice_id"], v["source"], v["model"]) for v in voices] == [
+        ("auto", "bundled", MODEL), ("anna", "preset", MODEL), ("mute", "preset", MODEL)]
+    before = cache_gauges(http)
+    preset = speak(oai, "A preset speaks.", voice="anna", seed=6)
+    uploaded = speak(oai, "A preset speaks.", ref_audio=data_uri(PRESET_WAV), ref_text=PRESET_TEXT, seed=6)
+    assert preset == uploaded and preset != speak(oai, "A preset speaks.", seed=6)
+    after = cache_gauges(http)  # the preset's file and its upload are one clip: encoded once
+    assert after["misses"] == before["misses"] + 1 and after["hits"] == before["hits"] + 1
+    with pytest.raises(openai.BadRequestError, match="transcript") as err:
+        speak(oai, "Hello.", voice="mute")
+    assert "voice" in str(err.value)
+    missing = http.get("/v1/audio/voices", params={"model": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"

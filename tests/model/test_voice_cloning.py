@@ -1,5 +1,5 @@
 """The cloning hook's parts on their own: the clip memo (an LRU keyed by content; one encoding
-for concurrent asks; failures not remembered), the key (samples, rate, transcript, model), the
+for concurrent asks; failures not remembered), the key (samples, rate, transcript if read, model), the
 mixin's memoised ``clip_conditioning``, and presets read from a ``voices_dir``."""
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ def test_the_memo_is_an_lru_of_its_capacity():
     assert "a" in memo and "b" not in memo and len(memo) == 2
     memo.get("b", compute("b"))
     assert calls == ["a", "b", "c", "b"] and (memo.hits, memo.misses) == (1, 4)
-    with pytest.raises(ValueError):
-        ClipMemo(0)
 
 
 def test_concurrent_asks_for_one_key_compute_once():
@@ -75,6 +73,9 @@ def test_the_key_covers_samples_rate_transcript_and_model():
     assert clip_key("m", clip()) == base
     assert len({base, clip_key("m", clip((0.1, 0.2, 0.31))), clip_key("m", clip(rate=24000)),
                 clip_key("m", clip(text="hi")), clip_key("m", clip(text="")), clip_key("other", clip())}) == 6
+    untexted = clip_key("m", clip(text="hi"), with_text=False)
+    assert untexted == clip_key("m", clip(text="bye"), with_text=False) == clip_key("m", clip(), with_text=False)
+    assert untexted not in {base, clip_key("m", clip(text="unread")), clip_key("m", clip(text="none"))}
 
 
 class Cloner(VoiceCloning):

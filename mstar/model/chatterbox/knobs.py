@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 __all__ = ["LANGUAGES", "ChatterboxGenerateKnobs", "ChatterboxKnobs", "ChatterboxSpeechKnobs", "Variant"]
 
@@ -21,7 +22,7 @@ LANGUAGES = ("ar", "da", "de", "el", "en", "es", "fi", "fr", "he", "hi", "it", "
 """The multilingual model's language tokens (``[<id>]`` in front of the text)."""
 
 
-class ChatterboxKnobs(Knobs):
+class ChatterboxKnobs(ConditioningCacheKnobs, Knobs):
     variant: Variant | None = None
     """Which T3 the directory's weights are (unset: the registry key's)."""
 

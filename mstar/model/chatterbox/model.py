@@ -158,6 +158,8 @@ class ChatterboxFamily(VoiceCloning, ModelSpec):
         language = "en" if self.variant != "multilingual" else None
         return [Voice(BUILTIN, language), *(self.presets.voices() if getattr(self, "presets", None) else [])]
 
+    conditions_on_text = False  # the voice is the clip's audio alone
+
     def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> ckpt.Voice:
         return clip_voice(self.encoders, samples, sample_rate, self.t3_config)
 

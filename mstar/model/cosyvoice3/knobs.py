@@ -7,11 +7,12 @@ from typing import Literal
 from pydantic import Field
 
 from mstar.model.knobs import DecodeKnobs, RequestKnobs
+from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 __all__ = ["CosyVoice3GenerateKnobs", "CosyVoice3Knobs", "CosyVoice3SpeechKnobs"]
 
 
-class CosyVoice3Knobs(DecodeKnobs):
+class CosyVoice3Knobs(ConditioningCacheKnobs, DecodeKnobs):
     voices_dir: str | None = None
     """Preset voices: ``<name>.wav`` with its transcript in ``<name>.txt``, cloned like an
     uploaded clip. Every request clones, so without it each request must send ``ref_audio``."""

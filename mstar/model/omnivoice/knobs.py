@@ -6,11 +6,12 @@ from pydantic import Field
 
 from mstar.model.knobs import Knobs, RequestKnobs
 from mstar.model.omnivoice.schedule import UnmaskKnobs
+from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 __all__ = ["OmniVoiceGenerateKnobs", "OmniVoiceKnobs", "OmniVoiceSpeechKnobs"]
 
 
-class OmniVoiceKnobs(Knobs):
+class OmniVoiceKnobs(ConditioningCacheKnobs, Knobs):
     num_step: int = Field(32, ge=1, le=256)
     """Unmasking steps (backbone forwards) per request, the reference's default 32."""
 
@@ -38,6 +39,10 @@ class OmniVoiceKnobs(Knobs):
 
     max_batch_size: int = Field(16, ge=1)
     """Requests in one canvas forward (each takes two rows: prompted and target-only)."""
+
+    voices_dir: str | None = None
+    """Preset voices: ``<name>.wav`` (or .flac, .ogg, .mp3) with its transcript in
+    ``<name>.txt`` (required), each a ``voice`` cloned as an uploaded clip is."""
 
     def unmask(self, num_step: int | None = None, guidance_scale: float | None = None) -> UnmaskKnobs:
         return UnmaskKnobs(num_step=num_step or self.num_step,

@@ -7,10 +7,11 @@ being the request's conditional canvas row; then ``codec`` decodes its target co
 the audio (whole, at the end: nothing is audible before the last step).
 
 Preparing a request (API-server side): a clip is resampled to the codec's rate, raised to
-0.1 RMS if quieter, cut to whole frames and encoded to codes, once per content
-(``VoiceCloning``); its transcript (``ref_text``, required) gets a closing full stop. The
+0.1 RMS if quieter, cut to whole frames and encoded to codes, once per content whatever its
+transcript (``VoiceCloning``); the transcript (``ref_text``, required) gets a closing full stop. The
 target length follows the character-weight rule (``prompt.target_frames``) over the clip's
-speaking rate, divided by ``speed``. Without a clip (voice ``auto``) the model picks a voice.
+speaking rate, divided by ``speed``. Without a clip (voice ``auto``) the model picks a voice;
+a preset of the deployment's ``voices_dir`` is a ``voice`` cloned as its clip would be.
 Not ported: the reference's silence trimming of clips and output (pydub), its chunked
 generation above 30 s (refused here beyond ``max_seconds``), voice design (``instruct``) and
 text normalisation.
@@ -33,12 +34,21 @@ from mstar.model.omnivoice.prompt import end_with_punctuation, prompt_row, resol
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream, check_speech_generate
-from mstar.model.voice_cloning import VoiceCloning
+from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
-__all__ = ["ClipPrompt", "OmniVoice"]
+__all__ = ["ClipCodes", "ClipPrompt", "OmniVoice"]
 
 AUTO_VOICE = "auto"
 MIN_REF_RMS = 0.1
+
+
+@dataclass(frozen=True)
+class ClipCodes:
+    """What a reference clip encodes to (memoised by its audio): codes ``[C, T]`` and the
+    clip's loudness before it was raised."""
+
+    codes: torch.Tensor
+    rms: float
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class OmniVoice(VoiceCloning, ModelSpec):
     validates_speech_options = True  # speed and the voice (``auto`` or a clip) are checked here
     Knobs = OmniVoiceKnobs
     knobs: OmniVoiceKnobs
+    conditions_on_text = False  # the codes are the audio's alone; the transcript joins in ``clip_prompt``
 
     def graph(self) -> Graph:
         canvas = Node("canvas", "stateless", inputs=("canvas",), outputs=("canvas",), ops=("step",))
@@ -84,19 +95,35 @@ class OmniVoice(VoiceCloning, ModelSpec):
         self.tokenizer = ckpt.tokenizer()
         # The clip encoder runs here, in the prepare thread (float32 on the CPU).
         self.codec = ckpt.load_codec("cpu", dummy=self.dummy, seed=self.knobs.seed)
+        self.presets = VoicePresets(self.knobs.voices_dir) if self.knobs.voices_dir else None
 
     def voices(self) -> list[str]:
-        return [AUTO_VOICE]
+        presets = getattr(self, "presets", None)
+        return [AUTO_VOICE, *(presets.names if presets is not None else [])]
 
     def voice_list(self) -> list[Voice]:
-        return [Voice(AUTO_VOICE, None, "bundled")]
+        presets = getattr(self, "presets", None)
+        return [Voice(AUTO_VOICE, None, "bundled"), *(presets.voices() if presets is not None else [])]
 
-    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> ClipPrompt:
-        from mstar.audio.io import resample
+    def preset_clip(self, voice: str) -> VoiceClip:
+        """The clip of preset ``voice``; one without a transcript is refused naming ``voice``."""
+        clip = self.presets.clip(voice)
+        if not clip.text:
+            raise RequestError("voice", f"the preset {voice!r} has no transcript ({voice}.txt beside its clip); "
+                               "OmniVoice clones from a clip and its transcript")
+        return clip
 
-        if not ref_text:
+    def clip_prompt(self, clip: VoiceClip) -> ClipPrompt:
+        """A clip and its transcript as the canvas takes them (the codes memoised)."""
+        if not clip.text:
             raise RequestError("ref_text", "OmniVoice clones from a clip and its transcript: send ref_text with "
                                "ref_audio")
+        encoded: ClipCodes = self.clip_conditioning(clip)
+        return ClipPrompt(encoded.codes, end_with_punctuation(clip.text), encoded.rms)
+
+    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> ClipCodes:
+        from mstar.audio.io import resample
+
         codec = self.model_config.codec
         wave = resample(np.asarray(samples, dtype=np.float32), sample_rate, codec.sample_rate)
         rms = float(np.sqrt(np.mean(wave.astype(np.float64) ** 2))) if wave.size else 0.0
@@ -111,7 +138,7 @@ class OmniVoice(VoiceCloning, ModelSpec):
             codes = self.codec.encode(torch.from_numpy(np.ascontiguousarray(wave))[None],
                                       torch.from_numpy(np.ascontiguousarray(semantic))[None],
                                       self.model_config.num_audio_codebook)[0]
-        return ClipPrompt(codes, end_with_punctuation(ref_text), rms)
+        return ClipCodes(codes, rms)
 
     def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
         options = OmniVoiceSpeechKnobs.parse(spec.model_kwargs)
@@ -125,13 +152,16 @@ class OmniVoice(VoiceCloning, ModelSpec):
     def _speak(self, text: str, voice: str | None, reference: VoiceClip | None, speed: float,
                options: OmniVoiceSpeechKnobs) -> WalkRequest:
         if reference is None and voice not in (None, AUTO_VOICE):
-            raise RequestError("voice", f"unknown voice {voice!r}: OmniVoice has no preset voices; send ref_audio "
-                               f"and ref_text to clone one, or voice {AUTO_VOICE!r}")
+            if self.presets is None or voice not in self.presets:
+                known = ", ".join(self.voices())
+                raise RequestError("voice", f"unknown voice {voice!r}: the voices are {known}; send ref_audio and "
+                                   "ref_text to clone another")
+            reference = self.preset_clip(voice)
         if not 0.25 <= speed <= 4.0:
             raise RequestError("speed", f"{speed:g} is outside 0.25 to 4.0")
         if not text.strip():
             raise RequestError("input", "must contain text, not only whitespace")
-        clip = self.clip_conditioning(reference) if reference is not None else None
+        clip = self.clip_prompt(reference) if reference is not None else None
         config = self.model_config
         target = target_frames(text, clip.text if clip else None, clip.codes.shape[1] if clip else None, speed)
         limit = int(self.knobs.max_seconds * config.codec.frame_rate)

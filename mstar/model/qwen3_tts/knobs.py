@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 
 from mstar.model.decoding import SamplingKnobs
 from mstar.model.knobs import Knobs
+from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 
 class Qwen3TTSKnobs(Knobs):
@@ -32,6 +33,14 @@ class Qwen3TTSKnobs(Knobs):
         if any(n < 1 for n in value):
             raise ValueError(f"every window needs at least one new frame, got {value}")
         return value
+
+
+class Qwen3TTSBaseKnobs(Qwen3TTSKnobs, ConditioningCacheKnobs):
+    """The base checkpoints' knobs: the others', the clip memo's bound and preset voices."""
+
+    voices_dir: str | None = None
+    """Preset voices: ``<name>.wav`` (or .flac, .ogg, .mp3), each a ``voice`` cloned from its
+    x-vector as an uploaded clip is (``x_vector_only_mode``)."""
 
 
 class Qwen3TTSSpeechKnobs(SamplingKnobs):

@@ -14,7 +14,8 @@ frames of left context), and its samples stream out as 24 kHz PCM.
   clip's x-vector (the speaker encoder, run by the API server and memoised by content) takes
   the built-in speaker's row. In-context cloning (the clip's codes and ``ref_text`` in the
   prompt) needs the codec's encoder, not ported yet: without ``x_vector_only_mode`` a request
-  is refused with a 400 naming ``ref_text`` (missing) or ``x_vector_only_mode``.
+  is refused with a 400 naming ``ref_text`` (missing) or ``x_vector_only_mode``. A preset of
+  the deployment's ``voices_dir`` is a ``voice`` cloned the same way (its x-vector).
 
 Text of 600 characters or more (or any text with ``sentence_chunking: true``) is spoken as
 ordered sentence pieces of about 400 characters, one walk each.
@@ -32,13 +33,13 @@ from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, St
 from mstar.model.decoding import decode_request
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
-from mstar.model.qwen3_tts.knobs import Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
+from mstar.model.qwen3_tts.knobs import Qwen3TTSBaseKnobs, Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
 from mstar.model.qwen3_tts.prompt import assistant_text, instruct_text, language_id, languages
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream, check_speech_generate
-from mstar.model.voice_cloning import VoiceCloning
+from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
 TALKER, CODEC = "talker", "codec"
 SAMPLE_RATE = 24000
@@ -122,7 +123,7 @@ class Qwen3TTS(ModelSpec):
         if len(text) > MAX_INPUT_CHARS:
             raise RequestError("input", f"is {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
         speaker = self._voice(voice, options, clip)
-        embed = self._clone(clip, options) if self.tts.clones else torch.zeros(0)
+        embed = self._clone(voice, clip, options) if self.tts.clones else torch.zeros(0)
         if chunking is None:
             chunking = len(text) >= CHUNK_FROM
         pieces = PIECES.split(text) if chunking else [text]
@@ -149,10 +150,15 @@ class Qwen3TTS(ModelSpec):
             raise RequestError("voice", f"unknown voice {name!r}; voices are {', '.join(speakers)}")
         return name.lower()
 
-    def _clone(self, clip: VoiceClip | None, options: Qwen3TTSSpeechKnobs) -> torch.Tensor:
-        """The clip's x-vector (base checkpoints), memoised by content."""
+    def _clone(self, voice: str | None, clip: VoiceClip | None, options: Qwen3TTSSpeechKnobs) -> torch.Tensor:
+        """The x-vector (base checkpoints) of the clip, else of the preset ``voice``; memoised
+        by content."""
+        presets = getattr(self, "presets", None)
+        if clip is None and presets is not None and voice in presets:
+            return self.clip_conditioning(presets.clip(voice))  # type: ignore[attr-defined]
         if clip is None:
-            raise RequestError("ref_audio", "the base checkpoints clone a voice: send ref_audio")
+            raise RequestError("ref_audio", "the base checkpoints clone a voice: send ref_audio"
+                               + (f" or a preset voice ({', '.join(presets.names)})" if presets else ""))
         if not options.x_vector_only_mode:
             if clip.text is None:
                 raise RequestError("ref_text", "send the clip's transcript, or x_vector_only_mode: true")
@@ -229,6 +235,21 @@ class Qwen3TTSVoiceDesign(Qwen3TTS):
 class Qwen3TTSBase(Qwen3TTS, VoiceCloning):
     key = "qwen3_tts_base"
     default_weights = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
+    Knobs = Qwen3TTSBaseKnobs
+    knobs: Qwen3TTSBaseKnobs
+    conditions_on_text = False  # the x-vector is the audio's alone
+
+    def load_frontend(self) -> None:
+        super().load_frontend()
+        self.presets = VoicePresets(self.knobs.voices_dir) if self.knobs.voices_dir else None
+
+    def voices(self) -> list[str]:
+        presets = getattr(self, "presets", None)
+        return presets.names if presets is not None else []
+
+    def voice_list(self) -> list[Voice]:
+        presets = getattr(self, "presets", None)
+        return presets.voices() if presets is not None else []
 
     def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> torch.Tensor:
         """The clip's x-vector ``[hidden]`` (the speaker encoder reads 24 kHz)."""
