@@ -258,3 +258,22 @@ def test_dummy_weights_are_seeded(released: Path) -> None:
     b = ckpt.load_model(torch.device("cpu"), torch.float32, dummy=True, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a.backbone.layers[0].mixer.norm.weight.eq(1).all()
+
+
+def test_release_dimensions() -> None:
+    """NVIDIA-Nemotron-Nano-9B-v2, the duplex model's LLM (its config.json values), built on the
+    meta device: 27 Mamba-2, 4 attention and 25 MLP layers, and a state slot of ~139 MiB in
+    fp32 (the reference's ~137 MB)."""
+    config = NemotronHConfig.from_hf_dict({
+        "vocab_size": 131072, "hidden_size": 4480, "intermediate_size": 15680, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 80, "n_groups": 8,
+        "ssm_state_size": 128, "conv_kernel": 4, "rms_norm_eps": 1e-5, "time_step_limit": [0.0, float("inf")],
+        "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"})
+    assert (len(config.mamba_layers), len(config.attention_layers), config.layer_types.count("mlp")) == (27, 4, 25)
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(config)
+    shapes = model.state_shapes()
+    assert shapes == {"conv": (3, 128 * 80 + 2 * 8 * 128), "ssm": (128, 80, 128)}
+    per_slot = 27 * sum(torch.Size(shape).numel() for shape in shapes.values()) * 4
+    assert 138 < per_slot / 2**20 < 140
+    assert model.cache_shape() == (4, 8, 128)

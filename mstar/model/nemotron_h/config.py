@@ -75,6 +75,8 @@ class NemotronHConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> NemotronHConfig:
         d = {ALIASES.get(k, k): v for k, v in d.items()}
+        if "layer_norm_epsilon" not in d and "rms_norm_eps" in d:  # the name some exports use
+            d["layer_norm_epsilon"] = d["rms_norm_eps"]
         layer_types = d.get("layers_block_type") or d.get("layer_types")
         if not layer_types:
             pattern = d.get("hybrid_override_pattern")
