@@ -277,3 +277,32 @@ def test_release_dimensions() -> None:
     per_slot = 27 * sum(torch.Size(shape).numel() for shape in shapes.values()) * 4
     assert 138 < per_slot / 2**20 < 140
     assert model.cache_shape() == (4, 8, 128)
+
+
+@torch.no_grad()
+def test_bf16_engine_keeps_fp32_ssm_states(ours: NemotronHForCausalLM) -> None:
+    """The served dtype: bf16 weights and conv windows, float32 SSM states; the greedy
+    logits stay near the fp32 model's over a prefill and decodes."""
+    import copy
+
+    half = copy.deepcopy(ours).to(torch.bfloat16)
+    engines = {torch.float32: _engine(ours), torch.bfloat16: nemotron_h_engine(
+        half, max_slots=4, state_dtype=torch.float32, num_pages=40, page_size=8, max_seq_len=256,
+        device=torch.device("cpu"), dtype=torch.bfloat16)}
+    assert engines[torch.bfloat16].forward.ssm_states[0].dtype == torch.float32
+    assert engines[torch.bfloat16].forward.conv_states[0].dtype == torch.bfloat16
+    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(11))
+    params = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
+    logits, tokens = {}, {}
+    for dtype, engine in engines.items():
+        model = half if dtype == torch.bfloat16 else ours
+        with recording(model) as recorded:
+            sampled = [int(engine.run([EngineItem("x", "prefill", 0, {"prompt_ids": prompt}, params)])[0]
+                           .outputs["token"])]
+            for _ in range(3):
+                item = EngineItem("x", "decode", 0, {"token": torch.tensor([sampled[-1]])}, params)
+                sampled.append(int(engine.run([item])[0].outputs["token"]))
+        logits[dtype], tokens[dtype] = torch.stack([row[0] for row in recorded]), sampled
+    same = next((i for i, (a, b) in enumerate(zip(*tokens.values())) if a != b), len(tokens[torch.float32]))
+    # rows up to the first differing token had the same inputs
+    assert rel_err(logits[torch.bfloat16][:same + 1], logits[torch.float32][:same + 1]) <= 5e-2
