@@ -60,6 +60,17 @@ def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Te
     return y, state
 
 
+def _pair_decay(steps: torch.Tensor) -> torch.Tensor:
+    """``[..., L]`` per-token log decays -> ``[..., L, L]`` with ``exp(s_i - s_j)`` at ``j <= i``
+    and 0 above the diagonal. Each entry sums its own tokens' steps (``j < k <= i``) rather
+    than subtracting two long cumulative sums, which would lose the small differences."""
+    length = steps.shape[-1]
+    after = torch.ones(length, length, dtype=torch.bool, device=steps.device).tril(-1)  # k > j
+    sums = steps[..., :, None].expand(*steps.shape, length).masked_fill(~after, 0.0).cumsum(dim=-2)
+    causal = torch.ones(length, length, dtype=torch.bool, device=steps.device).tril()
+    return sums.masked_fill(~causal, float("-inf")).exp()
+
+
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 initial_state: torch.Tensor | None = None,
                 chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +99,9 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
 
     x, B, C = heads_first(x), heads_first(B), heads_first(C)
     dt = heads_first(dt)[..., 0]  # [b, H, chunks, L]
-    log_decay = (dt * A.float()[None, :, None, None]).cumsum(dim=-1)  # s_t inside each chunk
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    steps = dt * A.float()[None, :, None, None]  # log decay of each token
+    log_decay = steps.cumsum(dim=-1)  # s_t inside each chunk
+    pair_decay = _pair_decay(steps)
 
     written = x * dt[..., None]  # dt_j x_j
     intra = ((C @ B.transpose(-1, -2)) * pair_decay) @ written  # within-chunk terms
