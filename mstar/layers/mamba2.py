@@ -35,6 +35,7 @@ from torch import nn
 from mstar.layers.gated_deltanet import StateBatch, causal_conv
 
 CHUNK_SIZE = 128
+CHUNKS_AT_ONCE = 16  # chunks whose [L, L] within-chunk terms are computed together
 
 
 def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -72,11 +73,14 @@ def _pair_decay(steps: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                initial_state: torch.Tensor | None = None,
-                chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+                initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+                chunks_at_once: int = CHUNKS_AT_ONCE) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence ``chunk_size`` tokens at a time (no ``D`` skip): ``x [b, T, H, P]``,
     ``dt [b, T, H]`` (after softplus), ``A [H]``, ``B``/``C [b, T, G, N]``, ``initial_state
     [b, H, P, N]`` (zeros when absent).
+
+    The within-chunk terms take ``[b, H, L, L]`` per chunk; ``chunks_at_once`` chunks are
+    computed together, so a long prompt's transient memory stays bounded.
 
     Returns ``(y [b, T, H, P], final state [b, H, P, N])`` in float32."""
     batch, length, heads, head_dim = x.shape
@@ -101,18 +105,20 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     dt = heads_first(dt)[..., 0]  # [b, H, chunks, L]
     steps = dt * A.float()[None, :, None, None]  # log decay of each token
     log_decay = steps.cumsum(dim=-1)  # s_t inside each chunk
-    pair_decay = _pair_decay(steps)
-
     written = x * dt[..., None]  # dt_j x_j
-    intra = ((C @ B.transpose(-1, -2)) * pair_decay) @ written  # within-chunk terms
     reads = C * log_decay.exp()[..., None]  # C_t exp(s_t): reads of the chunk-start state
     writes = written * (log_decay[..., -1:] - log_decay).exp()[..., None]  # decayed to the chunk end
     chunk_decay = log_decay[..., -1].exp()[..., None, None]
 
     y = torch.empty_like(x)
-    for c in range(chunks):
-        y[:, :, c] = intra[:, :, c] + reads[:, :, c] @ state.transpose(-1, -2)
-        state = state * chunk_decay[:, :, c] + writes[:, :, c].transpose(-1, -2) @ B[:, :, c]
+    for first in range(0, chunks, chunks_at_once):
+        group = slice(first, min(first + chunks_at_once, chunks))
+        # within-chunk terms: a decayed, causally masked attention of C over B
+        y[:, :, group] = ((C[:, :, group] @ B[:, :, group].transpose(-1, -2)) * _pair_decay(steps[:, :, group])) \
+            @ written[:, :, group]
+        for c in range(group.start, group.stop):
+            y[:, :, c] += reads[:, :, c] @ state.transpose(-1, -2)
+            state = state * chunk_decay[:, :, c] + writes[:, :, c].transpose(-1, -2) @ B[:, :, c]
     y = y.permute(0, 2, 3, 1, 4).reshape(batch, chunks * chunk_size, heads, head_dim)
     return y[:, :length], state
 

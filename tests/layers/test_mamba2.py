@@ -51,17 +51,19 @@ def _run(ours: Mamba2Mixer, x: torch.Tensor, lengths: list[int], slots: list[int
     return ours(x, StateBatch.build(starts, slots, "cpu"), conv, ssm)
 
 
-@pytest.mark.parametrize(("scale", "chunk", "length"), [(0.5, 8, 90), (1.0, 256, 300)])
-def test_scan_forms_agree(scale: float, chunk: int, length: int) -> None:
+@pytest.mark.parametrize(("scale", "chunk", "length", "at_once"), [(0.5, 8, 90, 16), (0.5, 8, 90, 5),
+                                                                   (1.0, 256, 300, 16)])
+def test_scan_forms_agree(scale: float, chunk: int, length: int, at_once: int) -> None:
     """The chunked scan (the last chunk padded) equals the recurrence token by token, from a
-    non-zero initial state, in short chunks and in chunks as long as the release's."""
+    non-zero initial state, in short chunks (12 of them, also 5 at a time) and in chunks as
+    long as the release's."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, length, HEADS, HEAD_DIM, generator=gen)
     dt = torch.rand(2, length, HEADS, generator=gen) * scale
     A = -torch.rand(HEADS, generator=gen) * 2
     B, C = torch.randn(2, length, GROUPS, STATE, generator=gen), torch.randn(2, length, GROUPS, STATE, generator=gen)
     state0 = torch.randn(2, HEADS, HEAD_DIM, STATE, generator=gen)
-    y, final = ssd_chunked(x, dt, A, B, C, state0, chunk_size=chunk)
+    y, final = ssd_chunked(x, dt, A, B, C, state0, chunk_size=chunk, chunks_at_once=at_once)
     state, rows = state0, []
     for t in range(length):
         out, state = ssd_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t])
