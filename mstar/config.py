@@ -48,6 +48,7 @@ class ResourcesConfig(_Strict):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     gdn_state: StatePoolConfig | None = None  # None: max_concurrent_requests + 1 slots
     transducer_state: StatePoolConfig | None = None  # a transducer's decoder states; None: as gdn_state
+    mamba_state: StatePoolConfig | None = None  # Mamba-2 conv windows + SSM states; None: as gdn_state
 
 
 class StreamPacingConfig(_Strict):
