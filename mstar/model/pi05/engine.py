@@ -19,6 +19,7 @@ Ops (ports in brackets):
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from mstar.engine.page_pool import PagePool
 from mstar.layers.paged_kv import allocate_kv_cache
 from mstar.model.pi05.checkpoint import Embodiment
 from mstar.model.pi05.gemma import ChunkKeys
-from mstar.model.pi05.modeling import Pi05Policy, step_metadata
+from mstar.model.pi05.modeling import Pi05Policy
 
 PREFILL, STEP, FINISH = "prefill", "step", "finish"
 KEY_BUCKET = 64  # a graphed step's key length is rounded up to a multiple of this
@@ -82,10 +83,34 @@ class Pi05Engine(Engine):
         counts = [len(p) for p in pixels]
         images = model.encode_images(torch.cat(pixels)).split(counts)
         ids = [item.inputs["prompt_ids"].to(self.device) for item in items]
-        tables = self.pool.tables([item.request_id for item in items])
-        meta = step_metadata(tables, [0] * len(items), lengths, self.pool.page_size, self.device)
-        model.prefill(model.embed_prefix(images, ids), self.caches, meta)
+        keys = self.prefix_keys([item.request_id for item in items], lengths)
+        model.prefill(model.embed_prefix(images, ids), self.caches, ChunkKeys(*self._on_device(keys)))
         return [{"prefix": torch.tensor([n])} for n in lengths]
+
+    def _key_grid(self, request_ids: list[str], lengths: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+        """Each request's flat cache slots of positions ``0 .. length-1`` ``[B, length]``, those
+        past its ``lengths[b]`` pointing at its first slot, and which are real."""
+        page_size = self.pool.page_size
+        tables = self.pool.tables(request_ids)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [t[0]] * (width - len(t)) for t in tables])
+        pos = torch.arange(length)
+        slots = table[:, (pos // page_size).clamp(max=width - 1)] * page_size + pos % page_size
+        visible = pos[None, :] < lengths[:, None]
+        return slots, torch.where(visible, slots, slots[:, :1]), visible
+
+    def prefix_keys(self, request_ids: list[str], lengths: list[int]) -> ChunkKeys:
+        """A prefill of prefixes of ``lengths`` as host ``ChunkKeys``: the flat tokens gathered
+        into one row per request, padded to the longest."""
+        sizes = torch.tensor(lengths)
+        slots, key_slots, visible = self._key_grid(request_ids, sizes, max(lengths))
+        total = int(sizes.sum())
+        firsts = torch.cumsum(sizes, 0) - sizes
+        pos = torch.arange(key_slots.shape[1])
+        query_rows = torch.where(visible, firsts[:, None] + pos, total)
+        order = (torch.arange(len(lengths))[:, None] * key_slots.shape[1] + pos).masked_select(visible)
+        return ChunkKeys(pos.expand_as(slots).masked_select(visible), slots.masked_select(visible), key_slots,
+                         visible, query_rows, order)
 
     def _step(self, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         count = len(items)
@@ -97,12 +122,12 @@ class Pi05Engine(Engine):
         keys = self.chunk_keys([item.request_id for item in items], rows or count, rows is not None)
         self.forward_rows = [*self.forward_rows[-1023:], count]
         if rows is None:
-            inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys))
+            inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys)[:4])
             return [{"actions": row} for row in self._denoise(*inputs)]
         pad = rows - count
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
         time, dt = torch.cat([time, torch.ones(pad)]), torch.cat([dt, torch.zeros(pad)])
-        inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys))
+        inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys)[:4])
         out = self.graphs((rows, keys.key_slots.shape[1]), *inputs)
         return [{"actions": row} for row in out[:count]]
 
@@ -112,16 +137,11 @@ class Pi05Engine(Engine):
         to and read the scratch page. ``bucket``: the key length rounded up to ``KEY_BUCKET``."""
         chunk, page_size = self.model.config.chunk_size, self.pool.page_size
         starts = torch.tensor([self.prefix_lens[r] for r in request_ids])
-        tables = self.pool.tables(request_ids)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([list(t) + [t[0]] * (width - len(t)) for t in tables])
         length = int(starts.max()) + chunk
         if bucket:
             length = -(-length // KEY_BUCKET) * KEY_BUCKET
         pos = torch.arange(length)
-        slots = table[:, (pos // page_size).clamp(max=width - 1)] * page_size + pos % page_size
-        visible = pos[None, :] < (starts + chunk)[:, None]
-        key_slots = torch.where(visible, slots, slots[:, :1])
+        slots, key_slots, visible = self._key_grid(request_ids, starts + chunk, length)
         positions = starts[:, None] + torch.arange(chunk)
         write_slots = slots.gather(1, positions)
         pad = rows - len(request_ids)
@@ -134,8 +154,8 @@ class Pi05Engine(Engine):
         return ChunkKeys(positions.reshape(-1), write_slots.reshape(-1), key_slots, visible)
 
     def _on_device(self, keys: ChunkKeys) -> tuple[torch.Tensor, ...]:
-        return tuple(t.to(self.device, non_blocking=True) for t in
-                     (keys.positions, keys.write_slots, keys.key_slots, keys.visible))
+        return tuple(None if t is None else t.to(self.device, non_blocking=True)
+                     for t in dataclasses.astuple(keys))
 
     def _denoise(self, x: torch.Tensor, time: torch.Tensor, dt: torch.Tensor, positions: torch.Tensor,
                  write_slots: torch.Tensor, key_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

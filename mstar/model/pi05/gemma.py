@@ -40,24 +40,29 @@ def sees_whole_sequence(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkKeys:
-    """A denoise step's attention as fixed-shape tensors (what a CUDA graph can replay): ``B``
-    sequences of ``n`` new tokens each (``positions [B * n]``, written to ``write_slots [B * n]``
-    of the flat cache), every token seeing all of its sequence's keys: ``key_slots [B, L]`` the
-    flat slots of positions ``0 .. L-1`` and ``visible [B, L]`` which of them exist (the rest
-    are padding to a common length, masked out, pointing at a real slot so that what they
-    read is finite)."""
+    """A step's attention as padded tensors, every new token seeing all of its sequence's keys
+    (both of Pi0.5's phases): the ``T`` new tokens at ``positions [T]`` are written to
+    ``write_slots [T]`` of the flat cache; ``key_slots [B, L]`` are the flat slots of each
+    sequence's positions ``0 .. L-1`` and ``visible [B, L]`` says which exist (the rest are
+    padding to a common length, masked out, pointing at a real slot so that what they read is
+    finite). The queries are ``B`` rows of ``n``: as they come (``T = B * n``: a denoise step,
+    fixed shapes a CUDA graph can replay), or, given ``query_rows [B, n]`` (the index of each
+    row's ``j``-th token among the ``T``; ``T`` for padding) and ``query_order [T]`` (each
+    token's place in the ``B * n`` grid), gathered into rows (a prefill of unequal prompts)."""
 
     positions: torch.Tensor
     write_slots: torch.Tensor
     key_slots: torch.Tensor
     visible: torch.Tensor
+    query_rows: torch.Tensor | None = None
+    query_order: torch.Tensor | None = None
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, keys: ChunkKeys,
                     scale: float) -> torch.Tensor:
     """``paged_attention``'s contract for ``ChunkKeys``: the new K/V written to the cache, then
-    one attention over every sequence's padded keys at once (``[B * n, Hq, D]`` out) instead of
-    one per sequence."""
+    one attention over every sequence's padded keys at once (``[T, Hq, D]`` out) instead of one
+    per sequence."""
     write_kv_cache(k, v, kv_cache, keys.write_slots)
     rows, length = keys.key_slots.shape
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
@@ -67,11 +72,14 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     def gather(which: int) -> torch.Tensor:  # [B, Hkv, L, D]
         return flat[which].index_select(0, slots).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
 
-    query = q.view(rows, -1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, n, D]
-    out = F.scaled_dot_product_attention(query, gather(0).to(q.dtype), gather(1).to(q.dtype),
+    query = q if keys.query_rows is None else torch.cat([q, q.new_zeros(1, num_heads, head_dim)]).index_select(
+        0, keys.query_rows.reshape(-1))
+    out = F.scaled_dot_product_attention(query.view(rows, -1, num_heads, head_dim).transpose(1, 2),  # [B, Hq, n, D]
+                                         gather(0).to(q.dtype), gather(1).to(q.dtype),
                                          attn_mask=keys.visible[:, None, None, :], scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
-    return out.transpose(1, 2).reshape(q.shape)
+    out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    return out if keys.query_order is None else out.index_select(0, keys.query_order)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -188,10 +196,12 @@ class GemmaLanguageModel(nn.Module):
         return self.embed_tokens(token_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: PagedAttentionMetadata) -> torch.Tensor:
+                meta: PagedAttentionMetadata | ChunkKeys) -> torch.Tensor:
         """The prefix's final hidden states ``[T, hidden]`` (after the last norm); its keys and
-        values are left in ``kv_caches``."""
-        meta = sees_whole_sequence(meta)
+        values are left in ``kv_caches``. ``meta``: the paged metadata, or the same step as
+        ``ChunkKeys``."""
+        if isinstance(meta, PagedAttentionMetadata):
+            meta = sees_whole_sequence(meta)
         x = embeds
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, cache, meta)

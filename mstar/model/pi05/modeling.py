@@ -103,7 +103,7 @@ class Pi05Policy(nn.Module):
         return torch.cat(parts)
 
     def prefill(self, embeds: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: PagedAttentionMetadata) -> torch.Tensor:
+                meta: PagedAttentionMetadata | ChunkKeys) -> torch.Tensor:
         """Run the prefixes into the cache; their final hidden states ``[T, hidden]``."""
         return self.language_model(embeds, meta.positions, kv_caches, meta)
 
