@@ -267,7 +267,7 @@ class Cosmos3Transformer(nn.Module):
         """One denoise step of several requests: each item's velocity ``[C, T, H, W]`` (float32
         maths where the model's dtype is; zeros on clean frames)."""
         p = self.config.latent_patch_size
-        tokens, times, cos, sin, shapes = [], [], [], [], []
+        tokens, masks, cos, sin, shapes = [], [], [], [], []
         embeds = self.time_embedder(torch.tensor([float(i.timestep) for i in items], device=self.proj_in.weight.device)
                                     * self.config.timestep_scale).to(self.dtype)
         for item, embed in zip(items, embeds):
@@ -282,14 +282,14 @@ class Cosmos3Transformer(nn.Module):
             cos.append(c_)
             sin.append(s_)
             shapes.append((t, h, w, per_frame))
-            times.append(noisy)
+            masks.append(noisy)
         x, cos, sin = torch.cat(tokens), torch.cat(cos), torch.cat(sin)
         for index, layer in enumerate(self.layers):
             segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
         x = self.proj_out(self.norm_moe_gen(x))
         out, start = [], 0
-        for item, (t, h, w, per_frame), noisy in zip(items, shapes, times):
+        for (t, h, w, per_frame), noisy in zip(shapes, masks):
             rows = x[start:start + t * per_frame]
             start += t * per_frame
             v = self.unpatchify(rows, t, h, w)

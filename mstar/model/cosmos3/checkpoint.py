@@ -1,0 +1,45 @@
+"""Where a Cosmos3 checkpoint's parts come from: the diffusers layout ``Cosmos3OmniPipeline``
+saves (``model_index.json``, ``transformer/`` (the tower, flat keys: ``layers.N...``,
+``embed_tokens``, ``proj_in`` ...), ``text_tokenizer/``, ``vae/`` (the Wan2.2 VAE),
+``scheduler/`` (UniPC), and ``sound_tokenizer/`` on sound-capable checkpoints, which this slice
+does not load). The 4-step distilled checkpoints (a fixed-sigma stochastic sampler in
+``modular_model_index.json``) are refused by name until their sampler is served."""
+
+from __future__ import annotations
+
+from mstar.diffusion.unipc import UniPC
+from mstar.model.cosmos3.config import Cosmos3Config
+from mstar.model.cosmos3.prompt import Cosmos3Prompt
+from mstar.model.diffusers_checkpoint import DiffusersCheckpoint
+from mstar.model.wan22.vae import WanVAEConfig
+
+
+class Cosmos3Checkpoint(DiffusersCheckpoint):
+    def check_variant(self) -> None:
+        """Refuse what this slice cannot serve, naming what gives it away."""
+        if (self.root / "modular_model_index.json").exists() and "distilled_sigmas" in self.read_json(
+                "modular_model_index.json"):
+            raise ValueError("this is a distilled Cosmos3 checkpoint (distilled_sigmas in modular_model_index.json); "
+                             "its fixed-sigma sampler is not served yet")
+        index = self.read_json("model_index.json")
+        if index.get("use_native_flow_schedule"):
+            raise ValueError("model_index.json: use_native_flow_schedule is set; only the scheduler's own UniPC "
+                             "schedule is served")
+
+    def use_system_prompt(self) -> bool:
+        return bool(self.read_json("model_index.json").get("default_use_system_prompt", True))
+
+    def prompt(self) -> Cosmos3Prompt:
+        return Cosmos3Prompt.from_directory(self.root, self.use_system_prompt())
+
+    def transformer_config(self) -> Cosmos3Config:
+        return Cosmos3Config.from_dict(self.read_json("transformer", "config.json"))
+
+    def vae_config(self) -> WanVAEConfig:
+        config = WanVAEConfig.from_dict(self.read_json("vae", "config.json"))
+        if not config.residual:
+            raise ValueError("vae config: is_residual is false (the Wan2.1 VAE); Cosmos3 uses the Wan2.2 VAE")
+        return config
+
+    def schedule(self) -> UniPC:
+        return UniPC.from_config(self.read_json("scheduler", "scheduler_config.json"))
