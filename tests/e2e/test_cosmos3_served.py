@@ -110,3 +110,19 @@ def test_bad_image_sizes_are_400_naming_size(oai: openai.OpenAI, size: str) -> N
     with pytest.raises(openai.BadRequestError) as err:
         oai.images.generate(model=MODEL, prompt="a red cube", size=size, response_format="b64_json")
     assert err.value.body["param"] == "size"
+
+
+def test_video_job_api(oai: openai.OpenAI) -> None:
+    """OpenAI's job API (/v1/videos): create, poll, download an mp4; the family's rules are 400s
+    before a job exists."""
+    video = oai.videos.create_and_poll(model=MODEL, prompt="a cat walks", size=f"{WIDTH}x{HEIGHT}",
+                                       extra_body={"num_frames": 5, "fps": 8, "seed": 1}, poll_interval_ms=20)
+    assert video.status == "completed", video.error
+    frames, rate = decode_mp4(oai.videos.download_content(video.id).read())
+    assert frames.shape == (5, HEIGHT, WIDTH, 3) and rate == 8
+    for size, extra, field in (("40x48", {"num_frames": 5}, "size"), (f"{WIDTH}x{HEIGHT}", {"num_frames": 6},
+                                                                       "num_frames")):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.videos.create(model=MODEL, prompt="x", size=size, extra_body=extra)
+        assert err.value.body["param"] == field
+    assert not [v for v in oai.videos.list() if v.status == "failed"]
