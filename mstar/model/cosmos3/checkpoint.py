@@ -2,14 +2,16 @@
 saves (``model_index.json``, ``transformer/`` (the tower, flat keys: ``layers.N...``,
 ``embed_tokens``, ``proj_in`` ...), ``text_tokenizer/``, ``vae/`` (the Wan2.2 VAE),
 ``scheduler/`` (UniPC), and ``sound_tokenizer/`` on sound-capable checkpoints, which this slice
-does not load). The 4-step distilled checkpoints (a fixed-sigma stochastic sampler in
-``modular_model_index.json``) are refused by name until their sampler is served."""
+does not load). The 4-step distilled checkpoints list ``distilled_sigmas`` in
+``modular_model_index.json`` and a stochastic flow-match Euler scheduler: they get the
+fixed-sigma sampler (``mstar.model.cosmos3.sampler``)."""
 
 from __future__ import annotations
 
 from mstar.diffusion.unipc import UniPC
 from mstar.model.cosmos3.config import Cosmos3Config
 from mstar.model.cosmos3.prompt import Cosmos3Prompt
+from mstar.model.cosmos3.sampler import FixedSigmas
 from mstar.model.diffusers_checkpoint import DiffusersCheckpoint
 from mstar.model.wan22.vae import WanVAEConfig
 
@@ -17,10 +19,6 @@ from mstar.model.wan22.vae import WanVAEConfig
 class Cosmos3Checkpoint(DiffusersCheckpoint):
     def check_variant(self) -> None:
         """Refuse what this slice cannot serve, naming what gives it away."""
-        if (self.root / "modular_model_index.json").exists() and "distilled_sigmas" in self.read_json(
-                "modular_model_index.json"):
-            raise ValueError("this is a distilled Cosmos3 checkpoint (distilled_sigmas in modular_model_index.json); "
-                             "its fixed-sigma sampler is not served yet")
         index = self.read_json("model_index.json")
         if index.get("use_native_flow_schedule"):
             raise ValueError("model_index.json: use_native_flow_schedule is set; only the scheduler's own UniPC "
@@ -41,5 +39,14 @@ class Cosmos3Checkpoint(DiffusersCheckpoint):
             raise ValueError("vae config: is_residual is false (the Wan2.1 VAE); Cosmos3 uses the Wan2.2 VAE")
         return config
 
-    def schedule(self) -> UniPC:
-        return UniPC.from_config(self.read_json("scheduler", "scheduler_config.json"))
+    def distilled_sigmas(self) -> list[float] | None:
+        """The fixed schedule of a distilled checkpoint, None for a base one."""
+        if not (self.root / "modular_model_index.json").exists():
+            return None
+        sigmas = self.read_json("modular_model_index.json").get("distilled_sigmas")
+        return [float(s) for s in sigmas] if sigmas else None
+
+    def schedule(self) -> UniPC | FixedSigmas:
+        config = self.read_json("scheduler", "scheduler_config.json")
+        sigmas = self.distilled_sigmas()
+        return UniPC.from_config(config) if sigmas is None else FixedSigmas.from_config(config, sigmas)

@@ -8,7 +8,9 @@ prompt's, on the same latents) into tower forwards of at most ``max_batch_size``
 their sizes, combines a guided pair as ``v_uncond + g (v_cond - v_uncond)`` and takes the
 request's own UniPC step (its solver state stays here too).
 
-The DiT sees the sampler's integer timestep; all latent frames are noisy (t2i, t2v).
+The tower sees the sampler's timestep (UniPC's integer one; ``1000 * sigma`` for the
+fixed-sigma sampler of the distilled checkpoints, whose steps read the request's
+``step_noise``, ``mstar.model.cosmos3.sampler``). All latent frames are noisy (t2i, t2v).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.model.cosmos3.layout import media_offset, patch_grid, text_positions, video_positions
+from mstar.model.cosmos3.sampler import FixedSigmas
 from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, TextKV
 
 OPS = ("step",)
@@ -40,7 +43,7 @@ def guidance_scale(item: EngineItem) -> float:
 
 
 class Cosmos3DenoiseEngine(Engine):
-    def __init__(self, tower: Cosmos3Transformer, scheduler: UniPC, device: torch.device,
+    def __init__(self, tower: Cosmos3Transformer, scheduler: UniPC | FixedSigmas, device: torch.device,
                  max_batch_size: int | None = None):
         self.tower = tower
         self.scheduler = scheduler
@@ -69,7 +72,10 @@ class Cosmos3DenoiseEngine(Engine):
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
         if item.request_id not in self.schedules:
-            self.schedules[item.request_id] = self.scheduler.timesteps(int(item.params["num_steps"]))
+            if isinstance(self.scheduler, FixedSigmas):
+                self.schedules[item.request_id] = self.scheduler.timesteps()
+            else:
+                self.schedules[item.request_id] = self.scheduler.timesteps(int(item.params["num_steps"]))
         return self.schedules[item.request_id]
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
@@ -94,7 +100,7 @@ class Cosmos3DenoiseEngine(Engine):
                 v = per_item[i][0] if len(per_item[i]) == 1 else guide(*per_item[i], guidance_scale(item))
                 latents, solvers[item.request_id] = self._step(item, v)
                 outputs.append(EngineOutput({"latents": latents}))
-        self.solvers.update(solvers)  # only once the whole batch stepped
+        self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
         return outputs
 
     def _predict(self, rows: list[MediaItem]) -> list[torch.Tensor]:
@@ -106,8 +112,14 @@ class Cosmos3DenoiseEngine(Engine):
             out += self.tower(chunk)
         return out
 
-    def _step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState]:
+    def _step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState | None]:
         sigmas, _ = self._schedule(item)
+        if isinstance(self.scheduler, FixedSigmas):
+            i = item.iteration
+            noise = item.inputs["step_noise"][i].to(self.device, torch.float32)
+            latents = item.inputs["latents"].to(self.device, torch.float32)
+            sigma, sigma_next = sigmas[i].to(self.device), sigmas[i + 1].to(self.device)
+            return self.scheduler.step(latents, v, sigma, sigma_next, noise), None
         latents = item.inputs["latents"].to(self.device, torch.float32)[None]
         state = self.solvers.get(item.request_id, UniPCState())
         latents, state = self.scheduler.step(item.iteration, sigmas, v[None], latents, state)

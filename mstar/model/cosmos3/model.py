@@ -21,6 +21,7 @@ t2v; i2v/v2v, sound, actions, the reasoner and windowed rollouts come later (iss
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from pydantic import Field
@@ -30,6 +31,7 @@ from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
+from mstar.model.cosmos3.sampler import draws
 from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
 from mstar.model.knobs import RequestKnobs
@@ -40,6 +42,8 @@ from mstar.model.video_output import VideoFrames
 SIZE_MULTIPLE = 16  # the VAE's spatial compression
 FRAME_STEP = 4  # the VAE's time compression: num_frames = 1 + 4k
 MAX_SIDE = 16384
+# the distilled checkpoints' noise (latents and one draw a step), drawn off the request path
+_NOISE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cosmos3-noise")
 
 
 class VideoKnobs(RequestKnobs):
@@ -73,18 +77,21 @@ class Cosmos3(ModelSpec):
     knobs: Cosmos3Knobs
 
     def graph(self) -> Graph:
-        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids"), outputs=("latents",),
-                   ops=("step",))
+        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise"),
+                   outputs=("latents",), ops=("step",))
         vae = Node("vae", "stateless", inputs=("latents",), outputs=("frames", "image"),
                    ops=("decode", "decode_image"))
-        walks = [self._walk(image, guided) for image in (False, True) for guided in (False, True)]
+        walks = [self._walk(image, extra) for image in (False, True) for extra in ("", "_guided", "_fixed")]
         return Graph.build([dit, vae], walks)
 
-    def _walk(self, image: bool, guided: bool) -> Walk:
-        reads = ("latents", "prompt_ids", *(("negative_ids",) if guided else ()))
+    def _walk(self, image: bool, kind: str) -> Walk:
+        """``kind``: "" (no guidance), "_guided" (the negative prompt too) or "_fixed" (the
+        distilled checkpoints' fixed-sigma sampler, which reads the request's step noise)."""
+        extra = {"": (), "_guided": ("negative_ids",), "_fixed": ("step_noise",)}[kind]
+        reads = ("latents", "prompt_ids", *extra)
         decode = (Step("vae", "decode_image", reads="latents", writes="image", emit=Emit("image", "image")) if image
                   else Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")))
-        return Walk(("t2i" if image else "t2v") + ("_guided" if guided else ""), Sequential(
+        return Walk(("t2i" if image else "t2v") + kind, Sequential(
             Loop(Step("dit", "step", reads=reads, writes="latents"), max_iters="num_steps", progress=True),
             decode,
         ), inputs=reads)
@@ -98,8 +105,17 @@ class Cosmos3(ModelSpec):
         ckpt.check_variant()
         self.prompt = ckpt.prompt()
         self.latent_channels = ckpt.transformer_config().latent_channel
+        self.distilled_sigmas = ckpt.distilled_sigmas()
 
     def _steps_and_scale(self, steps: int | None, scale: float | None) -> tuple[int, float]:
+        if self.distilled_sigmas is not None:  # the schedule is the checkpoint's, guidance baked in
+            fixed = len(self.distilled_sigmas)
+            if steps not in (None, fixed):
+                raise RequestError("num_inference_steps", f"model {self.key!r} is distilled to {fixed} steps "
+                                                          f"(leave it unset or {fixed})")
+            if scale not in (None, 1.0):
+                raise RequestError("guidance_scale", f"model {self.key!r} has guidance baked in (leave it unset or 1)")
+            return fixed, 1.0
         steps = self.knobs.num_inference_steps if steps is None else steps
         if not 1 <= steps <= MAX_STEPS:
             raise RequestError("num_inference_steps", f"must be between 1 and {MAX_STEPS}")
@@ -109,18 +125,29 @@ class Cosmos3(ModelSpec):
         return steps, scale
 
     def _request(self, prompt: str, negative: str, *, width: int, height: int, num_frames: int, fps: float,
-                 steps: int, scale: float, seed: int | None, params: dict) -> WalkRequest:
+                 steps: int, scale: float, seed: int | None, params: dict, image: bool) -> WalkRequest:
+        """``image``: an image request (the ``t2i`` walks, one encoded image out); otherwise a
+        video (``t2v``: raw frames, one frame for ``num_frames`` 1)."""
         meta = dict(num_frames=num_frames, height=height, width=width, fps=fps)
         ids = self.prompt.ids(prompt, **meta)
         shape = (1, self.latent_channels, (num_frames - 1) // FRAME_STEP + 1, height // SIZE_MULTIPLE,
                  width // SIZE_MULTIPLE)
         seed = seed if seed is not None else torch.seed() % (1 << 31)
-        inputs = {"prompt_ids": ids, "latents": FlowMatchEuler.initial_noise_soon(shape, seed, finish=lambda n: n[0])}
         params = {"num_steps": steps, "num_frames": num_frames, "fps": fps, **params}
+        kind = ""
+        if self.distilled_sigmas is not None:  # the starting latents, then one noise draw a step
+            noise = _NOISE.submit(draws, shape[1:], seed, steps + 1)
+            inputs = {"prompt_ids": ids, "latents": _NOISE.submit(lambda: noise.result()[0].contiguous()),
+                      "step_noise": _NOISE.submit(lambda: noise.result()[1:].contiguous())}
+            kind = "_fixed"
+        else:
+            inputs = {"prompt_ids": ids,
+                      "latents": FlowMatchEuler.initial_noise_soon(shape, seed, finish=lambda n: n[0])}
         if scale > 1:
             inputs["negative_ids"] = self.prompt.ids(negative, negative=True, **meta)
             params["guidance_scale"] = scale
-        walk = ("t2i" if num_frames == 1 else "t2v") + ("_guided" if scale > 1 else "")
+            kind = "_guided"
+        walk = ("t2i" if image else "t2v") + kind
         return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))
 
     def check_video(self, spec: GenerateSpec) -> tuple[VideoKnobs, int, float]:
@@ -150,7 +177,7 @@ class Cosmos3(ModelSpec):
         knobs, steps, scale = self.check_video(spec)
         return self._request(spec.text, knobs.negative_prompt, width=knobs.width, height=knobs.height,
                              num_frames=knobs.num_frames, fps=float(knobs.fps), steps=steps, scale=scale,
-                             seed=knobs.seed, params={})
+                             seed=knobs.seed, params={}, image=False)
 
     def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
         if not spec.prompt.strip():
@@ -166,7 +193,7 @@ class Cosmos3(ModelSpec):
         negative = str(spec.model_kwargs.get("negative_prompt", ""))
         kwargs = {k: v for k, v in spec.model_kwargs.items() if k != "negative_prompt"}
         return self._request(spec.prompt, negative, width=spec.width, height=spec.height, num_frames=1, fps=24.0,
-                             steps=steps, scale=scale, seed=seed, params=output_params(kwargs))
+                             steps=steps, scale=scale, seed=seed, params=output_params(kwargs), image=True)
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) == {"image"}:
@@ -202,3 +229,13 @@ class Cosmos3Super(Cosmos3):
 
     key = "cosmos3_super"
     default_weights = "nvidia/Cosmos3-Super"
+
+
+@register
+class Cosmos3SuperT2I4Step(Cosmos3):
+    """Cosmos3-Super distilled to 4 steps for text-to-image: guidance baked into the weights,
+    the fixed-sigma stochastic sampler its checkpoint lists (``distilled_sigmas``)."""
+
+    key = "cosmos3_super_t2i_4step"
+    tasks = frozenset({"image_generation"})
+    default_weights = "nvidia/Cosmos3-Super-Text2Image-4Step"

@@ -1,7 +1,7 @@
 """Cosmos3 checkpoints in the layout ``Cosmos3OmniPipeline`` saves: the tower folder loads into
 ours with coverage checked both ways (a parameter left unfilled and a tensor nothing loads each
-fail, named); the prompt ids equal the pipeline's; the distilled and native-schedule variants
-are refused by name; ``load_format: dummy`` builds diffusers' default (Nano-sized) tower and an
+fail, named); the prompt ids equal the pipeline's; the native-schedule variant is refused by
+name; ``load_format: dummy`` builds diffusers' default (Nano-sized) tower and an
 Edge-style (relu2) tower at their shapes on the meta device."""
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def test_prompt_ids_equal_the_pipeline(checkpoint, frames, negative):
 
 
 @pytest.mark.parametrize("files, message", [
-    ({"modular_model_index.json": {"distilled_sigmas": [1.0, 0.9, 0.7, 0.3]}}, "distilled"),
     ({"model_index.json": {"use_native_flow_schedule": True}}, "use_native_flow_schedule"),
 ])
 def test_unserved_variants_are_refused(checkpoint, tmp_path, files, message):

@@ -7,11 +7,13 @@ different sizes share forwards and equal their solo runs; bad requests name the 
 from __future__ import annotations
 
 import asyncio
+import io
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
@@ -75,13 +77,16 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("frames, guidance, steps", [(9, 4.0, 3), (1, 6.0, 3), (5, 1.0, 2)],
-                         ids=["t2v_guided", "t2i_guided", "t2v_unguided"])
-def test_runtime_matches_diffusers_pipeline(checkpoint, deployment, frames, guidance, steps):
+@pytest.mark.parametrize("frames, guidance, steps, modality", [(9, 4.0, 3, "video"), (1, 6.0, 3, "image"),
+                                                                (5, 1.0, 2, "video"), (1, 2.0, 2, "video")],
+                         ids=["t2v_guided", "t2i_guided", "t2v_unguided", "one_frame_video"])
+def test_runtime_matches_diffusers_pipeline(checkpoint, deployment, frames, guidance, steps, modality):
     prompt, seed = "a cat walks on the moon", 7
+    fps = 24 if modality == "image" else 16  # an image request takes the pipeline's default rate
+    extra = {} if modality == "image" else {"num_frames": frames, "fps": fps}
     with step_latents(deployment) as seen:
-        data = generate(deployment, f"p-{frames}-{guidance}", prompt, num_frames=frames, seed=seed,
-                        num_inference_steps=steps, guidance_scale=guidance, fps=16)
+        data = generate(deployment, f"p-{frames}-{guidance}-{modality}", prompt, modality, seed=seed,
+                        num_inference_steps=steps, guidance_scale=guidance, **extra)
     [ours] = seen.values()
 
     want: list[torch.Tensor] = []
@@ -91,7 +96,7 @@ def test_runtime_matches_diffusers_pipeline(checkpoint, deployment, frames, guid
         return {}
 
     out = checkpoint.pipeline()(prompt=prompt, negative_prompt="", height=HEIGHT, width=WIDTH, num_frames=frames,
-                                fps=16, num_inference_steps=steps, guidance_scale=guidance,
+                                fps=fps, num_inference_steps=steps, guidance_scale=guidance,
                                 generator=torch.Generator().manual_seed(seed), output_type="np",
                                 callback_on_step_end=record)
     assert len(ours) == len(want) == steps
@@ -101,10 +106,7 @@ def test_runtime_matches_diffusers_pipeline(checkpoint, deployment, frames, guid
         print(f"[parity] frames={frames} guidance={guidance} step {i}: latents rel err {err:.2e}")
         assert err <= 1e-5
     video = np.round(np.asarray(out.video) * 255).astype(np.int16)
-    if frames == 1:
-        import io
-
-        from PIL import Image
+    if modality == "image":
         got = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(np.int16)[None]
     else:
         got = frames_of(data, frames)
