@@ -75,6 +75,7 @@ class Cosmos3(ModelSpec):
     default_weights = "nvidia/Cosmos3-Nano"
     Knobs = Cosmos3Knobs
     knobs: Cosmos3Knobs
+    distilled_sigmas: list[float] | None = None  # the checkpoint's fixed schedule (load_frontend reads it)
 
     def graph(self) -> Graph:
         dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise"),
