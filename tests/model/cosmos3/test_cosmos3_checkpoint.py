@@ -88,3 +88,31 @@ def test_dummy_weights_at_real_shapes_on_meta(tmp_path, config):
         {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
     billions = sum(p.numel() for p in ours.parameters()) / 1e9
     print(f"[shapes] tower {billions:.2f}B parameters")
+
+
+def test_bf16_keeps_the_time_embedder_fp32(checkpoint):
+    """In a bfloat16 deployment the time MLP stays float32 (diffusers' ``_keep_in_fp32_modules``)
+    and the tower's bf16 velocity follows diffusers' bf16 model on the same weights."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from test_cosmos3_transformer_parity import item, ref_forward
+
+    ckpt = Cosmos3Checkpoint(checkpoint.root)
+    config = parse_config({"model": "cosmos3", "model_path": str(checkpoint.root), "dtype": "bfloat16"})
+    tower = ckpt.loader(config, 0, torch.device("cpu"))(Cosmos3Transformer(ckpt.transformer_config()),
+                                                        "transformer", 0, fp32=FP32_PARAMETERS)
+    kept = {name for name, p in tower.named_parameters() if p.dtype == torch.float32}
+    assert kept == {name for name, _ in tower.named_parameters() if name.startswith("time_embedder.")}
+    ref = copy.deepcopy(checkpoint.transformer).to(torch.bfloat16)
+    ref.time_embedder.float().load_state_dict(checkpoint.transformer.time_embedder.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    latents, ids = torch.randn((4, 3, 4, 4), generator=gen), torch.randint(0, 200, (12,), generator=gen)
+    with torch.no_grad():
+        want = ref_forward(ref, ids, latents.bfloat16(), 640.0, [0, 1, 2], 24.0).float()
+        got = tower([item(tower, ids, latents, 640.0, [0, 1, 2], 24.0)])[0].float()
+    err = float((got - want).abs().max() / want.abs().max())
+    print(f"[bf16] tower velocity rel err vs diffusers bf16 {err:.2e}")
+    assert err < 2e-2
