@@ -1,0 +1,131 @@
+"""Cosmos3's denoise engine: one UniPC step of the tower for many requests at once.
+
+Op ``step`` [latents, prompt_ids, optional negative_ids -> latents]. On a request's first step
+its prompt (and negative prompt) runs through the text pathway once; the per-layer keys and
+values stay here, keyed by request, until ``release``. Each step then packs the media rows of
+every request in the batch (a guided request is two rows: the prompt's and the negative
+prompt's, on the same latents) into tower forwards of at most ``max_batch_size`` rows, whatever
+their sizes, combines a guided pair as ``v_uncond + g (v_cond - v_uncond)`` and takes the
+request's own UniPC step (its solver state stays here too).
+
+The tower sees the sampler's timestep (UniPC's integer one; ``1000 * sigma`` for the
+fixed-sigma sampler of the distilled checkpoints, whose steps read the request's
+``step_noise``, ``mstar.model.cosmos3.sampler``). All latent frames are noisy (t2i, t2v).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from mstar.diffusion.guidance import guide
+from mstar.diffusion.unipc import UniPC, UniPCState
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.model.cosmos3.layout import media_offset, patch_grid, text_positions, video_positions
+from mstar.model.cosmos3.sampler import FixedSigmas
+from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, TextKV
+
+OPS = ("step",)
+
+
+@dataclass
+class Prepared:
+    """A request's step-invariant parts: its texts' keys/values and its media positions, per row."""
+
+    texts: list[TextKV]
+    positions: list[torch.Tensor]
+
+
+def guidance_scale(item: EngineItem) -> float:
+    return float(item.params.get("guidance_scale", 1.0))
+
+
+class Cosmos3DenoiseEngine(Engine):
+    def __init__(self, tower: Cosmos3Transformer, scheduler: UniPC | FixedSigmas, device: torch.device,
+                 max_batch_size: int | None = None):
+        self.tower = tower
+        self.scheduler = scheduler
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.prepared: dict[str, Prepared] = {}
+        self.schedules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.solvers: dict[str, UniPCState] = {}
+        self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
+
+    def _prepare(self, item: EngineItem) -> Prepared:
+        if item.request_id not in self.prepared:
+            config = self.tower.config
+            names = ["prompt_ids", "negative_ids"] if guidance_scale(item) > 1 else ["prompt_ids"]
+            texts, positions = [], []
+            grid = patch_grid(config, tuple(item.inputs["latents"].shape))
+            fps = float(item.params.get("fps", 24.0))
+            for name in names:
+                if name not in item.inputs:
+                    raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs {name}")
+                ids = item.inputs[name].to(self.device)
+                texts.append(self.tower.encode_text(ids, text_positions(config, len(ids)).to(self.device)))
+                positions.append(video_positions(config, grid, media_offset(config, len(ids)), fps).to(self.device))
+            self.prepared[item.request_id] = Prepared(texts, positions)
+        return self.prepared[item.request_id]
+
+    def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
+        if item.request_id not in self.schedules:
+            if isinstance(self.scheduler, FixedSigmas):
+                self.schedules[item.request_id] = self.scheduler.timesteps()
+            else:
+                self.schedules[item.request_id] = self.scheduler.timesteps(int(item.params["num_steps"]))
+        return self.schedules[item.request_id]
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        for item in items:
+            if item.op not in OPS:
+                raise ValueError(f"the Cosmos3 denoise engine has no op {item.op!r} (it has {list(OPS)})")
+        with torch.inference_mode():
+            rows: list[tuple[int, MediaItem]] = []
+            for i, item in enumerate(items):
+                prepared = self._prepare(item)
+                latents = item.inputs["latents"].to(self.device, torch.float32)
+                timestep = float(self._schedule(item)[1][item.iteration])
+                noisy = list(range(latents.shape[1]))
+                rows += [(i, MediaItem(latents, timestep, noisy, pos, text))
+                         for text, pos in zip(prepared.texts, prepared.positions)]
+            flows = self._predict([row for _, row in rows])
+            per_item: dict[int, list[torch.Tensor]] = {}
+            for (i, _), flow in zip(rows, flows):
+                per_item.setdefault(i, []).append(flow.float())
+            outputs, solvers = [], {}
+            for i, item in enumerate(items):
+                v = per_item[i][0] if len(per_item[i]) == 1 else guide(*per_item[i], guidance_scale(item))
+                latents, solvers[item.request_id] = self._step(item, v)
+                outputs.append(EngineOutput({"latents": latents}))
+        self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
+        return outputs
+
+    def _predict(self, rows: list[MediaItem]) -> list[torch.Tensor]:
+        size = self.max_batch_size or len(rows)
+        out = []
+        for start in range(0, len(rows), size):
+            chunk = rows[start:start + size]
+            self.forward_rows.append(len(chunk))
+            out += self.tower(chunk)
+        return out
+
+    def _step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState | None]:
+        sigmas, _ = self._schedule(item)
+        if isinstance(self.scheduler, FixedSigmas):
+            i = item.iteration
+            noise = item.inputs["step_noise"][i].to(self.device, torch.float32)
+            latents = item.inputs["latents"].to(self.device, torch.float32)
+            sigma, sigma_next = sigmas[i].to(self.device), sigmas[i + 1].to(self.device)
+            return self.scheduler.step(latents, v, sigma, sigma_next, noise), None
+        latents = item.inputs["latents"].to(self.device, torch.float32)[None]
+        state = self.solvers.get(item.request_id, UniPCState())
+        latents, state = self.scheduler.step(item.iteration, sigmas, v[None], latents, state)
+        return latents[0], state
+
+    def release(self, request_id: str) -> None:
+        self.prepared.pop(request_id, None)
+        self.schedules.pop(request_id, None)
+        self.solvers.pop(request_id, None)

@@ -1,0 +1,54 @@
+"""How Cosmos3's engines are built from its knobs and checkpoint: the tower as a UniPC denoise
+engine (``dit``) and the Wan2.2 VAE decoding the final latents to uint8 frames (``vae``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from mstar.config import DeploymentConfig
+from mstar.engine.base import Engine, StatelessEngine
+from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
+from mstar.model.cosmos3.denoise import Cosmos3DenoiseEngine
+from mstar.model.cosmos3.knobs import Cosmos3Knobs
+from mstar.model.cosmos3.transformer import Cosmos3Transformer
+from mstar.model.wan22.vae import WanVAE, frames_uint8
+
+# Kept in float32 in a bf16 deployment, as diffusers keeps it (its _keep_in_fp32_modules).
+FP32_PARAMETERS = ("time_embedder",)
+
+
+def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: DeploymentConfig, nodes: set[str],
+                    device: torch.device) -> dict[str, Engine]:
+    engines: dict[str, Engine] = {}
+    dummy = config.load_format == "dummy"
+    if "dit" in nodes:
+        load = ckpt.loader(config, knobs.seed, device)
+        tower = load(Cosmos3Transformer(ckpt.transformer_config()), "transformer", 0, fp32=FP32_PARAMETERS)
+        engines["dit"] = Cosmos3DenoiseEngine(tower, ckpt.schedule(), device, knobs.max_gen_batch_size)
+    if "vae" in nodes:
+        dtype = getattr(torch, knobs.vae_dtype)
+        vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy, seed=knobs.seed + 1)
+        engines["vae"] = vae_engine(vae, knobs, device, dtype)
+    return engines
+
+
+def vae_engine(vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:
+    def run(op, items):
+        if op not in ("decode", "decode_image"):
+            raise ValueError(f"the Cosmos3 VAE has no op {op!r} (it has ['decode', 'decode_image'])")
+        by_shape = defaultdict(list)
+        for i, item in enumerate(items):
+            by_shape[tuple(item.inputs["latents"].shape)].append(i)
+        out = [None] * len(items)
+        with torch.inference_mode():
+            for rows in by_shape.values():
+                x = torch.stack([items[i].inputs["latents"] for i in rows]).to(device, dtype)
+                videos = vae.decode(vae.denormalize(x), chunk=knobs.vae_decode_chunk)
+                for i, video in zip(rows, videos):
+                    frames = frames_uint8(video).cpu()
+                    out[i] = {"frames": frames} if op == "decode" else {"image": frames[0]}
+        return out
+
+    return StatelessEngine(run)

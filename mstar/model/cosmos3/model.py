@@ -1,0 +1,242 @@
+"""Cosmos3 text-to-image and text-to-video: the declaration.
+
+Two nodes: the tower as a denoise engine (``dit``: a Loop of UniPC steps over the latents
+``[48, 1 + (F - 1) / 4, H / 16, W / 16]``; the prompt's text pathway runs inside it once per
+request, see ``mstar.model.cosmos3.denoise``) and the Wan2.2 VAE (``decode`` to uint8 frames
+``[F, H, W, 3]``, emitted as ``video``; ``decode_image`` to one ``[H, W, 3]`` image). A request
+with one frame is text-to-image: the same tower and layout with a single latent frame.
+
+Guidance (6 by default, as the pipeline): the ``*_guided`` walks carry the negative prompt's
+ids too and each step runs both rows in one tower forward. ``guidance_scale`` 1 takes the plain
+walks. The prompt gets the pipeline's metadata sentences (duration, fps, resolution), and the
+fps also scales the video's rotary time axis, so it is a generation knob here, not only the
+container's rate.
+
+Sizes are checked before queueing: width and height positive multiples of 16 (the VAE;
+the tower pads odd patch grids), ``num_frames`` of the form 4k + 1, within ``max_image_area``
+and ``max_video_pixels``. Deployment knobs: ``Cosmos3Knobs``. This first slice serves t2i and
+t2v; i2v/v2v, sound, actions, the reasoner and windowed rollouts come later (issue 30).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from pydantic import Field
+
+from mstar.contract import GenerateSpec, ImageSpec, RequestError
+from mstar.diffusion.flow_match import FlowMatchEuler
+from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
+from mstar.model.cosmos3.knobs import Cosmos3Knobs
+from mstar.model.cosmos3.sampler import draws
+from mstar.model.diffusion_knobs import MAX_STEPS
+from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
+from mstar.model.knobs import RequestKnobs
+from mstar.model.registry import register
+from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.video_output import VideoFrames
+
+SIZE_MULTIPLE = 16  # the VAE's spatial compression
+FRAME_STEP = 4  # the VAE's time compression: num_frames = 1 + 4k
+MAX_SIDE = 16384
+# the distilled checkpoints' noise (latents and one draw a step), drawn off the request path
+_NOISE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cosmos3-noise")
+
+
+class VideoKnobs(RequestKnobs):
+    """``/generate``'s ``model_kwargs`` for a video request (the pipeline's defaults)."""
+
+    height: int = Field(720, ge=1)
+    width: int = Field(1280, ge=1)
+    num_frames: int = Field(189, ge=1)
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str = ""
+    seed: int | None = None
+    fps: int = Field(24, ge=1, le=240)  # in the prompt's metadata and the rotary time axis
+
+
+def check_size(width: int, height: int, field: str | None = None) -> None:
+    for name, side in (("width", width), ("height", height)):
+        if side % SIZE_MULTIPLE or side < SIZE_MULTIPLE or side > MAX_SIDE:
+            raise RequestError(field or name, f"{name} must be a positive multiple of {SIZE_MULTIPLE} up to "
+                                              f"{MAX_SIDE}, got {side}")
+
+
+@register
+class Cosmos3(ModelSpec):
+    key = "cosmos3"
+    tasks = frozenset({"image_generation", "video_generation"})
+    video_frame_step = FRAME_STEP
+    video_knobs = VideoKnobs
+    default_weights = "nvidia/Cosmos3-Nano"
+    Knobs = Cosmos3Knobs
+    knobs: Cosmos3Knobs
+    distilled_sigmas: list[float] | None = None  # the checkpoint's fixed schedule (load_frontend reads it)
+
+    def graph(self) -> Graph:
+        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise"),
+                   outputs=("latents",), ops=("step",))
+        vae = Node("vae", "stateless", inputs=("latents",), outputs=("frames", "image"),
+                   ops=("decode", "decode_image"))
+        walks = [self._walk(image, extra) for image in (False, True) for extra in ("", "_guided", "_fixed")]
+        return Graph.build([dit, vae], walks)
+
+    def _walk(self, image: bool, kind: str) -> Walk:
+        """``kind``: "" (no guidance), "_guided" (the negative prompt too) or "_fixed" (the
+        distilled checkpoints' fixed-sigma sampler, which reads the request's step noise)."""
+        extra = {"": (), "_guided": ("negative_ids",), "_fixed": ("step_noise",)}[kind]
+        reads = ("latents", "prompt_ids", *extra)
+        decode = (Step("vae", "decode_image", reads="latents", writes="image", emit=Emit("image", "image")) if image
+                  else Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")))
+        return Walk(("t2i" if image else "t2v") + kind, Sequential(
+            Loop(Step("dit", "step", reads=reads, writes="latents"), max_iters="num_steps", progress=True),
+            decode,
+        ), inputs=reads)
+
+    # -------------------------------------------------------------- frontend
+    def checkpoint(self) -> Cosmos3Checkpoint:
+        return Cosmos3Checkpoint.locate(self.config.model_path or self.default_weights, self.config.cache_dir)
+
+    def load_frontend(self) -> None:
+        ckpt = self.checkpoint()
+        ckpt.check_variant()
+        self.prompt = ckpt.prompt()
+        self.latent_channels = ckpt.transformer_config().latent_channel
+        self.distilled_sigmas = ckpt.distilled_sigmas()
+
+    def _steps_and_scale(self, steps: int | None, scale: float | None) -> tuple[int, float]:
+        if self.distilled_sigmas is not None:  # the schedule is the checkpoint's, guidance baked in
+            fixed = len(self.distilled_sigmas)
+            if steps not in (None, fixed):
+                raise RequestError("num_inference_steps", f"model {self.key!r} is distilled to {fixed} steps "
+                                                          f"(leave it unset or {fixed})")
+            if scale not in (None, 1.0):
+                raise RequestError("guidance_scale", f"model {self.key!r} has guidance baked in (leave it unset or 1)")
+            return fixed, 1.0
+        steps = self.knobs.num_inference_steps if steps is None else steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise RequestError("num_inference_steps", f"must be between 1 and {MAX_STEPS}")
+        scale = self.knobs.guidance_scale if scale is None else scale
+        if not (math.isfinite(scale) and scale >= 1):
+            raise RequestError("guidance_scale", "must be a number >= 1 (1 turns guidance off)")
+        return steps, scale
+
+    def _request(self, prompt: str, negative: str, *, width: int, height: int, num_frames: int, fps: float,
+                 steps: int, scale: float, seed: int | None, params: dict, image: bool) -> WalkRequest:
+        """``image``: an image request (the ``t2i`` walks, one encoded image out); otherwise a
+        video (``t2v``: raw frames, one frame for ``num_frames`` 1)."""
+        meta = dict(num_frames=num_frames, height=height, width=width, fps=fps)
+        ids = self.prompt.ids(prompt, **meta)
+        shape = (1, self.latent_channels, (num_frames - 1) // FRAME_STEP + 1, height // SIZE_MULTIPLE,
+                 width // SIZE_MULTIPLE)
+        seed = seed if seed is not None else torch.seed() % (1 << 31)
+        params = {"num_steps": steps, "num_frames": num_frames, "fps": fps, **params}
+        kind = ""
+        if self.distilled_sigmas is not None:  # the starting latents, then one noise draw a step
+            noise = _NOISE.submit(draws, shape[1:], seed, steps + 1)
+            inputs = {"prompt_ids": ids, "latents": _NOISE.submit(lambda: noise.result()[0].contiguous()),
+                      "step_noise": _NOISE.submit(lambda: noise.result()[1:].contiguous())}
+            kind = "_fixed"
+        else:
+            inputs = {"prompt_ids": ids,
+                      "latents": FlowMatchEuler.initial_noise_soon(shape, seed, finish=lambda n: n[0])}
+        if scale > 1:
+            inputs["negative_ids"] = self.prompt.ids(negative, negative=True, **meta)
+            params["guidance_scale"] = scale
+            kind = "_guided"
+        walk = ("t2i" if image else "t2v") + kind
+        return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))
+
+    def check_video(self, spec: GenerateSpec) -> tuple[VideoKnobs, int, float]:
+        """The request's checks, each a ``RequestError`` naming the field, before queueing."""
+        if set(spec.output_modalities) != {"video"}:
+            raise RequestError("output_modalities", f"model {self.key!r} outputs a video or an image")
+        knobs = VideoKnobs.parse(spec.model_kwargs)
+        if not spec.text.strip():
+            raise RequestError("prompt", "must not be empty")
+        if spec.files:
+            raise RequestError("image", f"model {self.key!r} serves text-to-video only in this version")
+        check_size(knobs.width, knobs.height)
+        if knobs.width * knobs.height > self.knobs.max_image_area:
+            raise RequestError("width", f"{knobs.width}x{knobs.height} is over max_image_area "
+                                        f"({self.knobs.max_image_area} pixels a frame)")
+        if (knobs.num_frames - 1) % FRAME_STEP:
+            low = (knobs.num_frames - 1) // FRAME_STEP * FRAME_STEP + 1
+            raise RequestError("num_frames", f"must be {FRAME_STEP}k + 1 (1, 5, 9, ...), got {knobs.num_frames} "
+                                             f"(nearest: {low} or {low + FRAME_STEP})")
+        if knobs.width * knobs.height * knobs.num_frames > self.knobs.max_video_pixels:
+            raise RequestError("num_frames", f"{knobs.width}x{knobs.height}x{knobs.num_frames} is over "
+                                             f"max_video_pixels ({self.knobs.max_video_pixels} pixels)")
+        steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
+        return knobs, steps, scale
+
+    def prepare_video(self, spec: GenerateSpec) -> WalkRequest:
+        knobs, steps, scale = self.check_video(spec)
+        return self._request(spec.text, knobs.negative_prompt, width=knobs.width, height=knobs.height,
+                             num_frames=knobs.num_frames, fps=float(knobs.fps), steps=steps, scale=scale,
+                             seed=knobs.seed, params={}, image=False)
+
+    def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
+        if not spec.prompt.strip():
+            raise RequestError("prompt", "must not be empty")
+        if spec.images:
+            raise RequestError("image", f"model {self.key!r} generates from text only; it does not edit images")
+        check_size(spec.width, spec.height, "size")
+        if spec.width * spec.height > self.knobs.max_image_area:
+            raise RequestError("size", f"{spec.width}x{spec.height} is over max_image_area "
+                                       f"({self.knobs.max_image_area} pixels)")
+        steps, scale = self._steps_and_scale(spec.num_inference_steps, spec.guidance_scale)
+        seed = None if spec.seed is None else spec.seed + index
+        negative = str(spec.model_kwargs.get("negative_prompt", ""))
+        kwargs = {k: v for k, v in spec.model_kwargs.items() if k != "negative_prompt"}
+        return self._request(spec.prompt, negative, width=spec.width, height=spec.height, num_frames=1, fps=24.0,
+                             steps=steps, scale=scale, seed=seed, params=output_params(kwargs), image=True)
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        if set(spec.output_modalities) == {"image"}:
+            return self.prepare_image(ImageGenerateKnobs.parse(spec.model_kwargs).image_spec(spec))
+        return self.prepare_video(spec)
+
+    def output_stream(self, request: WalkRequest, stop: list[str]):
+        if request.walk.startswith("t2i"):
+            return ImageStream.for_request(request)
+        return VideoFrames()
+
+    # ---------------------------------------------------------------- worker
+    def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.model.cosmos3.engine import cosmos3_engines
+
+        ckpt = self.checkpoint()
+        ckpt.check_variant()
+        return cosmos3_engines(ckpt, self.knobs, self.config, set(nodes), device)
+
+
+@register
+class Cosmos3Edge(Cosmos3):
+    """Cosmos3-Edge (4B, dense Nemotron backbone): the same declaration; the tower's config
+    says ``relu2``. Its reasoner chat is not served yet."""
+
+    key = "cosmos3_edge"
+    default_weights = "nvidia/Cosmos3-Edge"
+
+
+@register
+class Cosmos3Super(Cosmos3):
+    """Cosmos3-Super (64B): the same declaration, a larger tower (one GPU here; TP/SP later)."""
+
+    key = "cosmos3_super"
+    default_weights = "nvidia/Cosmos3-Super"
+
+
+@register
+class Cosmos3SuperT2I4Step(Cosmos3):
+    """Cosmos3-Super distilled to 4 steps for text-to-image: guidance baked into the weights,
+    the fixed-sigma stochastic sampler its checkpoint lists (``distilled_sigmas``)."""
+
+    key = "cosmos3_super_t2i_4step"
+    tasks = frozenset({"image_generation"})
+    default_weights = "nvidia/Cosmos3-Super-Text2Image-4Step"

@@ -1,0 +1,297 @@
+"""The Cosmos3 tower: a packed mixture-of-transformers with diffusers' parameter names.
+
+Every layer holds two experts of the same shape: the understanding expert (``to_q`` ...
+``to_out``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``) runs the text tokens,
+the generation expert (``add_q_proj`` ... ``to_add_out``, ``mlp_moe_gen``, the ``*_moe_gen``
+norms) runs the media tokens (video latent patches; sound and action tokens in later modes).
+Attention is one packed sequence per request, text first: text tokens attend causally to text
+only, media tokens attend to every text and media token of their request.
+
+Since text never reads media, a request's text pathway is the same at every denoise step: it
+runs once (``encode_text``) and leaves, per layer, the keys and values the media tokens read
+(``TextKV``); each step then runs only the media tokens (``forward``), several requests'
+tokens in one pass (the projections and MLPs over the packed rows, attention per request).
+The maths is diffusers' ``Cosmos3OmniTransformer.forward`` with the text half hoisted out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rotary import MRotaryEmbedding, rotate
+from mstar.model.cosmos3.config import Cosmos3Config
+
+__all__ = ["Cosmos3Transformer", "MediaItem", "TextKV"]
+
+
+class NemotronRMSNorm(RMSNorm):
+    """Edge's RMS norm: the scale multiplies in float32, then the result is cast back."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
+def make_norm(config: Cosmos3Config, dim: int) -> RMSNorm:
+    return (NemotronRMSNorm if config.nemotron else RMSNorm)(dim, config.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    """Gated SiLU (``silu``) or ungated squared ReLU (``relu2``)."""
+
+    def __init__(self, config: Cosmos3Config) -> None:
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gated = config.hidden_act == "silu"
+        if self.gated:
+            self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+@dataclass
+class Segment:
+    """One request's media rows in a packed step: ``length`` rows, reading ``text`` (its text
+    keys/values at this layer, ``[L, kv_heads, head_dim]`` each)."""
+
+    length: int
+    text: tuple[torch.Tensor, torch.Tensor]
+
+
+class PackedAttention(nn.Module):
+    def __init__(self, config: Cosmos3Config) -> None:
+        super().__init__()
+        d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.to_q = nn.Linear(d, self.heads * hd, bias=bias)
+        self.to_k = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.to_v = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.to_out = nn.Linear(self.heads * hd, d, bias=bias)
+        self.norm_q = make_norm(config, hd) if config.qk_norm_for_text else nn.Identity()
+        self.norm_k = make_norm(config, hd) if config.qk_norm_for_text else nn.Identity()
+        separate = config.use_und_k_norm_for_gen and not config.qk_norm_for_text
+        self.k_norm_und_for_gen = make_norm(config, hd) if separate else None
+        self.add_q_proj = nn.Linear(d, self.heads * hd, bias=bias)
+        self.add_k_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.add_v_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.to_add_out = nn.Linear(self.heads * hd, d, bias=bias)
+        self.norm_added_q = make_norm(config, hd)
+        self.norm_added_k = make_norm(config, hd)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x.unflatten(-1, (heads, self.head_dim))
+
+    def text(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The text tokens ``[L, D]`` of one request: causal self-attention; also the rotated keys
+        and the values the media tokens read."""
+        cos, sin = cos[:, None], sin[:, None]
+        q = self.norm_q(self._split(self.to_q(x), self.heads))
+        k = self.norm_k(self._split(self.to_k(x), self.kv_heads))
+        v = self._split(self.to_v(x), self.kv_heads)
+        k_media = k if self.k_norm_und_for_gen is None else self.k_norm_und_for_gen(k)
+        q, k, k_media = rotate(q, cos, sin), rotate(k, cos, sin), rotate(k_media, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=True)
+        return self.to_out(out.transpose(0, 1).flatten(-2)), (k_media, v)
+
+    def media(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The media rows ``[N, D]`` of several requests (``segments``, in order): each attends to
+        its request's text keys and its own media rows."""
+        cos, sin = cos[:, None], sin[:, None]
+        q = rotate(self.norm_added_q(self._split(self.add_q_proj(x), self.heads)), cos, sin)
+        k = rotate(self.norm_added_k(self._split(self.add_k_proj(x), self.kv_heads)), cos, sin)
+        v = self._split(self.add_v_proj(x), self.kv_heads)
+        outs, start = [], 0
+        for seg in segments:
+            end = start + seg.length
+            keys = torch.cat([seg.text[0], k[start:end]]).transpose(0, 1)
+            values = torch.cat([seg.text[1], v[start:end]]).transpose(0, 1)
+            out = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values, enable_gqa=True)
+            outs.append(out.transpose(0, 1).flatten(-2))
+            start = end
+        return self.to_add_out(torch.cat(outs))
+
+
+class MoTLayer(nn.Module):
+    """One layer: pre-norm attention and MLP, each expert with its own norms and weights."""
+
+    def __init__(self, config: Cosmos3Config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.self_attn = PackedAttention(config)
+        self.mlp = MLP(config)
+        self.mlp_moe_gen = MLP(config)
+        self.input_layernorm = make_norm(config, d)
+        self.input_layernorm_moe_gen = make_norm(config, d)
+        self.post_attention_layernorm = make_norm(config, d)
+        self.post_attention_layernorm_moe_gen = make_norm(config, d)
+
+    def text(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attn, kv = self.self_attn.text(self.input_layernorm(x), cos, sin)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+    def media(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        x = x + self.self_attn.media(self.input_layernorm_moe_gen(x), cos, sin, segments)
+        return x + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(x))
+
+
+class TimestepEmbedding(nn.Module):
+    """``linear_2(silu(linear_1(x)))`` over 256 sinusoidal features (cos first) of the time."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(256, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = 128
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        angles = t.float()[:, None] * freqs[None]
+        features = torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.linear_1.weight.dtype)
+        return self.linear_2(F.silu(self.linear_1(features)))
+
+
+class DomainAwareLinear(nn.Module):
+    """One ``[in, out]`` weight and bias per embodiment domain (the action heads); loaded so the
+    policy checkpoints are covered, run by the action modes."""
+
+    def __init__(self, in_dim: int, out_dim: int, domains: int) -> None:
+        super().__init__()
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.fc = nn.Embedding(domains, in_dim * out_dim)
+        self.bias = nn.Embedding(domains, out_dim)
+
+    def forward(self, x: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+        weight = self.fc(domain).view(-1, self.in_dim, self.out_dim)
+        return torch.bmm(x[:, None], weight)[:, 0] + self.bias(domain)
+
+
+@dataclass
+class TextKV:
+    """A request's text pathway, run once: per layer, the keys (rotated, normed for the media
+    tokens) and values ``[L, kv_heads, head_dim]`` its media tokens read."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[0]
+
+
+@dataclass
+class MediaItem:
+    """One request's media in a step: ``latents [C, T, H, W]``, its ``timestep`` (the sampler's,
+    0..1000), the latent frames ``noisy`` (the rest are clean conditions: no time embedding,
+    zero velocity), its rotary ``positions [3, T * h * w]`` and its ``text``."""
+
+    latents: torch.Tensor
+    timestep: float
+    noisy: list[int]
+    positions: torch.Tensor
+    text: TextKV
+
+
+class Cosmos3Transformer(nn.Module):
+    def __init__(self, config: Cosmos3Config) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(MoTLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = make_norm(config, d)
+        self.norm_moe_gen = make_norm(config, d)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.proj_in = nn.Linear(config.patch_latent_dim, d)
+        self.proj_out = nn.Linear(d, config.patch_latent_dim)
+        self.time_embedder = TimestepEmbedding(d)
+        if config.action_gen:
+            self.action_proj_in = DomainAwareLinear(config.action_dim, d, config.num_embodiment_domains)
+            self.action_proj_out = DomainAwareLinear(d, config.action_dim, config.num_embodiment_domains)
+            self.action_modality_embed = nn.Parameter(torch.zeros(d))
+        if config.sound_gen:
+            self.audio_proj_in = nn.Linear(config.sound_dim, d)
+            self.audio_proj_out = nn.Linear(d, config.sound_dim)
+            self.audio_modality_embed = nn.Parameter(torch.zeros(d))
+        self.rope = MRotaryEmbedding(config.head_dim, config.rope_theta, list(config.rope_axes_dim))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_in.weight.dtype
+
+    # ------------------------------------------------------------------ text
+    def encode_text(self, ids: torch.Tensor, positions: torch.Tensor) -> TextKV:
+        """Run one request's text tokens ``ids [L]`` at rotary ``positions [3, L]`` through the
+        understanding expert; the keys and values its media tokens read at every layer."""
+        x = self.embed_tokens(ids)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        kvs = []
+        for layer in self.layers:
+            x, kv = layer.text(x, cos, sin)
+            kvs.append(kv)
+        return TextKV(kvs)
+
+    # ----------------------------------------------------------------- media
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """``[C, T, H, W]`` -> ``[T * h * w, p * p * C]`` tokens (frame, row, column order; each
+        token's features ordered row-in-patch, column-in-patch, channel); H and W padded to ``p``."""
+        p = self.config.latent_patch_size
+        c, t, h, w = latents.shape
+        latents = F.pad(latents, (0, -w % p, 0, -h % p))
+        hp, wp = latents.shape[2] // p, latents.shape[3] // p
+        x = latents.reshape(c, t, hp, p, wp, p).permute(1, 2, 4, 3, 5, 0)
+        return x.reshape(t * hp * wp, p * p * c)
+
+    def unpatchify(self, tokens: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        """The inverse of ``patchify`` for ``frames`` frames: ``[C, frames, height, width]``."""
+        p, c = self.config.latent_patch_size, self.config.latent_channel
+        hp, wp = -(-height // p), -(-width // p)
+        x = tokens.reshape(frames, hp, wp, p, p, c).permute(5, 0, 1, 3, 2, 4)
+        return x.reshape(c, frames, hp * p, wp * p)[:, :, :height, :width]
+
+    def forward(self, items: list[MediaItem]) -> list[torch.Tensor]:
+        """One denoise step of several requests: each item's velocity ``[C, T, H, W]`` (float32
+        maths where the model's dtype is; zeros on clean frames)."""
+        p = self.config.latent_patch_size
+        tokens, masks, cos, sin, shapes = [], [], [], [], []
+        embeds = self.time_embedder(torch.tensor([float(i.timestep) for i in items], device=self.proj_in.weight.device)
+                                    * self.config.timestep_scale).to(self.dtype)
+        for item, embed in zip(items, embeds):
+            c, t, h, w = item.latents.shape
+            per_frame = -(-h // p) * -(-w // p)
+            x = self.proj_in(self.patchify(item.latents.to(self.dtype)))
+            noisy = torch.zeros(t, dtype=torch.bool, device=x.device)
+            noisy[list(item.noisy)] = True
+            x = x + embed * noisy.repeat_interleave(per_frame)[:, None].to(x.dtype)
+            tokens.append(x)
+            c_, s_ = self.rope.cos_sin(item.positions.to(x.device), x.dtype)
+            cos.append(c_)
+            sin.append(s_)
+            shapes.append((t, h, w, per_frame))
+            masks.append(noisy)
+        x, cos, sin = torch.cat(tokens), torch.cat(cos), torch.cat(sin)
+        for index, layer in enumerate(self.layers):
+            segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
+            x = layer.media(x, cos, sin, segments)
+        x = self.proj_out(self.norm_moe_gen(x))
+        out, start = [], 0
+        for (t, h, w, per_frame), noisy in zip(shapes, masks):
+            rows = x[start:start + t * per_frame]
+            start += t * per_frame
+            v = self.unpatchify(rows, t, h, w)
+            out.append(v * noisy[None, :, None, None].to(v.dtype))
+        return out
