@@ -80,10 +80,15 @@ class SlowForward(Forward):
     def hidden(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
                inputs: dict, counts: list[int] | None) -> torch.Tensor:
         normed, fast_input = self.model.slow(input_ids, inputs["codes"], meta, kv_caches)
+        if self.model.config.norm_fastlayer_input:  # S2: the fast AR reads the normed rows themselves
+            return normed
         return torch.cat((normed, fast_input), dim=-1)  # the engine picks the last rows of both
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed, self.last_fast = hidden.split(self.model.config.dim, dim=-1)
+        if self.model.config.norm_fastlayer_input:
+            normed = self.last_fast = hidden
+        else:
+            normed, self.last_fast = hidden.split(self.model.config.dim, dim=-1)
         return self.model.slow.logits(normed)
 
     def release(self, request_id: str) -> None:

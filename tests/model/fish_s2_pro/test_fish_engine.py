@@ -5,12 +5,15 @@ at the last chunk or on release."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mstar.engine.base import EngineItem
 from mstar.graph.chunking import Chunk
 from mstar.model.fish_s2_pro.codec import CodecConfig, CodecDecoder
+from mstar.model.fish_s2_pro.dual_ar import DualAR
 from mstar.model.fish_s2_pro.engine import CodecStreams, dual_ar_engine
 from mstar.model.fish_s2_pro.generate import Sampling, generate
 from mstar.model.weights import init_dummy_weights
@@ -47,9 +50,16 @@ def run_engine(m, prompts, seeds, sampling: dict, max_frames: int) -> list[torch
     return [torch.stack(f) if f else torch.zeros(0, CONFIG.num_codebooks, dtype=torch.int64) for f in frames]
 
 
-@pytest.mark.parametrize("greedy", [False, True])
-def test_batched_engine_equals_solo_generate(greedy: bool):
-    m, prompts, seeds = model(), [prompt(5, 1), prompt(11, 2), prompt(3, 3)], [7, 8, 9]
+def s1_model() -> DualAR:
+    """The S1 form: the fast AR reads the slow AR's state before the final norm."""
+    m = DualAR(replace(CONFIG, norm_fastlayer_input=False, scale_codebook_embeddings=False))
+    init_dummy_weights(m, seed=0, std=0.3)
+    return m.eval()
+
+
+@pytest.mark.parametrize(("greedy", "build"), [(False, model), (True, model), (False, s1_model)])
+def test_batched_engine_equals_solo_generate(greedy: bool, build):
+    m, prompts, seeds = build(), [prompt(5, 1), prompt(11, 2), prompt(3, 3)], [7, 8, 9]
     with torch.no_grad():  # <|im_end|> now and then: the requests end at different steps
         m.slow.embeddings.weight[CONFIG.eos_token_id] = 0.2 * m.slow.norm.weight
     sampling = {"temperature": 0.0} if greedy else {"temperature": 1.0, "top_p": 0.9, "top_k": 8}
