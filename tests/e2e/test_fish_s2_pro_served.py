@@ -1,6 +1,7 @@
 """Fish S2-Pro served in process (CPU, fp32, a tiny release's configs and tokenizer with
 ``load_format: dummy`` weights) through the official ``openai`` client: plain and streamed
-speech (the stream joins to the whole), cloning from a WAV data URI with its ``ref_text``,
+speech (the stream joins to the whole), /generate's audio equal to the eager loop's frames
+decoded whole, cloning from a WAV data URI with its ``ref_text``,
 ``[tag]`` prosody passed through to the prompt, 8 concurrent seeded requests equal to their
 solo audio, 400s naming ``ref_audio``, ``ref_text``, ``speed`` and an unknown option, and a
 client that hangs up mid-stream giving back every KV page and codec stream."""
@@ -20,11 +21,14 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+import torch
 from client_hangup import hang_up_when
 from live_server import Uvicorn
 
 from mstar.config import parse_config
 from mstar.contract import SpeechSpec
+from mstar.model.fish_s2_pro.checkpoint import FishS2ProCheckpoint
+from mstar.model.fish_s2_pro.generate import Sampling, generate
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
 from tests.support.fish_s2_pro import RATE, SAMPLES_PER_FRAME, write_release
@@ -47,8 +51,12 @@ def data_uri(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory):
-    release = write_release(tmp_path_factory.mktemp("fish_s2_pro"))
+def release(tmp_path_factory: pytest.TempPathFactory):
+    return write_release(tmp_path_factory.mktemp("fish_s2_pro"))
+
+
+@pytest.fixture(scope="module")
+def deployment(release):
     running = start(parse_config({
         "model": MODEL, "model_path": str(release), "device": "cpu", "dtype": "float32", "load_format": "dummy",
         "max_seq_len": 4608, "max_concurrent_requests": 8,
@@ -86,6 +94,28 @@ def test_speech_plain_and_streamed(oai: openai.OpenAI) -> None:
         chunks = [chunk for chunk in response.iter_bytes() if chunk]
     assert b"".join(chunks) == whole
     assert speak(oai, "Hello there.", seed=4) != whole
+
+
+@torch.no_grad()
+def test_generate_equals_the_eager_loop_decoded_whole(http: httpx.Client, deployment, release) -> None:
+    """/generate's float32 audio (seeded, fish-speech's sampling defaults) is ``generate.py``'s
+    frames for the same prompt and seed, decoded whole: the engine's batched steps and the
+    codec's streamed chunks change nothing."""
+    options = {"seed": 21, "max_tokens": FRAMES}
+    form = {"text": "Hello [laugh] there.", "output_modalities": "audio", "model_kwargs": json.dumps(options)}
+    response = http.post("/generate", data=form)
+    assert response.status_code == 200, response.text
+    served = np.frombuffer(base64.b64decode(response.json()["data"]["audio"]), "<f4")
+    inputs = deployment.spec.prepare_speech(SpeechSpec("e", "Hello [laugh] there.")).inputs
+    ckpt = FishS2ProCheckpoint(release)
+    model = ckpt.dual_ar(torch.device("cpu"), torch.float32, dummy=True, seed=0).eval()
+    codec = ckpt.codec(torch.device("cpu"), dummy=True, seed=1, config=ckpt.codec_configs()[0]).eval()
+    frames = generate(model, [(inputs["prompt_ids"], inputs["prompt_codes"])], max_frames=FRAMES,
+                      sampling=Sampling(), seeds=[21], page_size=16)[0]
+    assert len(frames) >= 4
+    whole = codec.decode(frames.T[None])[0].numpy()
+    assert served.shape == whole.shape
+    assert np.abs(served - whole).max() <= 1e-5 * np.abs(whole).max()
 
 
 def test_clones_from_a_wav_data_uri_with_its_transcript(oai: openai.OpenAI) -> None:
