@@ -144,8 +144,9 @@ class FishRules(TokenRules):
                                     device=device)
 
             frame = self.model.fast(self.forward.last_fast.index_select(0, rows), code0, sampler=fast_pick).codes
+            host_frame = frame.cpu()  # one copy for the step's rows
             for j, row in enumerate(talking):
-                states[row].codes = frame[j:j + 1].cpu()
+                states[row].codes = host_frame[j:j + 1].clone()
                 self.forward.next_codes[seqs[row].request_id] = frame[j]
         return torch.tensor(chosen, device=logits.device)
 
