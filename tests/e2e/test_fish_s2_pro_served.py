@@ -183,9 +183,10 @@ def held(http: httpx.Client) -> tuple[float, float, float]:
 
 
 def test_a_client_gone_mid_stream_frees_pages_and_codec_state(server, http: httpx.Client) -> None:
-    """A long request (4096 frames at most) hangs up once its audio is streaming: the codec
-    holds its state and the dual AR its pages; then both are given back."""
-    options = {"seed": 1, "max_tokens": 4096, "temperature": 0.0}
+    """A long request (4096 frames, ``ignore_eos``: a few tens of seconds here) hangs up once
+    its audio is streaming: the codec holds its state and the dual AR its pages; then both
+    are given back, well before it could have finished."""
+    options = {"seed": 1, "max_tokens": 4096, "ignore_eos": True}
     form = {"text": "Keep talking for a long while.", "output_modalities": "audio", "streaming": "true",
             "model_kwargs": json.dumps(options)}
     hang_up_when(server.url, "/generate", lambda: held(http)[1] > 0 and held(http)[0] > 0, data=form)

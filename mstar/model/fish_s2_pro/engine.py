@@ -99,13 +99,15 @@ class SlowForward(Forward):
 class FishState:
     sampling: Sampling
     generator: torch.Generator | None
+    ignore_eos: bool = False  # <|im_end|> is never drawn
     recent: deque[int] | None = None  # the last decode-step tokens (None until the first decode)
     codes: torch.Tensor | None = field(default=None, repr=False)  # [1, N]: the last step's frame
 
 
 class FishRules(TokenRules):
-    """The slow token drawn among the semantic tokens and ``<|im_end|>``, the frame's other
-    codes from the fast AR in the same step; a step writes its frame's ``codes``."""
+    """The slow token drawn among the semantic tokens and ``<|im_end|>`` (never ``<|im_end|>``
+    for a request with ``ignore_eos``), the frame's other codes from the fast AR in the same
+    step; a step writes its frame's ``codes``."""
 
     extra_outputs = True
 
@@ -118,12 +120,16 @@ class FishRules(TokenRules):
 
     def start(self, params: dict) -> FishState:
         sampling, seed = sampling_of(params)
-        return FishState(sampling, None if sampling.greedy else torch.Generator().manual_seed(seed))
+        return FishState(sampling, None if sampling.greedy else torch.Generator().manual_seed(seed),
+                         bool(params.get("ignore_eos", False)))
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
         c = self.model.config
         masked = slow_token_mask(logits, c.semantic_begin_id, c.codebook_size, c.eos_token_id).float().cpu()
         states: list[FishState] = [seq.state for seq in seqs]
+        endless = [row for row, s in enumerate(states) if s.ignore_eos]
+        if endless:
+            masked[endless, self.eos] = float("-inf")
         chosen = [pick_slow(masked[row], s.generator, s.sampling, s.recent, self.semantic)
                   for row, s in enumerate(states)]
         for token, s in zip(chosen, states, strict=True):

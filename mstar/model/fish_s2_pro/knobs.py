@@ -53,6 +53,9 @@ class FishSpeechKnobs(RequestKnobs):
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_FRAMES)
     """The same as ``max_tokens`` (the reference's name); ``max_tokens`` wins when both are sent."""
 
+    ignore_eos: bool = False
+    """Never draw ``<|im_end|>``: speak exactly the frame budget (benchmarks)."""
+
     repetition_aware: bool = True
     """Redraw a slow token that repeats one of the last 10 (at temperature 1, top-p 0.9), as
     the reference does."""

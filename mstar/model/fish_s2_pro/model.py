@@ -126,8 +126,8 @@ class FishS2Pro(VoiceCloning, ModelSpec):
         seed = options.seed if options.seed is not None else int(torch.seed() % (1 << 31))
         sampling = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k, "seed": seed}
         return decode_request("tts", {"prompt_ids": tokens, "prompt_codes": codes}, len(tokens), frames, sampling,
-                              [c.eos_token_id], self.config, upfront=True,
-                              repetition_aware=options.repetition_aware)
+                              [] if options.ignore_eos else [c.eos_token_id], self.config, upfront=True,
+                              repetition_aware=options.repetition_aware, ignore_eos=options.ignore_eos)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> PcmStream:
         return PcmStream(self.sample_rate)

@@ -22,12 +22,12 @@ from tests.model.fish_s2_pro.test_fish_generate import CONFIG, model, prompt
 PAGE = 4
 
 
-def run_engine(m, prompts, seeds, sampling: dict, max_frames: int) -> list[torch.Tensor]:
+def run_engine(m, prompts, seeds, sampling: dict, max_frames: int, **extra) -> list[torch.Tensor]:
     """Each request's frames ``[F, N]`` from the engine, all requests in every step."""
     engine = dual_ar_engine(m, num_pages=64, page_size=PAGE, max_seq_len=256, device=torch.device("cpu"),
                             dtype=torch.float32)
     params = [{"sampling": {**sampling, "seed": s}, "max_new_tokens": max_frames,
-               "stop_token_ids": [CONFIG.eos_token_id]} for s in seeds]
+               "stop_token_ids": [CONFIG.eos_token_id], **extra} for s in seeds]
     items = [EngineItem(f"r{i}", "prefill", 0, {"prompt_ids": t, "prompt_codes": k}, params[i])
              for i, (t, k) in enumerate(prompts)]
     frames: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -70,6 +70,16 @@ def test_batched_engine_equals_solo_generate(greedy: bool, build):
         assert torch.equal(frames, solo)
     if not greedy:
         assert max(len(f) for f in served) == 6 and len({len(f) for f in served}) > 1
+
+
+def test_ignore_eos_speaks_the_whole_budget():
+    m = model()
+    with torch.no_grad():  # make <|im_end|> win every slow step
+        m.slow.embeddings.weight[CONFIG.eos_token_id] = 50 * m.slow.norm.weight
+    prompts = [prompt(5, 1), prompt(7, 2)]
+    assert [len(f) for f in run_engine(m, prompts, [1, 2], {"temperature": 0.0}, max_frames=5)] == [0, 0]
+    frames = run_engine(m, prompts, [1, 2], {"temperature": 0.0}, max_frames=5, ignore_eos=True)
+    assert [len(f) for f in frames] == [5, 5]
 
 
 def tiny_codec() -> CodecDecoder:
