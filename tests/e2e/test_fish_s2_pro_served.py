@@ -26,7 +26,7 @@ from client_hangup import hang_up_when
 from live_server import Uvicorn
 
 from mstar.config import parse_config
-from mstar.contract import SpeechSpec
+from mstar.contract import RequestError, SpeechSpec
 from mstar.model.fish_s2_pro.checkpoint import FishS2ProCheckpoint
 from mstar.model.fish_s2_pro.generate import Sampling, generate
 from mstar.runtime.launch import start
@@ -194,3 +194,11 @@ def test_a_client_gone_mid_stream_frees_pages_and_codec_state(server, http: http
     while any(state := held(http)):
         assert time.monotonic() < deadline, f"pages / codec streams / requests still held: {state}"
         time.sleep(0.05)
+
+
+def test_a_prompt_past_max_seq_len_is_refused_naming_input(deployment) -> None:
+    with pytest.raises(RequestError) as err:  # one token a character: past the 4608-token max_seq_len
+        deployment.spec.prepare_speech(SpeechSpec("long", "a" * 4700))
+    assert err.value.field == "input" and "max_seq_len" in str(err.value)
+    request = deployment.spec.prepare_speech(SpeechSpec("fits", "a" * 4400, model_kwargs={"max_tokens": 4096}))
+    assert request.params["max_new_tokens"] == 4608 - len(request.inputs["prompt_ids"])  # the budget fits the room

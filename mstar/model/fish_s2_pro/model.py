@@ -11,7 +11,8 @@ chunks, and its samples stream out as PCM.
 Preparing a request (API-server side): the prompt is S2's three-turn chat (``prompt.py``);
 cloning puts the clip's codes and ``ref_text`` in its system turn. The clip is encoded once
 per content (``VoiceCloning``'s memo over ``condition_on_clip``, which is
-``cloning.clip_reference``: waveform and rate in, the in-prompt ``Reference`` out). S2-Pro
+``cloning.clip_reference``: the transcript checked, then ``cloning.encode_clip``, the one
+clip -> codes step, a function of the decoded waveform and its rate alone). S2-Pro
 clones only from a clip *with* its transcript: a clip without ``ref_text`` is a 400 naming it.
 ``voice`` is ignored (no preset voices: without a clip the model picks one); ``speed`` must be
 1.0. The weights are under the Fish Audio Research License: non-commercial use only.
