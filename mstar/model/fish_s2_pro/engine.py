@@ -40,7 +40,7 @@ from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.fish_s2_pro.codec import CodecDecoder, CodecState
 from mstar.model.fish_s2_pro.dual_ar import DualAR
 from mstar.model.fish_s2_pro.generate import RAS_WINDOW, Sampling, pick, pick_slow
-from mstar.model.fish_s2_pro.prompt import slow_token_mask
+from mstar.model.fish_s2_pro.prompt import slow_candidates
 
 __all__ = ["CodecStreams", "FishRules", "SlowForward", "dual_ar_engine", "sampling_of"]
 
@@ -125,12 +125,13 @@ class FishRules(TokenRules):
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
         c = self.model.config
-        masked = slow_token_mask(logits, c.semantic_begin_id, c.codebook_size, c.eos_token_id).float().cpu()
+        candidates, ids = slow_candidates(logits, c.semantic_begin_id, c.codebook_size, c.eos_token_id)
+        host = candidates.float().cpu()  # [B, codebook_size + 1]: one small copy a step
         states: list[FishState] = [seq.state for seq in seqs]
         endless = [row for row, s in enumerate(states) if s.ignore_eos]
         if endless:
-            masked[endless, self.eos] = float("-inf")
-        chosen = [pick_slow(masked[row], s.generator, s.sampling, s.recent, self.semantic)
+            host[endless, ids.index(self.eos)] = float("-inf")
+        chosen = [pick_slow(host[row], s.generator, s.sampling, s.recent, self.semantic, ids)
                   for row, s in enumerate(states)]
         for token, s in zip(chosen, states, strict=True):
             if s.recent is None:

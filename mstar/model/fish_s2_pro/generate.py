@@ -1,8 +1,8 @@
 """The eager reference loop: prompts to frames with the dual AR, batched on a paged cache.
 
 What a serving engine does step by step, written plainly so engines can be checked against
-it: one prefill of every prompt, then per step the slow token (restricted to the semantic
-tokens and ``<|im_end|>``), the fast AR's frame for the rows still talking, and the next
+it: one prefill of every prompt, then per step the slow token (drawn among the semantic
+tokens and ``<|im_end|>`` alone: ``slow_candidates``), the fast AR's frame for the rows still talking, and the next
 input (the token and its frame). A request stops at ``<|im_end|>`` (no frame) or after
 ``max_frames``. Sampling draws from each request's own generator, so a request's frames do
 not depend on what it is batched with.
@@ -26,7 +26,7 @@ import torch
 from mstar.layers.paged_kv import allocate_kv_cache
 from mstar.model.fish_s2_pro.dual_ar import DualAR
 from mstar.model.fish_s2_pro.paging import step_metadata
-from mstar.model.fish_s2_pro.prompt import slow_token_mask
+from mstar.model.fish_s2_pro.prompt import slow_candidates
 
 RAS_WINDOW = 10
 RAS_TEMPERATURE = 1.0
@@ -58,13 +58,19 @@ def pick(logits: torch.Tensor, generator: torch.Generator | None, sampling: Samp
 
 
 def pick_slow(logits: torch.Tensor, generator: torch.Generator | None, sampling: Sampling,
-              recent: deque[int] | None, semantic: range) -> int:
+              recent: deque[int] | None, semantic: range, ids: Sequence[int] | None = None) -> int:
     """The slow token, with repetition-aware sampling on decode steps (``recent``: the
-    request's last decode-step tokens; None at the prefill)."""
-    token = pick(logits, generator, sampling)
+    request's last decode-step tokens; None at the prefill). ``ids``: the token of each
+    entry of ``logits`` (``slow_candidates``); None: the entry's index is the token."""
+
+    def draw(temperature: float | None = None, top_p: float | None = None) -> int:
+        index = pick(logits, generator, sampling, temperature, top_p)
+        return index if ids is None else ids[index]
+
+    token = draw()
     if recent is None or sampling.greedy or generator is None or not sampling.repetition_aware:
         return token
-    fallback = pick(logits, generator, sampling, RAS_TEMPERATURE, RAS_TOP_P)
+    fallback = draw(RAS_TEMPERATURE, RAS_TOP_P)
     return fallback if token in semantic and token in recent else token
 
 
@@ -93,9 +99,11 @@ def generate(model: DualAR, prompts: Sequence[tuple[torch.Tensor, torch.Tensor]]
                                  [counts[i] for i in active], page_size, device)
             normed, fast_input = model.slow(tokens, codes, meta, caches)
             last = torch.tensor(meta.host_query_start_loc[1:], device=device) - 1
-            logits = slow_token_mask(model.slow.logits(normed[last]), c.semantic_begin_id, c.codebook_size,
-                                     c.eos_token_id)
-            chosen = [pick_slow(logits[row], gens[i], sampling, recent[i], semantic) for row, i in enumerate(active)]
+            logits, ids = slow_candidates(model.slow.logits(normed[last]), c.semantic_begin_id, c.codebook_size,
+                                          c.eos_token_id)
+            logits = logits.float().cpu()
+            chosen = [pick_slow(logits[row], gens[i], sampling, recent[i], semantic, ids)
+                      for row, i in enumerate(active)]
             for token, i in zip(chosen, active, strict=True):
                 if recent[i] is None:
                     recent[i] = deque(maxlen=RAS_WINDOW)
