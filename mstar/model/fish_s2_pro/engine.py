@@ -10,9 +10,10 @@ and ``<|im_end|>`` allowed), then runs the fast AR once over the rows that keep 
 slow step makes one whole frame of ``num_codebooks`` codes per request; the step writes it
 (``codes [1, N]``), silent at ``<|im_end|>``.
 
-Sampling is ``generate.py``'s, draw for draw: each request has its own generator seeded from
-its ``seed``, and a step draws the slow token (then, on decode steps, the repetition-aware
-fallback), then codebooks 1 .. N - 1, so a request's frames do not depend on its batch.
+Sampling is ``generate.py``'s, draw for draw (``sampling.py``): each request has its own
+generator seeded from its ``seed``, whose numbers pick its ids by inverse CDF, so a request's
+frames do not depend on its batch. The draws run on the device, batched; the host reads the
+slow tokens back once a step (the fast AR's codes stay on the device until the frame is done).
 
 The slow AR's K/V depend on the frames fed back, not on the token ids alone: no prefix
 caching, no preemption (a request holds its pages from admission), no step launched ahead.
@@ -26,7 +27,6 @@ equals the whole decode. The state is dropped at the stream's last chunk and by 
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +39,8 @@ from mstar.engine.sequence import Sequence
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.fish_s2_pro.codec import CodecDecoder, CodecState
 from mstar.model.fish_s2_pro.dual_ar import DualAR
-from mstar.model.fish_s2_pro.generate import RAS_WINDOW, Sampling, pick, pick_slow
 from mstar.model.fish_s2_pro.prompt import slow_candidates
+from mstar.model.fish_s2_pro.sampling import RowSampling, Sampling, choose_slow, fast_sampler
 
 __all__ = ["CodecStreams", "FishRules", "SlowForward", "dual_ar_engine", "sampling_of"]
 
@@ -97,17 +97,15 @@ class SlowForward(Forward):
 
 @dataclass
 class FishState:
-    sampling: Sampling
-    generator: torch.Generator | None
+    row: RowSampling  # the request's sampling, generator and recent slow tokens
     ignore_eos: bool = False  # <|im_end|> is never drawn
-    recent: deque[int] | None = None  # the last decode-step tokens (None until the first decode)
     codes: torch.Tensor | None = field(default=None, repr=False)  # [1, N]: the last step's frame
 
 
 class FishRules(TokenRules):
     """The slow token drawn among the semantic tokens and ``<|im_end|>`` (never ``<|im_end|>``
     for a request with ``ignore_eos``), the frame's other codes from the fast AR in the same
-    step; a step writes its frame's ``codes``."""
+    step, sampled on the device; a step writes its frame's ``codes``."""
 
     extra_outputs = True
 
@@ -120,37 +118,24 @@ class FishRules(TokenRules):
 
     def start(self, params: dict) -> FishState:
         sampling, seed = sampling_of(params)
-        return FishState(sampling, None if sampling.greedy else torch.Generator().manual_seed(seed),
-                         bool(params.get("ignore_eos", False)))
+        generator = None if sampling.greedy else torch.Generator().manual_seed(seed)
+        return FishState(RowSampling(sampling, generator), bool(params.get("ignore_eos", False)))
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
         c = self.model.config
         candidates, ids = slow_candidates(logits, c.semantic_begin_id, c.codebook_size, c.eos_token_id)
-        host = candidates.float().cpu()  # [B, codebook_size + 1]: one small copy a step
         states: list[FishState] = [seq.state for seq in seqs]
         endless = [row for row, s in enumerate(states) if s.ignore_eos]
         if endless:
-            host[endless, ids.index(self.eos)] = float("-inf")
-        chosen = [pick_slow(host[row], s.generator, s.sampling, s.recent, self.semantic, ids)
-                  for row, s in enumerate(states)]
-        for token, s in zip(chosen, states, strict=True):
-            if s.recent is None:
-                s.recent = deque(maxlen=RAS_WINDOW)
-            else:
-                s.recent.append(token)
+            candidates[torch.tensor(endless, device=logits.device), ids.index(self.eos)] = float("-inf")
+        chosen = choose_slow(candidates, ids, [s.row for s in states], self.semantic)  # the step's one read-back
         talking = [row for row, token in enumerate(chosen) if token != self.eos]
         if talking:
             device = logits.device
             rows = torch.tensor(talking, device=device)
             code0 = self.model.code0(torch.tensor([chosen[r] for r in talking], device=device))
-            picks = [states[r] for r in talking]
-
-            def fast_pick(book_logits: torch.Tensor, book: int) -> torch.Tensor:
-                host = book_logits.float().cpu()
-                return torch.tensor([pick(host[j], s.generator, s.sampling) for j, s in enumerate(picks)],
-                                    device=device)
-
-            frame = self.model.fast(self.forward.last_fast.index_select(0, rows), code0, sampler=fast_pick).codes
+            sampler = fast_sampler([states[r].row for r in talking], c.num_codebooks, device)
+            frame = self.model.fast(self.forward.last_fast.index_select(0, rows), code0, sampler=sampler).codes
             host_frame = frame.cpu()  # one copy for the step's rows
             for j, row in enumerate(talking):
                 states[row].codes = host_frame[j:j + 1].clone()
