@@ -74,7 +74,7 @@ class SlowForward(Forward):
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                 counts: list[int] | None) -> dict:
         rows = [item.inputs["prompt_codes"].reshape(-1, self.model.config.num_codebooks) if item.op == "prefill"
-                else self.next_codes.pop(item.request_id)[None] for item in items]
+                else self.next_codes[item.request_id][None] for item in items]  # kept: a failed step may rerun
         return {"codes": torch.cat(rows).to(input_ids.device, torch.int64)}
 
     def hidden(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
