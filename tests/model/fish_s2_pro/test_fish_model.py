@@ -72,3 +72,13 @@ def test_unknown_knob_stops_startup_naming_it():
     spec = cls(parse_config(config(model_kwargs={"max_new_frames": 8})))
     assert spec.knobs.max_new_frames == 8
     assert set(spec.graph().nodes) == {"dual_ar", "codec"}
+
+
+def test_the_shipped_yaml_parses_and_its_kv_pool_holds_every_request():
+    from mstar.config import load_config
+
+    deployment = load_config(Path(__file__).parents[3] / "configs" / "fish_s2_pro.yaml")
+    spec = model_class("fish_s2_pro")(deployment)
+    assert spec.knobs.max_new_frames == 2048 and set(spec.graph().walks) == {"tts"}
+    kv = deployment.resources.kv_cache  # each request may hold max_seq_len positions from admission
+    assert kv.max_num_pages * kv.page_size >= deployment.max_concurrent_requests * deployment.max_seq_len
