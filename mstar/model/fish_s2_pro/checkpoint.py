@@ -6,13 +6,18 @@ dropped), the tokenizer's special tokens (``special_tokens.json``, else ``tokeni
 added tokens) giving ``<|semantic:0|>`` and ``<|im_end|>``, and the codec in ``codec.pth``
 (its ``generator.`` prefix dropped). Coverage is checked both ways: a model parameter no
 tensor fills, or a tensor that fills nothing, fails the load naming it.
+
+The codec's sizes are not in the release (fish-speech keeps them in ``modded_dac_vq.yaml``):
+they are ``CodecConfig``'s and ``EncoderConfig``'s defaults, unless a ``codec.json`` beside the
+weights gives others (``CodecConfig`` fields, and the encoder's under ``"encoder"``), as a
+small test release does.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,6 +39,15 @@ def _torch_file(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     if tensors and all(name.startswith(prefix) for name in tensors):
         tensors = {name[len(prefix):]: t for name, t in tensors.items()}
     return dict(tensors)
+
+
+def _known(cls: type, values: dict) -> dict:
+    """``values`` for the dataclass ``cls``: lists as tuples; an unknown key raises, naming it."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise KeyError(f"codec.json: unknown {cls.__name__} keys {unknown}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
 @dataclass
@@ -63,6 +77,20 @@ class FishS2ProCheckpoint:
             if name not in tokens:
                 raise KeyError(f"{self.path}: the tokenizer has no {name} token")
         return DualARConfig.from_dict({**raw, **{key: tokens[name] for key, name in ids.items()}})
+
+    def codec_configs(self) -> tuple[CodecConfig, EncoderConfig]:
+        """The codec's decoder and encoder sizes (``codec.json``, else the release's)."""
+        path = self.path / "codec.json"
+        raw = json.loads(path.read_text()) if path.exists() else {}
+        encoder = raw.pop("encoder", {})
+        return CodecConfig(**_known(CodecConfig, raw)), EncoderConfig(**_known(EncoderConfig, encoder))
+
+    def tokenizer(self):
+        """The text tokenizer (``tokenizer.json``): ``encode(text, add_special_tokens=False)``
+        gives ids, the chat's special tokens matched whole."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(self.path / "tokenizer.json"))
 
     def dual_ar_released(self) -> dict[str, torch.Tensor]:
         if (self.path / "model.pth").exists():

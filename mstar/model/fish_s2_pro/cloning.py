@@ -19,9 +19,10 @@ from mstar.model.fish_s2_pro.prompt import Reference
 MAX_CLIP_SECONDS = 30.0
 
 
-def clip_reference(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> Reference:
-    if not ref_text or not ref_text.strip():
-        raise RequestError("ref_text", "S2-Pro clones from a reference clip with its transcript; send ref_text")
+def encode_clip(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int) -> torch.Tensor:
+    """A clip's codes ``[N, frames]`` (on the CPU): ``samples`` (mono float32 at ``sample_rate``)
+    resampled to the codec's rate and encoded. A function of the waveform and its rate alone,
+    so a cache may key it by the decoded audio."""
     if samples.size == 0:
         raise RequestError("ref_audio", "the reference clip is empty")
     if samples.size / sample_rate > MAX_CLIP_SECONDS:
@@ -31,5 +32,11 @@ def clip_reference(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int,
     clip = torch.from_numpy(resample(np.asarray(samples, dtype=np.float32), sample_rate, rate))
     param = next(encoder.parameters())
     with torch.no_grad():
-        codes = encoder(clip[None].to(param.device, param.dtype))[0].cpu()
-    return Reference(ref_text.strip(), codes)
+        return encoder(clip[None].to(param.device, param.dtype))[0].cpu()
+
+
+def clip_reference(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> Reference:
+    """The in-prompt reference of a clip and its transcript (required)."""
+    if not ref_text or not ref_text.strip():
+        raise RequestError("ref_text", "S2-Pro clones from a reference clip with its transcript; send ref_text")
+    return Reference(ref_text.strip(), encode_clip(encoder, samples, sample_rate))

@@ -67,3 +67,17 @@ def slow_token_mask(logits: torch.Tensor, semantic_begin_id: int, codebook_size:
     keep[semantic_begin_id:semantic_begin_id + codebook_size] = True
     keep[eos_id] = True
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def slow_candidates(logits: torch.Tensor, semantic_begin_id: int, codebook_size: int,
+                    eos_id: int) -> tuple[torch.Tensor, list[int]]:
+    """The logits ``[B, codebook_size + 1]`` of the only ids the slow step may draw (the
+    semantic tokens and ``<|im_end|>``, in id order) and those ids: what ``slow_token_mask``
+    leaves, without the rest of the vocabulary (about 150k ids in the release), so a draw
+    sorts and copies 4097 values a row, not the whole vocabulary."""
+    semantic = logits[:, semantic_begin_id:semantic_begin_id + codebook_size]
+    eos = logits[:, eos_id:eos_id + 1]
+    ids = list(range(semantic_begin_id, semantic_begin_id + codebook_size))
+    if eos_id < semantic_begin_id:
+        return torch.cat((eos, semantic), dim=1), [eos_id, *ids]
+    return torch.cat((semantic, eos), dim=1), [*ids, eos_id]

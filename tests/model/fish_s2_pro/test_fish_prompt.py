@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from mstar.model.fish_s2_pro.prompt import Reference, build_prompt, slow_token_mask
+from mstar.model.fish_s2_pro.prompt import Reference, build_prompt, slow_candidates, slow_token_mask
 
 BEGIN = 1000
 
@@ -60,3 +61,13 @@ def test_slow_token_mask_keeps_semantic_and_im_end():
     masked = slow_token_mask(logits, semantic_begin_id=10, codebook_size=4, eos_id=3)
     kept = torch.isfinite(masked[0]).nonzero()[:, 0].tolist()
     assert kept == [3, 10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("eos", [3, 17])
+def test_slow_candidates_are_the_masks_finite_entries_in_id_order(eos):
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(eos))
+    masked = slow_token_mask(logits, semantic_begin_id=10, codebook_size=4, eos_id=eos)
+    candidates, ids = slow_candidates(logits, semantic_begin_id=10, codebook_size=4, eos_id=eos)
+    kept = torch.isfinite(masked[0]).nonzero()[:, 0].tolist()
+    assert ids == kept and torch.equal(candidates, logits[:, kept])
+    assert [ids[i] for i in candidates.argmax(dim=1).tolist()] == masked.argmax(dim=1).tolist()
