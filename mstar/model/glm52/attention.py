@@ -178,7 +178,7 @@ class Glm52Attention(nn.Module):
                 made.append(chosen[b])
             scores = (torch.einsum("nhr,lr->hnl", q_latent[s:e], c)
                       + torch.einsum("nhd,ld->hnl", q_rot[s:e], kr)) * self.scale
-            probs = scores.masked_fill(~made[b][None], float("-inf")).softmax(dim=-1)
+            probs = scores.float().masked_fill(~made[b][None], float("-inf")).softmax(dim=-1).to(c.dtype)
             out[s:e] = torch.einsum("hnl,lr->nhr", probs, c)
         values = torch.einsum("thr,hvr->thv", out, w_uv)
         return self.o_proj(values.reshape(x.shape[0], heads * self.v_dim)), made
