@@ -46,19 +46,21 @@ def reference_logits(ref, prompt: list[int], decoded: list[int]) -> list[torch.T
 def test_batched_prefill_and_decode_match_reference() -> None:
     """Three requests batched (prompts of 5, 9 and 29 tokens; the indexer keeps 6 keys, so the
     longer two attend to a strict subset), one prefill step, then six decode steps of all three
-    rows; the middle layer shares the first layer's choice of keys."""
+    rows; the middle layer shares the first layer's choice of keys. A fourth request (70 tokens)
+    is prefilled in the third decode step, beside the decoding rows, and decodes after it in a
+    key block of its own (two decode groups a step)."""
     ref, ours = build_pair()
     gen = torch.Generator().manual_seed(1)
     vocab = ref.config.vocab_size
     prompts = {name: torch.randint(2, vocab, (n,), generator=gen).tolist() for name, n in
-               (("a", 5), ("b", 9), ("c", 29))}
-    steps = 6
+               (("a", 5), ("b", 9), ("c", 29), ("d", 70))}
+    steps, joins = 6, 2
     decoded = {name: torch.randint(2, vocab, (steps,), generator=gen).tolist() for name in prompts}
     expected = {name: reference_logits(ref, prompts[name], decoded[name]) for name in prompts}
 
-    pages = Pages(num_pages=40, page_size=PAGE_SIZE)
+    pages = Pages(num_pages=60, page_size=PAGE_SIZE)
     layers, heads, width, planes = ours.cache_shape()
-    caches = allocate_kv_cache(layers, 40, PAGE_SIZE, heads, width, torch.float32, "cpu", planes=planes)
+    caches = allocate_kv_cache(layers, 60, PAGE_SIZE, heads, width, torch.float32, "cpu", planes=planes)
     dropped = []
     original_select = Glm52Indexer.select
 
@@ -67,21 +69,33 @@ def test_batched_prefill_and_decode_match_reference() -> None:
         dropped.append(bool((visible & ~chosen).any()))
         return chosen
 
+    def run(chunks: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+        meta = pages.step([(name, len(ids)) for name, ids in chunks])
+        logits = ours.compute_logits(ours(torch.tensor([t for _, ids in chunks for t in ids]), meta, caches))
+        starts = meta.query_starts
+        return {name: logits[starts[b]:starts[b + 1]] for b, (name, _) in enumerate(chunks)}
+
     Glm52Indexer.select = spy
     try:
         with torch.no_grad():
-            meta = pages.step([(name, len(p)) for name, p in prompts.items()])
-            ids = torch.tensor([t for p in prompts.values() for t in p])
-            logits = ours.compute_logits(ours(ids, meta, caches))
-            starts = meta.query_starts
-            for b, name in enumerate(prompts):
-                check(f"prefill {name}", logits[starts[b]:starts[b + 1]], expected[name][0])
-            for step in range(steps):
-                meta = pages.step([(name, 1) for name in prompts])
-                ids = torch.tensor([decoded[name][step] for name in prompts])
-                logits = ours.compute_logits(ours(ids, meta, caches))
-                for b, name in enumerate(prompts):
-                    check(f"decode {step} {name}", logits[b:b + 1], expected[name][step + 1])
+            first = ["a", "b", "c"]
+            for name, got in run([(name, prompts[name]) for name in first]).items():
+                check(f"prefill {name}", got, expected[name][0])
+            done = {name: 0 for name in first}
+            for step in range(steps + joins + 1):
+                chunks = [(name, [decoded[name][n]]) for name, n in done.items() if n < steps]
+                if step == joins:
+                    chunks.append(("d", prompts["d"]))
+                if not chunks:
+                    break
+                for name, got in run(chunks).items():
+                    if name == "d" and name not in done:
+                        check("prefill d (mixed step)", got, expected["d"][0])
+                        done["d"] = 0
+                        continue
+                    check(f"decode {done[name]} {name}", got, expected[name][done[name] + 1])
+                    done[name] += 1
+            assert done == {name: steps for name in prompts}
     finally:
         Glm52Indexer.select = original_select
     assert any(dropped), "the indexer never left a visible key out: the test does not exercise DSA"

@@ -105,15 +105,20 @@ class Glm52Indexer(nn.Module):
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
         """Which keys each query attends to, ``[n, L]`` (True: attend): its ``topk`` best scores
-        among the keys ``visible [n, L]`` to it (all of them while there are fewer)."""
+        among the keys ``visible [n, L]`` to it (all of them while there are fewer). ``keys``
+        are ``[L, D]``, shared by the queries (a sequence's), or ``[n, L, D]``, one row's each
+        (a decode group's, padded: the padding not visible)."""
         keys = keys.float()
         scale = self.head_dim ** -0.5
         chosen = torch.zeros_like(visible)
-        k = min(self.topk, keys.shape[0])
+        k = min(self.topk, keys.shape[-2])
+        shared = keys.dim() == 2
         for s in range(0, q.shape[0], INDEX_QUERY_CHUNK):
             e = s + INDEX_QUERY_CHUNK
-            scores = F.relu(torch.einsum("nhd,ld->nhl", q[s:e], keys) * scale)
-            scores = torch.einsum("nh,nhl->nl", weights[s:e], scores).masked_fill(~visible[s:e], float("-inf"))
+            dots = torch.einsum("nhd,ld->nhl", q[s:e], keys) if shared else \
+                torch.einsum("nhd,nld->nhl", q[s:e], keys[s:e])
+            scores = torch.einsum("nh,nhl->nl", weights[s:e], F.relu(dots * scale))
+            scores = scores.masked_fill(~visible[s:e], float("-inf"))
             chosen[s:e].scatter_(1, scores.topk(k, dim=-1).indices, True)
         return chosen & visible
 
@@ -142,10 +147,11 @@ class Glm52Attention(nn.Module):
         self.indexer = Glm52Indexer(config) if config.indexer_types[layer] == "full" else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata,
-                kv_cache: torch.Tensor, chosen: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``x [T, hidden]`` (normed) -> ``([T, hidden], chosen)``: ``chosen[b] [n_b, L_b]`` the keys
-        sequence ``b``'s queries attended to (made here by the indexer; a shared layer takes the
-        previous layer's)."""
+                kv_cache: torch.Tensor, chosen: dict | None) -> tuple[torch.Tensor, dict]:
+        """``x [T, hidden]`` (normed) -> ``([T, hidden], chosen)``: the keys each query attended
+        to (made here by the indexer; a shared layer takes the previous layer's), per decode
+        group ``i`` (``meta.decode_groups``: ``[rows, padded length]``) and per prefilling
+        sequence ``("seq", b)`` (``[new tokens, length]``)."""
         heads, rank = self.num_heads, self.rank
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, heads, self.config.qk_head_dim)
@@ -165,20 +171,44 @@ class Glm52Attention(nn.Module):
         w_uk, w_uv = w_kv[:, :self.nope_dim], w_kv[:, self.nope_dim:]
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         out = x.new_empty(x.shape[0], heads, rank)
-        starts, made = meta.query_starts, []
-        for b, length in enumerate(meta.seq_lens_list):
+        made: dict[object, torch.Tensor] = {}
+        groups, single = meta.decode_groups
+        for i, group in enumerate(groups):  # one new token each: batched, keys padded to the group's length
+            index = group.index.to(x.device)
+            rows = flat.index_select(0, group.slots.to(x.device)).view(len(group.rows), group.length, -1)
+            visible = ~group.padding.to(x.device)
+            made[i] = self._choose(index_q, index, rows, visible, chosen, i)
+            out.index_copy_(0, index, self._attend(q_latent[index], q_rot[index], rows.to(x.dtype), made[i]))
+        starts = meta.query_starts
+        for b, length in enumerate(meta.seq_lens_list):  # prefills: each sequence's queries over its keys
             s, e = starts[b], starts[b + 1]
-            rows = flat.index_select(0, sequence_slots(meta, b, length, x.device)).to(x.dtype)
-            c, kr, ki = rows[:, :rank], rows[:, rank:rank + self.rope_dim], rows[:, rank + self.rope_dim:]
-            if index_q is not None:
-                positions = meta.positions[s:e].to(x.device)
-                visible = torch.arange(length, device=x.device)[None, :] <= positions[:, None]
-                made.append(self.indexer.select(index_q[0][s:e], index_q[1][s:e], ki, visible))
-            else:
-                made.append(chosen[b])
-            scores = (torch.einsum("nhr,lr->hnl", q_latent[s:e], c)
-                      + torch.einsum("nhd,ld->hnl", q_rot[s:e], kr)) * self.scale
-            probs = scores.float().masked_fill(~made[b][None], float("-inf")).softmax(dim=-1).to(c.dtype)
-            out[s:e] = torch.einsum("hnl,lr->nhr", probs, c)
+            if e == s or b in single:
+                continue
+            rows = flat.index_select(0, sequence_slots(meta, b, length, x.device))
+            visible = torch.arange(length, device=x.device)[None, :] <= meta.positions[s:e].to(x.device)[:, None]
+            made[("seq", b)] = self._choose(index_q, slice(s, e), rows, visible, chosen, ("seq", b))
+            out[s:e] = self._attend(q_latent[s:e], q_rot[s:e], rows.to(x.dtype), made[("seq", b)])
         values = torch.einsum("thr,hvr->thv", out, w_uv)
         return self.o_proj(values.reshape(x.shape[0], heads * self.v_dim)), made
+
+    def _choose(self, index_q: tuple[torch.Tensor, torch.Tensor] | None, rows: torch.Tensor | slice,
+                cached: torch.Tensor, visible: torch.Tensor, chosen: dict | None, key: object) -> torch.Tensor:
+        """The keys the queries ``rows`` of the step attend to: the indexer's choice over the
+        cached rows' index keys, or a shared layer's inherited ``chosen[key]``."""
+        if index_q is None:
+            return chosen[key]
+        q, weights = index_q
+        return self.indexer.select(q[rows], weights[rows], cached[..., self.rank + self.rope_dim:], visible)
+
+    def _attend(self, q_latent: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+        """``softmax(scores) . c`` ``[n, heads, rank]`` for queries ``[n, heads, .]`` over cached
+        rows ``[L, width]`` (shared by the queries) or ``[n, L, width]`` (one row's each), only
+        the ``chosen [n, L]`` keys."""
+        c, k_rot = cached[..., :self.rank], cached[..., self.rank:self.rank + self.rope_dim]
+        if cached.dim() == 2:
+            scores = torch.einsum("nhr,lr->nhl", q_latent, c) + torch.einsum("nhd,ld->nhl", q_rot, k_rot)
+        else:
+            scores = torch.einsum("nhr,nlr->nhl", q_latent, c) + torch.einsum("nhd,nld->nhl", q_rot, k_rot)
+        probs = (scores * self.scale).float().masked_fill(~chosen[:, None], float("-inf")).softmax(-1).to(c.dtype)
+        return torch.einsum("nhl,lr->nhr", probs, c) if cached.dim() == 2 else torch.einsum("nhl,nlr->nhr", probs, c)

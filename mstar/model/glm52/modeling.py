@@ -37,7 +37,7 @@ class Glm52DecoderLayer(nn.Module):
         self.mlp = Glm52MoE(config) if sparse else SwiGLU(config.hidden_size, config.intermediate_size, fused=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata,
-                kv_cache: torch.Tensor, chosen: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                kv_cache: torch.Tensor, chosen: dict | None) -> tuple[torch.Tensor, dict]:
         attn, chosen = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, chosen)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), chosen
