@@ -147,6 +147,26 @@ def test_dummy_weights_and_absent_weights(tmp_path: Path) -> None:
     model = Glm52Checkpoint.locate(str(tmp_path)).load_model(torch.device("cpu"), torch.bfloat16, dummy=True, seed=0)
     assert model.model.layers[0].self_attn.q_a_proj.weight.dtype == torch.bfloat16
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     assert model.model.layers[0].self_attn.q_a_proj.weight.std() > 0
     with pytest.raises(ModelPathError, match="model_path 'nobody/GLM-5.2-absent'.*never downloaded"):
         Glm52Checkpoint.locate("nobody/GLM-5.2-absent", cache_dir=str(tmp_path / "hub"))
+
+
+def test_real_shapes_match_the_reference() -> None:
+    """At the released shapes (transformers' defaults, GLM-5's 78 layers), built on the meta
+    device: every parameter the reference has, in the same number (ours stacks the experts and
+    fuses gate/up; the counts are the same)."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from mstar.model.glm52 import Glm52Config, Glm52ForCausalLM
+
+    hf_config = GlmMoeDsaConfig()
+    with torch.device("meta"):
+        ref = GlmMoeDsaForCausalLM(hf_config)
+        ours = Glm52ForCausalLM(Glm52Config.from_dict(hf_config.to_dict()))
+    count = sum(p.numel() for p in ours.parameters())
+    ref_count = sum(p.numel() for p in ref.parameters()) + sum(
+        b.numel() for n, b in ref.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert count == ref_count
+    assert ours.cache_shape() == (78, 1, 512 + 64 + 128, 1)

@@ -99,7 +99,7 @@ class Glm52Indexer(nn.Module):
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries ``[T, heads, head_dim]`` and head weights ``[T, heads]`` (float32)."""
         q = self._rotated(self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
         return q.float(), weights
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

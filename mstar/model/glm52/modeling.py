@@ -22,7 +22,7 @@ from mstar.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from mstar.layers.mlp import SwiGLU
 from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import PagedAttentionMetadata
-from mstar.model.glm52.attention import Glm52Attention, rope_tables
+from mstar.model.glm52.attention import Glm52Attention, Glm52Indexer, rope_tables
 from mstar.model.glm52.config import Glm52Config
 from mstar.model.glm52.moe import Glm52MoE, Glm52Router
 
@@ -90,11 +90,14 @@ class Glm52ForCausalLM(nn.Module):
         return len(self.model.layers), 1, self.config.cache_width, 1
 
     def to_dtype(self, dtype: torch.dtype) -> Glm52ForCausalLM:
-        """``self.to(dtype)``, the routers kept in float32 (their scores choose the experts)."""
+        """``self.to(dtype)``, the routers and the indexers' head weights kept in float32 (they
+        choose the experts and the keys; the reference keeps them so too)."""
         self.to(dtype)
         for module in self.modules():
             if isinstance(module, Glm52Router):
                 module.float()
+            elif isinstance(module, Glm52Indexer):
+                module.weights_proj.float()
         return self
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
