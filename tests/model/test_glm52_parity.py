@@ -3,6 +3,7 @@ a shared expert) against transformers' ``GlmMoeDsaForCausalLM``, float32 on the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -141,3 +142,10 @@ def test_config_reads_release_fields() -> None:
     assert config.indexer_types == tuple(hf.indexer_types) == ("full", "full", "shared", "full", "shared", "full")
     assert config.rope_theta == 1e6 and config.eos_token_id == (1, 2)
     assert config.cache_width == config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
+
+
+def test_config_refuses_what_it_does_not_compute() -> None:
+    for bad, match in (({"scoring_func": "softmax"}, "scoring_func"), ({"hidden_act": "gelu"}, "hidden_act"),
+                       ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'")):
+        with pytest.raises(ValueError, match=match):
+            Glm52Config.from_dict({"num_hidden_layers": 4, **bad})

@@ -69,6 +69,8 @@ class Glm52Config:
         """From a ``config.json`` as released (or as transformers writes it)."""
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r}: only silu is supported")
+        if d.get("scoring_func", "sigmoid") != "sigmoid":  # DeepSeek-style configs name the router's scores
+            raise ValueError(f"scoring_func {d['scoring_func']!r}: only sigmoid routing is supported")
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"rope type {rope.get('rope_type', rope.get('type'))!r}: only the default "
