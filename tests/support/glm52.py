@@ -13,7 +13,7 @@ TINY = dict(
     num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=2,
     topk_group=1, num_experts_per_tok=3, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=40,
     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, index_topk=6, index_head_dim=16,
-    index_n_heads=6, first_k_dense_replace=1, indexer_types=["full", "shared", "full"],
+    index_n_heads=16, first_k_dense_replace=1, indexer_types=["full", "shared", "full"],
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=512,
     tie_word_embeddings=False, eos_token_id=1, bos_token_id=0,
 )
@@ -22,7 +22,8 @@ TINY = dict(
 def tiny_reference(seed: int = 0, **overrides) -> GlmMoeDsaForCausalLM:
     """The reference in float32 on the CPU (eager attention), weights random at a scale that
     keeps every path's signal alive: norms near one, projections ~1/sqrt(fan-in), a router
-    score-correction bias that matters."""
+    score-correction bias that matters. 16 indexer heads: with few, a key every head scores
+    below zero scores exactly 0 (the ReLU), and the top-k among such ties is arbitrary."""
     config = GlmMoeDsaConfig(**{**TINY, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
