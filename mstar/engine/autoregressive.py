@@ -42,6 +42,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    planes: int = 2  # keys and values; 1: one latent row per token (multi-head latent attention)
 
 
 @dataclass
@@ -147,7 +148,7 @@ class AutoregressiveEngine(Engine):
         self.device = device
         cache_pages = num_pages + 1 if cuda_graphs else num_pages
         self.kv_caches = allocate_kv_cache(layout.num_layers, cache_pages, page_size, layout.num_kv_heads,
-                                           layout.head_dim, dtype, device)
+                                           layout.head_dim, dtype, device, planes=layout.planes)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(
@@ -586,7 +587,8 @@ class AutoregressiveEngine(Engine):
     # ------------------------------------------------------- KV hand-off
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The K/V of the sequence's computed positions, gathered from its pages into one
-        tensor ``[layers, 2, tokens, kv_heads, head_dim]`` (a copy: its pages may be freed)."""
+        tensor ``[layers, planes, tokens, kv_heads, head_dim]`` (a copy: its pages may be freed;
+        ``planes`` is 2, keys and values, or 1 for a latent cache)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id} holds no sequence to export")
@@ -610,10 +612,11 @@ class AutoregressiveEngine(Engine):
             raise RuntimeError(f"request {request_id} already holds a sequence here")
         layers = len(self.kv_caches)
         heads, head_dim = self.kv_caches[0].shape[-2:]
+        planes = self.kv_caches[0].shape[0]
         computed = kv.shape[2] if kv.dim() == 5 else -1
-        if kv.dim() != 5 or tuple(kv.shape[:2]) != (layers, 2) or tuple(kv.shape[3:]) != (heads, head_dim):
+        if kv.dim() != 5 or tuple(kv.shape[:2]) != (layers, planes) or tuple(kv.shape[3:]) != (heads, head_dim):
             raise ValueError(f"request {request_id}: KV of shape {tuple(kv.shape)} does not fit this cache "
-                             f"[{layers}, 2, tokens, {heads}, {head_dim}]")
+                             f"[{layers}, {planes}, tokens, {heads}, {head_dim}]")
         if not 0 < computed < len(tokens) or not 0 < prompt_len <= len(tokens):
             raise ValueError(f"request {request_id}: KV of {computed} positions, {len(tokens)} tokens and a "
                              f"prompt of {prompt_len} do not make a sequence that can continue")
@@ -690,5 +693,5 @@ def _first_id(token: torch.Tensor) -> int:
 
 
 def _flat_slots(cache: torch.Tensor) -> torch.Tensor:
-    """A layer's cache ``[2, pages, page_size, H, D]`` viewed as ``[2, slots, H, D]``."""
-    return cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+    """A layer's cache ``[planes, pages, page_size, H, D]`` viewed as ``[planes, slots, H, D]``."""
+    return cache.view(cache.shape[0], -1, cache.shape[-2], cache.shape[-1])

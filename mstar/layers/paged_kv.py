@@ -1,7 +1,10 @@
 """The paged KV cache and the per-step metadata every attention backend reads.
 
 The KV cache of one attention layer is one tensor of shape
-``[2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 = keys, 1 = values). A step
+``[2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 = keys, 1 = values), or, for a
+layer that caches one compressed row per token instead of keys and values (multi-head latent
+attention: GLM-5.2's latent, rotary key and indexer key), ``[1, num_pages, page_size, 1, width]``
+(``planes=1``); the pages and slots are the same either way. A step
 runs ``T`` new tokens belonging to ``B`` sequences, flattened in sequence order; the engine
 describes it in one ``PagedAttentionMetadata``. The backends themselves are in
 ``mstar.layers.attention`` (the reference and the dispatcher) and
@@ -145,9 +148,13 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    planes: int = 2,
 ) -> list[torch.Tensor]:
-    """One zeroed ``[2, num_pages, page_size, num_kv_heads, head_dim]`` tensor per layer."""
-    shape = (2, num_pages, page_size, num_kv_heads, head_dim)
+    """One zeroed ``[planes, num_pages, page_size, num_kv_heads, head_dim]`` tensor per layer
+    (``planes``: 2 for keys and values, 1 for one latent row per token)."""
+    if planes not in (1, 2):
+        raise ValueError(f"a KV cache holds 1 (latent) or 2 (keys, values) planes, not {planes}")
+    shape = (planes, num_pages, page_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

@@ -19,6 +19,7 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
              "mstar.model.z_image.model", "mstar.model.wan22.model", "mstar.model.ltx2_5.model",
              "mstar.model.fastconformer.model",
              "mstar.model.canary.model",
+             "mstar.model.glm52.model",
              "mstar.model.higgs_audio.model", "mstar.model.qwen3_asr.model",
              "mstar.model.canary_qwen.model", "mstar.model.kokoro.model",
              "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model",
