@@ -28,15 +28,19 @@ def paged_attention(
     scale: float,
     *,
     write_kv: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention with the implementation named by ``meta.backend``.
 
     Every backend has the contract of ``torch_paged_attention``: write the new K/V into
     ``kv_cache`` at ``meta.slot_mapping`` (unless ``write_kv`` is False: the caller already
-    did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``.
+    did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``. ``window`` (a
+    sliding-window layer): a token at position ``p`` sees only positions ``> p - window``.
     """
     if meta.backend == "torch":
-        return torch_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv)
+        return torch_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv, window=window)
+    if window is not None:
+        raise NotImplementedError(f"sliding-window attention on the {meta.backend!r} backend; use 'torch'")
     if meta.backend == "triton":
         from mstar.layers.triton_attention import triton_paged_attention
 
@@ -53,6 +57,7 @@ def torch_paged_attention(
     scale: float,
     *,
     write_kv: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference paged attention (pure PyTorch, any device).
 
@@ -61,7 +66,11 @@ def torch_paged_attention(
     when ``write_kv`` is False: the caller wrote them, and ``k``/``v`` only give shapes); then each
     sequence gathers its first ``seq_lens[b]`` cached entries through its page table and its
     new tokens attend causally (a token at position ``p`` sees KV positions ``<= p``), which
-    covers prefill, decode and chunked-prefill continuation alike. Returns ``[T, Hq, D]``.
+    covers prefill, decode and chunked-prefill continuation alike. With ``window`` it sees only
+    positions ``p - window < kv <= p`` (Hugging Face's sliding-window mask), so the pages of a
+    sequence that lie wholly before its window are never read and may be given back to the
+    pool (``PagePool.release_before``): their table entries then name any page. Returns
+    ``[T, Hq, D]``.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
@@ -75,10 +84,10 @@ def torch_paged_attention(
     page_size = meta.page_size
     groups, single = meta.decode_groups
     if len(groups) == 1 and groups[0].rows == list(range(q.shape[0])):  # a decode step, one group
-        return _decode_attention(q, flat, groups[0], scale)
+        return _decode_attention(q, flat, groups[0], scale, window)
     out = torch.empty_like(q)
     for group in groups:  # the sequences with one new token, as in a decode step
-        out.index_copy_(0, group.index.to(q.device), _decode_attention(q, flat, group, scale))
+        out.index_copy_(0, group.index.to(q.device), _decode_attention(q, flat, group, scale, window))
     starts = meta.query_starts
     seq_lens = meta.seq_lens_list
     offsets = torch.arange(page_size, device=q.device)
@@ -95,6 +104,8 @@ def torch_paged_attention(
         q_pos = meta.positions[start:end].to(q.device)
         kv_pos = torch.arange(seq_len, device=q.device)
         mask = kv_pos[None, :] <= q_pos[:, None]  # [n, L], True = attend
+        if window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - window
 
         o = torch.nn.functional.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, n, D]
@@ -108,7 +119,8 @@ def torch_paged_attention(
     return out
 
 
-def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, scale: float,
+                      window: int | None = None) -> torch.Tensor:
     """The attention ``[rows, Hq, D]`` of a ``DecodeGroup``: sequences with one new token each
     (at its last position: it sees the whole cache) and KV lengths that round up to the same
     block of keys (``PagedAttentionMetadata.decode_groups``, worked out once per step), as a
@@ -123,7 +135,8 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, s
     ``mstar.layers.quantized``, turn last-bit differences into different tokens)."""
     rows = len(group.rows)
     query = q if rows == q.shape[0] and group.rows == list(range(rows)) else q.index_select(0, group.index.to(q.device))
-    return group_attention(query, flat, group.head_slots(flat.shape[2], q.device), group.padding.to(q.device), scale)
+    padding = group.padding if window is None else group.window_padding(window)
+    return group_attention(query, flat, group.head_slots(flat.shape[2], q.device), padding.to(q.device), scale)
 
 
 def group_attention(query: torch.Tensor, flat: torch.Tensor, head_slots: torch.Tensor, padding: torch.Tensor,

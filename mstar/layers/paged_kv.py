@@ -110,6 +110,17 @@ class DecodeGroup:
     length: int
     padding: torch.Tensor
     _head_slots: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _window_padding: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def window_padding(self, window: int) -> torch.Tensor:
+        """``padding`` with the keys before each row's sliding ``window`` masked too (a row of
+        KV length ``n`` sees its last ``window`` keys); made once a step per window."""
+        if window not in self._window_padding:
+            length = self.padding.shape[1]
+            seq_lens = length - self.padding.sum(dim=1, keepdim=True)
+            positions = torch.arange(length, device=self.padding.device)
+            self._window_padding[window] = self.padding | (positions[None, :] < seq_lens - window)
+        return self._window_padding[window]
 
     def head_slots(self, num_kv_heads: int, device: torch.device) -> torch.Tensor:
         """The rows ``[rows * num_kv_heads * length]`` of the group's keys in a cache seen as
