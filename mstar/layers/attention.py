@@ -35,8 +35,11 @@ def paged_attention(
     Every backend has the contract of ``torch_paged_attention``: write the new K/V into
     ``kv_cache`` at ``meta.slot_mapping`` (unless ``write_kv`` is False: the caller already
     did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``. ``window`` (a
-    sliding-window layer): a token at position ``p`` sees only positions ``> p - window``.
+    sliding-window layer): a token at position ``p`` sees only positions ``> p - window``, in
+    the pages of ``meta.windowed`` when the step has them.
     """
+    if window is not None and meta.windowed is not None:
+        meta = meta.windowed
     if meta.backend == "torch":
         return torch_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv, window=window)
     if window is not None:

@@ -36,6 +36,10 @@ class PagedAttentionMetadata:
     # for the device in every layer of the step).
     host_query_start_loc: tuple[int, ...] | None = None
     host_seq_lens: tuple[int, ...] | None = None
+    # The sliding-window layers' own step metadata when they keep their K/V in a pool of their
+    # own (``mstar.engine.window_pages``): the same step, other slots and page table. None:
+    # every layer reads this one.
+    windowed: PagedAttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
