@@ -104,3 +104,46 @@ class CommandAPlusConfig:
             d = d["text_config"]
         return cls(**config_kwargs(cls, d, nullable={"bos_token_id", "eos_token_id", "pad_token_id",
                                                      "rms_norm_eps", "sliding_window"}))
+
+
+@dataclass
+class CommandVisionConfig:
+    """The image side of the vision-language release: a SigLIP tower (``vision_config``) over
+    ``image_size`` tiles, and the projector that folds each ``downsample_factor`` squared
+    patches into one text token (``alignment_intermediate_size``: its SwiGLU's width, both
+    halves). ``image_token_id``: the placeholder the image's tokens replace."""
+
+    hidden_size: int = 1152
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 27
+    num_attention_heads: int = 12
+    image_size: int = 512
+    patch_size: int = 16
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+    downsample_factor: int = 2
+    alignment_intermediate_size: int = 36864
+    image_token_id: int = 255036
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "gelu_pytorch_tanh":
+            raise NotImplementedError(f"vision hidden_act {self.hidden_act!r}")
+        if (self.image_size // self.patch_size) % self.downsample_factor:
+            raise ValueError("the patch grid does not divide by downsample_factor")
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Text tokens of one tile: its patch grid, downsampled."""
+        return (self.image_size // self.patch_size // self.downsample_factor) ** 2
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> CommandVisionConfig | None:
+        """From a ``Cohere2VisionConfig`` dict (None for a text-only ``config.json``)."""
+        if "vision_config" not in d:
+            return None
+        vision = d["vision_config"] or {}
+        names = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in vision.items() if k in names}
+        kwargs |= {k: d[k] for k in ("downsample_factor", "alignment_intermediate_size", "image_token_id") if k in d}
+        return cls(**kwargs)

@@ -32,7 +32,8 @@ from mstar.layers.moe import MoEExperts
 from mstar.layers.norm import RMSNorm
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.layers.rotary import apply_rotary_pairs, rope_inv_freq
-from mstar.model.command_a_plus.config import CommandAPlusConfig
+from mstar.model.command_a_plus.config import CommandAPlusConfig, CommandVisionConfig
+from mstar.model.command_a_plus.vision import CommandVision
 
 
 class BiasFreeLayerNorm(nn.Module):
@@ -176,14 +177,17 @@ class CommandModel(nn.Module):
 
 class CommandAPlusForCausalLM(nn.Module):
     """The Command A+ text decoder with its tied, scaled language-model head, one paged step
-    per ``forward``."""
+    per ``forward``; with a ``vision`` config also the image encoder (``vision.*``), which runs
+    where the decoder's first rank does and whose tokens enter as ``inputs_embeds``."""
 
-    def __init__(self, config: CommandAPlusConfig) -> None:
+    def __init__(self, config: CommandAPlusConfig, vision: CommandVisionConfig | None = None) -> None:
         super().__init__()
         if not config.tie_word_embeddings:
             raise NotImplementedError("Command A+ ties its embeddings; an untied lm_head is not supported")
         self.config = config
+        self.vision_config = vision
         self.model = CommandModel(config)
+        self.vision = CommandVision(vision, config.hidden_size) if vision is not None else None
 
     def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,6 +197,21 @@ class CommandAPlusForCausalLM(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def embed_with_images(self, input_ids: torch.Tensor, pixels: torch.Tensor | None) -> torch.Tensor:
+        """Embeddings ``[T, hidden]`` of ``input_ids`` whose image placeholders
+        (``image_token_id``) take, in order, the tokens of the tiles ``pixels [n, 3, S, S]``."""
+        embeds = self.embed_input_ids(input_ids)
+        if pixels is None:
+            return embeds
+        if self.vision is None or self.vision_config is None:
+            raise ValueError("this checkpoint has no vision tower: it reads text only")
+        image = self.vision(pixels.to(embeds.dtype))
+        slots = input_ids == self.vision_config.image_token_id
+        if int(slots.sum()) != image.shape[0]:
+            raise ValueError(f"{int(slots.sum())} image placeholders for {image.shape[0]} image tokens")
+        embeds[slots] = image.to(embeds.dtype)
+        return embeds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` on every rank: the tied embeddings, times ``logit_scale``."""
