@@ -5,7 +5,6 @@ attention of the paged layer against a dense masked reference."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,10 @@ import torch
 from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
 
 from mstar.layers.attention import paged_attention
-from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import allocate_kv_cache
 from mstar.model.command_a_plus import CommandAPlusConfig, CommandAPlusForCausalLM
 from mstar.model.weights import iter_safetensors, load_weights
+from tests.support.pages import Pages
 
 TOL = 1e-5
 PAGE_SIZE = 4
@@ -69,42 +69,13 @@ def build_pair(tmp_path: Path, **overrides: Any) -> tuple[Cohere2MoeForCausalLM,
     return hf, ours
 
 
-class Pages:
-    """Test-only page allocator: shuffled free pages, one page list per sequence."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.free = list(range(NUM_PAGES))
-        random.Random(seed).shuffle(self.free)
-        self.pages: dict[str, list[int]] = {}
-        self.lens: dict[str, int] = {}
-
-    def step(self, chunks: list[tuple[str, int]]) -> PagedAttentionMetadata:
-        positions, slots, starts, seq_lens = [], [], [0], []
-        for seq, n in chunks:
-            pages = self.pages.setdefault(seq, [])
-            old = self.lens.get(seq, 0)
-            new = self.lens[seq] = old + n
-            while len(pages) * PAGE_SIZE < new:
-                pages.append(self.free.pop())
-            positions += range(old, new)
-            slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(old, new)]
-            starts.append(starts[-1] + n)
-            seq_lens.append(new)
-        width = max(len(self.pages[seq]) for seq, _ in chunks)
-        table = [self.pages[seq] + [0] * (width - len(self.pages[seq])) for seq, _ in chunks]
-        return PagedAttentionMetadata(
-            positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens),
-            page_table=torch.tensor(table), page_size=PAGE_SIZE)
-
-
 @torch.no_grad()
 def test_sliding_window_paged_attention_matches_dense() -> None:
     """Prefill, chunked continuation and decode with a window, against a dense masked softmax."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim = 4, 2, 8
     cache = allocate_kv_cache(1, NUM_PAGES, PAGE_SIZE, kv_heads, dim, torch.float32, "cpu")[0]
-    pages = Pages(seed=5)
+    pages = Pages(NUM_PAGES, PAGE_SIZE, seed=5)
     history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for chunks in ([("a", 19), ("b", 5)], [("a", 1), ("b", 7)], [("a", 1), ("b", 1)]):
         meta = pages.step(chunks)
@@ -137,7 +108,7 @@ def test_logits_match_transformers(variant: str, tmp_path: Path) -> None:
     hf, ours = build_pair(tmp_path, **VARIANTS[variant])
     layers, kv_heads, head_dim = ours.cache_shape()
     caches = allocate_kv_cache(layers, NUM_PAGES, PAGE_SIZE, kv_heads, head_dim, torch.float32, "cpu")
-    pages = Pages(seed=2)
+    pages = Pages(NUM_PAGES, PAGE_SIZE, seed=2)
     gen = torch.Generator().manual_seed(3)
     seqs: dict[str, list[int]] = {}
     worst = 0.0
