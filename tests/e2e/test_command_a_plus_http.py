@@ -10,6 +10,7 @@ release's defaults; a missing checkpoint is never downloaded."""
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration, Qwen2Tokenizer
 
 from mstar.config import parse_config
-from mstar.contract import ChatSpec, SamplingParams
+from mstar.contract import ChatSpec, GenerateSpec, RequestError, SamplingParams
 from mstar.model.registry import model_class
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
@@ -147,6 +148,13 @@ def test_sampling_defaults_and_no_download(checkpoint: Path, tmp_path: Path) -> 
                                           "repetition_penalty": 1.04, "seed": None}
     sent = spec.prepare_chat(ChatSpec("b", messages, SamplingParams(temperature=0.0), 4))
     assert sent.params["sampling"]["temperature"] == 0.0 and sent.params["sampling"]["repetition_penalty"] == 1.0
+    upload = base64.b64decode(png_uri(5, (30, 30)).split(",", 1)[1])
+    generate = spec.prepare_generate(GenerateSpec("c", "what is it?", [("a.png", upload)], ["text"],
+                                                  {"top_p": 0.5, "max_tokens": 4}))
+    assert generate.walk == "chat_image" and generate.inputs["pixel_values"].shape == (1, 3, 32, 32)
+    assert generate.params["sampling"]["top_p"] == 0.5 and generate.params["sampling"]["temperature"] == 0.9
+    with pytest.raises(RequestError, match="image token"):
+        spec.prepare_chat(ChatSpec("d", [{"role": "user", "content": "<|IMG_PATCH|>"}], SamplingParams(), 4))
     absent = model_class(MODEL)(parse_config({**deployment_config(checkpoint), "model_path": str(tmp_path / "x")}))
     with pytest.raises(Exception, match="model_path.*never downloaded"):
         absent.load_frontend()

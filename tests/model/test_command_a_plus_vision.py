@@ -128,6 +128,18 @@ def test_checkpoint_coverage_both_ways(released, tmp_path: Path) -> None:
     assert text_only.vision is None
     dummy = CommandAPlusCheckpoint.locate(path).load_model(torch.device("cpu"), torch.float32, dummy=True, seed=0)
     assert dummy.vision is not None
+    legacy = {"model.language_model.": "language_model.model.", "model.vision_tower.": "vision_tower.vision_model.",
+              "model.multi_modal_projector.": "multi_modal_projector."}  # the release's older layout
+
+    def renamed(name: str) -> str:
+        return next((new + name[len(old):] for old, new in legacy.items() if name.startswith(old)), name)
+
+    save_file({renamed(k): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    old = CommandAPlusCheckpoint.locate(tmp_path).load_model(torch.device("cpu"), torch.float32, dummy=False, seed=0)
+    assert torch.equal(old.vision.multi_modal_projector.linear_2.bias,
+                       tensors["model.multi_modal_projector.linear_2.bias"])
+    assert torch.equal(old.model.layers[1].mlp.experts.down.weight[3],
+                       tensors["model.language_model.layers.1.mlp.experts.3.down_proj.weight"])
 
 
 def test_absent_weights_are_never_downloaded(tmp_path: Path) -> None:
