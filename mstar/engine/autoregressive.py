@@ -572,22 +572,24 @@ class AutoregressiveEngine(Engine):
             host_seq_lens=tuple(lens),
         )
         if isinstance(self.pool, SlidingWindowPages):
-            meta = dataclasses.replace(meta, windowed=self._windowed_metadata(meta, spans, positions_d))
+            meta = dataclasses.replace(meta, windowed=self._windowed_metadata(meta, spans))
         return meta, ids_d
 
-    def _windowed_metadata(self, meta: PagedAttentionMetadata, spans: list[tuple[str, int, int]],
-                           positions: torch.Tensor) -> PagedAttentionMetadata:
+    def _windowed_metadata(self, meta: PagedAttentionMetadata,
+                           spans: list[tuple[str, int, int]]) -> PagedAttentionMetadata:
         """The step's metadata for the sliding-window layers: ``meta`` with the slots and
-        page table of the windowed pool."""
+        page table of the windowed pool (worked out on the host, as ``_metadata``'s)."""
         assert isinstance(self.pool, SlidingWindowPages)
         page_size = self.pool.page_size
         tables = self.pool.windowed_tables([request_id for request_id, _, _ in spans])
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        counts = torch.tensor([end - start for _, start, end in spans])
+        starts = torch.tensor([start for _, start, _ in spans], dtype=torch.int64)
+        counts = torch.tensor([end - start for _, start, end in spans], dtype=torch.int64)
         row_of = torch.repeat_interleave(torch.arange(len(spans)), counts)
-        host_positions = positions.cpu()
-        slots = table[row_of, host_positions // page_size] * page_size + host_positions % page_size
+        first = torch.cumsum(counts, 0) - counts
+        positions = starts[row_of] + torch.arange(int(counts.sum())) - first[row_of]
+        slots = table[row_of, positions // page_size] * page_size + positions % page_size
         return dataclasses.replace(meta, slot_mapping=self._to_device(slots), page_table=self._to_device(table))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
