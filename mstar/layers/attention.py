@@ -85,12 +85,12 @@ def torch_paged_attention(
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
 
     page_size = meta.page_size
-    groups, single = meta.decode_groups
+    groups, single = meta.decode_groups if window is None else meta.window_decode_groups(window)
     if len(groups) == 1 and groups[0].rows == list(range(q.shape[0])):  # a decode step, one group
-        return _decode_attention(q, flat, groups[0], scale, window)
+        return _decode_attention(q, flat, groups[0], scale)
     out = torch.empty_like(q)
     for group in groups:  # the sequences with one new token, as in a decode step
-        out.index_copy_(0, group.index.to(q.device), _decode_attention(q, flat, group, scale, window))
+        out.index_copy_(0, group.index.to(q.device), _decode_attention(q, flat, group, scale))
     starts = meta.query_starts
     seq_lens = meta.seq_lens_list
     offsets = torch.arange(page_size, device=q.device)
@@ -122,8 +122,7 @@ def torch_paged_attention(
     return out
 
 
-def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, scale: float,
-                      window: int | None = None) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
     """The attention ``[rows, Hq, D]`` of a ``DecodeGroup``: sequences with one new token each
     (at its last position: it sees the whole cache) and KV lengths that round up to the same
     block of keys (``PagedAttentionMetadata.decode_groups``, worked out once per step), as a
@@ -138,8 +137,7 @@ def _decode_attention(q: torch.Tensor, flat: torch.Tensor, group: DecodeGroup, s
     ``mstar.layers.quantized``, turn last-bit differences into different tokens)."""
     rows = len(group.rows)
     query = q if rows == q.shape[0] and group.rows == list(range(rows)) else q.index_select(0, group.index.to(q.device))
-    padding = group.padding if window is None else group.window_padding(window)
-    return group_attention(query, flat, group.head_slots(flat.shape[2], q.device), padding.to(q.device), scale)
+    return group_attention(query, flat, group.head_slots(flat.shape[2], q.device), group.padding.to(q.device), scale)
 
 
 def group_attention(query: torch.Tensor, flat: torch.Tensor, head_slots: torch.Tensor, padding: torch.Tensor,

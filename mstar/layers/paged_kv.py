@@ -96,6 +96,39 @@ class PagedAttentionMetadata:
                                       padding))
         return groups, set(single)
 
+    def window_decode_groups(self, window: int) -> tuple[list[DecodeGroup], set[int]]:
+        """``decode_groups`` for a sliding-window layer: each sequence with one new token (KV
+        length ``n``) gathers only its last ``min(n, window)`` keys, in a block of that many
+        rounded up to ``DECODE_KEY_BUCKET`` that ends at its last key (the positions before
+        its window, or before 0, masked in ``padding``): the work is the window's however
+        long the sequence. Worked out on first use, once per step and window."""
+        if window in self._window_groups:
+            return self._window_groups[window]
+        starts = self.query_starts
+        lengths = self.seq_lens_list
+        single = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
+        bucket = DECODE_KEY_BUCKET
+        padded = {b: -(-min(lengths[b], window) // bucket) * bucket for b in single}
+        groups = []
+        for length in sorted(set(padded.values())):
+            seqs = [b for b in single if padded[b] == length]
+            which = torch.tensor(seqs, device=self.page_table.device)
+            ends = self.seq_lens.index_select(0, which)[:, None]  # [g, 1]
+            positions = ends - length + torch.arange(length, device=ends.device)  # [g, L], the last at n - 1
+            padding = positions < (ends - window).clamp(min=0)
+            held = positions.clamp(min=0)
+            pages = self.page_table.index_select(0, which).gather(1, held // self.page_size)
+            slots = (pages * self.page_size + held % self.page_size).masked_fill(padding, 0)
+            rows = [starts[b] for b in seqs]
+            groups.append(DecodeGroup(rows, torch.tensor(rows, device=slots.device), slots.flatten(), length, padding))
+        self._window_groups[window] = groups, set(single)
+        return self._window_groups[window]
+
+    @functools.cached_property
+    def _window_groups(self) -> dict[int, tuple[list[DecodeGroup], set[int]]]:
+        """``window_decode_groups`` by window, made this step."""
+        return {}
+
 
 DECODE_KEY_BUCKET = 64
 """Keys are gathered for a decode step in blocks of this many (the padding masked), so that a
@@ -114,17 +147,6 @@ class DecodeGroup:
     length: int
     padding: torch.Tensor
     _head_slots: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-    _window_padding: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-
-    def window_padding(self, window: int) -> torch.Tensor:
-        """``padding`` with the keys before each row's sliding ``window`` masked too (a row of
-        KV length ``n`` sees its last ``window`` keys); made once a step per window."""
-        if window not in self._window_padding:
-            length = self.padding.shape[1]
-            seq_lens = length - self.padding.sum(dim=1, keepdim=True)
-            positions = torch.arange(length, device=self.padding.device)
-            self._window_padding[window] = self.padding | (positions[None, :] < seq_lens - window)
-        return self._window_padding[window]
 
     def head_slots(self, num_kv_heads: int, device: torch.device) -> torch.Tensor:
         """The rows ``[rows * num_kv_heads * length]`` of the group's keys in a cache seen as

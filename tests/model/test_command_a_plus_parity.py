@@ -69,21 +69,25 @@ def build_pair(tmp_path: Path, **overrides: Any) -> tuple[Cohere2MoeForCausalLM,
     return hf, ours
 
 
+@pytest.mark.parametrize("window", [WINDOW, 70])
 @torch.no_grad()
-def test_sliding_window_paged_attention_matches_dense() -> None:
-    """Prefill, chunked continuation and decode with a window, against a dense masked softmax."""
+def test_sliding_window_paged_attention_matches_dense(window: int) -> None:
+    """Prefill, chunked continuation and decode with a window, against a dense masked softmax
+    (a window of 70 gathers a decode's keys in two key blocks)."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim = 4, 2, 8
     cache = allocate_kv_cache(1, NUM_PAGES, PAGE_SIZE, kv_heads, dim, torch.float32, "cpu")[0]
     pages = Pages(NUM_PAGES, PAGE_SIZE, seed=5)
     history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for chunks in ([("a", 19), ("b", 5)], [("a", 1), ("b", 7)], [("a", 1), ("b", 1)]):
+    steps = [[("a", 19), ("b", 5), ("c", 150)], [("a", 1), ("b", 7), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)],
+             [("c", 1), ("b", 1)]]
+    for chunks in steps:  # prefills, a chunk, decodes: "c" decodes far past a key block
         meta = pages.step(chunks)
         total = sum(n for _, n in chunks)
         q = torch.randn(total, heads, dim, generator=gen)
         k = torch.randn(total, kv_heads, dim, generator=gen)
         v = torch.randn(total, kv_heads, dim, generator=gen)
-        out = paged_attention(q, k, v, cache, meta, 0.3, window=WINDOW)
+        out = paged_attention(q, k, v, cache, meta, 0.3, window=window)
         start = 0
         for seq, n in chunks:
             old_k, old_v = history.get(seq, (k[:0], v[:0]))
@@ -92,7 +96,7 @@ def test_sliding_window_paged_attention_matches_dense() -> None:
             length = keys.shape[0]
             q_pos = torch.arange(length - n, length)[:, None]
             kv_pos = torch.arange(length)[None, :]
-            allowed = (kv_pos <= q_pos) & (kv_pos > q_pos - WINDOW)
+            allowed = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
             scores = torch.einsum("thd,khd->htk", q[start:start + n], keys.repeat_interleave(2, dim=1)) * 0.3
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
             expected = torch.einsum("htk,khd->thd", probs, values.repeat_interleave(2, dim=1))
