@@ -13,6 +13,7 @@ tokens, with any per-request state the model reads besides the KV cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from mstar.engine.page_pool import PagePool
 from mstar.engine.rules import TokenRules
 from mstar.engine.sampler import Sampler, SeenTokens
 from mstar.engine.sequence import Sequence
+from mstar.engine.window_pages import SlidingWindowPages
 from mstar.layers.paged_kv import (
     ATTENTION_BACKENDS,
     PagedAttentionMetadata,
@@ -43,6 +45,15 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     planes: int = 2  # keys and values; 1: one latent row per token (multi-head latent attention)
+    # each layer's sliding window (None: it attends to every position); empty: none has one.
+    # The sliding layers keep their K/V in a pool of their own, whose pages a sequence gives
+    # back as its window leaves them behind (``mstar.engine.window_pages``)
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def window(self) -> int | None:
+        """The longest sliding window of any layer (None: no layer has one)."""
+        return max((w for w in self.windows if w is not None), default=None)
 
 
 @dataclass
@@ -107,6 +118,11 @@ class AutoregressiveEngine(Engine):
     sequences): taken in admission order, the first whatever its length, then while the sum
     stays within it. The rest are given back unrun like the rows that find no pages. Decodes
     are not counted. It needs a ``preemptible`` forward.
+
+    Sliding-window layers (``layout.windows``) keep their K/V in a pool of their own
+    (``SlidingWindowPages``; ``window_pages`` pages, default ``num_pages``), and a sequence gives
+    back the pages there that its window has passed while it runs; their layers read the
+    step's ``meta.windowed``. Not yet with CUDA graphs, prefix caching or a KV hand-off.
     """
 
     def __init__(self, model: Decoder, layout: KVLayout, *, num_pages: int, page_size: int,
@@ -115,7 +131,7 @@ class AutoregressiveEngine(Engine):
                  attention_backend: str = "torch", cuda_graphs: bool = False,
                  graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, overlap_scheduling: bool = False,
                  prefix_caching: bool = False, max_prefill_tokens: int | None = None,
-                 prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS):
+                 prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS, window_pages: int | None = None):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.model = model
@@ -143,12 +159,24 @@ class AutoregressiveEngine(Engine):
         self.prefix_queried = self.prefix_hits = 0  # prompt tokens looked up, and found, in the cache
         # With CUDA graphs the padded rows write into one extra page past the pool's, so the
         # pool still holds the num_pages the conductor admits against.
-        self.pool = PagePool(num_pages, page_size)
+        self.windowed = layout.window is not None
+        if self.windowed and (cuda_graphs or prefix_caching):
+            raise ValueError("sliding-window layers: cuda_graphs and prefix_caching are not supported yet")
+        self.pool: PagePool | SlidingWindowPages = (
+            SlidingWindowPages(num_pages, page_size, layout.window, window_pages) if layout.window is not None
+            else PagePool(num_pages, page_size))
         self.max_seq_len = max_seq_len
         self.device = device
         cache_pages = num_pages + 1 if cuda_graphs else num_pages
-        self.kv_caches = allocate_kv_cache(layout.num_layers, cache_pages, page_size, layout.num_kv_heads,
-                                           layout.head_dim, dtype, device, planes=layout.planes)
+        if self.windowed:
+            window_cache_pages = self.pool.windowed.num_pages
+            self.kv_caches = [allocate_kv_cache(1, cache_pages if window is None else window_cache_pages, page_size,
+                                                layout.num_kv_heads, layout.head_dim, dtype, device,
+                                                planes=layout.planes)[0]
+                              for window in layout.windows]
+        else:
+            self.kv_caches = allocate_kv_cache(layout.num_layers, cache_pages, page_size, layout.num_kv_heads,
+                                               layout.head_dim, dtype, device, planes=layout.planes)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(
@@ -545,7 +573,26 @@ class AutoregressiveEngine(Engine):
             host_query_start_loc=tuple(query_start_loc),
             host_seq_lens=tuple(lens),
         )
+        if isinstance(self.pool, SlidingWindowPages):
+            meta = dataclasses.replace(meta, windowed=self._windowed_metadata(meta, spans))
         return meta, ids_d
+
+    def _windowed_metadata(self, meta: PagedAttentionMetadata,
+                           spans: list[tuple[str, int, int]]) -> PagedAttentionMetadata:
+        """The step's metadata for the sliding-window layers: ``meta`` with the slots and
+        page table of the windowed pool (worked out on the host, as ``_metadata``'s)."""
+        assert isinstance(self.pool, SlidingWindowPages)
+        page_size = self.pool.page_size
+        tables = self.pool.windowed_tables([request_id for request_id, _, _ in spans])
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        starts = torch.tensor([start for _, start, _ in spans], dtype=torch.int64)
+        counts = torch.tensor([end - start for _, start, end in spans], dtype=torch.int64)
+        row_of = torch.repeat_interleave(torch.arange(len(spans)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        positions = starts[row_of] + torch.arange(int(counts.sum())) - first[row_of]
+        slots = table[row_of, positions // page_size] * page_size + positions % page_size
+        return dataclasses.replace(meta, slot_mapping=self._to_device(slots), page_table=self._to_device(table))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return to_device(tensor, self.device)
@@ -592,6 +639,8 @@ class AutoregressiveEngine(Engine):
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id} holds no sequence to export")
+        if self.windowed:
+            raise NotImplementedError("the K/V of a model with sliding-window layers cannot be handed off yet")
         slots = self._to_device(torch.tensor(self.pool.slots(request_id, 0, seq.computed), dtype=torch.int64))
         return torch.stack([_flat_slots(cache).index_select(1, slots) for cache in self.kv_caches])
 
@@ -610,6 +659,8 @@ class AutoregressiveEngine(Engine):
         (``generator_state``) resumes a seeded sampler where the other engine left it."""
         if request_id in self.seqs:
             raise RuntimeError(f"request {request_id} already holds a sequence here")
+        if self.windowed:
+            raise NotImplementedError("the K/V of a model with sliding-window layers cannot be handed off yet")
         layers = len(self.kv_caches)
         heads, head_dim = self.kv_caches[0].shape[-2:]
         planes = self.kv_caches[0].shape[0]
@@ -642,6 +693,9 @@ class AutoregressiveEngine(Engine):
     def stats(self) -> dict[str, float]:
         stats = {"kv_pages_used": self.pool.num_used_pages, "kv_pages_total": self.pool.num_pages,
                  "sequences": len(self.seqs), "preemptions": self.preemptions, "prefills_deferred": self.deferred}
+        if isinstance(self.pool, SlidingWindowPages):
+            stats |= {"kv_window_pages_used": self.pool.windowed.num_used_pages,
+                      "kv_window_pages_total": self.pool.windowed.num_pages}
         if self.prefix_caching:
             stats |= {"kv_pages_cached": self.pool.num_cached_pages,
                       "prefix_cache_queried_tokens": self.prefix_queried, "prefix_cache_hit_tokens": self.prefix_hits}

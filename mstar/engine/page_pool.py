@@ -10,6 +10,13 @@ Sequences grow (``reserve``), give back a tail they reserved ahead but did not u
 released whole (``free``); preemption is a ``free`` followed, later, by a fresh
 ``reserve``. Pages are handed out from a FIFO free list.
 
+Sliding windows. A sequence whose attention reads only its last positions (the pool of a
+model's sliding-window layers) gives back the pages wholly before them while it runs
+(``release_before``): they are let go as ``free`` would, and the head of its table becomes a
+run of released entries, which keep the positions of the pages after them and name page 0
+(a page table is read as it is, and the attention masks those positions). Released entries
+are never written, cut into or registered again.
+
 Prefix cache. Once the K/V of a sequence's first ``k`` whole pages are written, ``register``
 files each of those pages under the content key of the tokens up to its end: a chained hash,
 ``key(page i) = H(key(page i-1) + token ids of page i)``, so a key names the whole prefix, not
@@ -80,6 +87,9 @@ class PagePool:
         # Per sequence, the content keys of its first whole pages as far as ``register`` (or
         # ``attach``) went: the chain the next page's key continues.
         self._chains: dict[str, list[bytes]] = {}
+        # Per sequence, how many entries at the head of its table were released
+        # (``release_before``): they hold no page (page 0 stands in) and count no reference.
+        self._released: dict[str, int] = {}
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -184,6 +194,9 @@ class PagePool:
         if new_len > self._lens[seq_id]:
             raise ValueError(f"cannot truncate sequence {seq_id!r} from {self._lens[seq_id]} up to {new_len} tokens")
         keep = self.pages_needed(new_len)
+        if keep < self._released.get(seq_id, 0):
+            raise ValueError(f"cannot truncate sequence {seq_id!r} to {new_len} tokens: its pages before "
+                             f"{self._released[seq_id] * self.page_size} were released")
         chain = self._chains.get(seq_id, [])
         whole = new_len // self.page_size
         if whole < len(chain) and whole < keep:  # the last page kept was whole: it is cut into
@@ -208,8 +221,32 @@ class PagePool:
             return 0
         del self._lens[seq_id]
         self._chains.pop(seq_id, None)
-        self._let_go(pages)
-        return len(pages)
+        held = pages[self._released.pop(seq_id, 0):]
+        self._let_go(held)
+        return len(held)
+
+    def release_before(self, seq_id: str, position: int) -> int:
+        """Let go of the pages of ``seq_id`` that hold only positions before ``position`` (a
+        sliding window that no longer reaches them), as ``free`` would; returns how many were
+        let go now. The sequence keeps its length and the places of its other pages. Unknown
+        ids are a no-op."""
+        _check_length("position", position)
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        done = self._released.get(seq_id, 0)
+        upto = min(position // self.page_size, len(table) - 1 if table else 0)
+        if upto <= done:
+            return 0
+        dropped = table[done:upto]
+        table[done:upto] = [0] * (upto - done)
+        self._released[seq_id] = upto
+        self._let_go(dropped)
+        return len(dropped)
+
+    def released(self, seq_id: str) -> int:
+        """How many pages at the head of ``seq_id``'s table were released (0 if unknown)."""
+        return self._released.get(seq_id, 0)
 
     # ---------------------------------------------------------- prefix cache
     def match_prefix(self, tokens: list[int]) -> list[int]:
@@ -253,6 +290,8 @@ class PagePool:
             raise ValueError(f"cannot register {computed} positions of sequence {seq_id!r} of "
                              f"{self._lens[seq_id]} tokens ({len(tokens)} given)")
         chain = self._chains.setdefault(seq_id, [])
+        if computed // self.page_size > len(chain) and len(chain) < self._released.get(seq_id, 0):
+            raise ValueError(f"cannot register released pages of sequence {seq_id!r}")
         size, added = self.page_size, 0
         for index in range(len(chain), computed // size):
             key = _chain(chain[-1] if chain else _ROOT, tokens[index * size:(index + 1) * size])
@@ -302,6 +341,8 @@ class PagePool:
                 f"of length {self._lens[seq_id]}"
             )
         page, offset = divmod(position, self.page_size)
+        if page < self._released.get(seq_id, 0):
+            raise IndexError(f"position {position} of sequence {seq_id!r} is on a released page")
         return table[page] * self.page_size + offset
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
@@ -315,6 +356,8 @@ class PagePool:
                 f"range [{start}, {end}) out of range for sequence {seq_id!r} of length {length}"
             )
         size = self.page_size
+        if start < end and start // size < self._released.get(seq_id, 0):
+            raise IndexError(f"position {start} of sequence {seq_id!r} is on a released page")
         return [table[p // size] * size + p % size for p in range(start, end)]
 
     # ------------------------------------------------------------- debugging
@@ -325,18 +368,24 @@ class PagePool:
         agree, and each sequence's chain names its cached pages."""
         if set(self._lens) != set(self._tables):
             raise AssertionError("sequence lengths and page tables disagree on live ids")
+        if not set(self._released) <= set(self._tables):
+            raise AssertionError("released pages counted for a dead sequence")
         holders = [0] * self.num_pages
-        for seq_id, table in self._tables.items():
+        for seq_id, full in self._tables.items():
+            released = self._released.get(seq_id, 0)
+            if not 0 <= released < max(len(full), 1) or any(full[:released]):
+                raise AssertionError(f"sequence {seq_id!r}: released entries {full[:released]} of {len(full)}")
+            table = full[released:]
             stray = [p for p in table if not 0 <= p < self.num_pages]
             if stray:
                 raise AssertionError(f"page ids out of range: {sorted(stray)}")
             if len(set(table)) != len(table):
                 raise AssertionError(f"sequence {seq_id!r} holds a page twice")
             want = self.pages_needed(self._lens[seq_id])
-            if len(table) != want:
+            if len(full) != want:
                 raise AssertionError(
                     f"sequence {seq_id!r} of {self._lens[seq_id]} tokens holds "
-                    f"{len(table)} pages, needs {want}"
+                    f"{len(full)} pages, needs {want}"
                 )
             for page in table:
                 holders[page] += 1
@@ -377,6 +426,8 @@ class PagePool:
         for seq_id, table in self._tables.items():
             chain = self._chains.get(seq_id, [])
             for index, page in enumerate(table):
+                if index < self._released.get(seq_id, 0):
+                    continue
                 key = self._key_of.get(page)
                 if key is not None and (index >= len(chain) or chain[index] != key):
                     raise AssertionError(f"sequence {seq_id!r} holds cached page {page} at {index} "

@@ -28,15 +28,22 @@ def paged_attention(
     scale: float,
     *,
     write_kv: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention with the implementation named by ``meta.backend``.
 
     Every backend has the contract of ``torch_paged_attention``: write the new K/V into
     ``kv_cache`` at ``meta.slot_mapping`` (unless ``write_kv`` is False: the caller already
-    did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``.
+    did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``. ``window`` (a
+    sliding-window layer): a token at position ``p`` sees only positions ``> p - window``, in
+    the pages of ``meta.windowed`` when the step has them.
     """
+    if window is not None and meta.windowed is not None:
+        meta = meta.windowed
     if meta.backend == "torch":
-        return torch_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv)
+        return torch_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv, window=window)
+    if window is not None:
+        raise NotImplementedError(f"sliding-window attention on the {meta.backend!r} backend; use 'torch'")
     if meta.backend == "triton":
         from mstar.layers.triton_attention import triton_paged_attention
 
@@ -53,6 +60,7 @@ def torch_paged_attention(
     scale: float,
     *,
     write_kv: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference paged attention (pure PyTorch, any device).
 
@@ -61,7 +69,11 @@ def torch_paged_attention(
     when ``write_kv`` is False: the caller wrote them, and ``k``/``v`` only give shapes); then each
     sequence gathers its first ``seq_lens[b]`` cached entries through its page table and its
     new tokens attend causally (a token at position ``p`` sees KV positions ``<= p``), which
-    covers prefill, decode and chunked-prefill continuation alike. Returns ``[T, Hq, D]``.
+    covers prefill, decode and chunked-prefill continuation alike. With ``window`` it sees only
+    positions ``p - window < kv <= p`` (Hugging Face's sliding-window mask), so the pages of a
+    sequence that lie wholly before its window are never read and may be given back to the
+    pool (``PagePool.release_before``): their table entries then name any page. Returns
+    ``[T, Hq, D]``.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
@@ -73,7 +85,7 @@ def torch_paged_attention(
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
 
     page_size = meta.page_size
-    groups, single = meta.decode_groups
+    groups, single = meta.decode_groups if window is None else meta.window_decode_groups(window)
     if len(groups) == 1 and groups[0].rows == list(range(q.shape[0])):  # a decode step, one group
         return _decode_attention(q, flat, groups[0], scale)
     out = torch.empty_like(q)
@@ -95,6 +107,8 @@ def torch_paged_attention(
         q_pos = meta.positions[start:end].to(q.device)
         kv_pos = torch.arange(seq_len, device=q.device)
         mask = kv_pos[None, :] <= q_pos[:, None]  # [n, L], True = attend
+        if window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - window
 
         o = torch.nn.functional.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, n, D]

@@ -39,6 +39,10 @@ class PagedAttentionMetadata:
     # for the device in every layer of the step).
     host_query_start_loc: tuple[int, ...] | None = None
     host_seq_lens: tuple[int, ...] | None = None
+    # The sliding-window layers' own step metadata when they keep their K/V in a pool of their
+    # own (``mstar.engine.window_pages``): the same step, other slots and page table. None:
+    # every layer reads this one.
+    windowed: PagedAttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -94,6 +98,39 @@ class PagedAttentionMetadata:
             groups.append(DecodeGroup(rows, torch.tensor(rows, device=slots.device), group_slots.flatten(), length,
                                       padding))
         return groups, set(single)
+
+    def window_decode_groups(self, window: int) -> tuple[list[DecodeGroup], set[int]]:
+        """``decode_groups`` for a sliding-window layer: each sequence with one new token (KV
+        length ``n``) gathers only its last ``min(n, window)`` keys, in a block of that many
+        rounded up to ``DECODE_KEY_BUCKET`` that ends at its last key (the positions before
+        its window, or before 0, masked in ``padding``): the work is the window's however
+        long the sequence. Worked out on first use, once per step and window."""
+        if window in self._window_groups:
+            return self._window_groups[window]
+        starts = self.query_starts
+        lengths = self.seq_lens_list
+        single = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
+        bucket = DECODE_KEY_BUCKET
+        padded = {b: -(-min(lengths[b], window) // bucket) * bucket for b in single}
+        groups = []
+        for length in sorted(set(padded.values())):
+            seqs = [b for b in single if padded[b] == length]
+            which = torch.tensor(seqs, device=self.page_table.device)
+            ends = self.seq_lens.index_select(0, which)[:, None]  # [g, 1]
+            positions = ends - length + torch.arange(length, device=ends.device)  # [g, L], the last at n - 1
+            padding = positions < (ends - window).clamp(min=0)
+            held = positions.clamp(min=0)
+            pages = self.page_table.index_select(0, which).gather(1, held // self.page_size)
+            slots = (pages * self.page_size + held % self.page_size).masked_fill(padding, 0)
+            rows = [starts[b] for b in seqs]
+            groups.append(DecodeGroup(rows, torch.tensor(rows, device=slots.device), slots.flatten(), length, padding))
+        self._window_groups[window] = groups, set(single)
+        return self._window_groups[window]
+
+    @functools.cached_property
+    def _window_groups(self) -> dict[int, tuple[list[DecodeGroup], set[int]]]:
+        """``window_decode_groups`` by window, made this step."""
+        return {}
 
 
 DECODE_KEY_BUCKET = 64
