@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from mstar.engine.base import EngineItem
+from mstar.engine.state_pool import StatePool
 from mstar.layers.paged_kv import PagedAttentionMetadata
 
 
@@ -81,3 +82,46 @@ class Forward:
 
     def stats(self) -> dict[str, float]:
         return {}
+
+
+class SlotForward(Forward):
+    """A forward whose model keeps a recurrent state per request (gated DeltaNet, Mamba-2): one
+    slot of every tensor of ``slot_tensors()`` (``[max_slots, ...]`` each) per request, from
+    ``states`` (``mstar.engine.state_pool.StatePool``), zeroed when handed out and freed at
+    release. A state advances in place, so a batch that fails once its forward began leaves its
+    requests' states *lost*: a later step of theirs (the worker's one-by-one retry) fails rather
+    than continue from a state that moved; a fresh request's slot is simply released."""
+
+    runs_ahead = False  # a step launched ahead would advance a state it cannot roll back
+    preemptible = False
+
+    def __init__(self, model: Any, max_slots: int) -> None:
+        super().__init__(model)
+        self.graph_rows = None
+        self.states = StatePool(max_slots)
+        self.lost: set[str] = set()
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot state tensor (the layers' conv windows and recurrent states)."""
+        raise NotImplementedError
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot, a fresh zeroed one on its first step."""
+        if request_id in self.lost:
+            raise RuntimeError(f"request {request_id}: its recurrent state was lost when an earlier batch failed")
+        if self.states.has(request_id):
+            return self.states.slot(request_id)
+        slot = self.states.allocate(request_id)
+        for tensor in self.slot_tensors():
+            tensor[slot].zero_()
+        return slot
+
+    def failed(self, request_ids: list[str]) -> None:
+        self.lost.update(request_id for request_id in request_ids if self.states.has(request_id))
+
+    def release(self, request_id: str) -> None:
+        self.states.free(request_id)
+        self.lost.discard(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {"state_slots_used": self.states.num_used, "state_slots_total": self.states.capacity}

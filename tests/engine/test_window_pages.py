@@ -107,8 +107,9 @@ def test_engine_releases_window_pages_with_identical_tokens(tmp_path: Path) -> N
     layers, heads, dim = ours.cache_shape()
 
     def engine(windows: tuple[int | None, ...]) -> AutoregressiveEngine:
-        return AutoregressiveEngine(ours, KVLayout(layers, heads, dim, windows), num_pages=24, page_size=PAGE_SIZE,
-                                    max_seq_len=64, device=torch.device("cpu"), dtype=torch.float32)
+        return AutoregressiveEngine(ours, KVLayout(layers, heads, dim, windows=windows), num_pages=24,
+                                    page_size=PAGE_SIZE, max_seq_len=64, device=torch.device("cpu"),
+                                    dtype=torch.float32)
 
     windowed = engine(ours.kv_windows())
     pool = windowed.pool

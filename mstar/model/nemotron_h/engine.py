@@ -22,39 +22,36 @@ import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
-from mstar.engine.forward import Forward
-from mstar.engine.state_pool import StatePool
+from mstar.engine.forward import SlotForward
 from mstar.layers.gated_deltanet import StateBatch
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.nemotron_h.modeling import NemotronHCaches, NemotronHForCausalLM
 
 
-class MambaForward(Forward):
+class MambaForward(SlotForward):
     """Nemotron-H's forward: the conv-window and SSM-state slots of its Mamba layers
     (``[max_slots, *shape]`` per layer: the window in ``dtype``, the state in
     ``state_dtype``), handed out by a ``StatePool`` of ``max_slots`` (one the sink)."""
 
-    runs_ahead = False
     kv_from_tokens = False  # the recurrent state after a prefix is not kept with its pages
-    preemptible = False
 
     def __init__(self, model: NemotronHForCausalLM, *, max_slots: int, dtype: torch.dtype,
                  state_dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(model)
-        self.graph_rows = None
+        super().__init__(model, max_slots)
         self.device = device
         shapes = model.state_shapes()
         layers = len(model.config.mamba_layers)
-        self.states = StatePool(max_slots)
         self.conv_states = [torch.zeros(max_slots, *shapes["conv"], dtype=dtype, device=device)
                             for _ in range(layers)]
         self.ssm_states = [torch.zeros(max_slots, *shapes["ssm"], dtype=state_dtype, device=device)
                            for _ in range(layers)]
-        self.lost: set[str] = set()
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [*self.conv_states, *self.ssm_states]
 
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                 counts: list[int] | None) -> dict[str, Any]:
-        slots = [self._slot(item.request_id) for item in items]
+        slots = [self.slot(item.request_id) for item in items]
         bounds = meta.query_start_loc.tolist()
         return {"states": StateBatch.build(bounds, slots, self.device),
                 "embeds": self._embeds(items, input_ids, bounds)}
@@ -80,26 +77,6 @@ class MambaForward(Forward):
                                  f"{hi - lo} new tokens of width {embeds.shape[1]}")
             embeds[lo:hi] = given.to(embeds.device, embeds.dtype)
         return embeds
-
-    def failed(self, request_ids: list[str]) -> None:
-        self.lost.update(request_id for request_id in request_ids if self.states.has(request_id))
-
-    def _slot(self, request_id: str) -> int:
-        if request_id in self.lost:
-            raise RuntimeError(f"request {request_id}: its recurrent state was lost when an earlier batch failed")
-        if self.states.has(request_id):
-            return self.states.slot(request_id)
-        slot = self.states.allocate(request_id)
-        for tensor in (*self.conv_states, *self.ssm_states):
-            tensor[slot].zero_()
-        return slot
-
-    def release(self, request_id: str) -> None:
-        self.states.free(request_id)
-        self.lost.discard(request_id)
-
-    def stats(self) -> dict[str, float]:
-        return {"state_slots_used": self.states.num_used, "state_slots_total": self.states.capacity}
 
 
 def nemotron_h_engine(model: NemotronHForCausalLM, *, max_slots: int, state_dtype: torch.dtype,

@@ -32,8 +32,7 @@ import torch
 from mstar.config import DeploymentConfig
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, StatelessEngine
-from mstar.engine.forward import Forward
-from mstar.engine.state_pool import StatePool
+from mstar.engine.forward import SlotForward
 from mstar.layers.gated_deltanet import StateBatch
 from mstar.layers.paged_kv import PagedAttentionMetadata
 from mstar.model.qwen3_5.config import Qwen3_5VisionConfig
@@ -41,37 +40,35 @@ from mstar.model.qwen3_5.knobs import Qwen3_5Knobs
 from mstar.model.qwen3_5.modeling import HybridCaches
 
 
-class HybridForward(Forward):
+class HybridForward(SlotForward):
     """Qwen3.5's forward: the recurrent-state slots of its DeltaNet layers, and the media
     embeddings and MRoPE positions of its prefills. ``state_shapes`` are the per-slot shapes of
     one recurrent layer's ``conv`` window and ``recurrent`` state; ``num_state_layers`` such
     layers get ``[max_slots, *shape]`` tensors (the conv window in ``dtype``, the recurrent
     state in ``state_dtype``)."""
 
-    runs_ahead = False
     # The recurrent state after a prefix is not kept with its pages, and a media placeholder's
     # K/V depend on the image, not its token id: no prefix caching.
     kv_from_tokens = False
-    preemptible = False
 
     def __init__(self, model, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]], max_slots: int,
                  dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device,
                  media_token_ids: tuple[int, ...] = ()) -> None:
-        super().__init__(model)
-        self.graph_rows = None
+        super().__init__(model, max_slots)
         self.device = device
         self.media_token_ids = torch.tensor(media_token_ids, dtype=torch.int64, device=device)
         self.rope_deltas: dict[str, int] = {}
-        self.states = StatePool(max_slots)
         self.conv_states = [torch.zeros(max_slots, *state_shapes["conv"], dtype=dtype, device=device)
                             for _ in range(num_state_layers)]
         self.recurrent_states = [torch.zeros(max_slots, *state_shapes["recurrent"], dtype=state_dtype,
                                              device=device) for _ in range(num_state_layers)]
-        self.lost: set[str] = set()
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [*self.conv_states, *self.recurrent_states]
 
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                 counts: list[int] | None) -> dict[str, Any]:
-        slots = [self._slot(item.request_id) for item in items]
+        slots = [self.slot(item.request_id) for item in items]
         embeds, positions = self._multimodal(input_ids, meta, items)
         return {"states": StateBatch.build(meta.query_start_loc.tolist(), slots, self.device),
                 "embeds": embeds, "positions": positions}
@@ -81,11 +78,6 @@ class HybridForward(Forward):
         caches = HybridCaches(kv_caches, self.conv_states, self.recurrent_states)
         return self.model.forward(input_ids, meta, inputs["states"], caches, inputs_embeds=inputs["embeds"],
                                   positions=inputs["positions"])
-
-    def failed(self, request_ids: list[str]) -> None:
-        """The states of these requests may have advanced: lost (fresh requests are released
-        right after, which forgets them)."""
-        self.lost.update(request_id for request_id in request_ids if self.states.has(request_id))
 
     def _multimodal(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                     items: list[EngineItem]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -118,23 +110,9 @@ class HybridForward(Forward):
             embeds[lo:hi][mask] = vision.to(embeds.device, embeds.dtype)
         return embeds, positions
 
-    def _slot(self, request_id: str) -> int:
-        if request_id in self.lost:
-            raise RuntimeError(f"request {request_id}: its recurrent state was lost when an earlier batch failed")
-        if self.states.has(request_id):
-            return self.states.slot(request_id)
-        slot = self.states.allocate(request_id)
-        for tensor in (*self.conv_states, *self.recurrent_states):
-            tensor[slot].zero_()
-        return slot
-
     def release(self, request_id: str) -> None:
         self.rope_deltas.pop(request_id, None)
-        self.states.free(request_id)
-        self.lost.discard(request_id)
-
-    def stats(self) -> dict[str, float]:
-        return {"state_slots_used": self.states.num_used, "state_slots_total": self.states.capacity}
+        super().release(request_id)
 
 
 def hybrid_engine(model, layout: KVLayout, *, num_state_layers: int, state_shapes: dict[str, tuple[int, ...]],
