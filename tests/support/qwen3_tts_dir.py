@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from tests.support.qwen3_omni import CHAT
 from tests.support.qwen3_omni_dir import tokenizer
 
@@ -42,10 +45,33 @@ def write_checkpoint(root: Path, variant: str = "custom_voice") -> Path:
     return root
 
 
-def deployment_yaml(key: str, checkpoint: Path) -> str:
-    """fp32 on the CPU, the talker and the codec on one worker, a short ramp."""
+def deployment_yaml(key: str, checkpoint: Path, split: bool = False) -> str:
+    """fp32 on the CPU, the talker and the codec on one worker (``split``: the codec on a second
+    worker), a short ramp."""
+    groups = ("  - {node_names: [talker], ranks: [0]}\n  - {node_names: [codec], ranks: [1]}\n" if split else
+              "  - {node_names: [talker, codec], ranks: [0]}\n")
     return (f"model: {key}\nmodel_path: {checkpoint}\nload_format: dummy\ndtype: float32\nmax_seq_len: 256\n"
-            "max_concurrent_requests: 8\nnode_groups:\n  - {node_names: [talker, codec], ranks: [0]}\n"
+            f"max_concurrent_requests: 8\nnode_groups:\n{groups}"
             "resources:\n  kv_cache: {max_num_pages: 256, page_size: 16}\n"
             "model_kwargs: {max_new_frames: 24, codec_chunk_schedule: [1, 3, 8], codec_chunk_frames: 6, "
             "codec_left_context: 12}\n")
+
+
+@torch.no_grad()
+def eager_pcm(checkpoint: Path, text: str, frames: int) -> np.ndarray:
+    """The int16 samples a greedy ``qwen3_tts`` request for ``text`` (speaker ``vivian``) should
+    serve on ``deployment_yaml``'s settings: ``run_talker``'s frames (the loop checked against the
+    reference's ``generate``) decoded over the deployment's ramp."""
+    from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
+    from mstar.model.qwen3_tts.prompt import assistant_text, talker_prompt
+    from mstar.model.qwen3_tts.speech import run_talker
+
+    ckpt = Qwen3TTSCheckpoint.locate(str(checkpoint), dummy=True)
+    talker = ckpt.talker("cpu", torch.float32, dummy=True, seed=0)
+    codec = ckpt.codec("cpu", torch.float32, dummy=True, seed=1)
+    ids = ckpt.tokenizer()(assistant_text(text), add_special_tokens=False)["input_ids"]
+    prompt = talker_prompt(talker, ckpt.config(), ids, speaker="vivian", non_streaming=True)
+    codes = run_talker(talker, prompt, max_frames=frames)
+    assert codes.shape[1] >= 2
+    wave = torch.cat(list(codec.decode_stream(codes[None], ramp=(1, 3, 8, 6), left_context=12)), dim=-1)[0]
+    return np.rint(np.clip(wave.numpy(), -1, 1) * 32767).astype(int)
