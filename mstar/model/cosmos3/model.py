@@ -86,6 +86,7 @@ class Cosmos3(ModelSpec):
     Knobs = Cosmos3Knobs
     knobs: Cosmos3Knobs
     distilled_sigmas: list[float] | None = None  # the checkpoint's fixed schedule (load_frontend reads it)
+    video_needs_image = False  # a request must bring a conditioning image or clip (the i2v distillation)
 
     def graph(self) -> Graph:
         dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents"),
@@ -182,6 +183,9 @@ class Cosmos3(ModelSpec):
             raise RequestError("prompt", "must not be empty")
         if len(spec.files) > 1:
             raise RequestError("image", f"a clip takes one conditioning image or video, got {len(spec.files)} files")
+        if self.video_needs_image and not spec.files:
+            raise RequestError("image", f"model {self.key!r} is distilled for image-to-video: send the image "
+                                        "(or a clip to continue)")
         check_size(knobs.width, knobs.height)
         if knobs.width * knobs.height > self.knobs.max_image_area:
             raise RequestError("width", f"{knobs.width}x{knobs.height} is over max_image_area "
@@ -309,3 +313,15 @@ class Cosmos3SuperT2I4Step(Cosmos3):
     key = "cosmos3_super_t2i_4step"
     tasks = frozenset({"image_generation"})
     default_weights = "nvidia/Cosmos3-Super-Text2Image-4Step"
+
+
+@register
+class Cosmos3SuperI2V4Step(Cosmos3):
+    """Cosmos3-Super distilled to 4 steps for image-to-video: guidance baked in, the fixed-sigma
+    sampler, the conditioned frames re-anchored after every stochastic step. Every request
+    brings an image (or a clip, as video-to-video)."""
+
+    key = "cosmos3_super_i2v_4step"
+    tasks = frozenset({"video_generation"})
+    default_weights = "nvidia/Cosmos3-Super-Image2Video-4Step"
+    video_needs_image = True

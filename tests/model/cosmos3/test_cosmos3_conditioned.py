@@ -2,14 +2,18 @@
 conditioning pixels, the tower keeps those latent frames clean) on the tiny random checkpoint,
 against diffusers' ``Cosmos3OmniPipeline`` given the same image or clip, weights, prompts, seed
 and steps: the latents after every step and the decoded frames. Also: the conditioning image's
-cover-and-crop and stretch resizes, and bad conditioned requests name the field."""
+cover-and-crop and stretch resizes; the 4-step distilled i2v key (``cosmos3_super_i2v_4step``)
+against a reference loop from diffusers' parts; bad conditioned requests name the field."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
+import shutil
 from contextlib import contextmanager
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -206,4 +210,89 @@ def test_bad_conditioned_requests_name_the_field(deployment, files, kwargs, fiel
                                                             **kwargs})
     with pytest.raises(RequestError) as err:
         deployment.backend.spec.prepare_generate(spec)
+    assert err.value.field == field
+
+
+@pytest.fixture(scope="module")
+def distilled_i2v(checkpoint, tmp_path_factory):
+    from test_cosmos3_distilled import SCHEDULER, SIGMAS
+
+    root = tmp_path_factory.mktemp("cosmos3-i2v-4step") / "ckpt"
+    shutil.copytree(checkpoint.root, root)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
+    (root / "modular_model_index.json").write_text(json.dumps({"distilled_sigmas": SIGMAS, "is_distilled": True}))
+    d = start(parse_config({"model": "cosmos3_super_i2v_4step", "model_path": str(root),
+                            "max_concurrent_requests": 2, "model_kwargs": {"max_image_area": 64 * 64}}),
+              in_process=True)
+    yield d
+    d.close()
+
+
+def distilled_reference(checkpoint, prompt, image, frames, seed, fps):
+    """The distilled i2v loop from diffusers' parts: the pipeline's tokenizer, conditioning
+    latents (``prepare_latents``: the image encoded, frame 0 clean) and packing, the transformer's
+    velocity masked on the clean frame, the stochastic scheduler on the request's generator, the
+    clean frame re-anchored after each step (the distilled modular pipeline's scheduler step)."""
+    from diffusers import Cosmos3OmniPipeline
+    from test_cosmos3_distilled import reference_scheduler
+
+    pipe = checkpoint.pipeline()
+    ref = checkpoint.transformer
+    ids, _ = pipe.tokenize_prompt(prompt, None, num_frames=frames, height=HEIGHT, width=WIDTH, fps=fps)
+    generator = torch.Generator().manual_seed(seed)
+    latents, *_, mask, _, _, _, _, _, _ = pipe.prepare_latents(
+        image=image, num_frames=frames, height=HEIGHT, width=WIDTH, fps=fps, generator=generator, device="cpu",
+        dtype=torch.float32)
+    anchor = latents.clone()
+    host = SimpleNamespace(transformer=ref, vae_scale_factor_temporal=4)
+    text = Cosmos3OmniPipeline._prepare_text_segment(host, ids, device="cpu")
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(
+        host, latents, has_image_condition=True, mrope_offset=text["vision_start_temporal_offset"],
+        vision_fps=fps, curr=text["und_len"], device="cpu", condition_frame_indexes=[0])
+    scheduler = reference_scheduler()
+    steps = []
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            v = ref(input_ids=text["input_ids"], text_indexes=text["text_indexes"],
+                    position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+                    und_len=text["und_len"], sequence_length=text["und_len"] + vision["num_vision_tokens"],
+                    vision_tokens=[latents], vision_token_shapes=vision["vision_token_shapes"],
+                    vision_sequence_indexes=vision["vision_sequence_indexes"],
+                    vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+                    vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), t.item()),
+                    vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"], return_dict=False)[0][0]
+            v = v * (1.0 - mask)
+            latents = scheduler.step(v.unsqueeze(0), t, latents.unsqueeze(0), generator=generator,
+                                     return_dict=False)[0].squeeze(0)
+            latents = mask * anchor + (1.0 - mask) * latents
+            steps.append(latents[0].clone())
+    return steps
+
+
+def test_distilled_i2v_matches_the_reference_loop(checkpoint, distilled_i2v):
+    from test_cosmos3_distilled import SIGMAS
+
+    prompt, seed, frames, fps = "a cat walks on the moon", 13, 9, 24
+    image = picture(50, 37, seed=6)
+    with step_latents(distilled_i2v) as ours:
+        data = generate(distilled_i2v, "d-i2v", prompt, [("image", png(image))], num_frames=frames, fps=fps,
+                        seed=seed)
+    assert len(data) == frames * HEIGHT * WIDTH * 3
+    want = distilled_reference(checkpoint, prompt, image, frames, seed, fps)
+    assert len(ours) == len(want) == len(SIGMAS)
+    for i, (got, ref) in enumerate(zip(ours, want)):
+        err = rel(got, ref)
+        print(f"[parity] distilled i2v step {i}: latents rel err {err:.2e}")
+        assert err <= 1e-5
+    assert torch.equal(ours[-1][:, 0], ours[0][:, 0])  # the image's frame re-anchored exactly
+
+
+@pytest.mark.parametrize("files, kwargs, field", [([], {}, "image"), ([("image", "PNG")], {"guidance_scale": 3.0},
+                                                                        "guidance_scale")])
+def test_distilled_i2v_refusals_name_the_field(distilled_i2v, files, kwargs, field):
+    files = [(name, png(picture(20, 20, 0))) for name, _ in files]
+    spec = GenerateSpec("bad", "a cat", files, ["video"], {"height": HEIGHT, "width": WIDTH, "num_frames": 5,
+                                                            **kwargs})
+    with pytest.raises(RequestError) as err:
+        distilled_i2v.backend.spec.prepare_generate(spec)
     assert err.value.field == field
