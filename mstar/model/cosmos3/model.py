@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -56,6 +56,8 @@ _NOISE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cosmos3-noise")
 
 class VideoKnobs(RequestKnobs):
     """``/generate``'s ``model_kwargs`` for a video request (the pipeline's defaults)."""
+
+    takes_video: ClassVar[bool] = True  # /v1/videos/generations' ``video`` field: a clip to continue
 
     height: int = Field(720, ge=1)
     width: int = Field(1280, ge=1)
