@@ -206,3 +206,12 @@ def test_video_job_with_an_input_reference(oai: openai.OpenAI) -> None:
     assert video.status == "completed", video.error
     frames, _ = decode_mp4(oai.videos.download_content(video.id).read())
     assert frames.shape == (5, HEIGHT, WIDTH, 3)
+    stretched = oai.videos.create_and_poll(model=MODEL, prompt="a cat walks", size=f"{WIDTH}x{HEIGHT}",
+                                           input_reference=("start.png", start_png, "image/png"),
+                                           extra_body={"num_frames": 5, "seed": 1, "conditioning_resize": "stretch"},
+                                           poll_interval_ms=20)
+    assert stretched.status == "completed", stretched.error
+    assert not np.array_equal(decode_mp4(oai.videos.download_content(stretched.id).read())[0], frames)
+    with pytest.raises(openai.BadRequestError) as err:  # a clip is /v1/videos/generations' field, not this route's
+        oai.videos.create(model=MODEL, prompt="x", size=f"{WIDTH}x{HEIGHT}", extra_body={"video": "AAAA"})
+    assert err.value.body["param"] == "video"
