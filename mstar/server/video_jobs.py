@@ -46,7 +46,7 @@ from mstar.server.video_routes import MAX_IMAGE_BYTES, TASK, VideoRequest, model
 log = logging.getLogger(__name__)
 
 _FORM_FIELDS = ("prompt", "model", "seconds", "size", "num_frames", "fps", "seed", "num_inference_steps",
-                "guidance_scale", "negative_prompt", "user")
+                "guidance_scale", "negative_prompt", "user", "conditioning_resize", "condition_latent_frames")
 MAX_LIST = 100
 
 
@@ -166,7 +166,7 @@ async def _read_body(request: Request) -> tuple[dict[str, Any], bytes | None]:
 async def create_video(request: Request) -> Response:
     try:
         fields, image = await _read_body(request)
-        for name in ("image", "response_format"):  # /v1/videos/generations' fields, not this route's
+        for name in ("image", "video", "response_format"):  # /v1/videos/generations' fields, not this route's
             if name in fields:
                 raise RequestError(name, "is not a field of this route (the reference image is input_reference)")
         req = VideoRequest.model_validate(fields)

@@ -5,11 +5,13 @@ H.264 mp4 (``mstar.media.video``), or with ``response_format="png_frames"`` one 
 The body's fields map onto the video family's ``model_kwargs``: ``size`` "WxH" -> ``width`` /
 ``height``; ``num_frames``, or ``seconds`` x ``fps`` rounded to the nearest count of the form
 4k + 1 (the frame counts the Wan VAE codes); ``image`` (a data URI, base64, or an http(s) URL
-with MSTAR_ALLOW_REMOTE=1) becomes the request's one file; ``seed``, ``num_inference_steps``,
-``guidance_scale``, ``negative_prompt`` pass through. The family checks them before queueing;
-its refusals are renamed to this body's fields (``width`` -> ``size``, ``num_frames`` ->
-``seconds`` when the count came from seconds), so a 400 names what the client sent. The frames
-come back raw from the model; the mp4 is written here, in a thread, never in the model.
+with MSTAR_ALLOW_REMOTE=1) becomes the request's one file, as does ``video`` (a clip to continue,
+for a model whose video knobs say ``takes_video``; its file is named "video"); ``seed``,
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``conditioning_resize`` and
+``condition_latent_frames`` pass through (a 400 where the model does not take them). The
+family checks them before queueing; its refusals are renamed to this body's fields (``width``
+-> ``size``, ``num_frames`` -> ``seconds`` when the count came from seconds), so a 400 names
+what the client sent. The frames come back raw from the model; the mp4 is written here, in a thread, never in the model.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from mstar.server.streaming import Tally, start_events, unless_disconnected, wal
 
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_VIDEO_BYTES = 64 * 1024 * 1024  # a conditioning clip, as /generate's per-file cap
 DEFAULT_FPS = 24  # Wan2.2's
 FRAME_STEP = 4  # frame counts are 4k + 1
 TASK = "video_generation"
@@ -55,6 +58,9 @@ class VideoRequest(BaseModel):
     num_frames: int | None = Field(None, ge=1, description="instead of seconds; of the form 4k + 1")
     fps: int | None = Field(None, ge=1, le=240, description=f"playback rate (default {DEFAULT_FPS})")
     image: str | None = Field(None, description="image-to-video: a data URI, base64 or URL")
+    video: str | None = Field(None, description="video-to-video: a clip (mp4) as a data URI, base64 or URL")
+    conditioning_resize: str | None = Field(None, description="image-to-video: cover (default) or stretch")
+    condition_latent_frames: int | None = Field(None, ge=1, description="video-to-video: latent frames kept")
     seed: int | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=100)
     guidance_scale: float | None = Field(None, ge=1.0, allow_inf_nan=False)
@@ -94,7 +100,8 @@ def model_kwargs_of(req: VideoRequest, backend: Any = None) -> tuple[dict[str, A
     elif req.seconds is not None:
         kwargs["num_frames"] = frames_for(req.seconds, fps, frame_step)
         renames["num_frames"] = "seconds"
-    for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt"):
+    for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "conditioning_resize",
+                 "condition_latent_frames"):
         if (value := getattr(req, name)) is not None:
             kwargs[name] = value
     if req.response_format not in RESPONSE_FORMATS:
@@ -188,6 +195,14 @@ async def video_generations(request: Request) -> Response:
         if req.image is not None:
             [image] = await fetch_all([(req.image, "image", MAX_IMAGE_BYTES)])
             files.append(("image", image))
+        if req.video is not None:
+            if not getattr(getattr(backend_of(request), "video_knobs", None), "takes_video", False):
+                raise RequestError("video", f"model {backend_of(request).model_id!r} does not take a video")
+            if req.image is not None:
+                raise RequestError("video", "give image or video, not both")
+            [clip] = await fetch_all([(req.video, "video", MAX_VIDEO_BYTES)])
+            files.append(("video", clip))
+            renames["files"] = "video"
     except Exception as exc:
         return exception_response(exc)
     backend = backend_of(request)

@@ -2,7 +2,10 @@
 deployment with ``load_format: dummy`` (the released layout's configs and tokenizer, no weight
 files): the official ``openai`` client's ``images.generate`` answers an image of the asked
 size, ``/v1/videos/generations`` an mp4 of the asked size and frame count, seeds are honoured,
-and bad sizes and frame counts are 400s naming the body's field."""
+and bad sizes and frame counts are 400s naming the body's field. Conditioned clips: ``image``
+(both resizes) and ``video`` on /v1/videos/generations, an image or mp4 file on /generate,
+``input_reference`` on /v1/videos; bad images, clips, frame counts and knobs are 400s naming
+the field."""
 
 from __future__ import annotations
 
@@ -126,3 +129,89 @@ def test_video_job_api(oai: openai.OpenAI) -> None:
             oai.videos.create(model=MODEL, prompt="x", size=size, extra_body=extra)
         assert err.value.body["param"] == field
     assert not [v for v in oai.videos.list() if v.status == "failed"]
+
+
+def png_b64(width: int, height: int) -> str:
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def clip(frames: int = 5) -> bytes:
+    from mstar.media.video import encode_mp4
+
+    rng = np.random.default_rng(frames)
+    return encode_mp4(rng.integers(0, 256, (frames, 30, 40, 3), dtype=np.uint8), fps=8)
+
+
+def frames_of(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    [item] = response.json()["data"]
+    return decode_mp4(base64.b64decode(item["b64_json"]))[0]
+
+
+def test_image_and_video_conditioned_clips(http: httpx.Client) -> None:
+    """i2v (``image``, both resizes) and v2v (``video``) through /v1/videos/generations: mp4s of
+    the asked size and length, each differing from the text-only clip of the same seed."""
+    plain = frames_of(post(http, num_frames=9))
+    image = png_b64(50, 37)
+    cover = frames_of(post(http, num_frames=9, image=image))
+    stretch = frames_of(post(http, num_frames=9, image=image, conditioning_resize="stretch"))
+    video = frames_of(post(http, num_frames=9, video=base64.b64encode(clip()).decode(), condition_latent_frames=1))
+    for frames in (cover, stretch, video):
+        assert frames.shape == (9, HEIGHT, WIDTH, 3)
+        assert not np.array_equal(frames, plain)
+    assert not np.array_equal(cover, stretch)
+    assert np.array_equal(frames_of(post(http, num_frames=9, image=image)), cover)  # seeded
+
+
+def test_generate_takes_a_clip_file(server: Uvicorn) -> None:
+    """/generate's multipart ``files``: an mp4 makes it video-to-video, a PNG image-to-video."""
+    import json
+
+    kwargs = {"width": WIDTH, "height": HEIGHT, "num_frames": 9, "seed": 1}
+    for name, data, kind in (("clip.mp4", clip(), "video/mp4"),
+                             ("start.png", base64.b64decode(png_b64(20, 20).split(",")[1]), "image/png")):
+        response = httpx.post(f"{server.url}/generate", timeout=120,
+                              data={"text": "a cat walks", "output_modalities": "video",
+                                    "model_kwargs": json.dumps(kwargs)},
+                              files=[("files", (name, data, kind))])
+        assert response.status_code == 200, response.text
+        assert response.json()["data"]["video"], response.text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"image": "data:image/png;base64,bm90IGFuIGltYWdl"}, "image"),
+    ({"video": base64.b64encode(b"not a video").decode()}, "video"),
+    ({"image": "PNG", "num_frames": 1}, "num_frames"),
+    ({"image": "PNG", "conditioning_resize": "fit"}, "conditioning_resize"),
+    ({"video": "MP4", "condition_latent_frames": 3}, "condition_latent_frames"),
+    ({"video": "MP4", "image": "PNG"}, "video"),
+])
+def test_bad_conditioning_is_400_naming_the_field(http: httpx.Client, body: dict, field: str) -> None:
+    media = {"PNG": png_b64(20, 20), "MP4": base64.b64encode(clip()).decode()}
+    body = {k: media.get(v, v) if isinstance(v, str) else v for k, v in body.items()}
+    response = post(http, **({"num_frames": 9} | body))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field, response.text
+
+
+def test_video_job_with_an_input_reference(oai: openai.OpenAI) -> None:
+    """/v1/videos' ``input_reference`` image makes the job image-to-video."""
+    start_png = base64.b64decode(png_b64(40, 30).split(",")[1])
+    video = oai.videos.create_and_poll(model=MODEL, prompt="a cat walks", size=f"{WIDTH}x{HEIGHT}",
+                                       input_reference=("start.png", start_png, "image/png"),
+                                       extra_body={"num_frames": 5, "seed": 1}, poll_interval_ms=20)
+    assert video.status == "completed", video.error
+    frames, _ = decode_mp4(oai.videos.download_content(video.id).read())
+    assert frames.shape == (5, HEIGHT, WIDTH, 3)
+    stretched = oai.videos.create_and_poll(model=MODEL, prompt="a cat walks", size=f"{WIDTH}x{HEIGHT}",
+                                           input_reference=("start.png", start_png, "image/png"),
+                                           extra_body={"num_frames": 5, "seed": 1, "conditioning_resize": "stretch"},
+                                           poll_interval_ms=20)
+    assert stretched.status == "completed", stretched.error
+    assert not np.array_equal(decode_mp4(oai.videos.download_content(stretched.id).read())[0], frames)
+    with pytest.raises(openai.BadRequestError) as err:  # a clip is /v1/videos/generations' field, not this route's
+        oai.videos.create(model=MODEL, prompt="x", size=f"{WIDTH}x{HEIGHT}", extra_body={"video": "AAAA"})
+    assert err.value.body["param"] == "video"

@@ -125,6 +125,7 @@ def test_png_frames_and_image_to_video(http: httpx.Client) -> None:
     ({"num_frames": 5, "seconds": 1.0}, "num_frames"),
     ({"image": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}, "image"),
     ({"response_format": "url"}, "response_format"),
+    ({"video": "AAAA"}, "video"), ({"conditioning_resize": "stretch"}, "conditioning_resize"),  # Cosmos3's
 ])
 def test_bad_fields_are_400_naming_them(http: httpx.Client, body: dict, field: str | None) -> None:
     response = post(http, **({"num_frames": 5} | body))

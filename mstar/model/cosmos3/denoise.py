@@ -10,7 +10,13 @@ request's own UniPC step (its solver state stays here too).
 
 The tower sees the sampler's timestep (UniPC's integer one; ``1000 * sigma`` for the
 fixed-sigma sampler of the distilled checkpoints, whose steps read the request's
-``step_noise``, ``mstar.model.cosmos3.sampler``). All latent frames are noisy (t2i, t2v).
+``step_noise``, ``mstar.model.cosmos3.sampler``). All latent frames are noisy in t2i and t2v.
+An i2v or v2v request also carries ``cond_latents [C, k, H, W]`` (the VAE's normalised latents
+of its conditioning image or clip): on its first step they replace the first ``k`` latent
+frames of the starting noise, which stay clean conditions from then on (no time embedding,
+their velocity zeroed, so UniPC carries them along). The fixed-sigma sampler re-noises every
+frame, so after each of its steps the ``k`` frames are set back to ``cond_latents``, as the
+distilled modular pipeline re-anchors them.
 """
 
 from __future__ import annotations
@@ -84,11 +90,13 @@ class Cosmos3DenoiseEngine(Engine):
                 raise ValueError(f"the Cosmos3 denoise engine has no op {item.op!r} (it has {list(OPS)})")
         with torch.inference_mode():
             rows: list[tuple[int, MediaItem]] = []
+            states = []
             for i, item in enumerate(items):
                 prepared = self._prepare(item)
-                latents = item.inputs["latents"].to(self.device, torch.float32)
+                latents, clean = self._latents(item)
+                states.append((latents, clean))
                 timestep = float(self._schedule(item)[1][item.iteration])
-                noisy = list(range(latents.shape[1]))
+                noisy = list(range(0 if clean is None else clean.shape[1], latents.shape[1]))
                 rows += [(i, MediaItem(latents, timestep, noisy, pos, text))
                          for text, pos in zip(prepared.texts, prepared.positions)]
             flows = self._predict([row for _, row in rows])
@@ -98,7 +106,7 @@ class Cosmos3DenoiseEngine(Engine):
             outputs, solvers = [], {}
             for i, item in enumerate(items):
                 v = per_item[i][0] if len(per_item[i]) == 1 else guide(*per_item[i], guidance_scale(item))
-                latents, solvers[item.request_id] = self._step(item, v)
+                latents, solvers[item.request_id] = self._step(item, v, *states[i])
                 outputs.append(EngineOutput({"latents": latents}))
         self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
         return outputs
@@ -112,15 +120,34 @@ class Cosmos3DenoiseEngine(Engine):
             out += self.tower(chunk)
         return out
 
-    def _step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState | None]:
+    def _latents(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's latents (float32; on the first step of a conditioned request, the noise
+        with its first frames replaced by the conditions) and the clean conditions (None: t2v)."""
+        latents = item.inputs["latents"].to(self.device, torch.float32)
+        if "cond_latents" not in item.inputs:
+            return latents, None
+        clean = item.inputs["cond_latents"].to(self.device, torch.float32)
+        if clean.shape[1] > latents.shape[1] or clean.shape[2:] != latents.shape[2:] \
+                or clean.shape[0] != latents.shape[0]:
+            raise ValueError(f"request {item.request_id}: cond_latents {tuple(clean.shape)} do not fit the "
+                             f"latents {tuple(latents.shape)}")
+        if item.iteration == 0:
+            latents = latents.clone()
+            latents[:, :clean.shape[1]] = clean
+        return latents, clean
+
+    def _step(self, item: EngineItem, v: torch.Tensor, latents: torch.Tensor,
+              clean: torch.Tensor | None) -> tuple[torch.Tensor, UniPCState | None]:
         sigmas, _ = self._schedule(item)
         if isinstance(self.scheduler, FixedSigmas):
             i = item.iteration
             noise = item.inputs["step_noise"][i].to(self.device, torch.float32)
-            latents = item.inputs["latents"].to(self.device, torch.float32)
             sigma, sigma_next = sigmas[i].to(self.device), sigmas[i + 1].to(self.device)
-            return self.scheduler.step(latents, v, sigma, sigma_next, noise), None
-        latents = item.inputs["latents"].to(self.device, torch.float32)[None]
+            latents = self.scheduler.step(latents, v, sigma, sigma_next, noise)
+            if clean is not None:  # the stochastic step re-noised the conditions: re-anchor them
+                latents[:, :clean.shape[1]] = clean
+            return latents, None
+        latents = latents[None]
         state = self.solvers.get(item.request_id, UniPCState())
         latents, state = self.scheduler.step(item.iteration, sigmas, v[None], latents, state)
         return latents[0], state

@@ -1,5 +1,6 @@
 """How Cosmos3's engines are built from its knobs and checkpoint: the tower as a UniPC denoise
-engine (``dit``) and the Wan2.2 VAE decoding the final latents to uint8 frames (``vae``)."""
+engine (``dit``) and the Wan2.2 VAE (``vae``: ``encode`` an i2v/v2v request's conditioning
+pixels to normalised latents, ``decode`` the final latents to uint8 frames)."""
 
 from __future__ import annotations
 
@@ -35,16 +36,23 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
 
 
 def vae_engine(vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:
+    ops = ("encode", "decode", "decode_image")
+
     def run(op, items):
-        if op not in ("decode", "decode_image"):
-            raise ValueError(f"the Cosmos3 VAE has no op {op!r} (it has ['decode', 'decode_image'])")
+        if op not in ops:
+            raise ValueError(f"the Cosmos3 VAE has no op {op!r} (it has {list(ops)})")
+        port = "cond_pixels" if op == "encode" else "latents"
         by_shape = defaultdict(list)
         for i, item in enumerate(items):
-            by_shape[tuple(item.inputs["latents"].shape)].append(i)
+            by_shape[tuple(item.inputs[port].shape)].append(i)
         out = [None] * len(items)
         with torch.inference_mode():
             for rows in by_shape.values():
-                x = torch.stack([items[i].inputs["latents"] for i in rows]).to(device, dtype)
+                x = torch.stack([items[i].inputs[port] for i in rows]).to(device, dtype)
+                if op == "encode":  # the pipeline's _encode_video: the posterior mean, normalised
+                    for i, z in zip(rows, vae.normalize(vae.encode(x)).float()):
+                        out[i] = {"cond_latents": z}
+                    continue
                 videos = vae.decode(vae.denormalize(x), chunk=knobs.vae_decode_chunk)
                 for i, video in zip(rows, videos):
                     frames = frames_uint8(video).cpu()

@@ -32,6 +32,11 @@ class Cosmos3Knobs(Knobs):
     max_image_area: int = Field(1280 * 1280, ge=1)
     """The largest ``width * height`` a request may ask for."""
 
+    conditioning_resize: Literal["cover", "stretch"] = "cover"
+    """How an i2v request's image becomes the first frame: ``cover`` (scale to cover the output
+    size keeping the aspect ratio, center-crop; diffusers 0.40 and later) or ``stretch``
+    (resize to the output size). A request may override it."""
+
     max_video_pixels: int = Field(1280 * 720 * 189, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (the pipeline's default
     clip, 1280x720x189)."""

@@ -14,14 +14,21 @@ container's rate.
 
 Sizes are checked before queueing: width and height positive multiples of 16 (the VAE;
 the tower pads odd patch grids), ``num_frames`` of the form 4k + 1, within ``max_image_area``
-and ``max_video_pixels``. Deployment knobs: ``Cosmos3Knobs``. This first slice serves t2i and
-t2v; i2v/v2v, sound, actions, the reasoner and windowed rollouts come later (issue 30).
+and ``max_video_pixels``. Deployment knobs: ``Cosmos3Knobs``.
+
+A file in a video request conditions the clip: an image (image-to-video, the ``i2v`` walks) is
+the first frame, a video (video-to-video, the ``v2v`` walks) gives the first
+``condition_latent_frames`` latent frames (2 by default: its first 5 frames). The frontend
+prepares the pixels (``mstar.model.cosmos3.conditioning``), the VAE's ``encode`` turns them into
+``cond_latents`` before the denoise Loop, and the tower keeps those frames clean. Sound,
+actions, the reasoner and windowed rollouts come later (issue 30).
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -30,6 +37,7 @@ from mstar.contract import GenerateSpec, ImageSpec, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
+from mstar.model.cosmos3.conditioning import condition_length, image_pixels, video_pixels
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
 from mstar.model.cosmos3.sampler import draws
 from mstar.model.diffusion_knobs import MAX_STEPS
@@ -49,6 +57,8 @@ _NOISE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cosmos3-noise")
 class VideoKnobs(RequestKnobs):
     """``/generate``'s ``model_kwargs`` for a video request (the pipeline's defaults)."""
 
+    takes_video: ClassVar[bool] = True  # /v1/videos/generations' ``video`` field: a clip to continue
+
     height: int = Field(720, ge=1)
     width: int = Field(1280, ge=1)
     num_frames: int = Field(189, ge=1)
@@ -57,6 +67,8 @@ class VideoKnobs(RequestKnobs):
     negative_prompt: str = ""
     seed: int | None = None
     fps: int = Field(24, ge=1, le=240)  # in the prompt's metadata and the rotary time axis
+    conditioning_resize: Literal["cover", "stretch"] | None = None  # i2v; None: the deployment's
+    condition_latent_frames: int = Field(2, ge=1)  # v2v: leading latent frames taken from the clip
 
 
 def check_size(width: int, height: int, field: str | None = None) -> None:
@@ -76,26 +88,34 @@ class Cosmos3(ModelSpec):
     Knobs = Cosmos3Knobs
     knobs: Cosmos3Knobs
     distilled_sigmas: list[float] | None = None  # the checkpoint's fixed schedule (load_frontend reads it)
+    video_needs_image = False  # a request must bring a conditioning image or clip (the i2v distillation)
 
     def graph(self) -> Graph:
-        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise"),
+        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents"),
                    outputs=("latents",), ops=("step",))
-        vae = Node("vae", "stateless", inputs=("latents",), outputs=("frames", "image"),
-                   ops=("decode", "decode_image"))
-        walks = [self._walk(image, extra) for image in (False, True) for extra in ("", "_guided", "_fixed")]
+        vae = Node("vae", "stateless", inputs=("latents", "cond_pixels"), outputs=("frames", "image", "cond_latents"),
+                   ops=("encode", "decode", "decode_image"))
+        walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
+                 for extra in ("", "_guided", "_fixed")]
         return Graph.build([dit, vae], walks)
 
-    def _walk(self, image: bool, kind: str) -> Walk:
-        """``kind``: "" (no guidance), "_guided" (the negative prompt too) or "_fixed" (the
-        distilled checkpoints' fixed-sigma sampler, which reads the request's step noise)."""
+    def _walk(self, mode: str, kind: str) -> Walk:
+        """``mode``: t2v, t2i (one image out), i2v or v2v (the VAE encodes the request's
+        ``cond_pixels`` first). ``kind``: "" (no guidance), "_guided" (the negative prompt too)
+        or "_fixed" (the distilled checkpoints' fixed-sigma sampler, which reads the request's
+        step noise)."""
         extra = {"": (), "_guided": ("negative_ids",), "_fixed": ("step_noise",)}[kind]
-        reads = ("latents", "prompt_ids", *extra)
-        decode = (Step("vae", "decode_image", reads="latents", writes="image", emit=Emit("image", "image")) if image
-                  else Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")))
-        return Walk(("t2i" if image else "t2v") + kind, Sequential(
-            Loop(Step("dit", "step", reads=reads, writes="latents"), max_iters="num_steps", progress=True),
-            decode,
-        ), inputs=reads)
+        conditioned = mode in ("i2v", "v2v")
+        reads = ("latents", "prompt_ids", *extra, *(("cond_latents",) if conditioned else ()))
+        decode = (Step("vae", "decode_image", reads="latents", writes="image", emit=Emit("image", "image"))
+                  if mode == "t2i" else
+                  Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")))
+        denoise = Loop(Step("dit", "step", reads=reads, writes="latents"), max_iters="num_steps", progress=True)
+        if not conditioned:
+            return Walk(mode + kind, Sequential(denoise, decode), inputs=reads)
+        encode = Step("vae", "encode", reads="cond_pixels", writes="cond_latents")
+        inputs = (*reads[:-1], "cond_pixels")
+        return Walk(mode + kind, Sequential(encode, denoise, decode), inputs=inputs)
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> Cosmos3Checkpoint:
@@ -126,9 +146,11 @@ class Cosmos3(ModelSpec):
         return steps, scale
 
     def _request(self, prompt: str, negative: str, *, width: int, height: int, num_frames: int, fps: float,
-                 steps: int, scale: float, seed: int | None, params: dict, image: bool) -> WalkRequest:
+                 steps: int, scale: float, seed: int | None, params: dict, image: bool,
+                 condition: tuple[str, torch.Tensor] | None = None) -> WalkRequest:
         """``image``: an image request (the ``t2i`` walks, one encoded image out); otherwise a
-        video (``t2v``: raw frames, one frame for ``num_frames`` 1)."""
+        video (``t2v``: raw frames, one frame for ``num_frames`` 1). ``condition``: ("i2v" or
+        "v2v", the conditioning pixels ``[3, F, H, W]``)."""
         meta = dict(num_frames=num_frames, height=height, width=width, fps=fps)
         ids = self.prompt.ids(prompt, **meta)
         shape = (1, self.latent_channels, (num_frames - 1) // FRAME_STEP + 1, height // SIZE_MULTIPLE,
@@ -148,18 +170,24 @@ class Cosmos3(ModelSpec):
             inputs["negative_ids"] = self.prompt.ids(negative, negative=True, **meta)
             params["guidance_scale"] = scale
             kind = "_guided"
-        walk = ("t2i" if image else "t2v") + kind
-        return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))
+        mode = "t2i" if image else "t2v"
+        if condition is not None:
+            mode, inputs["cond_pixels"] = condition
+        return WalkRequest(mode + kind, inputs, params, prompt_tokens=len(ids))
 
-    def check_video(self, spec: GenerateSpec) -> tuple[VideoKnobs, int, float]:
-        """The request's checks, each a ``RequestError`` naming the field, before queueing."""
+    def check_video(self, spec: GenerateSpec) -> tuple[VideoKnobs, int, float, tuple[str, torch.Tensor] | None]:
+        """The request's checks, each a ``RequestError`` naming the field, before queueing; the
+        last item is the conditioning (mode and pixels) of an i2v or v2v request."""
         if set(spec.output_modalities) != {"video"}:
             raise RequestError("output_modalities", f"model {self.key!r} outputs a video or an image")
         knobs = VideoKnobs.parse(spec.model_kwargs)
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
-        if spec.files:
-            raise RequestError("image", f"model {self.key!r} serves text-to-video only in this version")
+        if len(spec.files) > 1:
+            raise RequestError("image", f"a clip takes one conditioning image or video, got {len(spec.files)} files")
+        if self.video_needs_image and not spec.files:
+            raise RequestError("image", f"model {self.key!r} is distilled for image-to-video: send the image "
+                                        "(or a clip to continue)")
         check_size(knobs.width, knobs.height)
         if knobs.width * knobs.height > self.knobs.max_image_area:
             raise RequestError("width", f"{knobs.width}x{knobs.height} is over max_image_area "
@@ -172,13 +200,60 @@ class Cosmos3(ModelSpec):
             raise RequestError("num_frames", f"{knobs.width}x{knobs.height}x{knobs.num_frames} is over "
                                              f"max_video_pixels ({self.knobs.max_video_pixels} pixels)")
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
-        return knobs, steps, scale
+        condition = self._condition(spec.files[0], knobs) if spec.files else None
+        return knobs, steps, scale, condition
+
+    def _condition(self, file: tuple[str, bytes], knobs: VideoKnobs) -> tuple[str, torch.Tensor]:
+        """An i2v request's image or a v2v request's clip as conditioning pixels."""
+        from mstar.media.images import ImageError, decode_image
+
+        name, data = file
+        latent_frames = (knobs.num_frames - 1) // FRAME_STEP + 1
+        image_error = None
+        if name != "video":
+            try:
+                image = decode_image(data, field="image")
+            except ImageError as err:
+                if err.status == 413:
+                    raise RequestError(err.field, err.message, err.status) from None
+                image_error = err
+            else:
+                if knobs.num_frames == 1:
+                    raise RequestError("num_frames", "image-to-video makes a clip: num_frames must be 5 or more "
+                                                     "(4k + 1)")
+                resize = knobs.conditioning_resize or self.knobs.conditioning_resize
+                return "i2v", image_pixels(image, knobs.width, knobs.height, resize)
+        field = "video" if name == "video" else "image"
+        frames = self._clip(data, knobs.condition_latent_frames, field, image_error)
+        if knobs.num_frames == 1:
+            raise RequestError("num_frames", "video-to-video makes a clip: num_frames must be 5 or more (4k + 1)")
+        if knobs.condition_latent_frames >= latent_frames:
+            raise RequestError("condition_latent_frames",
+                               f"must be below the clip's {latent_frames} latent frames (num_frames "
+                               f"{knobs.num_frames}); {knobs.condition_latent_frames} leaves none to generate")
+        return "v2v", video_pixels(frames, knobs.width, knobs.height, knobs.condition_latent_frames)
+
+    @staticmethod
+    def _clip(data: bytes, latent_frames: int, field: str, image_error: Exception | None):
+        """The clip's first ``1 + 4 (latent_frames - 1)`` frames (PyAV), ``uint8 [N, h, w, 3]``."""
+        try:
+            from mstar.media.video import VideoDecodeError, decode_frames, probe_video
+        except ModuleNotFoundError as err:  # PyAV missing: only video input is refused
+            raise RequestError(field, f"video input needs PyAV ({err})") from None
+        try:
+            count = probe_video(data)[0]
+            if count < 1:
+                raise RequestError(field, "the video has no frames")
+            return decode_frames(data, list(range(min(count, condition_length(latent_frames)))))
+        except (VideoDecodeError, ModuleNotFoundError) as err:
+            detail = f"not an image ({image_error.message}) nor a readable video ({err})" if image_error else str(err)
+            raise RequestError(field, detail) from None
 
     def prepare_video(self, spec: GenerateSpec) -> WalkRequest:
-        knobs, steps, scale = self.check_video(spec)
+        knobs, steps, scale, condition = self.check_video(spec)
         return self._request(spec.text, knobs.negative_prompt, width=knobs.width, height=knobs.height,
                              num_frames=knobs.num_frames, fps=float(knobs.fps), steps=steps, scale=scale,
-                             seed=knobs.seed, params={}, image=False)
+                             seed=knobs.seed, params={}, image=False, condition=condition)
 
     def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
         if not spec.prompt.strip():
@@ -240,3 +315,15 @@ class Cosmos3SuperT2I4Step(Cosmos3):
     key = "cosmos3_super_t2i_4step"
     tasks = frozenset({"image_generation"})
     default_weights = "nvidia/Cosmos3-Super-Text2Image-4Step"
+
+
+@register
+class Cosmos3SuperI2V4Step(Cosmos3):
+    """Cosmos3-Super distilled to 4 steps for image-to-video: guidance baked in, the fixed-sigma
+    sampler, the conditioned frames re-anchored after every stochastic step. Every request
+    brings an image (or a clip, as video-to-video)."""
+
+    key = "cosmos3_super_i2v_4step"
+    tasks = frozenset({"video_generation"})
+    default_weights = "nvidia/Cosmos3-Super-Image2Video-4Step"
+    video_needs_image = True
