@@ -148,6 +148,53 @@ def record_codec(tok: types.ModuleType) -> None:
     save_file(tensors, HERE / "codec.safetensors", metadata=meta)
 
 
+ENCODER_CONFIG = dict(sampling_rate=24000, frame_rate=1000.0, audio_channels=1, hidden_size=32, num_filters=8,
+                      num_residual_layers=1, upsampling_ratios=[4, 3], kernel_size=7, last_kernel_size=3,
+                      residual_kernel_size=3, dilation_growth_rate=2, use_causal_conv=True, pad_mode="constant",
+                      compress=2, codebook_size=32, codebook_dim=16, num_quantizers=8, use_conv_shortcut=False,
+                      vector_quantization_hidden_dimension=16, num_semantic_quantizers=1, upsample_groups=32,
+                      num_hidden_layers=2, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, hidden_act="gelu", max_position_embeddings=512, norm_eps=1e-5, rope_theta=10000.0,
+                      sliding_window=250, layer_scale_initial_scale=0.01, attention_bias=False)
+# the tokenizer's own config: 4 of the encoder's 8 quantizers kept, 24 samples per frame (12 x the 2x downsample)
+TOKENIZER_CONFIG = dict(encoder_config=ENCODER_CONFIG, decoder_config=CODEC_CONFIG, encoder_valid_num_quantizers=4,
+                        input_sample_rate=24000, output_sample_rate=24000, decode_upsample_rate=144,
+                        encode_downsample_rate=24)
+
+
+@torch.no_grad()
+def record_encoder(tok: types.ModuleType) -> None:
+    """A tiny 12 Hz tokenizer's ``encode`` (Mimi's SEANet conv stack, causal transformer,
+    replicate-padded 2x downsample, split RVQ) of two clips, one at a time as the reference's
+    clone prompt encodes them: the codes, and the quantizer's input (the downsampled latents)."""
+    config = tok.Qwen3TTSTokenizerV2Config(**TOKENIZER_CONFIG)
+    config.encoder_config._attn_implementation = "eager"
+    config.decoder_config._attn_implementation = "eager"
+    torch.manual_seed(41)
+    model = tok.Qwen3TTSTokenizerV2Model(config).eval()
+    encoder = model.encoder
+    randomize(encoder, 41, scale=0.15)
+    gen = torch.Generator().manual_seed(42)
+    for name, buf in encoder.named_buffers():  # the codebooks are buffers in Mimi
+        if name.endswith("embed_sum"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.6)
+        elif name.endswith("cluster_usage"):
+            buf.copy_(torch.rand(buf.shape, generator=gen) + 0.5)
+    latents = []
+    encoder.downsample.register_forward_hook(lambda module, args, out: latents.append(out))
+    tensors = {f"encoder.{k}": v.contiguous() for k, v in encoder.state_dict().items()}
+    t = torch.arange(24 * 40) / 24000
+    for i, samples in enumerate((24 * 31 + 5, 24 * 17)):
+        clip = 0.5 * torch.sin(2 * torch.pi * (300 + 200 * i) * t[:samples]) + 0.1 * torch.randn(samples, generator=gen)
+        codes = model.encode(clip[None], torch.ones(1, samples, dtype=torch.long)).audio_codes[0].contiguous()
+        tensors.update({f"fx.{i}.clip": clip, f"fx.{i}.codes": codes, f"fx.{i}.latents": latents[-1][0]})
+        # the nearest codeword must win clearly, or a rounding difference could flip a code
+        print("encoder clip", i, "codes", tuple(codes.shape), "distinct", [len(set(c.tolist())) for c in codes.T],
+              "latent std", float(latents[-1].std()))
+    meta = {"config": json.dumps(TOKENIZER_CONFIG), "made_by": "qwen-tts 0.1.1, transformers 4.57.3"}
+    save_file(tensors, HERE / "encoder.safetensors", metadata=meta)
+
+
 def generate_config() -> dict:
     """A whole tiny ``config.json``: a talker vocabulary of 64 codes and the 1024 special ids
     above them (the reference suppresses the top 1024 ids but EOS), text ids under 200."""
@@ -260,6 +307,8 @@ def main() -> None:
         record_talker(ref, "talker_projected", predictor_hidden=24, seed=12)
     if not only or "codec" in only:
         record_codec(tok)
+    if not only or "encoder" in only:
+        record_encoder(tok)
     if not only or "generate" in only:
         record_generate(ref)
     if not only or "speaker" in only:
