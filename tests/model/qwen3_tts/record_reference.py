@@ -18,6 +18,7 @@ the tiny model's weights under their released names plus the recorded inputs and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import json
@@ -210,11 +211,8 @@ def generate_config() -> dict:
                 tts_eos_token_id=197)
 
 
-@torch.no_grad()
-def record_generate(ref: types.ModuleType) -> None:
-    """The reference's whole ``generate`` (greedy, no repetition penalty) for four requests:
-    speaker + English, a dialect speaker with auto language, an instruction with no speaker
-    (voice design), and the non-streaming text layout; the codes of every frame."""
+def generate_model(ref: types.ModuleType) -> torch.nn.Module:
+    """The whole tiny model of ``generate_config`` (seeded: the same weights on every call)."""
     config = ref.Qwen3TTSConfig(**generate_config())
     config.talker_config._attn_implementation = "eager"
     config.talker_config.code_predictor_config._attn_implementation = "eager"
@@ -223,6 +221,61 @@ def record_generate(ref: types.ModuleType) -> None:
     randomize(model, 21, scale=0.3)
     for p in model.parameters():  # values fp16 holds exactly, so the weights are stored at half size
         p.data.copy_(p.data.half().float())
+    return model
+
+
+@torch.no_grad()
+def record_icl(ref: types.ModuleType) -> None:
+    """In-context cloning's talker input, caught at the reference talker's ``forward`` inside
+    ``generate`` (the model of ``generate.safetensors``, whose weights this fixture reuses):
+    the prefill rows, the trailing text rows and the first 3 steps' codebook-0 logits, for the
+    streaming layout with fewer and with more text rows than codec rows, and non-streaming."""
+    from safetensors.torch import load_file
+
+    model = generate_model(ref)
+    stored = load_file(HERE / "generate.safetensors")
+    assert all(torch.equal(v.half(), stored[f"talker.{k}"]) for k, v in model.talker.state_dict().items()), \
+        "generate.safetensors holds another model: record generate first"
+    calls: list[tuple[dict, torch.Tensor]] = []
+    forward = model.talker.forward
+
+    @functools.wraps(forward)  # generate checks its kwargs against forward's signature
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append((kwargs, out.logits[0, -1]))
+        return out
+
+    model.talker.forward = spy
+    gen = torch.Generator().manual_seed(23)
+    x_vector = torch.randn(32, generator=gen).half().float()
+    ref_code = torch.randint(0, 64, (10, 4), generator=gen)
+    ref_ids = torch.tensor([[190, 160, 161, 130, 131, 132, 191, 161]])
+    tensors = {"fx.x_vector": x_vector, "fx.ref_code": ref_code, "fx.ref_ids": ref_ids[0]}
+    cases = {"short_text": (False, 2), "long_text": (False, 12), "non_streaming": (True, 5)}
+    for name, (non_streaming, text_len) in cases.items():
+        text = torch.randint(0, 150, (text_len,), generator=gen).tolist()
+        input_ids = torch.tensor([[190, 160, 161, *text, 191, 161, 190, 160, 161]])
+        prompt = {"ref_code": [ref_code], "ref_spk_embedding": [x_vector], "x_vector_only_mode": [False],
+                  "icl_mode": [True]}
+        calls.clear()
+        model.generate(input_ids=[input_ids], ref_ids=[ref_ids], voice_clone_prompt=prompt, languages=["english"],
+                       speakers=[None], non_streaming_mode=non_streaming, max_new_tokens=4, do_sample=False,
+                       subtalker_dosample=False, repetition_penalty=1.0)
+        first = calls[0][0]
+        tensors.update({f"fx.{name}.input_ids": input_ids[0], f"fx.{name}.prompt": first["inputs_embeds"][0],
+                        f"fx.{name}.trailing": first["trailing_text_hidden"][0],
+                        f"fx.{name}.logits": torch.stack([logits for _, logits in calls[:3]])})
+    meta = {"cases": json.dumps({k: {"non_streaming": v[0]} for k, v in cases.items()}), "language": "english",
+            "made_by": "qwen-tts 0.1.1, transformers 4.57.3"}
+    save_file(tensors, HERE / "icl.safetensors", metadata=meta)
+
+
+@torch.no_grad()
+def record_generate(ref: types.ModuleType) -> None:
+    """The reference's whole ``generate`` (greedy, no repetition penalty) for four requests:
+    speaker + English, a dialect speaker with auto language, an instruction with no speaker
+    (voice design), and the non-streaming text layout; the codes of every frame."""
+    model = generate_model(ref)
     gen = torch.Generator().manual_seed(22)
 
     def ids(text_len: int) -> torch.Tensor:  # <|im_start|>assistant\n {text} <|im_end|>\n<|im_start|>assistant\n
@@ -311,6 +364,8 @@ def main() -> None:
         record_encoder(tok)
     if not only or "generate" in only:
         record_generate(ref)
+    if not only or "icl" in only:
+        record_icl(ref)
     if not only or "speaker" in only:
         record_speaker(ref)
     for path in sorted(HERE.glob("*.safetensors")):
