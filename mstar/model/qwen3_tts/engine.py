@@ -111,7 +111,8 @@ class TalkerRules(TokenRules):
 
 class TalkerEngine(Engine):
     """The talker node: each request's prompt built at its prefill from its params (text ids,
-    instruction ids, language, speaker or clip vector, text layout)."""
+    instruction ids, language, speaker or clip vector, text layout; for in-context cloning the
+    clip's frames ``ref_codes [T, Q]`` and its transcript's ``ref_ids``)."""
 
     def __init__(self, engine: AutoregressiveEngine, config: Qwen3TTSConfig) -> None:
         self.engine = engine
@@ -136,10 +137,15 @@ class TalkerEngine(Engine):
         weight = talker.codec_head.weight
         embed = item.inputs.get("speaker_embed")
         embed = embed.reshape(-1).to(weight.device, weight.dtype) if embed is not None and embed.numel() else None
+        codes = item.inputs.get("ref_codes")
+        reference = None
+        if codes is not None and codes.numel():  # in-context cloning: the clip's frames and transcript
+            codes = codes.reshape(-1, self.config.talker.num_code_groups).to(weight.device, torch.int64)
+            reference = (list(params["ref_ids"]), codes)
         return talker_prompt(talker, self.config, item.inputs["prompt_ids"].reshape(-1).tolist(),
                              language=params["language"], speaker=params.get("speaker"),
                              instruct_ids=params.get("instruct_ids") or None, speaker_embed=embed,
-                             non_streaming=bool(params["non_streaming"]))
+                             non_streaming=bool(params["non_streaming"]), reference=reference)
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
