@@ -10,12 +10,14 @@ frames of left context), and its samples stream out as 24 kHz PCM.
 * ``custom_voice`` (``qwen3_tts``, ``qwen3_tts_1p7b``): ``voice`` picks a built-in speaker;
   ``instructions`` is a style instruction.
 * ``voice_design`` (``qwen3_tts_voicedesign``): ``instructions`` describes the voice (required).
-* ``base`` (``qwen3_tts_base``): clones from ``ref_audio`` with ``x_vector_only_mode``: the
-  clip's x-vector (the speaker encoder, run by the API server and memoised by content) takes
-  the built-in speaker's row. In-context cloning (the clip's codes and ``ref_text`` in the
-  prompt) needs the codec's encoder, not ported yet: without ``x_vector_only_mode`` a request
-  is refused with a 400 naming ``ref_text`` (missing) or ``x_vector_only_mode``. A preset of
-  the deployment's ``voices_dir`` is a ``voice`` cloned the same way (its x-vector).
+* ``base`` (``qwen3_tts_base``): clones from ``ref_audio``. The API server encodes the clip
+  once per content (``condition_on_clip``, memoised by its audio): its x-vector (the speaker
+  encoder) and its 12 Hz codes (the codec's encoder). In context (the default, ``ref_text``
+  required): the x-vector takes the built-in speaker's row and the clip's codes and
+  transcript follow the codec prefix (``prompt.in_context_rows``); ``x_vector_only_mode``:
+  the x-vector alone. A missing ``ref_text`` is a 400 naming it; a clip whose frames outgrow
+  ``max_seq_len`` one naming ``ref_audio``. A preset of the deployment's ``voices_dir`` is a
+  ``voice`` cloned by its x-vector.
 
 Text of 600 characters or more (or any text with ``sentence_chunking: true``) is spoken as
 ordered sentence pieces of about 400 characters, one walk each.
