@@ -109,11 +109,15 @@ def test_in_context_clone_equals_the_eager_loop(server, checkpoint) -> None:
     prompt = talker_prompt(talker, config, ids, speaker_embed=x_vector,
                            reference=(transcript_ids(tokenizer, ICL_TEXT), codes))
     frames = run_talker(talker, prompt, max_frames=6)
-    wave = torch.cat(list(codec.decode_stream(frames[None], ramp=(1, 3, 8, 6), left_context=12)), dim=-1)[0]
+    # the clip's frames top up the first windows' context, as the reference decodes [clip, new]
+    wave = torch.cat(list(codec.decode_stream(frames[None], ramp=(1, 3, 8, 6), left_context=12,
+                                              prefix=codes.T[None])), dim=-1)[0]
     expected = np.rint(np.clip(wave.numpy(), -1, 1) * 32767).astype(int)
     served = np.frombuffer(pcm, "<i2").astype(int)
     assert served.shape == expected.shape and np.abs(served - expected).max() <= 2
     assert np.abs(served).max() > 100
+    alone = torch.cat(list(codec.decode_stream(frames[None], ramp=(1, 3, 8, 6), left_context=12)), dim=-1)[0]
+    assert np.abs(np.rint(np.clip(alone.numpy(), -1, 1) * 32767) - expected).max() > 100  # the context counts
     x_only = clone(server, ICL_CLIP)  # the x-vector alone speaks otherwise
     assert x_only != pcm
 

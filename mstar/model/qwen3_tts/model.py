@@ -97,7 +97,7 @@ class Qwen3TTS(ModelSpec):
         talker = Node(TALKER, "autoregressive", inputs=("prompt_ids", "speaker_embed", "ref_codes", "token"),
                       outputs=("token", "codes"),
                       ops=("prefill", "decode"), flags=("stop",))
-        codec = Node(CODEC, "stream", inputs=("codes",), outputs=("audio",))
+        codec = Node(CODEC, "stream", inputs=("codes", "ref_codes"), outputs=("audio",))
         writes = {"token": "code0", "codes": "codes"}
         speak = Sequential(
             Step(TALKER, "prefill", reads=("prompt_ids", "speaker_embed", "ref_codes"), writes=writes),
@@ -105,8 +105,8 @@ class Qwen3TTS(ModelSpec):
                  until="stop", max_iters="max_decode_steps"))
         knobs = self.knobs
         policy = ScheduledChunks(tuple(knobs.codec_chunk_schedule), knobs.codec_chunk_frames, knobs.codec_left_context)
-        decode = StreamEdge("codes", into=Step(CODEC, reads="codes", writes="audio", emit=Emit("audio", "audio")),
-                            policy=policy)
+        decode = StreamEdge("codes", into=Step(CODEC, reads=("codes", "ref_codes"), writes="audio",
+                                               emit=Emit("audio", "audio")), policy=policy)
         walk = Walk("tts", speak, inputs=("prompt_ids", "speaker_embed", "ref_codes"), streams=[decode])
         return Graph.build([talker, codec], [walk])
 
@@ -251,7 +251,7 @@ class Qwen3TTS(ModelSpec):
                                             device=device, dtype=dtype)
         if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
             codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
-            engines[CODEC] = StatelessEngine(codec_fn(codec))
+            engines[CODEC] = StatelessEngine(codec_fn(codec, self.knobs.codec_left_context))
         return engines
 
 

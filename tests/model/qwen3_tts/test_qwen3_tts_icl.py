@@ -3,7 +3,8 @@ recorded by ``record_reference.py`` at the reference talker's ``forward`` inside
 qwen-tts 0.1.1 under transformers 4.57.3, the weights of ``generate.safetensors``): the
 prefill rows (role, codec prefix with the clip's x-vector, then the transcript + text rows
 beside the clip's frames), the trailing text rows and the first 3 steps' codebook-0 logits,
-for text rows fewer and more than the codec rows and for the non-streaming layout."""
+for text rows fewer and more than the codec rows and for the non-streaming layout; and the
+clip's frames as the codec's context, as the reference decodes a clone."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mstar.model.qwen3_tts.checkpoint import load_codec
+from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
+from mstar.model.qwen3_tts.config import CodecConfig
 from mstar.model.qwen3_tts.prompt import talker_prompt
 from mstar.model.qwen3_tts.speech import run_talker
 from tests.model.qwen3_tts.test_qwen3_tts_generate import recorded  # noqa: F401  (the talker)
-from tests.model.qwen3_tts.test_qwen3_tts_parity import FIXTURES, TOL, rel_err
+from tests.model.qwen3_tts.test_qwen3_tts_parity import AUDIO_TOL, FIXTURES, TOL, read_fixture, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +58,23 @@ def test_icl_prompt_and_first_logits_match_reference(recorded, icl, case: str) -
         drawable = torch.isfinite(ours_step)  # the masked ids (specials, early EOS) are -inf here
         assert drawable.sum() > 60
         assert rel_err(ours_step[drawable], theirs[drawable]) < TOL
+
+
+@torch.no_grad()
+def test_clip_frames_are_the_first_windows_context() -> None:
+    """The reference decodes an in-context clone as ``[clip frames, new frames]`` and cuts the
+    clip's samples; streamed with the clip as ``prefix`` and a left context covering it all,
+    the joined windows equal that (the codec fixture's decoder); a shorter left context takes
+    only the clip's tail, and without the clip the first audio differs."""
+    config, weights, fx = read_fixture("codec")
+    codec = Qwen3TTSCodec(CodecConfig.from_hf_dict(config)).eval()
+    load_codec(codec, weights.items())
+    clip, new = fx["codes"][:1, :, :9], fx["codes"][:1, :, 9:29]
+    whole = codec(torch.cat([clip, new], dim=-1))[..., 9 * codec.samples_per_frame:]
+    joined = torch.cat(list(codec.decode_stream(new, ramp=(1, 3, 5), left_context=40, prefix=clip)), dim=-1)
+    assert rel_err(joined, whole) < AUDIO_TOL
+    plain = torch.cat(list(codec.decode_stream(new, ramp=(1, 3, 5), left_context=40)), dim=-1)
+    assert rel_err(plain, whole) > 1e-2
+    window, context = with_prefix(new[..., :1], 0, clip, left_context=4)
+    assert context == 4 and torch.equal(window, torch.cat([clip[..., -4:], new[..., :1]], dim=-1))
+    assert with_prefix(new[..., :8], 5, clip, left_context=5)[1] == 5  # a full context takes none
