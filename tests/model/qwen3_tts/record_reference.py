@@ -7,12 +7,14 @@ reference's modules and the old transformers ahead of ours on the path::
     pip install --no-deps --target /tmp/qtts_tf457 transformers==4.57.3 huggingface_hub==0.36.0 \
         tokenizers==0.22.1
     unzip -o qwen_tts-0.1.1-py3-none-any.whl -d /tmp/qtts_x
-    PYTHONPATH=/tmp/qtts_tf457:/tmp/qtts_x:. python tests/model/qwen3_tts/record_reference.py [talker codec ...]
+    PYTHONPATH=/tmp/qtts_tf457:/tmp/qtts_x:. python tests/model/qwen3_tts/record_reference.py [NAME ...]
 
-Only the model modules are imported (``qwen_tts.core.models.modeling_qwen3_tts`` and the 12 Hz
-tokenizer's), bypassing the package ``__init__`` (it loads the 25 Hz tokenizer); librosa, used
-only by the speaker encoder's mel front end, is stubbed. Each fixture is a safetensors file:
-the tiny model's weights under their released names plus the recorded inputs and outputs
+NAME: ``talker``, ``codec``, ``encoder``, ``generate``, ``icl`` (needs ``generate``'s file),
+``speaker``; none: all. Only the model modules are imported
+(``qwen_tts.core.models.modeling_qwen3_tts`` and the 12 Hz tokenizer's), bypassing the package
+``__init__`` (it loads the 25 Hz tokenizer); librosa, used only by the speaker encoder's mel
+front end, is stubbed. Each fixture is a safetensors file: the tiny model's weights under
+their released names plus the recorded inputs and outputs
 (``fx.`` keys), and the config as JSON in the file's metadata.
 """
 
