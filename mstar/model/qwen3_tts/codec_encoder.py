@@ -94,15 +94,17 @@ class EncoderConfig:
     def downsample_kernel(self) -> int:
         """The kernel of the stride-2 downsample from the conv stack's rate to ``frame_rate``
         (Mimi's rule, 4 for the released 25 to 12.5 Hz); 0: the rates agree, no downsample."""
-        conv_rate = math.ceil(self.sampling_rate / math.prod(self.upsampling_ratios))
-        if self.frame_rate is None or self.frame_rate == conv_rate:
-            return 0
-        return 2 * int(conv_rate / self.frame_rate)
+        hop = math.prod(self.upsampling_ratios)
+        conv_rate = math.ceil(self.sampling_rate / hop)
+        frame_rate = self.frame_rate if self.frame_rate is not None else self.sampling_rate / (2 * hop)  # Mimi's
+        return 0 if frame_rate == conv_rate else 2 * int(conv_rate / frame_rate)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> EncoderConfig:
         """From the tokenizer's whole ``config.json`` (unknown keys ignored)."""
         enc = dict(d.get("encoder_config") or {})
+        if enc.get("frame_rate") is None and "_frame_rate" in enc:  # how MimiConfig saves it (released)
+            enc["frame_rate"] = enc["_frame_rate"]
         enc["valid_quantizers"] = d.get("encoder_valid_num_quantizers", 16)
         enc["samples_per_frame"] = d.get("encode_downsample_rate", 1920)
         kwargs = config_kwargs(cls, enc, {"head_dim", "frame_rate"})

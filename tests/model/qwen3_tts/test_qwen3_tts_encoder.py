@@ -48,8 +48,12 @@ def test_config_and_key_coverage(recorded) -> None:
     config, weights, _ = read_fixture("encoder")
     cfg = EncoderConfig.from_hf_dict(config)
     assert (cfg.valid_quantizers, cfg.samples_per_frame, cfg.downsample_kernel) == (4, 24, 4)
-    released = EncoderConfig.from_hf_dict({"encoder_config": {"frame_rate": 12.5}})  # the released rates
-    assert (released.downsample_kernel, released.valid_quantizers, released.samples_per_frame) == (4, 16, 1920)
+    # the released config saves Mimi's frame rate as ``_frame_rate``; absent, Mimi derives it
+    for enc in ({"_frame_rate": 12.5}, {"frame_rate": 12.5}, {}):
+        released = EncoderConfig.from_hf_dict({"encoder_config": enc})
+        assert (released.frame_rate or 12.5, released.downsample_kernel) == (12.5, 4)
+        assert (released.valid_quantizers, released.samples_per_frame) == (16, 1920)
+    assert EncoderConfig.from_hf_dict({"encoder_config": {"_frame_rate": 25.0}}).downsample_kernel == 0
     names = encoder_names(cfg)
     assert names("decoder.pre_conv.conv.weight") is None
     assert names("encoder.quantizer.acoustic_residual_vector_quantizer.layers.3.codebook.embed_sum") is None
