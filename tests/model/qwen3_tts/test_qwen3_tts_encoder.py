@@ -65,3 +65,32 @@ def test_config_and_key_coverage(recorded) -> None:
         load_codec_encoder(fresh, [*weights.items(), ("encoder.encoder.layers.99.conv.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="non-empty"):
         recorded[0].encode(torch.zeros(0))
+
+
+def test_released_shapes() -> None:
+    """At the released config (MimiConfig's defaults, 16 of 32 codebooks kept), built on the
+    meta device: the released checkpoint's key names and shapes (a few of each kind), and its
+    acoustic levels past the 15th and ``initialized`` flags dropped by the name map."""
+    config = EncoderConfig.from_hf_dict({"encoder_config": {"_frame_rate": 12.5, "head_dim": 64}})
+    with torch.device("meta"):
+        encoder = Qwen3TTSCodecEncoder(config)
+    state = {k: tuple(v.shape) for k, v in encoder.state_dict().items()}
+    names = encoder_names(config)
+    released = {"encoder.encoder.layers.0.conv.weight": (64, 1, 7), "encoder.encoder.layers.1.block.1.conv.weight":
+                (32, 64, 3), "encoder.encoder.layers.3.conv.weight": (128, 64, 8),
+                "encoder.encoder.layers.12.conv.weight": (1024, 512, 16),
+                "encoder.encoder.layers.14.conv.weight": (512, 1024, 3),
+                "encoder.downsample.conv.weight": (512, 512, 4),
+                "encoder.encoder_transformer.layers.7.mlp.fc1.weight": (2048, 512),
+                "encoder.encoder_transformer.layers.7.input_layernorm.bias": (512,),
+                "encoder.quantizer.semantic_residual_vector_quantizer.input_proj.weight": (256, 512, 1),
+                "encoder.quantizer.acoustic_residual_vector_quantizer.layers.14.codebook.embed_sum": (2048, 256),
+                "encoder.quantizer.acoustic_residual_vector_quantizer.layers.14.codebook.cluster_usage": (2048,)}
+    for name, shape in released.items():
+        assert state[names(name)] == shape, name
+    for dropped in ("encoder.quantizer.acoustic_residual_vector_quantizer.layers.15.codebook.embed_sum",
+                    "encoder.quantizer.acoustic_residual_vector_quantizer.layers.30.codebook.cluster_usage",
+                    "encoder.quantizer.semantic_residual_vector_quantizer.layers.0.codebook.initialized",
+                    "encoder.quantizer.semantic_residual_vector_quantizer.output_proj.weight"):
+        assert names(dropped) is None
+    assert len([k for k in state if "codebook.embed_sum" in k]) == 16
