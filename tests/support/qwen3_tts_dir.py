@@ -1,7 +1,7 @@
 """A tiny Qwen3-TTS checkpoint directory for the served tests (``load_format: dummy``): the
 talker's ``config.json`` (two built-in speakers, the variant given), a byte-level tokenizer
 with the chat and TTS ids of ``tests/support/qwen3_omni.py``, and ``speech_tokenizer/`` with a
-tiny 12 Hz decoder's config. No weights: a dummy deployment draws them."""
+tiny 12 Hz decoder's and encoder's config. No weights: a dummy deployment draws them."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ TALKER = dict(
 CODEC = dict(codebook_size=64, codebook_dim=16, hidden_size=16, latent_dim=16, num_attention_heads=2,
              num_key_value_heads=2, sliding_window=8, intermediate_size=32, num_hidden_layers=1, num_quantizers=4,
              upsample_rates=[4, 3], upsampling_ratios=[2, 2], decoder_dim=16)
+# the codec's encoder: 4 of 6 codebooks of 64 codes (the talker's), 48 samples a frame like the decoder
+ENCODER = dict(frame_rate=500.0, hidden_size=16, num_filters=4, upsampling_ratios=[6, 4], codebook_size=64,
+               codebook_dim=8, vector_quantization_hidden_dimension=8, num_quantizers=6, upsample_groups=16,
+               num_hidden_layers=1, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2)
 SPEAKER = dict(mel_dim=128, enc_dim=32, enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1],
                enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8, enc_res2net_scale=4, enc_se_channels=8)
 SAMPLES_PER_FRAME = 48
@@ -41,7 +45,8 @@ def write_checkpoint(root: Path, variant: str = "custom_voice") -> Path:
               "tts_bos_token_id": CHAT["tts_bos_token_id"], "tts_eos_token_id": CHAT["tts_eos_token_id"]}
     (root / "config.json").write_text(json.dumps(config))
     (root / "speech_tokenizer" / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_tts_tokenizer_12hz", "output_sample_rate": 24000, "decoder_config": CODEC}))
+        {"model_type": "qwen3_tts_tokenizer_12hz", "output_sample_rate": 24000, "decoder_config": CODEC,
+         "encoder_config": ENCODER, "encoder_valid_num_quantizers": 4, "encode_downsample_rate": SAMPLES_PER_FRAME}))
     return root
 
 

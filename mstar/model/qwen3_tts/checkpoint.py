@@ -10,7 +10,8 @@ loads with coverage both ways (``mstar.model.weights.load_weights``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,13 @@ from typing import Any
 import torch
 
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
+from mstar.model.qwen3_tts.codec_encoder import EncoderConfig, Qwen3TTSCodecEncoder
 from mstar.model.qwen3_tts.config import CodecConfig, Qwen3TTSConfig
 from mstar.model.qwen3_tts.speaker import Qwen3TTSSpeakerEncoder
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
 from mstar.model.weights import fill_weights, init_dummy_weights, iter_safetensors, load_weights
 
-TALKER, CODEC, SPEAKER = "talker.", "decoder.", "speaker_encoder."
+TALKER, CODEC, SPEAKER, ENCODER = "talker.", "decoder.", "speaker_encoder.", "encoder."
 SPEECH_TOKENIZER = "speech_tokenizer"
 DUMMY_CODEC_STD = 0.15
 # what a dummy deployment reads of a hub checkpoint: configs and tokenizer files, not weights
@@ -46,6 +48,27 @@ def codec_name(name: str) -> str | None:
     return name[len(CODEC):] if name.startswith(CODEC) else name
 
 
+def encoder_names(config: EncoderConfig) -> Callable[[str], str | None]:
+    """The name map of ``Qwen3TTSCodecEncoder`` from speech-tokenizer keys: ``encoder.`` less
+    the prefix; ``None`` for the decoder's keys and for what only Mimi's own decoding uses (the
+    quantizers' ``output_proj``, ``initialized`` flags, levels past the kept codebooks)."""
+    acoustic = config.valid_quantizers - config.num_semantic_quantizers
+    level = re.compile(r"quantizer\.(semantic|acoustic)_residual_vector_quantizer\.layers\.(\d+)\.")
+
+    def name_map(name: str) -> str | None:
+        if name.startswith(CODEC):
+            return None
+        name = name[len(ENCODER):] if name.startswith(ENCODER) else name
+        if name.endswith((".initialized", "_residual_vector_quantizer.output_proj.weight")):
+            return None
+        kept = level.match(name)
+        if kept and int(kept[2]) >= (acoustic if kept[1] == "acoustic" else config.num_semantic_quantizers):
+            return None
+        return name
+
+    return name_map
+
+
 def speaker_name(name: str) -> str | None:
     """Our name in ``Qwen3TTSSpeakerEncoder`` of a released key (``None``: the talker's)."""
     if name.startswith(TALKER):
@@ -61,6 +84,11 @@ def load_speaker_encoder(encoder: Qwen3TTSSpeakerEncoder, tensors: Iterable[tupl
 def load_talker(talker: Qwen3TTSTalker, tensors: Iterable[tuple[str, torch.Tensor]],
                 dtype: torch.dtype | None = None) -> None:
     load_weights(talker, tensors, name_map=talker_name, dtype=dtype)
+
+
+def load_codec_encoder(encoder: Qwen3TTSCodecEncoder, tensors: Iterable[tuple[str, torch.Tensor]],
+                       dtype: torch.dtype | None = None) -> None:
+    load_weights(encoder, tensors, name_map=encoder_names(encoder.config), dtype=dtype)
 
 
 def load_codec(codec: Qwen3TTSCodec, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -132,3 +160,23 @@ class Qwen3TTSCheckpoint:
             return codec.eval()
         return fill_weights(codec, lambda: iter_safetensors(self.path / SPEECH_TOKENIZER), dummy=False, seed=seed,
                             dtype=dtype, name_map=codec_name)
+
+    def codec_encoder_config(self) -> EncoderConfig:
+        return EncoderConfig.from_hf_dict(json.loads((self.path / SPEECH_TOKENIZER / "config.json").read_text()))
+
+    def codec_encoder(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool,
+                      seed: int) -> Qwen3TTSCodecEncoder:
+        """The codec's encoder (in-context cloning: a clip to its codes). Dummy codebooks are
+        drawn (N(0, 1) codewords) so that a dummy deployment's clips get varied codes."""
+        with torch.device(device):
+            encoder = Qwen3TTSCodecEncoder(self.codec_encoder_config()).to(dtype)
+        if dummy:
+            init_dummy_weights(encoder, seed=seed, std=DUMMY_CODEC_STD)
+            gen = torch.Generator(device=encoder.encoder.layers[0].conv.weight.device).manual_seed(seed)
+            with torch.no_grad():
+                for name, buf in encoder.named_buffers():
+                    if name.endswith("embed_sum"):
+                        buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device).to(buf.dtype))
+            return encoder.eval()
+        return fill_weights(encoder, lambda: iter_safetensors(self.path / SPEECH_TOKENIZER), dummy=False, seed=seed,
+                            dtype=dtype, name_map=encoder_names(encoder.config))

@@ -218,10 +218,14 @@ class Qwen3TTSCodec(nn.Module):
         return wav[..., lead * self.samples_per_frame:]
 
     def decode_stream(self, codes: torch.Tensor, ramp: Sequence[int] = (1, 3, 8, 16, 25),
-                      left_context: int = 72) -> Iterator[torch.Tensor]:
-        """A whole clip's audio window by window, as a stream decodes it: ``stream_windows``."""
+                      left_context: int = 72, prefix: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """A whole clip's audio window by window, as a stream decodes it: ``stream_windows``;
+        ``prefix [B, Q, P]``: frames before the stream, context only (``with_prefix``)."""
         for start, context, new in stream_windows(codes.shape[-1], ramp, left_context):
-            yield self.decode_window(codes[..., start - context: start + new], context)
+            window = codes[..., start - context: start + new]
+            if prefix is not None:
+                window, context = with_prefix(window, context, prefix, left_context)
+            yield self.decode_window(window, context)
 
     def chunked_decode(self, codes: torch.Tensor, chunk_size: int = 300, left_context: int = 25) -> torch.Tensor:
         """The reference tokenizer's offline decode: fixed chunks behind up to ``left_context``
@@ -231,6 +235,18 @@ class Qwen3TTSCodec(nn.Module):
             context = min(left_context, start)
             out.append(self.decode_window(codes[..., start - context: start + chunk_size], context))
         return torch.cat(out, dim=-1)
+
+
+def with_prefix(window: torch.Tensor, context: int, prefix: torch.Tensor, left_context: int
+                ) -> tuple[torch.Tensor, int]:
+    """A window ``[..., Q, context + new]`` whose context falls short of ``left_context``
+    topped up from the end of ``prefix [..., Q, P]`` (frames decoded before the stream's first,
+    never spoken: in-context cloning's clip, as the reference decodes ``[clip, new frames]``
+    and cuts the clip's samples); returns the window and its context."""
+    extra = min(left_context - context, prefix.shape[-1])
+    if extra <= 0:
+        return window, context
+    return torch.cat([prefix[..., prefix.shape[-1] - extra:].to(window.dtype), window], dim=-1), context + extra
 
 
 def stream_windows(frames: int, ramp: Sequence[int] = (1, 3, 8, 16, 25),

@@ -14,7 +14,8 @@ request's seed and the frame), so a request's frames do not depend on what it is
 with; a request with ``temperature`` 0 takes the greedy codes.
 
 **Codec** (``codec_fn``): each window's frames after its left context, the conv stack over the
-new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch.
+new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch. An
+in-context clone's clip frames top up its first windows' context.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
 from mstar.model.qwen3_omni.engine import TalkerForward
-from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
+from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.prompt import talker_prompt
 from mstar.model.qwen3_tts.speech import suppressed_codes
@@ -111,7 +112,8 @@ class TalkerRules(TokenRules):
 
 class TalkerEngine(Engine):
     """The talker node: each request's prompt built at its prefill from its params (text ids,
-    instruction ids, language, speaker or clip vector, text layout)."""
+    instruction ids, language, speaker or clip vector, text layout; for in-context cloning the
+    clip's frames ``ref_codes [T, Q]`` and its transcript's ``ref_ids``)."""
 
     def __init__(self, engine: AutoregressiveEngine, config: Qwen3TTSConfig) -> None:
         self.engine = engine
@@ -136,10 +138,15 @@ class TalkerEngine(Engine):
         weight = talker.codec_head.weight
         embed = item.inputs.get("speaker_embed")
         embed = embed.reshape(-1).to(weight.device, weight.dtype) if embed is not None and embed.numel() else None
+        codes = item.inputs.get("ref_codes")
+        reference = None
+        if codes is not None and codes.numel():  # in-context cloning: the clip's frames and transcript
+            codes = codes.reshape(-1, self.config.talker.num_code_groups).to(weight.device, torch.int64)
+            reference = (list(params["ref_ids"]), codes)
         return talker_prompt(talker, self.config, item.inputs["prompt_ids"].reshape(-1).tolist(),
                              language=params["language"], speaker=params.get("speaker"),
                              instruct_ids=params.get("instruct_ids") or None, speaker_embed=embed,
-                             non_streaming=bool(params["non_streaming"]))
+                             non_streaming=bool(params["non_streaming"]), reference=reference)
 
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
@@ -148,18 +155,30 @@ class TalkerEngine(Engine):
         return self.engine.stats()
 
 
-def codec_fn(codec: Qwen3TTSCodec):
+def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72):
     """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
-    context's frames run through the transformer only; windows of one shape batched."""
+    context's frames run through the transformer only; windows of one shape batched. An
+    in-context clone's first windows take their missing context (up to ``left_context``
+    frames) from the end of its clip's frames (``ref_codes``), as the reference decodes the
+    clip's frames before the new ones."""
     weight = next(codec.parameters())
+    groups_q = codec.config.num_quantizers
+
+    def window(item: EngineItem) -> tuple[torch.Tensor, int]:
+        codes = item.inputs["codes"].reshape(-1, groups_q).T
+        ref = item.inputs.get("ref_codes")
+        if ref is None or not ref.numel():
+            return codes, item.chunk.keep_start
+        return with_prefix(codes, item.chunk.keep_start, ref.reshape(-1, groups_q).T, left_context)
 
     def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         results: list[dict[str, torch.Tensor] | None] = [None] * len(items)
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, item in enumerate(items):
-            groups[(item.inputs["codes"].shape[0], item.chunk.keep_start)].append(i)
-        for (length, context), indices in groups.items():
-            codes = torch.stack([items[i].inputs["codes"].reshape(length, -1).T for i in indices])
+        windows = [window(item) for item in items]
+        for i, (codes, context) in enumerate(windows):
+            groups[(codes.shape[-1], context)].append(i)
+        for (_, context), indices in groups.items():
+            codes = torch.stack([windows[i][0] for i in indices])
             with torch.inference_mode():
                 wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()
             for row, i in enumerate(indices):

@@ -10,18 +10,22 @@ frames of left context), and its samples stream out as 24 kHz PCM.
 * ``custom_voice`` (``qwen3_tts``, ``qwen3_tts_1p7b``): ``voice`` picks a built-in speaker;
   ``instructions`` is a style instruction.
 * ``voice_design`` (``qwen3_tts_voicedesign``): ``instructions`` describes the voice (required).
-* ``base`` (``qwen3_tts_base``): clones from ``ref_audio`` with ``x_vector_only_mode``: the
-  clip's x-vector (the speaker encoder, run by the API server and memoised by content) takes
-  the built-in speaker's row. In-context cloning (the clip's codes and ``ref_text`` in the
-  prompt) needs the codec's encoder, not ported yet: without ``x_vector_only_mode`` a request
-  is refused with a 400 naming ``ref_text`` (missing) or ``x_vector_only_mode``. A preset of
-  the deployment's ``voices_dir`` is a ``voice`` cloned the same way (its x-vector).
+* ``base`` (``qwen3_tts_base``): clones from ``ref_audio``. The API server encodes the clip
+  once per content (``condition_on_clip``, memoised by its audio): its x-vector (the speaker
+  encoder) and its 12 Hz codes (the codec's encoder). In context (the default, ``ref_text``
+  required): the x-vector takes the built-in speaker's row and the clip's codes and
+  transcript follow the codec prefix (``prompt.in_context_rows``); ``x_vector_only_mode``:
+  the x-vector alone. A missing ``ref_text`` is a 400 naming it; a clip whose frames outgrow
+  ``max_seq_len`` one naming ``ref_audio``. A preset of the deployment's ``voices_dir`` is a
+  ``voice`` cloned by its x-vector.
 
 Text of 600 characters or more (or any text with ``sentence_chunking: true``) is spoken as
 ordered sentence pieces of about 400 characters, one walk each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,9 +36,10 @@ from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, Step, StreamEdge, Walk
 from mstar.model.decoding import decode_request
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
+from mstar.model.qwen3_tts.codec_encoder import EncoderConfig
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.knobs import Qwen3TTSBaseKnobs, Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
-from mstar.model.qwen3_tts.prompt import assistant_text, instruct_text, language_id, languages
+from mstar.model.qwen3_tts.prompt import assistant_text, instruct_text, language_id, languages, transcript_ids
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
@@ -52,6 +57,33 @@ PROMPT_ROWS = 8  # the prompt's rows besides the text and the instruction: the c
 DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 
 
+@dataclass(frozen=True)
+class ClipConditioning:
+    """A clone clip's memoised conditioning: its x-vector ``[hidden]`` and 12 Hz codes ``[T, Q]``."""
+
+    x_vector: torch.Tensor
+    codes: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Clone:
+    """What one request clones from: an x-vector (empty: no clone), and for in-context cloning
+    the clip's codes and its transcript's ids."""
+
+    x_vector: torch.Tensor
+    codes: torch.Tensor | None = None
+    ref_ids: list[int] | None = None
+
+
+def check_codec_encoder(encoder: EncoderConfig, tts: Qwen3TTSConfig) -> None:
+    """The codec encoder's codes must be the talker's: as many codebooks, ids inside its tables."""
+    talker = tts.talker
+    if encoder.valid_quantizers != talker.num_code_groups or encoder.codebook_size > talker.predictor.vocab_size:
+        raise ValueError(f"speech tokenizer encoder: {encoder.valid_quantizers} codebooks of "
+                         f"{encoder.codebook_size} codes, but the talker takes {talker.num_code_groups} of "
+                         f"{talker.predictor.vocab_size}")
+
+
 class Qwen3TTS(ModelSpec):
     """Every Qwen3-TTS 12 Hz checkpoint; the keys differ only in their default weights."""
 
@@ -62,21 +94,21 @@ class Qwen3TTS(ModelSpec):
     knobs: Qwen3TTSKnobs
 
     def graph(self) -> Graph:
-        talker = Node(TALKER, "autoregressive", inputs=("prompt_ids", "speaker_embed", "token"),
+        talker = Node(TALKER, "autoregressive", inputs=("prompt_ids", "speaker_embed", "ref_codes", "token"),
                       outputs=("token", "codes"),
                       ops=("prefill", "decode"), flags=("stop",))
-        codec = Node(CODEC, "stream", inputs=("codes",), outputs=("audio",))
+        codec = Node(CODEC, "stream", inputs=("codes", "ref_codes"), outputs=("audio",))
         writes = {"token": "code0", "codes": "codes"}
         speak = Sequential(
-            Step(TALKER, "prefill", reads=("prompt_ids", "speaker_embed"), writes=writes),
+            Step(TALKER, "prefill", reads=("prompt_ids", "speaker_embed", "ref_codes"), writes=writes),
             Loop(Step(TALKER, "decode", reads={"token": "code0"}, writes=writes),
                  until="stop", max_iters="max_decode_steps"))
         knobs = self.knobs
         policy = ScheduledChunks(tuple(knobs.codec_chunk_schedule), knobs.codec_chunk_frames, knobs.codec_left_context)
-        decode = StreamEdge("codes", into=Step(CODEC, reads="codes", writes="audio", emit=Emit("audio", "audio")),
-                            policy=policy)
-        return Graph.build([talker, codec], [Walk("tts", speak, inputs=("prompt_ids", "speaker_embed"),
-                                                     streams=[decode])])
+        decode = StreamEdge("codes", into=Step(CODEC, reads=("codes", "ref_codes"), writes="audio",
+                                               emit=Emit("audio", "audio")), policy=policy)
+        walk = Walk("tts", speak, inputs=("prompt_ids", "speaker_embed", "ref_codes"), streams=[decode])
+        return Graph.build([talker, codec], [walk])
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> Qwen3TTSCheckpoint:
@@ -88,8 +120,10 @@ class Qwen3TTS(ModelSpec):
         self.tokenizer = ckpt.tokenizer()
         self.tts: Qwen3TTSConfig = ckpt.config()
         if self.tts.clones:  # the API server encodes the clips (``condition_on_clip``)
-            self.speaker_encoder = ckpt.speaker_encoder("cpu", torch.float32, dummy=self.config.load_format == "dummy",
-                                                        seed=self.knobs.seed + 2)
+            dummy = self.config.load_format == "dummy"
+            self.speaker_encoder = ckpt.speaker_encoder("cpu", torch.float32, dummy=dummy, seed=self.knobs.seed + 2)
+            self.codec_encoder = ckpt.codec_encoder("cpu", torch.float32, dummy=dummy, seed=self.knobs.seed + 3)
+            check_codec_encoder(self.codec_encoder.config, self.tts)
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
@@ -123,13 +157,13 @@ class Qwen3TTS(ModelSpec):
         if len(text) > MAX_INPUT_CHARS:
             raise RequestError("input", f"is {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
         speaker = self._voice(voice, options, clip)
-        embed = self._clone(voice, clip, options) if self.tts.clones else torch.zeros(0)
+        clone = self._clone(voice, clip, options) if self.tts.clones else Clone(torch.zeros(0))
         if chunking is None:
             chunking = len(text) >= CHUNK_FROM
         pieces = PIECES.split(text) if chunking else [text]
         if len(pieces) > MAX_PIECES:
             raise RequestError("input", f"makes {len(pieces)} sentence pieces; the limit is {MAX_PIECES}")
-        requests = [self._speak(piece, speaker, embed, options) for piece in pieces or [text]]
+        requests = [self._speak(piece, speaker, clone, options) for piece in pieces or [text]]
         return requests[0] if len(requests) == 1 else requests
 
     def _voice(self, voice: str | None, options: Qwen3TTSSpeechKnobs, clip: VoiceClip | None) -> str | None:
@@ -150,24 +184,25 @@ class Qwen3TTS(ModelSpec):
             raise RequestError("voice", f"unknown voice {name!r}; voices are {', '.join(speakers)}")
         return name.lower()
 
-    def _clone(self, voice: str | None, clip: VoiceClip | None, options: Qwen3TTSSpeechKnobs) -> torch.Tensor:
-        """The x-vector (base checkpoints) of the clip, else of the preset ``voice``; memoised
-        by content."""
+    def _clone(self, voice: str | None, clip: VoiceClip | None, options: Qwen3TTSSpeechKnobs) -> Clone:
+        """The clip's conditioning (memoised by its audio): its x-vector alone
+        (``x_vector_only_mode``, and a preset ``voice``), else in context with its codes and
+        transcript."""
         presets = getattr(self, "presets", None)
         if clip is None and presets is not None and voice in presets:
-            return self.clip_conditioning(presets.clip(voice))  # type: ignore[attr-defined]
+            return Clone(self.clip_conditioning(presets.clip(voice)).x_vector)  # type: ignore[attr-defined]
         if clip is None:
             raise RequestError("ref_audio", "the base checkpoints clone a voice: send ref_audio"
                                + (f" or a preset voice ({', '.join(presets.names)})" if presets else ""))
-        if not options.x_vector_only_mode:
-            if clip.text is None:
-                raise RequestError("ref_text", "send the clip's transcript, or x_vector_only_mode: true")
-            raise RequestError("x_vector_only_mode", "in-context cloning (ref_text in the prompt) is not "
-                                                     "supported yet; send x_vector_only_mode: true")
-        return self.clip_conditioning(clip)  # type: ignore[attr-defined]
+        if not options.x_vector_only_mode and not (clip.text or "").strip():
+            raise RequestError("ref_text", "send the clip's transcript (in-context cloning), or "
+                                           "x_vector_only_mode: true to clone from its x-vector alone")
+        cond: ClipConditioning = self.clip_conditioning(clip)  # type: ignore[attr-defined]
+        if options.x_vector_only_mode:
+            return Clone(cond.x_vector)
+        return Clone(cond.x_vector, cond.codes, transcript_ids(self.tokenizer, clip.text.strip()))
 
-    def _speak(self, text: str, speaker: str | None, embed: torch.Tensor,
-               options: Qwen3TTSSpeechKnobs) -> WalkRequest:
+    def _speak(self, text: str, speaker: str | None, clone: Clone, options: Qwen3TTSSpeechKnobs) -> WalkRequest:
         try:
             language_id(self.tts, options.language, speaker)
         except KeyError as err:
@@ -180,16 +215,23 @@ class Qwen3TTS(ModelSpec):
         non_streaming = options.non_streaming_mode if options.non_streaming_mode is not None else \
             not self.tts.clones
         rows = len(ids) + len(instruct) + PROMPT_ROWS
+        if clone.codes is not None:  # at most: the transcript, bos and the clip's frames besides
+            rows += len(clone.ref_ids) + len(clone.codes) + 2
         room = self.config.max_seq_len - rows
+        if room < 2 and clone.codes is not None:
+            raise RequestError("ref_audio", f"its {len(clone.codes)} codec frames make a {rows}-row prompt; "
+                                            f"max_seq_len is {self.config.max_seq_len}: send a shorter clip")
         if room < 2:
             raise RequestError("input", f"makes a {rows}-row prompt; max_seq_len is {self.config.max_seq_len}")
         frames = min(options.max_tokens or self.knobs.max_new_frames, room)
         sampling = options.sampling(DEFAULTS, field="model_kwargs")
-        inputs = {"prompt_ids": torch.tensor(ids, dtype=torch.int64), "speaker_embed": embed}
+        codes = clone.codes if clone.codes is not None else torch.zeros(0, dtype=torch.int64)
+        inputs = {"prompt_ids": torch.tensor(ids, dtype=torch.int64), "speaker_embed": clone.x_vector,
+                  "ref_codes": codes}
         return decode_request("tts", inputs, rows, frames, sampling,
                               [self.tts.talker.codec_eos_token_id], self.config, upfront=True,
                               language=options.language, speaker=speaker, instruct_ids=instruct,
-                              non_streaming=non_streaming)
+                              non_streaming=non_streaming, ref_ids=clone.ref_ids)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> PcmStream:
         return PcmStream(SAMPLE_RATE)
@@ -209,7 +251,7 @@ class Qwen3TTS(ModelSpec):
                                             device=device, dtype=dtype)
         if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
             codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
-            engines[CODEC] = StatelessEngine(codec_fn(codec))
+            engines[CODEC] = StatelessEngine(codec_fn(codec, self.knobs.codec_left_context))
         return engines
 
 
@@ -237,7 +279,8 @@ class Qwen3TTSBase(Qwen3TTS, VoiceCloning):
     default_weights = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
     Knobs = Qwen3TTSBaseKnobs
     knobs: Qwen3TTSBaseKnobs
-    conditions_on_text = False  # the x-vector is the audio's alone
+    conditions_on_text = False  # the x-vector and the codes are the audio's alone
+    conditioning_version = 2  # a clip's codes beside its x-vector
 
     def load_frontend(self) -> None:
         super().load_frontend()
@@ -251,12 +294,15 @@ class Qwen3TTSBase(Qwen3TTS, VoiceCloning):
         presets = getattr(self, "presets", None)
         return presets.voices() if presets is not None else []
 
-    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> torch.Tensor:
-        """The clip's x-vector ``[hidden]`` (the speaker encoder reads 24 kHz)."""
+    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> ClipConditioning:
+        """The clip's x-vector ``[hidden]`` (the speaker encoder) and its 12 Hz codes ``[T, Q]``
+        (the codec's encoder), both from the clip at 24 kHz; the transcript is not read."""
         if len(samples) < sample_rate // 10:
             raise RequestError("ref_audio", "is shorter than 0.1 s")
-        embed = self.speaker_encoder.embed_clip(resample(samples, sample_rate, SAMPLE_RATE))
+        clip = resample(samples, sample_rate, SAMPLE_RATE)
+        embed = self.speaker_encoder.embed_clip(clip)
         if embed.shape[-1] != self.tts.talker.text.hidden_size:
             raise ValueError(f"speaker_encoder_config.enc_dim {embed.shape[-1]} != the talker's hidden_size "
                              f"{self.tts.talker.text.hidden_size}")
-        return embed.clone()
+        codes = self.codec_encoder.encode(torch.as_tensor(np.ascontiguousarray(clip), dtype=torch.float32))
+        return ClipConditioning(embed.clone(), codes)

@@ -39,6 +39,20 @@ def assistant_text(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def ref_text(text: str) -> str:
+    """A clone clip's transcript templated; its ids less the first ``ROLE`` and the last
+    ``REF_CLOSING`` are the prompt's transcript rows (``reference``)."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
+REF_CLOSING = 2
+
+
+def transcript_ids(tokenizer, text: str) -> list[int]:
+    """A clone clip's transcript rows, as the reference cuts them from ``ref_text(text)``."""
+    return list(tokenizer(ref_text(text), add_special_tokens=False)["input_ids"][ROLE:-REF_CLOSING])
+
+
 def instruct_text(instruct: str) -> str:
     return f"<|im_start|>user\n{instruct}<|im_end|>\n"
 

@@ -7,17 +7,20 @@ reference's modules and the old transformers ahead of ours on the path::
     pip install --no-deps --target /tmp/qtts_tf457 transformers==4.57.3 huggingface_hub==0.36.0 \
         tokenizers==0.22.1
     unzip -o qwen_tts-0.1.1-py3-none-any.whl -d /tmp/qtts_x
-    PYTHONPATH=/tmp/qtts_tf457:/tmp/qtts_x:. python tests/model/qwen3_tts/record_reference.py [talker codec ...]
+    PYTHONPATH=/tmp/qtts_tf457:/tmp/qtts_x:. python tests/model/qwen3_tts/record_reference.py [NAME ...]
 
-Only the model modules are imported (``qwen_tts.core.models.modeling_qwen3_tts`` and the 12 Hz
-tokenizer's), bypassing the package ``__init__`` (it loads the 25 Hz tokenizer); librosa, used
-only by the speaker encoder's mel front end, is stubbed. Each fixture is a safetensors file:
-the tiny model's weights under their released names plus the recorded inputs and outputs
+NAME: ``talker``, ``codec``, ``encoder``, ``generate``, ``icl`` (needs ``generate``'s file),
+``speaker``; none: all. Only the model modules are imported
+(``qwen_tts.core.models.modeling_qwen3_tts`` and the 12 Hz tokenizer's), bypassing the package
+``__init__`` (it loads the 25 Hz tokenizer); librosa, used only by the speaker encoder's mel
+front end, is stubbed. Each fixture is a safetensors file: the tiny model's weights under
+their released names plus the recorded inputs and outputs
 (``fx.`` keys), and the config as JSON in the file's metadata.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import json
@@ -148,6 +151,53 @@ def record_codec(tok: types.ModuleType) -> None:
     save_file(tensors, HERE / "codec.safetensors", metadata=meta)
 
 
+ENCODER_CONFIG = dict(sampling_rate=24000, frame_rate=1000.0, audio_channels=1, hidden_size=32, num_filters=8,
+                      num_residual_layers=1, upsampling_ratios=[4, 3], kernel_size=7, last_kernel_size=3,
+                      residual_kernel_size=3, dilation_growth_rate=2, use_causal_conv=True, pad_mode="constant",
+                      compress=2, codebook_size=32, codebook_dim=16, num_quantizers=8, use_conv_shortcut=False,
+                      vector_quantization_hidden_dimension=16, num_semantic_quantizers=1, upsample_groups=32,
+                      num_hidden_layers=2, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, hidden_act="gelu", max_position_embeddings=512, norm_eps=1e-5, rope_theta=10000.0,
+                      sliding_window=250, layer_scale_initial_scale=0.01, attention_bias=False)
+# the tokenizer's own config: 4 of the encoder's 8 quantizers kept, 24 samples per frame (12 x the 2x downsample)
+TOKENIZER_CONFIG = dict(encoder_config=ENCODER_CONFIG, decoder_config=CODEC_CONFIG, encoder_valid_num_quantizers=4,
+                        input_sample_rate=24000, output_sample_rate=24000, decode_upsample_rate=144,
+                        encode_downsample_rate=24)
+
+
+@torch.no_grad()
+def record_encoder(tok: types.ModuleType) -> None:
+    """A tiny 12 Hz tokenizer's ``encode`` (Mimi's SEANet conv stack, causal transformer,
+    replicate-padded 2x downsample, split RVQ) of two clips, one at a time as the reference's
+    clone prompt encodes them: the codes, and the quantizer's input (the downsampled latents)."""
+    config = tok.Qwen3TTSTokenizerV2Config(**TOKENIZER_CONFIG)
+    config.encoder_config._attn_implementation = "eager"
+    config.decoder_config._attn_implementation = "eager"
+    torch.manual_seed(41)
+    model = tok.Qwen3TTSTokenizerV2Model(config).eval()
+    encoder = model.encoder
+    randomize(encoder, 41, scale=0.15)
+    gen = torch.Generator().manual_seed(42)
+    for name, buf in encoder.named_buffers():  # the codebooks are buffers in Mimi
+        if name.endswith("embed_sum"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.6)
+        elif name.endswith("cluster_usage"):
+            buf.copy_(torch.rand(buf.shape, generator=gen) + 0.5)
+    latents = []
+    encoder.downsample.register_forward_hook(lambda module, args, out: latents.append(out))
+    tensors = {f"encoder.{k}": v.contiguous() for k, v in encoder.state_dict().items()}
+    t = torch.arange(24 * 40) / 24000
+    for i, samples in enumerate((24 * 31 + 5, 24 * 17)):
+        clip = 0.5 * torch.sin(2 * torch.pi * (300 + 200 * i) * t[:samples]) + 0.1 * torch.randn(samples, generator=gen)
+        codes = model.encode(clip[None], torch.ones(1, samples, dtype=torch.long)).audio_codes[0].contiguous()
+        tensors.update({f"fx.{i}.clip": clip, f"fx.{i}.codes": codes, f"fx.{i}.latents": latents[-1][0]})
+        # the nearest codeword must win clearly, or a rounding difference could flip a code
+        print("encoder clip", i, "codes", tuple(codes.shape), "distinct", [len(set(c.tolist())) for c in codes.T],
+              "latent std", float(latents[-1].std()))
+    meta = {"config": json.dumps(TOKENIZER_CONFIG), "made_by": "qwen-tts 0.1.1, transformers 4.57.3"}
+    save_file(tensors, HERE / "encoder.safetensors", metadata=meta)
+
+
 def generate_config() -> dict:
     """A whole tiny ``config.json``: a talker vocabulary of 64 codes and the 1024 special ids
     above them (the reference suppresses the top 1024 ids but EOS), text ids under 200."""
@@ -163,11 +213,8 @@ def generate_config() -> dict:
                 tts_eos_token_id=197)
 
 
-@torch.no_grad()
-def record_generate(ref: types.ModuleType) -> None:
-    """The reference's whole ``generate`` (greedy, no repetition penalty) for four requests:
-    speaker + English, a dialect speaker with auto language, an instruction with no speaker
-    (voice design), and the non-streaming text layout; the codes of every frame."""
+def generate_model(ref: types.ModuleType) -> torch.nn.Module:
+    """The whole tiny model of ``generate_config`` (seeded: the same weights on every call)."""
     config = ref.Qwen3TTSConfig(**generate_config())
     config.talker_config._attn_implementation = "eager"
     config.talker_config.code_predictor_config._attn_implementation = "eager"
@@ -176,6 +223,61 @@ def record_generate(ref: types.ModuleType) -> None:
     randomize(model, 21, scale=0.3)
     for p in model.parameters():  # values fp16 holds exactly, so the weights are stored at half size
         p.data.copy_(p.data.half().float())
+    return model
+
+
+@torch.no_grad()
+def record_icl(ref: types.ModuleType) -> None:
+    """In-context cloning's talker input, caught at the reference talker's ``forward`` inside
+    ``generate`` (the model of ``generate.safetensors``, whose weights this fixture reuses):
+    the prefill rows, the trailing text rows and the first 3 steps' codebook-0 logits, for the
+    streaming layout with fewer and with more text rows than codec rows, and non-streaming."""
+    from safetensors.torch import load_file
+
+    model = generate_model(ref)
+    stored = load_file(HERE / "generate.safetensors")
+    assert all(torch.equal(v.half(), stored[f"talker.{k}"]) for k, v in model.talker.state_dict().items()), \
+        "generate.safetensors holds another model: record generate first"
+    calls: list[tuple[dict, torch.Tensor]] = []
+    forward = model.talker.forward
+
+    @functools.wraps(forward)  # generate checks its kwargs against forward's signature
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append((kwargs, out.logits[0, -1]))
+        return out
+
+    model.talker.forward = spy
+    gen = torch.Generator().manual_seed(23)
+    x_vector = torch.randn(32, generator=gen).half().float()
+    ref_code = torch.randint(0, 64, (10, 4), generator=gen)
+    ref_ids = torch.tensor([[190, 160, 161, 130, 131, 132, 191, 161]])
+    tensors = {"fx.x_vector": x_vector, "fx.ref_code": ref_code, "fx.ref_ids": ref_ids[0]}
+    cases = {"short_text": (False, 2), "long_text": (False, 12), "non_streaming": (True, 5)}
+    for name, (non_streaming, text_len) in cases.items():
+        text = torch.randint(0, 150, (text_len,), generator=gen).tolist()
+        input_ids = torch.tensor([[190, 160, 161, *text, 191, 161, 190, 160, 161]])
+        prompt = {"ref_code": [ref_code], "ref_spk_embedding": [x_vector], "x_vector_only_mode": [False],
+                  "icl_mode": [True]}
+        calls.clear()
+        model.generate(input_ids=[input_ids], ref_ids=[ref_ids], voice_clone_prompt=prompt, languages=["english"],
+                       speakers=[None], non_streaming_mode=non_streaming, max_new_tokens=4, do_sample=False,
+                       subtalker_dosample=False, repetition_penalty=1.0)
+        first = calls[0][0]
+        tensors.update({f"fx.{name}.input_ids": input_ids[0], f"fx.{name}.prompt": first["inputs_embeds"][0],
+                        f"fx.{name}.trailing": first["trailing_text_hidden"][0],
+                        f"fx.{name}.logits": torch.stack([logits for _, logits in calls[:3]])})
+    meta = {"cases": json.dumps({k: {"non_streaming": v[0]} for k, v in cases.items()}), "language": "english",
+            "made_by": "qwen-tts 0.1.1, transformers 4.57.3"}
+    save_file(tensors, HERE / "icl.safetensors", metadata=meta)
+
+
+@torch.no_grad()
+def record_generate(ref: types.ModuleType) -> None:
+    """The reference's whole ``generate`` (greedy, no repetition penalty) for four requests:
+    speaker + English, a dialect speaker with auto language, an instruction with no speaker
+    (voice design), and the non-streaming text layout; the codes of every frame."""
+    model = generate_model(ref)
     gen = torch.Generator().manual_seed(22)
 
     def ids(text_len: int) -> torch.Tensor:  # <|im_start|>assistant\n {text} <|im_end|>\n<|im_start|>assistant\n
@@ -260,8 +362,12 @@ def main() -> None:
         record_talker(ref, "talker_projected", predictor_hidden=24, seed=12)
     if not only or "codec" in only:
         record_codec(tok)
+    if not only or "encoder" in only:
+        record_encoder(tok)
     if not only or "generate" in only:
         record_generate(ref)
+    if not only or "icl" in only:
+        record_icl(ref)
     if not only or "speaker" in only:
         record_speaker(ref)
     for path in sorted(HERE.glob("*.safetensors")):

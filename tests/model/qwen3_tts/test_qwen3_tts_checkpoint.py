@@ -36,9 +36,11 @@ def write_checkpoint(root: Path, variant: str = "custom_voice", *, drop: str | N
     if extra:
         weights["talker.model.unused.weight"] = torch.zeros(2)
     save_file(weights, root / "model.safetensors")
+    tokenizer_config, encoder_weights, _ = read_fixture("encoder")  # its decoder_config is the codec fixture's
+    assert tokenizer_config["decoder_config"] == codec_config
     (root / "speech_tokenizer" / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_tts_tokenizer_12hz", "output_sample_rate": 24000, "decoder_config": codec_config}))
-    codec = dict(codec_weights, **{"encoder.quantizer.weight": torch.zeros(3)})  # the encoder's: not loaded
+        {"model_type": "qwen3_tts_tokenizer_12hz", **tokenizer_config}))
+    codec = dict(codec_weights, **{k: v for k, v in encoder_weights.items() if drop is None or drop not in k})
     save_file(codec, root / "speech_tokenizer" / "model.safetensors")
     return root
 
@@ -59,6 +61,9 @@ def test_released_layout_loads_and_matches(tmp_path: Path) -> None:
     _, _, codec_fx = read_fixture("codec")
     assert rel_err(codec(codec_fx["codes"]), codec_fx["wav"]) < 1e-4
     assert checkpoint.codec_config().output_sample_rate == 24000
+    encoder = checkpoint.codec_encoder("cpu", torch.float32, dummy=False, seed=0)  # the decoder's keys are not its
+    _, _, encoder_fx = read_fixture("encoder")
+    assert torch.equal(encoder.encode(encoder_fx["0.clip"]), encoder_fx["0.codes"])
 
 
 @torch.no_grad()
@@ -93,6 +98,9 @@ def test_coverage_both_ways(tmp_path: Path) -> None:
     missing = Qwen3TTSCheckpoint.locate(str(write_checkpoint(tmp_path / "a", drop="codec_head")))
     with pytest.raises(WeightLoadError, match="codec_head"):
         missing.talker("cpu", torch.float32, dummy=False, seed=0)
+    no_codebook = Qwen3TTSCheckpoint.locate(str(write_checkpoint(tmp_path / "c", drop="layers.2.codebook.embed")))
+    with pytest.raises(WeightLoadError, match="layers.2.codebook.embed_sum"):
+        no_codebook.codec_encoder("cpu", torch.float32, dummy=False, seed=0)
     extra = Qwen3TTSCheckpoint.locate(str(write_checkpoint(tmp_path / "b", extra=True)))
     with pytest.raises(WeightLoadError, match="talker.model.unused"):
         extra.talker("cpu", torch.float32, dummy=False, seed=0)
@@ -108,6 +116,9 @@ def test_dummy_weights_need_no_tensors(tmp_path: Path) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     codec = checkpoint.codec("cpu", torch.float32, dummy=True, seed=3)
     assert codec(torch.zeros(1, 4, 3, dtype=torch.long)).shape == (1, 3 * 48)
+    encoder = checkpoint.codec_encoder("cpu", torch.float32, dummy=True, seed=3)
+    codes = encoder.encode(torch.randn(24 * 9, generator=torch.Generator().manual_seed(0)))
+    assert codes.shape == (9, 4) and len(codes.unique()) > 1  # drawn codebooks: not every code 0
 
 
 def test_locate_names_missing_tokenizer(tmp_path: Path) -> None:

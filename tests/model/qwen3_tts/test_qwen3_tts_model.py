@@ -1,6 +1,6 @@
 """The Qwen3-TTS declaration without a server: the four keys' deployment YAMLs parse and make
-the graph; each variant's request rules (a built-in voice, a described voice, cloning not yet
-served), the text layout, the budget, and sentence chunking of long inputs."""
+the graph; each variant's request rules (a built-in voice, a described voice, cloning by x-vector
+or in context), the text layout, the budget, and sentence chunking of long inputs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mstar.config import load_config, parse_config
 from mstar.contract import GenerateSpec, RequestError, SpeechSpec, VoiceClip
@@ -63,7 +64,7 @@ def test_variant_rules(spec) -> None:
         t = np.arange(16000) / 16000
         pcm = (0.3 * np.sin(2 * np.pi * 200 * t)).astype("<f4").tobytes()
         for reference, kwargs, field in [(None, {}, "ref_audio"), (VoiceClip(pcm, 16000), {}, "ref_text"),
-                                         (VoiceClip(pcm, 16000, "Hi."), {}, "x_vector_only_mode"),
+                                         (VoiceClip(pcm, 16000, "  "), {}, "ref_text"),
                                          (VoiceClip(pcm[:400], 16000), {"x_vector_only_mode": True}, "ref_audio")]:
             with pytest.raises(RequestError) as err:
                 spec.prepare_speech(speech(reference=reference, model_kwargs=kwargs))
@@ -72,8 +73,24 @@ def test_variant_rules(spec) -> None:
         request = spec.prepare_speech(speech(reference=VoiceClip(pcm, 16000), model_kwargs=x_vector))
         embed = request.inputs["speaker_embed"]
         assert embed.shape == (32,) and request.params["non_streaming"] is False  # base: text fed per frame
+        assert request.inputs["ref_codes"].numel() == 0 and request.params["ref_ids"] is None
         again = spec.prepare_speech(speech(reference=VoiceClip(pcm, 16000), model_kwargs=x_vector))
         assert again.inputs["speaker_embed"] is embed  # memoised by content
+        with pytest.raises(RequestError) as err:  # 1 s is 500 frames here: too many for max_seq_len 512
+            spec.prepare_speech(speech(reference=VoiceClip(pcm, 16000, "Hi there.")))
+        assert err.value.field == "ref_audio" and "500 codec frames" in err.value.message
+        # in context: the clip's codes (0.2 s at 24 kHz, 48 samples a frame) and its transcript's ids
+        short = pcm[:3200 * 4]
+        icl = spec.prepare_speech(speech(reference=VoiceClip(short, 16000, "Hi there."), model_kwargs={"seed": 1}))
+        codes = icl.inputs["ref_codes"]
+        assert codes.shape == (100, 4) and codes.dtype == torch.int64 and int(codes.max()) < 64
+        assert len(codes.unique()) > 1
+        assert spec.tokenizer.decode(icl.params["ref_ids"]) == "Hi there."
+        assert icl.prompt_tokens == request.prompt_tokens + len(icl.params["ref_ids"]) + 100 + 2
+        x_only = spec.prepare_speech(speech(reference=VoiceClip(short, 16000, "Other words."), model_kwargs=x_vector))
+        assert x_only.inputs["speaker_embed"] is icl.inputs["speaker_embed"]  # one memo entry per clip's audio
+        other = spec.prepare_speech(speech(reference=VoiceClip(short, 16000, "Other words."), model_kwargs={}))
+        assert other.inputs["ref_codes"] is codes and other.params["ref_ids"] != icl.params["ref_ids"]
 
 
 def test_generate_requests(spec) -> None:
