@@ -154,7 +154,8 @@ class LayerScale(nn.Module):
 
 class WindowAttention(nn.Module):
     """Causal self-attention over ``[B, T, H]`` frames within a band (``window`` frames, the
-    current one included), rotary positions given as tables."""
+    current one included), rotary positions given as tables. ``allowed`` is the band's mask
+    (None: plain causal attention, as the 12 Hz codec's encoder has)."""
 
     def __init__(self, config: Qwen3OmniCode2WavConfig) -> None:
         super().__init__()
@@ -166,13 +167,15 @@ class WindowAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = apply_rotary(self.q_proj(x).view(b, t, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.heads != self.kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None,
+                                             enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -188,7 +191,8 @@ class TransformerLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, allowed))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 

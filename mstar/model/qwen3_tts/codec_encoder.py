@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.rotary import RotaryEmbedding, apply_rotary
+from mstar.layers.rotary import RotaryEmbedding
 from mstar.model.hf_config import config_kwargs
+from mstar.model.qwen3_omni.code2wav import WindowAttention
 
 
 @dataclass
@@ -169,27 +170,6 @@ class ConvStack(nn.Module):
         return x
 
 
-class Attention(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        heads, kv, d, bias = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                              config.attention_bias)
-        self.heads, self.kv_heads, self.head_dim = heads, kv, d
-        self.q_proj = nn.Linear(config.hidden_size, heads * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=bias)
-        self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = apply_rotary(self.q_proj(x).view(b, t, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
 class Mlp(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -214,7 +194,7 @@ class Layer(nn.Module):
         super().__init__()
         h, eps, s = config.hidden_size, config.norm_eps, config.layer_scale_initial_scale
         self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(h, eps), nn.LayerNorm(h, eps)
-        self.self_attn, self.mlp = Attention(config), Mlp(config)
+        self.self_attn, self.mlp = WindowAttention(config), Mlp(config)
         self.self_attn_layer_scale, self.mlp_layer_scale = LayerScale(h, s), LayerScale(h, s)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
