@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, field_validator
 from torch import nn
 
-from mstar.model.weights import load_weights
+from mstar.model.knobs import Knobs
+from mstar.model.weights import init_dummy_weights, load_weights
 
 MESSAGE_BITS = 16
 
@@ -465,3 +467,41 @@ def load_generator(source: str | Path = "audioseal_wm_streaming") -> AudioSealGe
 
 def load_detector(source: str | Path = "audioseal_detector_streaming") -> AudioSealDetector:
     return _load(AudioSealDetector, source, "audioseal_detector_streaming")
+
+
+class AudioWatermarkKnobs(Knobs):
+    """``model_kwargs.audio_watermark``: AudioSeal on a speech model's output, off by default."""
+
+    enabled: bool = False
+    """Mark every request's audio."""
+
+    message: int | str = 0
+    """The 16-bit payload: an int in [0, 65535] or 16 characters of 0/1 (most significant first)."""
+
+    alpha: float = Field(1.0, gt=0.0, le=4.0)
+    """The mark's strength (the generator's output is scaled by it)."""
+
+    generator: str = "audioseal_wm_streaming"
+    """An AudioSeal card name (weights from the Hugging Face cache) or a checkpoint file."""
+
+    @field_validator("message")
+    @classmethod
+    def _payload(cls, value: int | str) -> int | str:
+        message_bits(value)
+        return value
+
+    def build(self, device: torch.device | str = "cpu", *, dummy: bool = False,
+              seed: int = 0) -> AudioSealGenerator | None:
+        """The generator, or None when off; a card under ``dummy`` gets seeded random weights."""
+        if not self.enabled:
+            return None
+        if dummy and self.generator in CARDS:
+            model = AudioSealGenerator(SEANetConfig(causal=CARDS[self.generator][1]))
+            init_dummy_weights(model, seed=seed, std=0.1)
+            model.eval()
+        else:
+            model = load_generator(self.generator)
+        if not model.cfg.causal:
+            raise ValueError(f"model_kwargs.audio_watermark.generator: {self.generator!r} is not a "
+                             "streaming (causal) generator; audio is marked chunk by chunk")
+        return model.to(device)

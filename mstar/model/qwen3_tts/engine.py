@@ -14,7 +14,8 @@ request's seed and the frame), so a request's frames do not depend on what it is
 with; a request with ``temperature`` 0 takes the greedy codes.
 
 **Codec** (``codec_fn``): each window's frames after its left context, the conv stack over the
-new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch.
+new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch;
+the opt-in AudioSeal watermark marks each request's audio with its own stream (``CodecEngine``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
+from mstar.model.audio_watermark import AudioSealGenerator, AudioWatermarkKnobs, WatermarkStream
 from mstar.model.qwen3_omni.engine import TalkerForward
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
@@ -148,10 +150,24 @@ class TalkerEngine(Engine):
         return self.engine.stats()
 
 
-def codec_fn(codec: Qwen3TTSCodec):
+def codec_fn(codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
+             marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None):
     """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
-    context's frames run through the transformer only; windows of one shape batched."""
+    context's frames run through the transformer only; windows of one shape batched. With a
+    ``watermark``, each request's new audio is then marked with its own stream (in
+    ``streams``, made at its first window and dropped after its last), so its windows come
+    out as its whole utterance marked at once, however it was cut."""
     weight = next(codec.parameters())
+    streams = {} if streams is None else streams
+
+    def mark(item: EngineItem, audio: torch.Tensor) -> torch.Tensor:
+        stream = streams.get(item.request_id)
+        if stream is None:
+            stream = streams[item.request_id] = watermark.new_stream(marks.message, marks.alpha)
+        out = watermark.mark_chunk(audio.to(next(watermark.parameters()).device), stream).float().cpu()
+        if item.chunk is not None and item.chunk.last:
+            streams.pop(item.request_id, None)
+        return out
 
     def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         results: list[dict[str, torch.Tensor] | None] = [None] * len(items)
@@ -163,10 +179,23 @@ def codec_fn(codec: Qwen3TTSCodec):
             with torch.inference_mode():
                 wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()
             for row, i in enumerate(indices):
-                results[i] = {"audio": wav[row].clone()}
+                audio = wav[row].clone()
+                results[i] = {"audio": mark(items[i], audio) if watermark is not None else audio}
         return results  # type: ignore[return-value]
 
     return run
+
+
+class CodecEngine(StatelessEngine):
+    """The codec node's engine: ``codec_fn``, and a cancelled request's watermark stream freed."""
+
+    def __init__(self, codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
+                 marks: AudioWatermarkKnobs | None = None) -> None:
+        self.streams: dict[str, WatermarkStream] = {}
+        super().__init__(codec_fn(codec, watermark, marks, self.streams))
+
+    def release(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
 
 
 def talker_engine(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, *, num_pages: int, page_size: int,
