@@ -505,3 +505,25 @@ class AudioWatermarkKnobs(Knobs):
             raise ValueError(f"model_kwargs.audio_watermark.generator: {self.generator!r} is not a "
                              "streaming (causal) generator; audio is marked chunk by chunk")
         return model.to(device)
+
+
+def detect_file(path: str | Path, detector: AudioSealDetector, *, rate: int = 24000, threshold: float = 0.5,
+                expected: int | str | None = None) -> dict[str, Any]:
+    """A sound file's verdict: the share of its samples the detector scores marked, the decoded
+    payload and, given the ``expected`` payload, whether it matches. The file is mixed to mono
+    and brought to ``rate`` first (the mark is found at the rate it was added at)."""
+    import numpy as np
+    import soundfile as sf
+
+    from mstar.audio.io import resample
+
+    samples, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
+    mono = resample(np.ascontiguousarray(samples.mean(axis=1)), int(file_rate), rate)
+    found = detector.detect(torch.from_numpy(np.asarray(mono, dtype=np.float32)), threshold)
+    nbits = detector.cfg.nbits
+    out: dict[str, Any] = {"file": str(path), "probability": found.probability, "message": found.message,
+                           "message_bits": format(found.message, f"0{nbits}b"), "rate": rate,
+                           "file_rate": int(file_rate), "seconds": round(len(samples) / file_rate, 3)}
+    if expected is not None:
+        out["message_matches"] = found.message == bits_to_int(message_bits(expected, nbits))
+    return out
