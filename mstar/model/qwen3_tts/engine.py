@@ -191,6 +191,9 @@ class CodecEngine(StatelessEngine):
 
     def __init__(self, codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
                  marks: AudioWatermarkKnobs | None = None) -> None:
+        if watermark is not None and codec.samples_per_frame % watermark.cfg.hop:
+            raise ValueError(f"model_kwargs.audio_watermark.generator: its hop of {watermark.cfg.hop} samples "
+                             f"does not divide the codec's {codec.samples_per_frame} samples a frame")
         self.streams: dict[str, WatermarkStream] = {}
         super().__init__(codec_fn(codec, watermark, marks, self.streams))
 

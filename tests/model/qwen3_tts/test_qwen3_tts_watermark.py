@@ -94,6 +94,9 @@ def test_cancel_frees_the_stream_and_off_leaves_audio_alone(parts) -> None:
     assert set(engine.streams) == {"c"}
     engine.release("c")
     assert engine.streams == {}
+    odd = aw.AudioSealGenerator(aw.SEANetConfig.from_dict({**TINY, "seanet": {**TINY["seanet"], "ratios": [5]}}))
+    with pytest.raises(ValueError, match="hop of 5 samples"):
+        CodecEngine(codec, odd, marks)
     plain = CodecEngine(codec)
     wave = torch.cat([r.outputs["audio"] for w in _windows("d", codes) for r in plain.run([w])])
     torch.testing.assert_close(wave, torch.cat(list(codec.decode_stream(codes[None].long(), (1, 3, 8, 6), 4)), -1)[0],
@@ -104,9 +107,16 @@ def test_deployment_builds_the_marking_codec(tmp_path, parts) -> None:
     root = write_checkpoint(tmp_path / "ckpt")
     base = {"model": "qwen3_tts", "model_path": str(root), "load_format": "dummy", "device": "cpu",
             "max_seq_len": 256, "node_groups": [{"node_names": ["talker", "codec"], "ranks": [0]}]}
-    spec = model_class("qwen3_tts")(parse_config({**base, "model_kwargs": {"audio_watermark": {"enabled": True}}}))
-    engine = spec.build_engines({"codec"}, torch.device("cpu"))["codec"]
+    _, _, path = parts
+    marks = {"audio_watermark": {"enabled": True, "generator": str(path)}}
+    engine = model_class("qwen3_tts")(parse_config({**base, "model_kwargs": marks})).build_engines(
+        {"codec"}, torch.device("cpu"))["codec"]
     assert isinstance(engine, CodecEngine) and engine.streams == {}
+    card = aw.AudioWatermarkKnobs(enabled=True).build(dummy=True)  # the released shapes, random weights
+    assert card.cfg.hop == 320 and card.cfg.causal
+    with pytest.raises(ValueError, match="hop of 320 samples"):  # the tiny codec's frame is 48 samples
+        model_class("qwen3_tts")(parse_config({**base, "model_kwargs": {"audio_watermark": {"enabled": True}}})
+                                 ).build_engines({"codec"}, torch.device("cpu"))
     off = model_class("qwen3_tts")(parse_config(base)).build_engines({"codec"}, torch.device("cpu"))["codec"]
     assert isinstance(off, CodecEngine)
     missing = {**base, "model_kwargs": {"audio_watermark": {"enabled": True, "generator": str(tmp_path / "no.pth")}}}
