@@ -77,3 +77,29 @@ def released_state(model) -> dict:
         else:
             out[name] = tensor.clone()
     return out
+
+
+_TOPS = {"encoder": "encoder.model.", "decoder": "decoder.model.", "message_table": "msg_processor.msg_processor.",
+         "upsample": "detector.0.reverse_convolution.", "head": "detector.1."}
+
+
+def released_from_ours(model) -> dict:
+    """Our port's weights under the released names (plain weights, no weight norm): the inverse
+    of ``released_name``, found from each parameter's module."""
+    from torch import nn
+
+    out = {}
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        top = _TOPS[parts[0]]
+        if parts[0] == "encoder" and hasattr(model, "head"):
+            top = "detector.0.model."
+        owner = model.get_submodule(".".join(parts[:-1]))
+        inner = ""
+        if len(parts) > 2 and isinstance(owner, nn.Conv1d):
+            inner = ".conv.conv"
+        elif len(parts) > 2 and isinstance(owner, nn.ConvTranspose1d):
+            inner = ".convtr.convtr"
+        middle = ".".join(parts[1:-1])
+        out[(top + middle + inner + "." + parts[-1]).replace("..", ".")] = tensor.clone()
+    return out

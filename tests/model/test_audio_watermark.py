@@ -4,8 +4,13 @@ and bits, and checkpoints in the released layout loaded by both with coverage bo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors import safe_open
 
 from mstar.model import audio_watermark as aw
 from mstar.model.weights import WeightLoadError
@@ -13,8 +18,11 @@ from tests.model.audio_watermark_reference import (
     detector_cfg,
     generator_cfg,
     reference,
+    released_from_ours,
     released_state,
 )
+
+TRAINED = Path(__file__).resolve().parent / "fixtures" / "audioseal_tiny.safetensors"
 
 TOL = 1e-5
 
@@ -177,3 +185,37 @@ def test_checkpoint_coverage_both_ways(tmp_path):
             aw.load_generator(path)
     with pytest.raises(FileNotFoundError, match="neither a card"):
         aw.load_generator(tmp_path / "nope.pth")
+
+
+def test_reference_detector_finds_our_mark(tmp_path):
+    """A tiny pair trained to find the mark (``record_audioseal_tiny.py``): the reference's
+    detector and ours find our generator's mark, streamed or whole, and not clean audio."""
+    audioseal = reference()
+    with safe_open(TRAINED, framework="pt") as f:
+        tiny = json.loads(f.metadata()["config"])
+        alpha = float(f.metadata()["alpha"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    paths = {}
+    for side, cls in (("generator", aw.AudioSealGenerator), ("detector", aw.AudioSealDetector)):
+        model = cls(aw.SEANetConfig.from_dict(tiny))
+        model.load_state_dict({k[len(side) + 1:]: v for k, v in tensors.items() if k.startswith(side + ".")})
+        seanet = {**generator_cfg()["seanet"], **tiny["seanet"]}
+        cfg = {**(generator_cfg() if side == "generator" else detector_cfg()), "seanet": seanet}
+        paths[side] = tmp_path / f"{side}.pth"
+        torch.save({"xp.cfg": cfg, "model": released_from_ours(model)}, paths[side])
+    ours_gen, ours_det = aw.load_generator(paths["generator"]), aw.load_detector(paths["detector"])
+    ref_gen = audioseal.AudioSeal.load_generator(str(paths["generator"])).eval()
+    ref_det = audioseal.AudioSeal.load_detector(str(paths["detector"])).eval()
+    torch.manual_seed(11)
+    clean = 0.3 * F.avg_pool1d(F.pad(torch.randn(1, 1, 2400), (2, 2)), 5, 1)
+    marked = ours_gen(clean, message=0xBEEF, alpha=alpha)
+    stream = ours_gen.new_stream(0xBEEF, alpha)
+    streamed = torch.cat([ours_gen.mark_chunk(clean[0, 0, s:s + 480], stream) for s in range(0, 2400, 480)])
+    with torch.no_grad():
+        torch.testing.assert_close(marked, ref_gen(clean, message=aw.message_bits(0xBEEF), alpha=alpha),
+                                   atol=TOL, rtol=0)
+        for audio in (marked[0, 0], streamed):
+            prob, _ = ref_det.detect_watermark(audio.reshape(1, 1, -1).clone())
+            assert float(prob[0]) > 0.9 and ours_det.detect(audio).probability > 0.9
+        prob, _ = ref_det.detect_watermark(clean.clone())
+        assert float(prob[0]) < 0.1 and ours_det.detect(clean[0, 0]).probability < 0.1
