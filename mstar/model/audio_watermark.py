@@ -433,7 +433,12 @@ def _read_checkpoint(path: str | Path) -> dict[str, Any]:
 def _card_checkpoint(card: str) -> Path:
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(_HUB_REPO, CARDS[card][0]))
+    try:
+        return Path(hf_hub_download(_HUB_REPO, CARDS[card][0]))
+    except OSError as err:  # offline and not cached, or the Hub refused
+        raise FileNotFoundError(f"AudioSeal card {card!r}: {_HUB_REPO}/{CARDS[card][0]} is not in the Hugging Face "
+                                f"cache and could not be downloaded ({type(err).__name__}); pass a checkpoint "
+                                "file instead") from err
 
 
 def _load(cls, source: str | Path, card_default: str):

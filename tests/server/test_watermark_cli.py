@@ -66,8 +66,16 @@ def test_detect_resamples_to_the_marking_rate(files, capsys) -> None:
     assert got["probability"] == pytest.approx(want.probability, abs=1e-6) and got["message"] == want.message
 
 
-def test_detect_errors_are_one_line(files, capsys) -> None:
+def test_detect_errors_are_one_line(files, capsys, monkeypatch) -> None:
     root, _, _ = files
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert main(["watermark", "detect", str(root / "marked.wav")]) == 2  # the default card, not cached
+    assert "'audioseal_detector_streaming'" in capsys.readouterr().err
     assert main(["watermark", "detect", str(root / "marked.wav"), "--detector", str(root / "none.pth")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mstar watermark detect: error:") and "\n" not in err
