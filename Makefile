@@ -25,6 +25,10 @@ $(BIN)/mstar: pyproject.toml
 	# OmniVoice's reference pins torch 2.8 and wants torchaudio: only its model file is imported
 	# (tests/model/omnivoice/omnivoice_reference.py), from a private folder, without its deps.
 	$(BIN)/pip install -q --no-deps --upgrade --target scratch/omnivoice-0.2.1 omnivoice==0.2.1
+	# AudioSeal's reference generator/detector (tests/model/audio_watermark_reference.py), with
+	# the config library it parses cards with, in a private folder without torch's pins.
+	$(BIN)/pip install -q --no-deps --upgrade --target scratch/audioseal-0.2.0 audioseal==0.2.0 \
+		omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
 	# The playground's browser test drives Debian's Chromium through Playwright (whose own
 	# browser download is never used): installed here where apt-get can, as root or with sudo.
 	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \

@@ -1,4 +1,5 @@
-"""Command line: ``mstar serve <model> ...``, ``mstar models`` and ``mstar-serve --config FILE ...``.
+"""Command line: ``mstar serve <model> ...``, ``mstar models``, ``mstar watermark detect FILE``
+and ``mstar-serve --config FILE ...``.
 
 This module only parses arguments, sets up logging and reports errors; ``mstar.server.serve.serve``
 (imported lazily, so ``--help`` stays fast) starts the workers and the HTTP server.
@@ -161,7 +162,51 @@ def build_parser() -> argparse.ArgumentParser:
         description="List every model registry name with what it serves, its default weights and "
                     "whether it runs offline here (its weights installed or cached). Loads no model.",
     )
+    watermark = commands.add_parser(
+        "watermark", help="check audio for the AudioSeal watermark",
+        description="The AudioSeal watermark a deployment adds (model_kwargs.audio_watermark).",
+    ).add_subparsers(dest="watermark_command", metavar="ACTION", required=True)
+    detect = watermark.add_parser(
+        "detect", help="score a sound file and decode its 16-bit message",
+        description="Print the share of the file's samples the AudioSeal detector scores as marked "
+                    "(the detection probability) and the decoded 16-bit message.",
+    )
+    detect.add_argument("file", type=_existing_file, help="a sound file (WAV, FLAC, OGG)")
+    detect.add_argument("--detector", default="audioseal_detector_streaming",
+                        help="an AudioSeal detector card (weights from the Hugging Face cache) or a checkpoint "
+                             "file (default: %(default)s)")
+    detect.add_argument("--message", help="the deployment's payload (int, 0x hex or 16 0/1 characters): "
+                                          "also report whether the decoded message matches it")
+    detect.add_argument("--threshold", type=float, default=0.5, help="per-sample score threshold (default 0.5)")
+    detect.add_argument("--rate", type=int, default=24000,
+                        help="the rate the mark was added at; the file is resampled to it (default 24000)")
+    detect.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def watermark_detect(args: argparse.Namespace) -> int:
+    """``mstar watermark detect``: the verdict on one file, as text or JSON."""
+    import json
+
+    from mstar.model.audio_watermark import detect_file, load_detector
+
+    expected = args.message
+    try:
+        if expected is not None and len(expected) != 16:
+            expected = int(expected, 0)
+        verdict = detect_file(args.file, load_detector(args.detector), rate=args.rate, threshold=args.threshold,
+                              expected=expected)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"mstar watermark detect: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(verdict))
+    else:
+        print(f"probability: {verdict['probability']:.4f}")
+        print(f"message: {verdict['message']} (0x{verdict['message']:04X}, {verdict['message_bits']})")
+        if "message_matches" in verdict:
+            print(f"message matches: {'yes' if verdict['message_matches'] else 'no'}")
+    return 0
 
 
 def build_config_parser() -> argparse.ArgumentParser:
@@ -238,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "models":
         return list_models()
+    if args.command == "watermark":
+        return watermark_detect(args)
     return _run("mstar serve", options_from_args(args))
 
 

@@ -15,7 +15,8 @@ with; a request with ``temperature`` 0 takes the greedy codes.
 
 **Codec** (``codec_fn``): each window's frames after its left context, the conv stack over the
 new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch. An
-in-context clone's clip frames top up its first windows' context.
+in-context clone's clip frames top up its first windows' context. The opt-in AudioSeal
+watermark marks each request's audio with its own stream (``CodecEngine``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
-from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
+from mstar.model.audio_watermark import AudioSealGenerator, AudioWatermarkKnobs, WatermarkStream
 from mstar.model.qwen3_omni.engine import TalkerForward
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
@@ -155,14 +157,18 @@ class TalkerEngine(Engine):
         return self.engine.stats()
 
 
-def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72):
+def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealGenerator | None = None,
+             marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None):
     """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
     context's frames run through the transformer only; windows of one shape batched. An
     in-context clone's first windows take their missing context (up to ``left_context``
     frames) from the end of its clip's frames (``ref_codes``), as the reference decodes the
-    clip's frames before the new ones."""
+    clip's frames before the new ones. With a ``watermark``, each request's new audio is then
+    marked with its own stream (in ``streams``, made at its first window and dropped after its
+    last), so its windows come out as its whole utterance marked at once, however it was cut."""
     weight = next(codec.parameters())
     groups_q = codec.config.num_quantizers
+    streams = {} if streams is None else streams
 
     def window(item: EngineItem) -> tuple[torch.Tensor, int]:
         codes = item.inputs["codes"].reshape(-1, groups_q).T
@@ -170,6 +176,15 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72):
         if ref is None or not ref.numel():
             return codes, item.chunk.keep_start
         return with_prefix(codes, item.chunk.keep_start, ref.reshape(-1, groups_q).T, left_context)
+
+    def mark(item: EngineItem, audio: torch.Tensor) -> torch.Tensor:
+        stream = streams.get(item.request_id)
+        if stream is None:
+            stream = streams[item.request_id] = watermark.new_stream(marks.message, marks.alpha)
+        out = watermark.mark_chunk(audio.to(next(watermark.parameters()).device), stream).float().cpu()
+        if item.chunk is not None and item.chunk.last:
+            streams.pop(item.request_id, None)
+        return out
 
     def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
         results: list[dict[str, torch.Tensor] | None] = [None] * len(items)
@@ -182,10 +197,26 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72):
             with torch.inference_mode():
                 wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()
             for row, i in enumerate(indices):
-                results[i] = {"audio": wav[row].clone()}
+                audio = wav[row].clone()
+                results[i] = {"audio": mark(items[i], audio) if watermark is not None else audio}
         return results  # type: ignore[return-value]
 
     return run
+
+
+class CodecEngine(StatelessEngine):
+    """The codec node's engine: ``codec_fn``, and a cancelled request's watermark stream freed."""
+
+    def __init__(self, codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
+                 marks: AudioWatermarkKnobs | None = None, *, left_context: int = 72) -> None:
+        if watermark is not None and codec.samples_per_frame % watermark.cfg.hop:
+            raise ValueError(f"model_kwargs.audio_watermark.generator: its hop of {watermark.cfg.hop} samples "
+                             f"does not divide the codec's {codec.samples_per_frame} samples a frame")
+        self.streams: dict[str, WatermarkStream] = {}
+        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams))
+
+    def release(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
 
 
 def talker_engine(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, *, num_pages: int, page_size: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from mstar.model.audio_watermark import AudioWatermarkKnobs
 from mstar.model.decoding import SamplingKnobs
 from mstar.model.knobs import Knobs
 from mstar.model.voice_cloning import ConditioningCacheKnobs
@@ -26,6 +27,9 @@ class Qwen3TTSKnobs(Knobs):
 
     default_voice: str | None = None
     """The built-in speaker of a request that names none (unset: the checkpoint's first)."""
+
+    audio_watermark: AudioWatermarkKnobs = Field(default_factory=AudioWatermarkKnobs)
+    """The opt-in AudioSeal watermark on the codec's audio, each request marked chunk by chunk."""
 
     @field_validator("codec_chunk_schedule")
     @classmethod

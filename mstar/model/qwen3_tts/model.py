@@ -32,7 +32,6 @@ import torch
 
 from mstar.audio.io import resample
 from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice, VoiceClip
-from mstar.engine.base import StatelessEngine
 from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, Step, StreamEdge, Walk
 from mstar.model.decoding import decode_request
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
@@ -238,7 +237,7 @@ class Qwen3TTS(ModelSpec):
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
-        from mstar.model.qwen3_tts.engine import codec_fn, talker_engine
+        from mstar.model.qwen3_tts.engine import CodecEngine, talker_engine
 
         ckpt, dtype = self.checkpoint(), self.config.torch_dtype()
         dummy, seed = self.config.load_format == "dummy", self.knobs.seed
@@ -251,7 +250,9 @@ class Qwen3TTS(ModelSpec):
                                             device=device, dtype=dtype)
         if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
             codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
-            engines[CODEC] = StatelessEngine(codec_fn(codec, self.knobs.codec_left_context))
+            marks = self.knobs.audio_watermark
+            engines[CODEC] = CodecEngine(codec, marks.build(device, dummy=dummy, seed=seed + 3), marks,
+                                         left_context=self.knobs.codec_left_context)
         return engines
 
 
