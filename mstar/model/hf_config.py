@@ -1,14 +1,36 @@
-"""Reading and writing the RoPE part of Hugging Face ``config.json`` dicts, in both the
-transformers 5 form (``rope_parameters``) and the older ``rope_theta`` / ``rope_scaling``."""
+"""Reading and writing Hugging Face ``config.json`` dicts: the RoPE part, in both the
+transformers 5 form (``rope_parameters``) and the older ``rope_theta`` / ``rope_scaling``; and
+diffusers components' configs as dataclasses (``DiffusersConfig``)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling")
+
+
+class DiffusersConfig:
+    """A dataclass config of a diffusers component (``diffusers_class`` names it in errors), read
+    from its ``config.json`` dict: ``_``-prefixed metadata keys (``_class_name``,
+    ``_diffusers_version``) ignored, other unknown keys refused; written back with the diffusers
+    constructor's keyword names, tuples as lists."""
+
+    diffusers_class: ClassVar[str]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.diffusers_class} config keys: {unknown}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def config_kwargs(cls, d: dict[str, Any], nullable: set[str]) -> dict[str, Any]:

@@ -16,13 +16,16 @@ The DROID policies set ``action_gen`` (and ``action_dim``); Nano and Super set `
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from mstar.model.hf_config import DiffusersConfig
 
 
 @dataclass
-class Cosmos3Config:
+class Cosmos3Config(DiffusersConfig):
     """Hyper-parameters of the Cosmos3 tower; names follow the diffusers ``config.json``."""
+
+    diffusers_class = "Cosmos3OmniTransformer"
 
     attention_bias: bool = False
     attention_dropout: float = 0.0
@@ -81,18 +84,3 @@ class Cosmos3Config:
     def nemotron(self) -> bool:
         """Edge's Nemotron backbone: squared-ReLU MLPs and norms that scale in float32."""
         return self.hidden_act == "relu2"
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Cosmos3Config:
-        """Build from a diffusers ``config.json`` dict; ``_``-prefixed metadata keys are ignored,
-        other unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown Cosmos3OmniTransformer config keys: {unknown}")
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict with the diffusers constructor's keyword names."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -7,13 +7,16 @@ describe FLUX.2 [dev]. ``PRESETS`` holds the FLUX.2 [klein] 4B and 9B variants.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+
+from mstar.model.hf_config import DiffusersConfig
 
 
 @dataclass
-class Flux2TransformerConfig:
+class Flux2TransformerConfig(DiffusersConfig):
     """Hyper-parameters of a FLUX.2 transformer; names follow the diffusers ``config.json``."""
+
+    diffusers_class = "Flux2Transformer2DModel"
 
     patch_size: int = 1
     in_channels: int = 128
@@ -49,23 +52,6 @@ class Flux2TransformerConfig:
     def resolved_out_channels(self) -> int:
         """Channels per output token before patch unpacking."""
         return self.out_channels or self.in_channels
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Flux2TransformerConfig:
-        """Build from a diffusers ``config.json`` dict; ``_``-prefixed metadata keys (such as
-        ``_class_name`` and ``_diffusers_version``) are ignored, other unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown Flux2Transformer2DModel config keys: {unknown}")
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict with the diffusers constructor's keyword names."""
-        out = asdict(self)
-        out["axes_dims_rope"] = list(self.axes_dims_rope)
-        return out
 
     @classmethod
     def preset(cls, name: str) -> Flux2TransformerConfig:

@@ -9,13 +9,16 @@ use (spatio-temporal guidance) is accepted in the config and simply not offered.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from mstar.model.hf_config import DiffusersConfig
 
 
 @dataclass
-class LtxTransformerConfig:
+class LtxTransformerConfig(DiffusersConfig):
     """Hyper-parameters of an LTX-2.x DiT; names follow the diffusers ``config.json``."""
+
+    diffusers_class = "LTX2VideoTransformer3DModel"
 
     # video stream
     in_channels: int = 128
@@ -95,18 +98,3 @@ class LtxTransformerConfig:
     def prompt_modulation(self) -> bool:
         """Whether the blocks modulate the prompt cross-attention (LTX-2.3 and later)."""
         return self.cross_attn_mod or self.audio_cross_attn_mod
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LtxTransformerConfig:
-        """Build from a diffusers ``config.json`` dict; ``_``-prefixed metadata keys are ignored,
-        other unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown LTX2VideoTransformer3DModel config keys: {unknown}")
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict with the diffusers constructor's keyword names."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -8,13 +8,16 @@ cross-attention).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from mstar.model.hf_config import DiffusersConfig
 
 
 @dataclass
-class WanTransformerConfig:
+class WanTransformerConfig(DiffusersConfig):
     """Hyper-parameters of a Wan DiT; names follow the diffusers ``config.json``."""
+
+    diffusers_class = "WanTransformer3DModel"
 
     patch_size: tuple[int, int, int] = (1, 2, 2)  # (frames, rows, columns) of latent cells per token
     num_attention_heads: int = 24
@@ -55,18 +58,3 @@ class WanTransformerConfig:
         down to an even width, frames the rest."""
         hw = 2 * (self.attention_head_dim // 6)
         return self.attention_head_dim - 2 * hw, hw, hw
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> WanTransformerConfig:
-        """Build from a diffusers ``config.json`` dict; ``_``-prefixed metadata keys are ignored,
-        other unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown WanTransformer3DModel config keys: {unknown}")
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict with the diffusers constructor's keyword names."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -7,16 +7,19 @@ describe Z-Image(-Turbo), 6B parameters.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from mstar.model.hf_config import DiffusersConfig
 
 ADALN_DIM = 256  # width of the timestep embedding that drives every adaLN modulation (capped by dim)
 SEQ_MULTIPLE = 32  # image and caption token runs are padded to a multiple of this
 
 
 @dataclass
-class ZImageTransformerConfig:
+class ZImageTransformerConfig(DiffusersConfig):
     """Hyper-parameters of a Z-Image DiT; names follow the diffusers ``config.json``."""
+
+    diffusers_class = "ZImageTransformer2DModel"
 
     all_patch_size: tuple[int, ...] = (2,)  # spatial patch side, one entry per patch embedder
     all_f_patch_size: tuple[int, ...] = (1,)  # frame patch size, paired with all_patch_size
@@ -62,18 +65,3 @@ class ZImageTransformerConfig:
     @property
     def ffn_dim(self) -> int:
         return int(self.dim / 3 * 8)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ZImageTransformerConfig:
-        """Build from a diffusers ``config.json`` dict; ``_``-prefixed metadata keys are ignored,
-        other unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown ZImageTransformer2DModel config keys: {unknown}")
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict with the diffusers constructor's keyword names."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
