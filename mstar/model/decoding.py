@@ -73,6 +73,26 @@ def pool_for_every_request(config: DeploymentConfig, tokens: int, what: str) -> 
     return {"kv_pages": kv.max_num_pages}
 
 
+def state_slots(config: DeploymentConfig, pool: str) -> int:
+    """Slots of the recurrent-state pool ``resources.<pool>``, the sink included (default: one
+    per admitted request, plus the sink)."""
+    given = getattr(config.resources, pool)
+    return given.max_slots if given is not None else config.max_concurrent_requests + 1
+
+
+def state_capacity(config: DeploymentConfig, pool: str) -> int:
+    """The requests ``resources.<pool>`` holds at once (its slots less the sink), refused at
+    startup unless that is every admitted request (a ``ConfigError`` naming its ``max_slots``)."""
+    from mstar.engine.state_pool import check_pool_holds
+
+    slots = state_slots(config, pool)
+    try:
+        check_pool_holds(slots, config.max_concurrent_requests, f"resources.{pool}.max_slots")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return slots - 1
+
+
 def decode_request(walk: str, inputs: dict[str, torch.Tensor], prompt_tokens: int, max_tokens: int,
                    sampling: SamplingParams | dict[str, Any], stop_token_ids: list[int], config: DeploymentConfig,
                    *, upfront: bool = False, **params: Any) -> WalkRequest:

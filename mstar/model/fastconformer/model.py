@@ -24,6 +24,7 @@ from mstar.contract import (
 )
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.decoding import state_capacity, state_slots
 from mstar.model.fastconformer.checkpoint import TransducerCheckpoint
 from mstar.model.fastconformer.engine import transducer_engines
 from mstar.model.fastconformer.features import log_mel
@@ -69,19 +70,10 @@ class Transducer(ModelSpec):
 
     @property
     def max_slots(self) -> int:
-        """Decoder state slots, the sink included (default: one per admitted request, plus the sink)."""
-        pool = self.config.resources.transducer_state
-        return pool.max_slots if pool is not None else self.config.max_concurrent_requests + 1
+        return state_slots(self.config, "transducer_state")
 
     def default_capacity(self) -> dict[str, int]:
-        from mstar.engine.state_pool import check_pool_holds
-
-        try:
-            check_pool_holds(self.max_slots, self.config.max_concurrent_requests,
-                             "resources.transducer_state.max_slots")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        return {TRANSDUCER_SLOTS: self.max_slots - 1}
+        return {TRANSDUCER_SLOTS: state_capacity(self.config, "transducer_state")}
 
     def load_frontend(self) -> None:
         ckpt = self.checkpoint()

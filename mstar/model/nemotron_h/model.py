@@ -17,6 +17,7 @@ import torch
 
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM
+from mstar.model.decoding import state_capacity, state_slots
 from mstar.model.nemotron_h.checkpoint import NemotronHCheckpoint
 from mstar.model.nemotron_h.knobs import NemotronHKnobs
 from mstar.model.registry import register
@@ -24,7 +25,6 @@ from mstar.model.spec import WalkRequest
 
 STATE_SLOTS = "state_slots"
 LLM = "llm"
-POOL_KEY = "resources.mamba_state.max_slots"
 
 
 @register
@@ -57,19 +57,10 @@ class NemotronHChat(ChatLLM):
 
     @property
     def max_slots(self) -> int:
-        """State slots, the sink included (default: one per admitted request, plus the sink)."""
-        pool = self.config.resources.mamba_state
-        return pool.max_slots if pool is not None else self.config.max_concurrent_requests + 1
+        return state_slots(self.config, "mamba_state")
 
     def default_capacity(self) -> dict[str, int]:
-        from mstar.config import ConfigError
-        from mstar.engine.state_pool import check_pool_holds
-
-        try:
-            check_pool_holds(self.max_slots, self.config.max_concurrent_requests, POOL_KEY)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        return super().default_capacity() | {STATE_SLOTS: self.max_slots - 1}
+        return super().default_capacity() | {STATE_SLOTS: state_capacity(self.config, "mamba_state")}
 
     def text_request(self, ids: list[int], max_tokens: int | None, sampling, ignore_eos: bool, *,
                      prompt_field: str = "messages") -> WalkRequest:

@@ -20,7 +20,7 @@ from mstar.contract import ChatSpec, CompletionSpec, GenerateSpec, RequestError
 from mstar.distributed.dims import ParallelDims
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM
-from mstar.model.decoding import checked_sampling
+from mstar.model.decoding import checked_sampling, state_capacity, state_slots
 from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
 from mstar.model.qwen3_5.knobs import Qwen3_5GenerateKnobs, Qwen3_5Knobs
 from mstar.model.registry import register
@@ -112,19 +112,10 @@ class Qwen3_5Chat(ChatLLM):
 
     @property
     def max_slots(self) -> int:
-        """State slots, the sink included (default: one per admitted request, plus the sink)."""
-        pool = self.config.resources.gdn_state
-        return pool.max_slots if pool is not None else self.config.max_concurrent_requests + 1
+        return state_slots(self.config, "gdn_state")
 
     def default_capacity(self) -> dict[str, int]:
-        from mstar.config import ConfigError
-        from mstar.engine.state_pool import check_pool_holds
-
-        try:
-            check_pool_holds(self.max_slots, self.config.max_concurrent_requests, "resources.gdn_state.max_slots")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        return super().default_capacity() | {STATE_SLOTS: self.max_slots - 1}
+        return super().default_capacity() | {STATE_SLOTS: state_capacity(self.config, "gdn_state")}
 
     def prepare_chat(self, spec: ChatSpec) -> WalkRequest:
         return self._chat(spec, getattr(spec, "enable_thinking", None))
