@@ -38,7 +38,7 @@ from torch import nn
 
 from mstar.layers.rotary import RotaryEmbedding
 from mstar.model.hf_config import config_kwargs
-from mstar.model.qwen3_omni.code2wav import WindowAttention
+from mstar.model.qwen3_omni.code2wav import LayerScale, WindowAttention
 
 
 @dataclass
@@ -178,15 +178,6 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int, initial: float) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.full((dim,), initial))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class Layer(nn.Module):
