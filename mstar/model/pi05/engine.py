@@ -154,8 +154,9 @@ class Pi05Engine(Engine):
         return ChunkKeys(positions.reshape(-1), write_slots.reshape(-1), key_slots, visible)
 
     def _on_device(self, keys: ChunkKeys) -> tuple[torch.Tensor, ...]:
+        # the fields one by one: dataclasses.astuple would deep-copy every tensor first
         return tuple(None if t is None else t.to(self.device, non_blocking=True)
-                     for t in dataclasses.astuple(keys))
+                     for t in (getattr(keys, f.name) for f in dataclasses.fields(keys)))
 
     def _denoise(self, x: torch.Tensor, time: torch.Tensor, dt: torch.Tensor, positions: torch.Tensor,
                  write_slots: torch.Tensor, key_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
