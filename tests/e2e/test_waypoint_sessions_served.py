@@ -55,11 +55,15 @@ def controls(n: int, seed: int) -> list[dict]:
 
 
 def held(d) -> tuple[list[str], dict]:
-    """The sessions the worker's store holds and the engine's rollouts, once the runtime is idle."""
-    deadline = time.monotonic() + 10
-    while not (d.runtime.conductor.idle and not d.runtime.tracked) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    """The sessions the worker's store holds and the engine's rollouts, once the runtime is idle
+    and the store's drops have arrived (they travel with a later plan than a socket's close: up
+    to 10 s is allowed for both before what is still held is returned)."""
     worker = d.runtime.workers.workers[0]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+            d.runtime.conductor.idle and not d.runtime.tracked and not worker.sessions.sessions
+            and not worker.engines["world"].rollouts):
+        time.sleep(0.02)
     return sorted(worker.sessions.sessions), worker.engines["world"].rollouts
 
 
