@@ -2,7 +2,8 @@
 (a prefill in the same ``run`` as another request's steps), each at its own iteration and step
 count, end with the chunks ``sample_actions`` makes alone; pages come back when they finish.
 With ``cuda_graphs`` (replayed eagerly off CUDA, over the same static buffers, batch and
-key-length buckets) the steps run padded to a bucket, the padded rows on the scratch page."""
+key-length buckets) the steps and the prefills run padded to a bucket, the padded rows and
+prompt tokens on the scratch page."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
               torch.randn(5, 6, generator=g), 3),
         "b": (torch.rand(1, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 90, (7,), generator=g),
               torch.randn(5, 6, generator=g), 4),
+        "c": (torch.rand(1, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 90, (19,), generator=g),
+              torch.randn(5, 6, generator=g), 3),
     }
     actions = {r: noise for r, (_, _, noise, _) in requests.items()}
     done = {}
@@ -44,7 +47,7 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
         inputs = {"pixels": pixels, "prompt_ids": ids} if op == "prefill" else {"actions": actions[r]}
         return EngineItem(r, op, iteration, inputs, {"num_steps": steps, "action_dim": 5})
 
-    schedule = [[item("a", "prefill")]]  # b arrives while a denoises
+    schedule = [[item("a", "prefill")]]  # b and c arrive together while a denoises
     for k in range(5):
         batch = []
         if k < 3:
@@ -52,9 +55,10 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
         elif k == 3:
             batch.append(("a", "finish", 0))
         if k == 0:
-            batch.append(("b", "prefill", 0))
+            batch += [("b", "prefill", 0), ("c", "prefill", 0)]
         elif k <= 4:
             batch.append(("b", "step", k - 1))
+            batch.append(("c", "step", k - 1) if k <= 3 else ("c", "finish", 0))
         schedule.append(batch)
     schedule.append([("b", "finish", 0)])
     for batch in schedule:
@@ -64,11 +68,14 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
                 actions[it.request_id] = out.outputs["actions"]
             elif it.op == "finish":
                 done[it.request_id] = out.outputs["action"]
-    assert max(engine.forward_rows) == 2  # a's and b's steps shared forwards
+    assert max(engine.forward_rows) == 3  # a's, b's and c's steps shared forwards
     assert engine.pool.num_used_pages == 0
-    if cuda_graphs:  # one request padded to bucket 1, two to bucket 4; keys to multiples of 64
+    if cuda_graphs:  # one request padded to bucket 1, two or three to bucket 4; keys to multiples of 64
         assert {rows for rows, _ in engine.graphs.inputs} == {1, 4}
         assert all(length % 64 == 0 for _, length in engine.graphs.inputs)
+        # prefills: a alone (two images, 11 prompt tokens), b and c padded to bucket 4 (one image,
+        # 7 and 19 prompt tokens: the prompt padded to 32)
+        assert set(engine.prefill_graphs.inputs) == {(1, 2, 16), (4, 1, 32)}
     for r, (pixels, ids, noise, steps) in requests.items():
         want = model.sample_actions([pixels.to(device)], [ids.to(device)], noise[None].to(device), num_steps=steps,
                                     page_size=4)[0, :, :5].cpu()

@@ -5,7 +5,8 @@ Ops (ports in brackets):
 - ``prefill`` [pixels, prompt_ids -> prefix]: reserve the request's pages (prefix plus one
   action chunk), encode every camera image of every request in the batch in one SigLIP
   forward, and run all their prefixes through the language model in one forward. ``prefix``
-  is the prefix length, a marker the denoise steps read.
+  is the prefix length, a marker the denoise steps read. With ``cuda_graphs`` a prefill of
+  requests bringing the same number of images replays from a graph (``_prefill_graphed``).
 - ``step`` [actions, prefix -> actions]: one Euler step of the flow from time 1 to 0, for every
   request in the batch in one expert forward (each at its own iteration and step count). Its
   attention takes the step as ``ChunkKeys``: every request's keys gathered to one padded length
@@ -35,6 +36,7 @@ from mstar.model.pi05.modeling import Pi05Policy
 
 PREFILL, STEP, FINISH = "prefill", "step", "finish"
 KEY_BUCKET = 64  # a graphed step's key length is rounded up to a multiple of this
+PROMPT_BUCKET = 16  # a graphed prefill's prompt length is rounded up to a multiple of this
 
 
 class Pi05Engine(Engine):
@@ -52,6 +54,7 @@ class Pi05Engine(Engine):
                                         dims.head_dim, dtype, device)
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.graphs = ShapeGraphs(self._denoise, device, max_graphs) if cuda_graphs else None
+        self.prefill_graphs = ShapeGraphs(self._prefill_rows, device, max_graphs) if cuda_graphs else None
         self.prefix_lens: dict[str, int] = {}
         self.forward_rows: list[int] = []  # requests of each recent denoise forward (batch log)
 
@@ -79,13 +82,69 @@ class Pi05Engine(Engine):
             self.pool.reserve(item.request_id, length + chunk)
             self.prefix_lens[item.request_id] = length
             lengths.append(length)
-        pixels = [item.inputs["pixels"].to(self.device, self.dtype) for item in items]
-        counts = [len(p) for p in pixels]
-        images = model.encode_images(torch.cat(pixels)).split(counts)
-        ids = [item.inputs["prompt_ids"].to(self.device) for item in items]
-        keys = self.prefix_keys([item.request_id for item in items], lengths)
-        model.prefill(model.embed_prefix(images, ids), self.caches, ChunkKeys(*self._on_device(keys)))
+        request_ids = [item.request_id for item in items]
+        # one host-to-device copy of every image (a copy per request waits on each)
+        pixels = torch.cat([item.inputs["pixels"] for item in items])
+        counts = [len(item.inputs["pixels"]) for item in items]
+        rows = next((b for b in self.batch_sizes if b >= len(items)), None)
+        if self.prefill_graphs is not None and rows is not None and len(set(counts)) == 1 and counts[0]:
+            self._prefill_graphed(items, request_ids, pixels, rows)
+        else:
+            images = model.encode_images(pixels.to(self.device, non_blocking=True)).split(counts)
+            ids = [item.inputs["prompt_ids"].to(self.device) for item in items]
+            keys = self.prefix_keys(request_ids, lengths)
+            model.prefill(model.embed_prefix(images, ids), self.caches, ChunkKeys(*self._on_device(keys)))
         return [{"prefix": torch.tensor([n])} for n in lengths]
+
+    def _prefill_graphed(self, items: list[EngineItem], request_ids: list[str], pixels: torch.Tensor,
+                         rows: int) -> None:
+        """The prefill replayed from a graph per (batch bucket, images a request, prompt
+        bucket): every prefix laid out as one row of its images' tokens and its prompt padded
+        to a multiple of ``PROMPT_BUCKET`` (the padding written to the scratch page, never
+        visible), the rows past the requests padding too."""
+        images = len(items[0].inputs["pixels"])
+        prompts = [item.inputs["prompt_ids"].reshape(-1) for item in items]
+        width = -(-max(len(ids) for ids in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
+        ids = torch.zeros(rows, width, dtype=torch.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt
+        pad = (rows - len(items)) * images
+        if pad:
+            pixels = torch.cat([pixels, pixels.new_zeros(pad, *pixels.shape[1:])])
+        image_tokens = images * self.model.config.tokens_per_image
+        lengths = torch.tensor([image_tokens + len(ids) for ids in prompts])
+        keys = self.row_keys(request_ids, lengths, rows, image_tokens + width)
+        inputs = (pixels, ids, *keys)
+        self.prefill_graphs((rows, images, width), *(t.to(self.device, non_blocking=True) for t in inputs))
+
+    def row_keys(self, request_ids: list[str], lengths: torch.Tensor, rows: int,
+                 length: int) -> tuple[torch.Tensor, ...]:
+        """A prefill of ``rows`` rows of ``length`` tokens each, request ``b``'s first
+        ``lengths[b]`` real: ``ChunkKeys``' first four fields, every other token written to the
+        scratch page and seen by no one."""
+        page_size = self.pool.page_size
+        slots, key_slots, visible = self._key_grid(request_ids, lengths, length)
+        scratch = self.scratch * page_size + torch.arange(length) % page_size
+        pad = rows - len(request_ids)
+        if pad:
+            slots = torch.cat([slots, scratch.expand(pad, length)])
+            key_slots = torch.cat([key_slots, scratch.expand(pad, length)])
+            visible = torch.cat([visible, (torch.arange(length) == 0).expand(pad, length)])
+        write_slots = torch.where(visible, slots, scratch)
+        positions = torch.arange(length).expand(rows, length)
+        return positions.reshape(-1), write_slots.reshape(-1), key_slots, visible
+
+    def _prefill_rows(self, pixels: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                      write_slots: torch.Tensor, key_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """What a prefill graph records: ``pixels [rows * images, 3, S, S]`` and prompts ``ids
+        [rows, width]`` through SigLIP and the language model into the cache (tensors only)."""
+        model = self.model
+        rows = ids.shape[0]
+        images = model.encode_images(pixels).reshape(rows, -1, model.config.text.hidden_size)
+        text = model.language_model.embed(ids)
+        embeds = torch.cat([images.to(text.dtype), text], dim=1).reshape(-1, text.shape[-1])
+        hidden = model.prefill(embeds, self.caches, ChunkKeys(positions, write_slots, key_slots, visible))
+        return hidden[:1]
 
     def _key_grid(self, request_ids: list[str], lengths: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
         """Each request's flat cache slots of positions ``0 .. length-1`` ``[B, length]``, those

@@ -10,8 +10,8 @@ from mstar.model.knobs import Compile, CudaGraphs, RequestKnobs
 class Pi05Knobs(CudaGraphs, Compile):
     """``compile``: the action expert's dense blocks (norms, MLPs) under ``torch.compile``
     (``mstar.model.pi05.fast``; the attention stays eager); ``cuda_graphs``: each denoise step
-    replayed from a CUDA graph per batch and key-length bucket (``mstar.model.pi05.engine``);
-    eager is the reference."""
+    replayed from a CUDA graph per batch and key-length bucket, each prefill per batch bucket,
+    image count and prompt bucket (``mstar.model.pi05.engine``); eager is the reference."""
 
     num_inference_steps: int | None = Field(None, ge=1, le=100)
     """Euler steps of a request that does not send ``num_inference_steps`` (None: the
