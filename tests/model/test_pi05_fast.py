@@ -1,5 +1,5 @@
 """Pi0.5's denoise fast path (``model_kwargs.compile``, ``mstar.model.pi05.fast``) against the
-eager policy: the same tiny random weights, compiled expert blocks, chunks equal to eager at
+eager policy: the same tiny random weights, compiled expert and prefix blocks, chunks equal to eager at
 one and two requests per forward (the second batch size retraces with a symbolic count)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from mstar.model.knobs import Knobs
 from mstar.model.pi05.config import Pi05Config
-from mstar.model.pi05.fast import compile_expert, expert_blocks
+from mstar.model.pi05.fast import compile_policy, expert_blocks, prefix_blocks
 from mstar.model.pi05.knobs import Pi05Knobs
 from mstar.model.pi05.modeling import Pi05Policy
 from mstar.model.weights import init_dummy_weights
@@ -29,7 +29,7 @@ def policies(device: str, backend: str) -> tuple[Pi05Policy, Pi05Policy]:
     eager = Pi05Policy(Pi05Config.from_lerobot(tiny_lerobot_config()))
     init_dummy_weights(eager, seed=5, std=0.1)
     eager = eager.to(device).eval()
-    return eager, compile_expert(copy.deepcopy(eager), backend)
+    return eager, compile_policy(copy.deepcopy(eager), backend)
 
 
 def compare(eager: Pi05Policy, fast: Pi05Policy, device: str, tol: float) -> None:
@@ -56,7 +56,8 @@ def test_blocks_are_every_expert_norm_and_mlp() -> None:
     eager, fast = policies("cpu", "eager")
     layers = eager.config.expert.num_layers
     assert len(expert_blocks(eager)) == 3 * layers + 1
-    assert all(b._compiled_call_impl is not None for b in expert_blocks(fast))
+    assert len(prefix_blocks(eager)) == 3 * eager.config.text.num_layers + 3 * eager.config.vision.num_layers + 2
+    assert all(b._compiled_call_impl is not None for b in expert_blocks(fast) + prefix_blocks(fast))
     assert all(b._compiled_call_impl is None for b in expert_blocks(eager))  # the copy was compiled
 
 
@@ -87,5 +88,6 @@ def test_knob_compiles_the_served_engine(tmp_path) -> None:
                                   "model_kwargs": {"compile": compile, "compile_backend": "aot_eager"}}))
         engines[compile] = spec.build_engines({"policy"}, torch.device("cpu"))["policy"]
     assert all(b._compiled_call_impl is not None for b in expert_blocks(engines[True].model))
+    assert all(b._compiled_call_impl is not None for b in prefix_blocks(engines[True].model))
     assert all(b._compiled_call_impl is None for b in expert_blocks(engines[False].model))
     assert engines[True].model.paligemma_with_expert.paligemma.model.language_model._compiled_call_impl is None

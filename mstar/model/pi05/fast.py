@@ -1,5 +1,5 @@
-"""Pi0.5's denoise fast path, applied to a policy from outside: ``torch.compile`` of the
-action expert's dense blocks.
+"""Pi0.5's fast path, applied to a policy from outside: ``torch.compile`` of the action
+expert's dense blocks, and of the prefix's (the language model's and SigLIP's norms and MLPs).
 
 A denoise step runs the expert over ``B x chunk`` tokens against the cached prefix, the same
 shapes at every one of a request's steps. Its time at batch 1 goes to many small kernels: per
@@ -7,7 +7,10 @@ layer two adaptive RMS norms (float32 upcast, modulation, gate) and a gated-GELU
 handful of element-wise launches around three matrix products. Compiling those blocks fuses
 the element-wise work into the products' neighbours. The paged attention between them stays
 eager: its metadata carries host-side sequence lengths that differ per request, and a
-compiled graph guarding on them would retrace for every new prefix length.
+compiled graph guarding on them would retrace for every new prefix length. The prefill's
+blocks are the same kind of work over many more tokens (a prefix is ~800 tokens an
+observation): their element-wise passes (float32 norms, tanh-GELU, the gating product) are
+what compiling fuses.
 
 Each block is compiled with dynamic token counts (``dynamic=None``: traced static first, then
 once more with a symbolic count when a second batch size comes), so the graphs of one layer
@@ -32,8 +35,22 @@ def expert_blocks(policy: Pi05Policy) -> list[nn.Module]:
     return [*blocks, expert.norm]
 
 
-def compile_expert(policy: Pi05Policy, backend: str = "inductor") -> Pi05Policy:
-    """Compile ``policy``'s denoise blocks in place (``nn.Module.compile``) and return it."""
-    for block in expert_blocks(policy):
+def prefix_blocks(policy: Pi05Policy) -> list[nn.Module]:
+    """The prefill's modules ``compile_policy`` compiles: every language-model layer's two norms
+    and MLP and its final norm, every SigLIP layer's two layer norms and MLP and its last norm."""
+    lm = policy.language_model
+    blocks: list[nn.Module] = []
+    for layer in lm.layers:
+        blocks += [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
+    vision = policy.paligemma.vision_tower.vision_model
+    for layer in vision.encoder.layers:
+        blocks += [layer.layer_norm1, layer.layer_norm2, layer.mlp]
+    return [*blocks, lm.norm, vision.post_layernorm]
+
+
+def compile_policy(policy: Pi05Policy, backend: str = "inductor") -> Pi05Policy:
+    """Compile ``policy``'s denoise and prefill blocks in place (``nn.Module.compile``) and
+    return it."""
+    for block in expert_blocks(policy) + prefix_blocks(policy):
         block.compile(backend=backend, dynamic=None)
     return policy

@@ -8,8 +8,8 @@ from mstar.model.knobs import Compile, CudaGraphs, RequestKnobs
 
 
 class Pi05Knobs(CudaGraphs, Compile):
-    """``compile``: the action expert's dense blocks (norms, MLPs) under ``torch.compile``
-    (``mstar.model.pi05.fast``; the attention stays eager); ``cuda_graphs``: each denoise step
+    """``compile``: the action expert's and the prefix's dense blocks (norms, MLPs) under
+    ``torch.compile`` (``mstar.model.pi05.fast``; the attention stays eager); ``cuda_graphs``: each denoise step
     replayed from a CUDA graph per batch and key-length bucket, each prefill per batch bucket,
     image count and prompt bucket (``mstar.model.pi05.engine``); eager is the reference."""
 

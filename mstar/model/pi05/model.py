@@ -123,9 +123,9 @@ class Pi05(ModelSpec):
         dtype = self.config.torch_dtype()
         model = ckpt.load_model(device, dtype, dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
         if self.knobs.compile:
-            from mstar.model.pi05.fast import compile_expert
+            from mstar.model.pi05.fast import compile_policy
 
-            compile_expert(model, self.knobs.compile_backend)
+            compile_policy(model, self.knobs.compile_backend)
         kv = self.config.resources.kv_cache
         return {"policy": Pi05Engine(model, self.embodiment, device, dtype, kv.max_num_pages, kv.page_size,
                                      cuda_graphs=self.knobs.cuda_graphs)}
