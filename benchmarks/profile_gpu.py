@@ -9,7 +9,7 @@
 
 The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``, S10's
 Pi0.5 ``Ours``; S3's deployment in process, its speech requests through the backend rather than HTTP) starts the
-deployment on dummy weights, runs the batch twice unprofiled (warm-up: kernels compiled,
+deployment on dummy weights, runs the batch ``--warmups`` times (2) unprofiled (kernels compiled,
 graphs captured), then once inside ``torch.profiler``. Printed: the batch's wall time, how
 long the GPU was busy in it (the union of kernel intervals) and so how much of the wall was
 host-bound, the time of each runtime node (``mstar.node.<name>`` ranges the worker opens),
@@ -212,6 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="s10: the action expert's blocks compiled")
     p.add_argument("--cuda-graphs", action="store_true", help="s10: each denoise step from a CUDA graph")
     p.add_argument("--top", type=int, default=20, help="rows per table")
+    p.add_argument("--warmups", type=int, default=2, help="unprofiled batches first (captures, compiles)")
     p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
     p.add_argument("--out", default=None, help="directory for the full tables (and the trace)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace to --out")
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         run, close = SCENARIOS[args.scenario](args, tmp)
         try:
-            for _ in range(2):
+            for _ in range(args.warmups):
                 run()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()

@@ -29,7 +29,8 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
     model.eval()
     engine = Pi05Engine(model.to(device), lambda name: Embodiment(IDENTITY, IDENTITY), torch.device(device),
                         torch.float32,
-                        num_pages=64, page_size=4, cuda_graphs=cuda_graphs, batch_sizes=(1, 4))
+                        num_pages=64, page_size=4, cuda_graphs=cuda_graphs, batch_sizes=(1, 4),
+                        prefill_exact=1)
     g = torch.Generator().manual_seed(1)
     requests = {  # id -> (pixels, ids, noise, steps)
         "a": (torch.rand(2, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 90, (11,), generator=g),
@@ -73,8 +74,8 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
     if cuda_graphs:  # one request padded to bucket 1, two or three to bucket 4; keys to multiples of 64
         assert {rows for rows, _ in engine.graphs.inputs} == {1, 4}
         assert all(length % 64 == 0 for _, length in engine.graphs.inputs)
-        # prefills: a alone (two images, 11 prompt tokens), b and c padded to bucket 4 (one image,
-        # 7 and 19 prompt tokens: the prompt padded to 32)
+        # prefills: a alone (two images, 11 prompt tokens), b and c padded to bucket 4 past
+        # prefill_exact (one image, 7 and 19 prompt tokens: the prompts padded to 32)
         assert set(engine.prefill_graphs.inputs) == {(1, 2, 16), (4, 1, 32)}
     for r, (pixels, ids, noise, steps) in requests.items():
         want = model.sample_actions([pixels.to(device)], [ids.to(device)], noise[None].to(device), num_steps=steps,

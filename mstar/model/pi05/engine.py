@@ -42,7 +42,7 @@ PROMPT_BUCKET = 16  # a graphed prefill's prompt length is rounded up to a multi
 class Pi05Engine(Engine):
     def __init__(self, model: Pi05Policy, embodiments: Callable[[str], Embodiment], device: torch.device,
                  dtype: torch.dtype, num_pages: int, page_size: int, cuda_graphs: bool = False,
-                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, max_graphs: int = 32):
+                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, max_graphs: int = 32, prefill_exact: int = 16):
         self.model = model
         self.embodiments = embodiments
         self.device = device
@@ -53,6 +53,7 @@ class Pi05Engine(Engine):
         self.caches = allocate_kv_cache(dims.num_layers, num_pages + int(cuda_graphs), page_size, dims.num_kv_heads,
                                         dims.head_dim, dtype, device)
         self.batch_sizes = tuple(sorted(batch_sizes))
+        self.prefill_exact = prefill_exact  # graphed prefills of up to this many requests: one graph per count
         self.graphs = ShapeGraphs(self._denoise, device, max_graphs) if cuda_graphs else None
         self.prefill_graphs = ShapeGraphs(self._prefill_rows, device, max_graphs) if cuda_graphs else None
         self.prefix_lens: dict[str, int] = {}
@@ -86,7 +87,10 @@ class Pi05Engine(Engine):
         # one host-to-device copy of every image (a copy per request waits on each)
         pixels = torch.cat([item.inputs["pixels"] for item in items])
         counts = [len(item.inputs["pixels"]) for item in items]
-        rows = next((b for b in self.batch_sizes if b >= len(items)), None)
+        # a prefill's rows are not padded up to prefill_exact: requests trickle in from the front
+        # end, so prefills of every count come, and a padded row costs a whole prefix of GPU work
+        count = len(items)
+        rows = count if count <= self.prefill_exact else next((b for b in self.batch_sizes if b >= count), None)
         if self.prefill_graphs is not None and rows is not None and len(set(counts)) == 1 and counts[0]:
             self._prefill_graphed(items, request_ids, pixels, rows)
         else:
@@ -98,10 +102,10 @@ class Pi05Engine(Engine):
 
     def _prefill_graphed(self, items: list[EngineItem], request_ids: list[str], pixels: torch.Tensor,
                          rows: int) -> None:
-        """The prefill replayed from a graph per (batch bucket, images a request, prompt
-        bucket): every prefix laid out as one row of its images' tokens and its prompt padded
-        to a multiple of ``PROMPT_BUCKET`` (the padding written to the scratch page, never
-        visible), the rows past the requests padding too."""
+        """The prefill replayed from a graph per (requests, or their batch bucket past
+        ``prefill_exact``; images a request; prompt bucket): every prefix laid out as one row of
+        its images' tokens and its prompt padded to a multiple of ``PROMPT_BUCKET`` (the padding
+        written to the scratch page, never visible), the rows past the requests padding too."""
         images = len(items[0].inputs["pixels"])
         prompts = [item.inputs["prompt_ids"].reshape(-1) for item in items]
         width = -(-max(len(ids) for ids in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
