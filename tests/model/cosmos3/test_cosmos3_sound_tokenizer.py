@@ -5,9 +5,6 @@ waveform within 1e-5 relative, coverage both ways, decoder-only checkpoints, ref
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,35 +12,9 @@ from safetensors.torch import save_file
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.sound_tokenizer import SoundTokenizerConfig
 from mstar.model.weights import WeightLoadError
-from tests.support.diffusers_dirs import randomize
+from tests.support.cosmos3_sound import SOUND, reference_tokenizer, write_sound_tokenizer
 
 pytest.importorskip("diffusers")
-
-# hop 12 both ways: the encoder's STFT hop 2 x strides 2, 3; the decoder's strides 3, 4
-SOUND = dict(sampling_rate=1200, vocoder_input_dim=4, dec_dim=4, dec_c_mults=[1, 2], dec_strides=[3, 4],
-             dec_out_channels=2, enc_dim=4, enc_num_blocks=1, enc_n_fft=8, enc_hop_length=2, enc_latent_dim=8,
-             enc_c_mults=[1, 2], enc_strides=[2, 3])
-
-
-def reference_tokenizer(seed: int = 3):
-    from diffusers import Cosmos3AVAEAudioTokenizer
-
-    module = Cosmos3AVAEAudioTokenizer(**SOUND).eval()
-    randomize(module, seed, gains=("weight_g",))
-    with torch.no_grad():  # moderate gains: activations of a few units, most output inside the clamp
-        for name, param in module.named_parameters():
-            if name.endswith("weight_g"):
-                param.mul_(0.2 if name == "decoder.conv2.weight_g" else 0.6)
-    return module
-
-
-def write_sound_tokenizer(root: Path, module, drop: str | None = None) -> None:
-    folder = root / "sound_tokenizer"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(dict(module.config), default=list))
-    state = {k: v.contiguous() for k, v in module.state_dict().items() if drop is None or not k.startswith(drop)}
-    save_file(state, folder / "diffusion_pytorch_model.safetensors")
-
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
