@@ -1,4 +1,4 @@
-"""Cosmos3 text-to-video with sound through the in-process runtime (sound tokens beside the video
+"""Cosmos3 text- and image-to-video with sound through the in-process runtime (sound tokens beside the video
 in the tower, their own UniPC state, the AVAE decode on the ``sound`` node) on a tiny random
 sound-capable checkpoint in the released layout, against diffusers 0.42.1
 ``Cosmos3OmniPipeline(enable_sound=True)`` with the same weights, prompt, seed and steps: the
@@ -9,6 +9,7 @@ a plain one equals its solo run (within one level); ``enable_sound`` is a 400 on
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import shutil
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 
 from mstar.config import parse_config
@@ -108,10 +110,11 @@ def recorded(d, node, *keys):
         del target.run
 
 
-def generate(d, request_id, prompt, **kwargs) -> dict[str, bytes]:
+def generate(d, request_id, prompt, files=(), **kwargs) -> dict[str, bytes]:
     async def run():
         data: dict[str, bytes] = {}
-        spec = GenerateSpec(request_id, prompt, [], ["video", "audio"], {"height": HEIGHT, "width": WIDTH, **kwargs})
+        spec = GenerateSpec(request_id, prompt, list(files), ["video", "audio"],
+                            {"height": HEIGHT, "width": WIDTH, **kwargs})
         async for event in d.backend.generate(spec):
             assert not event.error, event.error
             if event.data:
@@ -121,18 +124,34 @@ def generate(d, request_id, prompt, **kwargs) -> dict[str, bytes]:
     return asyncio.run(run())
 
 
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
 def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("frames, fps, guidance, steps", [(9, 16, 4.0, 3), (5, 24, 1.0, 2)],
-                         ids=["guided", "unguided"])
-def test_t2v_with_sound_matches_the_pipeline(sound_checkpoint, deployment, frames, fps, guidance, steps):
+def picture(width: int, height: int) -> Image.Image:
+    """A smooth random image."""
+    coarse = torch.rand(1, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    fine = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+    return Image.fromarray((fine.clamp(0, 1) * 255).round().byte()[0].permute(1, 2, 0).numpy())
+
+
+@pytest.mark.parametrize("frames, fps, guidance, steps, image", [(9, 16, 4.0, 3, False), (5, 24, 1.0, 2, False),
+                                                                 (9, 16, 3.0, 2, True)],
+                         ids=["t2v_guided", "t2v_unguided", "i2v_guided"])
+def test_video_with_sound_matches_the_pipeline(sound_checkpoint, deployment, frames, fps, guidance, steps, image):
     prompt, seed = "a cat walks on the moon", 7
+    condition = {"image": picture(50, 37)} if image else {}
+    files = [("image", png(condition["image"]))] if image else []
     with recorded(deployment, "dit", "latents", "sound_latents") as dit, \
             recorded(deployment, "sound", "waveform") as sound:
-        data = generate(deployment, f"s-{frames}-{guidance}", prompt, num_frames=frames, fps=fps, seed=seed,
-                        num_inference_steps=steps, guidance_scale=guidance, enable_sound=True)
+        data = generate(deployment, f"s-{frames}-{guidance}-{image}", prompt, files, num_frames=frames, fps=fps,
+                        seed=seed, num_inference_steps=steps, guidance_scale=guidance, enable_sound=True)
     [ours_video], [ours_sound] = dit["latents"].values(), dit["sound_latents"].values()
     [[wave]] = sound["waveform"].values()
 
@@ -146,14 +165,14 @@ def test_t2v_with_sound_matches_the_pipeline(sound_checkpoint, deployment, frame
     out = sound_checkpoint.pipeline(recorded=True)(
         prompt=prompt, negative_prompt="", height=HEIGHT, width=WIDTH, num_frames=frames, fps=fps,
         num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator().manual_seed(seed),
-        output_type="np", enable_sound=True, callback_on_step_end=record,
+        output_type="np", enable_sound=True, callback_on_step_end=record, **condition,
         callback_on_step_end_tensor_inputs=["latents", "sound_latents"])
     samples = int(frames / fps * SOUND["sampling_rate"])
     assert len(ours_video) == len(ours_sound) == len(want_sound) == steps
     for i in range(steps):
         assert ours_sound[i].shape == want_sound[i].shape == (4, -(-samples // 12))
         errors = rel(ours_video[i], want_video[i][0]), rel(ours_sound[i], want_sound[i])
-        print(f"[parity] sound t2v frames={frames} guidance={guidance} step {i}: video {errors[0]:.1e} "
+        print(f"[parity] sound image={image} frames={frames} guidance={guidance} step {i}: video {errors[0]:.1e} "
               f"sound {errors[1]:.1e}")
         assert max(errors) <= 1e-5
     assert wave.shape == out.sound.shape
