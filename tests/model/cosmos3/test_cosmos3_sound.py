@@ -1,10 +1,12 @@
-"""Cosmos3 text- and image-to-video with sound through the in-process runtime (sound tokens beside the video
-in the tower, their own UniPC state, the AVAE decode on the ``sound`` node) on a tiny random
+"""Cosmos3 text- and image-to-video with sound through the in-process runtime (sound tokens
+beside the video in the tower, their own UniPC state, the AVAE decode on the ``sound`` node) on a
+tiny random
 sound-capable checkpoint in the released layout, against diffusers 0.42.1
 ``Cosmos3OmniPipeline(enable_sound=True)`` with the same weights, prompt, seed and steps: the
 video and sound latents after every step within 1e-5, the decoded waveform within 1e-5 and the
 frames within one level. Also: the emitted PCM is the clip's length; a sound request packed with
-a plain one equals its solo run (within one level); ``enable_sound`` is a 400 on a checkpoint without the pathway."""
+a plain one equals its solo run (within one level); the decoder's weights are covered at startup;
+``enable_sound`` is a 400 on a checkpoint without the pathway and on a distilled one."""
 
 from __future__ import annotations
 
@@ -221,6 +223,38 @@ def test_enable_sound_refused_without_the_pathway(checkpoint):
         spec = GenerateSpec("bad", "a cat", [], ["video"], {"height": HEIGHT, "width": WIDTH, "num_frames": 5,
                                                             "enable_sound": True})
         with pytest.raises(RequestError) as err:
+            d.backend.spec.prepare_generate(spec)
+        assert err.value.field == "enable_sound"
+    finally:
+        d.close()
+
+
+def test_sound_tokenizer_coverage_at_startup(sound_checkpoint, tmp_path):
+    """The deployment reads the decoder's tensors with coverage both ways (the encoder's are not
+    read: serving only decodes): a missing decoder tensor stops the start naming it."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(sound_checkpoint.root, root)
+    weights = root / "sound_tokenizer" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("decoder.conv2.")}, weights)
+    with pytest.raises(Exception, match="decoder.conv2"):
+        start(parse_config({"model": "cosmos3", "model_path": str(root)}), in_process=True).close()
+
+
+def test_enable_sound_refused_on_a_distilled_checkpoint(sound_checkpoint, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(sound_checkpoint.root, root)
+    (root / "modular_model_index.json").write_text(json.dumps({"distilled_sigmas": [1.0, 0.75, 0.5, 0.25]}))
+    scheduler = root / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+                                     "use_dynamic_shifting": False, "stochastic_sampling": True,
+                                     "num_train_timesteps": 1000}))
+    d = start(parse_config({"model": "cosmos3", "model_path": str(root)}), in_process=True)
+    try:
+        spec = GenerateSpec("bad", "a cat", [], ["video"], {"height": HEIGHT, "width": WIDTH, "num_frames": 5,
+                                                            "enable_sound": True})
+        with pytest.raises(RequestError, match="UniPC") as err:
             d.backend.spec.prepare_generate(spec)
         assert err.value.field == "enable_sound"
     finally:
