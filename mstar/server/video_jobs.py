@@ -46,7 +46,8 @@ from mstar.server.video_routes import MAX_IMAGE_BYTES, TASK, VideoRequest, model
 log = logging.getLogger(__name__)
 
 _FORM_FIELDS = ("prompt", "model", "seconds", "size", "num_frames", "fps", "seed", "num_inference_steps",
-                "guidance_scale", "negative_prompt", "user", "conditioning_resize", "condition_latent_frames")
+                "guidance_scale", "negative_prompt", "user", "conditioning_resize", "condition_latent_frames",
+                "enable_sound")
 MAX_LIST = 100
 
 

@@ -7,8 +7,9 @@ The body's fields map onto the video family's ``model_kwargs``: ``size`` "WxH" -
 4k + 1 (the frame counts the Wan VAE codes); ``image`` (a data URI, base64, or an http(s) URL
 with MSTAR_ALLOW_REMOTE=1) becomes the request's one file, as does ``video`` (a clip to continue,
 for a model whose video knobs say ``takes_video``; its file is named "video"); ``seed``,
-``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``conditioning_resize`` and
-``condition_latent_frames`` pass through (a 400 where the model does not take them). The
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``conditioning_resize``,
+``condition_latent_frames`` and ``enable_sound`` (a soundtrack on request, muxed as AAC) pass
+through (a 400 where the model does not take them). The
 family checks them before queueing; its refusals are renamed to this body's fields (``width``
 -> ``size``, ``num_frames`` -> ``seconds`` when the count came from seconds), so a 400 names
 what the client sent. The frames come back raw from the model; the mp4 is written here, in a thread, never in the model.
@@ -61,6 +62,7 @@ class VideoRequest(BaseModel):
     video: str | None = Field(None, description="video-to-video: a clip (mp4) as a data URI, base64 or URL")
     conditioning_resize: str | None = Field(None, description="image-to-video: cover (default) or stretch")
     condition_latent_frames: int | None = Field(None, ge=1, description="video-to-video: latent frames kept")
+    enable_sound: bool | None = Field(None, description="a soundtrack (AAC in the mp4), where the model opts in")
     seed: int | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=100)
     guidance_scale: float | None = Field(None, ge=1.0, allow_inf_nan=False)
@@ -101,7 +103,7 @@ def model_kwargs_of(req: VideoRequest, backend: Any = None) -> tuple[dict[str, A
         kwargs["num_frames"] = frames_for(req.seconds, fps, frame_step)
         renames["num_frames"] = "seconds"
     for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "conditioning_resize",
-                 "condition_latent_frames"):
+                 "condition_latent_frames", "enable_sound"):
         if (value := getattr(req, name)) is not None:
             kwargs[name] = value
     if req.response_format not in RESPONSE_FORMATS:

@@ -1,6 +1,7 @@
 """Cosmos3's tower against diffusers' ``Cosmos3OmniTransformer`` (diffusers 0.42.1) on tiny random
 configs, float32 on the CPU: each layer's two pathways, the whole t2i / t2v / conditioned-frame
-forward, and several requests packed into one step equal to their solo steps. The reference's
+forward, a t2v forward with sound tokens (both velocities), and several requests packed into one
+step equal to their solo steps. The reference's
 inputs are built by the pipeline's own packing code, so the layout is checked too."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mstar.model.cosmos3.config import Cosmos3Config
-from mstar.model.cosmos3.layout import media_offset, patch_grid, text_positions, video_positions
+from mstar.model.cosmos3.layout import media_offset, patch_grid, sound_positions, text_positions, video_positions
 from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, Segment
 from tests.support.diffusers_dirs import randomize
 
@@ -116,3 +117,54 @@ def test_packed_step_equals_solo_steps():
         packed = ours(items)
         for one, got in zip(items, packed):
             assert rel(got, ours([one])[0]) < 1e-6
+
+
+def ref_forward_with_sound(ref, ids, latents, sound, timestep, fps):
+    """The reference's vision and sound predictions of a t2v step with sound, packed by the
+    pipeline's own helpers (sound after the vision tokens)."""
+    from diffusers import Cosmos3OmniPipeline
+
+    host = SimpleNamespace(transformer=ref, vae_scale_factor_temporal=4)
+    text = Cosmos3OmniPipeline._prepare_text_segment(host, ids.tolist(), device="cpu")
+    offset = text["vision_start_temporal_offset"]
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(
+        host, latents[None], has_image_condition=False, mrope_offset=offset, vision_fps=fps,
+        curr=text["und_len"], device="cpu", condition_frame_indexes=[])
+    audio = Cosmos3OmniPipeline._prepare_sound_segment(
+        host, sound, mrope_offset=offset, sound_fps=float(ref.config.sound_latent_fps),
+        curr=text["und_len"] + vision["num_vision_tokens"], device="cpu")
+    out = ref(input_ids=text["input_ids"], text_indexes=text["text_indexes"],
+              position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"], audio["sound_mrope_ids"]],
+                                     dim=1),
+              und_len=text["und_len"],
+              sequence_length=text["und_len"] + vision["num_vision_tokens"] + audio["sound_len"],
+              vision_tokens=[latents[None]], vision_token_shapes=vision["vision_token_shapes"],
+              vision_sequence_indexes=vision["vision_sequence_indexes"],
+              vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+              vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), float(timestep)),
+              vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
+              sound_tokens=[sound], sound_token_shapes=audio["sound_token_shapes"],
+              sound_sequence_indexes=audio["sound_sequence_indexes"],
+              sound_mse_loss_indexes=audio["sound_mse_loss_indexes"],
+              sound_timesteps=torch.full((audio["sound_len"],), float(timestep)),
+              sound_noisy_frame_indexes=audio["sound_noisy_frame_indexes"], return_dict=False)
+    return out[0][0][0], out[1][0]
+
+
+@pytest.mark.parametrize("kwargs, fps", [(ACTIONS, 16.0), (dict(ACTIONS, enable_fps_modulation=False), 24.0)],
+                         ids=["fps_modulated", "plain_positions"])
+def test_forward_with_sound(kwargs, fps):
+    ref, ours = build(kwargs)
+    gen = torch.Generator().manual_seed(4)
+    latents, sound = torch.randn(4, 3, 4, 6, generator=gen), torch.randn(5, 7, generator=gen)
+    ids = torch.randint(0, 64, (9,), generator=gen)
+    with torch.no_grad():
+        want_video, want_sound = ref_forward_with_sound(ref, ids, latents, sound, 613.0, fps)
+        one = item(ours, ids, latents, 613.0, [0, 1, 2], fps)
+        one.sound, one.sound_positions = sound, sound_positions(ours.config, 7, media_offset(ours.config, 9))
+        [got] = ours.predict([one])
+        plain = ours([item(ours, ids, latents, 613.0, [0, 1, 2], fps)])[0]
+    assert got.sound.shape == want_sound.shape == (5, 7)
+    print(f"[parity] with sound: video {rel(got.video, want_video):.1e} sound {rel(got.sound, want_sound):.1e}")
+    assert rel(got.video, want_video) < 1e-5 and rel(got.sound, want_sound) < 1e-5
+    assert rel(plain, want_video) > 1e-3  # the sound tokens moved the video's velocity: they were attended

@@ -1,8 +1,8 @@
 """Where a Cosmos3 checkpoint's parts come from: the diffusers layout ``Cosmos3OmniPipeline``
 saves (``model_index.json``, ``transformer/`` (the tower, flat keys: ``layers.N...``,
 ``embed_tokens``, ``proj_in`` ...), ``text_tokenizer/``, ``vae/`` (the Wan2.2 VAE),
-``scheduler/`` (UniPC), and ``sound_tokenizer/`` on sound-capable checkpoints, which this slice
-does not load). The 4-step distilled checkpoints list ``distilled_sigmas`` in
+``scheduler/`` (UniPC), and ``sound_tokenizer/`` (the AVAE, weight-norm pairs folded on load) on
+sound-capable checkpoints). The 4-step distilled checkpoints list ``distilled_sigmas`` in
 ``modular_model_index.json`` and a stochastic flow-match Euler scheduler: they get the
 fixed-sigma sampler (``mstar.model.cosmos3.sampler``)."""
 
@@ -12,6 +12,7 @@ from mstar.diffusion.unipc import UniPC
 from mstar.model.cosmos3.config import Cosmos3Config
 from mstar.model.cosmos3.prompt import Cosmos3Prompt
 from mstar.model.cosmos3.sampler import FixedSigmas
+from mstar.model.cosmos3.sound_tokenizer import Cosmos3SoundTokenizer, SoundTokenizerConfig
 from mstar.model.diffusers_checkpoint import DiffusersCheckpoint
 from mstar.model.wan22.vae import WanVAEConfig
 
@@ -50,3 +51,29 @@ class Cosmos3Checkpoint(DiffusersCheckpoint):
         config = self.read_json("scheduler", "scheduler_config.json")
         sigmas = self.distilled_sigmas()
         return UniPC.from_config(config) if sigmas is None else FixedSigmas.from_config(config, sigmas)
+
+    # ----------------------------------------------------------------- sound
+    def has_sound(self) -> bool:
+        """Whether the checkpoint ships the sound pathway: a ``sound_tokenizer/`` folder and a
+        tower trained with ``sound_gen``."""
+        return (self.root / "sound_tokenizer" / "config.json").exists() and self.transformer_config().sound_gen
+
+    def sound_tokenizer_config(self) -> SoundTokenizerConfig:
+        return SoundTokenizerConfig.from_dict(self.read_json("sound_tokenizer", "config.json"))
+
+    def load_sound_tokenizer(self, *, device, dtype, dummy: bool, seed: int, encoder: bool = False
+                             ) -> Cosmos3SoundTokenizer:
+        """The AVAE with the checkpoint's weights (weight norm folded; coverage checked both
+        ways), or seeded random ones when ``dummy``. ``encoder``: build and load the encoder too
+        (serving only decodes, so by default its ``encoder.*`` tensors are left unread)."""
+        from mstar.model.vocoder.weight_norm import fold_weight_norm
+        from mstar.model.weights import fill_weights, iter_safetensors
+
+        module = Cosmos3SoundTokenizer(self.sound_tokenizer_config(), encoder=encoder).to(device=device, dtype=dtype)
+
+        def tensors():
+            state = {k: v for k, v in iter_safetensors(self.root / "sound_tokenizer")
+                     if encoder or not k.startswith("encoder.")}
+            return fold_weight_norm(state).items()
+
+        return fill_weights(module, tensors, dummy=dummy, seed=seed, dtype=dtype)

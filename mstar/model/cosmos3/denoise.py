@@ -17,6 +17,12 @@ frames of the starting noise, which stay clean conditions from then on (no time 
 their velocity zeroed, so UniPC carries them along). The fixed-sigma sampler re-noises every
 frame, so after each of its steps the ``k`` frames are set back to ``cond_latents``, as the
 distilled modular pipeline re-anchors them.
+
+A request with sound (``sound_latents [sound_dim, T]``, UniPC only) carries them beside the
+video: each of its rows adds the sound tokens (positions from the same time offset as the
+video's), guidance combines the sound velocities as the video's, and the sound latents take
+their own UniPC step on the same schedule with their own solver state (the pipeline's copy of
+the scheduler); op ``step`` then writes ``sound_latents`` too.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ import torch
 from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.model.cosmos3.layout import media_offset, patch_grid, text_positions, video_positions
+from mstar.model.cosmos3.layout import media_offset, patch_grid, sound_positions, text_positions, video_positions
 from mstar.model.cosmos3.sampler import FixedSigmas
-from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, TextKV
+from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, Prediction, TextKV
 
 OPS = ("step",)
 
@@ -42,10 +48,16 @@ class Prepared:
 
     texts: list[TextKV]
     positions: list[torch.Tensor]
+    sound_positions: list[torch.Tensor | None]
 
 
 def guidance_scale(item: EngineItem) -> float:
     return float(item.params.get("guidance_scale", 1.0))
+
+
+def combine(velocities: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """A row's velocity, or a guided pair's ``v_uncond + g (v_cond - v_uncond)``."""
+    return velocities[0] if len(velocities) == 1 else guide(*velocities, scale)
 
 
 class Cosmos3DenoiseEngine(Engine):
@@ -58,22 +70,31 @@ class Cosmos3DenoiseEngine(Engine):
         self.prepared: dict[str, Prepared] = {}
         self.schedules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.solvers: dict[str, UniPCState] = {}
+        self.sound_solvers: dict[str, UniPCState] = {}
         self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _prepare(self, item: EngineItem) -> Prepared:
         if item.request_id not in self.prepared:
             config = self.tower.config
             names = ["prompt_ids", "negative_ids"] if guidance_scale(item) > 1 else ["prompt_ids"]
-            texts, positions = [], []
+            texts, positions, sounds = [], [], []
             grid = patch_grid(config, tuple(item.inputs["latents"].shape))
             fps = float(item.params.get("fps", 24.0))
+            sound = item.inputs.get("sound_latents")
+            if sound is not None and isinstance(self.scheduler, FixedSigmas):
+                raise ValueError(f"request {item.request_id}: sound runs on the UniPC sampler only")
             for name in names:
                 if name not in item.inputs:
                     raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs {name}")
                 ids = item.inputs[name].to(self.device)
                 texts.append(self.tower.encode_text(ids, text_positions(config, len(ids)).to(self.device)))
-                positions.append(video_positions(config, grid, media_offset(config, len(ids)), fps).to(self.device))
-            self.prepared[item.request_id] = Prepared(texts, positions)
+                offset = media_offset(config, len(ids))
+                positions.append(video_positions(config, grid, offset, fps).to(self.device))
+                if sound is not None:
+                    sounds.append(sound_positions(config, sound.shape[1], offset).to(self.device))
+                else:
+                    sounds.append(None)
+            self.prepared[item.request_id] = Prepared(texts, positions, sounds)
         return self.prepared[item.request_id]
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,28 +118,43 @@ class Cosmos3DenoiseEngine(Engine):
                 states.append((latents, clean))
                 timestep = float(self._schedule(item)[1][item.iteration])
                 noisy = list(range(0 if clean is None else clean.shape[1], latents.shape[1]))
-                rows += [(i, MediaItem(latents, timestep, noisy, pos, text))
-                         for text, pos in zip(prepared.texts, prepared.positions)]
-            flows = self._predict([row for _, row in rows])
-            per_item: dict[int, list[torch.Tensor]] = {}
-            for (i, _), flow in zip(rows, flows):
-                per_item.setdefault(i, []).append(flow.float())
-            outputs, solvers = [], {}
+                sound = item.inputs.get("sound_latents")
+                sound = None if sound is None else sound.to(self.device, torch.float32)
+                rows += [(i, MediaItem(latents, timestep, noisy, pos, text, sound, sound_pos))
+                         for text, pos, sound_pos in zip(prepared.texts, prepared.positions, prepared.sound_positions)]
+            predictions = self._predict([row for _, row in rows])
+            per_item: dict[int, list[Prediction]] = {}
+            for (i, _), prediction in zip(rows, predictions):
+                per_item.setdefault(i, []).append(prediction)
+            outputs, solvers, sound_solvers = [], {}, {}
             for i, item in enumerate(items):
-                v = per_item[i][0] if len(per_item[i]) == 1 else guide(*per_item[i], guidance_scale(item))
+                scale = guidance_scale(item)
+                v = combine([p.video.float() for p in per_item[i]], scale)
                 latents, solvers[item.request_id] = self._step(item, v, *states[i])
-                outputs.append(EngineOutput({"latents": latents}))
+                out = {"latents": latents}
+                if "sound_latents" in item.inputs:
+                    v = combine([p.sound.float() for p in per_item[i]], scale)
+                    out["sound_latents"], sound_solvers[item.request_id] = self._sound_step(item, v)
+                outputs.append(EngineOutput(out))
         self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
+        self.sound_solvers.update(sound_solvers)
         return outputs
 
-    def _predict(self, rows: list[MediaItem]) -> list[torch.Tensor]:
+    def _predict(self, rows: list[MediaItem]) -> list[Prediction]:
         size = self.max_batch_size or len(rows)
         out = []
         for start in range(0, len(rows), size):
             chunk = rows[start:start + size]
             self.forward_rows.append(len(chunk))
-            out += self.tower(chunk)
+            out += self.tower.predict(chunk)
         return out
+
+    def _sound_step(self, item: EngineItem, v: torch.Tensor) -> tuple[torch.Tensor, UniPCState]:
+        sigmas, _ = self._schedule(item)
+        sound = item.inputs["sound_latents"].to(self.device, torch.float32)[None]
+        state = self.sound_solvers.get(item.request_id, UniPCState())
+        sound, state = self.scheduler.step(item.iteration, sigmas, v[None], sound, state)
+        return sound[0], state
 
     def _latents(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's latents (float32; on the first step of a conditioned request, the noise
@@ -156,3 +192,4 @@ class Cosmos3DenoiseEngine(Engine):
         self.prepared.pop(request_id, None)
         self.schedules.pop(request_id, None)
         self.solvers.pop(request_id, None)
+        self.sound_solvers.pop(request_id, None)

@@ -1,6 +1,7 @@
 """How Cosmos3's engines are built from its knobs and checkpoint: the tower as a UniPC denoise
 engine (``dit``) and the Wan2.2 VAE (``vae``: ``encode`` an i2v/v2v request's conditioning
-pixels to normalised latents, ``decode`` the final latents to uint8 frames)."""
+pixels to normalised latents, ``decode`` the final latents to uint8 frames) and, on a
+sound-capable checkpoint, the AVAE decoder (``sound``, float32; ``mstar.model.cosmos3.sound``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from mstar.engine.base import Engine, StatelessEngine
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.denoise import Cosmos3DenoiseEngine
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
+from mstar.model.cosmos3.sound import sound_engine
 from mstar.model.cosmos3.transformer import Cosmos3Transformer
 from mstar.model.wan22.vae import WanVAE, frames_uint8
 
@@ -32,6 +34,9 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
         dtype = getattr(torch, knobs.vae_dtype)
         vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy, seed=knobs.seed + 1)
         engines["vae"] = vae_engine(vae, knobs, device, dtype)
+    if "sound" in nodes and ckpt.has_sound():  # without it no request takes a sound walk
+        tokenizer = ckpt.load_sound_tokenizer(device=device, dtype=torch.float32, dummy=dummy, seed=knobs.seed + 2)
+        engines["sound"] = sound_engine(tokenizer, device)
     return engines
 
 

@@ -7,6 +7,10 @@ Text comes first at positions ``0 .. L - 1`` on all three axes. Media starts
 ``c`` (``reset_spatial_ids``; otherwise shifted by the offset too). With fps modulation (and more
 than one latent frame) the time axis is scaled to the training rate: ``offset + f * (base_fps /
 fps)`` (both rates per latent frame), positions as float32.
+
+Sound latents start at the same time offset as the video (the two are aligned in time): latent
+``f`` at ``offset + f * base_fps / sound_latent_fps`` under fps modulation (``offset + f``
+without), row and column 0.
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ def video_positions(config: Cosmos3Config, grid: tuple[int, int, int], offset: i
         return torch.stack([time, rows.float(), cols.float()])
     time = (torch.arange(t) + offset).view(-1, 1).expand(t, h * w).flatten()
     return torch.stack([time, rows, cols])
+
+
+def sound_positions(config: Cosmos3Config, length: int, offset: int) -> torch.Tensor:
+    """``[3, length]`` positions of a request's sound latents, starting at time ``offset``."""
+    zeros = torch.zeros(length, dtype=torch.long) + (0 if config.unified_3d_mrope_reset_spatial_ids else offset)
+    if config.enable_fps_modulation and length > 1:
+        time = torch.arange(length, dtype=torch.float32) / config.sound_latent_fps * config.base_fps + offset
+        return torch.stack([time, zeros.float(), zeros.float()])
+    return torch.stack([torch.arange(length) + offset, zeros, zeros])
 
 
 def patch_grid(config: Cosmos3Config, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:

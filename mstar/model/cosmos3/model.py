@@ -20,8 +20,14 @@ A file in a video request conditions the clip: an image (image-to-video, the ``i
 the first frame, a video (video-to-video, the ``v2v`` walks) gives the first
 ``condition_latent_frames`` latent frames (2 by default: its first 5 frames). The frontend
 prepares the pixels (``mstar.model.cosmos3.conditioning``), the VAE's ``encode`` turns them into
-``cond_latents`` before the denoise Loop, and the tower keeps those frames clean. Sound,
-actions, the reasoner and windowed rollouts come later (issue 30).
+``cond_latents`` before the denoise Loop, and the tower keeps those frames clean.
+
+Sound (``enable_sound``, opt-in as the pipeline's ``enable_sound``; a 400 naming it on a
+checkpoint without ``sound_tokenizer/`` and a ``sound_gen`` tower, or a distilled one): the
+``*_sound`` walks carry ``sound_latents [sound_dim, T]`` (noise drawn after the video's from the
+same seed) through the denoise Loop beside the video and then through the ``sound`` node (the
+AVAE decoder), emitted as ``audio`` (``mstar.model.cosmos3.sound``); the video routes mux it
+into the mp4 as AAC. Actions, the reasoner and windowed rollouts come later (issue 30).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.conditioning import condition_length, image_pixels, video_pixels
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
 from mstar.model.cosmos3.sampler import draws
+from mstar.model.cosmos3.sound import SoundLayout, SoundVideoStream
 from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
 from mstar.model.knobs import RequestKnobs
@@ -69,6 +76,14 @@ class VideoKnobs(RequestKnobs):
     fps: int = Field(24, ge=1, le=240)  # in the prompt's metadata and the rotary time axis
     conditioning_resize: Literal["cover", "stretch"] | None = None  # i2v; None: the deployment's
     condition_latent_frames: int = Field(2, ge=1)  # v2v: leading latent frames taken from the clip
+    enable_sound: bool = False  # a soundtrack with the clip (the pipeline's enable_sound)
+
+
+def noises(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    """Standard-normal tensors of ``shapes`` drawn one after another from one CPU generator
+    seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(tuple(shape), generator=generator) for shape in shapes]
 
 
 def check_size(width: int, height: int, field: str | None = None) -> None:
@@ -89,33 +104,45 @@ class Cosmos3(ModelSpec):
     knobs: Cosmos3Knobs
     distilled_sigmas: list[float] | None = None  # the checkpoint's fixed schedule (load_frontend reads it)
     video_needs_image = False  # a request must bring a conditioning image or clip (the i2v distillation)
+    sound: SoundLayout | None = None  # the checkpoint's sound pathway (load_frontend reads it)
+    video_soundtrack: tuple[int, int] | None = None  # (rate, channels) of the audio the routes mux
 
     def graph(self) -> Graph:
-        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents"),
-                   outputs=("latents",), ops=("step",))
+        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents",
+                                             "sound_latents"),
+                   outputs=("latents", "sound_latents"), ops=("step",))
         vae = Node("vae", "stateless", inputs=("latents", "cond_pixels"), outputs=("frames", "image", "cond_latents"),
                    ops=("encode", "decode", "decode_image"))
+        sound = Node("sound", "stateless", inputs=("sound_latents",), outputs=("waveform",), ops=("decode",))
         walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
                  for extra in ("", "_guided", "_fixed")]
-        return Graph.build([dit, vae], walks)
+        walks += [self._walk(mode, extra, sound=True) for mode in ("t2v", "i2v", "v2v") for extra in ("", "_guided")]
+        return Graph.build([dit, vae, sound], walks)
 
-    def _walk(self, mode: str, kind: str) -> Walk:
+    def _walk(self, mode: str, kind: str, sound: bool = False) -> Walk:
         """``mode``: t2v, t2i (one image out), i2v or v2v (the VAE encodes the request's
         ``cond_pixels`` first). ``kind``: "" (no guidance), "_guided" (the negative prompt too)
         or "_fixed" (the distilled checkpoints' fixed-sigma sampler, which reads the request's
-        step noise)."""
+        step noise). ``sound``: the ``sound_latents`` denoise beside the video and are decoded
+        to its soundtrack (walk ``<mode><kind>_sound``)."""
         extra = {"": (), "_guided": ("negative_ids",), "_fixed": ("step_noise",)}[kind]
         conditioned = mode in ("i2v", "v2v")
-        reads = ("latents", "prompt_ids", *extra, *(("cond_latents",) if conditioned else ()))
-        decode = (Step("vae", "decode_image", reads="latents", writes="image", emit=Emit("image", "image"))
+        audio = ("sound_latents",) if sound else ()
+        reads = ("latents", "prompt_ids", *extra, *audio, *(("cond_latents",) if conditioned else ()))
+        decode = [Step("vae", "decode_image", reads="latents", writes="image", emit=Emit("image", "image"))
                   if mode == "t2i" else
-                  Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video")))
-        denoise = Loop(Step("dit", "step", reads=reads, writes="latents"), max_iters="num_steps", progress=True)
+                  Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video"))]
+        if sound:
+            decode.append(Step("sound", "decode", reads="sound_latents", writes="waveform",
+                               emit=Emit("waveform", "audio")))
+        denoise = Loop(Step("dit", "step", reads=reads, writes=("latents", *audio)), max_iters="num_steps",
+                       progress=True)
+        name = mode + kind + ("_sound" if sound else "")
         if not conditioned:
-            return Walk(mode + kind, Sequential(denoise, decode), inputs=reads)
+            return Walk(name, Sequential(denoise, *decode), inputs=reads)
         encode = Step("vae", "encode", reads="cond_pixels", writes="cond_latents")
         inputs = (*reads[:-1], "cond_pixels")
-        return Walk(mode + kind, Sequential(encode, denoise, decode), inputs=inputs)
+        return Walk(name, Sequential(encode, denoise, *decode), inputs=inputs)
 
     # -------------------------------------------------------------- frontend
     def checkpoint(self) -> Cosmos3Checkpoint:
@@ -127,6 +154,9 @@ class Cosmos3(ModelSpec):
         self.prompt = ckpt.prompt()
         self.latent_channels = ckpt.transformer_config().latent_channel
         self.distilled_sigmas = ckpt.distilled_sigmas()
+        if ckpt.has_sound():
+            self.sound = SoundLayout.of(ckpt.sound_tokenizer_config(), int(ckpt.transformer_config().sound_dim))
+            self.video_soundtrack = (self.sound.sampling_rate, self.sound.channels)
 
     def _steps_and_scale(self, steps: int | None, scale: float | None) -> tuple[int, float]:
         if self.distilled_sigmas is not None:  # the schedule is the checkpoint's, guidance baked in
@@ -147,10 +177,11 @@ class Cosmos3(ModelSpec):
 
     def _request(self, prompt: str, negative: str, *, width: int, height: int, num_frames: int, fps: float,
                  steps: int, scale: float, seed: int | None, params: dict, image: bool,
-                 condition: tuple[str, torch.Tensor] | None = None) -> WalkRequest:
+                 condition: tuple[str, torch.Tensor] | None = None, sound: bool = False) -> WalkRequest:
         """``image``: an image request (the ``t2i`` walks, one encoded image out); otherwise a
         video (``t2v``: raw frames, one frame for ``num_frames`` 1). ``condition``: ("i2v" or
-        "v2v", the conditioning pixels ``[3, F, H, W]``)."""
+        "v2v", the conditioning pixels ``[3, F, H, W]``). ``sound``: a soundtrack too (the
+        ``*_sound`` walks; the checks are the caller's)."""
         meta = dict(num_frames=num_frames, height=height, width=width, fps=fps)
         ids = self.prompt.ids(prompt, **meta)
         shape = (1, self.latent_channels, (num_frames - 1) // FRAME_STEP + 1, height // SIZE_MULTIPLE,
@@ -163,6 +194,11 @@ class Cosmos3(ModelSpec):
             inputs = {"prompt_ids": ids, "latents": _NOISE.submit(lambda: noise.result()[0].contiguous()),
                       "step_noise": _NOISE.submit(lambda: noise.result()[1:].contiguous())}
             kind = "_fixed"
+        elif sound and self.sound is not None:  # the pipeline's draws: the video's noise, then the sound's
+            noise = _NOISE.submit(noises, [shape[1:], self.sound.latent_shape(num_frames, fps)], seed)
+            inputs = {"prompt_ids": ids, "latents": _NOISE.submit(lambda: noise.result()[0]),
+                      "sound_latents": _NOISE.submit(lambda: noise.result()[1])}
+            params["audio_samples"] = self.sound.samples(num_frames, fps)
         else:
             inputs = {"prompt_ids": ids,
                       "latents": FlowMatchEuler.initial_noise_soon(shape, seed, finish=lambda n: n[0])}
@@ -173,14 +209,22 @@ class Cosmos3(ModelSpec):
         mode = "t2i" if image else "t2v"
         if condition is not None:
             mode, inputs["cond_pixels"] = condition
-        return WalkRequest(mode + kind, inputs, params, prompt_tokens=len(ids))
+        walk = mode + kind + ("_sound" if "sound_latents" in inputs else "")
+        return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))
 
     def check_video(self, spec: GenerateSpec) -> tuple[VideoKnobs, int, float, tuple[str, torch.Tensor] | None]:
         """The request's checks, each a ``RequestError`` naming the field, before queueing; the
         last item is the conditioning (mode and pixels) of an i2v or v2v request."""
-        if set(spec.output_modalities) != {"video"}:
-            raise RequestError("output_modalities", f"model {self.key!r} outputs a video or an image")
+        if set(spec.output_modalities) not in ({"video"}, {"video", "audio"}):
+            raise RequestError("output_modalities", f"model {self.key!r} outputs a video (with audio when "
+                                                    "enable_sound is set) or an image")
         knobs = VideoKnobs.parse(spec.model_kwargs)
+        if knobs.enable_sound and self.sound is None:
+            raise RequestError("enable_sound", f"model {self.key!r}: this checkpoint has no sound pathway "
+                                               "(no sound_tokenizer/ or a tower without sound_gen)")
+        if knobs.enable_sound and self.distilled_sigmas is not None:
+            raise RequestError("enable_sound", f"model {self.key!r}: sound is served on the UniPC sampler only, "
+                                               "not the distilled fixed-sigma one")
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
         if len(spec.files) > 1:
@@ -253,7 +297,7 @@ class Cosmos3(ModelSpec):
         knobs, steps, scale, condition = self.check_video(spec)
         return self._request(spec.text, knobs.negative_prompt, width=knobs.width, height=knobs.height,
                              num_frames=knobs.num_frames, fps=float(knobs.fps), steps=steps, scale=scale,
-                             seed=knobs.seed, params={}, image=False, condition=condition)
+                             seed=knobs.seed, params={}, image=False, condition=condition, sound=knobs.enable_sound)
 
     def prepare_image(self, spec: ImageSpec, index: int = 0) -> WalkRequest:
         if not spec.prompt.strip():
@@ -279,6 +323,8 @@ class Cosmos3(ModelSpec):
     def output_stream(self, request: WalkRequest, stop: list[str]):
         if request.walk.startswith("t2i"):
             return ImageStream.for_request(request)
+        if request.walk.endswith("_sound"):
+            return SoundVideoStream(request.params["audio_samples"])
         return VideoFrames()
 
     # ---------------------------------------------------------------- worker

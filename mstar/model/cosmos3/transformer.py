@@ -12,6 +12,11 @@ runs once (``encode_text``) and leaves, per layer, the keys and values the media
 (``TextKV``); each step then runs only the media tokens (``forward``), several requests'
 tokens in one pass (the projections and MLPs over the packed rows, attention per request).
 The maths is diffusers' ``Cosmos3OmniTransformer.forward`` with the text half hoisted out.
+
+Sound (``sound_gen`` towers): a request's sound latents ``[sound_dim, T]`` join its media rows
+after the video patches, one token a latent frame (``audio_proj_in``, plus
+``audio_modality_embed`` and the time embedding: every sound frame is noisy), and leave through
+``audio_proj_out``; ``predict`` gives both velocities.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import MRotaryEmbedding, rotate
 from mstar.model.cosmos3.config import Cosmos3Config
 
-__all__ = ["Cosmos3Transformer", "MediaItem", "TextKV"]
+__all__ = ["Cosmos3Transformer", "MediaItem", "Prediction", "TextKV"]
 
 
 class NemotronRMSNorm(RMSNorm):
@@ -204,6 +209,17 @@ class MediaItem:
     noisy: list[int]
     positions: torch.Tensor
     text: TextKV
+    sound: torch.Tensor | None = None  # sound latents [sound_dim, T] (all noisy), after the video rows
+    sound_positions: torch.Tensor | None = None  # their rotary positions [3, T]
+
+
+@dataclass
+class Prediction:
+    """One item's velocities: ``video [C, T, H, W]`` and, for an item with sound, ``sound
+    [sound_dim, T]``."""
+
+    video: torch.Tensor
+    sound: torch.Tensor | None = None
 
 
 class Cosmos3Transformer(nn.Module):
@@ -264,8 +280,13 @@ class Cosmos3Transformer(nn.Module):
         return x.reshape(c, frames, hp * p, wp * p)[:, :, :height, :width]
 
     def forward(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        """One denoise step of several requests: each item's velocity ``[C, T, H, W]`` (float32
-        maths where the model's dtype is; zeros on clean frames)."""
+        """One denoise step of several requests: each item's video velocity ``[C, T, H, W]``
+        (``predict`` gives the sound velocity too)."""
+        return [p.video for p in self.predict(items)]
+
+    def predict(self, items: list[MediaItem]) -> list[Prediction]:
+        """One denoise step of several requests: each item's velocities (float32 maths where the
+        model's dtype is; zeros on clean frames)."""
         p = self.config.latent_patch_size
         tokens, masks, cos, sin, shapes = [], [], [], [], []
         embeds = self.time_embedder(torch.tensor([float(i.timestep) for i in items], device=self.proj_in.weight.device)
@@ -277,8 +298,15 @@ class Cosmos3Transformer(nn.Module):
             noisy = torch.zeros(t, dtype=torch.bool, device=x.device)
             noisy[list(item.noisy)] = True
             x = x + embed * noisy.repeat_interleave(per_frame)[:, None].to(x.dtype)
+            positions = item.positions.to(x.device)
+            if item.sound is not None:
+                if item.sound_positions is None:
+                    raise ValueError("a media item with sound needs its sound_positions")
+                sound = self.audio_proj_in(item.sound.to(self.dtype).T) + self.audio_modality_embed + embed
+                x = torch.cat([x, sound])
+                positions = torch.cat([positions, item.sound_positions.to(x.device)], dim=1)
             tokens.append(x)
-            c_, s_ = self.rope.cos_sin(item.positions.to(x.device), x.dtype)
+            c_, s_ = self.rope.cos_sin(positions, x.dtype)
             cos.append(c_)
             sin.append(s_)
             shapes.append((t, h, w, per_frame))
@@ -287,11 +315,12 @@ class Cosmos3Transformer(nn.Module):
         for index, layer in enumerate(self.layers):
             segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
-        x = self.proj_out(self.norm_moe_gen(x))
+        x = self.norm_moe_gen(x)
         out, start = [], 0
-        for (t, h, w, per_frame), noisy in zip(shapes, masks):
-            rows = x[start:start + t * per_frame]
-            start += t * per_frame
-            v = self.unpatchify(rows, t, h, w)
-            out.append(v * noisy[None, :, None, None].to(v.dtype))
+        for (t, h, w, per_frame), noisy, item, tok in zip(shapes, masks, items, tokens):
+            rows = x[start:start + len(tok)]
+            start += len(tok)
+            v = self.unpatchify(self.proj_out(rows[:t * per_frame]), t, h, w)
+            sound = self.audio_proj_out(rows[t * per_frame:]).T if item.sound is not None else None
+            out.append(Prediction(v * noisy[None, :, None, None].to(v.dtype), sound))
         return out
