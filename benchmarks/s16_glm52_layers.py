@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=4096, help="cached tokens of each decoding row")
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill rows")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--parts", default="moe,attention", help="which layers to time (moe, attention)")
     add_run_args(parser)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -175,7 +176,8 @@ def paged_meta(lengths: list[int], new: list[int], page_size: int, device: torch
     table = torch.tensor([p + [0] * (width - len(p)) for p in pages])
     meta = PagedAttentionMetadata(positions=torch.tensor(positions, device=device),
                                   slot_mapping=torch.tensor(slots, device=device),
-                                  query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(lengths),
+                                  query_start_loc=torch.tensor(starts, device=device),
+                                  seq_lens=torch.tensor(lengths, device=device),
                                   page_table=table.to(device), page_size=page_size,
                                   host_query_start_loc=tuple(starts), host_seq_lens=tuple(lengths))
     return meta, first
@@ -267,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     tflops = measure_matmul_tflops(device, dtype)
     errors: dict[str, str] = {}
     metrics: list[Metric] = []
+    parts = set(args.parts.split(","))
     for part, rows in (("moe", moe_rows), ("attention", attention_rows)):
+        if part not in parts:
+            continue
         try:
             metrics += rows(args, device, dtype, bandwidth, tflops)
         except Exception as err:  # one part failing still records the other
