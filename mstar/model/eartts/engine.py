@@ -1,0 +1,217 @@
+"""The talker's per-frame step over many sessions: one text token in, one frame of RVQ codes
+and that frame's PCM out, in the same step.
+
+Each session owns two streams on the paged KV pool (its conditional and unconditional CFG
+contexts, sequences ``<id>:c`` and ``<id>:u``), one slot of the codec-state pool (its causal
+decoder's state, ``CodecDecoder.state_shapes``), its previous frame's codes and a
+``torch.Generator`` seeded by the request: a frame's sampling noise is drawn from it before
+the step, so a session's speech does not depend on which sessions share its steps.
+
+A session's first step prefills its speaker/text warm-up (``Warmup``: the prompt codes, the
+speaker latent and the warm-up text) together with its first token, as one chunk per stream;
+the other sessions of that step decode one token per stream, all in one packed batch. Codes
+at or past ``codebook_size`` (the warm-up's pad code) are decoded as the silence frame.
+
+The API the duplex graph drives (``nemotron_duplex``'s ``eartts_talker`` node):
+``open(session, warmup, seed)``, ``step({session: text_token})`` -> ``{session: Frame}``,
+``close(session)`` -> the decoder's last samples, with ``pages_used`` / ``slots_used`` for
+the pools' accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.engine.page_pool import PagePool
+from mstar.engine.state_pool import StatePool
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
+from mstar.model.eartts.checkpoint import EarTTS
+from mstar.model.eartts.codec import CodecState
+from mstar.model.eartts.talker import FrameNoise
+
+
+@dataclass
+class Warmup:
+    """One session's warm-up: ``codes [T, Q]`` (the text prompt's silence and the speaker
+    prompt, pad code at the first audio position), ``audio_mask [T]`` (True from the first
+    audio position), ``text_ids``/``text_mask [T]`` and the speaker latent ``[T, H]`` (None:
+    the frozen projection of the prompt codes). Its last code row is the first step's
+    previous frame."""
+
+    codes: torch.Tensor
+    audio_mask: torch.Tensor
+    text_ids: torch.Tensor
+    text_mask: torch.Tensor
+    speaker: torch.Tensor | None = None
+
+
+@dataclass
+class Sampling:
+    guidance: float = 0.5
+    top_p: float | int = 0.8
+    noise_scale: float = 0.8
+
+
+@dataclass
+class Frame:
+    codes: torch.Tensor  # [Q]
+    pcm: torch.Tensor  # this frame's final samples (the first frame's start without the padding)
+
+
+@dataclass
+class _Session:
+    warmup: Warmup | None
+    generator: torch.Generator
+    sampling: Sampling
+    prev: torch.Tensor
+    length: int = 0  # positions per stream in the KV pool
+    slot: int = -1
+
+
+class TalkerEngine:
+    def __init__(self, model: EarTTS, *, max_sessions: int, num_pages: int, page_size: int = 16,
+                 text_eos_id: int | None = None) -> None:
+        self.model = model
+        self.config = model.config.talker
+        param = model.talker.bos_emb
+        self.device, self.dtype = param.device, param.dtype
+        talker = self.config
+        self.pages = PagePool(num_pages, page_size)
+        self.kv = allocate_kv_cache(talker.num_hidden_layers, num_pages, page_size, talker.num_key_value_heads,
+                                    talker.head_dim, self.dtype, self.device)
+        self.slots = StatePool(max_sessions + 1)  # StatePool keeps one slot back (the sink)
+        self.codec_state = [torch.zeros(max_sessions, *shape, device=self.device,
+                                        dtype=torch.float32 if len(shape) == 1 else self.dtype)
+                            for shape in model.codec.state_shapes()]
+        self.text_eos_id = text_eos_id
+        self.sessions: dict[str, _Session] = {}
+
+    # -- sessions --------------------------------------------------------------------------
+    def open(self, session: str, warmup: Warmup, seed: int, sampling: Sampling | None = None) -> None:
+        if session in self.sessions:
+            raise ValueError(f"session {session!r} is already open")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        slot = self.slots.allocate(session)
+        for tensor in self.codec_state:
+            tensor[slot].zero_()
+        self.sessions[session] = _Session(warmup, generator, sampling or Sampling(), warmup.codes[-1].clone(),
+                                          slot=slot)
+
+    def close(self, session: str) -> torch.Tensor:
+        """Free the session's pages and codec slot; its decoder's last samples."""
+        state = self.sessions.pop(session)
+        tail = self.model.codec.flush(self._codec_rows([state.slot]))[0]
+        self.slots.free(session)
+        for stream in self._streams(session):
+            if self.pages.has(stream):
+                self.pages.free(stream)
+        return tail
+
+    @property
+    def pages_used(self) -> int:
+        return self.pages.num_used_pages
+
+    @property
+    def slots_used(self) -> int:
+        return self.slots.num_used
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, tokens: dict[str, int], noise: dict[str, FrameNoise] | None = None) -> dict[str, Frame]:
+        """Advance each session of ``tokens`` by one frame (sessions in order of the dict).
+        ``noise``: a session's sampling noise given instead of drawn (a parity test's)."""
+        order = list(tokens)
+        sessions = [self.sessions[s] for s in order]
+        given = noise or {}
+        noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
+                                  for sid, s in zip(order, sessions, strict=True)])
+        embeds, counts = [], []
+        for sid, state in zip(order, sessions, strict=True):
+            for uncond in (False, True):
+                chunk = self._inputs(state, tokens[sid], uncond)
+                embeds.append(chunk)
+                counts.append(chunk.shape[0])
+        meta = self._reserve(order, sessions, counts)
+        hidden = self.model.talker.hidden(torch.cat(embeds), meta, self.kv)
+        last = torch.tensor(meta.query_starts[1:], device=self.device) - 1
+        pairs = hidden.index_select(0, last).view(len(order), 2, -1)
+        codes = self._sample(sessions, pairs, noise)
+        pcm, lead = self._decode(sessions, codes)
+        frames = {}
+        for b, (sid, state) in enumerate(zip(order, sessions, strict=True)):
+            state.prev, state.warmup = codes[b], None
+            frames[sid] = Frame(codes[b], pcm[b, int(lead[b]):])
+        return frames
+
+    def _inputs(self, state: _Session, token: int, uncond: bool) -> torch.Tensor:
+        talker, dev = self.model.talker, self.device
+        prev = state.prev
+        if self.text_eos_id is not None and token == self.text_eos_id:
+            prev = self.model.silence_codes  # the reference forces a silent frame before EOS
+        ids = torch.tensor([token], device=dev)
+        audio = talker.code_embeds(prev[None].to(dev))
+        text = talker.text(ids, torch.ones(1, dtype=torch.bool, device=dev))
+        if state.warmup is not None:
+            w = state.warmup
+            audio = torch.cat([talker.warmup_code_embeds(w.codes.to(dev), w.audio_mask.to(dev),
+                                                         None if w.speaker is None else w.speaker.to(dev)), audio])
+            text = torch.cat([talker.text(w.text_ids.to(dev), w.text_mask.to(dev)), text])
+        flags = torch.full((audio.shape[0],), uncond, dtype=torch.bool, device=dev)
+        return talker.fuse(audio.to(self.dtype), text.to(self.dtype), flags)
+
+    def _reserve(self, order: list[str], sessions: list[_Session], counts: list[int]) -> PagedAttentionMetadata:
+        positions, slots, tables, lens = [], [], [], []
+        for i, (sid, state) in enumerate(zip(order, sessions, strict=True)):
+            start, new = state.length, counts[2 * i]
+            for stream in self._streams(sid):
+                self.pages.reserve(stream, start + new)
+                positions.extend(range(start, start + new))
+                slots.extend(self.pages.slots(stream, start, start + new))
+                tables.append(self.pages.page_table(stream))
+                lens.append(start + new)
+            state.length = start + new
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        return PagedAttentionMetadata(
+            positions=torch.tensor(positions, device=dev), slot_mapping=torch.tensor(slots, device=dev),
+            query_start_loc=torch.tensor(starts, device=dev), seq_lens=torch.tensor(lens, device=dev),
+            page_table=table.to(dev), page_size=self.pages.page_size,
+            host_query_start_loc=tuple(starts), host_seq_lens=tuple(lens))
+
+    def _sample(self, sessions: list[_Session], pairs: torch.Tensor, noise: FrameNoise) -> torch.Tensor:
+        groups: dict[tuple, list[int]] = {}
+        for b, state in enumerate(sessions):
+            s = state.sampling
+            groups.setdefault((s.guidance, s.top_p, s.noise_scale), []).append(b)
+        codes = torch.empty(len(sessions), self.config.num_quantizers, dtype=torch.long, device=self.device)
+        for (guidance, top_p, noise_scale), rows in groups.items():
+            index = torch.tensor(rows, device=self.device)
+            chosen = FrameNoise(noise.gumbel[:, index], noise.gauss[:, index])
+            codes[index] = self.model.talker.sample_codes(
+                pairs[index, 0], pairs[index, 1], chosen, guidance=guidance, top_p=top_p, noise_scale=noise_scale)
+        return codes
+
+    def _decode(self, sessions: list[_Session], codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        silence = self.model.silence_codes.to(codes.device)
+        codes = torch.where(codes >= self.config.codebook_size, silence[None], codes)
+        rows = [s.slot for s in sessions]
+        state = self._codec_rows(rows)
+        pcm, lead, state = self.model.codec.step(codes[:, None], state)
+        index = torch.tensor(rows, device=self.device)
+        for pool, tensor in zip(self.codec_state, state.tensors(), strict=True):
+            pool.index_copy_(0, index, tensor.to(pool.dtype))
+        return pcm, lead
+
+    def _codec_rows(self, rows: list[int]) -> CodecState:
+        index = torch.tensor(rows, device=self.device)
+        return CodecState.from_tensors([pool.index_select(0, index) for pool in self.codec_state])
+
+    @staticmethod
+    def _streams(session: str) -> tuple[str, str]:
+        return f"{session}:c", f"{session}:u"
