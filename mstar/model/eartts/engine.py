@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.page_pool import PagePool
+from mstar.engine.page_pool import OutOfPages, PagePool
 from mstar.engine.state_pool import StatePool
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
 from mstar.model.eartts.checkpoint import EarTTS
@@ -45,6 +45,30 @@ class Warmup:
     text_ids: torch.Tensor
     text_mask: torch.Tensor
     speaker: torch.Tensor | None = None
+
+    @classmethod
+    def for_speaker(cls, speaker: torch.Tensor, silence: torch.Tensor, *, prompt_frames: int, text_pad_id: int,
+                    text_eos_id: int, codebook_size: int) -> Warmup:
+        """The reference's warm-up for a cached speaker (``DuplexEARTTS.set_init_inputs`` with a
+        ``speaker_name``, no system prompt): text ``[eos, pad, ..., pad, eos]`` over one text
+        frame and ``prompt_frames`` prompt frames (3 s: 37), shifted left by one, its last
+        three unmasked; the codes are the codec's encoding of silence (every frame the
+        ``silence`` frame), the pad code at the first position and at the first audio
+        position (the last two are audio); the final position is dropped, its code (the pad)
+        being the first step's previous frame. ``speaker``: the cached latent ``[T, H]``."""
+        total = 1 + prompt_frames
+        text = torch.full((total,), text_pad_id, dtype=torch.long)
+        text[0] = text[-1] = text_eos_id
+        ids = torch.cat([text[1:], torch.zeros(1, dtype=torch.long)])
+        audio_mask = torch.zeros(total, dtype=torch.bool)
+        audio_mask[-2:] = True
+        text_mask = torch.zeros(total, dtype=torch.bool)
+        text_mask[-3:] = True
+        codes = silence.long()[None].repeat(total, 1)
+        codes[0] = codes[total - 2] = codebook_size
+        if speaker.dim() == 3:
+            speaker = speaker[0]
+        return cls(codes[:-1], audio_mask[:-1], ids[:-1], text_mask[:-1], speaker[: total - 1])
 
 
 @dataclass
@@ -124,16 +148,16 @@ class TalkerEngine:
         ``noise``: a session's sampling noise given instead of drawn (a parity test's)."""
         order = list(tokens)
         sessions = [self.sessions[s] for s in order]
-        given = noise or {}
-        noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
-                                  for sid, s in zip(order, sessions, strict=True)])
         embeds, counts = [], []
         for sid, state in zip(order, sessions, strict=True):
             for uncond in (False, True):
                 chunk = self._inputs(state, tokens[sid], uncond)
                 embeds.append(chunk)
                 counts.append(chunk.shape[0])
-        meta = self._reserve(order, sessions, counts)
+        meta = self._reserve(order, sessions, counts)  # refused (OutOfPages) before anything moves
+        given = noise or {}
+        noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
+                                  for sid, s in zip(order, sessions, strict=True)])
         hidden = self.model.talker.hidden(torch.cat(embeds), meta, self.kv)
         last = torch.tensor(meta.query_starts[1:], device=self.device) - 1
         pairs = hidden.index_select(0, last).view(len(order), 2, -1)
@@ -162,6 +186,11 @@ class TalkerEngine:
         return talker.fuse(audio.to(self.dtype), text.to(self.dtype), flags)
 
     def _reserve(self, order: list[str], sessions: list[_Session], counts: list[int]) -> PagedAttentionMetadata:
+        missing = sum(self.pages.pages_missing(stream, state.length + counts[2 * i])
+                      for i, (sid, state) in enumerate(zip(order, sessions, strict=True))
+                      for stream in self._streams(sid))
+        if missing > self.pages.num_free_pages:  # refused before any session's streams grow
+            raise OutOfPages(f"talker KV: the step needs {missing} more pages, {self.pages.num_free_pages} free")
         positions, slots, tables, lens = [], [], [], []
         for i, (sid, state) in enumerate(zip(order, sessions, strict=True)):
             start, new = state.length, counts[2 * i]

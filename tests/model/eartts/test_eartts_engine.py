@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.engine.page_pool import OutOfPages
 from mstar.model.eartts.engine import Sampling, TalkerEngine, Warmup
 from tests.model.eartts.eartts_fixture import built, reference
 
@@ -99,3 +100,27 @@ def test_open_refuses_past_the_pool(model):
         engine.open("b", _warmup(model, 2), seed=2)
     with pytest.raises(ValueError, match="already open"):
         engine.open("a", _warmup(model, 1), seed=1)
+
+
+def test_speaker_warmup_layout(model):
+    """The reference's 3 s speaker warm-up: 37 positions (the first step makes 38), text
+    ``eos, pad...`` shifted, audio from the second-to-last frame, pad codes where it puts them."""
+    q, cb = model.config.talker.num_quantizers, model.config.talker.codebook_size
+    silence = torch.arange(q) % cb
+    latent = torch.randn(1, 37, model.config.talker.hidden_size)
+    w = Warmup.for_speaker(latent, silence, prompt_frames=37, text_pad_id=7, text_eos_id=9, codebook_size=cb)
+    assert w.codes.shape == (37, q) and w.speaker.shape == (37, model.config.talker.hidden_size)
+    assert w.text_ids.tolist() == [7] * 36 + [9]
+    assert w.audio_mask.nonzero().flatten().tolist() == [36] and w.text_mask.nonzero().flatten().tolist() == [35, 36]
+    assert (w.codes[0] == cb).all() and (w.codes[36] == cb).all() and torch.equal(w.codes[1], silence)
+    engine = TalkerEngine(model, max_sessions=1, num_pages=16, page_size=4)
+    engine.open("x", w, seed=0)
+    with pytest.raises(OutOfPages):  # 2 x 10 pages: refused whole, nothing reserved
+        engine.step({"x": 3})
+    assert engine.pages_used == 0 and engine.sessions["x"].length == 0
+    engine.close("x")
+    engine = TalkerEngine(model, max_sessions=1, num_pages=20, page_size=4)
+    engine.open("x", w, seed=0)
+    frame = engine.step({"x": 3})["x"]
+    assert frame.codes.shape == (q,) and engine.sessions["x"].length == 38
+    assert frame.pcm.shape[0] == model.config.codec.wav_to_token_ratio - model.config.codec.overlap // 2
