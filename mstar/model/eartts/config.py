@@ -92,7 +92,7 @@ class TalkerConfig:
     # Inference defaults (DuplexEARTTS._get_generation_config).
     num_iter: int = 8
     guidance_scale: float = 0.5
-    top_p: float = 0.8
+    top_p: float | int = 0.8
     noise_scale: float = 0.8
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -160,7 +160,7 @@ class TalkerConfig:
             "use_gated_fusion": bool(tts.get("use_gated_fusion_for_text_audio", False)),
             "use_audio_prompt_projection": bool(tts.get("use_audio_prompt_frozen_projection", False)),
             "guidance_scale": float(model.get("inference_guidance_scale", 0.5)),
-            "top_p": float(model.get("inference_top_p_or_k", 0.8)),
+            "top_p": model.get("inference_top_p_or_k", 0.8),  # a float: top-p; an int: top-k
             "noise_scale": float(model.get("inference_noise_scale", 0.8)),
         }
         if backbone.get("attn_logit_softcapping") is not None:

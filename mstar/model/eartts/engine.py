@@ -120,7 +120,9 @@ class TalkerEngine:
         slot = self.slots.allocate(session)
         for tensor in self.codec_state:
             tensor[slot].zero_()
-        self.sessions[session] = _Session(warmup, generator, sampling or Sampling(), warmup.codes[-1].clone(),
+        cfg = self.config
+        sampling = sampling or Sampling(cfg.guidance_scale, cfg.top_p, cfg.noise_scale)
+        self.sessions[session] = _Session(warmup, generator, sampling, warmup.codes[-1].clone(),
                                           slot=slot)
 
     def close(self, session: str) -> torch.Tensor:
