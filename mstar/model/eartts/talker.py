@@ -16,7 +16,8 @@ is ``cond + g * (cond - uncond)`` inside the MoG head. Sampling noise comes in a
 
 The text embedding of a token is taken from a table (``TextTable``): the released model
 computes it with a character-aware encoder (a T5-Gemma encoder over the token's characters,
-plus continuation and BOS/EOS flags), a function of the token id alone, which is precomputed.
+plus continuation and BOS/EOS flags), a function of the token id alone, run once at load
+time (``text_encoder.py``).
 """
 
 from __future__ import annotations
@@ -257,6 +258,10 @@ class TextTable(nn.Module):
         # Not in the checkpoint (which holds the character-aware encoder): set by the loader.
         self.register_buffer("on", torch.zeros(vocab, hidden), persistent=False)
         self.register_buffer("off", torch.zeros(vocab, hidden), persistent=False)
+
+    def replace(self, on: torch.Tensor, off: torch.Tensor) -> None:
+        device, dtype = self.on.device, self.on.dtype
+        self.on, self.off = on.to(device, dtype), off.to(device, dtype)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not bool(mask.any()):  # the reference skips the text encoder when nothing is unmasked

@@ -31,6 +31,7 @@ from torch import nn
 
 HERE = Path(__file__).parent
 OUT = HERE / "fixtures" / "eartts_reference.pt"
+TEXT_OUT = HERE / "fixtures" / "eartts_text_reference.pt"
 
 TTS_CONFIG = {
     "use_gated_fusion_for_text_audio": True,
@@ -105,7 +106,7 @@ def _randomize(module: nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def main() -> None:
+def main():
     src = Path(os.environ.get("NEMO_SRC", "/tmp/eartts-src")) / "nemo/collections/speechlm2/modules"
     import transformers  # before the stubs: it probes for librosa
     from omegaconf import DictConfig
@@ -209,7 +210,51 @@ def main() -> None:
         "codec": {"codes": all_codes, "pcm": pcm[:, 0]},
     }, OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes); codes {codes.tolist()}")
+    return tts
+
+
+CAS_CONFIG = {"backbone_type": "t5gemma", "backbone_config": {
+    "is_encoder_decoder": False,
+    "encoder": {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 16, "use_cache": False}}}
+# A made-up tokenizer: single characters (the character vocabulary), words, a token with no
+# known character ("x?"), BOS/EOS.
+TOKENS = ["<s>", "</s>", "<pad>", "a", "b", "c", "d", "e", "\u2581", "\u2581a", "\u2581ab", "bc", "cde", "\u2581dead",
+          "ea", "\u00e9", "x?", "\u2581bead", "ab", "<unk>"]
+
+
+class _Tokenizer:
+    """The attributes of NeMo's ``AutoTokenizer`` the text encoder reads."""
+
+    def __init__(self) -> None:
+        self.vocab = {tok: i for i, tok in enumerate(TOKENS)}
+        self.tokenizer = types.SimpleNamespace(vocab=self.vocab, get_vocab=lambda: dict(self.vocab))
+        self.vocab_size = len(TOKENS)
+        self.bos_token, self.eos_token = "<s>", "</s>"
+
+    def ids_to_tokens(self, i: int) -> str:
+        return TOKENS[i]
+
+
+def record_text_encoder(tts) -> None:
+    """The character-aware subword encoder over every token (all spoken), and with a mask."""
+    from omegaconf import DictConfig
+
+    torch.manual_seed(5)
+    cas = tts.CharAwareSubwordEncoder(out_size=64, tokenizer=_Tokenizer(), vocab_dir=None, backbone_type="t5gemma",
+                                      backbone_config=DictConfig(CAS_CONFIG["backbone_config"]),
+                                      use_subword_flag_emb=True, use_bos_eos_emb=True).eval()
+    _randomize(cas, 6)
+    ids = torch.arange(len(TOKENS))[None]
+    mask = (torch.arange(len(TOKENS)) % 3 != 0)[None]
+    with torch.no_grad():
+        spoken = cas(ids, torch.ones_like(mask))[0]
+        masked = cas(ids, mask)[0]
+    torch.save({"cas_config": CAS_CONFIG, "tokens": TOKENS, "mask": mask[0], "spoken": spoken, "masked": masked,
+                "state": {"tts_model.tts_model.embed_subword." + k: v for k, v in cas.state_dict().items()}},
+               TEXT_OUT)
+    print(f"wrote {TEXT_OUT} ({TEXT_OUT.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":
-    main()
+    record_text_encoder(main())
