@@ -152,10 +152,11 @@ class TalkerEngine:
         sessions = [self.sessions[s] for s in order]
         embeds, counts = [], []
         for sid, state in zip(order, sessions, strict=True):
-            for uncond in (False, True):
-                chunk = self._inputs(state, tokens[sid], uncond)
-                embeds.append(chunk)
-                counts.append(chunk.shape[0])
+            audio, text = self._inputs(state, tokens[sid])
+            for uncond in (False, True):  # the CFG pair: same audio, the second with null text
+                flags = torch.full((audio.shape[0],), uncond, dtype=torch.bool, device=self.device)
+                embeds.append(self.model.talker.fuse(audio, text, flags))
+                counts.append(audio.shape[0])
         meta = self._reserve(order, sessions, counts)  # refused (OutOfPages) before anything moves
         given = noise or {}
         noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
@@ -171,7 +172,9 @@ class TalkerEngine:
             frames[sid] = Frame(codes[b], pcm[b, int(lead[b]):])
         return frames
 
-    def _inputs(self, state: _Session, token: int, uncond: bool) -> torch.Tensor:
+    def _inputs(self, state: _Session, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A session's audio and text embeddings for this step (its warm-up first, on its
+        first step)."""
         talker, dev = self.model.talker, self.device
         prev = state.prev
         if self.text_eos_id is not None and token == self.text_eos_id:
@@ -184,8 +187,7 @@ class TalkerEngine:
             audio = torch.cat([talker.warmup_code_embeds(w.codes.to(dev), w.audio_mask.to(dev),
                                                          None if w.speaker is None else w.speaker.to(dev)), audio])
             text = torch.cat([talker.text(w.text_ids.to(dev), w.text_mask.to(dev)), text])
-        flags = torch.full((audio.shape[0],), uncond, dtype=torch.bool, device=dev)
-        return talker.fuse(audio.to(self.dtype), text.to(self.dtype), flags)
+        return audio.to(self.dtype), text.to(self.dtype)
 
     def _reserve(self, order: list[str], sessions: list[_Session], counts: list[int]) -> PagedAttentionMetadata:
         missing = sum(self.pages.pages_missing(stream, state.length + counts[2 * i])
@@ -242,6 +244,12 @@ class TalkerEngine:
     def _codec_rows(self, rows: list[int]) -> CodecState:
         index = torch.tensor(rows, device=self.device)
         return CodecState.from_tensors([pool.index_select(0, index) for pool in self.codec_state])
+
+    @staticmethod
+    def kv_pages_per_session(max_frames: int, warmup: int, page_size: int) -> int:
+        """KV pages a session holds at most: two streams of ``warmup + max_frames``
+        positions (the released sizes: 37 + 2000 frames of 160 s in pages of 128 -> 32)."""
+        return 2 * -(-(warmup + max_frames) // page_size)
 
     @staticmethod
     def _streams(session: str) -> tuple[str, str]:

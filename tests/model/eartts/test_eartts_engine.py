@@ -124,3 +124,21 @@ def test_speaker_warmup_layout(model):
     frame = engine.step({"x": 3})["x"]
     assert frame.codes.shape == (q,) and engine.sessions["x"].length == 38
     assert frame.pcm.shape[0] == model.config.codec.wav_to_token_ratio - model.config.codec.overlap // 2
+
+
+@torch.no_grad()
+def test_text_eos_speaks_from_the_silence_frame(model):
+    """With ``text_eos_id``, an EOS token's step takes the silence frame as previous codes."""
+    eos = 3
+    forced = TalkerEngine(model, max_sessions=1, num_pages=8, page_size=4, text_eos_id=eos)
+    plain = TalkerEngine(model, max_sessions=1, num_pages=8, page_size=4)
+    for engine in (forced, plain):
+        engine.open("x", _warmup(model, 1), seed=1)
+        engine.step({"x": 5})
+    plain.sessions["x"].prev = model.silence_codes.clone()
+    a, b = forced.step({"x": eos})["x"], plain.step({"x": eos})["x"]
+    assert torch.equal(a.codes, b.codes)
+
+
+def test_kv_pages_per_session_at_released_sizes():
+    assert TalkerEngine.kv_pages_per_session(max_frames=2000, warmup=37, page_size=128) == 32
