@@ -96,7 +96,9 @@ class _Session:
 
 class TalkerEngine:
     def __init__(self, model: EarTTS, *, max_sessions: int, num_pages: int, page_size: int = 16,
-                 text_eos_id: int | None = None) -> None:
+                 text_eos_id: int | None = None, kv_head_dim: int | None = None) -> None:
+        """``kv_head_dim``: the KV pool's head dim when a kernel needs a wider one than the
+        talker's 72 (q/k/v are zero-padded to it, which is exact)."""
         self.model = model
         self.config = model.config.talker
         param = model.talker.bos_emb
@@ -104,7 +106,7 @@ class TalkerEngine:
         talker = self.config
         self.pages = PagePool(num_pages, page_size)
         self.kv = allocate_kv_cache(talker.num_hidden_layers, num_pages, page_size, talker.num_key_value_heads,
-                                    talker.head_dim, self.dtype, self.device)
+                                    max(talker.head_dim, kv_head_dim or 0), self.dtype, self.device)
         self.slots = StatePool(max_sessions + 1)  # StatePool keeps one slot back (the sink)
         self.codec_state = [torch.zeros(max_sessions, *shape, device=self.device,
                                         dtype=torch.float32 if len(shape) == 1 else self.dtype)

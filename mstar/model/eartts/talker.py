@@ -92,7 +92,11 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
         q, k = _rope(q, meta.positions, self.theta), _rope(k, meta.positions, self.theta)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        width = kv_cache.shape[-1]
+        if width > self.head_dim:  # a pool padded to a kernel's head dim (FlashInfer: 64/128/256)
+            pad = (0, width - self.head_dim)  # zero lanes add nothing to q.k nor to the output
+            q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)[..., : self.head_dim]
         return self.o_proj(out.reshape(tokens, -1))
 
 

@@ -142,3 +142,17 @@ def test_text_eos_speaks_from_the_silence_frame(model):
 
 def test_kv_pages_per_session_at_released_sizes():
     assert TalkerEngine.kv_pages_per_session(max_frames=2000, warmup=37, page_size=128) == 32
+
+
+@torch.no_grad()
+def test_padded_head_dim_is_exact(model):
+    """A KV pool wider than the head dim (FlashInfer's 128 for the talker's 72; here 32 for
+    18) gives the same frames."""
+    runs = []
+    for width in (None, 32):
+        engine = TalkerEngine(model, max_sessions=1, num_pages=8, page_size=4, kv_head_dim=width)
+        engine.open("x", _warmup(model, 1), seed=1)
+        runs.append([engine.step({"x": t})["x"] for t in (1, 2, 3)])
+    for plain, padded in zip(*runs, strict=True):
+        assert torch.equal(plain.codes, padded.codes)
+        torch.testing.assert_close(plain.pcm, padded.pcm, atol=1e-5, rtol=0)
