@@ -124,7 +124,8 @@ class CodecDecoder(nn.Module):
     def flush(self, state: CodecState) -> torch.Tensor:
         """A stream's last samples ``[B, (n_fft - hop) // 2]``, once it has no more frames."""
         half = self.config.overlap // 2
-        return state.ola[:, :half] / state.env[:, :half]
+        env = state.env[:, :half]
+        return torch.where(env > 0, state.ola[:, :half] / env.clamp(min=1e-11), 0.0)  # 0: nothing decoded
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The whole decode of ``codes [B, T, Q]``: ``[B, T * ratio]``."""

@@ -130,7 +130,10 @@ class TalkerEngine:
     def close(self, session: str) -> torch.Tensor:
         """Free the session's pages and codec slot; its decoder's last samples."""
         state = self.sessions.pop(session)
-        tail = self.model.codec.flush(self._codec_rows([state.slot]))[0]
+        if state.warmup is not None:  # never stepped: no audio
+            tail = torch.zeros(0, device=self.device)
+        else:
+            tail = self.model.codec.flush(self._codec_rows([state.slot]))[0]
         self.slots.free(session)
         for stream in self._streams(session):
             if self.pages.has(stream):
@@ -150,6 +153,8 @@ class TalkerEngine:
     def step(self, tokens: dict[str, int], noise: dict[str, FrameNoise] | None = None) -> dict[str, Frame]:
         """Advance each session of ``tokens`` by one frame (sessions in order of the dict).
         ``noise``: a session's sampling noise given instead of drawn (a parity test's)."""
+        if not tokens:
+            return {}
         order = list(tokens)
         sessions = [self.sessions[s] for s in order]
         embeds, counts = [], []

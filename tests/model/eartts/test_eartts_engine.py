@@ -95,6 +95,8 @@ def test_released_slot_is_fresh_for_the_next_session(model):
 
 def test_open_refuses_past_the_pool(model):
     engine = TalkerEngine(model, max_sessions=1, num_pages=8, page_size=4)
+    engine.open("never", _warmup(model, 1), seed=1)
+    assert engine.close("never").numel() == 0 and engine.step({}) == {}  # a call that said nothing
     engine.open("a", _warmup(model, 1), seed=1)
     with pytest.raises(Exception, match="slot"):
         engine.open("b", _warmup(model, 2), seed=2)
