@@ -9,9 +9,10 @@ EOS too before ``min_frames``), the code predictor fills the frame inside the sa
 the frame's embedding sum plus the next text row is the next input. A step writes its frame
 (``codes [1, Q]``) for the codec, silent at EOS.
 
-The code predictor samples each request's codes with its own generator (seeded from the
-request's seed and the frame), so a request's frames do not depend on what it is batched
-with; a request with ``temperature`` 0 takes the greedy codes.
+The code predictor draws every row's codes at once on the device (``sampling.draw``: top 50
+at temperature 0.9 by the exponential race on counter-based noise keyed by the request's
+seed, the frame and the codebook), so a request's frames do not depend on what it is batched
+with and the step reads nothing back; a request with ``temperature`` 0 takes the greedy codes.
 
 **Codec** (``codec_fn``): each window's frames after its left context, the conv stack over the
 new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch. An
@@ -22,7 +23,7 @@ watermark marks each request's audio with its own stream (``CodecEngine``).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,37 +31,42 @@ from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
+from mstar.layers.paged_kv import to_device
 from mstar.model.audio_watermark import AudioSealGenerator, AudioWatermarkKnobs, WatermarkStream
 from mstar.model.qwen3_omni.engine import TalkerForward
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.prompt import talker_prompt
+from mstar.model.qwen3_tts.sampling import draw, request_key
 from mstar.model.qwen3_tts.speech import suppressed_codes
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
 
 MIN_FRAMES = 2  # the reference's ``min_new_tokens``
-SUBTALKER = {"temperature": 0.9, "top_k": 50}  # the reference's code-predictor sampling
 
 
 @dataclass
 class TalkerState:
     frames: int = 0  # frames drawn so far: the next text row's index
-    codes: torch.Tensor | None = None  # [1, Q]: the last step's frame
+    codes: torch.Tensor | None = None  # [1, Q]: the last step's frame (a row of a host copy)
     greedy: bool = False
-    seed: int = 0
-    generator: torch.Generator | None = field(default=None, repr=False)
+    key: int = 0  # the code predictor's noise stream (``sampling.request_key`` of the seed)
 
 
-def sample_codes(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One code from ``logits [vocab]`` as the reference's subtalker samples: the top 50 at
-    temperature 0.9."""
-    top = logits.float().topk(min(SUBTALKER["top_k"], logits.shape[-1]))
-    probs = torch.softmax(top.values / SUBTALKER["temperature"], dim=-1)
-    pick = torch.multinomial(probs.cpu(), 1, generator=generator)
-    return top.indices[pick.to(top.indices.device)]
+def codes_to_host(codes: torch.Tensor) -> torch.Tensor:
+    """A host copy of a step's ``codes [B, Q]``, started without waiting for the device (the
+    engine's read of the step's ids, queued after it, waits for both)."""
+    if codes.device.type != "cuda":
+        return codes
+    host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+    return host.copy_(codes, non_blocking=True)
 
 
 class TalkerRules(TokenRules):
+    """Codebook 0 with the engine's sampler (suppressed ids and early EOS masked), then the
+    frame's other codes from the code predictor, every row at once on the device
+    (``sampling.draw``). EOS rows run the predictor too (their frame is dropped): which rows
+    spoke is not read back before the step ends."""
+
     extra_outputs = True
 
     def __init__(self, forward: TalkerForward) -> None:
@@ -72,8 +78,8 @@ class TalkerRules(TokenRules):
     def start(self, params: dict) -> TalkerState:
         sampling = params.get("sampling") or {}
         seed = sampling.get("seed")
-        return TalkerState(greedy=float(sampling.get("temperature", 1.0)) == 0.0,
-                           seed=int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item()))
+        seed = int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item())
+        return TalkerState(greedy=float(sampling.get("temperature", 1.0)) == 0.0, key=request_key(seed))
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
         logits = logits.index_fill(1, self.suppressed.to(logits.device), float("-inf"))
@@ -81,35 +87,23 @@ class TalkerRules(TokenRules):
         if early:
             logits[torch.tensor(early, device=logits.device), self.eos] = float("-inf")
         code0 = sample(logits, seqs)
-        speaking = [row for row, token in enumerate(code0.tolist()) if token != self.eos]
-        if speaking:
-            rows = torch.tensor(speaking, device=code0.device)
-            states = [seqs[row].state for row in speaking]
-
-            def sampler(group_logits: torch.Tensor, group: int) -> torch.Tensor:
-                picks = []
-                for j, state in enumerate(states):
-                    if state.greedy:
-                        picks.append(group_logits[j].argmax()[None])
-                    else:
-                        if state.generator is None or group == 1:  # one stream per frame
-                            state.generator = torch.Generator().manual_seed(state.seed * 100003 + state.frames)
-                        picks.append(sample_codes(group_logits[j], state.generator))
-                return torch.cat(picks)
-
-            frame = self.forward.model.predict_frame(self.forward.last_hidden.index_select(0, rows),
-                                                     code0.index_select(0, rows), sampler)
-            for j, row in enumerate(speaking):
-                seq = seqs[row]
-                state: TalkerState = seq.state
-                state.codes = frame.codes[j:j + 1].cpu()
-                prompt = self.forward.prompts[seq.request_id]
-                self.forward.next_input[seq.request_id] = frame.embeds[j] + prompt.text_row(state.frames)
-                state.frames += 1
+        states: list[TalkerState] = [seq.state for seq in seqs]
+        rows = to_device(torch.tensor([[s.key for s in states], [s.frames for s in states],
+                                       [s.greedy for s in states]], dtype=torch.int64), code0.device)
+        keys, frames, greedy = rows[0], rows[1], rows[2].bool()
+        frame = self.forward.model.predict_frame(self.forward.last_hidden, code0,
+                                                 lambda scores, group: draw(scores, keys, frames, group, greedy))
+        host = codes_to_host(frame.codes)
+        prompts = [self.forward.prompts[seq.request_id] for seq in seqs]
+        following = frame.embeds + torch.stack([p.text_row(s.frames) for p, s in zip(prompts, states)])
+        for j, (seq, state) in enumerate(zip(seqs, states)):
+            state.codes = host[j:j + 1]
+            self.forward.next_input[seq.request_id] = following[j]
+            state.frames += 1
         return code0
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
-        return {} if token == self.eos else {"codes": seq.state.codes}
+        return {} if token == self.eos else {"codes": seq.state.codes.clone()}
 
 
 class TalkerEngine(Engine):

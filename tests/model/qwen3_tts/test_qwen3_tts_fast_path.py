@@ -1,0 +1,129 @@
+"""Qwen3-TTS's talker fast path on the CPU: the code predictor's on-device sampling (the
+counter-based noise draws the top-50 distribution at temperature 0.9; a row's draw does not
+depend on its batch), and the talker engine: 8 seeded requests stepped together equal each
+request stepped alone, code for code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.engine.base import EngineItem
+from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
+from mstar.model.qwen3_tts.engine import talker_engine
+from mstar.model.qwen3_tts.prompt import assistant_text
+from mstar.model.qwen3_tts.sampling import draw, mix32, request_key, uniforms
+from tests.support.qwen3_tts_dir import write_checkpoint
+
+
+def test_mix32_is_lowbias32() -> None:
+    """The hash on ints and on int64 tensors equals a plain 32-bit reference implementation."""
+    def reference(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    values = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
+    assert [mix32(v) for v in values] == [reference(v) for v in values]
+    assert mix32(torch.tensor(values)).tolist() == [reference(v) for v in values]
+    assert request_key(-1) == request_key(2**64 - 1) and request_key(1) != request_key(2)
+
+
+def test_uniforms_are_uniform_and_keyed() -> None:
+    keys = torch.full((4000,), request_key(7))
+    frames = torch.arange(4000)
+    u = uniforms(keys, frames, 3, 16)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    # another group, frame or key gives other numbers; the same ones give the same
+    assert not torch.equal(u, uniforms(keys, frames, 4, 16))
+    assert not torch.equal(u, uniforms(keys + 1, frames, 3, 16))
+    assert torch.equal(u[10:20], uniforms(keys[10:20], frames[10:20], 3, 16))
+
+
+def test_draw_follows_the_top_k_distribution() -> None:
+    """One logits row drawn at 40 000 counters: codes outside the top 50 never come, and the
+    counts of the others pass a chi-square test against softmax(top-50 / 0.9)."""
+    torch.manual_seed(0)
+    vocab, n = 64, 40_000
+    row = torch.randn(vocab) * 1.5
+    logits = row.expand(n, vocab)
+    keys = torch.full((n,), request_key(11))
+    codes = draw(logits, keys, torch.arange(n), 2, torch.zeros(n, dtype=torch.bool))
+    top = row.topk(50).indices
+    assert torch.isin(codes, top).all()
+    probs = torch.softmax(row[top] / 0.9, dim=-1).double()
+    counts = torch.bincount(codes, minlength=vocab)[top].double()
+    expected = probs * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    # 49 degrees of freedom: the 99.9th percentile is about 85.4
+    assert chi2 < 85.4, chi2
+    # greedy rows take the argmax; a row's draw is the same alone
+    greedy = torch.tensor([True, False, True])
+    picked = draw(logits[:3], keys[:3], torch.arange(3), 2, greedy)
+    assert picked[0] == picked[2] == row.argmax() and picked[1] == codes[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = write_checkpoint(tmp_path_factory.mktemp("qwen3_tts_fast"))
+    ckpt = Qwen3TTSCheckpoint.locate(str(root), dummy=True)
+    talker = ckpt.talker("cpu", torch.float32, dummy=True, seed=0)
+    tokenizer = ckpt.tokenizer()
+    return ckpt, talker, tokenizer
+
+
+def make_engine(tiny, **knobs):
+    ckpt, talker, _ = tiny
+    return talker_engine(talker, ckpt.config(), num_pages=64, page_size=16, max_seq_len=256,
+                         device=torch.device("cpu"), dtype=torch.float32, **knobs)
+
+
+TEXTS = ["Hello there.", "A second line.", "Three", "Four words go here.", "Five!", "Six and more.",
+         "Seven, a longer sentence than the rest.", "Eight"]
+
+
+def request(tiny, i: int, frames: int = 8) -> EngineItem:
+    ckpt, talker, tokenizer = tiny
+    ids = tokenizer(assistant_text(TEXTS[i]), add_special_tokens=False)["input_ids"]
+    sampling = {"seed": 100 + i} if i % 4 else {"seed": 5, "temperature": 0.0}  # two greedy
+    params = {"sampling": sampling, "max_new_tokens": frames, "stop_token_ids": [talker.config.codec_eos_token_id],
+              "language": "auto", "speaker": "vivian" if i % 2 else "ryan", "non_streaming": i % 3 == 0}
+    return EngineItem(f"r{i}", "prefill", 0, {"prompt_ids": torch.tensor(ids)}, params)
+
+
+def run_together(engine, items: list[EngineItem]) -> dict[str, list[torch.Tensor]]:
+    """Step the requests together (each joining at its own step) until every one stops; each
+    request's frames ``[1, Q]`` in order."""
+    frames: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in items}
+    pending = list(items)
+    running: dict[str, EngineItem] = {}
+    step = 0
+    while pending or running:
+        batch = list(running.values()) + pending[:1 + step % 2]  # requests join on later steps
+        pending = pending[1 + step % 2:]
+        running = {}
+        for item, out in zip(batch, engine.run(batch)):
+            if "codes" in out.outputs:
+                frames[item.request_id].append(out.outputs["codes"])
+            if "stop" in out.flags:
+                engine.release(item.request_id)
+            else:
+                running[item.request_id] = EngineItem(item.request_id, "decode", item.iteration + 1,
+                                                      {"token": out.outputs["token"]}, item.params)
+        step += 1
+    return frames
+
+
+def test_concurrent_seeded_requests_equal_their_solo_codes(tiny) -> None:
+    items = [request(tiny, i) for i in range(8)]
+    together = run_together(make_engine(tiny), items)
+    for item in items:
+        alone = run_together(make_engine(tiny), [item])[item.request_id]
+        assert len(alone) >= 2 and len(together[item.request_id]) == len(alone)
+        assert torch.equal(torch.cat(together[item.request_id]), torch.cat(alone)), item.request_id
+    # seeded sampling varies the codes from request to request (not all greedy-equal)
+    firsts = {tuple(frames[0].reshape(-1).tolist()) for frames in together.values()}
+    assert len(firsts) > 2
