@@ -23,33 +23,35 @@ watermark marks each request's audio with its own stream (``CodecEngine``).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
 from mstar.layers.paged_kv import to_device
 from mstar.model.audio_watermark import AudioSealGenerator, AudioWatermarkKnobs, WatermarkStream
-from mstar.model.qwen3_omni.engine import TalkerForward
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.prompt import talker_prompt
-from mstar.model.qwen3_tts.sampling import draw, request_key
+from mstar.model.qwen3_tts.sampling import request_key
 from mstar.model.qwen3_tts.speech import suppressed_codes
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
+from mstar.model.qwen3_tts.talker_step import FramePredictor, TalkerStepForward
 
 MIN_FRAMES = 2  # the reference's ``min_new_tokens``
 
 
 @dataclass
 class TalkerState:
-    frames: int = 0  # frames drawn so far: the next text row's index
-    codes: torch.Tensor | None = None  # [1, Q]: the last step's frame (a row of a host copy)
     greedy: bool = False
     key: int = 0  # the code predictor's noise stream (``sampling.request_key`` of the seed)
+    # [1, Q] host rows of the frames chosen and not yet written, oldest first (a step launched
+    # ahead adds the next one before this step's is written)
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 def codes_to_host(codes: torch.Tensor) -> torch.Tensor:
@@ -64,13 +66,15 @@ def codes_to_host(codes: torch.Tensor) -> torch.Tensor:
 class TalkerRules(TokenRules):
     """Codebook 0 with the engine's sampler (suppressed ids and early EOS masked), then the
     frame's other codes from the code predictor, every row at once on the device
-    (``sampling.draw``). EOS rows run the predictor too (their frame is dropped): which rows
-    spoke is not read back before the step ends."""
+    (``FramePredictor``). EOS rows run the predictor too (their frame is dropped): which rows
+    spoke is not read back before the step ends. A row's frame index is its sequence's
+    generated count plus ``lead``, so a step launched ahead needs nothing from the host."""
 
     extra_outputs = True
 
-    def __init__(self, forward: TalkerForward) -> None:
+    def __init__(self, forward: TalkerStepForward, frames: FramePredictor) -> None:
         self.forward = forward
+        self.frames = frames
         talker: Qwen3TTSTalker = forward.model
         self.eos = talker.config.codec_eos_token_id
         self.suppressed = torch.tensor(suppressed_codes(talker), dtype=torch.int64)
@@ -82,28 +86,29 @@ class TalkerRules(TokenRules):
         return TalkerState(greedy=float(sampling.get("temperature", 1.0)) == 0.0, key=request_key(seed))
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
+        indexes = [seq.generated + lead for seq in seqs]  # each row's frame: its text row's index
         logits = logits.index_fill(1, self.suppressed.to(logits.device), float("-inf"))
-        early = [row for row, seq in enumerate(seqs) if seq.state.frames < MIN_FRAMES]
+        early = [row for row, frame in enumerate(indexes) if frame < MIN_FRAMES]
         if early:
             logits[torch.tensor(early, device=logits.device), self.eos] = float("-inf")
         code0 = sample(logits, seqs)
         states: list[TalkerState] = [seq.state for seq in seqs]
-        rows = to_device(torch.tensor([[s.key for s in states], [s.frames for s in states],
-                                       [s.greedy for s in states]], dtype=torch.int64), code0.device)
-        keys, frames, greedy = rows[0], rows[1], rows[2].bool()
-        frame = self.forward.model.predict_frame(self.forward.last_hidden, code0,
-                                                 lambda scores, group: draw(scores, keys, frames, group, greedy))
+        rows = to_device(torch.tensor([[s.key for s in states], indexes, [s.greedy for s in states]],
+                                      dtype=torch.int64), code0.device)
+        frame = self.frames(self.forward.last_hidden, code0, rows[0], rows[1], rows[2])
         host = codes_to_host(frame.codes)
         prompts = [self.forward.prompts[seq.request_id] for seq in seqs]
-        following = frame.embeds + torch.stack([p.text_row(s.frames) for p, s in zip(prompts, states)])
-        for j, (seq, state) in enumerate(zip(seqs, states)):
-            state.codes = host[j:j + 1]
-            self.forward.next_input[seq.request_id] = following[j]
-            state.frames += 1
+        following = frame.embeds + torch.stack([p.text_row(f) for p, f in zip(prompts, indexes)])
+        self.forward.write([self.forward.row(seq.request_id, len(seq.tokens) + lead) for seq in seqs], following)
+        for j, state in enumerate(states):
+            if lead == 0:  # frames left from a discarded step launched ahead go
+                state.pending.clear()
+            state.pending.append(host[j:j + 1])
         return code0
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
-        return {} if token == self.eos else {"codes": seq.state.codes.clone()}
+        codes = seq.state.pending.pop(0)
+        return {} if token == self.eos else {"codes": codes.clone()}
 
 
 class TalkerEngine(Engine):
@@ -113,7 +118,7 @@ class TalkerEngine(Engine):
 
     def __init__(self, engine: AutoregressiveEngine, config: Qwen3TTSConfig) -> None:
         self.engine = engine
-        self.forward: TalkerForward = engine.forward
+        self.forward: TalkerStepForward = engine.forward
         self.config = config
         self.placeholder = config.talker.codec_pad_id  # the id the prompt's rows stand under
 
@@ -214,9 +219,24 @@ class CodecEngine(StatelessEngine):
 
 
 def talker_engine(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, *, num_pages: int, page_size: int,
-                  max_seq_len: int, device: torch.device, dtype: torch.dtype) -> TalkerEngine:
-    forward = TalkerForward(talker)
+                  max_seq_len: int, device: torch.device, dtype: torch.dtype, max_requests: int = 64,
+                  attention_backend: str = "torch", cuda_graphs: bool = False, overlap_scheduling: bool = False,
+                  graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> TalkerEngine:
+    """The talker node's engine. ``max_requests``: requests held at once. ``cuda_graphs``: a
+    decode step's talker layers replay the engine's decode graphs and the code predictor's
+    frame its own (``FramePredictor``), per batch bucket of ``graph_batch_sizes``, all
+    captured now on CUDA (with the Triton attention kernels, whatever ``attention_backend``
+    says); off CUDA the bucketed path runs eagerly. ``overlap_scheduling``: the next decode
+    step is launched before this one's codes are read back."""
+    backend = "triton" if cuda_graphs and device.type == "cuda" else attention_backend
+    forward = TalkerStepForward(talker, max_requests)
+    frames = FramePredictor(talker, backend=backend, cuda_graphs=cuda_graphs, batch_sizes=graph_batch_sizes)
     engine = AutoregressiveEngine(talker, KVLayout(*talker.cache_shape()), num_pages=num_pages, page_size=page_size,
                                   max_seq_len=max_seq_len, device=device, dtype=dtype, forward=forward,
-                                  rules=TalkerRules(forward))
+                                  rules=TalkerRules(forward, frames), attention_backend=backend,
+                                  cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes,
+                                  overlap_scheduling=overlap_scheduling)
+    if engine.graphs is not None:
+        engine.graphs.capture_all()
+        frames.capture_all()
     return TalkerEngine(engine, config)

@@ -7,11 +7,16 @@ from pydantic import Field, field_validator
 
 from mstar.model.audio_watermark import AudioWatermarkKnobs
 from mstar.model.decoding import SamplingKnobs
-from mstar.model.knobs import Knobs
+from mstar.model.knobs import CudaGraphs, OverlapScheduling
 from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 
-class Qwen3TTSKnobs(Knobs):
+class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling):
+    """The talker's fast path is opt-in: ``cuda_graphs`` (CUDA) replays a decode step's talker
+    layers and its code predictor's frame (15 passes and their sampling) from graphs per batch
+    bucket, with the Triton attention kernels; ``overlap_scheduling`` launches decode step k+1
+    before step k's codes are read back. Eager is the reference; both give its codes."""
+
     max_new_frames: int = Field(2048, ge=2)
     """Codec frames (12.5 a second) a request may speak when it does not send ``max_tokens``."""
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.config import parse_config
 from mstar.engine.base import EngineItem
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
 from mstar.model.qwen3_tts.engine import talker_engine
 from mstar.model.qwen3_tts.prompt import assistant_text
 from mstar.model.qwen3_tts.sampling import draw, mix32, request_key, uniforms
+from mstar.model.registry import model_class
 from tests.support.qwen3_tts_dir import write_checkpoint
 
 
@@ -117,9 +119,15 @@ def run_together(engine, items: list[EngineItem]) -> dict[str, list[torch.Tensor
     return frames
 
 
-def test_concurrent_seeded_requests_equal_their_solo_codes(tiny) -> None:
+@pytest.fixture(scope="module")
+def eager(tiny) -> dict[str, list[torch.Tensor]]:
+    """The eager engine's frames of the 8 requests stepped together."""
+    return run_together(make_engine(tiny), [request(tiny, i) for i in range(8)])
+
+
+def test_concurrent_seeded_requests_equal_their_solo_codes(tiny, eager) -> None:
     items = [request(tiny, i) for i in range(8)]
-    together = run_together(make_engine(tiny), items)
+    together = eager
     for item in items:
         alone = run_together(make_engine(tiny), [item])[item.request_id]
         assert len(alone) >= 2 and len(together[item.request_id]) == len(alone)
@@ -127,3 +135,49 @@ def test_concurrent_seeded_requests_equal_their_solo_codes(tiny) -> None:
     # seeded sampling varies the codes from request to request (not all greedy-equal)
     firsts = {tuple(frames[0].reshape(-1).tolist()) for frames in together.values()}
     assert len(firsts) > 2
+
+
+FAST = [{"cuda_graphs": True}, {"overlap_scheduling": True}, {"cuda_graphs": True, "overlap_scheduling": True}]
+
+
+@pytest.mark.parametrize("knobs", FAST, ids=["graphs", "overlap", "graphs+overlap"])
+def test_fast_path_equals_eager(tiny, eager, knobs) -> None:
+    """Graphs (on the CPU: the same buckets, padding and static buffers, run eagerly) and
+    overlap scheduling give the eager engine's codes for 8 seeded requests stepped together."""
+    items = [request(tiny, i) for i in range(8)]
+    engine = make_engine(tiny, graph_batch_sizes=(1, 2, 4, 8), **knobs)
+    fast = run_together(engine, items)
+    for item in items:
+        assert torch.equal(torch.cat(fast[item.request_id]), torch.cat(eager[item.request_id])), item.request_id
+    if knobs.get("cuda_graphs"):
+        assert engine.engine.graphs is not None and engine.engine.rules.frames.graphs is not None
+    assert engine.stats()["talker_input_slots_used"] == 0  # every slot freed at release
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: graphs captured and replayed")
+def test_cuda_graphs_equal_eager_on_cuda(tiny) -> None:
+    """On a GPU the captured talker step and frame graphs give the eager step's codes."""
+    ckpt, talker, tokenizer = tiny
+    cuda = talker.to("cuda")
+    items = [request(tiny, i) for i in range(8)]
+    runs = []
+    for knobs in ({}, {"cuda_graphs": True, "overlap_scheduling": True}):
+        engine = talker_engine(cuda, ckpt.config(), num_pages=64, page_size=16, max_seq_len=256,
+                               device=torch.device("cuda"), dtype=torch.float32, attention_backend="triton",
+                               graph_batch_sizes=(1, 2, 4, 8), **knobs)
+        runs.append(run_together(engine, items))
+    talker.to("cpu")
+    for item in items:
+        assert torch.equal(torch.cat(runs[1][item.request_id]), torch.cat(runs[0][item.request_id]))
+
+
+def test_knobs_reach_the_talker_engine(tmp_path) -> None:
+    root = write_checkpoint(tmp_path / "ckpt")
+    base = {"model": "qwen3_tts", "model_path": str(root), "load_format": "dummy", "device": "cpu", "dtype": "float32",
+            "max_seq_len": 256, "node_groups": [{"node_names": ["talker", "codec"], "ranks": [0]}]}
+    spec = model_class("qwen3_tts")(parse_config(base | {"model_kwargs": {"overlap_scheduling": True}}))
+    assert not spec.knobs.cuda_graphs
+    talker = spec.build_engines({"talker"}, torch.device("cpu"))["talker"]
+    assert talker.engine.overlap and talker.engine.graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        model_class("qwen3_tts")(parse_config(base | {"model_kwargs": {"cuda_graphs": True}}))
