@@ -34,11 +34,12 @@ projection; the 15 heads once) over the measured bandwidth, or the step's FLOPs 
 rate, whichever is larger. One step makes one frame (80 ms of audio) for every stream; TTFA's
 floor is the prefill (its code predictor included). The codec is left out of the floor.
 
-``--cuda-graphs`` and ``--overlap`` turn on the family's fast path (``model_kwargs.cuda_graphs``,
-``overlap_scheduling``); ``--profile`` runs one more batch per stream count under
-``torch.profiler`` and records a talker step's host wall time and its device kernel time.
-``--smoke`` runs the same code with the tiny test checkpoint on the CPU (``--cuda-graphs`` is
-ignored there: the knob needs CUDA).
+``--cuda-graphs``, ``--overlap`` and ``--codec-graphs`` turn on the family's fast path
+(``model_kwargs.cuda_graphs``, ``overlap_scheduling``, ``codec_cuda_graphs``); ``--profile``
+runs one more batch per stream count under ``torch.profiler`` and records a talker step's host
+wall time and its device kernel time. ``--smoke`` runs the same code with the tiny test
+checkpoint on the CPU (``--cuda-graphs`` and ``--codec-graphs`` are ignored there: the knobs
+need CUDA).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class Settings:
     seed: int = 0
     cuda_graphs: bool = False
     overlap: bool = False
+    codec_graphs: bool = False
     profile: bool = False
 
     def describe(self) -> dict[str, Any]:
@@ -126,7 +128,8 @@ class Settings:
                 "codec": "tiny test config" if self.smoke else "released decoder (CodecConfig defaults)",
                 "streams": list(self.streams), "frames": self.frames, "warmup_frames": self.warmup_frames,
                 "runs": self.runs, "seed": self.seed, "text": TEXT, "voice": VOICE,
-                "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap, "profile": self.profile,
+                "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
+                "codec_cuda_graphs": self.codec_graphs, "profile": self.profile,
                 "eos": "masked at every frame (each request speaks exactly `frames` frames)"}
 
 
@@ -140,12 +143,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
         device, dtype, streams, frames = "cuda", torch.bfloat16, streams or (1, 8, 32), args.frames or 50
     if frames < 2:
         raise SystemExit("--frames must be at least 2")
-    if args.smoke and args.cuda_graphs:
-        log.warning("--cuda-graphs is ignored on the CPU (model_kwargs.cuda_graphs needs CUDA; the tests run "
-                    "its bucketed path eagerly)")
+    if args.smoke and (args.cuda_graphs or args.codec_graphs):
+        log.warning("--cuda-graphs and --codec-graphs are ignored on the CPU (the knobs need CUDA; the tests "
+                    "run their bucketed paths eagerly)")
     return Settings(smoke=args.smoke, device=device, dtype=dtype, streams=streams, frames=frames,
                     warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed,
-                    cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap, profile=args.profile)
+                    cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
+                    codec_graphs=args.codec_graphs and not args.smoke, profile=args.profile)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -241,7 +245,8 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
             "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8, "page_size": PAGE_SIZE}},
             "model_kwargs": {"max_new_frames": settings.frames, "codec_chunk_schedule": [1, 3, 8, 16],
                              "codec_chunk_frames": 25, "codec_left_context": 72, "seed": settings.seed,
-                             "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap}}
+                             "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
+                             "codec_cuda_graphs": settings.codec_graphs}}
 
 
 class OursRunner:
@@ -433,6 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.cuda_graphs: the talker step and the code predictor's frame from CUDA graphs")
     p.add_argument("--overlap", action="store_true",
                    help="model_kwargs.overlap_scheduling: launch talker step k+1 before step k's codes are read")
+    p.add_argument("--codec-graphs", action="store_true",
+                   help="model_kwargs.codec_cuda_graphs: the codec's windows from CUDA graphs per shape")
     p.add_argument("--profile", action="store_true",
                    help="after each stream count's runs, one more profiled: host vs device ms per talker step")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")

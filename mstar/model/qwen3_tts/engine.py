@@ -23,13 +23,14 @@ watermark marks each request's audio with its own stream (``CodecEngine``).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, ShapeGraphs
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
 from mstar.layers.paged_kv import to_device
@@ -156,16 +157,45 @@ class TalkerEngine(Engine):
         return self.engine.stats()
 
 
+WINDOW_BUCKETS = (1, 2, 4, 8, 16, 32)  # the codec graphs' batch buckets
+MAX_WINDOW_GRAPHS = 64
+
+
+def window_graphs(codec: Qwen3TTSCodec) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``decode_window`` replayed from a CUDA graph per (batch bucket, frames, context): a
+    batch of windows is padded to the next of ``WINDOW_BUCKETS`` with copies of its first
+    (rows never mix), at most ``MAX_WINDOW_GRAPHS`` shapes (the ramp's few window shapes at
+    each bucket), others eagerly. Off CUDA the same padding and static inputs run eagerly."""
+    context_now = [0]  # the window's context: a Python int, part of the graph's key
+    graphs = ShapeGraphs(lambda codes: codec.decode_window(codes, context_now[0]), next(codec.parameters()).device,
+                         max_graphs=MAX_WINDOW_GRAPHS)
+
+    def decode(codes: torch.Tensor, context: int) -> torch.Tensor:
+        batch = codes.shape[0]
+        bucket = next((size for size in WINDOW_BUCKETS if size >= batch), None)
+        if bucket is None:
+            return codec.decode_window(codes, context)
+        if bucket > batch:
+            codes = torch.cat((codes, codes[:1].expand(bucket - batch, -1, -1)))
+        context_now[0] = context
+        return graphs((bucket, codes.shape[-1], context), codes)[:batch]
+
+    return decode
+
+
 def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealGenerator | None = None,
-             marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None):
+             marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None,
+             cuda_graphs: bool = False):
     """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
     context's frames run through the transformer only; windows of one shape batched. An
     in-context clone's first windows take their missing context (up to ``left_context``
     frames) from the end of its clip's frames (``ref_codes``), as the reference decodes the
     clip's frames before the new ones. With a ``watermark``, each request's new audio is then
     marked with its own stream (in ``streams``, made at its first window and dropped after its
-    last), so its windows come out as its whole utterance marked at once, however it was cut."""
+    last), so its windows come out as its whole utterance marked at once, however it was cut.
+    ``cuda_graphs``: windows replay per shape (``window_graphs``)."""
     weight = next(codec.parameters())
+    decode = window_graphs(codec) if cuda_graphs else codec.decode_window
     groups_q = codec.config.num_quantizers
     streams = {} if streams is None else streams
 
@@ -194,7 +224,7 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealG
         for (_, context), indices in groups.items():
             codes = torch.stack([windows[i][0] for i in indices])
             with torch.inference_mode():
-                wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()
+                wav = decode(codes.to(weight.device, torch.int64), context).float().cpu()  # one copy a shape
             for row, i in enumerate(indices):
                 audio = wav[row].clone()
                 results[i] = {"audio": mark(items[i], audio) if watermark is not None else audio}
@@ -207,12 +237,13 @@ class CodecEngine(StatelessEngine):
     """The codec node's engine: ``codec_fn``, and a cancelled request's watermark stream freed."""
 
     def __init__(self, codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
-                 marks: AudioWatermarkKnobs | None = None, *, left_context: int = 72) -> None:
+                 marks: AudioWatermarkKnobs | None = None, *, left_context: int = 72,
+                 cuda_graphs: bool = False) -> None:
         if watermark is not None and codec.samples_per_frame % watermark.cfg.hop:
             raise ValueError(f"model_kwargs.audio_watermark.generator: its hop of {watermark.cfg.hop} samples "
                              f"does not divide the codec's {codec.samples_per_frame} samples a frame")
         self.streams: dict[str, WatermarkStream] = {}
-        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams))
+        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams, cuda_graphs))
 
     def release(self, request_id: str) -> None:
         self.streams.pop(request_id, None)

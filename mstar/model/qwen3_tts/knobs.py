@@ -7,7 +7,7 @@ from pydantic import Field, field_validator
 
 from mstar.model.audio_watermark import AudioWatermarkKnobs
 from mstar.model.decoding import SamplingKnobs
-from mstar.model.knobs import CudaGraphs, OverlapScheduling
+from mstar.model.knobs import CudaGraphs, OverlapScheduling, require_cuda
 from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 
@@ -30,11 +30,20 @@ class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling):
     codec_left_context: int = Field(72, ge=0)
     """Frames already spoken that a window's transformer reads again (its sliding window)."""
 
+    codec_cuda_graphs: bool = False
+    """Replay the codec's windows from CUDA graphs per window shape and batch bucket (CUDA only;
+    separate from ``cuda_graphs``, which is the talker's)."""
+
     default_voice: str | None = None
     """The built-in speaker of a request that names none (unset: the checkpoint's first)."""
 
     audio_watermark: AudioWatermarkKnobs = Field(default_factory=AudioWatermarkKnobs)
     """The opt-in AudioSeal watermark on the codec's audio, each request marked chunk by chunk."""
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.codec_cuda_graphs:
+            require_cuda("codec_cuda_graphs", device)
 
     @field_validator("codec_chunk_schedule")
     @classmethod

@@ -256,7 +256,8 @@ class Qwen3TTS(ModelSpec):
             codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
             marks = self.knobs.audio_watermark
             engines[CODEC] = CodecEngine(codec, marks.build(device, dummy=dummy, seed=seed + 3), marks,
-                                         left_context=self.knobs.codec_left_context)
+                                         left_context=self.knobs.codec_left_context,
+                                         cuda_graphs=self.knobs.codec_cuda_graphs)
         return engines
 
 

@@ -11,10 +11,12 @@ import torch
 from mstar.config import parse_config
 from mstar.engine.base import EngineItem
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
-from mstar.model.qwen3_tts.engine import talker_engine
+from mstar.model.qwen3_tts.codec import stream_windows
+from mstar.model.qwen3_tts.engine import CodecEngine, talker_engine
 from mstar.model.qwen3_tts.prompt import assistant_text
 from mstar.model.qwen3_tts.sampling import draw, mix32, request_key, uniforms
 from mstar.model.registry import model_class
+from mstar.runtime.protocol import ChunkRef
 from tests.support.qwen3_tts_dir import write_checkpoint
 
 
@@ -179,5 +181,47 @@ def test_knobs_reach_the_talker_engine(tmp_path) -> None:
     assert not spec.knobs.cuda_graphs
     talker = spec.build_engines({"talker"}, torch.device("cpu"))["talker"]
     assert talker.engine.overlap and talker.engine.graphs is None
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        model_class("qwen3_tts")(parse_config(base | {"model_kwargs": {"cuda_graphs": True}}))
+    for knob in ("cuda_graphs", "codec_cuda_graphs"):
+        with pytest.raises(ValueError, match=f"model_kwargs.{knob} needs device: cuda"):
+            model_class("qwen3_tts")(parse_config(base | {"model_kwargs": {knob: True}}))
+
+
+def test_codec_window_graphs_equal_eager(tiny) -> None:
+    """The codec's windows through ``window_graphs`` (on the CPU: padded to a batch bucket,
+    over static inputs, eagerly) equal the eager decode of each window, three streams' ramps
+    stepped together (so windows of one shape batch, 3 padded to 4)."""
+    ckpt = tiny[0]
+    codec = ckpt.codec("cpu", torch.float32, dummy=True, seed=1)
+    torch.manual_seed(3)
+    codes = torch.randint(0, 64, (3, 4, 30))
+    streams = [windows(f"c{i}", codes[i]) for i in range(3)]
+    eager, graphs = CodecEngine(codec, left_context=4), CodecEngine(codec, left_context=4, cuda_graphs=True)
+    for step in zip(*streams):
+        step = list(step)
+        want = eager.run(step)
+        got = graphs.run(step)
+        for a, b in zip(got, want):
+            peak = b.outputs["audio"].abs().max()
+            assert a.outputs["audio"].shape == b.outputs["audio"].shape
+            assert (a.outputs["audio"] - b.outputs["audio"]).abs().max() <= 1e-5 * peak
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the codec's window graphs captured")
+def test_codec_window_graphs_equal_eager_on_cuda(tiny) -> None:
+    codec = tiny[0].codec("cuda", torch.float32, dummy=True, seed=1)
+    torch.manual_seed(3)
+    codes = torch.randint(0, 64, (3, 4, 30))
+    streams = [windows(f"c{i}", codes[i]) for i in range(3)]
+    eager, graphs = CodecEngine(codec, left_context=4), CodecEngine(codec, left_context=4, cuda_graphs=True)
+    for step in zip(*streams):
+        for _ in range(2):  # captured, then replayed
+            for a, b in zip(graphs.run(list(step)), eager.run(list(step))):
+                peak = b.outputs["audio"].abs().max()
+                assert (a.outputs["audio"] - b.outputs["audio"]).abs().max() <= 1e-5 * peak
+
+
+def windows(request_id: str, codes: torch.Tensor, ramp=(1, 3, 8, 6), left=4) -> list[EngineItem]:
+    spans = stream_windows(codes.shape[-1], ramp, left)
+    return [EngineItem(request_id, "decode", i, {"codes": codes[:, start - ctx:start + new].T.contiguous()}, {},
+                       chunk=ChunkRef("codes", "codes", [], i, ctx, ctx + new, last=i == len(spans) - 1))
+            for i, (start, ctx, new) in enumerate(spans)]
