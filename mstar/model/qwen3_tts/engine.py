@@ -1,12 +1,13 @@
 """Qwen3-TTS's engines: the talker on the autoregressive engine, the codec as a stateless node
 over the stream's windows.
 
-**Talker** (``TalkerEngine`` around an ``AutoregressiveEngine`` with Qwen3-Omni's
-``TalkerForward``, which runs a prefill's prompt rows and a decode's next input, and
-``TalkerRules``): the prefill builds the request's prompt (``prompt.talker_prompt``) on the
-worker, where the embeddings are; each step draws codebook 0 (the codec's special ids masked,
-EOS too before ``min_frames``), the code predictor fills the frame inside the same step, and
-the frame's embedding sum plus the next text row is the next input. A step writes its frame
+**Talker** (``TalkerEngine`` around an ``AutoregressiveEngine`` with ``TalkerStepForward``
+(``talker_step``: Qwen3-Omni's ``TalkerForward`` with its decode inputs in a device table),
+which runs a prefill's prompt rows and a decode's next input, and ``TalkerRules``): the
+prefill builds the request's prompt (``prompt.talker_prompt``) on the worker, where the
+embeddings are; each step draws codebook 0 (the codec's special ids masked, EOS too before
+``MIN_FRAMES``), the code predictor fills the frame inside the same step, and the frame's
+embedding sum plus the next text row is the next input. A step writes its frame
 (``codes [1, Q]``) for the codec, silent at EOS.
 
 The code predictor draws every row's codes at once on the device (``sampling.draw``: top 50
