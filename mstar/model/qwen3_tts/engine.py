@@ -89,14 +89,16 @@ class TalkerRules(TokenRules):
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
         indexes = [seq.generated + lead for seq in seqs]  # each row's frame: its text row's index
-        logits = logits.index_fill(1, self.suppressed.to(logits.device), float("-inf"))
-        early = [row for row, frame in enumerate(indexes) if frame < MIN_FRAMES]
-        if early:
-            logits[torch.tensor(early, device=logits.device), self.eos] = float("-inf")
-        code0 = sample(logits, seqs)
         states: list[TalkerState] = [seq.state for seq in seqs]
+        # one copy to the device, never waited for: the noise keys, frame indexes, greedy flags
         rows = to_device(torch.tensor([[s.key for s in states], indexes, [s.greedy for s in states]],
-                                      dtype=torch.int64), code0.device)
+                                      dtype=torch.int64), logits.device)
+        if self.suppressed.device != logits.device:
+            self.suppressed = self.suppressed.to(logits.device)
+        logits = logits.index_fill(1, self.suppressed, float("-inf"))
+        if min(indexes) < MIN_FRAMES:  # no EOS before MIN_FRAMES frames
+            logits[:, self.eos] = logits[:, self.eos].masked_fill(rows[1] < MIN_FRAMES, float("-inf"))
+        code0 = sample(logits, seqs)
         frame = self.frames(self.forward.last_hidden, code0, rows[0], rows[1], rows[2])
         host = codes_to_host(frame.codes)
         prompts = [self.forward.prompts[seq.request_id] for seq in seqs]
