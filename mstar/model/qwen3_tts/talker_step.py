@@ -137,7 +137,7 @@ class FramePredictor:
             out = self.graphs.run(batch, {"hidden": hidden, "code0": code0, "keys": keys, "frames": frames,
                                           "greedy": greedy})
             return CodecFrame(out[:, :self.groups].long(), out[:, self.groups:].to(self.dtype))
-        return self._frame(hidden, code0, keys, frames, greedy, plan=None)
+        return self._frame(hidden, code0, keys, frames, greedy, plan=self._plan(batch))
 
     def capture_all(self) -> None:
         if self.graphs is not None:
@@ -145,7 +145,7 @@ class FramePredictor:
 
     def _frame(self, hidden, code0, keys, frames, greedy, plan) -> CodecFrame:
         flags = greedy.bool()
-        metas, caches = plan if plan is not None else (None, None)
+        metas, caches = plan
         return self.talker.code_predictor(hidden, code0, self.talker.embed_codec(code0),
                                           lambda scores, group: draw(scores, keys, frames, group, flags),
                                           metas=metas, caches=caches)
@@ -158,7 +158,9 @@ class FramePredictor:
         return torch.cat((frame.codes.float(), frame.embeds.float()), dim=-1)
 
     def _plan(self, batch: int) -> tuple[list[PagedAttentionMetadata], list[torch.Tensor]]:
-        """A bucket's per-pass metadata and frame cache, made once (before its capture)."""
+        """A batch size's per-pass metadata (with ``backend``, eager or not: the graphs and the
+        eager frames run the same kernels) and frame cache, made once (for a bucket, before its
+        capture). A frame writes every slot it reads, so the cache is reused as it is."""
         plan = self.plans.get(batch)
         if plan is None:
             groups, device = self.groups, self.device
