@@ -34,7 +34,12 @@ projection; the 15 heads once) over the measured bandwidth, or the step's FLOPs 
 rate, whichever is larger. One step makes one frame (80 ms of audio) for every stream; TTFA's
 floor is the prefill (its code predictor included). The codec is left out of the floor.
 
-``--smoke`` runs the same code with the tiny test checkpoint on the CPU.
+``--cuda-graphs``, ``--overlap`` and ``--codec-graphs`` turn on the family's fast path
+(``model_kwargs.cuda_graphs``, ``overlap_scheduling``, ``codec_cuda_graphs``); ``--profile``
+runs one more batch per stream count under ``torch.profiler`` and records a talker step's host
+wall time and its device kernel time. ``--smoke`` runs the same code with the tiny test
+checkpoint on the CPU (``--cuda-graphs`` and ``--codec-graphs`` are ignored there: the knobs
+need CUDA).
 """
 
 from __future__ import annotations
@@ -112,6 +117,10 @@ class Settings:
     warmup_frames: int
     runs: int
     seed: int = 0
+    cuda_graphs: bool = False
+    overlap: bool = False
+    codec_graphs: bool = False
+    profile: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
@@ -119,6 +128,8 @@ class Settings:
                 "codec": "tiny test config" if self.smoke else "released decoder (CodecConfig defaults)",
                 "streams": list(self.streams), "frames": self.frames, "warmup_frames": self.warmup_frames,
                 "runs": self.runs, "seed": self.seed, "text": TEXT, "voice": VOICE,
+                "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
+                "codec_cuda_graphs": self.codec_graphs, "profile": self.profile,
                 "eos": "masked at every frame (each request speaks exactly `frames` frames)"}
 
 
@@ -132,8 +143,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
         device, dtype, streams, frames = "cuda", torch.bfloat16, streams or (1, 8, 32), args.frames or 50
     if frames < 2:
         raise SystemExit("--frames must be at least 2")
+    if args.smoke and (args.cuda_graphs or args.codec_graphs):
+        log.warning("--cuda-graphs and --codec-graphs are ignored on the CPU (the knobs need CUDA; the tests "
+                    "run their bucketed paths eagerly)")
     return Settings(smoke=args.smoke, device=device, dtype=dtype, streams=streams, frames=frames,
-                    warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed)
+                    warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed,
+                    cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
+                    codec_graphs=args.codec_graphs and not args.smoke, profile=args.profile)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -228,7 +244,9 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
             "node_groups": [{"node_names": ["talker", "codec"], "ranks": [0]}],
             "resources": {"kv_cache": {"max_num_pages": max(settings.streams) * pages + 8, "page_size": PAGE_SIZE}},
             "model_kwargs": {"max_new_frames": settings.frames, "codec_chunk_schedule": [1, 3, 8, 16],
-                             "codec_chunk_frames": 25, "codec_left_context": 72, "seed": settings.seed}}
+                             "codec_chunk_frames": 25, "codec_left_context": 72, "seed": settings.seed,
+                             "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
+                             "codec_cuda_graphs": settings.codec_graphs}}
 
 
 class OursRunner:
@@ -301,6 +319,44 @@ def summarise(n: int, frames: int, frame_s: float, runs: list[tuple[float, list[
             "chunks_per_stream": statistics.median(len(t.arrivals) for t in timings)}
 
 
+@contextmanager
+def step_profile(device: torch.device):
+    """Host and device time of the talker's steps while this holds: each ``TalkerEngine.run``
+    call's wall time on the host, and (CUDA) the GPU kernels' time over the same span from
+    ``torch.profiler``. Yields a dict filled in at the exit: ``steps``, ``host_ms_per_step``
+    (a step's wall time, waiting for the device included), ``device_ms_per_step`` (kernel time
+    of everything that ran, the codec's included, over the steps)."""
+    from mstar.model.qwen3_tts.engine import TalkerEngine
+
+    walls: list[float] = []
+    original = TalkerEngine.run
+
+    def timed(self, items):
+        t0 = time.perf_counter()
+        try:
+            return original(self, items)
+        finally:
+            walls.append(time.perf_counter() - t0)
+
+    result: dict[str, Any] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    TalkerEngine.run = timed
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            yield result
+    finally:
+        TalkerEngine.run = original
+    steps = max(len(walls), 1)
+    result.update({"steps": len(walls), "host_ms_per_step": 1e3 * sum(walls) / steps})
+    if device.type == "cuda":
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
+                        if e.device_type == torch.autograd.DeviceType.CUDA)
+        result["device_ms_per_step"] = kernel_us / 1e3 / steps
+    log.info("profile: %s", result)
+
+
 def run_ours(settings: Settings, model_dir: Path) -> tuple[dict[str, Any], int, int]:
     """Every stream count (after one warm-up pass over them); the figures, the prompt's rows
     and the samples per frame."""
@@ -320,6 +376,10 @@ def run_ours(settings: Settings, model_dir: Path) -> tuple[dict[str, Any], int, 
             for n in settings.streams:
                 runs = [runner.run(n, settings.frames, settings.seed + 1000 * (r + 1)) for r in range(settings.runs)]
                 out[n] = summarise(n, settings.frames, frame_s, runs)
+                if settings.profile:  # one more batch, profiled (its timing is not in the figures)
+                    with step_profile(torch.device(settings.device)) as prof:
+                        runner.run(n, settings.frames, settings.seed)
+                    out[n]["profile"] = prof
                 log.info("ours: %d stream(s): TTFA p50 %.0f ms (p90 %.0f), slowest stream %.2fx real time, "
                          "%g/%d viable, %.0f frames/s", n, out[n]["ttfa_ms_p50"], out[n]["ttfa_ms_p90"],
                          out[n]["rtf_min"], out[n]["viable_streams"], n, out[n]["frames_per_s"])
@@ -374,6 +434,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="codec frames per request, 12.5 a second (default 50 = 4 s; smoke 8)")
     p.add_argument("--runs", type=int, default=1, help="timed batches per stream count")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="model_kwargs.cuda_graphs: the talker step and the code predictor's frame from CUDA graphs")
+    p.add_argument("--overlap", action="store_true",
+                   help="model_kwargs.overlap_scheduling: launch talker step k+1 before step k's codes are read")
+    p.add_argument("--codec-graphs", action="store_true",
+                   help="model_kwargs.codec_cuda_graphs: the codec's windows from CUDA graphs per shape")
+    p.add_argument("--profile", action="store_true",
+                   help="after each stream count's runs, one more profiled: host vs device ms per talker step")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
     p.add_argument("--verbose", action="store_true", help="log M* at INFO level")
     return p.parse_args(argv)

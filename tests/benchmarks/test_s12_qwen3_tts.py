@@ -78,3 +78,15 @@ def test_summary_counts_viable_streams_and_the_slowest() -> None:
     assert out["rtf_min"] == pytest.approx(2.0 / 3.04) and out["rtf_median"] == pytest.approx((2 / 1.05 + 2 / 3.04) / 2)
     assert out["ttfa_ms_p50"] == pytest.approx(45.0) and out["ttfa_ms_p90"] == pytest.approx(50.0)
     assert out["frames_per_s"] == pytest.approx(50 / 3.04)
+
+
+def test_smoke_run_with_the_fast_path_flags(tmp_path) -> None:
+    """The flags reach the deployment's knobs (the graph ones ignored on the CPU) and
+    ``--profile`` records a talker step's host time per stream count."""
+    assert s12.main(["--smoke", "--streams", "1", "--overlap", "--cuda-graphs", "--profile",
+                     "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob(f"{s12.NAME}-*.json")
+    data = json.loads(path.read_text())
+    assert data["settings"]["overlap_scheduling"] and not data["settings"]["cuda_graphs"]
+    profile = data["ours"]["1"]["profile"]
+    assert profile["steps"] >= 8 and profile["host_ms_per_step"] > 0

@@ -1,17 +1,19 @@
 """Qwen3-TTS's engines: the talker on the autoregressive engine, the codec as a stateless node
 over the stream's windows.
 
-**Talker** (``TalkerEngine`` around an ``AutoregressiveEngine`` with Qwen3-Omni's
-``TalkerForward``, which runs a prefill's prompt rows and a decode's next input, and
-``TalkerRules``): the prefill builds the request's prompt (``prompt.talker_prompt``) on the
-worker, where the embeddings are; each step draws codebook 0 (the codec's special ids masked,
-EOS too before ``min_frames``), the code predictor fills the frame inside the same step, and
-the frame's embedding sum plus the next text row is the next input. A step writes its frame
+**Talker** (``TalkerEngine`` around an ``AutoregressiveEngine`` with ``TalkerStepForward``
+(``talker_step``: Qwen3-Omni's ``TalkerForward`` with its decode inputs in a device table),
+which runs a prefill's prompt rows and a decode's next input, and ``TalkerRules``): the
+prefill builds the request's prompt (``prompt.talker_prompt``) on the worker, where the
+embeddings are; each step draws codebook 0 (the codec's special ids masked, EOS too before
+``MIN_FRAMES``), the code predictor fills the frame inside the same step, and the frame's
+embedding sum plus the next text row is the next input. A step writes its frame
 (``codes [1, Q]``) for the codec, silent at EOS.
 
-The code predictor samples each request's codes with its own generator (seeded from the
-request's seed and the frame), so a request's frames do not depend on what it is batched
-with; a request with ``temperature`` 0 takes the greedy codes.
+The code predictor draws every row's codes at once on the device (``sampling.draw``: top 50
+at temperature 0.9 by the exponential race on counter-based noise keyed by the request's
+seed, the frame and the codebook), so a request's frames do not depend on what it is batched
+with and the step reads nothing back; a request with ``temperature`` 0 takes the greedy codes.
 
 **Codec** (``codec_fn``): each window's frames after its left context, the conv stack over the
 new frames only (``Qwen3TTSCodec.decode_window``); windows of one shape decoded as a batch. An
@@ -22,49 +24,59 @@ watermark marks each request's audio with its own stream (``CodecEngine``).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, ShapeGraphs
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
+from mstar.layers.paged_kv import to_device
 from mstar.model.audio_watermark import AudioSealGenerator, AudioWatermarkKnobs, WatermarkStream
-from mstar.model.qwen3_omni.engine import TalkerForward
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.prompt import talker_prompt
+from mstar.model.qwen3_tts.sampling import request_key
 from mstar.model.qwen3_tts.speech import suppressed_codes
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
+from mstar.model.qwen3_tts.talker_step import FramePredictor, TalkerStepForward
 
 MIN_FRAMES = 2  # the reference's ``min_new_tokens``
-SUBTALKER = {"temperature": 0.9, "top_k": 50}  # the reference's code-predictor sampling
 
 
 @dataclass
 class TalkerState:
-    frames: int = 0  # frames drawn so far: the next text row's index
-    codes: torch.Tensor | None = None  # [1, Q]: the last step's frame
     greedy: bool = False
-    seed: int = 0
-    generator: torch.Generator | None = field(default=None, repr=False)
+    key: int = 0  # the code predictor's noise stream (``sampling.request_key`` of the seed)
+    # [1, Q] host rows of the frames chosen and not yet written, oldest first (a step launched
+    # ahead adds the next one before this step's is written)
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
-def sample_codes(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One code from ``logits [vocab]`` as the reference's subtalker samples: the top 50 at
-    temperature 0.9."""
-    top = logits.float().topk(min(SUBTALKER["top_k"], logits.shape[-1]))
-    probs = torch.softmax(top.values / SUBTALKER["temperature"], dim=-1)
-    pick = torch.multinomial(probs.cpu(), 1, generator=generator)
-    return top.indices[pick.to(top.indices.device)]
+def codes_to_host(codes: torch.Tensor) -> torch.Tensor:
+    """A host copy of a step's ``codes [B, Q]``, started without waiting for the device (the
+    engine's read of the step's ids, queued after it, waits for both)."""
+    if codes.device.type != "cuda":
+        return codes
+    host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+    return host.copy_(codes, non_blocking=True)
 
 
 class TalkerRules(TokenRules):
+    """Codebook 0 with the engine's sampler (suppressed ids and early EOS masked), then the
+    frame's other codes from the code predictor, every row at once on the device
+    (``FramePredictor``). EOS rows run the predictor too (their frame is dropped): which rows
+    spoke is not read back before the step ends. A row's frame index is its sequence's
+    generated count plus ``lead``, so a step launched ahead needs nothing from the host."""
+
     extra_outputs = True
 
-    def __init__(self, forward: TalkerForward) -> None:
+    def __init__(self, forward: TalkerStepForward, frames: FramePredictor) -> None:
         self.forward = forward
+        self.frames = frames
         talker: Qwen3TTSTalker = forward.model
         self.eos = talker.config.codec_eos_token_id
         self.suppressed = torch.tensor(suppressed_codes(talker), dtype=torch.int64)
@@ -72,44 +84,35 @@ class TalkerRules(TokenRules):
     def start(self, params: dict) -> TalkerState:
         sampling = params.get("sampling") or {}
         seed = sampling.get("seed")
-        return TalkerState(greedy=float(sampling.get("temperature", 1.0)) == 0.0,
-                           seed=int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item()))
+        seed = int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item())
+        return TalkerState(greedy=float(sampling.get("temperature", 1.0)) == 0.0, key=request_key(seed))
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
-        logits = logits.index_fill(1, self.suppressed.to(logits.device), float("-inf"))
-        early = [row for row, seq in enumerate(seqs) if seq.state.frames < MIN_FRAMES]
-        if early:
-            logits[torch.tensor(early, device=logits.device), self.eos] = float("-inf")
+        indexes = [seq.generated + lead for seq in seqs]  # each row's frame: its text row's index
+        states: list[TalkerState] = [seq.state for seq in seqs]
+        # one copy to the device, never waited for: the noise keys, frame indexes, greedy flags
+        rows = to_device(torch.tensor([[s.key for s in states], indexes, [s.greedy for s in states]],
+                                      dtype=torch.int64), logits.device)
+        if self.suppressed.device != logits.device:
+            self.suppressed = self.suppressed.to(logits.device)
+        logits = logits.index_fill(1, self.suppressed, float("-inf"))
+        if min(indexes) < MIN_FRAMES:  # no EOS before MIN_FRAMES frames
+            logits[:, self.eos] = logits[:, self.eos].masked_fill(rows[1] < MIN_FRAMES, float("-inf"))
         code0 = sample(logits, seqs)
-        speaking = [row for row, token in enumerate(code0.tolist()) if token != self.eos]
-        if speaking:
-            rows = torch.tensor(speaking, device=code0.device)
-            states = [seqs[row].state for row in speaking]
-
-            def sampler(group_logits: torch.Tensor, group: int) -> torch.Tensor:
-                picks = []
-                for j, state in enumerate(states):
-                    if state.greedy:
-                        picks.append(group_logits[j].argmax()[None])
-                    else:
-                        if state.generator is None or group == 1:  # one stream per frame
-                            state.generator = torch.Generator().manual_seed(state.seed * 100003 + state.frames)
-                        picks.append(sample_codes(group_logits[j], state.generator))
-                return torch.cat(picks)
-
-            frame = self.forward.model.predict_frame(self.forward.last_hidden.index_select(0, rows),
-                                                     code0.index_select(0, rows), sampler)
-            for j, row in enumerate(speaking):
-                seq = seqs[row]
-                state: TalkerState = seq.state
-                state.codes = frame.codes[j:j + 1].cpu()
-                prompt = self.forward.prompts[seq.request_id]
-                self.forward.next_input[seq.request_id] = frame.embeds[j] + prompt.text_row(state.frames)
-                state.frames += 1
+        frame = self.frames(self.forward.last_hidden, code0, rows[0], rows[1], rows[2])
+        host = codes_to_host(frame.codes)
+        prompts = [self.forward.prompts[seq.request_id] for seq in seqs]
+        following = frame.embeds + torch.stack([p.text_row(f) for p, f in zip(prompts, indexes)])
+        self.forward.write([self.forward.row(seq.request_id, len(seq.tokens) + lead) for seq in seqs], following)
+        for j, state in enumerate(states):
+            if lead == 0:  # frames left from a discarded step launched ahead go
+                state.pending.clear()
+            state.pending.append(host[j:j + 1])
         return code0
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
-        return {} if token == self.eos else {"codes": seq.state.codes}
+        codes = seq.state.pending.pop(0)
+        return {} if token == self.eos else {"codes": codes.clone()}
 
 
 class TalkerEngine(Engine):
@@ -119,7 +122,7 @@ class TalkerEngine(Engine):
 
     def __init__(self, engine: AutoregressiveEngine, config: Qwen3TTSConfig) -> None:
         self.engine = engine
-        self.forward: TalkerForward = engine.forward
+        self.forward: TalkerStepForward = engine.forward
         self.config = config
         self.placeholder = config.talker.codec_pad_id  # the id the prompt's rows stand under
 
@@ -157,16 +160,45 @@ class TalkerEngine(Engine):
         return self.engine.stats()
 
 
+WINDOW_BUCKETS = (1, 2, 4, 8, 16, 32)  # the codec graphs' batch buckets
+MAX_WINDOW_GRAPHS = 64
+
+
+def window_graphs(codec: Qwen3TTSCodec) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``decode_window`` replayed from a CUDA graph per (batch bucket, frames, context): a
+    batch of windows is padded to the next of ``WINDOW_BUCKETS`` with copies of its first
+    (rows never mix), at most ``MAX_WINDOW_GRAPHS`` shapes (the ramp's few window shapes at
+    each bucket), others eagerly. Off CUDA the same padding and static inputs run eagerly."""
+    context_now = [0]  # the window's context: a Python int, part of the graph's key
+    graphs = ShapeGraphs(lambda codes: codec.decode_window(codes, context_now[0]), next(codec.parameters()).device,
+                         max_graphs=MAX_WINDOW_GRAPHS)
+
+    def decode(codes: torch.Tensor, context: int) -> torch.Tensor:
+        batch = codes.shape[0]
+        bucket = next((size for size in WINDOW_BUCKETS if size >= batch), None)
+        if bucket is None:
+            return codec.decode_window(codes, context)
+        if bucket > batch:
+            codes = torch.cat((codes, codes[:1].expand(bucket - batch, -1, -1)))
+        context_now[0] = context
+        return graphs((bucket, codes.shape[-1], context), codes)[:batch]
+
+    return decode
+
+
 def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealGenerator | None = None,
-             marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None):
+             marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None,
+             cuda_graphs: bool = False):
     """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
     context's frames run through the transformer only; windows of one shape batched. An
     in-context clone's first windows take their missing context (up to ``left_context``
     frames) from the end of its clip's frames (``ref_codes``), as the reference decodes the
     clip's frames before the new ones. With a ``watermark``, each request's new audio is then
     marked with its own stream (in ``streams``, made at its first window and dropped after its
-    last), so its windows come out as its whole utterance marked at once, however it was cut."""
+    last), so its windows come out as its whole utterance marked at once, however it was cut.
+    ``cuda_graphs``: windows replay per shape (``window_graphs``)."""
     weight = next(codec.parameters())
+    decode = window_graphs(codec) if cuda_graphs else codec.decode_window
     groups_q = codec.config.num_quantizers
     streams = {} if streams is None else streams
 
@@ -195,7 +227,7 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealG
         for (_, context), indices in groups.items():
             codes = torch.stack([windows[i][0] for i in indices])
             with torch.inference_mode():
-                wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()
+                wav = decode(codes.to(weight.device, torch.int64), context).float().cpu()  # one copy a shape
             for row, i in enumerate(indices):
                 audio = wav[row].clone()
                 results[i] = {"audio": mark(items[i], audio) if watermark is not None else audio}
@@ -208,21 +240,37 @@ class CodecEngine(StatelessEngine):
     """The codec node's engine: ``codec_fn``, and a cancelled request's watermark stream freed."""
 
     def __init__(self, codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
-                 marks: AudioWatermarkKnobs | None = None, *, left_context: int = 72) -> None:
+                 marks: AudioWatermarkKnobs | None = None, *, left_context: int = 72,
+                 cuda_graphs: bool = False) -> None:
         if watermark is not None and codec.samples_per_frame % watermark.cfg.hop:
             raise ValueError(f"model_kwargs.audio_watermark.generator: its hop of {watermark.cfg.hop} samples "
                              f"does not divide the codec's {codec.samples_per_frame} samples a frame")
         self.streams: dict[str, WatermarkStream] = {}
-        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams))
+        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams, cuda_graphs))
 
     def release(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
 
 
 def talker_engine(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, *, num_pages: int, page_size: int,
-                  max_seq_len: int, device: torch.device, dtype: torch.dtype) -> TalkerEngine:
-    forward = TalkerForward(talker)
+                  max_seq_len: int, device: torch.device, dtype: torch.dtype, max_requests: int = 64,
+                  attention_backend: str = "torch", cuda_graphs: bool = False, overlap_scheduling: bool = False,
+                  graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> TalkerEngine:
+    """The talker node's engine. ``max_requests``: requests held at once. ``cuda_graphs``: a
+    decode step's talker layers replay the engine's decode graphs and the code predictor's
+    frame its own (``FramePredictor``), per batch bucket of ``graph_batch_sizes``, all
+    captured now on CUDA (with the Triton attention kernels, whatever ``attention_backend``
+    says); off CUDA the bucketed path runs eagerly. ``overlap_scheduling``: the next decode
+    step is launched before this one's codes are read back."""
+    backend = "triton" if cuda_graphs and device.type == "cuda" else attention_backend
+    forward = TalkerStepForward(talker, max_requests)
+    frames = FramePredictor(talker, backend=backend, cuda_graphs=cuda_graphs, batch_sizes=graph_batch_sizes)
     engine = AutoregressiveEngine(talker, KVLayout(*talker.cache_shape()), num_pages=num_pages, page_size=page_size,
                                   max_seq_len=max_seq_len, device=device, dtype=dtype, forward=forward,
-                                  rules=TalkerRules(forward))
+                                  rules=TalkerRules(forward, frames), attention_backend=backend,
+                                  cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes,
+                                  overlap_scheduling=overlap_scheduling)
+    if engine.graphs is not None:
+        engine.graphs.capture_all()
+        frames.capture_all()
     return TalkerEngine(engine, config)

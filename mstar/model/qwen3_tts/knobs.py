@@ -7,11 +7,16 @@ from pydantic import Field, field_validator
 
 from mstar.model.audio_watermark import AudioWatermarkKnobs
 from mstar.model.decoding import SamplingKnobs
-from mstar.model.knobs import Knobs
+from mstar.model.knobs import CudaGraphs, OverlapScheduling, require_cuda
 from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 
-class Qwen3TTSKnobs(Knobs):
+class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling):
+    """The talker's fast path is opt-in: ``cuda_graphs`` (CUDA) replays a decode step's talker
+    layers and its code predictor's frame (15 passes and their sampling) from graphs per batch
+    bucket, with the Triton attention kernels; ``overlap_scheduling`` launches decode step k+1
+    before step k's codes are read back. Eager is the reference; both give its codes."""
+
     max_new_frames: int = Field(2048, ge=2)
     """Codec frames (12.5 a second) a request may speak when it does not send ``max_tokens``."""
 
@@ -25,11 +30,20 @@ class Qwen3TTSKnobs(Knobs):
     codec_left_context: int = Field(72, ge=0)
     """Frames already spoken that a window's transformer reads again (its sliding window)."""
 
+    codec_cuda_graphs: bool = False
+    """Replay the codec's windows from CUDA graphs per window shape and batch bucket (CUDA only;
+    separate from ``cuda_graphs``, which is the talker's)."""
+
     default_voice: str | None = None
     """The built-in speaker of a request that names none (unset: the checkpoint's first)."""
 
     audio_watermark: AudioWatermarkKnobs = Field(default_factory=AudioWatermarkKnobs)
     """The opt-in AudioSeal watermark on the codec's audio, each request marked chunk by chunk."""
+
+    def check(self, device: str) -> None:
+        super().check(device)
+        if self.codec_cuda_graphs:
+            require_cuda("codec_cuda_graphs", device)
 
     @field_validator("codec_chunk_schedule")
     @classmethod

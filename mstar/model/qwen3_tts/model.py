@@ -247,12 +247,17 @@ class Qwen3TTS(ModelSpec):
             talker = ckpt.talker(device, dtype, dummy=dummy, seed=seed)
             engines[TALKER] = talker_engine(talker, ckpt.config(), num_pages=kv.max_num_pages,
                                             page_size=kv.page_size, max_seq_len=self.config.max_seq_len,
-                                            device=device, dtype=dtype)
+                                            device=device, dtype=dtype,
+                                            # input slots (12 KiB each at 1.7B): room to spare
+                                            max_requests=4 * self.config.max_concurrent_requests,
+                                            cuda_graphs=self.knobs.cuda_graphs,
+                                            overlap_scheduling=self.knobs.overlap_scheduling)
         if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
             codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
             marks = self.knobs.audio_watermark
             engines[CODEC] = CodecEngine(codec, marks.build(device, dummy=dummy, seed=seed + 3), marks,
-                                         left_context=self.knobs.codec_left_context)
+                                         left_context=self.knobs.codec_left_context,
+                                         cuda_graphs=self.knobs.codec_cuda_graphs)
         return engines
 
 

@@ -99,17 +99,23 @@ class Qwen3TTSCodePredictor(nn.Module):
                                         else nn.Identity())
 
     def forward(self, hidden: torch.Tensor, code0: torch.Tensor, code0_embeds: torch.Tensor,
-                sampler: Sampler | None = None, logits_out: list[torch.Tensor] | None = None) -> CodecFrame:
+                sampler: Sampler | None = None, logits_out: list[torch.Tensor] | None = None, *,
+                metas: list[PagedAttentionMetadata] | None = None,
+                caches: list[torch.Tensor] | None = None) -> CodecFrame:
         """The frame of ``B`` requests: ``hidden [B, H]`` (the talker's final-normed state at
         the row that gave codebook 0), ``code0 [B]`` and its talker embedding ``code0_embeds``.
         The ``Q - 1`` inner steps run all requests together on a fresh cache; ``logits_out``,
-        if given, collects each step's logits ``[B, vocab]``."""
+        if given, collects each step's logits ``[B, vocab]``. ``metas`` and ``caches``: the
+        steps' metadata (``frame_step_metadata``'s, first the two-row prompt) and the frame
+        cache (one page of ``Q`` slots a request), given by a caller that keeps them (the
+        CUDA graphs, ``talker_step.FramePredictor``); made here otherwise."""
         batch, groups = hidden.shape[0], self.groups
-        attn = self.model.layers[0].self_attn
-        caches = allocate_kv_cache(len(self.model.layers), batch, groups, attn.num_kv_heads, attn.head_dim,
-                                   hidden.dtype, hidden.device)
+        if caches is None:
+            attn = self.model.layers[0].self_attn
+            caches = allocate_kv_cache(len(self.model.layers), batch, groups, attn.num_kv_heads, attn.head_dim,
+                                       hidden.dtype, hidden.device)
         prompt = self.small_to_mtp_projection(torch.stack((hidden, code0_embeds), dim=1).reshape(2 * batch, -1))
-        meta = frame_step_metadata(batch, 0, 2, groups, hidden.device)
+        meta = metas[0] if metas is not None else frame_step_metadata(batch, 0, 2, groups, hidden.device)
         last = self.model(None, meta, caches, prompt).view(batch, 2, -1)[:, 1]
         codes, embeds = [code0], [code0_embeds]
         for group in range(1, groups):
@@ -120,7 +126,8 @@ class Qwen3TTSCodePredictor(nn.Module):
             codes.append(code)
             embeds.append(self.model.codec_embedding[group - 1](code))
             if group < groups - 1:  # the last code is never fed back
-                meta = frame_step_metadata(batch, group + 1, 1, groups, hidden.device)
+                meta = (metas[group] if metas is not None else
+                        frame_step_metadata(batch, group + 1, 1, groups, hidden.device))
                 last = self.model(None, meta, caches, self.small_to_mtp_projection(embeds[-1]))
         return CodecFrame(torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1))
 
