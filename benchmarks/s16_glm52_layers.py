@@ -7,6 +7,14 @@ same random weights on both sides, in bfloat16:
   (``mstar.model.glm52.moe.Glm52MoE``, the Triton fused-MoE kernels on CUDA) against
   transformers' ``GlmMoeDsaMoE`` (its ``grouped_mm`` experts where it has them), at 1 and 64
   tokens (decode) and 4096 (prefill). The expert stacks are one tensor shared by both.
+* **Command A+'s MoE layer** (``--parts cmda_moe``; hidden 8192, 128 experts of 2048, top 8
+  with a softmax over the eight logits, one always-on shared expert of 2048 averaged with the
+  routed sum): ours (``mstar.model.command_a_plus.modeling.CommandMoE``, the Triton fused-MoE
+  kernels on CUDA) against transformers' ``Cohere2MoeSparseMoeBlock``, at the same token
+  counts. The release's config.json is not at hand here: hidden 8192 is the Cohere family's,
+  and the expert width 2048 the one that brings 32 such layers, their attention and the 256k
+  tied vocabulary to ~215B of the stated 218B parameters (``--cmda-hidden`` and
+  ``--cmda-expert`` change them).
 * **MLA + DSA attention layer** (64 heads, q rank 2048, latent 512 + 64 rotary, indexer of 32
   heads x 128, top 2048): ours (``Glm52Attention`` over the paged latent cache) against
   ``GlmMoeDsaAttention`` over its own cache: decode of 1 and 64 rows, each over ``--context``
@@ -19,6 +27,7 @@ least its products' FLOPs (the attention over the chosen keys included) at the m
 matmul rate.
 
     python benchmarks/s16_glm52_layers.py              # one H100/H200
+    python benchmarks/s16_glm52_layers.py --parts cmda_moe   # Command A+'s MoE alone
     python benchmarks/s16_glm52_layers.py --smoke      # tiny shapes on the CPU
 
 The smoke config has 16 indexer heads, not fewer: with few heads a key whose every head's
@@ -32,6 +41,7 @@ import argparse
 import logging
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +63,10 @@ from benchmarks.common import (
 )
 
 NAME = "s16_glm52_layers"
+# Command A+'s MoE (issue 32): 128 experts, top 8, a shared expert averaged in
+CMDA = dict(num_experts=128, num_experts_per_tok=8, num_shared_experts=1, shared_expert_combination_strategy="average",
+            expert_selection_fn="softmax", num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8)
+CMDA_SMOKE = dict(hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=3)
 log = logging.getLogger(NAME)
 SMOKE = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
@@ -65,7 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=4096, help="cached tokens of each decoding row")
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill rows")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--parts", default="moe,attention", help="which layers to time (moe, attention)")
+    parser.add_argument("--parts", default="moe,attention,cmda_moe",
+                        help="which layers to time (moe, attention: GLM-5.2's; cmda_moe: Command A+'s MoE)")
+    parser.add_argument("--cmda-hidden", type=int, default=8192, help="Command A+'s hidden size")
+    parser.add_argument("--cmda-expert", type=int, default=2048, help="Command A+'s expert width")
     add_run_args(parser)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -135,27 +152,81 @@ def moe_rows(args, device, dtype, bandwidth: float, tflops: float) -> list[Metri
         ours.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
     free_device(device)
     use_moe_kernel(ours, "triton" if device.type == "cuda" else "loop")
-    hidden, inner, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
-    expert_bytes = 3 * hidden * inner * dtype.itemsize
+    shape = MoEShape(config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok,
+                     config.n_routed_experts, config.n_shared_experts, router_bytes=4)
+    return moe_metrics("moe", ours, theirs, lambda x: ours.gate(x)[0], shape, args, device, dtype, bandwidth,
+                       tflops, {"theirs_experts": config._experts_implementation})
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    hidden: int
+    inner: int
+    top_k: int
+    experts: int
+    shared: int
+    router_bytes: int  # per router weight
+
+
+def moe_metrics(prefix: str, ours, theirs, route, shape: MoEShape, args, device, dtype, bandwidth: float,
+                tflops: float, notes: dict) -> list[Metric]:
+    """Rows ``{prefix}_decode@1``, ``@64`` and ``{prefix}_prefill@N``: ``ours(x [T, H])`` against
+    ``theirs(x [1, T, H])`` on the same tokens; ``route(x)``: the expert ids ours picks."""
+    expert_bytes = 3 * shape.hidden * shape.inner * dtype.itemsize
     rows = []
     for tokens, phase in ((1, "decode"), (64, "decode"), (args.prefill, "prefill")):
-        x = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device).manual_seed(tokens),
+        x = torch.randn(tokens, shape.hidden, device=device, generator=torch.Generator(device).manual_seed(tokens),
                         dtype=torch.float32).to(dtype)
         with torch.no_grad():
             err = rel_err(ours(x), theirs(x[None])[0])
-            ids, _ = ours.gate(x)
-            touched = int(ids.unique().numel())
+            touched = int(route(x).unique().numel())
             ours_s = median_s(lambda x=x: ours(x), device, args.repeats)
             theirs_s = median_s(lambda x=x: theirs(x[None]), device, args.repeats)
         if phase == "decode":  # the routed experts' weights, the shared expert's and the router's
-            floor = ((touched + config.n_shared_experts) * expert_bytes + config.n_routed_experts * hidden * 4) \
+            floor = ((touched + shape.shared) * expert_bytes + shape.experts * shape.hidden * shape.router_bytes) \
                 / (bandwidth * 1e9)
         else:
-            floor = 2 * tokens * (top_k + config.n_shared_experts) * 3 * hidden * inner / (tflops * 1e12)
-        rows.append(Metric(NAME, f"moe_{phase}@{tokens}", "ms", "lower", 1e3 * ours_s, 1e3 * theirs_s, 1e3 * floor,
-                           notes={"rel_err": err, "experts_touched": touched,
-                                  "theirs_experts": config._experts_implementation}))
+            floor = 2 * tokens * (shape.top_k + shape.shared) * 3 * shape.hidden * shape.inner / (tflops * 1e12)
+        rows.append(Metric(NAME, f"{prefix}_{phase}@{tokens}", "ms", "lower", 1e3 * ours_s, 1e3 * theirs_s,
+                           1e3 * floor, notes={"rel_err": err, "experts_touched": touched, **notes}))
     return rows
+
+
+def cmda_moe_rows(args, device, dtype, bandwidth: float, tflops: float) -> list[Metric]:
+    """Command A+'s MoE layer, ours against transformers' ``Cohere2MoeSparseMoeBlock``."""
+    from transformers import Cohere2MoeConfig
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeSparseMoeBlock
+
+    from mstar.layers.moe import use_moe_kernel
+    from mstar.model.command_a_plus.config import CommandAPlusConfig
+    from mstar.model.command_a_plus.modeling import CommandMoE
+
+    sizes = CMDA_SMOKE if args.smoke else dict(hidden_size=args.cmda_hidden, intermediate_size=args.cmda_expert)
+    config = Cohere2MoeConfig(**{**CMDA, **sizes})
+    config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
+    ours_config = CommandAPlusConfig.from_hf_dict(config.to_dict())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            theirs = Cohere2MoeSparseMoeBlock(config).eval()
+            randomize(theirs, args.seed)
+            ours = CommandMoE(ours_config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():  # one expert stack for both; the rest copied
+        ours.experts.gate_up.weight = torch.nn.Parameter(theirs.experts.gate_up_proj, requires_grad=False)
+        ours.experts.down.weight = torch.nn.Parameter(theirs.experts.down_proj, requires_grad=False)
+        ours.gate.weight.copy_(theirs.gate.weight)
+        shared = theirs.shared_experts
+        ours.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        ours.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
+    free_device(device)
+    use_moe_kernel(ours, "triton" if device.type == "cuda" else "loop")
+    shape = MoEShape(config.hidden_size, config.intermediate_size, config.num_experts_per_tok, config.num_experts,
+                     config.num_shared_experts, router_bytes=dtype.itemsize)
+    return moe_metrics("cmda_moe", ours, theirs, lambda x: ours.route(x)[0], shape, args, device, dtype, bandwidth,
+                       tflops, {"theirs_experts": config._experts_implementation})
 
 
 # ------------------------------------------------------------------------ attention
@@ -270,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     metrics: list[Metric] = []
     parts = set(args.parts.split(","))
-    for part, rows in (("moe", moe_rows), ("attention", attention_rows)):
+    for part, rows in (("moe", moe_rows), ("attention", attention_rows), ("cmda_moe", cmda_moe_rows)):
         if part not in parts:
             continue
         try:

@@ -5,12 +5,16 @@ batched with a text prompt) against ``Cohere2VisionForConditionalGeneration``.""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration
 
@@ -28,19 +32,10 @@ def _image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def _hf_processor(**kwargs):
-    """transformers' image processor (it needs torchvision, which this environment may lack)."""
-    pytest.importorskip("torchvision")
-    from transformers.models.cohere2_vision.image_processing_cohere2_vision import Cohere2VisionImageProcessor
-
-    return Cohere2VisionImageProcessor(**kwargs)
-
-
 @pytest.fixture
 def hf_grid(monkeypatch):
     """transformers' ``get_optimal_tiled_canvas`` (plain numpy); its module imports
     torchvision's functional API at the top, stood in for when torchvision is absent."""
-    import importlib.util
     import sys
     import types
 
@@ -55,13 +50,52 @@ def hf_grid(monkeypatch):
     return module.get_optimal_tiled_canvas
 
 
-@pytest.mark.parametrize(("width", "height"), [(300, 200), (512, 512), (700, 1500), (2600, 500), (90, 4000)])
-def test_tiles_are_bit_exact(width: int, height: int) -> None:
-    image = _image(width, height, seed=width)
-    ref = _hf_processor()(images=[image], return_tensors="pt")
-    ours = tile_image(image_to_tensor(image))
-    assert ours.shape[0] == int(ref["num_patches"][0])
-    assert ours.dtype == ref["pixel_values"].dtype and torch.equal(ours, ref["pixel_values"])
+def _recorded():
+    """The recorder's cases and the tensors it wrote (``command_a_plus/record_reference.py``,
+    run beside torch 2.9.1, torchvision 0.24.1, transformers 5.25.0; the versions are in the
+    fixture's metadata)."""
+    spec = importlib.util.spec_from_file_location("command_a_plus_record_reference", RECORDER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with safe_open(module.FIXTURE, "pt") as f:
+        meta = f.metadata()
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    return module, tensors, json.loads(meta["grids"]), json.loads(meta["versions"])
+
+
+RECORDER = Path(__file__).parent / "command_a_plus" / "record_reference.py"
+RECORDED = _recorded()
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED[0].SMALL))
+def test_tiles_are_bit_exact_small(name: str) -> None:
+    """Every float32 tile equal to ``Cohere2VisionImageProcessor``'s (32x32 tiles, whole
+    tensors recorded): one tile up- or downscaled, grids with the thumbnail, ``max_patches``
+    of 6 and of 1."""
+    module, tensors, grids, versions = RECORDED
+    assert versions["transformers"] == "5.25.0" and versions["torchvision"].startswith("0.24.1")
+    width, height, max_patches = module.SMALL[name]
+    image = image_to_tensor(module.make_image(width, height, seed=width))
+    assert list(best_grid(height, width, tile=32, max_tiles=max_patches)) == grids[f"small.{name}"]
+    ours = tile_image(image, tile=32, max_tiles=max_patches)
+    ref = tensors[f"small.{name}.pixel_values"]
+    assert ours.shape[0] == int(tensors[f"small.{name}.num_patches"][0]) == ref.shape[0]
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED[0].FULL))
+def test_tiles_are_bit_exact_released_size(name: str) -> None:
+    """At the released 512x512 tiles (the processor's defaults): the SHA-256 of our float32
+    tiles' bytes equals the recorded one's (per-tile sums say which tile differs if not)."""
+    module, tensors, grids, _ = RECORDED
+    width, height, max_patches = module.FULL[name]
+    image = image_to_tensor(module.make_image(width, height, seed=width))
+    assert list(best_grid(height, width)) == grids[f"full.{name}"]
+    ours = tile_image(image, max_tiles=max_patches).contiguous()
+    assert ours.shape[0] == int(tensors[f"full.{name}.num_patches"][0])
+    sums = ours.double().sum(dim=(1, 2, 3))
+    assert torch.equal(sums, tensors[f"full.{name}.tile_sums"]), sums - tensors[f"full.{name}.tile_sums"]
+    assert hashlib.sha256(ours.numpy().tobytes()).digest() == bytes(tensors[f"full.{name}.sha256"].tolist())
 
 
 def test_grid_choice_matches_transformers(hf_grid) -> None:

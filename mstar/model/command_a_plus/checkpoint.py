@@ -107,8 +107,8 @@ class CommandAPlusCheckpoint:
 
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int,
                    vision: bool = True) -> CommandAPlusForCausalLM:
-        """The decoder (and, with ``vision`` and a vision-language config, the image encoder)
-        on ``device`` in ``dtype``, with the checkpoint's weights (or seeded random ones when
+        """The decoder (and, with ``vision`` and a vision-language config, the image encoder on
+        the first TP rank) on ``device`` in ``dtype``, with the checkpoint's weights (or seeded random ones when
         ``dummy``), in eval mode. Without ``vision`` the image tensors are skipped."""
         from mstar.model.weights import fill_weights
 
@@ -117,8 +117,8 @@ class CommandAPlusCheckpoint:
             model = CommandAPlusForCausalLM(self.config(), vision_config).to(dtype)
         log.info("loading %s weights (%s)", self.path, "dummy" if dummy else "safetensors")
 
-        def name_map(name: str) -> str | None:
+        def name_map(name: str) -> str | None:  # the encoder's tensors only where it lives (TP rank 0)
             ours = checkpoint_name(name)
-            return None if ours is not None and ours.startswith("vision.") and vision_config is None else ours
+            return None if ours is not None and ours.startswith("vision.") and model.vision is None else ours
 
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=name_map)

@@ -1,13 +1,14 @@
 """Command A+'s engine: the shared autoregressive engine over its decoder, whose prefills
 may carry an image's tiles (``pixel_values``).
 
-``ImageForward`` encodes those tiles (the vision tower and projector, with the decoder on the
-same ranks) into the rows of the prompt's image placeholders, then runs the decoder on the
-embeddings; a text-only step is the plain forward. An image placeholder's K/V depend on the
-image, not its id, so no prefix caching, and a sequence is never preempted (its recompute
-would read the ids alone): requests hold their prompt + ``max_tokens`` pages from admission
-(``CommandAPlusChat.kv_upfront``). The sliding-window layers keep their own pool, giving back
-the pages their window has passed (``mstar.engine.window_pages``)."""
+``ImageForward`` encodes those tiles (the vision tower and projector, on the decoder's first
+TP rank, which broadcasts the tokens to the others) into the rows of the prompt's image
+placeholders, then runs the decoder on the embeddings; a text-only step is the plain forward.
+An image placeholder's K/V depend on the image, not its id, so no prefix caching, and a
+sequence is never preempted (its recompute would read the ids alone): requests hold their
+prompt + ``max_tokens`` pages from admission (``CommandAPlusChat.kv_upfront``). The
+sliding-window layers keep their own pool, giving back the pages their window has passed
+(``mstar.engine.window_pages``)."""
 
 from __future__ import annotations
 

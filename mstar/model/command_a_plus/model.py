@@ -1,6 +1,6 @@
 """Command A+ text and image chat: the declaration.
 
-One node, ``llm``: the Cohere2-MoE decoder with the image encoder on its ranks. A text chat
+One node, ``llm``: the Cohere2-MoE decoder with the image encoder on its first rank. A text chat
 walks ``chat`` (a prefill, then a Loop of decodes until ``stop``); a chat with images walks
 ``chat_image``, whose prefill also reads the images' tiles (``pixel_values``), encoded into
 the prompt's image placeholders (``mstar.model.command_a_plus.engine``). The frontend tiles
@@ -81,7 +81,8 @@ class CommandAPlusChat(ChatLLM):
 
     def parallel_dims(self) -> dict[str, ParallelDims]:
         """``llm`` splits by attention heads, KV heads and every expert's features (the shared
-        expert's too); the router and the image encoder are whole on every rank."""
+        expert's too); the router is whole on every rank, the image encoder on the first only
+        (it broadcasts the image's tokens)."""
         config = self.checkpoint().config()
         return {LLM: ParallelDims(tensor={"num_attention_heads": config.num_attention_heads,
                                           "num_key_value_heads": config.num_key_value_heads,

@@ -14,7 +14,8 @@ Parameter names are the released checkpoint's keys, but for the fused projection
 from the unfused keys through their segment loaders.
 
 Tensor parallelism lives in the layers: each rank holds its share of the heads, the shared
-expert's features and every expert's features; the router is whole on every rank.
+expert's features and every expert's features; the router is whole on every rank. The image
+encoder lives on the first rank only, which broadcasts each image's tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.distributed.collectives import all_reduce
+from mstar.distributed.collectives import all_reduce, broadcast
 from mstar.distributed.state import current_parallel
 from mstar.layers.attention import paged_attention
 from mstar.layers.linear import QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -177,8 +178,9 @@ class CommandModel(nn.Module):
 
 class CommandAPlusForCausalLM(nn.Module):
     """The Command A+ text decoder with its tied, scaled language-model head, one paged step
-    per ``forward``; with a ``vision`` config also the image encoder (``vision.*``), which runs
-    where the decoder's first rank does and whose tokens enter as ``inputs_embeds``."""
+    per ``forward``; with a ``vision`` config also the image encoder (``vision.*``), whose
+    tokens enter as ``inputs_embeds``. Under tensor parallelism only the decoder's first rank
+    holds and runs the encoder; it broadcasts the image's tokens to the other ranks."""
 
     def __init__(self, config: CommandAPlusConfig, vision: CommandVisionConfig | None = None) -> None:
         super().__init__()
@@ -186,8 +188,10 @@ class CommandAPlusForCausalLM(nn.Module):
             raise NotImplementedError("Command A+ ties its embeddings; an untied lm_head is not supported")
         self.config = config
         self.vision_config = vision
+        self.tp = current_parallel().tp
         self.model = CommandModel(config)
-        self.vision = CommandVision(vision, config.hidden_size) if vision is not None else None
+        encodes = vision is not None and self.tp.rank == 0
+        self.vision = CommandVision(vision, config.hidden_size) if encodes else None
 
     def forward(self, input_ids: torch.Tensor | None, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,14 +208,27 @@ class CommandAPlusForCausalLM(nn.Module):
         embeds = self.embed_input_ids(input_ids)
         if pixels is None:
             return embeds
-        if self.vision is None or self.vision_config is None:
+        if self.vision_config is None:
             raise ValueError("this checkpoint has no vision tower: it reads text only")
-        image = self.vision(pixels.to(embeds.dtype))
         slots = input_ids == self.vision_config.image_token_id
-        if int(slots.sum()) != image.shape[0]:
-            raise ValueError(f"{int(slots.sum())} image placeholders for {image.shape[0]} image tokens")
-        embeds[slots] = image.to(embeds.dtype)
+        count = pixels.shape[0] * self.vision_config.tokens_per_tile
+        if int(slots.sum()) != count:
+            raise ValueError(f"{int(slots.sum())} image placeholders for {count} image tokens")
+        embeds[slots] = self.encode_images(pixels, embeds.dtype)
         return embeds
+
+    def encode_images(self, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The image tokens ``[n * tokens_per_tile, hidden]`` of the tiles ``pixels``: encoded on
+        the first TP rank, which broadcasts them; the other ranks only receive."""
+        assert self.vision_config is not None
+        if self.vision is not None:
+            image = self.vision(pixels.to(dtype)).to(dtype).contiguous()
+        elif self.tp.rank == 0:
+            raise ValueError("this model was built without its vision tower: it reads text only")
+        else:
+            image = torch.empty(pixels.shape[0] * self.vision_config.tokens_per_tile, self.config.hidden_size,
+                                dtype=dtype, device=pixels.device)
+        return broadcast(image, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` on every rank: the tied embeddings, times ``logit_scale``."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mstar.model.glm52.config import Glm52Config
-from mstar.model.glm52.fp8 import DEFAULT_BLOCK, dequantized
+from mstar.model.glm52.fp8 import DEFAULT_BLOCK, attach_fp8_gemms, dequantized
 from mstar.model.glm52.modeling import Glm52ForCausalLM
 from mstar.model.weights import ModelPathError
 
@@ -64,17 +64,30 @@ class Glm52Checkpoint:
 
         return AutoTokenizer.from_pretrained(self.path)
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors, fp8 weights dequantised to ``dtype``."""
+    def tensors(self, dtype: torch.dtype, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors, fp8 weights dequantised to ``dtype`` (``keep``: see
+        ``fp8.dequantized``)."""
         from mstar.model.weights import iter_safetensors
 
-        return dequantized(iter_safetensors(self.path), dtype, self.fp8_block())
+        return dequantized(iter_safetensors(self.path), dtype, self.fp8_block(), keep)
 
-    def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Glm52ForCausalLM:
+    def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int,
+                   fp8_gemm: bool = False) -> Glm52ForCausalLM:
         """The decoder on ``device`` in ``dtype`` (routers in float32), with the checkpoint's
-        weights (or seeded random ones when ``dummy``), in eval mode."""
+        weights (or seeded random ones when ``dummy``), in eval mode. ``fp8_gemm``: the whole
+        linear layers also keep their fp8 pairs as ``qweight`` (``fp8.attach_fp8_gemms``; the
+        routed experts are not linears and stay dequantised)."""
         config = self.config()
-        return load_glm52(config, device, dtype, lambda: self.tensors(dtype), dummy=dummy, seed=seed)
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def keep(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+            if fp8_gemm and weight.dim() == 2 and ".mlp.experts." not in name:
+                pairs[name] = (weight, scale_inv)
+
+        model = load_glm52(config, device, dtype, lambda: self.tensors(dtype, keep), dummy=dummy, seed=seed)
+        if fp8_gemm and not dummy:
+            attach_fp8_gemms(model, pairs, self.fp8_block())
+        return model
 
 
 def load_glm52(config: Glm52Config, device: torch.device, dtype: torch.dtype, tensors, *, dummy: bool,

@@ -56,7 +56,8 @@ class Glm52Chat(ChatLLM):
 
     def build_engines(self, nodes: set[str], device: torch.device):
         model = self.checkpoint().load_model(device, self.config.torch_dtype(),
-                                             dummy=self.config.load_format == "dummy", seed=self.knobs.seed)
+                                             dummy=self.config.load_format == "dummy", seed=self.knobs.seed,
+                                             fp8_gemm=self.knobs.fp8_gemm)
         kv = self.config.resources.kv_cache
         engine = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), num_pages=kv.max_num_pages,
                                       page_size=kv.page_size, max_seq_len=self.config.max_seq_len, device=device,
