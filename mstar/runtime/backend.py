@@ -87,6 +87,14 @@ class RuntimeBackend(OnRuntime):
             raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
         return self._pieces(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop), spec.session)
 
+    def append(self, request_id: str, var: str, value) -> None:
+        """Append one item to a running request's client stream (``Runtime.append``)."""
+        self.runtime.append(request_id, var, value)
+
+    def end_input(self, request_id: str) -> None:
+        """The running request's client input ends (``Runtime.end_input``)."""
+        self.runtime.end_input(request_id)
+
     def pin_session(self, session_id: str, pinned: bool = True) -> None:
         """Keep a session from eviction and expiry while a client holds it open (``/generate/ws``)."""
         self.runtime.pin_session(session_id, pinned)
