@@ -169,9 +169,12 @@ class Conductor:
             if stream.edge.source == var:
                 stream.versions.append(version)
 
-    def end_input(self, request_id: str) -> None:
-        """The client ended its input: the request's client streams close once drained, and
-        the stages fed by them after."""
+    def end_input(self, request_id: str, last_items: list[tuple[str, int]] = ()) -> None:
+        """The client ended its input, with ``last_items`` (``(var, version)``: each client
+        stream's empty end marker, whose chunk is the stream's ``last``): the request's client
+        streams close once drained, and the stages fed by them after."""
+        for var, version in last_items:
+            self.append(request_id, var, version)
         live = self.live.get(request_id)
         if live is None:
             if any(w.request_id == request_id for w in self.waiting):

@@ -73,6 +73,7 @@ class _Tracked:
     # each stream's cap, the next (negative) version, and whether the input has ended.
     stream_items: dict[str, int] = field(default_factory=dict)
     stream_limits: dict[str, int | None] = field(default_factory=dict)
+    stream_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # an item's trailing dims
     walk: str = ""
     next_append: int = -1
     input_ended: bool = False
@@ -170,8 +171,7 @@ class Runtime:
             for value in values:
                 self._send_append(request_id, tracked, var, value)
         if request.end_input:
-            tracked.input_ended = True
-            self.commands.put(("end_input", request_id))
+            self._end_input(request_id, tracked)
         self.workers.wake()
         # An input still being computed (a Future: seeded noise drawn on a background thread)
         # is sent on when it is ready; the steps reading it wait for it on their worker, the
@@ -212,11 +212,27 @@ class Runtime:
         with self._ids_lock:
             request_id = self._ids.get(request_id, request_id)
         tracked = self.tracked.get(request_id)
-        if tracked is None or tracked.input_ended:
+        if tracked is None or tracked.closed:
             return
-        tracked.input_ended = True
-        self.commands.put(("end_input", request_id))
+        with tracked.lock:
+            if tracked.input_ended:
+                return
+            self._end_input(request_id, tracked)
         self.workers.wake()
+
+    def _end_input(self, request_id: str, tracked: _Tracked) -> None:
+        """Every client stream gets a last, empty item, so its consumer runs once more with the
+        chunk marked ``last`` (a front end flushes what it held back) even when every append
+        was consumed already; the conductor closes the streams with it, in one command."""
+        tracked.input_ended = True
+        marks = []
+        for var in tracked.stream_items:
+            version, tracked.next_append = tracked.next_append, tracked.next_append - 1
+            empty = torch.zeros((0, *tracked.stream_shapes.get(var, ())))
+            for rank in self.conductor.routes[tracked.walk].destinations(var):
+                self.transport.send(rank, tensor_key(request_id, var, version), {"value": empty})
+            marks.append((var, version))
+        self.commands.put(("end_input", (request_id, marks)))
 
     @staticmethod
     def _count_append(tracked: _Tracked, var: str, value: torch.Tensor) -> None:
@@ -230,6 +246,7 @@ class Runtime:
         if limit is not None and total > limit:
             raise RequestError(var, f"{var} passes its limit of {limit} items ({total} appended)", 400)
         tracked.stream_items[var] = total
+        tracked.stream_shapes[var] = tuple(value.shape[1:])
 
     def _send_append(self, request_id: str, tracked: _Tracked, var: str, value: torch.Tensor) -> None:
         version, tracked.next_append = tracked.next_append, tracked.next_append - 1
@@ -373,7 +390,7 @@ class Runtime:
                 elif kind == "append":
                     self.conductor.append(*arg)  # (request_id, var, version)
                 elif kind == "end_input":
-                    self.conductor.end_input(arg)
+                    self.conductor.end_input(*arg)  # (request_id, the streams' last items)
                 command = self.commands.get_nowait()
         except queue.Empty:
             return

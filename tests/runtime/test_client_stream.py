@@ -65,11 +65,13 @@ def _answer(c: Conductor, plan, frames_of=lambda item: True) -> StepResult:
     return result
 
 
-def _ticks(c: Conductor, n: int, log: list, frames_of=lambda item: True):
+def _ticks(c: Conductor, n: int, log: list, frames_of=lambda item: True, lasts=None):
+    lasts = [] if lasts is None else lasts
     for _ in range(n):
         d = c.tick(0.0)
         for plan in d.plans.values():
             log.extend((i.step, i.chunk.versions if i.chunk else None) for i in plan.items)
+            lasts.extend(i.chunk.last for i in plan.items if i.step == "enc.forward")
             _answer(c, plan, frames_of)
         if d.finished:
             return d.finished
@@ -93,9 +95,11 @@ def test_conductor_runs_appends_in_order_and_ends_only_at_end_input():
     assert enc == [[-1], [-2], [-3]]
     decodes = [versions for step, versions in log if step == "llm.decode"]
     assert len(decodes) == 3 and all(len(v) == 1 for v in decodes)
-    c.end_input("r")
-    finished = _ticks(c, 5, log)
+    c.end_input("r", [("audio_in", -4)])  # with the stream's empty end marker
+    lasts: list = []
+    finished = _ticks(c, 5, log, lasts=lasts)
     assert [f.request_id for f in finished] == ["r"] and finished[0].error is None
+    assert [v for step, v in log if step == "enc.forward"][-1] == [-4] and lasts == [True]
     assert c.idle or not c.live
 
 
