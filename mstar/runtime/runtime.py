@@ -207,6 +207,12 @@ class Runtime:
             self._send_append(request_id, tracked, var, value)
         self.workers.wake()
 
+    def knows(self, client_id: str) -> bool:
+        """Whether a request of that id was submitted and has not closed."""
+        with self._ids_lock:
+            own = self._ids.get(client_id)
+        return own is not None and own in self.tracked
+
     def end_input(self, request_id: str) -> None:
         """The client's input ends: its client streams close once consumed."""
         with self._ids_lock:

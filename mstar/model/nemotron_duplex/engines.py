@@ -1,0 +1,126 @@
+"""The duplex model's engines: the streamed speech encoder and the frame-synchronous nano LLM.
+
+``EncoderEngine`` (node ``conformer_encoder``, a stream consumer of the client's audio):
+each call holds one slot of the ``encoder_state`` pool from its first chunk until it is
+released, however it ends; the slot holds its front end (``MelStream``) and encoder state
+(``EncoderStream``). A chunk is one append: its samples run through the front end, the new
+mel frames through the encoder, and the encoder frames no later audio can change leave,
+projected to LLM embeddings. The stream's last chunk (the client's end of input) flushes the
+frames that read the clip's end. A chunk that finalises no frame writes nothing (no item for
+the LLM's stream).
+
+``NanoEngine`` (node ``nano_llm``): the Nemotron-H autoregressive engine (paged KV for the
+attention layers, a ``mamba_state`` slot per call) behind two ops. ``prime`` prefills the
+system prompt; ``frame`` takes the call's new encoder frames and, for each, runs one decode
+step whose input embedding is the frame plus the embedding of the agent's previous text
+token (``agent_pad_token_id`` before its first), then samples the next one: one agent text
+token per 80 ms frame. The end-of-sequence token is an ordinary token here: the loop ends
+when the audio does, not on it. The frames of every call in a plan run as one batched step
+per frame position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engine.autoregressive import AutoregressiveEngine
+from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.state_pool import StatePool
+from mstar.model.fastconformer.features import MelSettings
+from mstar.model.fastconformer.stream import EncoderStream
+from mstar.model.nemotron_duplex.features import MelStream, _Bank
+from mstar.model.nemotron_duplex.modeling import SpeechEncoder
+
+
+class EncoderEngine(Engine):
+    def __init__(self, model: SpeechEncoder, settings: MelSettings, *, max_slots: int) -> None:
+        self.model = model
+        self.settings = settings
+        self.bank = _Bank(settings)
+        self.pool = StatePool(max_slots)
+        self.calls: dict[str, tuple[MelStream, EncoderStream]] = {}
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        outputs = []
+        with torch.inference_mode():
+            for item in items:
+                outputs.append(self._chunk(item))
+        return outputs
+
+    def _chunk(self, item: EngineItem) -> EngineOutput:
+        call = self.calls.get(item.request_id)
+        if call is None:
+            self.pool.allocate(item.request_id)  # OutOfSlots fails the item: admission should prevent it
+            call = self.calls[item.request_id] = (MelStream(self.settings, self.bank),
+                                                  EncoderStream(self.model.encoder))
+        mels, frames = call
+        audio = item.inputs["audio"].reshape(-1).to(torch.float32)
+        parts = [frames.push(mels.push(audio))]
+        if item.chunk is not None and item.chunk.last:
+            parts.append(frames.push(mels.end(), last=True))
+        out = torch.cat(parts)
+        if out.shape[0] == 0:
+            return EngineOutput({})
+        return EngineOutput({"frames": self.model.proj(out)})
+
+    def release(self, request_id: str) -> None:
+        self.calls.pop(request_id, None)
+        self.pool.free(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {"encoder_slots_used": float(self.pool.num_used)}
+
+
+class NanoEngine(Engine):
+    def __init__(self, inner: AutoregressiveEngine, model, *, pad_token_id: int) -> None:
+        self.inner = inner
+        self.model = model
+        self.pad = pad_token_id
+        self.last: dict[str, int] = {}  # the agent's previous text token, per call
+
+    def run(self, items: list[EngineItem]) -> list[EngineOutput]:
+        primes = [i for i in items if i.op == "prime"]
+        frames = [i for i in items if i.op == "frame"]
+        done: dict[int, EngineOutput] = {}
+        if primes:
+            self.inner.run([EngineItem(i.request_id, "prefill", 0, {"prompt_ids": i.inputs["prompt_ids"]},
+                                       i.params) for i in primes])
+            for item in primes:
+                self.last[item.request_id] = self.pad
+                done[id(item)] = EngineOutput({"primed": torch.ones(1)})
+        if frames:
+            done |= self._frames(frames)
+        return [done[id(item)] for item in items]
+
+    def _frames(self, items: list[EngineItem]) -> dict[int, EngineOutput]:
+        tokens: dict[int, list[int]] = {id(item): [] for item in items}
+        longest = max(item.inputs["frame"].shape[0] for item in items)
+        for j in range(longest):
+            step = [item for item in items if item.inputs["frame"].shape[0] > j]
+            batch = []
+            with torch.inference_mode():
+                for item in step:
+                    previous = torch.tensor([self.last[item.request_id]])
+                    # the engine checks a decode's token against its history: the prime's
+                    # sampled token the first time, then each frame's
+                    history = self.inner.seqs[item.request_id].tokens[-1]
+                    embed = self.model.embed_input_ids(previous.to(self._device()))
+                    fused = item.inputs["frame"][j:j + 1].to(embed.dtype) + embed
+                    batch.append(EngineItem(item.request_id, "decode", j, {
+                        "token": torch.tensor([history]), "input_embeds": fused}, item.params))
+            results = self.inner.run(batch)
+            for item, result in zip(step, results):
+                token = int(result.outputs["token"].reshape(-1)[0])
+                self.last[item.request_id] = token
+                tokens[id(item)].append(token)
+        return {key: EngineOutput({"token": torch.tensor(ids, dtype=torch.int64)}) for key, ids in tokens.items()}
+
+    def _device(self) -> torch.device:
+        return self.model.backbone.embeddings.weight.device
+
+    def release(self, request_id: str) -> None:
+        self.last.pop(request_id, None)
+        self.inner.release(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
