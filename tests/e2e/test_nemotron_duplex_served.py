@@ -207,6 +207,8 @@ def test_uploads_check_channels_rate_and_length(served):
     assert response.status_code == 400 and "16000 Hz" in response.text
     response = asyncio.run(upload(app, [wav(speech(2.4, seed=7))]))  # max_session_s is 2
     assert response.status_code == 400
+    response = asyncio.run(upload(app, []))  # a one-shot call with no audio
+    assert response.status_code == 400 and "files" in response.text
     two = np.stack([speech(0.32, seed=7), np.zeros(int(0.32 * 16000), np.float32)], axis=1)
     left = asyncio.run(upload(app, [wav(two)]))  # a conversation: the user is the left channel
     mono = asyncio.run(upload(app, [wav(two[:, 0].copy())]))

@@ -35,7 +35,7 @@ from mstar.graph import ClientStream, Emit, FixedFrames, Graph, Node, Step, Stre
 from mstar.model.decoding import kv_pages, pool_for_every_request, state_capacity, state_slots
 from mstar.model.knobs import Knobs, RequestKnobs
 from mstar.model.nemotron_duplex.config import FRAME_SAMPLES, DuplexConfig
-from mstar.model.nemotron_duplex.features import SAMPLE_RATE, duplex_settings
+from mstar.model.nemotron_duplex.features import MIN_SAMPLES, SAMPLE_RATE, duplex_settings
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 
@@ -122,6 +122,9 @@ class NemotronDuplex(ModelSpec):
         clips = [self.decode_audio(data, f"files[{i}]", upload=True) for i, (_, data) in enumerate(spec.files)]
         params = {"sampling": sampling, "max_new_tokens": 1 << 30, "stop_token_ids": [],
                   "max_samples": int(self.knobs.max_session_s * SAMPLE_RATE)}
+        if not spec.live_input and sum(c.shape[0] for c in clips) < MIN_SAMPLES:
+            raise RequestError("files", f"a one-shot call needs an audio clip of at least {MIN_SAMPLES} samples "
+                                        "(16 kHz)")
         if sum(c.shape[0] for c in clips) > params["max_samples"]:
             raise RequestError("files", f"the audio is longer than max_session_s ({self.knobs.max_session_s} s)")
         pages = kv_pages(self.config.max_seq_len, self.config)
