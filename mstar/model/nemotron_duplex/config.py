@@ -3,8 +3,10 @@
 Read from the checkpoint folder's ``config.json``: ``encoder`` (the FastConformer's fields,
 ``FastConformerConfig``; always the causal layout at lookahead 0, each frame over itself and
 the ``left_context`` frames before it, 70 by default), ``llm`` (a transformers Nemotron-H
-``config.json``), ``n_mels`` (128) and ``agent_pad_token_id`` (the agent's "no text yet"
-token, the previous token of its first frame; default the LLM's pad, else 0).
+``config.json``), ``n_mels`` (128), ``agent_pad_token_id`` (the agent's "no text" token,
+the previous token of its first frame and never shown as text; default the LLM's pad, else 0)
+and ``user_channel_weight`` (the audio frames' scale before they are fused, NeMo's
+``duplex_user_channel_weight``; default 1).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class DuplexConfig:
     llm: NemotronHConfig
     n_mels: int = 128
     agent_pad_token_id: int = 0
+    user_channel_weight: float = 1.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DuplexConfig:
@@ -39,7 +42,8 @@ class DuplexConfig:
         encoder["num_mel_bins"] = n_mels
         llm = NemotronHConfig.from_hf_dict(d["llm"])
         pad = d.get("agent_pad_token_id", d["llm"].get("pad_token_id"))
-        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0))
+        weight = float(d.get("user_channel_weight", 1.0))
+        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight)
 
     @classmethod
     def from_dir(cls, path: Path) -> DuplexConfig:

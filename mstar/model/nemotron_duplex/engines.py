@@ -14,9 +14,11 @@ attention layers, a ``mamba_state`` slot per call) behind two ops. ``prime`` pre
 system prompt; ``frame`` takes the call's new encoder frames and, for each, runs one decode
 step whose input embedding is the frame plus the embedding of the agent's previous text
 token (``agent_pad_token_id`` before its first), then samples the next one: one agent text
-token per 80 ms frame. The end-of-sequence token is an ordinary token here: the loop ends
-when the audio does, not on it. The frames of every call in a plan run as one batched step
-per frame position.
+token per 80 ms frame. That is the text channel of NeMo's duplex inference loop
+(``DuplexS2SModel.offline_inference``: the first frame with the pad's embedding, each later
+one with its predecessor's token), with the speech channel left to the talker. The
+end-of-sequence token is an ordinary token here: the loop ends when the audio does, not on
+it. The frames of every call in a plan run as one batched step per frame position.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class EncoderEngine(Engine):
         out = torch.cat(parts)
         if out.shape[0] == 0:
             return EngineOutput({})
-        return EngineOutput({"frames": self.model.proj(out)})
+        return EngineOutput({"frames": self.model.project(out)})
 
     def release(self, request_id: str) -> None:
         self.calls.pop(request_id, None)

@@ -159,7 +159,7 @@ class NemotronDuplex(ModelSpec):
         return torch.from_numpy(samples)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream:
-        return AgentText(self.tokenizer)
+        return AgentText(self.tokenizer, self.duplex.agent_pad_token_id)
 
     # --------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
@@ -194,17 +194,19 @@ class NemotronDuplex(ModelSpec):
 
 
 class AgentText(OutputStream):
-    """Each agent frame's text token: its id, and its text (special tokens, the agent's
-    silence among them, show as nothing)."""
+    """Each agent frame's text token: its id, and its text (the pad, the agent's "no text",
+    and other special tokens show as nothing)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, pad_id: int) -> None:
         self.tokenizer = tokenizer
+        self.pad_id = pad_id
         self.count = 0
 
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
         ids = [int(t) for t in value.reshape(-1).tolist()]
         self.count += len(ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        said = [t for t in ids if t != self.pad_id]
+        text = self.tokenizer.decode(said, skip_special_tokens=True) if said else ""
         return OutputEvent(modality="text", text=text, token_ids=ids)
 
     @property

@@ -18,11 +18,16 @@ class SpeechEncoder(nn.Module):
         super().__init__()
         self.encoder = FastConformerEncoder(config.encoder)
         self.proj = nn.Linear(config.encoder.hidden_size, config.llm.hidden_size)
+        self.user_weight = config.user_channel_weight
+
+    def project(self, frames: torch.Tensor) -> torch.Tensor:
+        """Encoder frames ``[T, hidden]`` as the LLM's user-channel embeddings."""
+        return self.proj(frames) * self.user_weight
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         """The offline pass: ``[T', llm hidden]`` of one call's log-mels ``[T, mel]``."""
         frames, _ = self.encoder(mel[None], lookahead=0)
-        return self.proj(frames[0])
+        return self.project(frames[0])
 
 
 def build_models(config: DuplexConfig) -> tuple[SpeechEncoder, NemotronHForCausalLM]:
