@@ -2,7 +2,7 @@
 config with a tiny FastConformer and Nemotron-H, a byte-level tokenizer), dummy weights, the
 in-process runtime. Live calls over ``/generate/ws`` in 80 ms appends get one agent frame per
 encoder frame, in order, end on ``end_input`` and free every slot and page; a live call
-equals the same audio uploaded at once; concurrent calls equal their solo runs; the limits
+equals the same audio uploaded at once; 16 concurrent calls equal their solo runs; the limits
 (a 48 kHz append, a 3-channel upload, an over-long call, a pool smaller than the cap) get
 their errors, naming the field or key."""
 
@@ -50,10 +50,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(checkpoint: Path, **overrides) -> dict:
-    slots = {"max_slots": 5}
-    return {"model": MODEL, "model_path": str(checkpoint), "load_format": "dummy", "max_seq_len": 256,
-            "max_concurrent_requests": 4,
-            "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 16}, "mamba_state": slots,
+    slots = {"max_slots": 17}
+    return {"model": MODEL, "model_path": str(checkpoint), "load_format": "dummy", "max_seq_len": 128,
+            "max_concurrent_requests": 16,
+            "resources": {"kv_cache": {"max_num_pages": 128, "page_size": 16}, "mamba_state": slots,
                           "encoder_state": slots},
             "model_kwargs": {"seed": 3, "max_session_s": 2.0, "temperature": 0.0}} | overrides
 
@@ -159,14 +159,23 @@ def test_live_call_equals_the_same_audio_uploaded_at_once(served):
 
 def test_concurrent_calls_equal_their_solo_runs(served):
     d, app = served
-    clips = [speech(0.4 + 0.16 * i, seed=10 + i) for i in range(4)]
+    clips = [speech(0.4 + 0.08 * (i % 4), seed=10 + i) for i in range(16)]
     solo = [tokens_of(asyncio.run(live_call(app, c))) for c in clips]
 
     async def together():
         return await asyncio.gather(*[live_call(app, c, pause=0.005) for c in clips])
 
-    for alone, messages in zip(solo, asyncio.run(together())):
+    engine = d.runtime.workers.workers[0].engines["nano_llm"]
+    widths: list[int] = []
+    run = engine.run
+    engine.run = lambda items: widths.append(sum(i.op == "frame" for i in items)) or run(items)
+    try:
+        results = asyncio.run(together())
+    finally:
+        del engine.run
+    for alone, messages in zip(solo, results):
         assert tokens_of(messages) == alone
+    assert max(widths) > 1  # the calls' frames really shared steps
     wait_drained(d)
 
 
@@ -228,9 +237,9 @@ def test_a_call_past_max_session_s_gets_a_400_and_ends(served):
 
 
 def test_startup_refuses_a_pool_smaller_than_the_cap(checkpoint: Path):
-    config = _config(checkpoint, max_concurrent_requests=5)
-    config["resources"] = config["resources"] | {"mamba_state": {"max_slots": 6},
-                                                 "kv_cache": {"max_num_pages": 96, "page_size": 16}}
+    config = _config(checkpoint, max_concurrent_requests=17)
+    config["resources"] = config["resources"] | {"mamba_state": {"max_slots": 18},
+                                                 "kv_cache": {"max_num_pages": 136, "page_size": 16}}
     with pytest.raises(ConfigError, match=r"resources\.encoder_state\.max_slots"):
         start(parse_config(config), in_process=True)
 
