@@ -128,6 +128,7 @@ class Conductor:
         self._steps_named = {name: _steps_by_name(walk) for name, walk in graph.walks.items()}
         self._reports_progress = {name for name, walk in graph.walks.items() if walk_cursor.has_progress(walk.body)}
         self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
+        self._droppable = {name: _droppable_sources(walk) for name, walk in graph.walks.items()}
 
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
@@ -326,7 +327,8 @@ class Conductor:
             ctx = walk_cursor.LoopContext(frozenset(), spec.params)
             live = _Live(spec, walk_cursor.start(walk.body, ctx))
             live.versions = {var: 0 for var in walk.inputs}
-            live.streams = [StreamState(edge) for edge in walk.streams]
+            live.streams = [StreamState(edge, droppable=edge.source in self._droppable[walk.name])
+                            for edge in walk.streams]
             for var, version in self._early_items.pop(spec.request_id, ()):
                 for stream in live.streams:
                     if stream.edge.source == var:
@@ -498,6 +500,15 @@ class Conductor:
         return bool(self.waiting) or any(self.releases.values()) or any(self.session_drops.values()) or any(
             live.ending is not None and not live.in_flight for live in self.live.values()
         )
+
+
+def _droppable_sources(walk) -> set[str]:
+    """The stream sources whose consumed items may be freed on the consumer's rank: read by
+    that one edge's chunks only (no other edge, no plain read, not a walk output)."""
+    plain = {var for step in walk.steps() for port, var in step.reads
+             if not any(edge.into is step and port == edge.chunk_port for edge in walk.streams)}
+    sources = [edge.source for edge in walk.streams]
+    return {var for var in sources if sources.count(var) == 1 and var not in plain and var not in walk.outputs}
 
 
 def walk_cursor_steps(walk) -> list[Step]:

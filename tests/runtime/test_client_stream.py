@@ -93,6 +93,7 @@ def test_conductor_runs_appends_in_order_and_ends_only_at_end_input():
     assert _ticks(c, 10, log) == []  # the input is open: nothing ends, however long it idles
     enc = [versions for step, versions in log if step == "enc.forward"]
     assert enc == [[-1], [-2], [-3]]
+    assert c.live["r"].streams[0].dropped == 3  # each chunk told its rank to free its item
     decodes = [versions for step, versions in log if step == "llm.decode"]
     assert len(decodes) == 3 and all(len(v) == 1 for v in decodes)
     c.end_input("r", [("audio_in", -4)])  # with the stream's empty end marker
@@ -282,6 +283,9 @@ def test_a_disconnect_frees_every_state_and_item(deployment):
         await asyncio.sleep(0.2)
         assert not reader.done()  # no end_input: the call stays open
         assert HELD["llm"]  # the decoder holds the call's state
+        store = deployment.runtime.workers.workers[0].store._values
+        # consumed stream items are freed as the call goes, not kept until it ends
+        assert not store.get(("gone", "audio_in")) and not store.get(("gone", "frames"))
         reader.cancel()  # the client hangs up
         try:
             await reader
