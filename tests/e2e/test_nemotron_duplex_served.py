@@ -236,6 +236,25 @@ def test_a_call_past_max_session_s_gets_a_400_and_ends(served):
     wait_drained(d)
 
 
+def test_a_call_too_short_to_featurize_fails_alone(served):
+    d, app = served
+
+    async def go():
+        async def short():
+            async with AsgiSocket(app) as ws:
+                await ws.send_json({"output_modalities": "text"})
+                await ws.send_bytes(wav(np.zeros(200, np.float32)))
+                await ws.send_json({"type": "end_input"})
+                return await ws.receive_all()
+
+        return await asyncio.gather(short(), live_call(app, speech(0.48, seed=12)))
+
+    bad, good = asyncio.run(go())
+    assert any(isinstance(m, dict) and m["type"] == "error" and "too short" in m["message"] for m in bad)
+    assert tokens_of(good) == tokens_of(asyncio.run(live_call(app, speech(0.48, seed=12))))
+    wait_drained(d)
+
+
 def test_startup_refuses_a_pool_smaller_than_the_cap(checkpoint: Path):
     config = _config(checkpoint, max_concurrent_requests=17)
     config["resources"] = config["resources"] | {"mamba_state": {"max_slots": 18},

@@ -15,6 +15,12 @@ frames over its new encoder frames only:
 So a chunk costs the same however long the call has run, and the frames out of all chunks
 equal ``FastConformerEncoder.forward(mel, lookahead=0)`` of the whole call (to float
 rounding: the attention sums over fewer masked keys).
+
+``push_many`` runs several calls' chunks together: each call's subsampling window on its
+own (their lengths differ), then the conformer blocks once over every call's new frames,
+padded to the longest, each call's cached keys right-aligned before its new frames so that
+one band of relative distances serves them all; padded keys are masked, padded queries
+dropped, and the causal convolutions never see the padding after a call's frames.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ class _LayerState:
 
 class EncoderStream:
     """One call's encoder state: ``push`` final log-mel frames ``[n, mel]``, get the encoder
-    frames ``[m, hidden]`` no later audio can change; ``end`` gives the rest."""
+    frames ``[m, hidden]`` no later audio can change; ``push(..., last=True)`` gives the rest."""
 
     def __init__(self, encoder: FastConformerEncoder) -> None:
         config = encoder.config
@@ -45,15 +51,21 @@ class EncoderStream:
             raise ValueError("only the causal FastConformer layout with 8x subsampling can stream")
         self.encoder = encoder
         self.left_context = config.left_context if config.left_context is not None else 1 << 30
-        dtype = next(encoder.parameters()).dtype
-        self.mel = torch.zeros(0, config.num_mel_bins, dtype=dtype)  # from global mel frame ``mel_start``
-        self.mel_start = 0
+        param = next(encoder.parameters())
+        self.mel = torch.zeros(0, config.num_mel_bins, dtype=param.dtype, device=param.device)
+        self.mel_start = 0  # the global index of ``mel``'s first frame
         self.mel_count = 0
         self.frames = 0  # encoder frames given out so far
-        self.layers = [_LayerState(block, config.hidden_size, dtype) for block in encoder.layers]
+        self.layers = [_LayerState(block, config.hidden_size, param.dtype) for block in encoder.layers]
+        for state in self.layers:
+            state.k, state.v, state.conv = (t.to(param.device) for t in (state.k, state.v, state.conv))
 
     def push(self, mel: torch.Tensor, *, last: bool = False) -> torch.Tensor:
-        mel = mel.to(self.mel.dtype)
+        return push_many([self], [mel], [last])[0]
+
+    def _subsample(self, mel: torch.Tensor, last: bool) -> torch.Tensor:
+        """The new frames' subsampled inputs ``[n, hidden]`` (n may be 0); advances the mel state."""
+        mel = mel.to(self.mel.device, self.mel.dtype)
         self.mel = torch.cat([self.mel, mel])
         self.mel_count += mel.shape[0]
         if last:
@@ -62,66 +74,102 @@ class EncoderStream:
             upto = (self.mel_count - 1) // 8 + 1 if self.mel_count else 0
         if upto <= self.frames:
             return self.mel.new_zeros(0, self.encoder.config.hidden_size)
-        x = self._subsample(upto, last)
-        for block, state in zip(self.encoder.layers, self.layers):
-            x = self._block(block, state, x)
+        first = max(0, self.frames - _REACH)  # the window starts on the 8-frame grid
+        window = self.mel[8 * first - self.mel_start:]
+        lengths = torch.tensor([window.shape[0]], device=window.device)
+        x, _ = self.encoder.subsampling(window[None], lengths)
+        x = x[0, self.frames - first: upto - first] * self.encoder.input_scale
         self.frames = upto
         keep = 8 * max(0, self.frames - _REACH)
         self.mel, self.mel_start = self.mel[keep - self.mel_start:], keep
         return x
 
-    def _subsample(self, upto: int, last: bool) -> torch.Tensor:
-        first = max(0, self.frames - _REACH)  # the window starts on the 8-frame grid
-        window = self.mel[8 * first - self.mel_start:]
-        lengths = torch.tensor([window.shape[0]])
-        x, _ = self.encoder.subsampling(window[None], lengths)
-        x = x[0, self.frames - first: upto - first] * self.encoder.input_scale
-        return x
 
-    def _block(self, block: ConformerBlock, state: _LayerState, x: torch.Tensor) -> torch.Tensor:
-        x = x + 0.5 * block.feed_forward1(block.norm_feed_forward1(x))
-        x = x + self._attend(block.self_attn, state, block.norm_self_att(x))
-        x = x + self._convolve(block, state, block.norm_conv(x))
-        x = x + 0.5 * block.feed_forward2(block.norm_feed_forward2(x))
-        return block.norm_out(x)
+def push_many(streams: list[EncoderStream], mels: list[torch.Tensor], lasts: list[bool]) -> list[torch.Tensor]:
+    """Each call's ``push``, the conformer blocks run once over every call's new frames."""
+    xs = [stream._subsample(mel, last) for stream, mel, last in zip(streams, mels, lasts)]
+    counts = [x.shape[0] for x in xs]
+    live = [i for i, n in enumerate(counts) if n]
+    if not live:
+        return xs
+    encoder = streams[live[0]].encoder
+    longest = max(counts)
+    x = torch.stack([F.pad(xs[i], (0, 0, 0, longest - counts[i])) for i in live])  # [B, N, C]
+    group = [streams[i] for i in live]
+    sizes = torch.tensor([counts[i] for i in live], device=x.device)
+    for index, block in enumerate(encoder.layers):
+        states = [stream.layers[index] for stream in group]
+        x = _block(block, states, x, sizes, group[0].left_context)
+    out = list(xs)
+    for row, i in enumerate(live):
+        out[i] = x[row, :counts[i]]
+    return out
 
-    def _attend(self, attn: RelPositionAttention, state: _LayerState, x: torch.Tensor) -> torch.Tensor:
-        """The new frames' queries over the cached keys and their own: query ``i`` (global
-        ``c + i`` past the cache's first) reads key ``j`` at distance ``c + i - j`` in
-        ``[0, left_context]``; the position term is read per distance as the offline pass's."""
-        n, heads, dim = x.shape[0], attn.num_heads, attn.head_dim
-        q = attn.q_proj(x).view(n, heads, dim)
-        k = torch.cat([state.k, attn.k_proj(x).view(n, heads, dim)])
-        v = torch.cat([state.v, attn.v_proj(x).view(n, heads, dim)])
-        cached = state.k.shape[0]
-        total = cached + n
-        # relative distances total - 1 down to -(n - 1), embedded as in ``relative_positions``
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, x.shape[1], 2, dtype=torch.float32) / x.shape[1]))
-        distances = torch.arange(total - 1, -n, -1, dtype=torch.float32)
-        angles = distances[:, None] * inv_freq[None, :]
-        positions = torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(len(distances), x.shape[1])
-        r = attn.relative_k_proj(positions.to(x.dtype)).view(len(distances), heads, dim)
-        scaled = (q + attn.bias_v) * dim ** -0.5
-        by_distance = torch.einsum("nhd,phd->hnp", scaled, r)  # [H, n, P]
-        query = torch.arange(n)[:, None]
-        key = torch.arange(total)[None, :]
-        distance = cached + query - key
-        column = (total - 1) - distance  # the row of ``positions`` holding that distance
-        bias = by_distance.gather(2, column.clamp(0, len(distances) - 1).expand(heads, n, total))
-        allowed = (distance >= 0) & (distance <= self.left_context)
-        bias = bias.masked_fill(~allowed, torch.finfo(x.dtype).min)
-        out = F.scaled_dot_product_attention((q + attn.bias_u).transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=bias[None])
-        state.k, state.v = k[-self.left_context:], v[-self.left_context:]
-        return attn.o_proj(out[0].transpose(0, 1).reshape(n, heads * dim))
 
-    def _convolve(self, block: ConformerBlock, state: _LayerState, x: torch.Tensor) -> torch.Tensor:
-        conv = block.conv
-        y = F.glu(F.linear(x, conv.pointwise_conv1.weight.squeeze(-1), conv.pointwise_conv1.bias), dim=-1)
-        history = torch.cat([state.conv, y])
-        state.conv = history[-(conv.kernel - 1):]
-        image = history.T[None, :, None, :]  # [1, C, 1, kernel - 1 + n]
-        weight = conv.depthwise_conv.weight.unsqueeze(2)
-        y = F.conv2d(image, weight, conv.depthwise_conv.bias, groups=y.shape[1])[0, :, 0].T
-        y = conv.norm(y)
-        return F.linear(conv.act(y), conv.pointwise_conv2.weight.squeeze(-1), conv.pointwise_conv2.bias)
+def _block(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, sizes: torch.Tensor,
+           left_context: int) -> torch.Tensor:
+    x = x + 0.5 * block.feed_forward1(block.norm_feed_forward1(x))
+    x = x + _attend(block.self_attn, states, block.norm_self_att(x), sizes, left_context)
+    x = x + _convolve(block, states, block.norm_conv(x), sizes)
+    x = x + 0.5 * block.feed_forward2(block.norm_feed_forward2(x))
+    return block.norm_out(x)
+
+
+def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tensor, sizes: torch.Tensor,
+            left_context: int) -> torch.Tensor:
+    """The new frames' queries over each call's cached keys and its own new ones. Keys sit at
+    ``[C - c_b, C)`` (the cache, right-aligned) and ``[C, C + n_b)`` (new) of a row of
+    ``C + N``; query ``i`` sits at ``C + i``, so the distance to key ``j`` is ``C + i - j`` for
+    every call, and the position term is read per distance as the offline pass's."""
+    batch, n, width = x.shape
+    heads, dim = attn.num_heads, attn.head_dim
+    q = attn.q_proj(x).view(batch, n, heads, dim)
+    k_new = attn.k_proj(x).view(batch, n, heads, dim)
+    v_new = attn.v_proj(x).view(batch, n, heads, dim)
+    cached = max(state.k.shape[0] for state in states)
+    total = cached + n
+    keys = x.new_zeros(batch, total, heads, dim)
+    values = x.new_zeros(batch, total, heads, dim)
+    valid = torch.zeros(batch, total, dtype=torch.bool, device=x.device)
+    for b, state in enumerate(states):
+        c = state.k.shape[0]
+        keys[b, cached - c:cached], values[b, cached - c:cached] = state.k, state.v
+        valid[b, cached - c:cached + int(sizes[b])] = True
+    keys[:, cached:], values[:, cached:] = k_new, v_new
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, dtype=torch.float32, device=x.device) / width))
+    distances = torch.arange(total - 1, -n, -1, dtype=torch.float32, device=x.device)
+    angles = distances[:, None] * inv_freq[None, :]
+    positions = torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(len(distances), width)
+    r = attn.relative_k_proj(positions.to(x.dtype)).view(len(distances), heads, dim)
+    scaled = (q + attn.bias_v) * dim ** -0.5
+    by_distance = torch.einsum("bnhd,phd->bhnp", scaled, r)  # [B, H, n, P]
+    distance = cached + torch.arange(n, device=x.device)[:, None] - torch.arange(total, device=x.device)[None, :]
+    column = ((total - 1) - distance).clamp(0, len(distances) - 1)  # the row of ``positions`` at that distance
+    bias = by_distance.gather(3, column.expand(batch, heads, n, total))
+    allowed = (distance >= 0) & (distance <= left_context)
+    allowed = allowed[None, None] & valid[:, None, None, :]
+    bias = bias.masked_fill(~allowed, torch.finfo(x.dtype).min)
+    out = F.scaled_dot_product_attention((q + attn.bias_u).transpose(1, 2), keys.transpose(1, 2),
+                                         values.transpose(1, 2), attn_mask=bias)
+    for b, state in enumerate(states):
+        c, m = state.k.shape[0], int(sizes[b])
+        state.k = keys[b, cached - c:cached + m][-left_context:]
+        state.v = values[b, cached - c:cached + m][-left_context:]
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, n, heads * dim))
+
+
+def _convolve(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The conv module over each call's last ``kernel - 1`` inputs and its new ones (the
+    padding after a call's frames only reaches padded outputs: the convolution is causal)."""
+    conv = block.conv
+    y = F.glu(F.linear(x, conv.pointwise_conv1.weight.squeeze(-1), conv.pointwise_conv1.bias), dim=-1)
+    history = torch.cat([torch.stack([state.conv for state in states]), y], dim=1)  # [B, kernel - 1 + N, C]
+    reach = conv.kernel - 1
+    for b, state in enumerate(states):
+        m = int(sizes[b])
+        state.conv = history[b, m:m + reach]
+    image = history.transpose(1, 2).unsqueeze(2)  # [B, C, 1, kernel - 1 + N]
+    weight = conv.depthwise_conv.weight.unsqueeze(2)
+    y = F.conv2d(image, weight, conv.depthwise_conv.bias, groups=y.shape[2]).squeeze(2).transpose(1, 2)
+    y = conv.norm(y)
+    return F.linear(conv.act(y), conv.pointwise_conv2.weight.squeeze(-1), conv.pointwise_conv2.bias)

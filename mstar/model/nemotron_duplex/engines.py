@@ -1,6 +1,7 @@
 """The duplex model's engines: the streamed speech encoder and the frame-synchronous nano LLM.
 
-``EncoderEngine`` (node ``conformer_encoder``, a stream consumer of the client's audio):
+``EncoderEngine`` (node ``conformer_encoder``, a stream consumer of the client's audio; the
+calls of a plan share one pass of the conformer blocks):
 each call holds one slot of the ``encoder_state`` pool from its first chunk until it is
 released, however it ends; the slot holds its front end (``MelStream``) and encoder state
 (``EncoderStream``). A chunk is one append: its samples run through the front end, the new
@@ -29,8 +30,8 @@ from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.state_pool import StatePool
 from mstar.model.fastconformer.features import MelSettings
-from mstar.model.fastconformer.stream import EncoderStream
-from mstar.model.nemotron_duplex.features import MelStream, _Bank
+from mstar.model.fastconformer.stream import EncoderStream, push_many
+from mstar.model.nemotron_duplex.features import MIN_SAMPLES, MelStream, _Bank
 from mstar.model.nemotron_duplex.modeling import SpeechEncoder
 
 
@@ -43,27 +44,34 @@ class EncoderEngine(Engine):
         self.calls: dict[str, tuple[MelStream, EncoderStream]] = {}
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
-        outputs = []
+        """Every call's front end on its own, then the conformer blocks once over all their
+        new frames (``push_many``), then the projection."""
+        for item in items:  # before any call's state moves: the worker then retries each alone
+            if item.chunk is not None and item.chunk.last:
+                front = self.calls.get(item.request_id)
+                heard = (front[0].received if front else 0) + item.inputs["audio"].numel()
+                if heard < MIN_SAMPLES:
+                    raise ValueError(f"the call ended with {heard} samples, too short to featurize "
+                                     f"(at least {MIN_SAMPLES}, about 16 ms)")
         with torch.inference_mode():
+            calls, mels, lasts = [], [], []
             for item in items:
-                outputs.append(self._chunk(item))
-        return outputs
-
-    def _chunk(self, item: EngineItem) -> EngineOutput:
-        call = self.calls.get(item.request_id)
-        if call is None:
-            self.pool.allocate(item.request_id)  # OutOfSlots fails the item: admission should prevent it
-            call = self.calls[item.request_id] = (MelStream(self.settings, self.bank),
-                                                  EncoderStream(self.model.encoder))
-        mels, frames = call
-        audio = item.inputs["audio"].reshape(-1).to(torch.float32)
-        parts = [frames.push(mels.push(audio))]
-        if item.chunk is not None and item.chunk.last:
-            parts.append(frames.push(mels.end(), last=True))
-        out = torch.cat(parts)
-        if out.shape[0] == 0:
-            return EngineOutput({})
-        return EngineOutput({"frames": self.model.project(out)})
+                call = self.calls.get(item.request_id)
+                if call is None:
+                    self.pool.allocate(item.request_id)  # OutOfSlots fails the item: admission prevents it
+                    call = self.calls[item.request_id] = (MelStream(self.settings, self.bank),
+                                                          EncoderStream(self.model.encoder))
+                front, _ = call
+                mel = front.push(item.inputs["audio"].reshape(-1).to(torch.float32))
+                last = item.chunk is not None and item.chunk.last
+                if last:
+                    mel = torch.cat([mel, front.end()])
+                calls.append(call[1])
+                mels.append(mel)
+                lasts.append(last)
+            frames = push_many(calls, mels, lasts)
+            return [EngineOutput({"frames": self.model.project(f)}) if f.shape[0] else EngineOutput({})
+                    for f in frames]
 
     def release(self, request_id: str) -> None:
         self.calls.pop(request_id, None)
