@@ -129,6 +129,8 @@ class Conductor:
         self._reports_progress = {name for name, walk in graph.walks.items() if walk_cursor.has_progress(walk.body)}
         self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
         self._droppable = {name: _droppable_sources(walk) for name, walk in graph.walks.items()}
+        self._body_writes = {name: {var for step in iter_steps(walk.body) for var in step.write_vars}
+                             for name, walk in graph.walks.items()}
 
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
@@ -442,7 +444,7 @@ class Conductor:
                 stream.closed = live.inputs_ended
                 continue
             feeders = [s for s in live.streams if source in s.edge.into.write_vars]
-            by_body = any(source in step.write_vars for step in walk_cursor_steps(walk))
+            by_body = source in self._body_writes[walk.name]
             stream.closed = (body_done or not by_body) and all(s.drained for s in feeders)
 
     def _release(self, live: _Live) -> None:
@@ -509,11 +511,6 @@ def _droppable_sources(walk) -> set[str]:
              if not any(edge.into is step and port == edge.chunk_port for edge in walk.streams)}
     sources = [edge.source for edge in walk.streams]
     return {var for var in sources if sources.count(var) == 1 and var not in plain and var not in walk.outputs}
-
-
-def walk_cursor_steps(walk) -> list[Step]:
-    """The steps of the walk's body (not its stream consumers)."""
-    return list(iter_steps(walk.body))
 
 
 def _steps_by_name(walk) -> dict[str, list[Step]]:
