@@ -55,7 +55,7 @@ def _config(checkpoint: Path, **overrides) -> dict:
             "max_concurrent_requests": 16,
             "resources": {"kv_cache": {"max_num_pages": 128, "page_size": 16}, "mamba_state": slots,
                           "encoder_state": slots},
-            "model_kwargs": {"seed": 3, "max_session_s": 2.0, "temperature": 0.0}} | overrides
+            "model_kwargs": {"seed": 3, "max_session_s": 2.0, "max_prompt_tokens": 32, "temperature": 0.0}} | overrides
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,16 @@ def test_startup_refuses_a_pool_smaller_than_the_cap(checkpoint: Path):
                                                  "kv_cache": {"max_num_pages": 136, "page_size": 16}}
     with pytest.raises(ConfigError, match=r"resources\.encoder_state\.max_slots"):
         start(parse_config(config), in_process=True)
+    # every call's KV pages: 32 prompt tokens and 27 frames of 2 s are 4 pages of 16
+    small = _config(checkpoint, resources={"kv_cache": {"max_num_pages": 63, "page_size": 16}})
+    with pytest.raises(ConfigError, match=r"resources\.kv_cache\.max_num_pages.*at least 64"):
+        start(parse_config(small), in_process=True)
+
+
+def test_a_prompt_past_max_prompt_tokens_is_a_400_naming_text(served):
+    d, app = served
+    response = asyncio.run(upload(app, [wav(speech(0.32, seed=7))], text="x" * 33))
+    assert response.status_code == 400 and '"text"' in response.text and "max_prompt_tokens" in response.text
 
 
 def test_media_in_the_opening_is_the_first_append(served):

@@ -16,8 +16,8 @@ agent text token per 80 ms frame, after it was primed. The walk ends when the au
 ``eartts_talker`` step turns each text token into that frame's speech.
 
 Each call holds, from admission to its end however it ends, a slot in ``encoder_state`` and
-``mamba_state`` (``resources.<pool>.max_slots``, the sink included) and the KV pages of its
-prompt plus one position per frame of ``max_session_s``; startup refuses a
+``mamba_state`` (``resources.<pool>.max_slots``, the sink included) and the KV pages of
+``max_prompt_tokens`` plus one position per frame of ``max_session_s``; startup refuses a
 ``max_concurrent_requests`` any of them cannot hold, naming the pool's key.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mstar.audio.io import AudioError, read_frames
 from mstar.config import ConfigError
@@ -48,6 +49,9 @@ class DuplexKnobs(Knobs):
     max_session_s: float = 160.0
     """The longest call, in seconds of user audio: a longer upload, or a live call whose
     appends pass it, is refused (400); it sizes each call's KV pages."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """The longest system prompt (the request's text), in tokens: a longer one is refused
+    (400 naming ``text``); with ``max_session_s`` it sizes each call's KV pages."""
     temperature: float = 0.7
     """The agent text's sampling temperature (a request's ``model_kwargs.temperature``
     overrides it; 0 is greedy)."""
@@ -102,11 +106,18 @@ class NemotronDuplex(ModelSpec):
     def max_frames(self) -> int:
         return int(self.knobs.max_session_s * SAMPLE_RATE) // FRAME_SAMPLES + 2
 
+    @property
+    def call_positions(self) -> int:
+        """The KV positions a call may come to hold: its prompt, then one per frame."""
+        return self.knobs.max_prompt_tokens + self.max_frames
+
     def default_capacity(self) -> dict[str, int]:
-        if self.max_frames + 64 > self.config.max_seq_len:
-            raise ConfigError(f"max_seq_len ({self.config.max_seq_len}) cannot hold a call of max_session_s "
-                              f"({self.knobs.max_session_s} s: {self.max_frames} frames) and its prompt")
-        return (pool_for_every_request(self.config, self.config.max_seq_len, "max_seq_len positions")
+        if self.call_positions > self.config.max_seq_len:
+            raise ConfigError(f"max_seq_len ({self.config.max_seq_len}) cannot hold a call of "
+                              f"model_kwargs.max_prompt_tokens ({self.knobs.max_prompt_tokens}) and max_session_s "
+                              f"({self.knobs.max_session_s} s: {self.max_frames} frames)")
+        what = "model_kwargs.max_prompt_tokens and max_session_s of frames"
+        return (pool_for_every_request(self.config, self.call_positions, what)
                 | {"mamba_slots": state_capacity(self.config, "mamba_state"),
                    "encoder_slots": state_capacity(self.config, "encoder_state")})
 
@@ -114,9 +125,9 @@ class NemotronDuplex(ModelSpec):
         options = DuplexRequestKnobs.parse(spec.model_kwargs)
         prompt = self.tokenizer(spec.text, add_special_tokens=False)["input_ids"] if spec.text else []
         prompt = prompt or [self.duplex.agent_pad_token_id]
-        if len(prompt) + self.max_frames > self.config.max_seq_len:
-            raise RequestError("text", f"the system prompt ({len(prompt)} tokens) leaves no room for a call of "
-                                       f"max_session_s in max_seq_len")
+        if len(prompt) > self.knobs.max_prompt_tokens:
+            raise RequestError("text", f"the system prompt is {len(prompt)} tokens; the deployment's "
+                                       f"max_prompt_tokens is {self.knobs.max_prompt_tokens}")
         sampling = {"temperature": self.knobs.temperature if options.temperature is None else options.temperature,
                     "top_p": self.knobs.top_p if options.top_p is None else options.top_p, "seed": options.seed}
         clips = [self.decode_audio(data, f"files[{i}]", upload=True) for i, (_, data) in enumerate(spec.files)]
@@ -127,7 +138,7 @@ class NemotronDuplex(ModelSpec):
                                         "(16 kHz)")
         if sum(c.shape[0] for c in clips) > params["max_samples"]:
             raise RequestError("files", f"the audio is longer than max_session_s ({self.knobs.max_session_s} s)")
-        pages = kv_pages(self.config.max_seq_len, self.config)
+        pages = kv_pages(self.call_positions, self.config)
         return WalkRequest("duplex", {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, params,
                            cost={"kv_pages": pages, "mamba_slots": 1, "encoder_slots": 1},
                            prompt_tokens=len(prompt), appends={AUDIO: clips} if clips else {},
