@@ -10,6 +10,10 @@ back in order; the session is pinned while the socket is open (neither evicted n
 between appends). ``end_input`` ends the session once the appends before it are done, then a
 ``done`` message and a normal close.
 
+A model whose input is a client stream (``live_stream``: Nemotron VoiceChat) is served as a
+live call instead (``_LiveCall``): the socket is one request, its appends the items of that
+stream and ``end_input`` its end.
+
 A reader task takes the client's messages; a runner task runs the appends; a writer task
 sends what is queued for the client. The send queue holds at most ``SEND_QUEUE_MESSAGES``
 messages: a client that stops reading fills it, and is closed with ``CLOSE_NOT_READING``,
