@@ -84,9 +84,9 @@ def quantised(samples: np.ndarray) -> np.ndarray:
 
 
 async def live_call(app, samples: np.ndarray, *, text: str = "", pause: float = 0.0,
-                    extra: list | None = None) -> list:
+                    extra: list | None = None, kwargs: dict | None = None) -> list:
     async with AsgiSocket(app) as ws:
-        await ws.send_json({"text": text, "output_modalities": "text"})
+        await ws.send_json({"text": text, "output_modalities": "text", "model_kwargs": kwargs or {}})
         for at in range(0, len(samples), FRAME):
             await ws.send_bytes(wav(samples[at:at + FRAME]))
             if pause:
@@ -286,4 +286,16 @@ def test_media_in_the_opening_is_the_first_append(served):
             return await ws.receive_all()
 
     assert tokens_of(asyncio.run(go())) == tokens_of(asyncio.run(live_call(app, audio)))
+    wait_drained(d)
+
+
+def test_sampling_is_seeded_per_call_and_checked(served):
+    d, app = served
+    audio = speech(0.64, seed=13)
+    sampled = {"temperature": 1.5, "seed": 5}
+    first = tokens_of(asyncio.run(live_call(app, audio, kwargs=sampled)))
+    assert tokens_of(asyncio.run(live_call(app, audio, kwargs=sampled, pause=0.01))) == first
+    assert first != tokens_of(asyncio.run(live_call(app, audio, kwargs={"temperature": 1.5, "seed": 6})))
+    messages = asyncio.run(live_call(app, audio, kwargs={"temperature": -1}))
+    assert messages[0]["type"] == "session" and messages[1]["field"] == "temperature"
     wait_drained(d)

@@ -24,16 +24,18 @@ Each call holds, from admission to its end however it ends, a slot in ``encoder_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
+import msgspec
 import numpy as np
 import torch
 from pydantic import Field
 
 from mstar.audio.io import AudioError, read_frames
 from mstar.config import ConfigError
-from mstar.contract import GenerateSpec, OutputEvent, RequestError
+from mstar.contract import GenerateSpec, OutputEvent, RequestError, SamplingParams
 from mstar.graph import ClientStream, Emit, FixedFrames, Graph, Node, Step, StreamEdge, Walk
-from mstar.model.decoding import kv_pages, pool_for_every_request, state_capacity, state_slots
+from mstar.model.decoding import checked_sampling, kv_pages, pool_for_every_request, state_capacity, state_slots
 from mstar.model.knobs import Knobs, RequestKnobs
 from mstar.model.nemotron_duplex.config import FRAME_SAMPLES, DuplexConfig
 from mstar.model.nemotron_duplex.features import MIN_SAMPLES, SAMPLE_RATE, duplex_settings
@@ -56,7 +58,8 @@ class DuplexKnobs(Knobs):
     """The agent text's sampling temperature (a request's ``model_kwargs.temperature``
     overrides it; 0 is greedy)."""
     top_p: float = 0.9
-    attention_backend: str = "torch"
+    attention_backend: Literal["torch", "triton"] = "torch"
+    """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``)."""
 
 
 class DuplexRequestKnobs(RequestKnobs):
@@ -128,10 +131,11 @@ class NemotronDuplex(ModelSpec):
         if len(prompt) > self.knobs.max_prompt_tokens:
             raise RequestError("text", f"the system prompt is {len(prompt)} tokens; the deployment's "
                                        f"max_prompt_tokens is {self.knobs.max_prompt_tokens}")
-        sampling = {"temperature": self.knobs.temperature if options.temperature is None else options.temperature,
-                    "top_p": self.knobs.top_p if options.top_p is None else options.top_p, "seed": options.seed}
+        sampling = checked_sampling(SamplingParams(
+            temperature=self.knobs.temperature if options.temperature is None else options.temperature,
+            top_p=self.knobs.top_p if options.top_p is None else options.top_p, seed=options.seed))
         clips = [self.decode_audio(data, f"files[{i}]", upload=True) for i, (_, data) in enumerate(spec.files)]
-        params = {"sampling": sampling, "max_new_tokens": 1 << 30, "stop_token_ids": [],
+        params = {"sampling": msgspec.structs.asdict(sampling), "max_new_tokens": 1 << 30, "stop_token_ids": [],
                   "max_samples": int(self.knobs.max_session_s * SAMPLE_RATE)}
         if not spec.live_input and sum(c.shape[0] for c in clips) < MIN_SAMPLES:
             raise RequestError("files", f"a one-shot call needs an audio clip of at least {MIN_SAMPLES} samples "
