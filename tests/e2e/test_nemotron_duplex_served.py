@@ -299,3 +299,21 @@ def test_sampling_is_seeded_per_call_and_checked(served):
     messages = asyncio.run(live_call(app, audio, kwargs={"temperature": -1}))
     assert messages[0]["type"] == "session" and messages[1]["field"] == "temperature"
     wait_drained(d)
+
+
+def test_encoder_and_llm_on_two_ranks_equal_one(served, checkpoint: Path):
+    """The encoder on rank 0 and the LLM on rank 1 (frames cross on the tensor transport):
+    the same agent frames as the single-rank deployment, and nothing left on either rank."""
+    _, app = served
+    audio = speech(0.8, seed=1)
+    groups = [{"node_names": ["conformer_encoder"], "ranks": [0]}, {"node_names": ["nano_llm"], "ranks": [1]}]
+    split = start(parse_config(_config(checkpoint, node_groups=groups)), in_process=True)
+    try:
+        got = tokens_of(asyncio.run(live_call(create_app(split.backend, served_model_names=[MODEL]), audio)))
+        deadline = time.monotonic() + 10
+        while any(len(w.store._values) for w in split.runtime.workers.workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(len(w.store._values) for w in split.runtime.workers.workers.values())
+    finally:
+        split.close()
+    assert got == tokens_of(asyncio.run(live_call(app, audio))) and len(got) == 10 + 1
