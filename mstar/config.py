@@ -49,6 +49,7 @@ class ResourcesConfig(_Strict):
     gdn_state: StatePoolConfig | None = None  # None: max_concurrent_requests + 1 slots
     transducer_state: StatePoolConfig | None = None  # a transducer's decoder states; None: as gdn_state
     mamba_state: StatePoolConfig | None = None  # Mamba-2 conv windows + SSM states; None: as gdn_state
+    encoder_state: StatePoolConfig | None = None  # a streamed encoder's per-call state; None: as gdn_state
 
 
 class StreamPacingConfig(_Strict):

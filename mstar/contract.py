@@ -169,6 +169,7 @@ class GenerateSpec:
     reference: VoiceClip | None = None
     stream: bool = False  # the client reads the output as it comes (``streaming``)
     session: SessionSpec | None = None  # the world-state session it continues or starts
+    live_input: bool = False  # its input keeps coming by appends to its client stream (/generate/ws)
 
 
 @dataclass

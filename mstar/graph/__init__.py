@@ -14,10 +14,10 @@ from mstar.graph.chunking import (
 )
 from mstar.graph.graph import Graph, GraphError
 from mstar.graph.nodes import Emit, EngineKind, Modality, Node, Step
-from mstar.graph.walk import Loop, Parallel, Sequential, StreamEdge, Walk
+from mstar.graph.walk import ClientStream, Loop, Parallel, Sequential, StreamEdge, Walk
 
 __all__ = [
-    "Chunk", "ChunkPolicy", "Emit", "EngineKind", "FixedFrames", "Graph", "GraphError",
+    "Chunk", "ChunkPolicy", "ClientStream", "Emit", "EngineKind", "FixedFrames", "Graph", "GraphError",
     "GrowingChunks", "Loop", "Modality", "Node", "Parallel", "ScheduledChunks", "Sequential", "SlidingWindow",
     "Step", "StreamEdge", "Walk",
 ]

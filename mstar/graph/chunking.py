@@ -44,6 +44,11 @@ class ChunkPolicy(ABC):
     def next_chunk(self, available: int, taken: int, covered: int, closed: bool) -> Chunk | None:
         """``taken`` chunks were emitted so far and they kept items up to ``covered``."""
 
+    def lookback(self) -> int | None:
+        """The most items before ``covered`` a later chunk may read again (its left
+        context); None: unknown, so every item is kept until the request ends."""
+        return None
+
 
 @dataclass(frozen=True)
 class FixedFrames(ChunkPolicy):
@@ -63,6 +68,9 @@ class FixedFrames(ChunkPolicy):
         else:
             return None
         return Chunk(taken, covered, end, covered, end, closed and end == available)
+
+    def lookback(self) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,9 @@ class GrowingChunks(ChunkPolicy):
 
     def next_chunk(self, available, taken, covered, closed):
         return sized_chunk(self.size_of(taken), self.context, available, taken, covered, closed)
+
+    def lookback(self) -> int:
+        return self.context
 
 
 @dataclass(frozen=True)
@@ -173,3 +184,6 @@ class ScheduledChunks(ChunkPolicy):
 
     def next_chunk(self, available, taken, covered, closed):
         return sized_chunk(self.size_of(taken), self.context, available, taken, covered, closed)
+
+    def lookback(self) -> int:
+        return self.context

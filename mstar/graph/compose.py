@@ -59,4 +59,5 @@ def _section(part: str, section: Section) -> Section:
 
 def _walk(part: str, walk: Walk) -> Walk:
     streams = [StreamEdge(e.source, _step(part, e.into), e.policy, e.port) for e in walk.streams]
-    return Walk(qualified(part, walk.name), _section(part, walk.body), walk.inputs, walk.outputs, streams)
+    return Walk(qualified(part, walk.name), _section(part, walk.body), walk.inputs, walk.outputs, streams,
+                walk.client_streams)

@@ -60,11 +60,17 @@ def _validate_walk(nodes: Mapping[str, Node], walk: Walk) -> None:
         names.add(step.name)
         _validate_step(nodes, step, where)
 
+    clients = [c.var for c in walk.client_streams]
+    for var in clients:
+        if clients.count(var) > 1 or var in walk.inputs:
+            raise GraphError(f"{where}: client stream {var!r} is declared twice (or is also a plain input)")
     defined = _check_flow(walk.body, set(walk.inputs), where, nodes)
     produced_by_body = defined - set(walk.inputs)
+    streamed = set(clients)  # sources a stream edge may take: client streams, then consumers' writes
     for edge in walk.streams:
-        if edge.source not in produced_by_body:
-            raise GraphError(f"{where}: stream edge source {edge.source!r} is not written by any step of the walk")
+        if edge.source not in produced_by_body and edge.source not in streamed:
+            raise GraphError(f"{where}: stream edge source {edge.source!r} is not written by any step of the walk, "
+                             "a client stream or the consumer of an earlier stream edge")
         ports = {port for port, _ in edge.into.reads}
         if edge.chunk_port not in ports:
             raise GraphError(f"{where}: stream edge into {edge.into.name!r} feeds port {edge.chunk_port!r}, "
@@ -73,6 +79,11 @@ def _validate_walk(nodes: Mapping[str, Node], walk: Walk) -> None:
             if port != edge.chunk_port and var not in defined:
                 raise GraphError(f"{where}: step {edge.into.name!r} reads {var!r}, which nothing writes before it")
         defined |= set(edge.into.write_vars)
+        streamed |= set(edge.into.write_vars)
+    fed = {edge.source for edge in walk.streams}
+    for var in clients:
+        if var not in fed:
+            raise GraphError(f"{where}: client stream {var!r} feeds no stream edge")
 
     for name in walk.outputs:
         if name not in defined:

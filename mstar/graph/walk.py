@@ -66,6 +66,19 @@ class StreamEdge:
         return self.port or (self.into.reads[0][0] if self.into.reads else self.source)
 
 
+@dataclass(frozen=True)
+class ClientStream:
+    """A walk input the client appends to while the request runs (``/generate/ws`` appends,
+    then ``end_input``): each append is one item of the stream ``var``, which a stream edge
+    feeds to its consumer. ``max_items`` caps the items' total first-dimension length (audio
+    samples), a number or the name of a walk parameter; the frontend counts it before the
+    first node sees an append. The stream closes on ``end_input``; a stream edge fed by a
+    consumer of a closed, drained stream closes in turn (a decode loop ends with its input)."""
+
+    var: str
+    max_items: int | str | None = None
+
+
 Section = Step | Sequential | Parallel | Loop
 
 
@@ -74,7 +87,10 @@ class Walk:
     """A named path through the graph that one request follows.
 
     ``inputs`` are the variables the request brings (made by the model's ``prepare``);
-    ``outputs`` are variables returned at the end in addition to emitted ones.
+    ``outputs`` are variables returned at the end in addition to emitted ones;
+    ``client_streams`` are inputs the client appends to while it runs (``ClientStream``).
+    A stream edge's source may be written by the body, be a client stream, or be written by
+    the consumer of a stream edge declared before it (a chain of asynchronous stages).
     """
 
     name: str
@@ -82,13 +98,18 @@ class Walk:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...] = ()
     streams: tuple[StreamEdge, ...] = field(default_factory=tuple)
+    client_streams: tuple[ClientStream, ...] = field(default_factory=tuple)
 
-    def __init__(self, name, body, inputs, outputs=(), streams=()):
+    def __init__(self, name, body, inputs, outputs=(), streams=(), client_streams=()):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "inputs", (inputs,) if isinstance(inputs, str) else tuple(inputs))
         object.__setattr__(self, "outputs", (outputs,) if isinstance(outputs, str) else tuple(outputs))
         object.__setattr__(self, "streams", tuple(streams))
+        object.__setattr__(self, "client_streams", tuple(client_streams))
+
+    def client_stream(self, var: str) -> ClientStream | None:
+        return next((c for c in self.client_streams if c.var == var), None)
 
     def steps(self) -> Iterator[Step]:
         """Every step of the walk, stream consumers included, in declaration order."""

@@ -27,7 +27,7 @@ _FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.mode
              "mstar.model.vjepa2.model", "mstar.model.waypoint.model", "mstar.model.lingbot.model",
              "mstar.model.omniasr.model", "mstar.model.qwen3_tts.model", "mstar.model.omnivoice.model",
              "mstar.model.nemotron_h.model", "mstar.model.cosmos3.model", "mstar.model.fish_s2_pro.model",
-             "mstar.model.command_a_plus.model")
+             "mstar.model.command_a_plus.model", "mstar.model.nemotron_duplex.model")
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:

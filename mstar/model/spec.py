@@ -38,6 +38,10 @@ class WalkRequest:
     # walk's KV pages grow with its tokens): a request whose peak the whole pool cannot hold
     # is refused before it is queued.
     peak: dict[str, int] = field(default_factory=dict)
+    # Items of the walk's client streams known at submit (a one-shot upload is one item), and
+    # whether the input ends with them (``end_input``); later items come by ``Runtime.append``.
+    appends: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    end_input: bool = False
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,28 @@ class RuntimeBackend(OnRuntime):
             raise RequestError("ref_audio", f"model {self.model_id!r} does not support voice cloning")
         return self._pieces(spec.request_id, lambda: self.spec.prepare_generate(spec), list(stop), spec.session)
 
+    def append(self, request_id: str, var: str, value) -> None:
+        """Append one item to a running request's client stream (``Runtime.append``)."""
+        self.runtime.append(request_id, var, value)
+
+    def end_input(self, request_id: str) -> None:
+        """The running request's client input ends (``Runtime.end_input``)."""
+        self.runtime.end_input(request_id)
+
+    @property
+    def live_stream(self) -> str | None:
+        """The client stream a ``/generate/ws`` socket's appends feed, all of them one
+        request (a live call); None: each append is a request of the socket's session."""
+        return getattr(self.spec, "live_stream", None)
+
+    def append_item(self, data: bytes, field: str):
+        """One appended file as an item of ``live_stream`` (the family decodes and checks it)."""
+        return self.spec.append_item(data, field)
+
+    def knows(self, request_id: str) -> bool:
+        """Whether the request was submitted and has not ended."""
+        return self.runtime.knows(request_id)
+
     def pin_session(self, session_id: str, pinned: bool = True) -> None:
         """Keep a session from eviction and expiry while a client holds it open (``/generate/ws``)."""
         self.runtime.pin_session(session_id, pinned)

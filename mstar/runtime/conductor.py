@@ -15,6 +15,7 @@ from typing import Any
 from mstar.config import StreamPacingConfig
 from mstar.graph import Graph, Step
 from mstar.graph import cursor as walk_cursor
+from mstar.graph.walk import iter_steps
 from mstar.runtime.pacing import Pace, held_streams
 from mstar.runtime.placement import Placement, Routes, all_routes
 from mstar.runtime.protocol import (
@@ -67,6 +68,7 @@ class _Live:
     emitted: int = 0
     finish_reason: str = "stop"
     streams: list[StreamState] = field(default_factory=list)
+    inputs_ended: bool = False  # the client sent end_input: its client streams close
     ending: Finished | None = None  # set once it must end; released when nothing is in flight
     profile: dict[str, float] = field(default_factory=dict)
 
@@ -115,6 +117,10 @@ class Conductor:
         self.session_drops: dict[int, list[str]] = {rank: [] for rank in self.ranks}
         self.failed_ranks: dict[int, str] = {}
         self._plan_ids = 0
+        # Client-stream items of requests not admitted yet: request id -> [(var, version)],
+        # and the requests whose input ended before admission (``append``, ``end_input``).
+        self._early_items: dict[str, list[tuple[str, int]]] = {}
+        self._early_ends: set[str] = set()
         self._ended: list[Finished] = []
         self._progress: list[Progress] = []
         # Per-step constants, computed once: walk -> step name -> its steps; (step, rank) ->
@@ -122,6 +128,9 @@ class Conductor:
         self._steps_named = {name: _steps_by_name(walk) for name, walk in graph.walks.items()}
         self._reports_progress = {name for name, walk in graph.walks.items() if walk_cursor.has_progress(walk.body)}
         self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
+        self._droppable = {name: _droppable_sources(walk) for name, walk in graph.walks.items()}
+        self._body_writes = {name: {var for step in iter_steps(walk.body) for var in step.write_vars}
+                             for name, walk in graph.walks.items()}
 
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
@@ -147,6 +156,35 @@ class Conductor:
         live = self.live.get(request_id)
         if live is not None and live.ending is None:
             live.ending = Finished(request_id, reason, error, live.emitted, live.profile)
+
+    def append(self, request_id: str, var: str, version: int) -> None:
+        """The client appended an item to the request's client stream ``var``; its tensor
+        was sent, as ``version``, to the ranks that read it. Unknown requests are ignored
+        (it ended meanwhile)."""
+        live = self.live.get(request_id)
+        if live is None:
+            if any(w.request_id == request_id for w in self.waiting):
+                self._early_items.setdefault(request_id, []).append((var, version))
+            return
+        if live.inputs_ended or live.ending is not None:
+            return
+        for stream in live.streams:
+            if stream.edge.source == var:
+                stream.versions.append(version)
+
+    def end_input(self, request_id: str, last_items: list[tuple[str, int]] = ()) -> None:
+        """The client ended its input, with ``last_items`` (``(var, version)``: each client
+        stream's empty end marker, whose chunk is the stream's ``last``): the request's client
+        streams close once drained, and the stages fed by them after."""
+        for var, version in last_items:
+            self.append(request_id, var, version)
+        live = self.live.get(request_id)
+        if live is None:
+            if any(w.request_id == request_id for w in self.waiting):
+                self._early_ends.add(request_id)
+            return
+        live.inputs_ended = True
+        self._check_done(live)
 
     def drop_sessions(self, session_ids: list[str]) -> None:
         """Every live rank frees these sessions' kept state with its next plan, before that
@@ -243,6 +281,9 @@ class Conductor:
                 rank = routes.rank(stream.edge.into)
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
+                if any(var not in live.versions for port, var in stream.edge.into.reads
+                       if port != stream.edge.chunk_port):
+                    continue  # its other inputs (a primed state) are not written yet
                 chunk = stream.next_chunk()
                 if chunk is not None:
                     ref = stream.take(chunk)
@@ -288,7 +329,15 @@ class Conductor:
             ctx = walk_cursor.LoopContext(frozenset(), spec.params)
             live = _Live(spec, walk_cursor.start(walk.body, ctx))
             live.versions = {var: 0 for var in walk.inputs}
-            live.streams = [StreamState(edge) for edge in walk.streams]
+            live.streams = [StreamState(edge, droppable=edge.source in self._droppable[walk.name])
+                            for edge in walk.streams]
+            for var, version in self._early_items.pop(spec.request_id, ()):
+                for stream in live.streams:
+                    if stream.edge.source == var:
+                        stream.versions.append(version)
+            if spec.request_id in self._early_ends:
+                self._early_ends.discard(spec.request_id)
+                live.inputs_ended = True
             if walk_cursor.is_done(live.cursor):  # nothing to run (e.g. a Loop with a zero budget)
                 live.ending = Finished(spec.request_id, live.finish_reason, None, 0)
             self.live[spec.request_id] = live
@@ -371,17 +420,37 @@ class Conductor:
         live.cursor = walk_cursor.mark_pending(self.graph.walk(live.spec.walk).body, live.cursor, step)
 
     def _check_done(self, live: _Live) -> None:
-        """The body's end closes its streams; the request ends once they are drained."""
-        if live.ending is not None or not walk_cursor.is_done(live.cursor):
+        """Streams close (see ``_close_streams``); the request ends once its body is done and
+        every stream is drained."""
+        if live.ending is not None:
             return
-        for stream in live.streams:
-            stream.closed = True
+        body_done = walk_cursor.is_done(live.cursor)
+        self._close_streams(live, body_done)
+        if not body_done:
+            return
         if not live.in_flight and all(stream.drained for stream in live.streams):
             live.ending = Finished(live.spec.request_id, live.finish_reason, None, live.emitted, live.profile)
+
+    def _close_streams(self, live: _Live, body_done: bool) -> None:
+        """A client stream closes when the client ends its input; a stream written by the
+        body when the body is done; a stream written by another edge's consumer when every
+        stream feeding that consumer is drained (edges are declared upstream first)."""
+        walk = self.graph.walk(live.spec.walk)
+        for stream in live.streams:
+            if stream.closed:
+                continue
+            source = stream.edge.source
+            if walk.client_stream(source) is not None:
+                stream.closed = live.inputs_ended
+                continue
+            feeders = [s for s in live.streams if source in s.edge.into.write_vars]
+            by_body = source in self._body_writes[walk.name]
+            stream.closed = (body_done or not by_body) and all(s.drained for s in feeders)
 
     def _release(self, live: _Live) -> None:
         self.paces.pop(live.spec.request_id, None)
         del self.live[live.spec.request_id]
+        self._early_items.pop(live.spec.request_id, None)
         for name, units in live.spec.cost.items():
             self.in_use[name] -= units
         self._release_on(live.spec, live.ranks_seen)
@@ -391,6 +460,8 @@ class Conductor:
     def _end_waiting(self, spec: RequestSpec, ending: Finished) -> None:
         """A request that ends before admission: its inputs already sit on the ranks that
         read them (the runtime sends them at submit), so those ranks release it too."""
+        self._early_items.pop(spec.request_id, None)
+        self._early_ends.discard(spec.request_id)
         self._release_on(spec, set())
         self._ended.append(ending)
 
@@ -431,6 +502,15 @@ class Conductor:
         return bool(self.waiting) or any(self.releases.values()) or any(self.session_drops.values()) or any(
             live.ending is not None and not live.in_flight for live in self.live.values()
         )
+
+
+def _droppable_sources(walk) -> set[str]:
+    """The stream sources whose consumed items may be freed on the consumer's rank: read by
+    that one edge's chunks only (no other edge, no plain read, not a walk output)."""
+    plain = {var for step in walk.steps() for port, var in step.reads
+             if not any(edge.into is step and port == edge.chunk_port for edge in walk.streams)}
+    sources = [edge.source for edge in walk.streams]
+    return {var for var in sources if sources.count(var) == 1 and var not in plain and var not in walk.outputs}
 
 
 def _steps_by_name(walk) -> dict[str, list[Step]]:

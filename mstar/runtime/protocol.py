@@ -32,6 +32,7 @@ class ChunkRef(msgspec.Struct, frozen=True, omit_defaults=True):
     keep_start: int
     keep_end: int
     last: bool = False
+    drop: list[int] = []  # versions of ``var`` no later chunk reads: the rank frees them once this one ran
 
 
 class SessionRef(msgspec.Struct, frozen=True, array_like=True):

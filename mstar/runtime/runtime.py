@@ -69,6 +69,14 @@ class _Tracked:
     delivering: threading.Lock = field(default_factory=threading.Lock)  # one thread delivers at a time
     progress_logged: float = 0.0  # when its progress was last logged (monotonic)
     session: SessionSpec | None = None  # the session it runs in, finished in the book when it closes
+    # Client streams (``ClientStream``): items appended so far per stream (first-dim length),
+    # each stream's cap, the next (negative) version, and whether the input has ended.
+    stream_items: dict[str, int] = field(default_factory=dict)
+    stream_limits: dict[str, int | None] = field(default_factory=dict)
+    stream_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # an item's trailing dims
+    walk: str = ""
+    next_append: int = -1
+    input_ended: bool = False
 
 
 class Runtime:
@@ -133,7 +141,16 @@ class Runtime:
             deadline = time.monotonic() + timeout_s if timeout_s else None
             ref = SessionRef(session.session_id, session.resume) if session is not None else None
             spec = RequestSpec(request_id, request.walk, request.params, request.cost, deadline, request.peak, ref)
-            self.tracked[request_id] = _Tracked(stream, sink, request.prompt_tokens, client_id, session=session)
+            tracked = _Tracked(stream, sink, request.prompt_tokens, client_id, session=session, walk=request.walk)
+            walk = self.conductor.graph.walk(request.walk)
+            for client in walk.client_streams:
+                limit = client.max_items
+                tracked.stream_items[client.var] = 0
+                tracked.stream_limits[client.var] = int(request.params[limit]) if isinstance(limit, str) else limit
+            for var, values in request.appends.items():
+                for value in values:
+                    self._count_append(tracked, var, value)
+            self.tracked[request_id] = tracked
             routes: Routes = self.conductor.routes[request.walk]
             later = []
             for var, value in request.inputs.items():
@@ -150,6 +167,11 @@ class Runtime:
                 self._drop_sessions(self.sessions.finish(session.session_id, keep=False, now=time.monotonic()))
             raise
         self.commands.put(("submit", spec))
+        for var, values in request.appends.items():
+            for value in values:
+                self._send_append(request_id, tracked, var, value)
+        if request.end_input:
+            self._end_input(request_id, tracked)
         self.workers.wake()
         # An input still being computed (a Future: seeded noise drawn on a background thread)
         # is sent on when it is ready; the steps reading it wait for it on their worker, the
@@ -170,6 +192,73 @@ class Runtime:
                 self.transport.send(rank, tensor_key(request_id, var, 0), {"value": value})
             except Exception:  # the runtime is closing
                 log.warning("could not send input %r of %s to rank %d", var, request_id, rank)
+
+    def append(self, request_id: str, var: str, value: torch.Tensor) -> None:
+        """The client appends ``value`` (one item) to the request's client stream ``var``.
+        An unknown stream, an append after ``end_input`` or past the stream's ``max_items``
+        is refused (``RequestError``, 400); an ended request ignores it (it is closing)."""
+        with self._ids_lock:
+            request_id = self._ids.get(request_id, request_id)
+        tracked = self.tracked.get(request_id)
+        if tracked is None or tracked.closed:
+            return
+        with tracked.lock:
+            self._count_append(tracked, var, value)
+            self._send_append(request_id, tracked, var, value)
+        self.workers.wake()
+
+    def knows(self, client_id: str) -> bool:
+        """Whether a request of that id was submitted and has not closed."""
+        with self._ids_lock:
+            own = self._ids.get(client_id)
+        return own is not None and own in self.tracked
+
+    def end_input(self, request_id: str) -> None:
+        """The client's input ends: its client streams close once consumed."""
+        with self._ids_lock:
+            request_id = self._ids.get(request_id, request_id)
+        tracked = self.tracked.get(request_id)
+        if tracked is None or tracked.closed:
+            return
+        with tracked.lock:
+            if tracked.input_ended:
+                return
+            self._end_input(request_id, tracked)
+        self.workers.wake()
+
+    def _end_input(self, request_id: str, tracked: _Tracked) -> None:
+        """Every client stream gets a last, empty item, so its consumer runs once more with the
+        chunk marked ``last`` (a front end flushes what it held back) even when every append
+        was consumed already; the conductor closes the streams with it, in one command."""
+        tracked.input_ended = True
+        marks = []
+        for var in tracked.stream_items:
+            version, tracked.next_append = tracked.next_append, tracked.next_append - 1
+            empty = torch.zeros((0, *tracked.stream_shapes.get(var, ())))
+            for rank in self.conductor.routes[tracked.walk].destinations(var):
+                self.transport.send(rank, tensor_key(request_id, var, version), {"value": empty})
+            marks.append((var, version))
+        self.commands.put(("end_input", (request_id, marks)))
+
+    @staticmethod
+    def _count_append(tracked: _Tracked, var: str, value: torch.Tensor) -> None:
+        """Count an append against its stream's cap, before any node sees it."""
+        if var not in tracked.stream_items:
+            raise RequestError(var, f"the walk has no client stream {var!r}", 400)
+        if tracked.input_ended:
+            raise RequestError("end_input", "the input already ended: no more appends", 400)
+        total = tracked.stream_items[var] + (int(value.shape[0]) if value.dim() else 1)
+        limit = tracked.stream_limits[var]
+        if limit is not None and total > limit:
+            raise RequestError(var, f"{var} passes its limit of {limit} items ({total} appended)", 400)
+        tracked.stream_items[var] = total
+        tracked.stream_shapes[var] = tuple(value.shape[1:])
+
+    def _send_append(self, request_id: str, tracked: _Tracked, var: str, value: torch.Tensor) -> None:
+        version, tracked.next_append = tracked.next_append, tracked.next_append - 1
+        for rank in self.conductor.routes[tracked.walk].destinations(var):
+            self.transport.send(rank, tensor_key(request_id, var, version), {"value": value})
+        self.commands.put(("append", (request_id, var, version)))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         with self._ids_lock:
@@ -304,6 +393,10 @@ class Runtime:
                     self.conductor.cancel(*arg)  # (request_id, reason[, error])
                 elif kind == "drop_sessions":
                     self.conductor.drop_sessions(arg)
+                elif kind == "append":
+                    self.conductor.append(*arg)  # (request_id, var, version)
+                elif kind == "end_input":
+                    self.conductor.end_input(*arg)  # (request_id, the streams' last items)
                 command = self.commands.get_nowait()
         except queue.Empty:
             return

@@ -22,6 +22,10 @@ class StreamState:
     covered: int = 0
     closed: bool = False
     running: bool = False
+    # Whether the consumer's rank may free items no later chunk reads (only this edge reads
+    # the source: see ``Conductor``), and how many leading items it was told to free so far.
+    droppable: bool = False
+    dropped: int = 0
 
     def next_chunk(self) -> Chunk | None:
         if self.running:
@@ -33,6 +37,11 @@ class StreamState:
         self.taken += 1
         self.covered = chunk.keep_end
         last = self.closed and chunk.keep_end >= len(self.versions)
+        drop: list[int] = []
+        lookback = self.edge.policy.lookback() if self.droppable else None
+        if lookback is not None:
+            upto = max(self.dropped, self.covered - lookback)
+            drop, self.dropped = self.versions[self.dropped:upto], upto
         return ChunkRef(
             port=self.edge.chunk_port,
             var=self.edge.source,
@@ -41,6 +50,7 @@ class StreamState:
             keep_start=chunk.keep_start - chunk.start,
             keep_end=chunk.keep_end - chunk.start,
             last=last,
+            drop=drop,
         )
 
     @property

@@ -73,6 +73,13 @@ class TensorStore:
         for key in [k for k in self._values if k[0] == request_id]:
             del self._values[key]
 
+    def discard(self, request_id: str, var: str, versions: list[int]) -> None:
+        """Free versions of a stream variable that no later step reads."""
+        held = self._values.get((request_id, var))
+        if held is not None:
+            for version in versions:
+                held.pop(version, None)
+
     def __len__(self) -> int:
         return len(self._values)
 
@@ -115,6 +122,9 @@ class Worker:
             with torch.profiler.record_function(f"mstar.node.{node}"):  # a labelled range in GPU profiles
                 results += self._run_node(node, ready, inputs)
             profile[node] = time.perf_counter() - start
+        for item in plan.items:  # consumed stream items no later chunk reads
+            if item.chunk is not None and item.chunk.drop:
+                self.store.discard(item.request_id, item.chunk.var, item.chunk.drop)
         self._flush_sends()
         self._flush_emits()
         return StepResult(self.rank, plan.plan_id, results, profile, self.stats())

@@ -10,6 +10,10 @@ back in order; the session is pinned while the socket is open (neither evicted n
 between appends). ``end_input`` ends the session once the appends before it are done, then a
 ``done`` message and a normal close.
 
+A model whose input is a client stream (``live_stream``: Nemotron VoiceChat) is served as a
+live call instead (``_LiveCall``): the socket is one request, its appends the items of that
+stream and ``end_input`` its end.
+
 A reader task takes the client's messages; a runner task runs the appends; a writer task
 sends what is queued for the client. The send queue holds at most ``SEND_QUEUE_MESSAGES``
 messages: a client that stops reading fills it, and is closed with ``CLOSE_NOT_READING``,
@@ -145,7 +149,9 @@ def generate_ws_route(api_key: str | None = None) -> Callable[[WebSocket], Await
             return
         except WebSocketDisconnect:
             return
-        await _Socket(websocket, websocket.app.state.backend, opening, defaults).serve()
+        backend = websocket.app.state.backend
+        socket = _LiveCall if getattr(backend, "live_stream", None) else _Socket
+        await socket(websocket, backend, opening, defaults).serve()
 
     return generate_ws
 
@@ -355,6 +361,84 @@ class _Socket:
             self.client.send(event.data)
         elif event.text:
             self.client.send({"type": "output", "append": index, "modality": event.modality, "text": event.text})
+
+
+class _LiveCall(_Socket):
+    """A model whose input is a client stream (``live_stream``: Nemotron VoiceChat's audio):
+    the socket is one request. The opening's fields and media start it; each append's files
+    are items of its stream, in order; ``end_input`` ends its input, and the request ends
+    when its stages have consumed it. Outputs carry ``append: 0`` and their ``token_ids``.
+    An append the model refuses (a wrong rate, too many channels) gets an error naming the
+    field and changes nothing; one that passes the stream's cap (``max_session_s``) gets a
+    400 and ends the input."""
+
+    async def _run(self) -> None:
+        try:
+            first_media = await _media_of({"media": self.opening.media}, "media")
+        except RequestError as exc:
+            self.client.error(exc.field, exc.message, exc.status)
+            self.close_code, self.close_reason = CLOSE_POLICY, f"{exc.field}: {exc.message}"
+            return
+        request_id = new_id("ws")
+        spec = GenerateSpec(request_id=request_id, text=self.defaults["text"],
+                            files=[(f"media{i}", data) for i, data in enumerate(first_media)],
+                            output_modalities=self.defaults["output_modalities"],
+                            model_kwargs=self.defaults["model_kwargs"], stream=True,
+                            live_input=not self.opening.end_input)
+        pump = asyncio.ensure_future(self._pump(request_id)) if not self.opening.end_input else None
+        finish = None
+        try:
+            async with aclosing(self.backend.generate(spec)) as events:
+                async for event in events:
+                    if event.error:
+                        self.client.error(None, event.error, event.error_status or 500)
+                        self.close_code, self.close_reason = CLOSE_INTERNAL, "the call failed"
+                        return
+                    if event.token_ids or event.text:
+                        self.client.send({"type": "output", "append": 0, "modality": event.modality,
+                                          "text": event.text, "token_ids": list(event.token_ids)})
+                    finish = event.finish_reason or finish
+        except RequestError as exc:
+            self.client.error(exc.field, exc.message, exc.status)
+            self.close_code, self.close_reason = CLOSE_POLICY, f"{exc.field}: {exc.message}"
+            return
+        finally:
+            if pump is not None:
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+        self.client.send({"type": "append_done", "append": 0, "finish_reason": finish or "stop"})
+        self.client.send({"type": "done", "appends": self.ran, "session_id": self.session.session_id,
+                          "session_kept": False})
+
+    async def _pump(self, request_id: str) -> None:
+        """The reader's appends into the request's stream once it is submitted (the submission
+        and the appends run on this event loop, so none can slip in between)."""
+        while not self.backend.knows(request_id):
+            await asyncio.sleep(0.005)
+        var = self.backend.live_stream
+        while True:
+            queued = await self.appends.get()
+            if queued is None:
+                self.backend.end_input(request_id)
+                return
+            body, files = queued
+            unknown = sorted(set(body) - {"type", "media"})
+            try:
+                if unknown:
+                    raise RequestError(unknown[0], "unknown field of a live call's append (it takes media)")
+                items = [await asyncio.to_thread(self.backend.append_item, data, f"media[{i}]")
+                         for i, data in enumerate(files)]
+            except RequestError as exc:
+                self.client.error(exc.field, exc.message, exc.status)
+                continue
+            try:
+                for item in items:
+                    self.backend.append(request_id, var, item)
+            except RequestError as exc:  # past the stream's cap: the call ends with what it heard
+                self.client.error(exc.field, exc.message, exc.status)
+                self.backend.end_input(request_id)
+                return
+            self.ran += 1
 
 
 async def _media_of(body: dict[str, Any], field: str = "media") -> list[bytes]:

@@ -1,0 +1,53 @@
+"""Configuration of Nemotron VoiceChat's input side: the streamed encoder and the nano LLM.
+
+Read from the checkpoint folder's ``config.json``: ``encoder`` (the FastConformer's fields,
+``FastConformerConfig``; always the causal layout at lookahead 0, each frame over itself and
+the ``left_context`` frames before it, 70 by default), ``llm`` (a transformers Nemotron-H
+``config.json``), ``n_mels`` (128), ``agent_pad_token_id`` (the agent's "no text" token,
+the previous token of its first frame and never shown as text; default the LLM's pad, else 0)
+and ``user_channel_weight`` (the audio frames' scale before they are fused, NeMo's
+``duplex_user_channel_weight``; default 1).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mstar.model.fastconformer.config import FastConformerConfig
+from mstar.model.nemotron_h.config import NemotronHConfig
+
+FRAME_SAMPLES = 1280  # one encoder frame: 80 ms at 16 kHz (8 mel hops of 160)
+LEFT_CONTEXT = 70
+
+
+@dataclass
+class DuplexConfig:
+    encoder: FastConformerConfig
+    llm: NemotronHConfig
+    n_mels: int = 128
+    agent_pad_token_id: int = 0
+    user_channel_weight: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DuplexConfig:
+        if "encoder" not in d or "llm" not in d:
+            raise ValueError("config.json needs an 'encoder' and an 'llm' section")
+        encoder = dict(d["encoder"])
+        encoder.update(causal=True, default_lookahead=0)
+        encoder.setdefault("left_context", LEFT_CONTEXT)
+        n_mels = int(d.get("n_mels", encoder.get("num_mel_bins", 128)))
+        encoder["num_mel_bins"] = n_mels
+        llm = NemotronHConfig.from_hf_dict(d["llm"])
+        pad = d.get("agent_pad_token_id", d["llm"].get("pad_token_id"))
+        weight = float(d.get("user_channel_weight", 1.0))
+        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> DuplexConfig:
+        file = path / "config.json"
+        if not file.is_file():
+            raise ValueError(f"model_path {path}: no config.json")
+        return cls.from_dict(json.loads(file.read_text()))

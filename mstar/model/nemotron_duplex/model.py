@@ -1,0 +1,230 @@
+"""Nemotron VoiceChat (``nemotron_duplex``), its input side: the declaration.
+
+One walk, ``duplex``. Its body primes the nano LLM with the system prompt (the request's
+text). The user's audio is a client stream, ``audio_in`` (16 kHz mono samples; its
+``max_items`` is ``max_session_s`` of them, counted by the frontend before any node sees an
+append). Two stream edges chain three stages running asynchronously:
+
+    audio_in --(one append a chunk)--> conformer_encoder --frames--> nano_llm.frame --agent_text-->
+
+``conformer_encoder`` emits the frames no later audio can change (the rest at the end of
+input); ``nano_llm.frame`` runs one frame-synchronous decode step per frame and emits one
+agent text token per 80 ms frame, after it was primed. The walk ends when the audio does:
+``end_input`` closes ``audio_in``, its end drains the encoder, which closes ``frames``.
+
+``agent_text`` is the seam for the talker (issue 31, item 4): a stream edge from it into an
+``eartts_talker`` step turns each text token into that frame's speech.
+
+Each call holds, from admission to its end however it ends, a slot in ``encoder_state`` and
+``mamba_state`` (``resources.<pool>.max_slots``, the sink included) and the KV pages of
+``max_prompt_tokens`` plus one position per frame of ``max_session_s``; startup refuses a
+``max_concurrent_requests`` any of them cannot hold, naming the pool's key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import numpy as np
+import torch
+from pydantic import Field
+
+from mstar.audio.io import AudioError, read_frames
+from mstar.config import ConfigError
+from mstar.contract import GenerateSpec, OutputEvent, RequestError, SamplingParams
+from mstar.graph import ClientStream, Emit, FixedFrames, Graph, Node, Step, StreamEdge, Walk
+from mstar.model.decoding import checked_sampling, kv_pages, pool_for_every_request, state_capacity, state_slots
+from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.model.nemotron_duplex.config import FRAME_SAMPLES, DuplexConfig
+from mstar.model.nemotron_duplex.features import MIN_SAMPLES, SAMPLE_RATE, duplex_settings
+from mstar.model.registry import register
+from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
+
+ENCODER, NANO = "conformer_encoder", "nano_llm"
+AUDIO = "audio_in"
+MAX_UPLOAD_BYTES = 64 * 1024 * 1024
+
+
+class DuplexKnobs(Knobs):
+    max_session_s: float = 160.0
+    """The longest call, in seconds of user audio: a longer upload, or a live call whose
+    appends pass it, is refused (400); it sizes each call's KV pages."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """The longest system prompt (the request's text), in tokens: a longer one is refused
+    (400 naming ``text``); with ``max_session_s`` it sizes each call's KV pages."""
+    temperature: float = 0.7
+    """The agent text's sampling temperature (a request's ``model_kwargs.temperature``
+    overrides it; 0 is greedy)."""
+    top_p: float = 0.9
+    attention_backend: Literal["torch", "triton"] = "torch"
+    """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``)."""
+
+
+class DuplexRequestKnobs(RequestKnobs):
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+@register
+class NemotronDuplex(ModelSpec):
+    key = "nemotron_duplex"
+    tasks = frozenset()
+    generate_modalities = (frozenset({"audio"}), frozenset({"text"}))
+    Knobs = DuplexKnobs
+    knobs: DuplexKnobs
+    live_stream = AUDIO  # /generate/ws appends feed this client stream of one request
+
+    def graph(self) -> Graph:
+        encoder = Node(ENCODER, "stream", inputs=("audio",), outputs=("frames",))
+        nano = Node(NANO, "autoregressive", inputs=("prompt_ids", "frame", "primed"),
+                    outputs=("primed", "token"), ops=("prime", "frame"))
+        prime = Step(NANO, "prime", reads="prompt_ids", writes="primed")
+        hear = StreamEdge(AUDIO, into=Step(ENCODER, reads={"audio": AUDIO}, writes="frames"), policy=FixedFrames(1))
+        speak = StreamEdge("frames", into=Step(NANO, "frame", reads={"frame": "frames", "primed": "primed"},
+                                               writes={"token": "agent_text"}, emit=Emit("agent_text", "text")),
+                           policy=FixedFrames(1), port="frame")
+        walk = Walk("duplex", prime, inputs="prompt_ids", streams=[hear, speak],
+                    client_streams=[ClientStream(AUDIO, max_items="max_samples")])
+        return Graph.build([encoder, nano], [walk])
+
+    # ------------------------------------------------------------- frontend
+    def checkpoint_dir(self) -> Path:
+        from mstar.model.weights import resolve_model_path
+
+        if not self.config.model_path:
+            raise ConfigError("model_path: nemotron_duplex needs a checkpoint folder (config.json, tokenizer)")
+        return resolve_model_path(self.config.model_path, cache_dir=self.config.cache_dir)
+
+    def load_frontend(self) -> None:
+        from transformers import AutoTokenizer
+
+        path = self.checkpoint_dir()
+        self.duplex = DuplexConfig.from_dir(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    @property
+    def max_frames(self) -> int:
+        return int(self.knobs.max_session_s * SAMPLE_RATE) // FRAME_SAMPLES + 2
+
+    @property
+    def call_positions(self) -> int:
+        """The KV positions a call may come to hold: its prompt, then one per frame."""
+        return self.knobs.max_prompt_tokens + self.max_frames
+
+    def default_capacity(self) -> dict[str, int]:
+        if self.call_positions > self.config.max_seq_len:
+            raise ConfigError(f"max_seq_len ({self.config.max_seq_len}) cannot hold a call of "
+                              f"model_kwargs.max_prompt_tokens ({self.knobs.max_prompt_tokens}) and max_session_s "
+                              f"({self.knobs.max_session_s} s: {self.max_frames} frames)")
+        what = "model_kwargs.max_prompt_tokens and max_session_s of frames"
+        return (pool_for_every_request(self.config, self.call_positions, what)
+                | {"mamba_slots": state_capacity(self.config, "mamba_state"),
+                   "encoder_slots": state_capacity(self.config, "encoder_state")})
+
+    def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
+        options = DuplexRequestKnobs.parse(spec.model_kwargs)
+        prompt = self.tokenizer(spec.text, add_special_tokens=False)["input_ids"] if spec.text else []
+        prompt = prompt or [self.duplex.agent_pad_token_id]
+        if len(prompt) > self.knobs.max_prompt_tokens:
+            raise RequestError("text", f"the system prompt is {len(prompt)} tokens; the deployment's "
+                                       f"max_prompt_tokens is {self.knobs.max_prompt_tokens}")
+        sampling = checked_sampling(SamplingParams(
+            temperature=self.knobs.temperature if options.temperature is None else options.temperature,
+            top_p=self.knobs.top_p if options.top_p is None else options.top_p, seed=options.seed))
+        clips = [self.decode_audio(data, f"files[{i}]", upload=True) for i, (_, data) in enumerate(spec.files)]
+        params = {"sampling": msgspec.structs.asdict(sampling), "max_new_tokens": 1 << 30, "stop_token_ids": [],
+                  "max_samples": int(self.knobs.max_session_s * SAMPLE_RATE)}
+        if not spec.live_input and sum(c.shape[0] for c in clips) < MIN_SAMPLES:
+            raise RequestError("files", f"a one-shot call needs an audio clip of at least {MIN_SAMPLES} samples "
+                                        "(16 kHz)")
+        if sum(c.shape[0] for c in clips) > params["max_samples"]:
+            raise RequestError("files", f"the audio is longer than max_session_s ({self.knobs.max_session_s} s)")
+        pages = kv_pages(self.call_positions, self.config)
+        return WalkRequest("duplex", {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, params,
+                           cost={"kv_pages": pages, "mamba_slots": 1, "encoder_slots": 1},
+                           prompt_tokens=len(prompt), appends={AUDIO: clips} if clips else {},
+                           end_input=not spec.live_input)
+
+    def append_item(self, data: bytes, field: str) -> torch.Tensor:
+        """A live call's append: one 16 kHz mono audio file."""
+        return self.decode_audio(data, field)
+
+    def decode_audio(self, data: bytes, field: str, *, upload: bool = False) -> torch.Tensor:
+        """One clip (a WAV/FLAC/OGG file) as 16 kHz mono samples. An append must be 16 kHz
+        mono as it is (a per-append resampler would put a seam at every append); an upload
+        may have two channels (a conversation's recording: the user is the left one)."""
+        if len(data) > MAX_UPLOAD_BYTES:
+            raise RequestError(field, f"is {len(data)} bytes; the limit is {MAX_UPLOAD_BYTES}", 413)
+        try:
+            frames, rate = read_frames(data, self.knobs.max_session_s, field)
+        except AudioError as err:
+            raise RequestError(field, err.message, err.status) from None
+        if rate != SAMPLE_RATE:
+            raise RequestError(field, f"must be {SAMPLE_RATE} Hz audio, got {rate} Hz (it is not resampled)")
+        channels = frames.shape[1]
+        if channels > (2 if upload else 1):
+            raise RequestError(field, f"must be mono{' or two-channel (user left)' if upload else ''} audio, "
+                                      f"got {channels} channels")
+        samples = np.ascontiguousarray(frames[:, 0], dtype=np.float32)
+        if not np.isfinite(samples).all():
+            raise RequestError(field, "holds non-finite samples")
+        return torch.from_numpy(samples)
+
+    def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream:
+        return AgentText(self.tokenizer, self.duplex.agent_pad_token_id)
+
+    # --------------------------------------------------------------- worker
+    def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.model.nemotron_duplex.engines import EncoderEngine, NanoEngine
+        from mstar.model.nemotron_duplex.modeling import SpeechEncoder
+        from mstar.model.nemotron_h.engine import nemotron_h_engine
+        from mstar.model.nemotron_h.modeling import NemotronHForCausalLM
+        from mstar.model.weights import init_dummy_weights
+
+        if self.config.load_format != "dummy":
+            raise ConfigError("load_format: nemotron_duplex serves dummy weights only so far (the checkpoint's "
+                              "layout is not mapped yet)")
+        config = DuplexConfig.from_dir(self.checkpoint_dir())
+        dtype = self.config.torch_dtype()
+        engines = {}
+        if ENCODER in nodes:
+            encoder = SpeechEncoder(config).to(device, torch.float32)
+            init_dummy_weights(encoder, seed=self.knobs.seed)
+            engines[ENCODER] = EncoderEngine(encoder.eval(), duplex_settings(config.n_mels),
+                                             max_slots=state_slots(self.config, "encoder_state"))
+        if NANO in nodes:
+            with torch.device(device):
+                llm = NemotronHForCausalLM(config.llm).to(dtype)
+            init_dummy_weights(llm, seed=self.knobs.seed + 1)
+            kv = self.config.resources.kv_cache
+            inner = nemotron_h_engine(llm.eval(), max_slots=state_slots(self.config, "mamba_state"),
+                                      state_dtype=torch.float32, num_pages=kv.max_num_pages, page_size=kv.page_size,
+                                      max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
+                                      attention_backend=self.knobs.attention_backend)
+            engines[NANO] = NanoEngine(inner, llm, pad_token_id=config.agent_pad_token_id)
+        return engines
+
+
+class AgentText(OutputStream):
+    """Each agent frame's text token: its id, and its text (the pad, the agent's "no text",
+    and other special tokens show as nothing)."""
+
+    def __init__(self, tokenizer, pad_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.pad_id = pad_id
+        self.count = 0
+
+    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        ids = [int(t) for t in value.reshape(-1).tolist()]
+        self.count += len(ids)
+        said = [t for t in ids if t != self.pad_id]
+        text = self.tokenizer.decode(said, skip_special_tokens=True) if said else ""
+        return OutputEvent(modality="text", text=text, token_ids=ids)
+
+    @property
+    def generated(self) -> int:
+        return self.count
+
