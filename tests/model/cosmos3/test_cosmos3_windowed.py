@@ -9,13 +9,14 @@ the schedule is padded to whole windows and trimmed to ``num_frames``; seeded re
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from mstar.config import parse_config
-from mstar.contract import GenerateSpec, RequestError
+from mstar.contract import GenerateSpec, RequestError, SessionSpec
 from mstar.engine.base import EngineItem
 from mstar.model.cosmos3.conditioning import video_pixels
 from mstar.model.cosmos3.model import Cosmos3
@@ -209,3 +210,50 @@ def test_windowed_requests_need_the_deployment_knob(checkpoint):
                                            {"height": HEIGHT, "width": WIDTH, "num_frames": 17,
                                             "window_mode": "chained"}))
     assert err.value.field == "window_mode"
+
+
+def session_events(d, request_id, session, **kwargs) -> list[bytes]:
+    async def run():
+        out = []
+        spec = GenerateSpec(request_id, PROMPT, [], ["video"],
+                            {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS,
+                             "guidance_scale": GUIDANCE, **WINDOW, **kwargs}, session=session)
+        async for event in d.backend.generate(spec):
+            assert not event.error, event.error
+            if event.modality == "video" and event.data:
+                out.append(event.data)
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_resumed_session_continues_from_its_last_frames(deployment, by_hand):
+
+    worker = deployment.runtime.workers.workers[0]
+    [first] = session_events(deployment, "sess-a", SessionSpec("world"), num_frames=13, seed=3)
+    kept = worker.sessions.get("world", "vae")
+    # the last window whole: its 5 pinned frames (decoded again) and its 4 new ones, the clip's last
+    assert kept is not None and kept.shape == (9, HEIGHT, WIDTH, 3)
+    assert np.array_equal(kept.numpy()[5:], as_frames(first)[-4:])
+    [rest] = session_events(deployment, "sess-b", SessionSpec("world", resume=True, end=True), num_frames=5, seed=11)
+    _, delivered = by_hand.rollout(11, 2, tail=kept.numpy()[-5:])  # as a chained window would continue
+    ours, ref = as_frames(rest), np.concatenate(delivered)[:5]
+    assert ours.shape == (5, HEIGHT, WIDTH, 3)  # only the new frames
+    diff = int(np.abs(ours.astype(np.int16) - ref.astype(np.int16)).max())
+    print(f"[parity] resumed session frames max level diff {diff}")
+    assert diff == 0
+    deadline = time.monotonic() + 10
+    while worker.sessions.get("world", "vae") is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.sessions.get("world", "vae") is None  # end_session freed it
+
+
+def test_a_resumed_session_takes_no_file(deployment):
+    from test_cosmos3_conditioned import picture, png  # noqa: PLC0415
+
+    spec = GenerateSpec("resume-file", PROMPT, [("image.png", png(picture(40, 30, 1)))], ["video"],
+                        {"height": HEIGHT, "width": WIDTH, "num_frames": 9, **WINDOW},
+                        session=SessionSpec("x", resume=True))
+    with pytest.raises(RequestError) as err:
+        deployment.spec.prepare_generate(spec)
+    assert err.value.field == "image"
