@@ -27,7 +27,8 @@ checkpoint without ``sound_tokenizer/`` and a ``sound_gen`` tower, or a distille
 ``*_sound`` walks carry ``sound_latents [sound_dim, T]`` (noise drawn after the video's from the
 same seed) through the denoise Loop beside the video and then through the ``sound`` node (the
 AVAE decoder), emitted as ``audio`` (``mstar.model.cosmos3.sound``); the video routes mux it
-into the mp4 as AAC. Actions, the reasoner and windowed rollouts come later (issue 30).
+into the mp4 as AAC. Windowed rollouts: ``mstar.model.cosmos3.windowed``. Actions and the
+reasoner come later (issue 30).
 """
 
 from __future__ import annotations
