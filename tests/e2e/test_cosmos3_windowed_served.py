@@ -91,3 +91,27 @@ def test_a_session_resumes_and_ends(app):
 def test_bad_windowed_knobs_are_400s_naming_the_field(app, kwargs, field):
     response = asyncio.run(post(app, {"num_frames": 17, **kwargs}))
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+async def post_video(app, body: dict) -> httpx.Response:
+    body = {"prompt": "a drone flies over a coastal town at dawn", "size": f"{WIDTH}x{HEIGHT}", "seed": 4, **body}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        return await client.post("/v1/videos/generations", json=body, timeout=120)
+
+
+def test_the_video_route_streams_one_mp4_a_window(app):
+    from mstar.media.video import decode_mp4
+
+    response = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, **WINDOW}))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    assert [line["type"] for line in lines] == ["video"] * 3 + ["done"]
+    assert [line["index"] for line in lines[:3]] == [0, 1, 2]
+    counts = [len(decode_mp4(base64.b64decode(line["b64_json"]))[0]) for line in lines[:3]]
+    assert counts == [9, 4, 4]
+    whole = asyncio.run(post_video(app, {"num_frames": 17, **WINDOW}))  # not streamed: one mp4 of the rollout
+    assert whole.status_code == 200, whole.text
+    assert len(decode_mp4(base64.b64decode(whole.json()["data"][0]["b64_json"]))[0]) == 17
+    refused = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, "window_mode": "kv"}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "window_mode", refused.text
