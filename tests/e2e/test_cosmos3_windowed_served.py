@@ -115,3 +115,29 @@ def test_the_video_route_streams_one_mp4_a_window(app):
     assert len(decode_mp4(base64.b64decode(whole.json()["data"][0]["b64_json"]))[0]) == 17
     refused = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, "window_mode": "kv"}))
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "window_mode", refused.text
+
+
+def test_ws_appends_continue_the_rollout(app):
+    """/generate/ws: the socket is one session; the first append starts the rollout, each later
+    one resumes it, every window its own binary message."""
+    from tests.support.asgi_ws import AsgiSocket
+
+    async def run():
+        async with AsgiSocket(app) as ws:
+            await ws.send_json({"text": "a drone flies over a coastal town at dawn", "output_modalities": "video",
+                                "model_kwargs": {"width": WIDTH, "height": HEIGHT, "seed": 4, "num_frames": 13,
+                                                 "stream_video": True, **WINDOW}})
+            await ws.send_json({"type": "append"})
+            await ws.send_json({"type": "append", "model_kwargs": {"num_frames": 9, "seed": 5}})
+            await ws.send_json({"type": "end_input"})
+            return await ws.receive_all(), ws
+
+    messages, ws = asyncio.run(run())
+    assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
+    assert not any(isinstance(m, dict) and m["type"] == "error" for m in messages), messages
+    heads = [m for m in messages if isinstance(m, dict) and m["type"] == "output"]
+    chunks = [m for m in messages if isinstance(m, bytes)]
+    assert [h["append"] for h in heads] == [0, 0, 1, 1, 1]
+    assert [len(c) // FRAME_BYTES for c in chunks] == [9, 4, 4, 4, 1]  # then 9 new frames, resumed
+    first = clip(asyncio.run(post(app, {"num_frames": 13, **WINDOW})))
+    assert b"".join(chunks[:2]) == first
