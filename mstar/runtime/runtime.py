@@ -624,6 +624,8 @@ class Runtime:
             reason = reason or (done.reason if done else "stop")
             error = done.error if done and reason == done.reason else None
             tail = None if error else tracked.stream.finish(reason)
+            if tail is not None and tail.data is not None:  # media held back to the end (an assembled clip)
+                tracked.sink(OutputEvent(modality=tail.modality, data=tail.data, prompt_tokens=tracked.prompt_tokens))
             if tracked.session is not None:  # idle before the client hears of the end: its next request may follow
                 self._finish_session(tracked.session, done, reason)
             final = OutputEvent(finish_reason=reason, error=error, prompt_tokens=tracked.prompt_tokens,

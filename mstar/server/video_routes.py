@@ -13,13 +13,20 @@ through (a 400 where the model does not take them). The
 family checks them before queueing; its refusals are renamed to this body's fields (``width``
 -> ``size``, ``num_frames`` -> ``seconds`` when the count came from seconds), so a 400 names
 what the client sent. The frames come back raw from the model; the mp4 is written here, in a thread, never in the model.
+
+A windowed rollout (``window_mode``, ``window_frames``, ``overlap_frames``, ``stream_video``,
+where the model takes them) with ``stream_video`` answers an NDJSON body instead: one line
+``{"type": "video", "index": i, "b64_json": mp4}`` a window as it is decoded (``png_frames``:
+``"frames"``, a PNG list), closed by ``{"type": "done"}`` (an error after the start: an
+``{"error"}`` line).
 """
 
 from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Callable
+import json
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mstar.contract import GenerateSpec, RequestError
 from mstar.media.video import encode_mp4
 from mstar.server.bodies import fetch_all
-from mstar.server.errors import APIError, exception_response, validation_error_response
+from mstar.server.errors import APIError, exception_response, in_band_error, validation_error_response
 from mstar.server.schemas import json_body_openapi, new_id, now
 from mstar.server.served import backend_of, resolve_model
-from mstar.server.streaming import Tally, start_events, unless_disconnected, walk_events
+from mstar.server.streaming import Tally, start_events, stream_response, unless_disconnected, walk_events
 
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -68,6 +75,10 @@ class VideoRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=1.0, allow_inf_nan=False)
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     response_format: str = Field("b64_json", description="b64_json (an mp4) or png_frames")
+    window_mode: str | None = Field(None, description="a windowed rollout: chained")
+    window_frames: int | None = Field(None, ge=1, description="windowed: pixel frames a window denoises")
+    overlap_frames: int | None = Field(None, ge=1, description="windowed: frames re-pinned from the last window")
+    stream_video: bool | None = Field(None, description="windowed: an NDJSON body, one video line a window")
     user: str | None = None
 
 
@@ -103,7 +114,8 @@ def model_kwargs_of(req: VideoRequest, backend: Any = None) -> tuple[dict[str, A
         kwargs["num_frames"] = frames_for(req.seconds, fps, frame_step)
         renames["num_frames"] = "seconds"
     for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "conditioning_resize",
-                 "condition_latent_frames", "enable_sound"):
+                 "condition_latent_frames", "enable_sound", "window_mode", "window_frames", "overlap_frames",
+                 "stream_video"):
         if (value := getattr(req, name)) is not None:
             kwargs[name] = value
     if req.response_format not in RESPONSE_FORMATS:
@@ -209,6 +221,14 @@ async def video_generations(request: Request) -> Response:
         return exception_response(exc)
     backend = backend_of(request)
     spec = video_spec(backend, new_id("video"), req.prompt, files, kwargs)
+    if req.stream_video:
+        try:
+            first, events = await start_events(lambda: backend.generate(spec), request)
+        except RequestError as exc:
+            return exception_response(RequestError(renames.get(exc.field, exc.field), exc.message, exc.status))
+        except Exception as exc:
+            return exception_response(exc)
+        return stream_response(_window_lines(first, events, kwargs, req.response_format), "application/x-ndjson")
 
     async def complete() -> Response:
         try:
@@ -223,6 +243,29 @@ async def video_generations(request: Request) -> Response:
         return JSONResponse({"created": now(), "data": data})
 
     return await unless_disconnected(request, complete)
+
+
+async def _window_lines(first, events, kwargs: dict[str, Any], response_format: str) -> AsyncIterator[str]:
+    """A streamed windowed rollout: one NDJSON line a window (an mp4, or its PNG frames), then
+    ``done``."""
+    index = 0
+    try:
+        async with aclosing(walk_events(first, events, Tally())) as walk:
+            async for event in walk:
+                if event.modality != "video" or not event.data:
+                    continue
+                frames = frames_of(event.data, kwargs["width"], kwargs["height"])
+                if response_format == "png_frames":
+                    pngs = await anyio.to_thread.run_sync(png_frames, frames)
+                    line = {"frames": [base64.b64encode(p).decode() for p in pngs]}
+                else:
+                    mp4 = await anyio.to_thread.run_sync(encode_mp4, frames, kwargs["fps"])
+                    line = {"b64_json": base64.b64encode(mp4).decode()}
+                yield json.dumps({"type": "video", "index": index, **line}) + "\n"
+                index += 1
+        yield json.dumps({"type": "done", "windows": index}) + "\n"
+    except Exception as exc:
+        yield json.dumps(in_band_error(exc)) + "\n"
 
 
 def video_router() -> APIRouter:

@@ -184,7 +184,8 @@ class Cosmos3DenoiseEngine(Engine):
                 latents[:, :clean.shape[1]] = clean
             return latents, None
         latents = latents[None]
-        state = self.solvers.get(item.request_id, UniPCState())
+        # a fresh solver at every first step: a windowed rollout's windows are denoises of their own
+        state = UniPCState() if item.iteration == 0 else self.solvers.get(item.request_id, UniPCState())
         latents, state = self.scheduler.step(item.iteration, sigmas, v[None], latents, state)
         return latents[0], state
 

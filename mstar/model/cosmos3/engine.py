@@ -16,6 +16,8 @@ from mstar.model.cosmos3.denoise import Cosmos3DenoiseEngine
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
 from mstar.model.cosmos3.sound import sound_engine
 from mstar.model.cosmos3.transformer import Cosmos3Transformer
+from mstar.model.cosmos3.windowed import OPS as WINDOW_OPS
+from mstar.model.cosmos3.windowed import run_window_op
 from mstar.model.wan22.vae import WanVAE, frames_uint8
 
 # Kept in float32 in a bf16 deployment, as diffusers keeps it (its _keep_in_fp32_modules).
@@ -41,9 +43,11 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
 
 
 def vae_engine(vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:
-    ops = ("encode", "decode", "decode_image")
+    ops = ("encode", "decode", "decode_image", *WINDOW_OPS)
 
     def run(op, items):
+        if op in WINDOW_OPS:  # a windowed rollout's window boundaries (mstar.model.cosmos3.windowed)
+            return run_window_op(vae, op, items, dtype, device, knobs.vae_decode_chunk)
         if op not in ops:
             raise ValueError(f"the Cosmos3 VAE has no op {op!r} (it has {list(ops)})")
         port = "cond_pixels" if op == "encode" else "latents"

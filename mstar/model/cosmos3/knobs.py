@@ -40,3 +40,10 @@ class Cosmos3Knobs(Knobs):
     max_video_pixels: int = Field(1280 * 720 * 189, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (the pipeline's default
     clip, 1280x720x189)."""
+
+    enable_windowed_video: bool = False
+    """Declare the windowed walks (``window_mode: chained``, ``stream_video``, sessions;
+    ``mstar.model.cosmos3.windowed``): a long clip made window by window."""
+
+    max_windows: int = Field(64, ge=1)
+    """The most windows one windowed request may take."""

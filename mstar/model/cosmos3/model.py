@@ -27,7 +27,8 @@ checkpoint without ``sound_tokenizer/`` and a ``sound_gen`` tower, or a distille
 ``*_sound`` walks carry ``sound_latents [sound_dim, T]`` (noise drawn after the video's from the
 same seed) through the denoise Loop beside the video and then through the ``sound`` node (the
 AVAE decoder), emitted as ``audio`` (``mstar.model.cosmos3.sound``); the video routes mux it
-into the mp4 as AAC. Actions, the reasoner and windowed rollouts come later (issue 30).
+into the mp4 as AAC. Windowed rollouts: ``mstar.model.cosmos3.windowed``. Actions and the
+reasoner come later (issue 30).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from mstar.model.cosmos3.conditioning import condition_length, image_pixels, vid
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
 from mstar.model.cosmos3.sampler import draws
 from mstar.model.cosmos3.sound import SoundLayout, SoundVideoStream
+from mstar.model.cosmos3.windowed import WindowedVideo, prepare_windowed, windowed_walks
 from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
 from mstar.model.knobs import RequestKnobs
@@ -77,6 +79,12 @@ class VideoKnobs(RequestKnobs):
     conditioning_resize: Literal["cover", "stretch"] | None = None  # i2v; None: the deployment's
     condition_latent_frames: int = Field(2, ge=1)  # v2v: leading latent frames taken from the clip
     enable_sound: bool = False  # a soundtrack with the clip (the pipeline's enable_sound)
+    # windowed rollouts (mstar.model.cosmos3.windowed; the deployment's enable_windowed_video)
+    window_mode: Literal["chained", "kv"] | None = None  # None: chained when stream_video or a session asks
+    window_frames: int | None = Field(None, ge=1)  # pixel frames a window denoises (29; Edge 61)
+    overlap_frames: int | None = Field(None, ge=1)  # frames re-pinned from the previous window (8; Edge 32)
+    context_frames: int | None = Field(None, ge=0)  # kv only (not served)
+    stream_video: bool = False  # each window its own video event, as it is decoded
 
 
 def noises(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
@@ -84,6 +92,11 @@ def noises(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
     seeded with ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(tuple(shape), generator=generator) for shape in shapes]
+
+
+def is_windowed(spec: GenerateSpec, knobs: VideoKnobs) -> bool:
+    """Whether a video request asks for a windowed rollout (a mode, streamed windows or a session)."""
+    return knobs.window_mode is not None or knobs.stream_video or spec.session is not None
 
 
 def check_size(width: int, height: int, field: str | None = None) -> None:
@@ -111,12 +124,16 @@ class Cosmos3(ModelSpec):
         dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents",
                                              "sound_latents"),
                    outputs=("latents", "sound_latents"), ops=("step",))
-        vae = Node("vae", "stateless", inputs=("latents", "cond_pixels"), outputs=("frames", "image", "cond_latents"),
-                   ops=("encode", "decode", "decode_image"))
+        windowed = self.knobs.enable_windowed_video
+        vae = Node("vae", "stateless", inputs=("latents", "cond_pixels", *(("window_noise", "tail_pixels") * windowed)),
+                   outputs=("frames", "image", "cond_latents", *(("latents", "tail_pixels") * windowed)),
+                   ops=("encode", "decode", "decode_image", *(("window_start", "window_decode") * windowed)))
         sound = Node("sound", "stateless", inputs=("sound_latents",), outputs=("waveform",), ops=("decode",))
         walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
                  for extra in ("", "_guided", "_fixed")]
         walks += [self._walk(mode, extra, sound=True) for mode in ("t2v", "i2v", "v2v") for extra in ("", "_guided")]
+        if windowed:
+            walks += windowed_walks()
         return Graph.build([dit, vae, sound], walks)
 
     def _walk(self, mode: str, kind: str, sound: bool = False) -> Walk:
@@ -240,7 +257,7 @@ class Cosmos3(ModelSpec):
             low = (knobs.num_frames - 1) // FRAME_STEP * FRAME_STEP + 1
             raise RequestError("num_frames", f"must be {FRAME_STEP}k + 1 (1, 5, 9, ...), got {knobs.num_frames} "
                                              f"(nearest: {low} or {low + FRAME_STEP})")
-        if knobs.width * knobs.height * knobs.num_frames > self.knobs.max_video_pixels:
+        if knobs.width * knobs.height * knobs.num_frames > self.knobs.max_video_pixels and not is_windowed(spec, knobs):
             raise RequestError("num_frames", f"{knobs.width}x{knobs.height}x{knobs.num_frames} is over "
                                              f"max_video_pixels ({self.knobs.max_video_pixels} pixels)")
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
@@ -295,6 +312,11 @@ class Cosmos3(ModelSpec):
 
     def prepare_video(self, spec: GenerateSpec) -> WalkRequest:
         knobs, steps, scale, condition = self.check_video(spec)
+        if is_windowed(spec, knobs):
+            return prepare_windowed(self, spec, knobs, steps, scale, condition)
+        for name in ("window_frames", "overlap_frames", "context_frames"):
+            if getattr(knobs, name) is not None:
+                raise RequestError(name, "applies to windowed rollouts: set window_mode (or stream_video)")
         return self._request(spec.text, knobs.negative_prompt, width=knobs.width, height=knobs.height,
                              num_frames=knobs.num_frames, fps=float(knobs.fps), steps=steps, scale=scale,
                              seed=knobs.seed, params={}, image=False, condition=condition, sound=knobs.enable_sound)
@@ -325,6 +347,8 @@ class Cosmos3(ModelSpec):
             return ImageStream.for_request(request)
         if request.walk.endswith("_sound"):
             return SoundVideoStream(request.params["audio_samples"])
+        if request.walk.startswith("windowed"):
+            return WindowedVideo(bool(request.params.get("stream_video")))
         return VideoFrames()
 
     # ---------------------------------------------------------------- worker

@@ -1,0 +1,246 @@
+"""Cosmos3 windowed rollouts (``window_mode: chained``): a long clip made window by window.
+
+A deployment with ``enable_windowed_video`` declares the ``windowed`` walks (``_guided`` with
+a negative prompt)::
+
+    Loop over num_windows:
+        vae  window_start  [window_noise, tail_pixels -> latents, cond_latents]
+        Loop over num_steps: dit step [latents, prompt_ids, (negative_ids), cond_latents -> latents]
+        vae  window_decode [latents -> frames (emitted as video), tail_pixels]
+
+Every window is a whole bidirectional denoise of ``window_frames`` pixel frames
+(``1 + 4 (L - 1)``, quantized down to whole latent frames) with the video-to-video layout: its
+first ``k`` latent frames are pinned clean. Window 0 is plain text-to-video (no pinned frames),
+or image-/video-to-video when the request brings a file; every later window is conditioned on
+the last ``p = 1 + 4 (k - 1)`` frames of the window before it, decoded to uint8 and encoded
+again as a clip of their own (what a video-to-video request given those frames would encode),
+``k = max(2, 1 + (overlap_frames - 1) // 4)``. Those ``p`` frames repeat the previous window's
+tail, so a later window delivers only its ``window_frames - p`` new frames; the schedule is
+padded to whole windows and the last window's frames trimmed to ``num_frames``.
+
+The noise of all windows is drawn up front from one generator seeded with the request's seed,
+window after window (window 0's draw is a plain request's), so a seeded request is
+deterministic, and the denoise engine starts a fresh solver at each window's first step.
+
+Sessions (``session_id``): each ``window_decode`` keeps the window's uint8 frames in the
+session store on the ``vae`` node; ``resume_session`` conditions window 0 on the stored
+frames' tail (pinned clean like a chained overlap) and delivers only the ``num_frames`` new
+frames. ``end_session`` and the timeouts are the session book's (``docs/sessions.md``).
+
+``stream_video``: each window's frames are one ``video`` event as soon as they are decoded;
+without it ``WindowedVideo`` holds them and sends the assembled clip at the end.
+``window_mode: kv`` (committed K/V, block-causal) is not served: a 400 naming ``window_mode``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mstar.contract import OutputEvent, RequestError
+from mstar.graph import Emit, Loop, Sequential, Step, Walk
+from mstar.model.cosmos3.conditioning import condition_length, video_pixels
+from mstar.model.spec import WalkRequest
+from mstar.model.video_output import VideoFrames
+from mstar.model.wan22.vae import frames_uint8
+
+FRAME_STEP = 4
+OPS = ("window_start", "window_decode")
+# (window_frames, overlap_frames) when a request sends none: Edge's 61/32, 29/8 elsewhere
+EDGE_DEFAULTS = (61, 32)
+DEFAULTS = (29, 8)
+
+
+def windowed_walks() -> list[Walk]:
+    walks = []
+    for guided in (False, True):
+        extra = ("negative_ids",) if guided else ()
+        start = Step("vae", "window_start", reads=("window_noise", "tail_pixels"), writes=("latents", "cond_latents"))
+        denoise = Loop(Step("dit", "step", reads=("latents", "prompt_ids", *extra, "cond_latents"), writes="latents"),
+                       max_iters="num_steps", progress=True)
+        decode = Step("vae", "window_decode", reads="latents", writes=("frames", "tail_pixels"),
+                      emit=Emit("frames", "video"))
+        body = Loop(Sequential(start, denoise, decode), max_iters="num_windows")
+        walks.append(Walk("windowed" + ("_guided" if guided else ""), body,
+                          inputs=("window_noise", "prompt_ids", *extra, "tail_pixels")))
+    return walks
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """How ``num_frames`` are cut into windows."""
+
+    window_frames: int  # pixel frames a window denoises, 1 + 4 (latent_frames - 1)
+    latent_frames: int
+    pinned_latents: int  # k: latent frames a later window takes from the previous one
+    pinned_frames: int  # p = 1 + 4 (k - 1)
+    first_skip: int  # window 0's leading frames not delivered (p when resuming a session, else 0)
+    num_frames: int  # delivered in all
+    num_windows: int
+
+    def new_frames(self, window: int) -> int:
+        return self.window_frames - (self.first_skip if window == 0 else self.pinned_frames)
+
+    def delivered(self, window: int) -> tuple[int, int]:
+        """(skip, take): the frames of window ``window`` that are delivered, ``frames[skip:skip + take]``."""
+        before = sum(self.new_frames(w) for w in range(window))
+        skip = self.first_skip if window == 0 else self.pinned_frames
+        return skip, max(0, min(self.new_frames(window), self.num_frames - before))
+
+    def params(self) -> dict:
+        return {"num_windows": self.num_windows, "window_frames": self.window_frames,
+                "window_pinned_latents": self.pinned_latents, "window_first_skip": self.first_skip,
+                "num_frames": self.num_frames}
+
+    @classmethod
+    def of_params(cls, params: dict) -> WindowPlan:
+        k = int(params["window_pinned_latents"])
+        frames = int(params["window_frames"])
+        return cls(frames, (frames - 1) // FRAME_STEP + 1, k, condition_length(k), int(params["window_first_skip"]),
+                   int(params["num_frames"]), int(params["num_windows"]))
+
+
+def plan_windows(num_frames: int, window_frames: int, overlap_frames: int, *, resume: bool,
+                 first_condition: int = 0, max_windows: int = 64) -> WindowPlan:
+    """The windows of a chained rollout; ``RequestError`` naming the field that does not fit.
+    ``first_condition``: latent frames window 0 is conditioned on (an image's 1, a clip's k)."""
+    latent = (window_frames - 1) // FRAME_STEP + 1
+    if latent < 3:
+        raise RequestError("window_frames", f"a chained window needs at least 3 latent frames (9 pixel frames), "
+                                            f"got {window_frames}")
+    k = max(2, 1 + (overlap_frames - 1) // FRAME_STEP)
+    if k >= latent:
+        raise RequestError("overlap_frames", f"overlap_frames {overlap_frames} pins {k} latent frames, which leaves "
+                                             f"none to generate in a window of {latent} (window_frames "
+                                             f"{window_frames})")
+    if first_condition >= latent:
+        raise RequestError("condition_latent_frames", f"must be below the window's {latent} latent frames")
+    frames = condition_length(latent)
+    pinned = condition_length(k)
+    first = frames - pinned if resume else frames
+    windows = 1 + math.ceil(max(0, num_frames - first) / (frames - pinned))
+    if windows > max_windows:
+        raise RequestError("num_frames", f"{num_frames} frames take {windows} windows of {frames}; at most "
+                                         f"{max_windows} (max_windows)")
+    return WindowPlan(frames, latent, k, pinned, pinned if resume else 0, num_frames, windows)
+
+
+def window_noise(shape: tuple[int, ...], windows: int, seed: int) -> torch.Tensor:
+    """``[windows, *shape]`` standard-normal latents from one generator, window after window."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randn(shape, generator=generator) for _ in range(windows)])
+
+
+def tail_pixels(frames: torch.Tensor, plan: WindowPlan) -> torch.Tensor:
+    """The pixels a next window is conditioned on: the last ``p`` of ``uint8 [F, H, W, 3]``
+    frames as a video-to-video clip ``float32 [3, p, H, W]``."""
+    height, width = frames.shape[1:3]
+    return video_pixels(np.asarray(frames[-plan.pinned_frames:].numpy()), width, height, plan.pinned_latents)
+
+
+def run_window_op(vae, op: str, items, dtype: torch.dtype, device: torch.device, chunk: int) -> list[dict]:
+    """The ``vae`` node's window ops, one item at a time (windows are few and large)."""
+    out = []
+    for item in items:
+        plan = WindowPlan.of_params(item.params)
+        if op == "window_start":
+            out.append(_start(vae, item, plan, dtype, device))
+        else:
+            out.append(_decode(vae, item, plan, dtype, device, chunk))
+    return out
+
+
+def _start(vae, item, plan: WindowPlan, dtype, device) -> dict:
+    noise = item.inputs["window_noise"][item.iteration]
+    pixels = item.inputs["tail_pixels"]
+    session = item.session
+    if item.iteration == 0 and session is not None and session.resume:
+        kept = session.get()
+        if kept is None:
+            raise ValueError(f"request {item.request_id}: session {session.session_id!r} holds no frames to resume")
+        if tuple(kept.shape[1:3]) != tuple(pixels.shape[2:]):
+            raise ValueError(f"request {item.request_id}: the session's frames are {kept.shape[2]}x{kept.shape[1]}, "
+                             f"this request asks for {pixels.shape[3]}x{pixels.shape[2]}")
+        pixels = tail_pixels(kept, plan)
+    if pixels.shape[1] == 0:  # text-to-video: nothing pinned
+        return {"latents": noise, "cond_latents": noise.new_zeros((noise.shape[0], 0, *noise.shape[2:]))}
+    latents = vae.normalize(vae.encode(pixels[None].to(device, dtype))).float()[0].cpu()
+    return {"latents": noise, "cond_latents": latents}
+
+
+def _decode(vae, item, plan: WindowPlan, dtype, device, chunk: int) -> dict:
+    x = item.inputs["latents"][None].to(device, dtype)
+    frames = frames_uint8(vae.decode(vae.denormalize(x), chunk=chunk)[0]).cpu()
+    if item.session is not None:
+        item.session.put(frames.clone())  # the session's world state: the latest window
+    skip, take = plan.delivered(item.iteration)
+    return {"frames": frames[skip:skip + take].contiguous(), "tail_pixels": tail_pixels(frames, plan)}
+
+
+class WindowedVideo(VideoFrames):
+    """``stream_video``: each window's frames as their own ``video`` event; otherwise the
+    windows are held and sent as one clip when the request ends."""
+
+    def __init__(self, stream: bool) -> None:
+        super().__init__()
+        self.stream = stream
+        self.held: list[bytes] = []
+
+    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        event = super().feed(modality, value)
+        if self.stream or event is None:
+            return event
+        self.held.append(event.data)
+        return None
+
+    def finish(self, reason: str) -> OutputEvent | None:
+        if self.stream or not self.held:
+            return None
+        data, self.held = b"".join(self.held), []
+        return OutputEvent(modality="video", data=data)
+
+
+def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) -> WalkRequest:
+    """A windowed request of ``model`` (a ``Cosmos3``), checked as ``check_video`` left it:
+    each rule a ``RequestError`` naming the field."""
+    field = "window_mode" if knobs.window_mode is not None else "stream_video" if knobs.stream_video \
+        else "session_id"
+    if not model.knobs.enable_windowed_video:
+        raise RequestError(field, f"model {model.key!r}: windowed rollouts are off in this deployment "
+                                  "(enable_windowed_video)")
+    if knobs.window_mode == "kv":
+        raise RequestError("window_mode", "kv (committed K/V, block-causal windows) is not served; use chained")
+    if model.distilled_sigmas is not None:
+        raise RequestError(field, f"model {model.key!r}: windowed rollouts run on the UniPC sampler only")
+    if knobs.enable_sound:
+        raise RequestError("enable_sound", "windowed rollouts have no soundtrack")
+    if knobs.context_frames is not None:
+        raise RequestError("context_frames", "applies to window_mode kv only")
+    resume = spec.session is not None and spec.session.resume
+    if resume and condition is not None:
+        raise RequestError("image", "a resumed session continues its frames; send no image or clip")
+    defaults = EDGE_DEFAULTS if model.key.startswith("cosmos3_edge") else DEFAULTS
+    window = knobs.window_frames or defaults[0]
+    if knobs.width * knobs.height * window > model.knobs.max_video_pixels:
+        raise RequestError("window_frames", f"{knobs.width}x{knobs.height}x{window} is over max_video_pixels "
+                                            f"({model.knobs.max_video_pixels} pixels)")
+    first = 0 if condition is None else (1 if condition[0] == "i2v" else knobs.condition_latent_frames)
+    plan = plan_windows(knobs.num_frames, window, knobs.overlap_frames or defaults[1], resume=resume,
+                        first_condition=first, max_windows=model.knobs.max_windows)
+    fps = float(knobs.fps)
+    meta = dict(num_frames=plan.window_frames, height=knobs.height, width=knobs.width, fps=fps)
+    ids = model.prompt.ids(spec.text, **meta)
+    shape = (model.latent_channels, plan.latent_frames, knobs.height // 16, knobs.width // 16)
+    seed = knobs.seed if knobs.seed is not None else torch.seed() % (1 << 31)
+    pixels = condition[1] if condition is not None else torch.zeros(3, 0, knobs.height, knobs.width)
+    inputs = {"prompt_ids": ids, "window_noise": window_noise(shape, plan.num_windows, seed), "tail_pixels": pixels}
+    params = {"num_steps": steps, "fps": fps, "stream_video": knobs.stream_video, **plan.params()}
+    walk = "windowed"
+    if scale > 1:
+        inputs["negative_ids"] = model.prompt.ids(knobs.negative_prompt, negative=True, **meta)
+        params["guidance_scale"] = scale
+        walk += "_guided"
+    return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))

@@ -1,0 +1,143 @@
+"""Cosmos3 windowed rollouts over HTTP (a tiny dummy-weight deployment with
+``enable_windowed_video``, in process, driven through httpx's ASGI transport): a chained
+rollout of 3 windows with ``stream_video`` streams as 3 NDJSON video lines (9, 4 and 4 frames)
+that join into the non-streamed answer's clip; without ``stream_video`` a streamed answer has
+one video line; a session resumes with only its new frames, ``end_session`` frees it and its
+next resume is a 410 naming ``session_id``; ``window_mode: kv`` is a 400 naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+from inprocess import deployed
+from test_cosmos3_served import write_tiny_cosmos3
+
+from mstar.server.app import create_app
+
+pytest.importorskip("diffusers")
+
+WIDTH, HEIGHT = 32, 48
+FRAME_BYTES = WIDTH * HEIGHT * 3
+WINDOW = {"window_mode": "chained", "window_frames": 9, "overlap_frames": 5}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory):
+    root = write_tiny_cosmos3(tmp_path_factory.mktemp("cosmos3-windowed"))
+    knobs = {"max_video_pixels": 64 * 64 * 9, "max_image_area": 64 * 64, "num_inference_steps": 2,
+             "enable_windowed_video": True}
+    with deployed({"model": "cosmos3", "model_path": str(root), "load_format": "dummy",
+                   "max_concurrent_requests": 4, "model_kwargs": knobs}) as d:
+        yield create_app(d.backend)
+
+
+async def post(app, kwargs: dict, *, streaming: bool = False, **session) -> httpx.Response:
+    form = {"text": "a drone flies over a coastal town at dawn", "output_modalities": '["video"]',
+            "streaming": str(streaming).lower(),
+            "model_kwargs": json.dumps({"width": WIDTH, "height": HEIGHT, "seed": 4, **kwargs})}
+    form |= {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in session.items()}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        return await client.post("/generate", data=form, timeout=120)
+
+
+def video_lines(response: httpx.Response) -> list[bytes]:
+    assert response.status_code == 200, response.text
+    lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    assert not any(line.get("error") for line in lines), lines
+    assert lines[-1]["finish_reason"] == "stop"
+    return [base64.b64decode(line["data"]) for line in lines if line["modality"] == "video" and line.get("data")]
+
+
+def clip(response: httpx.Response) -> bytes:
+    assert response.status_code == 200, response.text
+    return base64.b64decode(response.json()["data"]["video"])
+
+
+def test_three_windows_stream_as_three_chunks(app):
+    chunks = video_lines(asyncio.run(post(app, {"num_frames": 17, "stream_video": True, **WINDOW}, streaming=True)))
+    assert [len(c) // FRAME_BYTES for c in chunks] == [9, 4, 4]
+    whole = clip(asyncio.run(post(app, {"num_frames": 17, **WINDOW})))
+    assert whole == b"".join(chunks)
+    held = video_lines(asyncio.run(post(app, {"num_frames": 17, **WINDOW}, streaming=True)))
+    assert held == [whole]  # without stream_video: one assembled clip
+    frames = np.frombuffer(whole, dtype=np.uint8).reshape(17, HEIGHT, WIDTH, 3)
+    assert frames.std() > 0
+
+
+def test_a_session_resumes_and_ends(app):
+    first = clip(asyncio.run(post(app, {"num_frames": 9, **WINDOW}, session_id="drone")))
+    assert len(first) == 9 * FRAME_BYTES
+    more = clip(asyncio.run(post(app, {"num_frames": 5, "seed": 8, **WINDOW}, session_id="drone",
+                                 resume_session=True)))
+    assert len(more) == 5 * FRAME_BYTES  # only the new frames
+    last = clip(asyncio.run(post(app, {"num_frames": 5, "seed": 8, **WINDOW}, session_id="drone",
+                                 resume_session=True, end_session=True)))
+    assert len(last) == 5 * FRAME_BYTES and last != more  # it went on from the later frames
+    gone = asyncio.run(post(app, {"num_frames": 5, **WINDOW}, session_id="drone", resume_session=True))
+    assert gone.status_code == 410 and gone.json()["error"]["param"] == "session_id", gone.text
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"window_mode": "kv"}, "window_mode"),
+    ({"window_mode": "chained", "window_frames": 5}, "window_frames"),
+    ({"window_mode": "chained", "window_frames": 9, "overlap_frames": 9}, "overlap_frames"),
+    ({"stream_video": "sometimes"}, "stream_video"),
+])
+def test_bad_windowed_knobs_are_400s_naming_the_field(app, kwargs, field):
+    response = asyncio.run(post(app, {"num_frames": 17, **kwargs}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+async def post_video(app, body: dict) -> httpx.Response:
+    body = {"prompt": "a drone flies over a coastal town at dawn", "size": f"{WIDTH}x{HEIGHT}", "seed": 4, **body}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        return await client.post("/v1/videos/generations", json=body, timeout=120)
+
+
+def test_the_video_route_streams_one_mp4_a_window(app):
+    from mstar.media.video import decode_mp4
+
+    response = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, **WINDOW}))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    assert [line["type"] for line in lines] == ["video"] * 3 + ["done"]
+    assert [line["index"] for line in lines[:3]] == [0, 1, 2]
+    counts = [len(decode_mp4(base64.b64decode(line["b64_json"]))[0]) for line in lines[:3]]
+    assert counts == [9, 4, 4]
+    whole = asyncio.run(post_video(app, {"num_frames": 17, **WINDOW}))  # not streamed: one mp4 of the rollout
+    assert whole.status_code == 200, whole.text
+    assert len(decode_mp4(base64.b64decode(whole.json()["data"][0]["b64_json"]))[0]) == 17
+    refused = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, "window_mode": "kv"}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "window_mode", refused.text
+
+
+def test_ws_appends_continue_the_rollout(app):
+    """/generate/ws: the socket is one session; the first append starts the rollout, each later
+    one resumes it, every window its own binary message."""
+    from tests.support.asgi_ws import AsgiSocket
+
+    async def run():
+        async with AsgiSocket(app) as ws:
+            await ws.send_json({"text": "a drone flies over a coastal town at dawn", "output_modalities": "video",
+                                "model_kwargs": {"width": WIDTH, "height": HEIGHT, "seed": 4, "num_frames": 13,
+                                                 "stream_video": True, **WINDOW}})
+            await ws.send_json({"type": "append"})
+            await ws.send_json({"type": "append", "model_kwargs": {"num_frames": 9, "seed": 5}})
+            await ws.send_json({"type": "end_input"})
+            return await ws.receive_all(), ws
+
+    messages, ws = asyncio.run(run())
+    assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
+    assert not any(isinstance(m, dict) and m["type"] == "error" for m in messages), messages
+    heads = [m for m in messages if isinstance(m, dict) and m["type"] == "output"]
+    chunks = [m for m in messages if isinstance(m, bytes)]
+    assert [h["append"] for h in heads] == [0, 0, 1, 1, 1]
+    assert [len(c) // FRAME_BYTES for c in chunks] == [9, 4, 4, 4, 1]  # then 9 new frames, resumed
+    first = clip(asyncio.run(post(app, {"num_frames": 13, **WINDOW})))
+    assert b"".join(chunks[:2]) == first
