@@ -123,6 +123,28 @@ def median_s(op, device: torch.device, repeats: int) -> float:
 
 
 # ------------------------------------------------------------------------------ MoE
+def moe_pair(make_theirs, make_ours, seed: int, device: torch.device, dtype: torch.dtype):
+    """transformers' MoE block (random weights) and ours, built in ``dtype`` on ``device``,
+    with one expert stack for both (theirs, shared) and the router and shared expert copied."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            theirs = make_theirs().eval()
+            randomize(theirs, seed)
+            ours = make_ours().eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        ours.experts.gate_up.weight = torch.nn.Parameter(theirs.experts.gate_up_proj, requires_grad=False)
+        ours.experts.down.weight = torch.nn.Parameter(theirs.experts.down_proj, requires_grad=False)
+        ours.gate.weight.copy_(theirs.gate.weight)
+        shared = theirs.shared_experts
+        ours.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        ours.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
+    return theirs, ours
+
+
 def moe_rows(args, device, dtype, bandwidth: float, tflops: float) -> list[Metric]:
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
 
@@ -133,23 +155,9 @@ def moe_rows(args, device, dtype, bandwidth: float, tflops: float) -> list[Metri
     config = hf_config(args.smoke)
     config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
     ours_config = Glm52Config.from_dict(config.to_dict())
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            theirs = GlmMoeDsaMoE(config).eval()
-            randomize(theirs, args.seed)
-            ours = Glm52MoE(ours_config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():  # one expert stack for both; the rest copied
-        ours.experts.gate_up.weight = torch.nn.Parameter(theirs.experts.gate_up_proj, requires_grad=False)
-        ours.experts.down.weight = torch.nn.Parameter(theirs.experts.down_proj, requires_grad=False)
-        ours.gate.weight.copy_(theirs.gate.weight)
+    theirs, ours = moe_pair(lambda: GlmMoeDsaMoE(config), lambda: Glm52MoE(ours_config), args.seed, device, dtype)
+    with torch.no_grad():
         ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
-        shared = theirs.shared_experts
-        ours.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
-        ours.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
     free_device(device)
     use_moe_kernel(ours, "triton" if device.type == "cuda" else "loop")
     shape = MoEShape(config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok,
@@ -205,22 +213,8 @@ def cmda_moe_rows(args, device, dtype, bandwidth: float, tflops: float) -> list[
     config = Cohere2MoeConfig(**{**CMDA, **sizes})
     config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
     ours_config = CommandAPlusConfig.from_hf_dict(config.to_dict())
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            theirs = Cohere2MoeSparseMoeBlock(config).eval()
-            randomize(theirs, args.seed)
-            ours = CommandMoE(ours_config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():  # one expert stack for both; the rest copied
-        ours.experts.gate_up.weight = torch.nn.Parameter(theirs.experts.gate_up_proj, requires_grad=False)
-        ours.experts.down.weight = torch.nn.Parameter(theirs.experts.down_proj, requires_grad=False)
-        ours.gate.weight.copy_(theirs.gate.weight)
-        shared = theirs.shared_experts
-        ours.shared_experts.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
-        ours.shared_experts.down_proj.weight.copy_(shared.down_proj.weight)
+    theirs, ours = moe_pair(lambda: Cohere2MoeSparseMoeBlock(config), lambda: CommandMoE(ours_config), args.seed,
+                            device, dtype)
     free_device(device)
     use_moe_kernel(ours, "triton" if device.type == "cuda" else "loop")
     shape = MoEShape(config.hidden_size, config.intermediate_size, config.num_experts_per_tok, config.num_experts,
