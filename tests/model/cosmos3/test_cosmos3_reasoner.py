@@ -19,8 +19,15 @@ from safetensors.torch import save_file
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import EngineItem
 from mstar.model.cosmos3.config import Cosmos3Config
-from mstar.model.cosmos3.reasoner import (Cosmos3Reasoner, Cosmos3Vision, ReasonerConfig, ReasonerForward,
-                                          image_patches, rope_positions, vision_fn)
+from mstar.model.cosmos3.reasoner import (
+    Cosmos3Reasoner,
+    Cosmos3Vision,
+    ReasonerConfig,
+    ReasonerForward,
+    image_patches,
+    rope_positions,
+    vision_fn,
+)
 from mstar.model.cosmos3.transformer import Cosmos3Transformer
 from mstar.model.weights import WeightLoadError
 from tests.support.diffusers_dirs import randomize
