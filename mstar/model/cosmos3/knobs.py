@@ -40,3 +40,15 @@ class Cosmos3Knobs(Knobs):
     max_video_pixels: int = Field(1280 * 720 * 189, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (the pipeline's default
     clip, 1280x720x189)."""
+
+    reasoner_max_images: int = Field(8, ge=0)
+    """Image parts per reasoner chat (``cosmos3_edge``); more is a 400 naming the part."""
+
+    reasoner_max_videos: int = Field(1, ge=0)
+    """Video parts per reasoner chat."""
+
+    reasoner_video_fps: float = Field(2.0, gt=0)
+    """The rate a chat's video is sampled at (the reference's 2 frames a second)."""
+
+    reasoner_max_frames: int = Field(32, ge=1)
+    """Frames taken from one video at most (the first ones at that rate)."""

@@ -367,3 +367,37 @@ def vision_fn(vision: Cosmos3Vision):
         return [{"vision_embeds": part} for part in embeds.split(sizes)]
 
     return run
+
+
+def reasoner_engines(root: Path, tower: Cosmos3Transformer | None, nodes: set[str], config, seed: int,
+                     device: torch.device) -> dict[str, Any]:
+    """``vision`` (the checkpoint's ``reasoner/`` tower; without the folder a node that refuses)
+    and ``llm`` (the reasoner over ``tower``, the generator's instance) for those in ``nodes``."""
+    from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
+    from mstar.engine.base import StatelessEngine
+    from mstar.model.cosmos3.config import Cosmos3Config
+
+    text = Cosmos3Config.from_dict(json.loads((Path(root) / "transformer" / "config.json").read_text()))
+    has_folder = (Path(root) / "reasoner" / "config.json").exists()
+    reasoner_config = Cosmos3Vision.read_config(root, text.hidden_size) if has_folder else ReasonerConfig()
+    engines: dict[str, Any] = {}
+    if "vision" in nodes:
+        if has_folder:
+            vision = Cosmos3Vision.load(root, text.hidden_size, device=device, dtype=config.torch_dtype(),
+                                        dummy=config.load_format == "dummy", seed=seed + 3)
+            engines["vision"] = StatelessEngine(vision_fn(vision))
+        else:
+            def refuse(op, items):
+                raise ValueError("this Cosmos3 checkpoint has no reasoner/ folder (no vision tower)")
+
+            engines["vision"] = StatelessEngine(refuse)
+    if "llm" in nodes:
+        if tower is None:
+            raise ValueError("the llm node needs the tower")
+        model = Cosmos3Reasoner(tower)
+        kv = config.resources.kv_cache
+        forward = ReasonerForward(model, (reasoner_config.image_token_id, reasoner_config.video_token_id))
+        engines["llm"] = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), num_pages=kv.max_num_pages,
+                                              page_size=kv.page_size, max_seq_len=config.max_seq_len, device=device,
+                                              dtype=config.torch_dtype(), forward=forward)
+    return engines

@@ -227,3 +227,12 @@ def test_rope_positions_refuse_a_grid_mismatch():
         rope_positions(ids, [(1, 4, 4)], (IMAGE, VIDEO), 2)
     config = ReasonerConfig.from_dict({"vision_config": VISION, **REASONER}, 32)
     assert (config.patch_size, config.spatial_merge_size, config.text_hidden_size) == (4, 2, 32)
+
+
+def test_only_edge_serves_chat():
+    from mstar.model.registry import model_class
+
+    for key in ("cosmos3", "cosmos3_super", "cosmos3_super_t2i_4step", "cosmos3_super_i2v_4step"):
+        assert "chat" not in model_class(key).tasks, key
+    edge = model_class("cosmos3_edge")
+    assert "chat" in edge.tasks and {"image", "video"} <= edge.input_modalities
