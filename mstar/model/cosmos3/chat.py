@@ -6,8 +6,9 @@ private marker in its message's text; the rendered prompt is tokenized piece by 
 the markers and each marker replaced by its media block: an image is ``<|vision_start|>``, one
 image token per merged 2 x 2 patch group, ``<|vision_end|>``; a video is, per sampled frame,
 the text ``<T.T seconds>`` then the same block with video tokens (the reference processor's
-layout). Frames are sampled at ``reasoner_video_fps`` (2 by default) up to
-``reasoner_max_frames``; each frame is resized as an image.
+layout). Frames are sampled as the reference's video processor samples them
+(``reasoner_video_fps`` a second, 2 by default, at least 4 and at most ``reasoner_max_frames``,
+evenly spread) and resized together (``video_patches``).
 
 Limits (each a 400 naming the part): ``reasoner_max_images`` images and
 ``reasoner_max_videos`` videos per chat, images and frames within ``max_image_area`` pixels
@@ -24,7 +25,7 @@ import torch
 from mstar.contract import ChatSpec, RequestError
 from mstar.graph import Emit, Loop, Node, Sequential, Step, Walk
 from mstar.model.chat import ChatLLM, split_content
-from mstar.model.cosmos3.reasoner import ReasonerConfig, image_patches, rope_positions
+from mstar.model.cosmos3.reasoner import ReasonerConfig, image_patches, rope_positions, sample_frames, video_patches
 from mstar.model.decoding import checked_sampling
 from mstar.model.spec import WalkRequest
 
@@ -59,9 +60,7 @@ def _image(data, where: str, max_area: int):
 
 
 def _frames(data, where: str, fps: float, max_frames: int, max_area: int):
-    """The sampled frames (PIL images) and their times in seconds."""
-    from PIL import Image
-
+    """The sampled frames ``uint8 [T, H, W, 3]`` and their times in seconds."""
     from mstar.media.video import decode_mp4
 
     if not isinstance(data, (bytes, bytearray)):
@@ -70,15 +69,13 @@ def _frames(data, where: str, fps: float, max_frames: int, max_area: int):
         frames, rate = decode_mp4(bytes(data))
     except Exception as err:
         raise RequestError(where, f"cannot decode the video: {err}") from None
-    rate = rate or 24.0
-    count = len(frames)
-    if count == 0:
+    if len(frames) == 0:
         raise RequestError(where, "the video has no frames")
     if frames.shape[1] * frames.shape[2] > max_area:
         raise RequestError(where, f"video of {frames.shape[2]}x{frames.shape[1]} exceeds max_image_area ({max_area})")
-    step = max(rate / fps, 1.0)
-    indices = sorted({min(int(i * step), count - 1) for i in range(max(1, int(count / step)))})[:max_frames]
-    return [Image.fromarray(frames[i]) for i in indices], [i / rate for i in indices]
+    rate = rate or 24.0
+    indices = sample_frames(len(frames), rate, fps, max_frames=max_frames)
+    return frames[indices], [i / rate for i in indices]
 
 
 def chat_prompt(messages: list[dict], tokenizer, config: ReasonerConfig, *, max_images: int, max_videos: int,
@@ -130,10 +127,10 @@ def chat_prompt(messages: list[dict], tokenizer, config: ReasonerConfig, *, max_
                     config.vision_end_token_id]
         else:
             frames, times = _frames(data, where, video_fps, max_frames, max_area)
-            for frame, seconds in zip(frames, times):
-                p, grid = image_patches(frame, config)
-                patches.append(p)
-                grids.append(grid)
+            p, grid = video_patches(frames, config)
+            patches.append(p)
+            grids.append(grid)
+            for seconds in times:
                 ids += encode(f"<{seconds:.1f} seconds>")
                 ids += [config.vision_start_token_id, *[config.video_token_id] * (grid[1] * grid[2] // merge ** 2),
                         config.vision_end_token_id]

@@ -50,5 +50,5 @@ class Cosmos3Knobs(Knobs):
     reasoner_video_fps: float = Field(2.0, gt=0)
     """The rate a chat's video is sampled at (the reference's 2 frames a second)."""
 
-    reasoner_max_frames: int = Field(32, ge=1)
-    """Frames taken from one video at most (the first ones at that rate)."""
+    reasoner_max_frames: int = Field(768, ge=1)
+    """Frames sampled from one video at most (the reference video processor's 768)."""

@@ -51,7 +51,7 @@ from mstar.model.cosmos3.transformer import Cosmos3Transformer
 from mstar.model.siglip import SiglipEncoder
 
 __all__ = ["Cosmos3Reasoner", "Cosmos3Vision", "ReasonerConfig", "ReasonerForward", "image_patches",
-           "rope_positions", "smart_resize"]
+           "rope_positions", "sample_frames", "smart_resize", "video_patches"]
 
 IMAGE_MEAN = (0.5, 0.5, 0.5)  # IMAGENET_STANDARD_MEAN / STD of the reference's image processor
 IMAGE_STD = (0.5, 0.5, 0.5)
@@ -195,9 +195,11 @@ class Cosmos3Vision(nn.Module):
 
 
 # ------------------------------------------------------------------ preprocessing
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """The reference processor's target size: sides rounded to ``factor``, the area brought
-    within ``[min_pixels, max_pixels]`` with the aspect ratio kept (one frame, temporal factor 1)."""
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 frames: int = 1) -> tuple[int, int]:
+    """The reference processor's target size: sides rounded to ``factor``, the area of all
+    ``frames`` brought within ``[min_pixels, max_pixels]`` with the aspect ratio kept (temporal
+    factor 1)."""
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
@@ -205,12 +207,12 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         ratio = max(height, width) / min(height, width)
         raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+    if frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
@@ -230,11 +232,41 @@ def image_patches(image, config: ReasonerConfig, *, min_pixels: int | None = Non
     if (width, height) != image.size:
         image = image.resize((width, height), Image.Resampling.BICUBIC)
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255.0
+    return _normalized_patches(pixels[None], config), (1, height // p, width // p)
+
+
+def _normalized_patches(pixels: torch.Tensor, config: ReasonerConfig) -> torch.Tensor:
+    """``[T, 3, H, W]`` pixels in ``[0, 1]`` -> normalised block-major patches ``[T * h * w, p * p * 3]``."""
+    p, m = config.patch_size, config.spatial_merge_size
     mean, std = torch.tensor(IMAGE_MEAN)[:, None, None], torch.tensor(IMAGE_STD)[:, None, None]
     pixels = (pixels - mean) / std
+    t, _, height, width = pixels.shape
     gh, gw = height // p, width // p
-    x = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 3, 6, 0)
-    return x.reshape(gh * gw, 3 * p * p).contiguous(), (1, gh, gw)
+    x = pixels.reshape(t, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 4, 7, 1)
+    return x.reshape(t * gh * gw, p * p * 3).contiguous()
+
+
+def sample_frames(total: int, rate: float | None, fps: float, min_frames: int = 4, max_frames: int = 768) -> list[int]:
+    """The reference video processor's frame choice: ``fps`` a second of the source ``rate``
+    (24 when unknown), clamped to ``[min_frames, max_frames]`` and ``total``, evenly spread."""
+    rate = rate or 24.0
+    count = min(max(int(total / rate * fps), min_frames), max_frames, total)
+    return [int(i) for i in torch.linspace(0, total - 1, count).round().tolist()]
+
+
+def video_patches(frames, config: ReasonerConfig, *, min_pixels: int = 64 * 64,
+                  max_pixels: int = 24 * 1024 * 1024) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Sampled uint8 frames ``[T, H, W, 3]`` -> patches (frame-major, each frame block-major) and
+    grid ``(T, h, w)``: one size for all frames (``smart_resize`` over the whole clip's area,
+    the video processor's ``size``), antialiased bicubic in uint8 as torchvision resizes on the
+    CPU, normalised as images."""
+    x = torch.as_tensor(frames).permute(0, 3, 1, 2).contiguous()
+    t, _, height, width = x.shape
+    p, m = config.patch_size, config.spatial_merge_size
+    new_h, new_w = smart_resize(height, width, p * m, min_pixels, max_pixels, frames=t)
+    if (new_h, new_w) != (height, width):
+        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+    return _normalized_patches(x.float() / 255.0, config), (t, new_h // p, new_w // p)
 
 
 def rope_positions(ids: torch.Tensor, grids: list[tuple[int, int, int]], media_ids: tuple[int, ...],

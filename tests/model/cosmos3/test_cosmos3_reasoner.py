@@ -236,3 +236,23 @@ def test_only_edge_serves_chat():
         assert "chat" not in model_class(key).tasks, key
     edge = model_class("cosmos3_edge")
     assert "chat" in edge.tasks and {"image", "video"} <= edge.input_modalities
+
+
+def test_video_frames_sampled_and_patched_as_the_reference():
+    """The video processor's rules (its module needs torchvision, absent here, so its formulas
+    are checked by value): 2 frames a second of the source rate, at least 4, evenly spread; one
+    size for the clip; frames already at that size patched exactly as images."""
+    from mstar.model.cosmos3.reasoner import sample_frames, video_patches
+
+    assert sample_frames(50, 25.0, 2.0) == [0, 16, 33, 49]  # int(50 / 25 * 2) = 4
+    assert sample_frames(240, 24.0, 2.0) == [round(i * 239 / 19) for i in range(20)]
+    assert sample_frames(3, 24.0, 2.0) == [0, 1, 2]  # never more than the clip has
+    assert sample_frames(100, None, 2.0, max_frames=5) == [0, 25, 50, 74, 99]  # 24 fps assumed; capped
+    config = ReasonerConfig.from_dict({"vision_config": VISION, **REASONER}, 32)
+    frames = torch.randint(0, 256, (3, 16, 24, 3), dtype=torch.uint8)
+    patches, grid = video_patches(frames, config, min_pixels=8 * 8, max_pixels=3 * 32 * 32)
+    assert grid == (3, 4, 6)
+    expected = torch.cat([image_patches(Image.fromarray(f.numpy()), config, **PIXELS)[0] for f in frames])
+    torch.testing.assert_close(patches, expected, atol=1e-6, rtol=0)
+    _, small = video_patches(frames, config, min_pixels=8 * 8, max_pixels=3 * 8 * 16)
+    assert small == (3, 2, 2)  # the whole clip's area is capped: beta = sqrt(3), 8 x 8 frames
