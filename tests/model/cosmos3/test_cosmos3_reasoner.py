@@ -130,27 +130,38 @@ def prompts(vision: Cosmos3Vision):
     yield "text", [1, 3, 8, 22, 50, 2], {}, None
 
 
-def reference_run(ref, ids: list[int], pixels: dict) -> list[torch.Tensor]:
-    """The last-position logits of the prefill and of ``STEPS - 1`` greedy decodes, with the
-    reference's own cache and positions."""
+def reference_run(ref, ids: list[int], pixels: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The prefill's logits at every prompt position, and the last-position logits of the
+    prefill and of ``STEPS - 1`` greedy decodes, with the reference's own cache and positions."""
     ref.model.rope_deltas = None
     input_ids = torch.tensor([ids])
     kinds = torch.zeros_like(input_ids, dtype=torch.int32)
     kinds[input_ids == IMAGE], kinds[input_ids == VIDEO] = 1, 2
     with torch.no_grad():
         out = ref(input_ids=input_ids, mm_token_type_ids=kinds, use_cache=True, **pixels)
+        prompt = out.logits[0]
         logits = [out.logits[0, -1]]
         for _ in range(STEPS - 1):
             token = logits[-1].argmax().view(1, 1)
             out = ref(input_ids=token, cache=out.cache, use_cache=True)
             logits.append(out.logits[0, -1])
-    return logits
+    return prompt, logits
 
 
 class Recording(ReasonerForward):
+    """Keeps every step's logits and the prefill step's hidden states of every prompt position."""
+
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.seen: list[torch.Tensor] = []
+        self.prefill: list[torch.Tensor] = []
+
+    def hidden(self, input_ids, meta, kv_caches, inputs, counts):
+        out = super().hidden(input_ids, meta, kv_caches, inputs, counts)
+        if not self.prefill:
+            bounds = meta.query_starts
+            self.prefill = [out[bounds[i]:bounds[i + 1]].clone() for i in range(len(bounds) - 1)]
+        return out
 
     def logits(self, hidden):
         out = super().logits(hidden)
@@ -161,7 +172,8 @@ class Recording(ReasonerForward):
 def test_reasoner_logits_every_step(models):
     ref, tower, vision, _, _ = models
     chats = list(prompts(vision))
-    expected = {name: reference_run(ref, ids, pixels) for name, ids, pixels, _ in chats}
+    runs = {name: reference_run(ref, ids, pixels) for name, ids, pixels, _ in chats}
+    expected = {name: steps for name, (_, steps) in runs.items()}
     reasoner = Cosmos3Reasoner(tower)
     forward = Recording(reasoner, (IMAGE, VIDEO))
     engine = AutoregressiveEngine(reasoner, KVLayout(*reasoner.cache_shape()), num_pages=64, page_size=4,
@@ -189,6 +201,11 @@ def test_reasoner_logits_every_step(models):
             for row, name in enumerate(names):
                 got[name].append(forward.seen[-1][row])
     worst = 0.0
+    for name, hidden in zip(names, forward.prefill, strict=True):  # every prompt position
+        with torch.no_grad():
+            ours = reasoner.compute_logits(hidden.clone())
+        torch.testing.assert_close(ours, runs[name][0], atol=1e-5, rtol=1e-5)
+        worst = max(worst, float((ours - runs[name][0]).abs().max()))
     for name in names:
         assert tokens[name] == [int(x.argmax()) for x in expected[name]], name
         for ours, theirs in zip(got[name], expected[name], strict=True):
