@@ -152,3 +152,19 @@ def test_generation_still_served(oai: openai.OpenAI) -> None:
     result = oai.images.generate(model=MODEL, prompt="a red cube", size="256x256", response_format="b64_json",
                                  extra_body={"seed": 1})
     assert Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).size == (256, 256)
+
+
+def test_thinking_switch_and_sampling_knobs(oai: openai.OpenAI) -> None:
+    """``enable_thinking: false`` (extra body or ``chat_template_kwargs``) closes the template's
+    think block in the prompt; ``top_k`` and ``repetition_penalty`` are taken."""
+    messages = [{"role": "user", "content": [image_part(png(5)), {"type": "text", "text": "plan"}]}]
+
+    def prompt_tokens(**extra) -> int:
+        result = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                             extra_body=extra)
+        return result.usage.prompt_tokens
+
+    base = prompt_tokens()
+    assert prompt_tokens(enable_thinking=False) > base
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > base
+    assert prompt_tokens(top_k=5, repetition_penalty=1.2) == base
