@@ -273,3 +273,19 @@ def test_video_frames_sampled_and_patched_as_the_reference():
     torch.testing.assert_close(patches, expected, atol=1e-6, rtol=0)
     _, small = video_patches(frames, config, min_pixels=8 * 8, max_pixels=3 * 8 * 16)
     assert small == (3, 2, 2)  # the whole clip's area is capped: beta = sqrt(3), 8 x 8 frames
+
+
+def test_edge_without_a_reasoner_folder_refuses_chat(checkpoint):
+    """A checkpoint without ``reasoner/`` still loads its frontend (generation is served) and
+    answers a chat with a 400 naming the model."""
+    from mstar.config import parse_config
+    from mstar.contract import ChatSpec, RequestError, SamplingParams
+    from mstar.model.registry import model_class
+
+    spec = model_class("cosmos3_edge")(parse_config({"model": "cosmos3_edge", "model_path": str(checkpoint.root),
+                                                     "load_format": "dummy"}))
+    spec.load_frontend()
+    assert spec.reasoner_config is None
+    with pytest.raises(RequestError) as err:
+        spec.prepare_chat(ChatSpec("r", [{"role": "user", "content": "hi"}], SamplingParams(), 4))
+    assert err.value.field == "model" and err.value.status == 400 and "cosmos3_edge" in err.value.message
