@@ -35,7 +35,7 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
         from mstar.model.cosmos3.reasoner import reasoner_engines
 
         engines.update(reasoner_engines(ckpt.root, tower if "llm" in nodes else None, nodes, config, knobs.seed,
-                                        device))
+                                        device, knobs.reasoner_attention_backend))
     if "vae" in nodes:
         dtype = getattr(torch, knobs.vae_dtype)
         vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy, seed=knobs.seed + 1)

@@ -52,3 +52,6 @@ class Cosmos3Knobs(Knobs):
 
     reasoner_max_frames: int = Field(768, ge=1)
     """Frames sampled from one video at most (the reference video processor's 768)."""
+
+    reasoner_attention_backend: Literal["torch", "triton"] = "torch"
+    """The reasoner's paged-attention kernels: ``torch`` (the reference) or ``triton``."""

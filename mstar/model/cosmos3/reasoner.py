@@ -402,7 +402,7 @@ def vision_fn(vision: Cosmos3Vision):
 
 
 def reasoner_engines(root: Path, tower: Cosmos3Transformer | None, nodes: set[str], config, seed: int,
-                     device: torch.device) -> dict[str, Any]:
+                     device: torch.device, attention_backend: str = "torch") -> dict[str, Any]:
     """``vision`` (the checkpoint's ``reasoner/`` tower; without the folder a node that refuses)
     and ``llm`` (the reasoner over ``tower``, the generator's instance) for those in ``nodes``."""
     from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
@@ -431,5 +431,6 @@ def reasoner_engines(root: Path, tower: Cosmos3Transformer | None, nodes: set[st
         forward = ReasonerForward(model, (reasoner_config.image_token_id, reasoner_config.video_token_id))
         engines["llm"] = AutoregressiveEngine(model, KVLayout(*model.cache_shape()), num_pages=kv.max_num_pages,
                                               page_size=kv.page_size, max_seq_len=config.max_seq_len, device=device,
-                                              dtype=config.torch_dtype(), forward=forward)
+                                              dtype=config.torch_dtype(), forward=forward,
+                                              attention_backend=attention_backend)
     return engines
