@@ -62,7 +62,8 @@ def write_tiny_edge(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def oai(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     root = write_tiny_edge(tmp_path_factory.mktemp("cosmos3-edge-tiny"))
-    knobs = {"max_image_area": 256 * 256, "num_inference_steps": 2, "reasoner_max_images": 2}
+    knobs = {"max_image_area": 256 * 256, "num_inference_steps": 2, "reasoner_max_images": 2,
+             "reasoner_max_image_pixels": 256 * 256}
     deployment = start(parse_config({"model": MODEL, "model_path": str(root), "load_format": "dummy",
                                      "max_concurrent_requests": 8, "max_seq_len": 512,
                                      "model_kwargs": knobs}), in_process=True)
@@ -139,7 +140,7 @@ def test_image_changes_the_answer_logits(oai: openai.OpenAI) -> None:
     ([image_part(png(1)), image_part(png(2)), image_part(png(3))], "messages[0].content[2]"),  # > 2 images
     ([image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())], "messages[0].content[0]"),
     ([video_part("data:video/mp4;base64," + base64.b64encode(b"not an mp4").decode())], "messages[0].content[0]"),
-    ([image_part(png(1, 300, 300))], "messages[0].content[0]"),  # over max_image_area
+    ([image_part(png(1, 300, 300))], "messages[0].content[0]"),  # over reasoner_max_image_pixels
     ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}], "messages[0].content[0]"),
 ])
 def test_bad_parts_are_400_naming_them(oai: openai.OpenAI, content: list, param: str) -> None:

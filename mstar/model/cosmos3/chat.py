@@ -11,8 +11,8 @@ layout). Frames are sampled as the reference's video processor samples them
 evenly spread) and resized together (``video_patches``).
 
 Limits (each a 400 naming the part): ``reasoner_max_images`` images and
-``reasoner_max_videos`` videos per chat, images and frames within ``max_image_area`` pixels
-before resizing, a part that does not decode.
+``reasoner_max_videos`` videos per chat, images and frames within
+``reasoner_max_image_pixels`` before resizing, a part that does not decode.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def _image(data, where: str, max_area: int):
     except Exception as err:
         raise RequestError(where, f"cannot decode the image: {err}") from None
     if image.width * image.height > max_area:
-        raise RequestError(where, f"image of {image.width}x{image.height} exceeds max_image_area ({max_area})")
+        raise RequestError(where, f"image of {image.width}x{image.height} exceeds reasoner_max_image_pixels "
+                                  f"({max_area})")
     return image
 
 
@@ -72,7 +73,8 @@ def _frames(data, where: str, fps: float, max_frames: int, max_area: int):
     if len(frames) == 0:
         raise RequestError(where, "the video has no frames")
     if frames.shape[1] * frames.shape[2] > max_area:
-        raise RequestError(where, f"video of {frames.shape[2]}x{frames.shape[1]} exceeds max_image_area ({max_area})")
+        raise RequestError(where, f"video of {frames.shape[2]}x{frames.shape[1]} exceeds reasoner_max_image_pixels "
+                                  f"({max_area})")
     rate = rate or 24.0
     indices = sample_frames(len(frames), rate, fps, max_frames=max_frames)
     return frames[indices], [i / rate for i in indices]
@@ -175,7 +177,7 @@ class ReasonerChat(ChatLLM):
         checked_sampling(spec.sampling)
         k = self.knobs
         prompt = chat_prompt(spec.messages, self.tokenizer, self.reasoner_config, max_images=k.reasoner_max_images,
-                             max_videos=k.reasoner_max_videos, max_area=k.max_image_area,
+                             max_videos=k.reasoner_max_videos, max_area=k.reasoner_max_image_pixels,
                              video_fps=k.reasoner_video_fps, max_frames=k.reasoner_max_frames,
                              enable_thinking=spec.enable_thinking)
         request = self.text_request(prompt.ids, spec.max_tokens, spec.sampling, spec.ignore_eos)

@@ -47,6 +47,10 @@ class Cosmos3Knobs(Knobs):
     reasoner_max_videos: int = Field(1, ge=0)
     """Video parts per reasoner chat."""
 
+    reasoner_max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """The largest image or video frame (``width * height``, before resizing) a reasoner chat may
+    bring (the image processor's largest area)."""
+
     reasoner_video_fps: float = Field(2.0, gt=0)
     """The rate a chat's video is sampled at (the reference's 2 frames a second)."""
 
