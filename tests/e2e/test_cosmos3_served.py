@@ -216,3 +216,10 @@ def test_video_job_with_an_input_reference(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:  # a clip is /v1/videos/generations' field, not this route's
         oai.videos.create(model=MODEL, prompt="x", size=f"{WIDTH}x{HEIGHT}", extra_body={"video": "AAAA"})
     assert err.value.body["param"] == "video"
+
+
+def test_nano_refuses_chat_naming_the_model(oai: openai.OpenAI) -> None:
+    """Only Edge has a reasoner: a chat to Nano is a 400 naming the model."""
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert err.value.body["param"] == "model" and MODEL in err.value.body["message"]

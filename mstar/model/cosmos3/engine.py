@@ -28,10 +28,16 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
                     device: torch.device) -> dict[str, Engine]:
     engines: dict[str, Engine] = {}
     dummy = config.load_format == "dummy"
-    if "dit" in nodes:
+    if {"dit", "llm"} & nodes:  # one tower for both: the reasoner reads its understanding expert
         load = ckpt.loader(config, knobs.seed, device)
         tower = load(Cosmos3Transformer(ckpt.transformer_config()), "transformer", 0, fp32=FP32_PARAMETERS)
+    if "dit" in nodes:
         engines["dit"] = Cosmos3DenoiseEngine(tower, ckpt.schedule(), device, knobs.max_gen_batch_size)
+    if {"llm", "vision"} & nodes:
+        from mstar.model.cosmos3.reasoner import reasoner_engines
+
+        engines.update(reasoner_engines(ckpt.root, tower if "llm" in nodes else None, nodes, config, knobs.seed,
+                                        device, knobs.reasoner_attention_backend))
     if "vae" in nodes:
         dtype = getattr(torch, knobs.vae_dtype)
         vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy, seed=knobs.seed + 1)

@@ -47,3 +47,22 @@ class Cosmos3Knobs(Knobs):
 
     max_windows: int = Field(64, ge=1)
     """The most windows one windowed request may take."""
+
+    reasoner_max_images: int = Field(8, ge=0)
+    """Image parts per reasoner chat (``cosmos3_edge``); more is a 400 naming the part."""
+
+    reasoner_max_videos: int = Field(1, ge=0)
+    """Video parts per reasoner chat."""
+
+    reasoner_max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """The largest image or video frame (``width * height``, before resizing) a reasoner chat may
+    bring (the image processor's largest area)."""
+
+    reasoner_video_fps: float = Field(2.0, gt=0)
+    """The rate a chat's video is sampled at (the reference's 2 frames a second)."""
+
+    reasoner_max_frames: int = Field(768, ge=1)
+    """Frames sampled from one video at most (the reference video processor's 768)."""
+
+    reasoner_attention_backend: Literal["torch", "triton"] = "torch"
+    """The reasoner's paged-attention kernels: ``torch`` (the reference) or ``triton``."""

@@ -43,6 +43,7 @@ from pydantic import Field
 from mstar.contract import GenerateSpec, ImageSpec, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.cosmos3.chat import ReasonerChat
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.conditioning import condition_length, image_pixels, video_pixels
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
@@ -134,7 +135,12 @@ class Cosmos3(ModelSpec):
         walks += [self._walk(mode, extra, sound=True) for mode in ("t2v", "i2v", "v2v") for extra in ("", "_guided")]
         if windowed:
             walks += windowed_walks()
-        return Graph.build([dit, vae, sound], walks)
+        chat_nodes, chat_walks = self.chat_graph()
+        return Graph.build([dit, vae, sound, *chat_nodes], walks + chat_walks)
+
+    def chat_graph(self) -> tuple[list[Node], list[Walk]]:
+        """The reasoner's nodes and walks (Edge only)."""
+        return [], []
 
     def _walk(self, mode: str, kind: str, sound: bool = False) -> Walk:
         """``mode``: t2v, t2i (one image out), i2v or v2v (the VAE encodes the request's
@@ -361,12 +367,35 @@ class Cosmos3(ModelSpec):
 
 
 @register
-class Cosmos3Edge(Cosmos3):
+class Cosmos3Edge(Cosmos3, ReasonerChat):
     """Cosmos3-Edge (4B, dense Nemotron backbone): the same declaration; the tower's config
-    says ``relu2``. Its reasoner chat is not served yet."""
+    says ``relu2``. It also serves the reasoner (``mstar.model.cosmos3.chat``): image and video
+    chat on the tower's understanding expert (``llm``, sharing the ``dit`` node's tower when
+    both are on one worker) and the vision tower (``vision``)."""
 
     key = "cosmos3_edge"
     default_weights = "nvidia/Cosmos3-Edge"
+    tasks = Cosmos3.tasks | {"chat"}
+    input_modalities = frozenset({"text", "image", "video"})
+
+    def load_frontend(self) -> None:
+        from mstar.model.cosmos3.reasoner import Cosmos3Vision
+
+        super().load_frontend()
+        ckpt = self.checkpoint()
+        self.tokenizer = self.prompt.tokenizer
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.stop_token_ids = self.stop_ids(None, *([end] if isinstance(end, int) and end >= 0 else []))
+        if (ckpt.root / "reasoner" / "config.json").exists():
+            self.reasoner_config = Cosmos3Vision.read_config(ckpt.root, ckpt.transformer_config().hidden_size)
+
+    def chat_graph(self):
+        return ReasonerChat.chat_graph(self)
+
+    def output_stream(self, request: WalkRequest, stop: list[str]):
+        if request.walk in ("chat", "chat_vision"):
+            return ReasonerChat.output_stream(self, request, stop)
+        return super().output_stream(request, stop)
 
 
 @register
