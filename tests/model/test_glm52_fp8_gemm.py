@@ -129,7 +129,7 @@ def test_knob_needs_cuda() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not scaled_mm_available(torch.device("cuda")),
                     reason="block-scaled fp8 scaled_mm needs a Hopper GPU")
-@pytest.mark.parametrize("tokens", [1, 64, 200])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 200])
 def test_scaled_mm_matches_the_emulated_and_the_bf16_products(tokens: int) -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(tokens)
