@@ -27,7 +27,7 @@ from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import MRotaryEmbedding, rotate
 from mstar.model.cosmos3.config import Cosmos3Config
 
-__all__ = ["Cosmos3Transformer", "MediaItem", "TextKV"]
+__all__ = ["ActionTokens", "Cosmos3Transformer", "MediaItem", "TextKV"]
 
 
 class NemotronRMSNorm(RMSNorm):
@@ -194,16 +194,31 @@ class TextKV:
 
 
 @dataclass
+class ActionTokens:
+    """A request's action chunk in a step: ``actions [T, action_dim]`` (padded to the tower's
+    width), the rows ``noisy`` (the rest are clean conditions, as a video's clean frames), the
+    embodiment ``domain`` selecting the action heads' weights and the rotary ``positions [3, T]``.
+    They follow the video's patches in the request's packed sequence."""
+
+    actions: torch.Tensor
+    noisy: list[int]
+    domain: int
+    positions: torch.Tensor
+
+
+@dataclass
 class MediaItem:
     """One request's media in a step: ``latents [C, T, H, W]``, its ``timestep`` (the sampler's,
     0..1000), the latent frames ``noisy`` (the rest are clean conditions: no time embedding,
-    zero velocity), its rotary ``positions [3, T * h * w]`` and its ``text``."""
+    zero velocity), its rotary ``positions [3, T * h * w]``, its ``text`` and, in the action
+    modes, its ``action`` chunk."""
 
     latents: torch.Tensor
     timestep: float
     noisy: list[int]
     positions: torch.Tensor
     text: TextKV
+    action: ActionTokens | None = None
 
 
 class Cosmos3Transformer(nn.Module):
@@ -264,8 +279,24 @@ class Cosmos3Transformer(nn.Module):
         return x.reshape(c, frames, hp * p, wp * p)[:, :, :height, :width]
 
     def forward(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        """One denoise step of several requests: each item's velocity ``[C, T, H, W]`` (float32
-        maths where the model's dtype is; zeros on clean frames)."""
+        """One denoise step of several requests: each item's video velocity ``[C, T, H, W]``."""
+        return [out["video"] for out in self.forward_media(items)]
+
+    def _action_tokens(self, action: ActionTokens, embed: torch.Tensor) -> torch.Tensor:
+        """An action chunk's input rows: the domain's projection, the modality embedding, and
+        the time embedding on the noisy rows."""
+        domain = torch.full((len(action.actions),), action.domain, dtype=torch.long, device=embed.device)
+        x = self.action_proj_in(action.actions.to(device=embed.device, dtype=self.dtype), domain)
+        x = x + self.action_modality_embed
+        noisy = torch.zeros(len(x), dtype=x.dtype, device=x.device)
+        noisy[list(action.noisy)] = 1
+        return x + embed * noisy[:, None]
+
+    def forward_media(self, items: list[MediaItem]) -> list[dict[str, torch.Tensor]]:
+        """One denoise step of several requests: per item, ``video``, the velocity
+        ``[C, T, H, W]``, and with an action chunk ``action``, its velocity ``[T, action_dim]``
+        (float32 maths where the model's dtype is; zeros on clean frames and rows). A request's
+        rows are its video patches, then its actions."""
         p = self.config.latent_patch_size
         tokens, masks, cos, sin, shapes = [], [], [], [], []
         embeds = self.time_embedder(torch.tensor([float(i.timestep) for i in items], device=self.proj_in.weight.device)
@@ -277,8 +308,12 @@ class Cosmos3Transformer(nn.Module):
             noisy = torch.zeros(t, dtype=torch.bool, device=x.device)
             noisy[list(item.noisy)] = True
             x = x + embed * noisy.repeat_interleave(per_frame)[:, None].to(x.dtype)
+            positions = item.positions
+            if item.action is not None:
+                x = torch.cat([x, self._action_tokens(item.action, embed)])
+                positions = torch.cat([positions, item.action.positions.to(positions.device)], dim=1)
             tokens.append(x)
-            c_, s_ = self.rope.cos_sin(item.positions.to(x.device), x.dtype)
+            c_, s_ = self.rope.cos_sin(positions.to(x.device), x.dtype)
             cos.append(c_)
             sin.append(s_)
             shapes.append((t, h, w, per_frame))
@@ -287,11 +322,22 @@ class Cosmos3Transformer(nn.Module):
         for index, layer in enumerate(self.layers):
             segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
-        x = self.proj_out(self.norm_moe_gen(x))
+        x = self.norm_moe_gen(x)
         out, start = [], 0
-        for (t, h, w, per_frame), noisy in zip(shapes, masks):
-            rows = x[start:start + t * per_frame]
-            start += t * per_frame
-            v = self.unpatchify(rows, t, h, w)
-            out.append(v * noisy[None, :, None, None].to(v.dtype))
+        for (t, h, w, per_frame), noisy, item, tok in zip(shapes, masks, items, tokens):
+            rows = x[start:start + len(tok)]
+            start += len(tok)
+            v = self.unpatchify(self.proj_out(rows[:t * per_frame]), t, h, w)
+            result = {"video": v * noisy[None, :, None, None].to(v.dtype)}
+            if item.action is not None:
+                result["action"] = self._action_velocity(item.action, rows[t * per_frame:])
+            out.append(result)
         return out
+
+    def _action_velocity(self, action: ActionTokens, rows: torch.Tensor) -> torch.Tensor:
+        velocity = torch.zeros(len(rows), self.config.action_dim, dtype=rows.dtype, device=rows.device)
+        noisy = list(action.noisy)
+        if noisy:
+            domain = torch.full((len(noisy),), action.domain, dtype=torch.long, device=rows.device)
+            velocity[noisy] = self.action_proj_out(rows[noisy], domain)
+        return velocity
