@@ -17,6 +17,14 @@ frames of the starting noise, which stay clean conditions from then on (no time 
 their velocity zeroed, so UniPC carries them along). The fixed-sigma sampler re-noises every
 frame, so after each of its steps the ``k`` frames are set back to ``cond_latents``, as the
 distilled modular pipeline re-anchors them.
+
+An action request (``mstar.model.cosmos3.action``) also carries ``action_latents [T, action_dim]``
+and the params ``action_mode``, ``action_domain`` and ``raw_action_dim``: its action tokens follow
+its video patches in every forward, guided as the video is, and step with their own UniPC state
+(the pipeline's copy of the scheduler) unless all are clean (forward dynamics); the columns past
+``raw_action_dim`` are kept zero. Its ``cond_latents`` come from the VAE's encode of the padded
+canvas: they are cut to the latents' (content) rows and columns. Op ``actions`` [action_latents ->
+action] gives the final chunk's ``raw_action_dim`` columns.
 """
 
 from __future__ import annotations
@@ -29,11 +37,11 @@ import torch
 from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.model.cosmos3.layout import media_offset, patch_grid, text_positions, video_positions
+from mstar.model.cosmos3.layout import action_positions, media_offset, patch_grid, text_positions, video_positions
 from mstar.model.cosmos3.sampler import FixedSigmas
-from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, TextKV
+from mstar.model.cosmos3.transformer import ActionTokens, Cosmos3Transformer, MediaItem, TextKV
 
-OPS = ("step",)
+OPS = ("step", "actions")
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Prepared:
 
     texts: list[TextKV]
     positions: list[torch.Tensor]
+    action_positions: list[torch.Tensor] | None = None
 
 
 def guidance_scale(item: EngineItem) -> float:
@@ -58,22 +67,26 @@ class Cosmos3DenoiseEngine(Engine):
         self.prepared: dict[str, Prepared] = {}
         self.schedules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.solvers: dict[str, UniPCState] = {}
+        self.action_solvers: dict[str, UniPCState] = {}
         self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _prepare(self, item: EngineItem) -> Prepared:
         if item.request_id not in self.prepared:
             config = self.tower.config
             names = ["prompt_ids", "negative_ids"] if guidance_scale(item) > 1 else ["prompt_ids"]
-            texts, positions = [], []
+            texts, positions, actions = [], [], []
             grid = patch_grid(config, tuple(item.inputs["latents"].shape))
             fps = float(item.params.get("fps", 24.0))
+            chunk = len(item.inputs["action_latents"]) if "action_latents" in item.inputs else 0
             for name in names:
                 if name not in item.inputs:
                     raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs {name}")
                 ids = item.inputs[name].to(self.device)
                 texts.append(self.tower.encode_text(ids, text_positions(config, len(ids)).to(self.device)))
-                positions.append(video_positions(config, grid, media_offset(config, len(ids)), fps).to(self.device))
-            self.prepared[item.request_id] = Prepared(texts, positions)
+                offset = media_offset(config, len(ids))
+                positions.append(video_positions(config, grid, offset, fps).to(self.device))
+                actions.append(action_positions(config, chunk, offset, fps).to(self.device))
+            self.prepared[item.request_id] = Prepared(texts, positions, actions if chunk else None)
         return self.prepared[item.request_id]
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,28 +101,77 @@ class Cosmos3DenoiseEngine(Engine):
         for item in items:
             if item.op not in OPS:
                 raise ValueError(f"the Cosmos3 denoise engine has no op {item.op!r} (it has {list(OPS)})")
+        if all(item.op == "actions" for item in items):
+            return [EngineOutput({"action": item.inputs["action_latents"][:, :int(item.params["raw_action_dim"])]
+                                  .float().cpu().contiguous()}) for item in items]
+        if any(item.op == "actions" for item in items):
+            steps = [i for i, item in enumerate(items) if item.op == "step"]
+            rest = [i for i, item in enumerate(items) if item.op != "step"]
+            out = dict(zip(steps, self.run([items[i] for i in steps])))
+            out.update(zip(rest, self.run([items[i] for i in rest])))
+            return [out[i] for i in range(len(items))]
         with torch.inference_mode():
             rows: list[tuple[int, MediaItem]] = []
             states = []
             for i, item in enumerate(items):
                 prepared = self._prepare(item)
                 latents, clean = self._latents(item)
-                states.append((latents, clean))
+                actions = self._actions(item)
+                states.append((latents, clean, actions))
                 timestep = float(self._schedule(item)[1][item.iteration])
                 noisy = list(range(0 if clean is None else clean.shape[1], latents.shape[1]))
-                rows += [(i, MediaItem(latents, timestep, noisy, pos, text))
-                         for text, pos in zip(prepared.texts, prepared.positions)]
+                for j, (text, pos) in enumerate(zip(prepared.texts, prepared.positions)):
+                    chunk = None
+                    if actions is not None:
+                        chunk = ActionTokens(actions[0], actions[1], int(item.params["action_domain"]),
+                                             prepared.action_positions[j])
+                    rows.append((i, MediaItem(latents, timestep, noisy, pos, text, chunk)))
             flows = self._predict([row for _, row in rows])
-            per_item: dict[int, list[torch.Tensor]] = {}
+            per_item: dict[int, list[dict[str, torch.Tensor]]] = {}
             for (i, _), flow in zip(rows, flows):
-                per_item.setdefault(i, []).append(flow.float())
-            outputs, solvers = [], {}
+                per_item.setdefault(i, []).append({k: v.float() for k, v in flow.items()})
+            outputs, solvers, action_solvers = [], {}, {}
             for i, item in enumerate(items):
-                v = per_item[i][0] if len(per_item[i]) == 1 else guide(*per_item[i], guidance_scale(item))
-                latents, solvers[item.request_id] = self._step(item, v, *states[i])
-                outputs.append(EngineOutput({"latents": latents}))
+                flows_i = per_item[i]
+                v = self._guided(item, [f["video"] for f in flows_i])
+                latents, solvers[item.request_id] = self._step(item, v, *states[i][:2])
+                out = {"latents": latents}
+                if states[i][2] is not None:
+                    width = int(item.params["raw_action_dim"])
+                    va = self._guided(item, [f["action"] for f in flows_i])
+                    va[:, width:] = 0
+                    out["action_latents"], action_solvers[item.request_id] = self._action_step(item, va,
+                                                                                               *states[i][2])
+                outputs.append(EngineOutput(out))
         self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
+        self.action_solvers.update({k: v for k, v in action_solvers.items() if v is not None})
         return outputs
+
+    @staticmethod
+    def _guided(item: EngineItem, flows: list[torch.Tensor]) -> torch.Tensor:
+        return flows[0] if len(flows) == 1 else guide(*flows, guidance_scale(item))
+
+    def _actions(self, item: EngineItem) -> tuple[torch.Tensor, list[int]] | None:
+        """An action request's chunk (float32) and its noisy rows; None for a video request."""
+        if "action_latents" not in item.inputs:
+            return None
+        if isinstance(self.scheduler, FixedSigmas):
+            raise ValueError(f"request {item.request_id}: the distilled checkpoints serve no action modes")
+        actions = item.inputs["action_latents"].to(self.device, torch.float32)
+        clean = item.params.get("action_mode") == "forward_dynamics"
+        return actions, [] if clean else list(range(len(actions)))
+
+    def _action_step(self, item: EngineItem, v: torch.Tensor, actions: torch.Tensor,
+                     noisy: list[int]) -> tuple[torch.Tensor, UniPCState | None]:
+        """The chunk's own UniPC step (none when every action is a condition)."""
+        if not noisy:
+            return actions, None
+        sigmas, _ = self._schedule(item)
+        state = self.action_solvers.get(item.request_id, UniPCState())
+        actions, state = self.scheduler.step(item.iteration, sigmas, v[None], actions[None], state)
+        actions = actions[0]
+        actions[:, int(item.params["raw_action_dim"]):] = 0
+        return actions, state
 
     def _predict(self, rows: list[MediaItem]) -> list[torch.Tensor]:
         size = self.max_batch_size or len(rows)
@@ -117,7 +179,7 @@ class Cosmos3DenoiseEngine(Engine):
         for start in range(0, len(rows), size):
             chunk = rows[start:start + size]
             self.forward_rows.append(len(chunk))
-            out += self.tower(chunk)
+            out += self.tower.forward_media(chunk)
         return out
 
     def _latents(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -127,6 +189,8 @@ class Cosmos3DenoiseEngine(Engine):
         if "cond_latents" not in item.inputs:
             return latents, None
         clean = item.inputs["cond_latents"].to(self.device, torch.float32)
+        if "action_mode" in item.params:  # encoded on the canvas: keep the content's rows and columns
+            clean = clean[:, :, :latents.shape[2], :latents.shape[3]]
         if clean.shape[1] > latents.shape[1] or clean.shape[2:] != latents.shape[2:] \
                 or clean.shape[0] != latents.shape[0]:
             raise ValueError(f"request {item.request_id}: cond_latents {tuple(clean.shape)} do not fit the "
@@ -156,3 +220,4 @@ class Cosmos3DenoiseEngine(Engine):
         self.prepared.pop(request_id, None)
         self.schedules.pop(request_id, None)
         self.solvers.pop(request_id, None)
+        self.action_solvers.pop(request_id, None)

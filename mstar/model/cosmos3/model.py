@@ -20,8 +20,15 @@ A file in a video request conditions the clip: an image (image-to-video, the ``i
 the first frame, a video (video-to-video, the ``v2v`` walks) gives the first
 ``condition_latent_frames`` latent frames (2 by default: its first 5 frames). The frontend
 prepares the pixels (``mstar.model.cosmos3.conditioning``), the VAE's ``encode`` turns them into
-``cond_latents`` before the denoise Loop, and the tower keeps those frames clean. Sound,
-actions, the reasoner and windowed rollouts come later (issue 30).
+``cond_latents`` before the denoise Loop, and the tower keeps those frames clean.
+
+On a checkpoint with action heads (``action_gen``: the DROID policies) a request may take an
+action mode (``mstar.model.cosmos3.action``): ``output_modalities: ["action"]`` is a policy (an
+image in) or, with ``action_mode: inverse_dynamics``, inverse dynamics (a clip in); a video
+request with ``action_mode: forward_dynamics`` and ``raw_actions`` rolls the observation forward.
+The ``act_*`` walks encode the observation, denoise the clip and the action chunk together, and
+emit the actions (``[action_chunk_size, raw_action_dim]`` float32) or the video. Sound, the
+reasoner and windowed rollouts come later (issue 30).
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from mstar.contract import GenerateSpec, ImageSpec, RequestError
+from mstar.contract import GenerateSpec, ImageSpec, OutputEvent, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.cosmos3 import action as act
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.conditioning import condition_length, image_pixels, video_pixels
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
@@ -44,7 +52,7 @@ from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
 from mstar.model.knobs import RequestKnobs
 from mstar.model.registry import register
-from mstar.model.spec import ModelSpec, WalkRequest
+from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 from mstar.model.video_output import VideoFrames
 
 SIZE_MULTIPLE = 16  # the VAE's spatial compression
@@ -91,13 +99,31 @@ class Cosmos3(ModelSpec):
     video_needs_image = False  # a request must bring a conditioning image or clip (the i2v distillation)
 
     def graph(self) -> Graph:
-        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents"),
-                   outputs=("latents",), ops=("step",))
+        dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents",
+                                             "action_latents"),
+                   outputs=("latents", "action_latents", "action"), ops=("step", "actions"))
         vae = Node("vae", "stateless", inputs=("latents", "cond_pixels"), outputs=("frames", "image", "cond_latents"),
                    ops=("encode", "decode", "decode_image"))
         walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
                  for extra in ("", "_guided", "_fixed")]
+        walks += [self._action_walk(mode, guided) for mode in ("policy", "forward_dynamics", "inverse_dynamics")
+                  for guided in (False, True)]
         return Graph.build([dit, vae], walks)
+
+    @staticmethod
+    def _action_walk(mode: str, guided: bool) -> Walk:
+        """``act_<mode>[_guided]``: encode the observation, denoise the clip and the action chunk
+        together, then emit the actions (policy, inverse dynamics) or the decoded clip (forward
+        dynamics)."""
+        reads = ("latents", "prompt_ids", *(("negative_ids",) if guided else ()), "cond_latents", "action_latents")
+        encode = Step("vae", "encode", reads="cond_pixels", writes="cond_latents")
+        denoise = Loop(Step("dit", "step", reads=reads, writes=("latents", "action_latents")), max_iters="num_steps",
+                       progress=True)
+        out = (Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video"))
+               if mode == "forward_dynamics" else
+               Step("dit", "actions", reads="action_latents", writes="action", emit=Emit("action", "action")))
+        inputs = tuple(r for r in reads if r != "cond_latents") + ("cond_pixels",)
+        return Walk(f"act_{mode}" + ("_guided" if guided else ""), Sequential(encode, denoise, out), inputs=inputs)
 
     def _walk(self, mode: str, kind: str) -> Walk:
         """``mode``: t2v, t2i (one image out), i2v or v2v (the VAE encodes the request's
@@ -125,8 +151,14 @@ class Cosmos3(ModelSpec):
         ckpt = self.checkpoint()
         ckpt.check_variant()
         self.prompt = ckpt.prompt()
-        self.latent_channels = ckpt.transformer_config().latent_channel
+        tower = ckpt.transformer_config()
+        self.latent_channels = tower.latent_channel
         self.distilled_sigmas = ckpt.distilled_sigmas()
+        self.action_dim = tower.action_dim if tower.action_gen and self.distilled_sigmas is None else None
+        self.action_domains = tower.num_embodiment_domains
+        self.action_chunk = self.knobs.action_chunk_size if self.action_dim else 0  # /generate's rows of an action
+        if self.action_dim and self.knobs.domain_name is not None:
+            self._domain(self.knobs.domain_name)  # a bad deployment domain fails startup, not a request
 
     def _steps_and_scale(self, steps: int | None, scale: float | None) -> tuple[int, float]:
         if self.distilled_sigmas is not None:  # the schedule is the checkpoint's, guidance baked in
@@ -274,12 +306,124 @@ class Cosmos3(ModelSpec):
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) == {"image"}:
             return self.prepare_image(ImageGenerateKnobs.parse(spec.model_kwargs).image_spec(spec))
+        if set(spec.output_modalities) == {"action"} or spec.model_kwargs.get("action_mode") is not None:
+            return self.prepare_action(spec)
         return self.prepare_video(spec)
 
     def output_stream(self, request: WalkRequest, stop: list[str]):
         if request.walk.startswith("t2i"):
             return ImageStream.for_request(request)
+        if request.walk.startswith(("act_policy", "act_inverse")):
+            return ActionChunk()
         return VideoFrames()
+
+    # ----------------------------------------------------------- action modes
+    def _domain(self, name: str) -> tuple[int, int]:
+        """The embodiment's ``(domain id, raw action width)``."""
+        if name not in act.RAW_ACTION_DIMS or act.DOMAIN_IDS[name] >= self.action_domains:
+            served = sorted(d for d in act.RAW_ACTION_DIMS if act.DOMAIN_IDS[d] < self.action_domains)
+            raise RequestError("domain_name", f"unknown embodiment {name!r}; known: {served}")
+        width = act.RAW_ACTION_DIMS[name]
+        if width > self.action_dim:
+            raise RequestError("domain_name", f"embodiment {name!r} has {width}-wide actions; the checkpoint's "
+                                              f"action heads are {self.action_dim} wide")
+        return act.DOMAIN_IDS[name], width
+
+    def prepare_action(self, spec: GenerateSpec) -> WalkRequest:
+        """A policy, forward- or inverse-dynamics request; every bad field a 400 naming it."""
+        if self.action_dim is None:
+            raise RequestError("output_modalities", f"model {self.key!r} has no action heads (the DROID policies "
+                                                    "have: cosmos3_droid, cosmos3_edge_droid)")
+        knobs = act.ActionKnobs.parse(spec.model_kwargs)
+        outputs = set(spec.output_modalities)
+        mode = knobs.action_mode or ("policy" if outputs == {"action"} else "forward_dynamics")
+        want = {"video"} if mode == "forward_dynamics" else {"action"}
+        if outputs != want:
+            raise RequestError("output_modalities", f"action_mode {mode} outputs {sorted(want)}")
+        domain = knobs.domain_name or self.knobs.domain_name
+        if domain is None:
+            raise RequestError("domain_name", "name the embodiment (e.g. droid_lerobot)")
+        domain_id, width = self._domain(domain)
+        if knobs.raw_action_dim is not None and knobs.raw_action_dim != width:
+            raise RequestError("raw_action_dim", f"embodiment {domain!r} has {width}-wide actions, "
+                                                 f"got {knobs.raw_action_dim}")
+        chunk = self.knobs.action_chunk_size if knobs.action_chunk_size is None else knobs.action_chunk_size
+        if chunk % FRAME_STEP or not 1 <= chunk <= self.knobs.max_action_chunk_size:
+            raise RequestError("action_chunk_size", f"must be a multiple of {FRAME_STEP} from {FRAME_STEP} to "
+                                                    f"{self.knobs.max_action_chunk_size}, got {chunk}")
+        if not spec.text.strip():
+            raise RequestError("prompt", "must not be empty")
+        steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
+        frames, content_h, content_w, pixels, (height, width_px) = self._observation(spec, mode, chunk,
+                                                                                      knobs.resolution_tier)
+        gen = torch.Generator().manual_seed(knobs.seed if knobs.seed is not None else torch.seed() % (1 << 31))
+        latents = torch.randn((1, self.latent_channels, chunk // FRAME_STEP + 1, content_h, content_w),
+                              generator=gen)[0]
+        noise = torch.randn((chunk, self.action_dim), generator=gen)
+        if mode == "forward_dynamics":
+            actions = act.chunk_actions(self._raw_actions(knobs, width), chunk, self.action_dim)
+        else:
+            actions = noise.clone()
+        actions[:, width:] = 0
+        caption = act.action_caption(spec.text, view_point=knobs.view_point, num_frames=chunk + 1,
+                                     fps=float(knobs.fps), height=height, width=width_px)
+        ids = self.prompt.chat_ids(caption)
+        inputs = {"prompt_ids": ids, "latents": latents, "action_latents": actions, "cond_pixels": pixels}
+        params = {"num_steps": steps, "fps": float(knobs.fps), "action_mode": mode, "action_domain": domain_id,
+                  "raw_action_dim": width, "num_frames": frames}
+        walk = f"act_{mode}"
+        if scale > 1:
+            inputs["negative_ids"] = self.prompt.chat_ids(knobs.negative_prompt)
+            params["guidance_scale"] = scale
+            walk += "_guided"
+        return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))
+
+    @staticmethod
+    def _raw_actions(knobs: act.ActionKnobs, width: int) -> torch.Tensor:
+        rows = knobs.raw_actions
+        if not rows:
+            raise RequestError("raw_actions", "forward_dynamics needs the actions to roll out ([T, raw_action_dim])")
+        if any(len(row) != width for row in rows):
+            raise RequestError("raw_actions", f"each action must have raw_action_dim ({width}) values")
+        values = torch.tensor(rows, dtype=torch.float32)
+        if not torch.isfinite(values).all():
+            raise RequestError("raw_actions", "must be finite numbers")
+        return values
+
+    def _observation(self, spec: GenerateSpec, mode: str, chunk: int, tier: int):
+        """The observation's pixels on its canvas: ``(frames out, content latent rows, columns,
+        pixels [3, F, H, W], canvas (H, W))``; an image for a policy or forward dynamics (or a
+        clip, of which the first frame counts), a clip for inverse dynamics."""
+        import numpy as np
+
+        from mstar.media.images import ImageError, decode_image
+
+        field = "video" if mode == "inverse_dynamics" else "image"
+        if len(spec.files) != 1:
+            raise RequestError(field, f"action_mode {mode} takes one observation ("
+                                      f"{'a clip' if field == 'video' else 'an image or a clip'}), "
+                                      f"got {len(spec.files)} files")
+        name, data = spec.files[0]
+        frames, image_error = None, None
+        if name != "video":
+            try:
+                frames = [np.asarray(decode_image(data, field=field).convert("RGB"))]
+            except ImageError as err:
+                if err.status == 413:
+                    raise RequestError(err.field, err.message, err.status) from None
+                image_error = err
+            else:
+                if mode == "inverse_dynamics":
+                    raise RequestError("video", "inverse_dynamics infers the actions of a clip: send a video")
+        if frames is None:
+            latent_frames = chunk // FRAME_STEP + 1 if mode == "inverse_dynamics" else 1
+            frames = list(self._clip(data, latent_frames, field, image_error))
+        if min(frames[0].shape[:2]) < SIZE_MULTIPLE:
+            raise RequestError(field, f"the observation must be at least {SIZE_MULTIPLE} pixels a side")
+        count = chunk + 1 if mode == "inverse_dynamics" else 1
+        pixels, canvas, content = act.observation_pixels(frames, count, tier)
+        rows, cols = act.content_latents(content)
+        return chunk + 1, rows, cols, pixels, canvas
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
@@ -327,3 +471,39 @@ class Cosmos3SuperI2V4Step(Cosmos3):
     tasks = frozenset({"video_generation"})
     default_weights = "nvidia/Cosmos3-Super-Image2Video-4Step"
     video_needs_image = True
+
+
+class ActionChunk(OutputStream):
+    """The action chunk -> one event of modality ``action``: float32 little-endian, row-major
+    ``[action_chunk_size, raw_action_dim]``."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+
+    @property
+    def generated(self) -> int:
+        return self.chunks
+
+    def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        self.chunks += 1
+        return OutputEvent(modality="action", data=value.to(torch.float32).contiguous().numpy().tobytes())
+
+
+@register
+class Cosmos3Droid(Cosmos3):
+    """Cosmos3-Nano's action-policy fine-tune for the DROID platform (``droid_lerobot``, 10-wide
+    actions): the action modes on the Nano tower with action heads; its config serves the released
+    policy defaults (4 steps, guidance 3)."""
+
+    key = "cosmos3_droid"
+    tasks = frozenset({"video_generation"})
+    default_weights = "nvidia/Cosmos3-Nano-Policy-DROID"
+
+
+@register
+class Cosmos3EdgeDroid(Cosmos3):
+    """Cosmos3-Edge's action-policy fine-tune for DROID: the Edge tower with action heads."""
+
+    key = "cosmos3_edge_droid"
+    tasks = frozenset({"video_generation"})
+    default_weights = "nvidia/Cosmos3-Edge-Policy-DROID"
