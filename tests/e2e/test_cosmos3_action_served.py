@@ -174,3 +174,34 @@ def test_released_configs_carry_the_policy_defaults(name: str) -> None:
     knobs = Cosmos3Knobs(**config["model_kwargs"])
     assert (knobs.num_inference_steps, knobs.guidance_scale, knobs.domain_name) == (4, 3.0, "droid_lerobot")
     assert parse_config(config).model == name
+
+
+def post_video(server: Uvicorn, **body) -> httpx.Response:
+    image = "data:image/png;base64," + base64.b64encode(png(64, 48, 2)).decode()
+    return httpx.post(f"{server.url}/v1/videos/generations",
+                      json={"model": MODEL, "prompt": "push the block", "image": image, "seed": 1,
+                            "action_mode": "forward_dynamics", "raw_actions": [[0.2] * 10] * 2,
+                            "resolution_tier": 256, **body}, timeout=300)
+
+
+def test_forward_dynamics_on_the_video_route(server: Uvicorn) -> None:
+    from mstar.media.video import decode_mp4
+
+    response = post_video(server, size="64x48", num_frames=CHUNK + 1)
+    assert response.status_code == 200, response.text
+    frames, _ = decode_mp4(base64.b64decode(response.json()["data"][0]["b64_json"]))
+    assert frames.shape == (CHUNK + 1, 48, 64, 3)
+    short = post_video(server, size="64x48", num_frames=5, action_chunk_size=4)
+    assert short.status_code == 200, short.text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"size": "128x96", "num_frames": CHUNK + 1}, "size"),
+    ({"size": "64x48"}, "num_frames"),  # the route's default length is not the chunk's
+    ({"size": "64x48", "num_frames": CHUNK + 1, "domain_name": "nowhere"}, "domain_name"),
+    ({"size": "64x48", "num_frames": CHUNK + 1, "raw_actions": [[0.0] * 3]}, "raw_actions"),
+])
+def test_video_route_refusals_name_the_field(server: Uvicorn, body: dict, field: str) -> None:
+    response = post_video(server, **body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field, response.text

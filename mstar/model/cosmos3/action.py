@@ -90,6 +90,10 @@ class ActionKnobs(RequestKnobs):
     guidance_scale: float | None = None
     negative_prompt: str = ""
     seed: int | None = None
+    width: int | None = None  # the video routes' size: if sent, the clip's (the observation's content)
+    height: int | None = None
+    num_frames: int | None = None  # if sent, action_chunk_size + 1
+    conditioning_resize: str | None = None  # the video routes' i2v knob: the observation fits its canvas instead
 
 
 def canvas(height: int, width: int, tier: int) -> tuple[int, int]:

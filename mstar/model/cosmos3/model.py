@@ -79,6 +79,17 @@ class VideoKnobs(RequestKnobs):
     condition_latent_frames: int = Field(2, ge=1)  # v2v: leading latent frames taken from the clip
 
 
+class ActionVideoKnobs(VideoKnobs):
+    """The video routes' fields of a model with action heads: forward dynamics too (the values
+    are checked by ``ActionKnobs``)."""
+
+    action_mode: str | None = None
+    raw_actions: list[list[float]] | None = None
+    domain_name: str | None = None
+    action_chunk_size: int | None = None
+    resolution_tier: int | None = None
+
+
 def check_size(width: int, height: int, field: str | None = None) -> None:
     for name, side in (("width", width), ("height", height)):
         if side % SIZE_MULTIPLE or side < SIZE_MULTIPLE or side > MAX_SIDE:
@@ -356,6 +367,7 @@ class Cosmos3(ModelSpec):
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
         frames, content_h, content_w, pixels, (height, width_px) = self._observation(spec, mode, chunk,
                                                                                       knobs.resolution_tier)
+        self._check_clip_size(knobs, frames, content_h * SIZE_MULTIPLE, content_w * SIZE_MULTIPLE)
         gen = torch.Generator().manual_seed(knobs.seed if knobs.seed is not None else torch.seed() % (1 << 31))
         latents = torch.randn((1, self.latent_channels, chunk // FRAME_STEP + 1, content_h, content_w),
                               generator=gen)[0]
@@ -424,6 +436,15 @@ class Cosmos3(ModelSpec):
         pixels, canvas, content = act.observation_pixels(frames, count, tier)
         rows, cols = act.content_latents(content)
         return chunk + 1, rows, cols, pixels, canvas
+
+    @staticmethod
+    def _check_clip_size(knobs: act.ActionKnobs, frames: int, height: int, width: int) -> None:
+        """A size or frame count sent (the video routes send them) must be the clip's."""
+        if knobs.width is not None and (knobs.width, knobs.height) != (width, height):
+            raise RequestError("width", f"the clip is the observation's content on the {knobs.resolution_tier} "
+                                        f"tier's canvas: send {width}x{height}")
+        if knobs.num_frames is not None and knobs.num_frames != frames:
+            raise RequestError("num_frames", f"the clip has action_chunk_size + 1 frames: send {frames}")
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
@@ -497,6 +518,7 @@ class Cosmos3Droid(Cosmos3):
 
     key = "cosmos3_droid"
     tasks = frozenset({"video_generation"})
+    video_knobs = ActionVideoKnobs
     default_weights = "nvidia/Cosmos3-Nano-Policy-DROID"
 
 
@@ -506,4 +528,5 @@ class Cosmos3EdgeDroid(Cosmos3):
 
     key = "cosmos3_edge_droid"
     tasks = frozenset({"video_generation"})
+    video_knobs = ActionVideoKnobs
     default_weights = "nvidia/Cosmos3-Edge-Policy-DROID"
