@@ -139,7 +139,7 @@ def test_forward_dynamics_answers_frames(server: Uvicorn) -> None:
     (["image"], ["action"], {"domain_name": "mars_rover"}, "domain_name"),
     (["image"], ["action"], {"raw_action_dim": 7}, "raw_action_dim"),
     (["image"], ["action"], {"raw_action_dim": 0}, "raw_action_dim"),
-    (["image"], ["action"], {"action_chunk_size": 6}, "action_chunk_size"),
+    (["image"], ["action"], {"action_chunk_size": 0}, "action_chunk_size"),
     (["image"], ["action"], {"action_chunk_size": 32}, "action_chunk_size"),  # over max_action_chunk_size
     (["image"], ["action"], {"action_mode": "inverse_dynamics"}, "video"),
     (["image"], ["video"], {"action_mode": "forward_dynamics"}, "raw_actions"),

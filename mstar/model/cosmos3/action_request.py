@@ -15,7 +15,14 @@ from mstar.contract import GenerateSpec, OutputEvent, RequestError
 from mstar.model.cosmos3 import action as act
 from mstar.model.spec import OutputStream, WalkRequest
 
-FRAME_STEP = act.TIME_COMPRESSION  # the clip is chunk + 1 frames: chunks are multiples of 4
+FRAME_STEP = act.TIME_COMPRESSION
+
+
+def clip_frames(chunk: int) -> int:
+    """Pixel frames of a chunk's clip that the VAE codes: the pipeline's clip is ``chunk + 1``
+    frames, of which the Wan2.2 VAE codes the first ``1 + 4 * (chunk // 4)`` (its encode drops the
+    rest), so that many are encoded (inverse dynamics) and decoded (forward dynamics)."""
+    return 1 + FRAME_STEP * (chunk // FRAME_STEP)
 
 
 class ActionRequests:
@@ -52,9 +59,9 @@ class ActionRequests:
             raise RequestError("raw_action_dim", f"embodiment {domain!r} has {width}-wide actions, "
                                                  f"got {knobs.raw_action_dim}")
         chunk = self.knobs.action_chunk_size if knobs.action_chunk_size is None else knobs.action_chunk_size
-        if chunk % FRAME_STEP or not 1 <= chunk <= self.knobs.max_action_chunk_size:
-            raise RequestError("action_chunk_size", f"must be a multiple of {FRAME_STEP} from {FRAME_STEP} to "
-                                                    f"{self.knobs.max_action_chunk_size}, got {chunk}")
+        if not 1 <= chunk <= self.knobs.max_action_chunk_size:
+            raise RequestError("action_chunk_size", f"must be from 1 to {self.knobs.max_action_chunk_size}, "
+                                                    f"got {chunk}")
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
@@ -119,14 +126,14 @@ class ActionRequests:
                 if mode == "inverse_dynamics":
                     raise RequestError("video", "inverse_dynamics infers the actions of a clip: send a video")
         if frames is None:
-            latent_frames = chunk // FRAME_STEP + 1 if mode == "inverse_dynamics" else 1
+            latent_frames = chunk // FRAME_STEP + 1 if mode == "inverse_dynamics" else 1  # their frames
             frames = list(self._clip(data, latent_frames, field, image_error))
         if min(frames[0].shape[:2]) < act.SIZE_MULTIPLE:
             raise RequestError(field, f"the observation must be at least {act.SIZE_MULTIPLE} pixels a side")
-        count = chunk + 1 if mode == "inverse_dynamics" else 1
+        count = clip_frames(chunk) if mode == "inverse_dynamics" else 1
         pixels, canvas, content = act.observation_pixels(frames, count, tier)
         rows, cols = act.content_latents(content)
-        return chunk + 1, rows, cols, pixels, canvas
+        return clip_frames(chunk), rows, cols, pixels, canvas
 
     @staticmethod
     def _check_clip_size(knobs: act.ActionKnobs, frames: int, height: int, width: int) -> None:
@@ -135,7 +142,7 @@ class ActionRequests:
             raise RequestError("width", f"the clip is the observation's content on the {knobs.resolution_tier} "
                                         f"tier's canvas: send {width}x{height}")
         if knobs.num_frames is not None and knobs.num_frames != frames:
-            raise RequestError("num_frames", f"the clip has action_chunk_size + 1 frames: send {frames}")
+            raise RequestError("num_frames", f"the clip has 1 + 4 * (action_chunk_size // 4) frames: send {frames}")
 
 
 class ActionChunk(OutputStream):

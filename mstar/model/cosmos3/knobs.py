@@ -45,8 +45,8 @@ class Cosmos3Knobs(Knobs):
     """The embodiment of action requests that name none (the policies: ``droid_lerobot``)."""
 
     action_chunk_size: int = Field(32, ge=1)
-    """Actions per chunk of action requests that send none (a multiple of 4: the observation clip
-    is ``action_chunk_size + 1`` frames)."""
+    """Actions per chunk of action requests that send none (the observation clip is
+    ``action_chunk_size + 1`` frames)."""
 
     max_action_chunk_size: int = Field(128, ge=1)
     """The longest chunk a request may ask for."""

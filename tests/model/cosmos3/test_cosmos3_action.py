@@ -83,7 +83,7 @@ def step_latents(d):
     return seen, lambda: delattr(dit, "run")
 
 
-def reference(checkpoint, prompt, steps, guidance, seed, fps=24.0, **condition):
+def reference(checkpoint, prompt, steps, guidance, seed, fps=24.0, chunk=CHUNK, **condition):
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
     want: list[torch.Tensor] = []
@@ -93,7 +93,7 @@ def reference(checkpoint, prompt, steps, guidance, seed, fps=24.0, **condition):
         return {}
 
     out = checkpoint.pipeline()(
-        prompt=prompt, negative_prompt="", action=CosmosActionCondition(chunk_size=CHUNK, domain_name="droid_lerobot",
+        prompt=prompt, negative_prompt="", action=CosmosActionCondition(chunk_size=chunk, domain_name="droid_lerobot",
                                                                        resolution_tier=256, **condition),
         fps=fps, num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator().manual_seed(seed),
         output_type="np", callback_on_step_end=record)
@@ -216,7 +216,6 @@ def test_observation_canvas_equals_the_pipeline(action_checkpoint, size, tier):
     ("image", ["action"], {"domain_name": "mars_rover"}, "domain_name"),
     ("image", ["action"], {"domain_name": "hand_pose"}, "domain_name"),  # 57-wide: over the 12-wide heads
     ("image", ["action"], {"raw_action_dim": 7}, "raw_action_dim"),
-    ("image", ["action"], {"action_chunk_size": 6}, "action_chunk_size"),
     ("image", ["action"], {"action_chunk_size": 0}, "action_chunk_size"),
     ("image", ["action"], {"action_chunk_size": 4096}, "action_chunk_size"),
     ("image", ["video"], {"action_mode": "forward_dynamics"}, "raw_actions"),
@@ -259,3 +258,34 @@ def test_concurrent_requests_equal_their_solo_runs(deployment):
             tol = 1e-5 * np.abs(x).max() if key == "action" else 1
             assert np.abs(x - y).max() <= tol, key
     assert json.dumps(np.frombuffer(packed[3]["action"], dtype="<f4").reshape(4, 10).tolist())
+
+
+@pytest.mark.parametrize("mode", ["policy", "inverse_dynamics", "forward_dynamics"])
+def test_a_chunk_off_the_vae_grid_matches_the_pipeline(action_checkpoint, deployment, mode):
+    """6 actions: the clip is 7 frames, of which the VAE codes 5 (2 latent frames)."""
+    from mstar.media.video import decode_mp4
+
+    prompt, seed, chunk = "wipe the table", 12, 6
+    if mode == "inverse_dynamics":
+        mp4 = clip_mp4(chunk + 1, 64, 48)
+        files, condition = [("video", mp4)], {"video": [Image.fromarray(f) for f in decode_mp4(mp4)[0]]}
+    else:
+        image = picture(64, 48, seed=8)
+        files, condition = [("image", png(image))], {"image": image}
+    kwargs = {}
+    if mode == "forward_dynamics":
+        raw = torch.randn(chunk, 10, generator=torch.Generator().manual_seed(1))
+        kwargs, condition = {"raw_actions": raw.tolist()}, {**condition, "raw_actions": raw}
+    out = run(deployment, f"off-grid-{mode}", prompt, files, ["video" if mode == "forward_dynamics" else "action"],
+              action_mode=mode, action_chunk_size=chunk, seed=seed, num_inference_steps=2, **kwargs)
+    _, ref = reference(action_checkpoint, prompt, 2, 3.0, seed, chunk=chunk, mode=mode, **condition)
+    if mode == "forward_dynamics":
+        video = np.round(np.asarray(ref.video) * 255).astype(np.int16)
+        assert video.shape == (5, 48, 64, 3)
+        got = np.frombuffer(out["video"], dtype=np.uint8).reshape(video.shape).astype(np.int16)
+        assert np.abs(got - video).max() <= 1
+    else:
+        got = torch.from_numpy(np.frombuffer(out["action"], dtype="<f4").reshape(chunk, 10).copy())
+        err = rel(got, ref.action[0].float())
+        print(f"[parity] {mode} chunk {chunk}: actions rel err {err:.2e}")
+        assert err <= 1e-5
