@@ -107,6 +107,9 @@ def test_policy_answers_an_action_chunk(server: Uvicorn) -> None:
     assert not np.array_equal(actions_of(generate(server, [image], ["action"], seed=4), CHUNK), a)
     short = actions_of(generate(server, [image], ["action"], seed=3, action_chunk_size=4, raw_action_dim=10), 4)
     assert short.shape == (4, 10)
+    both = generate(server, [image], ["action", "video"], seed=3)  # and the predicted clip
+    assert np.array_equal(actions_of(both, CHUNK), a)
+    assert len(base64.b64decode(both.json()["data"]["video"])) == (CHUNK + 1) * 48 * 64 * 3
 
 
 def test_streamed_policy_carries_the_chunk(server: Uvicorn) -> None:

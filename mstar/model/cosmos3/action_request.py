@@ -14,6 +14,7 @@ import torch
 from mstar.contract import GenerateSpec, OutputEvent, RequestError
 from mstar.model.cosmos3 import action as act
 from mstar.model.spec import OutputStream, WalkRequest
+from mstar.model.video_output import VideoFrames
 
 FRAME_STEP = act.TIME_COMPRESSION
 
@@ -47,10 +48,12 @@ class ActionRequests:
                                                     "have: cosmos3_droid, cosmos3_edge_droid)")
         knobs = act.ActionKnobs.parse(spec.model_kwargs)
         outputs = set(spec.output_modalities)
-        mode = knobs.action_mode or ("policy" if outputs == {"action"} else "forward_dynamics")
-        want = {"video"} if mode == "forward_dynamics" else {"action"}
-        if outputs != want:
-            raise RequestError("output_modalities", f"action_mode {mode} outputs {sorted(want)}")
+        mode = knobs.action_mode or ("policy" if "action" in outputs else "forward_dynamics")
+        if mode == "forward_dynamics" and outputs != {"video"}:
+            raise RequestError("output_modalities", 'action_mode forward_dynamics outputs ["video"]')
+        if mode != "forward_dynamics" and outputs not in ({"action"}, {"action", "video"}):
+            raise RequestError("output_modalities", f'action_mode {mode} outputs ["action"] (and "video", the '
+                                                    "predicted clip)")
         domain = knobs.domain_name or self.knobs.domain_name
         if domain is None:
             raise RequestError("domain_name", "name the embodiment (e.g. droid_lerobot)")
@@ -83,7 +86,7 @@ class ActionRequests:
         inputs = {"prompt_ids": ids, "latents": latents, "action_latents": actions, "cond_pixels": pixels}
         params = {"num_steps": steps, "fps": float(knobs.fps), "action_mode": mode, "action_domain": domain_id,
                   "raw_action_dim": width, "num_frames": frames}
-        walk = f"act_{mode}"
+        walk = f"act_{mode}" + ("_video" if mode != "forward_dynamics" and "video" in outputs else "")
         if scale > 1:
             inputs["negative_ids"] = self.prompt.chat_ids(knobs.negative_prompt)
             params["guidance_scale"] = scale
@@ -147,15 +150,18 @@ class ActionRequests:
 
 class ActionChunk(OutputStream):
     """The action chunk -> one event of modality ``action``: float32 little-endian, row-major
-    ``[action_chunk_size, raw_action_dim]``."""
+    ``[action_chunk_size, raw_action_dim]``; the predicted clip, where asked, as ``VideoFrames``."""
 
     def __init__(self) -> None:
         self.chunks = 0
+        self.video = VideoFrames()
 
     @property
     def generated(self) -> int:
         return self.chunks
 
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        if modality == "video":
+            return self.video.feed(modality, value)
         self.chunks += 1
         return OutputEvent(modality="action", data=value.to(torch.float32).contiguous().numpy().tobytes())

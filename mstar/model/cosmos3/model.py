@@ -117,24 +117,25 @@ class Cosmos3(ActionRequests, ModelSpec):
                    ops=("encode", "decode", "decode_image"))
         walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
                  for extra in ("", "_guided", "_fixed")]
-        walks += [self._action_walk(mode, guided) for mode in ("policy", "forward_dynamics", "inverse_dynamics")
-                  for guided in (False, True)]
+        walks += [self._action_walk(mode, guided, video) for mode in ("policy", "forward_dynamics", "inverse_dynamics")
+                  for guided in (False, True) for video in (False, True) if not (video and mode == "forward_dynamics")]
         return Graph.build([dit, vae], walks)
 
     @staticmethod
-    def _action_walk(mode: str, guided: bool) -> Walk:
-        """``act_<mode>[_guided]``: encode the observation, denoise the clip and the action chunk
-        together, then emit the actions (policy, inverse dynamics) or the decoded clip (forward
-        dynamics)."""
+    def _action_walk(mode: str, guided: bool, video: bool) -> Walk:
+        """``act_<mode>[_video][_guided]``: encode the observation, denoise the clip and the
+        action chunk together, then emit the actions (policy, inverse dynamics; ``_video``: and the
+        decoded clip) or the decoded clip (forward dynamics)."""
         reads = ("latents", "prompt_ids", *(("negative_ids",) if guided else ()), "cond_latents", "action_latents")
         encode = Step("vae", "encode", reads="cond_pixels", writes="cond_latents")
         denoise = Loop(Step("dit", "step", reads=reads, writes=("latents", "action_latents")), max_iters="num_steps",
                        progress=True)
-        out = (Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video"))
-               if mode == "forward_dynamics" else
-               Step("dit", "actions", reads="action_latents", writes="action", emit=Emit("action", "action")))
+        decode = Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video"))
+        actions = Step("dit", "actions", reads="action_latents", writes="action", emit=Emit("action", "action"))
+        out = (decode,) if mode == "forward_dynamics" else (actions, decode) if video else (actions,)
         inputs = tuple(r for r in reads if r != "cond_latents") + ("cond_pixels",)
-        return Walk(f"act_{mode}" + ("_guided" if guided else ""), Sequential(encode, denoise, out), inputs=inputs)
+        name = f"act_{mode}" + ("_video" if video else "") + ("_guided" if guided else "")
+        return Walk(name, Sequential(encode, denoise, *out), inputs=inputs)
 
     def _walk(self, mode: str, kind: str) -> Walk:
         """``mode``: t2v, t2i (one image out), i2v or v2v (the VAE encodes the request's
@@ -317,7 +318,7 @@ class Cosmos3(ActionRequests, ModelSpec):
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) == {"image"}:
             return self.prepare_image(ImageGenerateKnobs.parse(spec.model_kwargs).image_spec(spec))
-        if set(spec.output_modalities) == {"action"} or spec.model_kwargs.get("action_mode") is not None:
+        if "action" in spec.output_modalities or spec.model_kwargs.get("action_mode") is not None:
             return self.prepare_action(spec)
         return self.prepare_video(spec)
 

@@ -111,7 +111,7 @@ def test_policy_matches_the_pipeline(action_checkpoint, deployment, source, guid
     image = picture(*source, seed=1)
     seen, undo = step_latents(deployment)
     try:
-        out = run(deployment, f"policy-{source}", prompt, [("image", png(image))], ["action"], seed=seed,
+        out = run(deployment, f"policy-{source}", prompt, [("image", png(image))], ["action", "video"], seed=seed,
                   num_inference_steps=steps, guidance_scale=guidance)
     finally:
         undo()
@@ -125,6 +125,10 @@ def test_policy_matches_the_pipeline(action_checkpoint, deployment, source, guid
     for i, (a, b) in enumerate(zip(seen, want, strict=True)):
         assert a.shape == b.shape[1:]
         assert rel(a, b[0]) <= 1e-5, (i, rel(a, b[0]))
+    video = np.round(np.asarray(ref.video) * 255).astype(np.int16)  # the predicted clip, asked for too
+    frames = np.frombuffer(out["video"], dtype=np.uint8).reshape(video.shape).astype(np.int16)
+    print(f"[parity] policy {source}: predicted clip {video.shape}, max diff {np.abs(frames - video).max()} levels")
+    assert np.abs(frames - video).max() <= 1
 
 
 def test_inverse_dynamics_matches_the_pipeline(action_checkpoint, deployment):
@@ -221,6 +225,8 @@ def test_observation_canvas_equals_the_pipeline(action_checkpoint, size, tier):
     ("image", ["video"], {"action_mode": "forward_dynamics"}, "raw_actions"),
     ("image", ["video"], {"action_mode": "forward_dynamics", "raw_actions": [[0.0] * 9]}, "raw_actions"),
     ("image", ["video"], {"action_mode": "policy"}, "output_modalities"),
+    ("image", ["action", "video"], {"action_mode": "forward_dynamics", "raw_actions": [[0.0] * 10]},
+     "output_modalities"),
     ("image", ["action"], {"resolution_tier": 300}, "resolution_tier"),
 ])
 def test_bad_action_requests_name_the_field(deployment, files, modalities, kwargs, field):
