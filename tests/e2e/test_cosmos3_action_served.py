@@ -208,3 +208,28 @@ def test_video_route_refusals_name_the_field(server: Uvicorn, body: dict, field:
     response = post_video(server, **body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field, response.text
+
+
+def test_generate_ws_action_loop(server: Uvicorn) -> None:
+    """One socket, pipelined observations: each append (an observation image) is one policy
+    request of the session; its chunk comes back in order, equal to the same request on
+    /generate."""
+    from websockets.sync.client import connect
+
+    observations = [png(64, 48, 30 + i) for i in range(3)]
+    with connect(server.url.replace("http", "ws") + "/generate/ws") as ws:
+        ws.send(json.dumps({"text": "put the cup in the sink", "output_modalities": "action",
+                            "model_kwargs": {"resolution_tier": 256, "seed": 5}}))
+        for image in observations:
+            ws.send(json.dumps({"type": "append", "media": [base64.b64encode(image).decode()]}))
+        ws.send(json.dumps({"type": "end_input"}))
+        messages: list = []
+        while not messages or not isinstance(messages[-1], dict) or messages[-1].get("type") != "done":
+            raw = ws.recv(timeout=120)
+            messages.append(raw if isinstance(raw, bytes) else json.loads(raw))
+    chunks = [np.frombuffer(m, "<f4").reshape(CHUNK, 10) for m in messages if isinstance(m, bytes)]
+    headers = [m for m in messages if isinstance(m, dict) and m.get("type") == "output"]
+    assert [h["append"] for h in headers] == [0, 1, 2] and {h["modality"] for h in headers} == {"action"}
+    assert messages[-1]["appends"] == 3
+    for image, chunk in zip(observations, chunks, strict=True):
+        assert np.array_equal(chunk, actions_of(generate(server, [("obs.png", image)], ["action"], seed=5), CHUNK))
