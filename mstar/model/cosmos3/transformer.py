@@ -323,14 +323,16 @@ class Cosmos3Transformer(nn.Module):
             segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
         x = self.norm_moe_gen(x)
+        # one GEMM over every row (the few action rows' results unused): a request's video velocity
+        # then has the same bits packed or alone (per-request GEMMs on offset slices did not)
+        patches = self.proj_out(x)
         out, start = [], 0
         for (t, h, w, per_frame), noisy, item, tok in zip(shapes, masks, items, tokens):
-            rows = x[start:start + len(tok)]
-            start += len(tok)
-            v = self.unpatchify(self.proj_out(rows[:t * per_frame]), t, h, w)
+            v = self.unpatchify(patches[start:start + t * per_frame], t, h, w)
             result = {"video": v * noisy[None, :, None, None].to(v.dtype)}
             if item.action is not None:
-                result["action"] = self._action_velocity(item.action, rows[t * per_frame:])
+                result["action"] = self._action_velocity(item.action, x[start + t * per_frame:start + len(tok)])
+            start += len(tok)
             out.append(result)
         return out
 
