@@ -40,3 +40,13 @@ class Cosmos3Knobs(Knobs):
     max_video_pixels: int = Field(1280 * 720 * 189, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (the pipeline's default
     clip, 1280x720x189)."""
+
+    domain_name: str | None = None
+    """The embodiment of action requests that name none (the policies: ``droid_lerobot``)."""
+
+    action_chunk_size: int = Field(32, ge=1)
+    """Actions per chunk of action requests that send none (the observation clip is
+    ``action_chunk_size + 1`` frames)."""
+
+    max_action_chunk_size: int = Field(128, ge=1)
+    """The longest chunk a request may ask for."""
