@@ -94,6 +94,7 @@ class ActionKnobs(RequestKnobs):
     height: int | None = None
     num_frames: int | None = None  # if sent, action_chunk_size + 1
     conditioning_resize: str | None = None  # the video routes' i2v knob: the observation fits its canvas instead
+    enable_sound: bool = False  # a soundtrack of the clip too (a checkpoint with the sound pathway)
 
 
 def canvas(height: int, width: int, tier: int) -> tuple[int, int]:

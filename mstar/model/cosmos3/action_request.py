@@ -3,8 +3,12 @@ observation on the canvas, its starting noise and actions, as a ``WalkRequest`` 
 walks; and the stream that turns the emitted chunk into the client's ``action`` event.
 
 ``ActionRequests`` is a part of the ``Cosmos3`` spec: it reads the spec's ``knobs``, ``prompt``,
-``latent_channels``, ``action_dim`` and ``action_domains`` (set by ``load_frontend``) and uses its
-``_steps_and_scale`` and ``_clip``."""
+``latent_channels``, ``action_dim``, ``action_domains`` and ``sound`` (set by ``load_frontend``)
+and uses its ``_steps_and_scale``, ``_check_sound`` and ``_clip``.
+
+``enable_sound`` adds the soundtrack, as the pipeline's ``enable_sound`` does beside ``action``:
+``sound_latents`` sized for the ``chunk + 1`` frame clip (the pipeline's ``num_frames``), their
+noise drawn after the video's and before the actions', and the ``act_*_sound`` walks."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 
 from mstar.contract import GenerateSpec, OutputEvent, RequestError
 from mstar.model.cosmos3 import action as act
+from mstar.model.cosmos3.sound import SoundLayout, SoundVideoStream
 from mstar.model.spec import OutputStream, WalkRequest
 from mstar.model.video_output import VideoFrames
 
@@ -29,6 +34,7 @@ def clip_frames(chunk: int) -> int:
 class ActionRequests:
     action_dim: int | None = None  # the heads' width; None: the checkpoint serves no action mode
     action_domains: int = 0
+    sound: SoundLayout | None = None
 
     def _domain(self, name: str) -> tuple[int, int]:
         """The embodiment's ``(domain id, raw action width)``."""
@@ -47,7 +53,7 @@ class ActionRequests:
             raise RequestError("output_modalities", f"model {self.key!r} has no action heads (the DROID policies "
                                                     "have: cosmos3_droid, cosmos3_edge_droid)")
         knobs = act.ActionKnobs.parse(spec.model_kwargs)
-        outputs = set(spec.output_modalities)
+        outputs = set(spec.output_modalities) - {"audio"}  # the soundtrack: enable_sound's
         mode = knobs.action_mode or ("policy" if "action" in outputs else "forward_dynamics")
         if mode == "forward_dynamics" and outputs != {"video"}:
             raise RequestError("output_modalities", 'action_mode forward_dynamics outputs ["video"]')
@@ -65,6 +71,8 @@ class ActionRequests:
         if not 1 <= chunk <= self.knobs.max_action_chunk_size:
             raise RequestError("action_chunk_size", f"must be from 1 to {self.knobs.max_action_chunk_size}, "
                                                     f"got {chunk}")
+        if knobs.enable_sound:
+            self._check_sound()
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
@@ -74,6 +82,9 @@ class ActionRequests:
         gen = torch.Generator().manual_seed(knobs.seed if knobs.seed is not None else torch.seed() % (1 << 31))
         latents = torch.randn((1, self.latent_channels, chunk // FRAME_STEP + 1, content_h, content_w),
                               generator=gen)[0]
+        sound = None
+        if knobs.enable_sound:  # the pipeline's draws: the video's noise, the sound's, the actions'
+            sound = torch.randn(self.sound.latent_shape(chunk + 1, float(knobs.fps)), generator=gen)
         noise = torch.randn((chunk, self.action_dim), generator=gen)
         if mode == "forward_dynamics":
             actions = act.chunk_actions(self._raw_actions(knobs, width), chunk, self.action_dim)
@@ -91,6 +102,10 @@ class ActionRequests:
             inputs["negative_ids"] = self.prompt.chat_ids(knobs.negative_prompt)
             params["guidance_scale"] = scale
             walk += "_guided"
+        if sound is not None:
+            inputs["sound_latents"] = sound
+            params["audio_samples"] = self.sound.samples(chunk + 1, float(knobs.fps))
+            walk += "_sound"
         return WalkRequest(walk, inputs, params, prompt_tokens=len(ids))
 
     @staticmethod
@@ -150,18 +165,19 @@ class ActionRequests:
 
 class ActionChunk(OutputStream):
     """The action chunk -> one event of modality ``action``: float32 little-endian, row-major
-    ``[action_chunk_size, raw_action_dim]``; the predicted clip, where asked, as ``VideoFrames``."""
+    ``[action_chunk_size, raw_action_dim]``; the predicted clip, where asked, as ``VideoFrames``,
+    and with ``audio_samples`` the soundtrack as ``SoundVideoStream`` sends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, audio_samples: int | None = None) -> None:
         self.chunks = 0
-        self.video = VideoFrames()
+        self.video = VideoFrames() if audio_samples is None else SoundVideoStream(audio_samples)
 
     @property
     def generated(self) -> int:
         return self.chunks
 
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
-        if modality == "video":
+        if modality in ("video", "audio"):
             return self.video.feed(modality, value)
         self.chunks += 1
         return OutputEvent(modality="action", data=value.to(torch.float32).contiguous().numpy().tobytes())

@@ -34,8 +34,11 @@ action mode (``mstar.model.cosmos3.action``): ``output_modalities: ["action"]`` 
 image in) or, with ``action_mode: inverse_dynamics``, inverse dynamics (a clip in); a video
 request with ``action_mode: forward_dynamics`` and ``raw_actions`` rolls the observation forward.
 The ``act_*`` walks encode the observation, denoise the clip and the action chunk together, and
-emit the actions (``[action_chunk_size, raw_action_dim]`` float32) or the video. The reasoner
-and windowed rollouts come later (issue 30).
+emit the actions (``[action_chunk_size, raw_action_dim]`` float32) or the video. On a checkpoint
+with both pathways an action request may set ``enable_sound`` too (the pipeline takes ``action``
+and ``enable_sound`` together): the ``act_*_sound`` walks pack the video, the sound and the
+actions in that order, each with its own UniPC state, and emit the soundtrack of the ``chunk + 1``
+frame clip as ``audio``. The reasoner and windowed rollouts come later (issue 30).
 """
 
 from __future__ import annotations
@@ -137,24 +140,31 @@ class Cosmos3(ActionRequests, ModelSpec):
         walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
                  for extra in ("", "_guided", "_fixed")]
         walks += [self._walk(mode, extra, sound=True) for mode in ("t2v", "i2v", "v2v") for extra in ("", "_guided")]
-        walks += [self._action_walk(mode, guided, video) for mode in ("policy", "forward_dynamics", "inverse_dynamics")
-                  for guided in (False, True) for video in (False, True) if not (video and mode == "forward_dynamics")]
+        walks += [self._action_walk(mode, guided, video, sound)
+                  for mode in ("policy", "forward_dynamics", "inverse_dynamics") for guided in (False, True)
+                  for video in (False, True) for sound in (False, True)
+                  if not (video and mode == "forward_dynamics")]
         return Graph.build([dit, vae, sound], walks)
 
     @staticmethod
-    def _action_walk(mode: str, guided: bool, video: bool) -> Walk:
-        """``act_<mode>[_video][_guided]``: encode the observation, denoise the clip and the
-        action chunk together, then emit the actions (policy, inverse dynamics; ``_video``: and the
-        decoded clip) or the decoded clip (forward dynamics)."""
-        reads = ("latents", "prompt_ids", *(("negative_ids",) if guided else ()), "cond_latents", "action_latents")
+    def _action_walk(mode: str, guided: bool, video: bool, sound: bool = False) -> Walk:
+        """``act_<mode>[_video][_guided][_sound]``: encode the observation, denoise the clip and
+        the action chunk together (``_sound``: and the sound latents), then emit the actions
+        (policy, inverse dynamics; ``_video``: and the decoded clip) or the decoded clip (forward
+        dynamics), and with ``_sound`` the decoded soundtrack."""
+        audio = ("sound_latents",) if sound else ()
+        reads = ("latents", "prompt_ids", *(("negative_ids",) if guided else ()), *audio, "cond_latents",
+                 "action_latents")
         encode = Step("vae", "encode", reads="cond_pixels", writes="cond_latents")
-        denoise = Loop(Step("dit", "step", reads=reads, writes=("latents", "action_latents")), max_iters="num_steps",
-                       progress=True)
+        denoise = Loop(Step("dit", "step", reads=reads, writes=("latents", *audio, "action_latents")),
+                       max_iters="num_steps", progress=True)
         decode = Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video"))
         actions = Step("dit", "actions", reads="action_latents", writes="action", emit=Emit("action", "action"))
         out = (decode,) if mode == "forward_dynamics" else (actions, decode) if video else (actions,)
+        if sound:
+            out += (Step("sound", "decode", reads="sound_latents", writes="waveform", emit=Emit("waveform", "audio")),)
         inputs = tuple(r for r in reads if r != "cond_latents") + ("cond_pixels",)
-        name = f"act_{mode}" + ("_video" if video else "") + ("_guided" if guided else "")
+        name = f"act_{mode}" + ("_video" if video else "") + ("_guided" if guided else "") + ("_sound" if sound else "")
         return Walk(name, Sequential(encode, denoise, *out), inputs=inputs)
 
     def _walk(self, mode: str, kind: str, sound: bool = False) -> Walk:
@@ -288,7 +298,7 @@ class Cosmos3(ActionRequests, ModelSpec):
         return knobs, steps, scale, condition
 
     def _check_sound(self) -> None:
-        """``enable_sound`` is served here, or a 400 naming it."""
+        """``enable_sound`` is served here (video and action requests alike), or a 400 naming it."""
         if self.sound is None:
             raise RequestError("enable_sound", f"model {self.key!r}: this checkpoint has no sound pathway "
                                                "(no sound_tokenizer/ or a tower without sound_gen)")
@@ -375,7 +385,7 @@ class Cosmos3(ActionRequests, ModelSpec):
         if request.walk.startswith("t2i"):
             return ImageStream.for_request(request)
         if request.walk.startswith(("act_policy", "act_inverse")):
-            return ActionChunk()
+            return ActionChunk(request.params.get("audio_samples"))
         if request.walk.endswith("_sound"):
             return SoundVideoStream(request.params["audio_samples"])
         return VideoFrames()
