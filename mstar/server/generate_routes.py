@@ -119,7 +119,7 @@ async def generate(request: Request) -> Response:
         return exception_response(exc)
     rate: int | None = getattr(backend, "sample_rate", None)  # of "audio" data, if any
     if streaming:
-        body = _generate_ndjson(spec.request_id, first, events, rate, getattr(backend, "action_chunk", 0))
+        body = _generate_ndjson(spec.request_id, first, events, rate, _action_rows(spec, backend))
         return stream_response(body, "application/x-ndjson")
 
     async def complete() -> Response:
@@ -138,12 +138,19 @@ async def generate(request: Request) -> Response:
             if "audio" in out.data and rate:
                 result["sample_rate"] = rate
             if "action" in out.data:
-                result.update(_action_fields(out.data["action"], getattr(backend, "action_chunk", 0)))
+                result.update(_action_fields(out.data["action"], _action_rows(spec, backend)))
             if "latent" in out.data:
                 result.update(_latent_fields(out.data["latent"]))
         return JSONResponse(result)
 
     return await unless_disconnected(request, complete)
+
+
+def _action_rows(spec: GenerateSpec, backend: Any) -> int:
+    """Actions in the request's chunk: its own ``action_chunk_size`` where the model takes one
+    (Cosmos3's action modes), else the model's."""
+    asked = spec.model_kwargs.get("action_chunk_size")
+    return asked if isinstance(asked, int) and asked > 0 else getattr(backend, "action_chunk", 0)
 
 
 def _action_fields(data: bytes, chunk: int) -> dict[str, Any]:

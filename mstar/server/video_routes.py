@@ -8,9 +8,10 @@ The body's fields map onto the video family's ``model_kwargs``: ``size`` "WxH" -
 with MSTAR_ALLOW_REMOTE=1) becomes the request's one file, as does ``video`` (a clip to continue,
 for a model whose video knobs say ``takes_video``; its file is named "video"); ``seed``,
 ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``conditioning_resize``,
-``condition_latent_frames`` and ``enable_sound`` (a soundtrack on request, muxed as AAC) pass
-through (a 400 where the model does not take them). The
-family checks them before queueing; its refusals are renamed to this body's fields (``width``
+``condition_latent_frames``, ``enable_sound`` (a soundtrack on request, muxed as AAC) and
+the forward-dynamics fields (``action_mode``, ``raw_actions``, ``domain_name``,
+``action_chunk_size``, ``resolution_tier``) pass through (a 400 where the model does not take
+them). The family checks them before queueing; its refusals are renamed to this body's fields (``width``
 -> ``size``, ``num_frames`` -> ``seconds`` when the count came from seconds), so a 400 names
 what the client sent. The frames come back raw from the model; the mp4 is written here, in a thread, never in the model.
 
@@ -74,6 +75,12 @@ class VideoRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1, le=100)
     guidance_scale: float | None = Field(None, ge=1.0, allow_inf_nan=False)
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    action_mode: str | None = Field(None, description="forward_dynamics: roll the image out under raw_actions "
+                                                      "(a model with action heads)")
+    raw_actions: list[list[float]] | None = Field(None, description="forward dynamics: [T, raw_action_dim]")
+    domain_name: str | None = Field(None, description="forward dynamics: the embodiment (e.g. droid_lerobot)")
+    action_chunk_size: int | None = Field(None, ge=1, description="forward dynamics: actions (frames - 1)")
+    resolution_tier: int | None = Field(None, description="forward dynamics: the canvas tier (256, 480, 704, 720)")
     response_format: str = Field("b64_json", description="b64_json (an mp4) or png_frames")
     window_mode: str | None = Field(None, description="a windowed rollout: chained")
     window_frames: int | None = Field(None, ge=1, description="windowed: pixel frames a window denoises")
@@ -115,7 +122,8 @@ def model_kwargs_of(req: VideoRequest, backend: Any = None) -> tuple[dict[str, A
         renames["num_frames"] = "seconds"
     for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "conditioning_resize",
                  "condition_latent_frames", "enable_sound", "window_mode", "window_frames", "overlap_frames",
-                 "stream_video"):
+                 "stream_video", "action_mode", "raw_actions", "domain_name", "action_chunk_size",
+                 "resolution_tier"):
         if (value := getattr(req, name)) is not None:
             kwargs[name] = value
     if req.response_format not in RESPONSE_FORMATS:

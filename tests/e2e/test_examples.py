@@ -344,6 +344,21 @@ def test_the_flux2_example_on_dummy_weights(tmp_path):
             assert image.format == "PNG" and image.size == (256, 272)
 
 
+def test_the_cosmos3_action_ws_example_on_dummy_weights(tmp_path):
+    from test_cosmos3_action_served import write_tiny_policy  # a tiny Cosmos3 tower with action heads
+
+    root = write_tiny_policy(tmp_path / "droid")
+    config = {"model": "cosmos3_droid", "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 2,
+              "model_kwargs": {"num_inference_steps": 1, "guidance_scale": 3.0, "domain_name": "droid_lerobot",
+                               "action_chunk_size": 8}}
+    (tmp_path / "droid.yaml").write_text(json.dumps(config))
+    with launch_server("cosmos3_droid", tmp_path, ["--config", str(tmp_path / "droid.yaml")]) as server:
+        out = run_example("cosmos3_action_ws_client.py", server.url, "-", "3", "2", cwd=tmp_path)
+    lines = out.splitlines()
+    assert lines[0].startswith("chunk [8, 10]; first action [") and len(lines) == 2
+    assert lines[1].startswith("3 chunks in ") and "chunks/s" in lines[1] and "latency p50" in lines[1]
+
+
 def test_the_llama_example_on_smollm2s_gguf(tmp_path):
     """``llama`` is any Llama checkpoint; SmolLM2's embedded GGUF is one, real weights on the CPU."""
     from mstar.model.llama.checkpoint import embedded_smollm2_path

@@ -23,6 +23,15 @@ video: each of its rows adds the sound tokens (positions from the same time offs
 video's), guidance combines the sound velocities as the video's, and the sound latents take
 their own UniPC step on the same schedule with their own solver state (the pipeline's copy of
 the scheduler); op ``step`` then writes ``sound_latents`` too.
+
+An action request (``mstar.model.cosmos3.action``) also carries ``action_latents [T, action_dim]``
+and the params ``action_mode``, ``action_domain`` and ``raw_action_dim``: its action tokens follow
+its video patches (and its sound tokens, if it has sound) in every forward, guided as the video
+is, and step with their own UniPC state (the pipeline's copy of the scheduler) unless all are
+clean (forward dynamics); the columns past ``raw_action_dim`` are kept zero. Its ``cond_latents``
+come from the VAE's encode of the padded canvas: they are cut to the latents' (content) rows and
+columns. Op ``actions`` [action_latents -> action] gives the final chunk's ``raw_action_dim``
+columns. A request may carry sound, actions, both or neither: each pathway keeps its own solver.
 """
 
 from __future__ import annotations
@@ -35,11 +44,18 @@ import torch
 from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.model.cosmos3.layout import media_offset, patch_grid, sound_positions, text_positions, video_positions
+from mstar.model.cosmos3.layout import (
+    action_positions,
+    media_offset,
+    patch_grid,
+    sound_positions,
+    text_positions,
+    video_positions,
+)
 from mstar.model.cosmos3.sampler import FixedSigmas
-from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem, Prediction, TextKV
+from mstar.model.cosmos3.transformer import ActionTokens, Cosmos3Transformer, MediaItem, Prediction, TextKV
 
-OPS = ("step",)
+OPS = ("step", "actions")
 
 
 @dataclass
@@ -49,6 +65,7 @@ class Prepared:
     texts: list[TextKV]
     positions: list[torch.Tensor]
     sound_positions: list[torch.Tensor | None]
+    action_positions: list[torch.Tensor] | None = None
 
 
 def guidance_scale(item: EngineItem) -> float:
@@ -71,18 +88,20 @@ class Cosmos3DenoiseEngine(Engine):
         self.schedules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.solvers: dict[str, UniPCState] = {}
         self.sound_solvers: dict[str, UniPCState] = {}
+        self.action_solvers: dict[str, UniPCState] = {}
         self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _prepare(self, item: EngineItem) -> Prepared:
         if item.request_id not in self.prepared:
             config = self.tower.config
             names = ["prompt_ids", "negative_ids"] if guidance_scale(item) > 1 else ["prompt_ids"]
-            texts, positions, sounds = [], [], []
+            texts, positions, sounds, actions = [], [], [], []
             grid = patch_grid(config, tuple(item.inputs["latents"].shape))
             fps = float(item.params.get("fps", 24.0))
             sound = item.inputs.get("sound_latents")
             if sound is not None and isinstance(self.scheduler, FixedSigmas):
                 raise ValueError(f"request {item.request_id}: sound runs on the UniPC sampler only")
+            chunk = len(item.inputs["action_latents"]) if "action_latents" in item.inputs else 0
             for name in names:
                 if name not in item.inputs:
                     raise ValueError(f"request {item.request_id}: guidance_scale {guidance_scale(item)} needs {name}")
@@ -94,7 +113,8 @@ class Cosmos3DenoiseEngine(Engine):
                     sounds.append(sound_positions(config, sound.shape[1], offset).to(self.device))
                 else:
                     sounds.append(None)
-            self.prepared[item.request_id] = Prepared(texts, positions, sounds)
+                actions.append(action_positions(config, chunk, offset, fps).to(self.device))
+            self.prepared[item.request_id] = Prepared(texts, positions, sounds, actions if chunk else None)
         return self.prepared[item.request_id]
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,36 +129,80 @@ class Cosmos3DenoiseEngine(Engine):
         for item in items:
             if item.op not in OPS:
                 raise ValueError(f"the Cosmos3 denoise engine has no op {item.op!r} (it has {list(OPS)})")
+        if all(item.op == "actions" for item in items):
+            return [EngineOutput({"action": item.inputs["action_latents"][:, :int(item.params["raw_action_dim"])]
+                                  .float().cpu().contiguous()}) for item in items]
+        if any(item.op == "actions" for item in items):
+            steps = [i for i, item in enumerate(items) if item.op == "step"]
+            rest = [i for i, item in enumerate(items) if item.op != "step"]
+            out = dict(zip(steps, self.run([items[i] for i in steps])))
+            out.update(zip(rest, self.run([items[i] for i in rest])))
+            return [out[i] for i in range(len(items))]
         with torch.inference_mode():
             rows: list[tuple[int, MediaItem]] = []
             states = []
             for i, item in enumerate(items):
                 prepared = self._prepare(item)
                 latents, clean = self._latents(item)
-                states.append((latents, clean))
+                actions = self._actions(item)
+                states.append((latents, clean, actions))
                 timestep = float(self._schedule(item)[1][item.iteration])
                 noisy = list(range(0 if clean is None else clean.shape[1], latents.shape[1]))
                 sound = item.inputs.get("sound_latents")
                 sound = None if sound is None else sound.to(self.device, torch.float32)
-                rows += [(i, MediaItem(latents, timestep, noisy, pos, text, sound, sound_pos))
-                         for text, pos, sound_pos in zip(prepared.texts, prepared.positions, prepared.sound_positions)]
+                for j, (text, pos, sound_pos) in enumerate(zip(prepared.texts, prepared.positions,
+                                                               prepared.sound_positions)):
+                    chunk = None
+                    if actions is not None:
+                        chunk = ActionTokens(actions[0], actions[1], int(item.params["action_domain"]),
+                                             prepared.action_positions[j])
+                    rows.append((i, MediaItem(latents, timestep, noisy, pos, text, chunk, sound, sound_pos)))
             predictions = self._predict([row for _, row in rows])
             per_item: dict[int, list[Prediction]] = {}
             for (i, _), prediction in zip(rows, predictions):
                 per_item.setdefault(i, []).append(prediction)
-            outputs, solvers, sound_solvers = [], {}, {}
+            outputs, solvers, sound_solvers, action_solvers = [], {}, {}, {}
             for i, item in enumerate(items):
                 scale = guidance_scale(item)
                 v = combine([p.video.float() for p in per_item[i]], scale)
-                latents, solvers[item.request_id] = self._step(item, v, *states[i])
+                latents, solvers[item.request_id] = self._step(item, v, *states[i][:2])
                 out = {"latents": latents}
                 if "sound_latents" in item.inputs:
                     v = combine([p.sound.float() for p in per_item[i]], scale)
                     out["sound_latents"], sound_solvers[item.request_id] = self._sound_step(item, v)
+                if states[i][2] is not None:
+                    width = int(item.params["raw_action_dim"])
+                    va = combine([p.action.float() for p in per_item[i]], scale)
+                    va[:, width:] = 0
+                    out["action_latents"], action_solvers[item.request_id] = self._action_step(item, va,
+                                                                                               *states[i][2])
                 outputs.append(EngineOutput(out))
         self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
         self.sound_solvers.update(sound_solvers)
+        self.action_solvers.update({k: v for k, v in action_solvers.items() if v is not None})
         return outputs
+
+    def _actions(self, item: EngineItem) -> tuple[torch.Tensor, list[int]] | None:
+        """An action request's chunk (float32) and its noisy rows; None for a video request."""
+        if "action_latents" not in item.inputs:
+            return None
+        if isinstance(self.scheduler, FixedSigmas):
+            raise ValueError(f"request {item.request_id}: the distilled checkpoints serve no action modes")
+        actions = item.inputs["action_latents"].to(self.device, torch.float32)
+        clean = item.params.get("action_mode") == "forward_dynamics"
+        return actions, [] if clean else list(range(len(actions)))
+
+    def _action_step(self, item: EngineItem, v: torch.Tensor, actions: torch.Tensor,
+                     noisy: list[int]) -> tuple[torch.Tensor, UniPCState | None]:
+        """The chunk's own UniPC step (none when every action is a condition)."""
+        if not noisy:
+            return actions, None
+        sigmas, _ = self._schedule(item)
+        state = self.action_solvers.get(item.request_id, UniPCState())
+        actions, state = self.scheduler.step(item.iteration, sigmas, v[None], actions[None], state)
+        actions = actions[0]
+        actions[:, int(item.params["raw_action_dim"]):] = 0
+        return actions, state
 
     def _predict(self, rows: list[MediaItem]) -> list[Prediction]:
         size = self.max_batch_size or len(rows)
@@ -163,6 +227,8 @@ class Cosmos3DenoiseEngine(Engine):
         if "cond_latents" not in item.inputs:
             return latents, None
         clean = item.inputs["cond_latents"].to(self.device, torch.float32)
+        if "action_mode" in item.params:  # encoded on the canvas: keep the content's rows and columns
+            clean = clean[:, :, :latents.shape[2], :latents.shape[3]]
         if clean.shape[1] > latents.shape[1] or clean.shape[2:] != latents.shape[2:] \
                 or clean.shape[0] != latents.shape[0]:
             raise ValueError(f"request {item.request_id}: cond_latents {tuple(clean.shape)} do not fit the "
@@ -194,3 +260,4 @@ class Cosmos3DenoiseEngine(Engine):
         self.schedules.pop(request_id, None)
         self.solvers.pop(request_id, None)
         self.sound_solvers.pop(request_id, None)
+        self.action_solvers.pop(request_id, None)

@@ -66,3 +66,13 @@ class Cosmos3Knobs(Knobs):
 
     reasoner_attention_backend: Literal["torch", "triton"] = "torch"
     """The reasoner's paged-attention kernels: ``torch`` (the reference) or ``triton``."""
+
+    domain_name: str | None = None
+    """The embodiment of action requests that name none (the policies: ``droid_lerobot``)."""
+
+    action_chunk_size: int = Field(32, ge=1)
+    """Actions per chunk of action requests that send none (the observation clip is
+    ``action_chunk_size + 1`` frames)."""
+
+    max_action_chunk_size: int = Field(128, ge=1)
+    """The longest chunk a request may ask for."""

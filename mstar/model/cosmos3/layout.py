@@ -62,3 +62,14 @@ def patch_grid(config: Cosmos3Config, latent_shape: tuple[int, ...]) -> tuple[in
     p = config.latent_patch_size
     _, t, h, w = latent_shape
     return t, -(-h // p), -(-w // p)
+
+
+def action_positions(config: Cosmos3Config, length: int, offset: int, fps: float) -> torch.Tensor:
+    """``[3, length]`` positions of an action chunk's tokens, starting after time ``offset``."""
+    zeros = torch.zeros(length, dtype=torch.long)
+    if not config.unified_3d_mrope_reset_spatial_ids:
+        zeros = zeros + offset
+    if config.enable_fps_modulation and length > 1:
+        time = (torch.arange(length, dtype=torch.float32) + 1) / fps * (config.base_fps / TIME_COMPRESSION) + offset
+        return torch.stack([time, zeros.float(), zeros.float()])
+    return torch.stack([torch.arange(length) + offset + 1, zeros, zeros])

@@ -27,8 +27,19 @@ checkpoint without ``sound_tokenizer/`` and a ``sound_gen`` tower, or a distille
 ``*_sound`` walks carry ``sound_latents [sound_dim, T]`` (noise drawn after the video's from the
 same seed) through the denoise Loop beside the video and then through the ``sound`` node (the
 AVAE decoder), emitted as ``audio`` (``mstar.model.cosmos3.sound``); the video routes mux it
-into the mp4 as AAC. Windowed rollouts: ``mstar.model.cosmos3.windowed``. Actions and the
-reasoner come later (issue 30).
+into the mp4 as AAC.
+
+On a checkpoint with action heads (``action_gen``: the DROID policies) a request may take an
+action mode (``mstar.model.cosmos3.action``): ``output_modalities: ["action"]`` is a policy (an
+image in) or, with ``action_mode: inverse_dynamics``, inverse dynamics (a clip in); a video
+request with ``action_mode: forward_dynamics`` and ``raw_actions`` rolls the observation forward.
+The ``act_*`` walks encode the observation, denoise the clip and the action chunk together, and
+emit the actions (``[action_chunk_size, raw_action_dim]`` float32) or the video. On a checkpoint
+with both pathways an action request may set ``enable_sound`` too (the pipeline takes ``action``
+and ``enable_sound`` together): the ``act_*_sound`` walks pack the video, the sound and the
+actions in that order, each with its own UniPC state, and emit the soundtrack of the ``chunk + 1``
+frame clip as ``audio``. Windowed rollouts: ``mstar.model.cosmos3.windowed``; the Edge
+reasoner: ``mstar.model.cosmos3.chat``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from pydantic import Field
 from mstar.contract import GenerateSpec, ImageSpec, RequestError
 from mstar.diffusion.flow_match import FlowMatchEuler
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
+from mstar.model.cosmos3.action_request import ActionChunk, ActionRequests
 from mstar.model.cosmos3.chat import ReasonerChat
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.conditioning import condition_length, image_pixels, video_pixels
@@ -100,6 +112,17 @@ def is_windowed(spec: GenerateSpec, knobs: VideoKnobs) -> bool:
     return knobs.window_mode is not None or knobs.stream_video or spec.session is not None
 
 
+class ActionVideoKnobs(VideoKnobs):
+    """The video routes' fields of a model with action heads: forward dynamics too (the values
+    are checked by ``ActionKnobs``)."""
+
+    action_mode: str | None = None
+    raw_actions: list[list[float]] | None = None
+    domain_name: str | None = None
+    action_chunk_size: int | None = None
+    resolution_tier: int | None = None
+
+
 def check_size(width: int, height: int, field: str | None = None) -> None:
     for name, side in (("width", width), ("height", height)):
         if side % SIZE_MULTIPLE or side < SIZE_MULTIPLE or side > MAX_SIDE:
@@ -108,7 +131,7 @@ def check_size(width: int, height: int, field: str | None = None) -> None:
 
 
 @register
-class Cosmos3(ModelSpec):
+class Cosmos3(ActionRequests, ModelSpec):
     key = "cosmos3"
     tasks = frozenset({"image_generation", "video_generation"})
     video_frame_step = FRAME_STEP
@@ -123,8 +146,8 @@ class Cosmos3(ModelSpec):
 
     def graph(self) -> Graph:
         dit = Node("dit", "denoise", inputs=("latents", "prompt_ids", "negative_ids", "step_noise", "cond_latents",
-                                             "sound_latents"),
-                   outputs=("latents", "sound_latents"), ops=("step",))
+                                             "sound_latents", "action_latents"),
+                   outputs=("latents", "sound_latents", "action_latents", "action"), ops=("step", "actions"))
         windowed = self.knobs.enable_windowed_video
         vae = Node("vae", "stateless", inputs=("latents", "cond_pixels", *(("window_noise", "tail_pixels") * windowed)),
                    outputs=("frames", "image", "cond_latents", *(("latents", "tail_pixels") * windowed)),
@@ -133,6 +156,10 @@ class Cosmos3(ModelSpec):
         walks = [self._walk(mode, extra) for mode in ("t2v", "t2i", "i2v", "v2v")
                  for extra in ("", "_guided", "_fixed")]
         walks += [self._walk(mode, extra, sound=True) for mode in ("t2v", "i2v", "v2v") for extra in ("", "_guided")]
+        walks += [self._action_walk(mode, guided, video, sound)
+                  for mode in ("policy", "forward_dynamics", "inverse_dynamics") for guided in (False, True)
+                  for video in (False, True) for sound in (False, True)
+                  if not (video and mode == "forward_dynamics")]
         if windowed:
             walks += windowed_walks()
         chat_nodes, chat_walks = self.chat_graph()
@@ -141,6 +168,27 @@ class Cosmos3(ModelSpec):
     def chat_graph(self) -> tuple[list[Node], list[Walk]]:
         """The reasoner's nodes and walks (Edge only)."""
         return [], []
+
+    @staticmethod
+    def _action_walk(mode: str, guided: bool, video: bool, sound: bool = False) -> Walk:
+        """``act_<mode>[_video][_guided][_sound]``: encode the observation, denoise the clip and
+        the action chunk together (``_sound``: and the sound latents), then emit the actions
+        (policy, inverse dynamics; ``_video``: and the decoded clip) or the decoded clip (forward
+        dynamics), and with ``_sound`` the decoded soundtrack."""
+        audio = ("sound_latents",) if sound else ()
+        reads = ("latents", "prompt_ids", *(("negative_ids",) if guided else ()), *audio, "cond_latents",
+                 "action_latents")
+        encode = Step("vae", "encode", reads="cond_pixels", writes="cond_latents")
+        denoise = Loop(Step("dit", "step", reads=reads, writes=("latents", *audio, "action_latents")),
+                       max_iters="num_steps", progress=True)
+        decode = Step("vae", "decode", reads="latents", writes="frames", emit=Emit("frames", "video"))
+        actions = Step("dit", "actions", reads="action_latents", writes="action", emit=Emit("action", "action"))
+        out = (decode,) if mode == "forward_dynamics" else (actions, decode) if video else (actions,)
+        if sound:
+            out += (Step("sound", "decode", reads="sound_latents", writes="waveform", emit=Emit("waveform", "audio")),)
+        inputs = tuple(r for r in reads if r != "cond_latents") + ("cond_pixels",)
+        name = f"act_{mode}" + ("_video" if video else "") + ("_guided" if guided else "") + ("_sound" if sound else "")
+        return Walk(name, Sequential(encode, denoise, *out), inputs=inputs)
 
     def _walk(self, mode: str, kind: str, sound: bool = False) -> Walk:
         """``mode``: t2v, t2i (one image out), i2v or v2v (the VAE encodes the request's
@@ -175,11 +223,17 @@ class Cosmos3(ModelSpec):
         ckpt = self.checkpoint()
         ckpt.check_variant()
         self.prompt = ckpt.prompt()
-        self.latent_channels = ckpt.transformer_config().latent_channel
+        tower = ckpt.transformer_config()
+        self.latent_channels = tower.latent_channel
         self.distilled_sigmas = ckpt.distilled_sigmas()
         if ckpt.has_sound():
-            self.sound = SoundLayout.of(ckpt.sound_tokenizer_config(), int(ckpt.transformer_config().sound_dim))
+            self.sound = SoundLayout.of(ckpt.sound_tokenizer_config(), int(tower.sound_dim))
             self.video_soundtrack = (self.sound.sampling_rate, self.sound.channels)
+        self.action_dim = tower.action_dim if tower.action_gen and self.distilled_sigmas is None else None
+        self.action_domains = tower.num_embodiment_domains
+        self.action_chunk = self.knobs.action_chunk_size if self.action_dim else 0  # /generate's rows of an action
+        if self.action_dim and self.knobs.domain_name is not None:
+            self._domain(self.knobs.domain_name)  # a bad deployment domain fails startup, not a request
 
     def _steps_and_scale(self, steps: int | None, scale: float | None) -> tuple[int, float]:
         if self.distilled_sigmas is not None:  # the schedule is the checkpoint's, guidance baked in
@@ -242,12 +296,8 @@ class Cosmos3(ModelSpec):
             raise RequestError("output_modalities", f"model {self.key!r} outputs a video (with audio when "
                                                     "enable_sound is set) or an image")
         knobs = VideoKnobs.parse(spec.model_kwargs)
-        if knobs.enable_sound and self.sound is None:
-            raise RequestError("enable_sound", f"model {self.key!r}: this checkpoint has no sound pathway "
-                                               "(no sound_tokenizer/ or a tower without sound_gen)")
-        if knobs.enable_sound and self.distilled_sigmas is not None:
-            raise RequestError("enable_sound", f"model {self.key!r}: sound is served on the UniPC sampler only, "
-                                               "not the distilled fixed-sigma one")
+        if knobs.enable_sound:
+            self._check_sound()
         if not spec.text.strip():
             raise RequestError("prompt", "must not be empty")
         if len(spec.files) > 1:
@@ -269,6 +319,15 @@ class Cosmos3(ModelSpec):
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
         condition = self._condition(spec.files[0], knobs) if spec.files else None
         return knobs, steps, scale, condition
+
+    def _check_sound(self) -> None:
+        """``enable_sound`` is served here (video and action requests alike), or a 400 naming it."""
+        if self.sound is None:
+            raise RequestError("enable_sound", f"model {self.key!r}: this checkpoint has no sound pathway "
+                                               "(no sound_tokenizer/ or a tower without sound_gen)")
+        if self.distilled_sigmas is not None:
+            raise RequestError("enable_sound", f"model {self.key!r}: sound is served on the UniPC sampler only, "
+                                               "not the distilled fixed-sigma one")
 
     def _condition(self, file: tuple[str, bytes], knobs: VideoKnobs) -> tuple[str, torch.Tensor]:
         """An i2v request's image or a v2v request's clip as conditioning pixels."""
@@ -346,11 +405,15 @@ class Cosmos3(ModelSpec):
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         if set(spec.output_modalities) == {"image"}:
             return self.prepare_image(ImageGenerateKnobs.parse(spec.model_kwargs).image_spec(spec))
+        if "action" in spec.output_modalities or spec.model_kwargs.get("action_mode") is not None:
+            return self.prepare_action(spec)
         return self.prepare_video(spec)
 
     def output_stream(self, request: WalkRequest, stop: list[str]):
         if request.walk.startswith("t2i"):
             return ImageStream.for_request(request)
+        if request.walk.startswith(("act_policy", "act_inverse")):
+            return ActionChunk(request.params.get("audio_samples"))
         if request.walk.endswith("_sound"):
             return SoundVideoStream(request.params["audio_samples"])
         if request.walk.startswith("windowed"):
@@ -426,3 +489,25 @@ class Cosmos3SuperI2V4Step(Cosmos3):
     tasks = frozenset({"video_generation"})
     default_weights = "nvidia/Cosmos3-Super-Image2Video-4Step"
     video_needs_image = True
+
+
+@register
+class Cosmos3Droid(Cosmos3):
+    """Cosmos3-Nano's action-policy fine-tune for the DROID platform (``droid_lerobot``, 10-wide
+    actions): the action modes on the Nano tower with action heads; its config serves the released
+    policy defaults (4 steps, guidance 3)."""
+
+    key = "cosmos3_droid"
+    tasks = frozenset({"video_generation"})
+    video_knobs = ActionVideoKnobs
+    default_weights = "nvidia/Cosmos3-Nano-Policy-DROID"
+
+
+@register
+class Cosmos3EdgeDroid(Cosmos3):
+    """Cosmos3-Edge's action-policy fine-tune for DROID: the Edge tower with action heads."""
+
+    key = "cosmos3_edge_droid"
+    tasks = frozenset({"video_generation"})
+    video_knobs = ActionVideoKnobs
+    default_weights = "nvidia/Cosmos3-Edge-Policy-DROID"

@@ -45,10 +45,15 @@ class Cosmos3Prompt:
     def ids(self, text: str, *, num_frames: int, height: int, width: int, fps: float,
             negative: bool = False) -> torch.Tensor:
         """The token ids ``[L]`` of a prompt (``negative``: of a negative prompt)."""
+        content = with_metadata(text, num_frames=num_frames, height=height, width=width, fps=fps, negative=negative)
+        return self.chat_ids(content, video=num_frames > 1)
+
+    def chat_ids(self, content: str, *, video: bool = True) -> torch.Tensor:
+        """The token ids ``[L]`` of ``content`` sent as it is (an action request's caption and
+        negative prompt)."""
         turns = []
         if self.use_system_prompt:
-            turns.append({"role": "system", "content": SYSTEM["image" if num_frames == 1 else "video"]})
-        content = with_metadata(text, num_frames=num_frames, height=height, width=width, fps=fps, negative=negative)
+            turns.append({"role": "system", "content": SYSTEM["video" if video else "image"]})
         turns.append({"role": "user", "content": content})
         ids = self.tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True,
                                                  add_vision_id=False, return_dict=True)["input_ids"]

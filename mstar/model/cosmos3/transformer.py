@@ -16,7 +16,10 @@ The maths is diffusers' ``Cosmos3OmniTransformer.forward`` with the text half ho
 Sound (``sound_gen`` towers): a request's sound latents ``[sound_dim, T]`` join its media rows
 after the video patches, one token a latent frame (``audio_proj_in``, plus
 ``audio_modality_embed`` and the time embedding: every sound frame is noisy), and leave through
-``audio_proj_out``; ``predict`` gives both velocities.
+``audio_proj_out``. Actions (``action_gen`` towers): a request's action chunk follows its sound
+(or its video patches), one token an action (the domain's ``action_proj_in`` and
+``action_modality_embed``, the time embedding on its noisy rows), and leaves through the
+domain's ``action_proj_out``. ``predict`` gives every velocity, ``forward`` the video's.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import MRotaryEmbedding, rotate
 from mstar.model.cosmos3.config import Cosmos3Config
 
-__all__ = ["Cosmos3Transformer", "MediaItem", "Prediction", "TextKV"]
+__all__ = ["ActionTokens", "Cosmos3Transformer", "MediaItem", "Prediction", "TextKV"]
 
 
 class NemotronRMSNorm(RMSNorm):
@@ -199,27 +202,48 @@ class TextKV:
 
 
 @dataclass
+class ActionTokens:
+    """A request's action chunk in a step: ``actions [T, action_dim]`` (padded to the tower's
+    width), the rows ``noisy`` (the rest are clean conditions, as a video's clean frames), the
+    embodiment ``domain`` selecting the action heads' weights and the rotary ``positions [3, T]``.
+    They follow the video's patches in the request's packed sequence."""
+
+    actions: torch.Tensor
+    noisy: list[int]
+    domain: int
+    positions: torch.Tensor
+
+
+@dataclass
 class MediaItem:
     """One request's media in a step: ``latents [C, T, H, W]``, its ``timestep`` (the sampler's,
     0..1000), the latent frames ``noisy`` (the rest are clean conditions: no time embedding,
-    zero velocity), its rotary ``positions [3, T * h * w]`` and its ``text``."""
+    zero velocity), its rotary ``positions [3, T * h * w]``, its ``text`` and, in the action
+    modes, its ``action`` chunk."""
 
     latents: torch.Tensor
     timestep: float
     noisy: list[int]
     positions: torch.Tensor
     text: TextKV
+    action: ActionTokens | None = None
     sound: torch.Tensor | None = None  # sound latents [sound_dim, T] (all noisy), after the video rows
     sound_positions: torch.Tensor | None = None  # their rotary positions [3, T]
 
 
 @dataclass
 class Prediction:
-    """One item's velocities: ``video [C, T, H, W]`` and, for an item with sound, ``sound
-    [sound_dim, T]``."""
+    """One item's velocities: ``video [C, T, H, W]``, for an item with sound ``sound
+    [sound_dim, T]`` and for one with an action chunk ``action [T, action_dim]``."""
 
     video: torch.Tensor
     sound: torch.Tensor | None = None
+    action: torch.Tensor | None = None
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The velocities the item has, by modality (``video``, ``sound``, ``action``)."""
+        return {k: v for k, v in (("video", self.video), ("sound", self.sound), ("action", self.action))
+                if v is not None}
 
 
 class Cosmos3Transformer(nn.Module):
@@ -281,12 +305,28 @@ class Cosmos3Transformer(nn.Module):
 
     def forward(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """One denoise step of several requests: each item's video velocity ``[C, T, H, W]``
-        (``predict`` gives the sound velocity too)."""
+        (``predict`` gives the sound and action velocities too)."""
         return [p.video for p in self.predict(items)]
+
+    def forward_media(self, items: list[MediaItem]) -> list[dict[str, torch.Tensor]]:
+        """``predict`` as dicts: per item ``video`` and, where it has them, ``sound`` and
+        ``action``."""
+        return [p.as_dict() for p in self.predict(items)]
+
+    def _action_tokens(self, action: ActionTokens, embed: torch.Tensor) -> torch.Tensor:
+        """An action chunk's input rows: the domain's projection, the modality embedding, and
+        the time embedding on the noisy rows."""
+        domain = torch.full((len(action.actions),), action.domain, dtype=torch.long, device=embed.device)
+        x = self.action_proj_in(action.actions.to(device=embed.device, dtype=self.dtype), domain)
+        x = x + self.action_modality_embed
+        noisy = torch.zeros(len(x), dtype=x.dtype, device=x.device)
+        noisy[list(action.noisy)] = 1
+        return x + embed * noisy[:, None]
 
     def predict(self, items: list[MediaItem]) -> list[Prediction]:
         """One denoise step of several requests: each item's velocities (float32 maths where the
-        model's dtype is; zeros on clean frames)."""
+        model's dtype is; zeros on clean frames and rows). A request's rows are its video
+        patches, then its sound latents, then its actions (the pipeline's packing order)."""
         p = self.config.latent_patch_size
         tokens, masks, cos, sin, shapes = [], [], [], [], []
         embeds = self.time_embedder(torch.tensor([float(i.timestep) for i in items], device=self.proj_in.weight.device)
@@ -299,12 +339,17 @@ class Cosmos3Transformer(nn.Module):
             noisy[list(item.noisy)] = True
             x = x + embed * noisy.repeat_interleave(per_frame)[:, None].to(x.dtype)
             positions = item.positions.to(x.device)
+            parts, rotary = [x], [positions]
             if item.sound is not None:
                 if item.sound_positions is None:
                     raise ValueError("a media item with sound needs its sound_positions")
-                sound = self.audio_proj_in(item.sound.to(self.dtype).T) + self.audio_modality_embed + embed
-                x = torch.cat([x, sound])
-                positions = torch.cat([positions, item.sound_positions.to(x.device)], dim=1)
+                parts.append(self.audio_proj_in(item.sound.to(self.dtype).T) + self.audio_modality_embed + embed)
+                rotary.append(item.sound_positions.to(x.device))
+            if item.action is not None:
+                parts.append(self._action_tokens(item.action, embed))
+                rotary.append(item.action.positions.to(x.device))
+            if len(parts) > 1:
+                x, positions = torch.cat(parts), torch.cat(rotary, dim=1)
             tokens.append(x)
             c_, s_ = self.rope.cos_sin(positions, x.dtype)
             cos.append(c_)
@@ -316,11 +361,28 @@ class Cosmos3Transformer(nn.Module):
             segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
         x = self.norm_moe_gen(x)
+        # one GEMM over every row (the few sound and action rows' results unused): a request's video
+        # velocity then has the same bits packed or alone (per-request GEMMs on offset slices did not)
+        patches = self.proj_out(x)
         out, start = [], 0
         for (t, h, w, per_frame), noisy, item, tok in zip(shapes, masks, items, tokens):
-            rows = x[start:start + len(tok)]
+            v = self.unpatchify(patches[start:start + t * per_frame], t, h, w)
+            rest = start + t * per_frame  # the first row after the video's
+            sound = action = None
+            if item.sound is not None:
+                length = item.sound.shape[1]
+                sound = self.audio_proj_out(x[rest:rest + length]).T
+                rest += length
+            if item.action is not None:
+                action = self._action_velocity(item.action, x[rest:start + len(tok)])
             start += len(tok)
-            v = self.unpatchify(self.proj_out(rows[:t * per_frame]), t, h, w)
-            sound = self.audio_proj_out(rows[t * per_frame:]).T if item.sound is not None else None
-            out.append(Prediction(v * noisy[None, :, None, None].to(v.dtype), sound))
+            out.append(Prediction(v * noisy[None, :, None, None].to(v.dtype), sound, action))
         return out
+
+    def _action_velocity(self, action: ActionTokens, rows: torch.Tensor) -> torch.Tensor:
+        velocity = torch.zeros(len(rows), self.config.action_dim, dtype=rows.dtype, device=rows.device)
+        noisy = list(action.noisy)
+        if noisy:
+            domain = torch.full((len(noisy),), action.domain, dtype=torch.long, device=rows.device)
+            velocity[noisy] = self.action_proj_out(rows[noisy], domain)
+        return velocity

@@ -90,3 +90,24 @@ def checkpoint(tmp_path_factory) -> Checkpoint:
         vae.decoder.conv_out.weight.mul_(0.3)
     write_checkpoint(root, tower, vae, tok)
     return Checkpoint(root, tower, vae, tok)
+
+
+ACTION_TOWER = dict(TOWER, action_gen=True, action_dim=12, num_embodiment_domains=10)
+
+
+@pytest.fixture(scope="session")
+def action_checkpoint(tmp_path_factory) -> Checkpoint:
+    """The tiny checkpoint with action heads (a policy fine-tune's layout: ``action_gen``, 12-wide
+    heads, droid_lerobot's domain 8 among 10)."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
+
+    root = tmp_path_factory.mktemp("cosmos3_droid")
+    tok = tokenizer()
+    tower = Cosmos3OmniTransformer(vocab_size=len(tok), **ACTION_TOWER).eval()
+    vae = AutoencoderKLWan(**VAE).eval()
+    for seed, module in enumerate((tower, vae)):
+        randomize(module, seed + 7, gains=("gamma",))
+    with torch.no_grad():
+        vae.decoder.conv_out.weight.mul_(0.3)
+    write_checkpoint(root, tower, vae, tok)
+    return Checkpoint(root, tower, vae, tok)
