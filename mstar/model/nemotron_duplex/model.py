@@ -242,9 +242,9 @@ class NemotronDuplex(ModelSpec):
         from mstar.model.nemotron_h.modeling import NemotronHForCausalLM
         from mstar.model.weights import init_dummy_weights
 
-        if self.config.load_format != "dummy":
-            raise ConfigError("load_format: nemotron_duplex serves dummy weights only so far (the checkpoint's "
-                              "layout is not mapped yet)")
+        if self.config.load_format != "dummy" and nodes & {ENCODER, NANO}:
+            raise ConfigError("load_format: nemotron_duplex serves dummy weights only so far (the input side's "
+                              "checkpoint layout is not mapped yet; the talker's is)")
         config = DuplexConfig.from_dir(self.checkpoint_dir())
         dtype = self.config.torch_dtype()
         engines = {}
@@ -273,7 +273,16 @@ class NemotronDuplex(ModelSpec):
         from mstar.model.nemotron_duplex.talker import TalkerNode, dummy_talker, prompt_frames
 
         talker_config = config.talker
-        model = dummy_talker(talker_config, config.llm.vocab_size, self.knobs.seed + 2).to(device, dtype).eval()
+        if self.config.load_format == "dummy":
+            model = dummy_talker(talker_config, config.llm.vocab_size, self.knobs.seed + 2)
+        else:
+            from transformers import AutoTokenizer
+
+            from mstar.model.nemotron_duplex.talker import checkpoint_talker
+
+            vocab = AutoTokenizer.from_pretrained(self.checkpoint_dir()).get_vocab()
+            model = checkpoint_talker(talker_config, self.checkpoint_dir(), vocab, config.llm.vocab_size)
+        model = model.to(device, dtype).eval()
         name = self.knobs.speaker or next(iter(model.speakers))
         if name not in model.speakers:
             raise ConfigError(f"model_kwargs.speaker: no speaker {name!r}; the checkpoint has {sorted(model.speakers)}")

@@ -51,11 +51,12 @@ def dummy_talker(config: EarTTSConfig, vocab: int, seed: int) -> EarTTS:
     return model
 
 
-def checkpoint_talker(config: EarTTSConfig, folder: Path, vocab: dict[str, int]) -> EarTTS:
+def checkpoint_talker(config: EarTTSConfig, folder: Path, vocab: dict[str, int], text_vocab: int = 0) -> EarTTS:
     """The talker from a VoiceChat checkpoint folder's safetensors (``tts_model.*``, the layout
     ``mstar.model.eartts.checkpoint`` maps, coverage checked both ways; the other nodes'
-    tensors are not read here), its text table run from the checkpoint's text encoder over
-    ``vocab``."""
+    tensors, ``stt_model.*``, are not read here), its text table run from the checkpoint's
+    text encoder over the tokenizer's ``vocab``. The table has at least ``text_vocab`` rows
+    (the LLM's padded vocabulary: ids the tokenizer lacks embed as nothing)."""
     from mstar.model.weights import iter_safetensors
 
     model = EarTTS(config, text_vocab=len(vocab) + 1)
@@ -63,6 +64,10 @@ def checkpoint_talker(config: EarTTSConfig, folder: Path, vocab: dict[str, int])
                     vocab=vocab)
     if not model.speakers:
         raise ValueError(f"{folder}: no speaker latent (tts_model.audio_prompt_latents.*)")
+    table = model.talker.text
+    missing = text_vocab - table.on.shape[0]
+    if missing > 0:
+        table.replace(*(torch.cat([t, t.new_zeros(missing, t.shape[1])]) for t in (table.on, table.off)))
     return model
 
 
