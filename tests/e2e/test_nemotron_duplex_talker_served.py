@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -201,3 +202,28 @@ def test_startup_refuses_a_talker_pool_smaller_than_the_cap(checkpoint: Path):  
                                                  "talker_kv": {"max_num_pages": 63, "page_size": 16}}
     with pytest.raises(ConfigError, match=r"resources\.talker_kv\.max_num_pages.*at least 64"):
         start(parse_config(config), in_process=True)
+
+
+def test_the_talker_on_its_own_rank_equals_one_rank(served, checkpoint: Path):  # noqa: F811
+    """The encoder and the LLM on rank 0, the talker on rank 1 (agent text crosses on the
+    tensor transport): the same text and speech as one rank, and nothing left on either."""
+    _, app = served
+    audio = speech(0.8, seed=2)
+    groups = [{"node_names": ["conformer_encoder", "nano_llm"], "ranks": [0]},
+              {"node_names": ["eartts_talker"], "ranks": [1]}]
+    split = start(parse_config(_config(checkpoint, node_groups=groups)), in_process=True)
+    try:
+        got = asyncio.run(speaking_call(create_app(split.backend, served_model_names=[MODEL]), audio, seed=9))
+        workers = split.runtime.workers.workers
+        deadline = time.monotonic() + 10
+        while any(len(w.store._values) for w in workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(len(w.store._values) for w in workers.values())
+        talker = workers[1].engines["eartts_talker"].talker
+        assert talker.pages_used == 0 and talker.slots_used == 0
+    finally:
+        split.close()
+    want = asyncio.run(speaking_call(app, audio, seed=9))
+    assert tokens_of(got) == tokens_of(want) and len(tokens_of(got)) == 10 + 1
+    mine, theirs = np.concatenate(audio_of(got)), np.concatenate(audio_of(want))
+    np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6 * float(np.abs(theirs).max()))

@@ -1,4 +1,4 @@
-"""Nemotron VoiceChat (``nemotron_duplex``), its input side: the declaration.
+"""Nemotron VoiceChat (``nemotron_duplex``): the declaration.
 
 One walk, ``duplex``. Its body primes the nano LLM with the system prompt (the request's
 text). The user's audio is a client stream, ``audio_in`` (16 kHz mono samples; its
