@@ -1,9 +1,10 @@
 """Nemotron VoiceChat (``nemotron_duplex``): the declaration.
 
-One walk, ``duplex``. Its body primes the nano LLM with the system prompt (the request's
-text). The user's audio is a client stream, ``audio_in`` (16 kHz mono samples; its
-``max_items`` is ``max_session_s`` of them, counted by the frontend before any node sees an
-append). Two stream edges chain three stages running asynchronously:
+The walk ``duplex`` (text out; ``duplex_speech``, with the talker, is below). Its body
+primes the nano LLM with the system prompt (the request's text). The user's audio is a
+client stream, ``audio_in`` (16 kHz mono samples; its ``max_items`` is ``max_session_s`` of
+them, counted by the frontend before any node sees an append). Two stream edges chain three
+stages running asynchronously:
 
     audio_in --(one append a chunk)--> conformer_encoder --frames--> nano_llm.frame --agent_text-->
 
