@@ -227,3 +227,17 @@ def test_the_talker_on_its_own_rank_equals_one_rank(served, checkpoint: Path):  
     assert tokens_of(got) == tokens_of(want) and len(tokens_of(got)) == 10 + 1
     mine, theirs = np.concatenate(audio_of(got)), np.concatenate(audio_of(want))
     np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6 * float(np.abs(theirs).max()))
+
+
+def test_startup_refuses_an_unknown_speaker_and_a_folder_without_the_talker(checkpoint: Path, tmp_path):  # noqa: F811
+    config = _config(checkpoint)
+    config["model_kwargs"] = config["model_kwargs"] | {"speaker": "nobody"}
+    with pytest.raises(ConfigError, match=r"model_kwargs\.speaker.*'nobody'"):
+        start(parse_config(config), in_process=True)
+    for name in checkpoint.iterdir():
+        (tmp_path / name.name).write_bytes(name.read_bytes())
+    raw = json.loads((checkpoint / "config.json").read_text())
+    del raw["speech_generation"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="speech_generation"):
+        start(parse_config(_config(tmp_path)), in_process=True)
