@@ -50,6 +50,8 @@ class ResourcesConfig(_Strict):
     transducer_state: StatePoolConfig | None = None  # a transducer's decoder states; None: as gdn_state
     mamba_state: StatePoolConfig | None = None  # Mamba-2 conv windows + SSM states; None: as gdn_state
     encoder_state: StatePoolConfig | None = None  # a streamed encoder's per-call state; None: as gdn_state
+    codec_state: StatePoolConfig | None = None  # a streamed codec decoder's per-call state; None: as gdn_state
+    talker_kv: KVCacheConfig | None = None  # a talker's own paged KV (nemotron_duplex); None: sized for the cap
 
 
 class StreamPacingConfig(_Strict):

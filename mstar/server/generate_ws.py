@@ -367,7 +367,8 @@ class _LiveCall(_Socket):
     """A model whose input is a client stream (``live_stream``: Nemotron VoiceChat's audio):
     the socket is one request. The opening's fields and media start it; each append's files
     are items of its stream, in order; ``end_input`` ends its input, and the request ends
-    when its stages have consumed it. Outputs carry ``append: 0`` and their ``token_ids``.
+    when its stages have consumed it. Outputs carry ``append: 0`` and their ``token_ids``;
+    media (the agent's speech) is a header with its ``bytes``, then one binary message.
     An append the model refuses (a wrong rate, too many channels) gets an error naming the
     field and changes nothing; one that passes the stream's cap (``max_session_s``) gets a
     400 and ends the input."""
@@ -394,7 +395,11 @@ class _LiveCall(_Socket):
                         self.client.error(None, event.error, event.error_status or 500)
                         self.close_code, self.close_reason = CLOSE_INTERNAL, "the call failed"
                         return
-                    if event.token_ids or event.text:
+                    if event.data is not None:  # the agent's speech: a header, then the bytes
+                        self.client.send({"type": "output", "append": 0, "modality": event.modality,
+                                          "bytes": len(event.data)})
+                        self.client.send(event.data)
+                    elif event.token_ids or event.text:
                         self.client.send({"type": "output", "append": 0, "modality": event.modality,
                                           "text": event.text, "token_ids": list(event.token_ids)})
                     finish = event.finish_reason or finish

@@ -30,6 +30,21 @@ from tests.support.asgi_ws import AsgiSocket
 MODEL = "nemotron_duplex"
 FRAME = 1280  # 80 ms at 16 kHz
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+# The talker's tiny config (VoiceChat's model.speech_generation): a 3-layer Gemma-3 backbone
+# with a sliding layer, 6 codebooks of 16, a narrow codec; a 0.4 s speaker prompt (5 frames).
+TALKER = {"model": {
+    "tts_config": {"use_gated_fusion_for_text_audio": True, "disable_eos_prediction": True,
+                   "use_audio_prompt_frozen_projection": True, "backbone_type": "gemma3_text",
+                   "backbone_config": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+                                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                                       "sliding_window": 6,
+                                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+                   "latent_size": 16, "codebook_size": 16, "num_quantizers": 6,
+                   "mog_head_config": {"intermediate_size": 32, "num_layers": 2, "low_rank": 8, "num_predictions": 8}},
+    "codec_config": {"latent_size": 16, "base_hidden_size": 8, "num_blocks": 1, "codebook_size": 16,
+                     "num_quantizers": 6},
+    "inference_guidance_scale": 0.5, "inference_top_p_or_k": 0.8, "inference_noise_scale": 0.8},
+    "data": {"target_sample_rate": 22050, "frame_length": 0.08, "audio_prompt_duration": 0.4}}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +60,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                    n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16, eos_token_id=2, pad_token_id=3)
     encoder = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48,
                "conv_kernel_size": 9, "subsampling_conv_channels": 8, "left_context": 70}
-    (directory / "config.json").write_text(json.dumps({"encoder": encoder, "llm": llm.to_dict(), "n_mels": 16}))
+    (directory / "config.json").write_text(json.dumps({"encoder": encoder, "llm": llm.to_dict(), "n_mels": 16,
+                                                       "speech_generation": TALKER}))
     return directory
 
 
@@ -54,7 +70,8 @@ def _config(checkpoint: Path, **overrides) -> dict:
     return {"model": MODEL, "model_path": str(checkpoint), "load_format": "dummy", "max_seq_len": 128,
             "max_concurrent_requests": 16,
             "resources": {"kv_cache": {"max_num_pages": 128, "page_size": 16}, "mamba_state": slots,
-                          "encoder_state": slots},
+                          "encoder_state": slots, "codec_state": slots,
+                          "talker_kv": {"max_num_pages": 64, "page_size": 16}},
             "model_kwargs": {"seed": 3, "max_session_s": 2.0, "max_prompt_tokens": 32, "temperature": 0.0}} | overrides
 
 
@@ -111,7 +128,9 @@ async def upload(app, files: list[bytes], text: str = "") -> httpx.Response:
 def drained(d) -> bool:
     engines = d.runtime.workers.workers[0].engines
     nano, encoder = engines["nano_llm"].inner, engines["conformer_encoder"]
-    return (encoder.pool.num_used == 0 and not encoder.calls and nano.forward.states.num_used == 0
+    talker = engines["eartts_talker"].talker
+    return (talker.pages_used == 0 and talker.slots_used == 0 and not talker.sessions
+            and encoder.pool.num_used == 0 and not encoder.calls and nano.forward.states.num_used == 0
             and nano.pool.num_used_pages == 0 and not nano.seqs and not engines["nano_llm"].last
             and d.runtime.conductor.idle and not d.runtime.tracked
             and len(d.runtime.workers.workers[0].store._values) == 0)
@@ -257,7 +276,7 @@ def test_a_call_too_short_to_featurize_fails_alone(served):
 
 def test_startup_refuses_a_pool_smaller_than_the_cap(checkpoint: Path):
     config = _config(checkpoint, max_concurrent_requests=17)
-    config["resources"] = config["resources"] | {"mamba_state": {"max_slots": 18},
+    config["resources"] = config["resources"] | {"mamba_state": {"max_slots": 18}, "codec_state": {"max_slots": 18},
                                                  "kv_cache": {"max_num_pages": 136, "page_size": 16}}
     with pytest.raises(ConfigError, match=r"resources\.encoder_state\.max_slots"):
         start(parse_config(config), in_process=True)
@@ -306,7 +325,8 @@ def test_encoder_and_llm_on_two_ranks_equal_one(served, checkpoint: Path):
     the same agent frames as the single-rank deployment, and nothing left on either rank."""
     _, app = served
     audio = speech(0.8, seed=1)
-    groups = [{"node_names": ["conformer_encoder"], "ranks": [0]}, {"node_names": ["nano_llm"], "ranks": [1]}]
+    groups = [{"node_names": ["conformer_encoder"], "ranks": [0]},
+              {"node_names": ["nano_llm", "eartts_talker"], "ranks": [1]}]
     split = start(parse_config(_config(checkpoint, node_groups=groups)), in_process=True)
     try:
         got = tokens_of(asyncio.run(live_call(create_app(split.backend, served_model_names=[MODEL]), audio)))

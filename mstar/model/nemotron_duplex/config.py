@@ -6,7 +6,9 @@ the ``left_context`` frames before it, 70 by default), ``llm`` (a transformers N
 ``config.json``), ``n_mels`` (128), ``agent_pad_token_id`` (the agent's "no text" token,
 the previous token of its first frame and never shown as text; default the LLM's pad, else 0)
 and ``user_channel_weight`` (the audio frames' scale before they are fused, NeMo's
-``duplex_user_channel_weight``; default 1).
+``duplex_user_channel_weight``; default 1) and ``speech_generation`` (the EarTTS talker and
+its codec, VoiceChat's ``model.speech_generation``: ``EarTTSConfig``; None when absent, and
+then the deployment refuses to start).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mstar.model.eartts.config import EarTTSConfig
 from mstar.model.fastconformer.config import FastConformerConfig
 from mstar.model.nemotron_h.config import NemotronHConfig
 
@@ -30,6 +33,8 @@ class DuplexConfig:
     n_mels: int = 128
     agent_pad_token_id: int = 0
     user_channel_weight: float = 1.0
+    talker: EarTTSConfig | None = None
+    eos_token_id: int | None = None  # the agent's end of text (the talker speaks silence before it)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DuplexConfig:
@@ -43,7 +48,12 @@ class DuplexConfig:
         llm = NemotronHConfig.from_hf_dict(d["llm"])
         pad = d.get("agent_pad_token_id", d["llm"].get("pad_token_id"))
         weight = float(d.get("user_channel_weight", 1.0))
-        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight)
+        speech = d.get("speech_generation", d.get("model", {}).get("speech_generation"))
+        talker = EarTTSConfig.from_speech_generation(speech) if speech else None
+        eos = d["llm"].get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight, talker,
+                   None if eos is None else int(eos))
 
     @classmethod
     def from_dir(cls, path: Path) -> DuplexConfig:

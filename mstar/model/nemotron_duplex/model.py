@@ -1,9 +1,10 @@
-"""Nemotron VoiceChat (``nemotron_duplex``), its input side: the declaration.
+"""Nemotron VoiceChat (``nemotron_duplex``): the declaration.
 
-One walk, ``duplex``. Its body primes the nano LLM with the system prompt (the request's
-text). The user's audio is a client stream, ``audio_in`` (16 kHz mono samples; its
-``max_items`` is ``max_session_s`` of them, counted by the frontend before any node sees an
-append). Two stream edges chain three stages running asynchronously:
+The walk ``duplex`` (text out; ``duplex_speech``, with the talker, is below). Its body
+primes the nano LLM with the system prompt (the request's text). The user's audio is a
+client stream, ``audio_in`` (16 kHz mono samples; its ``max_items`` is ``max_session_s`` of
+them, counted by the frontend before any node sees an append). Two stream edges chain three
+stages running asynchronously:
 
     audio_in --(one append a chunk)--> conformer_encoder --frames--> nano_llm.frame --agent_text-->
 
@@ -12,8 +13,15 @@ input); ``nano_llm.frame`` runs one frame-synchronous decode step per frame and 
 agent text token per 80 ms frame, after it was primed. The walk ends when the audio does:
 ``end_input`` closes ``audio_in``, its end drains the encoder, which closes ``frames``.
 
-``agent_text`` is the seam for the talker (issue 31, item 4): a stream edge from it into an
-``eartts_talker`` step turns each text token into that frame's speech.
+A call that asks for audio (``output_modalities`` holding ``audio``) takes the walk
+``duplex_speech``: the same, plus a third stream edge from ``agent_text`` into the talker,
+``eartts_talker``, which turns each text token into that frame's codes and, through the causal
+codec in the same step, its 80 ms of 22.05 kHz PCM (``talker.py``):
+
+    agent_text --(one token item a chunk)--> eartts_talker --agent_audio-->
+
+Such a call also holds the talker's KV pages of its warm-up and ``max_session_s`` of frames
+(two streams, the CFG pair; ``resources.talker_kv``) and a ``codec_state`` slot.
 
 Each call holds, from admission to its end however it ends, a slot in ``encoder_state`` and
 ``mamba_state`` (``resources.<pool>.max_slots``, the sink included) and the KV pages of
@@ -23,6 +31,7 @@ Each call holds, from admission to its end however it ends, a slot in ``encoder_
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Literal
 
@@ -42,7 +51,7 @@ from mstar.model.nemotron_duplex.features import MIN_SAMPLES, SAMPLE_RATE, duple
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, OutputStream, WalkRequest
 
-ENCODER, NANO = "conformer_encoder", "nano_llm"
+ENCODER, NANO, TALKER = "conformer_encoder", "nano_llm", "eartts_talker"
 AUDIO = "audio_in"
 MAX_UPLOAD_BYTES = 64 * 1024 * 1024
 
@@ -60,6 +69,8 @@ class DuplexKnobs(Knobs):
     top_p: float = 0.9
     attention_backend: Literal["torch", "triton"] = "torch"
     """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``)."""
+    speaker: str | None = None
+    """The talker's voice: a speaker latent of the checkpoint (None: its first)."""
 
 
 class DuplexRequestKnobs(RequestKnobs):
@@ -72,7 +83,7 @@ class DuplexRequestKnobs(RequestKnobs):
 class NemotronDuplex(ModelSpec):
     key = "nemotron_duplex"
     tasks = frozenset()
-    generate_modalities = (frozenset({"audio"}), frozenset({"text"}))
+    generate_modalities = (frozenset({"audio"}), frozenset({"text", "audio"}))
     Knobs = DuplexKnobs
     knobs: DuplexKnobs
     live_stream = AUDIO  # /generate/ws appends feed this client stream of one request
@@ -86,9 +97,14 @@ class NemotronDuplex(ModelSpec):
         speak = StreamEdge("frames", into=Step(NANO, "frame", reads={"frame": "frames", "primed": "primed"},
                                                writes={"token": "agent_text"}, emit=Emit("agent_text", "text")),
                            policy=FixedFrames(1), port="frame")
-        walk = Walk("duplex", prime, inputs="prompt_ids", streams=[hear, speak],
-                    client_streams=[ClientStream(AUDIO, max_items="max_samples")])
-        return Graph.build([encoder, nano], [walk])
+        talker = Node(TALKER, "stream", inputs=("token",), outputs=("audio",))
+        talk = StreamEdge("agent_text", into=Step(TALKER, reads={"token": "agent_text"},
+                                                  writes={"audio": "agent_audio"}, emit=Emit("agent_audio", "audio")),
+                          policy=FixedFrames(1))
+        walks = [Walk(name, prime, inputs="prompt_ids", streams=streams,
+                      client_streams=[ClientStream(AUDIO, max_items="max_samples")])
+                 for name, streams in (("duplex", [hear, speak]), ("duplex_speech", [hear, speak, talk]))]
+        return Graph.build([encoder, nano, talker], walks)
 
     # ------------------------------------------------------------- frontend
     def checkpoint_dir(self) -> Path:
@@ -103,7 +119,36 @@ class NemotronDuplex(ModelSpec):
 
         path = self.checkpoint_dir()
         self.duplex = DuplexConfig.from_dir(path)
+        self.talker_config()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def talker_config(self):
+        """The talker's ``EarTTSConfig`` (read from the checkpoint folder's config.json where the
+        frontend was not loaded: a worker, the startup's capacity check)."""
+        duplex = getattr(self, "duplex", None) or DuplexConfig.from_dir(self.checkpoint_dir())
+        if duplex.talker is None:
+            raise ConfigError(f"model_path {self.config.model_path}: config.json has no speech_generation "
+                              "(the talker's config)")
+        return duplex.talker
+
+    @property
+    def sample_rate(self) -> int:
+        """The agent's speech: 22.05 kHz mono PCM."""
+        duplex = getattr(self, "duplex", None)
+        return duplex.talker.codec.sample_rate if duplex is not None and duplex.talker else 22050
+
+    def talker_kv(self) -> tuple[int, int, int]:
+        """The talker's KV pool: ``(pages, page_size, pages per call)``: a call's two streams
+        of its warm-up and ``max_session_s`` of frames (``resources.talker_kv``; default: as
+        many pages as ``max_concurrent_requests`` calls hold)."""
+        from mstar.model.eartts.engine import TalkerEngine
+        from mstar.model.nemotron_duplex.talker import warmup_positions
+
+        given = self.config.resources.talker_kv
+        page_size = given.page_size if given is not None else 16
+        each = TalkerEngine.kv_pages_per_session(self.max_frames, warmup_positions(self.talker_config()), page_size)
+        return (given.max_num_pages if given is not None else each * self.config.max_concurrent_requests,
+                page_size, each)
 
     @property
     def max_frames(self) -> int:
@@ -120,9 +165,18 @@ class NemotronDuplex(ModelSpec):
                               f"model_kwargs.max_prompt_tokens ({self.knobs.max_prompt_tokens}) and max_session_s "
                               f"({self.knobs.max_session_s} s: {self.max_frames} frames)")
         what = "model_kwargs.max_prompt_tokens and max_session_s of frames"
-        return (pool_for_every_request(self.config, self.call_positions, what)
-                | {"mamba_slots": state_capacity(self.config, "mamba_state"),
-                   "encoder_slots": state_capacity(self.config, "encoder_state")})
+        capacity = (pool_for_every_request(self.config, self.call_positions, what)
+                    | {"mamba_slots": state_capacity(self.config, "mamba_state"),
+                       "encoder_slots": state_capacity(self.config, "encoder_state"),
+                       "codec_slots": state_capacity(self.config, "codec_state")})
+        pages, _, each = self.talker_kv()
+        need = each * self.config.max_concurrent_requests
+        if pages < need:
+            raise ConfigError(f"resources.talker_kv.max_num_pages ({pages}) cannot hold max_concurrent_requests "
+                              f"({self.config.max_concurrent_requests}) calls of {each} pages each (the talker's "
+                              f"warm-up and max_session_s of frames, two streams): set it to at least {need} or lower "
+                              "max_concurrent_requests")
+        return capacity | {"talker_pages": pages}
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         options = DuplexRequestKnobs.parse(spec.model_kwargs)
@@ -136,15 +190,20 @@ class NemotronDuplex(ModelSpec):
             top_p=self.knobs.top_p if options.top_p is None else options.top_p, seed=options.seed))
         clips = [self.decode_audio(data, f"files[{i}]", upload=True) for i, (_, data) in enumerate(spec.files)]
         params = {"sampling": msgspec.structs.asdict(sampling), "max_new_tokens": 1 << 30, "stop_token_ids": [],
-                  "max_samples": int(self.knobs.max_session_s * SAMPLE_RATE)}
+                  "max_samples": int(self.knobs.max_session_s * SAMPLE_RATE),
+                  # the talker's noise: the request's seed, else a fresh one
+                  "talker_seed": options.seed if options.seed is not None else secrets.randbits(62)}
         if not spec.live_input and sum(c.shape[0] for c in clips) < MIN_SAMPLES:
             raise RequestError("files", f"a one-shot call needs an audio clip of at least {MIN_SAMPLES} samples "
                                         "(16 kHz)")
         if sum(c.shape[0] for c in clips) > params["max_samples"]:
             raise RequestError("files", f"the audio is longer than max_session_s ({self.knobs.max_session_s} s)")
-        pages = kv_pages(self.call_positions, self.config)
-        return WalkRequest("duplex", {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, params,
-                           cost={"kv_pages": pages, "mamba_slots": 1, "encoder_slots": 1},
+        cost = {"kv_pages": kv_pages(self.call_positions, self.config), "mamba_slots": 1, "encoder_slots": 1}
+        speaks = "audio" in spec.output_modalities
+        if speaks:
+            cost |= {"talker_pages": self.talker_kv()[2], "codec_slots": 1}
+        return WalkRequest("duplex_speech" if speaks else "duplex",
+                           {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, params, cost=cost,
                            prompt_tokens=len(prompt), appends={AUDIO: clips} if clips else {},
                            end_input=not spec.live_input)
 
@@ -174,7 +233,7 @@ class NemotronDuplex(ModelSpec):
         return torch.from_numpy(samples)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream:
-        return AgentText(self.tokenizer, self.duplex.agent_pad_token_id)
+        return AgentText(self.tokenizer, self.duplex.agent_pad_token_id, self.sample_rate)
 
     # --------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
@@ -184,9 +243,9 @@ class NemotronDuplex(ModelSpec):
         from mstar.model.nemotron_h.modeling import NemotronHForCausalLM
         from mstar.model.weights import init_dummy_weights
 
-        if self.config.load_format != "dummy":
-            raise ConfigError("load_format: nemotron_duplex serves dummy weights only so far (the checkpoint's "
-                              "layout is not mapped yet)")
+        if self.config.load_format != "dummy" and nodes & {ENCODER, NANO}:
+            raise ConfigError("load_format: nemotron_duplex serves dummy weights only so far (the input side's "
+                              "checkpoint layout is not mapped yet; the talker's is)")
         config = DuplexConfig.from_dir(self.checkpoint_dir())
         dtype = self.config.torch_dtype()
         engines = {}
@@ -195,6 +254,8 @@ class NemotronDuplex(ModelSpec):
             init_dummy_weights(encoder, seed=self.knobs.seed)
             engines[ENCODER] = EncoderEngine(encoder.eval(), duplex_settings(config.n_mels),
                                              max_slots=state_slots(self.config, "encoder_state"))
+        if TALKER in nodes:
+            engines[TALKER] = self._talker(config, device, dtype)
         if NANO in nodes:
             with torch.device(device):
                 llm = NemotronHForCausalLM(config.llm).to(dtype)
@@ -208,16 +269,48 @@ class NemotronDuplex(ModelSpec):
         return engines
 
 
+    def _talker(self, config: DuplexConfig, device: torch.device, dtype: torch.dtype):
+        from mstar.model.eartts.engine import TalkerEngine, Warmup
+        from mstar.model.nemotron_duplex.talker import TalkerNode, dummy_talker, prompt_frames
+
+        talker_config = config.talker
+        if self.config.load_format == "dummy":
+            model = dummy_talker(talker_config, config.llm.vocab_size, self.knobs.seed + 2)
+        else:
+            from transformers import AutoTokenizer
+
+            from mstar.model.nemotron_duplex.talker import checkpoint_talker
+
+            vocab = AutoTokenizer.from_pretrained(self.checkpoint_dir()).get_vocab()
+            model = checkpoint_talker(talker_config, self.checkpoint_dir(), vocab, config.llm.vocab_size)
+        model = model.to(device, dtype).eval()
+        name = self.knobs.speaker or next(iter(model.speakers))
+        if name not in model.speakers:
+            raise ConfigError(f"model_kwargs.speaker: no speaker {name!r}; the checkpoint has {sorted(model.speakers)}")
+        warmup = Warmup.for_speaker(model.speakers[name].to(device, dtype), model.silence_codes,
+                                    prompt_frames=prompt_frames(talker_config),
+                                    text_pad_id=config.agent_pad_token_id, text_eos_id=config.eos_token_id,
+                                    codebook_size=talker_config.talker.codebook_size)
+        pages, page_size, _ = self.talker_kv()
+        engine = TalkerEngine(model, max_sessions=state_slots(self.config, "codec_state") - 1, num_pages=pages,
+                              page_size=page_size, text_eos_id=config.eos_token_id)
+        return TalkerNode(engine, warmup)
+
+
 class AgentText(OutputStream):
     """Each agent frame's text token: its id, and its text (the pad, the agent's "no text",
-    and other special tokens show as nothing)."""
+    and other special tokens show as nothing); the agent's speech as float32 PCM."""
 
-    def __init__(self, tokenizer, pad_id: int) -> None:
+    def __init__(self, tokenizer, pad_id: int, sample_rate: int) -> None:
         self.tokenizer = tokenizer
         self.pad_id = pad_id
+        self.sample_rate = sample_rate
         self.count = 0
 
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
+        if modality == "audio":
+            samples = value.reshape(-1).to(torch.float32).numpy()
+            return OutputEvent(modality="audio", data=samples.astype("<f4").tobytes()) if samples.size else None
         ids = [int(t) for t in value.reshape(-1).tolist()]
         self.count += len(ids)
         said = [t for t in ids if t != self.pad_id]
