@@ -7,7 +7,6 @@ Also the observation canvas, the caption and the refused requests (each naming i
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 
 import numpy as np
@@ -19,6 +18,7 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3 import action as act
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import picture, png
 
 pytest.importorskip("diffusers")
 
@@ -34,20 +34,6 @@ def deployment(action_checkpoint):
               in_process=True)
     yield d
     d.close()
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    g = torch.Generator().manual_seed(seed)
-    coarse = torch.rand(1, 3, 4, 4, generator=g)
-    fine = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
-    fine = fine + 0.15 * torch.rand(1, 3, height, width, generator=g)
-    return Image.fromarray((fine.clamp(0, 1) * 255).round().byte()[0].permute(1, 2, 0).numpy())
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 def clip_mp4(frames: int, width: int, height: int) -> bytes:

@@ -10,7 +10,6 @@ pathway keeps its own UniPC state. On a checkpoint without the sound pathway ``e
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import shutil
 from contextlib import contextmanager
@@ -18,12 +17,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import save_file
 
 from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import picture, png
 from tests.support.cosmos3_sound import LATENT_FPS, SOUND, reference_tokenizer, write_sound_tokenizer
 from tests.support.diffusers_dirs import randomize
 
@@ -75,20 +74,6 @@ def deployment(both):
               in_process=True)
     yield d
     d.close()
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    g = torch.Generator().manual_seed(seed)
-    coarse = torch.rand(1, 3, 4, 4, generator=g)
-    fine = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
-    fine = fine + 0.15 * torch.rand(1, 3, height, width, generator=g)
-    return Image.fromarray((fine.clamp(0, 1) * 255).round().byte()[0].permute(1, 2, 0).numpy())
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 def rel(a, b) -> float:

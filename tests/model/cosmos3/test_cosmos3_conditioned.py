@@ -8,7 +8,6 @@ against a reference loop from diffusers' parts; bad conditioned requests name th
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import shutil
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3.conditioning import image_pixels
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import picture, png
 
 pytest.importorskip("diffusers")
 
@@ -37,22 +37,6 @@ def deployment(checkpoint):
               in_process=True)
     yield d
     d.close()
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth random image (so resizes and the VAE see structure, not just noise)."""
-    g = torch.Generator().manual_seed(seed)
-    coarse = torch.rand(1, 3, 4, 4, generator=g)
-    fine = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
-    fine = fine + 0.15 * torch.rand(1, 3, height, width, generator=g)
-    pixels = (fine.clamp(0, 1) * 255).round().byte()[0].permute(1, 2, 0).numpy()
-    return Image.fromarray(pixels)
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 def clip_mp4(frames: int, width: int, height: int) -> bytes:
