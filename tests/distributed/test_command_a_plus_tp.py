@@ -31,8 +31,13 @@ def write_checkpoint(path: Path) -> Path:
         vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
         sliding_window=8, max_position_embeddings=256, logit_scale=0.25, eos_token_id=2, bos_token_id=1)
+    return save_random(Cohere2MoeForCausalLM, config, path)
+
+
+def save_random(cls, config, path):
+    """A transformers model of ``cls`` with seeded random weights (norms near 1), saved at ``path``."""
     torch.manual_seed(0)
-    model = Cohere2MoeForCausalLM(config)
+    model = cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
@@ -92,13 +97,7 @@ def write_vl_checkpoint(path: Path) -> Path:
                   num_attention_heads=4, image_size=32, patch_size=8)
     config = Cohere2VisionConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_IDS["image"],
                                  alignment_intermediate_size=64)
-    torch.manual_seed(0)
-    model = Cohere2VisionForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path
+    return save_random(Cohere2VisionForConditionalGeneration, config, path)
 
 
 @torch.no_grad()
