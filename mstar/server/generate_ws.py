@@ -292,13 +292,20 @@ class _Socket:
         self.appends.put_nowait((body, files))
 
     # ---------------------------------------------------------------- runner
-    async def _run(self) -> None:
-        """Each append as one request of the session, in order; then ``done``."""
+    async def _opening_media(self) -> list[bytes] | None:
+        """The opening's decoded media, or None when they are refused (the client is told and
+        the socket set to close)."""
         try:
-            first_media = await _media_of({"media": self.opening.media}, "media")
+            return await _media_of({"media": self.opening.media}, "media")
         except RequestError as exc:
             self.client.error(exc.field, exc.message, exc.status)
             self.close_code, self.close_reason = CLOSE_POLICY, f"{exc.field}: {exc.message}"
+            return None
+
+    async def _run(self) -> None:
+        """Each append as one request of the session, in order; then ``done``."""
+        first_media = await self._opening_media()
+        if first_media is None:
             return
         while True:
             queued = await self.appends.get()
@@ -374,11 +381,8 @@ class _LiveCall(_Socket):
     400 and ends the input."""
 
     async def _run(self) -> None:
-        try:
-            first_media = await _media_of({"media": self.opening.media}, "media")
-        except RequestError as exc:
-            self.client.error(exc.field, exc.message, exc.status)
-            self.close_code, self.close_reason = CLOSE_POLICY, f"{exc.field}: {exc.message}"
+        first_media = await self._opening_media()
+        if first_media is None:
             return
         request_id = new_id("ws")
         spec = GenerateSpec(request_id=request_id, text=self.defaults["text"],
