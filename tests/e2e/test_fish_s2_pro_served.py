@@ -3,8 +3,11 @@
 speech (the stream joins to the whole), /generate's audio equal to the eager loop's frames
 decoded whole, cloning from a WAV data URI with its ``ref_text``,
 ``[tag]`` prosody passed through to the prompt, 8 concurrent seeded requests equal to their
-solo audio, 400s naming ``ref_audio``, ``ref_text``, ``speed`` and an unknown option, and a
-client that hangs up mid-stream giving back every KV page and codec stream."""
+solo audio, 400s naming ``ref_audio``, ``ref_text``, ``speed`` and an unknown option, a
+client that hangs up mid-stream giving back every KV page and codec stream, and the shared
+conditioning cache: a clip sent again (whatever its transcript) is not encoded again and
+speaks the same audio, the memo evicts by bytes, and presets of ``voices_dir`` are listed by
+/v1/audio/voices and spoken as an upload of their clip and transcript is."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from mstar.config import parse_config
 from mstar.contract import RequestError, SpeechSpec
 from mstar.model.fish_s2_pro.checkpoint import FishS2ProCheckpoint
 from mstar.model.fish_s2_pro.generate import Sampling, generate
+from mstar.model.voice_cloning import ClipMemo
 from mstar.runtime.launch import start
 from mstar.server.app import create_app
 from tests.support.fish_s2_pro import RATE, SAMPLES_PER_FRAME, write_release
@@ -55,14 +59,28 @@ def release(tmp_path_factory: pytest.TempPathFactory):
     return write_release(tmp_path_factory.mktemp("fish_s2_pro"))
 
 
+PRESET_TEXT = "A preset clip."
+SHORT = {"max_tokens": 4, "ignore_eos": True}
+
+
 @pytest.fixture(scope="module")
-def deployment(release):
+def voices(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("fish_voices")
+    (directory / "anna.wav").write_bytes(clip_wav(pitch=260.0))
+    (directory / "anna.txt").write_text(PRESET_TEXT + "\n")
+    (directory / "mute.wav").write_bytes(clip_wav(pitch=90.0))  # no transcript: unusable for S2-Pro
+    return directory
+
+
+@pytest.fixture(scope="module")
+def deployment(release, voices):
     running = start(parse_config({
         "model": MODEL, "model_path": str(release), "device": "cpu", "dtype": "float32", "load_format": "dummy",
         "max_seq_len": 4608, "max_concurrent_requests": 8,
         "node_groups": [{"node_names": ["dual_ar", "codec"], "ranks": [0]}],
         "resources": {"kv_cache": {"max_num_pages": 2400, "page_size": 16}},
-        "model_kwargs": {"max_new_frames": FRAMES, "codec_chunk_schedule": [1, 3], "codec_chunk_frames": 4}}),
+        "model_kwargs": {"max_new_frames": FRAMES, "codec_chunk_schedule": [1, 3], "codec_chunk_frames": 4,
+                         "voices_dir": str(voices)}}),
         in_process=True)
     try:
         yield running
@@ -202,3 +220,66 @@ def test_a_prompt_past_max_seq_len_is_refused_naming_input(deployment) -> None:
     assert err.value.field == "input" and "max_seq_len" in str(err.value)
     request = deployment.spec.prepare_speech(SpeechSpec("fits", "a" * 4400, model_kwargs={"max_tokens": 4096}))
     assert request.params["max_new_tokens"] == 4608 - len(request.inputs["prompt_ids"])  # the budget fits the room
+
+
+@pytest.fixture
+def encodings(deployment) -> Iterator[list[int]]:
+    """Counts the clip encoder's runs (one a clip encoded) while a test runs."""
+    calls: list[int] = []
+    hook = deployment.spec.encoder.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        yield calls
+    finally:
+        hook.remove()
+
+
+def test_a_clip_sent_again_is_not_encoded_again(oai: openai.OpenAI, encodings: list[int]) -> None:
+    """The first request encodes the clip; the same clip again (the same bytes, or the same
+    audio under another transcript: the codes are the audio's) runs no encoder, and the seeded
+    audio is the cold request's."""
+    clip = {"ref_audio": data_uri(clip_wav(pitch=333.0)), "ref_text": "A clip", "seed": 3, **SHORT}
+    cold = speak(oai, "Once more.", **clip)
+    assert len(encodings) == 1 and len(cold) > 0
+    assert speak(oai, "Once more.", **clip) == cold
+    retold = speak(oai, "Once more.", **{**clip, "ref_text": "Another transcript"})
+    assert len(encodings) == 1 and retold != cold  # the transcript is in the prompt, not the key
+
+
+def test_the_memo_evicts_by_bytes(oai: openai.OpenAI, deployment, encodings: list[int]) -> None:
+    spec = deployment.spec
+    assert spec.clip_memo.max_bytes == spec.knobs.conditioning_cache_mib << 20 == 64 << 20
+    first, second = (data_uri(clip_wav(pitch=p)) for p in (410.0, 420.0))  # same length: same bytes of codes
+    kept = spec.__dict__["_clip_memo"]
+    try:
+        spec.__dict__["_clip_memo"] = probe = ClipMemo(64)
+        speak(oai, "Hi.", ref_audio=first, ref_text="One.", seed=1, **SHORT)
+        one = probe.bytes
+        assert one > 0 and len(encodings) == 1
+        spec.__dict__["_clip_memo"] = memo = ClipMemo(64, max_bytes=one)  # room for one clip's codes
+        audio = speak(oai, "Hi.", ref_audio=first, ref_text="One.", seed=1, **SHORT)
+        assert len(audio) > 0
+        speak(oai, "Hi.", ref_audio=first, ref_text="One.", seed=1, **SHORT)
+        assert len(encodings) == 2 and memo.bytes == one and len(memo) == 1
+        speak(oai, "Hi.", ref_audio=second, ref_text="Two.", seed=1, **SHORT)  # evicts the first
+        assert len(encodings) == 3 and memo.bytes == one and len(memo) == 1
+        assert speak(oai, "Hi.", ref_audio=first, ref_text="One.", seed=1, **SHORT) == audio  # encoded again
+        assert len(encodings) == 4
+    finally:
+        spec.__dict__["_clip_memo"] = kept
+
+
+def test_presets_are_listed_and_cloned_as_their_clips(oai: openai.OpenAI, http: httpx.Client,
+                                                      encodings: list[int]) -> None:
+    listed = http.get("/v1/audio/voices", params={"model": MODEL}).json()["voices"]
+    assert [(v["voice_id"], v["source"], v["model"]) for v in listed] == [
+        ("default", "bundled", MODEL), ("anna", "preset", MODEL), ("mute", "preset", MODEL)]
+    preset = oai.audio.speech.create(model=MODEL, voice="anna", input="A preset speaks.", response_format="pcm",
+                                     extra_body={"seed": 6, **SHORT}).content
+    uploaded = speak(oai, "A preset speaks.", ref_audio=data_uri(clip_wav(pitch=260.0)), ref_text=PRESET_TEXT,
+                     seed=6, **SHORT)
+    assert len(preset) > 0 and preset == uploaded and preset != speak(oai, "A preset speaks.", seed=6, **SHORT)
+    assert len(encodings) == 1  # the preset's file and its upload are one clip: encoded once
+    with pytest.raises(openai.BadRequestError, match="transcript") as err:
+        oai.audio.speech.create(model=MODEL, voice="mute", input="Hello.", response_format="pcm")
+    assert "voice" in str(err.value)
+

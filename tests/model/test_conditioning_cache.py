@@ -1,6 +1,7 @@
 """The conditioning cache (``ClipMemo`` behind ``VoiceCloning.clip_conditioning``): LRU
 invariants under random use (entries and bytes), the byte size of a value, the memo off, and
-two families wired through it: Qwen3-TTS Base (the x-vector) and OmniVoice (the clip's codes),
+three families wired through it: Qwen3-TTS Base (the x-vector), OmniVoice and Fish S2-Pro (the
+clip's codes),
 where a warm request equals a cold one bit for bit, another transcript of the same clip hits,
 another clip misses and ``conditioning_cache_mib: 0`` encodes every time."""
 
@@ -19,6 +20,7 @@ from mstar.config import ConfigError, parse_config
 from mstar.contract import RequestError, SpeechSpec, VoiceClip
 from mstar.model.registry import model_class
 from mstar.model.voice_cloning import ClipMemo, size_of
+from tests.support.fish_s2_pro import write_release as write_fish_release
 from tests.support.omnivoice import write_tiny_release
 from tests.support.qwen3_tts_dir import write_checkpoint
 
@@ -171,4 +173,44 @@ def test_omnivoice_codes_warm_equal_cold_and_the_transcript_is_not_in_the_key(om
     assert not torch.equal(canvas(warm, sine(400), "A short clip"), first) and warm.clip_memo.misses == 2
     with pytest.raises(RequestError) as err:  # refused before any encoding
         canvas(warm, sine(500), None)
+    assert err.value.field == "ref_text" and warm.clip_memo.misses == 2
+
+
+@pytest.fixture(scope="module")
+def fish_release(tmp_path_factory):
+    return write_fish_release(tmp_path_factory.mktemp("fish_s2_pro"))
+
+
+def fish(release, mib: int = 64):
+    config = parse_config({"model": "fish_s2_pro", "model_path": str(release), "device": "cpu", "dtype": "float32",
+                           "load_format": "dummy", "max_seq_len": 4608,
+                           "node_groups": [{"node_names": ["dual_ar", "codec"], "ranks": [0]}],
+                           "model_kwargs": {"conditioning_cache_mib": mib}})
+    spec = model_class("fish_s2_pro")(config)
+    spec.load_frontend()
+    return spec
+
+
+def fish_prompt(spec, pcm: bytes, text: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = spec.prepare_speech(SpeechSpec("r", "Hello there.", reference=VoiceClip(pcm, 16000, text))).inputs
+    return inputs["prompt_ids"], inputs["prompt_codes"]
+
+
+def test_fish_codes_warm_equal_cold_and_the_transcript_is_not_in_the_key(fish_release) -> None:
+    warm, cold = fish(fish_release), fish(fish_release, mib=0)
+    assert warm.clip_memo.max_bytes == 64 << 20 and not cold.clip_memo.enabled
+    ids, codes = fish_prompt(warm, sine(150), "A short clip")
+    again = fish_prompt(warm, sine(150), "A short clip")
+    assert torch.equal(again[0], ids) and torch.equal(again[1], codes) and warm.clip_memo.hits == 1
+    cold_ids, cold_codes = fish_prompt(cold, sine(150), "A short clip")  # encoded again: the same prompt
+    assert torch.equal(cold_ids, ids) and torch.equal(cold_codes, codes)
+    assert cold.clip_memo.misses == 1 and len(cold.clip_memo) == 0
+    retold_ids, _ = fish_prompt(warm, sine(150), "Another transcript")
+    assert warm.clip_memo.hits == 2 and not torch.equal(retold_ids, ids)  # the codes reused, the text new
+    clip_codes = warm.clip_memo.get(warm.clip_memo.keys()[0], lambda: None)
+    assert warm.clip_memo.bytes == clip_codes.numel() * clip_codes.element_size() > 0
+    fish_prompt(warm, sine(400), "A short clip")
+    assert warm.clip_memo.misses == 2 and len(warm.clip_memo) == 2
+    with pytest.raises(RequestError) as err:  # refused before any encoding
+        fish_prompt(warm, sine(500), None)
     assert err.value.field == "ref_text" and warm.clip_memo.misses == 2

@@ -35,8 +35,13 @@ def encode_clip(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int) ->
         return encoder(clip[None].to(param.device, param.dtype))[0].cpu()
 
 
-def clip_reference(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> Reference:
-    """The in-prompt reference of a clip and its transcript (required)."""
+def check_transcript(ref_text: str | None) -> str:
+    """The clip's transcript, stripped; a missing or blank one is a 400 naming ``ref_text``."""
     if not ref_text or not ref_text.strip():
         raise RequestError("ref_text", "S2-Pro clones from a reference clip with its transcript; send ref_text")
-    return Reference(ref_text.strip(), encode_clip(encoder, samples, sample_rate))
+    return ref_text.strip()
+
+
+def clip_reference(encoder: CodecEncoder, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> Reference:
+    """The in-prompt reference of a clip and its transcript (required)."""
+    return Reference(check_transcript(ref_text), encode_clip(encoder, samples, sample_rate))

@@ -1,18 +1,19 @@
-"""Fish S2-Pro's deployment knobs (the frame budget, the codec's chunks) and the options of a
-speech request."""
+"""Fish S2-Pro's deployment knobs (the frame budget, the codec's chunks, the clip memo's bytes,
+preset voices) and the options of a speech request."""
 
 from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from mstar.model.knobs import Knobs, RequestKnobs
+from mstar.model.knobs import RequestKnobs
+from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 __all__ = ["FishS2ProKnobs", "FishSpeechKnobs"]
 
 MAX_FRAMES = 4096  # the reference's ceiling: about 190 s at 44.1 kHz, 2048 samples a frame
 
 
-class FishS2ProKnobs(Knobs):
+class FishS2ProKnobs(ConditioningCacheKnobs):
     max_new_frames: int = Field(2048, ge=1, le=MAX_FRAMES)
     """Frames (2048 samples each: about 21.5 a second) a request may speak when it sends no
     ``max_tokens``."""
@@ -24,6 +25,12 @@ class FishS2ProKnobs(Knobs):
 
     codec_chunk_frames: int = Field(16, ge=1)
     """New frames of every later codec chunk."""
+
+    voices_dir: str | None = None
+    """A directory of preset voices: ``<name>.wav`` (or .flac, .ogg, .mp3) with its transcript
+    in ``<name>.txt`` (required: S2-Pro clones from a clip and its transcript). A request's
+    ``voice`` naming one clones it as if its clip and transcript were sent; /v1/audio/voices
+    lists them."""
 
     @field_validator("codec_chunk_schedule")
     @classmethod

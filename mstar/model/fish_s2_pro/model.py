@@ -10,12 +10,15 @@ chunks, and its samples stream out as PCM.
 
 Preparing a request (API-server side): the prompt is S2's three-turn chat (``prompt.py``);
 cloning puts the clip's codes and ``ref_text`` in its system turn. The clip is encoded once
-per content (``VoiceCloning``'s memo over ``condition_on_clip``, which is
-``cloning.clip_reference``: the transcript checked, then ``cloning.encode_clip``, the one
-clip -> codes step, a function of the decoded waveform and its rate alone). S2-Pro
-clones only from a clip *with* its transcript: a clip without ``ref_text`` is a 400 naming it.
-``voice`` is ignored (no preset voices: without a clip the model picks one); ``speed`` must be
-1.0. The weights are under the Fish Audio Research License: non-commercial use only.
+per content: ``condition_on_clip`` is ``cloning.encode_clip`` (the one clip -> codes step, a
+function of the decoded waveform and its rate alone), memoised by ``VoiceCloning`` under a hash
+of the samples and rate (``conditions_on_text`` off: one entry for a clip whatever transcript
+comes with it; the memo's bytes are the ``conditioning_cache_mib`` knob). S2-Pro clones only
+from a clip *with* its transcript: a clip without ``ref_text`` is a 400 naming it, checked
+before anything is encoded. A ``voice`` naming a preset of the deployment's ``voices_dir``
+(its clip and ``<name>.txt`` transcript) clones it as an upload of the same clip would, through
+the same memo; any other ``voice`` is ignored (without a clip the model picks one). ``speed``
+must be 1.0. The weights are under the Fish Audio Research License: non-commercial use only.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice, VoiceC
 from mstar.graph import Emit, Graph, Loop, Node, ScheduledChunks, Sequential, Step, StreamEdge, Walk
 from mstar.model.decoding import decode_request
 from mstar.model.fish_s2_pro.checkpoint import FishS2ProCheckpoint
-from mstar.model.fish_s2_pro.cloning import clip_reference
+from mstar.model.fish_s2_pro.cloning import check_transcript, encode_clip
 from mstar.model.fish_s2_pro.knobs import FishS2ProKnobs, FishSpeechKnobs
 from mstar.model.fish_s2_pro.prompt import Reference, build_prompt
 from mstar.model.registry import register
 from mstar.model.spec import ModelSpec, WalkRequest
 from mstar.model.speech_output import PcmStream, check_speech_generate
-from mstar.model.voice_cloning import VoiceCloning
+from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
 __all__ = ["FishS2Pro"]
 
@@ -52,6 +55,8 @@ class FishS2Pro(VoiceCloning, ModelSpec):
     validates_speech_options = True  # voice is ignored and speed checked here, not by the route
     Knobs = FishS2ProKnobs
     knobs: FishS2ProKnobs
+    conditions_on_text = False  # the codes are the audio's alone; the transcript joins in ``_speak``
+    conditioning_version = 2  # 2: the memo keeps the codes alone (1 kept them with the transcript)
 
     def graph(self) -> Graph:
         dual_ar = Node(DUAL_AR, "autoregressive", inputs=("prompt_ids", "prompt_codes", "token"),
@@ -87,24 +92,44 @@ class FishS2Pro(VoiceCloning, ModelSpec):
         # The clip encoder runs here, in the prepare thread (float32 on the CPU).
         self.encoder = ckpt.codec_encoder("cpu", dummy=self.dummy, seed=self.knobs.seed + 2,
                                           config=self.codec_config, encoder=encoder_config).eval()
+        self.presets = VoicePresets(self.knobs.voices_dir) if self.knobs.voices_dir else None
 
     def default_capacity(self) -> dict[str, int]:
         return {"kv_pages": self.config.resources.kv_cache.max_num_pages}
 
     def voices(self) -> list[str]:
-        return [DEFAULT_VOICE]
+        presets = getattr(self, "presets", None)
+        return [DEFAULT_VOICE, *(presets.names if presets is not None else [])]
 
     def voice_list(self) -> list[Voice]:
-        return [Voice(DEFAULT_VOICE, None, "bundled")]
+        presets = getattr(self, "presets", None)
+        return [Voice(DEFAULT_VOICE, None, "bundled"), *(presets.voices() if presets is not None else [])]
 
-    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> Reference:
-        """The clip's codes and transcript, as the prompt's system turn takes them."""
-        return clip_reference(self.encoder, samples, sample_rate, ref_text)
+    def condition_on_clip(self, samples: np.ndarray, sample_rate: int, ref_text: str | None) -> torch.Tensor:
+        """The clip's codes ``[N, frames]`` (the transcript is not read: see the module doc)."""
+        return encode_clip(self.encoder, samples, sample_rate)
+
+    def preset_clip(self, voice: str) -> VoiceClip:
+        """The clip of preset ``voice``; one without a transcript is refused naming ``voice``."""
+        clip = self.presets.clip(voice)
+        if not clip.text or not clip.text.strip():
+            raise RequestError("voice", f"the preset {voice!r} has no transcript ({voice}.txt beside its clip); "
+                               "S2-Pro clones from a clip and its transcript")
+        return clip
+
+    def reference(self, clip: VoiceClip) -> Reference:
+        """A clip and its transcript as the prompt's system turn takes them (the codes memoised)."""
+        text = check_transcript(clip.text)
+        return Reference(text, self.clip_conditioning(clip))
 
     def prepare_speech(self, spec: SpeechSpec) -> WalkRequest:
         if spec.speed != 1.0:
             raise RequestError("speed", "S2-Pro cannot change its speaking rate; send speed 1.0")
-        return self._speak(spec.input, spec.reference, FishSpeechKnobs.parse(spec.model_kwargs))
+        clip = spec.reference
+        presets = getattr(self, "presets", None)
+        if clip is None and presets is not None and spec.voice in presets:
+            clip = self.preset_clip(spec.voice)
+        return self._speak(spec.input, clip, FishSpeechKnobs.parse(spec.model_kwargs))
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         check_speech_generate(self.key, spec, clones=True)
@@ -116,7 +141,7 @@ class FishS2Pro(VoiceCloning, ModelSpec):
             raise RequestError("input", "must contain text, not only whitespace")
         if len(text) > MAX_INPUT_CHARS:
             raise RequestError("input", f"is {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
-        references = [self.clip_conditioning(clip)] if clip is not None else []
+        references = [self.reference(clip)] if clip is not None else []
         c = self.dual_config
         tokens, codes = build_prompt(self.tokenizer, text, references, c.semantic_begin_id, c.num_codebooks)
         room = self.config.max_seq_len - len(tokens)

@@ -82,3 +82,12 @@ def test_the_shipped_yaml_parses_and_its_kv_pool_holds_every_request():
     assert spec.knobs.max_new_frames == 2048 and set(spec.graph().walks) == {"tts"}
     kv = deployment.resources.kv_cache  # each request may hold max_seq_len positions from admission
     assert kv.max_num_pages * kv.page_size >= deployment.max_concurrent_requests * deployment.max_seq_len
+
+
+def test_the_clip_memo_takes_its_bytes_from_conditioning_cache_mib():
+    cls = model_class("fish_s2_pro")
+    assert cls(parse_config(config())).clip_memo.max_bytes == 64 << 20
+    spec = cls(parse_config(config(model_kwargs={"conditioning_cache_mib": 2})))
+    assert spec.clip_memo.max_bytes == 2 << 20 and spec.clip_memo.enabled
+    assert not cls(parse_config(config(model_kwargs={"conditioning_cache_mib": 0}))).clip_memo.enabled
+    assert not cls.conditions_on_text  # one entry for a clip, whatever its transcript
