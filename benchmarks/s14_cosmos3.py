@@ -18,8 +18,9 @@ MLP 12288 (gated SiLU), two experts a layer (text and generation), 48 latent cha
   size, 35 steps, guidance 6) against ``Cosmos3OmniPipeline`` in the same process (text
   encoding, denoise, VAE decode), seconds per clip; ``--steps`` shortens both.
 * **policy**: an in-process ``cosmos3_droid`` deployment: chunks and actions per second at 1 and
-  16 concurrent observations (4 steps, guidance 3, chunks of 32 actions). No baseline column
-  (the pipeline's action call needs the policy's domain tables; left for later).
+  16 concurrent observations (4 steps, guidance 3, chunks of 32 actions). Baseline at 1 only:
+  the pipeline's policy call (``action=CosmosActionCondition(mode="policy")``, its own dummy
+  weights) on the same observation, the whole call timed (it also decodes the predicted clip).
 
 Floors: a forward's FLOPs (2 per multiply-add of the generation expert's matrices over the media
 tokens, plus attention over text + media) at the measured bf16 matmul rate, or its weights read
@@ -286,9 +287,36 @@ def run_batch(d, tag: str, n: int, files, modalities, params) -> float:
     return asyncio.run(go())
 
 
-def clip_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
+def build_pipeline(tower_cfg, vae_cfg, tok, device, dtype):
+    """``Cosmos3OmniPipeline`` over its own seeded dummy tower (bf16) and VAE (float32)."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
 
+    tower = build_reference(tower_cfg, device, dtype)
+    with torch.device(device):
+        vae = AutoencoderKLWan(**vae_cfg)
+    vae = vae.float().eval()
+    randomize(vae, 1)
+    pipe = Cosmos3OmniPipeline(transformer=tower, text_tokenizer=tok, vae=vae,
+                               scheduler=UniPCMultistepScheduler.from_config(SCHEDULER), enable_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def time_pipeline(call, device, runs: int) -> float:
+    """Seconds a call, the median of ``runs`` after one warm-up call (wall clock, synchronised)."""
+    with torch.no_grad():
+        call()
+        synchronize(device)
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            call()
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def clip_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
     from mstar.model.cosmos3.config import Cosmos3Config
 
     steps = args.steps or (2 if args.smoke else 35)
@@ -313,28 +341,11 @@ def clip_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
             d.close()
             free_device(device)
     try:
-        tower = build_reference(tower_cfg, device, dtype)
-        with torch.device(device):
-            vae = AutoencoderKLWan(**vae_cfg)
-        vae = vae.float().eval()
-        randomize(vae, 1)
-        pipe = Cosmos3OmniPipeline(transformer=tower, text_tokenizer=tok, vae=vae,
-                                   scheduler=UniPCMultistepScheduler.from_config(SCHEDULER),
-                                   enable_safety_checker=False)
-        pipe.set_progress_bar_config(disable=True)
-
-        def call():
-            pipe(PROMPT, num_inference_steps=steps, guidance_scale=6.0, output_type="np",
-                 generator=torch.Generator(device=device).manual_seed(args.seed), enable_safety_check=False, **clip)
-        call()
-        synchronize(device)
-        times = []
-        for _ in range(args.clip_runs):
-            t0 = time.perf_counter()
-            call()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        base = statistics.median(times)
+        pipe = build_pipeline(tower_cfg, vae_cfg, tok, device, dtype)
+        base = time_pipeline(lambda: pipe(PROMPT, num_inference_steps=steps, guidance_scale=6.0, output_type="np",
+                                          generator=torch.Generator(device=device).manual_seed(args.seed),
+                                          enable_safety_check=False, **clip), device, args.clip_runs)
+        free_device(device)
     except Exception as err:  # the baseline failing keeps ours' row
         log.exception("clip baseline failed")
         notes["baseline_error"] = f"{type(err).__name__}: {err}"
@@ -367,7 +378,7 @@ def policy_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
              "num_embodiment_domains": 10 if args.smoke else 32}
     tower_cfg = {**tower_kwargs(args), "vocab_size": vocab_size(args, tok), **heads}
     vae_cfg = TINY_VAE if args.smoke else NANO_VAE
-    tier = 256
+    tier, size = 256, 64 if args.smoke else 320
     rows: list[Metric] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -376,7 +387,7 @@ def policy_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
                              {"num_inference_steps": 4, "guidance_scale": 3.0, "domain_name": "droid_lerobot",
                               "action_chunk_size": chunk, "vae_dtype": "float32"})
         try:
-            files = [("image", observation_png(64 if args.smoke else 320))]
+            files = [("image", observation_png(size))]
             params = {"resolution_tier": tier, "seed": args.seed}
             run_batch(d, "policy-warm", max(batches), files, ["action"], params)
             config = Cosmos3Config.from_dict(tower_cfg)
@@ -394,7 +405,36 @@ def policy_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
         finally:
             d.close()
             free_device(device)
+    baseline_at_1(args, rows, tower_cfg, vae_cfg, tok, device, dtype, chunk, tier, size)
     return rows
+
+
+def baseline_at_1(args, rows, tower_cfg, vae_cfg, tok, device, dtype, chunk, tier, size) -> None:
+    """The pipeline's policy call (``action=CosmosActionCondition``) on one observation fills the
+    baseline column of the ``@1`` rows; an error is noted there instead."""
+    from PIL import Image
+
+    at_1 = [r for r in rows if r.metric.endswith("@1")]
+    if not at_1:
+        return
+    try:
+        from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+
+        pipe = build_pipeline(tower_cfg, vae_cfg, tok, device, dtype)
+        image = Image.open(io.BytesIO(observation_png(size))).convert("RGB")
+        condition = CosmosActionCondition(mode="policy", chunk_size=chunk, domain_name="droid_lerobot",
+                                          resolution_tier=tier, image=image)
+        seconds = time_pipeline(lambda: pipe(prompt=PROMPT, negative_prompt="", action=condition,
+                                             num_inference_steps=4, guidance_scale=3.0, output_type="np",
+                                             generator=torch.Generator(device=device).manual_seed(args.seed)),
+                                device, args.runs)
+        free_device(device)
+        for row in at_1:
+            row.baseline = (1 if row.metric.startswith("chunks") else chunk) / seconds
+    except Exception as err:  # ours' rows stand without it
+        log.exception("policy baseline failed")
+        for row in at_1:
+            row.notes["baseline_error"] = f"{type(err).__name__}: {err}"
 
 
 # ------------------------------------------------------------------------------ main

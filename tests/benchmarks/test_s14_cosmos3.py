@@ -1,6 +1,7 @@
 """S14 (Cosmos3): the ``--smoke`` path end to end on the CPU: the DiT step against diffusers'
 tower with the same weights (eager), a whole tiny clip through the deployment and the pipeline,
-the DROID policy's chunks per second; a part that fails is recorded and the others still run."""
+the DROID policy's chunks per second (the pipeline's policy call at 1); a part that fails is
+recorded and the others still run."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def test_smoke_runs_every_part(tmp_path):
                          "chunks/s@2", "actions/s@2"}
     for name, row in rows.items():
         assert row["ours"] > 0 and row["floor"] > 0 and 0 < row["ours/floor"] <= 1, name
-    for name in ("dit_step@1 eager", "dit_step@2 eager", "clip t2v"):
-        assert rows[name]["baseline"] > 0, name
+    for name in ("dit_step@1 eager", "dit_step@2 eager", "clip t2v", "chunks/s@1", "actions/s@1"):
+        assert rows[name]["baseline"] > 0 and "baseline_error" not in rows[name]["notes"], name
     assert rows["dit_step@1 eager"]["notes"]["rel_err_row0"] < 1e-5  # the same weights: the same velocity
     assert rows["actions/s@2"]["ours"] == pytest.approx(4 * rows["chunks/s@2"]["ours"])
 
