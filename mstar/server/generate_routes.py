@@ -32,7 +32,7 @@ from mstar.server.schemas import (
     parse_model_kwargs,
     parse_output_modalities,
 )
-from mstar.server.served import backend_of
+from mstar.server.served import backend_of, default_generate_outputs
 from mstar.server.streaming import (
     Events,
     Tally,
@@ -93,7 +93,7 @@ async def _generate_spec(request: Request) -> tuple[GenerateSpec, bool]:
         request_id=new_id("gen"),
         text=req.text,
         files=files,
-        output_modalities=parse_output_modalities(req.output_modalities),
+        output_modalities=parse_output_modalities(req.output_modalities, default_generate_outputs(backend)),
         model_kwargs=model_kwargs,
         reference=reference,
         stream=bool(req.streaming),

@@ -40,6 +40,7 @@ from mstar.contract import GenerateSpec, RequestError, SessionSpec
 from mstar.server.bodies import fetch_all
 from mstar.server.errors import validation_error_response
 from mstar.server.schemas import GenerateForm, new_id, parse_output_modalities
+from mstar.server.served import default_generate_outputs
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def generate_ws_route(api_key: str | None = None) -> Callable[[WebSocket], Await
             if first["type"] == "websocket.disconnect":
                 return
             opening = _opening(_json_object(first))
-            defaults = _defaults(opening)
+            defaults = _defaults(opening, default_generate_outputs(websocket.app.state.backend))
         except ValidationError as exc:
             detail = json.loads(validation_error_response(exc.errors()).body)["error"]
             await websocket.send_text(json.dumps({"type": "error", "field": detail["param"],
@@ -171,16 +172,16 @@ def _json_object(message: dict[str, Any]) -> dict[str, Any] | None:
     return value
 
 
-def _defaults(opening: GenerateWsOpen) -> dict[str, Any]:
-    """What every append's request starts from: the opening's text, output modalities and
-    model_kwargs, checked once here."""
+def _defaults(opening: GenerateWsOpen, outputs: tuple[str, ...] = ("text",)) -> dict[str, Any]:
+    """What every append's request starts from: the opening's text, output modalities (left
+    out: ``outputs``, the model's default) and model_kwargs, checked once here."""
     kwargs = opening.model_kwargs
     if isinstance(kwargs, str):
         from mstar.server.schemas import parse_model_kwargs
 
         kwargs = parse_model_kwargs(kwargs)
     session = opening.session()  # resume_session / end_session without session_id: an error naming it
-    return {"text": opening.text, "output_modalities": parse_output_modalities(opening.output_modalities),
+    return {"text": opening.text, "output_modalities": parse_output_modalities(opening.output_modalities, outputs),
             "model_kwargs": kwargs or {}, "session": session}
 
 

@@ -425,10 +425,11 @@ class ErrorResponse(BaseModel):
 # ------------------------------------------------------------------- /generate form
 
 
-def parse_output_modalities(raw: str | None) -> list[str]:
-    """A JSON list (``["text","audio"]``) or a comma list (``text,audio``); default text."""
+def parse_output_modalities(raw: str | None, default: tuple[str, ...] = ("text",)) -> list[str]:
+    """A JSON list (``["text","audio"]``) or a comma list (``text,audio``); left out, ``default``
+    (the served model's ``default_generate_outputs``; text)."""
     if raw is None or not raw.strip():
-        return ["text"]
+        return list(default)
     raw = raw.strip()
     if raw.startswith("["):
         try:

@@ -36,6 +36,12 @@ def model_aliases(backend: ServingBackend) -> dict[str, frozenset[str]]:
     return dict(getattr(backend, "model_aliases", None) or {})
 
 
+def default_generate_outputs(backend: ServingBackend) -> tuple[str, ...]:
+    """What a /generate request that leaves ``output_modalities`` out gets: the model spec's
+    ``default_generate_outputs``, else text."""
+    return tuple(getattr(getattr(backend, "spec", None), "default_generate_outputs", None) or ("text",))
+
+
 def output_modalities(backend: ServingBackend) -> frozenset[str]:
     """What the served model's chat answer may be made of: the backend's
     ``output_modalities``, else its model spec's (the runtime's backend), else text only.

@@ -51,9 +51,14 @@ def talker_of(d):
     return d.runtime.workers.workers[0].engines["eartts_talker"]
 
 
-async def speaking_call(app, samples: np.ndarray, *, seed: int, pause: float = 0.0) -> list:
+async def speaking_call(app, samples: np.ndarray, *, seed: int, pause: float = 0.0,
+                        outputs: str | None = SPEECH) -> list:
+    """A live call; ``outputs=None`` leaves ``output_modalities`` out (the model's default)."""
+    opening = {"text": "hi", "model_kwargs": {"seed": seed}}
+    if outputs is not None:
+        opening["output_modalities"] = outputs
     async with AsgiSocket(app) as ws:
-        await ws.send_json({"text": "hi", "output_modalities": SPEECH, "model_kwargs": {"seed": seed}})
+        await ws.send_json(opening)
         for at in range(0, len(samples), FRAME):
             await ws.send_bytes(wav(samples[at:at + FRAME]))
             if pause:
@@ -189,6 +194,29 @@ def test_a_one_shot_upload_returns_text_and_audio(served):
     assert pcm.shape == (SAMPLES * frames,)
     live = np.concatenate(audio_of(asyncio.run(speaking_call(app, audio, seed=4))))
     np.testing.assert_allclose(pcm, live, rtol=0, atol=1e-4 * float(np.abs(live).max()))  # the same call, live
+    wait_drained(d)
+
+
+def test_leaving_output_modalities_out_speaks_and_text_asks_for_text_only(served):
+    """Speech by default, as the reference (which always runs its talker); ``["text"]`` still
+    gets the text-only walk."""
+    d, app = served
+    audio = speech(0.4, seed=5)
+    default = asyncio.run(speaking_call(app, audio, seed=9, outputs=None))
+    spoken = asyncio.run(speaking_call(app, audio, seed=9))
+    assert tokens_of(default) == tokens_of(spoken) and len(tokens_of(default)) == 5 + 1
+    np.testing.assert_array_equal(np.concatenate(audio_of(default)), np.concatenate(audio_of(spoken)))
+    text_only = asyncio.run(speaking_call(app, audio, seed=9, outputs='["text"]'))
+    assert tokens_of(text_only) == tokens_of(default) and audio_of(text_only) == []
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/generate", data={"text": "hi", "model_kwargs": json.dumps({"seed": 9})},
+                                     files=[("files", ("a.wav", wav(audio), "audio/wav"))], timeout=120)
+
+    response = asyncio.run(post())
+    assert response.status_code == 200, response.text
+    assert np.frombuffer(base64.b64decode(response.json()["data"]["audio"]), dtype="<f4").shape == (SAMPLES * 6,)
     wait_drained(d)
 
 

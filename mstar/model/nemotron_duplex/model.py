@@ -13,7 +13,8 @@ input); ``nano_llm.frame`` runs one frame-synchronous decode step per frame and 
 agent text token per 80 ms frame, after it was primed. The walk ends when the audio does:
 ``end_input`` closes ``audio_in``, its end drains the encoder, which closes ``frames``.
 
-A call that asks for audio (``output_modalities`` holding ``audio``) takes the walk
+A call that asks for audio (``output_modalities`` holding ``audio``, the default when left
+out; ``["text"]`` asks for text only) takes the walk
 ``duplex_speech``: the same, plus a third stream edge from ``agent_text`` into the talker,
 ``eartts_talker``, which turns each text token into that frame's codes and, through the causal
 codec in the same step, its 80 ms of 22.05 kHz PCM (``talker.py``):
@@ -84,6 +85,7 @@ class NemotronDuplex(ModelSpec):
     key = "nemotron_duplex"
     tasks = frozenset()
     generate_modalities = (frozenset({"audio"}), frozenset({"text", "audio"}))
+    default_generate_outputs = ("text", "audio")  # speech by default, as the reference; ["text"]: text only
     Knobs = DuplexKnobs
     knobs: DuplexKnobs
     live_stream = AUDIO  # /generate/ws appends feed this client stream of one request
