@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -550,3 +551,26 @@ def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not verbose:
         logging.getLogger("mstar").setLevel(logging.WARNING)
+
+
+def record_parts(name: str, parts: dict[str, Callable[..., list[Metric]]], args: Any, device: torch.device,
+                 dtype: torch.dtype, bandwidth: float, tflops: float) -> int:
+    """Run each of ``parts`` (name -> rows function) that ``args.parts`` (a comma list) names,
+    one failing still recording the others (its error kept under its name), and write one
+    record of their metrics; 1 if a part failed."""
+    wanted = set(args.parts.split(","))
+    errors: dict[str, str] = {}
+    metrics: list[Metric] = []
+    for part, rows in parts.items():
+        if part not in wanted:
+            continue
+        try:
+            metrics += rows(args, device, dtype, bandwidth, tflops)
+        except Exception as err:
+            logging.getLogger(name).exception("%s failed", part)
+            errors[part] = f"{type(err).__name__}: {err}"
+    record: dict[str, Any] = {"hardware": hardware(), "settings": {**vars(args), "dtype": str(dtype)},
+                              "bandwidth_GBps": bandwidth, "matmul_TFLOPs": tflops, "metrics": metrics,
+                              "errors": errors}
+    write_record(name, record, args.out)
+    return 1 if errors else 0

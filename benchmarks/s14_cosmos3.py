@@ -58,13 +58,12 @@ from benchmarks.common import (
     Metric,
     add_run_args,
     free_device,
-    hardware,
     measure_matmul_tflops,
     measure_memory_bandwidth,
+    record_parts,
     setup_logging,
     synchronize,
     time_calls,
-    write_record,
 )
 
 NAME = "s14_cosmos3"
@@ -449,23 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     bandwidth = measure_memory_bandwidth(device, 32 * 2**20 if args.smoke else None)
     tflops = measure_matmul_tflops(device, dtype, 256 if args.smoke else None)
-    errors: dict[str, str] = {}
-    metrics: list[Metric] = []
-    wanted = set(args.parts.split(","))
-    for part in PARTS:
-        if part not in wanted:
-            continue
-        rows = {"dit_step": dit_rows, "clip": clip_rows, "policy": policy_rows}[part]
-        try:
-            metrics += rows(args, device, dtype, bandwidth, tflops)
-        except Exception as err:  # one part failing still records the others
-            log.exception("%s failed", part)
-            errors[part] = f"{type(err).__name__}: {err}"
-    record: dict[str, Any] = {"hardware": hardware(), "settings": {**vars(args), "dtype": str(dtype)},
-                              "bandwidth_GBps": bandwidth, "matmul_TFLOPs": tflops, "metrics": metrics,
-                              "errors": errors}
-    write_record(NAME, record, args.out)
-    return 1 if errors else 0
+    parts = {"dit_step": dit_rows, "clip": clip_rows, "policy": policy_rows}
+    return record_parts(NAME, parts, args, device, dtype, bandwidth, tflops)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,10 @@ and transformers' keys may then differ at the boundary; the real 32 heads make i
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a file: the repository root must be importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,12 +52,11 @@ from benchmarks.common import (
     Metric,
     add_run_args,
     free_device,
-    hardware,
     measure_matmul_tflops,
     measure_memory_bandwidth,
+    record_parts,
     setup_logging,
     time_calls,
-    write_record,
 )
 
 NAME = "s16_glm52_layers"
@@ -67,7 +64,6 @@ NAME = "s16_glm52_layers"
 CMDA = dict(num_experts=128, num_experts_per_tok=8, num_shared_experts=1, shared_expert_combination_strategy="average",
             expert_selection_fn="softmax", num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8)
 CMDA_SMOKE = dict(hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=3)
-log = logging.getLogger(NAME)
 SMOKE = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
              qk_nope_head_dim=16, v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=16)
@@ -332,22 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     bandwidth = measure_memory_bandwidth(device)
     tflops = measure_matmul_tflops(device, dtype)
-    errors: dict[str, str] = {}
-    metrics: list[Metric] = []
-    parts = set(args.parts.split(","))
-    for part, rows in (("moe", moe_rows), ("attention", attention_rows), ("cmda_moe", cmda_moe_rows)):
-        if part not in parts:
-            continue
-        try:
-            metrics += rows(args, device, dtype, bandwidth, tflops)
-        except Exception as err:  # one part failing still records the other
-            log.exception("%s failed", part)
-            errors[part] = f"{type(err).__name__}: {err}"
-    record: dict[str, Any] = {"hardware": hardware(), "settings": {**vars(args), "dtype": str(dtype)},
-                              "bandwidth_GBps": bandwidth, "matmul_TFLOPs": tflops, "metrics": metrics,
-                              "errors": errors}
-    write_record(NAME, record, args.out)
-    return 1 if errors else 0
+    parts = {"moe": moe_rows, "attention": attention_rows, "cmda_moe": cmda_moe_rows}
+    return record_parts(NAME, parts, args, device, dtype, bandwidth, tflops)
 
 
 if __name__ == "__main__":
