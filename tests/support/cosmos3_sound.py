@@ -39,3 +39,24 @@ def write_sound_tokenizer(root: Path, module, drop: str | None = None) -> None:
     (folder / "config.json").write_text(json.dumps(dict(module.config), default=list))
     state = {k: v.contiguous() for k, v in module.state_dict().items() if drop is None or not k.startswith(drop)}
     save_file(state, folder / "diffusion_pytorch_model.safetensors")
+
+
+def add_sound_tower(source, root: Path, seed: int):
+    """Copy the checkpoint ``source`` (its ``root`` and ``transformer``) to ``root`` with a
+    ``sound_gen`` tower (``sound_dim`` 4 at ``LATENT_FPS``, random weights from ``seed``) and a
+    ``sound_tokenizer/``: ``(tower, tokenizer)``, the reference modules."""
+    import shutil
+
+    from diffusers import Cosmos3OmniTransformer
+
+    shutil.copytree(source.root, root)
+    config = {k: v for k, v in dict(source.transformer.config).items() if not k.startswith("_")}
+    tower = Cosmos3OmniTransformer(**{**config, "sound_gen": True, "sound_dim": SOUND["vocoder_input_dim"],
+                                      "sound_latent_fps": LATENT_FPS}).eval()
+    randomize(tower, seed)
+    (root / "transformer" / "config.json").write_text(json.dumps(dict(tower.config), default=list))
+    save_file({k: v.contiguous() for k, v in tower.state_dict().items()},
+              root / "transformer" / "diffusion_pytorch_model.safetensors")
+    sound = reference_tokenizer()
+    write_sound_tokenizer(root, sound)
+    return tower, sound

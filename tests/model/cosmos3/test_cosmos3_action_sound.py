@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.runtime.launch import start
 from tests.support.cosmos3_media import picture, png
-from tests.support.cosmos3_sound import LATENT_FPS, SOUND, reference_tokenizer, write_sound_tokenizer
-from tests.support.diffusers_dirs import randomize
+from tests.support.cosmos3_sound import SOUND, add_sound_tower
 
 pytest.importorskip("diffusers")
 
@@ -37,19 +34,8 @@ KEYS = ("latents", "sound_latents", "action_latents")
 def both(action_checkpoint, tmp_path_factory):
     """The action checkpoint with a ``sound_gen`` tower (``sound_dim`` 4 at 100 latents a second)
     and a ``sound_tokenizer/``: ``(root, reference pipeline class factory)``."""
-    from diffusers import Cosmos3OmniTransformer
-
     root = tmp_path_factory.mktemp("cosmos3-droid-sound") / "ckpt"
-    shutil.copytree(action_checkpoint.root, root)
-    config = {k: v for k, v in dict(action_checkpoint.transformer.config).items() if not k.startswith("_")}
-    tower = Cosmos3OmniTransformer(**{**config, "sound_gen": True, "sound_dim": SOUND["vocoder_input_dim"],
-                                      "sound_latent_fps": LATENT_FPS}).eval()
-    randomize(tower, 11)
-    (root / "transformer" / "config.json").write_text(json.dumps(dict(tower.config), default=list))
-    save_file({k: v.contiguous() for k, v in tower.state_dict().items()},
-              root / "transformer" / "diffusion_pytorch_model.safetensors")
-    sound = reference_tokenizer()
-    write_sound_tokenizer(root, sound)
+    tower, sound = add_sound_tower(action_checkpoint, root, 11)
 
     def pipeline():
         from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler

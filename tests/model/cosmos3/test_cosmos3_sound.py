@@ -28,8 +28,7 @@ from safetensors.torch import save_file
 from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.runtime.launch import start
-from tests.support.cosmos3_sound import LATENT_FPS, SOUND, reference_tokenizer, write_sound_tokenizer
-from tests.support.diffusers_dirs import randomize
+from tests.support.cosmos3_sound import SOUND, add_sound_tower
 
 pytest.importorskip("diffusers")
 
@@ -62,19 +61,8 @@ class SoundCheckpoint:
 def sound_checkpoint(checkpoint, tmp_path_factory) -> SoundCheckpoint:
     """The tiny checkpoint with a ``sound_gen`` tower (``sound_dim`` 4 at 100 latents a second)
     and a ``sound_tokenizer/``."""
-    from diffusers import Cosmos3OmniTransformer
-
     root = tmp_path_factory.mktemp("cosmos3-sound") / "ckpt"
-    shutil.copytree(checkpoint.root, root)
-    config = {k: v for k, v in dict(checkpoint.transformer.config).items() if not k.startswith("_")}
-    tower = Cosmos3OmniTransformer(**{**config, "sound_gen": True, "sound_dim": SOUND["vocoder_input_dim"],
-                                      "sound_latent_fps": LATENT_FPS}).eval()
-    randomize(tower, 5)
-    (root / "transformer" / "config.json").write_text(json.dumps(dict(tower.config), default=list))
-    save_file({k: v.contiguous() for k, v in tower.state_dict().items()},
-              root / "transformer" / "diffusion_pytorch_model.safetensors")
-    sound = reference_tokenizer()
-    write_sound_tokenizer(root, sound)
+    tower, sound = add_sound_tower(checkpoint, root, 5)
     return SoundCheckpoint(root, tower, checkpoint.vae, checkpoint.tokenizer, sound)
 
 
