@@ -3,10 +3,13 @@ structure, not just noise) and their PNG bytes."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 
 import torch
 from PIL import Image
+
+from mstar.contract import GenerateSpec
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:
@@ -22,3 +25,18 @@ def png(image: Image.Image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def generate_action(d, request_id: str, prompt: str, files, modalities, **kwargs) -> dict[str, bytes]:
+    """One request to an action deployment ``d`` (in process, the 256 resolution tier), its
+    outputs' bytes joined per modality."""
+    async def go():
+        out: dict[str, bytes] = {}
+        spec = GenerateSpec(request_id, prompt, files, modalities, {"resolution_tier": 256, **kwargs})
+        async for event in d.backend.generate(spec):
+            assert not event.error, event.error
+            if event.data:
+                out[event.modality] = out.get(event.modality, b"") + event.data
+        return out
+
+    return asyncio.run(go())

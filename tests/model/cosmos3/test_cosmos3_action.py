@@ -18,6 +18,7 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3 import action as act
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import generate_action as run
 from tests.support.cosmos3_media import picture, png
 
 pytest.importorskip("diffusers")
@@ -40,19 +41,6 @@ def clip_mp4(frames: int, width: int, height: int) -> bytes:
     from mstar.media.video import encode_mp4
 
     return encode_mp4(np.stack([np.asarray(picture(width, height, 20 + i)) for i in range(frames)]), fps=15)
-
-
-def run(d, request_id, prompt, files, modalities, **kwargs) -> dict[str, bytes]:
-    async def go():
-        out: dict[str, bytes] = {}
-        spec = GenerateSpec(request_id, prompt, files, modalities, {"resolution_tier": 256, **kwargs})
-        async for event in d.backend.generate(spec):
-            assert not event.error, event.error
-            if event.data:
-                out[event.modality] = out.get(event.modality, b"") + event.data
-        return out
-
-    return asyncio.run(go())
 
 
 def step_latents(d):

@@ -20,6 +20,7 @@ import torch
 from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import generate_action as generate
 from tests.support.cosmos3_media import picture, png
 from tests.support.cosmos3_sound import SOUND, add_sound_tower
 
@@ -90,19 +91,6 @@ def recorded(d, node, *keys):
         yield seen
     finally:
         del target.run
-
-
-def generate(d, request_id, prompt, files, modalities, **kwargs) -> dict[str, bytes]:
-    async def go():
-        out: dict[str, bytes] = {}
-        spec = GenerateSpec(request_id, prompt, files, modalities, {"resolution_tier": 256, **kwargs})
-        async for event in d.backend.generate(spec):
-            assert not event.error, event.error
-            if event.data:
-                out[event.modality] = out.get(event.modality, b"") + event.data
-        return out
-
-    return asyncio.run(go())
 
 
 @pytest.mark.parametrize("mode, modalities, guidance, fps", [
