@@ -1,6 +1,8 @@
 """A lost node under ``backend: ray``: ``replicas: 2`` of SmolLM2 on a three-node test
-cluster, each replica's rank on a worker node of its own. Mid-load the raylet of replica 0's
-node is killed (Ray itself declares that node dead only ~16 s later): replica 0's open
+cluster, each replica's rank on a worker node of its own. Mid-load replica 0's node goes as a
+machine does: every process its raylet started (the rank's actor among them) is frozen and
+the raylet is killed (Ray itself declares that node dead only ~16 s later). Frozen, the rank
+cannot finish its request before the server notices, however fast it decodes. Replica 0's open
 request gets a 503 naming the node within 5 s of the kill, measured by the client, while
 replica 1 finishes its own and answers every new request. A node with room joins, Ray
 moves replica 0's bundle there once it has given the old node up, the restarted rank
@@ -64,6 +66,28 @@ async def _answer(deployment: Deployment, question: str, max_tokens: int = 12) -
     return {"text": "".join(parts), "error": None, "status": 200, "ended": time.monotonic()}
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from ``/proc``."""
+    kids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state: the parent
+            kids.append(int(entry))
+    return kids
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_lost_node_fails_its_replica_within_5s_and_its_rank_rejoins(cluster: Cluster,
                                                                        deployment: Deployment) -> None:
     replicas = deployment.runtime.replicas
@@ -79,6 +103,7 @@ def test_a_lost_node_fails_its_replica_within_5s_and_its_rank_rejoins(cluster: C
         while not all(r.tracked and r.conductor.num_live for r in replicas):
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
+        _signal(frozen, signal.SIGSTOP)  # the node's processes stop as the machine would
         os.kill(raylet, signal.SIGKILL)
         killed = time.monotonic()
         done, _ = await asyncio.wait(long, timeout=30, return_when=asyncio.FIRST_COMPLETED)
@@ -86,7 +111,12 @@ def test_a_lost_node_fails_its_replica_within_5s_and_its_rank_rejoins(cluster: C
         fresh = [await _answer(deployment, q) for q in QUESTIONS]  # replica 0 is out: replica 1 takes them
         return [await task for task in long], fresh, killed
 
-    results, fresh, killed = asyncio.run(run())
+    frozen = _children(raylet)
+    assert frozen, "the raylet started no process"
+    try:
+        results, fresh, killed = asyncio.run(run())
+    finally:
+        _signal(frozen, signal.SIGKILL)
     failed = [r for r in results if r["error"] is not None]
     assert len(failed) == 1, results
     error = failed[0]["error"]
