@@ -10,15 +10,20 @@ slices differ in length (and each request's rows straddle the slices differently
 both experts' heads and MLP widths, and each rank holds exactly its shard of the checkpoint's
 tensors. An Edge-style tower (squared-ReLU MLPs without a gate, Nemotron norms, the separate key
 norm for the text keys the media reads) gives the one-rank velocities of two packed requests at
-TP=2 and SP=2 likewise. The split limits are declared for the startup checks (a split that does not divide the
-KV heads is refused naming the key; the Edge reasoner is never split) and the two-GPU Super
-config places.
+TP=2 and SP=2 likewise. Through the runtime, with the ``dit`` node over two worker processes
+(``sp_size: 2``, then ``tp_size: 2``), a guided text-to-video request with sound and an unguided
+one sharing its forwards give the one-rank deployment's frames within one uint8 level (measured
+0) and its PCM within four 16-bit steps (measured 1). The split limits are declared for the
+startup checks (a split that does not divide the KV heads is refused naming the key; the Edge
+reasoner is never split) and the two-GPU Super config places.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,3 +226,56 @@ def test_the_edge_reasoner_is_not_split(both):
 
 def test_two_gpu_super_config_splits_the_tower(checkpoint):
     check_two_gpu_config("cosmos3_super_tp2.yaml", str(checkpoint.root), (2, 1), ("t2v_guided", "t2i_guided"))
+
+
+def clips(root: Path, node_groups: list, in_process: bool) -> list[dict[str, bytes]]:
+    """Through a deployment of the checkpoint ``root``: a guided text-to-video request with sound
+    and an unguided one sharing its forwards; each one's outputs (raw frames, PCM) by modality."""
+    from mstar.contract import GenerateSpec
+    from mstar.runtime.launch import start
+
+    config = {"model": "cosmos3", "model_path": str(root), "dtype": "float32", "max_concurrent_requests": 2,
+              "node_groups": node_groups, "model_kwargs": {"num_inference_steps": STEPS}}
+    d = start(parse_config(config), in_process=in_process)
+
+    async def one(rid: str, **kwargs) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        spec = GenerateSpec(rid, f"a robot arm stacks cups ({rid})", [], ["video"],
+                            {"height": 48, "width": 32, "num_frames": 5, "seed": 7, **kwargs})
+        async for event in d.backend.generate(spec):
+            assert not event.error, event.error
+            if event.data:
+                out[event.modality] = out.get(event.modality, b"") + event.data
+        return out
+
+    async def both_requests():
+        return await asyncio.gather(one("sound", guidance_scale=3.0, enable_sound=True),
+                                    one("plain", guidance_scale=1.0))
+
+    try:
+        return asyncio.run(both_requests())
+    finally:
+        d.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank_clips(both) -> list[dict[str, bytes]]:
+    return clips(both, [], in_process=True)
+
+
+@pytest.mark.parametrize("split", [{"sp_size": 2}, {"tp_size": 2}], ids=["sp=2", "tp=2"])
+def test_clips_with_the_tower_over_two_worker_processes_equal_one_rank(both, one_rank_clips, split):
+    """Whole requests (the text pathway, UniPC steps with a guided pair, the sound latents, the VAE
+    and the sound decoder) with the ``dit`` node over two worker processes give the one-rank
+    deployment's frames within one uint8 level and its PCM within a few 16-bit steps."""
+    groups = [{"node_names": ["vae", "sound"], "ranks": [0]}, {"node_names": ["dit"], "ranks": [0, 1], **split}]
+    for ours, ref in zip(clips(both, groups, in_process=False), one_rank_clips, strict=True):
+        assert set(ours) == set(ref)
+        frames, frames_ref = (np.frombuffer(o["video"], np.uint8).astype(np.int16) for o in (ours, ref))
+        print(f"[cosmos3 {split}] frames: max diff {np.abs(frames - frames_ref).max()} levels")
+        assert frames_ref.std() > 1 and np.abs(frames - frames_ref).max() <= 1
+        if "audio" in ref:
+            pcm, pcm_ref = (np.frombuffer(o["audio"], np.int16).astype(np.int32) for o in (ours, ref))
+            assert pcm.shape == pcm_ref.shape and np.abs(pcm_ref).max() > 100
+            print(f"[cosmos3 {split}] pcm: max diff {np.abs(pcm - pcm_ref).max()} of {np.abs(pcm_ref).max()}")
+            assert np.abs(pcm - pcm_ref).max() <= 4
