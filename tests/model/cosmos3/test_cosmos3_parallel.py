@@ -10,7 +10,8 @@ slices differ in length (and each request's rows straddle the slices differently
 both experts' heads and MLP widths, and each rank holds exactly its shard of the checkpoint's
 tensors. An Edge-style tower (squared-ReLU MLPs without a gate, Nemotron norms, the separate key
 norm for the text keys the media reads) gives the one-rank velocities of two packed requests at
-TP=2 and SP=2 likewise. Through the runtime, with the ``dit`` node over two worker processes
+TP=2 and SP=2 likewise, and a Nano-style one (8 heads, 4 KV heads) on a TP=2 x SP=2 mesh of four
+processes (27 rows: uneven slices). Through the runtime, with the ``dit`` node over two worker processes
 (``sp_size: 2``, then ``tp_size: 2``), a guided text-to-video request with sound and an unguided
 one sharing its forwards give the one-rank deployment's frames within one uint8 level (measured
 0) and its PCM within four 16-bit steps (measured 1). The split limits are declared for the
@@ -47,6 +48,8 @@ EDGE = dict(head_dim=16, hidden_size=32, intermediate_size=48, latent_channel=4,
             num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, patch_latent_dim=16,
             rope_theta=10000.0, vocab_size=64, rope_axes_dim=[4, 2, 2], unified_3d_mrope_temporal_modality_margin=50,
             hidden_act="relu2", qk_norm_for_text=False, use_und_k_norm_for_gen=True)
+MESH = dict(EDGE, hidden_act="silu", qk_norm_for_text=True, use_und_k_norm_for_gen=False,
+            num_attention_heads=8, num_key_value_heads=4, hidden_size=64)  # Nano-style, heads for 4 ranks
 SHARDED = ("layers.0.self_attn.add_q_proj.weight", "layers.1.self_attn.to_k.weight",
            "layers.0.self_attn.to_add_out.weight", "layers.1.mlp_moe_gen.down_proj.weight",
            "layers.0.mlp.gate_proj.weight")
@@ -110,30 +113,36 @@ def denoise(root: Path, state: ParallelState) -> tuple[list[dict[str, dict[str, 
     return steps, engine.tower
 
 
-@pytest.fixture(scope="module")
-def edge_tower(tmp_path_factory) -> Path:
-    """An Edge-style tower's weights (``tower.safetensors``, our names: diffusers')."""
+def write_tower(config: dict, folder: Path) -> Path:
+    """A tower of ``config`` with random weights, saved as ``folder/tower.safetensors``."""
     from safetensors.torch import save_file
 
-    tower = Cosmos3Transformer(Cosmos3Config.from_dict(EDGE))
+    tower = Cosmos3Transformer(Cosmos3Config.from_dict(config))
     randomize(tower, 9)
-    path = tmp_path_factory.mktemp("cosmos3-edge-tower") / "tower.safetensors"
+    path = folder / "tower.safetensors"
     save_file({k: v.contiguous() for k, v in tower.state_dict().items()}, path)
     return path
 
 
-def edge_velocities(path: Path, state: ParallelState) -> list[torch.Tensor]:
-    """The Edge-style tower built under ``state`` and loaded from ``path``: the video velocities of
-    two requests packed in one step (a t2v, one with a clean first frame and odd sides)."""
+@pytest.fixture(scope="module")
+def edge_tower(tmp_path_factory) -> Path:
+    """An Edge-style tower's weights (our names: diffusers')."""
+    return write_tower(EDGE, tmp_path_factory.mktemp("cosmos3-edge-tower"))
+
+
+def velocities(path: Path, state: ParallelState, tower_config: dict = EDGE) -> list[torch.Tensor]:
+    """The tower of ``tower_config`` built under ``state`` and loaded from ``path``: the video
+    velocities of two requests packed in one step (27 rows: a t2v, one with a clean first frame and
+    odd sides)."""
     from safetensors.torch import load_file
 
-    config = Cosmos3Config.from_dict(EDGE)
+    config = Cosmos3Config.from_dict(tower_config)
     with use_parallel(state):
         tower = Cosmos3Transformer(config)
     load_weights(tower, load_file(path).items())
     g = torch.Generator().manual_seed(4)
     items = []
-    for shape, text, noisy, t in (((4, 2, 4, 6), 8, [0, 1], 700.0), ((4, 3, 3, 5), 5, [1, 2], 300.0)):
+    for shape, text, noisy, t in (((4, 3, 2, 6), 8, [0, 1, 2], 700.0), ((4, 3, 3, 5), 5, [1, 2], 300.0)):
         ids = torch.randint(0, 64, (text,), generator=g)
         offset = media_offset(config, text)
         with torch.no_grad():
@@ -150,13 +159,13 @@ def _split_runs(rank: int, world: int, root: Path, edge: Path) -> dict:
         steps, tower = denoise(root, build_mesh(range(2), tp, sp))
         params = dict(tower.named_parameters())
         result[name] = {"steps": steps, "shards": {key: params[key].detach().clone() for key in SHARDED},
-                        "edge": edge_velocities(edge, build_mesh(range(2), tp, sp))}
+                        "edge": velocities(edge, build_mesh(range(2), tp, sp))}
     return result
 
 
 def test_denoise_at_tp2_and_sp2_equals_one_rank(both, edge_tower):
     expected, _ = denoise(both, SINGLE)
-    edge = edge_velocities(edge_tower, SINGLE)
+    edge = velocities(edge_tower, SINGLE)
     full = dict(iter_safetensors(both / "transformer"))
     for rank, result in enumerate(run_ranks(_split_runs, 2, both, edge_tower, timeout=90)):
         for name, run in result.items():
@@ -181,6 +190,22 @@ def test_denoise_at_tp2_and_sp2_equals_one_rank(both, edge_tower):
     first = expected[0]
     assert rel_error(first["policy"]["action_latents"], requests()[1][1]["action_latents"]) > 1e-3  # actions moved
     assert "sound_latents" in first["policy"] and "sound_latents" not in first["t2v"]
+
+
+def _mesh_runs(rank: int, world: int, path: Path) -> list[torch.Tensor]:
+    return velocities(path, build_mesh(range(4), 2, 2), MESH)
+
+
+def test_tower_on_a_tp2_by_sp2_mesh_equals_one_rank(tmp_path):
+    """Four processes: TP pairs within each sequence slice, the all-to-all across them (8 heads,
+    4 KV heads, so each rank attends 2 heads and 1 KV head of every row)."""
+    path = write_tower(MESH, tmp_path)
+    expected = velocities(path, SINGLE, MESH)
+    for rank, result in enumerate(run_ranks(_mesh_runs, 4, path, timeout=90)):
+        for i, (ours, ref) in enumerate(zip(result, expected, strict=True)):
+            err = rel_error(ours, ref)
+            print(f"[cosmos3 rank {rank}] tp=2 x sp=2 item {i}: max rel err {err:.2e}")
+            assert err <= TOL, (rank, i, err)
 
 
 def test_cosmos3_declares_what_its_tower_splits(both):
