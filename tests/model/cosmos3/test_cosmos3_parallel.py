@@ -244,6 +244,11 @@ def test_the_edge_reasoner_is_not_split(both):
         {"node_names": ["dit", "llm"], "ranks": [0, 1], "tp_size": 2}]})
     with pytest.raises(ValueError, match=r"node_groups\[1\].tp_size: node 'llm' cannot be split"):
         build_placement(edge.graph(), config, edge)
+    apart = parse_config({"model": "cosmos3_edge", "model_path": str(both), "node_groups": [
+        {"node_names": ["vae", "sound", "vision", "llm"], "ranks": [0]},
+        {"node_names": ["dit"], "ranks": [0, 1], "tp_size": 2}]})
+    placement = build_placement(edge.graph(), apart, edge)  # a whole reasoner beside a split tower places
+    assert placement.rank_of("chat", "llm") == 0 and placement.rank_of("t2v", "dit") == 0
     state = ParallelState(tp=fake_tp_group(0, 2))  # a direct build under a split: refused before any weight
     with use_parallel(state), pytest.raises(ValueError, match="reasoner .* runs at tp_size 1"):
         cosmos3_engines(edge.checkpoint(), edge.knobs, edge.config, {"dit", "llm"}, torch.device("cpu"))
