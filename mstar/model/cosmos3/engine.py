@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 
 from mstar.config import DeploymentConfig
+from mstar.distributed.state import current_parallel
 from mstar.engine.base import Engine, StatelessEngine
 from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
 from mstar.model.cosmos3.denoise import Cosmos3DenoiseEngine
@@ -26,6 +27,9 @@ FP32_PARAMETERS = ("time_embedder",)
 
 def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: DeploymentConfig, nodes: set[str],
                     device: torch.device) -> dict[str, Engine]:
+    if {"llm", "vision"} & nodes and not current_parallel().is_single:  # placement refuses it first
+        raise ValueError("the Cosmos3-Edge reasoner (nodes llm, vision) runs at tp_size 1 and sp_size 1: "
+                         "place it in a node group of its own, apart from a split dit")
     engines: dict[str, Engine] = {}
     dummy = config.load_format == "dummy"
     if {"dit", "llm"} & nodes:  # one tower for both: the reasoner reads its understanding expert

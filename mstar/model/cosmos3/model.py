@@ -420,6 +420,17 @@ class Cosmos3(ActionRequests, ModelSpec):
             return WindowedVideo(bool(request.params.get("stream_video")))
         return VideoFrames()
 
+    def parallel_dims(self) -> dict:
+        """The ``dit`` node splits both experts' heads and KV heads over ``tp_size`` (and ``tp_size
+        x sp_size`` with Ulysses over the packed media rows) and their MLP width over ``tp_size``.
+        The VAE, the sound decoder and the Edge reasoner (``llm``, ``vision``) run whole: placement
+        refuses a split of them. Row counts need no check: the sequence slices may be uneven."""
+        from mstar.distributed.dims import ParallelDims
+
+        c = self.checkpoint().transformer_config()
+        heads = {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads}
+        return {"dit": ParallelDims(tensor={**heads, "intermediate_size": c.intermediate_size}, sequence=heads)}
+
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
         from mstar.model.cosmos3.engine import cosmos3_engines
@@ -463,7 +474,8 @@ class Cosmos3Edge(Cosmos3, ReasonerChat):
 
 @register
 class Cosmos3Super(Cosmos3):
-    """Cosmos3-Super (64B): the same declaration, a larger tower (one GPU here; TP/SP later)."""
+    """Cosmos3-Super (64B): the same declaration, a larger tower (split over GPUs by the ``dit``
+    node group's ``tp_size`` / ``sp_size``, ``configs/cosmos3_super_tp2.yaml``)."""
 
     key = "cosmos3_super"
     default_weights = "nvidia/Cosmos3-Super"

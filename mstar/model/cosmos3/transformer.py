@@ -20,19 +20,39 @@ after the video patches, one token a latent frame (``audio_proj_in``, plus
 (or its video patches), one token an action (the domain's ``action_proj_in`` and
 ``action_modality_embed``, the time embedding on its noisy rows), and leaves through the
 domain's ``action_proj_out``. ``predict`` gives every velocity, ``forward`` the video's.
+
+Parallelism lives in the layers, as in Wan2.2's DiT. Built under a parallel state
+(``mstar.distributed.use_parallel``), both experts' q/k/v and MLP input projections are
+column-parallel (whole heads per tensor-parallel rank), their output projections row-parallel
+(one all-reduce after attention, one after the MLP); the q/k norms are per head, so they need no
+exchange, and the embeddings, heads and final norms stay whole. With Ulysses sequence
+parallelism each rank keeps a contiguous slice of a step's packed media rows (every request's
+video, sound and action rows, in order) with that slice's rotary rows, from the input projections
+on; around attention an all-to-all swaps "my rows, all heads" for "every row, my heads", so each
+request's rows still attend to all of its media, and the rows are gathered whole before the
+output heads. Slices may differ in length (``torch.tensor_split``), so nothing is padded. The
+text pathway is short and runs once a request: every SP rank runs it whole (on its TP heads)
+and keeps the keys and values of its own SP heads only. Heads and KV heads must divide by
+``tp_size x sp_size`` and ``intermediate_size`` by ``tp_size`` (``Cosmos3.parallel_dims``,
+checked at startup). Built outside a parallel state every layer is its plain ``torch.nn``
+counterpart.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.distributed.state import current_parallel
+from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rotary import MRotaryEmbedding, rotate
+from mstar.layers.ulysses import SequenceShards, ulysses_attention
 from mstar.model.cosmos3.config import Cosmos3Config
 
 __all__ = ["ActionTokens", "Cosmos3Transformer", "MediaItem", "Prediction", "TextKV"]
@@ -52,16 +72,16 @@ def make_norm(config: Cosmos3Config, dim: int) -> RMSNorm:
 
 
 class MLP(nn.Module):
-    """Gated SiLU (``silu``) or ungated squared ReLU (``relu2``)."""
+    """Gated SiLU (``silu``) or ungated squared ReLU (``relu2``); the width split over TP ranks."""
 
     def __init__(self, config: Cosmos3Config) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
         self.gated = config.hidden_act == "silu"
         if self.gated:
-            self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
+            self.gate_proj = ColumnParallelLinear(d, f, bias=False)
+        self.up_proj = ColumnParallelLinear(d, f, bias=False)
+        self.down_proj = RowParallelLinear(f, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -71,30 +91,47 @@ class MLP(nn.Module):
 
 @dataclass
 class Segment:
-    """One request's media rows in a packed step: ``length`` rows, reading ``text`` (its text
-    keys/values at this layer, ``[L, kv_heads, head_dim]`` each)."""
+    """One request's media rows in a packed step: ``length`` rows (of the whole step, whatever
+    slice of it this SP rank holds), reading ``text`` (its text keys/values at this layer,
+    ``[L, kv_heads, head_dim]`` each, this rank's KV heads)."""
 
     length: int
     text: tuple[torch.Tensor, torch.Tensor]
+
+
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    """Media attention on ``q, k, v [1, N, heads, head_dim]`` (every row of the step): each
+    segment's rows attend to its request's text keys/values and its own rows."""
+    outs, start = [], 0
+    for seg in segments:
+        end = start + seg.length
+        keys = torch.cat([seg.text[0], k[0, start:end]]).transpose(0, 1)
+        values = torch.cat([seg.text[1], v[0, start:end]]).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[0, start:end].transpose(0, 1), keys, values, enable_gqa=True)
+        outs.append(out.transpose(0, 1))
+        start = end
+    return torch.cat(outs)[None]
 
 
 class PackedAttention(nn.Module):
     def __init__(self, config: Cosmos3Config) -> None:
         super().__init__()
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        self.to_q = nn.Linear(d, self.heads * hd, bias=bias)
-        self.to_k = nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.to_v = nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.to_out = nn.Linear(self.heads * hd, d, bias=bias)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.tp, self.sp = current_parallel().tp, current_parallel().sp
+        self.heads, self.kv_heads, self.head_dim = heads // self.tp.size, kv_heads // self.tp.size, hd  # this rank's
+        self.to_q = ColumnParallelLinear(d, heads * hd, bias=bias, block=hd)
+        self.to_k = ColumnParallelLinear(d, kv_heads * hd, bias=bias, block=hd)
+        self.to_v = ColumnParallelLinear(d, kv_heads * hd, bias=bias, block=hd)
+        self.to_out = RowParallelLinear(heads * hd, d, bias=bias, block=hd)
         self.norm_q = make_norm(config, hd) if config.qk_norm_for_text else nn.Identity()
         self.norm_k = make_norm(config, hd) if config.qk_norm_for_text else nn.Identity()
         separate = config.use_und_k_norm_for_gen and not config.qk_norm_for_text
         self.k_norm_und_for_gen = make_norm(config, hd) if separate else None
-        self.add_q_proj = nn.Linear(d, self.heads * hd, bias=bias)
-        self.add_k_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.add_v_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
-        self.to_add_out = nn.Linear(self.heads * hd, d, bias=bias)
+        self.add_q_proj = ColumnParallelLinear(d, heads * hd, bias=bias, block=hd)
+        self.add_k_proj = ColumnParallelLinear(d, kv_heads * hd, bias=bias, block=hd)
+        self.add_v_proj = ColumnParallelLinear(d, kv_heads * hd, bias=bias, block=hd)
+        self.to_add_out = RowParallelLinear(heads * hd, d, bias=bias, block=hd)
         self.norm_added_q = make_norm(config, hd)
         self.norm_added_k = make_norm(config, hd)
 
@@ -104,7 +141,7 @@ class PackedAttention(nn.Module):
     def text(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The text tokens ``[L, D]`` of one request: causal self-attention; also the rotated keys
-        and the values the media tokens read."""
+        and the values the media tokens read (this SP rank's KV heads of them)."""
         cos, sin = cos[:, None], sin[:, None]
         q = self.norm_q(self._split(self.to_q(x), self.heads))
         k = self.norm_k(self._split(self.to_k(x), self.kv_heads))
@@ -113,24 +150,20 @@ class PackedAttention(nn.Module):
         q, k, k_media = rotate(q, cos, sin), rotate(k, cos, sin), rotate(k_media, cos, sin)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              is_causal=True, enable_gqa=True)
+        if self.sp.size > 1:  # the media's all-to-all hands this rank every row of its heads' slice
+            k_media, v = (t.chunk(self.sp.size, dim=1)[self.sp.rank].contiguous() for t in (k_media, v))
         return self.to_out(out.transpose(0, 1).flatten(-2)), (k_media, v)
 
     def media(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """The media rows ``[N, D]`` of several requests (``segments``, in order): each attends to
-        its request's text keys and its own media rows."""
+        """The media rows ``[N, D]`` of several requests (``segments``, in order; under SP this
+        rank's slice of them, with its rotary rows): each attends to its request's text keys and
+        its own media rows."""
         cos, sin = cos[:, None], sin[:, None]
         q = rotate(self.norm_added_q(self._split(self.add_q_proj(x), self.heads)), cos, sin)
         k = rotate(self.norm_added_k(self._split(self.add_k_proj(x), self.kv_heads)), cos, sin)
         v = self._split(self.add_v_proj(x), self.kv_heads)
-        outs, start = [], 0
-        for seg in segments:
-            end = start + seg.length
-            keys = torch.cat([seg.text[0], k[start:end]]).transpose(0, 1)
-            values = torch.cat([seg.text[1], v[start:end]]).transpose(0, 1)
-            out = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values, enable_gqa=True)
-            outs.append(out.transpose(0, 1).flatten(-2))
-            start = end
-        return self.to_add_out(torch.cat(outs))
+        out = ulysses_attention(q[None], k[None], v[None], partial(attend_segments, segments=segments), self.sp)
+        return self.to_add_out(out[0].flatten(-2))
 
 
 class MoTLayer(nn.Module):
@@ -268,6 +301,7 @@ class Cosmos3Transformer(nn.Module):
             self.audio_proj_out = nn.Linear(d, config.sound_dim)
             self.audio_modality_embed = nn.Parameter(torch.zeros(d))
         self.rope = MRotaryEmbedding(config.head_dim, config.rope_theta, list(config.rope_axes_dim))
+        self.sequence = SequenceShards()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -356,14 +390,17 @@ class Cosmos3Transformer(nn.Module):
             sin.append(s_)
             shapes.append((t, h, w, per_frame))
             masks.append(noisy)
-        x, cos, sin = torch.cat(tokens), torch.cat(cos), torch.cat(sin)
+        shard = partial(self.sequence.shard, dim=0)  # this SP rank's slice of the step's rows
+        x, cos, sin = shard(torch.cat(tokens)), shard(torch.cat(cos)), shard(torch.cat(sin))
         for index, layer in enumerate(self.layers):
             segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
         x = self.norm_moe_gen(x)
         # one GEMM over every row (the few sound and action rows' results unused): a request's video
         # velocity then has the same bits packed or alone (per-request GEMMs on offset slices did not)
-        patches = self.proj_out(x)
+        patches = self.sequence.gather(self.proj_out(x), dim=0)
+        if any(item.sound is not None or item.action is not None for item in items):
+            x = self.sequence.gather(x, dim=0)  # the sound and action heads read their rows' hidden states
         out, start = [], 0
         for (t, h, w, per_frame), noisy, item, tok in zip(shapes, masks, items, tokens):
             v = self.unpatchify(patches[start:start + t * per_frame], t, h, w)
