@@ -55,6 +55,7 @@ import asyncio
 import json
 import logging
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -499,33 +500,57 @@ def node_times(runner: OursRunner, device: torch.device):
     result.update({name: {"steps": len(w), "ms_per_step": 1e3 * sum(w) / len(w)} for name, w in walls.items()})
 
 
+class Stopped(Exception):
+    """SIGTERM (``timeout``) arrived: the rounds not yet run are skipped, the record written."""
+
+
+@contextmanager
+def stop_on_sigterm():
+    def stop(signum, frame):
+        raise Stopped("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_ours(settings: Settings, runner: OursRunner, profile: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """Warm-up (one fast round of each call count), then every pacing and call count; a
-    failing one is recorded under its name and the others still run."""
-    out: dict[str, Any] = {"fast": {}, "realtime": {}}
+    """Every pacing and call count (a call count's first round after a short warm-up round);
+    a failing one is recorded under its name and the others still run; a SIGTERM keeps what
+    was measured and skips the rest."""
+    out: dict[str, Any] = {"fast": {}, "realtime": {}, "warmup_s": {}}
     errors: dict[str, str] = {}
     device = torch.device(settings.device)
-    t0 = time.perf_counter()
-    for n in settings.calls:
-        runner.run(n, "fast", max(2, round(settings.warmup_seconds / FRAME_S)))
-    out["warmup_s"] = time.perf_counter() - t0
-    for pace in settings.pacings:
-        for n in settings.calls:
-            try:
-                runs = [runner.run(n, pace, settings.appends) for _ in range(settings.runs)]
-                got = out[pace][n] = summarise(runs, pace, settings.speech)
-                if profile and pace == "fast":
-                    with node_times(runner, device) as nodes:
-                        runner.run(n, "fast", settings.appends)
-                    got["node_ms"] = nodes
-                log.info("%s, %d call(s): tick p50 %.1f ms (p90 %.1f, max %.1f), first frame %.0f ms, %.1f frames/s%s",
-                         pace, n, got["tick_ms_p50"], got["tick_ms_p90"], got["tick_ms_max"],
-                         got["first_frame_ms_p50"], got["frames_per_s"],
-                         f", lag p50 {got['lag_ms_p50']:.0f} ms, {got['calls_kept_up']:g}/{n} kept up"
-                         if pace == "realtime" else "")
-            except Exception as err:  # an out-of-memory at 32 still records 1 and 16
-                log.exception("%s@%d failed", pace, n)
-                errors[f"{pace}@{n}"] = f"{type(err).__name__}: {err}"
+    with stop_on_sigterm():
+        for pace in settings.pacings:
+            for n in settings.calls:
+                try:
+                    if n not in out["warmup_s"]:
+                        t0 = time.perf_counter()
+                        runner.run(n, "fast", max(2, round(settings.warmup_seconds / FRAME_S)))
+                        out["warmup_s"][n] = time.perf_counter() - t0
+                    runs = [runner.run(n, pace, settings.appends) for _ in range(settings.runs)]
+                    got = out[pace][n] = summarise(runs, pace, settings.speech)
+                    if profile and pace == "fast":
+                        with node_times(runner, device) as nodes:
+                            runner.run(n, "fast", settings.appends)
+                        got["node_ms"] = nodes
+                    log.info("%s, %d call(s): tick p50 %.1f ms (p90 %.1f, max %.1f), first frame %.0f ms, "
+                             "%.1f frames/s%s", pace, n, got["tick_ms_p50"], got["tick_ms_p90"], got["tick_ms_max"],
+                             got["first_frame_ms_p50"], got["frames_per_s"],
+                             f", lag p50 {got['lag_ms_p50']:.0f} ms, {got['calls_kept_up']:g}/{n} kept up"
+                             if pace == "realtime" else "")
+                except Stopped:
+                    log.warning("SIGTERM during %s@%d: writing the record of what ran", pace, n)
+                    errors["stopped"] = f"SIGTERM during {pace}@{n}: it and the rounds after it did not run"
+                    break
+                except Exception as err:  # an out-of-memory at 32 still records 1 and 16
+                    log.exception("%s@%d failed", pace, n)
+                    errors[f"{pace}@{n}"] = f"{type(err).__name__}: {err}"
+            if "stopped" in errors:
+                break
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out, errors

@@ -5,6 +5,8 @@ parameters, and the tick and lag figures on fabricated call clocks."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from mstar.model.nemotron_duplex.config import DuplexConfig
 from mstar.model.nemotron_duplex.modeling import build_models
 
 
+@pytest.mark.slow  # runs the benchmark script end to end (about 10 s)
 def test_smoke_run_writes_every_row(tmp_path) -> None:
     assert s15.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
     [path] = tmp_path.glob(f"{s15.NAME}-*.json")
@@ -43,6 +46,25 @@ def test_smoke_run_writes_every_row(tmp_path) -> None:
     assert rows["tick_p50@1"]["notes"]["reference_h100_tick_ms"] == [24, 25]
     assert rows["tick_p50@2"]["floor"] >= rows["tick_p50@1"]["floor"]
     assert data["settings"]["outputs"] == "text,audio" and data["ours"]["startup_s"] > 0
+
+
+def test_sigterm_keeps_the_rounds_that_ran(tmp_path, monkeypatch) -> None:
+    run = s15.OursRunner.run
+
+    def run_or_stop(self, n, pace, appends, **kwargs):
+        if pace == "realtime":  # as ``timeout`` would, once the fast round is done
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(self, n, pace, appends, **kwargs)
+
+    monkeypatch.setattr(s15.OursRunner, "run", run_or_stop)
+    before = signal.getsignal(signal.SIGTERM)
+    assert s15.main(["--smoke", "--calls", "1", "--out", str(tmp_path)]) == 1
+    [path] = tmp_path.glob(f"{s15.NAME}-*.json")
+    data = json.loads(path.read_text())
+    assert data["errors"] == {"stopped": "SIGTERM during realtime@1: it and the rounds after it did not run"}
+    rows = {m["metric"]: m for m in data["metrics"]}
+    assert rows["tick_p50@1"]["ours"] > 0 and rows["lag_p50@1"]["ours"] is None
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler was put back
 
 
 def test_floor_weight_bytes_are_the_modules_parameters(tmp_path) -> None:
