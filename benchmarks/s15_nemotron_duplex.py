@@ -56,12 +56,11 @@ import json
 import logging
 import math
 import signal
-import statistics
 import sys
 import tempfile
 import time
-from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,17 +79,16 @@ from benchmarks.common import (
     setup_logging,
     write_record,
 )
+from benchmarks.live_calls import FRAME_S, PROMPT, CallTiming, live_call, summarise
 
 NAME = "s15_nemotron_duplex"
 SCENARIO = "S15 nemotron-voicechat (in process)"
 KEY = "nemotron_duplex"
 RATE = 16000
 FRAME = 1280  # one append and one agent frame: 80 ms at 16 kHz
-FRAME_S = FRAME / RATE
 TARGET_CALLS = 32
 REFERENCE_H100_TICK_MS = {1: [24, 25], 32: [61, 64]}  # the reference's one-shot replays, one H100
 NOMINAL_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM per card (SXM), for the record
-PROMPT = "You are a helpful voice assistant."
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 log = logging.getLogger("s15")
@@ -307,105 +305,6 @@ class Floor:
         return max(moved / (self.bandwidth_gbs * 1e9), calls * self.flops_per_call / (self.matmul_tflops * 1e12))
 
 
-# ------------------------------------------------------------------------------ client
-@dataclass
-class CallTiming:
-    """One call's clock: when its appends were due and sent, when its agent frames arrived."""
-
-    submitted: float = 0.0
-    due: list[float] = field(default_factory=list)  # append k's (and then end_input's) due time
-    text: list[float] = field(default_factory=list)  # one per agent text token
-    audio: list[float] = field(default_factory=list)  # one per completed audio frame
-    samples: int = 0
-    finish: str | None = None
-    error: str | None = None
-
-
-async def live_call(backend, request_id: str, items: list, pace_s: float | None, start: float, outputs: list[str],
-                    seed: int, samples_per_frame: int, pad: int) -> CallTiming:
-    """One live call as ``/generate/ws`` runs it: ``generate`` with ``live_input``, the appends
-    into ``live_stream`` (append k due at ``start + k pace_s``; None: all at once), then
-    ``end_input``; every output stamped as it arrives."""
-    from mstar.contract import GenerateSpec
-
-    timing = CallTiming()
-    spec = GenerateSpec(request_id=request_id, text=PROMPT, files=[], output_modalities=outputs,
-                        model_kwargs={"seed": seed}, stream=True, live_input=True)
-
-    async def pump() -> None:
-        while not backend.knows(request_id):
-            await asyncio.sleep(0.001)
-        stream = backend.live_stream
-        for k, item in enumerate([*items, None]):
-            due = start + k * pace_s if pace_s else time.perf_counter()
-            wait = due - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            timing.due.append(due)
-            if item is None:
-                backend.end_input(request_id)
-            else:
-                backend.append(request_id, stream, item)
-
-    timing.submitted = time.perf_counter()
-    pumping = asyncio.ensure_future(pump())
-    try:
-        async with aclosing(backend.generate(spec)) as events:
-            async for event in events:
-                now = time.perf_counter()
-                if event.error:
-                    timing.error = event.error
-                if event.data is not None:
-                    before = (timing.samples + pad) // samples_per_frame
-                    timing.samples += len(event.data) // 4
-                    timing.audio += [now] * ((timing.samples + pad) // samples_per_frame - before)
-                elif event.token_ids:
-                    timing.text += [now] * len(event.token_ids)
-                timing.finish = event.finish_reason or timing.finish
-    finally:
-        pumping.cancel()
-        await asyncio.gather(pumping, return_exceptions=True)
-    return timing
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile by nearest rank (p90 of a few values is never below p50)."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered), math.ceil(q * len(ordered))) - 1)]
-
-
-def summarise(runs: list[tuple[float, list[CallTiming]]], pace: str, speech: bool) -> dict[str, Any]:
-    """One call count's figures in one pacing over every call of every run (times in ms);
-    ``runs``: each run's wall time (first submit to last output) and its calls' clocks."""
-    timings = [t for _, ts in runs for t in ts]
-    frames = [t.audio if speech else t.text for t in timings]
-    ticks = [1e3 * (b - a) for f in frames for a, b in zip(f, f[1:])]
-    mean_tick = [1e3 * (f[-1] - f[0]) / (len(f) - 1) for f in frames]
-    first = [1e3 * (f[0] - t.submitted) for f, t in zip(frames, timings)]
-    out: dict[str, Any] = {
-        "tick_ms_p50": statistics.median(ticks), "tick_ms_p90": percentile(ticks, 0.9), "tick_ms_max": max(ticks),
-        "call_mean_tick_ms_max": max(mean_tick),
-        "calls_within_real_time": sum(m <= 1e3 * FRAME_S for m in mean_tick) / len(runs),
-        "first_frame_ms_p50": statistics.median(first), "first_frame_ms_max": max(first),
-        "first_text_ms_p50": statistics.median(1e3 * (t.text[0] - t.submitted) for t in timings),
-        "frames_per_s": statistics.median(sum(len(t.audio if speech else t.text) for t in ts) / wall
-                                          for wall, ts in runs),
-        "frames_per_call": len(frames[0]), "wall_s": [wall for wall, _ in runs]}
-    if pace == "realtime":
-        lags, drifts = [], []
-        for f, t in zip(frames, timings):
-            lag = [1e3 * (arrived - due) for arrived, due in zip(f, t.due)]
-            lags += lag
-            quarter = max(1, len(lag) // 4)
-            drifts.append(statistics.median(lag[-quarter:]) - statistics.median(lag[:quarter]))
-        out.update({"lag_ms_p50": statistics.median(lags), "lag_ms_p90": percentile(lags, 0.9),
-                    "lag_ms_max": max(lags), "lag_drift_ms_max": max(drifts),
-                    "calls_kept_up": sum(d < 1e3 * FRAME_S for d in drifts) / len(runs),
-                    "first_frame_live_ms_p50": statistics.median(1e3 * (f[0] - t.due[0])
-                                                                  for f, t in zip(frames, timings))})
-    return out
-
-
 # -------------------------------------------------------------------------------- ours
 def clip(seconds_frames: int, seed: int) -> np.ndarray:
     """A call's user audio: a voiced-like tone with noise, ``seconds_frames`` appends long."""
@@ -460,14 +359,13 @@ class OursRunner:
 
         started = time.perf_counter()
         timings = asyncio.run(together())
-        wall = max((t.audio or t.text)[-1] for t in timings) - started
         for i, t in enumerate(timings):
             frames = len(t.text)
             samples = (appends + 1) * self.samples_per_frame if self.settings.speech else 0
             if t.error or t.finish != "stop" or frames != appends + 1 or t.samples != samples:
                 raise RuntimeError(f"call {i} of {n}: finish {t.finish!r}, error {t.error!r}, {frames} text tokens "
                                    f"and {t.samples} samples (expected {appends + 1} and {samples})")
-        return wall, timings
+        return max((t.audio or t.text)[-1] for t in timings) - started, timings
 
     def engines(self) -> dict[str, Any]:
         return self.deployment.runtime.workers.workers[0].engines

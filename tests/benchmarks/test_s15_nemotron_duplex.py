@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks import s15_nemotron_duplex as s15
+from benchmarks.live_calls import CallTiming, summarise
 from mstar.model.nemotron_duplex.config import DuplexConfig
 from mstar.model.nemotron_duplex.modeling import build_models
 
@@ -90,15 +91,15 @@ def test_floor_weight_bytes_are_the_modules_parameters(tmp_path) -> None:
     assert floor.tick_s(1, 0, 0, weights_only=True) < floor.tick_s(1, 10, 10) < floor.tick_s(4, 10, 10)
 
 
-def _call(arrivals: list[float], dues: list[float]) -> s15.CallTiming:
-    return s15.CallTiming(submitted=0.0, due=dues, text=list(arrivals), audio=list(arrivals))
+def _call(arrivals: list[float], dues: list[float]) -> CallTiming:
+    return CallTiming(submitted=0.0, due=dues, text=list(arrivals), audio=list(arrivals))
 
 
 def test_ticks_and_lags_on_fabricated_clocks() -> None:
     dues = [0.075 * k for k in range(13)]  # appends a little faster than real time
     steady = _call([d + 0.05 for d in dues], dues)  # 50 ms behind each append, all the way
     falling = _call([d + 0.05 + 0.02 * k for k, d in enumerate(dues)], dues)  # 20 ms more each frame
-    got = s15.summarise([(2.0, [steady, falling])], "realtime", speech=True)
+    got = summarise([(2.0, [steady, falling])], "realtime", speech=True)
     assert got["lag_ms_p50"] == pytest.approx(50) and got["lag_ms_p90"] == pytest.approx(50 + 20 * 10)
     assert got["lag_ms_max"] == pytest.approx(50 + 20 * 12)
     assert got["calls_kept_up"] == 1  # the falling call's lag grew 180 ms from its first quarter to its last
