@@ -154,6 +154,7 @@ class Settings:
     max_session_s: float
     page_size: int
     attention_backend: str
+    stagger_s: float = 0.0
     seed: int = 0
 
     @property
@@ -168,7 +169,8 @@ class Settings:
                 "seconds": self.seconds, "appends_per_call": self.appends, "pacings": list(self.pacings),
                 "outputs": "text,audio" if self.speech else "text", "runs": self.runs,
                 "warmup_seconds": self.warmup_seconds, "max_session_s": self.max_session_s,
-                "page_size": self.page_size, "attention_backend": self.attention_backend, "seed": self.seed,
+                "page_size": self.page_size, "attention_backend": self.attention_backend,
+                "stagger_s": self.stagger_s, "seed": self.seed,
                 "prompt": PROMPT, "sampling": "the deployment's (temperature 0.7, top-p 0.9)",
                 "items": "each append's WAV decoded by append_item before the clock starts"}
 
@@ -187,7 +189,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if seconds + 1 > max_session_s:
         raise SystemExit(f"--seconds {seconds} must be at least 1 s under --max-session-s {max_session_s}")
     return Settings(args.smoke, device, dtype, calls, seconds, pacings, not args.text_only, args.runs, warmup,
-                    max_session_s, args.page_size, args.attention_backend, args.seed)
+                    max_session_s, args.page_size, args.attention_backend, args.stagger_s, args.seed)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -343,18 +345,26 @@ class OursRunner:
                                                         "media[0]") for k in range(appends)]
         return self.items[key]
 
-    def run(self, n: int, pace: str, appends: int, timeout_s: float = 900.0) -> tuple[float, list[CallTiming]]:
+    def run(self, n: int, pace: str, appends: int, stagger: bool = True,
+            timeout_s: float = 900.0) -> tuple[float, list[CallTiming]]:
         """The wall time (first submit to the last output) and each call's clock; raises unless
-        every call ended with ``appends + 1`` agent frames (and their PCM when speaking)."""
+        every call ended with ``appends + 1`` agent frames (and their PCM when speaking). The
+        calls open evenly over ``settings.stagger_s`` seconds (all at once without ``stagger``)."""
         self.runs += 1
         items = [self.call_items(i, appends) for i in range(n)]
         outputs = ["text", "audio"] if self.settings.speech else ["text"]
         pace_s = FRAME_S if pace == "realtime" else None
 
+        spread = self.settings.stagger_s if stagger else 0.0
+
+        async def one(i: int, start: float) -> CallTiming:
+            await asyncio.sleep(max(0.0, start - 0.05 - time.perf_counter()))  # the call opens
+            return await live_call(self.backend, f"s15-{self.runs}-{i}", items[i], pace_s, start, outputs,
+                                   self.settings.seed + i, self.samples_per_frame, self.pad)
+
         async def together() -> list[CallTiming]:
-            start = time.perf_counter() + 0.05  # every call's first append due together
-            calls = [live_call(self.backend, f"s15-{self.runs}-{i}", items[i], pace_s, start, outputs,
-                               self.settings.seed + i, self.samples_per_frame, self.pad) for i in range(n)]
+            start = time.perf_counter() + 0.05  # call i's first append due at start + i spread / n
+            calls = [one(i, start + i * spread / n) for i in range(n)]
             return await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
 
         started = time.perf_counter()
@@ -427,7 +437,7 @@ def run_ours(settings: Settings, runner: OursRunner, profile: bool) -> tuple[dic
                 try:
                     if n not in out["warmup_s"]:
                         t0 = time.perf_counter()
-                        runner.run(n, "fast", max(2, round(settings.warmup_seconds / FRAME_S)))
+                        runner.run(n, "fast", max(2, round(settings.warmup_seconds / FRAME_S)), stagger=False)
                         out["warmup_s"][n] = time.perf_counter() - t0
                     runs = [runner.run(n, pace, settings.appends) for _ in range(settings.runs)]
                     got = out[pace][n] = summarise(runs, pace, settings.speech)
@@ -516,6 +526,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fast: every append at once (tick times); realtime: one append each 80 ms (lag)")
     p.add_argument("--text-only", action="store_true", help="output_modalities text: no talker (walk duplex)")
     p.add_argument("--runs", type=int, default=1, help="timed rounds per call count and pacing")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="the calls of a round open evenly over this many seconds (0: all together)")
     p.add_argument("--max-session-s", type=float, default=None,
                    help="model_kwargs.max_session_s, which sizes the pools (default 160, the release's; smoke 4)")
     p.add_argument("--page-size", type=int, default=128, help="page size of both KV pools")

@@ -19,7 +19,7 @@ from mstar.model.nemotron_duplex.modeling import build_models
 
 @pytest.mark.slow  # runs the benchmark script end to end (about 10 s)
 def test_smoke_run_writes_every_row(tmp_path) -> None:
-    assert s15.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
+    assert s15.main(["--smoke", "--profile", "--stagger-s", "0.16", "--out", str(tmp_path)]) == 0
     [path] = tmp_path.glob(f"{s15.NAME}-*.json")
     data = json.loads(path.read_text())
     assert data["hardware"]["torch"] and not data["errors"] and data["baseline"] is None
@@ -46,7 +46,8 @@ def test_smoke_run_writes_every_row(tmp_path) -> None:
         assert all(v["steps"] >= 11 and v["ms_per_step"] > 0 for v in nodes.values())
     assert rows["tick_p50@1"]["notes"]["reference_h100_tick_ms"] == [24, 25]
     assert rows["tick_p50@2"]["floor"] >= rows["tick_p50@1"]["floor"]
-    assert data["settings"]["outputs"] == "text,audio" and data["ours"]["startup_s"] > 0
+    assert data["settings"]["outputs"] == "text,audio" and data["settings"]["stagger_s"] == 0.16
+    assert data["ours"]["startup_s"] > 0
 
 
 def test_sigterm_keeps_the_rounds_that_ran(tmp_path, monkeypatch) -> None:
