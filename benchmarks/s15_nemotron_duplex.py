@@ -27,7 +27,8 @@ backend's ``generate`` with ``live_input``, its ``append`` into the model's ``li
   reference's one-shot replays). ``tick_p50/p90/max@N``: the time between consecutive agent
   frames of a call (the talker's audio frames, or the text tokens with ``--text-only``), over
   every call; ``first_frame@N``: submit to a call's first agent frame; ``frames_per_s@N``.
-* **realtime**: append k sent at ``start + k x 80 ms`` (all calls start together).
+* **realtime**: append k sent at ``start + k x 80 ms`` (all calls start together, or open
+  evenly over ``--stagger-s`` seconds).
   ``lag_p50/p90/max@N``: agent frame k's arrival after append k was sent (the last frame,
   which ``end_input`` flushes, after ``end_input``); ``first_frame_live@N``;
   ``realtime_calls@N``: the calls that keep up, their lag not growing by a frame (80 ms)
@@ -226,16 +227,23 @@ def write_model_dir(root: Path, smoke: bool) -> Path:
 
 
 def deployment(settings: Settings, model_dir: Path, max_prompt_tokens: int = 256) -> dict[str, Any]:
-    """The deployment S15 serves (the YAML's keys): pools for the largest call count."""
+    """The deployment S15 serves (the YAML's keys): every pool holds the largest call count's
+    calls of ``max_session_s``, and no more."""
+    from mstar.model.eartts.engine import TalkerEngine
+    from mstar.model.nemotron_duplex.config import DuplexConfig
+    from mstar.model.nemotron_duplex.talker import warmup_positions
+
     cap, page = max(settings.calls), settings.page_size
     frames = int(settings.max_session_s * RATE) // FRAME + 2
     positions = max_prompt_tokens + frames
     max_seq_len = -(-positions // page) * page
+    talker = DuplexConfig.from_dir(model_dir).talker
+    talker_pages = cap * TalkerEngine.kv_pages_per_session(frames, warmup_positions(talker), page)
     return {"model": KEY, "model_path": str(model_dir), "load_format": "dummy", "device": settings.device,
             "dtype": str(settings.dtype).removeprefix("torch."), "max_seq_len": max_seq_len,
             "max_concurrent_requests": cap,
             "resources": {"kv_cache": {"max_num_pages": cap * (max_seq_len // page) + 1, "page_size": page},
-                          "talker_kv": {"page_size": page}},
+                          "talker_kv": {"max_num_pages": talker_pages, "page_size": page}},
             "model_kwargs": {"seed": settings.seed, "max_session_s": settings.max_session_s,
                              "max_prompt_tokens": max_prompt_tokens,
                              "attention_backend": settings.attention_backend}}
