@@ -72,10 +72,14 @@ class MLP(nn.Module):
 @dataclass
 class Segment:
     """One request's media rows in a packed step: ``length`` rows, reading ``text`` (its text
-    keys/values at this layer, ``[L, kv_heads, head_dim]`` each)."""
+    keys/values at this layer, ``[L, kv_heads, head_dim]`` each) and, in a kv window, ``past``
+    (the committed clean keys/values of earlier windows, read between the text and the rows);
+    ``keep``, when a list, collects this layer's keys/values of the rows (a commit pass)."""
 
     length: int
     text: tuple[torch.Tensor, torch.Tensor]
+    past: tuple[torch.Tensor, torch.Tensor] | None = None
+    keep: list | None = None
 
 
 class PackedAttention(nn.Module):
@@ -125,8 +129,11 @@ class PackedAttention(nn.Module):
         outs, start = [], 0
         for seg in segments:
             end = start + seg.length
-            keys = torch.cat([seg.text[0], k[start:end]]).transpose(0, 1)
-            values = torch.cat([seg.text[1], v[start:end]]).transpose(0, 1)
+            past = () if seg.past is None else (seg.past,)
+            keys = torch.cat([seg.text[0], *(p[0] for p in past), k[start:end]]).transpose(0, 1)
+            values = torch.cat([seg.text[1], *(p[1] for p in past), v[start:end]]).transpose(0, 1)
+            if seg.keep is not None:
+                seg.keep.append((k[start:end], v[start:end]))
             out = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values, enable_gqa=True)
             outs.append(out.transpose(0, 1).flatten(-2))
             start = end
@@ -229,6 +236,8 @@ class MediaItem:
     action: ActionTokens | None = None
     sound: torch.Tensor | None = None  # sound latents [sound_dim, T] (all noisy), after the video rows
     sound_positions: torch.Tensor | None = None  # their rotary positions [3, T]
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # kv windows: committed K/V per layer
+    keep: list | None = None  # a commit pass: collects the rows' K/V per layer
 
 
 @dataclass
@@ -358,7 +367,8 @@ class Cosmos3Transformer(nn.Module):
             masks.append(noisy)
         x, cos, sin = torch.cat(tokens), torch.cat(cos), torch.cat(sin)
         for index, layer in enumerate(self.layers):
-            segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
+            segments = [Segment(len(tok), item.text.layers[index], None if item.past is None else item.past[index],
+                                item.keep) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
         x = self.norm_moe_gen(x)
         # one GEMM over every row (the few sound and action rows' results unused): a request's video
