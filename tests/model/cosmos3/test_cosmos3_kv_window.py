@@ -9,7 +9,8 @@ latents], its generation-pathway attention masked block-causally by a processor 
 frame is read; with 9 (3 latent frames, less than two windows of 2) the older ones are released
 mid-window and the committed cache stays at 3 frames. (b) A one-window kv rollout is the plain
 t2v clip. (d) Seeded kv rollouts through the in-process runtime repeat, stream one event a
-window and equal the engine-driven rollout step for step. The startup warning; the 400s."""
+window and equal the engine-driven rollout step for step; a kv session keeps its last window,
+which a chained request resumes. The startup warning; the 400s."""
 
 from __future__ import annotations
 
@@ -256,6 +257,18 @@ def test_seeded_kv_rollouts_repeat_and_equal_the_engine_rollout(deployment, chec
     assert worst <= 1e-6
     assert not dit.committed and not dit.prepared  # released with the request
     assert np.frombuffer(whole[0], dtype=np.uint8).std() > 0
+
+
+def test_a_kv_session_is_resumed_by_a_chained_request(deployment):
+    worker = deployment.runtime.workers.workers[0]
+    [first] = events(deployment, "kv-sess", session=SessionSpec("kv-world"), num_frames=9, seed=2, **KV)
+    kept = worker.sessions.get("kv-world", "vae")
+    # the last window whole (5 frames), of which the 9-frame clip took the first 4
+    assert kept is not None and kept.numpy()[:4].tobytes() == first[-4 * HEIGHT * WIDTH * 3:]
+    chained = {"window_mode": "chained", "window_frames": 9, "overlap_frames": 5}
+    [more] = events(deployment, "kv-sess-2", session=SessionSpec("kv-world", resume=True, end=True),
+                    num_frames=4 + 1, seed=3, **chained)
+    assert len(more) == 5 * HEIGHT * WIDTH * 3
 
 
 def test_startup_warns_that_kv_is_experimental(checkpoint, caplog):
