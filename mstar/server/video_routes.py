@@ -15,8 +15,8 @@ them). The family checks them before queueing; its refusals are renamed to this 
 -> ``size``, ``num_frames`` -> ``seconds`` when the count came from seconds), so a 400 names
 what the client sent. The frames come back raw from the model; the mp4 is written here, in a thread, never in the model.
 
-A windowed rollout (``window_mode``, ``window_frames``, ``overlap_frames``, ``stream_video``,
-where the model takes them) with ``stream_video`` answers an NDJSON body instead: one line
+A windowed rollout (``window_mode``, ``window_frames``, ``overlap_frames``, ``context_frames``,
+``stream_video``, where the model takes them) with ``stream_video`` answers an NDJSON body instead: one line
 ``{"type": "video", "index": i, "b64_json": mp4}`` a window as it is decoded (``png_frames``:
 ``"frames"``, a PNG list), closed by ``{"type": "done"}`` (an error after the start: an
 ``{"error"}`` line).
@@ -82,9 +82,10 @@ class VideoRequest(BaseModel):
     action_chunk_size: int | None = Field(None, ge=1, description="forward dynamics: actions (frames - 1)")
     resolution_tier: int | None = Field(None, description="forward dynamics: the canvas tier (256, 480, 704, 720)")
     response_format: str = Field("b64_json", description="b64_json (an mp4) or png_frames")
-    window_mode: str | None = Field(None, description="a windowed rollout: chained")
+    window_mode: str | None = Field(None, description="a windowed rollout: chained or kv (experimental)")
     window_frames: int | None = Field(None, ge=1, description="windowed: pixel frames a window denoises")
     overlap_frames: int | None = Field(None, ge=1, description="windowed: frames re-pinned from the last window")
+    context_frames: int | None = Field(None, ge=0, description="windowed kv: committed frames kept (0: all)")
     stream_video: bool | None = Field(None, description="windowed: an NDJSON body, one video line a window")
     user: str | None = None
 
@@ -122,7 +123,7 @@ def model_kwargs_of(req: VideoRequest, backend: Any = None) -> tuple[dict[str, A
         renames["num_frames"] = "seconds"
     for name in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "conditioning_resize",
                  "condition_latent_frames", "enable_sound", "window_mode", "window_frames", "overlap_frames",
-                 "stream_video", "action_mode", "raw_actions", "domain_name", "action_chunk_size",
+                 "context_frames", "stream_video", "action_mode", "raw_actions", "domain_name", "action_chunk_size",
                  "resolution_tier"):
         if (value := getattr(req, name)) is not None:
             kwargs[name] = value

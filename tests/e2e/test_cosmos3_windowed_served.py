@@ -3,7 +3,9 @@
 rollout of 3 windows with ``stream_video`` streams as 3 NDJSON video lines (9, 4 and 4 frames)
 that join into the non-streamed answer's clip; without ``stream_video`` a streamed answer has
 one video line; a session resumes with only its new frames, ``end_session`` frees it and its
-next resume is a 410 naming ``session_id``; ``window_mode: kv`` is a 400 naming it."""
+next resume is a 410 naming ``session_id``; a ``window_mode: kv`` rollout streams its windows
+(5, 5 and 3 frames) on ``/generate`` and ``/v1/videos/generations``; bad ``context_frames``
+(negative, or with chained) are 400s naming it."""
 
 from __future__ import annotations
 
@@ -83,7 +85,9 @@ def test_a_session_resumes_and_ends(app):
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"window_mode": "kv"}, "window_mode"),
+    ({"window_mode": "sliding"}, "window_mode"),
+    ({"window_mode": "kv", "context_frames": -1}, "context_frames"),
+    ({"window_mode": "chained", "context_frames": 61}, "context_frames"),
     ({"window_mode": "chained", "window_frames": 5}, "window_frames"),
     ({"window_mode": "chained", "window_frames": 9, "overlap_frames": 9}, "overlap_frames"),
     ({"stream_video": "sometimes"}, "stream_video"),
@@ -113,8 +117,28 @@ def test_the_video_route_streams_one_mp4_a_window(app):
     whole = asyncio.run(post_video(app, {"num_frames": 17, **WINDOW}))  # not streamed: one mp4 of the rollout
     assert whole.status_code == 200, whole.text
     assert len(decode_mp4(base64.b64decode(whole.json()["data"][0]["b64_json"]))[0]) == 17
-    refused = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, "window_mode": "kv"}))
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "window_mode", refused.text
+    refused = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, "window_mode": "kv",
+                                           "context_frames": -2}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "context_frames", refused.text
+
+
+KV = {"window_mode": "kv", "window_frames": 5, "context_frames": 5}
+
+
+def test_a_kv_rollout_streams_its_windows(app):
+    chunks = video_lines(asyncio.run(post(app, {"num_frames": 13, "stream_video": True, **KV}, streaming=True)))
+    assert [len(c) // FRAME_BYTES for c in chunks] == [5, 5, 3]  # no overlap: every frame is new
+    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))
+    assert whole == b"".join(chunks)
+    assert whole != clip(asyncio.run(post(app, {"num_frames": 13, **KV, "context_frames": 0})))  # 0 keeps window 0
+    assert np.frombuffer(whole, dtype=np.uint8).std() > 0
+    from mstar.media.video import decode_mp4
+
+    response = asyncio.run(post_video(app, {"num_frames": 13, "stream_video": True, **KV}))
+    assert response.status_code == 200, response.text
+    lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    assert [line["type"] for line in lines] == ["video"] * 3 + ["done"]
+    assert [len(decode_mp4(base64.b64decode(line["b64_json"]))[0]) for line in lines[:3]] == [5, 5, 3]
 
 
 def test_ws_appends_continue_the_rollout(app):

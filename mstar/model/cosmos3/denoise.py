@@ -32,6 +32,11 @@ clean (forward dynamics); the columns past ``raw_action_dim`` are kept zero. Its
 come from the VAE's encode of the padded canvas: they are cut to the latents' (content) rows and
 columns. Op ``actions`` [action_latents -> action] gives the final chunk's ``raw_action_dim``
 columns. A request may carry sound, actions, both or neither: each pathway keeps its own solver.
+
+A ``window_mode: kv`` window (params ``window_mode``, ``num_windows``, ``context_latents``) reads
+its rollout's committed K/V and sits at its slice of the whole rollout's positions; after its
+last step a commit pass keeps its clean K/V for the next window
+(``mstar.model.cosmos3.kv_window``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch
 from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.model.cosmos3.kv_window import CommittedKV
 from mstar.model.cosmos3.layout import (
     action_positions,
     media_offset,
@@ -72,6 +78,11 @@ def guidance_scale(item: EngineItem) -> float:
     return float(item.params.get("guidance_scale", 1.0))
 
 
+def is_kv(item: EngineItem) -> bool:
+    """Whether ``item`` is a step of a ``window_mode: kv`` windowed rollout."""
+    return item.params.get("window_mode") == "kv"
+
+
 def combine(velocities: list[torch.Tensor], scale: float) -> torch.Tensor:
     """A row's velocity, or a guided pair's ``v_uncond + g (v_cond - v_uncond)``."""
     return velocities[0] if len(velocities) == 1 else guide(*velocities, scale)
@@ -89,6 +100,7 @@ class Cosmos3DenoiseEngine(Engine):
         self.solvers: dict[str, UniPCState] = {}
         self.sound_solvers: dict[str, UniPCState] = {}
         self.action_solvers: dict[str, UniPCState] = {}
+        self.committed: dict[str, CommittedKV] = {}  # kv windowed rollouts' committed K/V
         self.forward_rows: deque[int] = deque(maxlen=1024)  # rows of each recent forward (batch log)
 
     def _prepare(self, item: EngineItem) -> Prepared:
@@ -97,6 +109,10 @@ class Cosmos3DenoiseEngine(Engine):
             names = ["prompt_ids", "negative_ids"] if guidance_scale(item) > 1 else ["prompt_ids"]
             texts, positions, sounds, actions = [], [], [], []
             grid = patch_grid(config, tuple(item.inputs["latents"].shape))
+            if is_kv(item):  # positions of the whole rollout; each window takes its slice
+                self.committed[item.request_id] = CommittedKV(len(names), grid[0], grid[1] * grid[2],
+                                                              int(item.params["context_latents"]))
+                grid = (grid[0] * int(item.params["num_windows"]), *grid[1:])
             fps = float(item.params.get("fps", 24.0))
             sound = item.inputs.get("sound_latents")
             if sound is not None and isinstance(self.scheduler, FixedSigmas):
@@ -150,13 +166,17 @@ class Cosmos3DenoiseEngine(Engine):
                 noisy = list(range(0 if clean is None else clean.shape[1], latents.shape[1]))
                 sound = item.inputs.get("sound_latents")
                 sound = None if sound is None else sound.to(self.device, torch.float32)
+                kv = self.committed.get(item.request_id)
                 for j, (text, pos, sound_pos) in enumerate(zip(prepared.texts, prepared.positions,
                                                                prepared.sound_positions)):
                     chunk = None
                     if actions is not None:
                         chunk = ActionTokens(actions[0], actions[1], int(item.params["action_domain"]),
                                              prepared.action_positions[j])
-                    rows.append((i, MediaItem(latents, timestep, noisy, pos, text, chunk, sound, sound_pos)))
+                    row = MediaItem(latents, timestep, noisy, pos, text, chunk, sound, sound_pos)
+                    if kv is not None:
+                        row.positions, row.past = kv.window_positions(pos), kv.past(j)
+                    rows.append((i, row))
             predictions = self._predict([row for _, row in rows])
             per_item: dict[int, list[Prediction]] = {}
             for (i, _), prediction in zip(rows, predictions):
@@ -177,10 +197,33 @@ class Cosmos3DenoiseEngine(Engine):
                     out["action_latents"], action_solvers[item.request_id] = self._action_step(item, va,
                                                                                                *states[i][2])
                 outputs.append(EngineOutput(out))
+            self._commit([(item, out.outputs["latents"]) for item, out in zip(items, outputs)
+                          if is_kv(item) and item.iteration == int(item.params["num_steps"]) - 1])
         self.solvers.update({k: v for k, v in solvers.items() if v is not None})  # once the whole batch stepped
         self.sound_solvers.update(sound_solvers)
         self.action_solvers.update({k: v for k, v in action_solvers.items() if v is not None})
         return outputs
+
+    def _commit(self, finished: list[tuple[EngineItem, torch.Tensor]]) -> None:
+        """The commit pass of kv windows whose last step was just taken: the finished latents as
+        clean frames (no time embedding) through the tower, each guidance row keeping its K/V.
+        A rollout's last window commits nothing (no window reads it)."""
+        rows, owners = [], []
+        for item, latents in finished:
+            kv = self.committed[item.request_id]
+            if kv.windows + 1 >= int(item.params["num_windows"]):
+                continue
+            prepared = self.prepared[item.request_id]
+            for j, (text, pos) in enumerate(zip(prepared.texts, prepared.positions)):
+                rows.append(MediaItem(latents, 0.0, [], kv.window_positions(pos), text, past=kv.past(j), keep=[]))
+            owners.append((kv, len(prepared.texts)))
+        if not rows:
+            return
+        self._predict(rows)
+        start = 0
+        for kv, count in owners:
+            kv.commit([row.keep for row in rows[start:start + count]])
+            start += count
 
     def _actions(self, item: EngineItem) -> tuple[torch.Tensor, list[int]] | None:
         """An action request's chunk (float32) and its noisy rows; None for a video request."""
@@ -261,3 +304,4 @@ class Cosmos3DenoiseEngine(Engine):
         self.solvers.pop(request_id, None)
         self.sound_solvers.pop(request_id, None)
         self.action_solvers.pop(request_id, None)
+        self.committed.pop(request_id, None)

@@ -42,8 +42,9 @@ class Cosmos3Knobs(Knobs):
     clip, 1280x720x189)."""
 
     enable_windowed_video: bool = False
-    """Declare the windowed walks (``window_mode: chained``, ``stream_video``, sessions;
-    ``mstar.model.cosmos3.windowed``): a long clip made window by window."""
+    """Declare the windowed walks (``window_mode`` chained or kv, ``stream_video``, sessions;
+    ``mstar.model.cosmos3.windowed``): a long clip made window by window. kv is experimental:
+    the frontend logs a warning at startup."""
 
     max_windows: int = Field(64, ge=1)
     """The most windows one windowed request may take."""

@@ -44,6 +44,7 @@ reasoner: ``mstar.model.cosmos3.chat``.
 
 from __future__ import annotations
 
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar, Literal
@@ -61,7 +62,7 @@ from mstar.model.cosmos3.conditioning import condition_length, image_pixels, vid
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
 from mstar.model.cosmos3.sampler import draws
 from mstar.model.cosmos3.sound import SoundLayout, SoundVideoStream
-from mstar.model.cosmos3.windowed import WindowedVideo, prepare_windowed, windowed_walks
+from mstar.model.cosmos3.windowed import KV_WARNING, WindowedVideo, prepare_windowed, windowed_walks
 from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
 from mstar.model.knobs import RequestKnobs
@@ -74,6 +75,7 @@ FRAME_STEP = 4  # the VAE's time compression: num_frames = 1 + 4k
 MAX_SIDE = 16384
 # the distilled checkpoints' noise (latents and one draw a step), drawn off the request path
 _NOISE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cosmos3-noise")
+log = logging.getLogger(__name__)
 
 
 class VideoKnobs(RequestKnobs):
@@ -94,9 +96,9 @@ class VideoKnobs(RequestKnobs):
     enable_sound: bool = False  # a soundtrack with the clip (the pipeline's enable_sound)
     # windowed rollouts (mstar.model.cosmos3.windowed; the deployment's enable_windowed_video)
     window_mode: Literal["chained", "kv"] | None = None  # None: chained when stream_video or a session asks
-    window_frames: int | None = Field(None, ge=1)  # pixel frames a window denoises (29; Edge 61)
+    window_frames: int | None = Field(None, ge=1)  # pixel frames a window denoises (29; Edge 61; kv 29)
     overlap_frames: int | None = Field(None, ge=1)  # frames re-pinned from the previous window (8; Edge 32)
-    context_frames: int | None = Field(None, ge=0)  # kv only (not served)
+    context_frames: int | None = Field(None, ge=0)  # kv only: committed frames kept (61; 0 keeps all)
     stream_video: bool = False  # each window its own video event, as it is decoded
 
 
@@ -234,6 +236,8 @@ class Cosmos3(ActionRequests, ModelSpec):
         self.action_chunk = self.knobs.action_chunk_size if self.action_dim else 0  # /generate's rows of an action
         if self.action_dim and self.knobs.domain_name is not None:
             self._domain(self.knobs.domain_name)  # a bad deployment domain fails startup, not a request
+        if self.knobs.enable_windowed_video and self.distilled_sigmas is None:
+            log.warning("%s: %s", self.key, KV_WARNING)
 
     def _steps_and_scale(self, steps: int | None, scale: float | None) -> tuple[int, float]:
         if self.distilled_sigmas is not None:  # the schedule is the checkpoint's, guidance baked in

@@ -93,20 +93,30 @@ class MLP(nn.Module):
 class Segment:
     """One request's media rows in a packed step: ``length`` rows (of the whole step, whatever
     slice of it this SP rank holds), reading ``text`` (its text keys/values at this layer,
-    ``[L, kv_heads, head_dim]`` each, this rank's KV heads)."""
+    ``[L, kv_heads, head_dim]`` each, this rank's KV heads) and, in a kv window, ``past`` (the
+    committed clean keys/values of earlier windows, this rank's heads, read between the text
+    and the rows); ``keep``, when a list, collects this layer's keys/values of the rows (a
+    commit pass)."""
 
     length: int
     text: tuple[torch.Tensor, torch.Tensor]
+    past: tuple[torch.Tensor, torch.Tensor] | None = None
+    keep: list | None = None
 
 
 def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-    """Media attention on ``q, k, v [1, N, heads, head_dim]`` (every row of the step): each
-    segment's rows attend to its request's text keys/values and its own rows."""
+    """Media attention on ``q, k, v [1, N, heads, head_dim]`` (every row of the step, this rank's
+    heads): each segment's rows attend to its request's text keys/values, its committed ``past``
+    and its own rows; a segment with ``keep`` collects its rows' keys/values."""
     outs, start = [], 0
     for seg in segments:
         end = start + seg.length
-        keys = torch.cat([seg.text[0], k[0, start:end]]).transpose(0, 1)
-        values = torch.cat([seg.text[1], v[0, start:end]]).transpose(0, 1)
+        rows = (k[0, start:end], v[0, start:end])
+        past = () if seg.past is None else (seg.past,)
+        keys = torch.cat([seg.text[0], *(p[0] for p in past), rows[0]]).transpose(0, 1)
+        values = torch.cat([seg.text[1], *(p[1] for p in past), rows[1]]).transpose(0, 1)
+        if seg.keep is not None:
+            seg.keep.append(rows)
         out = F.scaled_dot_product_attention(q[0, start:end].transpose(0, 1), keys, values, enable_gqa=True)
         outs.append(out.transpose(0, 1))
         start = end
@@ -262,6 +272,8 @@ class MediaItem:
     action: ActionTokens | None = None
     sound: torch.Tensor | None = None  # sound latents [sound_dim, T] (all noisy), after the video rows
     sound_positions: torch.Tensor | None = None  # their rotary positions [3, T]
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # kv windows: committed K/V per layer
+    keep: list | None = None  # a commit pass: collects the rows' K/V per layer
 
 
 @dataclass
@@ -393,7 +405,8 @@ class Cosmos3Transformer(nn.Module):
         shard = partial(self.sequence.shard, dim=0)  # this SP rank's slice of the step's rows
         x, cos, sin = shard(torch.cat(tokens)), shard(torch.cat(cos)), shard(torch.cat(sin))
         for index, layer in enumerate(self.layers):
-            segments = [Segment(len(tok), item.text.layers[index]) for tok, item in zip(tokens, items)]
+            segments = [Segment(len(tok), item.text.layers[index], None if item.past is None else item.past[index],
+                                item.keep) for tok, item in zip(tokens, items)]
             x = layer.media(x, cos, sin, segments)
         x = self.norm_moe_gen(x)
         # one GEMM over every row (the few sound and action rows' results unused): a request's video

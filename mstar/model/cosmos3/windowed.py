@@ -1,4 +1,4 @@
-"""Cosmos3 windowed rollouts (``window_mode: chained``): a long clip made window by window.
+"""Cosmos3 windowed rollouts (``window_mode`` chained or kv): a long clip made window by window.
 
 A deployment with ``enable_windowed_video`` declares the ``windowed`` walks (``_guided`` with
 a negative prompt)::
@@ -29,7 +29,15 @@ frames. ``end_session`` and the timeouts are the session book's (``docs/sessions
 
 ``stream_video``: each window's frames are one ``video`` event as soon as they are decoded;
 without it ``WindowedVideo`` holds them and sends the assembled clip at the end.
-``window_mode: kv`` (committed K/V, block-causal) is not served: a 400 naming ``window_mode``.
+
+``window_mode: kv`` (experimental; ``mstar.model.cosmos3.kv_window``): the same walks, no
+overlap. Every window is ``window_frames`` (29 by default) of new frames in the text-to-video
+layout (window 0 image-/video-conditioned when the request brings a file), denoised attending
+block-causally to the committed clean K/V of the windows before it, which the denoise node keeps
+per request; frames more than ``context_frames`` (61 by default, as latent frames; 0 keeps all)
+behind the frontier are released. Each window is decoded as a clip of its own. A kv rollout may
+keep a session (its last window's frames, for a chained resume) but not resume one: the
+committed K/V lives on the denoise node for one request only (a 400 naming ``resume_session``).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import torch
 from mstar.contract import OutputEvent, RequestError
 from mstar.graph import Emit, Loop, Sequential, Step, Walk
 from mstar.model.cosmos3.conditioning import condition_length, video_pixels
+from mstar.model.cosmos3.kv_window import context_latents
 from mstar.model.spec import WalkRequest
 from mstar.model.video_output import VideoFrames
 from mstar.model.wan22.vae import frames_uint8
@@ -52,6 +61,11 @@ OPS = ("window_start", "window_decode")
 # (window_frames, overlap_frames) when a request sends none: Edge's 61/32, 29/8 elsewhere
 EDGE_DEFAULTS = (61, 32)
 DEFAULTS = (29, 8)
+KV_WINDOW_FRAMES = 29
+KV_CONTEXT_FRAMES = 61
+KV_WARNING = ("window_mode: kv is experimental: the checkpoints were not trained block-causally, so committed "
+              "K/V conditions a later window far more weakly than chained's pinned frames (an image-conditioned "
+              "rollout can leave the scene at the first window boundary)")
 
 
 def windowed_walks() -> list[Walk]:
@@ -75,8 +89,8 @@ class WindowPlan:
 
     window_frames: int  # pixel frames a window denoises, 1 + 4 (latent_frames - 1)
     latent_frames: int
-    pinned_latents: int  # k: latent frames a later window takes from the previous one
-    pinned_frames: int  # p = 1 + 4 (k - 1)
+    pinned_latents: int  # k: latent frames a later window takes from the previous one (0 in kv)
+    pinned_frames: int  # p = 1 + 4 (k - 1); 0 when k is 0
     first_skip: int  # window 0's leading frames not delivered (p when resuming a session, else 0)
     num_frames: int  # delivered in all
     num_windows: int
@@ -99,7 +113,8 @@ class WindowPlan:
     def of_params(cls, params: dict) -> WindowPlan:
         k = int(params["window_pinned_latents"])
         frames = int(params["window_frames"])
-        return cls(frames, (frames - 1) // FRAME_STEP + 1, k, condition_length(k), int(params["window_first_skip"]),
+        return cls(frames, (frames - 1) // FRAME_STEP + 1, k, condition_length(k) if k else 0,
+                   int(params["window_first_skip"]),
                    int(params["num_frames"]), int(params["num_windows"]))
 
 
@@ -126,6 +141,23 @@ def plan_windows(num_frames: int, window_frames: int, overlap_frames: int, *, re
         raise RequestError("num_frames", f"{num_frames} frames take {windows} windows of {frames}; at most "
                                          f"{max_windows} (max_windows)")
     return WindowPlan(frames, latent, k, pinned, pinned if resume else 0, num_frames, windows)
+
+
+def plan_kv_windows(num_frames: int, window_frames: int, *, first_condition: int = 0,
+                    max_windows: int = 64) -> WindowPlan:
+    """The windows of a kv rollout: ``window_frames`` new frames each, no overlap."""
+    latent = (window_frames - 1) // FRAME_STEP + 1
+    if latent < 2:
+        raise RequestError("window_frames", f"a kv window needs at least 2 latent frames (5 pixel frames), "
+                                            f"got {window_frames}")
+    if first_condition >= latent:
+        raise RequestError("condition_latent_frames", f"must be below the window's {latent} latent frames")
+    frames = condition_length(latent)
+    windows = math.ceil(num_frames / frames)
+    if windows > max_windows:
+        raise RequestError("num_frames", f"{num_frames} frames take {windows} windows of {frames}; at most "
+                                         f"{max_windows} (max_windows)")
+    return WindowPlan(frames, latent, 0, 0, 0, num_frames, windows)
 
 
 def window_noise(shape: tuple[int, ...], windows: int, seed: int) -> torch.Tensor:
@@ -177,7 +209,8 @@ def _decode(vae, item, plan: WindowPlan, dtype, device, chunk: int) -> dict:
     if item.session is not None:
         item.session.put(frames.clone())  # the session's world state: the latest window
     skip, take = plan.delivered(item.iteration)
-    return {"frames": frames[skip:skip + take].contiguous(), "tail_pixels": tail_pixels(frames, plan)}
+    tail = tail_pixels(frames, plan) if plan.pinned_frames else torch.zeros(3, 0, *frames.shape[1:3])
+    return {"frames": frames[skip:skip + take].contiguous(), "tail_pixels": tail}
 
 
 class WindowedVideo(VideoFrames):
@@ -211,25 +244,32 @@ def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) ->
     if not model.knobs.enable_windowed_video:
         raise RequestError(field, f"model {model.key!r}: windowed rollouts are off in this deployment "
                                   "(enable_windowed_video)")
-    if knobs.window_mode == "kv":
-        raise RequestError("window_mode", "kv (committed K/V, block-causal windows) is not served; use chained")
     if model.distilled_sigmas is not None:
         raise RequestError(field, f"model {model.key!r}: windowed rollouts run on the UniPC sampler only")
     if knobs.enable_sound:
         raise RequestError("enable_sound", "windowed rollouts have no soundtrack")
-    if knobs.context_frames is not None:
+    kv = knobs.window_mode == "kv"
+    if knobs.context_frames is not None and not kv:
         raise RequestError("context_frames", "applies to window_mode kv only")
+    if kv and knobs.overlap_frames is not None:
+        raise RequestError("overlap_frames", "kv windows do not overlap (they read the committed K/V instead)")
     resume = spec.session is not None and spec.session.resume
+    if resume and kv:
+        raise RequestError("resume_session", "a kv rollout's committed K/V is not kept between requests; resume "
+                                             "a session with window_mode chained")
     if resume and condition is not None:
         raise RequestError("image", "a resumed session continues its frames; send no image or clip")
     defaults = EDGE_DEFAULTS if model.key.startswith("cosmos3_edge") else DEFAULTS
-    window = knobs.window_frames or defaults[0]
+    window = knobs.window_frames or (KV_WINDOW_FRAMES if kv else defaults[0])
     if knobs.width * knobs.height * window > model.knobs.max_video_pixels:
         raise RequestError("window_frames", f"{knobs.width}x{knobs.height}x{window} is over max_video_pixels "
                                             f"({model.knobs.max_video_pixels} pixels)")
     first = 0 if condition is None else (1 if condition[0] == "i2v" else knobs.condition_latent_frames)
-    plan = plan_windows(knobs.num_frames, window, knobs.overlap_frames or defaults[1], resume=resume,
-                        first_condition=first, max_windows=model.knobs.max_windows)
+    if kv:
+        plan = plan_kv_windows(knobs.num_frames, window, first_condition=first, max_windows=model.knobs.max_windows)
+    else:
+        plan = plan_windows(knobs.num_frames, window, knobs.overlap_frames or defaults[1], resume=resume,
+                            first_condition=first, max_windows=model.knobs.max_windows)
     fps = float(knobs.fps)
     meta = dict(num_frames=plan.window_frames, height=knobs.height, width=knobs.width, fps=fps)
     ids = model.prompt.ids(spec.text, **meta)
@@ -238,6 +278,9 @@ def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) ->
     pixels = condition[1] if condition is not None else torch.zeros(3, 0, knobs.height, knobs.width)
     inputs = {"prompt_ids": ids, "window_noise": window_noise(shape, plan.num_windows, seed), "tail_pixels": pixels}
     params = {"num_steps": steps, "fps": fps, "stream_video": knobs.stream_video, **plan.params()}
+    if kv:
+        context = KV_CONTEXT_FRAMES if knobs.context_frames is None else knobs.context_frames
+        params |= {"window_mode": "kv", "context_latents": context_latents(context)}
     walk = "windowed"
     if scale > 1:
         inputs["negative_ids"] = model.prompt.ids(knobs.negative_prompt, negative=True, **meta)

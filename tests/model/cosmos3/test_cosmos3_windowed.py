@@ -185,7 +185,6 @@ def test_i2v_window_zero_is_the_image_conditioned_clip(deployment):
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"window_mode": "kv"}, "window_mode"),
     ({"window_mode": "sliding"}, "window_mode"),
     ({"window_mode": "chained", "window_frames": 5}, "window_frames"),
     ({"window_mode": "chained", "window_frames": 9, "overlap_frames": 9}, "overlap_frames"),
