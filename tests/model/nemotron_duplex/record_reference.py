@@ -1,17 +1,23 @@
 """Record the duplex input side's fixture from NeMo's own speech-to-text model code.
 
-nemo-toolkit 3.0.0 does not install beside this project's torch, so two of its files are
-imported directly: ``speechlm2/models/duplex_stt_model.py`` (``DuplexSTTModel``, whose
-``forward`` runs the LLM and its text head) and ``speechlm2/streaming/duplex_stt_inference.py``
-(``DuplexSTTStreamingInference``: how a call's sequence is laid out, the system prompt
-before the first frame, and how each frame is fused with the previous agent token). The NeMo
-helpers they name (Lightning, PEFT, metrics, tokenizer, loaders) are stubbed. The LLM is
-transformers' ``NemotronHForCausalLM`` taken apart as NeMo's constructor takes it apart
-(``llm`` the backbone without its embedding table, ``embed_tokens``, ``lm_head``).
+nemo-toolkit 3.0.0 does not install beside this project's torch, so its files are imported
+directly, with the NeMo helpers they name (Lightning, PEFT, metrics, tokenizer, loaders,
+typing and adapter mixins) stubbed:
 
-NeMo's perception module (``AudioPerceptionModule``: its ConformerEncoder and featurizer) is
-not run: it imports most of NeMo's ASR collection. The fixture's perception output is fixed
-frames standing in for it, so the fixture checks everything after the encoder's projection.
+* the perception's encoder: ``asr/modules/conformer_encoder.py`` (``ConformerEncoder`` in the
+  VoiceChat's causal layout: ``causal_downsampling``, ``chunked_limited`` attention over the
+  frame and the ones before it, causal convolutions with a LayerNorm, per-layer position
+  biases) with its submodules; ``AudioPerceptionModule.forward`` around it is glue (an
+  identity modality adapter, then ``proj`` over the transposed frames) and is written out
+  here. The featurizer is not run: the encoder takes fixed log-mel frames (VoiceChat's
+  featurizer predates NeMo 2.5's and is checked elsewhere);
+* ``speechlm2/models/duplex_stt_model.py`` (``DuplexSTTModel``, whose ``forward`` runs the
+  LLM and its text head) and ``speechlm2/streaming/duplex_stt_inference.py``
+  (``DuplexSTTStreamingInference``: how a call's sequence is laid out, the system prompt
+  before the first frame, and how each frame is fused with the previous agent token). The LLM
+  is transformers' ``NemotronHForCausalLM`` taken apart as NeMo's constructor takes it apart
+  (``llm`` the backbone without its embedding table, ``embed_tokens``, ``lm_head``); its
+  perception output is the encoder's above.
 
     pip download nemo-toolkit==3.0.0 --no-deps -d /tmp/eartts-src
     (cd /tmp/eartts-src && unzip -q nemo_toolkit-3.0.0-*.whl)
@@ -40,7 +46,12 @@ LLM = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_h
            chunk_size=16, layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=BOS,
            pad_token_id=PAD, hybrid_override_pattern="M*-M-*M")
 USER_WEIGHT, TEXT_WEIGHT = 0.7, 1.3
-FRAMES = 7
+MEL_FRAMES = 60  # 8x subsampled: 8 perception frames
+ENCODER = dict(feat_in=16, n_layers=2, d_model=16, subsampling="dw_striding", subsampling_factor=8,
+               subsampling_conv_channels=4, causal_downsampling=True, ff_expansion_factor=2,
+               self_attention_model="rel_pos", n_heads=2, att_context_size=[6, 0], att_context_style="chunked_limited",
+               xscaling=True, untie_biases=True, conv_kernel_size=5, conv_norm_type="layer_norm",
+               conv_context_size="causal", dropout=0.0, dropout_pre_encoder=0.0, dropout_emb=0.0, dropout_att=0.0)
 PROMPT = [BOS, 17, 40, 7, 55, EOS]  # NeMo's layout of a system prompt: BOS, its text, EOS
 
 
@@ -88,6 +99,92 @@ def _stub_nemo() -> None:
     module("lightning", LightningModule=_Lightning)
     module("nemo.collections.speechlm2.data.utils", get_pad_id=lambda tokenizer: PAD)
     module("nemo.utils", logging=_Log())
+
+
+def _conformer_module(nemo: Path):
+    """NeMo's ``conformer_encoder`` module, its few NeMo-wide helpers stubbed."""
+    import contextlib
+    import dataclasses
+
+    def module(name: str, **attrs):
+        mod = _Stub(name)
+        mod.__path__ = []
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+
+    class Access:
+        def is_access_enabled(self, guid=None):
+            return False
+
+    def typecheck(*args, **kwargs):
+        return lambda f: f
+
+    @dataclasses.dataclass
+    class CacheAwareStreamingConfig:
+        chunk_size: int = 0
+        shift_size: int = 0
+        cache_drop_size: int = 0
+        last_channel_cache_size: int = 0
+        valid_out_len: int = 0
+        pre_encode_cache_size: int = 0
+        drop_extra_pre_encoded: int = 0
+        last_channel_num: int = 0
+        last_time_num: int = 0
+
+    for name in ("nemo.collections.asr", "nemo.collections.asr.parts", "nemo.collections.asr.parts.submodules",
+                 "nemo.collections.asr.parts.utils", "nemo.collections.asr.parts.mixins",
+                 "nemo.collections.asr.models", "nemo.collections.asr.modules", "nemo.collections.common.parts",
+                 "nemo.core.classes", "nemo.collections.asr.parts.submodules.adapters",
+                 "nemo.collections.asr.parts.utils.adapter_utils"):
+        module(name)
+    sys.modules["nemo.utils"].avoid_float16_autocast_context = contextlib.nullcontext
+    module("nemo.core.classes.common", typecheck=typecheck)
+    module("nemo.core.classes.exportable", Exportable=type("Exportable", (), {}))
+    module("nemo.core.classes.module", NeuralModule=nn.Module)
+    module("nemo.core.classes.mixins", AccessMixin=Access, adapter_mixins=types.SimpleNamespace(
+        AdapterModuleMixin=type("AdapterModuleMixin", (), {}), get_registered_adapter=lambda cls: cls))
+    module("nemo.collections.asr.models.configs", CacheAwareStreamingConfig=CacheAwareStreamingConfig)
+    module("nemo.collections.asr.parts.mixins.streaming", StreamingEncoder=type("StreamingEncoder", (), {}))
+    module("nemo.collections.asr.parts.submodules.adapters.attention_adapter_mixin",
+           AttentionAdapterModuleMixin=type("AttentionAdapterModuleMixin", (),
+                                            {"is_adapter_available": lambda self: False}))
+    asr = nemo / "collections/asr"
+    for name, path in (("asr.parts.submodules.causal_convs", "parts/submodules/causal_convs.py"),
+                       ("asr.parts.submodules.batchnorm", "parts/submodules/batchnorm.py"),
+                       ("asr.parts.utils.activations", "parts/utils/activations.py"),
+                       ("asr.parts.utils.regularization_utils", "parts/utils/regularization_utils.py"),
+                       ("common.parts.utils", "../common/parts/utils.py"),
+                       ("asr.parts.submodules.multi_head_attention", "parts/submodules/multi_head_attention.py"),
+                       ("asr.parts.submodules.subsampling", "parts/submodules/subsampling.py"),
+                       ("asr.parts.submodules.conformer_modules", "parts/submodules/conformer_modules.py")):
+        _load("nemo.collections." + name, asr / path)
+    return _load("nemo.collections.asr.modules.conformer_encoder", asr / "modules/conformer_encoder.py")
+
+
+def _randomize(module: nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1
+                    else torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+            if "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+
+
+def perception(nemo: Path, gen: torch.Generator) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """NeMo's encoder and the perception's projection on fixed log-mels: the released
+    tensors, the log-mels ``[T, mel]`` and the perception output ``[T', llm hidden]``."""
+    conformer = _conformer_module(nemo)
+    encoder = conformer.ConformerEncoder(**ENCODER).eval()
+    proj = nn.Linear(ENCODER["d_model"], LLM["hidden_size"])
+    _randomize(encoder, gen)
+    _randomize(proj, gen)
+    mel = torch.randn(1, ENCODER["feat_in"], MEL_FRAMES, generator=gen)
+    with torch.no_grad():
+        encoded, _ = encoder(audio_signal=mel, length=torch.tensor([MEL_FRAMES]))
+        frames = proj(encoded.transpose(1, 2))[0]  # AudioPerceptionModule: identity adapter, then proj
+    state = {"stt_model.perception.encoder." + k: v.clone() for k, v in encoder.state_dict().items()}
+    state |= {"stt_model.perception.proj." + k: v.clone() for k, v in proj.state_dict().items()}
+    return state, mel[0].T.contiguous(), frames
 
 
 def _load(name: str, path: Path):
@@ -160,7 +257,8 @@ def run(model, prompt: list[int] | None) -> dict[str, torch.Tensor]:
 
 
 def main():
-    src = Path(os.environ.get("NEMO_SRC", "/tmp/eartts-src")) / "nemo/collections/speechlm2"
+    nemo = Path(os.environ.get("NEMO_SRC", "/tmp/eartts-src")) / "nemo"
+    src = nemo / "collections/speechlm2"
     import transformers
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -186,8 +284,8 @@ def main():
             state["stt_model.llm." + name[len("model."):]] = tensor.clone()
         else:
             state["stt_model." + name] = tensor.clone()
-    # the perception output (already projected, before the user channel's weight)
-    frames = torch.randn(FRAMES, LLM["hidden_size"], generator=gen)
+    # the perception output (projected, before the user channel's weight)
+    encoder_state, mel, frames = perception(nemo, gen)
     model = build(stt, hf, frames)
     cases = {"prompt": run(model, PROMPT), "no_prompt": run(model, None)}
     OUT.parent.mkdir(exist_ok=True)
@@ -196,6 +294,7 @@ def main():
                      "transformers": str(transformers.__version__)},
         "llm_config": {k: v for k, v in LLM.items()}, "user_weight": USER_WEIGHT, "text_weight": TEXT_WEIGHT,
         "pad": PAD, "prompt": PROMPT, "frames": frames, "state": state, "cases": cases,
+        "encoder_config": ENCODER, "encoder_state": encoder_state, "mel": mel,
     }, OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
     for name, case in cases.items():

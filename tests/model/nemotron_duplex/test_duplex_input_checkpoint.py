@@ -1,14 +1,13 @@
-"""The duplex input side from a folder of VoiceChat-named safetensors (``stt_model.*``), and
-its fused frame steps against NeMo's own duplex STT code.
+"""The duplex input side from a folder of VoiceChat-named safetensors (``stt_model.*``)
+against NeMo's own duplex STT code.
 
 The fixture (``fixtures/duplex_stt_reference.pt``, written by ``record_reference.py`` from
-nemo-toolkit 3.0.0's ``DuplexSTTModel.forward`` and ``DuplexSTTStreamingInference``, with
-transformers' ``NemotronHForCausalLM`` as its LLM, torch 2.13, fp32 on the CPU) holds a tiny
-LLM's weights under the released names, fixed perception frames, and NeMo's greedy tokens and
-text logits per frame for a call with a system prompt and one without, at user and text
-channel weights 0.7 and 1.3. NeMo's perception module (its encoder and featurizer) was not
-run: the encoder's names are checked by a round trip here, its numerics by
-``tests/model/test_fastconformer_parity.py`` against transformers' streaming encoder."""
+nemo-toolkit 3.0.0's ``ConformerEncoder`` in VoiceChat's causal layout, its perception's
+projection, ``DuplexSTTModel.forward`` and ``DuplexSTTStreamingInference``, with transformers'
+``NemotronHForCausalLM`` as the LLM; torch 2.13, fp32 on the CPU) holds a tiny encoder's and
+LLM's weights under the released names, fixed log-mels (NeMo's featurizer is not run), NeMo's
+perception output, and its greedy tokens and text logits per frame for a call with a system
+prompt and one without, at user and text channel weights 0.7 and 1.3."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from transformers import NemotronHConfig as HFConfig
 
 from mstar.engine.base import EngineItem
 from mstar.model.fastconformer.config import FastConformerConfig
+from mstar.model.fastconformer.stream import EncoderStream
 from mstar.model.nemotron_duplex.checkpoint import load_encoder, load_llm
 from mstar.model.nemotron_duplex.config import DuplexConfig
 from mstar.model.nemotron_duplex.engines import NanoEngine
@@ -56,9 +56,11 @@ def llm_config(ref) -> NemotronHConfig:
     return NemotronHConfig.from_hf_dict(HFConfig(**ref["llm_config"]).to_dict())
 
 
-def run_call(ref, llm, prompt: list[int], chunks: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Prime, then feed the fixture's frames (scaled by the user channel's weight, as the
-    encoder node's projection does) in chunks; the tokens and each frame's logits."""
+def run_call(ref, llm, prompt: list[int], chunks: list[int],
+             frames: torch.Tensor | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Prime, then feed the frames (the fixture's NeMo perception output scaled by the user
+    channel's weight, as the encoder node's projection does, unless given) in chunks; the
+    tokens and each frame's logits."""
     inner = nemotron_h_engine(llm, max_slots=2, state_dtype=torch.float32, num_pages=16, page_size=8,
                               max_seq_len=64, device=torch.device("cpu"), dtype=torch.float32)
     engine = NanoEngine(inner, llm, pad_token_id=ref["pad"], user_weight=ref["user_weight"],
@@ -68,7 +70,7 @@ def run_call(ref, llm, prompt: list[int], chunks: list[int]) -> tuple[list[int],
     try:
         engine.run([EngineItem("a", "prime", 0, {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, PARAMS)])
         primed = len(seen)
-        frames = ref["frames"] * ref["user_weight"]
+        frames = ref["frames"] * ref["user_weight"] if frames is None else frames
         tokens, start = [], 0
         for i, size in enumerate(chunks):
             out = engine.run([EngineItem("a", "frame", i, {"frame": frames[start:start + size]}, PARAMS)])
@@ -88,7 +90,7 @@ def test_frame_steps_from_the_released_names_equal_nemo(ref, tmp_path, case):
     load_llm(llm, folder)
     want = ref["cases"][case]
     prompt = ref["prompt"] if case == "prompt" else []
-    tokens, logits = run_call(ref, llm, prompt, [1, 3, 1, 2])
+    tokens, logits = run_call(ref, llm, prompt, [1, 3, 1, 4])
     assert tokens == want["tokens"].tolist()
     assert len(logits) == len(want["logits"]) == ref["frames"].shape[0]
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(logits, want["logits"]))
@@ -121,14 +123,52 @@ def nemo_names(encoder: SpeechEncoder) -> dict[str, torch.Tensor]:
 
 
 def tiny_duplex(ref) -> DuplexConfig:
+    """The fixture encoder's config (NeMo's: 16 wide, 2 layers, left context 6, xscaling)."""
     encoder = FastConformerConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                                   subsampling_conv_channels=4, num_mel_bins=16, conv_kernel_size=5, causal=True,
-                                  left_context=6, default_lookahead=0)
-    return DuplexConfig(encoder, llm_config(ref), n_mels=16)
+                                  left_context=6, default_lookahead=0, scale_input=True)
+    return DuplexConfig(encoder, llm_config(ref), n_mels=16, user_channel_weight=ref["user_weight"])
+
+
+def released_encoder(ref, tmp_path) -> SpeechEncoder:
+    encoder = SpeechEncoder(tiny_duplex(ref)).eval()
+    load_encoder(encoder, save(tmp_path, ref["encoder_state"] | ref["state"] | SKIPPED))
+    return encoder
+
+
+def test_the_perception_from_the_released_names_equals_nemo(ref, tmp_path):
+    encoder = released_encoder(ref, tmp_path)
+    want = ref["frames"] * ref["user_weight"]
+    with torch.no_grad():
+        offline = encoder(ref["mel"])
+        stream, streamed = EncoderStream(encoder.encoder), []
+        for at in range(0, ref["mel"].shape[0], 8):  # 80 ms of mel frames at a time
+            mel = ref["mel"][at:at + 8]
+            streamed.append(stream.push(mel, last=at + 8 >= ref["mel"].shape[0]))
+        streamed = encoder.project(torch.cat(streamed))
+    assert offline.shape == streamed.shape == want.shape
+    for got in (offline, streamed):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-6
+
+
+@pytest.mark.parametrize("case", ["prompt", "no_prompt"])
+def test_the_whole_input_side_equals_nemo(ref, tmp_path, case):
+    """Our encoder's frames from the fixture's log-mels into our LLM: NeMo's tokens and logits."""
+    encoder = released_encoder(ref, tmp_path / "encoder")
+    with torch.no_grad():
+        frames = encoder(ref["mel"])
+    llm = NemotronHForCausalLM(llm_config(ref)).eval()
+    load_llm(llm, save(tmp_path / "llm", ref["state"] | ref["encoder_state"]))
+    want = ref["cases"][case]
+    tokens, logits = run_call(ref, llm, ref["prompt"] if case == "prompt" else [], [2, 7], frames)
+    assert tokens == want["tokens"].tolist()
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(logits, want["logits"]))
+    assert worst < 1e-5, worst
 
 
 def test_the_encoder_loads_from_nemo_names(ref, tmp_path):
     config = tiny_duplex(ref)
+    assert set(nemo_names(SpeechEncoder(config))) == set(ref["encoder_state"])  # NeMo's own names
     torch.manual_seed(3)
     source = SpeechEncoder(config)
     for p in source.parameters():
