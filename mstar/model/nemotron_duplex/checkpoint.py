@@ -85,21 +85,15 @@ def _known(name: str) -> bool:
             or llm_name(name) is not None)
 
 
-def _files(folder: Path) -> list[Path]:
-    from mstar.model.weights import _safetensors_files
-
-    return _safetensors_files(folder)
-
-
 def read_part(folder: Path, rename) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``folder`` that ``rename`` maps (as ``(our name, tensor)``), read
     lazily; first every name of the checkpoint is checked, and a tensor no part of the
     VoiceChat layout reads fails the load (``WeightLoadError`` naming it)."""
     from safetensors import safe_open
 
-    from mstar.model.weights import WeightLoadError
+    from mstar.model.weights import WeightLoadError, _safetensors_files
 
-    files = _files(folder)
+    files = _safetensors_files(folder)
     unknown = []
     for file in files:
         with safe_open(file, framework="pt") as handle:
