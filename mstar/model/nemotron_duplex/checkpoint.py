@@ -26,10 +26,16 @@ Skipped on purpose (the served walk does not use them): the front end's buffers
 (``stt_model.function_head.*``; tool calls are not served). Any other tensor, a modality
 adapter's or ``stt_model.embed_asr_tokens`` (a user-text channel fed back into the LLM) among
 them, fails the load naming it, as does a parameter no tensor fills.
+
+The release's own STT model (NeMo's ``nemotron-labs-voicechat`` branch, not NeMo 3.0) feeds
+the tool-call head's greedy token back into every position as a fourth channel (the pad's
+embedding while no tool is called); that channel is not served, so a checkpoint with a
+``function_head`` loads with a warning: its text is not expected to match the release's.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +48,8 @@ LLM = "stt_model.llm."
 EMBED = "stt_model.embed_tokens.weight"
 HEAD = "stt_model.lm_head.weight"
 TALKER = "tts_model."
+log = logging.getLogger(__name__)
+FUNCTION_HEAD = "stt_model.function_head."
 SKIPPED = ("stt_model.perception.preprocessor.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.",
            "stt_model.asr_head.", "stt_model.function_head.")
 
@@ -94,10 +102,14 @@ def read_part(folder: Path, rename) -> Iterator[tuple[str, torch.Tensor]]:
     from mstar.model.weights import WeightLoadError, _safetensors_files
 
     files = _safetensors_files(folder)
-    unknown = []
+    names = []
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            unknown += [name for name in handle.keys() if not _known(name)]
+            names += list(handle.keys())
+    unknown = [name for name in names if not _known(name)]
+    if any(name.startswith(FUNCTION_HEAD) for name in names):
+        log.warning("%s: the checkpoint has a tool-call head (stt_model.function_head); its channel is not fed "
+                    "back here, so the agent's text is not expected to match the release's", folder)
     if unknown:
         shown = ", ".join(sorted(unknown)[:8]) + (f" (and {len(unknown) - 8} more)" if len(unknown) > 8 else "")
         raise WeightLoadError(f"{folder}: checkpoint tensors outside the VoiceChat layout: {shown}")

@@ -200,3 +200,13 @@ def test_coverage_is_checked_both_ways(ref, tmp_path):
     # no encoder tensors: the encoder's parameters are named as unfilled
     with pytest.raises(WeightLoadError, match="did not fill .*encoder.layers.0.conv"):
         load_encoder(SpeechEncoder(tiny_duplex(ref)), save(tmp_path / "llm_only", ref["state"]))
+
+
+def test_a_tool_call_head_loads_with_a_warning(ref, tmp_path, caplog):
+    """The release feeds its tool-call head's token back; that channel is not served."""
+    llm = NemotronHForCausalLM(llm_config(ref))
+    with caplog.at_level("WARNING", logger="mstar.model.nemotron_duplex.checkpoint"):
+        load_llm(llm, save(tmp_path / "plain", ref["state"]))
+        assert not caplog.records
+        load_llm(llm, save(tmp_path / "tools", ref["state"] | SKIPPED))
+    assert "tool-call head" in caplog.text
