@@ -1,6 +1,7 @@
 """The duplex LLM's frame-synchronous step against transformers: ``NanoEngine`` primes a
-system prompt, then for each audio frame feeds the frame plus the embedding of the previous
-agent token (the pad before the first), greedy. The reference recomputes the whole sequence
+system prompt (each of its positions the token's embedding plus the pad's, as NeMo lays it
+out), then for each audio frame feeds the frame plus the embedding of the previous agent
+token (the pad before the first), greedy. The reference recomputes the whole sequence
 of input embeddings with transformers' ``NemotronHForCausalLM`` (no cache) and takes the
 argmax at each frame; tokens must agree and the logits within 1e-5 relative (fp32, tiny
 random config). Two calls with different frame counts in one plan equal each alone."""
@@ -51,7 +52,7 @@ PARAMS = {"sampling": {"temperature": 0.0}, "max_new_tokens": 1 << 30, "stop_tok
 @torch.no_grad()
 def reference_tokens(reference, prompt: list[int], frames: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
     embed = reference.get_input_embeddings()
-    sequence = [embed(torch.tensor(prompt))]
+    sequence = [embed(torch.tensor(prompt)) + embed(torch.tensor([PAD]))]
     previous, tokens, logits = PAD, [], []
     for frame in frames:
         sequence.append(frame[None] + embed(torch.tensor([previous])))

@@ -5,8 +5,10 @@ Read from the checkpoint folder's ``config.json``: ``encoder`` (the FastConforme
 the ``left_context`` frames before it, 70 by default), ``llm`` (a transformers Nemotron-H
 ``config.json``), ``n_mels`` (128), ``agent_pad_token_id`` (the agent's "no text" token,
 the previous token of its first frame and never shown as text; default the LLM's pad, else 0)
-and ``user_channel_weight`` (the audio frames' scale before they are fused, NeMo's
-``duplex_user_channel_weight``; default 1) and ``speech_generation`` (the EarTTS talker and
+``user_channel_weight`` (the user channel's scale, the audio frames' and the system prompt's,
+NeMo's ``duplex_user_channel_weight``; default 1), ``text_channel_weight`` (the scale of the
+previous agent token's embedding, NeMo's ``duplex_text_channel_weight``; default 1) and
+``speech_generation`` (the EarTTS talker and
 its codec, VoiceChat's ``model.speech_generation``: ``EarTTSConfig``; None when absent, and
 then the deployment refuses to start).
 """
@@ -33,6 +35,7 @@ class DuplexConfig:
     n_mels: int = 128
     agent_pad_token_id: int = 0
     user_channel_weight: float = 1.0
+    text_channel_weight: float = 1.0
     talker: EarTTSConfig | None = None
     eos_token_id: int | None = None  # the agent's end of text (the talker speaks silence before it)
 
@@ -48,11 +51,12 @@ class DuplexConfig:
         llm = NemotronHConfig.from_hf_dict(d["llm"])
         pad = d.get("agent_pad_token_id", d["llm"].get("pad_token_id"))
         weight = float(d.get("user_channel_weight", 1.0))
+        text_weight = float(d.get("text_channel_weight", 1.0))
         speech = d.get("speech_generation", d.get("model", {}).get("speech_generation"))
         talker = EarTTSConfig.from_speech_generation(speech) if speech else None
         eos = d["llm"].get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
-        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight, talker,
+        return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight, text_weight, talker,
                    None if eos is None else int(eos))
 
     @classmethod

@@ -11,15 +11,18 @@ frames that read the clip's end. A chunk that finalises no frame writes nothing 
 the LLM's stream).
 
 ``NanoEngine`` (node ``nano_llm``): the Nemotron-H autoregressive engine (paged KV for the
-attention layers, a ``mamba_state`` slot per call) behind two ops. ``prime`` prefills the
-system prompt; ``frame`` takes the call's new encoder frames and, for each, runs one decode
-step whose input embedding is the frame plus the embedding of the agent's previous text
-token (``agent_pad_token_id`` before its first), then samples the next one: one agent text
-token per 80 ms frame. That is the text channel of NeMo's duplex inference loop
-(``DuplexS2SModel.offline_inference``: the first frame with the pad's embedding, each later
-one with its predecessor's token), with the speech channel left to the talker. The
-end-of-sequence token is an ordinary token here: the loop ends when the audio does, not on
-it. The frames of every call in a plan run as one batched step per frame position.
+attention layers, a ``mamba_state`` slot per call) behind two ops, laid out as NeMo's
+``DuplexSTTStreamingInference`` lays out a call's sequence: the system prompt's positions,
+then one per audio frame. Every position's input is its user channel (a prompt token's
+embedding, or the frame, both scaled by ``user_channel_weight``: the encoder applies it to
+the frames) plus the text channel, the embedding of the agent's previous text token scaled
+by ``text_channel_weight`` (the pad at every prompt position and at the first frame; no
+token is sampled at a prompt position). ``prime`` prefills the prompt's positions (none
+when the call has no prompt: then the first frame is the prefill); ``frame`` runs, for each
+new frame, one step and samples the next agent text token: one per 80 ms frame. The speech
+channel is the talker's. The end-of-sequence token is an ordinary token here: the loop ends
+when the audio does, not on it. The frames of every call in a plan run as one batched step
+per frame position.
 """
 
 from __future__ import annotations
@@ -82,45 +85,65 @@ class EncoderEngine(Engine):
 
 
 class NanoEngine(Engine):
-    def __init__(self, inner: AutoregressiveEngine, model, *, pad_token_id: int) -> None:
+    def __init__(self, inner: AutoregressiveEngine, model, *, pad_token_id: int, user_weight: float = 1.0,
+                 text_weight: float = 1.0) -> None:
         self.inner = inner
         self.model = model
         self.pad = pad_token_id
+        self.user_weight = user_weight
+        self.text_weight = text_weight
         self.last: dict[str, int] = {}  # the agent's previous text token, per call
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         primes = [i for i in items if i.op == "prime"]
         frames = [i for i in items if i.op == "frame"]
         done: dict[int, EngineOutput] = {}
-        if primes:
-            self.inner.run([EngineItem(i.request_id, "prefill", 0, {"prompt_ids": i.inputs["prompt_ids"]},
-                                       i.params) for i in primes])
-            for item in primes:
-                self.last[item.request_id] = self.pad
-                done[id(item)] = EngineOutput({"primed": torch.ones(1)})
+        prompted = [i for i in primes if i.inputs["prompt_ids"].numel()]
+        if prompted:
+            with torch.inference_mode():
+                batch = [EngineItem(i.request_id, "prefill", 0, {"prompt_ids": i.inputs["prompt_ids"],
+                                                                  "input_embeds": self._prompt(i.inputs["prompt_ids"])},
+                                    i.params) for i in prompted]
+            self.inner.run(batch)
+        for item in primes:
+            self.last[item.request_id] = self.pad
+            done[id(item)] = EngineOutput({"primed": torch.ones(1)})
         if frames:
             done |= self._frames(frames)
         return [done[id(item)] for item in items]
+
+    def _text(self, token: int) -> torch.Tensor:
+        """The text channel of a position whose previous agent token is ``token``."""
+        return self.model.embed_input_ids(torch.tensor([token], device=self._device())) * self.text_weight
+
+    def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
+        """The prompt's positions: each token on the user channel, the pad on the text channel."""
+        ids = ids.reshape(-1).to(self._device())
+        return self.model.embed_input_ids(ids) * self.user_weight + self._text(self.pad)
 
     def _frames(self, items: list[EngineItem]) -> dict[int, EngineOutput]:
         tokens: dict[int, list[int]] = {id(item): [] for item in items}
         longest = max(item.inputs["frame"].shape[0] for item in items)
         for j in range(longest):
             step = [item for item in items if item.inputs["frame"].shape[0] > j]
-            batch = []
+            starts, decodes = [], []
             with torch.inference_mode():
                 for item in step:
-                    previous = torch.tensor([self.last[item.request_id]])
-                    # the engine checks a decode's token against its history: the prime's
-                    # sampled token the first time, then each frame's
-                    history = self.inner.seqs[item.request_id].tokens[-1]
-                    embed = self.model.embed_input_ids(previous.to(self._device()))
-                    fused = item.inputs["frame"][j:j + 1].to(embed.dtype) + embed
-                    batch.append(EngineItem(item.request_id, "decode", j, {
-                        "token": torch.tensor([history]), "input_embeds": fused}, item.params))
-            results = self.inner.run(batch)
-            for item, result in zip(step, results):
-                token = int(result.outputs["token"].reshape(-1)[0])
+                    text = self._text(self.last[item.request_id])
+                    fused = item.inputs["frame"][j:j + 1].to(text.device, text.dtype) + text
+                    seq = self.inner.seqs.get(item.request_id)
+                    if seq is None:  # no prompt: the call's first frame is its prefill
+                        starts.append(EngineItem(item.request_id, "prefill", j, {
+                            "prompt_ids": torch.tensor([self.pad]), "input_embeds": fused}, item.params))
+                    else:  # the engine checks a decode's token against its history
+                        decodes.append(EngineItem(item.request_id, "decode", j, {
+                            "token": torch.tensor([seq.tokens[-1]]), "input_embeds": fused}, item.params))
+            results = {}
+            for batch in (starts, decodes):
+                if batch:
+                    results |= {e.request_id: r for e, r in zip(batch, self.inner.run(batch))}
+            for item in step:
+                token = int(results[item.request_id].outputs["token"].reshape(-1)[0])
                 self.last[item.request_id] = token
                 tokens[id(item)].append(token)
         return {key: EngineOutput({"token": torch.tensor(ids, dtype=torch.int64)}) for key, ids in tokens.items()}

@@ -182,8 +182,7 @@ class NemotronDuplex(ModelSpec):
 
     def prepare_generate(self, spec: GenerateSpec) -> WalkRequest:
         options = DuplexRequestKnobs.parse(spec.model_kwargs)
-        prompt = self.tokenizer(spec.text, add_special_tokens=False)["input_ids"] if spec.text else []
-        prompt = prompt or [self.duplex.agent_pad_token_id]
+        prompt = self.system_prompt(spec.text)
         if len(prompt) > self.knobs.max_prompt_tokens:
             raise RequestError("text", f"the system prompt is {len(prompt)} tokens; the deployment's "
                                        f"max_prompt_tokens is {self.knobs.max_prompt_tokens}")
@@ -208,6 +207,16 @@ class NemotronDuplex(ModelSpec):
                            {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, params, cost=cost,
                            prompt_tokens=len(prompt), appends={AUDIO: clips} if clips else {},
                            end_input=not spec.live_input)
+
+    def system_prompt(self, text: str | None) -> list[int]:
+        """The prompt's token ids as NeMo's duplex data lays them out: BOS, the text, EOS;
+        nothing at all without text (the first frame is then the call's first position)."""
+        if not text:
+            return []
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.duplex.eos_token_id
+        return ([] if bos is None else [bos]) + ids + ([] if eos is None else [eos])
 
     def append_item(self, data: bytes, field: str) -> torch.Tensor:
         """A live call's append: one 16 kHz mono audio file."""
@@ -239,21 +248,24 @@ class NemotronDuplex(ModelSpec):
 
     # --------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
+        from mstar.model.nemotron_duplex.checkpoint import load_encoder, load_llm
         from mstar.model.nemotron_duplex.engines import EncoderEngine, NanoEngine
         from mstar.model.nemotron_duplex.modeling import SpeechEncoder
         from mstar.model.nemotron_h.engine import nemotron_h_engine
         from mstar.model.nemotron_h.modeling import NemotronHForCausalLM
         from mstar.model.weights import init_dummy_weights
 
-        if self.config.load_format != "dummy" and nodes & {ENCODER, NANO}:
-            raise ConfigError("load_format: nemotron_duplex serves dummy weights only so far (the input side's "
-                              "checkpoint layout is not mapped yet; the talker's is)")
-        config = DuplexConfig.from_dir(self.checkpoint_dir())
+        folder = self.checkpoint_dir()
+        config = DuplexConfig.from_dir(folder)
+        dummy = self.config.load_format == "dummy"
         dtype = self.config.torch_dtype()
         engines = {}
         if ENCODER in nodes:
             encoder = SpeechEncoder(config).to(device, torch.float32)
-            init_dummy_weights(encoder, seed=self.knobs.seed)
+            if dummy:
+                init_dummy_weights(encoder, seed=self.knobs.seed)
+            else:
+                load_encoder(encoder, folder)
             engines[ENCODER] = EncoderEngine(encoder.eval(), duplex_settings(config.n_mels),
                                              max_slots=state_slots(self.config, "encoder_state"))
         if TALKER in nodes:
@@ -261,13 +273,18 @@ class NemotronDuplex(ModelSpec):
         if NANO in nodes:
             with torch.device(device):
                 llm = NemotronHForCausalLM(config.llm).to(dtype)
-            init_dummy_weights(llm, seed=self.knobs.seed + 1)
+            if dummy:
+                init_dummy_weights(llm, seed=self.knobs.seed + 1)
+            else:
+                load_llm(llm, folder)
             kv = self.config.resources.kv_cache
             inner = nemotron_h_engine(llm.eval(), max_slots=state_slots(self.config, "mamba_state"),
                                       state_dtype=torch.float32, num_pages=kv.max_num_pages, page_size=kv.page_size,
                                       max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
                                       attention_backend=self.knobs.attention_backend)
-            engines[NANO] = NanoEngine(inner, llm, pad_token_id=config.agent_pad_token_id)
+            engines[NANO] = NanoEngine(inner, llm, pad_token_id=config.agent_pad_token_id,
+                                       user_weight=config.user_channel_weight,
+                                       text_weight=config.text_channel_weight)
         return engines
 
 
