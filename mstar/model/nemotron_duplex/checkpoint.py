@@ -15,27 +15,26 @@ the ``proj`` linear to the LLM's width). So, from NeMo 3.0's module paths:
   the attention's, ``conv.batch_norm`` the conv module's norm, a LayerNorm in this layout
   whatever its name);
 * ``stt_model.perception.proj.{weight,bias}``: the projection to the LLM's width;
-* ``stt_model.llm.{layers.<i>.*,norm_f.weight}``, ``stt_model.embed_tokens.weight`` and
-  ``stt_model.lm_head.weight``: the nano LLM (our ``backbone.*``, ``backbone.embeddings`` and
-  ``lm_head``).
+* ``stt_model.llm.{layers.<i>.*,norm_f.weight}``, ``stt_model.embed_tokens.weight``,
+  ``stt_model.lm_head.weight`` and ``stt_model.function_head.weight``: the nano LLM (our
+  ``backbone.*``, ``backbone.embeddings``, ``lm_head`` and ``function_head``).
 
 Skipped on purpose (the served walk does not use them): the front end's buffers
 (``stt_model.perception.preprocessor.*``: its window and filterbank, recomputed by
 ``features.py``), the user-transcript heads (``stt_model.rnnt_decoder.*``,
-``stt_model.rnnt_joint.*``, ``stt_model.asr_head.*``) and the tool-call head
-(``stt_model.function_head.*``; tool calls are not served). Any other tensor, a modality
+``stt_model.rnnt_joint.*``, ``stt_model.asr_head.*``). Any other tensor, a modality
 adapter's or ``stt_model.embed_asr_tokens`` (a user-text channel fed back into the LLM) among
 them, fails the load naming it, as does a parameter no tensor fills.
 
-The release's own STT model (NeMo's ``nemotron-labs-voicechat`` branch, not NeMo 3.0) feeds
-the tool-call head's greedy token back into every position as a fourth channel (the pad's
-embedding while no tool is called); that channel is not served, so a checkpoint with a
-``function_head`` loads with a warning: its text is not expected to match the release's.
+The tool-call head ``stt_model.function_head.weight`` is the nano LLM's ``function_head``
+(``DuplexLLM``): the release's STT model (NeMo's ``nemotron-labs-voicechat`` branch) feeds its
+greedy token back into every position as a channel of its own. A checkpoint with the head needs
+``use_function_head: true`` in ``config.json`` (the load fails naming the tensor otherwise),
+and one without it needs the flag off (the head's parameter is then unfilled).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,10 +47,9 @@ LLM = "stt_model.llm."
 EMBED = "stt_model.embed_tokens.weight"
 HEAD = "stt_model.lm_head.weight"
 TALKER = "tts_model."
-log = logging.getLogger(__name__)
 FUNCTION_HEAD = "stt_model.function_head."
 SKIPPED = ("stt_model.perception.preprocessor.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.",
-           "stt_model.asr_head.", "stt_model.function_head.")
+           "stt_model.asr_head.")
 
 _CONFORMER = [(re.compile(p), r) for p, r in (
     (r"^pre_encode\.conv\.0\.", "subsampling.conv_in."),
@@ -85,6 +83,8 @@ def llm_name(name: str) -> str | None:
         return "backbone.embeddings.weight"
     if name == HEAD:
         return "lm_head.weight"
+    if name.startswith(FUNCTION_HEAD):
+        return "function_head." + name[len(FUNCTION_HEAD):]
     return None
 
 
@@ -107,9 +107,6 @@ def read_part(folder: Path, rename) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as handle:
             names += list(handle.keys())
     unknown = [name for name in names if not _known(name)]
-    if any(name.startswith(FUNCTION_HEAD) for name in names):
-        log.warning("%s: the checkpoint has a tool-call head (stt_model.function_head); its channel is not fed "
-                    "back here, so the agent's text is not expected to match the release's", folder)
     if unknown:
         shown = ", ".join(sorted(unknown)[:8]) + (f" (and {len(unknown) - 8} more)" if len(unknown) > 8 else "")
         raise WeightLoadError(f"{folder}: checkpoint tensors outside the VoiceChat layout: {shown}")
@@ -129,8 +126,14 @@ def load_encoder(encoder: torch.nn.Module, folder: Path, dtype: torch.dtype | No
 
 
 def load_llm(llm: torch.nn.Module, folder: Path, dtype: torch.dtype | None = None) -> None:
-    """Fill ``llm`` (the nano ``NemotronHForCausalLM``) from the folder, coverage checked both
-    ways (an untied head: the release stores ``lm_head`` apart from the embeddings)."""
-    from mstar.model.weights import load_weights
+    """Fill ``llm`` (the nano ``DuplexLLM``) from the folder, coverage checked both ways (an
+    untied head: the release stores ``lm_head`` apart from the embeddings)."""
+    from mstar.model.weights import WeightLoadError, load_weights
 
-    load_weights(llm, read_part(folder, llm_name), dtype=dtype)
+    def rename(name: str) -> str | None:
+        if name.startswith(FUNCTION_HEAD) and getattr(llm, "function_head", None) is None:
+            raise WeightLoadError(f"{folder}: the checkpoint has a tool-call head ({name}); set "
+                                  "use_function_head: true in config.json to run its channel")
+        return llm_name(name)
+
+    load_weights(llm, read_part(folder, rename), dtype=dtype)

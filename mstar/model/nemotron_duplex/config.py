@@ -11,6 +11,15 @@ previous agent token's embedding, NeMo's ``duplex_text_channel_weight``; default
 ``speech_generation`` (the EarTTS talker and
 its codec, VoiceChat's ``model.speech_generation``: ``EarTTSConfig``; None when absent, and
 then the deployment refuses to start).
+
+The release's tool-call channel: ``use_function_head`` (default false: no head, no channel,
+the layout above) builds the ``function_head`` (``stt_model.function_head.weight``) and adds to
+every position the embedding of the previous tool-call token (the pad at the prompt's
+positions and the first frame, then the head's greedy pick of the step before) times
+``function_channel_weight`` (NeMo's ``duplex_function_channel_weight``, default 1).
+``inference_pad_boost``, ``inference_bos_boost`` and ``inference_eos_boost`` (NeMo's names,
+default 0: off) are added to the agent text's logits of the pad, BOS and EOS at every step, as
+NeMo's ``DuplexSTTModel.forward`` adds them at inference.
 """
 
 from __future__ import annotations
@@ -38,6 +47,12 @@ class DuplexConfig:
     text_channel_weight: float = 1.0
     talker: EarTTSConfig | None = None
     eos_token_id: int | None = None  # the agent's end of text (the talker speaks silence before it)
+    bos_token_id: int | None = None  # the agent's start of text (``inference_bos_boost``'s token)
+    use_function_head: bool = False
+    function_channel_weight: float = 1.0
+    inference_pad_boost: float = 0.0
+    inference_bos_boost: float = 0.0
+    inference_eos_boost: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DuplexConfig:
@@ -56,8 +71,13 @@ class DuplexConfig:
         talker = EarTTSConfig.from_speech_generation(speech) if speech else None
         eos = d["llm"].get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
+        bos = d["llm"].get("bos_token_id")
+        boosts = {name: float(d.get(name) or 0.0)
+                  for name in ("inference_pad_boost", "inference_bos_boost", "inference_eos_boost")}
         return cls(FastConformerConfig(**encoder), llm, n_mels, int(pad or 0), weight, text_weight, talker,
-                   None if eos is None else int(eos))
+                   None if eos is None else int(eos), None if bos is None else int(bos),
+                   use_function_head=bool(d.get("use_function_head", False)),
+                   function_channel_weight=float(d.get("function_channel_weight", 1.0)), **boosts)
 
     @classmethod
     def from_dir(cls, path: Path) -> DuplexConfig:

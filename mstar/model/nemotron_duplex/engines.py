@@ -23,14 +23,28 @@ new frame, one step and samples the next agent text token: one per 80 ms frame. 
 channel is the talker's. The end-of-sequence token is an ordinary token here: the loop ends
 when the audio does, not on it. The frames of every call in a plan run as one batched step
 per frame position.
+
+With the release's tool-call head (``use_function_head``) every position also adds the
+embedding of the previous tool-call token times ``function_weight`` (the pad at the prompt's
+positions and the first frame, then the head's greedy pick of the step before), and a frame's
+output holds ``tool_token`` beside ``token`` (one per frame). The text token is chosen by
+``DuplexRules``: NeMo's inference boosts of the pad, BOS and EOS logits, then the call's
+repetition and presence penalties over the agent tokens it said so far (specials excepted),
+then the engine's sampler (temperature 0: the argmax). The previous text and tool tokens are
+kept per call (``last``, ``tool``) and dropped on release.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.rules import Sample, TokenRules
+from mstar.engine.sequence import Sequence
 from mstar.engine.state_pool import StatePool
 from mstar.model.fastconformer.features import MelSettings
 from mstar.model.fastconformer.stream import EncoderStream, push_many
@@ -84,15 +98,100 @@ class EncoderEngine(Engine):
         return {"encoder_slots_used": float(self.pool.num_used)}
 
 
+@dataclass
+class _Said:
+    """A call's state under ``DuplexRules``: its penalties, the agent tokens it said (for
+    them), and the tool-call token its step in flight picked."""
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    said: set[int] = field(default_factory=set)
+    tool: torch.Tensor | None = None
+
+
+class DuplexRules(TokenRules):
+    """The agent text's choice as NeMo's duplex STT model makes it at inference.
+
+    ``logits`` are the text logits ``[B, V]``, followed by the tool-call head's ``[B, V]`` when
+    the LLM has one (``DuplexLLM``). To the text logits NeMo's ``inference_*_boost`` are added
+    (``boosts``: token id to boost; ``DuplexSTTModel.forward`` adds them when not training),
+    then a call's penalties over the agent text tokens it said so far, the pad, BOS and EOS
+    (``specials``) excepted: a repetition penalty ``r`` divides a positive logit by ``r`` and
+    multiplies a negative one (transformers' ``repetition_penalty``) and a presence penalty
+    ``p`` is subtracted (``params['text_penalties']``: ``repetition`` default 1, ``presence``
+    default 0, both off). The engine's sampler then picks the token (greedy at temperature 0).
+    The tool-call token is the argmax of the head's logits, and goes out as ``tool_token``."""
+
+    extra_outputs = True
+
+    def __init__(self, vocab: int, *, boosts: dict[int, float], specials: set[int], function_head: bool) -> None:
+        self.vocab = vocab
+        self.boosts = {token: value for token, value in boosts.items() if value}
+        self.specials = specials
+        self.function_head = function_head
+
+    def start(self, params: dict[str, Any]) -> _Said:
+        penalties = params.get("text_penalties") or {}
+        return _Said(float(penalties.get("repetition", 1.0)), float(penalties.get("presence", 0.0)))
+
+    def adjust(self, text: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The text logits ``[B, V]`` the sampler sees: boosted, then penalised."""
+        text = text.clone()
+        for token, value in self.boosts.items():
+            text[:, token] += value
+        for row, seq in enumerate(seqs):
+            said: _Said = seq.state
+            if not said.said or (said.repetition == 1.0 and not said.presence):
+                continue
+            ids = torch.tensor(sorted(said.said), device=text.device)
+            scores = text[row, ids]
+            if said.repetition != 1.0:
+                scores = torch.where(scores < 0, scores * said.repetition, scores / said.repetition)
+            text[row, ids] = scores - said.presence
+        return text
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
+        if self.function_head:
+            tools = logits[:, self.vocab:].argmax(dim=-1)
+            for row, seq in enumerate(seqs):
+                seq.state.tool = tools[row:row + 1]
+        return sample(self.adjust(logits[:, :self.vocab], seqs), seqs)
+
+    def may_run_ahead(self, seq: Sequence) -> bool:
+        return False  # the penalties read the token in flight
+
+    def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
+        said: _Said = seq.state
+        if token not in self.specials:
+            said.said.add(token)
+        return {} if said.tool is None else {"tool_token": said.tool.to("cpu", torch.int64)}
+
+
+def duplex_rules(config) -> DuplexRules:
+    """The rules of a ``DuplexConfig``: its boosts, specials and function head."""
+    boosts: dict[int, float] = {}
+    for token, value in ((config.agent_pad_token_id, config.inference_pad_boost),
+                         (config.bos_token_id, config.inference_bos_boost),
+                         (config.eos_token_id, config.inference_eos_boost)):
+        if token is not None and value:
+            boosts[token] = boosts.get(token, 0.0) + value
+    specials = {t for t in (config.agent_pad_token_id, config.bos_token_id, config.eos_token_id) if t is not None}
+    return DuplexRules(config.llm.vocab_size, boosts=boosts, specials=specials,
+                       function_head=config.use_function_head)
+
+
 class NanoEngine(Engine):
     def __init__(self, inner: AutoregressiveEngine, model, *, pad_token_id: int, user_weight: float = 1.0,
-                 text_weight: float = 1.0) -> None:
+                 text_weight: float = 1.0, function_weight: float = 1.0) -> None:
         self.inner = inner
         self.model = model
         self.pad = pad_token_id
         self.user_weight = user_weight
         self.text_weight = text_weight
+        self.function_weight = function_weight
+        self.tools = getattr(model, "function_head", None) is not None  # the tool-call channel
         self.last: dict[str, int] = {}  # the agent's previous text token, per call
+        self.tool: dict[str, int] = {}  # the previous tool-call token, per call (with a function head)
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         primes = [i for i in items if i.op == "prime"]
@@ -105,31 +204,44 @@ class NanoEngine(Engine):
                                                                   "input_embeds": self._prompt(i.inputs["prompt_ids"])},
                                     i.params) for i in prompted]
             self.inner.run(batch)
+            for item in prompted:  # the token a prompt's prefill drew is no agent token
+                seq = self.inner.seqs[item.request_id]
+                if isinstance(seq.state, _Said):
+                    seq.state.said.clear()
         for item in primes:
             self.last[item.request_id] = self.pad
+            self.tool[item.request_id] = self.pad
             done[id(item)] = EngineOutput({"primed": torch.ones(1)})
         if frames:
             done |= self._frames(frames)
         return [done[id(item)] for item in items]
 
-    def _text(self, token: int) -> torch.Tensor:
-        """The text channel of a position whose previous agent token is ``token``."""
-        return self.model.embed_input_ids(torch.tensor([token], device=self._device())) * self.text_weight
+    def _text(self, token: int, tool: int | None = None) -> torch.Tensor:
+        """The text channel of a position whose previous agent token is ``token``, plus the
+        tool-call channel (previous tool token ``tool``, default the pad) with a function head."""
+        embed = self.model.embed_input_ids(torch.tensor([token], device=self._device())) * self.text_weight
+        if self.tools:
+            tool = self.pad if tool is None else tool
+            embed = embed + self.model.embed_input_ids(torch.tensor([tool], device=self._device())) \
+                * self.function_weight
+        return embed
 
     def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
-        """The prompt's positions: each token on the user channel, the pad on the text channel."""
+        """The prompt's positions: each token on the user channel, the pad on the text channel
+        (and on the tool-call channel)."""
         ids = ids.reshape(-1).to(self._device())
         return self.model.embed_input_ids(ids) * self.user_weight + self._text(self.pad)
 
     def _frames(self, items: list[EngineItem]) -> dict[int, EngineOutput]:
         tokens: dict[int, list[int]] = {id(item): [] for item in items}
+        tools: dict[int, list[int]] = {id(item): [] for item in items}
         longest = max(item.inputs["frame"].shape[0] for item in items)
         for j in range(longest):
             step = [item for item in items if item.inputs["frame"].shape[0] > j]
             starts, decodes = [], []
             with torch.inference_mode():
                 for item in step:
-                    text = self._text(self.last[item.request_id])
+                    text = self._text(self.last[item.request_id], self.tool.get(item.request_id))
                     fused = item.inputs["frame"][j:j + 1].to(text.device, text.dtype) + text
                     seq = self.inner.seqs.get(item.request_id)
                     if seq is None:  # no prompt: the call's first frame is its prefill
@@ -143,16 +255,23 @@ class NanoEngine(Engine):
                 if batch:
                     results |= {e.request_id: r for e, r in zip(batch, self.inner.run(batch))}
             for item in step:
-                token = int(results[item.request_id].outputs["token"].reshape(-1)[0])
+                out = results[item.request_id].outputs
+                token = int(out["token"].reshape(-1)[0])
                 self.last[item.request_id] = token
                 tokens[id(item)].append(token)
-        return {key: EngineOutput({"token": torch.tensor(ids, dtype=torch.int64)}) for key, ids in tokens.items()}
+                if "tool_token" in out:
+                    self.tool[item.request_id] = int(out["tool_token"].reshape(-1)[0])
+                    tools[id(item)].append(self.tool[item.request_id])
+        return {key: EngineOutput({"token": torch.tensor(ids, dtype=torch.int64)}
+                                  | ({"tool_token": torch.tensor(tools[key], dtype=torch.int64)} if self.tools else {}))
+                for key, ids in tokens.items()}
 
     def _device(self) -> torch.device:
         return self.model.backbone.embeddings.weight.device
 
     def release(self, request_id: str) -> None:
         self.last.pop(request_id, None)
+        self.tool.pop(request_id, None)
         self.inner.release(request_id)
 
     def stats(self) -> dict[str, float]:

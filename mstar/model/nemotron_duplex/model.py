@@ -68,6 +68,13 @@ class DuplexKnobs(Knobs):
     """The agent text's sampling temperature (a request's ``model_kwargs.temperature``
     overrides it; 0 is greedy)."""
     top_p: float = 0.9
+    repetition_penalty: float = Field(1.0, gt=0)
+    """The agent text's repetition penalty over the tokens the call said (the pad, BOS and EOS
+    excepted): a positive logit divided by it, a negative one multiplied; 1 is off. A
+    request's ``model_kwargs.repetition_penalty`` overrides it."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every agent text token the call said (the specials
+    excepted); 0 is off. A request's ``model_kwargs.presence_penalty`` overrides it."""
     attention_backend: Literal["torch", "triton"] = "torch"
     """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``)."""
     speaker: str | None = None
@@ -78,6 +85,8 @@ class DuplexRequestKnobs(RequestKnobs):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = None
 
 
 @register
@@ -190,7 +199,12 @@ class NemotronDuplex(ModelSpec):
             temperature=self.knobs.temperature if options.temperature is None else options.temperature,
             top_p=self.knobs.top_p if options.top_p is None else options.top_p, seed=options.seed))
         clips = [self.decode_audio(data, f"files[{i}]", upload=True) for i, (_, data) in enumerate(spec.files)]
+        penalties = {"repetition": self.knobs.repetition_penalty if options.repetition_penalty is None
+                     else options.repetition_penalty,
+                     "presence": self.knobs.presence_penalty if options.presence_penalty is None
+                     else options.presence_penalty}
         params = {"sampling": msgspec.structs.asdict(sampling), "max_new_tokens": 1 << 30, "stop_token_ids": [],
+                  "text_penalties": penalties,
                   "max_samples": int(self.knobs.max_session_s * SAMPLE_RATE),
                   # the talker's noise: the request's seed, else a fresh one
                   "talker_seed": options.seed if options.seed is not None else secrets.randbits(62)}
@@ -249,10 +263,9 @@ class NemotronDuplex(ModelSpec):
     # --------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
         from mstar.model.nemotron_duplex.checkpoint import load_encoder, load_llm
-        from mstar.model.nemotron_duplex.engines import EncoderEngine, NanoEngine
-        from mstar.model.nemotron_duplex.modeling import SpeechEncoder
+        from mstar.model.nemotron_duplex.engines import EncoderEngine, NanoEngine, duplex_rules
+        from mstar.model.nemotron_duplex.modeling import DuplexLLM, SpeechEncoder
         from mstar.model.nemotron_h.engine import nemotron_h_engine
-        from mstar.model.nemotron_h.modeling import NemotronHForCausalLM
         from mstar.model.weights import init_dummy_weights
 
         folder = self.checkpoint_dir()
@@ -272,7 +285,7 @@ class NemotronDuplex(ModelSpec):
             engines[TALKER] = self._talker(config, device, dtype)
         if NANO in nodes:
             with torch.device(device):
-                llm = NemotronHForCausalLM(config.llm).to(dtype)
+                llm = DuplexLLM(config.llm, function_head=config.use_function_head).to(dtype)
             if dummy:
                 init_dummy_weights(llm, seed=self.knobs.seed + 1)
             else:
@@ -281,10 +294,12 @@ class NemotronDuplex(ModelSpec):
             inner = nemotron_h_engine(llm.eval(), max_slots=state_slots(self.config, "mamba_state"),
                                       state_dtype=torch.float32, num_pages=kv.max_num_pages, page_size=kv.page_size,
                                       max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
-                                      attention_backend=self.knobs.attention_backend)
+                                      attention_backend=self.knobs.attention_backend,
+                                      rules=duplex_rules(config))
             engines[NANO] = NanoEngine(inner, llm, pad_token_id=config.agent_pad_token_id,
                                        user_weight=config.user_channel_weight,
-                                       text_weight=config.text_channel_weight)
+                                       text_weight=config.text_channel_weight,
+                                       function_weight=config.function_channel_weight)
         return engines
 
 

@@ -30,5 +30,23 @@ class SpeechEncoder(nn.Module):
         return self.project(frames[0])
 
 
-def build_models(config: DuplexConfig) -> tuple[SpeechEncoder, NemotronHForCausalLM]:
-    return SpeechEncoder(config), NemotronHForCausalLM(config.llm)
+class DuplexLLM(NemotronHForCausalLM):
+    """The nano LLM with the release's optional tool-call head (``function_head``, a linear
+    over the final-normed hidden state to the text vocabulary, ``use_function_head``).
+
+    With the head, ``compute_logits`` returns ``[T, 2 V]``: the text logits, then the tool-call
+    logits (``DuplexRules`` splits them); without it, the text logits alone."""
+
+    def __init__(self, config, *, function_head: bool = False) -> None:
+        super().__init__(config)
+        self.function_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if function_head else None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        text = super().compute_logits(hidden)
+        if self.function_head is None:
+            return text
+        return torch.cat([text, self.function_head(hidden).float()], dim=-1)
+
+
+def build_models(config: DuplexConfig) -> tuple[SpeechEncoder, DuplexLLM]:
+    return SpeechEncoder(config), DuplexLLM(config.llm, function_head=config.use_function_head)

@@ -19,6 +19,18 @@ typing and adapter mixins) stubbed:
   (``llm`` the backbone without its embedding table, ``embed_tokens``, ``lm_head``); its
   perception output is the encoder's above.
 
+The ``tools`` case adds what NeMo 3.0.0 does not have but the release's STT model (NeMo's
+``nemotron-labs-voicechat`` branch, not installable here) does, written out below
+(``run_release``) around NeMo's own ``offline_inference`` steps: a tool-call head
+(``function_head``, a linear over the LLM's final hidden state) whose greedy token is fed back
+into the next position as ``embed_tokens(token) * duplex_function_channel_weight`` (the pad at
+the prompt's positions and at the first frame), and repetition and presence penalties over the
+agent text tokens said so far (the pad, BOS and EOS excepted; transformers' repetition
+penalty, then the presence penalty subtracted) applied to the text logits after NeMo's own
+``inference_pad_boost``/``inference_bos_boost``/``inference_eos_boost`` (set in the model's
+config, added by ``DuplexSTTModel.forward``). The LLM runs NeMo's no-cache path (the whole
+sequence every step), so none of it shares code with the served engine's incremental steps.
+
     pip download nemo-toolkit==3.0.0 --no-deps -d /tmp/eartts-src
     (cd /tmp/eartts-src && unzip -q nemo_toolkit-3.0.0-*.whl)
     pip install --target /tmp/eartts-ref/site omegaconf==2.3.0
@@ -53,6 +65,10 @@ ENCODER = dict(feat_in=16, n_layers=2, d_model=16, subsampling="dw_striding", su
                xscaling=True, untie_biases=True, conv_kernel_size=5, conv_norm_type="layer_norm",
                conv_context_size="causal", dropout=0.0, dropout_pre_encoder=0.0, dropout_emb=0.0, dropout_att=0.0)
 PROMPT = [BOS, 17, 40, 7, 55, EOS]  # NeMo's layout of a system prompt: BOS, its text, EOS
+# the ``tools`` case: the release's tool-call channel and NeMo's logit adjustments
+FUNCTION_WEIGHT = 0.9
+BOOSTS = {"inference_pad_boost": 0.6, "inference_bos_boost": -0.4, "inference_eos_boost": 0.5}
+REPETITION, PRESENCE = 1.4, 0.3
 
 
 class _Stub(types.ModuleType):
@@ -256,6 +272,62 @@ def run(model, prompt: list[int] | None) -> dict[str, torch.Tensor]:
     return {"tokens": state["gen_text"][0, start:].clone(), "logits": torch.stack(logits[start:])}
 
 
+def run_release(model, function_head: nn.Linear, prompt: list[int] | None) -> dict[str, torch.Tensor]:
+    """``offline_inference``'s steps (greedy) with the release's tool-call channel and the
+    penalties (see the module's docstring): per generated frame, the text token, the tool-call
+    token, the text logits the argmax read (boosted by NeMo, then penalised) and the head's."""
+    inference = model.streaming_inference
+    step_inference = type(inference)._step_inference
+    forward = type(model).forward
+    hidden: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
+    start = len(prompt) if prompt else 0
+    specials = {PAD, BOS, EOS}
+    tools: list[int] = []  # per position
+    record = {"tokens": [], "tools": [], "logits": [], "tool_logits": []}
+    state: dict = {}
+
+    def released(self, input_embeds, cache=None, **kwargs):
+        out = forward(self, input_embeds, cache=cache, **kwargs)  # NeMo adds the boosts
+        t = input_embeds.shape[1] - 1
+        text = out["text_logits"][0, -1]
+        said = {int(x) for x in state["gen_text"][0, start:t].tolist()} - specials if t >= start else set()
+        for token in sorted(said):
+            score = text[token]
+            score = score * REPETITION if score < 0 else score / REPETITION
+            text[token] = score - PRESENCE
+        tool_logits = function_head(hidden[-1][0, -1])
+        tools.append(int(tool_logits.argmax()) if t >= start else PAD)
+        if t >= start:
+            record["logits"].append(text.clone())
+            record["tool_logits"].append(tool_logits.clone())
+        return out
+
+    def step(self, t, inference_state, ans):
+        tool = model.embed_tokens(torch.tensor([tools[t - 1]])) * FUNCTION_WEIGHT
+        inference_state["input_embeds"][:, t] += tool[0]
+        return step_inference(self, t, inference_state, ans)
+
+    type(model).forward = released
+    type(inference)._step_inference = step
+    try:
+        prompt_tokens = torch.tensor([prompt]) if prompt else None
+        lens = torch.tensor([len(prompt)]) if prompt else None
+        with torch.no_grad():
+            state.update(inference._init_inference(torch.zeros(1, 16000), torch.tensor([16000]), 0,
+                                                   prompt_tokens, lens))
+            state["input_embeds"][:, 0] += model.embed_tokens(torch.tensor([PAD]))[0] * FUNCTION_WEIGHT
+            ans, _ = inference._step_zero(state)
+            for t in range(1, state["T"]):
+                ans = inference._step_inference(t, state, ans)
+    finally:
+        type(model).forward = forward
+        type(inference)._step_inference = step_inference
+        hook.remove()
+    return {"tokens": state["gen_text"][0, start:].clone(), "tools": torch.tensor(tools[start:]),
+            "logits": torch.stack(record["logits"]), "tool_logits": torch.stack(record["tool_logits"])}
+
+
 def main():
     nemo = Path(os.environ.get("NEMO_SRC", "/tmp/eartts-src")) / "nemo"
     src = nemo / "collections/speechlm2"
@@ -288,6 +360,13 @@ def main():
     encoder_state, mel, frames = perception(nemo, gen)
     model = build(stt, hf, frames)
     cases = {"prompt": run(model, PROMPT), "no_prompt": run(model, None)}
+    function_head = nn.Linear(LLM["hidden_size"], LLM["vocab_size"], bias=False)
+    with torch.no_grad():
+        function_head.weight.copy_(0.15 * torch.randn(function_head.weight.shape,
+                                                      generator=torch.Generator().manual_seed(2)))
+    model.cfg.update({"duplex_function_channel_weight": FUNCTION_WEIGHT, "use_function_head": True} | BOOSTS)
+    tools = {"tools_prompt": run_release(model, function_head, PROMPT),
+             "tools_no_prompt": run_release(model, function_head, None)}
     OUT.parent.mkdir(exist_ok=True)
     torch.save({
         "versions": {"nemo-toolkit": "3.0.0", "torch": str(torch.__version__),
@@ -295,10 +374,14 @@ def main():
         "llm_config": {k: v for k, v in LLM.items()}, "user_weight": USER_WEIGHT, "text_weight": TEXT_WEIGHT,
         "pad": PAD, "prompt": PROMPT, "frames": frames, "state": state, "cases": cases,
         "encoder_config": ENCODER, "encoder_state": encoder_state, "mel": mel,
+        "tools": {"cases": tools, "function_weight": FUNCTION_WEIGHT,
+                  "function_head": {"stt_model.function_head.weight": function_head.weight.detach().clone()},
+                  "boosts": BOOSTS,
+                  "repetition_penalty": REPETITION, "presence_penalty": PRESENCE},
     }, OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
-    for name, case in cases.items():
-        print(name, case["tokens"].tolist())
+    for name, case in (cases | tools).items():
+        print(name, case["tokens"].tolist(), case.get("tools", torch.tensor([])).tolist())
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ projection, ``DuplexSTTModel.forward`` and ``DuplexSTTStreamingInference``, with
 ``NemotronHForCausalLM`` as the LLM; torch 2.13, fp32 on the CPU) holds a tiny encoder's and
 LLM's weights under the released names, fixed log-mels (NeMo's featurizer is not run), NeMo's
 perception output, and its greedy tokens and text logits per frame for a call with a system
-prompt and one without, at user and text channel weights 0.7 and 1.3."""
+prompt and one without, at user and text channel weights 0.7 and 1.3. Its ``tools`` cases add
+the release's tool-call head and channel (weight 0.9) and NeMo's inference boosts (pad 0.6, BOS
+-0.4, EOS 0.5) with repetition and presence penalties (1.4, 0.3), as ``record_reference.py``
+writes them out around NeMo's ``offline_inference`` steps (NeMo 3.0.0 has no tool head)."""
 
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ from mstar.model.fastconformer.config import FastConformerConfig
 from mstar.model.fastconformer.stream import EncoderStream
 from mstar.model.nemotron_duplex.checkpoint import load_encoder, load_llm
 from mstar.model.nemotron_duplex.config import DuplexConfig
-from mstar.model.nemotron_duplex.engines import NanoEngine
-from mstar.model.nemotron_duplex.modeling import SpeechEncoder
+from mstar.model.nemotron_duplex.engines import DuplexRules, NanoEngine
+from mstar.model.nemotron_duplex.modeling import DuplexLLM, SpeechEncoder
 from mstar.model.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from mstar.model.nemotron_h.engine import nemotron_h_engine
 from mstar.model.weights import WeightLoadError
@@ -37,7 +40,6 @@ SKIPPED = {"stt_model.perception.preprocessor.featurizer.fb": torch.zeros(1, 4, 
            "stt_model.perception.preprocessor.featurizer.window": torch.zeros(8),
            "stt_model.rnnt_joint.joint_net.2.weight": torch.zeros(5, 4),
            "stt_model.rnnt_decoder.prediction.embed.weight": torch.zeros(5, 4),
-           "stt_model.function_head.weight": torch.zeros(96, 32),
            "tts_model.tts_model.bos_emb": torch.zeros(4)}
 
 
@@ -56,30 +58,41 @@ def llm_config(ref) -> NemotronHConfig:
     return NemotronHConfig.from_hf_dict(HFConfig(**ref["llm_config"]).to_dict())
 
 
-def run_call(ref, llm, prompt: list[int], chunks: list[int],
-             frames: torch.Tensor | None = None) -> tuple[list[int], list[torch.Tensor]]:
+def run_call(ref, llm, prompt: list[int], chunks: list[int], frames: torch.Tensor | None = None,
+             rules: DuplexRules | None = None, params: dict = PARAMS) -> tuple[list[int], list[torch.Tensor]]:
     """Prime, then feed the frames (the fixture's NeMo perception output scaled by the user
     channel's weight, as the encoder node's projection does, unless given) in chunks; the
-    tokens and each frame's logits."""
+    tokens and each frame's logits (with ``rules``: the text logits the sampler saw, and the
+    engine's ``tool_tokens`` and ``tool_logits`` recorded on the function)."""
     inner = nemotron_h_engine(llm, max_slots=2, state_dtype=torch.float32, num_pages=16, page_size=8,
-                              max_seq_len=64, device=torch.device("cpu"), dtype=torch.float32)
+                              max_seq_len=64, device=torch.device("cpu"), dtype=torch.float32, rules=rules)
+    tools = ref["tools"]["function_weight"] if rules is not None else 1.0
     engine = NanoEngine(inner, llm, pad_token_id=ref["pad"], user_weight=ref["user_weight"],
-                        text_weight=ref["text_weight"])
+                        text_weight=ref["text_weight"], function_weight=tools)
     seen: list[torch.Tensor] = []
-    llm.compute_logits = lambda h: seen.append(NemotronHForCausalLM.compute_logits(llm, h)) or seen[-1]
+    if rules is None:
+        llm.compute_logits = lambda h: seen.append(NemotronHForCausalLM.compute_logits(llm, h)) or seen[-1]
+    else:
+        raw: list[torch.Tensor] = []
+        llm.compute_logits = lambda h: raw.append(DuplexLLM.compute_logits(llm, h)) or raw[-1]
+        rules.adjust = lambda text, seqs: seen.append(DuplexRules.adjust(rules, text, seqs)) or seen[-1]
     try:
-        engine.run([EngineItem("a", "prime", 0, {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, PARAMS)])
+        engine.run([EngineItem("a", "prime", 0, {"prompt_ids": torch.tensor(prompt, dtype=torch.int64)}, params)])
         primed = len(seen)
         frames = ref["frames"] * ref["user_weight"] if frames is None else frames
-        tokens, start = [], 0
+        tokens, tool_tokens, start = [], [], 0
         for i, size in enumerate(chunks):
-            out = engine.run([EngineItem("a", "frame", i, {"frame": frames[start:start + size]}, PARAMS)])
+            out = engine.run([EngineItem("a", "frame", i, {"frame": frames[start:start + size]}, params)])
             tokens += out[0].outputs["token"].tolist()
+            tool_tokens += out[0].outputs["tool_token"].tolist() if rules is not None else []
             start += size
     finally:
         del llm.compute_logits
     engine.release("a")
-    assert inner.pool.num_used_pages == 0
+    assert inner.pool.num_used_pages == 0 and not engine.last and not engine.tool
+    if rules is not None:
+        run_call.tool_tokens = tool_tokens
+        run_call.tool_logits = [x[-1, llm.config.vocab_size:] for x in raw[primed:]]
     return tokens, [x[-1] for x in seen[primed:]]
 
 
@@ -202,11 +215,54 @@ def test_coverage_is_checked_both_ways(ref, tmp_path):
         load_encoder(SpeechEncoder(tiny_duplex(ref)), save(tmp_path / "llm_only", ref["state"]))
 
 
-def test_a_tool_call_head_loads_with_a_warning(ref, tmp_path, caplog):
-    """The release feeds its tool-call head's token back; that channel is not served."""
-    llm = NemotronHForCausalLM(llm_config(ref))
-    with caplog.at_level("WARNING", logger="mstar.model.nemotron_duplex.checkpoint"):
-        load_llm(llm, save(tmp_path / "plain", ref["state"]))
-        assert not caplog.records
-        load_llm(llm, save(tmp_path / "tools", ref["state"] | SKIPPED))
-    assert "tool-call head" in caplog.text
+def tools_rules(ref) -> DuplexRules:
+    boosts = ref["tools"]["boosts"]
+    return DuplexRules(96, boosts={ref["pad"]: boosts["inference_pad_boost"], 1: boosts["inference_bos_boost"],
+                                   2: boosts["inference_eos_boost"]}, specials={ref["pad"], 1, 2}, function_head=True)
+
+
+@pytest.mark.parametrize("case", ["tools_prompt", "tools_no_prompt"])
+def test_the_tool_call_channel_and_logit_adjustments_equal_the_reference(ref, tmp_path, case):
+    """The head's greedy token fed back each frame, NeMo's boosts, the penalties: the same text
+    and tool-call tokens, the sampler's text logits and the head's logits within 1e-5."""
+    tools = ref["tools"]
+    llm = DuplexLLM(llm_config(ref), function_head=True).eval()
+    load_llm(llm, save(tmp_path, ref["state"] | tools["function_head"] | SKIPPED))
+    params = PARAMS | {"text_penalties": {"repetition": tools["repetition_penalty"],
+                                          "presence": tools["presence_penalty"]}}
+    want = tools["cases"][case]
+    tokens, logits = run_call(ref, llm, ref["prompt"] if case == "tools_prompt" else [], [1, 3, 1, 4],
+                              rules=tools_rules(ref), params=params)
+    assert tokens == want["tokens"].tolist()
+    assert run_call.tool_tokens == want["tools"].tolist()
+    assert len(logits) == len(run_call.tool_logits) == len(want["logits"]) == ref["frames"].shape[0]
+    for got, wanted in ((logits, want["logits"]), (run_call.tool_logits, want["tool_logits"])):
+        worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, wanted))
+        assert worst < 1e-5, worst
+    # the adjustments matter here: without them the text differs
+    plain = DuplexRules(96, boosts={}, specials={ref["pad"], 1, 2}, function_head=True)
+    assert run_call(ref, llm, ref["prompt"] if case == "tools_prompt" else [], [9], rules=plain)[0] != tokens
+
+
+def test_penalties_and_boosts_of_a_step(ref):
+    """The adjustments on known logits: boosts first, then the penalties over what was said."""
+    from mstar.engine.sequence import Sequence
+
+    rules = DuplexRules(4, boosts={0: 0.5}, specials={0}, function_head=False)
+    seq = Sequence([0], 1, state=rules.start({"text_penalties": {"repetition": 2.0, "presence": 0.25}}))
+    for token in (0, 2, 3):
+        rules.outputs(seq, token)
+    assert seq.state.said == {2, 3}
+    got = rules.adjust(torch.tensor([[1.0, 1.0, 1.0, -1.0]]), [seq])
+    assert torch.equal(got, torch.tensor([[1.5, 1.0, 0.25, -2.25]]))
+
+
+def test_a_tool_call_head_needs_use_function_head(ref, tmp_path):
+    head = ref["tools"]["function_head"]
+    with pytest.raises(WeightLoadError, match="stt_model.function_head.weight.*use_function_head"):
+        load_llm(NemotronHForCausalLM(llm_config(ref)), save(tmp_path / "tools", ref["state"] | head))
+    with pytest.raises(WeightLoadError, match="function_head"):
+        load_llm(DuplexLLM(llm_config(ref), function_head=True), save(tmp_path / "plain", ref["state"]))
+    llm = DuplexLLM(llm_config(ref), function_head=True)
+    load_llm(llm, save(tmp_path / "both", ref["state"] | head))
+    assert torch.equal(llm.function_head.weight, head["stt_model.function_head.weight"])
