@@ -236,9 +236,10 @@ class WindowedVideo(VideoFrames):
         return OutputEvent(modality="video", data=data)
 
 
-def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) -> WalkRequest:
-    """A windowed request of ``model`` (a ``Cosmos3``), checked as ``check_video`` left it:
-    each rule a ``RequestError`` naming the field."""
+def plan_windowed(model, spec, knobs, condition) -> WindowPlan:
+    """The windows of a windowed request of ``model`` (a ``Cosmos3``), checked as
+    ``check_video`` left it: each rule a ``RequestError`` naming the field (``check_video`` runs
+    this too, so the video routes refuse a bad rollout before queueing it)."""
     field = "window_mode" if knobs.window_mode is not None else "stream_video" if knobs.stream_video \
         else "session_id"
     if not model.knobs.enable_windowed_video:
@@ -270,6 +271,13 @@ def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) ->
     else:
         plan = plan_windows(knobs.num_frames, window, knobs.overlap_frames or defaults[1], resume=resume,
                             first_condition=first, max_windows=model.knobs.max_windows)
+    return plan
+
+
+def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) -> WalkRequest:
+    """A windowed request of ``model`` (a ``Cosmos3``), checked as ``check_video`` left it."""
+    plan = plan_windowed(model, spec, knobs, condition)
+    kv = knobs.window_mode == "kv"
     fps = float(knobs.fps)
     meta = dict(num_frames=plan.window_frames, height=knobs.height, width=knobs.width, fps=fps)
     ids = model.prompt.ids(spec.text, **meta)
