@@ -283,7 +283,7 @@ def test_a_kv_session_is_resumed_by_a_chained_request(deployment):
     [first] = events(deployment, "kv-sess", session=SessionSpec("kv-world"), num_frames=9, seed=2, **KV)
     kept = worker.sessions.get("kv-world", "vae")
     # the last window whole (5 frames), of which the 9-frame clip took the first 4
-    assert kept is not None and kept.numpy()[:4].tobytes() == first[-4 * HEIGHT * WIDTH * 3:]
+    assert kept is not None and kept.frames.numpy()[:4].tobytes() == first[-4 * HEIGHT * WIDTH * 3:]
     chained = {"window_mode": "chained", "window_frames": 9, "overlap_frames": 5}
     [more] = events(deployment, "kv-sess-2", session=SessionSpec("kv-world", resume=True, end=True),
                     num_frames=4 + 1, seed=3, **chained)
