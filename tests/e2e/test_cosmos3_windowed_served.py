@@ -3,7 +3,8 @@
 rollout of 3 windows with ``stream_video`` streams as 3 NDJSON video lines (9, 4 and 4 frames)
 that join into the non-streamed answer's clip; without ``stream_video`` a streamed answer has
 one video line; a session resumes with only its new frames, ``end_session`` frees it and its
-next resume is a 410 naming ``session_id``; a ``window_mode: kv`` rollout streams its windows
+next resume is a 410 naming ``session_id``; a kv session resumes as one rollout; the jobs API
+(``/v1/videos``) takes the windowed knobs and sessions; a ``window_mode: kv`` rollout streams its windows
 (5, 5 and 3 frames) on ``/generate`` and ``/v1/videos/generations``; bad ``context_frames``
 (negative, or with chained) are 400s naming it."""
 
@@ -230,3 +231,14 @@ def test_the_jobs_api_takes_the_windowed_knobs_and_sessions(app):
     for name, response in bad.items():
         assert response.status_code == 400, (name, response.text)
         assert response.json()["error"]["param"] == name.removesuffix("_json"), (name, response.text)
+
+
+def test_a_kv_session_resumes_over_http(app):
+    """/generate: a kv rollout opened under a session and resumed equals one kv rollout of both
+    requests' windows (the committed cache and the noise stream kept between them)."""
+    first = clip(asyncio.run(post(app, {"num_frames": 5, **KV}, session_id="kv-drone")))
+    more = clip(asyncio.run(post(app, {"num_frames": 5, **KV}, session_id="kv-drone", resume_session=True,
+                                 end_session=True)))
+    whole = clip(asyncio.run(post(app, {"num_frames": 9, **KV})))
+    assert len(first) == len(more) == 5 * FRAME_BYTES
+    assert first + more[:4 * FRAME_BYTES] == whole

@@ -301,9 +301,6 @@ def plan_windowed(model, spec, knobs, condition) -> WindowPlan:
     if kv and knobs.overlap_frames is not None:
         raise RequestError("overlap_frames", "kv windows do not overlap (they read the committed K/V instead)")
     resume = spec.session is not None and spec.session.resume
-    if resume and kv:
-        raise RequestError("resume_session", "a kv rollout's committed K/V is not kept between requests; resume "
-                                             "a session with window_mode chained")
     if resume and condition is not None:
         raise RequestError("image", "a resumed session continues its frames; send no image or clip")
     defaults = EDGE_DEFAULTS if model.key.startswith("cosmos3_edge") else DEFAULTS
