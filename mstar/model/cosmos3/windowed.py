@@ -39,9 +39,10 @@ overlap. Every window is ``window_frames`` (29 by default) of new frames in the 
 layout (window 0 image-/video-conditioned when the request brings a file), denoised attending
 block-causally to the committed clean K/V of the windows before it, which the denoise node keeps
 per request; frames more than ``context_frames`` (61 by default, as latent frames; 0 keeps all)
-behind the frontier are released. Each window is decoded as a clip of its own. A kv rollout may
-keep a session (its last window's frames, for a chained resume) but not resume one: the
-committed K/V lives on the denoise node for one request only (a 400 naming ``resume_session``).
+behind the frontier are released. Each window is decoded as a clip of its own. With a session
+the denoise node keeps the committed cache in its session store, and a kv resume goes on from
+it (``mstar.model.cosmos3.kv_window``); the ``vae`` node keeps the last window's frames too, so a
+chained request may resume a kv session.
 """
 
 from __future__ import annotations
