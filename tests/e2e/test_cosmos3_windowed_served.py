@@ -3,7 +3,8 @@
 rollout of 3 windows with ``stream_video`` streams as 3 NDJSON video lines (9, 4 and 4 frames)
 that join into the non-streamed answer's clip; without ``stream_video`` a streamed answer has
 one video line; a session resumes with only its new frames, ``end_session`` frees it and its
-next resume is a 410 naming ``session_id``; a kv session resumes as one rollout; the jobs API
+next resume is a 410 naming ``session_id``; a kv session resumes as one rollout (on ``/generate``
+and over ``/generate/ws``); the jobs API
 (``/v1/videos``) takes the windowed knobs and sessions; a ``window_mode: kv`` rollout streams its windows
 (5, 5 and 3 frames) on ``/generate`` and ``/v1/videos/generations``; bad ``context_frames``
 (negative, or with chained) are 400s naming it."""
@@ -242,3 +243,27 @@ def test_a_kv_session_resumes_over_http(app):
     whole = clip(asyncio.run(post(app, {"num_frames": 9, **KV})))
     assert len(first) == len(more) == 5 * FRAME_BYTES
     assert first + more[:4 * FRAME_BYTES] == whole
+
+
+def test_ws_appends_continue_a_kv_rollout(app):
+    """/generate/ws with window_mode kv: each later append resumes the kv session, and the
+    appends' windows equal one kv rollout's."""
+    from tests.support.asgi_ws import AsgiSocket
+
+    async def run():
+        async with AsgiSocket(app) as ws:
+            await ws.send_json({"text": "a drone flies over a coastal town at dawn", "output_modalities": "video",
+                                "model_kwargs": {"width": WIDTH, "height": HEIGHT, "seed": 4, "num_frames": 5,
+                                                 "stream_video": True, **KV}})
+            await ws.send_json({"type": "append"})
+            await ws.send_json({"type": "append"})
+            await ws.send_json({"type": "end_input"})
+            return await ws.receive_all(), ws
+
+    messages, ws = asyncio.run(run())
+    assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
+    assert not any(isinstance(m, dict) and m["type"] == "error" for m in messages), messages
+    chunks = [m for m in messages if isinstance(m, bytes)]
+    assert [len(c) // FRAME_BYTES for c in chunks] == [5, 5]
+    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))  # windows of 5, 5, 3 frames
+    assert b"".join(chunks) == whole[:10 * FRAME_BYTES]
