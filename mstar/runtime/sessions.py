@@ -205,6 +205,16 @@ class SessionStore:
                 counts[node] += 1
         return counts
 
+    def held_bytes(self) -> dict[str, int]:
+        """Per node that ever kept state here, the bytes its kept state holds now (a tensor's
+        ``nbytes``, or the ``nbytes`` an engine's state object reports; 0 for other state)."""
+        counts = dict.fromkeys(self._nodes, 0)
+        for nodes in self._state.values():
+            for node, state in nodes.items():
+                size = getattr(state, "nbytes", 0)
+                counts[node] += size if isinstance(size, int) else 0
+        return counts
+
     def __len__(self) -> int:
         return len(self._state)
 

@@ -262,6 +262,7 @@ class Worker:
     def stats(self) -> dict[str, float]:
         """Every engine's gauges, as ``"node.stat" -> value`` (they ride on each StepResult)."""
         out = {f"{node}.sessions_held": float(count) for node, count in self.sessions.held().items()}
+        out |= {f"{node}.session_bytes": float(size) for node, size in self.sessions.held_bytes().items()}
         for node, engine in self.engines.items():
             for name, value in engine.stats().items():
                 out[f"{node}.{name}"] = value

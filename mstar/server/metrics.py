@@ -56,6 +56,8 @@ _DOCS = {
     "sessions_open": "Sessions kept (idle or with a request in flight), as the frontend's book counts them",
     "sessions_busy": "Sessions with a request in flight",
     "sessions_held": "Sessions whose state a node keeps on its worker rank, per rank and node",
+    "session_bytes": "Bytes of the session state a node keeps on its worker rank (tensors and caches that "
+                     "report their size), per rank and node",
     "conditioning_cache_hits": "Reference clips whose conditioning came from the memo since startup",
     "conditioning_cache_misses": "Reference clips encoded since startup (not in the memo)",
     "conditioning_cache_entries": "Reference clips whose conditioning the memo keeps",

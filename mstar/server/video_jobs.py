@@ -18,6 +18,14 @@ the model refuses (a size not a multiple of 32, a frame count over its limits, a
 does not decode: the backend's ``check_video``, run before queueing) are 400s naming the
 body's field before a job exists; a refusal that still comes from the walk fails the job with
 ``error.code`` "invalid_request".
+
+A windowed rollout (a model that takes them: ``window_mode``, ``window_frames``,
+``overlap_frames``, ``context_frames``) runs as a job like any clip: its content is the one mp4
+of the whole rollout (``stream_video`` is a 400 here). The session fields (``session_id``,
+``resume_session``, ``end_session``, ``session_timeout_s``) start or continue a world-state
+session as on ``/generate``; the session book answers when the job is handed to the backend,
+so a busy (409) or gone (410) session fails the job (``error.code`` "invalid_request", the
+message naming ``session_id``): resume a session once the job before it has completed.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ log = logging.getLogger(__name__)
 
 _FORM_FIELDS = ("prompt", "model", "seconds", "size", "num_frames", "fps", "seed", "num_inference_steps",
                 "guidance_scale", "negative_prompt", "user", "conditioning_resize", "condition_latent_frames",
-                "enable_sound")
+                "enable_sound", "window_mode", "window_frames", "overlap_frames", "context_frames", "session_id",
+                "resume_session", "end_session", "session_timeout_s")
 MAX_LIST = 100
 
 
@@ -64,6 +73,14 @@ class VideoJobForm(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = None
+    window_mode: str | None = Field(None, description="a windowed rollout: chained or kv (experimental)")
+    window_frames: int | None = Field(None, description="windowed: pixel frames a window denoises")
+    overlap_frames: int | None = Field(None, description="windowed chained: frames re-pinned from the last window")
+    context_frames: int | None = Field(None, description="windowed kv: committed frames kept (0: all)")
+    session_id: str | None = Field(None, description="windowed: names a world-state session the rollout keeps")
+    resume_session: bool | None = Field(None, description="continue the named session (a 410 fails the job)")
+    end_session: bool | None = Field(None, description="drop the named session's state once the job is done")
+    session_timeout_s: float | None = Field(None, description="seconds the idle session is kept")
 
 
 @dataclass
@@ -170,6 +187,9 @@ async def create_video(request: Request) -> Response:
         for name in ("image", "video", "response_format"):  # /v1/videos/generations' fields, not this route's
             if name in fields:
                 raise RequestError(name, "is not a field of this route (the reference image is input_reference)")
+        if "stream_video" in fields:
+            raise RequestError("stream_video", "a job's content is one mp4 of the whole rollout; stream windows "
+                                               "on /v1/videos/generations")
         req = VideoRequest.model_validate(fields)
     except ValidationError as exc:
         return validation_error_response(exc.errors())
@@ -180,9 +200,11 @@ async def create_video(request: Request) -> Response:
         backend = backend_of(request)
         kwargs, renames = model_kwargs_of(req, backend)
         renames["files"] = renames["image"] = "input_reference"
+        session = req.session()
     except Exception as exc:
         return exception_response(exc)
-    spec = video_spec(backend, new_id("video"), req.prompt, [("input_reference", image)] if image else [], kwargs)
+    spec = video_spec(backend, new_id("video"), req.prompt, [("input_reference", image)] if image else [], kwargs,
+                      session)
     check = getattr(backend, "check_video", None)
     try:  # the model's own refusals are a 400 now, not a failed job later
         if check is not None:

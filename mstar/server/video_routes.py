@@ -16,9 +16,10 @@ them). The family checks them before queueing; its refusals are renamed to this 
 what the client sent. The frames come back raw from the model; the mp4 is written here, in a thread, never in the model.
 
 A windowed rollout (``window_mode``, ``window_frames``, ``overlap_frames``, ``context_frames``,
-``stream_video``, where the model takes them) with ``stream_video`` answers an NDJSON body instead: one line
-``{"type": "video", "index": i, "b64_json": mp4}`` a window as it is decoded (``png_frames``:
-``"frames"``, a PNG list), closed by ``{"type": "done"}`` (an error after the start: an
+``stream_video``, where the model takes them; the session fields ``session_id``, ``resume_session``,
+``end_session`` and ``session_timeout_s`` as ``/generate``'s) with ``stream_video`` answers an
+NDJSON body instead: one line ``{"type": "video", "index": i, "b64_json": mp4}`` a window as it
+is decoded (``png_frames``: ``"frames"``, a PNG list), closed by ``{"type": "done"}`` (an error after the start: an
 ``{"error"}`` line).
 """
 
@@ -38,7 +39,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mstar.contract import GenerateSpec, RequestError
+from mstar.contract import GenerateSpec, RequestError, SessionSpec
 from mstar.media.video import encode_mp4
 from mstar.server.bodies import fetch_all
 from mstar.server.errors import APIError, exception_response, in_band_error, validation_error_response
@@ -87,7 +88,23 @@ class VideoRequest(BaseModel):
     overlap_frames: int | None = Field(None, ge=1, description="windowed: frames re-pinned from the last window")
     context_frames: int | None = Field(None, ge=0, description="windowed kv: committed frames kept (0: all)")
     stream_video: bool | None = Field(None, description="windowed: an NDJSON body, one video line a window")
+    session_id: str | None = Field(None, min_length=1, max_length=128,
+                                   description="windowed: names a world-state session the rollout keeps")
+    resume_session: bool = Field(False, description="windowed: continue the named session (410 if it is gone)")
+    end_session: bool = Field(False, description="drop the named session's state once this request is done")
+    session_timeout_s: float = Field(600.0, gt=0, description="seconds the idle session is kept (capped by the "
+                                                              "deployment's session_timeout_max_s)")
     user: str | None = None
+
+    def session(self) -> SessionSpec | None:
+        """The request's session, None without ``session_id`` (``resume_session`` or
+        ``end_session`` without one is a ``RequestError`` naming it)."""
+        if self.session_id is None:
+            for name in ("resume_session", "end_session"):
+                if getattr(self, name):
+                    raise RequestError(name, "needs session_id")
+            return None
+        return SessionSpec(self.session_id, self.resume_session, self.end_session, self.session_timeout_s)
 
 
 def frames_for(seconds: float, fps: int, step: int = FRAME_STEP) -> int:
@@ -171,11 +188,13 @@ class Video:
         return encode_mp4(self.frames, fps, audio=self.audio, sample_rate=self.sample_rate or 48000)
 
 
-def video_spec(backend: Any, request_id: str, prompt: str, files: list, kwargs: dict[str, Any]) -> GenerateSpec:
-    """The ``/generate`` request of a video route: video, and audio where the model makes it."""
+def video_spec(backend: Any, request_id: str, prompt: str, files: list, kwargs: dict[str, Any],
+               session: SessionSpec | None = None) -> GenerateSpec:
+    """The ``/generate`` request of a video route: video, and audio where the model makes it;
+    ``session``: the world-state session it starts or resumes (a windowed rollout's)."""
     modalities = ["video", "audio"] if getattr(backend, "video_soundtrack", None) else ["video"]
     return GenerateSpec(request_id=request_id, text=prompt, files=files, output_modalities=modalities,
-                        model_kwargs=kwargs)
+                        model_kwargs=kwargs, session=session)
 
 
 async def run_video(backend: Any, spec: GenerateSpec, renames: dict[str, str], request: Request | None = None,
@@ -214,6 +233,7 @@ async def video_generations(request: Request) -> Response:
     try:
         resolve_model(request, req.model, TASK)
         kwargs, renames = model_kwargs_of(req, backend_of(request))
+        session = req.session()
         files = []
         if req.image is not None:
             [image] = await fetch_all([(req.image, "image", MAX_IMAGE_BYTES)])
@@ -229,7 +249,7 @@ async def video_generations(request: Request) -> Response:
     except Exception as exc:
         return exception_response(exc)
     backend = backend_of(request)
-    spec = video_spec(backend, new_id("video"), req.prompt, files, kwargs)
+    spec = video_spec(backend, new_id("video"), req.prompt, files, kwargs, session)
     if req.stream_video:
         try:
             first, events = await start_events(lambda: backend.generate(spec), request)

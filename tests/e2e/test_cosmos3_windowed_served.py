@@ -3,7 +3,9 @@
 rollout of 3 windows with ``stream_video`` streams as 3 NDJSON video lines (9, 4 and 4 frames)
 that join into the non-streamed answer's clip; without ``stream_video`` a streamed answer has
 one video line; a session resumes with only its new frames, ``end_session`` frees it and its
-next resume is a 410 naming ``session_id``; a ``window_mode: kv`` rollout streams its windows
+next resume is a 410 naming ``session_id``; a kv session resumes as one rollout (on ``/generate``
+and over ``/generate/ws``); the jobs API
+(``/v1/videos``) takes the windowed knobs and sessions; a ``window_mode: kv`` rollout streams its windows
 (5, 5 and 3 frames) on ``/generate`` and ``/v1/videos/generations``; bad ``context_frames``
 (negative, or with chained) are 400s naming it."""
 
@@ -165,3 +167,103 @@ def test_ws_appends_continue_the_rollout(app):
     assert [len(c) // FRAME_BYTES for c in chunks] == [9, 4, 4, 4, 1]  # then 9 new frames, resumed
     first = clip(asyncio.run(post(app, {"num_frames": 13, **WINDOW})))
     assert b"".join(chunks[:2]) == first
+
+
+async def run_job(client: httpx.AsyncClient, form: dict) -> dict:
+    """POST /v1/videos (a form) and poll the job until
+    it is finished."""
+    fields = {"prompt": "a drone flies over a coastal town at dawn", "size": f"{WIDTH}x{HEIGHT}", "seed": "4", **form}
+    response = await client.post("/v1/videos", data=fields, timeout=120)
+    assert response.status_code == 200, response.text
+    job = response.json()
+    for _ in range(6000):
+        if job["status"] in ("completed", "failed"):
+            return job
+        await asyncio.sleep(0.02)
+        job = (await client.get(f"/v1/videos/{job['id']}")).json()
+    raise AssertionError(f"job {job['id']} did not finish: {job}")
+
+
+def test_the_jobs_api_takes_the_windowed_knobs_and_sessions(app):
+    """/v1/videos: a chained rollout as a job (its content the whole rollout's mp4, as
+    /v1/videos/generations makes it), a kv one, a session opened by one job and resumed by the
+    next, a resume of an unknown session failing its job, and 400s naming the field."""
+    from mstar.media.video import decode_mp4
+
+    window = {k: str(v) for k, v in WINDOW.items()}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            out = {"chained": await run_job(client, {"num_frames": "17", **window})}
+            out["chained_mp4"] = (await client.get(f"/v1/videos/{out['chained']['id']}/content")).content
+            out["kv"] = await run_job(client, {"num_frames": "13", **{k: str(v) for k, v in KV.items()}})
+            out["kv_mp4"] = (await client.get(f"/v1/videos/{out['kv']['id']}/content")).content
+            out["open"] = await run_job(client, {"num_frames": "9", "session_id": "jobs-world", **window})
+            out["resume"] = await run_job(client, {"num_frames": "5", "session_id": "jobs-world",
+                                                   "resume_session": "true", "end_session": "true", **window})
+            out["resume_mp4"] = (await client.get(f"/v1/videos/{out['resume']['id']}/content")).content
+            out["gone"] = await run_job(client, {"num_frames": "5", "session_id": "jobs-world",
+                                                 "resume_session": "true", **window})
+            bad = {}
+            for name, form in (("stream_video", {"stream_video": "true"}),
+                               ("context_frames", {"window_mode": "kv", "context_frames": "-1"}),
+                               ("overlap_frames", {"window_mode": "kv", "overlap_frames": "5"}),
+                               ("resume_session", {"resume_session": "true", "window_mode": "chained"})):
+                response = await client.post("/v1/videos", data={"prompt": "a drone", "size": f"{WIDTH}x{HEIGHT}",
+                                                                 "num_frames": "9", **form})
+                bad[name] = response
+            json_stream = await client.post("/v1/videos", json={"prompt": "a drone", "stream_video": True})
+            bad["stream_video_json"] = json_stream
+            return out, bad
+
+    out, bad = asyncio.run(run())
+    for name in ("chained", "kv", "open", "resume"):
+        assert out[name]["status"] == "completed" and out[name]["progress"] == 100, out[name]
+    frames, _ = decode_mp4(out["chained_mp4"])
+    assert frames.shape == (17, HEIGHT, WIDTH, 3)
+    whole = asyncio.run(post_video(app, {"num_frames": 17, **WINDOW}))
+    want, _ = decode_mp4(base64.b64decode(whole.json()["data"][0]["b64_json"]))
+    assert np.array_equal(frames, want)  # the same rollout as /v1/videos/generations'
+    assert decode_mp4(out["kv_mp4"])[0].shape == (13, HEIGHT, WIDTH, 3)
+    assert decode_mp4(out["resume_mp4"])[0].shape == (5, HEIGHT, WIDTH, 3)  # only the new frames
+    gone = out["gone"]
+    assert gone["status"] == "failed" and gone["error"]["code"] == "invalid_request", gone
+    assert gone["error"]["message"].startswith("session_id:"), gone
+    for name, response in bad.items():
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error"]["param"] == name.removesuffix("_json"), (name, response.text)
+
+
+def test_a_kv_session_resumes_over_http(app):
+    """/generate: a kv rollout opened under a session and resumed equals one kv rollout of both
+    requests' windows (the committed cache and the noise stream kept between them)."""
+    first = clip(asyncio.run(post(app, {"num_frames": 5, **KV}, session_id="kv-drone")))
+    more = clip(asyncio.run(post(app, {"num_frames": 5, **KV}, session_id="kv-drone", resume_session=True,
+                                 end_session=True)))
+    whole = clip(asyncio.run(post(app, {"num_frames": 9, **KV})))
+    assert len(first) == len(more) == 5 * FRAME_BYTES
+    assert first + more[:4 * FRAME_BYTES] == whole
+
+
+def test_ws_appends_continue_a_kv_rollout(app):
+    """/generate/ws with window_mode kv: each later append resumes the kv session, and the
+    appends' windows equal one kv rollout's."""
+    from tests.support.asgi_ws import AsgiSocket
+
+    async def run():
+        async with AsgiSocket(app) as ws:
+            await ws.send_json({"text": "a drone flies over a coastal town at dawn", "output_modalities": "video",
+                                "model_kwargs": {"width": WIDTH, "height": HEIGHT, "seed": 4, "num_frames": 5,
+                                                 "stream_video": True, **KV}})
+            await ws.send_json({"type": "append"})
+            await ws.send_json({"type": "append"})
+            await ws.send_json({"type": "end_input"})
+            return await ws.receive_all(), ws
+
+    messages, ws = asyncio.run(run())
+    assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
+    assert not any(isinstance(m, dict) and m["type"] == "error" for m in messages), messages
+    chunks = [m for m in messages if isinstance(m, bytes)]
+    assert [len(c) // FRAME_BYTES for c in chunks] == [5, 5]
+    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))  # windows of 5, 5, 3 frames
+    assert b"".join(chunks) == whole[:10 * FRAME_BYTES]

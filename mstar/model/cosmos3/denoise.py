@@ -72,6 +72,7 @@ class Prepared:
     positions: list[torch.Tensor]
     sound_positions: list[torch.Tensor | None]
     action_positions: list[torch.Tensor] | None = None
+    kv_windows: int = 0  # a kv rollout's windows this request finished
 
 
 def guidance_scale(item: EngineItem) -> float:
@@ -109,10 +110,13 @@ class Cosmos3DenoiseEngine(Engine):
             names = ["prompt_ids", "negative_ids"] if guidance_scale(item) > 1 else ["prompt_ids"]
             texts, positions, sounds, actions = [], [], [], []
             grid = patch_grid(config, tuple(item.inputs["latents"].shape))
+            kv, resumed = None, False
             if is_kv(item):  # positions of the whole rollout; each window takes its slice
-                self.committed[item.request_id] = CommittedKV(len(names), grid[0], grid[1] * grid[2],
-                                                              int(item.params["context_latents"]))
-                grid = (grid[0] * int(item.params["num_windows"]), *grid[1:])
+                kv, resumed = self._committed(item, len(names), grid)
+                self.committed[item.request_id] = kv
+                grid = (kv.position + grid[0] * int(item.params["num_windows"]), *grid[1:])
+            elif item.session is not None and "num_windows" in item.params:
+                item.session.drop()  # a chained window moved the session's world on: its kv cache is stale
             fps = float(item.params.get("fps", 24.0))
             sound = item.inputs.get("sound_latents")
             if sound is not None and isinstance(self.scheduler, FixedSigmas):
@@ -124,6 +128,10 @@ class Cosmos3DenoiseEngine(Engine):
                 ids = item.inputs[name].to(self.device)
                 texts.append(self.tower.encode_text(ids, text_positions(config, len(ids)).to(self.device)))
                 offset = media_offset(config, len(ids))
+                if kv is not None:  # a resume keeps the rollout's offsets, so its positions go on from them
+                    offset = kv.offsets[len(texts) - 1] if resumed else offset
+                    if not resumed:
+                        kv.offsets.append(offset)
                 positions.append(video_positions(config, grid, offset, fps).to(self.device))
                 if sound is not None:
                     sounds.append(sound_positions(config, sound.shape[1], offset).to(self.device))
@@ -132,6 +140,27 @@ class Cosmos3DenoiseEngine(Engine):
                 actions.append(action_positions(config, chunk, offset, fps).to(self.device))
             self.prepared[item.request_id] = Prepared(texts, positions, sounds, actions if chunk else None)
         return self.prepared[item.request_id]
+
+    def _committed(self, item: EngineItem, rows: int, grid: tuple[int, int, int]) -> tuple[CommittedKV, bool]:
+        """A kv rollout's committed cache: the session's on a resume (whether it resumed), else a
+        new one, kept in the session store when the request names a session."""
+        session, keep = item.session, int(item.params["context_latents"])
+        if session is not None and session.resume:
+            kv = session.get()
+            if not isinstance(kv, CommittedKV):
+                raise ValueError(f"request {item.request_id}: session {session.session_id!r} holds no kv rollout "
+                                 "(it was opened or last continued with window_mode chained); resume it chained")
+            if kv.per_frame != grid[1] * grid[2]:
+                raise ValueError(f"request {item.request_id}: the session's kv rollout has {kv.per_frame} patches a "
+                                 f"latent frame, this request {grid[1] * grid[2]} (its size must be the session's)")
+            if len(kv.layers) != rows:
+                kv.with_rows(rows)
+            kv.keep = keep
+            return kv, True
+        kv = CommittedKV(rows, grid[1] * grid[2], keep)
+        if session is not None:
+            session.put(kv)  # grows in place as the windows commit
+        return kv, False
 
     def _schedule(self, item: EngineItem) -> tuple[torch.Tensor, torch.Tensor]:
         if item.request_id not in self.schedules:
@@ -175,7 +204,7 @@ class Cosmos3DenoiseEngine(Engine):
                                              prepared.action_positions[j])
                     row = MediaItem(latents, timestep, noisy, pos, text, chunk, sound, sound_pos)
                     if kv is not None:
-                        row.positions, row.past = kv.window_positions(pos), kv.past(j)
+                        row.positions, row.past = kv.window_positions(pos, latents.shape[1]), kv.past(j)
                     rows.append((i, row))
             predictions = self._predict([row for _, row in rows])
             per_item: dict[int, list[Prediction]] = {}
@@ -207,22 +236,25 @@ class Cosmos3DenoiseEngine(Engine):
     def _commit(self, finished: list[tuple[EngineItem, torch.Tensor]]) -> None:
         """The commit pass of kv windows whose last step was just taken: the finished latents as
         clean frames (no time embedding) through the tower, each guidance row keeping its K/V.
-        A rollout's last window commits nothing (no window reads it)."""
+        A rollout's last window commits nothing (no window reads it), unless a session keeps
+        the cache for a resume."""
         rows, owners = [], []
         for item, latents in finished:
             kv = self.committed[item.request_id]
-            if kv.windows + 1 >= int(item.params["num_windows"]):
-                continue
             prepared = self.prepared[item.request_id]
+            prepared.kv_windows += 1
+            if prepared.kv_windows >= int(item.params["num_windows"]) and item.session is None:
+                continue
             for j, (text, pos) in enumerate(zip(prepared.texts, prepared.positions)):
-                rows.append(MediaItem(latents, 0.0, [], kv.window_positions(pos), text, past=kv.past(j), keep=[]))
-            owners.append((kv, len(prepared.texts)))
+                rows.append(MediaItem(latents, 0.0, [], kv.window_positions(pos, latents.shape[1]), text,
+                                      past=kv.past(j), keep=[]))
+            owners.append((kv, len(prepared.texts), latents.shape[1]))
         if not rows:
             return
         self._predict(rows)
         start = 0
-        for kv, count in owners:
-            kv.commit([row.keep for row in rows[start:start + count]])
+        for kv, count, frames in owners:
+            kv.commit([row.keep for row in rows[start:start + count]], frames)
             start += count
 
     def _actions(self, item: EngineItem) -> tuple[torch.Tensor, list[int]] | None:

@@ -62,7 +62,13 @@ from mstar.model.cosmos3.conditioning import condition_length, image_pixels, vid
 from mstar.model.cosmos3.knobs import Cosmos3Knobs
 from mstar.model.cosmos3.sampler import draws
 from mstar.model.cosmos3.sound import SoundLayout, SoundVideoStream
-from mstar.model.cosmos3.windowed import KV_WARNING, WindowedVideo, prepare_windowed, windowed_walks
+from mstar.model.cosmos3.windowed import (
+    KV_WARNING,
+    WindowedVideo,
+    plan_windowed,
+    prepare_windowed,
+    windowed_walks,
+)
 from mstar.model.diffusion_knobs import MAX_STEPS
 from mstar.model.image_output import ImageGenerateKnobs, ImageStream, output_params
 from mstar.model.knobs import RequestKnobs
@@ -322,6 +328,12 @@ class Cosmos3(ActionRequests, ModelSpec):
                                              f"max_video_pixels ({self.knobs.max_video_pixels} pixels)")
         steps, scale = self._steps_and_scale(knobs.num_inference_steps, knobs.guidance_scale)
         condition = self._condition(spec.files[0], knobs) if spec.files else None
+        if is_windowed(spec, knobs):
+            plan_windowed(self, spec, knobs, condition)
+        else:
+            for name in ("window_frames", "overlap_frames", "context_frames"):
+                if getattr(knobs, name) is not None:
+                    raise RequestError(name, "applies to windowed rollouts: set window_mode (or stream_video)")
         return knobs, steps, scale, condition
 
     def _check_sound(self) -> None:
@@ -383,9 +395,6 @@ class Cosmos3(ActionRequests, ModelSpec):
         knobs, steps, scale, condition = self.check_video(spec)
         if is_windowed(spec, knobs):
             return prepare_windowed(self, spec, knobs, steps, scale, condition)
-        for name in ("window_frames", "overlap_frames", "context_frames"):
-            if getattr(knobs, name) is not None:
-                raise RequestError(name, "applies to windowed rollouts: set window_mode (or stream_video)")
         return self._request(spec.text, knobs.negative_prompt, width=knobs.width, height=knobs.height,
                              num_frames=knobs.num_frames, fps=float(knobs.fps), steps=steps, scale=scale,
                              seed=knobs.seed, params={}, image=False, condition=condition, sound=knobs.enable_sound)

@@ -22,10 +22,14 @@ The noise of all windows is drawn up front from one generator seeded with the re
 window after window (window 0's draw is a plain request's), so a seeded request is
 deterministic, and the denoise engine starts a fresh solver at each window's first step.
 
-Sessions (``session_id``): each ``window_decode`` keeps the window's uint8 frames in the
-session store on the ``vae`` node; ``resume_session`` conditions window 0 on the stored
-frames' tail (pinned clean like a chained overlap) and delivers only the ``num_frames`` new
-frames. ``end_session`` and the timeouts are the session book's (``docs/sessions.md``).
+Sessions (``session_id``): the ``vae`` node keeps a ``WindowSession`` in the session store: the
+noise stream and the latest window's uint8 frames. A session request's noise is drawn there,
+window by window, from the session's generator (seeded with the opening request's seed; a
+resume goes on with it and ignores its own ``seed``), so an opening and its resumes draw what
+one longer rollout would. ``resume_session`` conditions window 0 on the stored frames' tail
+(pinned clean like a chained overlap) and delivers only the ``num_frames`` new frames: an
+opening of whole windows and a resume equal one rollout of all their windows with the opening's
+seed. ``end_session`` and the timeouts are the session book's (``docs/sessions.md``).
 
 ``stream_video``: each window's frames are one ``video`` event as soon as they are decoded;
 without it ``WindowedVideo`` holds them and sends the assembled clip at the end.
@@ -35,9 +39,10 @@ overlap. Every window is ``window_frames`` (29 by default) of new frames in the 
 layout (window 0 image-/video-conditioned when the request brings a file), denoised attending
 block-causally to the committed clean K/V of the windows before it, which the denoise node keeps
 per request; frames more than ``context_frames`` (61 by default, as latent frames; 0 keeps all)
-behind the frontier are released. Each window is decoded as a clip of its own. A kv rollout may
-keep a session (its last window's frames, for a chained resume) but not resume one: the
-committed K/V lives on the denoise node for one request only (a 400 naming ``resume_session``).
+behind the frontier are released. Each window is decoded as a clip of its own. With a session
+the denoise node keeps the committed cache in its session store, and a kv resume goes on from
+it (``mstar.model.cosmos3.kv_window``); the ``vae`` node keeps the last window's frames too, so a
+chained request may resume a kv session.
 """
 
 from __future__ import annotations
@@ -173,6 +178,29 @@ def tail_pixels(frames: torch.Tensor, plan: WindowPlan) -> torch.Tensor:
     return video_pixels(np.asarray(frames[-plan.pinned_frames:].numpy()), width, height, plan.pinned_latents)
 
 
+@dataclass
+class WindowSession:
+    """A windowed rollout's session state on the ``vae`` node: the noise stream (the opening
+    request's generator, seeded with its seed, every window's draw taken from it in order, so a
+    resume goes on with the draws a longer rollout would have taken) and the latest window's
+    uint8 frames ``[F, H, W, 3]`` (a chained resume's conditioning)."""
+
+    generator: torch.Generator
+    frames: torch.Tensor | None = None
+    drawn: tuple[str, int, torch.Tensor] | None = None  # (request, window, noise): the last draw, reused on a re-run
+
+    def draw(self, request_id: str, window: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Window ``window``'s noise: the stream's next draw (the same tensor again when the
+        worker re-runs that window's start)."""
+        if self.drawn is None or self.drawn[:2] != (request_id, window):
+            self.drawn = (request_id, window, torch.randn(shape, generator=self.generator))
+        return self.drawn[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.frames is None else self.frames.nbytes
+
+
 def run_window_op(vae, op: str, items, dtype: torch.dtype, device: torch.device, chunk: int) -> list[dict]:
     """The ``vae`` node's window ops, one item at a time (windows are few and large)."""
     out = []
@@ -185,18 +213,35 @@ def run_window_op(vae, op: str, items, dtype: torch.dtype, device: torch.device,
     return out
 
 
-def _start(vae, item, plan: WindowPlan, dtype, device) -> dict:
-    noise = item.inputs["window_noise"][item.iteration]
-    pixels = item.inputs["tail_pixels"]
+def _session_noise(item) -> tuple[torch.Tensor, WindowSession]:
+    """A session request's window noise, from the session's own stream (an opening request
+    starts the stream with its seed; a resume goes on with it)."""
     session = item.session
-    if item.iteration == 0 and session is not None and session.resume:
-        kept = session.get()
-        if kept is None:
-            raise ValueError(f"request {item.request_id}: session {session.session_id!r} holds no frames to resume")
-        if tuple(kept.shape[1:3]) != tuple(pixels.shape[2:]):
-            raise ValueError(f"request {item.request_id}: the session's frames are {kept.shape[2]}x{kept.shape[1]}, "
-                             f"this request asks for {pixels.shape[3]}x{pixels.shape[2]}")
-        pixels = tail_pixels(kept, plan)
+    state = session.get()
+    if item.iteration == 0 and not session.resume:
+        state = WindowSession(torch.Generator().manual_seed(int(item.params["noise_seed"])))
+        session.put(state)
+    if not isinstance(state, WindowSession):
+        raise ValueError(f"request {item.request_id}: session {session.session_id!r} holds no windowed rollout "
+                         "to resume")
+    return state.draw(item.request_id, item.iteration, tuple(item.params["noise_shape"])), state
+
+
+def _start(vae, item, plan: WindowPlan, dtype, device) -> dict:
+    pixels = item.inputs["tail_pixels"]
+    if item.session is None:
+        noise = item.inputs["window_noise"][item.iteration]
+    else:
+        noise, state = _session_noise(item)
+        if item.iteration == 0 and item.session.resume and plan.pinned_latents:  # chained: the kept tail
+            kept = state.frames
+            if kept is None:
+                raise ValueError(f"request {item.request_id}: session {item.session.session_id!r} holds no frames "
+                                 "to resume")
+            if tuple(kept.shape[1:3]) != tuple(pixels.shape[2:]):
+                raise ValueError(f"request {item.request_id}: the session's frames are {kept.shape[2]}x"
+                                 f"{kept.shape[1]}, this request asks for {pixels.shape[3]}x{pixels.shape[2]}")
+            pixels = tail_pixels(kept, plan)
     if pixels.shape[1] == 0:  # text-to-video: nothing pinned
         return {"latents": noise, "cond_latents": noise.new_zeros((noise.shape[0], 0, *noise.shape[2:]))}
     latents = vae.normalize(vae.encode(pixels[None].to(device, dtype))).float()[0].cpu()
@@ -206,8 +251,10 @@ def _start(vae, item, plan: WindowPlan, dtype, device) -> dict:
 def _decode(vae, item, plan: WindowPlan, dtype, device, chunk: int) -> dict:
     x = item.inputs["latents"][None].to(device, dtype)
     frames = frames_uint8(vae.decode(vae.denormalize(x), chunk=chunk)[0]).cpu()
-    if item.session is not None:
-        item.session.put(frames.clone())  # the session's world state: the latest window
+    if item.session is not None:  # the session's world state: the latest window
+        state = item.session.get()
+        if isinstance(state, WindowSession):
+            state.frames = frames.clone()
     skip, take = plan.delivered(item.iteration)
     tail = tail_pixels(frames, plan) if plan.pinned_frames else torch.zeros(3, 0, *frames.shape[1:3])
     return {"frames": frames[skip:skip + take].contiguous(), "tail_pixels": tail}
@@ -236,9 +283,10 @@ class WindowedVideo(VideoFrames):
         return OutputEvent(modality="video", data=data)
 
 
-def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) -> WalkRequest:
-    """A windowed request of ``model`` (a ``Cosmos3``), checked as ``check_video`` left it:
-    each rule a ``RequestError`` naming the field."""
+def plan_windowed(model, spec, knobs, condition) -> WindowPlan:
+    """The windows of a windowed request of ``model`` (a ``Cosmos3``), checked as
+    ``check_video`` left it: each rule a ``RequestError`` naming the field (``check_video`` runs
+    this too, so the video routes refuse a bad rollout before queueing it)."""
     field = "window_mode" if knobs.window_mode is not None else "stream_video" if knobs.stream_video \
         else "session_id"
     if not model.knobs.enable_windowed_video:
@@ -254,9 +302,6 @@ def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) ->
     if kv and knobs.overlap_frames is not None:
         raise RequestError("overlap_frames", "kv windows do not overlap (they read the committed K/V instead)")
     resume = spec.session is not None and spec.session.resume
-    if resume and kv:
-        raise RequestError("resume_session", "a kv rollout's committed K/V is not kept between requests; resume "
-                                             "a session with window_mode chained")
     if resume and condition is not None:
         raise RequestError("image", "a resumed session continues its frames; send no image or clip")
     defaults = EDGE_DEFAULTS if model.key.startswith("cosmos3_edge") else DEFAULTS
@@ -270,14 +315,26 @@ def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) ->
     else:
         plan = plan_windows(knobs.num_frames, window, knobs.overlap_frames or defaults[1], resume=resume,
                             first_condition=first, max_windows=model.knobs.max_windows)
+    return plan
+
+
+def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) -> WalkRequest:
+    """A windowed request of ``model`` (a ``Cosmos3``), checked as ``check_video`` left it."""
+    plan = plan_windowed(model, spec, knobs, condition)
+    kv = knobs.window_mode == "kv"
     fps = float(knobs.fps)
     meta = dict(num_frames=plan.window_frames, height=knobs.height, width=knobs.width, fps=fps)
     ids = model.prompt.ids(spec.text, **meta)
     shape = (model.latent_channels, plan.latent_frames, knobs.height // 16, knobs.width // 16)
     seed = knobs.seed if knobs.seed is not None else torch.seed() % (1 << 31)
     pixels = condition[1] if condition is not None else torch.zeros(3, 0, knobs.height, knobs.width)
-    inputs = {"prompt_ids": ids, "window_noise": window_noise(shape, plan.num_windows, seed), "tail_pixels": pixels}
     params = {"num_steps": steps, "fps": fps, "stream_video": knobs.stream_video, **plan.params()}
+    if spec.session is None:
+        noise = window_noise(shape, plan.num_windows, seed)
+    else:  # the vae node draws it from the session's stream (a resume continues the opening's)
+        noise = torch.zeros(0)
+        params |= {"noise_seed": seed, "noise_shape": list(shape)}
+    inputs = {"prompt_ids": ids, "window_noise": noise, "tail_pixels": pixels}
     if kv:
         context = KV_CONTEXT_FRAMES if knobs.context_frames is None else knobs.context_frames
         params |= {"window_mode": "kv", "context_latents": context_latents(context)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -283,11 +284,68 @@ def test_a_kv_session_is_resumed_by_a_chained_request(deployment):
     [first] = events(deployment, "kv-sess", session=SessionSpec("kv-world"), num_frames=9, seed=2, **KV)
     kept = worker.sessions.get("kv-world", "vae")
     # the last window whole (5 frames), of which the 9-frame clip took the first 4
-    assert kept is not None and kept.numpy()[:4].tobytes() == first[-4 * HEIGHT * WIDTH * 3:]
+    assert kept is not None and kept.frames.numpy()[:4].tobytes() == first[-4 * HEIGHT * WIDTH * 3:]
     chained = {"window_mode": "chained", "window_frames": 9, "overlap_frames": 5}
     [more] = events(deployment, "kv-sess-2", session=SessionSpec("kv-world", resume=True, end=True),
                     num_frames=4 + 1, seed=3, **chained)
     assert len(more) == 5 * HEIGHT * WIDTH * 3
+
+
+def test_a_kv_session_resumes_as_one_rollout(deployment):
+    """A kv rollout's committed cache is kept in the dit node's session store: an opening of 2
+    windows and a resume of 2 more equal one rollout of 4 windows with the opening's seed, every
+    step's latents and the frames (the context releasing frames across the resume); the cache's
+    bytes are reported, and end_session leaves no cache behind."""
+    worker = deployment.runtime.workers.workers[0]
+    dit = worker.engines["dit"]
+    kv = {**KV, "context_frames": 5}  # 2 latent frames kept: window 0 released while window 2 is made
+    seen: list[torch.Tensor] = []
+    original = dit.run
+
+    def run(items):
+        outputs = original(items)
+        seen.extend(out.outputs["latents"].clone() for out in outputs)
+        return outputs
+
+    dit.run = run
+    try:
+        [whole] = events(deployment, "kvs-whole", num_frames=17, seed=8, **kv)  # windows of 5, 5, 5, 2 frames
+        [first] = events(deployment, "kvs-open", session=SessionSpec("kv-roll"), num_frames=9, seed=8, **kv)
+        cache = worker.sessions.get("kv-roll", "dit")
+        assert cache.position == 2 * LATENT and cache.frames == LATENT  # the last window committed too
+        assert cache.nbytes > 0 and worker.sessions.held_bytes()["dit"] == cache.nbytes
+        [rest] = events(deployment, "kvs-resume", session=SessionSpec("kv-roll", resume=True, end=True),
+                        num_frames=9, seed=99, **kv)  # the session's noise stream, not seed 99
+    finally:
+        del dit.run
+    assert len(seen) == 2 * 4 * STEPS
+    worst = max(rel(ours, ref) for ours, ref in zip(seen[4 * STEPS:], seen[:4 * STEPS]))
+    print(f"[parity] kv opening + resume vs one rollout: latents max rel err {worst:.1e}")
+    assert worst <= 1e-5
+    frame = HEIGHT * WIDTH * 3
+    assert first == whole[:9 * frame] and rest[:7 * frame] == whole[10 * frame:]
+    deadline = time.monotonic() + 10
+    while worker.sessions.get("kv-roll", "dit") is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.sessions.get("kv-roll", "dit") is None and worker.sessions.get("kv-roll", "vae") is None
+    assert worker.sessions.held_bytes()["dit"] == 0 and not dit.committed and not dit.prepared
+
+
+def test_a_kv_resume_reencodes_its_prompt(deployment):
+    """A resume with another prompt and no guidance goes on from the prompt row's cache."""
+    worker = deployment.runtime.workers.workers[0]
+    [first] = events(deployment, "kvp-open", session=SessionSpec("kv-prompt"), num_frames=5, seed=8, **KV)
+
+    async def resume():
+        spec = GenerateSpec("kvp-resume", "the drone turns toward the harbour", [], ["video"],
+                            {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS, "guidance_scale": 1.0,
+                             "num_frames": 5, **KV}, session=SessionSpec("kv-prompt", resume=True))
+        return [e.data async for e in deployment.backend.generate(spec) if not e.error and e.data]
+
+    [more] = asyncio.run(resume())
+    cache = worker.sessions.get("kv-prompt", "dit")
+    assert len(more) == len(first) and more != first and len(cache.layers) == 1 and cache.position == 2 * LATENT
+    deployment.backend.end_session("kv-prompt")
 
 
 def test_kv_rollouts_share_forwards_with_other_requests(deployment):
@@ -331,10 +389,13 @@ def test_startup_warns_that_kv_is_experimental(checkpoint, caplog):
     ({"window_mode": "chained", "context_frames": 61}, None, "context_frames"),
     ({"window_mode": "kv", "overlap_frames": 8}, None, "overlap_frames"),
     ({"window_mode": "kv", "window_frames": 4}, None, "window_frames"),
-    ({"window_mode": "kv"}, SessionSpec("world", resume=True), "resume_session"),
+    ({"window_mode": "kv", "image": True}, SessionSpec("world", resume=True), "image"),
 ])
 def test_bad_kv_requests_name_the_field(deployment, kwargs, session, field):
-    spec = GenerateSpec("bad", PROMPT, [], ["video"], {"height": HEIGHT, "width": WIDTH, "num_frames": 17, **kwargs},
+    from test_cosmos3_conditioned import picture, png  # noqa: PLC0415
+
+    files = [("image.png", png(picture(40, 30, 1)))] if kwargs.pop("image", False) else []
+    spec = GenerateSpec("bad", PROMPT, files, ["video"], {"height": HEIGHT, "width": WIDTH, "num_frames": 17, **kwargs},
                         session=session)
     with pytest.raises(RequestError) as err:
         deployment.spec.prepare_generate(spec)

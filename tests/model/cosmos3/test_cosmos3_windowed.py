@@ -226,20 +226,22 @@ def session_events(d, request_id, session, **kwargs) -> list[bytes]:
     return asyncio.run(run())
 
 
-def test_a_resumed_session_continues_from_its_last_frames(deployment, by_hand):
-
+def test_a_resumed_session_continues_from_its_last_frames(deployment):
+    """Opening (2 windows) + resume (3 windows) equals one rollout of 5 windows with the opening's
+    seed: the resume is conditioned on the kept window's tail, as a later window is, and draws
+    its noise from the session's stream (the resume's own seed is not used)."""
     worker = deployment.runtime.workers.workers[0]
     [first] = session_events(deployment, "sess-a", SessionSpec("world"), num_frames=13, seed=3)
     kept = worker.sessions.get("world", "vae")
     # the last window whole: its 5 pinned frames (decoded again) and its 4 new ones, the clip's last
-    assert kept is not None and kept.shape == (9, HEIGHT, WIDTH, 3)
-    assert np.array_equal(kept.numpy()[5:], as_frames(first)[-4:])
-    [rest] = session_events(deployment, "sess-b", SessionSpec("world", resume=True, end=True), num_frames=5, seed=11)
-    _, delivered = by_hand.rollout(11, 2, tail=kept.numpy()[-5:])  # as a chained window would continue
-    ours, ref = as_frames(rest), np.concatenate(delivered)[:5]
-    assert ours.shape == (5, HEIGHT, WIDTH, 3)  # only the new frames
+    assert kept is not None and kept.frames.shape == (9, HEIGHT, WIDTH, 3)
+    assert np.array_equal(kept.frames.numpy()[5:], as_frames(first)[-4:])
+    [rest] = session_events(deployment, "sess-b", SessionSpec("world", resume=True, end=True), num_frames=9, seed=11)
+    assert as_frames(rest).shape == (9, HEIGHT, WIDTH, 3)  # only the new frames
+    [whole] = events(deployment, "sess-whole", num_frames=25, seed=3, **WINDOW)  # 9 + 4 x 4 frames
+    ours, ref = np.concatenate([as_frames(first), as_frames(rest)]), as_frames(whole)[:22]
     diff = int(np.abs(ours.astype(np.int16) - ref.astype(np.int16)).max())
-    print(f"[parity] resumed session frames max level diff {diff}")
+    print(f"[parity] opening + resume vs one rollout: frames max level diff {diff}")
     assert diff == 0
     deadline = time.monotonic() + 10
     while worker.sessions.get("world", "vae") is not None and time.monotonic() < deadline:
