@@ -479,7 +479,9 @@ def run_ours(settings: Settings, runner: OursRunner, profile: bool) -> tuple[dic
 
 # ---------------------------------------------------------------------------- report
 def scenario_name(settings: Settings) -> str:
-    return f"{SCENARIO} (smoke: tiny model, CPU)" if settings.smoke else SCENARIO
+    """The rows' scenario: a bf16 encoder's rows apart from the float32 encoder's."""
+    name = SCENARIO + (" (bf16 encoder)" if settings.encoder_dtype != "float32" else "")
+    return f"{name} (smoke: tiny model, CPU)" if settings.smoke else name
 
 
 BASELINE_NOTE = ("none rerun: the reference (NeMo's VoiceChat served by its own stack) is not installed here; its "

@@ -100,7 +100,9 @@ def test_encoder_dtype_reaches_the_deployment(tmp_path) -> None:
     assert settings.encoder_dtype == "bfloat16" and settings.describe()["encoder_dtype"] == "bfloat16"
     model_dir = s15.write_model_dir(tmp_path / "m", smoke=True)
     assert s15.deployment(settings, model_dir)["model_kwargs"]["encoder_dtype"] == "bfloat16"
-    assert s15.settings_from(s15.parse_args(["--smoke"])).encoder_dtype == "float32"
+    plain = s15.settings_from(s15.parse_args(["--smoke"]))
+    assert plain.encoder_dtype == "float32" and "bf16 encoder" not in s15.scenario_name(plain)
+    assert "bf16 encoder" in s15.scenario_name(settings)  # its rows apart from the float32 encoder's
 
 
 def _call(arrivals: list[float], dues: list[float]) -> CallTiming:
