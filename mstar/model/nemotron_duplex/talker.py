@@ -50,7 +50,7 @@ def dummy_talker(config: EarTTSConfig, vocab: int, seed: int, *, device: torch.d
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden = config.talker.hidden_size
     on = torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype)
-    model.talker.text.replace(on, torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype).mul_(0.1))
+    model.talker.text.replace(on, 0.1 * torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype))
     model.speakers = {"default": torch.randn(1, prompt_frames(config), hidden, generator=gen, device=device,
                                              dtype=dtype)}
     return model
