@@ -7,7 +7,8 @@ The released model's shapes with dummy (seeded random) weights, one GPU, an in-p
   conv kernel 9, 256 subsampling channels, 128 mels, left context 70, and a linear projection
   to the LLM's width (the layer count, width and heads from a public conversion of the
   release's perception side; the FFN, kernel and subsampling widths are Canary's layout, an
-  estimate). The engine builds it in float32 whatever the deployment's dtype.
+  estimate). In float32 (the deployment's ``encoder_dtype`` default), or bf16 with
+  ``--encoder-dtype bfloat16``.
 * the nano LLM: NVIDIA-Nemotron-Nano-9B-v2 (the release's LLM: 27 Mamba-2, 4 attention and
   25 MLP layers, hidden 4480, vocab 131072), bf16, float32 SSM states.
 * the talker: EarTTS from the release's ``speech_generation`` (a 28-layer Gemma-3 backbone of
@@ -40,7 +41,7 @@ notes, not in the baseline column: nothing here reruns the reference.
 
 The **floor** of a tick is the bytes one step of the three nodes must move over the measured
 bandwidth (or its FLOPs over the measured matmul rate, when longer): every weight read once
-(the encoder in float32, the nano LLM but its embedding table, the talker's backbone, its MoG
+(the encoder in its ``--encoder-dtype``, the nano LLM but its embedding table, the talker's backbone, its MoG
 head once per unmasking iteration but the per-call gathered rows, the codec), plus per call the
 Mamba-2 states read and written, the KV read (nano and talker at the run's mean length, the
 encoder's cached frames). Notes keep the weights-only figure. The codec's convolutions count
@@ -157,6 +158,7 @@ class Settings:
     attention_backend: str
     stagger_s: float = 0.0
     seed: int = 0
+    encoder_dtype: str = "float32"  # model_kwargs.encoder_dtype
 
     @property
     def appends(self) -> int:
@@ -166,7 +168,7 @@ class Settings:
         shapes = ("tiny test config" if self.smoke else
                   {"encoder": ENCODER, "llm": NANO_9B_V2, "speech_generation": SPEECH_GENERATION})
         return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
-                "encoder_dtype": "float32", "key": KEY, "shapes": shapes, "calls": list(self.calls),
+                "encoder_dtype": self.encoder_dtype, "key": KEY, "shapes": shapes, "calls": list(self.calls),
                 "seconds": self.seconds, "appends_per_call": self.appends, "pacings": list(self.pacings),
                 "outputs": "text,audio" if self.speech else "text", "runs": self.runs,
                 "warmup_seconds": self.warmup_seconds, "max_session_s": self.max_session_s,
@@ -190,7 +192,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if seconds + 1 > max_session_s:
         raise SystemExit(f"--seconds {seconds} must be at least 1 s under --max-session-s {max_session_s}")
     return Settings(args.smoke, device, dtype, calls, seconds, pacings, not args.text_only, args.runs, warmup,
-                    max_session_s, args.page_size, args.attention_backend, args.stagger_s, args.seed)
+                    max_session_s, args.page_size, args.attention_backend, args.stagger_s, args.seed,
+                    encoder_dtype=args.encoder_dtype)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -246,7 +249,8 @@ def deployment(settings: Settings, model_dir: Path, max_prompt_tokens: int = 256
                           "talker_kv": {"max_num_pages": talker_pages, "page_size": page}},
             "model_kwargs": {"seed": settings.seed, "max_session_s": settings.max_session_s,
                              "max_prompt_tokens": max_prompt_tokens,
-                             "attention_backend": settings.attention_backend}}
+                             "attention_backend": settings.attention_backend,
+                             "encoder_dtype": settings.encoder_dtype}}
 
 
 # --------------------------------------------------------------------------- the bound
@@ -265,7 +269,8 @@ class Floor:
     flops_per_call: float
 
     @classmethod
-    def of(cls, config, dtype: torch.dtype, bandwidth_gbs: float, matmul_tflops: float) -> Floor:
+    def of(cls, config, dtype: torch.dtype, bandwidth_gbs: float, matmul_tflops: float,
+           encoder_dtype: torch.dtype = torch.float32) -> Floor:
         """From a ``DuplexConfig``: the modules built on the meta device and counted."""
         from mstar.model.eartts.codec import CodecDecoder
         from mstar.model.eartts.talker import Backbone, GatedFusion, MoGHead, unmask_schedule
@@ -276,7 +281,7 @@ class Floor:
             encoder, llm = build_models(config)
             backbone, head, fusion = Backbone(cfg), MoGHead(cfg), GatedFusion(cfg.hidden_size)
             codec = CodecDecoder(config.talker.codec)
-        width = torch.finfo(dtype).bits // 8
+        width, encoder_width = torch.finfo(dtype).bits // 8, torch.finfo(encoder_dtype).bits // 8
 
         def count(*modules) -> int:
             return sum(p.numel() for m in modules for p in m.parameters())
@@ -298,11 +303,11 @@ class Floor:
         rank = head.low_rank or cfg.latent_size
         flops = 2.0 * (count(encoder) + nano_weights + 2 * count(backbone) + 2 * iterations * per_iteration)
         return cls(bandwidth_gbs, matmul_tflops,
-                   {"encoder": count(encoder) * 4, "nano_llm": nano_weights * width,
+                   {"encoder": count(encoder) * encoder_width, "nano_llm": nano_weights * width,
                     "eartts_talker": talker_weights * width, "codec": count(codec) * width},
                    2 * state, layers * kv_heads * head_dim * 2 * width,
                    2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * width,
-                   enc.num_hidden_layers * (enc.left_context or 0) * enc.hidden_size * 2 * 4,
+                   enc.num_hidden_layers * (enc.left_context or 0) * enc.hidden_size * 2 * encoder_width,
                    (iterations * rank * (cfg.hidden_size + cfg.latent_size) + config.llm.hidden_size) * width, flops)
 
     def tick_s(self, calls: int, nano_positions: float, talker_positions: float, weights_only: bool = False) -> float:
@@ -474,7 +479,9 @@ def run_ours(settings: Settings, runner: OursRunner, profile: bool) -> tuple[dic
 
 # ---------------------------------------------------------------------------- report
 def scenario_name(settings: Settings) -> str:
-    return f"{SCENARIO} (smoke: tiny model, CPU)" if settings.smoke else SCENARIO
+    """The rows' scenario: a bf16 encoder's rows apart from the float32 encoder's."""
+    name = SCENARIO + (" (bf16 encoder)" if settings.encoder_dtype != "float32" else "")
+    return f"{name} (smoke: tiny model, CPU)" if settings.smoke else name
 
 
 BASELINE_NOTE = ("none rerun: the reference (NeMo's VoiceChat served by its own stack) is not installed here; its "
@@ -541,6 +548,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=128, help="page size of both KV pools")
     p.add_argument("--attention-backend", choices=("torch", "triton"), default="torch",
                    help="model_kwargs.attention_backend (the nano LLM's)")
+    p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model_kwargs.encoder_dtype (the FastConformer's; its log-mels stay float32)")
     p.add_argument("--profile", action="store_true",
                    help="after each fast round, one more with each node's steps timed (device synchronized)")
     add_run_args(p)
@@ -564,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="s15-nemotron-duplex-") as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", settings.smoke)
         config = DuplexConfig.from_dir(model_dir)
-        floor = Floor.of(config, settings.dtype, bandwidth, tflops)
+        floor = Floor.of(config, settings.dtype, bandwidth, tflops, getattr(torch, settings.encoder_dtype))
         log.info("measured %.0f GB/s, %.1f TFLOP/s; %.2f GB of weights a tick (floor %.2f ms at one call)",
                  bandwidth, tflops, sum(floor.weight_bytes.values()) / 1e9, 1e3 * floor.tick_s(1, 0, 0, True))
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import huggingface_hub
@@ -24,6 +25,7 @@ from torch import nn
 __all__ = [
     "ModelPathError",
     "WeightLoadError",
+    "building",
     "fill_weights",
     "init_dummy_weights",
     "iter_safetensors",
@@ -236,6 +238,33 @@ def load_weights(
         raise WeightLoadError(
             f"checkpoint does not match {type(module).__name__}: " + "; ".join(problems)
         )
+
+
+@contextmanager
+def building(device: torch.device | str, dtype: torch.dtype) -> Iterator[None]:
+    """Modules constructed inside are made on ``device`` in ``dtype`` at once: torch's default
+    device and floating dtype are set for the block and restored after it, however it ends.
+
+    ``with torch.device(device): Model(config).to(torch.bfloat16)`` first holds the whole model
+    in float32 (twice the bf16 bytes: 36 GB for a 9B LLM), then a second copy while it casts;
+    ``with building(device, torch.bfloat16): Model(config)`` never holds more than the bf16
+    model. A tensor a module's constructor makes with an explicit dtype keeps it (an fp32
+    window, an int64 index); one it computes in the default dtype (``torch.linspace``,
+    ``torch.arange`` over floats) is computed in ``dtype``, so such constructors name float32
+    where precision matters. With ``dtype`` float32 a build is exactly the plain one.
+
+    The default dtype is process-wide (torch keeps one, not one per thread): build while no
+    other thread makes tensors, as a worker does before it serves.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"building: {dtype} is not a floating-point dtype")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @torch.no_grad()

@@ -90,6 +90,19 @@ def test_floor_weight_bytes_are_the_modules_parameters(tmp_path) -> None:
     weights = sum(floor.weight_bytes.values())
     assert floor.tick_s(1, 0, 0, weights_only=True) == pytest.approx(weights / 100e9)
     assert floor.tick_s(1, 0, 0, weights_only=True) < floor.tick_s(1, 10, 10) < floor.tick_s(4, 10, 10)
+    half = s15.Floor.of(config, torch.bfloat16, bandwidth_gbs=100.0, matmul_tflops=1.0, encoder_dtype=torch.bfloat16)
+    assert half.weight_bytes["encoder"] == 2 * count(encoder)  # --encoder-dtype bfloat16
+    assert 2 * half.encoder_cache_bytes_per_call == floor.encoder_cache_bytes_per_call
+
+
+def test_encoder_dtype_reaches_the_deployment(tmp_path) -> None:
+    settings = s15.settings_from(s15.parse_args(["--smoke", "--encoder-dtype", "bfloat16"]))
+    assert settings.encoder_dtype == "bfloat16" and settings.describe()["encoder_dtype"] == "bfloat16"
+    model_dir = s15.write_model_dir(tmp_path / "m", smoke=True)
+    assert s15.deployment(settings, model_dir)["model_kwargs"]["encoder_dtype"] == "bfloat16"
+    plain = s15.settings_from(s15.parse_args(["--smoke"]))
+    assert plain.encoder_dtype == "float32" and "bf16 encoder" not in s15.scenario_name(plain)
+    assert "bf16 encoder" in s15.scenario_name(settings)  # its rows apart from the float32 encoder's
 
 
 def _call(arrivals: list[float], dues: list[float]) -> CallTiming:

@@ -88,7 +88,7 @@ def load_checkpoint(model: EarTTS, tensors: Iterable[tuple[str, torch.Tensor]],
                 yield name, tensor
 
     load_weights(model, keep(tensors), name_map=checkpoint_name, dtype=dtype)
-    model.speakers = {k: v.to(model.talker.bos_emb.dtype) for k, v in extras.speakers.items()}
+    model.speakers = {k: v.to(model.talker.bos_emb) for k, v in extras.speakers.items()}  # its device and dtype
     if extras.silence is not None:
         model.silence_codes.copy_(extras.silence)
     if extras.text_encoder and vocab is not None:

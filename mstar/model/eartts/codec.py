@@ -162,7 +162,7 @@ class _Latent2Wav(nn.Module):
             width = hidden
         layers.append(nn.Conv1d(width, config.n_fft + 2, 1, bias=False))
         self.layers = nn.ModuleList(layers)
-        window = torch.hann_window(config.n_fft)
+        window = torch.hann_window(config.n_fft, dtype=torch.float32)  # float32 in a bf16 build too
         self.register_buffer("window", window, persistent=False)
 
     def blocks(self) -> list[ConvNeXtBlock]:

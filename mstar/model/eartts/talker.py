@@ -223,7 +223,7 @@ def _filter(logits: torch.Tensor, top_p: float | int) -> torch.Tensor:
 def unmask_schedule(num_quantizers: int, num_iter: int, exponent: float) -> list[int]:
     """Depths unmasked at each of ``num_iter`` iterations (zeros are skipped iterations):
     the reference's cosine-like schedule ``(1 - r^e)^(1/e)`` over ``r = i / num_iter``."""
-    rates = torch.linspace(0.0, 1.0, num_iter + 1)[:-1].unsqueeze(-1)
+    rates = torch.linspace(0.0, 1.0, num_iter + 1, dtype=torch.float32)[:-1].unsqueeze(-1)  # in any build
     masking = (1 - rates.pow(exponent)).pow(1 / exponent)
     counts = torch.ceil(masking * num_quantizers).long()
     ks = counts - F.pad(counts[1:], [0, 0, 0, 1])

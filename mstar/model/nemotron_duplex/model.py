@@ -79,6 +79,9 @@ class DuplexKnobs(Knobs):
     """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``)."""
     speaker: str | None = None
     """The talker's voice: a speaker latent of the checkpoint (None: its first)."""
+    encoder_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The FastConformer encoder's weights and activations (the front end's log-mels stay
+    float32 and are cast on entry; its frames reach the LLM in the LLM's dtype)."""
 
 
 class DuplexRequestKnobs(RequestKnobs):
@@ -262,11 +265,14 @@ class NemotronDuplex(ModelSpec):
 
     # --------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
+        """Each node's module built on ``device`` in its dtype at once (``building``: no
+        float32 copy of a bf16 model is ever held), then filled: dummy weights drawn there,
+        or the checkpoint's tensors. The Mamba-2 states stay float32."""
         from mstar.model.nemotron_duplex.checkpoint import load_encoder, load_llm
         from mstar.model.nemotron_duplex.engines import EncoderEngine, NanoEngine, duplex_rules
         from mstar.model.nemotron_duplex.modeling import DuplexLLM, SpeechEncoder
         from mstar.model.nemotron_h.engine import nemotron_h_engine
-        from mstar.model.weights import init_dummy_weights
+        from mstar.model.weights import building, init_dummy_weights
 
         folder = self.checkpoint_dir()
         config = DuplexConfig.from_dir(folder)
@@ -274,7 +280,8 @@ class NemotronDuplex(ModelSpec):
         dtype = self.config.torch_dtype()
         engines = {}
         if ENCODER in nodes:
-            encoder = SpeechEncoder(config).to(device, torch.float32)
+            with building(device, getattr(torch, self.knobs.encoder_dtype)):
+                encoder = SpeechEncoder(config)
             if dummy:
                 init_dummy_weights(encoder, seed=self.knobs.seed)
             else:
@@ -284,8 +291,8 @@ class NemotronDuplex(ModelSpec):
         if TALKER in nodes:
             engines[TALKER] = self._talker(config, device, dtype)
         if NANO in nodes:
-            with torch.device(device):
-                llm = DuplexLLM(config.llm, function_head=config.use_function_head).to(dtype)
+            with building(device, dtype):
+                llm = DuplexLLM(config.llm, function_head=config.use_function_head)
             if dummy:
                 init_dummy_weights(llm, seed=self.knobs.seed + 1)
             else:
@@ -302,22 +309,22 @@ class NemotronDuplex(ModelSpec):
                                        function_weight=config.function_channel_weight)
         return engines
 
-
     def _talker(self, config: DuplexConfig, device: torch.device, dtype: torch.dtype):
         from mstar.model.eartts.engine import TalkerEngine, Warmup
         from mstar.model.nemotron_duplex.talker import TalkerNode, dummy_talker, prompt_frames
 
         talker_config = config.talker
         if self.config.load_format == "dummy":
-            model = dummy_talker(talker_config, config.llm.vocab_size, self.knobs.seed + 2)
+            model = dummy_talker(talker_config, config.llm.vocab_size, self.knobs.seed + 2, device=device, dtype=dtype)
         else:
             from transformers import AutoTokenizer
 
             from mstar.model.nemotron_duplex.talker import checkpoint_talker
 
             vocab = AutoTokenizer.from_pretrained(self.checkpoint_dir()).get_vocab()
-            model = checkpoint_talker(talker_config, self.checkpoint_dir(), vocab, config.llm.vocab_size)
-        model = model.to(device, dtype).eval()
+            model = checkpoint_talker(talker_config, self.checkpoint_dir(), vocab, config.llm.vocab_size,
+                                      device=device, dtype=dtype)
+        model = model.eval()
         name = self.knobs.speaker or next(iter(model.speakers))
         if name not in model.speakers:
             raise ConfigError(f"model_kwargs.speaker: no speaker {name!r}; the checkpoint has {sorted(model.speakers)}")

@@ -36,30 +36,38 @@ def warmup_positions(config: EarTTSConfig) -> int:
     return prompt_frames(config)
 
 
-def dummy_talker(config: EarTTSConfig, vocab: int, seed: int) -> EarTTS:
+def dummy_talker(config: EarTTSConfig, vocab: int, seed: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> EarTTS:
     """The talker with ``load_format: dummy`` weights: random weights, text table and a
-    speaker latent (``default``) of the warm-up's length; the silence frame is code 0."""
-    from mstar.model.weights import init_dummy_weights
+    speaker latent (``default``) of the warm-up's length; the silence frame is code 0. Built
+    and drawn on ``device`` in ``dtype`` (``building``: no float32 copy of a bf16 talker)."""
+    from mstar.model.weights import building, init_dummy_weights
 
-    model = EarTTS(config, text_vocab=vocab)
+    device = torch.device(device)
+    with building(device, dtype):
+        model = EarTTS(config, text_vocab=vocab)
     init_dummy_weights(model, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     hidden = config.talker.hidden_size
-    on = torch.randn(vocab, hidden, generator=gen)
-    model.talker.text.replace(on, 0.1 * torch.randn(vocab, hidden, generator=gen))
-    model.speakers = {"default": torch.randn(1, prompt_frames(config), hidden, generator=gen)}
+    on = torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype)
+    model.talker.text.replace(on, 0.1 * torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype))
+    model.speakers = {"default": torch.randn(1, prompt_frames(config), hidden, generator=gen, device=device,
+                                             dtype=dtype)}
     return model
 
 
-def checkpoint_talker(config: EarTTSConfig, folder: Path, vocab: dict[str, int], text_vocab: int = 0) -> EarTTS:
+def checkpoint_talker(config: EarTTSConfig, folder: Path, vocab: dict[str, int], text_vocab: int = 0, *,
+                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> EarTTS:
     """The talker from a VoiceChat checkpoint folder's safetensors (``tts_model.*``, the layout
     ``mstar.model.eartts.checkpoint`` maps, coverage checked both ways; the other nodes'
     tensors, ``stt_model.*``, are not read here), its text table run from the checkpoint's
     text encoder over the tokenizer's ``vocab``. The table has at least ``text_vocab`` rows
-    (the LLM's padded vocabulary: ids the tokenizer lacks embed as nothing)."""
-    from mstar.model.weights import iter_safetensors
+    (the LLM's padded vocabulary: ids the tokenizer lacks embed as nothing). Built on
+    ``device`` in ``dtype`` (``building``), each tensor cast as it is copied in."""
+    from mstar.model.weights import building, iter_safetensors
 
-    model = EarTTS(config, text_vocab=len(vocab) + 1)
+    with building(device, dtype):
+        model = EarTTS(config, text_vocab=len(vocab) + 1)
     load_checkpoint(model, ((n, t) for n, t in iter_safetensors(folder) if n.startswith("tts_model.")),
                     vocab=vocab)
     if not model.speakers:
