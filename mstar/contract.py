@@ -180,7 +180,8 @@ class OutputEvent:
     request has ``finish_reason`` set ("stop", "length", "cancelled" or "error").
     ``data`` carries non-text payloads (audio, image bytes) with ``modality``. An event
     with ``error`` ends the request; ``error_status`` is the HTTP status that error maps to
-    (504 timed out, 503 a worker died; None: 500). An event of modality "progress" says how
+    (504 timed out, 503 a worker died, a 4xx when an engine found the client's mistake, then
+    ``error_field`` names the request's field; None: 500). An event of modality "progress" says how
     far a long step (denoising) has come: ``progress = (k, n)``, step k of n done.
     """
 
@@ -193,6 +194,7 @@ class OutputEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error_status: int | None = None
+    error_field: str | None = None
     progress: tuple[int, int] | None = None
 
 

@@ -130,7 +130,7 @@ class RuntimeBackend(OnRuntime):
                 data = event.data or data
                 failed = event if event.error else failed
             if failed is not None:
-                raise ServiceError(failed.error, failed.error_status or 500)
+                raise _failure(failed)
             if data is None:
                 raise ServiceError("the model produced no image")
             return data
@@ -245,7 +245,7 @@ class RuntimeBackend(OnRuntime):
                     data[event.modality] = data.get(event.modality, b"") + event.data
                 failed = event if event.error else failed
             if failed is not None:
-                raise ServiceError(failed.error, failed.error_status or 500)
+                raise _failure(failed)
             return WalkOutput("".join(text), ids, data)
 
         from mstar.audio import AudioError
@@ -305,3 +305,12 @@ def joined(events: list[OutputEvent | None]) -> list[OutputEvent | None]:
 def _plain_text(event: OutputEvent | None) -> bool:
     return (event is not None and event.modality == "text" and event.data is None and event.finish_reason is None
             and event.error is None)
+
+
+def _failure(event: OutputEvent) -> RequestError:
+    """What a route answers for a failed request's event: the client's mistake an engine found
+    (a ``RequestError`` on the worker) names its field, anything else is a ``ServiceError``."""
+    if event.error_field is not None:
+        message = (event.error or "").removeprefix(f"{event.error_field}: ")
+        return RequestError(event.error_field, message, event.error_status or 400)
+    return ServiceError(event.error or "the request failed", event.error_status or 500)

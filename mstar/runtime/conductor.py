@@ -9,7 +9,7 @@ owns sockets calls it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mstar.config import StreamPacingConfig
@@ -54,6 +54,8 @@ class Finished:
     emitted: int  # emit messages the frontend must have received before closing
     profile: dict[str, float] = field(default_factory=dict)
     failed_rank: int | None = None  # set when it failed because this worker rank died
+    status: int | None = None  # an engine's RequestError: the client's mistake, its 4xx ...
+    field: str | None = None  # ... and the request field it names
 
 
 @dataclass
@@ -381,11 +383,11 @@ class Conductor:
         if item.finish_reason:
             live.finish_reason = item.finish_reason
         if live.ending is not None:
-            live.ending = Finished(live.ending.request_id, live.ending.reason, live.ending.error,
-                                   live.emitted, live.profile, live.ending.failed_rank)
+            live.ending = replace(live.ending, emitted=live.emitted, profile=live.profile)
             return
         if item.error is not None:
-            live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile)
+            live.ending = Finished(item.request_id, "error", item.error, live.emitted, live.profile,
+                                   status=item.error_status, field=item.error_field)
             return
         if item.preempted:
             self._requeue(live, step)

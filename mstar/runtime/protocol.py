@@ -78,6 +78,8 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     flags: list[str] = []
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int | None = None  # the engine refused the request as the client's mistake (a 4xx) ...
+    error_field: str | None = None  # ... naming this field of the request
     emitted: int = 0  # how many emit messages this item sent to the frontend
     silent: list[str] = []  # output ports that produced nothing this step
     # The engine did not run the step now (too few KV pages: its cache may have been freed,

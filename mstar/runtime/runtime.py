@@ -631,7 +631,8 @@ class Runtime:
             final = OutputEvent(finish_reason=reason, error=error, prompt_tokens=tracked.prompt_tokens,
                                 text=tail.text if tail else "",
                                 completion_tokens=tracked.stream.generated,
-                                error_status=_error_status(done) if error else None)
+                                error_status=_error_status(done) if error else None,
+                                error_field=done.field if error else None)
             tracked.sink(final)
             tracked.sink(None)
         self.tracked.pop(request_id, None)
@@ -652,9 +653,12 @@ class _Recovery:
 
 
 def _error_status(done: Finished | None) -> int | None:
-    """The HTTP status of a failed request: 504 timed out, 503 its worker died, else 500."""
+    """The HTTP status of a failed request: an engine's ``RequestError`` its own (4xx), 504
+    timed out, 503 its worker died, else 500."""
     if done is None:
         return None
+    if done.status is not None:
+        return done.status
     if done.reason == "timeout":
         return 504
     if done.failed_rank is not None:

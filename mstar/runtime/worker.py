@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import torch
 
+from mstar.contract import RequestError
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.runtime.protocol import (
     EMIT_STACKED,
@@ -135,22 +136,24 @@ class Worker:
                             i.chunk, self._session(node, i)) for i in items]
         try:
             outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
-        except Exception:
+        except Exception as err:
             if len(batch) == 1:
-                outputs = [RuntimeError(_describe_error())]
+                outputs = [_failure(err)]
             else:  # find the culprit: every item alone, so only it fails
                 outputs = []
                 for one in batch:
                     try:
                         outputs += engine.run([one])
-                    except Exception:
-                        outputs.append(RuntimeError(_describe_error()))
+                    except Exception as alone:
+                        outputs.append(_failure(alone))
         return [self._deliver(item, out) for item, out in zip(items, outputs)]
 
     def _deliver(self, item: WorkItem, out: EngineOutput | BaseException) -> ItemResult:
         if isinstance(out, BaseException):
             log.warning("request %s failed in %s: %s", item.request_id, item.step, out)
-            return ItemResult(item.request_id, item.step, error=str(out))
+            mistake = out if isinstance(out, RequestError) else None
+            return ItemResult(item.request_id, item.step, error=str(out), error_status=mistake and mistake.status,
+                              error_field=mistake and mistake.field)
         if out.preempted:
             return ItemResult(item.request_id, item.step, preempted=True)
         emitted = 0
@@ -278,6 +281,13 @@ def _pack(values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
                                for v in values):
         return {EMIT_STACKED: torch.stack(values)}
     return {str(i): value for i, value in enumerate(values)}
+
+
+def _failure(err: Exception) -> BaseException:
+    """What an item whose engine raised ``err`` reports (called while handling it): a
+    ``RequestError`` as it is, the client's mistake found on the worker (its 4xx names the
+    field); anything else as a ``RuntimeError`` with the gist of its traceback."""
+    return err if isinstance(err, RequestError) else RuntimeError(_describe_error())
 
 
 def _describe_error() -> str:

@@ -36,13 +36,13 @@ class APIError(Exception):
 class BackendFailure(Exception):
     """The backend reported a failure through an event (``error`` or finish "error")."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, status: int = 500, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
 
     @classmethod
     def of(cls, event: OutputEvent, default: str = "the backend failed to complete the request") -> BackendFailure:
-        return cls(event.error or default, event.error_status or 500)
+        return cls(event.error or default, event.error_status or 500, event.error_field)
 
 
 def error_response(
@@ -92,7 +92,7 @@ def exception_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, APIError):
         return error_response(exc.status, exc.message, exc.param, exc.code)
     if isinstance(exc, BackendFailure) and exc.status != 500:
-        return error_response(exc.status, str(exc))
+        return error_response(exc.status, str(exc), exc.param)
     if not isinstance(exc, BackendFailure):
         log.error("request failed", exc_info=exc)
     return error_response(500, f"internal error: {exc}" if str(exc) else "internal error")

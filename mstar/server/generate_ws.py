@@ -342,7 +342,7 @@ class _Socket:
                 async for event in events:
                     self.started = self.owned = True  # it was submitted: the session holds its state now
                     if event.error:
-                        self.client.error(None, event.error, event.error_status or 500)
+                        self.client.error(event.error_field, event.error, event.error_status or 500)
                         self.close_code, self.close_reason = CLOSE_INTERNAL, "a request of the session failed"
                         return False
                     self._output(index, event)
@@ -397,7 +397,7 @@ class _LiveCall(_Socket):
             async with aclosing(self.backend.generate(spec)) as events:
                 async for event in events:
                     if event.error:
-                        self.client.error(None, event.error, event.error_status or 500)
+                        self.client.error(event.error_field, event.error, event.error_status or 500)
                         self.close_code, self.close_reason = CLOSE_INTERNAL, "the call failed"
                         return
                     if event.data is not None:  # the agent's speech: a header, then the bytes

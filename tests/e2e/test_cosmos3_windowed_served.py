@@ -267,3 +267,20 @@ def test_ws_appends_continue_a_kv_rollout(app):
     assert [len(c) // FRAME_BYTES for c in chunks] == [5, 5]
     whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))  # windows of 5, 5, 3 frames
     assert b"".join(chunks) == whole[:10 * FRAME_BYTES]
+
+
+def test_resumes_the_worker_refuses_are_400s_naming_the_field(app):
+    """Mistakes only the worker can see (what the session holds) come back as the client's
+    400 naming the field: a kv resume of a session left chained (a chained resume of one left
+    kv is served: the kv rollout keeps its last window's frames) and a resume at another size
+    than the session's frames. A failed request ends its session, as any failure does (the
+    next resume is a 410)."""
+    def refused(opening: dict, resume: dict, field: str, session: str) -> None:
+        clip(asyncio.run(post(app, {"num_frames": 5, **opening}, session_id=session)))
+        response = asyncio.run(post(app, {"num_frames": 5, **resume}, session_id=session, resume_session=True))
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+        gone = asyncio.run(post(app, {"num_frames": 5, **opening}, session_id=session, resume_session=True))
+        assert gone.status_code == 410, gone.text
+
+    refused(WINDOW, KV, "resume_session", "left-chained")
+    refused(WINDOW, {**WINDOW, "width": WIDTH + 16}, "size", "resized")

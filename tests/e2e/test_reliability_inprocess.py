@@ -22,6 +22,7 @@ from inprocess import poll_drained
 from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.config import parse_config
+from mstar.contract import RequestError
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.runtime.launch import Deployment, start
 from mstar.server.app import create_app
@@ -40,13 +41,14 @@ QUESTIONS = [
     "Who wrote Romeo and Juliet?", "Which ocean is the biggest?", "What is the opposite of hot?",
     "Give me one word that rhymes with cat.",
 ]
-FAIL_AT_PREFILL, FAIL_LATER, BLOCK = "POISONNOW", "POISONLATER", "BLOCKER"
+FAIL_AT_PREFILL, FAIL_LATER, BLOCK, REFUSE = "POISONNOW", "POISONLATER", "BLOCKER", "REFUSEME"
 
 
 class Saboteur:
     """Wraps an engine's ``run``: the batch raises if it holds a request whose prompt names
-    FAIL_AT_PREFILL (at its prefill) or FAIL_LATER (at its third decode); it waits for
-    ``release`` if it holds one naming BLOCK."""
+    FAIL_AT_PREFILL (at its prefill) or FAIL_LATER (at its third decode), and raises a
+    ``RequestError`` naming ``messages`` (the client's mistake, found by the engine) at the
+    prefill of one naming REFUSE; it waits for ``release`` if it holds one naming BLOCK."""
 
     def __init__(self, engine: AutoregressiveEngine, decode) -> None:
         self.engine, self.decode = engine, decode
@@ -59,12 +61,14 @@ class Saboteur:
         for item in items:
             if item.op == "prefill":
                 prompt = self.decode(item.inputs["prompt_ids"].reshape(-1).tolist())
-                for marker in (FAIL_AT_PREFILL, FAIL_LATER, BLOCK):
+                for marker in (FAIL_AT_PREFILL, FAIL_LATER, BLOCK, REFUSE):
                     if marker in prompt:
                         self.marked[item.request_id] = marker
             marker = self.marked.get(item.request_id)
             if marker == FAIL_AT_PREFILL or (marker == FAIL_LATER and item.iteration >= 2):
                 raise RuntimeError(f"poisoned prompt in {item.request_id}")
+            if marker == REFUSE and item.op == "prefill":
+                raise RequestError("messages", "this engine refuses the prompt", 422)
             if marker == BLOCK and item.op == "prefill":
                 self.blocked.set()
                 assert self.release.wait(60), "the test never released the blocked engine"
@@ -179,6 +183,27 @@ def test_model_code_exception_fails_only_its_request(deployment: Deployment, sab
     assert deployment.runtime.healthy
 
 
+def test_an_engines_request_error_is_the_clients_4xx(deployment: Deployment, saboteur: Saboteur, app) -> None:
+    """A ``RequestError`` an engine raises on the worker reaches the client as itself: its
+    status and the field it names, as a refusal by the frontend would; the batch's other
+    requests finish."""
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with _client(app) as client:
+            jobs = [client.post("/v1/chat/completions", json=_body(q)) for q in QUESTIONS[:3]]
+            jobs.append(client.post("/v1/chat/completions", json=_body(f"Say {REFUSE} once.")))
+            *good, refused = await asyncio.wait_for(asyncio.gather(*jobs), 240)
+            return good, refused
+
+    good, refused = asyncio.run(run())
+    assert [r.status_code for r in good] == [200] * 3, [r.text for r in good]
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages" and error["message"] == "messages: this engine refuses the prompt", error
+    assert error["type"] == "invalid_request_error"
+    _wait_drained(deployment)
+    assert deployment.runtime.healthy
+
+
 def test_full_queue_is_refused_with_429(deployment: Deployment, saboteur: Saboteur, app) -> None:
     d = deployment
 
@@ -253,7 +278,7 @@ def test_metrics_after_the_traffic(deployment: Deployment, app) -> None:
         return samples.get(key, 0)
 
     assert requests("200") >= 8 + 1 + 12 + 1 and requests("429") == 2
-    assert requests("500") == 1 and requests("504") == 1
+    assert requests("500") == 1 and requests("504") == 1 and requests("422") == 1
     assert samples[("mstar_time_to_first_output_seconds_count", chat)] >= 8 + 12
     assert samples[("mstar_http_request_duration_seconds_count", chat)] == sum(
-        requests(s) for s in ("200", "429", "500", "504"))
+        requests(s) for s in ("200", "422", "429", "500", "504"))

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.contract import RequestError
 from mstar.diffusion.guidance import guide
 from mstar.diffusion.unipc import UniPC, UniPCState
 from mstar.engine.base import Engine, EngineItem, EngineOutput
@@ -148,11 +149,12 @@ class Cosmos3DenoiseEngine(Engine):
         if session is not None and session.resume:
             kv = session.get()
             if not isinstance(kv, CommittedKV):
-                raise ValueError(f"request {item.request_id}: session {session.session_id!r} holds no kv rollout "
-                                 "(it was opened or last continued with window_mode chained); resume it chained")
+                raise RequestError("resume_session", f"session {session.session_id!r} holds no kv rollout (it was "
+                                                     "opened or last continued with window_mode chained); resume "
+                                                     "it chained")
             if kv.per_frame != grid[1] * grid[2]:
-                raise ValueError(f"request {item.request_id}: the session's kv rollout has {kv.per_frame} patches a "
-                                 f"latent frame, this request {grid[1] * grid[2]} (its size must be the session's)")
+                raise RequestError("size", f"the session's kv rollout has {kv.per_frame} patches a latent frame, "
+                                           f"this request {grid[1] * grid[2]} (its size must be the session's)")
             if len(kv.layers) != rows:
                 kv.with_rows(rows)
             kv.keep = keep

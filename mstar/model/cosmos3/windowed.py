@@ -222,8 +222,7 @@ def _session_noise(item) -> tuple[torch.Tensor, WindowSession]:
         state = WindowSession(torch.Generator().manual_seed(int(item.params["noise_seed"])))
         session.put(state)
     if not isinstance(state, WindowSession):
-        raise ValueError(f"request {item.request_id}: session {session.session_id!r} holds no windowed rollout "
-                         "to resume")
+        raise RequestError("resume_session", f"session {session.session_id!r} holds no windowed rollout to resume")
     return state.draw(item.request_id, item.iteration, tuple(item.params["noise_shape"])), state
 
 
@@ -236,11 +235,11 @@ def _start(vae, item, plan: WindowPlan, dtype, device) -> dict:
         if item.iteration == 0 and item.session.resume and plan.pinned_latents:  # chained: the kept tail
             kept = state.frames
             if kept is None:
-                raise ValueError(f"request {item.request_id}: session {item.session.session_id!r} holds no frames "
-                                 "to resume")
+                raise RequestError("resume_session", f"session {item.session.session_id!r} holds no frames to "
+                                                     "resume (it was opened or last continued with window_mode kv)")
             if tuple(kept.shape[1:3]) != tuple(pixels.shape[2:]):
-                raise ValueError(f"request {item.request_id}: the session's frames are {kept.shape[2]}x"
-                                 f"{kept.shape[1]}, this request asks for {pixels.shape[3]}x{pixels.shape[2]}")
+                raise RequestError("size", f"the session's frames are {kept.shape[2]}x{kept.shape[1]}, this "
+                                           f"request asks for {pixels.shape[3]}x{pixels.shape[2]}")
             pixels = tail_pixels(kept, plan)
     if pixels.shape[1] == 0:  # text-to-video: nothing pinned
         return {"latents": noise, "cond_latents": noise.new_zeros((noise.shape[0], 0, *noise.shape[2:]))}
