@@ -27,27 +27,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError, SessionSpec
 from mstar.engine.base import EngineItem
 from mstar.model.cosmos3.kv_window import context_latents
 from mstar.model.cosmos3.model import Cosmos3
 from mstar.model.cosmos3.windowed import window_noise
 from mstar.runtime.launch import start
+from tests.support.cosmos3_windows import (
+    GUIDANCE,
+    HEIGHT,
+    PROMPT,
+    STEPS,
+    WIDTH,
+    run_together,
+)
+from tests.support.cosmos3_windows import video_chunks as events
+from tests.support.cosmos3_windows import windowed_config as config
 
 pytest.importorskip("diffusers")
 
-HEIGHT, WIDTH = 48, 32
-STEPS, GUIDANCE = 2, 2.0
-PROMPT = "a drone flies over a coastal town at dawn"
 LATENT = 2  # latent frames a window: window_frames 5
 KV = {"window_mode": "kv", "window_frames": 5}
-
-
-def config(checkpoint):
-    return parse_config({"model": "cosmos3", "model_path": str(checkpoint.root), "max_concurrent_requests": 4,
-                         "model_kwargs": {"max_video_pixels": 64 * 64 * 13, "max_image_area": 64 * 64,
-                                          "enable_windowed_video": True}})
 
 
 def rel(a, b) -> float:
@@ -221,21 +221,6 @@ def deployment(checkpoint):
     d.close()
 
 
-def events(d, request_id, files=(), session=None, **kwargs) -> list[bytes]:
-    async def run():
-        out = []
-        spec = GenerateSpec(request_id, PROMPT, list(files), ["video"],
-                            {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS,
-                             "guidance_scale": GUIDANCE, **kwargs}, session=session)
-        async for event in d.backend.generate(spec):
-            assert not event.error, event.error
-            if event.modality == "video" and event.data:
-                out.append(event.data)
-        return out
-
-    return asyncio.run(run())
-
-
 def test_one_kv_window_is_the_plain_clip(deployment):
     from test_cosmos3_conditioned import picture, png  # noqa: PLC0415
 
@@ -354,21 +339,7 @@ def test_kv_rollouts_share_forwards_with_other_requests(deployment):
             ("plain", {"num_frames": 9, "seed": 3})]
     alone = {rid: b"".join(events(deployment, f"solo-{rid}", **kw)) for rid, kw in jobs}
     dit.forward_rows.clear()
-
-    async def together():
-        async def one(rid, kwargs):
-            data = b""
-            spec = GenerateSpec(f"batch-{rid}", PROMPT, [], ["video"],
-                                {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS,
-                                 "guidance_scale": GUIDANCE, **kwargs})
-            async for event in deployment.backend.generate(spec):
-                assert not event.error, event.error
-                data += event.data or b""
-            return data
-
-        return await asyncio.gather(*(one(*job) for job in jobs))
-
-    batched = asyncio.run(together())
+    batched = run_together(deployment, jobs)
     assert max(dit.forward_rows) > 2  # rows of different requests packed
     for (rid, _), got in zip(jobs, batched):
         diff = int(np.abs(np.frombuffer(got, np.uint8).astype(np.int16)

@@ -8,7 +8,6 @@ the schedule is padded to whole windows and trimmed to ``num_frames``; seeded re
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import numpy as np
@@ -22,20 +21,21 @@ from mstar.model.cosmos3.conditioning import video_pixels
 from mstar.model.cosmos3.model import Cosmos3
 from mstar.model.cosmos3.windowed import plan_windows
 from mstar.runtime.launch import start
+from tests.support.cosmos3_windows import (
+    GUIDANCE,
+    HEIGHT,
+    PROMPT,
+    STEPS,
+    WIDTH,
+    run_together,
+)
+from tests.support.cosmos3_windows import video_chunks as events
+from tests.support.cosmos3_windows import windowed_config as config
 
 pytest.importorskip("diffusers")
 
-HEIGHT, WIDTH = 48, 32
-STEPS, GUIDANCE = 2, 2.0
-PROMPT = "a drone flies over a coastal town at dawn"
 # windows of 9 frames (3 latent), 2 pinned latent frames (5 pixel frames): 9 + 4 + 4 = 17
 WINDOW = {"window_mode": "chained", "window_frames": 9, "overlap_frames": 5}
-
-
-def config(checkpoint, **knobs):
-    return parse_config({"model": "cosmos3", "model_path": str(checkpoint.root), "max_concurrent_requests": 4,
-                         "model_kwargs": {"max_video_pixels": 64 * 64 * 13, "max_image_area": 64 * 64,
-                                          "enable_windowed_video": True, **knobs}})
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +43,6 @@ def deployment(checkpoint):
     d = start(config(checkpoint), in_process=True)
     yield d
     d.close()
-
-
-def events(d, request_id, files=(), **kwargs) -> list[bytes]:
-    async def run():
-        out = []
-        spec = GenerateSpec(request_id, PROMPT, list(files), ["video"],
-                            {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS,
-                             "guidance_scale": GUIDANCE, **kwargs})
-        async for event in d.backend.generate(spec):
-            assert not event.error, event.error
-            if event.modality == "video" and event.data:
-                out.append(event.data)
-        return out
-
-    return asyncio.run(run())
 
 
 def as_frames(data: bytes) -> np.ndarray:
@@ -212,18 +197,7 @@ def test_windowed_requests_need_the_deployment_knob(checkpoint):
 
 
 def session_events(d, request_id, session, **kwargs) -> list[bytes]:
-    async def run():
-        out = []
-        spec = GenerateSpec(request_id, PROMPT, [], ["video"],
-                            {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS,
-                             "guidance_scale": GUIDANCE, **WINDOW, **kwargs}, session=session)
-        async for event in d.backend.generate(spec):
-            assert not event.error, event.error
-            if event.modality == "video" and event.data:
-                out.append(event.data)
-        return out
-
-    return asyncio.run(run())
+    return events(d, request_id, session=session, **WINDOW, **kwargs)
 
 
 def test_a_resumed_session_continues_from_its_last_frames(deployment):
@@ -266,21 +240,7 @@ def test_windowed_and_plain_requests_share_forwards(deployment):
             ("p", {"num_frames": 9, "seed": 3})]
     alone = {rid: b"".join(events(deployment, f"solo-{rid}", **kw)) for rid, kw in jobs}
     dit.forward_rows.clear()
-
-    async def together():
-        async def one(rid, kwargs):
-            data = b""
-            spec = GenerateSpec(f"batch-{rid}", PROMPT, [], ["video"],
-                                {"height": HEIGHT, "width": WIDTH, "num_inference_steps": STEPS,
-                                 "guidance_scale": GUIDANCE, **kwargs})
-            async for event in deployment.backend.generate(spec):
-                assert not event.error, event.error
-                data += event.data or b""
-            return data
-
-        return await asyncio.gather(*(one(*job) for job in jobs))
-
-    batched = asyncio.run(together())
+    batched = run_together(deployment, jobs)
     assert sum(dit.forward_rows) == (2 + 3 + 1) * STEPS * 2  # windows x steps x the guided pair
     assert max(dit.forward_rows) > 2  # windows of different requests (and the plain clip) packed
     for (rid, _), got in zip(jobs, batched):
