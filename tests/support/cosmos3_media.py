@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from PIL import Image
@@ -40,3 +42,23 @@ def generate_action(d, request_id: str, prompt: str, files, modalities, **kwargs
         return out
 
     return asyncio.run(go())
+
+
+@contextmanager
+def step_latents(d) -> Iterator[list[torch.Tensor]]:
+    """The latents deployment ``d``'s denoise engine (node ``dit``) writes, every step of every
+    request in order, collected while the block runs."""
+    dit = d.runtime.workers.workers[0].engines["dit"]
+    seen: list[torch.Tensor] = []
+    original = dit.run
+
+    def record(items):
+        outputs = original(items)
+        seen.extend(o.outputs["latents"].clone() for o in outputs if "latents" in o.outputs)
+        return outputs
+
+    dit.run = record
+    try:
+        yield seen
+    finally:
+        del dit.run

@@ -19,7 +19,7 @@ from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3 import action as act
 from mstar.runtime.launch import start
 from tests.support.cosmos3_media import generate_action as run
-from tests.support.cosmos3_media import picture, png
+from tests.support.cosmos3_media import picture, png, step_latents
 
 pytest.importorskip("diffusers")
 
@@ -41,20 +41,6 @@ def clip_mp4(frames: int, width: int, height: int) -> bytes:
     from mstar.media.video import encode_mp4
 
     return encode_mp4(np.stack([np.asarray(picture(width, height, 20 + i)) for i in range(frames)]), fps=15)
-
-
-def step_latents(d):
-    dit = d.runtime.workers.workers[0].engines["dit"]
-    seen: list[torch.Tensor] = []
-    original = dit.run
-
-    def record(items):
-        outputs = original(items)
-        seen.extend(o.outputs["latents"].clone() for o in outputs if "latents" in o.outputs)
-        return outputs
-
-    dit.run = record
-    return seen, lambda: delattr(dit, "run")
 
 
 def reference(checkpoint, prompt, steps, guidance, seed, fps=24.0, chunk=CHUNK, **condition):
@@ -83,12 +69,9 @@ def rel(a, b) -> float:
 def test_policy_matches_the_pipeline(action_checkpoint, deployment, source, guidance, steps):
     prompt, seed = "pick up the red cup", 4
     image = picture(*source, seed=1)
-    seen, undo = step_latents(deployment)
-    try:
+    with step_latents(deployment) as seen:
         out = run(deployment, f"policy-{source}", prompt, [("image", png(image))], ["action", "video"], seed=seed,
                   num_inference_steps=steps, guidance_scale=guidance)
-    finally:
-        undo()
     want, ref = reference(action_checkpoint, prompt, steps, guidance, seed, mode="policy", image=image)
     got = torch.from_numpy(np.frombuffer(out["action"], dtype="<f4").reshape(CHUNK, 10).copy())
     expected = ref.action[0].float()
@@ -138,12 +121,9 @@ def test_forward_dynamics_matches_the_pipeline(action_checkpoint, deployment):
     prompt, seed = "push the block", 6
     image = picture(64, 48, seed=3)
     raw = torch.randn(5, 10, generator=torch.Generator().manual_seed(0))  # 5 of 8: the last one repeats
-    seen, undo = step_latents(deployment)
-    try:
+    with step_latents(deployment) as seen:
         out = run(deployment, "forward", prompt, [("image", png(image))], ["video"], action_mode="forward_dynamics",
                   raw_actions=raw.tolist(), seed=seed)
-    finally:
-        undo()
     want, ref = reference(action_checkpoint, prompt, 3, 3.0, seed, mode="forward_dynamics", image=image,
                           raw_actions=raw)
     assert ref.action is None and len(seen) == len(want) == 3

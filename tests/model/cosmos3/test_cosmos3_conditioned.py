@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -23,7 +22,7 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3.conditioning import image_pixels
 from mstar.runtime.launch import start
-from tests.support.cosmos3_media import picture, png
+from tests.support.cosmos3_media import picture, png, step_latents
 
 pytest.importorskip("diffusers")
 
@@ -55,24 +54,6 @@ def generate(d, request_id, prompt, files, **kwargs) -> bytes:
         return data
 
     return asyncio.run(run())
-
-
-@contextmanager
-def step_latents(d):
-    dit = d.runtime.workers.workers[0].engines["dit"]
-    seen: list[torch.Tensor] = []
-    original = dit.run
-
-    def run(items):
-        outputs = original(items)
-        seen.extend(out.outputs["latents"].clone() for out in outputs)
-        return outputs
-
-    dit.run = run
-    try:
-        yield seen
-    finally:
-        del dit.run
 
 
 def rel(a, b) -> float:

@@ -21,6 +21,7 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3.sampler import FixedSigmas, draws
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import step_latents
 
 pytest.importorskip("diffusers")
 
@@ -109,17 +110,6 @@ def reference_run(checkpoint, prompt, frames, seed, fps=24.0):
 
 @pytest.mark.parametrize("frames", [1, 5])
 def test_distilled_walk_matches_the_reference_loop(checkpoint, distilled, frames):
-    dit = distilled.runtime.workers.workers[0].engines["dit"]
-    seen: list[torch.Tensor] = []
-    original = dit.run
-
-    def run(items):
-        outputs = original(items)
-        seen.extend(out.outputs["latents"].clone() for out in outputs)
-        return outputs
-
-    dit.run = run
-
     async def go():
         data = b""
         spec = GenerateSpec(f"d-{frames}", "a cat walks on the moon", [], ["video"],
@@ -129,10 +119,8 @@ def test_distilled_walk_matches_the_reference_loop(checkpoint, distilled, frames
             data += event.data or b""
         return data
 
-    try:
+    with step_latents(distilled) as seen:
         data = asyncio.run(go())
-    finally:
-        del dit.run
     assert len(data) == frames * HEIGHT * WIDTH * 3
     want = reference_run(checkpoint, "a cat walks on the moon", frames, 11)
     assert len(seen) == len(want) == len(SIGMAS)

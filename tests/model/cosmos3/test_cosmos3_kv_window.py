@@ -33,6 +33,7 @@ from mstar.model.cosmos3.kv_window import context_latents
 from mstar.model.cosmos3.model import Cosmos3
 from mstar.model.cosmos3.windowed import window_noise
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import step_latents
 from tests.support.cosmos3_windows import (
     GUIDANCE,
     HEIGHT,
@@ -235,19 +236,8 @@ def test_one_kv_window_is_the_plain_clip(deployment):
 
 def test_seeded_kv_rollouts_repeat_and_equal_the_engine_rollout(deployment, checkpoint):
     dit = deployment.runtime.workers.workers[0].engines["dit"]
-    seen: list[torch.Tensor] = []
-    original = dit.run
-
-    def run(items):
-        outputs = original(items)
-        seen.extend(out.outputs["latents"].clone() for out in outputs)
-        return outputs
-
-    dit.run = run
-    try:
+    with step_latents(deployment) as seen:
         whole = events(deployment, "kv-a", num_frames=13, seed=6, **KV)
-    finally:
-        del dit.run
     again = events(deployment, "kv-b", num_frames=13, seed=6, **KV)
     other = events(deployment, "kv-c", num_frames=13, seed=7, **KV)
     streamed = events(deployment, "kv-d", num_frames=13, seed=6, stream_video=True, **KV)
@@ -284,16 +274,7 @@ def test_a_kv_session_resumes_as_one_rollout(deployment):
     worker = deployment.runtime.workers.workers[0]
     dit = worker.engines["dit"]
     kv = {**KV, "context_frames": 5}  # 2 latent frames kept: window 0 released while window 2 is made
-    seen: list[torch.Tensor] = []
-    original = dit.run
-
-    def run(items):
-        outputs = original(items)
-        seen.extend(out.outputs["latents"].clone() for out in outputs)
-        return outputs
-
-    dit.run = run
-    try:
+    with step_latents(deployment) as seen:
         [whole] = events(deployment, "kvs-whole", num_frames=17, seed=8, **kv)  # windows of 5, 5, 5, 2 frames
         [first] = events(deployment, "kvs-open", session=SessionSpec("kv-roll"), num_frames=9, seed=8, **kv)
         cache = worker.sessions.get("kv-roll", "dit")
@@ -301,8 +282,6 @@ def test_a_kv_session_resumes_as_one_rollout(deployment):
         assert cache.nbytes > 0 and worker.sessions.held_bytes()["dit"] == cache.nbytes
         [rest] = events(deployment, "kvs-resume", session=SessionSpec("kv-roll", resume=True, end=True),
                         num_frames=9, seed=99, **kv)  # the session's noise stream, not seed 99
-    finally:
-        del dit.run
     assert len(seen) == 2 * 4 * STEPS
     worst = max(rel(ours, ref) for ours, ref in zip(seen[4 * STEPS:], seen[:4 * STEPS]))
     print(f"[parity] kv opening + resume vs one rollout: latents max rel err {worst:.1e}")

@@ -21,6 +21,7 @@ from mstar.model.cosmos3.conditioning import video_pixels
 from mstar.model.cosmos3.model import Cosmos3
 from mstar.model.cosmos3.windowed import plan_windows
 from mstar.runtime.launch import start
+from tests.support.cosmos3_media import step_latents
 from tests.support.cosmos3_windows import (
     GUIDANCE,
     HEIGHT,
@@ -119,20 +120,8 @@ def test_plan_pads_to_whole_windows():
 
 
 def test_three_windows_equal_the_window_by_window_paths(deployment, by_hand):
-    dit = deployment.runtime.workers.workers[0].engines["dit"]
-    seen: list[torch.Tensor] = []
-    original = dit.run
-
-    def run(items):
-        outputs = original(items)
-        seen.extend(out.outputs["latents"].clone() for out in outputs)
-        return outputs
-
-    dit.run = run
-    try:
+    with step_latents(deployment) as seen:
         [clip] = events(deployment, "win3", num_frames=17, seed=7, **WINDOW)
-    finally:
-        del dit.run
     want, delivered = by_hand.rollout(7, 3)
     assert len(seen) == len(want) == 3 * STEPS
     for i, (got, ref) in enumerate(zip(seen, want)):
