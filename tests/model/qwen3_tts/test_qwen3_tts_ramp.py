@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from mstar.graph import Step, StreamEdge
+from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, StreamEdge, Walk
 from mstar.graph.chunking import ChunkPolicy, ScheduledChunks, StreamClock, TimedChunkPolicy
 from mstar.model.qwen3_tts.checkpoint import load_codec
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec
@@ -28,6 +28,9 @@ from mstar.model.qwen3_tts.config import CodecConfig
 from mstar.model.qwen3_tts.knobs import Qwen3TTSKnobs
 from mstar.model.qwen3_tts.model import codec_policy
 from mstar.model.qwen3_tts.ramp import AdaptiveChunks, RampRule, RampView
+from mstar.runtime.conductor import Conductor, RequestSpec
+from mstar.runtime.placement import NodeGroup, Placement
+from mstar.runtime.protocol import ItemResult, StepResult
 from mstar.runtime.streams import EdgeTimes, StreamState
 
 FRAME = 80.0
@@ -208,3 +211,78 @@ def test_windows_of_a_slow_stream_join_to_the_whole_decode() -> None:
         joined = torch.cat(out, dim=-1)
         err = ((joined - whole).abs().max() / whole.abs().max()).item()
         assert joined.shape == whole.shape and err < 1e-6, (sizes, err)
+
+
+def conductor_run(policy: ChunkPolicy, rho: float, codec_ms: float, frames: int,
+                  warm: int = 0) -> tuple[list[int], float]:
+    """The conductor itself on fabricated results: a talker rank making a frame every
+    ``80 / rho`` ms and a codec rank answering each window ``codec_ms`` later; the windows it
+    took and the player's worst lateness (ms), its clock measured from those results alone.
+    ``warm``: a request of that many frames runs first (the edge's averages then seed the
+    measured one's clock)."""
+    nodes = [Node("talker", "autoregressive", inputs=("prompt", "token"), outputs=("token", "codes"),
+                  ops=("prefill", "decode"), flags=("stop",)),
+             Node("codec", "stateless", inputs=("codes",), outputs=("audio",))]
+    writes = {"token": "tok", "codes": "codes"}
+    body = Sequential(Step("talker", "prefill", reads={"prompt": "prompt"}, writes=writes),
+                      Loop(Step("talker", "decode", reads={"token": "tok"}, writes=writes), until="stop",
+                           max_iters="max_decode_steps"))
+    edge = StreamEdge("codes", into=Step("codec", reads=("codes",), writes="audio", emit=Emit("audio", "audio")),
+                      policy=policy)
+    graph = Graph.build(nodes, [Walk("tts", body, inputs=("prompt",), streams=[edge])])
+    c = Conductor(graph, Placement(graph, (NodeGroup(("talker",), (0,)), NodeGroup(("codec",), (1,)))),
+                  max_concurrent_requests=1)
+    queue = [("warm", warm)] if warm else []
+    queue.append(("measured", frames))
+    c.submit(RequestSpec(queue[0][0], "tts", {"max_decode_steps": queue[0][1]}))
+    now, made, pending, windows = 0.0, 0, [], []  # pending: (done at, result)
+    while True:
+        decisions = c.tick(now / 1e3)
+        for rank, plan in decisions.plans.items():
+            results = []
+            for item in plan.items:
+                if item.node == "talker":
+                    made += 1
+                    stop = made >= queue[0][1]
+                    results.append(ItemResult(item.request_id, item.step, flags=["stop"] if stop else [],
+                                              finish_reason="stop" if stop else None))
+                else:
+                    if item.request_id == "measured":
+                        windows.append((now + codec_ms, item.chunk.keep_end - item.chunk.keep_start))
+                    results.append(ItemResult(item.request_id, item.step, emitted=1))
+            pending.append((now + (FRAME / rho if rank == 0 else codec_ms), StepResult(rank, plan.plan_id, results)))
+        if decisions.finished:
+            queue.pop(0)
+            if not queue:
+                break
+            made = 0
+            c.submit(RequestSpec(queue[0][0], "tts", {"max_decode_steps": queue[0][1]}))
+            continue
+        pending.sort(key=lambda p: p[0])
+        now, result = pending.pop(0)
+        c.on_result(result)
+    sizes = [size for _, size in windows]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    late = max((out - (windows[0][0] + FRAME * start) for (out, _), start in zip(windows[1:], starts[1:])),
+               default=0.0)
+    return sizes, late
+
+
+def test_the_conductor_times_the_stream_and_keeps_the_player_fed() -> None:
+    """Through the conductor (its clock from the fabricated results' arrival times, nothing
+    else), at the 32-stream rate: the fixed ramp runs dry, the adaptive one does not."""
+    fixed, late = conductor_run(FIXED, 1.32, 20.0, 50)
+    assert fixed == [1, 3, 8, 16, 22] and late > 100
+    sizes, late = conductor_run(ADAPTIVE, 1.32, 20.0, 50)
+    assert sum(sizes) == 50 and sizes[0] == 1 and min(sizes[1:4]) < 3 and late <= 0, (sizes, late)
+    assert conductor_run(ADAPTIVE, 8.0, 5.0, 50)[0] == [1, 3, 8, 16, 22]
+
+
+def test_through_the_conductor_a_slow_stream_holds_once_a_rate_is_known() -> None:
+    """At 0.8x real time the measured stream, seeded by an earlier request's rate, holds its
+    first release and plays through; the very first stream after start-up has no rate when
+    its first frame comes and starts as the fixed ramp does (documented)."""
+    sizes, late = conductor_run(ADAPTIVE, 0.8, 20.0, RULE.typical_frames, warm=3)
+    assert sizes[0] == 25 and late <= 0, (sizes, late)
+    sizes, late = conductor_run(ADAPTIVE, 0.8, 20.0, RULE.typical_frames)
+    assert sizes[0] == 1 and late > 0
