@@ -120,6 +120,7 @@ class Settings:
     cuda_graphs: bool = False
     overlap: bool = False
     codec_graphs: bool = False
+    codec_ramp: str = "fixed"
     profile: bool = False
 
     def describe(self) -> dict[str, Any]:
@@ -129,7 +130,7 @@ class Settings:
                 "streams": list(self.streams), "frames": self.frames, "warmup_frames": self.warmup_frames,
                 "runs": self.runs, "seed": self.seed, "text": TEXT, "voice": VOICE,
                 "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
-                "codec_cuda_graphs": self.codec_graphs, "profile": self.profile,
+                "codec_cuda_graphs": self.codec_graphs, "codec_ramp": self.codec_ramp, "profile": self.profile,
                 "eos": "masked at every frame (each request speaks exactly `frames` frames)"}
 
 
@@ -149,7 +150,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(smoke=args.smoke, device=device, dtype=dtype, streams=streams, frames=frames,
                     warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed,
                     cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
-                    codec_graphs=args.codec_graphs and not args.smoke, profile=args.profile)
+                    codec_graphs=args.codec_graphs and not args.smoke, codec_ramp=args.codec_ramp,
+                    profile=args.profile)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -246,7 +248,7 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
             "model_kwargs": {"max_new_frames": settings.frames, "codec_chunk_schedule": [1, 3, 8, 16],
                              "codec_chunk_frames": 25, "codec_left_context": 72, "seed": settings.seed,
                              "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
-                             "codec_cuda_graphs": settings.codec_graphs}}
+                             "codec_cuda_graphs": settings.codec_graphs, "codec_ramp": settings.codec_ramp}}
 
 
 class OursRunner:
@@ -440,6 +442,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.overlap_scheduling: launch talker step k+1 before step k's codes are read")
     p.add_argument("--codec-graphs", action="store_true",
                    help="model_kwargs.codec_cuda_graphs: the codec's windows from CUDA graphs per shape")
+    p.add_argument("--codec-ramp", choices=("fixed", "adaptive"), default="fixed",
+                   help="model_kwargs.codec_ramp: the fixed 1/3/8/16/25 windows, or sized from each stream's rate")
     p.add_argument("--profile", action="store_true",
                    help="after each stream count's runs, one more profiled: host vs device ms per talker step")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")

@@ -51,6 +51,30 @@ class ChunkPolicy(ABC):
 
 
 @dataclass(frozen=True)
+class StreamClock:
+    """A stream's timings as a ``TimedChunkPolicy`` sees them (seconds on the conductor's clock,
+    taken when its results come in: no extra work on the workers)."""
+
+    now: float = 0.0
+    item_s: float | None = None  # wall time between the source's items (an average; None: unknown)
+    chunk_s: float | None = None  # a chunk's time from dispatch to result (an average)
+    first_out: float | None = None  # when the first chunk's result came back (None: not yet)
+
+
+class TimedChunkPolicy(ChunkPolicy):
+    """A policy that also reads its stream's clock (a rate-aware codec ramp). Without a clock
+    (``next_chunk``) it sees an unmeasured stream."""
+
+    @abstractmethod
+    def next_timed_chunk(self, available: int, taken: int, covered: int, closed: bool,
+                         clock: StreamClock) -> Chunk | None:
+        """As ``next_chunk``, with the stream's ``clock``."""
+
+    def next_chunk(self, available, taken, covered, closed):
+        return self.next_timed_chunk(available, taken, covered, closed, StreamClock())
+
+
+@dataclass(frozen=True)
 class FixedFrames(ChunkPolicy):
     """Chunks of exactly ``size`` new items (the last one may be short)."""
 

@@ -27,7 +27,7 @@ from mstar.runtime.protocol import (
     VarRef,
     WorkItem,
 )
-from mstar.runtime.streams import StreamState
+from mstar.runtime.streams import EdgeTimes, StreamState
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ class Conductor:
         self._reports_progress = {name for name, walk in graph.walks.items() if walk_cursor.has_progress(walk.body)}
         self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
         self._droppable = {name: _droppable_sources(walk) for name, walk in graph.walks.items()}
+        self._edge_times: dict[int, EdgeTimes] = {}  # id(edge) -> its streams' latest timings (timed policies)
         self._body_writes = {name: {var for step in iter_steps(walk.body) for var in step.write_vars}
                              for name, walk in graph.walks.items()}
 
@@ -280,6 +281,7 @@ class Conductor:
                     continue
                 items[rank].append(self._dispatch(live, ready.step, ready.iteration, rank, routes))
             for stream in live.streams:
+                stream.observe(now)
                 rank = routes.rank(stream.edge.into)
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
@@ -331,7 +333,8 @@ class Conductor:
             ctx = walk_cursor.LoopContext(frozenset(), spec.params)
             live = _Live(spec, walk_cursor.start(walk.body, ctx))
             live.versions = {var: 0 for var in walk.inputs}
-            live.streams = [StreamState(edge, droppable=edge.source in self._droppable[walk.name])
+            live.streams = [StreamState(edge, droppable=edge.source in self._droppable[walk.name],
+                                        edge_times=self._edge_times.setdefault(id(edge), EdgeTimes()))
                             for edge in walk.streams]
             for var, version in self._early_items.pop(spec.request_id, ()):
                 for stream in live.streams:

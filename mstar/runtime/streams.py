@@ -3,6 +3,10 @@
 The producer's writes of the source variable are the stream's items, known by version.
 The edge's chunk policy decides when the consumer runs and over which items; one chunk
 of an edge is in flight at a time, so chunks reach the client in order.
+
+A ``TimedChunkPolicy`` also reads the stream's clock: each tick, before asking it, the
+conductor notes (``observe``) when new items arrived and when a chunk's result came back, on
+its own clock; averages over the edge's streams seed a new stream's.
 """
 
 from __future__ import annotations
@@ -10,8 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mstar.graph import StreamEdge
-from mstar.graph.chunking import Chunk
+from mstar.graph.chunking import Chunk, StreamClock, TimedChunkPolicy
 from mstar.runtime.protocol import ChunkRef
+
+TIMING_WEIGHT = 0.25  # the newest interval's weight in a stream's running averages
+
+
+@dataclass
+class EdgeTimes:
+    """The latest averages of any stream of one edge: a new stream's first estimates."""
+
+    item_s: float | None = None
+    chunk_s: float | None = None
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + TIMING_WEIGHT * (new - old)
 
 
 @dataclass
@@ -26,14 +44,42 @@ class StreamState:
     # the source: see ``Conductor``), and how many leading items it was told to free so far.
     droppable: bool = False
     dropped: int = 0
+    # A timed policy's clock (``observe``): the edge's shared averages, this stream's own, and
+    # the bookkeeping behind them (items seen and when, when the running chunk was taken).
+    edge_times: EdgeTimes | None = None
+    clock: StreamClock = field(default_factory=StreamClock)
+    seen: int = 0
+    seen_at: float | None = None
+    taken_at: float | None = None
+
+    def observe(self, now: float) -> None:
+        """Note the items and chunk results that came in since the last tick (timed policies only)."""
+        if not isinstance(self.edge.policy, TimedChunkPolicy):
+            return
+        shared = self.edge_times or EdgeTimes()
+        item_s, chunk_s, first_out = self.clock.item_s, self.clock.chunk_s, self.clock.first_out
+        if len(self.versions) > self.seen:
+            if self.seen_at is not None:
+                item_s = shared.item_s = _average(item_s, (now - self.seen_at) / (len(self.versions) - self.seen))
+            self.seen, self.seen_at = len(self.versions), now
+        if self.taken_at is not None and not self.running:
+            chunk_s = shared.chunk_s = _average(chunk_s, now - self.taken_at)
+            first_out = now if first_out is None else first_out
+            self.taken_at = None
+        self.clock = StreamClock(now, item_s if item_s is not None else shared.item_s,
+                                 chunk_s if chunk_s is not None else shared.chunk_s, first_out)
 
     def next_chunk(self) -> Chunk | None:
         if self.running:
             return None
-        return self.edge.policy.next_chunk(len(self.versions), self.taken, self.covered, self.closed)
+        policy = self.edge.policy
+        if isinstance(policy, TimedChunkPolicy):
+            return policy.next_timed_chunk(len(self.versions), self.taken, self.covered, self.closed, self.clock)
+        return policy.next_chunk(len(self.versions), self.taken, self.covered, self.closed)
 
     def take(self, chunk: Chunk) -> ChunkRef:
         self.running = True
+        self.taken_at = self.clock.now
         self.taken += 1
         self.covered = chunk.keep_end
         last = self.closed and chunk.keep_end >= len(self.versions)

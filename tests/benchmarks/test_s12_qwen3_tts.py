@@ -83,10 +83,13 @@ def test_summary_counts_viable_streams_and_the_slowest() -> None:
 def test_smoke_run_with_the_fast_path_flags(tmp_path) -> None:
     """The flags reach the deployment's knobs (the graph ones ignored on the CPU) and
     ``--profile`` records a talker step's host time per stream count."""
-    assert s12.main(["--smoke", "--streams", "1", "--overlap", "--cuda-graphs", "--profile",
-                     "--out", str(tmp_path)]) == 0
+    assert s12.main(["--smoke", "--streams", "1", "--overlap", "--cuda-graphs", "--profile", "--codec-ramp",
+                     "adaptive", "--out", str(tmp_path)]) == 0
     [path] = tmp_path.glob(f"{s12.NAME}-*.json")
     data = json.loads(path.read_text())
     assert data["settings"]["overlap_scheduling"] and not data["settings"]["cuda_graphs"]
+    assert data["settings"]["codec_ramp"] == "adaptive" and data["ours"]["1"]["audio_s_per_stream"] > 0
+    settings = s12.settings_from(s12.parse_args(["--smoke", "--codec-ramp", "adaptive"]))
+    assert s12.deployment(settings, tmp_path)["model_kwargs"]["codec_ramp"] == "adaptive"
     profile = data["ours"]["1"]["profile"]
     assert profile["steps"] >= 8 and profile["host_ms_per_step"] > 0

@@ -3,6 +3,8 @@ of a speech request."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from mstar.model.audio_watermark import AudioWatermarkKnobs
@@ -27,6 +29,22 @@ class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling):
     codec_chunk_frames: int = Field(25, ge=1)
     """New frames of every later codec window."""
 
+    codec_ramp: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: the windows follow ``codec_chunk_schedule`` then ``codec_chunk_frames``, whatever
+    the load. ``adaptive``: each stream's next window is the largest of ``codec_window_sizes``
+    (never above the fixed ramp's) that its measured rate keeps its player fed with, the first
+    release held while even one frame cannot keep up (``mstar.model.qwen3_tts.ramp``)."""
+
+    codec_window_sizes: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 25])
+    """``adaptive``: the window sizes it picks from (with the ramp's and ``codec_chunk_frames``;
+    none above it), few so that the codec's window graphs stay few."""
+
+    codec_ramp_margin: float = Field(0.2, ge=0.0, le=4.0)
+    """``adaptive``: the wait for a window's frames padded by this share of itself."""
+
+    codec_ramp_typical_frames: int = Field(125, ge=1)
+    """``adaptive``: the utterance (frames) a slow stream's first release holds for."""
+
     codec_left_context: int = Field(72, ge=0)
     """Frames already spoken that a window's transformer reads again (its sliding window)."""
 
@@ -45,7 +63,7 @@ class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling):
         if self.codec_cuda_graphs:
             require_cuda("codec_cuda_graphs", device)
 
-    @field_validator("codec_chunk_schedule")
+    @field_validator("codec_chunk_schedule", "codec_window_sizes")
     @classmethod
     def _positive(cls, value: list[int]) -> list[int]:
         if any(n < 1 for n in value):

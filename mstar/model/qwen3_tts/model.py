@@ -39,6 +39,7 @@ from mstar.model.qwen3_tts.codec_encoder import EncoderConfig
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.knobs import Qwen3TTSBaseKnobs, Qwen3TTSKnobs, Qwen3TTSSpeechKnobs
 from mstar.model.qwen3_tts.prompt import assistant_text, instruct_text, language_id, languages, transcript_ids
+from mstar.model.qwen3_tts.ramp import AdaptiveChunks, RampRule
 from mstar.model.registry import register
 from mstar.model.sentences import SentenceChunker
 from mstar.model.spec import ModelSpec, WalkRequest
@@ -47,6 +48,7 @@ from mstar.model.voice_cloning import VoiceCloning, VoicePresets
 
 TALKER, CODEC = "talker", "codec"
 SAMPLE_RATE = 24000
+FRAME_MS = 80.0  # every 12 Hz checkpoint: 1920 samples a frame
 MAX_INPUT_CHARS = 8192
 CHUNK_FROM = 600  # characters: longer inputs are spoken as sentence pieces by default
 PIECES = SentenceChunker(limit=400)
@@ -83,6 +85,15 @@ def check_codec_encoder(encoder: EncoderConfig, tts: Qwen3TTSConfig) -> None:
                          f"{talker.predictor.vocab_size}")
 
 
+def codec_policy(knobs: Qwen3TTSKnobs) -> ScheduledChunks | AdaptiveChunks:
+    """The codec edge's windows: the fixed ramp, or the rate-aware one (``codec_ramp``)."""
+    if knobs.codec_ramp == "fixed":
+        return ScheduledChunks(tuple(knobs.codec_chunk_schedule), knobs.codec_chunk_frames, knobs.codec_left_context)
+    rule = RampRule(tuple(knobs.codec_chunk_schedule), knobs.codec_chunk_frames, tuple(knobs.codec_window_sizes),
+                    knobs.codec_ramp_margin, knobs.codec_ramp_typical_frames, FRAME_MS)
+    return AdaptiveChunks(rule, knobs.codec_left_context)
+
+
 class Qwen3TTS(ModelSpec):
     """Every Qwen3-TTS 12 Hz checkpoint; the keys differ only in their default weights."""
 
@@ -103,7 +114,7 @@ class Qwen3TTS(ModelSpec):
             Loop(Step(TALKER, "decode", reads={"token": "code0"}, writes=writes),
                  until="stop", max_iters="max_decode_steps"))
         knobs = self.knobs
-        policy = ScheduledChunks(tuple(knobs.codec_chunk_schedule), knobs.codec_chunk_frames, knobs.codec_left_context)
+        policy = codec_policy(knobs)
         decode = StreamEdge("codes", into=Step(CODEC, reads=("codes", "ref_codes"), writes="audio",
                                                emit=Emit("audio", "audio")), policy=policy)
         walk = Walk("tts", speak, inputs=("prompt_ids", "speaker_embed", "ref_codes"), streams=[decode])
