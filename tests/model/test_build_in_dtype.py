@@ -1,0 +1,259 @@
+"""Large families built in their dtype (``weights.building``), not in float32 then cast.
+
+For each converted family, with its tests' tiny config written as a checkpoint folder
+(``config.json`` only: dummy weights), the family's real build path in bf16 on the CPU is
+compared with the old construction written here (float32 on the device, then
+``.to(torch.bfloat16)``, or the family's own cast such as GLM-5.2's ``to_dtype``, then the
+same seeded dummy weights): every parameter, buffer and plain tensor attribute must be
+bitwise the same (dtype and values), and the new path must never register a float32
+parameter except those the old build also kept float32 (GLM-5.2's routers)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from mstar.model.weights import init_dummy_weights
+
+CPU, BF16, SEED = torch.device("cpu"), torch.bfloat16, 5
+
+
+def _old(make: Callable[[], nn.Module], cast: Callable[[nn.Module], nn.Module] | None = None,
+         seed: int = SEED) -> nn.Module:
+    """The construction every family used before: float32 on the device, then cast, then drawn."""
+    with torch.device(CPU):
+        model = make()
+    model = cast(model) if cast is not None else model.to(BF16)
+    init_dummy_weights(model, seed=seed)
+    return model.eval()
+
+
+def _write(folder: Path, config: dict) -> str:
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+# ----------------------------------------------------------------------------- the families
+# each: folder -> (new build through the family's path, old build written here)
+
+
+def command_a_plus(folder: Path):
+    from mstar.model.command_a_plus.checkpoint import CommandAPlusCheckpoint
+    from mstar.model.command_a_plus.modeling import CommandAPlusForCausalLM
+    from tests.model.test_command_a_plus_vision import _vl_config
+
+    ckpt = CommandAPlusCheckpoint.locate(_write(folder, _vl_config().to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: CommandAPlusForCausalLM(ckpt.config(), ckpt.vision_config()))
+
+    return new, old
+
+
+def glm52(folder: Path):
+    from transformers import GlmMoeDsaConfig
+
+    from mstar.model.glm52.checkpoint import Glm52Checkpoint
+    from mstar.model.glm52.modeling import Glm52ForCausalLM
+    from tests.support.glm52 import TINY
+
+    ckpt = Glm52Checkpoint.locate(_write(folder, GlmMoeDsaConfig(**TINY).to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: Glm52ForCausalLM(ckpt.config()), cast=lambda m: m.to_dtype(BF16))
+
+    return new, old
+
+
+def qwen3_5(folder: Path):
+    from transformers import Qwen3_5Config
+
+    from mstar.model.qwen3_5 import Qwen3_5ForCausalLM
+    from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
+    from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
+    from tests.model.test_qwen3_5_vl_parity import TEXT, VISION
+
+    ckpt = Qwen3_5Checkpoint.locate(_write(folder, Qwen3_5Config(text_config=TEXT, vision_config=VISION).to_dict()))
+
+    def new():
+        return nn.ModuleList(ckpt.load_models(CPU, BF16, text=True, vision=True, dummy=True, seed=SEED))
+
+    def old():
+        return nn.ModuleList([_old(lambda: Qwen3_5ForCausalLM(ckpt.config())),
+                              _old(lambda: Qwen3_5VisionModel(ckpt.vision_config()), seed=SEED + 1)])
+
+    return new, old
+
+
+def nemotron_h(folder: Path):
+    from transformers import NemotronHConfig
+
+    from mstar.model.nemotron_h import NemotronHForCausalLM
+    from mstar.model.nemotron_h.checkpoint import NemotronHCheckpoint
+    from tests.model.test_nemotron_h_parity import PATTERN, TINY
+
+    config = NemotronHConfig(hybrid_override_pattern=PATTERN, **TINY).to_dict()
+    ckpt = NemotronHCheckpoint.locate(_write(folder, config))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: NemotronHForCausalLM(ckpt.config()))
+
+    return new, old
+
+
+def llama(folder: Path):
+    from transformers import LlamaConfig
+
+    from mstar.model.llama import LlamaForCausalLM
+    from mstar.model.llama.checkpoint import LlamaCheckpoint
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_parameters=rope,
+                         max_position_embeddings=512).to_dict()
+    ckpt = LlamaCheckpoint.locate(_write(folder, config))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: LlamaForCausalLM(ckpt.config()))
+
+    return new, old
+
+
+def bagel(folder: Path):
+    from types import SimpleNamespace
+
+    from mstar.model.bagel import vae as bagel_vae
+    from mstar.model.bagel.checkpoint import BagelCheckpoint
+    from mstar.model.bagel.generation import LatentProjections
+    from mstar.model.bagel.image_engine import load_generation_side
+    from mstar.model.bagel.llm import BagelLanguageModel
+    from mstar.model.bagel.vision import BagelVision
+    from mstar.model.z_image.vae import ZImageVAE
+    from tests.support.bagel_reference import BAGEL, LLM, VIT
+
+    write = {"llm_config.json": dict(LLM, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+             "vit_config.json": dict(VIT, num_hidden_layers=VIT["num_hidden_layers"] + 1,
+                                     model_type="siglip_vision_model"),  # one more, as released
+             "config.json": {k: BAGEL[k] for k in ("vit_max_num_patch_per_side", "latent_patch_size",
+                                                  "max_latent_size")}}
+    for name, config in write.items():
+        (folder / name).write_text(json.dumps(config))
+    ckpt = BagelCheckpoint.locate(str(folder))
+    config = ckpt.config()
+    # no ae.safetensors: a dummy build takes FLUX.1's VAE; a small one of its shape family here
+    vae_config = bagel_vae.flux1_vae_config(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)
+
+    def new():
+        llm, tower = ckpt.load_models(CPU, BF16, llm=True, vision=True, dummy=True, seed=SEED)
+        small = pytest.MonkeyPatch()
+        small.setattr(bagel_vae, "flux1_vae_config", lambda: vae_config)
+        try:
+            proj, vae = load_generation_side(SimpleNamespace(path=folder), config, CPU, BF16, dummy=True,
+                                             seed=SEED + 2)
+        finally:
+            small.undo()
+        return nn.ModuleList([llm, tower, proj, vae])
+
+    def proj():
+        return LatentProjections(config.llm.hidden_size, vae_config.net.latent_channels, config.latent_patch_size,
+                                 config.max_latent_size)
+
+    def old():
+        return nn.ModuleList([_old(lambda: BagelLanguageModel(config.llm)),
+                              _old(lambda: BagelVision(config), seed=SEED + 1),
+                              _old(proj, seed=SEED + 2), _old(lambda: ZImageVAE(vae_config), seed=SEED + 3)])
+
+    return new, old
+
+
+FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel)}
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+class Registrations:
+    """Every parameter registered while entered, as ``(module, name, dtype)``."""
+
+    def __enter__(self):
+        self.params: list[tuple[nn.Module, str, torch.dtype]] = []
+        self.buffers: list[tuple[nn.Module, str, torch.dtype]] = []
+        self.handles = [
+            register_module_parameter_registration_hook(
+                lambda m, n, p: self.params.append((m, n, p.dtype)) if p is not None else None),
+            register_module_buffer_registration_hook(
+                lambda m, n, b: self.buffers.append((m, n, b.dtype)) if b is not None else None)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer (persistent or not) and plain tensor attribute, by qualified name."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        head = prefix + "." if prefix else ""
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not name.startswith("__"):
+                out[head + name] = value
+        for name, value in module._parameters.items():
+            if value is not None:
+                out[head + name] = value
+        for name, value in module._buffers.items():
+            if value is not None:
+                out[head + name] = value
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_build_is_bitwise_the_old_one_and_never_float32(family: str, tmp_path: Path) -> None:
+    new, old = FAMILIES[family](tmp_path)
+    before = torch.get_default_dtype()
+    with Registrations() as seen:
+        built = new()
+    assert torch.get_default_dtype() == before == torch.float32
+    want = old()
+    got, ref = tensors_of(built), tensors_of(want)
+    assert sorted(got) == sorted(ref)
+    assert any(p.dtype == BF16 for p in built.parameters())
+    for name, value in ref.items():
+        assert got[name].dtype == value.dtype, (name, got[name].dtype, value.dtype)
+        assert got[name].shape == value.shape, name
+        assert got[name].device == value.device, name
+        assert torch.equal(got[name], value), name
+    # the hooks saw every parameter made; a float32 one only where the old build kept float32
+    names = {id(m): prefix for prefix, m in built.named_modules(remove_duplicate=False)}
+
+    def made(kind: list[tuple[nn.Module, str, torch.dtype]]) -> set[str]:
+        return {".".join(filter(None, (names[id(m)], n))) for m, n, d in kind
+                if d == torch.float32 and id(m) in names}
+
+    assert len(seen.params) >= len(list(built.parameters())) > 0
+    kept = {name for name, p in want.named_parameters() if p.dtype == torch.float32}
+    assert made(seen.params) <= kept, sorted(made(seen.params) - kept)
+    kept = {name for name, b in want.named_buffers() if b.dtype == torch.float32}
+    assert made(seen.buffers) <= kept, sorted(made(seen.buffers) - kept)
