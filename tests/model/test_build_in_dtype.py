@@ -188,7 +188,90 @@ def bagel(folder: Path):
     return new, old
 
 
-FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel)}
+def qwen3_omni(folder: Path):
+    from mstar.model.qwen3_omni.checkpoint import (
+        Qwen3OmniCheckpoint,
+        Qwen3OmniCode2Wav,
+        Qwen3OmniCode2WavConfig,
+        Qwen3OmniTalker,
+        Qwen3OmniThinker,
+    )
+    from tests.support.qwen3_omni import reference_omni
+
+    ckpt = Qwen3OmniCheckpoint.locate(_write(folder, reference_omni().config.to_dict()))
+    hf = ckpt.hf_config()
+
+    def new():
+        return nn.ModuleList([ckpt.thinker(CPU, BF16, dummy=True, seed=SEED),
+                              ckpt.talker(CPU, BF16, dummy=True, seed=SEED + 1),
+                              ckpt.code2wav(CPU, BF16, dummy=True, seed=SEED + 2)])
+
+    def old():
+        return nn.ModuleList([_old(lambda: Qwen3OmniThinker.from_hf_dict(hf)),
+                              _old(lambda: Qwen3OmniTalker.from_hf_dict(hf), seed=SEED + 1),
+                              _old(lambda: Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(hf)),
+                                   seed=SEED + 2)])
+
+    return new, old
+
+
+def qwen3_asr(folder: Path):
+    from mstar.model.qwen3_asr.checkpoint import Qwen3ASRCheckpoint
+    from mstar.model.qwen3_asr.modeling import Qwen3ASRModel
+    from tests.support.qwen3_asr import AUDIO, AUDIO_TOKEN, TEXT
+
+    config = {"architectures": ["Qwen3ASRForConditionalGeneration"], "model_type": "qwen3_asr",
+              "thinker_config": {"audio_config": dict(AUDIO), "text_config": dict(TEXT),
+                                 "audio_token_id": AUDIO_TOKEN}}
+    ckpt = Qwen3ASRCheckpoint.locate(_write(folder, config))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: Qwen3ASRModel(ckpt.config()))
+
+    return new, old
+
+
+def pi05(folder: Path):
+    from mstar.model.pi05.checkpoint import Pi05Checkpoint
+    from mstar.model.pi05.modeling import Pi05Policy
+    from tests.support.pi05 import tiny_lerobot_config
+
+    ckpt = Pi05Checkpoint.locate(_write(folder, tiny_lerobot_config()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: Pi05Policy(ckpt.config()))
+
+    return new, old
+
+
+def whisper(folder: Path):
+    from transformers import WhisperConfig
+
+    from mstar.model.whisper.checkpoint import WhisperCheckpoint
+    from mstar.model.whisper.modeling import WhisperForConditionalGeneration
+
+    config = WhisperConfig(vocab_size=160, num_mel_bins=80, d_model=32, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, max_source_positions=1500, max_target_positions=448)
+    ckpt = WhisperCheckpoint.locate(_write(folder, config.to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: WhisperForConditionalGeneration(ckpt.config()))
+
+    return new, old
+
+
+FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
+                                    pi05, whisper)}
 
 
 # ----------------------------------------------------------------------------- the check
