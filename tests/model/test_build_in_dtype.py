@@ -256,7 +256,7 @@ def whisper(folder: Path):
     from mstar.model.whisper.checkpoint import WhisperCheckpoint
     from mstar.model.whisper.modeling import WhisperForConditionalGeneration
 
-    config = WhisperConfig(vocab_size=160, num_mel_bins=80, d_model=32, encoder_layers=1, decoder_layers=1,
+    config = WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=32, encoder_layers=1, decoder_layers=1,
                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
                            decoder_ffn_dim=64, max_source_positions=1500, max_target_positions=448)
     ckpt = WhisperCheckpoint.locate(_write(folder, config.to_dict()))
@@ -270,8 +270,47 @@ def whisper(folder: Path):
     return new, old
 
 
+def qwen3_tts(folder: Path):
+    from mstar.model.qwen3_tts.checkpoint import (
+        DUMMY_CODEC_STD,
+        Qwen3TTSCheckpoint,
+        Qwen3TTSCodec,
+        Qwen3TTSCodecEncoder,
+        Qwen3TTSSpeakerEncoder,
+        Qwen3TTSTalker,
+    )
+    from tests.support.qwen3_tts_dir import write_checkpoint
+
+    ckpt = Qwen3TTSCheckpoint.locate(str(write_checkpoint(folder, variant="base")), dummy=True)
+
+    def new():
+        return nn.ModuleList([ckpt.talker(CPU, BF16, dummy=True, seed=SEED),
+                              ckpt.speaker_encoder(CPU, BF16, dummy=True, seed=SEED + 1),
+                              ckpt.codec(CPU, BF16, dummy=True, seed=SEED + 2),
+                              ckpt.codec_encoder(CPU, BF16, dummy=True, seed=SEED + 3)])
+
+    @torch.no_grad()
+    def old():  # the codec's and its encoder's dummy draws, as the checkpoint makes them
+        codec = _old(lambda: Qwen3TTSCodec(ckpt.codec_config()), seed=SEED + 2)
+        init_dummy_weights(codec, seed=SEED + 2, std=DUMMY_CODEC_STD)
+        for name, p in codec.named_parameters():
+            if name.endswith("cluster_usage"):
+                p.fill_(1.0)
+        encoder = _old(lambda: Qwen3TTSCodecEncoder(ckpt.codec_encoder_config()), seed=SEED + 3)
+        init_dummy_weights(encoder, seed=SEED + 3, std=DUMMY_CODEC_STD)
+        gen = torch.Generator().manual_seed(SEED + 3)
+        for name, buf in encoder.named_buffers():
+            if name.endswith("embed_sum"):
+                buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+        return nn.ModuleList([_old(lambda: Qwen3TTSTalker(ckpt.config().talker)),
+                              _old(lambda: Qwen3TTSSpeakerEncoder(ckpt.config().speaker_encoder), seed=SEED + 1),
+                              codec, encoder])
+
+    return new, old
+
+
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
-                                    pi05, whisper)}
+                                    pi05, whisper, qwen3_tts)}
 
 
 # ----------------------------------------------------------------------------- the check
