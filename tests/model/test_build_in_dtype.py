@@ -309,8 +309,55 @@ def qwen3_tts(folder: Path):
     return new, old
 
 
+def higgs_audio(folder: Path):
+    from mstar.model.higgs_audio.checkpoint import HiggsAudioCheckpoint, HiggsAudioModel
+    from tests.support.higgs_audio import release_config
+
+    ckpt = HiggsAudioCheckpoint.locate(_write(folder, release_config()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: HiggsAudioModel(ckpt.config()))
+
+    return new, old
+
+
+def canary_qwen(folder: Path):
+    from mstar.model.canary_qwen.checkpoint import CanaryQwenCheckpoint, CanaryQwenModel
+    from tests.support.fastconformer import canary_qwen_nemo_config, qwen_config
+
+    (folder / "llm").mkdir()
+    (folder / "llm" / "config.json").write_text(qwen_config().to_json_string())  # the LLM's files beside it
+    ckpt = CanaryQwenCheckpoint.locate(_write(folder, canary_qwen_nemo_config()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: CanaryQwenModel(ckpt.config()))
+
+    return new, old
+
+
+def fish_s2_pro(folder: Path):
+    from mstar.model.fish_s2_pro.checkpoint import DualAR, FishS2ProCheckpoint
+    from tests.support.fish_s2_pro import write_release
+
+    ckpt = FishS2ProCheckpoint.locate(str(write_release(folder)))
+
+    def new():
+        return ckpt.dual_ar(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: DualAR(ckpt.config()))
+
+    return new, old
+
+
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
-                                    pi05, whisper, qwen3_tts)}
+                                    pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro)}
 
 
 # ----------------------------------------------------------------------------- the check
