@@ -356,8 +356,82 @@ def fish_s2_pro(folder: Path):
     return new, old
 
 
+def fastconformer(folder: Path):
+    from transformers import ParakeetTDTConfig
+
+    from mstar.model.fastconformer.checkpoint import TransducerCheckpoint, TransducerModel
+    from tests.support.fastconformer import BLANK, ENCODER, VOCAB
+
+    config = ParakeetTDTConfig(encoder_config=ENCODER, vocab_size=VOCAB, blank_token_id=BLANK, pad_token_id=2,
+                               decoder_hidden_size=24, num_decoder_layers=2, durations=[0, 1, 2, 3, 4])
+    ckpt = TransducerCheckpoint.locate(_write(folder, config.to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: TransducerModel(ckpt.config()))
+
+    return new, old
+
+
+def canary(folder: Path):
+    from transformers import CanaryConfig
+
+    from mstar.model.canary.checkpoint import CanaryCheckpoint, CanaryForConditionalGeneration
+    from tests.support.fastconformer import CANARY_VOCAB, ENCODER
+
+    decoder = dict(vocab_size=CANARY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128)
+    config = CanaryConfig(encoder_config=dict(ENCODER, scale_input=False), decoder_config=decoder,
+                          vocab_size=CANARY_VOCAB)
+    ckpt = CanaryCheckpoint.locate(_write(folder, config.to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: CanaryForConditionalGeneration(ckpt.config()))
+
+    return new, old
+
+
+def omniasr(folder: Path):
+    from mstar.model.omniasr.checkpoint import OmniAsrCheckpoint, OmniAsrCtc
+    from tests.model.omniasr.test_omniasr_checkpoint import TINY
+
+    ckpt = OmniAsrCheckpoint.locate("300m", None)
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED, config=TINY)
+
+    def old():
+        return _old(lambda: OmniAsrCtc(TINY))
+
+    return new, old
+
+
+def vjepa2(folder: Path):
+    from transformers import VJEPA2Config
+
+    from mstar.model.vjepa2.checkpoint import VJEPA2Checkpoint, VJEPA2Model
+    from tests.model.test_vjepa2_parity import HF_TINY
+
+    ckpt = VJEPA2Checkpoint.locate(_write(folder, VJEPA2Config(**HF_TINY).to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        config = ckpt.config()
+        return _old(lambda: VJEPA2Model(config.encoder, config.predictor))
+
+    return new, old
+
+
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
-                                    pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro)}
+                                    pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
+                                    canary, omniasr, vjepa2)}
 
 
 # ----------------------------------------------------------------------------- the check
