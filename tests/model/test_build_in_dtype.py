@@ -429,9 +429,32 @@ def vjepa2(folder: Path):
     return new, old
 
 
+def waypoint(folder: Path):
+    import yaml
+
+    from mstar.model.waypoint.checkpoint import TAEHV, WaypointCheckpoint, WorldDiT
+    from tests.support.waypoint import TINY_DIT, TINY_TAEHV
+
+    (folder / "config.yaml").write_text(yaml.safe_dump({**TINY_DIT, "ae_uri": "ae"}))
+    (folder / "ae").mkdir()
+    _write(folder / "ae", TINY_TAEHV)
+    ckpt = WaypointCheckpoint.locate(str(folder))
+
+    def new():
+        return nn.ModuleList([ckpt.load_dit(CPU, BF16, dummy=True, seed=SEED),
+                              ckpt.load_taehv(CPU, BF16, dummy=True, seed=SEED + 1)])
+
+    def old():
+        dit = _old(lambda: WorldDiT(ckpt.config()))
+        dit.denoise_step_emb.float()  # float32 in any deployment: cast back after the fill
+        return nn.ModuleList([dit, _old(lambda: TAEHV(ckpt.ae_config()), seed=SEED + 1)])
+
+    return new, old
+
+
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
                                     pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2)}
+                                    canary, omniasr, vjepa2, waypoint)}
 
 
 # ----------------------------------------------------------------------------- the check
