@@ -6,7 +6,13 @@ compared with the old construction written here (float32 on the device, then
 ``.to(torch.bfloat16)``, or the family's own cast such as GLM-5.2's ``to_dtype``, then the
 same seeded dummy weights): every parameter, buffer and plain tensor attribute must be
 bitwise the same (dtype and values), and the new path must never register a float32
-parameter except those the old build also kept float32 (GLM-5.2's routers)."""
+parameter or buffer except those the old build also kept float32 (GLM-5.2's routers).
+
+A table a constructor computes in the default dtype (a linspace, an arange over floats) comes
+out different in a bf16 build; a float32 table a module registers as a buffer stays float32
+where the old cast made it bf16. Both fail here (checked: ``rope_inv_freq`` computed in the
+default dtype fails Command A+ and Llama; BAGEL's, Qwen3-Omni's, Qwen3-ASR's, Canary's and
+Waypoint's tables failed before their constructors cast them)."""
 
 from __future__ import annotations
 
