@@ -107,12 +107,12 @@ class BagelCheckpoint:
         in ``dtype``, with the checkpoint's weights or, when ``dummy``, seeded random ones (the
         LLM's seed ``seed``, the vision side's the next; the fixed 2D table is never drawn), in
         eval mode."""
-        from mstar.model.weights import init_dummy_weights
+        from mstar.model.weights import building, init_dummy_weights
 
         config = self.config()
-        with torch.device(device):
-            model = BagelLanguageModel(config.llm).to(dtype) if llm else None
-            tower = BagelVision(config).to(dtype) if vision else None
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = BagelLanguageModel(config.llm) if llm else None
+            tower = BagelVision(config) if vision else None
         parts = {name: m for name, m in (("llm", model), ("vision", tower)) if m is not None}
         if dummy:
             for i, module in enumerate(parts.values()):

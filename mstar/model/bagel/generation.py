@@ -67,7 +67,9 @@ class LatentPositionEmbedding(nn.Module):
     def __init__(self, max_latent_size: int, hidden_size: int) -> None:
         super().__init__()
         self.max_latent_size = max_latent_size
-        self.register_buffer("pos_embed", sincos_table(max_latent_size, hidden_size), persistent=False)
+        # float32 (from float64), then the model's dtype: what building in float32 and casting gave
+        table = sincos_table(max_latent_size, hidden_size).to(torch.get_default_dtype())
+        self.register_buffer("pos_embed", table, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[position_ids]

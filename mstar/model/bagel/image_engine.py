@@ -253,14 +253,14 @@ def load_generation_side(ckpt, config, device: torch.device, dtype: torch.dtype,
     past the modules'. ``ckpt`` is a ``BagelCheckpoint``, ``config`` its ``BagelConfig``."""
     from mstar.model.bagel.checkpoint import VAE_FILE, load_parts
     from mstar.model.bagel.vae import config_from_shapes, flux1_vae_config, from_original_layout
-    from mstar.model.weights import fill_weights, init_dummy_weights
+    from mstar.model.weights import building, fill_weights, init_dummy_weights
 
     ae = ckpt.path / VAE_FILE
     vae_config = flux1_vae_config() if dummy and not ae.is_file() else config_from_shapes(_shapes(ae))
-    with torch.device(device):
+    with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
         proj = LatentProjections(config.llm.hidden_size, vae_config.net.latent_channels, config.latent_patch_size,
-                                 config.max_latent_size).to(dtype)
-        vae = ZImageVAE(vae_config).to(dtype)
+                                 config.max_latent_size)
+        vae = ZImageVAE(vae_config)
     if dummy:
         init_dummy_weights(proj, seed=seed)  # the fixed position table is a buffer: never drawn
     else:

@@ -106,7 +106,8 @@ class PositionTable(nn.Module):
 
     def __init__(self, side: int, dim: int) -> None:
         super().__init__()
-        self.register_buffer("pos_embed", sincos_table(side, dim), persistent=False)
+        # float32 (from float64), then the model's dtype: what building in float32 and casting gave
+        self.register_buffer("pos_embed", sincos_table(side, dim).to(torch.get_default_dtype()), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[positions]

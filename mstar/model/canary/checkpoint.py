@@ -61,8 +61,8 @@ class CanaryCheckpoint:
 
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool,
                    seed: int) -> CanaryForConditionalGeneration:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = CanaryForConditionalGeneration(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = CanaryForConditionalGeneration(self.config())
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype)

@@ -143,8 +143,9 @@ class CanaryDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.LayerNorm(config.hidden_size)
         self.embedding_layernorm = nn.LayerNorm(config.hidden_size)
-        self.register_buffer("positions", sinusoidal_positions(config.max_position_embeddings, config.hidden_size),
-                             persistent=False)
+        # float32, then the model's dtype: what building in float32 and casting gave
+        table = sinusoidal_positions(config.max_position_embeddings, config.hidden_size)
+        self.register_buffer("positions", table.to(torch.get_default_dtype()), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
                 cross: CrossBatch) -> torch.Tensor:

@@ -153,11 +153,11 @@ class CanaryQwenCheckpoint:
                 yield f"{module}.bias", parts["bias"]
 
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> CanaryQwenModel:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
         config = self.config()
-        with torch.device(device):
-            model = CanaryQwenModel(config).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = CanaryQwenModel(config)
         tied = config.llm.tie_word_embeddings
         return fill_weights(model, lambda: self.tensors(config), dummy=dummy, seed=seed, dtype=dtype,
                             name_map=lambda name: our_name(name, tied))

@@ -110,11 +110,11 @@ class CommandAPlusCheckpoint:
         """The decoder (and, with ``vision`` and a vision-language config, the image encoder on
         the first TP rank) on ``device`` in ``dtype``, with the checkpoint's weights (or seeded random ones when
         ``dummy``), in eval mode. Without ``vision`` the image tensors are skipped."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
         vision_config = self.vision_config() if vision else None
-        with torch.device(device):
-            model = CommandAPlusForCausalLM(self.config(), vision_config).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = CommandAPlusForCausalLM(self.config(), vision_config)
         log.info("loading %s weights (%s)", self.path, "dummy" if dummy else "safetensors")
 
         def name_map(name: str) -> str | None:  # the encoder's tensors only where it lives (TP rank 0)

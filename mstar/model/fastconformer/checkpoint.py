@@ -101,8 +101,8 @@ class TransducerCheckpoint:
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> TransducerModel:
         """Encoder and transducer head on ``device`` in ``dtype`` with the checkpoint's weights
         (coverage checked both ways), or seeded random ones when ``dummy``; in eval mode."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = TransducerModel(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = TransducerModel(self.config())
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype)

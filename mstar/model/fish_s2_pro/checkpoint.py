@@ -27,7 +27,7 @@ from mstar.model.fish_s2_pro.codec_encoder import CodecEncoder, EncoderConfig
 from mstar.model.fish_s2_pro.config import DualARConfig
 from mstar.model.fish_s2_pro.dual_ar import DualAR
 from mstar.model.fish_s2_pro.weights import codec_encoder_tensors, codec_tensors, dual_ar_tensors
-from mstar.model.weights import fill_weights, iter_safetensors, resolve_model_path
+from mstar.model.weights import building, fill_weights, iter_safetensors, resolve_model_path
 
 SEMANTIC_ZERO = "<|semantic:0|>"
 IM_END = "<|im_end|>"
@@ -100,8 +100,8 @@ class FishS2ProCheckpoint:
     def dual_ar(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int,
                 config: DualARConfig | None = None) -> DualAR:
         config = config or self.config()
-        with torch.device(device):
-            model = DualAR(config).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = DualAR(config)
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             yield from dual_ar_tensors(config, self.dual_ar_released()).items()

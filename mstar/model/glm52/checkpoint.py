@@ -94,10 +94,10 @@ def load_glm52(config: Glm52Config, device: torch.device, dtype: torch.dtype, te
                seed: int) -> Glm52ForCausalLM:
     """``Glm52ForCausalLM(config)`` on ``device`` filled from ``tensors()`` (released key names,
     unquantised), the MTP layers' keys skipped."""
-    from mstar.model.weights import fill_weights
+    from mstar.model.weights import building, fill_weights
 
-    with torch.device(device):
-        model = Glm52ForCausalLM(config).to_dtype(dtype)
+    with building(device, dtype):  # made in dtype at once (the routers in float32): no float32 copy
+        model = Glm52ForCausalLM(config).to_dtype(dtype)  # a no-op here, kept as the contract
     log.info("loading GLM-5.2 weights (%s)", "dummy" if dummy else "checkpoint")
     # dtype None: each tensor takes its parameter's dtype (the routers stay in float32)
     return fill_weights(model, tensors, dummy=dummy, seed=seed, name_map=mtp_skipper(config))

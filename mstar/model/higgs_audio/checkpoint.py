@@ -66,8 +66,8 @@ class HiggsAudioCheckpoint:
         return iter_safetensors(self.directory)
 
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> HiggsAudioModel:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = HiggsAudioModel(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = HiggsAudioModel(self.config())
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=our_name)

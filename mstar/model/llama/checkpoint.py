@@ -86,10 +86,10 @@ class LlamaCheckpoint:
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with the checkpoint's weights (or seeded
         random ones when ``dummy``), in eval mode."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = LlamaForCausalLM(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = LlamaForCausalLM(self.config())
         log.info("loading %s weights (%s)", self.path, "dummy" if dummy else self.format)
 
         def tensors():

@@ -81,10 +81,10 @@ class NemotronHCheckpoint:
                    seed: int = 0) -> NemotronHForCausalLM:
         """The model on ``device`` in ``dtype`` with the checkpoint's weights, or seeded
         random ones (``dummy``), in eval mode."""
-        from mstar.model.weights import init_dummy_weights
+        from mstar.model.weights import building, init_dummy_weights
 
-        with torch.device(device):
-            model = NemotronHForCausalLM(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = NemotronHForCausalLM(self.config())
         if dummy:
             init_dummy_weights(model, seed=seed)
         else:

@@ -154,10 +154,10 @@ class OmniAsrCheckpoint:
                    config: OmniAsrConfig | None = None) -> OmniAsrCtc:
         """The model on ``device`` in ``dtype``: the checkpoint's tensors (coverage checked both
         ways; the release's training counter is skipped) or seeded random weights (``dummy``)."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = OmniAsrCtc(config or self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = OmniAsrCtc(config or self.config())
         skip = {"num_updates", "encoder_frontend.num_updates"}
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype,
                             name_map=lambda name: None if name in skip else name)

@@ -163,10 +163,10 @@ class Pi05Checkpoint:
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Pi05Policy:
         """The policy on ``device`` in ``dtype`` with the checkpoint's weights (coverage checked
         both ways) or seeded random ones (``dummy``), in eval mode."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = Pi05Policy(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = Pi05Policy(self.config())
         log.info("loading %s weights (%s)", self.path, "dummy" if dummy else "safetensors")
         name_map = None if dummy else self.name_map()
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=name_map)

@@ -97,14 +97,14 @@ class Qwen3_5Checkpoint:
         """The text model (when ``text``) and the ViT tower (when ``vision``) on ``device`` in
         ``dtype``, with the checkpoint's weights (or seeded random ones when ``dummy``: the
         text model's seed ``seed``, the tower's the next), in eval mode."""
-        from mstar.model.weights import init_dummy_weights
+        from mstar.model.weights import building, init_dummy_weights
 
         vision_config = self.vision_config()
         if vision and vision_config is None:
             raise ValueError(f"node 'vision' is placed, but {self.path} has no vision_config")
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(self.config()).to(dtype) if text else None
-            tower = Qwen3_5VisionModel(vision_config).to(dtype) if vision else None
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = Qwen3_5ForCausalLM(self.config()) if text else None
+            tower = Qwen3_5VisionModel(vision_config) if vision else None
         modules = [m for m in (model, tower) if m is not None]
         if dummy:
             for i, module in enumerate(modules):

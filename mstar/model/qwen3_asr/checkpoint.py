@@ -83,11 +83,11 @@ class Qwen3ASRCheckpoint:
         return iter_safetensors(self.path)
 
     def load_model(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3ASRModel:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
         config = self.config()
-        with torch.device(device):
-            model = Qwen3ASRModel(config).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = Qwen3ASRModel(config)
         tied = config.llm.tie_word_embeddings
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype,
                             name_map=lambda name: our_name(name, tied))

@@ -104,7 +104,8 @@ class AuTEncoder(nn.Module):
         self.conv_out = nn.Linear(hidden * config.freq_bins, config.d_model, bias=False)
         self.layers = nn.ModuleList(AuTLayer(config) for _ in range(config.encoder_layers))
         self.ln_post = nn.LayerNorm(config.d_model)
-        table = sinusoids(post_cnn_length(config.chunk_frames), config.d_model)
+        # float32, then the model's dtype: what building in float32 and casting gave
+        table = sinusoids(post_cnn_length(config.chunk_frames), config.d_model).to(torch.get_default_dtype())
         self.register_buffer("positions", table, persistent=False)
 
     def chunks(self, mels: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

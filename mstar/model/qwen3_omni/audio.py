@@ -141,7 +141,9 @@ class Qwen3OmniAudioEncoder(nn.Module):
         self.conv2d2 = nn.Conv2d(width, width, 3, 2, padding=1)
         self.conv2d3 = nn.Conv2d(width, width, 3, 2, padding=1)
         self.conv_out = nn.Linear(width * int(conv_length(config.num_mel_bins)), config.d_model, bias=False)
-        self.register_buffer("positions", sinusoids(config.max_source_positions, config.d_model), persistent=False)
+        # float32, then the model's dtype: what building in float32 and casting gave
+        table = sinusoids(config.max_source_positions, config.d_model).to(torch.get_default_dtype())
+        self.register_buffer("positions", table, persistent=False)
         self.layers = nn.ModuleList(AudioEncoderLayer(config) for _ in range(config.encoder_layers))
         self.ln_post = nn.LayerNorm(config.d_model)
         self.proj1 = nn.Linear(config.d_model, config.d_model)

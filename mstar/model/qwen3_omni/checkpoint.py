@@ -248,22 +248,22 @@ class Qwen3OmniCheckpoint:
         return iter_safetensors(self.path)
 
     def thinker(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3OmniThinker:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            thinker = Qwen3OmniThinker.from_hf_dict(self.hf_config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            thinker = Qwen3OmniThinker.from_hf_dict(self.hf_config())
         return fill_weights(thinker, self._tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=thinker_name)
 
     def talker(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3OmniTalker:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            talker = Qwen3OmniTalker.from_hf_dict(self.hf_config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            talker = Qwen3OmniTalker.from_hf_dict(self.hf_config())
         return fill_weights(talker, self._tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=talker_name)
 
     def code2wav(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3OmniCode2Wav:
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            decoder = Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(self.hf_config())).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            decoder = Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(self.hf_config()))
         return fill_weights(decoder, self._tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=code2wav_name)

@@ -23,7 +23,7 @@ from mstar.model.qwen3_tts.codec_encoder import EncoderConfig, Qwen3TTSCodecEnco
 from mstar.model.qwen3_tts.config import CodecConfig, Qwen3TTSConfig
 from mstar.model.qwen3_tts.speaker import Qwen3TTSSpeakerEncoder
 from mstar.model.qwen3_tts.talker import Qwen3TTSTalker
-from mstar.model.weights import fill_weights, init_dummy_weights, iter_safetensors, load_weights
+from mstar.model.weights import building, fill_weights, init_dummy_weights, iter_safetensors, load_weights
 
 TALKER, CODEC, SPEAKER, ENCODER = "talker.", "decoder.", "speaker_encoder.", "encoder."
 SPEECH_TOKENIZER = "speech_tokenizer"
@@ -130,8 +130,8 @@ class Qwen3TTSCheckpoint:
         return AutoTokenizer.from_pretrained(self.path)
 
     def talker(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3TTSTalker:
-        with torch.device(device):
-            talker = Qwen3TTSTalker(self.config().talker).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            talker = Qwen3TTSTalker(self.config().talker)
         return fill_weights(talker, lambda: iter_safetensors(self.path), dummy=dummy, seed=seed, dtype=dtype,
                             name_map=talker_name)
 
@@ -141,16 +141,16 @@ class Qwen3TTSCheckpoint:
         config = self.config()
         if not config.clones:
             raise ValueError(f"{self.path}: a {config.tts_model_type} checkpoint has no speaker encoder")
-        with torch.device(device):
-            encoder = Qwen3TTSSpeakerEncoder(config.speaker_encoder).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            encoder = Qwen3TTSSpeakerEncoder(config.speaker_encoder)
         return fill_weights(encoder, lambda: iter_safetensors(self.path), dummy=dummy, seed=seed, dtype=dtype,
                             name_map=speaker_name)
 
     def codec(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool, seed: int) -> Qwen3TTSCodec:
         """The codec decoder; dummy weights are drawn wider than a dummy LM's (std 0.15, codebook
         usage 1) so that a dummy deployment's audio is audible, not rounded to silence."""
-        with torch.device(device):
-            codec = Qwen3TTSCodec(self.codec_config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            codec = Qwen3TTSCodec(self.codec_config())
         if dummy:
             init_dummy_weights(codec, seed=seed, std=DUMMY_CODEC_STD)
             with torch.no_grad():
@@ -168,8 +168,8 @@ class Qwen3TTSCheckpoint:
                       seed: int) -> Qwen3TTSCodecEncoder:
         """The codec's encoder (in-context cloning: a clip to its codes). Dummy codebooks are
         drawn (N(0, 1) codewords) so that a dummy deployment's clips get varied codes."""
-        with torch.device(device):
-            encoder = Qwen3TTSCodecEncoder(self.codec_encoder_config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            encoder = Qwen3TTSCodecEncoder(self.codec_encoder_config())
         if dummy:
             init_dummy_weights(encoder, seed=seed, std=DUMMY_CODEC_STD)
             gen = torch.Generator(device=encoder.encoder.layers[0].conv.weight.device).manual_seed(seed)

@@ -54,10 +54,10 @@ def ac_name(key: str) -> str:
 
 def _build(model_cls, config, device: torch.device, dtype: torch.dtype, tensors, name_map, *, dummy: bool,
            seed: int, path: Path):
-    from mstar.model.weights import fill_weights
+    from mstar.model.weights import building, fill_weights
 
-    with torch.device(device):
-        model = model_cls(config.encoder, config.predictor).to(dtype)
+    with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+        model = model_cls(config.encoder, config.predictor)
     log.info("loading %s weights (%s)", path, "dummy" if dummy else "checkpoint")
     return fill_weights(model, tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=name_map)
 

@@ -33,7 +33,7 @@ from mstar.model.waypoint.config import TAEHVConfig, WaypointConfig
 from mstar.model.waypoint.dit import WorldDiT
 from mstar.model.waypoint.rollout import WaypointWorld
 from mstar.model.waypoint.taehv import TAEHV
-from mstar.model.weights import fill_weights, resolve_model_path
+from mstar.model.weights import building, fill_weights, resolve_model_path
 
 CONFIG = "config.yaml"
 WEIGHTS = "model.safetensors"
@@ -158,17 +158,17 @@ class WaypointCheckpoint:
         config = self.config()
         if not dummy:
             config.split_cond_heads = any(".attn_cond_head." in k for k in _keys(self.root / WEIGHTS))
-        with torch.device(device):
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
             dit = WorldDiT(config)
-        dit = fill_weights(dit.to(dtype), lambda: released_tensors(_tensors(self.root / WEIGHTS)(), config),
+        dit = fill_weights(dit, lambda: released_tensors(_tensors(self.root / WEIGHTS)(), config),
                            dummy=dummy, seed=seed)
         dit.denoise_step_emb.float()  # float32 in any deployment, as the reference keeps it
         return dit
 
     def load_taehv(self, device: torch.device, dtype: torch.dtype, *, dummy: bool, seed: int) -> TAEHV:
-        with torch.device(device):
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
             tae = TAEHV(self.ae_config())
-        return fill_weights(tae.to(dtype), lambda: taehv_tensors(self.ae_weights(), tae), dummy=dummy, seed=seed)
+        return fill_weights(tae, lambda: taehv_tensors(self.ae_weights(), tae), dummy=dummy, seed=seed)
 
     def load_world(self, device: torch.device, dtype: torch.dtype, *, dummy: bool = False,
                    seed: int = 0) -> WaypointWorld:

@@ -69,7 +69,9 @@ class NoiseConditioner(nn.Module):
 
     def __init__(self, dim: int, fourier_dim: int = 512, base: float = 10_000.0):
         super().__init__()
-        self.register_buffer("freq", torch.logspace(0, -1, fourier_dim // 2, base=base), persistent=False)
+        # computed in float32, then the model's dtype: what building in float32 and casting gave
+        freq = torch.logspace(0, -1, fourier_dim // 2, base=base, dtype=torch.float32)
+        self.register_buffer("freq", freq.to(torch.get_default_dtype()), persistent=False)
         self.mlp = MLP(fourier_dim, 4 * dim, dim)
 
     def forward(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -129,10 +131,12 @@ class FrameRotary(nn.Module):
         self.height, self.width = config.height, config.width
         head = config.head_dim
         max_freq = min(self.height, self.width) * 0.8
-        self.register_buffer("pixel_freq", torch.linspace(1.0, max_freq / 2, head // 16) * math.pi, persistent=False)
+        # computed in float32, then the model's dtype: what building in float32 and casting gave
+        pixel_freq = torch.linspace(1.0, max_freq / 2, head // 16, dtype=torch.float32) * math.pi
+        self.register_buffer("pixel_freq", pixel_freq.to(torch.get_default_dtype()), persistent=False)
         time_dim = head // 4
-        self.register_buffer("time_freq", 1.0 / 10_000 ** (torch.arange(0, time_dim, 2).float() / time_dim),
-                             persistent=False)
+        time_freq = 1.0 / 10_000 ** (torch.arange(0, time_dim, 2).float() / time_dim)
+        self.register_buffer("time_freq", time_freq.to(torch.get_default_dtype()), persistent=False)
 
     def angles(self, frames: torch.Tensor) -> torch.Tensor:
         """``[N * height * width, head_dim / 2]`` angles for frames ``frames [N]``."""

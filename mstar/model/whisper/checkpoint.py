@@ -99,8 +99,8 @@ class WhisperCheckpoint:
                    seed: int) -> WhisperForConditionalGeneration:
         """Encoder and decoder on ``device`` in ``dtype``, with the checkpoint's weights (or
         seeded random ones when ``dummy``), in eval mode."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = WhisperForConditionalGeneration(self.config()).to(dtype)
+        with building(device, dtype):  # made in dtype at once: no float32 copy is ever held
+            model = WhisperForConditionalGeneration(self.config())
         return fill_weights(model, self.tensors, dummy=dummy, seed=seed, dtype=dtype)

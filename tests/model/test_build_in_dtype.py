@@ -1,0 +1,531 @@
+"""Large families built in their dtype (``weights.building``), not in float32 then cast.
+
+For each converted family, with its tests' tiny config written as a checkpoint folder
+(``config.json`` only: dummy weights), the family's real build path in bf16 on the CPU is
+compared with the old construction written here (float32 on the device, then
+``.to(torch.bfloat16)``, or the family's own cast such as GLM-5.2's ``to_dtype``, then the
+same seeded dummy weights): every parameter, buffer and plain tensor attribute must be
+bitwise the same (dtype and values), and the new path must never register a float32
+parameter or buffer except those the old build also kept float32 (GLM-5.2's routers).
+
+A table a constructor computes in the default dtype (a linspace, an arange over floats) comes
+out different in a bf16 build; a float32 table a module registers as a buffer stays float32
+where the old cast made it bf16. Both fail here (checked: ``rope_inv_freq`` computed in the
+default dtype fails Command A+ and Llama; BAGEL's, Qwen3-Omni's, Qwen3-ASR's, Canary's and
+Waypoint's tables failed before their constructors cast them)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from mstar.model.weights import init_dummy_weights
+
+CPU, BF16, SEED = torch.device("cpu"), torch.bfloat16, 5
+
+
+def _old(make: Callable[[], nn.Module], cast: Callable[[nn.Module], nn.Module] | None = None,
+         seed: int = SEED) -> nn.Module:
+    """The construction every family used before: float32 on the device, then cast, then drawn."""
+    with torch.device(CPU):
+        model = make()
+    model = cast(model) if cast is not None else model.to(BF16)
+    init_dummy_weights(model, seed=seed)
+    return model.eval()
+
+
+def _write(folder: Path, config: dict) -> str:
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+# ----------------------------------------------------------------------------- the families
+# each: folder -> (new build through the family's path, old build written here)
+
+
+def command_a_plus(folder: Path):
+    from mstar.model.command_a_plus.checkpoint import CommandAPlusCheckpoint
+    from mstar.model.command_a_plus.modeling import CommandAPlusForCausalLM
+    from tests.model.test_command_a_plus_vision import _vl_config
+
+    ckpt = CommandAPlusCheckpoint.locate(_write(folder, _vl_config().to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: CommandAPlusForCausalLM(ckpt.config(), ckpt.vision_config()))
+
+    return new, old
+
+
+def glm52(folder: Path):
+    from transformers import GlmMoeDsaConfig
+
+    from mstar.model.glm52.checkpoint import Glm52Checkpoint
+    from mstar.model.glm52.modeling import Glm52ForCausalLM
+    from tests.support.glm52 import TINY
+
+    ckpt = Glm52Checkpoint.locate(_write(folder, GlmMoeDsaConfig(**TINY).to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: Glm52ForCausalLM(ckpt.config()), cast=lambda m: m.to_dtype(BF16))
+
+    return new, old
+
+
+def qwen3_5(folder: Path):
+    from transformers import Qwen3_5Config
+
+    from mstar.model.qwen3_5 import Qwen3_5ForCausalLM
+    from mstar.model.qwen3_5.checkpoint import Qwen3_5Checkpoint
+    from mstar.model.qwen3_5.vision import Qwen3_5VisionModel
+    from tests.model.test_qwen3_5_vl_parity import TEXT, VISION
+
+    ckpt = Qwen3_5Checkpoint.locate(_write(folder, Qwen3_5Config(text_config=TEXT, vision_config=VISION).to_dict()))
+
+    def new():
+        return nn.ModuleList(ckpt.load_models(CPU, BF16, text=True, vision=True, dummy=True, seed=SEED))
+
+    def old():
+        return nn.ModuleList([_old(lambda: Qwen3_5ForCausalLM(ckpt.config())),
+                              _old(lambda: Qwen3_5VisionModel(ckpt.vision_config()), seed=SEED + 1)])
+
+    return new, old
+
+
+def nemotron_h(folder: Path):
+    from transformers import NemotronHConfig
+
+    from mstar.model.nemotron_h import NemotronHForCausalLM
+    from mstar.model.nemotron_h.checkpoint import NemotronHCheckpoint
+    from tests.model.test_nemotron_h_parity import PATTERN, TINY
+
+    config = NemotronHConfig(hybrid_override_pattern=PATTERN, **TINY).to_dict()
+    ckpt = NemotronHCheckpoint.locate(_write(folder, config))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: NemotronHForCausalLM(ckpt.config()))
+
+    return new, old
+
+
+def llama(folder: Path):
+    from transformers import LlamaConfig
+
+    from mstar.model.llama import LlamaForCausalLM
+    from mstar.model.llama.checkpoint import LlamaCheckpoint
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_parameters=rope,
+                         max_position_embeddings=512).to_dict()
+    ckpt = LlamaCheckpoint.locate(_write(folder, config))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: LlamaForCausalLM(ckpt.config()))
+
+    return new, old
+
+
+def bagel(folder: Path):
+    from types import SimpleNamespace
+
+    from mstar.model.bagel import vae as bagel_vae
+    from mstar.model.bagel.checkpoint import BagelCheckpoint
+    from mstar.model.bagel.generation import LatentProjections
+    from mstar.model.bagel.image_engine import load_generation_side
+    from mstar.model.bagel.llm import BagelLanguageModel
+    from mstar.model.bagel.vision import BagelVision
+    from mstar.model.z_image.vae import ZImageVAE
+    from tests.support.bagel_reference import BAGEL, LLM, VIT
+
+    write = {"llm_config.json": dict(LLM, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+             "vit_config.json": dict(VIT, num_hidden_layers=VIT["num_hidden_layers"] + 1,
+                                     model_type="siglip_vision_model"),  # one more, as released
+             "config.json": {k: BAGEL[k] for k in ("vit_max_num_patch_per_side", "latent_patch_size",
+                                                  "max_latent_size")}}
+    for name, config in write.items():
+        (folder / name).write_text(json.dumps(config))
+    ckpt = BagelCheckpoint.locate(str(folder))
+    config = ckpt.config()
+    # no ae.safetensors: a dummy build takes FLUX.1's VAE; a small one of its shape family here
+    vae_config = bagel_vae.flux1_vae_config(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)
+
+    def new():
+        llm, tower = ckpt.load_models(CPU, BF16, llm=True, vision=True, dummy=True, seed=SEED)
+        small = pytest.MonkeyPatch()
+        small.setattr(bagel_vae, "flux1_vae_config", lambda: vae_config)
+        try:
+            proj, vae = load_generation_side(SimpleNamespace(path=folder), config, CPU, BF16, dummy=True,
+                                             seed=SEED + 2)
+        finally:
+            small.undo()
+        return nn.ModuleList([llm, tower, proj, vae])
+
+    def proj():
+        return LatentProjections(config.llm.hidden_size, vae_config.net.latent_channels, config.latent_patch_size,
+                                 config.max_latent_size)
+
+    def old():
+        return nn.ModuleList([_old(lambda: BagelLanguageModel(config.llm)),
+                              _old(lambda: BagelVision(config), seed=SEED + 1),
+                              _old(proj, seed=SEED + 2), _old(lambda: ZImageVAE(vae_config), seed=SEED + 3)])
+
+    return new, old
+
+
+def qwen3_omni(folder: Path):
+    from mstar.model.qwen3_omni.checkpoint import (
+        Qwen3OmniCheckpoint,
+        Qwen3OmniCode2Wav,
+        Qwen3OmniCode2WavConfig,
+        Qwen3OmniTalker,
+        Qwen3OmniThinker,
+    )
+    from tests.support.qwen3_omni import reference_omni
+
+    ckpt = Qwen3OmniCheckpoint.locate(_write(folder, reference_omni().config.to_dict()))
+    hf = ckpt.hf_config()
+
+    def new():
+        return nn.ModuleList([ckpt.thinker(CPU, BF16, dummy=True, seed=SEED),
+                              ckpt.talker(CPU, BF16, dummy=True, seed=SEED + 1),
+                              ckpt.code2wav(CPU, BF16, dummy=True, seed=SEED + 2)])
+
+    def old():
+        return nn.ModuleList([_old(lambda: Qwen3OmniThinker.from_hf_dict(hf)),
+                              _old(lambda: Qwen3OmniTalker.from_hf_dict(hf), seed=SEED + 1),
+                              _old(lambda: Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(hf)),
+                                   seed=SEED + 2)])
+
+    return new, old
+
+
+def qwen3_asr(folder: Path):
+    from mstar.model.qwen3_asr.checkpoint import Qwen3ASRCheckpoint
+    from mstar.model.qwen3_asr.modeling import Qwen3ASRModel
+    from tests.support.qwen3_asr import AUDIO, AUDIO_TOKEN, TEXT
+
+    config = {"architectures": ["Qwen3ASRForConditionalGeneration"], "model_type": "qwen3_asr",
+              "thinker_config": {"audio_config": dict(AUDIO), "text_config": dict(TEXT),
+                                 "audio_token_id": AUDIO_TOKEN}}
+    ckpt = Qwen3ASRCheckpoint.locate(_write(folder, config))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: Qwen3ASRModel(ckpt.config()))
+
+    return new, old
+
+
+def pi05(folder: Path):
+    from mstar.model.pi05.checkpoint import Pi05Checkpoint
+    from mstar.model.pi05.modeling import Pi05Policy
+    from tests.support.pi05 import tiny_lerobot_config
+
+    ckpt = Pi05Checkpoint.locate(_write(folder, tiny_lerobot_config()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: Pi05Policy(ckpt.config()))
+
+    return new, old
+
+
+def whisper(folder: Path):
+    from transformers import WhisperConfig
+
+    from mstar.model.whisper.checkpoint import WhisperCheckpoint
+    from mstar.model.whisper.modeling import WhisperForConditionalGeneration
+
+    config = WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=32, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, max_source_positions=1500, max_target_positions=448)
+    ckpt = WhisperCheckpoint.locate(_write(folder, config.to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: WhisperForConditionalGeneration(ckpt.config()))
+
+    return new, old
+
+
+def qwen3_tts(folder: Path):
+    from mstar.model.qwen3_tts.checkpoint import (
+        DUMMY_CODEC_STD,
+        Qwen3TTSCheckpoint,
+        Qwen3TTSCodec,
+        Qwen3TTSCodecEncoder,
+        Qwen3TTSSpeakerEncoder,
+        Qwen3TTSTalker,
+    )
+    from tests.support.qwen3_tts_dir import write_checkpoint
+
+    ckpt = Qwen3TTSCheckpoint.locate(str(write_checkpoint(folder, variant="base")), dummy=True)
+
+    def new():
+        return nn.ModuleList([ckpt.talker(CPU, BF16, dummy=True, seed=SEED),
+                              ckpt.speaker_encoder(CPU, BF16, dummy=True, seed=SEED + 1),
+                              ckpt.codec(CPU, BF16, dummy=True, seed=SEED + 2),
+                              ckpt.codec_encoder(CPU, BF16, dummy=True, seed=SEED + 3)])
+
+    @torch.no_grad()
+    def old():  # the codec's and its encoder's dummy draws, as the checkpoint makes them
+        codec = _old(lambda: Qwen3TTSCodec(ckpt.codec_config()), seed=SEED + 2)
+        init_dummy_weights(codec, seed=SEED + 2, std=DUMMY_CODEC_STD)
+        for name, p in codec.named_parameters():
+            if name.endswith("cluster_usage"):
+                p.fill_(1.0)
+        encoder = _old(lambda: Qwen3TTSCodecEncoder(ckpt.codec_encoder_config()), seed=SEED + 3)
+        init_dummy_weights(encoder, seed=SEED + 3, std=DUMMY_CODEC_STD)
+        gen = torch.Generator().manual_seed(SEED + 3)
+        for name, buf in encoder.named_buffers():
+            if name.endswith("embed_sum"):
+                buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+        return nn.ModuleList([_old(lambda: Qwen3TTSTalker(ckpt.config().talker)),
+                              _old(lambda: Qwen3TTSSpeakerEncoder(ckpt.config().speaker_encoder), seed=SEED + 1),
+                              codec, encoder])
+
+    return new, old
+
+
+def higgs_audio(folder: Path):
+    from mstar.model.higgs_audio.checkpoint import HiggsAudioCheckpoint, HiggsAudioModel
+    from tests.support.higgs_audio import release_config
+
+    ckpt = HiggsAudioCheckpoint.locate(_write(folder, release_config()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: HiggsAudioModel(ckpt.config()))
+
+    return new, old
+
+
+def canary_qwen(folder: Path):
+    from mstar.model.canary_qwen.checkpoint import CanaryQwenCheckpoint, CanaryQwenModel
+    from tests.support.fastconformer import canary_qwen_nemo_config, qwen_config
+
+    (folder / "llm").mkdir()
+    (folder / "llm" / "config.json").write_text(qwen_config().to_json_string())  # the LLM's files beside it
+    ckpt = CanaryQwenCheckpoint.locate(_write(folder, canary_qwen_nemo_config()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: CanaryQwenModel(ckpt.config()))
+
+    return new, old
+
+
+def fish_s2_pro(folder: Path):
+    from mstar.model.fish_s2_pro.checkpoint import DualAR, FishS2ProCheckpoint
+    from tests.support.fish_s2_pro import write_release
+
+    ckpt = FishS2ProCheckpoint.locate(str(write_release(folder)))
+
+    def new():
+        return ckpt.dual_ar(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: DualAR(ckpt.config()))
+
+    return new, old
+
+
+def fastconformer(folder: Path):
+    from transformers import ParakeetTDTConfig
+
+    from mstar.model.fastconformer.checkpoint import TransducerCheckpoint, TransducerModel
+    from tests.support.fastconformer import BLANK, ENCODER, VOCAB
+
+    config = ParakeetTDTConfig(encoder_config=ENCODER, vocab_size=VOCAB, blank_token_id=BLANK, pad_token_id=2,
+                               decoder_hidden_size=24, num_decoder_layers=2, durations=[0, 1, 2, 3, 4])
+    ckpt = TransducerCheckpoint.locate(_write(folder, config.to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: TransducerModel(ckpt.config()))
+
+    return new, old
+
+
+def canary(folder: Path):
+    from transformers import CanaryConfig
+
+    from mstar.model.canary.checkpoint import CanaryCheckpoint, CanaryForConditionalGeneration
+    from tests.support.fastconformer import CANARY_VOCAB, ENCODER
+
+    decoder = dict(vocab_size=CANARY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128)
+    config = CanaryConfig(encoder_config=dict(ENCODER, scale_input=False), decoder_config=decoder,
+                          vocab_size=CANARY_VOCAB)
+    ckpt = CanaryCheckpoint.locate(_write(folder, config.to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        return _old(lambda: CanaryForConditionalGeneration(ckpt.config()))
+
+    return new, old
+
+
+def omniasr(folder: Path):
+    from mstar.model.omniasr.checkpoint import OmniAsrCheckpoint, OmniAsrCtc
+    from tests.model.omniasr.test_omniasr_checkpoint import TINY
+
+    ckpt = OmniAsrCheckpoint.locate("300m", None)
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED, config=TINY)
+
+    def old():
+        return _old(lambda: OmniAsrCtc(TINY))
+
+    return new, old
+
+
+def vjepa2(folder: Path):
+    from transformers import VJEPA2Config
+
+    from mstar.model.vjepa2.checkpoint import VJEPA2Checkpoint, VJEPA2Model
+    from tests.model.test_vjepa2_parity import HF_TINY
+
+    ckpt = VJEPA2Checkpoint.locate(_write(folder, VJEPA2Config(**HF_TINY).to_dict()))
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():
+        config = ckpt.config()
+        return _old(lambda: VJEPA2Model(config.encoder, config.predictor))
+
+    return new, old
+
+
+def waypoint(folder: Path):
+    import yaml
+
+    from mstar.model.waypoint.checkpoint import TAEHV, WaypointCheckpoint, WorldDiT
+    from tests.support.waypoint import TINY_DIT, TINY_TAEHV
+
+    (folder / "config.yaml").write_text(yaml.safe_dump({**TINY_DIT, "ae_uri": "ae"}))
+    (folder / "ae").mkdir()
+    _write(folder / "ae", TINY_TAEHV)
+    ckpt = WaypointCheckpoint.locate(str(folder))
+
+    def new():
+        return nn.ModuleList([ckpt.load_dit(CPU, BF16, dummy=True, seed=SEED),
+                              ckpt.load_taehv(CPU, BF16, dummy=True, seed=SEED + 1)])
+
+    def old():
+        dit = _old(lambda: WorldDiT(ckpt.config()))
+        dit.denoise_step_emb.float()  # float32 in any deployment: cast back after the fill
+        return nn.ModuleList([dit, _old(lambda: TAEHV(ckpt.ae_config()), seed=SEED + 1)])
+
+    return new, old
+
+
+FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
+                                    pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
+                                    canary, omniasr, vjepa2, waypoint)}
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+class Registrations:
+    """Every parameter registered while entered, as ``(module, name, dtype)``."""
+
+    def __enter__(self):
+        self.params: list[tuple[nn.Module, str, torch.dtype]] = []
+        self.buffers: list[tuple[nn.Module, str, torch.dtype]] = []
+        self.handles = [
+            register_module_parameter_registration_hook(
+                lambda m, n, p: self.params.append((m, n, p.dtype)) if p is not None else None),
+            register_module_buffer_registration_hook(
+                lambda m, n, b: self.buffers.append((m, n, b.dtype)) if b is not None else None)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer (persistent or not) and plain tensor attribute, by qualified name."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        head = prefix + "." if prefix else ""
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not name.startswith("__"):
+                out[head + name] = value
+        for name, value in module._parameters.items():
+            if value is not None:
+                out[head + name] = value
+        for name, value in module._buffers.items():
+            if value is not None:
+                out[head + name] = value
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_build_is_bitwise_the_old_one_and_never_float32(family: str, tmp_path: Path) -> None:
+    new, old = FAMILIES[family](tmp_path)
+    before = torch.get_default_dtype()
+    with Registrations() as seen:
+        built = new()
+    assert torch.get_default_dtype() == before == torch.float32
+    want = old()
+    got, ref = tensors_of(built), tensors_of(want)
+    assert sorted(got) == sorted(ref)
+    assert any(p.dtype == BF16 for p in built.parameters())
+    for name, value in ref.items():
+        assert got[name].dtype == value.dtype, (name, got[name].dtype, value.dtype)
+        assert got[name].shape == value.shape, name
+        assert got[name].device == value.device, name
+        assert torch.equal(got[name], value), name
+    # the hooks saw every parameter made; a float32 one only where the old build kept float32
+    names = {id(m): prefix for prefix, m in built.named_modules(remove_duplicate=False)}
+
+    def made(kind: list[tuple[nn.Module, str, torch.dtype]]) -> set[str]:
+        return {".".join(filter(None, (names[id(m)], n))) for m, n, d in kind
+                if d == torch.float32 and id(m) in names}
+
+    assert len(seen.params) >= len(list(built.parameters())) > 0
+    kept = {name for name, p in want.named_parameters() if p.dtype == torch.float32}
+    assert made(seen.params) <= kept, sorted(made(seen.params) - kept)
+    kept = {name for name, b in want.named_buffers() if b.dtype == torch.float32}
+    assert made(seen.buffers) <= kept, sorted(made(seen.buffers) - kept)
