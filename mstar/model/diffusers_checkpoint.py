@@ -16,7 +16,7 @@ from torch import nn
 
 from mstar.config import DeploymentConfig
 
-# load(module, folder, seed offset, **load_weights options) -> the module, loaded
+# load(make, folder, seed offset, **load_weights options) -> the module ``make()`` builds, loaded
 Loader = Callable[..., nn.Module]
 
 
@@ -33,29 +33,38 @@ class DiffusersCheckpoint:
     def read_json(self, *parts: str) -> dict[str, Any]:
         return json.loads(self.root.joinpath(*parts).read_text())
 
-    def load(self, module: nn.Module, folder: str, *, device: torch.device, dtype: torch.dtype, dummy: bool,
-             seed: int, fp32: Collection[str] = (), **load) -> nn.Module:
-        """``module`` on ``device`` in ``dtype`` with the weights of component ``folder``
-        (coverage checked both ways; ``load``: ``load_weights``' options), or seeded random
-        weights when ``dummy``; in eval mode. ``fp32``: parameters with one of these names among
-        the parts of their dotted name stay in float32 whatever ``dtype`` (diffusers'
-        ``_keep_in_fp32_modules``), filled from the checkpoint without a round trip through ``dtype``."""
-        from mstar.model.weights import fill_weights, iter_safetensors
+    def load(self, make: Callable[[], nn.Module], folder: str, *, device: torch.device, dtype: torch.dtype,
+             dummy: bool, seed: int, fp32: Collection[str] = (), **load) -> nn.Module:
+        """The module ``make()`` builds, made on ``device`` in ``dtype`` at once (``building``: no
+        float32 copy first), with the weights of component ``folder`` (coverage checked both
+        ways; ``load``: ``load_weights``' options), or seeded random weights when ``dummy``; in
+        eval mode. A module that names its own checkpoint keys (``checkpoint_name_map``, the
+        text encoders) is read through it unless ``name_map`` is given. ``fp32``: parameters
+        with one of these names among the parts of their dotted name are float32 whatever
+        ``dtype`` (diffusers' ``_keep_in_fp32_modules``), filled from the checkpoint without a
+        round trip through ``dtype``."""
+        from mstar.model.weights import building, fill_weights, iter_safetensors
 
-        module = module.to(device=device, dtype=dtype)
+        if isinstance(make, nn.Module):  # a module is callable too: name the mistake, not its forward's
+            raise TypeError(f"load({folder!r}): give a factory (lambda: {type(make).__name__}(...)), not a "
+                            "module built already, so it is made in the deployment's dtype")
+        with building(device, dtype):
+            module = make()
         keep = set(fp32)
         for name, param in module.named_parameters():
             if not keep.isdisjoint(name.split(".")):
                 param.data = param.data.float()
+        if "name_map" not in load and hasattr(module, "checkpoint_name_map"):
+            load["name_map"] = module.checkpoint_name_map
         return fill_weights(module, lambda: iter_safetensors(self.root / folder), dummy=dummy, seed=seed,
                             dtype=None if fp32 else dtype, **load)
 
     def loader(self, config: DeploymentConfig, seed: int, device: torch.device) -> Loader:
-        """``load(module, folder, offset, **options)`` for the deployment: its dtype, dummy or real
+        """``load(make, folder, offset, **options)`` for the deployment: its dtype, dummy or real
         weights, component seeds ``seed + offset`` (each component draws its own dummy weights)."""
 
-        def load(module: nn.Module, folder: str, offset: int, **options) -> nn.Module:
-            return self.load(module, folder, device=device, dtype=config.torch_dtype(),
+        def load(make: Callable[[], nn.Module], folder: str, offset: int, **options) -> nn.Module:
+            return self.load(make, folder, device=device, dtype=config.torch_dtype(),
                              dummy=config.load_format == "dummy", seed=seed + offset, **options)
 
         return load

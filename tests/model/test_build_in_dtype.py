@@ -12,7 +12,13 @@ A table a constructor computes in the default dtype (a linspace, an arange over 
 out different in a bf16 build; a float32 table a module registers as a buffer stays float32
 where the old cast made it bf16. Both fail here (checked: ``rope_inv_freq`` computed in the
 default dtype fails Command A+ and Llama; BAGEL's, Qwen3-Omni's, Qwen3-ASR's, Canary's and
-Waypoint's tables failed before their constructors cast them)."""
+Waypoint's tables failed before their constructors cast them).
+
+The diffusers-layout families (Wan2.2, Cosmos3, FLUX.2, Z-Image, LTX-2.5, LingBot-World) build
+each component through ``DiffusersCheckpoint.load`` from a factory; their old path is that
+loader's former body (float32 on the CPU, ``.to(device, dtype)``, the ``fp32`` names cast back,
+then drawn), a float32 VAE built in float32. Wan's float32 rotary buffers (kept float32 where
+the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from mstar.model.diffusers_checkpoint import DiffusersCheckpoint
 from mstar.model.weights import init_dummy_weights
 
 CPU, BF16, SEED = torch.device("cpu"), torch.bfloat16, 5
@@ -458,9 +465,199 @@ def waypoint(folder: Path):
     return new, old
 
 
+# the diffusers-layout families: each component built by DiffusersCheckpoint.load from a factory
+
+
+def _components(folder: Path, configs: dict[str, dict]) -> Path:
+    """A diffusers-layout folder: one ``<component>/config.json`` each (dummy weights)."""
+    for name, config in configs.items():
+        (folder / name).mkdir(parents=True)
+        _write(folder / name, config)
+    return folder
+
+
+def _old_diffusers(make: Callable[[], nn.Module], seed: int, fp32: tuple[str, ...] = (),
+                   dtype: torch.dtype = BF16) -> nn.Module:
+    """The old ``DiffusersCheckpoint.load``: float32 on the CPU, ``.to(device, dtype)``, the
+    ``fp32`` names cast back, then the seeded draw."""
+    with torch.device(CPU):
+        model = make()
+    model = model.to(device=CPU, dtype=dtype)
+    for name, param in model.named_parameters():
+        if set(fp32) & set(name.split(".")):
+            param.data = param.data.float()
+    init_dummy_weights(model, seed=seed)
+    return model.eval()
+
+
+def _load(ckpt, make, folder: str, offset: int, *, dtype: torch.dtype = BF16, **options) -> nn.Module:
+    return ckpt.load(make, folder, device=CPU, dtype=dtype, dummy=True, seed=SEED + offset, **options)
+
+
+def wan22(folder: Path):
+    from mstar.model.wan22.checkpoint import WanCheckpoint
+    from mstar.model.wan22.engine import FP32_PARAMETERS
+    from mstar.model.wan22.text import WanText
+    from mstar.model.wan22.transformer import WanTransformer
+    from mstar.model.wan22.umt5 import UMT5Encoder
+    from mstar.model.wan22.vae import WanVAE
+    from tests.model.wan22.conftest import DIT, UMT5, VAE
+
+    ckpt = WanCheckpoint(_components(folder, {"transformer": DIT, "vae": VAE,
+                                              "text_encoder": dict(UMT5, vocab_size=64)}))
+
+    def new():  # the VAE at its default vae_dtype, float32
+        return nn.ModuleList([
+            _load(ckpt, lambda: WanTransformer(ckpt.transformer_config()), "transformer", 2, fp32=FP32_PARAMETERS),
+            _load(ckpt, lambda: WanVAE(ckpt.vae_config()), "vae", 3, dtype=torch.float32),
+            _load(ckpt, WanText(None, ckpt.text_config()).build_encoder, "text_encoder", 1)])
+
+    def old():
+        return nn.ModuleList([
+            _old_diffusers(lambda: WanTransformer(ckpt.transformer_config()), SEED + 2, FP32_PARAMETERS),
+            _old_diffusers(lambda: WanVAE(ckpt.vae_config()), SEED + 3, dtype=torch.float32),
+            _old_diffusers(lambda: UMT5Encoder(ckpt.text_config()), SEED + 1)])
+
+    return new, old
+
+
+def cosmos3(folder: Path):
+    from transformers import Cosmos3EdgeConfig
+
+    from mstar.model.cosmos3.checkpoint import Cosmos3Checkpoint
+    from mstar.model.cosmos3.engine import FP32_PARAMETERS
+    from mstar.model.cosmos3.reasoner import Cosmos3Vision
+    from mstar.model.cosmos3.sound_tokenizer import Cosmos3SoundTokenizer
+    from mstar.model.cosmos3.transformer import Cosmos3Transformer
+    from mstar.model.wan22.vae import WanVAE
+    from tests.model.cosmos3.conftest import TOWER, VAE
+    from tests.model.cosmos3.test_cosmos3_reasoner import REASONER, TEXT, VISION
+    from tests.support.cosmos3_sound import SOUND
+
+    reasoner = Cosmos3EdgeConfig(text_config=TEXT, vision_config=VISION, **REASONER).to_dict()
+    ckpt = Cosmos3Checkpoint(_components(folder, {"transformer": TOWER, "vae": VAE, "reasoner": reasoner,
+                                                  "sound_tokenizer": SOUND}))
+    hidden = TOWER["hidden_size"]
+
+    def new():  # the VAE at its default vae_dtype and the sound tokenizer float32, as served
+        return nn.ModuleList([
+            _load(ckpt, lambda: Cosmos3Transformer(ckpt.transformer_config()), "transformer", 0,
+                  fp32=FP32_PARAMETERS),
+            _load(ckpt, lambda: WanVAE(ckpt.vae_config()), "vae", 1, dtype=torch.float32),
+            Cosmos3Vision.load(folder, hidden, device=CPU, dtype=BF16, dummy=True, seed=SEED + 2),
+            ckpt.load_sound_tokenizer(device=CPU, dtype=torch.float32, dummy=True, seed=SEED + 3)])
+
+    def old():
+        return nn.ModuleList([
+            _old_diffusers(lambda: Cosmos3Transformer(ckpt.transformer_config()), SEED, FP32_PARAMETERS),
+            _old_diffusers(lambda: WanVAE(ckpt.vae_config()), SEED + 1, dtype=torch.float32),
+            _old_diffusers(lambda: Cosmos3Vision(Cosmos3Vision.read_config(folder, hidden)), SEED + 2),
+            _old_diffusers(lambda: Cosmos3SoundTokenizer(ckpt.sound_tokenizer_config(), encoder=False), SEED + 3,
+                           dtype=torch.float32)])
+
+    return new, old
+
+
+def flux2(folder: Path):
+    from mstar.model.flux2.checkpoint import Flux2Checkpoint
+    from mstar.model.flux2.text import KleinText
+    from mstar.model.flux2.transformer import Flux2Transformer
+    from mstar.model.flux2.vae import Flux2VAE
+    from mstar.model.qwen3 import Qwen3Config
+    from mstar.model.qwen3.encoder import Qwen3TextEncoder
+    from tests.model.test_flux2_parity import TINY as DIT
+    from tests.model.test_flux2_vae_parity import TINY as VAE
+    from tests.model.z_image.conftest import QWEN
+
+    ckpt = Flux2Checkpoint(_components(folder, {"transformer": DIT, "vae": VAE}))
+    text = KleinText(None, Qwen3Config.from_hf_dict(dict(QWEN, vocab_size=64)), tap_layers=(1, 2, 3))
+
+    def new():
+        return nn.ModuleList([_load(ckpt, lambda: Flux2Transformer(ckpt.transformer_config()), "transformer", 2),
+                              _load(ckpt, lambda: Flux2VAE(ckpt.vae_config()), "vae", 3),
+                              _load(ckpt, text.build_encoder, "text_encoder", 1)])
+
+    def old():
+        return nn.ModuleList([
+            _old_diffusers(lambda: Flux2Transformer(ckpt.transformer_config()), SEED + 2),
+            _old_diffusers(lambda: Flux2VAE(ckpt.vae_config()), SEED + 3),
+            _old_diffusers(lambda: Qwen3TextEncoder(text.config, tap_layers=(1, 2, 3)), SEED + 1)])
+
+    return new, old
+
+
+def z_image(folder: Path):
+    from mstar.model.z_image.checkpoint import ZImageCheckpoint
+    from mstar.model.z_image.transformer import ZImageTransformer
+    from mstar.model.z_image.vae import ZImageVAE
+    from tests.model.z_image.conftest import DIT, VAE
+
+    ckpt = ZImageCheckpoint(_components(folder, {"transformer": DIT, "vae": VAE}))
+
+    def new():
+        return nn.ModuleList([_load(ckpt, lambda: ZImageTransformer(ckpt.transformer_config()), "transformer", 2),
+                              _load(ckpt, lambda: ZImageVAE(ckpt.vae_config()), "vae", 3)])
+
+    def old():
+        return nn.ModuleList([_old_diffusers(lambda: ZImageTransformer(ckpt.transformer_config()), SEED + 2),
+                              _old_diffusers(lambda: ZImageVAE(ckpt.vae_config()), SEED + 3)])
+
+    return new, old
+
+
+def lingbot(folder: Path):
+    from mstar.model.lingbot.checkpoint import LingbotCheckpoint, LingbotTransformer
+    from mstar.model.wan22.vae import WanVAE
+    from tests.model.lingbot.test_lingbot_dit import tiny
+    from tests.model.lingbot.test_lingbot_engine import VAE
+
+    vae = dict(VAE, z_dim=16, latents_mean=[0.1] * 16, latents_std=[1.5] * 16)  # the Wan2.1 VAE's z_dim
+    ckpt = LingbotCheckpoint(folder, DiffusersCheckpoint(_components(folder / "assets", {"vae": vae})))
+    config = tiny()
+
+    def new():  # the VAE float32 in any deployment
+        return nn.ModuleList([ckpt.load_dit(config, device=CPU, dtype=BF16, dummy=True, seed=SEED),
+                              _load(ckpt.assets, lambda: WanVAE(ckpt.vae_config()), "vae", 1, dtype=torch.float32)])
+
+    def old():
+        return nn.ModuleList([
+            _old_diffusers(lambda: LingbotTransformer(config), SEED, ("time_embedder", "scale_shift_table")),
+            _old_diffusers(lambda: WanVAE(ckpt.vae_config()), SEED + 1, dtype=torch.float32)])
+
+    return new, old
+
+
+def ltx2_5(folder: Path):
+    from transformers import Gemma4UnifiedTextConfig
+
+    from mstar.model.ltx2_5.checkpoint import LtxCheckpoint
+    from mstar.model.ltx2_5.engine import SEEDS, build_component
+    from tests.model.ltx2_5.conftest import CONNECTORS, DIT, GEMMA
+    from tests.support.ltx2_5_tiny import AUDIO_VAE, VAE, VOCODER
+
+    text = {"model_type": "gemma4_unified", "text_config": Gemma4UnifiedTextConfig(**GEMMA).to_dict()}
+    ckpt = LtxCheckpoint(_components(folder, {
+        "text_encoder": text, "connectors": CONNECTORS, "transformer": DIT, "vae": VAE, "audio_vae": AUDIO_VAE,
+        "vocoder": {"_class_name": "LTX2VocoderWithBWE", **VOCODER}}))
+
+    def new():
+        return nn.ModuleList([build_component(ckpt, name, lambda make, folder, offset, **options:
+                                              _load(ckpt, make, folder, offset,
+                                                    **options))
+                              for name in sorted(SEEDS)])
+
+    def old():
+        return nn.ModuleList([build_component(ckpt, name, lambda make, folder, offset, **options:
+                                              _old_diffusers(make, SEED + offset))
+                              for name in sorted(SEEDS)])
+
+    return new, old
+
+
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
                                     pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint)}
+                                    canary, omniasr, vjepa2, waypoint, wan22, cosmos3, flux2, z_image, lingbot,
+                                    ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check

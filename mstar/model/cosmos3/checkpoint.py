@@ -67,9 +67,11 @@ class Cosmos3Checkpoint(DiffusersCheckpoint):
         ways), or seeded random ones when ``dummy``. ``encoder``: build and load the encoder too
         (serving only decodes, so by default its ``encoder.*`` tensors are left unread)."""
         from mstar.model.vocoder.weight_norm import fold_weight_norm
-        from mstar.model.weights import fill_weights, iter_safetensors
+        from mstar.model.weights import building, fill_weights, iter_safetensors
 
-        module = Cosmos3SoundTokenizer(self.sound_tokenizer_config(), encoder=encoder).to(device=device, dtype=dtype)
+        config = self.sound_tokenizer_config()
+        with building(device, dtype):
+            module = Cosmos3SoundTokenizer(config, encoder=encoder)
 
         def tensors():
             state = {k: v for k, v in iter_safetensors(self.root / "sound_tokenizer")

@@ -34,7 +34,7 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
     dummy = config.load_format == "dummy"
     if {"dit", "llm"} & nodes:  # one tower for both: the reasoner reads its understanding expert
         load = ckpt.loader(config, knobs.seed, device)
-        tower = load(Cosmos3Transformer(ckpt.transformer_config()), "transformer", 0, fp32=FP32_PARAMETERS)
+        tower = load(lambda: Cosmos3Transformer(ckpt.transformer_config()), "transformer", 0, fp32=FP32_PARAMETERS)
     if "dit" in nodes:
         engines["dit"] = Cosmos3DenoiseEngine(tower, ckpt.schedule(), device, knobs.max_gen_batch_size)
     if {"llm", "vision"} & nodes:
@@ -44,7 +44,8 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
                                         device, knobs.reasoner_attention_backend))
     if "vae" in nodes:
         dtype = getattr(torch, knobs.vae_dtype)
-        vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy, seed=knobs.seed + 1)
+        vae = ckpt.load(lambda: WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy,
+                        seed=knobs.seed + 1)
         engines["vae"] = vae_engine(vae, knobs, device, dtype)
     if "sound" in nodes and ckpt.has_sound():  # without it no request takes a sound walk
         tokenizer = ckpt.load_sound_tokenizer(device=device, dtype=torch.float32, dummy=dummy, seed=knobs.seed + 2)

@@ -187,9 +187,11 @@ class Cosmos3Vision(nn.Module):
     def load(cls, root: Path, text_hidden_size: int, *, device, dtype, dummy: bool, seed: int) -> Cosmos3Vision:
         """The vision tower and projector from ``root/reasoner`` (``visual.*``, ``projector.*``;
         coverage checked both ways), or seeded random weights when ``dummy``."""
-        from mstar.model.weights import fill_weights, iter_safetensors
+        from mstar.model.weights import building, fill_weights, iter_safetensors
 
-        module = cls(cls.read_config(root, text_hidden_size)).to(device=device, dtype=dtype)
+        config = cls.read_config(root, text_hidden_size)
+        with building(device, dtype):
+            module = cls(config)
         return fill_weights(module, lambda: iter_safetensors(Path(root) / "reasoner"), dummy=dummy, seed=seed,
                             dtype=dtype)
 

@@ -32,10 +32,10 @@ def flux2_engines(ckpt: Flux2Checkpoint, knobs: Flux2Knobs, config: DeploymentCo
     if "text_encoder" in nodes:
         engines["text_encoder"] = text_encoder_engine(ckpt.text(), load, knobs.cuda_graphs)
     if "dit" in nodes:
-        dit = load(Flux2Transformer(ckpt.transformer_config()), "transformer", 2)
+        dit = load(lambda: Flux2Transformer(ckpt.transformer_config()), "transformer", 2)
         engines["dit"] = dit_engine(dit, knobs, device, dtype)
     if "vae" in nodes:
-        engines["vae"] = vae_engine(load(Flux2VAE(ckpt.vae_config()), "vae", 3), knobs, device, dtype)
+        engines["vae"] = vae_engine(load(lambda: Flux2VAE(ckpt.vae_config()), "vae", 3), knobs, device, dtype)
     return engines
 
 

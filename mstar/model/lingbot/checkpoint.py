@@ -117,9 +117,10 @@ class LingbotCheckpoint:
                  seed: int) -> LingbotTransformer:
         """The DiT in ``dtype`` on ``device``, from the release's tensors (coverage both ways) or
         seeded dummy weights; the time MLP and the modulation tables stay float32."""
-        from mstar.model.weights import fill_weights, iter_safetensors
+        from mstar.model.weights import building, fill_weights, iter_safetensors
 
-        dit = LingbotTransformer(config).to(device=device, dtype=dtype)
+        with building(device, dtype):
+            dit = LingbotTransformer(config)
         for name, param in dit.named_parameters():
             if {"time_embedder", "scale_shift_table"} & set(name.split(".")):
                 param.data = param.data.float()

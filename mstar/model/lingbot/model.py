@@ -198,7 +198,7 @@ class LingbotWorld(ModelSpec):
             dtype = self.config.torch_dtype()
             dit = ckpt.load_dit(self.model_config(ckpt), device=device, dtype=dtype, dummy=dummy,
                                 seed=self.knobs.seed + 2)
-            vae = ckpt.assets.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=torch.float32,
+            vae = ckpt.assets.load(lambda: WanVAE(ckpt.vae_config()), "vae", device=device, dtype=torch.float32,
                                    dummy=dummy, seed=self.knobs.seed + 3)
             engines["world"] = WorldEngine(dit, vae, device)
         return engines

@@ -35,16 +35,16 @@ SEEDS = {"text_encoder": 1, "connectors": 2, "transformer": 3, "vae": 4, "audio_
 
 def build_component(ckpt: LtxCheckpoint, folder: str, load: Loader) -> torch.nn.Module:
     """Component ``folder`` built from its config and loaded (or dummy) by ``load``."""
-    module = {
+    make = {
         "text_encoder": lambda: GemmaTextModel(ckpt.text_config()),
         "connectors": lambda: LtxTextConnectors(ckpt.connectors_config()),
         "transformer": lambda: LtxTransformer(ckpt.transformer_config()),
         "vae": lambda: LtxVideoVae(ckpt.vae_config()),
         "audio_vae": lambda: LtxAudioVae(ckpt.audio_vae_config()),
         "vocoder": lambda: build_vocoder(ckpt.vocoder_config()),
-    }[folder]()
+    }[folder]
     options = {"name_map": NAME_MAPS[folder]} if folder in NAME_MAPS else {}
-    return load(module, folder, SEEDS[folder], **options)
+    return load(make, folder, SEEDS[folder], **options)
 
 
 class LtxDenoiseEngine(Engine):

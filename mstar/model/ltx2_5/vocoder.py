@@ -27,7 +27,7 @@ from torch import nn
 def kaiser_lowpass(cutoff: float, half_width: float, size: int) -> torch.Tensor:
     """A ``size``-tap low-pass FIR (cutoff as a fraction of the sampling rate, transition band
     ``half_width``): a sinc under a Kaiser window whose beta follows Kaiser's attenuation rule,
-    normalised to unit DC gain."""
+    normalised to unit DC gain; computed in float32 whatever the default dtype."""
     half = size // 2
     attenuation = 2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95
     if attenuation > 50.0:
@@ -36,8 +36,11 @@ def kaiser_lowpass(cutoff: float, half_width: float, size: int) -> torch.Tensor:
         beta = 0.5842 * (attenuation - 21) ** 0.4 + 0.07886 * (attenuation - 21.0)
     else:
         beta = 0.0
-    window = torch.kaiser_window(size, beta=beta, periodic=False)
-    taps = torch.arange(-half, half) + 0.5 if size % 2 == 0 else torch.arange(size) - half
+    window = torch.kaiser_window(size, beta=beta, periodic=False, dtype=torch.float32)
+    if size % 2 == 0:
+        taps = torch.arange(-half, half, dtype=torch.float32) + 0.5
+    else:
+        taps = torch.arange(size, dtype=torch.float32) - half
     if cutoff == 0.0:
         return torch.zeros_like(taps)
     arg = 2 * cutoff * taps
@@ -52,7 +55,8 @@ class Downsample1d(nn.Module):
     def __init__(self, ratio: int, size: int) -> None:
         super().__init__()
         self.ratio, self.pad = ratio, (size // 2 + size % 2 - 1, size // 2)
-        self.register_buffer("filter", kaiser_lowpass(0.5 / ratio, 0.6 / ratio, size).view(1, 1, size))
+        fir = kaiser_lowpass(0.5 / ratio, 0.6 / ratio, size).to(torch.get_default_dtype())  # as a cast gave
+        self.register_buffer("filter", fir.view(1, 1, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, self.pad, mode="replicate")
@@ -71,14 +75,15 @@ class Upsample1d(nn.Module):
             width = math.ceil(zeros / rolloff)
             size = 2 * width * ratio + 1
             self.pad, self.crop = width, (2 * width * ratio, size - ratio)
-            t = (torch.arange(size) / ratio - width) * rolloff
+            t = (torch.arange(size, dtype=torch.float32) / ratio - width) * rolloff
             taper = torch.cos(t.clamp(-zeros, zeros) * math.pi / zeros / 2) ** 2
             fir = torch.sinc(t) * taper * rolloff / ratio
         else:
             self.pad = size // ratio - 1
             self.crop = (self.pad * ratio + (size - ratio) // 2, self.pad * ratio + (size - ratio + 1) // 2)
             fir = kaiser_lowpass(0.5 / ratio, 0.6 / ratio, size)
-        self.register_buffer("filter", fir.view(1, 1, size), persistent=persistent)
+        # computed in float32, then in the model's dtype (as a cast of a float32 build gave)
+        self.register_buffer("filter", fir.view(1, 1, size).to(torch.get_default_dtype()), persistent=persistent)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels = x.shape[1]

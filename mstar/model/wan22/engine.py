@@ -30,11 +30,11 @@ def wan_engines(ckpt: WanCheckpoint, knobs: WanKnobs, config: DeploymentConfig, 
     if "text_encoder" in nodes:
         engines["text_encoder"] = text_encoder_engine(ckpt.text(), load)
     if "dit" in nodes:
-        dit = load(WanTransformer(ckpt.transformer_config()), "transformer", 2, fp32=FP32_PARAMETERS)
+        dit = load(lambda: WanTransformer(ckpt.transformer_config()), "transformer", 2, fp32=FP32_PARAMETERS)
         engines["dit"] = dit_engine(dit, ckpt, knobs, device, dtype)
     if "vae" in nodes:
         vae_dtype = getattr(torch, knobs.vae_dtype)
-        vae = ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=device, dtype=vae_dtype,
+        vae = ckpt.load(lambda: WanVAE(ckpt.vae_config()), "vae", device=device, dtype=vae_dtype,
                         dummy=config.load_format == "dummy", seed=knobs.seed + 3)
         engines["vae"] = vae_engine(vae, knobs, device, vae_dtype)
     return engines

@@ -74,8 +74,10 @@ class WanRope(nn.Module):
         super().__init__()
         self.dims = config.rope_dims
         tables = [rope_tables(d, config.rope_max_seq_len) for d in self.dims]
-        self.register_buffer("cos", torch.cat([c for c, _ in tables], dim=1), persistent=False)
-        self.register_buffer("sin", torch.cat([s for _, s in tables], dim=1), persistent=False)
+        # in the model's dtype (built in bf16: the bf16 tables apply_rope rounds with, as a cast gave)
+        dtype = torch.get_default_dtype()
+        self.register_buffer("cos", torch.cat([c for c, _ in tables], dim=1).to(dtype), persistent=False)
+        self.register_buffer("sin", torch.cat([s for _, s in tables], dim=1).to(dtype), persistent=False)
         self.max_len = config.rope_max_seq_len
 
     def forward(self, grid: tuple[int, int, int], first_frame: int = 0) -> Rope:

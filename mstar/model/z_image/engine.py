@@ -35,10 +35,10 @@ def z_image_engines(ckpt: ZImageCheckpoint, knobs: ZImageKnobs, config: Deployme
     if "text_encoder" in nodes:
         engines["text_encoder"] = text_encoder_engine(ckpt.text(), load)
     if "dit" in nodes:
-        dit = load(ZImageTransformer(ckpt.transformer_config()), "transformer", 2)
+        dit = load(lambda: ZImageTransformer(ckpt.transformer_config()), "transformer", 2)
         engines["dit"] = dit_engine(dit, ckpt, knobs, device, dtype)
     if "vae" in nodes:
-        engines["vae"] = vae_engine(load(ZImageVAE(ckpt.vae_config()), "vae", 3), knobs, device, dtype)
+        engines["vae"] = vae_engine(load(lambda: ZImageVAE(ckpt.vae_config()), "vae", 3), knobs, device, dtype)
     return engines
 
 

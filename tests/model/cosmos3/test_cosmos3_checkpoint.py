@@ -79,9 +79,9 @@ def test_dummy_weights_at_real_shapes_on_meta(tmp_path, config):
                                                                       **config}))
     ckpt = Cosmos3Checkpoint(tmp_path)
     deploy = parse_config({"model": "cosmos3", "model_path": str(tmp_path), "load_format": "dummy"})
+    ours = ckpt.loader(deploy, 0, torch.device("meta"))(lambda: Cosmos3Transformer(ckpt.transformer_config()),
+                                                         "transformer", 0, fp32=FP32_PARAMETERS)
     with torch.device("meta"):
-        ours = ckpt.loader(deploy, 0, torch.device("meta"))(Cosmos3Transformer(ckpt.transformer_config()),
-                                                             "transformer", 0, fp32=FP32_PARAMETERS)
         theirs = Cosmos3OmniTransformer(**config)
     assert all(p.is_meta for p in ours.parameters())
     assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
@@ -102,7 +102,7 @@ def test_bf16_keeps_the_time_embedder_fp32(checkpoint):
 
     ckpt = Cosmos3Checkpoint(checkpoint.root)
     config = parse_config({"model": "cosmos3", "model_path": str(checkpoint.root), "dtype": "bfloat16"})
-    tower = ckpt.loader(config, 0, torch.device("cpu"))(Cosmos3Transformer(ckpt.transformer_config()),
+    tower = ckpt.loader(config, 0, torch.device("cpu"))(lambda: Cosmos3Transformer(ckpt.transformer_config()),
                                                         "transformer", 0, fp32=FP32_PARAMETERS)
     kept = {name for name, p in tower.named_parameters() if p.dtype == torch.float32}
     assert kept == {name for name, _ in tower.named_parameters() if name.startswith("time_embedder.")}

@@ -66,7 +66,7 @@ def our_vae(checkpoint):
     from mstar.model.wan22.vae import WanVAE
 
     ckpt = Cosmos3Checkpoint(checkpoint.root)
-    return ckpt.load(WanVAE(ckpt.vae_config()), "vae", device=torch.device("cpu"), dtype=torch.float32,
+    return ckpt.load(lambda: WanVAE(ckpt.vae_config()), "vae", device=torch.device("cpu"), dtype=torch.float32,
                      dummy=False, seed=0)
 
 

@@ -21,8 +21,8 @@ FOLDERS = sorted(SEEDS)
 
 
 def loader(ckpt):
-    def load(module, folder, offset, **options):
-        return ckpt.load(module, folder, device=torch.device("cpu"), dtype=torch.float32, dummy=False, seed=offset,
+    def load(make, folder, offset, **options):
+        return ckpt.load(make, folder, device=torch.device("cpu"), dtype=torch.float32, dummy=False, seed=offset,
                          **options)
     return load
 

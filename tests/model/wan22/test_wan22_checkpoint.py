@@ -104,10 +104,10 @@ def test_dummy_weights_at_real_shapes_on_meta(tmp_path):
     ckpt = WanCheckpoint(tmp_path)
     config = parse_config({"model": "wan22", "model_path": str(tmp_path), "load_format": "dummy"})
     load = ckpt.loader(config, 0, torch.device("meta"))
+    ours = {"transformer": load(lambda: WanTransformer(ckpt.transformer_config()), "transformer", 2),
+            "vae": load(lambda: WanVAE(ckpt.vae_config()), "vae", 3),
+            "text_encoder": load(lambda: UMT5Encoder(ckpt.text_config()), "text_encoder", 1)}
     with torch.device("meta"):
-        ours = {"transformer": load(WanTransformer(ckpt.transformer_config()), "transformer", 2),
-                "vae": load(WanVAE(ckpt.vae_config()), "vae", 3),
-                "text_encoder": load(UMT5Encoder(ckpt.text_config()), "text_encoder", 1)}
         theirs = {"transformer": WanTransformer3DModel.from_config(REAL_DIT),
                   "vae": AutoencoderKLWan.from_config(REAL_VAE),
                   "text_encoder": UMT5EncoderModel(UMT5Config(**REAL_UMT5))}
@@ -128,8 +128,8 @@ def test_bf16_keeps_diffusers_fp32_parameters(checkpoint):
     ckpt = WanCheckpoint(checkpoint.root)
     config = parse_config({"model": "wan22", "model_path": str(checkpoint.root), "dtype": "bfloat16"})
 
-    dit = ckpt.loader(config, 0, torch.device("cpu"))(WanTransformer(ckpt.transformer_config()), "transformer", 2,
-                                                     fp32=FP32_PARAMETERS)
+    dit = ckpt.loader(config, 0, torch.device("cpu"))(lambda: WanTransformer(ckpt.transformer_config()),
+                                                     "transformer", 2, fp32=FP32_PARAMETERS)
     # diffusers' bf16 model as from_pretrained(torch_dtype=bfloat16) builds it (accelerate is not
     # installed here): its _keep_in_fp32_modules' parameters float32, the rest bfloat16
     ref = copy.deepcopy(checkpoint.transformer).to(torch.bfloat16)
@@ -163,8 +163,8 @@ def test_vae_dtype_is_its_own(checkpoint, vae_dtype):
     loaded = {}
 
     class Recording(WanCheckpoint):
-        def load(self, module, folder, **kwargs):
-            module = super().load(module, folder, **kwargs)
+        def load(self, make, folder, **kwargs):
+            module = super().load(make, folder, **kwargs)
             loaded[folder] = {p.dtype for p in module.parameters()}
             return module
 
