@@ -460,22 +460,9 @@ def parse_model_kwargs(raw: str | None) -> dict:
     return value
 
 
-class GenerateForm(BaseModel):
-    """The text fields of ``POST /generate`` (a multipart or urlencoded form). Files come as
-    ``files`` parts; ``media`` names more inputs by reference (resolved by
-    ``mstar.media.fetch``), appended to the files in order."""
+class SessionFields(BaseModel):
+    """The world-state session fields a request may carry (``/generate``, the video routes)."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    text: str = Field("", description="the prompt (or the text to speak, ...)")
-    output_modalities: str | None = Field(
-        None, description='modalities to produce: a JSON list (["text","audio"]) or a comma list; default text')
-    streaming: bool = Field(False, description="stream NDJSON events instead of one JSON result")
-    model_kwargs: str | None = Field(None, description="a JSON object of per-model knobs")
-    media: list[str] = Field(
-        default_factory=list,
-        description="inputs by reference: a data URI or base64; an http(s) URL only when the server "
-                    "sets MSTAR_ALLOW_REMOTE=1; paths on the server are refused")
     session_id: str | None = Field(
         None, min_length=1, max_length=128,
         description="names a world-state session: the model's nodes keep its state between requests")
@@ -493,6 +480,24 @@ class GenerateForm(BaseModel):
                     raise RequestError(name, "needs session_id")
             return None
         return SessionSpec(self.session_id, self.resume_session, self.end_session, self.session_timeout_s)
+
+
+class GenerateForm(SessionFields):
+    """The text fields of ``POST /generate`` (a multipart or urlencoded form). Files come as
+    ``files`` parts; ``media`` names more inputs by reference (resolved by
+    ``mstar.media.fetch``), appended to the files in order."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str = Field("", description="the prompt (or the text to speak, ...)")
+    output_modalities: str | None = Field(
+        None, description='modalities to produce: a JSON list (["text","audio"]) or a comma list; default text')
+    streaming: bool = Field(False, description="stream NDJSON events instead of one JSON result")
+    model_kwargs: str | None = Field(None, description="a JSON object of per-model knobs")
+    media: list[str] = Field(
+        default_factory=list,
+        description="inputs by reference: a data URI or base64; an http(s) URL only when the server "
+                    "sets MSTAR_ALLOW_REMOTE=1; paths on the server are refused")
 
 
 class TranscriptionForm(BaseModel):

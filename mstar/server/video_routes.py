@@ -37,13 +37,13 @@ import anyio
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from mstar.contract import GenerateSpec, RequestError, SessionSpec
 from mstar.media.video import encode_mp4
 from mstar.server.bodies import fetch_all
 from mstar.server.errors import APIError, exception_response, in_band_error, validation_error_response
-from mstar.server.schemas import json_body_openapi, new_id, now
+from mstar.server.schemas import SessionFields, json_body_openapi, new_id, now
 from mstar.server.served import backend_of, resolve_model
 from mstar.server.streaming import Tally, start_events, stream_response, unless_disconnected, walk_events
 
@@ -56,8 +56,8 @@ TASK = "video_generation"
 RESPONSE_FORMATS = ("b64_json", "png_frames")
 
 
-class VideoRequest(BaseModel):
-    """The body of /v1/videos/generations."""
+class VideoRequest(SessionFields):
+    """The body of /v1/videos/generations (with the session fields: windowed rollouts)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -88,23 +88,7 @@ class VideoRequest(BaseModel):
     overlap_frames: int | None = Field(None, ge=1, description="windowed: frames re-pinned from the last window")
     context_frames: int | None = Field(None, ge=0, description="windowed kv: committed frames kept (0: all)")
     stream_video: bool | None = Field(None, description="windowed: an NDJSON body, one video line a window")
-    session_id: str | None = Field(None, min_length=1, max_length=128,
-                                   description="windowed: names a world-state session the rollout keeps")
-    resume_session: bool = Field(False, description="windowed: continue the named session (410 if it is gone)")
-    end_session: bool = Field(False, description="drop the named session's state once this request is done")
-    session_timeout_s: float = Field(600.0, gt=0, description="seconds the idle session is kept (capped by the "
-                                                              "deployment's session_timeout_max_s)")
     user: str | None = None
-
-    def session(self) -> SessionSpec | None:
-        """The request's session, None without ``session_id`` (``resume_session`` or
-        ``end_session`` without one is a ``RequestError`` naming it)."""
-        if self.session_id is None:
-            for name in ("resume_session", "end_session"):
-                if getattr(self, name):
-                    raise RequestError(name, "needs session_id")
-            return None
-        return SessionSpec(self.session_id, self.resume_session, self.end_session, self.session_timeout_s)
 
 
 def frames_for(seconds: float, fps: int, step: int = FRAME_STEP) -> int:

@@ -29,13 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_parameter_registration_hook,
-)
 
 from mstar.model.diffusers_checkpoint import DiffusersCheckpoint
 from mstar.model.weights import init_dummy_weights
+from tests.support.registrations import Registrations
 
 CPU, BF16, SEED = torch.device("cpu"), torch.bfloat16, 5
 
@@ -661,24 +658,6 @@ FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, 
 
 
 # ----------------------------------------------------------------------------- the check
-
-
-class Registrations:
-    """Every parameter registered while entered, as ``(module, name, dtype)``."""
-
-    def __enter__(self):
-        self.params: list[tuple[nn.Module, str, torch.dtype]] = []
-        self.buffers: list[tuple[nn.Module, str, torch.dtype]] = []
-        self.handles = [
-            register_module_parameter_registration_hook(
-                lambda m, n, p: self.params.append((m, n, p.dtype)) if p is not None else None),
-            register_module_buffer_registration_hook(
-                lambda m, n, b: self.buffers.append((m, n, b.dtype)) if b is not None else None)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,10 +15,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_parameter_registration_hook,
-)
 
 from mstar.config import parse_config
 from mstar.engine.base import EngineItem
@@ -35,6 +31,7 @@ from tests.e2e.test_nemotron_duplex_served import (  # noqa: F401  (checkpoint: 
     wait_drained,
 )
 from tests.e2e.test_nemotron_duplex_talker_served import audio_of, speaking_call, tokens_of
+from tests.support.registrations import Registrations
 
 ENCODER, NANO, TALKER = "conformer_encoder", "nano_llm", "eartts_talker"
 
@@ -63,28 +60,6 @@ def test_building_sets_the_default_device_and_dtype_and_restores_them():
     with building("cpu", torch.float32):
         built = nn.Linear(8, 8)
     assert torch.equal(plain.weight, built.weight) and torch.equal(plain.bias, built.bias)
-
-
-class Registrations:
-    """Every parameter and buffer registered while it is entered: ``(module, name, dtype)``."""
-
-    def __enter__(self):
-        self.params: list[tuple[nn.Module, str, torch.dtype]] = []
-        self.buffers: list[tuple[nn.Module, str, torch.dtype]] = []
-        self.handles = [
-            register_module_parameter_registration_hook(lambda m, n, p: self.params.append((m, n, p.dtype))),
-            register_module_buffer_registration_hook(
-                lambda m, n, b: self.buffers.append((m, n, b.dtype)) if b is not None else None)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def of(self, model: nn.Module, kind: str) -> list[tuple[str, torch.dtype]]:
-        """Those registered by ``model``'s own modules, as ``(module class.name, dtype)``."""
-        own = {id(m) for m in model.modules()}
-        return [(f"{type(m).__name__}.{n}", d) for m, n, d in getattr(self, kind) if id(m) in own]
 
 
 def test_a_bf16_build_never_makes_a_float32_parameter_of_the_llm_or_the_talker(checkpoint):  # noqa: F811
