@@ -34,25 +34,17 @@ import torch
 
 from mstar.model.canary_qwen.config import CanaryQwenConfig
 from mstar.model.canary_qwen.modeling import CanaryQwenModel
+from mstar.model.fastconformer.nemo_names import conformer_renamer
 
 _LORA = re.compile(r"^(?P<module>.+)\.(?:base_layer\.(?P<base>weight|bias)|lora_(?P<part>[AB])\.[^.]+\.weight)$")
-_CONFORMER = [(re.compile(p), r) for p, r in (
+# a NeMo ``ConformerEncoder`` parameter name (under the encoder) as ours
+conformer_name = conformer_renamer((
     (r"^pre_encode\.conv\.", "subsampling.layers."), (r"^pre_encode\.out\.", "subsampling.linear."),
-    (r"^pre_encode\.(weight|bias)$", r"subsampling.linear.\1"),
-    (r"^(layers\.\d+)\.conv\.batch_norm\.", r"\1.conv.norm."),
-    (r"\.linear_([qkv])\.", r".\1_proj."), (r"\.linear_out\.", ".o_proj."),
-    (r"\.linear_pos\.", ".relative_k_proj."), (r"\.pos_bias_([uv])$", r".bias_\1"))]
+    (r"^pre_encode\.(weight|bias)$", r"subsampling.linear.\1")))
 
 
 def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def conformer_name(name: str) -> str:
-    """A NeMo ``ConformerEncoder`` parameter name (under the encoder) as ours."""
-    for pattern, replacement in _CONFORMER:
-        name = pattern.sub(replacement, name)
-    return name
 
 
 def our_name(name: str, tied: bool) -> str | None:

@@ -35,11 +35,12 @@ and one without it needs the flag off (the head's parameter is then unfilled).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from mstar.model.fastconformer.nemo_names import conformer_renamer
 
 ENCODER = "stt_model.perception.encoder."
 PROJ = "stt_model.perception.proj."
@@ -51,25 +52,19 @@ FUNCTION_HEAD = "stt_model.function_head."
 SKIPPED = ("stt_model.perception.preprocessor.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.",
            "stt_model.asr_head.")
 
-_CONFORMER = [(re.compile(p), r) for p, r in (
+_conformer_name = conformer_renamer((  # the causal subsampling's convolutions, then the layers'
     (r"^pre_encode\.conv\.0\.", "subsampling.conv_in."),
     (r"^pre_encode\.conv\.2\.", "subsampling.layers.0.depthwise_conv."),
     (r"^pre_encode\.conv\.3\.", "subsampling.layers.0.pointwise_conv."),
     (r"^pre_encode\.conv\.5\.", "subsampling.layers.1.depthwise_conv."),
     (r"^pre_encode\.conv\.6\.", "subsampling.layers.1.pointwise_conv."),
-    (r"^pre_encode\.out\.", "subsampling.linear."),
-    (r"^(layers\.\d+)\.conv\.batch_norm\.", r"\1.conv.norm."),
-    (r"\.linear_([qkv])\.", r".\1_proj."), (r"\.linear_out\.", ".o_proj."),
-    (r"\.linear_pos\.", ".relative_k_proj."), (r"\.pos_bias_([uv])$", r".bias_\1"))]
+    (r"^pre_encode\.out\.", "subsampling.linear.")))
 
 
 def encoder_name(name: str) -> str | None:
     """The ``SpeechEncoder`` parameter a released tensor fills (None: not the encoder's)."""
     if name.startswith(ENCODER):
-        rest = name[len(ENCODER):]
-        for pattern, replacement in _CONFORMER:
-            rest = pattern.sub(replacement, rest)
-        return "encoder." + rest
+        return "encoder." + _conformer_name(name[len(ENCODER):])
     if name.startswith(PROJ):
         return "proj." + name[len(PROJ):]
     return None
