@@ -77,6 +77,12 @@ def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
+def penalise_repeats(scores: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
+    """The repetition penalty (transformers' rule) on ``scores`` of repeated tokens: a positive
+    score divided by ``penalty``, a negative one multiplied by it."""
+    return torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
 def _penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0
 
@@ -160,8 +166,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Divide positive / multiply negative scores of seen tokens by the row's penalty."""
         penalty = _on(scores.device, [p.repetition_penalty for p in params], torch.float32)[:, None]
-        penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-        return torch.where(seen, penalised, scores)
+        return torch.where(seen, penalise_repeats(scores, penalty), scores)
 
     @staticmethod
     def _apply_filters(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

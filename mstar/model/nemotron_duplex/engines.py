@@ -44,6 +44,7 @@ import torch
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.rules import Sample, TokenRules
+from mstar.engine.sampler import penalise_repeats
 from mstar.engine.sequence import Sequence
 from mstar.engine.state_pool import StatePool
 from mstar.model.fastconformer.features import MelSettings
@@ -146,7 +147,7 @@ class DuplexRules(TokenRules):
             ids = torch.tensor(sorted(said.said), device=text.device)
             scores = text[row, ids]
             if said.repetition != 1.0:
-                scores = torch.where(scores < 0, scores * said.repetition, scores / said.repetition)
+                scores = penalise_repeats(scores, said.repetition)
             text[row, ids] = scores - said.presence
         return text
 
