@@ -198,6 +198,10 @@ class RankActor:
                    server_alive=lambda: os.getppid() == raylet, heartbeat_s=HEARTBEAT_S)
 
 
+# How ``_ActorHandle.end`` begins when the actor's raylet is gone: the node is lost, not the rank.
+UNREACHABLE = "ActorUnavailableError"
+
+
 class _ActorHandle:
     """A rank's actor behind the calls ``ProcessWorkers`` makes of a process.
 
@@ -337,12 +341,18 @@ class RayWorkers(ProcessWorkers):
 
     def _gone(self, process: _Process) -> str:
         handle = process.proc
-        return f"worker rank {handle.rank} ({self._where(handle)}) died: {handle.end()}"
+        how = handle.end()
+        if how.startswith(UNREACHABLE):  # its raylet went before the heartbeats ran out
+            return self._node_lost(handle, f"Ray cannot reach its actor ({how})")
+        return f"worker rank {handle.rank} ({self._where(handle)}) died: {how}"
 
     def _lost(self, process: _Process, silence: float) -> str:
-        handle = process.proc
+        return self._node_lost(process.proc, f"no heartbeat for {silence:.1f} s")
+
+    def _node_lost(self, handle: _ActorHandle, sign: str) -> str:
+        """The rank's node is taken as lost: its restart waits for Ray to move the bundle."""
         self.lost_nodes.add(handle.node)
-        return (f"worker rank {handle.rank} ({self._where(handle)}) was lost: no heartbeat for {silence:.1f} s "
+        return (f"worker rank {handle.rank} ({self._where(handle)}) was lost: {sign} "
                 f"(its node or its raylet is down, or unreachable)")
 
     def _late(self, process: _Process) -> str:

@@ -3,8 +3,9 @@ cluster, each replica's rank on a worker node of its own. Mid-load replica 0's n
 machine does: every process its raylet started (the rank's actor among them) is frozen and
 the raylet is killed (Ray itself declares that node dead only ~16 s later). Frozen, the rank
 cannot finish its request before the server notices, however fast it decodes. Replica 0's open
-request gets a 503 naming the node within 5 s of the kill, measured by the client, while
-replica 1 finishes its own and answers every new request. A node with room joins, Ray
+request gets a 503 naming the node within 5 s of the kill, measured by the client (by
+whichever sign comes first: its heartbeats running out, or Ray finding its actor
+unreachable), while replica 1 finishes its own and answers every new request. A node with room joins, Ray
 moves replica 0's bundle there once it has given the old node up, the restarted rank
 rejoins, and the deployment is healthy again, answering as before."""
 
@@ -121,7 +122,7 @@ def test_a_lost_node_fails_its_replica_within_5s_and_its_rank_rejoins(cluster: C
     assert len(failed) == 1, results
     error = failed[0]["error"]
     assert failed[0]["status"] == 503 and "rank 0" in error and nodes[0][:8] in error, error
-    assert "no heartbeat" in error, error
+    assert "was lost" in error, error  # by silence, or by Ray's word that the actor is unreachable
     assert failed[0]["ended"] - killed < DETECT_S, f"the 503 came {failed[0]['ended'] - killed:.1f} s after the kill"
     assert [r["error"] for r in fresh] == [None] * len(QUESTIONS), fresh
     assert not deployment.runtime.healthy and "replica 0" in deployment.runtime.failure

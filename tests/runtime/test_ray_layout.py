@@ -44,3 +44,24 @@ def test_split_groups_sharing_ranks_must_agree():
     config = parse_config({**base, "node_groups": groups}, "two")
     with pytest.raises(ConfigError, match="different ray_placement"):
         pack_strategy(config, [0, 1])
+
+
+@pytest.mark.parametrize(("end", "lost"), [
+    ("ActorUnavailableError: The actor abc is unavailable: RpcError: Socket closed", True),
+    ("RayTaskError(RuntimeError): out of memory", False),
+])
+def test_an_unreachable_actor_loses_its_node_and_a_crash_does_not(end: str, lost: bool):
+    """Ray may report a rank's actor unreachable (its raylet is gone) before its heartbeats run
+    out: that is the node lost, as silence is (its restart waits for the bundle to move); an
+    actor that raised is a rank that died, on a node still good."""
+    from types import SimpleNamespace
+
+    from mstar.runtime.ray_workers import RayWorkers
+
+    workers = object.__new__(RayWorkers)  # only the failure wording and the lost nodes: no cluster
+    workers.lost_nodes = set()
+    workers._where = lambda handle: f"Ray actor on node {handle.node[:8]}"
+    process = SimpleNamespace(proc=SimpleNamespace(rank=0, node="0123456789abcdef", end=lambda: end))
+    message = workers._gone(process)
+    assert message.startswith("worker rank 0 (Ray actor on node 01234567)") and end in message
+    assert ("was lost" in message) is lost and workers.lost_nodes == ({"0123456789abcdef"} if lost else set())
