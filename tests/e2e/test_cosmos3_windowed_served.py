@@ -6,7 +6,8 @@ one video line; a session resumes with only its new frames, ``end_session`` free
 next resume is a 410 naming ``session_id``; a kv session resumes as one rollout (on ``/generate``
 and over ``/generate/ws``); the jobs API
 (``/v1/videos``) takes the windowed knobs and sessions; a ``window_mode: kv`` rollout streams its windows
-(5, 5 and 3 frames) on ``/generate`` and ``/v1/videos/generations``; bad ``context_frames``
+(5, 8 and 4 frames: its decode goes on from window to window, 4 frames a later latent frame, the
+last window trimmed) on ``/generate`` and ``/v1/videos/generations``; bad ``context_frames``
 (negative, or with chained) are 400s naming it."""
 
 from __future__ import annotations
@@ -128,19 +129,20 @@ KV = {"window_mode": "kv", "window_frames": 5, "context_frames": 5}
 
 
 def test_a_kv_rollout_streams_its_windows(app):
-    chunks = video_lines(asyncio.run(post(app, {"num_frames": 13, "stream_video": True, **KV}, streaming=True)))
-    assert [len(c) // FRAME_BYTES for c in chunks] == [5, 5, 3]  # no overlap: every frame is new
-    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))
-    assert whole == b"".join(chunks)
-    assert whole != clip(asyncio.run(post(app, {"num_frames": 13, **KV, "context_frames": 0})))  # 0 keeps window 0
+    # no overlap, one decode carried across the windows: 1 + 4 (2 - 1), then 4 x 2 a window
+    chunks = video_lines(asyncio.run(post(app, {"num_frames": 17, "stream_video": True, **KV}, streaming=True)))
+    assert [len(c) // FRAME_BYTES for c in chunks] == [5, 8, 4]
+    whole = clip(asyncio.run(post(app, {"num_frames": 17, **KV})))
+    assert whole == b"".join(chunks) and len(whole) == 17 * FRAME_BYTES
+    assert whole != clip(asyncio.run(post(app, {"num_frames": 17, **KV, "context_frames": 0})))  # 0 keeps window 0
     assert np.frombuffer(whole, dtype=np.uint8).std() > 0
     from mstar.media.video import decode_mp4
 
-    response = asyncio.run(post_video(app, {"num_frames": 13, "stream_video": True, **KV}))
+    response = asyncio.run(post_video(app, {"num_frames": 17, "stream_video": True, **KV}))
     assert response.status_code == 200, response.text
     lines = [json.loads(line) for line in response.text.splitlines() if line.strip()]
     assert [line["type"] for line in lines] == ["video"] * 3 + ["done"]
-    assert [len(decode_mp4(base64.b64decode(line["b64_json"]))[0]) for line in lines[:3]] == [5, 5, 3]
+    assert [len(decode_mp4(base64.b64decode(line["b64_json"]))[0]) for line in lines[:3]] == [5, 8, 4]
 
 
 def test_ws_appends_continue_the_rollout(app):
@@ -236,13 +238,14 @@ def test_the_jobs_api_takes_the_windowed_knobs_and_sessions(app):
 
 def test_a_kv_session_resumes_over_http(app):
     """/generate: a kv rollout opened under a session and resumed equals one kv rollout of both
-    requests' windows (the committed cache and the noise stream kept between them)."""
+    requests' windows (the committed cache, the carried decode and the noise stream kept between
+    them): the resume's window goes on with the decode, 8 frames of which it asked for 5."""
     first = clip(asyncio.run(post(app, {"num_frames": 5, **KV}, session_id="kv-drone")))
     more = clip(asyncio.run(post(app, {"num_frames": 5, **KV}, session_id="kv-drone", resume_session=True,
                                  end_session=True)))
-    whole = clip(asyncio.run(post(app, {"num_frames": 9, **KV})))
+    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))  # windows of 5 and 8 frames
     assert len(first) == len(more) == 5 * FRAME_BYTES
-    assert first + more[:4 * FRAME_BYTES] == whole
+    assert first + more == whole[:10 * FRAME_BYTES]
 
 
 def test_ws_appends_continue_a_kv_rollout(app):
@@ -265,8 +268,8 @@ def test_ws_appends_continue_a_kv_rollout(app):
     assert not any(isinstance(m, dict) and m["type"] == "error" for m in messages), messages
     chunks = [m for m in messages if isinstance(m, bytes)]
     assert [len(c) // FRAME_BYTES for c in chunks] == [5, 5]
-    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))  # windows of 5, 5, 3 frames
-    assert b"".join(chunks) == whole[:10 * FRAME_BYTES]
+    whole = clip(asyncio.run(post(app, {"num_frames": 13, **KV})))  # windows of 5 and 8 frames
+    assert b"".join(chunks) == whole[:10 * FRAME_BYTES]  # the append's window 5 of its 8
 
 
 def test_resumes_the_worker_refuses_are_400s_naming_the_field(app):

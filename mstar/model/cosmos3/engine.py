@@ -1,7 +1,8 @@
 """How Cosmos3's engines are built from its knobs and checkpoint: the tower as a UniPC denoise
 engine (``dit``) and the Wan2.2 VAE (``vae``: ``encode`` an i2v/v2v request's conditioning
-pixels to normalised latents, ``decode`` the final latents to uint8 frames) and, on a
-sound-capable checkpoint, the AVAE decoder (``sound``, float32; ``mstar.model.cosmos3.sound``)."""
+pixels to normalised latents, ``decode`` the final latents to uint8 frames, and a windowed
+rollout's window ops) and, on a sound-capable checkpoint, the AVAE decoder (``sound``,
+float32; ``mstar.model.cosmos3.sound``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mstar.model.cosmos3.sound import sound_engine
 from mstar.model.cosmos3.transformer import Cosmos3Transformer
 from mstar.model.cosmos3.windowed import OPS as WINDOW_OPS
 from mstar.model.cosmos3.windowed import run_window_op
-from mstar.model.wan22.vae import WanVAE, frames_uint8
+from mstar.model.wan22.vae import DecodeState, WanVAE, frames_uint8
 
 # Kept in float32 in a bf16 deployment, as diffusers keeps it (its _keep_in_fp32_modules).
 FP32_PARAMETERS = ("time_embedder",)
@@ -46,19 +47,34 @@ def cosmos3_engines(ckpt: Cosmos3Checkpoint, knobs: Cosmos3Knobs, config: Deploy
         dtype = getattr(torch, knobs.vae_dtype)
         vae = ckpt.load(lambda: WanVAE(ckpt.vae_config()), "vae", device=device, dtype=dtype, dummy=dummy,
                         seed=knobs.seed + 1)
-        engines["vae"] = vae_engine(vae, knobs, device, dtype)
+        engines["vae"] = VAEEngine(vae, knobs, device, dtype)
     if "sound" in nodes and ckpt.has_sound():  # without it no request takes a sound walk
         tokenizer = ckpt.load_sound_tokenizer(device=device, dtype=torch.float32, dummy=dummy, seed=knobs.seed + 2)
         engines["sound"] = sound_engine(tokenizer, device)
     return engines
 
 
-def vae_engine(vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:
+class VAEEngine(StatelessEngine):
+    """The ``vae`` node's engine: ``vae_fn``, and the decoder state a ``window_mode: kv``
+    rollout without a session carries from one window's decode to the next, by request, freed
+    when the request ends, however it ends (a session's lives in the session store)."""
+
+    def __init__(self, vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: torch.dtype) -> None:
+        self.vae = vae
+        self.decodes: dict[str, DecodeState] = {}
+        super().__init__(vae_fn(vae, knobs, device, dtype, self.decodes))
+
+    def release(self, request_id: str) -> None:
+        self.decodes.pop(request_id, None)
+
+
+def vae_fn(vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: torch.dtype,
+           decodes: dict[str, DecodeState]):
     ops = ("encode", "decode", "decode_image", *WINDOW_OPS)
 
     def run(op, items):
         if op in WINDOW_OPS:  # a windowed rollout's window boundaries (mstar.model.cosmos3.windowed)
-            return run_window_op(vae, op, items, dtype, device, knobs.vae_decode_chunk)
+            return run_window_op(vae, op, items, dtype, device, knobs.vae_decode_chunk, decodes)
         if op not in ops:
             raise ValueError(f"the Cosmos3 VAE has no op {op!r} (it has {list(ops)})")
         port = "cond_pixels" if op == "encode" else "latents"
@@ -79,4 +95,4 @@ def vae_engine(vae: WanVAE, knobs: Cosmos3Knobs, device: torch.device, dtype: to
                     out[i] = {"frames": frames} if op == "decode" else {"image": frames[0]}
         return out
 
-    return StatelessEngine(run)
+    return run

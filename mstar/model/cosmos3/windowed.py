@@ -35,14 +35,25 @@ seed. ``end_session`` and the timeouts are the session book's (``docs/sessions.m
 without it ``WindowedVideo`` holds them and sends the assembled clip at the end.
 
 ``window_mode: kv`` (experimental; ``mstar.model.cosmos3.kv_window``): the same walks, no
-overlap. Every window is ``window_frames`` (29 by default) of new frames in the text-to-video
-layout (window 0 image-/video-conditioned when the request brings a file), denoised attending
-block-causally to the committed clean K/V of the windows before it, which the denoise node keeps
-per request; frames more than ``context_frames`` (61 by default, as latent frames; 0 keeps all)
-behind the frontier are released. Each window is decoded as a clip of its own. With a session
-the denoise node keeps the committed cache in its session store, and a kv resume goes on from
-it (``mstar.model.cosmos3.kv_window``); the ``vae`` node keeps the last window's frames too, so a
-chained request may resume a kv session.
+overlap. Every window is ``L`` new latent frames (``window_frames``, 29 by default: 8) in the
+text-to-video layout (window 0 image-/video-conditioned when the request brings a file),
+denoised attending block-causally to the committed clean K/V of the windows before it, which
+the denoise node keeps per request; frames more than ``context_frames`` (61 by default, as latent frames; 0 keeps all)
+behind the frontier are released. The windows' latents are one latent video, and the ``vae``
+node decodes them as one: the Wan VAE is causal in time, so its decoder's state (its
+``DecodeState``: every causal convolution's last input frames, the first frame's mark) is
+carried from one window's decode to the next, and the frames delivered window by window, joined,
+are the decode of the whole rollout's latents at once (no seam at a boundary). The rollout's
+first latent frame decodes to one frame, every later one to four, so window 0 delivers
+``window_frames`` (``1 + 4 (L - 1)``) frames and every later window ``4 L``; the last window is
+trimmed to ``num_frames`` (frames cut from it are not delivered later: a resume goes on after
+the whole window, as a chained one does). Without a session the carried state is the request's, on the ``vae``
+engine, freed when the request ends; with one the denoise node keeps the committed cache in its
+session store and the ``vae`` node the decoder's state in the ``WindowSession``, and a kv resume
+goes on from both (``mstar.model.cosmos3.kv_window``), its window 0 delivering ``4 L`` frames
+too, so an opening and its resume equal one rollout's frames. The ``vae`` node keeps the last
+window's frames as well, so a chained request may resume a kv session (a chained window moves
+the session's world on: it drops the carried decode, as the denoise node drops the cache).
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ from mstar.model.cosmos3.conditioning import condition_length, video_pixels
 from mstar.model.cosmos3.kv_window import context_latents
 from mstar.model.spec import WalkRequest
 from mstar.model.video_output import VideoFrames
-from mstar.model.wan22.vae import frames_uint8
+from mstar.model.wan22.vae import DecodeState, frames_uint8
 
 FRAME_STEP = 4
 OPS = ("window_start", "window_decode")
@@ -99,8 +110,14 @@ class WindowPlan:
     first_skip: int  # window 0's leading frames not delivered (p when resuming a session, else 0)
     num_frames: int  # delivered in all
     num_windows: int
+    kv: bool = False  # window_mode kv: one latent video, its decode carried from window to window
+    resumed: bool = False  # the request resumes a session (kv: window 0 goes on from its decode)
 
     def new_frames(self, window: int) -> int:
+        """The frames window ``window`` adds: kv's carried decode gives the rollout's first latent
+        frame one frame and every later one four; a chained window repeats its pinned ones."""
+        if self.kv:
+            return self.window_frames if window == 0 and not self.resumed else FRAME_STEP * self.latent_frames
         return self.window_frames - (self.first_skip if window == 0 else self.pinned_frames)
 
     def delivered(self, window: int) -> tuple[int, int]:
@@ -112,15 +129,16 @@ class WindowPlan:
     def params(self) -> dict:
         return {"num_windows": self.num_windows, "window_frames": self.window_frames,
                 "window_pinned_latents": self.pinned_latents, "window_first_skip": self.first_skip,
-                "num_frames": self.num_frames}
+                "num_frames": self.num_frames, "window_mode": "kv" if self.kv else "chained",
+                "window_resumed": self.resumed}
 
     @classmethod
     def of_params(cls, params: dict) -> WindowPlan:
         k = int(params["window_pinned_latents"])
         frames = int(params["window_frames"])
         return cls(frames, (frames - 1) // FRAME_STEP + 1, k, condition_length(k) if k else 0,
-                   int(params["window_first_skip"]),
-                   int(params["num_frames"]), int(params["num_windows"]))
+                   int(params["window_first_skip"]), int(params["num_frames"]), int(params["num_windows"]),
+                   params.get("window_mode") == "kv", bool(params.get("window_resumed", False)))
 
 
 def plan_windows(num_frames: int, window_frames: int, overlap_frames: int, *, resume: bool,
@@ -145,24 +163,26 @@ def plan_windows(num_frames: int, window_frames: int, overlap_frames: int, *, re
     if windows > max_windows:
         raise RequestError("num_frames", f"{num_frames} frames take {windows} windows of {frames}; at most "
                                          f"{max_windows} (max_windows)")
-    return WindowPlan(frames, latent, k, pinned, pinned if resume else 0, num_frames, windows)
+    return WindowPlan(frames, latent, k, pinned, pinned if resume else 0, num_frames, windows, resumed=resume)
 
 
-def plan_kv_windows(num_frames: int, window_frames: int, *, first_condition: int = 0,
+def plan_kv_windows(num_frames: int, window_frames: int, *, resume: bool = False, first_condition: int = 0,
                     max_windows: int = 64) -> WindowPlan:
-    """The windows of a kv rollout: ``window_frames`` new frames each, no overlap."""
+    """The windows of a kv rollout, no overlap: ``window_frames`` (``1 + 4 (L - 1)``) frames in
+    window 0 and ``4 L`` in every later one (a resume's window 0 too: its decode goes on)."""
     latent = (window_frames - 1) // FRAME_STEP + 1
     if latent < 2:
         raise RequestError("window_frames", f"a kv window needs at least 2 latent frames (5 pixel frames), "
                                             f"got {window_frames}")
     if first_condition >= latent:
         raise RequestError("condition_latent_frames", f"must be below the window's {latent} latent frames")
-    frames = condition_length(latent)
-    windows = math.ceil(num_frames / frames)
+    frames, step = condition_length(latent), FRAME_STEP * latent
+    first = step if resume else frames
+    windows = 1 + math.ceil(max(0, num_frames - first) / step)
     if windows > max_windows:
-        raise RequestError("num_frames", f"{num_frames} frames take {windows} windows of {frames}; at most "
+        raise RequestError("num_frames", f"{num_frames} frames take {windows} windows of {step}; at most "
                                          f"{max_windows} (max_windows)")
-    return WindowPlan(frames, latent, 0, 0, 0, num_frames, windows)
+    return WindowPlan(frames, latent, 0, 0, 0, num_frames, windows, kv=True, resumed=resume)
 
 
 def window_noise(shape: tuple[int, ...], windows: int, seed: int) -> torch.Tensor:
@@ -182,12 +202,14 @@ def tail_pixels(frames: torch.Tensor, plan: WindowPlan) -> torch.Tensor:
 class WindowSession:
     """A windowed rollout's session state on the ``vae`` node: the noise stream (the opening
     request's generator, seeded with its seed, every window's draw taken from it in order, so a
-    resume goes on with the draws a longer rollout would have taken) and the latest window's
-    uint8 frames ``[F, H, W, 3]`` (a chained resume's conditioning)."""
+    resume goes on with the draws a longer rollout would have taken), the latest window's
+    uint8 frames ``[F, H, W, 3]`` (a chained resume's conditioning) and, while the session's
+    world is a kv rollout, its decoder's carried state (a kv resume's decode goes on from it)."""
 
     generator: torch.Generator
     frames: torch.Tensor | None = None
     drawn: tuple[str, int, torch.Tensor] | None = None  # (request, window, noise): the last draw, reused on a re-run
+    decode: DecodeState | None = None
 
     def draw(self, request_id: str, window: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Window ``window``'s noise: the stream's next draw (the same tensor again when the
@@ -198,18 +220,28 @@ class WindowSession:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.frames is None else self.frames.nbytes
+        return (0 if self.frames is None else self.frames.nbytes) + (0 if self.decode is None else self.decode.nbytes)
 
 
-def run_window_op(vae, op: str, items, dtype: torch.dtype, device: torch.device, chunk: int) -> list[dict]:
-    """The ``vae`` node's window ops, one item at a time (windows are few and large)."""
-    out = []
+def run_window_op(vae, op: str, items, dtype: torch.dtype, device: torch.device, chunk: int,
+                  decodes: dict[str, DecodeState]) -> list[dict]:
+    """The ``vae`` node's window ops, one item at a time (windows are few and large).
+    ``decodes``: the carried decoder state of each kv rollout without a session, by request
+    (the engine's; a session's is in its ``WindowSession``). A kv window decodes on from a copy
+    of its rollout's state, and the states move on only once every item of the batch is done:
+    a batch that fails is run again item by item (the worker finds the culprit so), and each
+    window then decodes from where it began."""
+    out, carried = [], []
     for item in items:
         plan = WindowPlan.of_params(item.params)
         if op == "window_start":
             out.append(_start(vae, item, plan, dtype, device))
         else:
-            out.append(_decode(vae, item, plan, dtype, device, chunk))
+            result, state = _decode(vae, item, plan, dtype, device, chunk, decodes)
+            out.append(result)
+            carried.append((item, plan, state))
+    for item, plan, state in carried:
+        _carry(item, plan, state, decodes)
     return out
 
 
@@ -247,16 +279,55 @@ def _start(vae, item, plan: WindowPlan, dtype, device) -> dict:
     return {"latents": noise, "cond_latents": latents}
 
 
-def _decode(vae, item, plan: WindowPlan, dtype, device, chunk: int) -> dict:
+def _decode(vae, item, plan: WindowPlan, dtype, device, chunk: int,
+            decodes: dict[str, DecodeState]) -> tuple[dict, DecodeState | None]:
+    """A window's frames (and a chained window's tail); a kv window's decode goes on from its
+    rollout's carried state, returned as it leaves it (``_carry`` keeps it)."""
     x = item.inputs["latents"][None].to(device, dtype)
-    frames = frames_uint8(vae.decode(vae.denormalize(x), chunk=chunk)[0]).cpu()
+    state = _decode_from(item, plan, decodes).copy() if plan.kv else None
+    frames = frames_uint8(vae.decode(vae.denormalize(x), chunk=chunk, state=state)[0]).cpu()
     if item.session is not None:  # the session's world state: the latest window
-        state = item.session.get()
-        if isinstance(state, WindowSession):
-            state.frames = frames.clone()
+        session = item.session.get()
+        if isinstance(session, WindowSession):
+            session.frames = frames.clone()
     skip, take = plan.delivered(item.iteration)
     tail = tail_pixels(frames, plan) if plan.pinned_frames else torch.zeros(3, 0, *frames.shape[1:3])
-    return {"frames": frames[skip:skip + take].contiguous(), "tail_pixels": tail}
+    return {"frames": frames[skip:skip + take].contiguous(), "tail_pixels": tail}, state
+
+
+def _decode_from(item, plan: WindowPlan, decodes: dict[str, DecodeState]) -> DecodeState:
+    """The decoder state a kv window goes on from: a fresh one at the rollout's first window
+    (an opening's window 0), else the one the window before it left (a resume's window 0: the
+    session's)."""
+    if item.iteration == 0 and not plan.resumed:
+        return DecodeState()
+    if item.session is None:
+        state = decodes.get(item.request_id)
+        if state is None:
+            raise ValueError(f"request {item.request_id}: window {item.iteration}'s decode has no state to go on "
+                             "from (the window before it was not decoded here)")
+        return state
+    session = item.session.get()
+    state = session.decode if isinstance(session, WindowSession) else None
+    if state is None:
+        raise RequestError("resume_session", f"session {item.session.session_id!r} holds no kv decode to go on "
+                                             "from (it was opened or last continued with window_mode chained)")
+    return state
+
+
+def _carry(item, plan: WindowPlan, state: DecodeState | None, decodes: dict[str, DecodeState]) -> None:
+    """Keep a decoded window's carried state for the next window: the request's (dropped after
+    its last window) or the session's. A chained window in a session drops the session's kv
+    decode: its world moved on."""
+    if item.session is None:
+        if state is not None and item.iteration < plan.num_windows - 1:
+            decodes[item.request_id] = state
+        else:
+            decodes.pop(item.request_id, None)
+        return
+    session = item.session.get()
+    if isinstance(session, WindowSession):
+        session.decode = state
 
 
 class WindowedVideo(VideoFrames):
@@ -310,7 +381,8 @@ def plan_windowed(model, spec, knobs, condition) -> WindowPlan:
                                             f"({model.knobs.max_video_pixels} pixels)")
     first = 0 if condition is None else (1 if condition[0] == "i2v" else knobs.condition_latent_frames)
     if kv:
-        plan = plan_kv_windows(knobs.num_frames, window, first_condition=first, max_windows=model.knobs.max_windows)
+        plan = plan_kv_windows(knobs.num_frames, window, resume=resume, first_condition=first,
+                               max_windows=model.knobs.max_windows)
     else:
         plan = plan_windows(knobs.num_frames, window, knobs.overlap_frames or defaults[1], resume=resume,
                             first_condition=first, max_windows=model.knobs.max_windows)
@@ -336,7 +408,7 @@ def prepare_windowed(model, spec, knobs, steps: int, scale: float, condition) ->
     inputs = {"prompt_ids": ids, "window_noise": noise, "tail_pixels": pixels}
     if kv:
         context = KV_CONTEXT_FRAMES if knobs.context_frames is None else knobs.context_frames
-        params |= {"window_mode": "kv", "context_latents": context_latents(context)}
+        params["context_latents"] = context_latents(context)
     walk = "windowed"
     if scale > 1:
         inputs["negative_ids"] = model.prompt.ids(knobs.negative_prompt, negative=True, **meta)

@@ -25,21 +25,21 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.model.lingbot.camera import continue_trajectory, default_intrinsics, plucker_rays
 from mstar.model.lingbot.sampler import Rollout, denoise_chunk
 from mstar.model.lingbot.transformer import LingbotTransformer
-from mstar.model.wan22.vae import FrameCache, WanVAE, frames_uint8
+from mstar.model.wan22.vae import DecodeState, FrameCache, WanVAE, frames_uint8
 
 OPS = ("chunk",)
 
 
 class RolloutVAE:
-    """The VAE's per-rollout halves: the condition encoded one latent frame at a time, the
-    latents decoded one at a time, each through its own frame cache."""
+    """The VAE's per-rollout halves: the condition encoded one latent frame at a time through
+    its own frame cache, the latents decoded as they come, going on from the decode so far
+    (a ``DecodeState``)."""
 
     def __init__(self, vae: WanVAE, image: torch.Tensor) -> None:
         self.vae = vae
         self.image = image  # [1, 3, 1, H, W] in [-1, 1]
-        self.encode_cache, self.decode_cache = FrameCache(), FrameCache()
+        self.encode_cache, self.decoded = FrameCache(), DecodeState()
         self.encoded: list[torch.Tensor] = []  # normalised latent frames of the condition video
-        self.decoded = 0
 
     def condition(self, frames: int) -> torch.Tensor:
         """The first ``frames`` latent frames of [image, black, black, ...], ``[1, z, frames, h, w]``."""
@@ -54,12 +54,7 @@ class RolloutVAE:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents ``[1, z, f, h, w]`` (the next ones) -> ``[3, F, H, W]`` in [-1, 1]."""
         vae = self.vae
-        x = vae.post_quant_conv(vae.denormalize(latents).to(vae.post_quant_conv.weight.dtype))
-        out = []
-        for i in range(x.shape[2]):
-            out.append(vae.decoder(x[:, :, i:i + 1], self.decode_cache, self.decoded == 0))
-            self.decoded += 1
-        return torch.cat(out, dim=2)[0].clamp(-1.0, 1.0)
+        return vae.decode(vae.denormalize(latents).to(vae.post_quant_conv.weight.dtype), state=self.decoded)[0]
 
 
 class WorldEngine(Engine):

@@ -15,12 +15,16 @@ without holding all of its activations.
 The first chunk is special where the time resolution changes: the encoder's temporal
 downsampler keeps its single frame, the decoder's temporal upsampler does not double it, so
 ``1 + 4k`` frames map to ``1 + k`` latent frames and back.
+
+A decode may also go on across calls (``DecodeState``): a latent video decoded in pieces, each
+piece continuing the state the last one left, equals the decode of the whole; the first piece
+of ``T`` latent frames gives ``1 + 4 (T - 1)`` frames, every later one ``4 T``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +37,27 @@ DECODE_CHUNK = 1  # latent frames decoded together after the first (as the refer
 
 class FrameCache(dict):
     """Per-module state between the chunks of one encode or decode: a causal convolution's last
-    input frames, a temporal resampler's "seen the first chunk" mark or last frame."""
+    input frames, a temporal resampler's "seen the first chunk" mark or last frame. Coding
+    replaces an entry, never writes into its tensor, so a shallow copy is a snapshot."""
+
+
+@dataclass
+class DecodeState:
+    """A decode that goes on across ``WanVAE.decode`` calls: the decoder's ``FrameCache`` and the
+    latent frames decoded so far (the first of them decoded alone, as a clip's first)."""
+
+    cache: FrameCache = field(default_factory=FrameCache)
+    latent_frames: int = 0
+
+    def copy(self) -> DecodeState:
+        """A snapshot: decoding on from the copy leaves this state as it is (it shares the
+        cached tensors, which decoding replaces rather than writes)."""
+        return DecodeState(FrameCache(self.cache), self.latent_frames)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached frames."""
+        return sum(v.nbytes for v in self.cache.values() if isinstance(v, torch.Tensor))
 
 
 @dataclass(frozen=True)
@@ -389,19 +413,32 @@ class WanVAE(nn.Module):
         out = torch.cat([self.encoder(chunk, cache) for chunk in chunks], dim=2)
         return self.quant_conv(out)[:, : self.config.z_dim]
 
-    def decode(self, latents: torch.Tensor, chunk: int = DECODE_CHUNK) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, chunk: int = DECODE_CHUNK,
+               state: DecodeState | None = None) -> torch.Tensor:
         """VAE latents ``[B, z_dim, T, h, w]`` -> video ``[B, 3, 1 + 4 (T - 1), 16h, 16w]`` in ``[-1, 1]``.
 
         The first latent frame is decoded alone, the rest ``chunk`` latent frames at a time: the
         reference decodes one at a time, and as every layer is causal in time and carries its
         past in the cache, larger chunks give the same video with fewer, larger convolutions
-        (~2% faster at 4 for S8's clip on an H100) and several times the activations."""
+        (~2% faster at 4 for S8's clip on an H100) and several times the activations.
+
+        ``state``: go on from an earlier decode (a fresh ``DecodeState`` starts one), and leave
+        ``state`` at the end of ``latents``. Once its first latent frame is decoded, the next
+        ``T`` latent frames give ``4 T`` frames, so the pieces' videos, joined, are the decode
+        of the joined latents (exactly, at ``chunk`` 1: the same convolutions on the same
+        frames)."""
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1, got {chunk}")
-        x = self.post_quant_conv(latents)
-        cache = FrameCache()
-        chunks = [x[:, :, :1], *(x[:, :, 1:].split(chunk, dim=2) if x.shape[2] > 1 else ())]
-        out = torch.cat([self.decoder(part, cache, i == 0) for i, part in enumerate(chunks)], dim=2)
+        state = DecodeState() if state is None else state
+        first = latents[:, :, :1] if state.latent_frames == 0 else latents[:, :, :0]
+        rest = latents[:, :, first.shape[2]:]
+        chunks = [(first, True)] if first.shape[2] else []
+        chunks += [(part, False) for part in rest.split(chunk, dim=2)] if rest.shape[2] else []
+        # post_quant_conv (1x1x1) chunk by chunk too: a whole decode and a carried one then run
+        # the same ops on the same shapes (one GEMM over all frames rounds differently, ~1e-7)
+        out = torch.cat([self.decoder(self.post_quant_conv(part), state.cache, first_chunk)
+                         for part, first_chunk in chunks], dim=2)
+        state.latent_frames += latents.shape[2]
         return unpatchify(out, self.config.patch_size).clamp_(-1.0, 1.0)
 
     def _stats(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,4 +464,4 @@ def frames_uint8(video: torch.Tensor) -> torch.Tensor:
     return ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
 
 
-__all__: Sequence[str] = ["FrameCache", "WanVAE", "WanVAEConfig", "frames_uint8", "use_fused_kernels"]
+__all__: Sequence[str] = ["DecodeState", "FrameCache", "WanVAE", "WanVAEConfig", "frames_uint8", "use_fused_kernels"]

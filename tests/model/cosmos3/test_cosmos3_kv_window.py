@@ -8,11 +8,14 @@ latents], its generation-pathway attention masked block-causally by a processor 
 ``context`` latent frames before its window's first). With ``context_frames`` 0 every earlier
 frame is read; with 9 (3 latent frames, less than two windows of 2) the older ones are released
 mid-window and the committed cache stays at 3 frames; window 0 conditioned on an image's
-latent frame too. (b) A one-window kv rollout is the plain t2v (or i2v) clip. (d) Seeded kv
-rollouts through the in-process runtime repeat, stream one event a window and equal the
-engine-driven rollout step for step; packed with other requests they equal their solo runs; a
-kv session keeps its last window, which a chained request resumes. The startup warning; the
-400s."""
+latent frame too. (b) A one-window kv rollout is the plain t2v (or i2v) clip. (c) The windows
+decode as one latent video: the VAE's causal state is carried from window to window, so the
+frames delivered window by window (5, then 8 a window of 2 latent frames) are the decode of
+the rollout's latents at once, bit for bit; a batch of decodes that fails leaves every carried
+state as it found it. (d) Seeded kv rollouts through the in-process runtime repeat, stream one
+event a window and equal the engine-driven rollout step for step; packed with other requests
+they equal their solo runs; a kv session keeps its last window, which a chained request
+resumes, and a kv resume goes on with the decode too. The startup warning; the 400s."""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from mstar.contract import GenerateSpec, RequestError, SessionSpec
 from mstar.engine.base import EngineItem
 from mstar.model.cosmos3.kv_window import context_latents
 from mstar.model.cosmos3.model import Cosmos3
-from mstar.model.cosmos3.windowed import window_noise
+from mstar.model.cosmos3.windowed import WindowPlan, plan_kv_windows, window_noise
+from mstar.model.wan22.vae import frames_uint8
 from mstar.runtime.launch import start
 from tests.support.cosmos3_media import step_latents
 from tests.support.cosmos3_windows import (
@@ -234,6 +238,87 @@ def test_one_kv_window_is_the_plain_clip(deployment):
     assert chunks[0] == plain and len(chunks[1]) == 4 * HEIGHT * WIDTH * 3  # window 0 is the i2v clip
 
 
+def test_kv_plans_count_the_carried_decodes_frames():
+    """Window 0 gives 1 + 4 (L - 1) frames, every later window (a resume's first too) 4 L; the
+    schedule is padded to whole windows and the last one trimmed."""
+    def delivered(plan):
+        return [plan.delivered(w) for w in range(plan.num_windows)]
+
+    assert delivered(plan_kv_windows(13, 5)) == [(0, 5), (0, 8)]
+    assert delivered(plan_kv_windows(18, 5)) == [(0, 5), (0, 8), (0, 5)]
+    assert delivered(plan_kv_windows(3, 5)) == [(0, 3)]
+    assert delivered(plan_kv_windows(16, 5, resume=True)) == [(0, 8), (0, 8)]
+    assert delivered(plan_kv_windows(9, 5, resume=True)) == [(0, 8), (0, 1)]
+    plan = plan_kv_windows(93, 29)  # the defaults: 8 latent frames a window, 24 in all, as one 93-frame clip
+    assert (plan.num_windows, [plan.new_frames(w) for w in range(3)]) == (3, [29, 32, 32])
+    assert WindowPlan.of_params(plan.params()) == plan
+    resumed = plan_kv_windows(64, 29, resume=True)
+    assert WindowPlan.of_params(resumed.params()) == resumed and resumed.num_windows == 2
+    with pytest.raises(RequestError) as err:
+        plan_kv_windows(29 + 32 * 64, 29)
+    assert err.value.field == "num_frames"
+
+
+def whole_decode(deployment, finals: list[torch.Tensor]) -> bytes:
+    """The deployment's VAE decode of the windows' final latents joined as one latent video."""
+    vae = deployment.runtime.workers.workers[0].engines["vae"].vae
+    with torch.inference_mode():
+        video = vae.decode(vae.denormalize(torch.cat(finals, dim=1)[None]))
+    return frames_uint8(video[0]).numpy().tobytes()
+
+
+def test_kv_windows_decode_as_one_latent_video(deployment):
+    """Three streamed windows of 2 latent frames deliver 5, 8 and 8 frames, which joined are
+    the VAE's decode of the six latent frames at once (bit for bit); decoded as clips of their
+    own the windows would give 3 x 5 frames with a seam at each boundary. A 17-frame rollout
+    of the same seed delivers the first 17 of them (window 2 trimmed to 4). The carried state is freed with the
+    request."""
+    vae = deployment.runtime.workers.workers[0].engines["vae"]
+    frame = HEIGHT * WIDTH * 3
+    with step_latents(deployment) as seen:
+        chunks = events(deployment, "kv-one-video", num_frames=21, seed=11, stream_video=True, **KV)
+    assert [len(c) // frame for c in chunks] == [5, 8, 8]
+    finals = [seen[w * STEPS + STEPS - 1] for w in range(3)]
+    want = whole_decode(deployment, finals)
+    assert len(want) == 21 * frame and b"".join(chunks) == want
+    apart = np.concatenate([np.frombuffer(whole_decode(deployment, [f]), np.uint8).reshape(5, -1) for f in finals])
+    ours = np.frombuffer(want, np.uint8).reshape(21, -1)
+    seam = int(np.abs(apart[5].astype(np.int16) - ours[5]).max())  # window 1's first frame
+    print(f"[parity] kv windows carried vs one decode: equal; a window decoded alone differs by {seam} levels")
+    assert seam > 0
+    [trimmed] = events(deployment, "kv-one-video-17", num_frames=17, seed=11, **KV)
+    assert trimmed == want[:17 * frame]
+    assert not vae.decodes
+
+
+def test_a_failed_decode_batch_leaves_the_carried_states(checkpoint):
+    """A batch of window decodes that fails on one item (the worker then runs each alone to find
+    it) has not moved the others' carried states on: run alone, a window decodes from where it
+    began, and the rollout's frames are its whole decode's."""
+    spec = Cosmos3(config(checkpoint))
+    spec.load_frontend()
+    engine = spec.build_engines({"vae"}, torch.device("cpu"))["vae"]
+    params = plan_kv_windows(13, 5).params()
+    gen = torch.Generator().manual_seed(12)
+    a, b = (torch.randn((4, 2 * LATENT, HEIGHT // 16, WIDTH // 16), generator=gen) for _ in range(2))
+
+    def window(rid, w, latents):
+        return EngineItem(rid, "window_decode", w, {"latents": latents[:, w * LATENT:(w + 1) * LATENT]}, params)
+
+    first = engine.run([window("a", 0, a), window("b", 0, b)])
+    with pytest.raises(RuntimeError):
+        engine.run([window("a", 1, a), window("b", 1, b[:2])])  # b's latents have the wrong channels
+    assert engine.decodes["a"].latent_frames == engine.decodes["b"].latent_frames == LATENT
+    [second] = engine.run([window("a", 1, a)])
+    frames = torch.cat([first[0].outputs["frames"], second.outputs["frames"]])
+    with torch.inference_mode():
+        want = frames_uint8(engine.vae.decode(engine.vae.denormalize(a[None]))[0])
+    assert frames.shape[0] == 13 and torch.equal(frames, want)
+    assert "a" not in engine.decodes  # the last window's state is not kept
+    engine.release("b")
+    assert not engine.decodes
+
+
 def test_seeded_kv_rollouts_repeat_and_equal_the_engine_rollout(deployment, checkpoint):
     dit = deployment.runtime.workers.workers[0].engines["dit"]
     with step_latents(deployment) as seen:
@@ -243,11 +328,11 @@ def test_seeded_kv_rollouts_repeat_and_equal_the_engine_rollout(deployment, chec
     streamed = events(deployment, "kv-d", num_frames=13, seed=6, stream_video=True, **KV)
     assert len(whole) == 1 and whole == again and whole != other
     frame = HEIGHT * WIDTH * 3
-    assert [len(c) // frame for c in streamed] == [5, 5, 3]  # padded to 3 windows, the last trimmed
+    assert [len(c) // frame for c in streamed] == [5, 8]  # window 1 goes on with the decode: 4 frames a latent
     assert b"".join(streamed) == whole[0]
-    finals, _ = Rollout(checkpoint).run("by-hand", 6, 3, 61)
-    assert len(seen) == 3 * STEPS
-    worst = max(rel(seen[w * STEPS + STEPS - 1], finals[w]) for w in range(3))
+    finals, _ = Rollout(checkpoint).run("by-hand", 6, 2, 61)
+    assert len(seen) == 2 * STEPS
+    worst = max(rel(seen[w * STEPS + STEPS - 1], finals[w]) for w in range(2))
     print(f"[parity] kv rollout served vs engine-driven: {worst:.1e}")
     assert worst <= 1e-6
     assert not dit.committed and not dit.prepared  # released with the request
@@ -258,36 +343,44 @@ def test_a_kv_session_is_resumed_by_a_chained_request(deployment):
     worker = deployment.runtime.workers.workers[0]
     [first] = events(deployment, "kv-sess", session=SessionSpec("kv-world"), num_frames=9, seed=2, **KV)
     kept = worker.sessions.get("kv-world", "vae")
-    # the last window whole (5 frames), of which the 9-frame clip took the first 4
+    # the last window whole (8 frames: its decode went on from window 0's), of which the 9-frame
+    # clip took the first 4
     assert kept is not None and kept.frames.numpy()[:4].tobytes() == first[-4 * HEIGHT * WIDTH * 3:]
     chained = {"window_mode": "chained", "window_frames": 9, "overlap_frames": 5}
     [more] = events(deployment, "kv-sess-2", session=SessionSpec("kv-world", resume=True, end=True),
                     num_frames=4 + 1, seed=3, **chained)
     assert len(more) == 5 * HEIGHT * WIDTH * 3
+    assert kept.decode is None  # the chained window moved the world on: the kv decode is dropped
 
 
 def test_a_kv_session_resumes_as_one_rollout(deployment):
-    """A kv rollout's committed cache is kept in the dit node's session store: an opening of 2
-    windows and a resume of 2 more equal one rollout of 4 windows with the opening's seed, every
-    step's latents and the frames (the context releasing frames across the resume); the cache's
-    bytes are reported, and end_session leaves no cache behind."""
+    """A kv rollout's committed cache is kept in the dit node's session store and its carried
+    decode in the vae node's: an opening of 2 windows and a resume of 2 more equal one rollout of
+    4 windows with the opening's seed, every step's latents and the frames (the resume's decode
+    goes on from the opening's: its windows deliver 8 frames each, the last trimmed to its 13;
+    the context releasing frames across the resume); the kept bytes are reported, and
+    end_session leaves nothing behind."""
     worker = deployment.runtime.workers.workers[0]
     dit = worker.engines["dit"]
     kv = {**KV, "context_frames": 5}  # 2 latent frames kept: window 0 released while window 2 is made
     with step_latents(deployment) as seen:
-        [whole] = events(deployment, "kvs-whole", num_frames=17, seed=8, **kv)  # windows of 5, 5, 5, 2 frames
-        [first] = events(deployment, "kvs-open", session=SessionSpec("kv-roll"), num_frames=9, seed=8, **kv)
+        [whole] = events(deployment, "kvs-whole", num_frames=29, seed=8, **kv)  # windows of 5, 8, 8, 8 frames
+        [first] = events(deployment, "kvs-open", session=SessionSpec("kv-roll"), num_frames=13, seed=8, **kv)
         cache = worker.sessions.get("kv-roll", "dit")
         assert cache.position == 2 * LATENT and cache.frames == LATENT  # the last window committed too
         assert cache.nbytes > 0 and worker.sessions.held_bytes()["dit"] == cache.nbytes
+        kept = worker.sessions.get("kv-roll", "vae")
+        assert kept.decode.latent_frames == 2 * LATENT and kept.decode.nbytes > 0
+        assert worker.sessions.held_bytes()["vae"] == kept.nbytes == kept.frames.nbytes + kept.decode.nbytes
         [rest] = events(deployment, "kvs-resume", session=SessionSpec("kv-roll", resume=True, end=True),
-                        num_frames=9, seed=99, **kv)  # the session's noise stream, not seed 99
+                        num_frames=13, seed=99, **kv)  # the session's noise stream, not seed 99
     assert len(seen) == 2 * 4 * STEPS
     worst = max(rel(ours, ref) for ours, ref in zip(seen[4 * STEPS:], seen[:4 * STEPS]))
     print(f"[parity] kv opening + resume vs one rollout: latents max rel err {worst:.1e}")
     assert worst <= 1e-5
     frame = HEIGHT * WIDTH * 3
-    assert first == whole[:9 * frame] and rest[:7 * frame] == whole[10 * frame:]
+    assert len(first) == len(rest) == 13 * frame
+    assert first + rest == whole[:26 * frame]  # the decode carried across the resume: no seam, no frame lost
     deadline = time.monotonic() + 10
     while worker.sessions.get("kv-roll", "dit") is not None and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -1,7 +1,8 @@
 """Parity of the Wan2.2 VAE against diffusers' ``AutoencoderKLWan`` (Wan2.2 layout: residual
 blocks, patch size 2) on a tiny random config in float32 on the CPU: encode (chunked, the first
 frame alone then four at a time) and decode (one latent frame at a time, the temporal
-upsamplers' first-chunk rule), and the latent normalisation."""
+upsamplers' first-chunk rule), and the latent normalisation. A decode carried across pieces
+(``DecodeState``) equals the decode of the whole."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from mstar.model.wan22.vae import WanVAE, WanVAEConfig
+from mstar.model.wan22.vae import DecodeState, WanVAE, WanVAEConfig
 
 TOL = 1e-5
 TINY = dict(base_dim=4, decoder_base_dim=6, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
@@ -64,6 +65,47 @@ def test_decode_parity(models, frames, chunk):
         got = ours.decode(latents, chunk=chunk)
     assert got.shape == (2, 3, 1 + 4 * (frames - 1), 32, 64)
     check(f"decode {frames} latent frames, chunk {chunk}", got, want)
+
+
+@pytest.mark.parametrize(("splits", "chunk"), [
+    ((1, 6), 1), ((3, 4), 1), ((2, 1, 4), 1), ((1,) * 7, 1), ((4, 3), 2), ((2, 5), 4), ((5, 1, 1), 4)])
+def test_a_decode_carried_across_pieces_is_the_whole(models, splits, chunk):
+    """7 latent frames decoded piece by piece on one ``DecodeState``: the first piece gives
+    ``1 + 4 (T - 1)`` frames, every later one ``4 T``, and the pieces joined are the decode of
+    the whole (bit for bit at chunk 1, where both run the same convolutions on the same frames;
+    within float rounding, a few 1e-6, where the pieces cut the chunks elsewhere) and so
+    diffusers' decode of it."""
+    ours, ref = models
+    latents = torch.randn(1, 4, sum(splits), 2, 3, generator=torch.Generator().manual_seed(3))
+    state = DecodeState()
+    with torch.no_grad():
+        whole = ours.decode(latents, chunk=chunk)
+        pieces = [ours.decode(part, chunk=chunk, state=state) for part in latents.split(list(splits), dim=2)]
+        want = ref.decode(latents).sample
+    assert [p.shape[2] for p in pieces] == [1 + 4 * (splits[0] - 1), *(4 * t for t in splits[1:])]
+    assert state.latent_frames == sum(splits) and state.nbytes > 0
+    joined = torch.cat(pieces, dim=2)
+    err = ((joined - whole).abs().max() / whole.abs().max()).item()
+    print(f"[parity] carried decode {splits} chunk {chunk} vs whole: max rel err {err:.2e}")
+    if chunk == 1:
+        assert torch.equal(joined, whole)
+    assert err <= 1e-5
+    check(f"carried decode {splits} chunk {chunk}", joined, want)
+
+
+def test_a_carried_state_copy_is_a_snapshot(models):
+    """Decoding on from a copy leaves the original where it was: a piece decoded again from it
+    gives the same frames (a window's decode run twice, as a worker retry does)."""
+    ours, _ = models
+    latents = torch.randn(1, 4, 5, 2, 3, generator=torch.Generator().manual_seed(4))
+    state = DecodeState()
+    with torch.no_grad():
+        ours.decode(latents[:, :, :2], state=state)
+        once = ours.decode(latents[:, :, 2:], state=state.copy())
+        again = ours.decode(latents[:, :, 2:], state=state.copy())
+        fresh = ours.decode(latents[:, :, 2:])  # no state: a clip of its own, not a continuation
+    assert state.latent_frames == 2 and torch.equal(once, again)
+    assert once.shape[2] == 12 and fresh.shape[2] == 9
 
 
 def test_normalize_round_trip(models):
