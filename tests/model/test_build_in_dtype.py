@@ -18,7 +18,9 @@ The diffusers-layout families (Wan2.2, Cosmos3, FLUX.2, Z-Image, LTX-2.5, LingBo
 each component through ``DiffusersCheckpoint.load`` from a factory; their old path is that
 loader's former body (float32 on the CPU, ``.to(device, dtype)``, the ``fp32`` names cast back,
 then drawn), a float32 VAE built in float32. Wan's float32 rotary buffers (kept float32 where
-the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first."""
+the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first.
+
+OmniVoice used to cast its float32 backbone and then fill it; its codec stays float32."""
 
 from __future__ import annotations
 
@@ -462,6 +464,27 @@ def waypoint(folder: Path):
     return new, old
 
 
+def omnivoice(folder: Path):
+    from mstar.model.omnivoice.backbone import OmniVoiceBackbone
+    from mstar.model.omnivoice.checkpoint import OmniVoiceCheckpoint, unit_gain_weights
+    from mstar.model.omnivoice.modeling import Codec, OmniVoiceModel
+    from tests.support.omnivoice import write_tiny_release
+
+    ckpt = OmniVoiceCheckpoint.locate(str(write_tiny_release(folder)))
+    config = ckpt.config()
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():  # the backbone cast, then drawn; the codec float32 in any deployment
+        with torch.device(CPU):
+            codec = Codec(config.codec)
+        unit_gain_weights(codec, SEED + 1)
+        return OmniVoiceModel(config, _old(lambda: OmniVoiceBackbone(config)), codec.eval())
+
+    return new, old
+
+
 # the diffusers-layout families: each component built by DiffusersCheckpoint.load from a factory
 
 
@@ -653,8 +676,8 @@ def ltx2_5(folder: Path):
 
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
                                     pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint, wan22, cosmos3, flux2, z_image, lingbot,
-                                    ltx2_5)}
+                                    canary, omniasr, vjepa2, waypoint, omnivoice, wan22, cosmos3, flux2, z_image,
+                                    lingbot, ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check
