@@ -20,7 +20,11 @@ loader's former body (float32 on the CPU, ``.to(device, dtype)``, the ``fp32`` n
 then drawn), a float32 VAE built in float32. Wan's float32 rotary buffers (kept float32 where
 the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first.
 
-OmniVoice used to cast its float32 backbone and then fill it; its codec stays float32."""
+OmniVoice used to cast its float32 backbone and then fill it (its codec stays float32),
+Kokoro (``dummy_model``) to fill its float32 build and cast after it; Kokoro's old path here
+casts before the draw, as for the others, since ``init_dummy_weights`` draws in the
+parameter's dtype (a float32 draw then cast differs where a tensor's size is not a multiple
+of 16). Kokoro's iSTFT window (a Hann window computed in bf16) failed here first."""
 
 from __future__ import annotations
 
@@ -485,6 +489,22 @@ def omnivoice(folder: Path):
     return new, old
 
 
+def kokoro(folder: Path):
+    from mstar.model.kokoro import KokoroConfig, KokoroModel
+    from mstar.model.kokoro.checkpoint import dummy_model
+    from tests.support.kokoro import TINY_CONFIG
+
+    config = KokoroConfig.from_dict(TINY_CONFIG)
+
+    def new():
+        return dummy_model(config, CPU, seed=SEED, dtype=BF16)
+
+    def old():
+        return _old(lambda: KokoroModel(config))
+
+    return new, old
+
+
 # the diffusers-layout families: each component built by DiffusersCheckpoint.load from a factory
 
 
@@ -676,8 +696,8 @@ def ltx2_5(folder: Path):
 
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
                                     pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint, omnivoice, wan22, cosmos3, flux2, z_image,
-                                    lingbot, ltx2_5)}
+                                    canary, omniasr, vjepa2, waypoint, omnivoice, kokoro, wan22, cosmos3, flux2,
+                                    z_image, lingbot, ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check
