@@ -20,11 +20,12 @@ loader's former body (float32 on the CPU, ``.to(device, dtype)``, the ``fp32`` n
 then drawn), a float32 VAE built in float32. Wan's float32 rotary buffers (kept float32 where
 the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first.
 
-OmniVoice used to cast its float32 backbone and then fill it (its codec stays float32),
-Kokoro (``dummy_model``) to fill its float32 build and cast after it; Kokoro's old path here
-casts before the draw, as for the others, since ``init_dummy_weights`` draws in the
-parameter's dtype (a float32 draw then cast differs where a tensor's size is not a multiple
-of 16). Kokoro's iSTFT window (a Hann window computed in bf16) failed here first."""
+OmniVoice (its backbone; the codec stays float32), Kokoro (``dummy_model``) and Chatterbox's
+T3 (``load_t3``: the English, multilingual and Turbo variants) used to fill their float32
+build and cast after it (OmniVoice: cast the backbone, then fill); their old path here casts
+before the draw, as for the others, since ``init_dummy_weights`` draws in the parameter's
+dtype (a float32 draw then cast differs where a tensor's size is not a multiple of 16).
+Kokoro's iSTFT window (a Hann window computed in bf16) failed here first."""
 
 from __future__ import annotations
 
@@ -505,6 +506,28 @@ def kokoro(folder: Path):
     return new, old
 
 
+def chatterbox_t3(folder: Path):
+    from mstar.model.chatterbox.t3 import T3
+    from mstar.model.chatterbox.t3_checkpoint import load_t3
+    from tests.chatterbox.tiny import tiny_config
+
+    configs = [tiny_config(variant) for variant in ("english", "multilingual", "turbo")]  # Llama, GPT-2
+
+    def new():
+        return nn.ModuleList([load_t3(None, config, device=CPU, dtype=BF16, dummy=True, seed=SEED + i)
+                              for i, config in enumerate(configs)])
+
+    @torch.no_grad()
+    def old():
+        models = nn.ModuleList([_old(lambda c=config: T3(c), seed=SEED + i) for i, config in enumerate(configs)])
+        for module in models.modules():  # as load_t3 sets GPT-2's layer-norm scales after the draw
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+        return models
+
+    return new, old
+
+
 # the diffusers-layout families: each component built by DiffusersCheckpoint.load from a factory
 
 
@@ -696,8 +719,8 @@ def ltx2_5(folder: Path):
 
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
                                     pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint, omnivoice, kokoro, wan22, cosmos3, flux2,
-                                    z_image, lingbot, ltx2_5)}
+                                    canary, omniasr, vjepa2, waypoint, omnivoice, kokoro, chatterbox_t3, wan22,
+                                    cosmos3, flux2, z_image, lingbot, ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check
