@@ -289,7 +289,8 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> N
     embedding, to none, and its CPU time from 1.1-1.3 s to 0.9 s). On the CPU the values are
     those of the float32 draw then cast, except that a tensor whose size is not a multiple of
     16 has its last 16 redrawn from a different point of the stream, which shifts the draws of
-    every tensor after it: the same distribution, and the same values for the same seed.
+    every tensor after it: the same distribution, and the same values for the same seed. On
+    the GPU torch's sampler draws in float32 too (curand) and rounds once; not run here.
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
