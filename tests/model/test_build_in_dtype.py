@@ -18,7 +18,14 @@ The diffusers-layout families (Wan2.2, Cosmos3, FLUX.2, Z-Image, LTX-2.5, LingBo
 each component through ``DiffusersCheckpoint.load`` from a factory; their old path is that
 loader's former body (float32 on the CPU, ``.to(device, dtype)``, the ``fp32`` names cast back,
 then drawn), a float32 VAE built in float32. Wan's float32 rotary buffers (kept float32 where
-the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first."""
+the cast made them bf16) and LTX's vocoder filters (computed in bf16) failed here first.
+
+OmniVoice (its backbone; the codec stays float32), Kokoro (``dummy_model``) and Chatterbox's
+T3 (``load_t3``: the English, multilingual and Turbo variants) used to fill their float32
+build and cast after it (OmniVoice: cast the backbone, then fill); their old path here casts
+before the draw, as for the others, since ``init_dummy_weights`` draws in the parameter's
+dtype (a float32 draw then cast differs where a tensor's size is not a multiple of 16).
+Kokoro's iSTFT window (a Hann window computed in bf16) failed here first."""
 
 from __future__ import annotations
 
@@ -462,6 +469,65 @@ def waypoint(folder: Path):
     return new, old
 
 
+def omnivoice(folder: Path):
+    from mstar.model.omnivoice.backbone import OmniVoiceBackbone
+    from mstar.model.omnivoice.checkpoint import OmniVoiceCheckpoint, unit_gain_weights
+    from mstar.model.omnivoice.modeling import Codec, OmniVoiceModel
+    from tests.support.omnivoice import write_tiny_release
+
+    ckpt = OmniVoiceCheckpoint.locate(str(write_tiny_release(folder)))
+    config = ckpt.config()
+
+    def new():
+        return ckpt.load_model(CPU, BF16, dummy=True, seed=SEED)
+
+    def old():  # the backbone cast, then drawn; the codec float32 in any deployment
+        with torch.device(CPU):
+            codec = Codec(config.codec)
+        unit_gain_weights(codec, SEED + 1)
+        return OmniVoiceModel(config, _old(lambda: OmniVoiceBackbone(config)), codec.eval())
+
+    return new, old
+
+
+def kokoro(folder: Path):
+    from mstar.model.kokoro import KokoroConfig, KokoroModel
+    from mstar.model.kokoro.checkpoint import dummy_model
+    from tests.support.kokoro import TINY_CONFIG
+
+    config = KokoroConfig.from_dict(TINY_CONFIG)
+
+    def new():
+        return dummy_model(config, CPU, seed=SEED, dtype=BF16)
+
+    def old():
+        return _old(lambda: KokoroModel(config))
+
+    return new, old
+
+
+def chatterbox_t3(folder: Path):
+    from mstar.model.chatterbox.t3 import T3
+    from mstar.model.chatterbox.t3_checkpoint import load_t3
+    from tests.chatterbox.tiny import tiny_config
+
+    configs = [tiny_config(variant) for variant in ("english", "multilingual", "turbo")]  # Llama, GPT-2
+
+    def new():
+        return nn.ModuleList([load_t3(None, config, device=CPU, dtype=BF16, dummy=True, seed=SEED + i)
+                              for i, config in enumerate(configs)])
+
+    @torch.no_grad()
+    def old():
+        models = nn.ModuleList([_old(lambda c=config: T3(c), seed=SEED + i) for i, config in enumerate(configs)])
+        for module in models.modules():  # as load_t3 sets GPT-2's layer-norm scales after the draw
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+        return models
+
+    return new, old
+
+
 # the diffusers-layout families: each component built by DiffusersCheckpoint.load from a factory
 
 
@@ -653,8 +719,8 @@ def ltx2_5(folder: Path):
 
 FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
                                     pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint, wan22, cosmos3, flux2, z_image, lingbot,
-                                    ltx2_5)}
+                                    canary, omniasr, vjepa2, waypoint, omnivoice, kokoro, chatterbox_t3, wan22,
+                                    cosmos3, flux2, z_image, lingbot, ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check

@@ -228,3 +228,45 @@ def test_dummy_init_is_deterministic() -> None:
     c = tiny_llama(seed=1)
     init_dummy_weights(c, seed=1)
     assert not torch.equal(c.model.embed_tokens.weight, a.model.embed_tokens.weight)
+
+
+def _mixed(dtype: torch.dtype) -> nn.Module:
+    """Matrices of multiples of 16 elements, one of 37 x 33 (not), a strided parameter,
+    a norm weight and a bias, in ``dtype``."""
+    module = nn.ModuleDict({"proj": nn.Linear(64, 32), "norm": nn.LayerNorm(32), "up": nn.Linear(32, 48),
+                            "odd": nn.Linear(33, 37)})
+    module.register_parameter("strided", nn.Parameter(torch.empty(24, 40).t()))
+    return module.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dummy_weights_are_drawn_in_the_parameters_dtype(dtype: torch.dtype) -> None:
+    """A 16-bit module's dummy draw allocates nothing (no float32 temporary, no cast copy),
+    keeps the float32 draw's rules (each value is the float32 draw's, rounded, while every
+    size so far was a multiple of 16; ones and zeros for norms and biases) and is the same for
+    the same seed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    drawn, plain = _mixed(dtype), _mixed(torch.float32)
+    del drawn.strided  # the strided view is the one parameter that needs a temporary
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        init_dummy_weights(drawn, seed=3)
+    assert [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0] == []
+    del plain.strided
+    init_dummy_weights(plain, seed=3)
+    assert {p.dtype for p in drawn.parameters()} == {dtype}
+    for name in ("proj.weight", "up.weight"):  # sizes multiples of 16: the same stream as float32
+        assert torch.equal(drawn.get_parameter(name), plain.get_parameter(name).to(dtype)), name
+    odd, odd_plain = drawn.odd.weight.flatten(), plain.odd.weight.flatten()
+    assert torch.equal(odd[:-16], odd_plain[:-16].to(dtype))  # its last 16 redrawn, as documented
+    assert 0.015 < odd.float().std().item() < 0.025
+    assert torch.equal(drawn.norm.weight, torch.ones(32, dtype=dtype))
+    assert all(not m.bias.any() for m in drawn.values())
+    again, same, other = _mixed(dtype), _mixed(dtype), _mixed(dtype)
+    for module, seed in ((again, 3), (same, 3), (other, 4)):
+        init_dummy_weights(module, seed=seed)
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), same.parameters(), strict=True))
+    assert not torch.equal(again.proj.weight, other.proj.weight)
+    strided = again.strided  # drawn contiguous in its dtype, then copied into the view
+    assert strided.dtype == dtype and not strided.is_contiguous()
+    assert 0.015 < strided.float().std().item() < 0.025

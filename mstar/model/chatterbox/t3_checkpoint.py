@@ -33,7 +33,7 @@ from mstar.model.chatterbox.text import (
     normalize_punctuation,
     t3_text_ids,
 )
-from mstar.model.weights import fill_weights
+from mstar.model.weights import building, fill_weights
 
 TEXT_FILES = {
     "english": "tokenizer.json",
@@ -71,9 +71,10 @@ def _tensors(path: Path):
 
 def load_t3(directory: str | Path | None, config: T3Config, *, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32, dummy: bool = False, seed: int = 0) -> T3:
-    """``T3(config)`` on ``device`` in ``dtype``, filled from the variant's released file in
-    ``directory`` or, with ``dummy``, with seeded random weights of the real shapes."""
-    with torch.device(device):
+    """``T3(config)`` on ``device`` in ``dtype`` (built in it: no float32 copy is held), filled
+    from the variant's released file in ``directory`` (cast as the tensors are copied in) or,
+    with ``dummy``, with seeded random weights of the real shapes."""
+    with building(device, dtype):
         model = T3(config)
     path = None if dummy else t3_file(directory, config.variant)
     fill_weights(model, lambda: _tensors(path), dummy=dummy, seed=seed, name_map=t3_name_map)
@@ -81,7 +82,7 @@ def load_t3(directory: str | Path | None, config: T3Config, *, device: torch.dev
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):
                 torch.nn.init.ones_(module.weight)
-    return model.to(dtype)
+    return model
 
 
 class T3TextFront:

@@ -30,7 +30,7 @@ import torch
 from mstar.model.kokoro.config import KokoroConfig
 from mstar.model.kokoro.modeling import KokoroModel
 from mstar.model.vocoder import fold_weight_norm
-from mstar.model.weights import WeightLoadError, fill_weights, load_weights, resolve_model_path
+from mstar.model.weights import WeightLoadError, building, fill_weights, load_weights, resolve_model_path
 
 __all__ = ["KOKORO_MODULES", "KokoroCheckpoint", "dummy_config", "dummy_model", "load_kokoro_state", "released_tensors"]
 
@@ -96,20 +96,22 @@ class KokoroCheckpoint:
 
     def load_model(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
                    config: KokoroConfig | None = None) -> KokoroModel:
-        """The model with the checkpoint's weights (coverage checked), in eval mode."""
-        with torch.device(device):
+        """The model with the checkpoint's weights (coverage checked), in eval mode; built on
+        ``device`` in ``dtype`` at once, the weights cast as they are copied in."""
+        with building(device, dtype):
             model = KokoroModel(config or self.config())
         state = torch.load(self.weights_file(), map_location=device, weights_only=True)
         load_kokoro_state(model, state)
-        return model.eval().to(dtype)
+        return model.eval()
 
 
 def dummy_model(config: KokoroConfig, device: torch.device | str = "cpu", seed: int = 0,
                 dtype: torch.dtype = torch.float32) -> KokoroModel:
-    """``config``'s model with seeded random weights (``load_format: dummy``), in eval mode."""
-    with torch.device(device):
+    """``config``'s model with seeded random weights (``load_format: dummy``), in eval mode,
+    built and drawn in ``dtype``."""
+    with building(device, dtype):
         model = KokoroModel(config)
-    return fill_weights(model, lambda: (), dummy=True, seed=seed).to(dtype)
+    return fill_weights(model, lambda: (), dummy=True, seed=seed)
 
 
 def dummy_config(overrides: dict | None = None) -> KokoroConfig:

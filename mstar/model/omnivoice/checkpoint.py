@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mstar.model.omnivoice.backbone import OmniVoiceBackbone
 from mstar.model.omnivoice.config import OmniVoiceConfig
 from mstar.model.omnivoice.modeling import Codec, OmniVoiceModel
 
@@ -138,9 +139,9 @@ class OmniVoiceCheckpoint:
     def load_codec(self, device: torch.device | str, *, dummy: bool, seed: int) -> Codec:
         """The codec, float32 (its Snake activations and long transposed-conv stacks are where
         a low precision would show); ``dummy``: ``unit_gain_weights``."""
-        from mstar.model.weights import fill_weights
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
+        with building(device, torch.float32):
             codec = Codec(self.config().codec)
         if dummy:
             unit_gain_weights(codec, seed + 1)
@@ -151,13 +152,12 @@ class OmniVoiceCheckpoint:
 
     def load_model(self, device: torch.device | str, dtype: torch.dtype, *, dummy: bool,
                    seed: int) -> OmniVoiceModel:
-        """The backbone in ``dtype`` and the codec (``load_codec``)."""
-        from mstar.model.weights import fill_weights
+        """The backbone in ``dtype``, built in it (no float32 copy is held), and the codec
+        (``load_codec``)."""
+        from mstar.model.weights import building, fill_weights
 
-        with torch.device(device):
-            model = OmniVoiceModel(self.config())
-        model.backbone.to(dtype)
-        fill_weights(model.backbone, self.backbone_tensors, dummy=dummy, seed=seed, dtype=dtype,
-                     name_map=backbone_name)
-        model.codec = self.load_codec(device, dummy=dummy, seed=seed)
-        return model.eval()
+        config = self.config()
+        with building(device, dtype):
+            backbone = OmniVoiceBackbone(config)
+        fill_weights(backbone, self.backbone_tensors, dummy=dummy, seed=seed, dtype=dtype, name_map=backbone_name)
+        return OmniVoiceModel(config, backbone, self.load_codec(device, dummy=dummy, seed=seed)).eval()

@@ -60,10 +60,12 @@ class Codec(nn.Module):
 
 class OmniVoiceModel(nn.Module):
     """``backbone`` (the release's ``model.safetensors``) and ``codec`` (its
-    ``audio_tokenizer/``)."""
+    ``audio_tokenizer/``); either made from ``config`` unless given (the checkpoint builds
+    them apart: the backbone in the deployment's dtype, the codec in float32)."""
 
-    def __init__(self, config: OmniVoiceConfig) -> None:
+    def __init__(self, config: OmniVoiceConfig, backbone: OmniVoiceBackbone | None = None,
+                 codec: Codec | None = None) -> None:
         super().__init__()
         self.config = config
-        self.backbone = OmniVoiceBackbone(config)
-        self.codec = Codec(config.codec)
+        self.backbone = backbone if backbone is not None else OmniVoiceBackbone(config)
+        self.codec = codec if codec is not None else Codec(config.codec)

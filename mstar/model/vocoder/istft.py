@@ -26,7 +26,10 @@ class ISTFT(nn.Module):
         super().__init__()
         self.n_fft = n_fft
         self.hop_length = hop_length
-        self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
+        # computed in float32 whatever the default dtype (made in bf16 it differs in the last
+        # bit), then held in the module's dtype, as a cast of a float32 build holds it
+        window = torch.hann_window(n_fft, periodic=True, dtype=torch.float32)
+        self.register_buffer("window", window.to(torch.get_default_dtype()), persistent=False)
 
     @property
     def bins(self) -> int:
