@@ -128,7 +128,8 @@ class Worker:
                 self.store.discard(item.request_id, item.chunk.var, item.chunk.drop)
         self._flush_sends()
         self._flush_emits()
-        return StepResult(self.rank, plan.plan_id, results, profile, self.stats())
+        held = {item.session.id: self.sessions.nbytes(item.session.id) for item in plan.items if item.session}
+        return StepResult(self.rank, plan.plan_id, results, profile, self.stats(), held)
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
