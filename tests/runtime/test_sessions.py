@@ -371,3 +371,61 @@ def test_a_step_result_carries_the_bytes_of_the_sessions_that_ran():
 
     result = StepResult(0, 3, session_bytes={"s": 1 << 40})
     assert decode(encode(result)) == result and decode(encode(StepResult(0, 4))).session_bytes == {}
+
+
+def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
+    """The leader's calls carry their items' sessions: the follower's engine gets a handle on
+    the follower's own store, so both keep the same state (a resume reads it on both); the
+    sessions a plan drops are dropped on the follower too."""
+    import msgspec
+    import torch
+
+    from mstar.engine.base import EngineItem
+    from mstar.runtime.lockstep import (
+        Follower,
+        LeaderEngine,
+        Message,
+        drop_followers_sessions,
+        stop_followers,
+    )
+    from tests.support.rollout import DIM, RolloutEngine
+
+    class Wire:
+        """The leader's end sends, the follower's end receives, in order (msgpack on the way)."""
+
+        def __init__(self) -> None:
+            self.queue: list = []
+
+        def send(self, message, tensors=()) -> None:
+            data = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+            self.queue.append((msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=Message),
+                               torch.cat(data) if data else torch.empty(0, dtype=torch.uint8)))
+
+        def recv(self):
+            return self.queue.pop(0)
+
+    wire, store = Wire(), SessionStore()
+    leader = {"roll": LeaderEngine("roll", RolloutEngine(), wire)}
+    follower = Follower(1, wire, {"roll": RolloutEngine()})
+    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))
+
+    def step(request_id: str, session_id: str, resume: bool, i: int) -> None:
+        handle = SessionHandle(store, session_id, "roll", resume)
+        leader["roll"].run([EngineItem(request_id, "step", i, {"controls": x}, {}, session=handle)])
+
+    def follow() -> None:
+        stop_followers(leader)
+        follower.run()
+
+    step("r1", "s", False, 0)
+    step("r1", "s", False, 1)
+    step("t1", "t", False, 0)
+    leader["roll"].release("r1")
+    step("r2", "s", True, 2)  # a resume: both go on from their kept trail
+    follow()
+    for session_id, steps in (("s", 3), ("t", 1)):
+        ours, theirs = store.get(session_id, "roll"), follower.sessions.get(session_id, "roll")
+        assert theirs is not None and len(theirs.frames) == steps and torch.equal(theirs.frames, ours.frames)
+    drop_followers_sessions(leader, ["s"])
+    follow()
+    assert follower.sessions.sessions == ["t"]
