@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -105,8 +105,12 @@ class DeploymentConfig(_Strict):
     request_timeout_s: float | None = Field(None, gt=0)
     stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can
     # Sessions (``mstar.runtime.sessions``): idle sessions kept per deployment (the least
-    # recently used past it are evicted), and the cap on a request's ``session_timeout_s``.
+    # recently used past it are evicted), the bytes their state may hold on one worker rank
+    # (an int or "4GiB", "512MB"; None: no byte bound; past it the least recently used holding
+    # bytes there are evicted, and a session over it by itself is not kept), and the cap on a
+    # request's ``session_timeout_s``.
     session_store_size: int = Field(16, ge=1)
+    session_store_bytes: ByteSize | None = Field(None, gt=0)
     session_timeout_max_s: float = Field(3600.0, gt=0)
     # The models of a many-model deployment (``voice_agent``), by part name; their nodes are
     # named ``<part>/<node>`` in node_groups. Only such a deployment takes it.

@@ -144,7 +144,7 @@ def _start_replica(config: DeploymentConfig, spec: ModelSpec, graph, placement, 
         log.info("starting %d worker process(es)", num_ranks)
         pool = ProcessWorkers(config_data, num_ranks, config.tensor_comm_protocol, frontend,
                               split_groups=placement.split_groups())
-    sessions = SessionBook(config.session_store_size, config.session_timeout_max_s)
+    sessions = SessionBook(config.session_store_size, config.session_timeout_max_s, config.session_store_bytes)
     return Runtime(conductor, placement, pool, frontend, log_stats=log_stats, max_queue_size=config.queue_limit,
                    sessions=sessions)
 

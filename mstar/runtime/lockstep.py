@@ -8,6 +8,13 @@ are wrapped in ``LeaderEngine``, which hands each call to the followers over a `
 before making it; a follower's loop (``Follower.run``) does nothing else: it owns no other
 node, receives no plans and sends nothing to the frontend.
 
+Sessions: a follower keeps its own shard of a session's state (a kv rollout's committed
+keys and values of its heads) in a ``SessionStore`` of its own. An item's session travels
+with the call (its id and ``resume``), so the follower's engine gets a handle on that store
+and takes the same path as the leader's (a resume reads the kept state; a session's last
+kv window commits, with its collectives, on every member). The sessions a plan drops are
+dropped on the followers too (``drop_followers_sessions``), before that plan's calls.
+
 ``join_world`` is what every member process does at startup, before building engines: join
 the process group of all members, then create the TP x SP groups of every split layout and
 the channel of every leader, in the same order on every member (creating a group is a
@@ -29,7 +36,8 @@ import torch.distributed as dist
 from mstar.distributed.collectives import broadcast
 from mstar.distributed.state import Group, ParallelState, build_mesh, init_distributed
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.runtime.protocol import ChunkRef
+from mstar.runtime.protocol import ChunkRef, SessionRef
+from mstar.runtime.sessions import SessionHandle, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,7 @@ class _Item(msgspec.Struct, array_like=True):
     params: dict[str, Any]
     chunk: ChunkRef | None
     inputs: list[_TensorMeta]  # their bytes follow the message, in this order
+    session: SessionRef | None = None  # the follower's engine gets a handle on its own store
 
 
 class Run(msgspec.Struct, tag=True):
@@ -66,11 +75,15 @@ class Release(msgspec.Struct, tag=True):
     request_id: str
 
 
+class DropSessions(msgspec.Struct, tag=True):
+    session_ids: list[str]
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Message = Run | Release | Stop
+Message = Run | Release | DropSessions | Stop
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -109,15 +122,17 @@ def encode_run(node: str, items: list[EngineItem]) -> tuple[Run, list[torch.Tens
     metas, tensors = [], []
     for item in items:
         ports = sorted(item.inputs)
+        session = None if item.session is None else SessionRef(item.session.session_id, item.session.resume)
         metas.append(_Item(item.request_id, item.op, item.iteration, item.params, item.chunk,
                            [_TensorMeta(p, str(item.inputs[p].dtype).removeprefix("torch."),
-                                        list(item.inputs[p].shape)) for p in ports]))
+                                        list(item.inputs[p].shape)) for p in ports], session))
         tensors += [item.inputs[p] for p in ports]
     return Run(node, metas), tensors
 
 
-def decode_run(message: Run, data: torch.Tensor) -> list[EngineItem]:
-    """The items of a ``Run`` message, their tensors cut from ``data`` (on the CPU)."""
+def decode_run(message: Run, data: torch.Tensor, sessions: SessionStore | None = None) -> list[EngineItem]:
+    """The items of a ``Run`` message, their tensors cut from ``data`` (on the CPU); an item
+    of a session gets a handle on ``sessions`` (the follower's own store)."""
     items, offset = [], 0
     for meta in message.items:
         inputs = {}
@@ -128,7 +143,9 @@ def decode_run(message: Run, data: torch.Tensor) -> list[EngineItem]:
                 size *= dim
             inputs[t.port] = data[offset:offset + size].clone().view(dtype).reshape(t.shape)
             offset += size
-        items.append(EngineItem(meta.request_id, meta.op, meta.iteration, inputs, meta.params, meta.chunk))
+        session = None if meta.session is None or sessions is None else \
+            SessionHandle(sessions, meta.session.id, message.node, meta.session.resume)
+        items.append(EngineItem(meta.request_id, meta.op, meta.iteration, inputs, meta.params, meta.chunk, session))
     return items
 
 
@@ -160,6 +177,7 @@ class Follower:
         self.rank = rank
         self.channel = channel
         self.engines = engines
+        self.sessions = SessionStore()  # its shard of the sessions' state, as the leader's worker keeps its own
 
     def run(self) -> None:
         """Returns on ``Stop``; raises when the leader's process is gone."""
@@ -167,6 +185,10 @@ class Follower:
             message, data = self.channel.recv()
             if isinstance(message, Stop):
                 return
+            if isinstance(message, DropSessions):
+                for session_id in message.session_ids:
+                    self.sessions.drop(session_id)
+                continue
             engine = self.engines.get(message.node)
             if engine is None:  # a node of another group this leader runs
                 continue
@@ -174,7 +196,7 @@ class Follower:
                 if isinstance(message, Release):
                     engine.release(message.request_id)
                 else:
-                    engine.run(decode_run(message, data))
+                    engine.run(decode_run(message, data, self.sessions))
             except Exception as err:  # the leader fails the same way, and reports it
                 log.warning("rank %d: %s failed in lockstep with its leader: %s", self.rank, message.node, err)
 
@@ -183,10 +205,22 @@ class Follower:
                 for name, value in engine.stats().items()}
 
 
+def _led_channels(engines: dict[str, Engine]) -> list[Channel]:
+    """The channels of the groups these engines lead, each once."""
+    return list({id(e.channel): e.channel for e in engines.values() if isinstance(e, LeaderEngine)}.values())
+
+
 def stop_followers(engines: dict[str, Engine]) -> None:
     """Tell the followers of every group these engines lead to end their loops."""
-    for channel in {id(e.channel): e.channel for e in engines.values() if isinstance(e, LeaderEngine)}.values():
+    for channel in _led_channels(engines):
         channel.send(Stop())
+
+
+def drop_followers_sessions(engines: dict[str, Engine], session_ids: list[str]) -> None:
+    """The followers of every group these engines lead free these sessions' state (sent before
+    the calls of the plan that dropped them, so a fresh start under an old name finds none)."""
+    for channel in _led_channels(engines):
+        channel.send(DropSessions(list(session_ids)))
 
 
 # ----------------------------------------------------------------- startup

@@ -93,6 +93,9 @@ class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     results: list[ItemResult] = []
     profile: dict[str, float] = {}  # node -> seconds spent in this plan
     gauges: dict[str, float] = {}  # "node.stat" -> value after the plan (KV pages in use, ...)
+    # session -> the bytes its kept state holds on this rank after the plan, for every session
+    # whose items ran in it (the frontend's book weighs idle sessions against session_store_bytes)
+    session_bytes: dict[str, int] = {}
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):

@@ -340,6 +340,8 @@ class Runtime:
                     if isinstance(event, StepResult):
                         if event.gauges:
                             self.rank_gauges[event.rank] = dict(event.gauges)
+                        for session_id, nbytes in event.session_bytes.items():  # before its request can finish
+                            self.sessions.note_bytes(session_id, event.rank, nbytes)
                         self._settle_emits(event)
                         self.conductor.on_result(event)
                     elif isinstance(event, WorkerFailed):

@@ -22,20 +22,33 @@ Where the bookkeeping lives:
 
 The book counts idle sessions against ``session_store_size`` (a busy one is never evicted)
 and keeps an idle one ``session_timeout_s`` seconds after its request finished (capped at
-``session_timeout_max_s``). A session can be pinned (``/generate/ws`` pins its socket's
-session while the socket is open): pinned, it is neither evicted nor expired between its
-requests, and the other idle sessions are evicted first. A request that fails or is cancelled ends its session: its
-state may be half-written, and resuming it would continue from that.
+``session_timeout_max_s``). With ``session_store_bytes`` it bounds their bytes too, per worker
+rank (device memory is per device): each ``StepResult`` carries, for every session whose items
+ran in the plan, the bytes its state holds on that rank now (``SessionStore.nbytes``), and when
+a request finishes, the least recently used idle sessions holding bytes on a rank whose idle
+sessions hold more than the budget are evicted until none does. A session that alone holds
+more than the budget on a rank is not kept at all: it is evicted as its request finishes
+(its outputs were delivered; its next resume gets 410), before any other is. A split group's
+followers hold their own shard of the same size as the leader's (heads divide evenly), so
+the leader's report stands for each of them.
+
+A session can be pinned (``/generate/ws`` pins its socket's session while the socket is
+open): pinned, it is neither evicted nor expired between its requests, and the other idle
+sessions are evicted first. A request that fails or is cancelled ends its session: its state
+may be half-written, and resuming it would continue from that.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.contract import RequestError, SessionSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,15 +58,18 @@ class _Session:
     busy: bool = True
     ending: bool = False  # drop it when its request finishes (end_session, or lost meanwhile)
     expires_at: float | None = None  # set while idle
+    held: dict[int, int] = field(default_factory=dict)  # rank -> bytes its state holds there (as last reported)
 
 
 class SessionBook:
     """The frontend's record of the deployment's sessions (thread-safe: the client threads
-    submit, the conductor and emit threads finish). ``now`` is passed in (monotonic seconds)."""
+    submit, the conductor and emit threads finish). ``now`` is passed in (monotonic seconds).
+    ``store_bytes``: the most bytes idle sessions may hold on one worker rank (None: no bound)."""
 
-    def __init__(self, store_size: int, timeout_max_s: float):
+    def __init__(self, store_size: int, timeout_max_s: float, store_bytes: int | None = None):
         self.store_size = store_size
         self.timeout_max_s = timeout_max_s
+        self.store_bytes = store_bytes
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # idle ones least recently used first
         self._pinned: Counter[str] = Counter()  # session -> the pins on it (two sockets may name one)
         self._lock = threading.Lock()
@@ -76,15 +92,18 @@ class SessionBook:
                                                  "evicted; start it again without resume_session", 410)
             if known is not None and not spec.resume:
                 drops.append(spec.session_id)  # a fresh start under a used name: the old state goes
-            previous = known.ranks if known is not None and spec.resume else frozenset()
-            self._sessions[spec.session_id] = _Session(ranks | previous, timeout)
+            session = _Session(ranks, timeout)
+            if known is not None and spec.resume:  # its state stays: the ranks it ran on, the bytes it holds
+                session.ranks, session.held = ranks | known.ranks, dict(known.held)
+            self._sessions[spec.session_id] = session
             self._sessions.move_to_end(spec.session_id)
             return drops
 
     def finish(self, session_id: str, *, keep: bool, now: float) -> list[str]:
         """Its request ended (``keep``: normally, and the client did not end the session).
-        Returns the sessions to drop: this one unless kept, and the least recently used idle
-        ones past ``store_size``."""
+        Returns the sessions to drop: this one unless kept (or, unpinned, alone over
+        ``store_bytes`` on a rank), and the least recently used idle ones past ``store_size``
+        or ``store_bytes``."""
         with self._lock:
             known = self._sessions.get(session_id)
             if known is None or not known.busy:
@@ -94,13 +113,49 @@ class SessionBook:
                 return [session_id]
             known.busy, known.expires_at = False, now + known.timeout_s
             self._sessions.move_to_end(session_id)
+            if self.store_bytes is not None and session_id not in self._pinned \
+                    and max(known.held.values(), default=0) > self.store_bytes:
+                rank, size = max(known.held.items(), key=lambda kv: kv[1])
+                log.warning("session %r holds %d bytes on rank %d, more than session_store_bytes (%d) by "
+                            "itself: not kept", session_id, size, rank, self.store_bytes)
+                del self._sessions[session_id]
+                return [session_id]
             drops = []
             idle = [sid for sid, s in self._sessions.items() if not s.busy]
             evictable = [sid for sid in idle if sid not in self._pinned]
             for sid in evictable[:max(0, len(idle) - self.store_size)]:
                 del self._sessions[sid]
                 drops.append(sid)
-            return drops
+            return drops + self._evict_bytes()
+
+    def note_bytes(self, session_id: str, rank: int, nbytes: int) -> None:
+        """Worker rank ``rank`` reports the bytes the session's state holds there now (after a
+        plan that ran its items); counted against ``store_bytes`` once the session is idle."""
+        with self._lock:
+            known = self._sessions.get(session_id)
+            if known is not None:
+                known.held[rank] = nbytes
+
+    def _evict_bytes(self) -> list[str]:
+        """While the idle sessions hold more than ``store_bytes`` on some rank, evict the least
+        recently used unpinned idle session holding bytes there."""
+        if self.store_bytes is None:
+            return []
+        totals: Counter[int] = Counter()
+        idle = [(sid, s) for sid, s in self._sessions.items() if not s.busy]
+        for _, session in idle:
+            totals.update(session.held)
+        drops = []
+        for sid, session in idle:
+            over = [rank for rank, total in totals.items() if total > self.store_bytes]
+            if not over:
+                break
+            if sid in self._pinned or not any(session.held.get(rank) for rank in over):
+                continue
+            del self._sessions[sid]
+            totals.subtract(session.held)
+            drops.append(sid)
+        return drops
 
     def pin(self, session_id: str, pinned: bool = True) -> None:
         """Keep the session (once it exists) from eviction and expiry while it has a pin:
@@ -206,17 +261,26 @@ class SessionStore:
         return counts
 
     def held_bytes(self) -> dict[str, int]:
-        """Per node that ever kept state here, the bytes its kept state holds now (a tensor's
-        ``nbytes``, or the ``nbytes`` an engine's state object reports; 0 for other state)."""
+        """Per node that ever kept state here, the bytes its kept state holds now (``state_bytes``)."""
         counts = dict.fromkeys(self._nodes, 0)
         for nodes in self._state.values():
             for node, state in nodes.items():
-                size = getattr(state, "nbytes", 0)
-                counts[node] += size if isinstance(size, int) else 0
+                counts[node] += state_bytes(state)
         return counts
+
+    def nbytes(self, session_id: str) -> int:
+        """The bytes one session's state holds here, over its nodes."""
+        return sum(state_bytes(state) for state in self._state.get(session_id, {}).values())
 
     def __len__(self) -> int:
         return len(self._state)
+
+
+def state_bytes(state: Any) -> int:
+    """A kept state's bytes: a tensor's ``nbytes``, or the ``nbytes`` an engine's state object
+    reports; 0 for other state."""
+    size = getattr(state, "nbytes", 0)
+    return size if isinstance(size, int) else 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from mstar.contract import RequestError
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.runtime.lockstep import drop_followers_sessions
 from mstar.runtime.protocol import (
     EMIT_STACKED,
     ItemResult,
@@ -106,6 +107,8 @@ class Worker:
             self._release(request_id)
         for session_id in plan.drop_sessions:
             self.sessions.drop(session_id)
+        if plan.drop_sessions:  # a split group's followers keep their shards of the state
+            drop_followers_sessions(self.engines, plan.drop_sessions)
         for item in plan.items:
             if item.params is not None:
                 self.params[item.request_id] = item.params
@@ -128,7 +131,8 @@ class Worker:
                 self.store.discard(item.request_id, item.chunk.var, item.chunk.drop)
         self._flush_sends()
         self._flush_emits()
-        return StepResult(self.rank, plan.plan_id, results, profile, self.stats())
+        held = {item.session.id: self.sessions.nbytes(item.session.id) for item in plan.items if item.session}
+        return StepResult(self.rank, plan.plan_id, results, profile, self.stats(), held)
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]

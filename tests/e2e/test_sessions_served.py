@@ -4,7 +4,8 @@ httpx's ASGI transport and an ASGI WebSocket client (tests/support/asgi_ws.py).
 
 /generate: a resumed session continues bit-identically to an uninterrupted run; a second
 request on a busy session gets 409; resuming an unknown, ended, expired or evicted session
-gets 410; the state of an ended, expired or evicted session is gone from the worker.
+gets 410; the state of an ended, expired or evicted session is gone from the worker; with
+``session_store_bytes`` the least recently used idle sessions past it are evicted.
 /generate/ws: 50 control messages give 50 outputs in order (equal to the reference), 8
 concurrent sockets equal their solo runs, a client that stops reading is closed with 4008
 and its session freed, malformed messages get an error naming the field.
@@ -160,6 +161,33 @@ def test_metrics_count_sessions(served):
     wait_until(lambda: d.runtime.sessions.open == 0 and not worker_sessions(d), "the session is gone")
     frames(asyncio.run(post(app, controls(1))))  # a plan after the drop carries the rank's gauges
     wait_until(lambda: d.runtime.gauges().get("rank0.roll.sessions_held") == 0.0, "the worker reports none")
+
+
+def test_idle_session_bytes_past_session_store_bytes_are_evicted():
+    """A deployment with ``session_store_bytes: 100``: each kept frame is 16 bytes (``Trail``).
+    The worker reports each session's bytes with its steps; a third session past 100 bytes evicts
+    the least recently used one (410 on resume, freed on the worker), and a session of 112 bytes
+    by itself is served but not kept."""
+    frame = 4 * DIM
+    with deployed({"model": "toy_rollout", "session_store_bytes": 100, "session_timeout_max_s": 60}) as d:
+        app = create_app(d.backend)
+        sizes = {"w1": 3, "w2": 2}
+        for name, steps in sizes.items():
+            frames(asyncio.run(post(app, controls(steps), session_id=name)))
+        wait_until(lambda: worker_sessions(d) == {"w1", "w2"}, "the worker holds both sessions")
+        assert d.runtime.gauges()["rank0.roll.session_bytes"] == 5 * frame  # 80 bytes: within the budget
+        frames(asyncio.run(post(app, controls(2), session_id="w3")))  # 112 bytes: w1 is the least recent
+        wait_until(lambda: worker_sessions(d) == {"w2", "w3"}, "w1 is evicted on the worker")
+        gone = asyncio.run(post(app, controls(1), session_id="w1", resume_session=True))
+        assert gone.status_code == 410 and "'w1'" in gone.json()["error"]["message"]
+        ctrl = controls(2) + controls(1, seed=5)  # w2 was kept whole: its resume goes on from it
+        resumed = frames(asyncio.run(post(app, ctrl[2:], session_id="w2", resume_session=True)))
+        np.testing.assert_array_equal(resumed, rollout.reference(ctrl)[2:])
+        big = frames(asyncio.run(post(app, controls(7, seed=2), session_id="big")))  # 112 bytes alone
+        np.testing.assert_array_equal(big, rollout.reference(controls(7, seed=2)))  # served in full
+        wait_until(lambda: d.runtime.sessions.open == 2 and idle(d), "the oversized session is dropped")
+        assert asyncio.run(post(app, controls(1), session_id="big", resume_session=True)).status_code == 410
+        wait_until(lambda: worker_sessions(d) == {"w2", "w3"}, "only the kept sessions are held on the worker")
 
 
 async def scrape(app) -> str:

@@ -1,11 +1,15 @@
 """The session bookkeeping (``mstar.runtime.sessions``) with an injected clock: 409 for a
 busy session, 410 for a gone one, LRU eviction of idle sessions only, expiry, end, pins, a
-restarted rank; the worker's store and the handle engines see; and the conductor sending a
-session's drop on every live rank ahead of the items of the same plan."""
+restarted rank; ``session_store_bytes``: per-rank byte budgets over idle sessions (a property
+test replays random runs), a session over it by itself not kept; the worker's store and the
+handle engines see; and the conductor sending a session's drop on every live rank ahead of the
+items of the same plan."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mstar.contract import RequestError, SessionSpec
 from mstar.runtime.conductor import Conductor, RequestSpec
@@ -237,3 +241,191 @@ def test_the_session_fields_cross_the_wire():
     plan = StepPlan(7, [item], ["old-request"], ["old-session"])
     assert decode(encode(plan)) == plan
     assert decode(encode(StepPlan(8))).drop_sessions == []
+
+
+# ------------------------------------------------------------- session_store_bytes
+def ran(book: SessionBook, name: str, now: float, held: dict[int, int], **fields) -> list[str]:
+    """A request of session ``name`` on the ranks of ``held``, which report those bytes; it finishes
+    at ``now``: the sessions the book drops then."""
+    book.begin(SessionSpec(name, **fields), frozenset(held), now)
+    for rank, nbytes in held.items():
+        book.note_bytes(name, rank, nbytes)
+    return book.finish(name, keep=True, now=now)
+
+
+def test_without_a_byte_budget_bytes_evict_nothing():
+    book = SessionBook(store_size=8, timeout_max_s=100)
+    assert [ran(book, name, t, {0: 10 ** 12}) for t, name in enumerate("abc")] == [[], [], []]
+    assert book.open == 3
+
+
+def test_idle_bytes_past_the_budget_evict_the_least_recently_used_on_that_rank():
+    book = SessionBook(store_size=8, timeout_max_s=100, store_bytes=100)
+    assert ran(book, "a", 0, {0: 40}) == []
+    assert ran(book, "other", 1, {1: 90}) == []  # rank 1's bytes: rank 0's budget is its own
+    assert ran(book, "b", 2, {0: 40}) == []
+    book.begin(SessionSpec("busy"), R0, 3)
+    book.note_bytes("busy", 0, 500)  # in flight: neither counted nor evicted
+    assert ran(book, "c", 4, {0: 40}) == ["a"]  # 120 on rank 0: a is the least recently used there
+    assert "other" in book and "busy" in book
+    assert ran(book, "b", 5, {0: 50}, resume=True) == []  # 90: b grew by 10 and is now the most recent
+    assert ran(book, "d", 6, {0: 20}) == ["c"]  # 110: c (40) goes before b
+    assert book.finish("busy", keep=True, now=7) == ["busy"]  # 500 alone: over by itself
+
+
+def test_a_session_over_the_budget_by_itself_is_not_kept_and_evicts_nothing_else():
+    book = SessionBook(store_size=8, timeout_max_s=100, store_bytes=100)
+    ran(book, "a", 0, {0: 60})
+    ran(book, "b", 1, {1: 60})
+    assert ran(book, "huge", 2, {0: 10, 1: 101}) == ["huge"]
+    assert "a" in book and "b" in book and "huge" not in book
+    with pytest.raises(RequestError) as err:
+        started(book, "huge", 3, resume=True)
+    assert err.value.status == 410 and "'huge'" in err.value.message
+
+
+def test_a_resume_keeps_the_bytes_its_state_holds_on_ranks_it_did_not_run_on():
+    book = SessionBook(store_size=8, timeout_max_s=100, store_bytes=100)
+    ran(book, "a", 0, {0: 70, 1: 30})
+    ran(book, "a", 1, {1: 40}, resume=True)  # its rank-0 state is still there: 70
+    assert ran(book, "b", 2, {0: 50}) == ["a"]
+
+
+def test_pinned_sessions_count_but_are_never_evicted_for_bytes():
+    book = SessionBook(store_size=8, timeout_max_s=100, store_bytes=100)
+    book.pin("live")
+    assert ran(book, "live", 0, {0: 150}) == []  # pinned: kept even over the budget by itself
+    assert ran(book, "a", 1, {0: 1}) == ["a"]  # rank 0 is over with the pinned one alone
+    assert ran(book, "b", 2, {1: 1}) == []
+    book.pin("live", False)
+    assert ran(book, "c", 3, {0: 1}) == ["live"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(budget=st.integers(1, 100), data=st.data())
+def test_byte_eviction_keeps_every_rank_under_the_budget_least_recently_used_first(budget, data):
+    """Random sessions run (fresh or resumed), report bytes on random ranks and finish. After each
+    finish: no busy or pinned session was dropped; the finishing one is dropped alone when it is
+    over the budget by itself; every other drop, replayed in order, was the least recently used
+    unpinned idle session holding bytes on a rank then over the budget; and afterwards no rank is
+    over unless only pinned sessions hold bytes there."""
+    names = [f"s{i}" for i in range(6)]
+    pinned = set(data.draw(st.sets(st.sampled_from(names), max_size=2)))
+    book = SessionBook(store_size=100, timeout_max_s=1e9, store_bytes=budget)
+    for name in pinned:
+        book.pin(name)
+    idle: dict[str, dict[int, int]] = {}  # least recently used first
+    busy: dict[str, dict[int, int]] = {}
+    for now in range(40):
+        name = data.draw(st.sampled_from(names))
+        if name not in busy:
+            resume = name in idle and data.draw(st.booleans())
+            ranks = data.draw(st.sets(st.integers(0, 2), min_size=1, max_size=2))
+            drops = book.begin(SessionSpec(name, resume=resume), frozenset(ranks), now)
+            held = idle.pop(name, {}) if resume else {}
+            assert drops == ([name] if name in idle else [])
+            idle.pop(name, None)
+            for rank in ranks:
+                held[rank] = data.draw(st.integers(0, 60))
+                book.note_bytes(name, rank, held[rank])
+            busy[name] = held
+            continue
+        held = busy.pop(name)
+        drops = book.finish(name, keep=True, now=now)
+        if name not in pinned and max(held.values(), default=0) > budget:
+            assert drops == [name]
+            continue
+        idle[name] = held
+        assert not set(drops) & (set(busy) | pinned)
+
+        def totals() -> dict[int, int]:
+            out: dict[int, int] = {}
+            for kept in idle.values():
+                for rank, nbytes in kept.items():
+                    out[rank] = out.get(rank, 0) + nbytes
+            return out
+
+        for dropped in drops:
+            over = {rank for rank, total in totals().items() if total > budget}
+            candidates = [s for s, kept in idle.items() if s not in pinned and any(kept.get(r) for r in over)]
+            assert candidates and candidates[0] == dropped
+            del idle[dropped]
+        for rank, total in totals().items():
+            assert total <= budget or all(s in pinned for s, kept in idle.items() if kept.get(rank))
+        assert all(s in book for s in [*idle, *busy])
+
+
+def test_session_store_bytes_is_a_typed_config_key():
+    from mstar.config import ConfigError, parse_config
+
+    assert parse_config({"model": "m"}).session_store_bytes is None
+    assert parse_config({"model": "m", "session_store_bytes": 4096}).session_store_bytes == 4096
+    assert parse_config({"model": "m", "session_store_bytes": "2GiB"}).session_store_bytes == 2 << 30
+    for bad in (0, "lots"):
+        with pytest.raises(ConfigError, match="session_store_bytes"):
+            parse_config({"model": "m", "session_store_bytes": bad})
+
+
+def test_a_step_result_carries_the_bytes_of_the_sessions_that_ran():
+    from mstar.runtime.protocol import StepResult, decode, encode
+
+    result = StepResult(0, 3, session_bytes={"s": 1 << 40})
+    assert decode(encode(result)) == result and decode(encode(StepResult(0, 4))).session_bytes == {}
+
+
+def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
+    """The leader's calls carry their items' sessions: the follower's engine gets a handle on
+    the follower's own store, so both keep the same state (a resume reads it on both); the
+    sessions a plan drops are dropped on the follower too."""
+    import msgspec
+    import torch
+
+    from mstar.engine.base import EngineItem
+    from mstar.runtime.lockstep import (
+        Follower,
+        LeaderEngine,
+        Message,
+        drop_followers_sessions,
+        stop_followers,
+    )
+    from tests.support.rollout import DIM, RolloutEngine
+
+    class Wire:
+        """The leader's end sends, the follower's end receives, in order (msgpack on the way)."""
+
+        def __init__(self) -> None:
+            self.queue: list = []
+
+        def send(self, message, tensors=()) -> None:
+            data = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+            self.queue.append((msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=Message),
+                               torch.cat(data) if data else torch.empty(0, dtype=torch.uint8)))
+
+        def recv(self):
+            return self.queue.pop(0)
+
+    wire, store = Wire(), SessionStore()
+    leader = {"roll": LeaderEngine("roll", RolloutEngine(), wire)}
+    follower = Follower(1, wire, {"roll": RolloutEngine()})
+    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))
+
+    def step(request_id: str, session_id: str, resume: bool, i: int) -> None:
+        handle = SessionHandle(store, session_id, "roll", resume)
+        leader["roll"].run([EngineItem(request_id, "step", i, {"controls": x}, {}, session=handle)])
+
+    def follow() -> None:
+        stop_followers(leader)
+        follower.run()
+
+    step("r1", "s", False, 0)
+    step("r1", "s", False, 1)
+    step("t1", "t", False, 0)
+    leader["roll"].release("r1")
+    step("r2", "s", True, 2)  # a resume: both go on from their kept trail
+    follow()
+    for session_id, steps in (("s", 3), ("t", 1)):
+        ours, theirs = store.get(session_id, "roll"), follower.sessions.get(session_id, "roll")
+        assert theirs is not None and len(theirs.frames) == steps and torch.equal(theirs.frames, ours.frames)
+    drop_followers_sessions(leader, ["s"])
+    follow()
+    assert follower.sessions.sessions == ["t"]

@@ -6,14 +6,17 @@ Loop runs one step per control, and each step updates a running state and emits 
 output depends on everything the session has seen, so a resumed session matches an
 uninterrupted run of the same controls only if its state was kept exactly.
 
-The engine keeps the state in the session's store (``item.session.put``) after every step
-and starts a request from it (``item.session.get``); without a session it starts from
-zeros. ``gate``: a test may clear it to hold every step (a request in flight).
+The engine keeps the session's state in its store (``item.session.put``) after every step:
+every frame the session has made (a ``Trail``, the last frame being the running state), so
+it grows by ``4 * DIM`` bytes a step as a rolling cache would (``session_store_bytes``
+weighs it); a request starts from it (``item.session.get``), without a session from zeros.
+``gate``: a test may clear it to hold every step (a request in flight).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,6 +47,17 @@ def reference(controls: list[list[float]]) -> np.ndarray:
     return torch.stack(out).numpy()
 
 
+@dataclass(frozen=True)
+class Trail:
+    """A session's kept state: its frames so far ``[t, DIM]``; ``frames[-1]`` is the running state."""
+
+    frames: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.frames.nbytes
+
+
 class RolloutEngine(Engine):
     def __init__(self) -> None:
         self.w, self.u, self.b = weights()
@@ -57,15 +71,16 @@ class RolloutEngine(Engine):
         outputs = []
         for item in items:
             state = self.live.get(item.request_id)
+            kept = item.session.get() if item.session is not None else None
             if state is None:
-                kept = item.session.get() if item.session is not None else None
-                state = kept if kept is not None else (torch.zeros(DIM), 0)
+                state = (kept.frames[-1], len(kept.frames)) if kept is not None else (torch.zeros(DIM), 0)
             h, t = state
             x = item.inputs["controls"][item.iteration]
             h = torch.tanh(self.w @ h + self.u @ x + self.b * t)
             self.live[item.request_id] = (h, t + 1)
             if item.session is not None:
-                item.session.put((h.clone(), t + 1))
+                before = kept.frames if kept is not None else torch.zeros(0, DIM)
+                item.session.put(Trail(torch.cat([before, h[None]])))
             outputs.append(EngineOutput({"frame": h.clone()}))
         return outputs
 

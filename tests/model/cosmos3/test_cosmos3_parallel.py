@@ -14,7 +14,12 @@ TP=2 and SP=2 likewise, and a Nano-style one (8 heads, 4 KV heads) on a TP=2 x S
 processes (27 rows: uneven slices). Through the runtime, with the ``dit`` node over two worker processes
 (``sp_size: 2``, then ``tp_size: 2``), a guided text-to-video request with sound and an unguided
 one sharing its forwards give the one-rank deployment's frames within one uint8 level (measured
-0) and its PCM within four 16-bit steps (measured 1). The split limits are declared for the
+0) and its PCM within four 16-bit steps (measured 1). ``window_mode: kv`` on the engine, at TP=2
+and SP=2: a guided 2-window rollout in a session beside an unguided one without (27 rows a
+step), then a 1-window resume of the session, give every step's latents within 1e-5 of one rank
+(measured 2e-6) and each rank's committed K/V its KV heads' slice of the one-rank cache (3e-6);
+through the runtime at ``tp_size: 2`` a kv session's opening and resume give the one-rank
+frames within one uint8 level (measured 1). The split limits are declared for the
 startup checks (a split that does not divide the KV heads is refused naming the key; the Edge
 reasoner is never split) and the two-GPU Super config places.
 """
@@ -192,6 +197,91 @@ def test_denoise_at_tp2_and_sp2_equals_one_rank(both, edge_tower):
     assert "sound_latents" in first["policy"] and "sound_latents" not in first["t2v"]
 
 
+def kv_rollouts(root: Path, state: ParallelState) -> dict:
+    """``window_mode: kv`` on the ``dit`` engine built under ``state``: a guided 2-window rollout
+    ``world`` (3x5 latents: 12 rows a guidance row) in a session, so its last window commits too,
+    beside an unguided 2-window one without a session (3 latent frames of 2x2: 3 rows, keeping 1
+    committed frame), 27 rows a step; then a 1-window resume of the session. Every step's latents
+    per request, the session's committed K/V after the opening and after the resume, and the other
+    rollout's after its first window."""
+    from mstar.runtime.sessions import SessionHandle, SessionStore
+
+    with use_parallel(state):
+        engine = spec(root).build_engines({"dit"}, torch.device("cpu"))["dit"]
+    store = SessionStore()
+    g = torch.Generator().manual_seed(11)
+    world = {"prompt_ids": torch.randint(0, 60, (9,), generator=g), "negative_ids": torch.randint(0, 60, (6,),
+                                                                                                  generator=g)}
+    other = {"prompt_ids": torch.randint(0, 60, (7,), generator=g)}
+    noise = {"world": torch.randn(3, 4, 2, 3, 5, generator=g), "other": torch.randn(2, 4, 3, 2, 2, generator=g)}
+    base = {"num_steps": STEPS, "fps": 24.0, "window_mode": "kv"}
+    jobs = {"world": (world, {**base, "guidance_scale": 4.0, "num_windows": 2, "context_latents": 0},
+                      SessionHandle(store, "world", "dit", resume=False)),
+            "other": (other, {**base, "num_windows": 2, "context_latents": 1}, None)}
+    steps, caches = [], {}
+
+    def window(w: int, jobs: dict, noise_at) -> None:
+        inputs = {rid: {**texts, "latents": noise_at(rid), "cond_latents": noise_at(rid)[:, :0]}
+                  for rid, (texts, _, _) in jobs.items()}
+        for step in range(STEPS):
+            outs = engine.run([EngineItem(rid, "step", step, dict(inputs[rid]), params, session=session)
+                               for rid, (_, params, session) in jobs.items()])
+            steps.append({rid: out.outputs["latents"] for rid, out in zip(jobs, outs)})
+            for rid, out in zip(jobs, outs):
+                inputs[rid]["latents"] = out.outputs["latents"]
+
+    def layers(kv) -> list:
+        return [[(k.clone(), v.clone()) for k, v in row] for row in kv.layers]
+
+    for w in range(2):
+        window(w, jobs, lambda rid, w=w: noise[rid][w])
+        if w == 0:
+            caches["other"] = layers(engine.committed["other"])
+    for rid in jobs:
+        engine.release(rid)
+    caches["opened"] = layers(store.get("world", "dit"))
+    resume = {"world-2": (world, {**jobs["world"][1], "num_windows": 1},
+                          SessionHandle(store, "world", "dit", resume=True))}
+    window(0, resume, lambda rid: noise["world"][2])
+    engine.release("world-2")
+    caches["resumed"] = layers(store.get("world", "dit"))
+    return {"steps": steps, "caches": caches, "frames": store.get("world", "dit").frames}
+
+
+def _kv_runs(rank: int, world: int, root: Path) -> dict:
+    return {name: kv_rollouts(root, build_mesh(range(2), tp, sp))
+            for name, (tp, sp) in {"tp=2": (2, 1), "sp=2": (1, 2)}.items()}
+
+
+def test_kv_windows_at_tp2_and_sp2_equal_one_rank(both):
+    """A ``window_mode: kv`` rollout split over two ranks (gloo): every step's latents of both
+    rollouts within 1e-5 relative of the one-rank engine's on both ranks, and each rank's
+    committed K/V (the session's after its opening and its resume, the other rollout's after
+    its first window) the one-rank cache's slice of this rank's KV heads, within 1e-5 (TP keeps
+    its heads' shard; Ulysses hands each SP rank every row of its heads' slice)."""
+    expected = kv_rollouts(both, SINGLE)
+    assert expected["frames"] == 6 and len(expected["steps"]) == 3 * STEPS
+    assert expected["caches"]["other"][0][0][0].shape[0] == 1 * 1  # one 2x2 frame (1 patch) kept
+    for rank, result in enumerate(run_ranks(_kv_runs, 2, both, timeout=90)):
+        for name, run in result.items():
+            assert run["frames"] == expected["frames"]
+            for n, (ours, ref) in enumerate(zip(run["steps"], expected["steps"], strict=True)):
+                for rid, latents in ref.items():
+                    err = rel_error(ours[rid], latents)
+                    print(f"[cosmos3 kv rank {rank}] {name} step {n} {rid}: max rel err {err:.2e}")
+                    assert err <= TOL, (rank, name, n, rid, err)
+            worst = 0.0
+            for which, cache in expected["caches"].items():
+                for row, (ours_row, ref_row) in enumerate(zip(run["caches"][which], cache, strict=True)):
+                    for layer, (ours_kv, ref_kv) in enumerate(zip(ours_row, ref_row, strict=True)):
+                        for ours, ref in zip(ours_kv, ref_kv):
+                            shard = ref.chunk(2, dim=1)[rank]
+                            assert ours.shape == shard.shape, (rank, name, which, row, layer)
+                            worst = max(worst, rel_error(ours, shard))
+            print(f"[cosmos3 kv rank {rank}] {name} committed K/V: max rel err {worst:.2e}")
+            assert worst <= TOL, (rank, name, worst)
+
+
 def _mesh_runs(rank: int, world: int, path: Path) -> list[torch.Tensor]:
     return velocities(path, build_mesh(range(4), 2, 2), MESH)
 
@@ -309,3 +399,48 @@ def test_clips_with_the_tower_over_two_worker_processes_equal_one_rank(both, one
             assert pcm.shape == pcm_ref.shape and np.abs(pcm_ref).max() > 100
             print(f"[cosmos3 {split}] pcm: max diff {np.abs(pcm - pcm_ref).max()} of {np.abs(pcm_ref).max()}")
             assert np.abs(pcm - pcm_ref).max() <= 4
+
+
+def kv_session_clips(root: Path, node_groups: list, in_process: bool) -> list[bytes]:
+    """Through a deployment of ``root`` with windowed rollouts on: a guided ``window_mode: kv``
+    opening of two windows in a session (its last window commits: the kept cache), then a
+    one-window resume reading it; each request's raw frames."""
+    from mstar.contract import GenerateSpec, SessionSpec
+    from mstar.runtime.launch import start
+
+    config = {"model": "cosmos3", "model_path": str(root), "dtype": "float32", "node_groups": node_groups,
+              "request_timeout_s": 60, "model_kwargs": {"num_inference_steps": STEPS, "enable_windowed_video": True,
+                                                         "max_video_pixels": 64 * 64 * 13}}
+    d = start(parse_config(config), in_process=in_process)
+
+    async def one(rid: str, session, frames: int) -> bytes:
+        out = b""
+        spec = GenerateSpec(rid, "a drone flies over a town", [], ["video"],
+                            {"height": 48, "width": 32, "num_frames": frames, "guidance_scale": 3.0, "seed": 4,
+                             "window_mode": "kv", "window_frames": 5}, session=session)
+        async for event in d.backend.generate(spec):
+            assert not event.error, event.error
+            out += event.data or b""
+        return out
+
+    try:
+        return [asyncio.run(one("open", SessionSpec("world"), 9)),
+                asyncio.run(one("resume", SessionSpec("world", resume=True, end=True), 5))]
+    finally:
+        d.close()
+
+
+def test_a_kv_session_with_the_tower_over_two_worker_processes_equals_one_rank(both):
+    """The split path through the runtime: with ``dit`` over two worker processes (``tp_size:
+    2``) the follower keeps its shard of the session's cache, so the opening's last window
+    commits on both ranks (it hung on the leader's collectives when the follower's items came
+    without their session) and the resume reads it on both: the frames equal the one-rank
+    deployment's within one uint8 level."""
+    groups = [{"node_names": ["vae", "sound"], "ranks": [0]}, {"node_names": ["dit"], "ranks": [0, 1], "tp_size": 2}]
+    ref = kv_session_clips(both, [], in_process=True)
+    ours = kv_session_clips(both, groups, in_process=False)
+    for name, a, b in zip(("opening", "resume"), ours, ref, strict=True):
+        frames, frames_ref = (np.frombuffer(x, np.uint8).astype(np.int16) for x in (a, b))
+        assert frames.shape == frames_ref.shape and frames_ref.std() > 1
+        print(f"[cosmos3 kv session tp=2] {name} frames: max diff {np.abs(frames - frames_ref).max()} levels")
+        assert np.abs(frames - frames_ref).max() <= 1
