@@ -5,6 +5,9 @@ VENV ?= .venv
 AGENTS_VENV ?= .venv-agents
 TORCH ?= torch==2.13.0
 PORT ?= 8000
+# pytest-xdist workers for make test / test-fast: each takes whole test files (--dist loadfile),
+# so a file's shared server fixture starts once. Two fit CI's 2 cores and 24 GiB.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: serve test test-fast lint install clean
@@ -47,11 +50,11 @@ serve: install
 	$(BIN)/mstar serve smollm2 --port $(PORT)
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: no end-to-end deployments, nothing marked slow (a few minutes on 2 cores).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not slow"
 
 lint: install
 	$(BIN)/ruff check mstar tests benchmarks examples
