@@ -232,6 +232,40 @@ def qwen3_omni(folder: Path):
     return new, old
 
 
+def qwen3_omni_dirs(folder: Path):
+    from mstar.model.qwen3_omni.checkpoint import (
+        Qwen3OmniCode2Wav,
+        Qwen3OmniCode2WavConfig,
+        Qwen3OmniTalker,
+        Qwen3OmniThinker,
+        load_code2wav,
+        load_code2wav_dir,
+        load_talker,
+        load_talker_dir,
+        load_thinker,
+        load_thinker_dir,
+    )
+    from mstar.model.weights import iter_safetensors
+    from tests.support.qwen3_omni_dir import write_checkpoint
+
+    write_checkpoint(folder)  # the released layout, real tensors: they are cast as they load
+    hf = json.loads((folder / "config.json").read_text())
+
+    def new():
+        return nn.ModuleList([load_thinker_dir(folder, BF16), load_talker_dir(folder, BF16),
+                              load_code2wav_dir(folder, BF16)])
+
+    @torch.no_grad()
+    def old():  # the helpers' former body: float32, cast, then filled with the tensors cast
+        parts = [(Qwen3OmniThinker.from_hf_dict(hf), load_thinker), (Qwen3OmniTalker.from_hf_dict(hf), load_talker),
+                 (Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(hf)), load_code2wav)]
+        for model, load in parts:
+            load(model.to(BF16), iter_safetensors(folder), dtype=BF16)
+        return nn.ModuleList([model.eval() for model, _ in parts])
+
+    return new, old
+
+
 def qwen3_asr(folder: Path):
     from mstar.model.qwen3_asr.checkpoint import Qwen3ASRCheckpoint
     from mstar.model.qwen3_asr.modeling import Qwen3ASRModel
@@ -717,10 +751,10 @@ def ltx2_5(folder: Path):
     return new, old
 
 
-FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
-                                    pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint, omnivoice, kokoro, chatterbox_t3, wan22,
-                                    cosmos3, flux2, z_image, lingbot, ltx2_5)}
+FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni,
+                                    qwen3_omni_dirs, qwen3_asr, pi05, whisper, qwen3_tts, higgs_audio, canary_qwen,
+                                    fish_s2_pro, fastconformer, canary, omniasr, vjepa2, waypoint, omnivoice, kokoro,
+                                    chatterbox_t3, wan22, cosmos3, flux2, z_image, lingbot, ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check
