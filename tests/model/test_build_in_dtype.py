@@ -25,7 +25,17 @@ T3 (``load_t3``: the English, multilingual and Turbo variants) used to fill thei
 build and cast after it (OmniVoice: cast the backbone, then fill); their old path here casts
 before the draw, as for the others, since ``init_dummy_weights`` draws in the parameter's
 dtype (a float32 draw then cast differs where a tensor's size is not a multiple of 16).
-Kokoro's iSTFT window (a Hann window computed in bf16) failed here first."""
+Kokoro's iSTFT window (a Hann window computed in bf16) failed here first.
+
+Qwen3-Omni's ``load_*_dir`` helpers (``qwen3_omni_dirs``) load a released-layout checkpoint
+with real tensors, cast as they are copied in; their old path casts the float32 build, then
+loads. CosyVoice3 (``build_parts``: the LM, and the flow with its DiT in bf16 and the rest
+float32) used to draw its float32 build and then cast in the worker (the LM's ``.to``, the
+flow's ``set_estimator_dtype``, which kept the DiT's rotary frequencies float32); its old
+path here casts before the draw. With the old build code put back, ``qwen3_omni_dirs`` failed
+here on the float32 parameters it made (its values were equal); CosyVoice3's old body failed
+on the LM's stop rows (scaled by 0.1 in float32, then cast) and, with its casts moved before
+the draw, on the float32 parameters it made."""
 
 from __future__ import annotations
 
@@ -228,6 +238,40 @@ def qwen3_omni(folder: Path):
                               _old(lambda: Qwen3OmniTalker.from_hf_dict(hf), seed=SEED + 1),
                               _old(lambda: Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(hf)),
                                    seed=SEED + 2)])
+
+    return new, old
+
+
+def qwen3_omni_dirs(folder: Path):
+    from mstar.model.qwen3_omni.checkpoint import (
+        Qwen3OmniCode2Wav,
+        Qwen3OmniCode2WavConfig,
+        Qwen3OmniTalker,
+        Qwen3OmniThinker,
+        load_code2wav,
+        load_code2wav_dir,
+        load_talker,
+        load_talker_dir,
+        load_thinker,
+        load_thinker_dir,
+    )
+    from mstar.model.weights import iter_safetensors
+    from tests.support.qwen3_omni_dir import write_checkpoint
+
+    write_checkpoint(folder)  # the released layout, real tensors: they are cast as they load
+    hf = json.loads((folder / "config.json").read_text())
+
+    def new():
+        return nn.ModuleList([load_thinker_dir(folder, BF16), load_talker_dir(folder, BF16),
+                              load_code2wav_dir(folder, BF16)])
+
+    @torch.no_grad()
+    def old():  # the helpers' former body: float32, cast, then filled with the tensors cast
+        parts = [(Qwen3OmniThinker.from_hf_dict(hf), load_thinker), (Qwen3OmniTalker.from_hf_dict(hf), load_talker),
+                 (Qwen3OmniCode2Wav(Qwen3OmniCode2WavConfig.from_hf_dict(hf)), load_code2wav)]
+        for model, load in parts:
+            load(model.to(BF16), iter_safetensors(folder), dtype=BF16)
+        return nn.ModuleList([model.eval() for model, _ in parts])
 
     return new, old
 
@@ -528,6 +572,32 @@ def chatterbox_t3(folder: Path):
     return new, old
 
 
+def cosyvoice3(folder: Path):
+    from mstar.model.cosyvoice3 import CosyVoice3Flow, SpeechLM
+    from mstar.model.cosyvoice3.serving import build_parts, tiny_configs
+
+    lm_config, flow_config, _ = tiny_configs()
+
+    def new():  # the LM and the flow's DiT in bf16, the rest of the flow float32 (HiFT float32, not here)
+        parts = build_parts(None, dummy=True, scale="tiny", seed=SEED, device=CPU, lm_dtype=BF16,
+                            estimator_dtype=BF16)
+        return nn.ModuleList([parts.lm, parts.flow])
+
+    def set_estimator_dtype(flow: nn.Module) -> nn.Module:  # the flow's former cast of its DiT
+        inv_freq = flow.estimator.rotary_inv_freq.float()
+        flow.estimator.to(BF16)
+        flow.estimator.rotary_inv_freq = inv_freq
+        return flow
+
+    @torch.no_grad()
+    def old():
+        lm = _old(lambda: SpeechLM(lm_config))
+        lm.llm_decoder.weight[lm_config.speech_token_size:] *= 0.1
+        return nn.ModuleList([lm, _old(lambda: CosyVoice3Flow(flow_config), cast=set_estimator_dtype, seed=SEED + 1)])
+
+    return new, old
+
+
 # the diffusers-layout families: each component built by DiffusersCheckpoint.load from a factory
 
 
@@ -717,10 +787,10 @@ def ltx2_5(folder: Path):
     return new, old
 
 
-FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni, qwen3_asr,
-                                    pi05, whisper, qwen3_tts, higgs_audio, canary_qwen, fish_s2_pro, fastconformer,
-                                    canary, omniasr, vjepa2, waypoint, omnivoice, kokoro, chatterbox_t3, wan22,
-                                    cosmos3, flux2, z_image, lingbot, ltx2_5)}
+FAMILIES = {f.__name__: f for f in (command_a_plus, glm52, qwen3_5, nemotron_h, llama, bagel, qwen3_omni,
+                                    qwen3_omni_dirs, qwen3_asr, pi05, whisper, qwen3_tts, higgs_audio, canary_qwen,
+                                    fish_s2_pro, fastconformer, canary, omniasr, vjepa2, waypoint, omnivoice, kokoro,
+                                    chatterbox_t3, cosyvoice3, wan22, cosmos3, flux2, z_image, lingbot, ltx2_5)}
 
 
 # ----------------------------------------------------------------------------- the check

@@ -76,15 +76,22 @@ class PreLookahead(nn.Module):
 
 
 class CosyVoice3Flow(nn.Module):
-    def __init__(self, config: FlowConfig = FlowConfig()) -> None:
+    """``estimator``: the DiT, made by the caller when it is to run in another dtype than the
+    rest of the flow (``checkpoint.build_flow``); by default made here like the rest."""
+
+    def __init__(self, config: FlowConfig = FlowConfig(), estimator: DiTEstimator | None = None) -> None:
         super().__init__()
         self.config = config
         c = config
+        if estimator is not None and estimator.config != c.dit:
+            raise ValueError("the estimator's DiTConfig is not the flow config's dit")
         self.token_embedding = nn.Embedding(c.vocab_size, c.mel_channels)
         self.speaker_proj = nn.Linear(c.speaker_dim, c.mel_channels)
         self.lookahead = PreLookahead(c.mel_channels, c.lookahead_channels, c.lookahead)
-        self.estimator = DiTEstimator(c.dit)
-        self.register_buffer("noise", noise_table(c.mel_channels), persistent=False)
+        self.estimator = estimator if estimator is not None else DiTEstimator(c.dit)
+        # drawn from a CPU generator, then placed where the module is being made
+        noise = noise_table(c.mel_channels).to(torch.get_default_device(), torch.get_default_dtype())
+        self.register_buffer("noise", noise, persistent=False)
 
     def token_features(self, tokens: torch.Tensor, finalize: bool) -> torch.Tensor:
         """``mu`` ``[B, mel, frames]`` of speech tokens ``[B, L]`` (prompt tokens first): all
@@ -121,19 +128,11 @@ class CosyVoice3Flow(nn.Module):
         mel = solve_euler(self.velocity, noise, mask, stack, c.num_steps, c.cfg_rate, streaming=streaming)
         return mel[:, :, prompt_mel.shape[1]:].float()
 
-    def set_estimator_dtype(self, dtype: torch.dtype) -> None:
-        """Run the DiT in ``dtype`` (bfloat16 serves faster) while the Euler state, the
-        conditioning and the rest of the flow keep their own precision: each velocity call casts
-        its inputs to the DiT's dtype and the velocity back. The rotary frequencies stay float32
-        (rounded to bfloat16 they would be off by up to 0.4%, an angle error that grows with the
-        position)."""
-        inv_freq = self.estimator.rotary_inv_freq.float()
-        self.estimator.to(dtype)
-        self.estimator.rotary_inv_freq = inv_freq
-
     def velocity(self, x: torch.Tensor, mask: torch.Tensor, cond_stack: torch.Tensor, t: torch.Tensor,
                  streaming: bool = False) -> torch.Tensor:
-        """The DiT's velocity in ``x``'s dtype, the DiT run in its own."""
+        """The DiT's velocity in ``x``'s dtype, the DiT run in its own (a bfloat16 DiT in a
+        float32 flow, ``checkpoint.build_flow``: the Euler state and the conditioning keep
+        float32, each call casts the inputs to the DiT's dtype and the velocity back)."""
         dtype = self.estimator.input_proj.weight.dtype
         if dtype == x.dtype:
             return self.estimator(x, mask, cond_stack, t, streaming=streaming)

@@ -198,14 +198,15 @@ class CosyVoice3(VoiceCloning, ModelSpec):
 
     # ---------------------------------------------------------------- worker
     def build_engines(self, nodes: set[str], device: torch.device):
+        cuda = device.type == "cuda"
+        estimator_dtype = torch.bfloat16 if cuda and self.knobs.flow_estimator_dtype == "bfloat16" else torch.float32
         parts = serving.build_parts(self._model_dir(), dummy=self.dummy, scale=self.knobs.dummy_scale,
-                                    seed=self.knobs.seed, device=device)
+                                    seed=self.knobs.seed, device=device,
+                                    lm_dtype=self.config.torch_dtype() if cuda else torch.float32,
+                                    estimator_dtype=estimator_dtype)
         engines = {}
         if "llm" in nodes:
-            lm = parts.lm.to(self.config.torch_dtype() if device.type == "cuda" else torch.float32)
-            engines["llm"] = decode_engine(lm, self.knobs, self.config, device, RasRules())
+            engines["llm"] = decode_engine(parts.lm, self.knobs, self.config, device, RasRules())
         if "vocoder" in nodes:
-            if device.type == "cuda" and self.knobs.flow_estimator_dtype == "bfloat16":
-                parts.flow.set_estimator_dtype(torch.bfloat16)
             engines["vocoder"] = serving.VocodeEngine(parts.flow, parts.hift, parts.lm.config.speech_token_size)
         return engines

@@ -23,6 +23,7 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.graph.chunking import Chunk, ChunkPolicy
 from mstar.model.cosyvoice3.checkpoint import (
     CosyVoice3Parts,
+    build_flow,
     load_parts,
     load_speaker_encoder,
     load_speech_tokenizer,
@@ -36,7 +37,7 @@ from mstar.model.s3gen.mel import MelConfig, log_mel
 from mstar.model.speech_front.campplus import CampPlus, CampPlusConfig
 from mstar.model.speech_front.s3_tokenizer import S3Tokenizer, S3TokenizerConfig
 from mstar.model.vocoder import HiFTConfig, HiFTGenerator
-from mstar.model.weights import init_dummy_weights
+from mstar.model.weights import building, init_dummy_weights
 
 __all__ = ["ClipEncoders", "HoldOne", "Scale", "VocodeEngine", "build_parts", "clip_prompt", "dummy_encoders",
            "released_encoders"]
@@ -81,26 +82,33 @@ def _configs(scale: Scale) -> tuple[SpeechLMConfig, FlowConfig, HiFTConfig]:
 
 
 def build_parts(model_dir: str | None, *, dummy: bool, scale: Scale = "real", seed: int = 0,
-                device: torch.device | str = "cpu") -> CosyVoice3Parts:
+                device: torch.device | str = "cpu", lm_dtype: torch.dtype = torch.float32,
+                estimator_dtype: torch.dtype = torch.float32) -> CosyVoice3Parts:
     """The LM, flow and causal HiFT: from a Fun-CosyVoice3 directory, or seeded random weights
-    at the released (``real``) or tiny shapes. The dummy LM's stop logits are scaled down, so a
-    random LM speaks for a while instead of stopping at its minimum length."""
+    at the released (``real``) or tiny shapes. The LM is made on ``device`` in ``lm_dtype``, the
+    flow in float32 with its DiT in ``estimator_dtype`` (``checkpoint.build_flow``), each in its
+    dtype at once, and the dummy weights drawn there. The dummy LM's stop logits are scaled
+    down, so a random LM speaks for a while instead of stopping at its minimum length."""
     lm_config, flow_config, hift_config = _configs(scale)
     if not dummy:
         if model_dir is None:
             raise ValueError("cosyvoice3 needs model_path (a Fun-CosyVoice3-0.5B directory)")
-        return load_parts(model_dir, flow=flow_config, hift=hift_config, device=device)
+        return load_parts(model_dir, flow=flow_config, hift=hift_config, device=device, lm_dtype=lm_dtype,
+                          estimator_dtype=estimator_dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 2)  # HiFT keeps torch's own init: 0.02-std weights would make it silent
-        hift = HiFTGenerator(hift_config)
-    parts = CosyVoice3Parts(SpeechLM(lm_config), CosyVoice3Flow(flow_config), hift)
+        hift = HiFTGenerator(hift_config)  # float32, on the CPU: torch's init draws from the CPU generator
+    with building(device, lm_dtype):
+        lm = SpeechLM(lm_config)
+    parts = CosyVoice3Parts(lm, build_flow(flow_config, device, estimator_dtype), hift)
     for i, module in enumerate((parts.lm, parts.flow)):
         init_dummy_weights(module, seed=seed + i)
     with torch.no_grad():
         parts.lm.llm_decoder.weight[lm_config.speech_token_size:] *= 0.1
         parts.hift.f0_predictor.classifier.bias.fill_(100.0)  # voiced: F0 near 100 Hz
+    parts.hift.to(device)
     for module in (parts.lm, parts.flow, parts.hift):
-        module.to(device).eval()
+        module.eval()
     return parts
 
 
@@ -283,10 +291,4 @@ def tiny_configs() -> tuple[SpeechLMConfig, FlowConfig, HiFTConfig]:
     """The tiny shapes (tests, CI)."""
     return _configs("tiny")
 
-
-def with_estimator_dtype(flow: CosyVoice3Flow, dtype: torch.dtype) -> CosyVoice3Flow:
-    """``flow`` with its DiT in ``dtype`` (see ``CosyVoice3Flow.set_estimator_dtype``)."""
-    if dtype != flow.estimator.input_proj.weight.dtype:
-        flow.set_estimator_dtype(dtype)
-    return flow
 

@@ -44,9 +44,10 @@ def noise_table(mel_channels: int = 80, frames: int = 50 * 300, seed: int = 0) -
     """The causal samplers' fixed starting noise ``[1, mel, frames]`` (300 s at 50 frames/s):
     standard normal from a CPU generator seeded with ``seed``, the values CosyVoice draws
     from the global generator right after seeding it with 0. A decode of ``T`` frames starts
-    from ``table[:, :, :T] * temperature``."""
+    from ``table[:, :, :T] * temperature``. Drawn on the CPU in float32 whatever torch's
+    default device and dtype (inside ``weights.building``)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(1, mel_channels, frames, generator=generator)
+    return torch.randn(1, mel_channels, frames, generator=generator, device="cpu", dtype=torch.float32)
 
 
 def flow_times(num_steps: int, schedule: Literal["cosine", "linear"] = "cosine") -> torch.Tensor:

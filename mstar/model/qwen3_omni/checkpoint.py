@@ -31,6 +31,7 @@ from mstar.model.qwen3_omni.vision import Qwen3OmniVisionConfig, Qwen3OmniVision
 from mstar.model.weights import iter_safetensors, load_weights
 
 THINKER = "thinker."
+CPU = torch.device("cpu")
 # what the thinker's text decoder does not load: the other components and the thinker's encoders
 NOT_TEXT = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
 
@@ -110,14 +111,9 @@ def load_code2wav(decoder: Qwen3OmniCode2Wav, tensors: Iterable[tuple[str, torch
 
 def load_code2wav_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3OmniCode2Wav:
     """Build the codec decoder from a checkpoint directory's ``config.json`` (``code2wav_config``)
-    and load its ``code2wav.`` tensors from the safetensors there."""
-    path = Path(path)
-    config = Qwen3OmniCode2WavConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    decoder = Qwen3OmniCode2Wav(config)
-    if dtype is not None:
-        decoder.to(dtype)
-    load_code2wav(decoder, iter_safetensors(path), dtype=dtype)
-    return decoder.eval()
+    on the CPU in ``dtype`` (default float32) and load its ``code2wav.`` tensors from the
+    safetensors there (``Qwen3OmniCheckpoint.code2wav``)."""
+    return _checkpoint(path).code2wav(CPU, dtype or torch.float32, dummy=False, seed=0)
 
 
 class Qwen3OmniThinker(nn.Module):
@@ -168,14 +164,10 @@ def load_thinker(thinker: Qwen3OmniThinker, tensors: Iterable[tuple[str, torch.T
 
 
 def load_thinker_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3OmniThinker:
-    """Build the thinker from a checkpoint directory's ``config.json`` and load its
-    safetensors (``model-*.safetensors``, the released layout)."""
-    path = Path(path)
-    thinker = Qwen3OmniThinker.from_hf_dict(json.loads((path / "config.json").read_text()))
-    if dtype is not None:
-        thinker.to(dtype)
-    load_thinker(thinker, iter_safetensors(path), dtype=dtype)
-    return thinker.eval()
+    """Build the thinker from a checkpoint directory's ``config.json`` on the CPU in ``dtype``
+    (default float32) and load its safetensors (``model-*.safetensors``, the released layout;
+    ``Qwen3OmniCheckpoint.thinker``)."""
+    return _checkpoint(path).thinker(CPU, dtype or torch.float32, dummy=False, seed=0)
 
 
 TALKER = "talker."
@@ -198,14 +190,14 @@ def load_talker(talker: Qwen3OmniTalker, tensors: Iterable[tuple[str, torch.Tens
 
 
 def load_talker_dir(path: str | Path, dtype: torch.dtype | None = None) -> Qwen3OmniTalker:
-    """Build the talker from a checkpoint directory's ``config.json`` (``talker_config``) and
-    load its safetensors."""
-    path = Path(path)
-    talker = Qwen3OmniTalker.from_hf_dict(json.loads((path / "config.json").read_text()))
-    if dtype is not None:
-        talker.to(dtype)
-    load_talker(talker, iter_safetensors(path), dtype=dtype)
-    return talker.eval()
+    """Build the talker from a checkpoint directory's ``config.json`` (``talker_config``) on the
+    CPU in ``dtype`` (default float32) and load its safetensors (``Qwen3OmniCheckpoint.talker``)."""
+    return _checkpoint(path).talker(CPU, dtype or torch.float32, dummy=False, seed=0)
+
+
+def _checkpoint(path: str | Path) -> Qwen3OmniCheckpoint:
+    """The directory ``path`` as a checkpoint (the ``load_*_dir`` helpers: no hub lookup)."""
+    return Qwen3OmniCheckpoint(Path(path))
 
 
 # what a dummy deployment reads of a hub checkpoint: its configs and tokenizer, not its weights
