@@ -369,8 +369,10 @@ def test_session_store_bytes_is_a_typed_config_key():
 def test_a_step_result_carries_the_bytes_of_the_sessions_that_ran():
     from mstar.runtime.protocol import StepResult, decode, encode
 
-    result = StepResult(0, 3, session_bytes={"s": 1 << 40})
+    result = StepResult(0, 3, session_bytes={"s": 1 << 40}, follower_session_bytes={1: {"s": 1 << 39}},
+                        follower_gauges={1: {"dit.session_bytes": 2.0 ** 39}})
     assert decode(encode(result)) == result and decode(encode(StepResult(0, 4))).session_bytes == {}
+    assert decode(encode(StepResult(0, 4))).follower_session_bytes == {}
 
 
 def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
@@ -391,10 +393,21 @@ def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
     from tests.support.rollout import DIM, RolloutEngine
 
     class Wire:
-        """The leader's end sends, the follower's end receives, in order (msgpack on the way)."""
+        """The leader's end sends, the follower's end receives, in order (msgpack on the way).
+        One process plays both ends one after the other, so the follower's answers are kept
+        (``answers``) and the leader's gather finds none (tests/distributed/
+        test_lockstep_sessions.py has the two ends answer each other)."""
 
         def __init__(self) -> None:
             self.queue: list = []
+            self.reports: dict = {}
+            self.answers: list[list[int]] = []
+
+        def answer(self, values) -> None:
+            self.answers.append(list(values))
+
+        def gather(self, count: int) -> dict:
+            return {}
 
         def send(self, message, tensors=()) -> None:
             data = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -426,6 +439,11 @@ def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
     for session_id, steps in (("s", 3), ("t", 1)):
         ours, theirs = store.get(session_id, "roll"), follower.sessions.get(session_id, "roll")
         assert theirs is not None and len(theirs.frames) == steps and torch.equal(theirs.frames, ours.frames)
+    # it answered each call with a session: the bytes of its sessions, then the node's gauges
+    frame = DIM * 4
+    assert wire.answers == [[frame, 1, frame], [2 * frame, 1, 2 * frame], [frame, 2, 3 * frame],
+                            [3 * frame, 2, 4 * frame]]
     drop_followers_sessions(leader, ["s"])
     follow()
     assert follower.sessions.sessions == ["t"]
+    assert wire.answers[-1] == [1, frame]  # the drop's: the node's gauges after it
