@@ -375,6 +375,22 @@ def test_a_step_result_carries_the_bytes_of_the_sessions_that_ran():
     assert decode(encode(StepResult(0, 4))).follower_session_bytes == {}
 
 
+def test_a_size_noted_for_an_idle_session_applies_the_budget_at_once():
+    """The runtime notes sizes while a session is busy; should one come for an idle session
+    (a follower's, say, after its request ended), the budget holds all the same."""
+    book = SessionBook(store_size=8, timeout_max_s=100, store_bytes=100)
+    assert ran(book, "a", 0, {0: 40, 1: 40}) == []
+    assert ran(book, "b", 1, {0: 40, 1: 40}) == []
+    assert book.note_bytes("b", 1, 40) == []  # no change
+    assert book.note_bytes("a", 1, 70) == ["a"]  # rank 1: 110, a is the least recently used
+    assert book.note_bytes("b", 1, 101) == ["b"]  # over by itself
+    assert book.open == 0
+    book.pin("p")
+    ran(book, "p", 2, {0: 10})
+    assert book.note_bytes("p", 0, 500) == [] and "p" in book  # pinned: kept
+    assert book.note_bytes("gone", 0, 500) == []  # unknown: nothing
+
+
 def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
     """The leader's calls carry their items' sessions: the follower's engine gets a handle on
     the follower's own store, so both keep the same state (a resume reads it on both); the
