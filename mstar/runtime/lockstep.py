@@ -15,6 +15,14 @@ and takes the same path as the leader's (a resume reads the kept state; a sessio
 kv window commits, with its collectives, on every member). The sessions a plan drops are
 dropped on the followers too (``drop_followers_sessions``), before that plan's calls.
 
+A follower's shard is its own size, so it reports it: after a call whose items have a
+session, and after a ``DropSessions``, each follower answers with one small int64 tensor
+(a gather to the leader over the channel's group): the bytes each of those sessions holds
+in its store, and its session gauges per node. The leader keeps the latest answers
+(``FollowerReport``, per follower rank) and its worker sends them up with the plan's
+``StepResult``, so the frontend's book and ``/metrics`` see each rank's own figure. A call
+without sessions costs nothing more.
+
 ``join_world`` is what every member process does at startup, before building engines: join
 the process group of all members, then create the TP x SP groups of every split layout and
 the channel of every leader, in the same order on every member (creating a group is a
@@ -24,8 +32,8 @@ collective over the whole world).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -77,6 +85,7 @@ class Release(msgspec.Struct, tag=True):
 
 class DropSessions(msgspec.Struct, tag=True):
     session_ids: list[str]
+    nodes: list[str] = []  # the nodes the leader leads: each follower answers its gauges of each
 
 
 class Stop(msgspec.Struct, tag=True):
@@ -89,13 +98,27 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+@dataclass
+class FollowerReport:
+    """What a follower last told its leader of its sessions: per session, the bytes its
+    state holds there (since the leader's worker last took them), and its session gauges
+    (``"node.sessions_held"``, ``"node.session_bytes"``)."""
+
+    session_bytes: dict[str, int] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+
+
 class Channel:
     """Messages from a leader to its followers over a gloo group. Each message is two
     broadcasts from the leader: its length, then its bytes (msgpack metadata followed by
-    the raw bytes of its tensors)."""
+    the raw bytes of its tensors). The followers answer some (``answer`` / ``gather``).
+    ``members``: the deployment's worker ranks of the group's members, leader first (they
+    name the followers in ``reports``)."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, members: Sequence[int] | None = None):
         self.group = group  # the leader is group.ranks[0]
+        self.members = tuple(members) if members is not None else tuple(range(group.size))
+        self.reports: dict[int, FollowerReport] = {}  # follower's worker rank -> its latest answers (leader)
 
     def send(self, message: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
         meta = _encoder.encode(message)
@@ -112,9 +135,44 @@ class Channel:
         data = broadcast(torch.empty(total, dtype=torch.uint8), self.group)
         return _decoder.decode(data[:meta_len].numpy().tobytes()), data[meta_len:]
 
+    def answer(self, values: Sequence[int]) -> None:
+        """A follower's answer to the message it just handled (int64s, as many as the
+        leader expects of it)."""
+        dist.gather(torch.tensor(list(values), dtype=torch.int64), None, dst=self.group.ranks[0],
+                    group=self.group.process_group)
+
+    def gather(self, count: int) -> dict[int, list[int]]:
+        """The leader's side of ``answer``: each follower's ``count`` int64s, by its worker rank."""
+        own = torch.zeros(count, dtype=torch.int64)
+        parts = [torch.empty(count, dtype=torch.int64) for _ in range(self.group.size)]
+        dist.gather(own, parts, dst=self.group.ranks[0], group=self.group.process_group)
+        return {rank: part.tolist() for rank, part in zip(self.members[1:], parts[1:])}
+
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def run_sessions(items: Sequence[EngineItem]) -> list[str]:
+    """The distinct sessions of a call's items, in order (what the followers answer for)."""
+    return list(dict.fromkeys(item.session.session_id for item in items if item.session is not None))
+
+
+def session_gauges(store: SessionStore, nodes: Sequence[str], own: Container[str]) -> list[int]:
+    """A follower's session gauges for ``nodes``: (sessions held, bytes held) for each, or
+    (-1, -1) for a node it does not run (``own``: the nodes it does)."""
+    held, size = store.held(), store.held_bytes()
+    out: list[int] = []
+    for node in nodes:
+        out += [held.get(node, 0), size.get(node, 0)] if node in own else [-1, -1]
+    return out
+
+
+def _note_gauges(report: FollowerReport, nodes: Sequence[str], values: Sequence[int]) -> None:
+    for i, node in enumerate(nodes):
+        count, size = values[2 * i], values[2 * i + 1]
+        if count >= 0:
+            report.gauges[f"{node}.sessions_held"], report.gauges[f"{node}.session_bytes"] = float(count), float(size)
 
 
 def encode_run(node: str, items: list[EngineItem]) -> tuple[Run, list[torch.Tensor]]:
@@ -160,7 +218,16 @@ class LeaderEngine(Engine):
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         self.channel.send(*encode_run(self.node, items))
-        return self.engine.run(items)
+        sessions = run_sessions(items)
+        if not sessions:
+            return self.engine.run(items)
+        try:
+            return self.engine.run(items)
+        finally:  # the followers answer whether or not the call failed (theirs fails alike)
+            for rank, values in self.channel.gather(len(sessions) + 2).items():
+                report = self.channel.reports.setdefault(rank, FollowerReport())
+                report.session_bytes.update(zip(sessions, values))
+                _note_gauges(report, [self.node], values[len(sessions):])
 
     def release(self, request_id: str) -> None:
         self.channel.send(Release(self.node, request_id))
@@ -188,17 +255,23 @@ class Follower:
             if isinstance(message, DropSessions):
                 for session_id in message.session_ids:
                     self.sessions.drop(session_id)
+                self.channel.answer(session_gauges(self.sessions, message.nodes, self.engines))
                 continue
             engine = self.engines.get(message.node)
-            if engine is None:  # a node of another group this leader runs
-                continue
             try:
-                if isinstance(message, Release):
+                if engine is None:  # a node of another group this leader runs
+                    pass
+                elif isinstance(message, Release):
                     engine.release(message.request_id)
                 else:
                     engine.run(decode_run(message, data, self.sessions))
             except Exception as err:  # the leader fails the same way, and reports it
                 log.warning("rank %d: %s failed in lockstep with its leader: %s", self.rank, message.node, err)
+            sessions = [] if isinstance(message, Release) else \
+                list(dict.fromkeys(m.session.id for m in message.items if m.session is not None))
+            if sessions:  # the leader waits for this answer, as for a call's (``LeaderEngine.run``)
+                self.channel.answer([self.sessions.nbytes(s) for s in sessions]
+                                    + session_gauges(self.sessions, [message.node], self.engines))
 
     def stats(self) -> dict[str, float]:
         return {f"{node}.{name}": value for node, engine in self.engines.items()
@@ -218,9 +291,28 @@ def stop_followers(engines: dict[str, Engine]) -> None:
 
 def drop_followers_sessions(engines: dict[str, Engine], session_ids: list[str]) -> None:
     """The followers of every group these engines lead free these sessions' state (sent before
-    the calls of the plan that dropped them, so a fresh start under an old name finds none)."""
+    the calls of the plan that dropped them, so a fresh start under an old name finds none),
+    and answer their session gauges."""
     for channel in _led_channels(engines):
-        channel.send(DropSessions(list(session_ids)))
+        nodes = sorted(node for node, e in engines.items() if isinstance(e, LeaderEngine) and e.channel is channel)
+        channel.send(DropSessions(list(session_ids), nodes))
+        for rank, values in channel.gather(2 * len(nodes)).items():
+            report = channel.reports.setdefault(rank, FollowerReport())
+            for session_id in session_ids:
+                report.session_bytes.pop(session_id, None)
+            _note_gauges(report, nodes, values)
+
+
+def take_follower_reports(engines: dict[str, Engine]) -> dict[int, FollowerReport]:
+    """The followers' latest answers, per follower rank, for the plan's ``StepResult``: the
+    session bytes they reported since the last take (taken: the next plan sends only new
+    ones), and their session gauges."""
+    out = {}
+    for channel in _led_channels(engines):
+        for rank, report in channel.reports.items():
+            out[rank] = FollowerReport(report.session_bytes, dict(report.gauges))
+            report.session_bytes = {}
+    return out
 
 
 # ----------------------------------------------------------------- startup
@@ -263,5 +355,5 @@ def join_world(rank: int, layouts: Sequence[Layout], init_method: str, device: t
         process_group = dist.new_group([members.index(r) for r in ranks], timeout=CHANNEL_TIMEOUT, backend="gloo")
         if rank in ranks:
             group = Group(ranks.index(rank), len(ranks), tuple(members.index(r) for r in ranks), process_group)
-            world.channel, world.leads = Channel(group), rank == leader
+            world.channel, world.leads = Channel(group, ranks), rank == leader
     return world

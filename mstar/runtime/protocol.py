@@ -96,6 +96,10 @@ class StepResult(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
     # session -> the bytes its kept state holds on this rank after the plan, for every session
     # whose items ran in it (the frontend's book weighs idle sessions against session_store_bytes)
     session_bytes: dict[str, int] = {}
+    # a split group's leader: per follower rank, the bytes of the sessions it reported since
+    # the last plan (its own shard's), and its session gauges ("node.session_bytes", ...)
+    follower_session_bytes: dict[int, dict[str, int]] = {}
+    follower_gauges: dict[int, dict[str, float]] = {}
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):

@@ -92,6 +92,14 @@ class Runtime:
         self.admission = AdmissionGate(conductor, max_queue_size)
         self.log_stats = log_stats
         self.placement = placement
+        # a split group's leader -> every rank of the groups it leads (a session whose steps
+        # run on the leader keeps state on each of them; a restart of any loses it)
+        self._group_ranks: dict[int, frozenset[int]] = {}
+        for group in placement.split_groups():
+            self._group_ranks[group.ranks[0]] = self._group_ranks.get(group.ranks[0], frozenset()) | set(group.ranks)
+        # a follower's session gauges ("node.sessions_held", "node.session_bytes"), as its leader
+        # last reported them (followers send the frontend nothing themselves)
+        self.follower_gauges: dict[int, dict[str, float]] = {}
         self.workers = workers
         self.transport = frontend_transport
         self.tracked: dict[str, _Tracked] = {}
@@ -129,7 +137,8 @@ class Runtime:
         if session is not None:
             try:
                 walk_routes = self.conductor.routes.get(request.walk)
-                ranks = frozenset(walk_routes.step_rank.values()) if walk_routes is not None else frozenset()
+                steps = frozenset(walk_routes.step_rank.values()) if walk_routes is not None else frozenset()
+                ranks = steps.union(*(self._group_ranks.get(rank, ()) for rank in steps))
                 stale = self.sessions.begin(session, ranks, time.monotonic())
             except BaseException:
                 self._forget_id(client_id, ended=False)
@@ -317,7 +326,7 @@ class Runtime:
                "requests_running": float(self.conductor.num_live),
                "sessions_open": float(self.sessions.open),
                "sessions_busy": float(self.sessions.busy)}
-        for rank, gauges in list(self.rank_gauges.items()):
+        for rank, gauges in list(self.rank_gauges.items()) + list(self.follower_gauges.items()):
             out.update({f"rank{rank}.{name}": float(value) for name, value in gauges.items()})
         return out
 
@@ -340,8 +349,13 @@ class Runtime:
                     if isinstance(event, StepResult):
                         if event.gauges:
                             self.rank_gauges[event.rank] = dict(event.gauges)
-                        for session_id, nbytes in event.session_bytes.items():  # before its request can finish
-                            self.sessions.note_bytes(session_id, event.rank, nbytes)
+                        for rank, gauges in event.follower_gauges.items():
+                            self.follower_gauges.setdefault(rank, {}).update(gauges)
+                        # before its request can finish: each rank's own figure (a follower's too)
+                        sizes = [(event.rank, event.session_bytes), *event.follower_session_bytes.items()]
+                        for rank, by_session in sizes:
+                            for session_id, nbytes in by_session.items():
+                                self._drop_sessions(self.sessions.note_bytes(session_id, rank, nbytes))
                         self._settle_emits(event)
                         self.conductor.on_result(event)
                     elif isinstance(event, WorkerFailed):
@@ -466,7 +480,11 @@ class Runtime:
         recovery.loading.discard(rank)
         self.rank_gauges[rank] = dict(gauges)
         self._abandon(rank, self.conductor.on_rank_restarted(rank))
-        lost = self.sessions.lost_rank(rank)  # its new process holds none of their state
+        # its new process holds none of their state, nor do its followers' (restarted with it)
+        lost = self.sessions.lost_rank(rank)
+        for follower in self._group_ranks.get(rank, frozenset()) - {rank}:
+            lost += self.sessions.lost_rank(follower)
+            self.follower_gauges.pop(follower, None)
         if lost:
             self.conductor.drop_sessions(lost)
         log.warning("worker rank %d restarted", rank)

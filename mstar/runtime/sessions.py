@@ -28,9 +28,14 @@ ran in the plan, the bytes its state holds on that rank now (``SessionStore.nbyt
 a request finishes, the least recently used idle sessions holding bytes on a rank whose idle
 sessions hold more than the budget are evicted until none does. A session that alone holds
 more than the budget on a rank is not kept at all: it is evicted as its request finishes
-(its outputs were delivered; its next resume gets 410), before any other is. A split group's
-followers hold their own shard of the same size as the leader's (heads divide evenly), so
-the leader's report stands for each of them.
+(its outputs were delivered; its next resume gets 410), before any other is. Sizes come
+while the session is busy (a request ends only once none of its steps is in flight, and its
+plans' sizes are noted before their results); one noted for an idle session would apply
+the budget at once. A split group's followers hold their own shard
+of the session's state; each reports its own bytes to its leader (``mstar.runtime.lockstep``),
+whose ``StepResult`` carries them, so the book weighs every rank of the group by its own
+figure, and a session whose steps ran on a group's leader counts as having run on each of
+its ranks (a restart of any, which restarts the whole group, loses it).
 
 A session can be pinned (``/generate/ws`` pins its socket's session while the socket is
 open): pinned, it is neither evicted nor expired between its requests, and the other idle
@@ -113,11 +118,7 @@ class SessionBook:
                 return [session_id]
             known.busy, known.expires_at = False, now + known.timeout_s
             self._sessions.move_to_end(session_id)
-            if self.store_bytes is not None and session_id not in self._pinned \
-                    and max(known.held.values(), default=0) > self.store_bytes:
-                rank, size = max(known.held.items(), key=lambda kv: kv[1])
-                log.warning("session %r holds %d bytes on rank %d, more than session_store_bytes (%d) by "
-                            "itself: not kept", session_id, size, rank, self.store_bytes)
+            if session_id not in self._pinned and self._alone_over(session_id, known):
                 del self._sessions[session_id]
                 return [session_id]
             drops = []
@@ -128,13 +129,34 @@ class SessionBook:
                 drops.append(sid)
             return drops + self._evict_bytes()
 
-    def note_bytes(self, session_id: str, rank: int, nbytes: int) -> None:
+    def note_bytes(self, session_id: str, rank: int, nbytes: int) -> list[str]:
         """Worker rank ``rank`` reports the bytes the session's state holds there now (after a
-        plan that ran its items); counted against ``store_bytes`` once the session is idle."""
+        plan that ran its items); counted against ``store_bytes`` once the session is idle.
+        The runtime notes a plan's sizes before the plan's results reach the conductor, and a
+        request ends only once none of its steps is in flight, so the session is still busy
+        here; should a size come for an idle one all the same, the budget is applied at once,
+        as ``finish`` would have (the bound does not rest on that ordering). Returns the
+        sessions to drop."""
         with self._lock:
             known = self._sessions.get(session_id)
-            if known is not None:
-                known.held[rank] = nbytes
+            if known is None or known.held.get(rank) == nbytes:
+                return []
+            known.held[rank] = nbytes
+            if known.busy or self.store_bytes is None:
+                return []
+            if session_id not in self._pinned and self._alone_over(session_id, known):
+                del self._sessions[session_id]
+                return [session_id]
+            return self._evict_bytes()
+
+    def _alone_over(self, session_id: str, session: _Session) -> bool:
+        """Whether the session by itself holds more than ``store_bytes`` on some rank (logged)."""
+        if self.store_bytes is None or max(session.held.values(), default=0) <= self.store_bytes:
+            return False
+        rank, size = max(session.held.items(), key=lambda kv: kv[1])
+        log.warning("session %r holds %d bytes on rank %d, more than session_store_bytes (%d) by "
+                    "itself: not kept", session_id, size, rank, self.store_bytes)
+        return True
 
     def _evict_bytes(self) -> list[str]:
         """While the idle sessions hold more than ``store_bytes`` on some rank, evict the least
@@ -209,6 +231,13 @@ class SessionBook:
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
+
+    def held(self, session_id: str) -> dict[int, int]:
+        """The bytes the session's state holds per worker rank, as last reported (empty for a
+        session the book does not know)."""
+        with self._lock:
+            known = self._sessions.get(session_id)
+            return dict(known.held) if known is not None else {}
 
     @property
     def open(self) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from mstar.contract import RequestError
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.runtime.lockstep import drop_followers_sessions
+from mstar.runtime.lockstep import drop_followers_sessions, take_follower_reports
 from mstar.runtime.protocol import (
     EMIT_STACKED,
     ItemResult,
@@ -132,7 +132,10 @@ class Worker:
         self._flush_sends()
         self._flush_emits()
         held = {item.session.id: self.sessions.nbytes(item.session.id) for item in plan.items if item.session}
-        return StepResult(self.rank, plan.plan_id, results, profile, self.stats(), held)
+        reports = take_follower_reports(self.engines) if held or plan.drop_sessions else {}
+        return StepResult(self.rank, plan.plan_id, results, profile, self.stats(), held,
+                          {rank: r.session_bytes for rank, r in reports.items() if r.session_bytes},
+                          {rank: r.gauges for rank, r in reports.items()})
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]

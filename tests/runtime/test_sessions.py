@@ -2,8 +2,9 @@
 busy session, 410 for a gone one, LRU eviction of idle sessions only, expiry, end, pins, a
 restarted rank; ``session_store_bytes``: per-rank byte budgets over idle sessions (a property
 test replays random runs), a session over it by itself not kept; the worker's store and the
-handle engines see; and the conductor sending a session's drop on every live rank ahead of the
-items of the same plan."""
+handle engines see; the conductor sending a session's drop on every live rank ahead of the
+items of the same plan; and a split group's followers: their own session state, and their own
+bytes and gauges counted per rank by the runtime."""
 
 from __future__ import annotations
 
@@ -369,8 +370,26 @@ def test_session_store_bytes_is_a_typed_config_key():
 def test_a_step_result_carries_the_bytes_of_the_sessions_that_ran():
     from mstar.runtime.protocol import StepResult, decode, encode
 
-    result = StepResult(0, 3, session_bytes={"s": 1 << 40})
+    result = StepResult(0, 3, session_bytes={"s": 1 << 40}, follower_session_bytes={1: {"s": 1 << 39}},
+                        follower_gauges={1: {"dit.session_bytes": 2.0 ** 39}})
     assert decode(encode(result)) == result and decode(encode(StepResult(0, 4))).session_bytes == {}
+    assert decode(encode(StepResult(0, 4))).follower_session_bytes == {}
+
+
+def test_a_size_noted_for_an_idle_session_applies_the_budget_at_once():
+    """The runtime notes sizes while a session is busy; should one come for an idle session
+    (a follower's, say, after its request ended), the budget holds all the same."""
+    book = SessionBook(store_size=8, timeout_max_s=100, store_bytes=100)
+    assert ran(book, "a", 0, {0: 40, 1: 40}) == []
+    assert ran(book, "b", 1, {0: 40, 1: 40}) == []
+    assert book.note_bytes("b", 1, 40) == []  # no change
+    assert book.note_bytes("a", 1, 70) == ["a"]  # rank 1: 110, a is the least recently used
+    assert book.note_bytes("b", 1, 101) == ["b"]  # over by itself
+    assert book.open == 0
+    book.pin("p")
+    ran(book, "p", 2, {0: 10})
+    assert book.note_bytes("p", 0, 500) == [] and "p" in book  # pinned: kept
+    assert book.note_bytes("gone", 0, 500) == []  # unknown: nothing
 
 
 def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
@@ -391,10 +410,21 @@ def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
     from tests.support.rollout import DIM, RolloutEngine
 
     class Wire:
-        """The leader's end sends, the follower's end receives, in order (msgpack on the way)."""
+        """The leader's end sends, the follower's end receives, in order (msgpack on the way).
+        One process plays both ends one after the other, so the follower's answers are kept
+        (``answers``) and the leader's gather finds none (tests/distributed/
+        test_lockstep_sessions.py has the two ends answer each other)."""
 
         def __init__(self) -> None:
             self.queue: list = []
+            self.reports: dict = {}
+            self.answers: list[list[int]] = []
+
+        def answer(self, values) -> None:
+            self.answers.append(list(values))
+
+        def gather(self, count: int) -> dict:
+            return {}
 
         def send(self, message, tensors=()) -> None:
             data = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -426,6 +456,70 @@ def test_a_split_groups_follower_keeps_and_drops_its_own_session_state():
     for session_id, steps in (("s", 3), ("t", 1)):
         ours, theirs = store.get(session_id, "roll"), follower.sessions.get(session_id, "roll")
         assert theirs is not None and len(theirs.frames) == steps and torch.equal(theirs.frames, ours.frames)
+    # it answered each call with a session: the bytes of its sessions, then the node's gauges
+    frame = DIM * 4
+    assert wire.answers == [[frame, 1, frame], [2 * frame, 1, 2 * frame], [frame, 2, 3 * frame],
+                            [3 * frame, 2, 4 * frame]]
     drop_followers_sessions(leader, ["s"])
     follow()
     assert follower.sessions.sessions == ["t"]
+    assert wire.answers[-1] == [1, frame]  # the drop's: the node's gauges after it
+
+
+def test_a_split_groups_followers_count_with_their_own_bytes_and_go_with_its_restart():
+    """The runtime's loop against hand-answered workers, every node in a group split over
+    ranks 0 (leader) and 1: the leader's StepResult carries the follower's own bytes and
+    gauges, which the book weighs and ``gauges`` shows for rank 1; a session whose follower
+    shard alone is over the budget is not kept though the leader's is under it; a restart of
+    the group forgets the sessions and the follower's gauges."""
+    import time
+
+    import torch
+
+    from mstar.model.spec import WalkRequest
+    from mstar.runtime.placement import NodeGroup, Placement
+    from mstar.runtime.protocol import ItemResult, StepResult, WorkerFailed
+    from mstar.runtime.runtime import Runtime
+    from tests.runtime.test_runtime_loop import TIMEOUT, HeldWorkers, Nowhere, Stream
+
+    class Restartable(HeldWorkers):
+        def restart(self, rank, ready) -> None:
+            ready(rank, {})
+
+    nodes = ("encoder", "llm", "left", "right", "join", "painter")
+    placement = Placement(GRAPH, (NodeGroup(nodes, (0, 1), tp_size=2),))
+    workers = Restartable()
+    runtime = Runtime(Conductor(GRAPH, placement, max_concurrent_requests=4), placement, workers, Nowhere(),
+                      sessions=SessionBook(4, 60, store_bytes=250))
+    runtime.supervise(3)
+    paint = WalkRequest("paint", {"x": torch.zeros(1)}, {"n": 1})
+    deadline = time.monotonic() + TIMEOUT
+
+    def run(session_id: str, leader: int, follower: int) -> None:
+        runtime.submit(f"r-{session_id}", paint, Stream(), lambda event: None, session=SessionSpec(session_id))
+        plan = workers.next_plan()
+        results = [ItemResult(item.request_id, item.step) for item in plan.items]
+        workers.pool._results.put(StepResult(
+            0, plan.plan_id, results, session_bytes={session_id: leader},
+            follower_session_bytes={1: {session_id: follower}},
+            follower_gauges={1: {"painter.sessions_held": 1.0, "painter.session_bytes": float(follower)}}))
+        while runtime.tracked or runtime.sessions.busy:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    try:
+        run("s", 200, 120)
+        assert runtime.sessions.held("s") == {0: 200, 1: 120}
+        assert runtime.gauges()["rank1.painter.session_bytes"] == 120.0
+        run("t", 100, 300)  # the follower's shard alone is over 250
+        assert "t" not in runtime.sessions and "s" in runtime.sessions
+        workers.pool._results.put(WorkerFailed(0, "rank 1 of its split node group failed: killed"))
+        while "s" in runtime.sessions or not runtime.healthy:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert not any(name.startswith("rank1.") for name in runtime.gauges())
+        with pytest.raises(RequestError) as err:
+            runtime.submit("r2", paint, Stream(), lambda event: None, session=SessionSpec("s", resume=True))
+        assert err.value.status == 410
+    finally:
+        runtime.close()

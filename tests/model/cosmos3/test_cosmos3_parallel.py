@@ -19,7 +19,10 @@ and SP=2: a guided 2-window rollout in a session beside an unguided one without 
 step), then a 1-window resume of the session, give every step's latents within 1e-5 of one rank
 (measured 2e-6) and each rank's committed K/V its KV heads' slice of the one-rank cache (3e-6);
 through the runtime at ``tp_size: 2`` a kv session's opening and resume give the one-rank
-frames within one uint8 level (measured 1). The split limits are declared for the
+frames within one uint8 level (measured 1), the book holds each rank's own bytes of the
+session (the follower's: its dit shard, 2048; the leader's: its dit shard and the vae's
+state), and a killed follower restarts the group and the session is forgotten (410 on
+resume). The split limits are declared for the
 startup checks (a split that does not divide the KV heads is refused naming the key; the Edge
 reasoner is never split) and the two-GPU Super config places.
 """
@@ -401,19 +404,22 @@ def test_clips_with_the_tower_over_two_worker_processes_equal_one_rank(both, one
             assert np.abs(pcm - pcm_ref).max() <= 4
 
 
-def kv_session_clips(root: Path, node_groups: list, in_process: bool) -> list[bytes]:
-    """Through a deployment of ``root`` with windowed rollouts on: a guided ``window_mode: kv``
-    opening of two windows in a session (its last window commits: the kept cache), then a
-    one-window resume reading it; each request's raw frames."""
-    from mstar.contract import GenerateSpec, SessionSpec
+def kv_deployment(root: Path, node_groups: list, in_process: bool):
+    """A deployment of ``root`` with windowed rollouts on (``window_mode: kv`` sessions)."""
     from mstar.runtime.launch import start
 
     config = {"model": "cosmos3", "model_path": str(root), "dtype": "float32", "node_groups": node_groups,
               "request_timeout_s": 60, "model_kwargs": {"num_inference_steps": STEPS, "enable_windowed_video": True,
                                                          "max_video_pixels": 64 * 64 * 13}}
-    d = start(parse_config(config), in_process=in_process)
+    return start(parse_config(config), in_process=in_process)
 
-    async def one(rid: str, session, frames: int) -> bytes:
+
+def kv_clip(d, rid: str, session, frames: int) -> bytes:
+    """A guided ``window_mode: kv`` rollout of ``frames`` frames (5 a window) in ``session``:
+    its raw frames."""
+    from mstar.contract import GenerateSpec
+
+    async def one() -> bytes:
         out = b""
         spec = GenerateSpec(rid, "a drone flies over a town", [], ["video"],
                             {"height": 48, "width": 32, "num_frames": frames, "guidance_scale": 3.0, "seed": 4,
@@ -423,9 +429,19 @@ def kv_session_clips(root: Path, node_groups: list, in_process: bool) -> list[by
             out += event.data or b""
         return out
 
+    return asyncio.run(one())
+
+
+def kv_session_clips(root: Path, node_groups: list, in_process: bool) -> list[bytes]:
+    """Through a deployment of ``root`` with windowed rollouts on: a guided ``window_mode: kv``
+    opening of two windows in a session (its last window commits: the kept cache), then a
+    one-window resume reading it; each request's raw frames."""
+    from mstar.contract import SessionSpec
+
+    d = kv_deployment(root, node_groups, in_process)
     try:
-        return [asyncio.run(one("open", SessionSpec("world"), 9)),
-                asyncio.run(one("resume", SessionSpec("world", resume=True, end=True), 5))]
+        return [kv_clip(d, "open", SessionSpec("world"), 9),
+                kv_clip(d, "resume", SessionSpec("world", resume=True, end=True), 5)]
     finally:
         d.close()
 
@@ -444,3 +460,53 @@ def test_a_kv_session_with_the_tower_over_two_worker_processes_equals_one_rank(b
         assert frames.shape == frames_ref.shape and frames_ref.std() > 1
         print(f"[cosmos3 kv session tp=2] {name} frames: max diff {np.abs(frames - frames_ref).max()} levels")
         assert np.abs(frames - frames_ref).max() <= 1
+
+
+def test_a_split_kv_session_counts_each_ranks_bytes_and_a_dead_follower_forgets_it(both):
+    """``dit`` over two worker processes (``tp_size: 2``): after a kv session's opening, the
+    book holds each rank's own bytes (the follower's, reported by its leader, are its shard
+    of dit's committed cache, equal to the leader's dit shard: TP halves the KV heads on both;
+    the leader's also count the vae's kept state) and ``/metrics``' gauges show the
+    follower's store. Killing the follower restarts the whole group with empty
+    stores; the book forgets the session with it, so a resume gets 410 naming it (not the
+    model's 400 for a kv session without a kept cache)."""
+    import os
+    import signal
+    import time
+
+    from mstar.contract import RequestError, SessionSpec
+
+    groups = [{"node_names": ["vae", "sound"], "ranks": [0]}, {"node_names": ["dit"], "ranks": [0, 1], "tp_size": 2}]
+    d = kv_deployment(both, groups, in_process=False)
+
+    def wait_for(condition, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    try:
+        assert kv_clip(d, "open", SessionSpec("world"), 5)  # one window, which commits
+        held = d.runtime.sessions.held("world")
+        gauges = d.runtime.gauges()
+        print(f"[cosmos3 kv session tp=2] bytes held per rank {held}; gauges "
+              f"{ {k: v for k, v in gauges.items() if k.endswith('dit.session_bytes')} }")
+        # rank 0 also keeps the vae's state: the follower holds only its shard of dit's cache
+        assert set(held) == {0, 1} and held[0] == sum(v for k, v in gauges.items()
+                                                      if k.startswith("rank0.") and k.endswith(".session_bytes"))
+        assert gauges["rank1.dit.session_bytes"] == gauges["rank0.dit.session_bytes"] == held[1] > 0
+        assert held[1] < held[0]
+        assert gauges["rank1.dit.sessions_held"] == 1.0
+
+        pool = d.runtime.workers
+        old = {rank: p.proc.pid for rank, p in pool.ranks.items()}
+        os.kill(old[1], signal.SIGKILL)
+        wait_for(lambda: not d.runtime.healthy, "the runtime did not notice the dead follower", 30)
+        wait_for(lambda: d.runtime.healthy, "the group did not come back", 120)
+        assert all(p.proc.pid != old[rank] for rank, p in pool.ranks.items())
+        assert "world" not in d.runtime.sessions and "rank1.dit.session_bytes" not in d.runtime.gauges()
+        with pytest.raises(RequestError) as err:
+            kv_clip(d, "resume", SessionSpec("world", resume=True), 5)
+        assert err.value.status == 410 and "'world'" in err.value.message
+    finally:
+        d.close()
