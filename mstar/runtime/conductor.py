@@ -322,11 +322,8 @@ class Conductor:
                             max_streams=self.pacing.max_streams)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.live) < self.max_concurrent:
-            spec = self.waiting[0]
-            if any(self.in_use[name] + units > self.capacity[name] for name, units in spec.cost.items()):
-                return  # first come, first served: nothing overtakes the head of the queue
-            self.waiting.popleft()
+        while self._admissible():  # first come, first served: nothing overtakes the head of the queue
+            spec = self.waiting.popleft()
             for name, units in spec.cost.items():
                 self.in_use[name] += units
             walk = self.graph.walk(spec.walk)
@@ -504,9 +501,24 @@ class Conductor:
                 and not any(self.session_drops.values()))
 
     def has_work_for_idle_rank(self) -> bool:
-        return bool(self.waiting) or any(self.releases.values()) or any(self.session_drops.values()) or any(
-            live.ending is not None and not live.in_flight for live in self.live.values()
-        )
+        """Whether the next tick can do something now, rather than after a worker's result:
+        admit the head of the queue, report or release a request that ended (with nothing in
+        flight), or send a rank that is not busy its releases and session drops. Requests
+        queued behind a full house are not such work: while the ranks run the requests
+        admitted, the runtime loop waits for an event instead of ticking in a spin (with 48
+        chats queued behind 16 running, that spin kept a core of a 2-core machine from the
+        worker computing the steps)."""
+        if self._ended or self._admissible():
+            return True
+        if any(live.ending is not None and not live.in_flight for live in self.live.values()):
+            return True
+        return any(self.releases[rank] or self.session_drops[rank] for rank in self.ranks if rank not in self.busy)
+
+    def _admissible(self) -> bool:
+        """Whether ``_admit`` would take the head of the queue now."""
+        if not self.waiting or len(self.live) >= self.max_concurrent:
+            return False
+        return all(self.in_use[name] + units <= self.capacity[name] for name, units in self.waiting[0].cost.items())
 
 
 def _droppable_sources(walk) -> set[str]:

@@ -158,6 +158,23 @@ class Rig:
         self._check_state()
         return d
 
+    def settle(self, max_ticks: int = 100) -> None:
+        """Tick as the runtime loop does between events: at once again while
+        ``has_work_for_idle_rank`` says the next tick can do something, and each such tick
+        must do it (send a plan, finish or admit a request): no spinning while the ranks are
+        busy. Once it says there is nothing, the loop waits for an event, so a tick then (the
+        wait timing out) must do nothing either."""
+        for _ in range(max_ticks):
+            promised = self.c.has_work_for_idle_rank()
+            before = (len(self.plans), len(self.finished), len(self.c.waiting))
+            self.tick()
+            did = (len(self.plans), len(self.finished), len(self.c.waiting)) != before
+            if not promised:
+                assert not did, "the loop would wait for an event while a tick had work to do"
+                return
+            assert did, "has_work_for_idle_rank() promised work to a tick that had none: the loop would spin"
+        raise AssertionError(f"still work for an idle rank after {max_ticks} ticks")
+
     def answer(self, rank: int, how: How = None, **per_request: How) -> StepResult:
         """Answer ``rank``'s plan in flight. ``how`` (or ``per_request[request_id]``) is a
         dict of ItemResult fields, or a function of the WorkItem returning one. By default

@@ -713,14 +713,15 @@ def test_random_traffic_every_request_finishes_once_and_resources_return(sc) -> 
     for t in range(2000):
         rig.now = float(t)
         submit_due(t)
-        for r in sc["requests"]:
+        if sc["fail"] is not None and sc["fail"][1] == t:
+            rig.fail_rank(sc["fail"][0] % len(placement.ranks), "injected")
+        rig.tick()
+        for r in sc["requests"]:  # between two ticks, as the runtime loop takes commands before its wait
             if r["cancel_at"] == t and r["rid"] in rig.specs:
                 rig.cancel(r["rid"])
                 if r["rid"] not in rig.finished:
                     cancelled.add(r["rid"])
-        if sc["fail"] is not None and sc["fail"][1] == t:
-            rig.fail_rank(sc["fail"][0] % len(placement.ranks), "injected")
-        rig.tick()
+        rig.settle()  # the runtime loop's wait for the next event: never in a spin, never past work
         for rank in sorted(rig.outstanding):
             if rng.random() < 0.75:
                 rig.answer(rank, behave)
