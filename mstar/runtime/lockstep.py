@@ -32,7 +32,7 @@ collective over the whole world).
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -153,9 +153,10 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def run_sessions(items: Sequence[EngineItem]) -> list[str]:
-    """The distinct sessions of a call's items, in order (what the followers answer for)."""
-    return list(dict.fromkeys(item.session.session_id for item in items if item.session is not None))
+def run_sessions(session_ids: Iterable[str | None]) -> list[str]:
+    """The distinct sessions of a call's items, in order: what the followers answer for. The
+    leader and each follower count them alike (the gather's sizes must agree)."""
+    return list(dict.fromkeys(s for s in session_ids if s is not None))
 
 
 def session_gauges(store: SessionStore, nodes: Sequence[str], own: Container[str]) -> list[int]:
@@ -218,7 +219,7 @@ class LeaderEngine(Engine):
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
         self.channel.send(*encode_run(self.node, items))
-        sessions = run_sessions(items)
+        sessions = run_sessions(None if item.session is None else item.session.session_id for item in items)
         if not sessions:
             return self.engine.run(items)
         try:
@@ -268,7 +269,7 @@ class Follower:
             except Exception as err:  # the leader fails the same way, and reports it
                 log.warning("rank %d: %s failed in lockstep with its leader: %s", self.rank, message.node, err)
             sessions = [] if isinstance(message, Release) else \
-                list(dict.fromkeys(m.session.id for m in message.items if m.session is not None))
+                run_sessions(None if m.session is None else m.session.id for m in message.items)
             if sessions:  # the leader waits for this answer, as for a call's (``LeaderEngine.run``)
                 self.channel.answer([self.sessions.nbytes(s) for s in sessions]
                                     + session_gauges(self.sessions, [message.node], self.engines))
