@@ -145,7 +145,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         device, dtype = "cpu", torch.float32
         llm, vit, top, ae = dict(br.LLM), dict(br.VIT), {**TOP_7B, "vit_max_num_patch_per_side": 8,
                                                          "max_latent_size": 8}, AE_TINY
-        size, steps, chat_image, chat_tokens, pages = args.size or 64, args.steps or 3, 32, args.chat_tokens or 4, 64
+        size, steps, chat_image, chat_tokens, pages = args.size or 64, args.steps or 3, 32, args.chat_tokens or 32, 64
     else:
         if not torch.cuda.is_available():
             raise SystemExit("S10 needs a CUDA GPU; use --smoke to run the tiny configuration on the CPU")
@@ -535,7 +535,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=None, help="image side in pixels (default 1024; smoke 64)")
     p.add_argument("--steps", type=int, default=None, help="schedule points per image (default 50; smoke 3)")
     p.add_argument("--concurrent", type=int, default=4, help="images requested at once for images@N")
-    p.add_argument("--chat-tokens", type=int, default=None, help="new tokens of the chat (default 128; smoke 4)")
+    p.add_argument("--chat-tokens", type=int, default=None, help="new tokens of the chat (default 128; smoke 32)")
     p.add_argument("--runs", type=int, default=1, help="timed runs of each row per side (median)")
     p.add_argument("--attention-backend", choices=("torch", "triton"), default="torch",
                    help="ours' paged attention (model_kwargs.attention_backend)")
