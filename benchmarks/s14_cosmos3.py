@@ -194,6 +194,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def dit_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
     from diffusers import Cosmos3OmniPipeline
 
+    from mstar.layers.rotary import MRotaryEmbedding
     from mstar.model.cosmos3.config import Cosmos3Config
     from mstar.model.cosmos3.layout import media_offset, patch_grid, text_positions, video_positions
     from mstar.model.cosmos3.transformer import Cosmos3Transformer, MediaItem
@@ -201,11 +202,15 @@ def dit_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
     tok = make_tokenizer()
     kwargs = {**tower_kwargs(args), "vocab_size": vocab_size(args, tok)}
     ref = build_reference(kwargs, device, dtype)
+    # Ours takes the reference's tensors as its parameters (no second copy of the weights: an
+    # H100 holds the part); only its rotary tables, plain tensors, are built for real.
+    config = Cosmos3Config.from_dict(dict(ref.config))
+    with torch.device("meta"):
+        ours = Cosmos3Transformer(config)
     with torch.device(device):
-        ours = Cosmos3Transformer(Cosmos3Config.from_dict(dict(ref.config)))
-    ours = ours.to(dtype).eval()
-    ours.load_state_dict(ref.state_dict(), strict=True)
-    config = ours.config
+        ours.rope = MRotaryEmbedding(config.head_dim, config.rope_theta, list(config.rope_axes_dim))
+    ours.load_state_dict(ref.state_dict(), strict=True, assign=True)
+    ours.eval()
     clip = TINY_CLIP if args.smoke else CLIP
     frames = 1 + (clip["num_frames"] - 1) // 4
     latents = torch.randn(config.latent_channel, frames, clip["height"] // 16, clip["width"] // 16,
