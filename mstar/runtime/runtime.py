@@ -103,6 +103,10 @@ class Runtime:
         self.workers = workers
         self.transport = frontend_transport
         self.tracked: dict[str, _Tracked] = {}
+        # Ticks in a row that changed nothing (no plan, no progress, no end) with no event or
+        # command between them: live requests with every rank idle (a live call waiting for
+        # its client's audio) wait for one instead of ticking in a spin.
+        self._quiet_ticks = 0
         # The ids callers use -> the runtime's own. A worker drops inputs of ids it has released
         # (late arrivals), so an id used again gets a fresh runtime id while the workers may
         # still remember it; ``_ended`` holds as many ended caller ids as they remember.
@@ -346,6 +350,7 @@ class Runtime:
                 # Commands first: a cancel that came before a step's result is applied before it.
                 self._drain_commands(block=self.conductor.idle and not self.conductor.busy)
                 for event in self.workers.poll(self._poll_timeout()):
+                    self._quiet_ticks = 0
                     if isinstance(event, StepResult):
                         if event.gauges:
                             self.rank_gauges[event.rank] = dict(event.gauges)
@@ -368,6 +373,8 @@ class Runtime:
                 if expired:
                     self.conductor.drop_sessions(expired)
                 decisions = self.conductor.tick(now)
+                acted = decisions.plans or decisions.progress or decisions.finished
+                self._quiet_ticks = 0 if acted else self._quiet_ticks + 1
                 for progress in decisions.progress:
                     self._report_progress(progress)
                 for rank, plan in decisions.plans.items():
@@ -383,21 +390,28 @@ class Runtime:
                 self._finished(Finished(request_id, "error", self.failure, 0))
 
     def _poll_timeout(self) -> float:
-        """How long to wait for workers' events before the next tick: not at all when work
-        is ready, until a paced stream needs its next step when only such streams wait."""
-        if not self._has_ready_work():
-            return 0.05
+        """How long to wait for workers' events before the next tick (an event or a command
+        ends the wait early): until a paced stream needs its next step when only such streams
+        wait, not at all when work is ready, else 50 ms (the clock's work: session expiry)."""
         wait = self.conductor.pacing_wait
-        return 0.0 if wait is None else min(0.05, max(0.001, wait))
+        if wait is not None:
+            return min(0.05, max(0.001, wait))
+        return 0.0 if self._has_ready_work() else 0.05
 
     def _has_ready_work(self) -> bool:
-        return self.conductor.has_work_for_idle_rank() or (bool(self.conductor.live) and not self.conductor.busy)
+        """Whether the next tick should run at once. Live requests with every rank idle get
+        ticks until two in a row change nothing (the second covers a tick whose changes only
+        the next one turns into a plan); then they wait for an event, a command or 50 ms."""
+        if self.conductor.has_work_for_idle_rank():
+            return True
+        return bool(self.conductor.live) and not self.conductor.busy and self._quiet_ticks < 2
 
     def _drain_commands(self, block: bool) -> None:
         try:
             command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
             while True:
                 kind, arg = command
+                self._quiet_ticks = 0
                 if kind == "submit":
                     try:
                         self.conductor.submit(arg)

@@ -296,6 +296,45 @@ def test_a_disconnect_frees_every_state_and_item(deployment):
     _wait_free(deployment)
 
 
+def test_a_call_waiting_for_audio_does_not_spin_the_loop(deployment):
+    """An open call with every rank idle, waiting for the client's next append: the runtime
+    loop waits for an event or a command (a poll of up to 50 ms), not a tick after tick; the
+    append still reaches the decoder at once."""
+    runtime = deployment.runtime
+    ticks = 0
+    tick = runtime.conductor.tick
+
+    def counted(now):
+        nonlocal ticks
+        ticks += 1
+        return tick(now)
+
+    async def go():
+        nonlocal ticks
+        tokens, _, reader = await _call(deployment, "idle", [[1, 2]], end=False)
+        deadline = time.monotonic() + 5
+        while not tokens and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the primed call now waits on its client
+        ticks = 0
+        await asyncio.sleep(0.5)
+        assert ticks <= 30, ticks  # a spin ticks thousands of times in 0.5 s
+        sent = time.monotonic()
+        runtime.append("idle", "audio_in", torch.tensor([3.0, 4.0]))
+        while len(tokens) < 2 and time.monotonic() - sent < 5:
+            await asyncio.sleep(0.001)
+        assert tokens == expected(0, [1, 2, 3, 4])
+        runtime.end_input("idle")
+        await asyncio.wait_for(reader, 10)
+
+    runtime.conductor.tick = counted
+    try:
+        asyncio.run(go())
+    finally:
+        del runtime.conductor.tick
+    _wait_free(deployment)
+
+
 def test_appends_past_max_items_are_refused_before_any_node(deployment):
     async def go():
         events = deployment.backend.generate(GenerateSpec("big", "", [], ["text"], {}))
