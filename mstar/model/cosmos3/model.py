@@ -319,10 +319,15 @@ class Cosmos3(ActionRequests, ModelSpec):
         if knobs.width * knobs.height > self.knobs.max_image_area:
             raise RequestError("width", f"{knobs.width}x{knobs.height} is over max_image_area "
                                         f"({self.knobs.max_image_area} pixels a frame)")
-        if (knobs.num_frames - 1) % FRAME_STEP:
+        # A clip starts on a lone frame (its first latent frame decodes to one, each later one to
+        # four); a resumed session's frames go on from its last window, four a latent frame, so a
+        # resume may also ask for 4k (whole windows then join the next resume with no frame cut).
+        resume = spec.session is not None and spec.session.resume
+        if (knobs.num_frames - 1) % FRAME_STEP and not (resume and knobs.num_frames % FRAME_STEP == 0):
             low = (knobs.num_frames - 1) // FRAME_STEP * FRAME_STEP + 1
-            raise RequestError("num_frames", f"must be {FRAME_STEP}k + 1 (1, 5, 9, ...), got {knobs.num_frames} "
-                                             f"(nearest: {low} or {low + FRAME_STEP})")
+            more = f" or, resuming, {FRAME_STEP}k" if resume else ""
+            raise RequestError("num_frames", f"must be {FRAME_STEP}k + 1 (1, 5, 9, ...){more}, got "
+                                             f"{knobs.num_frames} (nearest: {low} or {low + FRAME_STEP})")
         if knobs.width * knobs.height * knobs.num_frames > self.knobs.max_video_pixels and not is_windowed(spec, knobs):
             raise RequestError("num_frames", f"{knobs.width}x{knobs.height}x{knobs.num_frames} is over "
                                              f"max_video_pixels ({self.knobs.max_video_pixels} pixels)")

@@ -47,7 +47,8 @@ are the decode of the whole rollout's latents at once (no seam at a boundary). T
 first latent frame decodes to one frame, every later one to four, so window 0 delivers
 ``window_frames`` (``1 + 4 (L - 1)``) frames and every later window ``4 L``; the last window is
 trimmed to ``num_frames`` (frames cut from it are not delivered later: a resume goes on after
-the whole window, as a chained one does). Without a session the carried state is the request's, on the ``vae``
+the whole window, as a chained one does; a resume may ask for ``4k`` frames, so whole windows
+of ``4 L`` join with none cut). Without a session the carried state is the request's, on the ``vae``
 engine, freed when the request ends; with one the denoise node keeps the committed cache in its
 session store and the ``vae`` node the decoder's state in the ``WindowSession``, and a kv resume
 goes on from both (``mstar.model.cosmos3.kv_window``), its window 0 delivering ``4 L`` frames

@@ -357,8 +357,8 @@ def test_a_kv_session_resumes_as_one_rollout(deployment):
     """A kv rollout's committed cache is kept in the dit node's session store and its carried
     decode in the vae node's: an opening of 2 windows and a resume of 2 more equal one rollout of
     4 windows with the opening's seed, every step's latents and the frames (the resume's decode
-    goes on from the opening's: its windows deliver 8 frames each, the last trimmed to its 13;
-    the context releasing frames across the resume); the kept bytes are reported, and
+    goes on from the opening's: its windows deliver 8 frames each, so its 16 frames are two whole
+    windows; the context releasing frames across the resume); the kept bytes are reported, and
     end_session leaves nothing behind."""
     worker = deployment.runtime.workers.workers[0]
     dit = worker.engines["dit"]
@@ -373,14 +373,14 @@ def test_a_kv_session_resumes_as_one_rollout(deployment):
         assert kept.decode.latent_frames == 2 * LATENT and kept.decode.nbytes > 0
         assert worker.sessions.held_bytes()["vae"] == kept.nbytes == kept.frames.nbytes + kept.decode.nbytes
         [rest] = events(deployment, "kvs-resume", session=SessionSpec("kv-roll", resume=True, end=True),
-                        num_frames=13, seed=99, **kv)  # the session's noise stream, not seed 99
+                        num_frames=16, seed=99, **kv)  # the session's noise stream, not seed 99
     assert len(seen) == 2 * 4 * STEPS
     worst = max(rel(ours, ref) for ours, ref in zip(seen[4 * STEPS:], seen[:4 * STEPS]))
     print(f"[parity] kv opening + resume vs one rollout: latents max rel err {worst:.1e}")
     assert worst <= 1e-5
     frame = HEIGHT * WIDTH * 3
-    assert len(first) == len(rest) == 13 * frame
-    assert first + rest == whole[:26 * frame]  # the decode carried across the resume: no seam, no frame lost
+    assert len(first) == 13 * frame and len(rest) == 16 * frame
+    assert first + rest == whole  # the decode carried across the resume: no seam, no frame lost
     deadline = time.monotonic() + 10
     while worker.sessions.get("kv-roll", "dit") is not None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -433,6 +433,8 @@ def test_startup_warns_that_kv_is_experimental(checkpoint, caplog):
     ({"window_mode": "kv", "overlap_frames": 8}, None, "overlap_frames"),
     ({"window_mode": "kv", "window_frames": 4}, None, "window_frames"),
     ({"window_mode": "kv", "image": True}, SessionSpec("world", resume=True), "image"),
+    ({"window_mode": "kv", "num_frames": 16}, None, "num_frames"),  # 4k: a resume's count only
+    ({"window_mode": "kv", "num_frames": 18}, SessionSpec("world", resume=True), "num_frames"),
 ])
 def test_bad_kv_requests_name_the_field(deployment, kwargs, session, field):
     from test_cosmos3_conditioned import picture, png  # noqa: PLC0415
