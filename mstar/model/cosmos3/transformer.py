@@ -117,8 +117,11 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments:
         values = torch.cat([seg.text[1], *(p[1] for p in past), rows[1]]).transpose(0, 1)
         if seg.keep is not None:
             seg.keep.append(rows)
-        out = F.scaled_dot_product_attention(q[0, start:end].transpose(0, 1), keys, values, enable_gqa=True)
-        outs.append(out.transpose(0, 1))
+        # 4-D (a batch of one): the fused kernels take nothing else, and the math fallback of 3-D
+        # inputs holds the whole score matrix (233 GiB for Nano's 44,160-token clip)
+        out = F.scaled_dot_product_attention(q[:, start:end].transpose(1, 2), keys[None], values[None],
+                                             enable_gqa=True)
+        outs.append(out[0].transpose(0, 1))
         start = end
     return torch.cat(outs)[None]
 
@@ -158,8 +161,8 @@ class PackedAttention(nn.Module):
         v = self._split(self.to_v(x), self.kv_heads)
         k_media = k if self.k_norm_und_for_gen is None else self.k_norm_und_for_gen(k)
         q, k, k_media = rotate(q, cos, sin), rotate(k, cos, sin), rotate(k_media, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)[0]
         if self.sp.size > 1:  # the media's all-to-all hands this rank every row of its heads' slice
             k_media, v = (t.chunk(self.sp.size, dim=1)[self.sp.rank].contiguous() for t in (k_media, v))
         return self.to_out(out.transpose(0, 1).flatten(-2)), (k_media, v)

@@ -110,8 +110,9 @@ class Segments:
         """Bidirectional attention within each segment: ``[N, H, D]`` in and out."""
         heads, dim = q.shape[1:]
         if self.single:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-            return out.transpose(0, 1)
+            # 4-D: SDPA's fused kernels take no 3-D inputs (the math fallback holds every score)
+            out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+            return out[0].transpose(0, 1)
         out = torch.empty_like(q)
         for length, index in self.buckets:  # [segments, H, length, D] per tensor
             q_seg, k_seg, v_seg = [t[index].view(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v)]
