@@ -164,9 +164,17 @@ def write_checkpoint(root: Path, tower_cfg: dict[str, Any], vae_cfg: dict[str, A
 def build_reference(kwargs: dict[str, Any], device, dtype):
     from diffusers import Cosmos3OmniTransformer
 
-    with torch.device(device):  # built in place: the rotary tables computed, no host copy
+    # Built on the meta device and given empty storage in ``dtype`` on the device (every
+    # parameter is drawn below), so no float32 copy of the tower is ever held (61 GB at Nano's
+    # shapes: with ours' clip deployment just freed, more than an H100 held). Its one buffer,
+    # the rotary table, is computed for real (in float32, then cast, as a float32 build would).
+    with torch.device("meta"):
         ref = Cosmos3OmniTransformer(**kwargs)
-    ref = ref.to(dtype).eval()
+    ref = ref.to_empty(device=device).to(dtype).eval()
+    config = ref.config
+    with torch.device(device):
+        ref.rotary_emb = type(ref.rotary_emb)(head_dim=config.head_dim, rope_theta=config.rope_theta,
+                                              rope_axes_dim=config.rope_axes_dim).to(dtype)
     randomize(ref, 0)
     return ref
 
