@@ -96,7 +96,7 @@ def push_many(streams: list[EncoderStream], mels: list[torch.Tensor], lasts: lis
     longest = max(counts)
     x = torch.stack([F.pad(xs[i], (0, 0, 0, longest - counts[i])) for i in live])  # [B, N, C]
     group = [streams[i] for i in live]
-    sizes = torch.tensor([counts[i] for i in live], device=x.device)
+    sizes = [counts[i] for i in live]  # host ints: reading a device tensor per call and layer syncs
     for index, block in enumerate(encoder.layers):
         states = [stream.layers[index] for stream in group]
         x = _block(block, states, x, sizes, group[0].left_context)
@@ -106,7 +106,7 @@ def push_many(streams: list[EncoderStream], mels: list[torch.Tensor], lasts: lis
     return out
 
 
-def _block(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, sizes: torch.Tensor,
+def _block(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, sizes: list[int],
            left_context: int) -> torch.Tensor:
     x = x + 0.5 * block.feed_forward1(block.norm_feed_forward1(x))
     x = x + _attend(block.self_attn, states, block.norm_self_att(x), sizes, left_context)
@@ -115,7 +115,7 @@ def _block(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, si
     return block.norm_out(x)
 
 
-def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tensor, sizes: torch.Tensor,
+def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tensor, sizes: list[int],
             left_context: int) -> torch.Tensor:
     """The new frames' queries over each call's cached keys and its own new ones. Keys sit at
     ``[C - c_b, C)`` (the cache, right-aligned) and ``[C, C + n_b)`` (new) of a row of
@@ -130,11 +130,12 @@ def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tens
     total = cached + n
     keys = x.new_zeros(batch, total, heads, dim)
     values = x.new_zeros(batch, total, heads, dim)
-    valid = torch.zeros(batch, total, dtype=torch.bool, device=x.device)
+    valid = torch.zeros(batch, total, dtype=torch.bool)  # built on the host, copied once
     for b, state in enumerate(states):
         c = state.k.shape[0]
         keys[b, cached - c:cached], values[b, cached - c:cached] = state.k, state.v
-        valid[b, cached - c:cached + int(sizes[b])] = True
+        valid[b, cached - c:cached + sizes[b]] = True
+    valid = valid.to(x.device)
     keys[:, cached:], values[:, cached:] = k_new, v_new
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, dtype=torch.float32, device=x.device) / width))
     distances = torch.arange(total - 1, -n, -1, dtype=torch.float32, device=x.device)
@@ -152,13 +153,13 @@ def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tens
     out = F.scaled_dot_product_attention((q + attn.bias_u).transpose(1, 2), keys.transpose(1, 2),
                                          values.transpose(1, 2), attn_mask=bias)
     for b, state in enumerate(states):
-        c, m = state.k.shape[0], int(sizes[b])
+        c, m = state.k.shape[0], sizes[b]
         state.k = keys[b, cached - c:cached + m][-left_context:]
         state.v = values[b, cached - c:cached + m][-left_context:]
     return attn.o_proj(out.transpose(1, 2).reshape(batch, n, heads * dim))
 
 
-def _convolve(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+def _convolve(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """The conv module over each call's last ``kernel - 1`` inputs and its new ones (the
     padding after a call's frames only reaches padded outputs: the convolution is causal)."""
     conv = block.conv
@@ -166,8 +167,7 @@ def _convolve(block: ConformerBlock, states: list[_LayerState], x: torch.Tensor,
     history = torch.cat([torch.stack([state.conv for state in states]), y], dim=1)  # [B, kernel - 1 + N, C]
     reach = conv.kernel - 1
     for b, state in enumerate(states):
-        m = int(sizes[b])
-        state.conv = history[b, m:m + reach]
+        state.conv = history[b, sizes[b]:sizes[b] + reach]
     image = history.transpose(1, 2).unsqueeze(2)  # [B, C, 1, kernel - 1 + N]
     weight = conv.depthwise_conv.weight.unsqueeze(2)
     y = F.conv2d(image, weight, conv.depthwise_conv.bias, groups=y.shape[2]).squeeze(2).transpose(1, 2)
