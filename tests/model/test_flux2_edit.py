@@ -18,6 +18,7 @@ from mstar.model.flux2.edit import MAX_REFERENCE_AREA, prepare_reference
 from mstar.model.flux2.vae import unpack_latents
 from mstar.model.registry import model_class
 from mstar.runtime.launch import start
+from tests.support.packing import held_until
 
 PROMPT, SEED, STEPS, WIDTH, HEIGHT = "make it blue", 3, 3, 48, 32
 
@@ -127,7 +128,8 @@ def test_references_change_the_image_and_batch_with_their_solo_result(deployment
 
     dit = deployment.runtime.workers.workers[0].engines["dit"]
     before = len(dit.forward_rows)
-    batched = asyncio.run(together())
+    with held_until(dit, 2):
+        batched = asyncio.run(together())
     assert max(list(dit.forward_rows)[before:]) > 1  # the three edits shared denoise forwards
     [alone] = asyncio.run(deployment.backend.generate_images(
         ImageSpec("b-alone", PROMPT, WIDTH, HEIGHT, 1, SEED + 1, 2, images=[png(REFERENCES[0])])))

@@ -20,6 +20,7 @@ from mstar.model.cosmos3 import action as act
 from mstar.runtime.launch import start
 from tests.support.cosmos3_media import generate_action as run
 from tests.support.cosmos3_media import picture, png, step_latents
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -208,7 +209,8 @@ def test_concurrent_requests_equal_their_solo_runs(deployment):
             return await asyncio.to_thread(run, deployment, rid, "go", files, mods, **kw)
         return await asyncio.gather(*(one(*job) for job in jobs))
 
-    packed = asyncio.run(together())
+    with held_until(dit, 2):
+        packed = asyncio.run(together())
     assert max(list(dit.forward_rows)[before:]) > 2  # some forwards held more than one request
     for a, b in zip(solo, packed):
         assert a.keys() == b.keys()

@@ -23,6 +23,7 @@ from mstar.runtime.launch import start
 from tests.support.cosmos3_media import generate_action as generate
 from tests.support.cosmos3_media import picture, png
 from tests.support.cosmos3_sound import SOUND, add_sound_tower
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -172,7 +173,8 @@ def test_sound_and_plain_action_requests_packed_equal_their_solo_runs(deployment
 
         return await asyncio.gather(one("packed-policy-sound", True), one("packed-policy-plain", False))
 
-    with_sound, plain = asyncio.run(together())
+    with held_until(dit, 2):
+        with_sound, plain = asyncio.run(together())
     assert max(dit.forward_rows) == 4  # both guided pairs in one forward
     got, want = (torch.from_numpy(np.frombuffer(d["action"], dtype="<f4").copy()) for d in (with_sound, alone))
     assert rel(got, want) <= 1e-5

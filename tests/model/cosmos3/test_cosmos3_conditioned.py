@@ -23,6 +23,7 @@ from mstar.contract import GenerateSpec, RequestError
 from mstar.model.cosmos3.conditioning import image_pixels
 from mstar.runtime.launch import start
 from tests.support.cosmos3_media import picture, png, step_latents
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -191,7 +192,8 @@ def test_conditioned_and_plain_requests_share_forwards_and_equal_solo_runs(deplo
         alone = {name: generate(deployment, f"solo-{name}", "a kite", files, num_frames=n, **common)
                  for name, files, n in jobs}
         dit.forward_rows.clear()
-        batched = asyncio.run(together(deployment, jobs, common))
+        with held_until(dit, 2):
+            batched = asyncio.run(together(deployment, jobs, common))
     finally:
         del dit.run
     assert sum(dit.forward_rows) == 3 * 2 * 2 and max(dit.forward_rows) > 2

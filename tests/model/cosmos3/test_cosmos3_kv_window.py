@@ -48,6 +48,7 @@ from tests.support.cosmos3_windows import (
 )
 from tests.support.cosmos3_windows import video_chunks as events
 from tests.support.cosmos3_windows import windowed_config as config
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -411,7 +412,8 @@ def test_kv_rollouts_share_forwards_with_other_requests(deployment):
             ("plain", {"num_frames": 9, "seed": 3})]
     alone = {rid: b"".join(events(deployment, f"solo-{rid}", **kw)) for rid, kw in jobs}
     dit.forward_rows.clear()
-    batched = run_together(deployment, jobs)
+    with held_until(dit, 2):
+        batched = run_together(deployment, jobs)
     assert max(dit.forward_rows) > 2  # rows of different requests packed
     for (rid, _), got in zip(jobs, batched):
         diff = int(np.abs(np.frombuffer(got, np.uint8).astype(np.int16)

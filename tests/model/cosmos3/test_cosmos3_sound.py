@@ -29,6 +29,7 @@ from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.runtime.launch import start
 from tests.support.cosmos3_sound import SOUND, add_sound_tower
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -197,7 +198,8 @@ def test_sound_request_packed_with_a_plain_one_equals_its_solo_run(deployment):
 
         return await asyncio.gather(one("packed-sound", True, 3), one("packed-plain", False, 4))
 
-    with_sound, plain = asyncio.run(together())
+    with held_until(dit, 2):
+        with_sound, plain = asyncio.run(together())
     assert max(dit.forward_rows) == 4  # both guided pairs in one forward
     for modality, dtype in (("audio", "<i2"), ("video", np.uint8)):  # packed GEMMs round differently: one level
         got, want = (np.frombuffer(d[modality], dtype=dtype).astype(np.int32) for d in (with_sound, alone))

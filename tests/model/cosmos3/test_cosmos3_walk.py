@@ -18,6 +18,7 @@ from PIL import Image
 from mstar.config import parse_config
 from mstar.contract import GenerateSpec, RequestError
 from mstar.runtime.launch import start
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -135,7 +136,8 @@ def test_concurrent_requests_share_forwards_and_equal_solo_runs(deployment):
 
         return await asyncio.gather(*(one(*job) for job in jobs))
 
-    batched = asyncio.run(together())
+    with held_until(dit, 2):
+        batched = asyncio.run(together())
     assert sum(dit.forward_rows) == 3 * 2 * 2  # 3 requests x 2 steps x the guided pair
     assert max(dit.forward_rows) > 2  # some forward packed rows of different requests and sizes
     for (rid, *_), got in zip(jobs, batched):  # a packed forward rounds as its rows' shapes let it: 1 level

@@ -32,6 +32,7 @@ from tests.support.cosmos3_windows import (
 )
 from tests.support.cosmos3_windows import video_chunks as events
 from tests.support.cosmos3_windows import windowed_config as config
+from tests.support.packing import held_until
 
 pytest.importorskip("diffusers")
 
@@ -229,7 +230,8 @@ def test_windowed_and_plain_requests_share_forwards(deployment):
             ("p", {"num_frames": 9, "seed": 3})]
     alone = {rid: b"".join(events(deployment, f"solo-{rid}", **kw)) for rid, kw in jobs}
     dit.forward_rows.clear()
-    batched = run_together(deployment, jobs)
+    with held_until(dit, 2):
+        batched = run_together(deployment, jobs)
     assert sum(dit.forward_rows) == (2 + 3 + 1) * STEPS * 2  # windows x steps x the guided pair
     assert max(dit.forward_rows) > 2  # windows of different requests (and the plain clip) packed
     for (rid, _), got in zip(jobs, batched):

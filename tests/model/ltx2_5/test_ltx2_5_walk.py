@@ -18,6 +18,7 @@ from mstar.contract import GenerateSpec, RequestError
 from mstar.model.ltx2_5.denoise import DISTILLED_SIGMAS
 from mstar.runtime.launch import start
 from tests.model.ltx2_5.conftest import PROMPT_TOKENS
+from tests.support.packing import held_until
 
 HEIGHT, WIDTH, FRAMES, SEED = 64, 96, 9, 3
 PROMPT = "a cat walks on the moon"
@@ -77,7 +78,8 @@ def test_concurrent_requests_equal_their_solo_runs(deployment):
 
     dit = deployment.runtime.workers.workers[0].engines["dit"]
     before = len(dit.forward_rows)
-    joint = asyncio.run(together())
+    with held_until(dit, 2):
+        joint = asyncio.run(together())
     rows = list(dit.forward_rows)[before:]
     print("[batch] forward rows", rows)
     assert sum(rows) == 3 * len(DISTILLED_SIGMAS) and max(rows) > 1
