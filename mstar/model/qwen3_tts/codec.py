@@ -217,6 +217,16 @@ class Qwen3TTSCodec(nn.Module):
         wav = self.conv_stack(latents[..., context - lead:])
         return wav[..., lead * self.samples_per_frame:]
 
+    def decode_rows(self, codes: torch.Tensor, starts: torch.Tensor, frames: int) -> torch.Tensor:
+        """Windows of different lengths and contexts as one batch: ``codes [B, Q, L]``, each row a
+        window left-aligned and padded on the right to ``L``; row ``b``'s conv stack runs over
+        ``frames`` latents from ``starts[b]`` (its lead frames, then its new ones, then padding).
+        Every layer is causal, so padding after a row's frames never reaches their samples: the
+        caller keeps each row's own span of the ``[B, frames * samples_per_frame]`` result."""
+        latents = self.latents(codes)
+        index = (starts[:, None] + torch.arange(frames, device=codes.device)).clamp(max=codes.shape[-1] - 1)
+        return self.conv_stack(latents.gather(2, index[:, None, :].expand(-1, latents.shape[1], -1)))
+
     def decode_stream(self, codes: torch.Tensor, ramp: Sequence[int] = (1, 3, 8, 16, 25),
                       left_context: int = 72, prefix: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """A whole clip's audio window by window, as a stream decodes it: ``stream_windows``;

@@ -161,34 +161,87 @@ class TalkerEngine(Engine):
 
 
 WINDOW_BUCKETS = (1, 2, 4, 8, 16, 32)  # the codec graphs' batch buckets
-MAX_WINDOW_GRAPHS = 64
+TOTAL_STEP = 8  # a packed batch's window length is rounded up to a multiple of this
 
 
-def window_graphs(codec: Qwen3TTSCodec) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """``decode_window`` replayed from a CUDA graph per (batch bucket, frames, context): a
-    batch of windows is padded to the next of ``WINDOW_BUCKETS`` with copies of its first
-    (rows never mix), at most ``MAX_WINDOW_GRAPHS`` shapes (the ramp's few window shapes at
-    each bucket), others eagerly. Off CUDA the same padding and static inputs run eagerly."""
-    context_now = [0]  # the window's context: a Python int, part of the graph's key
-    graphs = ShapeGraphs(lambda codes: codec.decode_window(codes, context_now[0]), next(codec.parameters()).device,
-                         max_graphs=MAX_WINDOW_GRAPHS)
+def conv_frames(n: int) -> int:
+    """The conv stack's length for windows needing ``n`` frames (lead and new): 1, 2, 4, 8, then
+    a multiple of 4, so that windows of nearby sizes share a graph at little padding."""
+    return n if n <= 2 else 4 if n <= 4 else 8 if n <= 8 else -(-n // 4) * 4
 
-    def decode(codes: torch.Tensor, context: int) -> torch.Tensor:
-        batch = codes.shape[0]
-        bucket = next((size for size in WINDOW_BUCKETS if size >= batch), None)
-        if bucket is None:
-            return codec.decode_window(codes, context)
-        if bucket > batch:
-            codes = torch.cat((codes, codes[:1].expand(bucket - batch, -1, -1)))
-        context_now[0] = context
-        return graphs((bucket, codes.shape[-1], context), codes)[:batch]
 
+def packed_windows(codec: Qwen3TTSCodec, left_context: int = 72, max_frames: int = 25
+                   ) -> Callable[[list[tuple[torch.Tensor, int]]], list[torch.Tensor]]:
+    """The windows of a codec step, ``(codes [Q, T], context)`` each, decoded in few calls of few
+    shapes (``codec_cuda_graphs``): windows whose conv stacks round to one length ``C``
+    (``conv_frames`` of their lead and new frames) form a batch whatever their contexts, each
+    left-aligned and padded on the right to ``left_context + C`` frames, the longest such a
+    window can be (``Qwen3TTSCodec.decode_rows``: every layer is causal, so a row's own samples
+    are those of its window alone; the padding costs only transformer rows, the conv stack
+    being nearly all of the decoder's time). A batch is padded to the next of
+    ``WINDOW_BUCKETS`` rows with copies of its first and replays a CUDA graph per (rows,
+    ``C``): a few dozen shapes in all, every window up to ``max_frames`` new frames, captured at
+    start (``decode.capture_all``) so that no stream waits on a capture. (Keyed by each
+    window's length and context, the adaptive ramp's varied windows captured graphs
+    mid-stream.) Off CUDA the same padding and static inputs run eagerly."""
+    weight = next(codec.parameters())
+    reach, spf, largest = codec.conv_reach, codec.samples_per_frame, WINDOW_BUCKETS[-1]
+    lengths = sorted({conv_frames(n) for n in range(1, reach + max_frames + 1)})
+    frames_now = [0]  # the conv stack's length: a Python int, part of the graph's key
+    graphs = ShapeGraphs(lambda codes, starts: codec.decode_rows(codes, starts, frames_now[0]), weight.device,
+                         max_graphs=len(WINDOW_BUCKETS) * len(lengths))
+
+    def length_of(frames: int, longest: int) -> int:
+        return -(-max(left_context + frames, longest) // TOTAL_STEP) * TOTAL_STEP
+
+    def decode(windows: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        spans = []  # (lead, new, start of the conv stack's input) a window
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, (codes, context) in enumerate(windows):
+            lead = min(reach, context)
+            spans.append((lead, codes.shape[-1] - context, context - lead))
+            groups[conv_frames(codes.shape[-1] - context + lead)].append(i)
+        out: list[torch.Tensor | None] = [None] * len(windows)
+        for frames, members in groups.items():
+            for first in range(0, len(members), largest):
+                rows = members[first:first + largest]
+                bucket = next(size for size in WINDOW_BUCKETS if size >= len(rows))
+                length = length_of(frames, max(windows[i][0].shape[-1] for i in rows))
+                codes = torch.zeros(bucket, windows[rows[0]][0].shape[0], length, dtype=torch.int64)
+                starts = torch.zeros(bucket, dtype=torch.int64)
+                for row, i in enumerate([*rows, *[rows[0]] * (bucket - len(rows))]):
+                    window = windows[i][0]
+                    codes[row, :, :window.shape[-1]] = window
+                    starts[row] = spans[i][2]
+                frames_now[0] = frames
+                with torch.inference_mode():
+                    wav = graphs((bucket, length, frames), codes.to(weight.device), starts.to(weight.device))
+                    wav = wav[:len(rows)].float().cpu()  # one copy a batch
+                for row, i in enumerate(rows):
+                    lead, new, _ = spans[i]
+                    out[i] = wav[row, lead * spf:(lead + new) * spf].clone()
+        return out  # type: ignore[return-value]
+
+    def capture_all() -> None:
+        """Every (rows, conv length) graph, now (CUDA only)."""
+        if weight.device.type != "cuda":
+            return
+        for bucket in WINDOW_BUCKETS:
+            for frames in lengths:
+                length, frames_now[0] = length_of(frames, 0), frames
+                codes = torch.zeros(bucket, codec.config.num_quantizers, length, dtype=torch.int64)
+                with torch.inference_mode():
+                    graphs((bucket, length, frames), codes.to(weight.device),
+                           torch.zeros(bucket, dtype=torch.int64, device=weight.device))
+
+    decode.graphs = graphs  # type: ignore[attr-defined]  (its shapes, for the tests)
+    decode.capture_all = capture_all  # type: ignore[attr-defined]
     return decode
 
 
 def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealGenerator | None = None,
              marks: AudioWatermarkKnobs | None = None, streams: dict[str, WatermarkStream] | None = None,
-             cuda_graphs: bool = False):
+             cuda_graphs: bool = False, max_frames: int = 25):
     """The codec node: each window (``codes [n, Q]``, its left context first) decoded; the
     context's frames run through the transformer only; windows of one shape batched. An
     in-context clone's first windows take their missing context (up to ``left_context``
@@ -196,9 +249,12 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealG
     clip's frames before the new ones. With a ``watermark``, each request's new audio is then
     marked with its own stream (in ``streams``, made at its first window and dropped after its
     last), so its windows come out as its whole utterance marked at once, however it was cut.
-    ``cuda_graphs``: windows replay per shape (``window_graphs``)."""
+    ``cuda_graphs``: windows of nearby sizes packed, each batch replayed per shape
+    (``packed_windows``, windows of up to ``max_frames`` new frames captured now)."""
     weight = next(codec.parameters())
-    decode = window_graphs(codec) if cuda_graphs else codec.decode_window
+    packed = packed_windows(codec, left_context, max_frames) if cuda_graphs else None
+    if packed is not None:
+        packed.capture_all()
     groups_q = codec.config.num_quantizers
     streams = {} if streams is None else streams
 
@@ -218,20 +274,24 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealG
             streams.pop(item.request_id, None)
         return out
 
-    def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
-        results: list[dict[str, torch.Tensor] | None] = [None] * len(items)
+    def decode(windows: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        if packed is not None:
+            return packed(windows)
+        audio: list[torch.Tensor | None] = [None] * len(windows)
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-        windows = [window(item) for item in items]
         for i, (codes, context) in enumerate(windows):
             groups[(codes.shape[-1], context)].append(i)
         for (_, context), indices in groups.items():
             codes = torch.stack([windows[i][0] for i in indices])
             with torch.inference_mode():
-                wav = decode(codes.to(weight.device, torch.int64), context).float().cpu()  # one copy a shape
+                wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()  # one copy
             for row, i in enumerate(indices):
-                audio = wav[row].clone()
-                results[i] = {"audio": mark(items[i], audio) if watermark is not None else audio}
-        return results  # type: ignore[return-value]
+                audio[i] = wav[row].clone()
+        return audio  # type: ignore[return-value]
+
+    def run(op: str, items: list[EngineItem]) -> list[dict[str, torch.Tensor]]:
+        audio = decode([window(item) for item in items])
+        return [{"audio": mark(item, wav) if watermark is not None else wav} for item, wav in zip(items, audio)]
 
     return run
 
@@ -241,12 +301,12 @@ class CodecEngine(StatelessEngine):
 
     def __init__(self, codec: Qwen3TTSCodec, watermark: AudioSealGenerator | None = None,
                  marks: AudioWatermarkKnobs | None = None, *, left_context: int = 72,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, max_frames: int = 25) -> None:
         if watermark is not None and codec.samples_per_frame % watermark.cfg.hop:
             raise ValueError(f"model_kwargs.audio_watermark.generator: its hop of {watermark.cfg.hop} samples "
                              f"does not divide the codec's {codec.samples_per_frame} samples a frame")
         self.streams: dict[str, WatermarkStream] = {}
-        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams, cuda_graphs))
+        super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams, cuda_graphs, max_frames))
 
     def release(self, request_id: str) -> None:
         self.streams.pop(request_id, None)

@@ -268,7 +268,8 @@ class Qwen3TTS(ModelSpec):
             marks = self.knobs.audio_watermark
             engines[CODEC] = CodecEngine(codec, marks.build(device, dummy=dummy, seed=seed + 3), marks,
                                          left_context=self.knobs.codec_left_context,
-                                         cuda_graphs=self.knobs.codec_cuda_graphs)
+                                         cuda_graphs=self.knobs.codec_cuda_graphs,
+                                         max_frames=self.knobs.codec_chunk_frames)
         return engines
 
 

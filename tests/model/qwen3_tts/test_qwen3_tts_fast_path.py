@@ -12,7 +12,7 @@ from mstar.config import parse_config
 from mstar.engine.base import EngineItem
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
 from mstar.model.qwen3_tts.codec import stream_windows
-from mstar.model.qwen3_tts.engine import CodecEngine, talker_engine
+from mstar.model.qwen3_tts.engine import CodecEngine, conv_frames, packed_windows, talker_engine
 from mstar.model.qwen3_tts.prompt import assistant_text
 from mstar.model.qwen3_tts.sampling import draw, mix32, request_key, uniforms
 from mstar.model.registry import model_class
@@ -204,6 +204,26 @@ def test_codec_window_graphs_equal_eager(tiny) -> None:
             peak = b.outputs["audio"].abs().max()
             assert a.outputs["audio"].shape == b.outputs["audio"].shape
             assert (a.outputs["audio"] - b.outputs["audio"]).abs().max() <= 1e-5 * peak
+
+
+def test_packed_windows_of_mixed_contexts_equal_each_alone(tiny) -> None:
+    """Windows at different points of streams (contexts from none to the whole left context of
+    30, 1 to 25 new frames), packed by conv length and padded on the right, a step at a time:
+    each equals its own ``decode_window``, and a step makes one call per conv length."""
+    codec = tiny[0].codec("cpu", torch.float32, dummy=True, seed=1)
+    torch.manual_seed(5)
+    codes = torch.randint(0, 64, (codec.config.num_quantizers, 60))
+    decode = packed_windows(codec)
+    steps = [[(0, 1), (1, 2), (3, 4), (12, 8)], [(1, 3), (4, 8), (20, 12), (30, 25)], [(7, 6), (2, 2), (0, 25), (9, 1)]]
+    keys = set()
+    for step in steps:  # (first new frame, new frames) a window
+        windows = [(codes[:, max(0, start - 30):start + new], min(30, start)) for start, new in step]
+        for (window, context), audio in zip(windows, decode(windows)):
+            want = codec.decode_window(window[None], context)[0]
+            assert audio.shape == want.shape
+            assert (audio - want).abs().max() <= 1e-5 * want.abs().max()
+        keys |= {conv_frames(w.shape[-1] - c + min(codec.conv_reach, c)) for w, c in windows}
+    assert len(decode.graphs.inputs) <= 2 * len(keys)  # a (rows, window length, conv length) each
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the codec's window graphs captured")
