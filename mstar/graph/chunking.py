@@ -59,11 +59,18 @@ class StreamClock:
     item_s: float | None = None  # wall time between the source's items (an average; None: unknown)
     chunk_s: float | None = None  # a chunk's time from dispatch to result (an average)
     first_out: float | None = None  # when the first chunk's result came back (None: not yet)
+    # When a player of the output (``TimedChunkPolicy.item_play_s`` a source item) that started
+    # at the first result and pauses whenever it runs dry has played all results so far; None:
+    # no result yet, or nothing played. Past it (``now > played_until``) the player is dry.
+    played_until: float | None = None
+    last_items: int = 0  # source items the latest chunk result covered anew
 
 
 class TimedChunkPolicy(ChunkPolicy):
     """A policy that also reads its stream's clock (a rate-aware codec ramp). Without a clock
     (``next_chunk``) it sees an unmeasured stream."""
+
+    item_play_s: float = 0.0  # playback time of one source item's output (0: not played)
 
     @abstractmethod
     def next_timed_chunk(self, available: int, taken: int, covered: int, closed: bool,

@@ -2,10 +2,11 @@
 
 A frame is ``frame_audio_ms`` (80) ms of audio. A stream whose frames each take ``frame_ms`` of
 wall time (its share of the batch, the codec's windows on the same worker, everything) is made
-at ``rho = frame_audio_ms / frame_ms`` times real time. Its player starts at the first sample
-and must never run dry. When the stream is asked for its next window, every window released so
-far has been decoded (one window of a stream is in flight at a time), so the player holds
-``B = released_ms - played_ms``. Waiting for a window of ``s`` frames, ``produced`` of which
+at ``rho = frame_audio_ms / frame_ms`` times real time. Its player starts at the first sample,
+must never run dry, and pauses when it does (the conductor's clock replays it:
+``StreamClock.played_until``). When the stream is asked for its next window, every window
+released so far has been decoded (one window of a stream is in flight at a time), so the player
+holds ``B = released_ms - played_ms``. Waiting for a window of ``s`` frames, ``produced`` of which
 are made already, and decoding it takes ``(s - produced) * frame_ms + codec_ms``: the player
 stays fed if that is at most ``B``. The rule pads the wait by ``margin`` (the rate is an
 average of recent steps) and takes the largest allowed size that fits:
@@ -24,8 +25,12 @@ audio in ``frame_ms``).
 
 Re-asking the rule as time passes is consistent: at a steady rate the buffer drains as fast
 as the wait shrinks, so a size that fits stays fitting until its frames are made; if the rate
-drops, the target shrinks and what is made goes out sooner. When nothing fits (the player is
-about to run dry) whatever is made goes out at once (at least one frame).
+drops, the target shrinks and what is made goes out sooner. When nothing fits (the player runs
+dry whatever goes out now) the stream refills: it waits for ``hold`` frames (below), and never
+for fewer than its latest window (all that is made goes out if more). Releasing each frame as it
+came instead cost a codec call a frame, which on a worker shared by 32 streams slowed all of
+them, so that they stayed behind: S12 on the H200 fell into 1-frame windows that way (a player
+that never paused made it worse: one late window counted the stream behind for good).
 
 **Holding the first release.** The first window waits until ``hold`` frames are made:
 
@@ -61,12 +66,13 @@ class RampView:
     """What the rule sees of one stream when asked for its next window."""
 
     released_ms: float  # audio of the windows released (and decoded) so far
-    played_ms: float  # audio the player has played since the first sample (0 before it)
+    played_ms: float  # audio the player has played since the first sample (it pauses when dry)
     produced: int  # frames made and not in a window yet
     windows: int  # windows released so far
     closed: bool = False  # the stream has ended: no more frames come
     frame_ms: float | None = None  # wall time per frame of this stream (an average), None: unknown
     codec_ms: float = 0.0  # a window's time from its release to its audio (an average)
+    last: int = 0  # frames of the latest window
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,12 @@ class RampRule:
         fits = [n for n in self.allowed if n <= cap and max(0, n - view.produced) * pace + view.codec_ms <= buffer]
         if fits:
             return fits[-1]
-        return self.largest_within(view.produced) or self.allowed[0]  # behind: out with what is made
+        # behind: the player runs dry whatever goes out now. Refill it as a first release would
+        # (``hold``), never with less than the latest window, or all that is made (up to the
+        # ramp's window): releasing each frame as it comes costs a codec call a frame, which on
+        # a shared worker slows every stream, which keeps them behind
+        floor = max(self.hold(view.frame_ms, view.codec_ms), view.last)
+        return max(next((n for n in self.allowed if n >= floor), floor), self.largest_within(min(view.produced, cap)))
 
     def largest_within(self, frames: int) -> int:
         """The largest allowed size of at most ``frames`` frames (0: none)."""
@@ -154,13 +165,18 @@ class AdaptiveChunks(TimedChunkPolicy):
     rule: RampRule
     context: int = 0
 
+    @property
+    def item_play_s(self) -> float:
+        return self.rule.frame_audio_ms / 1e3
+
     def next_timed_chunk(self, available: int, taken: int, covered: int, closed: bool,
                          clock: StreamClock) -> Chunk | None:
-        played = 0.0 if clock.first_out is None else max(0.0, clock.now - clock.first_out) * 1e3
-        view = RampView(released_ms=covered * self.rule.frame_audio_ms, played_ms=played,
+        released = covered * self.rule.frame_audio_ms
+        held = 0.0 if clock.played_until is None else max(0.0, clock.played_until - clock.now) * 1e3
+        view = RampView(released_ms=released, played_ms=released - held,
                         produced=available - covered, windows=taken, closed=closed,
                         frame_ms=None if clock.item_s is None else clock.item_s * 1e3,
-                        codec_ms=0.0 if clock.chunk_s is None else clock.chunk_s * 1e3)
+                        codec_ms=0.0 if clock.chunk_s is None else clock.chunk_s * 1e3, last=clock.last_items)
         size = self.rule.release(view)
         return sized_chunk(size, self.context, available, taken, covered, closed) if size else None
 

@@ -50,17 +50,21 @@ def simulate(policy: ChunkPolicy, rho: float, codec_ms: float, frames: int) -> t
     first_out: float | None = None
     windows: list[tuple[float, int, int]] = []  # (audio out at, first frame, size)
     opened = 0
+    until: float | None = None  # the player's (pausing when dry), as the conductor's clock keeps it
     for _ in range(20 * frames + 100):
         now = min([t for t in (made[available] if available < frames else None, busy_until) if t is not None])
         while available < frames and made[available] <= now:
             available += 1
         if busy_until is not None and busy_until <= now:
             busy_until, first_out = None, now if first_out is None else first_out
+            play = windows[-1][2] * FRAME
+            until = now + play if until is None or until < now else until + play
         closed = available == frames
         if busy_until is None:
             if isinstance(policy, TimedChunkPolicy):
                 out = None if first_out is None else first_out / 1e3
-                clock = StreamClock(now / 1e3, step / 1e3, codec_ms / 1e3, out)
+                clock = StreamClock(now / 1e3, step / 1e3, codec_ms / 1e3, out, None if until is None else until / 1e3,
+                                    windows[-1][2] if windows else 0)
                 chunk = policy.next_timed_chunk(available, taken, covered, closed, clock)
             else:
                 chunk = policy.next_chunk(available, taken, covered, closed)
@@ -126,15 +130,20 @@ def test_a_slow_stream_holds_its_first_release_for_a_typical_utterance(rho: floa
 
 def test_release_rule_cases() -> None:
     """Flush on close (all that is made, up to the largest size), nothing to release without
-    frames, the fixed ramp before any rate is measured, out at once when the player is about
-    to run dry, and never above the fixed ramp's window."""
+    frames, the fixed ramp before any rate is measured, a refill when the player is about to
+    run dry, and never above the fixed ramp's window."""
     assert RULE.release(RampView(800, 100, produced=5, windows=3, closed=True, frame_ms=60)) == 5
     assert RULE.release(RampView(800, 100, produced=30, windows=3, closed=True, frame_ms=60)) == 25
     assert RULE.release(RampView(800, 100, produced=0, windows=3, closed=True)) == 0
     starts = (0, 1, 4, 12, 28, 53)
     assert [RULE.target(RampView(FRAME * n, 0, 0, i)) for i, n in enumerate(starts)] == [1, 3, 8, 16, 25, 25]
     assert [RULE.cap(n) for n in (0, 1, 2, 3, 4, 11, 12, 27, 28, 500)] == [1, 3, 3, 3, 8, 8, 16, 16, 25, 25]
-    assert RULE.release(RampView(400, 390, produced=7, windows=4, frame_ms=70, codec_ms=30)) == 6
+    # behind (10 ms left, a 30 ms window): all that is made goes out, never less than the latest
+    # window, and a stream below 1 + margin x real time refills for the rest of an utterance
+    assert RULE.release(RampView(400, 390, produced=7, windows=4, frame_ms=50, codec_ms=30, last=4)) == 6
+    assert RULE.release(RampView(400, 390, produced=7, windows=4, frame_ms=50, codec_ms=30, last=8)) == 0
+    assert RULE.release(RampView(400, 390, produced=8, windows=4, frame_ms=50, codec_ms=30, last=8)) == 8
+    assert RULE.release(RampView(400, 390, produced=7, windows=4, frame_ms=70, codec_ms=30, last=4)) == 0
     assert RULE.release(RampView(80, 0, produced=2, windows=1, frame_ms=1)) == 0  # waits for 3
     assert RULE.release(RampView(80, 0, produced=3, windows=1, frame_ms=1)) == 3
     assert RampRule(max_frames=10).allowed == (1, 2, 3, 4, 6, 8, 10)
