@@ -121,6 +121,7 @@ class Settings:
     overlap: bool = False
     codec_graphs: bool = False
     codec_ramp: str = "fixed"
+    codec_ramp_margin: float = 0.2
     profile: bool = False
 
     def describe(self) -> dict[str, Any]:
@@ -130,7 +131,8 @@ class Settings:
                 "streams": list(self.streams), "frames": self.frames, "warmup_frames": self.warmup_frames,
                 "runs": self.runs, "seed": self.seed, "text": TEXT, "voice": VOICE,
                 "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
-                "codec_cuda_graphs": self.codec_graphs, "codec_ramp": self.codec_ramp, "profile": self.profile,
+                "codec_cuda_graphs": self.codec_graphs, "codec_ramp": self.codec_ramp,
+                "codec_ramp_margin": self.codec_ramp_margin, "profile": self.profile,
                 "eos": "masked at every frame (each request speaks exactly `frames` frames)"}
 
 
@@ -151,7 +153,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed,
                     cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
                     codec_graphs=args.codec_graphs and not args.smoke, codec_ramp=args.codec_ramp,
-                    profile=args.profile)
+                    codec_ramp_margin=args.codec_ramp_margin, profile=args.profile)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -248,7 +250,8 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
             "model_kwargs": {"max_new_frames": settings.frames, "codec_chunk_schedule": [1, 3, 8, 16],
                              "codec_chunk_frames": 25, "codec_left_context": 72, "seed": settings.seed,
                              "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
-                             "codec_cuda_graphs": settings.codec_graphs, "codec_ramp": settings.codec_ramp}}
+                             "codec_cuda_graphs": settings.codec_graphs, "codec_ramp": settings.codec_ramp,
+                             "codec_ramp_margin": settings.codec_ramp_margin}}
 
 
 class OursRunner:
@@ -444,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.codec_cuda_graphs: the codec's windows from CUDA graphs per shape")
     p.add_argument("--codec-ramp", choices=("fixed", "adaptive"), default="fixed",
                    help="model_kwargs.codec_ramp: the fixed 1/3/8/16/25 windows, or sized from each stream's rate")
+    p.add_argument("--codec-ramp-margin", type=float, default=0.2,
+                   help="model_kwargs.codec_ramp_margin (adaptive): a window's wait padded by this share of itself")
     p.add_argument("--profile", action="store_true",
                    help="after each stream count's runs, one more profiled: host vs device ms per talker step")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")
