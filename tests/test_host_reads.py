@@ -3,6 +3,7 @@ at the line that made it; device-side work and ignored sites are not counted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support.host_reads import HostReads, Read
@@ -12,10 +13,11 @@ def _line(marker: str) -> int:
     return next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith(marker))
 
 
-def test_each_host_read_is_counted_at_its_line():
+@pytest.mark.parametrize("inference", [False, True])  # under inference_mode the mode sees other ops
+def test_each_host_read_is_counted_at_its_line(inference):
     x = torch.arange(6.0)
     mask = x > 2
-    with HostReads() as seen:
+    with torch.inference_mode(inference), HostReads() as seen:
         y = torch.where(mask, x, 0.0).cumsum(0) * 2  # device-side work: nothing
         int(x[1])  # item
         if mask.any():  # item
@@ -30,14 +32,28 @@ def test_each_host_read_is_counted_at_its_line():
         torch.unique(torch.tensor([1, 1, 2]))  # unique
         torch.repeat_interleave(torch.tensor([1, 2]))  # repeat_interleave
         torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # sized: nothing
+        float(x.sum())  # item
+        torch.where(mask)  # nonzero
         torch.tensor([1, 2], device=x.device)  # upload
     assert y.shape == (6,)
-    whats = ["item", "item", "bool index", "tolist", "cpu", "to host", "nonzero", "unique", "repeat_interleave"]
+    whats = [
+        "item",
+        "item",
+        "bool index",
+        "tolist",
+        "cpu",
+        "to host",
+        "nonzero",
+        "unique",
+        "repeat_interleave",
+        "item",
+        "nonzero",
+    ]
     assert [r.what for r in seen.reads] == whats, seen.report()
     for read in seen.reads:
         assert read.site.startswith(__file__) and read.site.endswith("(test_each_host_read_is_counted_at_its_line)")
-    marker = "  # " + "bool index"
-    assert Read("bool index", f"{__file__}:{_line(marker)} (test_each_host_read_is_counted_at_its_line)") in seen.reads
+    where = f"{__file__}:{_line('  # ' + 'bool index')} (test_each_host_read_is_counted_at_its_line)"
+    assert Read("bool index", where) in seen.reads
     assert [r.what for r in seen.uploads] == ["upload"] and seen.count() == len(whats)
     assert "bool index" in seen.report()
 

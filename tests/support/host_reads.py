@@ -37,9 +37,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 # ATen ops that read a device value back on the host, or whose output's shape is the data's.
+# Under ``torch.inference_mode`` the mode sees the composite ops (``item``, ``is_nonzero``,
+# ``where(mask)``, ...) before they decompose; outside it, what they decompose to.
 _READS = {
     aten._local_scalar_dense.default: "item",  # .item(), int(t), float(t), bool(t), if t:
+    aten.item.default: "item",
+    aten.is_nonzero.default: "item",  # bool(t), if t:
+    aten.allclose.default: "item",
     aten.nonzero.default: "nonzero",  # nonzero, torch.where(mask), argwhere
+    aten.nonzero_numpy.default: "nonzero",
+    aten.where.default: "nonzero",  # torch.where(mask), one argument
+    aten.argwhere.default: "nonzero",
     aten.masked_select.default: "masked_select",
     aten._unique.default: "unique",
     aten._unique2.default: "unique",
@@ -50,6 +58,7 @@ _READS = {
     aten.equal.default: "equal",  # a host bool
 }
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_REPEATS = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
 _HOST_METHODS = {torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu", torch.Tensor.numpy: "numpy"}
 _UPLOADS = {torch.tensor, torch.as_tensor}
 _HERE = __file__
@@ -90,7 +99,7 @@ class _Dispatch(TorchDispatchMode):
         what = _READS.get(func)
         if what is None and func in _BOOL_INDEXED and _bool_index(args):
             what = "bool index"
-        if what is None and func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        if what is None and func in _REPEATS and kwargs.get("output_size") is None:
             what = "repeat_interleave"
         if what is not None:
             self.owner._add(what)
