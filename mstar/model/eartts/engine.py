@@ -26,7 +26,7 @@ import torch
 
 from mstar.engine.page_pool import OutOfPages, PagePool
 from mstar.engine.state_pool import StatePool
-from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache
+from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache, to_device
 from mstar.model.eartts.checkpoint import EarTTS
 from mstar.model.eartts.codec import CodecState
 from mstar.model.eartts.talker import FrameNoise
@@ -157,9 +157,10 @@ class TalkerEngine:
             return {}
         order = list(tokens)
         sessions = [self.sessions[s] for s in order]
+        texts = self.model.talker.text(self._upload(torch.tensor([tokens[sid] for sid in order])))  # [B, H]
         embeds, counts = [], []
-        for sid, state in zip(order, sessions, strict=True):
-            audio, text = self._inputs(state, tokens[sid])
+        for b, (sid, state) in enumerate(zip(order, sessions, strict=True)):
+            audio, text = self._inputs(state, tokens[sid], texts[b:b + 1])
             for uncond in (False, True):  # the CFG pair: same audio, the second with null text
                 flags = torch.full((audio.shape[0],), uncond, dtype=torch.bool, device=self.device)
                 embeds.append(self.model.talker.fuse(audio, text, flags))
@@ -169,26 +170,31 @@ class TalkerEngine:
         noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
                                   for sid, s in zip(order, sessions, strict=True)])
         hidden = self.model.talker.hidden(torch.cat(embeds), meta, self.kv)
-        last = torch.tensor(meta.query_starts[1:], device=self.device) - 1
+        last = self._upload(torch.tensor(meta.query_starts[1:]) - 1)
         pairs = hidden.index_select(0, last).view(len(order), 2, -1)
         codes = self._sample(sessions, pairs, noise)
-        pcm, lead = self._decode(sessions, codes)
+        pcm, _ = self._decode(sessions, codes)
+        # The codec's padding leads a session's first frame: known here, not read from the codec.
+        leads = [self.model.codec.config.overlap // 2 if state.warmup is not None else 0 for state in sessions]
         frames = {}
         for b, (sid, state) in enumerate(zip(order, sessions, strict=True)):
             state.prev, state.warmup = codes[b], None
-            frames[sid] = Frame(codes[b], pcm[b, int(lead[b]):])
+            frames[sid] = Frame(codes[b], pcm[b, leads[b]:])
         return frames
 
-    def _inputs(self, state: _Session, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host ``tensor`` on the talker's device without waiting for the device (a blocking
+        copy of pageable memory synchronises the stream)."""
+        return to_device(tensor, self.device)
+
+    def _inputs(self, state: _Session, token: int, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A session's audio and text embeddings for this step (its warm-up first, on its
-        first step)."""
+        first step); ``text`` is its token's ``[1, H]``."""
         talker, dev = self.model.talker, self.device
         prev = state.prev
         if self.text_eos_id is not None and token == self.text_eos_id:
             prev = self.model.silence_codes  # the reference forces a silent frame before EOS
-        ids = torch.tensor([token], device=dev)
         audio = talker.code_embeds(prev[None].to(dev))
-        text = talker.text(ids, torch.ones(1, dtype=torch.bool, device=dev))
         if state.warmup is not None:
             w = state.warmup
             audio = torch.cat([talker.warmup_code_embeds(w.codes.to(dev), w.audio_mask.to(dev),
@@ -217,11 +223,11 @@ class TalkerEngine:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        dev = self.device
+        up = self._upload
         return PagedAttentionMetadata(
-            positions=torch.tensor(positions, device=dev), slot_mapping=torch.tensor(slots, device=dev),
-            query_start_loc=torch.tensor(starts, device=dev), seq_lens=torch.tensor(lens, device=dev),
-            page_table=table.to(dev), page_size=self.pages.page_size,
+            positions=up(torch.tensor(positions)), slot_mapping=up(torch.tensor(slots)),
+            query_start_loc=up(torch.tensor(starts)), seq_lens=up(torch.tensor(lens)),
+            page_table=up(table), page_size=self.pages.page_size,
             host_query_start_loc=tuple(starts), host_seq_lens=tuple(lens))
 
     def _sample(self, sessions: list[_Session], pairs: torch.Tensor, noise: FrameNoise) -> torch.Tensor:
@@ -231,7 +237,7 @@ class TalkerEngine:
             groups.setdefault((s.guidance, s.top_p, s.noise_scale), []).append(b)
         codes = torch.empty(len(sessions), self.config.num_quantizers, dtype=torch.long, device=self.device)
         for (guidance, top_p, noise_scale), rows in groups.items():
-            index = torch.tensor(rows, device=self.device)
+            index = self._upload(torch.tensor(rows))
             chosen = FrameNoise(noise.gumbel[:, index], noise.gauss[:, index])
             codes[index] = self.model.talker.sample_codes(
                 pairs[index, 0], pairs[index, 1], chosen, guidance=guidance, top_p=top_p, noise_scale=noise_scale)
@@ -243,13 +249,13 @@ class TalkerEngine:
         rows = [s.slot for s in sessions]
         state = self._codec_rows(rows)
         pcm, lead, state = self.model.codec.step(codes[:, None], state)
-        index = torch.tensor(rows, device=self.device)
+        index = self._upload(torch.tensor(rows))
         for pool, tensor in zip(self.codec_state, state.tensors(), strict=True):
             pool.index_copy_(0, index, tensor.to(pool.dtype))
         return pcm, lead
 
     def _codec_rows(self, rows: list[int]) -> CodecState:
-        index = torch.tensor(rows, device=self.device)
+        index = self._upload(torch.tensor(rows))
         return CodecState.from_tensors([pool.index_select(0, index) for pool in self.codec_state])
 
     @staticmethod

@@ -22,6 +22,7 @@ time (``text_encoder.py``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -230,6 +231,12 @@ def unmask_schedule(num_quantizers: int, num_iter: int, exponent: float) -> list
     return [int(k) for k in ks[:, 0]]
 
 
+@functools.cache
+def _active_iterations(num_quantizers: int, num_iter: int, exponent: float) -> int:
+    """The schedule's iterations that unmask something (worked out once, not per session and frame)."""
+    return sum(1 for k in unmask_schedule(num_quantizers, num_iter, exponent) if k)
+
+
 @dataclass
 class FrameNoise:
     """One frame's sampling noise for ``B`` sessions: per active unmasking iteration, Gumbel
@@ -242,7 +249,7 @@ class FrameNoise:
     def draw(config: TalkerConfig, generator: torch.Generator, device: torch.device | str = "cpu",
              eps: float = 1e-8) -> FrameNoise:
         """One session's noise ``[I, 1, ...]`` from its own generator."""
-        active = sum(1 for k in unmask_schedule(config.num_quantizers, config.num_iter, config.exponent) if k)
+        active = _active_iterations(config.num_quantizers, config.num_iter, config.exponent)
         u = torch.rand(active, 1, config.mog_num_predictions, generator=generator, device=device)
         gumbel = -torch.log(-torch.log(u + eps) + eps)
         gauss = torch.randn(active, 1, config.latent_size, generator=generator, device=device)
@@ -267,7 +274,10 @@ class TextTable(nn.Module):
         device, dtype = self.on.device, self.on.dtype
         self.on, self.off = on.to(device, dtype), off.to(device, dtype)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` None: every token spoken (a step's tokens: ``on[ids]``, with no read of a mask)."""
+        if mask is None:
+            return self.on[ids]
         if not bool(mask.any()):  # the reference skips the text encoder when nothing is unmasked
             return torch.zeros(*ids.shape, self.on.shape[1], dtype=self.on.dtype, device=ids.device)
         return torch.where(mask[..., None], self.on[ids], self.off[ids])

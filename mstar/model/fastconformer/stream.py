@@ -28,17 +28,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mstar.layers.paged_kv import to_device
 from mstar.model.fastconformer.encoder import ConformerBlock, FastConformerEncoder, RelPositionAttention
 
 _REACH = 2  # encoder frames of extra mel context the subsampling window takes
 
 
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the encoder's device without waiting for the device (a blocking copy
+    of pageable memory synchronises the stream: once per call, or per layer, a step)."""
+    return to_device(tensor, device) if tensor.device.type == "cpu" else tensor.to(device)
+
+
 class _LayerState:
-    def __init__(self, block: ConformerBlock, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, block: ConformerBlock, width: int, dtype: torch.dtype, device: torch.device) -> None:
         attn = block.self_attn
-        self.k = torch.zeros(0, attn.num_heads, attn.head_dim, dtype=dtype)
-        self.v = torch.zeros(0, attn.num_heads, attn.head_dim, dtype=dtype)
-        self.conv = torch.zeros(block.conv.kernel - 1, width, dtype=dtype)  # the causal padding at first
+        self.k = torch.zeros(0, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(0, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+        self.conv = torch.zeros(block.conv.kernel - 1, width, dtype=dtype, device=device)  # the causal padding
 
 
 class EncoderStream:
@@ -56,16 +63,14 @@ class EncoderStream:
         self.mel_start = 0  # the global index of ``mel``'s first frame
         self.mel_count = 0
         self.frames = 0  # encoder frames given out so far
-        self.layers = [_LayerState(block, config.hidden_size, param.dtype) for block in encoder.layers]
-        for state in self.layers:
-            state.k, state.v, state.conv = (t.to(param.device) for t in (state.k, state.v, state.conv))
+        self.layers = [_LayerState(block, config.hidden_size, param.dtype, param.device) for block in encoder.layers]
 
     def push(self, mel: torch.Tensor, *, last: bool = False) -> torch.Tensor:
         return push_many([self], [mel], [last])[0]
 
     def _subsample(self, mel: torch.Tensor, last: bool) -> torch.Tensor:
         """The new frames' subsampled inputs ``[n, hidden]`` (n may be 0); advances the mel state."""
-        mel = mel.to(self.mel.device, self.mel.dtype)
+        mel = _upload(mel, self.mel.device).to(self.mel.dtype)
         self.mel = torch.cat([self.mel, mel])
         self.mel_count += mel.shape[0]
         if last:
@@ -76,7 +81,7 @@ class EncoderStream:
             return self.mel.new_zeros(0, self.encoder.config.hidden_size)
         first = max(0, self.frames - _REACH)  # the window starts on the 8-frame grid
         window = self.mel[8 * first - self.mel_start:]
-        lengths = torch.tensor([window.shape[0]], device=window.device)
+        lengths = _upload(torch.tensor([window.shape[0]]), window.device)
         x, _ = self.encoder.subsampling(window[None], lengths)
         x = x[0, self.frames - first: upto - first] * self.encoder.input_scale
         self.frames = upto
@@ -135,7 +140,7 @@ def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tens
         c = state.k.shape[0]
         keys[b, cached - c:cached], values[b, cached - c:cached] = state.k, state.v
         valid[b, cached - c:cached + sizes[b]] = True
-    valid = valid.to(x.device)
+    valid = _upload(valid, x.device)
     keys[:, cached:], values[:, cached:] = k_new, v_new
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, dtype=torch.float32, device=x.device) / width))
     distances = torch.arange(total - 1, -n, -1, dtype=torch.float32, device=x.device)

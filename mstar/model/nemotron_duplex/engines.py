@@ -47,6 +47,7 @@ from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sampler import penalise_repeats
 from mstar.engine.sequence import Sequence
 from mstar.engine.state_pool import StatePool
+from mstar.layers.paged_kv import to_device
 from mstar.model.fastconformer.features import MelSettings
 from mstar.model.fastconformer.stream import EncoderStream, push_many
 from mstar.model.nemotron_duplex.features import MIN_SAMPLES, MelStream, _Bank
@@ -140,20 +141,27 @@ class DuplexRules(TokenRules):
         text = text.clone()
         for token, value in self.boosts.items():
             text[:, token] += value
+        said_by: dict[tuple[float, float], tuple[list[int], list[int]]] = {}  # the calls' penalties: their (row, id)s
         for row, seq in enumerate(seqs):
             said: _Said = seq.state
             if not said.said or (said.repetition == 1.0 and not said.presence):
                 continue
-            ids = torch.tensor(sorted(said.said), device=text.device)
-            scores = text[row, ids]
-            if said.repetition != 1.0:
-                scores = penalise_repeats(scores, said.repetition)
-            text[row, ids] = scores - said.presence
+            rows, ids = said_by.setdefault((said.repetition, said.presence), ([], []))
+            ids += sorted(said.said)
+            rows += [row] * len(said.said)
+        for (repetition, presence), (rows, ids) in said_by.items():  # one upload per pair, not per call
+            where = to_device(torch.tensor([rows, ids]), text.device)
+            scores = text[where[0], where[1]]
+            if repetition != 1.0:
+                scores = penalise_repeats(scores, repetition)
+            text[where[0], where[1]] = scores - presence
         return text
 
     def choose(self, logits: torch.Tensor, seqs: list[Sequence], sample: Sample, lead: int = 0) -> torch.Tensor:
         if self.function_head:
-            tools = logits[:, self.vocab:].argmax(dim=-1)
+            # Copied without a wait: the engine's read of the sampled tokens (after this, on the
+            # same stream) waits for it, and ``outputs`` runs after that read.
+            tools = logits[:, self.vocab:].argmax(dim=-1).to("cpu", non_blocking=True)
             for row, seq in enumerate(seqs):
                 seq.state.tool = tools[row:row + 1]
         return sample(self.adjust(logits[:, :self.vocab], seqs), seqs)
@@ -165,7 +173,7 @@ class DuplexRules(TokenRules):
         said: _Said = seq.state
         if token not in self.specials:
             said.said.add(token)
-        return {} if said.tool is None else {"tool_token": said.tool.to("cpu", torch.int64)}
+        return {} if said.tool is None else {"tool_token": said.tool}  # on the host: int64 (argmax)
 
 
 def duplex_rules(config) -> DuplexRules:
@@ -217,21 +225,24 @@ class NanoEngine(Engine):
             done |= self._frames(frames)
         return [done[id(item)] for item in items]
 
-    def _text(self, token: int, tool: int | None = None) -> torch.Tensor:
-        """The text channel of a position whose previous agent token is ``token``, plus the
-        tool-call channel (previous tool token ``tool``, default the pad) with a function head."""
-        embed = self.model.embed_input_ids(torch.tensor([token], device=self._device())) * self.text_weight
+    def _text(self, tokens: list[int], tools: list[int | None] | None = None) -> torch.Tensor:
+        """The text channels ``[len(tokens), hidden]`` of positions whose previous agent token is
+        each of ``tokens``, plus the tool-call channel (previous tool tokens ``tools``, default
+        the pad) with a function head. The ids go to the device in one copy, without a wait."""
+        ids = tokens
         if self.tools:
-            tool = self.pad if tool is None else tool
-            embed = embed + self.model.embed_input_ids(torch.tensor([tool], device=self._device())) \
-                * self.function_weight
+            ids = tokens + [self.pad if tool is None else tool for tool in (tools or [None] * len(tokens))]
+        embeds = self.model.embed_input_ids(to_device(torch.tensor(ids), self._device()))
+        embed = embeds[:len(tokens)] * self.text_weight
+        if self.tools:
+            embed = embed + embeds[len(tokens):] * self.function_weight
         return embed
 
     def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
         """The prompt's positions: each token on the user channel, the pad on the text channel
         (and on the tool-call channel)."""
         ids = ids.reshape(-1).to(self._device())
-        return self.model.embed_input_ids(ids) * self.user_weight + self._text(self.pad)
+        return self.model.embed_input_ids(ids) * self.user_weight + self._text([self.pad])
 
     def _frames(self, items: list[EngineItem]) -> dict[int, EngineOutput]:
         tokens: dict[int, list[int]] = {id(item): [] for item in items}
@@ -241,9 +252,13 @@ class NanoEngine(Engine):
             step = [item for item in items if item.inputs["frame"].shape[0] > j]
             starts, decodes = [], []
             with torch.inference_mode():
-                for item in step:
-                    text = self._text(self.last[item.request_id], self.tool.get(item.request_id))
-                    fused = item.inputs["frame"][j:j + 1].to(text.device, text.dtype) + text
+                text = self._text([self.last[item.request_id] for item in step],
+                                  [self.tool.get(item.request_id) for item in step])
+                frames = torch.cat([item.inputs["frame"][j:j + 1] for item in step])
+                frames = to_device(frames, text.device) if frames.device.type == "cpu" else frames.to(text.device)
+                fused_all = frames.to(text.dtype) + text
+                for row, item in enumerate(step):
+                    fused = fused_all[row:row + 1]
                     seq = self.inner.seqs.get(item.request_id)
                     if seq is None:  # no prompt: the call's first frame is its prefill
                         starts.append(EngineItem(item.request_id, "prefill", j, {
@@ -255,14 +270,16 @@ class NanoEngine(Engine):
             for batch in (starts, decodes):
                 if batch:
                     results |= {e.request_id: r for e, r in zip(batch, self.inner.run(batch))}
-            for item in step:
-                out = results[item.request_id].outputs
-                token = int(out["token"].reshape(-1)[0])
+            outs = [results[item.request_id].outputs for item in step]
+            drawn = torch.cat([out["token"].reshape(-1)[:1] for out in outs]).tolist()  # host tensors: one read
+            for item, token in zip(step, drawn):
                 self.last[item.request_id] = token
                 tokens[id(item)].append(token)
-                if "tool_token" in out:
-                    self.tool[item.request_id] = int(out["tool_token"].reshape(-1)[0])
-                    tools[id(item)].append(self.tool[item.request_id])
+            told = [(item, out["tool_token"].reshape(-1)[:1]) for item, out in zip(step, outs) if "tool_token" in out]
+            if told:
+                for (item, _), tool in zip(told, torch.cat([t for _, t in told]).tolist()):
+                    self.tool[item.request_id] = tool
+                    tools[id(item)].append(tool)
         return {key: EngineOutput({"token": torch.tensor(ids, dtype=torch.int64)}
                                   | ({"tool_token": torch.tensor(tools[key], dtype=torch.int64)} if self.tools else {}))
                 for key, ids in tokens.items()}

@@ -88,7 +88,9 @@ class TalkerNode(Engine):
 
     @torch.no_grad()
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
-        tokens = {item.request_id: [int(t) for t in item.inputs["token"].reshape(-1).tolist()] for item in items}
+        given = [item.inputs["token"].reshape(-1) for item in items]  # host tensors: read at once
+        flat = iter(torch.cat(given).tolist())
+        tokens = {item.request_id: [next(flat) for _ in range(ids.numel())] for item, ids in zip(items, given)}
         for item in items:
             if item.request_id not in self.talker.sessions:
                 self.talker.open(item.request_id, self.warmup, seed=int(item.params["talker_seed"]))
@@ -100,8 +102,11 @@ class TalkerNode(Engine):
         for item in items:
             if item.chunk is not None and item.chunk.last:
                 pcm[item.request_id].append(self.talker.close(item.request_id))
-        return [EngineOutput({"audio": torch.cat(pcm[item.request_id]).float().cpu()}) if pcm[item.request_id]
-                else EngineOutput({}) for item in items]
+        # Every call's PCM leaves in one read back (the step's one wait for the device), then is split.
+        parts = [torch.cat(pcm[item.request_id]) if pcm[item.request_id] else None for item in items]
+        spoken = [p for p in parts if p is not None]
+        host = iter(torch.cat(spoken).float().cpu().split([p.shape[0] for p in spoken]) if spoken else ())
+        return [EngineOutput({"audio": next(host)}) if p is not None else EngineOutput({}) for p in parts]
 
     def release(self, request_id: str) -> None:
         if request_id in self.talker.sessions:

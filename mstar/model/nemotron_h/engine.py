@@ -52,7 +52,7 @@ class MambaForward(SlotForward):
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                 counts: list[int] | None) -> dict[str, Any]:
         slots = [self.slot(item.request_id) for item in items]
-        bounds = meta.query_start_loc.tolist()
+        bounds = meta.query_starts  # the host copy the engine built: no read of the device tensor
         return {"states": StateBatch.build(bounds, slots, self.device),
                 "embeds": self._embeds(items, input_ids, bounds)}
 
