@@ -39,6 +39,7 @@ from mstar.layers.linear import (
     RowParallelLinear,
     set_weight_loader,
 )
+from mstar.layers.paged_kv import to_device
 
 CHUNK_SIZE = 64
 
@@ -185,7 +186,7 @@ class StateBatch:
                 spans.append((start, end, slot))
 
         def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return to_device(torch.tensor(values, dtype=torch.int64), device)  # no wait on the device
 
         return cls(as_tensor(rows), as_tensor(single_slots), tuple(spans))
 
@@ -270,7 +271,7 @@ class GatedDeltaNet(nn.Module):
             core[rows] = self._mix(qkv[rows, None], g[rows, None], beta[rows, None], slots,
                                    conv_state, recurrent_state, recurrent_gated_delta_rule)[:, 0]
         for start, end, slot in batch.spans:
-            slots = torch.tensor([slot], dtype=torch.int64, device=x.device)
+            slots = to_device(torch.tensor([slot], dtype=torch.int64), x.device)
             core[start:end] = self._mix(qkv[None, start:end], g[None, start:end], beta[None, start:end],
                                         slots, conv_state, recurrent_state, chunked_gated_delta_rule)[0]
         z = self.in_proj_z(x).view(-1, self.num_v_heads, self.value_dim)

@@ -90,12 +90,12 @@ class PagedAttentionMetadata:
         groups = []
         for length in sorted(set(padded.values())):
             seqs = [b for b in single if padded[b] == length]
-            which = torch.tensor(seqs, device=slots.device)
+            which = to_device(torch.tensor(seqs), slots.device)
             positions = torch.arange(length, device=slots.device)
             padding = positions >= self.seq_lens.index_select(0, which)[:, None]
             group_slots = slots.index_select(0, which)[:, :length].masked_fill(padding, 0)
             rows = [starts[b] for b in seqs]  # their tokens' places in the step
-            groups.append(DecodeGroup(rows, torch.tensor(rows, device=slots.device), group_slots.flatten(), length,
+            groups.append(DecodeGroup(rows, to_device(torch.tensor(rows), slots.device), group_slots.flatten(), length,
                                       padding))
         return groups, set(single)
 
@@ -115,7 +115,7 @@ class PagedAttentionMetadata:
         groups = []
         for length in sorted(set(padded.values())):
             seqs = [b for b in single if padded[b] == length]
-            which = torch.tensor(seqs, device=self.page_table.device)
+            which = to_device(torch.tensor(seqs), self.page_table.device)
             ends = self.seq_lens.index_select(0, which)[:, None]  # [g, 1]
             positions = ends - length + torch.arange(length, device=ends.device)  # [g, L], the last at n - 1
             padding = positions < (ends - window).clamp(min=0)
@@ -123,7 +123,8 @@ class PagedAttentionMetadata:
             pages = self.page_table.index_select(0, which).gather(1, held // self.page_size)
             slots = (pages * self.page_size + held % self.page_size).masked_fill(padding, 0)
             rows = [starts[b] for b in seqs]
-            groups.append(DecodeGroup(rows, torch.tensor(rows, device=slots.device), slots.flatten(), length, padding))
+            groups.append(DecodeGroup(rows, to_device(torch.tensor(rows), slots.device), slots.flatten(), length,
+                                      padding))
         self._window_groups[window] = groups, set(single)
         return self._window_groups[window]
 
@@ -169,10 +170,10 @@ def head_major_slots(slots: torch.Tensor, rows: int, num_kv_heads: int) -> torch
     return (slots.view(rows, 1, -1) * num_kv_heads + heads.view(1, -1, 1)).flatten()
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``, copied without waiting for the device (pinned memory,
     non-blocking), so launching a step never stalls on the previous one."""
-    if device.type == "cpu":
+    if torch.device(device).type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
 
