@@ -172,9 +172,10 @@ def head_major_slots(slots: torch.Tensor, rows: int, num_kv_heads: int) -> torch
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``, copied without waiting for the device (pinned memory,
-    non-blocking), so launching a step never stalls on the previous one."""
-    if torch.device(device).type == "cpu":
-        return tensor
+    non-blocking), so launching a step never stalls on the previous one. A tensor already on
+    a device is moved as ``.to`` would."""
+    if tensor.device.type != "cpu" or torch.device(device).type == "cpu":
+        return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

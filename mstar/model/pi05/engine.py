@@ -29,7 +29,7 @@ import torch
 from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, ShapeGraphs
 from mstar.engine.page_pool import PagePool
-from mstar.layers.paged_kv import allocate_kv_cache
+from mstar.layers.paged_kv import allocate_kv_cache, to_device
 from mstar.model.pi05.checkpoint import Embodiment
 from mstar.model.pi05.gemma import ChunkKeys
 from mstar.model.pi05.modeling import Pi05Policy
@@ -95,7 +95,7 @@ class Pi05Engine(Engine):
             self._prefill_graphed(items, request_ids, pixels, rows)
         else:
             images = model.encode_images(pixels.to(self.device, non_blocking=True)).split(counts)
-            ids = [item.inputs["prompt_ids"].to(self.device) for item in items]
+            ids = [to_device(item.inputs["prompt_ids"], self.device) for item in items]
             keys = self.prefix_keys(request_ids, lengths)
             model.prefill(model.embed_prefix(images, ids), self.caches, ChunkKeys(*self._on_device(keys)))
         return [{"prefix": torch.tensor([n])} for n in lengths]
@@ -181,16 +181,18 @@ class Pi05Engine(Engine):
         steps = torch.tensor([float(item.params["num_steps"]) for item in items])
         dt = -1.0 / steps
         time = 1.0 + torch.tensor([float(item.iteration) for item in items]) * dt
-        x = torch.stack([item.inputs["actions"].to(self.device, torch.float32) for item in items])
+        # host inputs (the times, a chunk's first noise) go up without waiting for the device: a
+        # blocking copy waits for every queued kernel, once a step
+        x = torch.stack([to_device(item.inputs["actions"], self.device).float() for item in items])
         keys = self.chunk_keys([item.request_id for item in items], rows or count, rows is not None)
         self.forward_rows = [*self.forward_rows[-1023:], count]
         if rows is None:
-            inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys)[:4])
+            inputs = (x, to_device(time, self.device), to_device(dt, self.device), *self._on_device(keys)[:4])
             return [{"actions": row} for row in self._denoise(*inputs)]
         pad = rows - count
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
         time, dt = torch.cat([time, torch.ones(pad)]), torch.cat([dt, torch.zeros(pad)])
-        inputs = (x, time.to(self.device), dt.to(self.device), *self._on_device(keys)[:4])
+        inputs = (x, to_device(time, self.device), to_device(dt, self.device), *self._on_device(keys)[:4])
         out = self.graphs((rows, keys.key_slots.shape[1]), *inputs)
         return [{"actions": row} for row in out[:count]]
 
