@@ -32,6 +32,7 @@ from torch import nn
 from mstar.engine.base import Engine, EngineItem, EngineOutput, StatelessEngine
 from mstar.engine.cuda_graphs import GraphRunner, ShapeGraphs
 from mstar.engine.state_pool import StatePool
+from mstar.layers.paged_kv import to_device
 from mstar.model.fastconformer.transducer import GreedyRows, TransducerModel, device_steps, greedy_steps
 
 MIN_FRAMES = 16384  # the iteration graphs' first frame buffer: 32 clips of 30 s (80 ms frames) and more
@@ -210,11 +211,11 @@ class TransducerDecoder(Engine):
                 self.slots.free(item.request_id)
             raise
         frames = [item.inputs["audio_features"].to(self.output.device, self.output.dtype) for item in fresh]
-        index = torch.tensor(taken, dtype=torch.int64, device=self.output.device)
+        index = to_device(torch.tensor(taken, dtype=torch.int64), self.output.device)
         with torch.no_grad():
             output, hidden, cell = self.model.start(len(fresh), self.output.device, self.output.dtype)
         self.output[index], self.hidden[:, index], self.cell[:, index] = output, hidden, cell
-        lengths = torch.tensor([f.shape[0] for f in frames], dtype=torch.int64, device=self.output.device)
+        lengths = to_device(torch.tensor([f.shape[0] for f in frames], dtype=torch.int64), self.output.device)
         self.lengths[index] = lengths
         self.cursor[index] = 0
         self.symbols[index] = 0

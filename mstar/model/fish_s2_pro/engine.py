@@ -36,7 +36,7 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.forward import Forward
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata, to_device
 from mstar.model.fish_s2_pro.codec import CodecDecoder, CodecState
 from mstar.model.fish_s2_pro.dual_ar import DualAR
 from mstar.model.fish_s2_pro.prompt import slow_candidates
@@ -127,20 +127,20 @@ class FishRules(TokenRules):
         states: list[FishState] = [seq.state for seq in seqs]
         endless = [row for row, s in enumerate(states) if s.ignore_eos]
         if endless:
-            candidates[torch.tensor(endless, device=logits.device), ids.index(self.eos)] = float("-inf")
+            candidates[to_device(torch.tensor(endless), logits.device), ids.index(self.eos)] = float("-inf")
         chosen = choose_slow(candidates, ids, [s.row for s in states], self.semantic)  # the step's one read-back
         talking = [row for row, token in enumerate(chosen) if token != self.eos]
         if talking:
             device = logits.device
-            rows = torch.tensor(talking, device=device)
-            code0 = self.model.code0(torch.tensor([chosen[r] for r in talking], device=device))
+            rows = to_device(torch.tensor(talking), device)
+            code0 = self.model.code0(to_device(torch.tensor([chosen[r] for r in talking]), device))
             sampler = fast_sampler([states[r].row for r in talking], c.num_codebooks, device)
             frame = self.model.fast(self.forward.last_fast.index_select(0, rows), code0, sampler=sampler).codes
             host_frame = frame.cpu()  # one copy for the step's rows
             for j, row in enumerate(talking):
                 states[row].codes = host_frame[j:j + 1].clone()
                 self.forward.next_codes[seqs[row].request_id] = frame[j]
-        return torch.tensor(chosen, device=logits.device)
+        return to_device(torch.tensor(chosen), logits.device)
 
     def outputs(self, seq: Sequence, token: int) -> dict[str, torch.Tensor]:
         return {} if token == self.eos else {"codes": seq.state.codes}

@@ -42,7 +42,7 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 from mstar.engine.forward import Forward
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
-from mstar.layers.paged_kv import PagedAttentionMetadata
+from mstar.layers.paged_kv import PagedAttentionMetadata, to_device
 from mstar.model.qwen3_omni.checkpoint import Qwen3OmniThinker
 from mstar.model.qwen3_omni.code2wav import Qwen3OmniCode2Wav
 from mstar.model.qwen3_omni.inputs import splice_features
@@ -235,7 +235,7 @@ class TalkerRules(TokenRules):
         code0 = sample(logits, seqs)
         speaking = [row for row, token in enumerate(code0.tolist()) if token != self.eos]
         if speaking:
-            rows = torch.tensor(speaking, device=code0.device)
+            rows = to_device(torch.tensor(speaking), code0.device)
             frame = self.forward.model.predict_frame(self.forward.last_hidden.index_select(0, rows),
                                                      code0.index_select(0, rows))
             for j, row in enumerate(speaking):
