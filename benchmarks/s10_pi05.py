@@ -6,8 +6,8 @@ three cameras per observation, a task and a 32-value state in the prompt, bf16 o
 dummy (seeded random) weights. Each observation is one ``/generate`` request for an action.
 
 * **ours**: a ``pi05`` deployment in this process (``load_format: dummy``), its requests
-  prepared by the model's front end (PNG decode, resize, prompt, noise) and submitted to the
-  runtime N at once (N = 1 and 16). ``--compile`` adds a variant with ``model_kwargs.compile``
+  prepared by the model's front end (PNG decode, resize, prompt, noise), all N of them, and then
+  submitted to the runtime together (N = 1 and 16). ``--compile`` adds a variant with ``model_kwargs.compile``
   (the expert's norms and MLPs compiled; ``mstar.model.pi05.fast``), ``--cuda-graphs`` one with
   ``model_kwargs.cuda_graphs`` (each denoise step replayed from a CUDA graph), and both
   together a fourth.
@@ -19,9 +19,22 @@ dummy (seeded random) weights. Each observation is one ``/generate`` request for
   (before 5.19), the baseline column is left empty and the record says why.
 
 Metrics: ``latency@1`` (ms per chunk, one observation), and at N = 16 ``chunks/s@16`` and
-``actions/s@16`` (chunks x 50). Ours' times are wall clock from submit to the last chunk
-(front end included); the baseline's are ``sample_actions`` alone (CUDA-synchronised). Median
-of ``--runs`` after a warm-up.
+``actions/s@16`` (chunks x 50). Ours' times are wall clock from before the first observation's
+front end to the last chunk (the front end included: ``front_ms_median`` is its share); the
+baseline's are ``sample_actions`` alone (CUDA-synchronised). Median of ``--runs`` after a
+warm-up.
+
+The N observations stand for N robots' requests arriving together, so all N go through the
+front end (one after another, in this thread) before any is submitted. Until 2026-12-07 each
+was submitted as soon as it was prepared: the first then started its prefill alone while the
+rest were still being decoded, and the 16 trickled in. On the CPU smoke path with S10's real
+camera PNGs (three 224x224 an observation, about 3 ms of front end each) the 16 ran as 14
+prefills of one or two observations in 18 engine calls, whose denoise forwards held 1 to 5
+requests. Prepared first, they run in 6: a prefill of the first alone (the runtime starts a
+submission at once, and the next arrives while it runs), one of the other 15, then denoise
+forwards of all 16, the first one step ahead (``tests/benchmarks/test_s10_pi05.py`` pins the
+order). A server prepares concurrent requests in threads (``asyncio.to_thread``); here the
+front end is paid serially, the dearer case.
 
 Floor per batch of N: the prefix phase (SigLIP over 3N images, the projector, the language
 model over the N prefixes) and then ``steps`` expert forwards over N x 50 tokens. Each phase
@@ -319,7 +332,9 @@ class Ours:
         self.calls = 0
 
     def run(self, n: int, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Submit ``n`` observations at once: the wall time until the last chunk, and each one's."""
+        """``n`` observations arriving at once: each through the front end, then all submitted
+        together (see the module's docstring). The wall time from before the first front end
+        until the last chunk, the front end's share of it, and each chunk's latency from then."""
         from mstar.contract import GenerateSpec
 
         self.calls += 1
@@ -329,9 +344,10 @@ class Ours:
                               ["action"], {"state": self.state, "seed": i}) for i in range(n)]
         sinks = [TimedSink() for _ in specs]
         start = time.perf_counter()
-        for s, sink in zip(specs, sinks, strict=True):
-            sink.submitted = time.perf_counter()
-            request = spec.prepare_generate(s)
+        requests = [spec.prepare_generate(s) for s in specs]
+        prepared = time.perf_counter()
+        for s, request, sink in zip(specs, requests, sinks, strict=True):
+            sink.submitted = start
             self.deployment.runtime.submit(s.request_id, request, spec.output_stream(request, []), sink)
         wait_all(sinks, timeout_s)
         ended = time.perf_counter()
@@ -339,7 +355,8 @@ class Ours:
         for i, sink in enumerate(sinks):
             if sink.error or sink.data_bytes != chunk_bytes:
                 raise RuntimeError(f"request {i}: error {sink.error!r}, {sink.data_bytes} bytes of action")
-        return {"wall_s": ended - start, "latency_s": [s.first_data - s.submitted for s in sinks]}
+        return {"wall_s": ended - start, "front_s": prepared - start,
+                "latency_s": [s.first_data - s.submitted for s in sinks]}
 
     def prompt_len(self) -> int:
         from mstar.model.pi05.model import prompt_text
@@ -365,6 +382,7 @@ def run_ours(settings: Settings, policy_dir: Path, name: str, variant: dict[str,
             runs = [ours.run(n) for _ in range(settings.runs)]
             wall = statistics.median(r["wall_s"] for r in runs)
             out[n] = {"wall_s": [r["wall_s"] for r in runs], "wall_ms_median": wall * 1e3,
+                      "front_ms_median": 1e3 * statistics.median(r["front_s"] for r in runs),
                       "latency_ms_median": 1e3 * statistics.median(t for r in runs for t in r["latency_s"]),
                       "chunks_per_s": n / wall}
             log.info("ours (%s) at %d: %.1f ms per batch, %.2f chunks/s", name, n, wall * 1e3, n / wall)
@@ -536,7 +554,8 @@ def metrics_from(settings: Settings, roof: Pi05Roofline, prompt_len: int, ours: 
             notes = {"floor_prefix_ms": floor["prefix_s"] * 1e3, "floor_step_ms": floor["step_s"] * 1e3,
                      "floor_gb_per_batch": floor["bytes"] / 1e9, "floor_tflop_per_batch": floor["flops"] / 1e12,
                      "prompt_tokens": prompt_len, "cameras": settings.cameras, "steps": steps,
-                     "ours_is": f"pi05 deployment in process, {variant}: submit to last chunk, front end included",
+                     "ours_is": f"pi05 deployment in process, {variant}: first front end to last chunk, "
+                                "all N prepared, then submitted together",
                      "baseline_is": "transformers PI05ForConditionalGeneration.sample_actions"
                                     + (" (model.compile())" if settings.baseline_compile else " (eager)")
                                     + " on preprocessed inputs",

@@ -73,3 +73,23 @@ def test_floor_counts_the_released_policy():
     assert weights < one["bytes"] < 1.02 * weights  # batch 1: the weights, and a little KV
     assert sixteen["flops"] == pytest.approx(16 * one["flops"])
     assert one["floor_s"] == pytest.approx(one["prefix_s"] + 10 * one["step_s"])
+
+
+def test_ours_prepares_every_observation_before_submitting_any(tmp_path):
+    """The N observations of a batch go through the front end first and are then submitted
+    together: submitted as each was prepared, the first ran its prefill alone while the others
+    were still being decoded, and 16 trickled through 14 prefills (S10's docstring)."""
+    settings = dataclasses.replace(s10.settings_from(s10.parse_args(["--smoke", "--batches", "4"])), runs=1)
+    ours = s10.Ours(settings, s10.write_policy_dir(settings, tmp_path / "policy"), {})
+    calls = []
+    spec, runtime = ours.deployment.spec, ours.deployment.runtime
+    prepare, submit = spec.prepare_generate, runtime.submit
+    spec.prepare_generate = lambda s: calls.append("prepare") or prepare(s)
+    runtime.submit = lambda *a, **k: calls.append("submit") or submit(*a, **k)
+    try:
+        result = ours.run(4)
+    finally:
+        ours.close()
+    assert calls == ["prepare"] * 4 + ["submit"] * 4
+    assert 0 < result["front_s"] < result["wall_s"]
+    assert all(result["front_s"] < t <= result["wall_s"] for t in result["latency_s"])  # from the first front end

