@@ -108,10 +108,8 @@ class Pi05(ModelSpec):
         each decoded (``files.<i>`` named on error), copied from uint8 into its row of the batch
         and divided by 255 there (resized with padding first when it is not the tower's square),
         then the whole batch scaled to [-1, 1] in place. The same float32 operations as
-        ``x / 255 * 2 - 1`` per image, so the same values, but no float temporaries per image and
-        no stack: at S10's three 224x224 cameras the tensor work went from about 1.4 to 0.9 ms of
-        an observation's front end (3.5 ms in all, one CPU thread of a busy 2-core machine; the
-        PNG decoding, about 2.6 ms, is Pillow's and most of the rest)."""
+        ``x / 255 * 2 - 1`` per image, so the same values, without float temporaries per image
+        or a stack."""
         size = self.model_config.vision.image_size
         out = torch.empty(len(files), 3, size, size)
         for i, data in enumerate(files):
