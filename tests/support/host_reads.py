@@ -117,9 +117,16 @@ class _Function(TorchFunctionMode):
             self.owner._add(_HOST_METHODS[func])
         elif func is torch.Tensor.to and _to_host(args, kwargs):
             self.owner._add("to host")
-        elif func in _UPLOADS and kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor):
+        elif func in _UPLOADS and _device(kwargs) and not isinstance(args[0], torch.Tensor):
             self.owner._add("upload")
         return func(*args, **kwargs)
+
+
+def _device(kwargs) -> bool:
+    """A ``device=`` given, other than the name ``"cpu"`` (the host in a GPU run too; an
+    engine's own ``torch.device`` is the CPU here, and counts)."""
+    device = kwargs.get("device")
+    return device is not None and device != "cpu"
 
 
 def _to_host(args, kwargs) -> bool:

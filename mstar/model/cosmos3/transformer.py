@@ -51,6 +51,7 @@ from torch import nn
 from mstar.distributed.state import current_parallel
 from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mstar.layers.norm import RMSNorm
+from mstar.layers.paged_kv import to_device
 from mstar.layers.rotary import MRotaryEmbedding, rotate
 from mstar.layers.ulysses import SequenceShards, ulysses_attention
 from mstar.model.cosmos3.config import Cosmos3Config
@@ -378,8 +379,8 @@ class Cosmos3Transformer(nn.Module):
         patches, then its sound latents, then its actions (the pipeline's packing order)."""
         p = self.config.latent_patch_size
         tokens, masks, cos, sin, shapes = [], [], [], [], []
-        embeds = self.time_embedder(torch.tensor([float(i.timestep) for i in items], device=self.proj_in.weight.device)
-                                    * self.config.timestep_scale).to(self.dtype)
+        times = to_device(torch.tensor([float(i.timestep) for i in items]), self.proj_in.weight.device)  # no wait
+        embeds = self.time_embedder(times * self.config.timestep_scale).to(self.dtype)
         for item, embed in zip(items, embeds):
             c, t, h, w = item.latents.shape
             per_frame = -(-h // p) * -(-w // p)
