@@ -290,7 +290,7 @@ def _profile_threads(bench: Bench, streams: int, top: int, dump: str | None = No
     clocked calls (model, sampling) are left out: the list is of host work, by own time (a
     frame's cumulative time stops counting at the first clocked call below it)."""
     runtime = bench.deployment.runtime
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.thread_time)  # CPU time: waits for the GIL and other load left out
     bench.clock.profiler = bench.sampling.profiler = prof
     lock = threading.Lock()
 
