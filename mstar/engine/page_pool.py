@@ -62,6 +62,8 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 def _check_length(name: str, value: object) -> int:
+    if type(value) is int and value >= 0:  # the common case, asked several times per row and step
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:

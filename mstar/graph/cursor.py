@@ -64,21 +64,24 @@ def is_done(cursor: Any) -> bool:
 
 def ready(section: Section, cursor: Any, iteration: int = 0) -> list[ReadyStep]:
     """The steps that can be dispatched now."""
+    # ``ready`` and ``_update`` run for every request every tick: the kinds of section are
+    # told apart by their exact type (no section type has subclasses), cheaper than isinstance.
     if cursor == DONE:
         return []
-    if isinstance(section, Step):
+    kind = type(section)
+    if kind is Step:
         return [ReadyStep(section, iteration)] if cursor == PENDING else []
-    if isinstance(section, Sequential):
+    if kind is Sequential:
         _, index, child = cursor
         return ready(section.parts[index], child, iteration)
-    if isinstance(section, Parallel):
+    if kind is Loop:
+        _, it, child = cursor
+        return ready(section.body, child, it)
+    if kind is Parallel:
         out: list[ReadyStep] = []
         for branch, child in zip(section.branches, cursor[1]):
             out += ready(branch, child, iteration)
         return out
-    if isinstance(section, Loop):
-        _, it, child = cursor
-        return ready(section.body, child, it)
     raise TypeError(f"not a walk section: {section!r}")
 
 
@@ -128,23 +131,24 @@ def complete(section: Section, cursor: Any, step: Step, ctx: LoopContext) -> Any
 def _update(section: Section, cursor: Any, step: Step, change, ctx: LoopContext | None) -> Any:
     if cursor == DONE:
         return cursor
-    if isinstance(section, Step):
+    kind = type(section)  # exact types, as in ``ready``
+    if kind is Step:
         return change(cursor) if section is step else cursor
-    if isinstance(section, Sequential):
+    if kind is Sequential:
         _, index, child = cursor
         child = _update(section.parts[index], child, step, change, ctx)
         if child == DONE and ctx is not None:
             return _seq_from(section, index + 1, ctx)
         return ("seq", index, child)
-    if isinstance(section, Parallel):
-        children = tuple(_update(b, c, step, change, ctx) for b, c in zip(section.branches, cursor[1]))
-        return _par(children)
-    if isinstance(section, Loop):
+    if kind is Loop:
         _, it, child = cursor
         child = _update(section.body, child, step, change, ctx)
         if child == DONE and ctx is not None:
             return _loop_from(section, it + 1, ctx)
         return ("loop", it, child)
+    if kind is Parallel:
+        children = tuple(_update(b, c, step, change, ctx) for b, c in zip(section.branches, cursor[1]))
+        return _par(children)
     raise TypeError(f"not a walk section: {section!r}")
 
 

@@ -132,8 +132,7 @@ class Conductor:
         self._outlets: dict[tuple[int, int], tuple[dict[str, list[int]], dict[str, str]]] = {}
         self._droppable = {name: _droppable_sources(walk) for name, walk in graph.walks.items()}
         self._edge_times: dict[int, EdgeTimes] = {}  # id(edge) -> its streams' latest timings (timed policies)
-        self._body_writes = {name: {var for step in iter_steps(walk.body) for var in step.write_vars}
-                             for name, walk in graph.walks.items()}
+        self._edges = {name: _edge_facts(walk) for name, walk in graph.walks.items()}
 
     # ----------------------------------------------------------------- events
     def submit(self, spec: RequestSpec) -> None:
@@ -280,13 +279,12 @@ class Conductor:
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
                 items[rank].append(self._dispatch(live, ready.step, ready.iteration, rank, routes))
-            for stream in live.streams:
+            for stream, facts in zip(live.streams, self._edges[walk.name]):
                 stream.observe(now)
                 rank = routes.rank(stream.edge.into)
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
-                if any(var not in live.versions for port, var in stream.edge.into.reads
-                       if port != stream.edge.chunk_port):
+                if any(var not in live.versions for var in facts.other_reads):
                     continue  # its other inputs (a primed state) are not written yet
                 chunk = stream.next_chunk()
                 if chunk is not None:
@@ -393,14 +391,16 @@ class Conductor:
             self._requeue(live, step)
             return
         live.versions.update(written)
+        chunk_done = False  # the step is a stream edge's consumer: its chunk came back
         for stream in live.streams:
             if stream.edge.into is step:
                 stream.running = False
+                chunk_done = True
             elif stream.edge.source in written:
                 stream.versions.append(written[stream.edge.source])
         if item.flags:
             live.flags = live.flags | frozenset(item.flags)
-        if all(stream.edge.into is not step for stream in live.streams):
+        if not chunk_done:
             ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
             before = walk_cursor.progress(walk.body, live.cursor, ctx) if walk.name in self._reports_progress else None
             live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
@@ -437,17 +437,14 @@ class Conductor:
         """A client stream closes when the client ends its input; a stream written by the
         body when the body is done; a stream written by another edge's consumer when every
         stream feeding that consumer is drained (edges are declared upstream first)."""
-        walk = self.graph.walk(live.spec.walk)
-        for stream in live.streams:
+        streams = live.streams
+        for stream, facts in zip(streams, self._edges[live.spec.walk]):
             if stream.closed:
                 continue
-            source = stream.edge.source
-            if walk.client_stream(source) is not None:
+            if facts.from_client:
                 stream.closed = live.inputs_ended
                 continue
-            feeders = [s for s in live.streams if source in s.edge.into.write_vars]
-            by_body = source in self._body_writes[walk.name]
-            stream.closed = (body_done or not by_body) and all(s.drained for s in feeders)
+            stream.closed = (body_done or not facts.by_body) and all(streams[i].drained for i in facts.feeders)
 
     def _release(self, live: _Live) -> None:
         self.paces.pop(live.spec.request_id, None)
@@ -519,6 +516,26 @@ class Conductor:
         if not self.waiting or len(self.live) >= self.max_concurrent:
             return False
         return all(self.in_use[name] + units <= self.capacity[name] for name, units in self.waiting[0].cost.items())
+
+
+@dataclass(frozen=True)
+class _EdgeFacts:
+    """What the conductor asks of a walk's stream edge every tick, worked out once (the
+    request's ``streams`` are the walk's edges, in order)."""
+
+    from_client: bool  # its source is a client stream
+    by_body: bool  # its source is written by the walk's body (not only by edges' consumers)
+    feeders: tuple[int, ...]  # the edges whose consumer writes its source
+    other_reads: tuple[str, ...]  # the variables its consumer reads besides the chunk
+
+
+def _edge_facts(walk) -> tuple[_EdgeFacts, ...]:
+    body_writes = {var for step in iter_steps(walk.body) for var in step.write_vars}
+    return tuple(
+        _EdgeFacts(from_client=walk.client_stream(edge.source) is not None, by_body=edge.source in body_writes,
+                   feeders=tuple(i for i, other in enumerate(walk.streams) if edge.source in other.into.write_vars),
+                   other_reads=tuple(var for port, var in edge.into.reads if port != edge.chunk_port))
+        for edge in walk.streams)
 
 
 def _droppable_sources(walk) -> set[str]:

@@ -62,7 +62,8 @@ class _Tracked:
     # first token, the decode rank's next ones) may arrive out of order: each output is
     # delivered in the order its step was dispatched. ``order``: the versions of the
     # outputs still to come, in dispatch order; ``held``: arrived early, by version;
-    # ``steps``: step name -> {emitting port: version} of the steps in flight.
+    # ``steps``: step name -> {emitting port: version} of the steps in flight (read and
+    # written on the conductor thread only, so it may be asked without the lock).
     order: list[int] = field(default_factory=list)
     held: dict[int, tuple[str, object]] = field(default_factory=dict)
     steps: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -548,7 +549,7 @@ class Runtime:
         preempted step) stop holding back the ones after them."""
         for item in result.results:
             tracked = self.tracked.get(item.request_id)
-            if tracked is None:
+            if tracked is None or item.step not in tracked.steps:  # it emits nothing
                 continue
             with tracked.lock:
                 versions = tracked.steps.pop(item.step, {})

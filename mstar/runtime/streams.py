@@ -52,10 +52,15 @@ class StreamState:
     seen_at: float | None = None
     taken_at: float | None = None
     out_covered: int = 0  # items covered by the chunk results in so far
+    # whether the policy is timed, asked twice per tick (an ABC's isinstance is slow)
+    timed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timed = isinstance(self.edge.policy, TimedChunkPolicy)
 
     def observe(self, now: float) -> None:
         """Note the items and chunk results that came in since the last tick (timed policies only)."""
-        if not isinstance(self.edge.policy, TimedChunkPolicy):
+        if not self.timed:
             return
         shared = self.edge_times or EdgeTimes()
         clock = self.clock
@@ -80,7 +85,7 @@ class StreamState:
         if self.running:
             return None
         policy = self.edge.policy
-        if isinstance(policy, TimedChunkPolicy):
+        if self.timed:
             return policy.next_timed_chunk(len(self.versions), self.taken, self.covered, self.closed, self.clock)
         return policy.next_chunk(len(self.versions), self.taken, self.covered, self.closed)
 

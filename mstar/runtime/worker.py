@@ -62,7 +62,8 @@ class TensorStore:
         versions[version] = value
 
     def get(self, request_id: str, var: str, version: int) -> torch.Tensor | None:
-        return self._values.get((request_id, var), {}).get(version)
+        versions = self._values.get((request_id, var))
+        return None if versions is None else versions.get(version)
 
     def released(self, request_id: str) -> bool:
         return request_id in self._released
@@ -236,7 +237,9 @@ class Worker:
         parts = [self.store.get(item.request_id, chunk.var, v) for v in chunk.versions]
         if any(p is None for p in parts):
             return None
-        return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts])
+        # A part of one dimension or more is its own rows: only a scalar needs a view (a window
+        # of 28 Orpheus codes is 28 parts, and a reshape each cost more than the cat).
+        return torch.cat([p if p.dim() else p.reshape(1) for p in parts])
 
     def _why_missing(self, item: WorkItem) -> str:
         if self.store.released(item.request_id):
