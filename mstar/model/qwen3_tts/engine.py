@@ -215,7 +215,8 @@ def packed_windows(codec: Qwen3TTSCodec, left_context: int = 72, max_frames: int
                     starts[row] = spans[i][2]
                 frames_now[0] = frames
                 with torch.inference_mode():
-                    wav = graphs((bucket, length, frames), codes.to(weight.device), starts.to(weight.device))
+                    wav = graphs((bucket, length, frames), to_device(codes, weight.device),
+                                 to_device(starts, weight.device))
                     wav = wav[:len(rows)].float().cpu()  # one copy a batch
                 for row, i in enumerate(rows):
                     lead, new, _ = spans[i]
@@ -284,7 +285,7 @@ def codec_fn(codec: Qwen3TTSCodec, left_context: int = 72, watermark: AudioSealG
         for (_, context), indices in groups.items():
             codes = torch.stack([windows[i][0] for i in indices])
             with torch.inference_mode():
-                wav = codec.decode_window(codes.to(weight.device, torch.int64), context).float().cpu()  # one copy
+                wav = codec.decode_window(to_device(codes.long(), weight.device), context).float().cpu()  # one copy
             for row, i in enumerate(indices):
                 audio[i] = wav[row].clone()
         return audio  # type: ignore[return-value]
