@@ -58,7 +58,6 @@ class StreamClock:
     now: float = 0.0
     item_s: float | None = None  # wall time between the source's items (an average; None: unknown)
     chunk_s: float | None = None  # a chunk's time from dispatch to result (an average)
-    first_out: float | None = None  # when the first chunk's result came back (None: not yet)
     # When a player of the output (``TimedChunkPolicy.item_play_s`` a source item) that started
     # at the first result and pauses whenever it runs dry has played all results so far; None:
     # no result yet, or nothing played. Past it (``now > played_until``) the player is dry.

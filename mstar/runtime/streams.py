@@ -64,22 +64,20 @@ class StreamState:
             return
         shared = self.edge_times or EdgeTimes()
         clock = self.clock
-        item_s, chunk_s, first_out, until, last = (clock.item_s, clock.chunk_s, clock.first_out, clock.played_until,
-                                                   clock.last_items)
+        item_s, chunk_s, until, last = clock.item_s, clock.chunk_s, clock.played_until, clock.last_items
         if len(self.versions) > self.seen:
             if self.seen_at is not None:
                 item_s = shared.item_s = _average(item_s, (now - self.seen_at) / (len(self.versions) - self.seen))
             self.seen, self.seen_at = len(self.versions), now
         if self.taken_at is not None and not self.running:
             chunk_s = shared.chunk_s = _average(chunk_s, now - self.taken_at)
-            first_out = now if first_out is None else first_out
             last, self.out_covered = self.covered - self.out_covered, self.covered  # one chunk runs at a time
             play = last * self.edge.policy.item_play_s
             if play > 0:  # the player plays on, or restarts now if it ran dry before this result
                 until = now + play if until is None or until < now else until + play
             self.taken_at = None
         self.clock = StreamClock(now, item_s if item_s is not None else shared.item_s,
-                                 chunk_s if chunk_s is not None else shared.chunk_s, first_out, until, last)
+                                 chunk_s if chunk_s is not None else shared.chunk_s, until, last)
 
     def next_chunk(self) -> Chunk | None:
         if self.running:

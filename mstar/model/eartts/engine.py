@@ -157,7 +157,8 @@ class TalkerEngine:
             return {}
         order = list(tokens)
         sessions = [self.sessions[s] for s in order]
-        texts = self.model.talker.text(self._upload(torch.tensor([tokens[sid] for sid in order])))  # [B, H]
+        ids = to_device(torch.tensor([tokens[sid] for sid in order]), self.device)
+        texts = self.model.talker.text(ids)  # [B, H]
         embeds, counts = [], []
         for b, (sid, state) in enumerate(zip(order, sessions, strict=True)):
             audio, text = self._inputs(state, tokens[sid], texts[b:b + 1])
@@ -170,7 +171,7 @@ class TalkerEngine:
         noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
                                   for sid, s in zip(order, sessions, strict=True)])
         hidden = self.model.talker.hidden(torch.cat(embeds), meta, self.kv)
-        last = self._upload(torch.tensor(meta.query_starts[1:]) - 1)
+        last = to_device(torch.tensor(meta.query_starts[1:]) - 1, self.device)
         pairs = hidden.index_select(0, last).view(len(order), 2, -1)
         codes = self._sample(sessions, pairs, noise)
         pcm, _ = self._decode(sessions, codes)
@@ -181,11 +182,6 @@ class TalkerEngine:
             state.prev, state.warmup = codes[b], None
             frames[sid] = Frame(codes[b], pcm[b, leads[b]:])
         return frames
-
-    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Host ``tensor`` on the talker's device without waiting for the device (a blocking
-        copy of pageable memory synchronises the stream)."""
-        return to_device(tensor, self.device)
 
     def _inputs(self, state: _Session, token: int, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A session's audio and text embeddings for this step (its warm-up first, on its
@@ -223,7 +219,9 @@ class TalkerEngine:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        up = self._upload
+        def up(tensor: torch.Tensor) -> torch.Tensor:
+            return to_device(tensor, self.device)
+
         return PagedAttentionMetadata(
             positions=up(torch.tensor(positions)), slot_mapping=up(torch.tensor(slots)),
             query_start_loc=up(torch.tensor(starts)), seq_lens=up(torch.tensor(lens)),
@@ -237,7 +235,7 @@ class TalkerEngine:
             groups.setdefault((s.guidance, s.top_p, s.noise_scale), []).append(b)
         codes = torch.empty(len(sessions), self.config.num_quantizers, dtype=torch.long, device=self.device)
         for (guidance, top_p, noise_scale), rows in groups.items():
-            index = self._upload(torch.tensor(rows))
+            index = to_device(torch.tensor(rows), self.device)
             chosen = FrameNoise(noise.gumbel[:, index], noise.gauss[:, index])
             codes[index] = self.model.talker.sample_codes(
                 pairs[index, 0], pairs[index, 1], chosen, guidance=guidance, top_p=top_p, noise_scale=noise_scale)
@@ -249,13 +247,13 @@ class TalkerEngine:
         rows = [s.slot for s in sessions]
         state = self._codec_rows(rows)
         pcm, lead, state = self.model.codec.step(codes[:, None], state)
-        index = self._upload(torch.tensor(rows))
+        index = to_device(torch.tensor(rows), self.device)
         for pool, tensor in zip(self.codec_state, state.tensors(), strict=True):
             pool.index_copy_(0, index, tensor.to(pool.dtype))
         return pcm, lead
 
     def _codec_rows(self, rows: list[int]) -> CodecState:
-        index = self._upload(torch.tensor(rows))
+        index = to_device(torch.tensor(rows), self.device)
         return CodecState.from_tensors([pool.index_select(0, index) for pool in self.codec_state])
 
     @staticmethod

@@ -34,12 +34,6 @@ from mstar.model.fastconformer.encoder import ConformerBlock, FastConformerEncod
 _REACH = 2  # encoder frames of extra mel context the subsampling window takes
 
 
-def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the encoder's device without waiting for the device (a blocking copy
-    of pageable memory synchronises the stream: once per call, or per layer, a step)."""
-    return to_device(tensor, device) if tensor.device.type == "cpu" else tensor.to(device)
-
-
 class _LayerState:
     def __init__(self, block: ConformerBlock, width: int, dtype: torch.dtype, device: torch.device) -> None:
         attn = block.self_attn
@@ -70,7 +64,7 @@ class EncoderStream:
 
     def _subsample(self, mel: torch.Tensor, last: bool) -> torch.Tensor:
         """The new frames' subsampled inputs ``[n, hidden]`` (n may be 0); advances the mel state."""
-        mel = _upload(mel, self.mel.device).to(self.mel.dtype)
+        mel = to_device(mel, self.mel.device).to(self.mel.dtype)
         self.mel = torch.cat([self.mel, mel])
         self.mel_count += mel.shape[0]
         if last:
@@ -81,7 +75,7 @@ class EncoderStream:
             return self.mel.new_zeros(0, self.encoder.config.hidden_size)
         first = max(0, self.frames - _REACH)  # the window starts on the 8-frame grid
         window = self.mel[8 * first - self.mel_start:]
-        lengths = _upload(torch.tensor([window.shape[0]]), window.device)
+        lengths = to_device(torch.tensor([window.shape[0]]), window.device)
         x, _ = self.encoder.subsampling(window[None], lengths)
         x = x[0, self.frames - first: upto - first] * self.encoder.input_scale
         self.frames = upto
@@ -140,7 +134,7 @@ def _attend(attn: RelPositionAttention, states: list[_LayerState], x: torch.Tens
         c = state.k.shape[0]
         keys[b, cached - c:cached], values[b, cached - c:cached] = state.k, state.v
         valid[b, cached - c:cached + sizes[b]] = True
-    valid = _upload(valid, x.device)
+    valid = to_device(valid, x.device)
     keys[:, cached:], values[:, cached:] = k_new, v_new
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, dtype=torch.float32, device=x.device) / width))
     distances = torch.arange(total - 1, -n, -1, dtype=torch.float32, device=x.device)

@@ -179,7 +179,7 @@ def packed_windows(codec: Qwen3TTSCodec, left_context: int = 72, max_frames: int
     window can be (``Qwen3TTSCodec.decode_rows``: every layer is causal, so a row's own samples
     are those of its window alone; the padding costs only transformer rows, the conv stack
     being nearly all of the decoder's time). A batch is padded to the next of
-    ``WINDOW_BUCKETS`` rows with copies of its first and replays a CUDA graph per (rows,
+    ``WINDOW_BUCKETS`` rows of zeros and replays a CUDA graph per (rows,
     ``C``): a few dozen shapes in all, every window up to ``max_frames`` new frames, captured at
     start (``decode.capture_all``) so that no stream waits on a capture. (Keyed by each
     window's length and context, the adaptive ramp's varied windows captured graphs
@@ -209,7 +209,7 @@ def packed_windows(codec: Qwen3TTSCodec, left_context: int = 72, max_frames: int
                 length = length_of(frames, max(windows[i][0].shape[-1] for i in rows))
                 codes = torch.zeros(bucket, windows[rows[0]][0].shape[0], length, dtype=torch.int64)
                 starts = torch.zeros(bucket, dtype=torch.int64)
-                for row, i in enumerate([*rows, *[rows[0]] * (bucket - len(rows))]):
+                for row, i in enumerate(rows):  # rows past them stay zeros: codes of their own, never read
                     window = windows[i][0]
                     codes[row, :, :window.shape[-1]] = window
                     starts[row] = spans[i][2]

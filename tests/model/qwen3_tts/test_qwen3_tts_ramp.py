@@ -47,7 +47,6 @@ def simulate(policy: ChunkPolicy, rho: float, codec_ms: float, frames: int) -> t
     made = [(k + 1) * step for k in range(frames)]
     available = covered = taken = 0
     busy_until: float | None = None
-    first_out: float | None = None
     windows: list[tuple[float, int, int]] = []  # (audio out at, first frame, size)
     opened = 0
     until: float | None = None  # the player's (pausing when dry), as the conductor's clock keeps it
@@ -56,14 +55,13 @@ def simulate(policy: ChunkPolicy, rho: float, codec_ms: float, frames: int) -> t
         while available < frames and made[available] <= now:
             available += 1
         if busy_until is not None and busy_until <= now:
-            busy_until, first_out = None, now if first_out is None else first_out
+            busy_until = None
             play = windows[-1][2] * FRAME
             until = now + play if until is None or until < now else until + play
         closed = available == frames
         if busy_until is None:
             if isinstance(policy, TimedChunkPolicy):
-                out = None if first_out is None else first_out / 1e3
-                clock = StreamClock(now / 1e3, step / 1e3, codec_ms / 1e3, out, None if until is None else until / 1e3,
+                clock = StreamClock(now / 1e3, step / 1e3, codec_ms / 1e3, None if until is None else until / 1e3,
                                     windows[-1][2] if windows else 0)
                 chunk = policy.next_timed_chunk(available, taken, covered, closed, clock)
             else:
@@ -184,10 +182,10 @@ def test_the_stream_clock_averages_item_and_chunk_times() -> None:
     stream.take(chunk)
     stream.versions += [2, 3]
     stream.observe(0.15)  # two items in 100 ms
-    assert stream.clock.item_s == pytest.approx(0.05) and stream.clock.first_out is None
+    assert stream.clock.item_s == pytest.approx(0.05) and stream.clock.played_until is None
     stream.running = False
     stream.observe(0.18)
-    assert stream.clock.chunk_s == pytest.approx(0.13) and stream.clock.first_out == 0.18
+    assert stream.clock.chunk_s == pytest.approx(0.13) and stream.clock.played_until == pytest.approx(0.18 + 0.08)
     stream.versions += [4]
     stream.observe(0.25)  # 100 ms for one: the average moves a quarter of the way
     assert stream.clock.item_s == pytest.approx(0.05 + 0.25 * 0.05)
