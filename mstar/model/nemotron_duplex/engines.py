@@ -255,7 +255,7 @@ class NanoEngine(Engine):
                 text = self._text([self.last[item.request_id] for item in step],
                                   [self.tool.get(item.request_id) for item in step])
                 frames = torch.cat([item.inputs["frame"][j:j + 1] for item in step])
-                frames = to_device(frames, text.device) if frames.device.type == "cpu" else frames.to(text.device)
+                frames = to_device(frames, text.device)
                 fused_all = frames.to(text.dtype) + text
                 for row, item in enumerate(step):
                     fused = fused_all[row:row + 1]
