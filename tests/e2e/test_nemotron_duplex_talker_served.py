@@ -164,11 +164,12 @@ def test_a_hang_up_frees_the_talkers_pages_and_slot(served):
             await ws.send_json({"output_modalities": SPEECH, "model_kwargs": {"seed": 1}})
             for at in range(0, 8 * FRAME, FRAME):
                 await ws.send_bytes(wav(speech(0.64, seed=5)[at:at + FRAME]))
-            for _ in range(200):  # until the talker spoke a frame
-                if talker_of(d).talker.slots_used:
+            talker = talker_of(d).talker
+            for _ in range(200):  # until the talker spoke a frame (a slot at open, pages at its first step)
+                if talker.slots_used and talker.pages_used:
                     break
                 await asyncio.sleep(0.02)
-            assert talker_of(d).talker.slots_used == 1 and talker_of(d).talker.pages_used > 0
+            assert talker.slots_used == 1 and talker.pages_used > 0
             await ws.hang_up()
 
     asyncio.run(go())
