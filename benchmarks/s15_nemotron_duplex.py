@@ -159,6 +159,7 @@ class Settings:
     stagger_s: float = 0.0
     seed: int = 0
     encoder_dtype: str = "float32"  # model_kwargs.encoder_dtype
+    cuda_graphs: bool = False  # model_kwargs.cuda_graphs
 
     @property
     def appends(self) -> int:
@@ -168,7 +169,8 @@ class Settings:
         shapes = ("tiny test config" if self.smoke else
                   {"encoder": ENCODER, "llm": NANO_9B_V2, "speech_generation": SPEECH_GENERATION})
         return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
-                "encoder_dtype": self.encoder_dtype, "key": KEY, "shapes": shapes, "calls": list(self.calls),
+                "encoder_dtype": self.encoder_dtype, "cuda_graphs": self.cuda_graphs, "key": KEY,
+                "shapes": shapes, "calls": list(self.calls),
                 "seconds": self.seconds, "appends_per_call": self.appends, "pacings": list(self.pacings),
                 "outputs": "text,audio" if self.speech else "text", "runs": self.runs,
                 "warmup_seconds": self.warmup_seconds, "max_session_s": self.max_session_s,
@@ -193,7 +195,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--seconds {seconds} must be at least 1 s under --max-session-s {max_session_s}")
     return Settings(args.smoke, device, dtype, calls, seconds, pacings, not args.text_only, args.runs, warmup,
                     max_session_s, args.page_size, args.attention_backend, args.stagger_s, args.seed,
-                    encoder_dtype=args.encoder_dtype)
+                    encoder_dtype=args.encoder_dtype, cuda_graphs=args.cuda_graphs)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -250,7 +252,8 @@ def deployment(settings: Settings, model_dir: Path, max_prompt_tokens: int = 256
             "model_kwargs": {"seed": settings.seed, "max_session_s": settings.max_session_s,
                              "max_prompt_tokens": max_prompt_tokens,
                              "attention_backend": settings.attention_backend,
-                             "encoder_dtype": settings.encoder_dtype}}
+                             "encoder_dtype": settings.encoder_dtype,
+                             "cuda_graphs": settings.cuda_graphs}}
 
 
 # --------------------------------------------------------------------------- the bound
@@ -550,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.attention_backend (the nano LLM's)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="model_kwargs.encoder_dtype (the FastConformer's; its log-mels stay float32)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="model_kwargs.cuda_graphs: the three nodes' steady frame steps from CUDA graphs")
     p.add_argument("--profile", action="store_true",
                    help="after each fast round, one more with each node's steps timed (device synchronized)")
     add_run_args(p)

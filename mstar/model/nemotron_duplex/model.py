@@ -82,6 +82,10 @@ class DuplexKnobs(Knobs):
     encoder_dtype: Literal["float32", "bfloat16"] = "float32"
     """The FastConformer encoder's weights and activations (the front end's log-mels stay
     float32 and are cast on entry; its frames reach the LLM in the LLM's dtype)."""
+    cuda_graphs: bool = False
+    """Replay the steady frame steps from CUDA graphs (on CUDA; eager elsewhere, over the same
+    static buffers): the encoder's conformer blocks over one new frame a call, the nano LLM's
+    one-token steps and the talker's one-frame steps, per batch bucket. Captured at start-up."""
 
 
 class DuplexRequestKnobs(RequestKnobs):
