@@ -130,7 +130,7 @@ def drained(d) -> bool:
     nano, encoder = engines["nano_llm"].inner, engines["conformer_encoder"]
     talker = engines["eartts_talker"].talker
     return (talker.pages_used == 0 and talker.slots_used == 0 and not talker.sessions
-            and encoder.pool.num_used == 0 and not encoder.calls and nano.forward.states.num_used == 0
+            and encoder.pool.num_used == 0 and not encoder.fronts and nano.forward.states.num_used == 0
             and nano.pool.num_used_pages == 0 and not nano.seqs and not engines["nano_llm"].last
             and d.runtime.conductor.idle and not d.runtime.tracked
             and len(d.runtime.workers.workers[0].store._values) == 0)

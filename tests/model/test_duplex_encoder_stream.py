@@ -94,8 +94,9 @@ def test_streamed_encoder_frames_equal_the_offline_pass(left_context, sizes):
     streamed = torch.cat(parts)
     assert streamed.shape == offline[0].shape
     torch.testing.assert_close(streamed, offline[0], rtol=0, atol=2e-6)
-    assert all(s.k.shape[0] <= left_context for s in frames.layers)  # bounded per-call state
-    assert frames.mel.shape[0] <= 8 * 3 + 1
+    assert frames.streams.keys.shape[2] == left_context  # bounded per-call state
+    assert frames.call.filled == min(left_context, streamed.shape[0])
+    assert frames.call.mel.shape[0] <= 8 * 3 + 1
 
 
 def test_80ms_appends_give_one_frame_each_after_the_first():
@@ -113,10 +114,10 @@ def test_80ms_appends_give_one_frame_each_after_the_first():
 
 
 def test_calls_pushed_together_equal_each_alone():
-    """Three calls of different lengths and chunkings, stepped together (``push_many``: the
-    blocks once over every call's padded frames, caches of different lengths), give each
-    call's offline frames; a call with nothing new in a step rides along unchanged."""
-    from mstar.model.fastconformer.stream import push_many
+    """Three calls of different lengths and chunkings in slots of one pool, stepped together
+    (the blocks once over every call's padded frames, caches of different lengths), give
+    each call's offline frames; a call with nothing new in a step rides along unchanged."""
+    from mstar.model.fastconformer.stream import EncoderStreams
 
     encoder = tiny_encoder(6)
     settings = duplex_settings(N_MELS)
@@ -125,7 +126,9 @@ def test_calls_pushed_together_equal_each_alone():
     with torch.no_grad():
         offline = [encoder(duplex_log_mel(w, settings)[None], lookahead=0)[0][0] for w in waves]
         mels = [MelStream(settings) for _ in waves]
-        streams = [EncoderStream(encoder) for _ in waves]
+        streams, slots = EncoderStreams(encoder, 5), [3, 0, 1]  # not in the calls' order
+        for slot in slots:
+            streams.open(slot)
         outs: list[list[torch.Tensor]] = [[] for _ in waves]
         for step in range(max(len(c) for c in cuts) + 1):
             inputs, lasts = [], []
@@ -139,7 +142,7 @@ def test_calls_pushed_together_equal_each_alone():
                 else:
                     inputs.append(torch.zeros(0, N_MELS))
                     lasts.append(False)
-            for call, frames in enumerate(push_many(streams, inputs, lasts)):
+            for call, frames in enumerate(streams.push(slots, inputs, lasts)):
                 outs[call].append(frames)
     for got, want in zip(outs, offline):
         torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=2e-6)

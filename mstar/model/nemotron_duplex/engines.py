@@ -3,10 +3,10 @@
 ``EncoderEngine`` (node ``conformer_encoder``, a stream consumer of the client's audio; the
 calls of a plan share one pass of the conformer blocks):
 each call holds one slot of the ``encoder_state`` pool from its first chunk until it is
-released, however it ends; the slot holds its front end (``MelStream``) and encoder state
-(``EncoderStream``). A chunk is one append: its samples run through the front end, the new
-mel frames through the encoder, and the encoder frames no later audio can change leave,
-projected to LLM embeddings. The stream's last chunk (the client's end of input) flushes the
+released, however it ends; the slot holds its front end (``MelStream``) and its encoder
+state (in the pooled ``EncoderStreams``). A chunk is one append: its samples run through the
+front end, the new mel frames through the encoder, and the encoder frames no later audio can
+change leave, projected to LLM embeddings. The stream's last chunk (the client's end of input) flushes the
 frames that read the clip's end. A chunk that finalises no frame writes nothing (no item for
 the LLM's stream).
 
@@ -43,58 +43,97 @@ import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.base import Engine, EngineItem, EngineOutput
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sampler import penalise_repeats
 from mstar.engine.sequence import Sequence
 from mstar.engine.state_pool import StatePool
 from mstar.layers.paged_kv import to_device
 from mstar.model.fastconformer.features import MelSettings
-from mstar.model.fastconformer.stream import EncoderStream, push_many
+from mstar.model.fastconformer.stream import EncoderStreams
 from mstar.model.nemotron_duplex.features import MIN_SAMPLES, MelStream, _Bank
 from mstar.model.nemotron_duplex.modeling import SpeechEncoder
 
 
 class EncoderEngine(Engine):
-    def __init__(self, model: SpeechEncoder, settings: MelSettings, *, max_slots: int) -> None:
+    """``cuda_graphs``: a step where every call has one new frame (a steady tick) runs the
+    conformer blocks and the projection from a CUDA graph per batch bucket (up to the pool's
+    calls), captured by ``capture_all``; other steps (a call's first frames, its end, a long
+    append) run eagerly over the same code."""
+
+    def __init__(self, model: SpeechEncoder, settings: MelSettings, *, max_slots: int,
+                 cuda_graphs: bool = False) -> None:
         self.model = model
         self.settings = settings
         self.bank = _Bank(settings)
         self.pool = StatePool(max_slots)
-        self.calls: dict[str, tuple[MelStream, EncoderStream]] = {}
+        self.streams = EncoderStreams(model.encoder, max_slots)
+        self.fronts: dict[str, MelStream] = {}
+        self.graphs: BucketGraphs | None = None
+        if cuda_graphs:
+            streams = self.streams
+            calls = self.pool.capacity
+            sizes = [n for n in DEFAULT_BATCH_SIZES if n < calls] + [calls]
+            buffers = {"x": torch.zeros(calls, 1, model.encoder.config.hidden_size, dtype=streams.dtype,
+                                        device=streams.device),
+                       **{name: torch.zeros(calls, dtype=torch.int64, device=streams.device)
+                          for name in ("slots", "filled", "sizes")}}
+            pads = {"x": 0, "slots": self.pool.sink, "filled": 0, "sizes": 0}  # padded rows: the sink's state
+            self.graphs = BucketGraphs(self._frame, buffers, pads, sizes)
+
+    def _frame(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One new frame per call: the blocks and the projection (what a graph records)."""
+        return self.model.project(self.streams.blocks(rows["x"], rows["slots"], rows["filled"], rows["sizes"]))
+
+    def capture_all(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
-        """Every call's front end on its own, then the conformer blocks once over all their
-        new frames (``push_many``), then the projection."""
+        """Every call's front end on its own, then the subsampling per window shape and the
+        conformer blocks once over all their new frames, then the projection."""
         for item in items:  # before any call's state moves: the worker then retries each alone
             if item.chunk is not None and item.chunk.last:
-                front = self.calls.get(item.request_id)
-                heard = (front[0].received if front else 0) + item.inputs["audio"].numel()
+                front = self.fronts.get(item.request_id)
+                heard = (front.received if front else 0) + item.inputs["audio"].numel()
                 if heard < MIN_SAMPLES:
                     raise ValueError(f"the call ended with {heard} samples, too short to featurize "
                                      f"(at least {MIN_SAMPLES}, about 16 ms)")
         with torch.inference_mode():
-            calls, mels, lasts = [], [], []
+            slots, mels, lasts = [], [], []
             for item in items:
-                call = self.calls.get(item.request_id)
-                if call is None:
-                    self.pool.allocate(item.request_id)  # OutOfSlots fails the item: admission prevents it
-                    call = self.calls[item.request_id] = (MelStream(self.settings, self.bank),
-                                                          EncoderStream(self.model.encoder))
-                front, _ = call
+                front = self.fronts.get(item.request_id)
+                if front is None:
+                    slot = self.pool.allocate(item.request_id)  # OutOfSlots fails the item: admission prevents it
+                    self.streams.open(slot)
+                    front = self.fronts[item.request_id] = MelStream(self.settings, self.bank)
                 mel = front.push(item.inputs["audio"].reshape(-1).to(torch.float32))
                 last = item.chunk is not None and item.chunk.last
                 if last:
                     mel = torch.cat([mel, front.end()])
-                calls.append(call[1])
+                slots.append(self.pool.slot(item.request_id))
                 mels.append(mel)
                 lasts.append(last)
-            frames = push_many(calls, mels, lasts)
-            return [EngineOutput({"frames": self.model.project(f)}) if f.shape[0] else EngineOutput({})
-                    for f in frames]
+            chunk = self.streams.subsample(slots, mels, lasts)
+            outputs = [EngineOutput({}) for _ in items]
+            if chunk is None:
+                return outputs
+            inputs = self.streams.step_inputs(chunk)
+            if self.graphs is not None and chunk.x.shape[1] == 1 and self.graphs.fits(len(chunk.live)):
+                names = ("slots", "filled", "sizes")
+                frames = self.graphs.run(len(chunk.live), {"x": chunk.x, **dict(zip(names, inputs))})
+            else:
+                frames = self.model.project(self.streams.blocks(chunk.x, *inputs))
+            self.streams.advance(chunk)
+            for row, i in enumerate(chunk.live):
+                outputs[i] = EngineOutput({"frames": frames[row, :chunk.sizes[row]]})
+            return outputs
 
     def release(self, request_id: str) -> None:
-        self.calls.pop(request_id, None)
-        self.pool.free(request_id)
+        self.fronts.pop(request_id, None)
+        slot = self.pool.free(request_id)
+        if slot is not None:
+            self.streams.close(slot)
 
     def stats(self) -> dict[str, float]:
         return {"encoder_slots_used": float(self.pool.num_used)}

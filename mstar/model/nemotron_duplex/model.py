@@ -291,7 +291,9 @@ class NemotronDuplex(ModelSpec):
             else:
                 load_encoder(encoder, folder)
             engines[ENCODER] = EncoderEngine(encoder.eval(), duplex_settings(config.n_mels),
-                                             max_slots=state_slots(self.config, "encoder_state"))
+                                             max_slots=state_slots(self.config, "encoder_state"),
+                                             cuda_graphs=self.knobs.cuda_graphs)
+            engines[ENCODER].capture_all()
         if TALKER in nodes:
             engines[TALKER] = self._talker(config, device, dtype)
         if NANO in nodes:

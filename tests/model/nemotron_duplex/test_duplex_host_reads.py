@@ -108,4 +108,4 @@ def test_a_tick_reads_the_device_as_often_at_four_calls_as_at_one(engines):
     talker = four[0][TALKER]
     assert talker.count() == PER_TICK[TALKER] + 4, talker.report()
     assert {r.site.split(":")[0] for r in talker.reads if r.what == "item"} == {"mstar/model/eartts/talker.py"}
-    assert engines[TALKER].talker.slots_used == 0 and not engines[ENCODER].calls
+    assert engines[TALKER].talker.slots_used == 0 and not engines[ENCODER].fronts
