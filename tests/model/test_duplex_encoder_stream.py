@@ -63,6 +63,31 @@ def test_streamed_mel_frames_equal_the_offline_pass(sizes):
     assert stream.y.shape[0] <= 2 * 512  # it keeps only what later frames read
 
 
+def test_front_ends_pushed_together_equal_each_alone():
+    """``push_many``: calls of different chunkings, one ending mid-way, with their STFTs batched
+    where their signals are equally long, give each call's own frames."""
+    from mstar.model.nemotron_duplex.features import push_many
+
+    settings = duplex_settings(N_MELS)
+    waves = [clip(0.9, seed=s) for s in (1, 2, 3)]
+    cuts = [chunks(w, sizes) for w, sizes in zip(waves, [[1280], [1280], [700, 1280, 3000]])]
+    together, alone = [MelStream(settings) for _ in waves], [MelStream(settings) for _ in waves]
+    got: list[list[torch.Tensor]] = [[] for _ in waves]
+    want: list[list[torch.Tensor]] = [[] for _ in waves]
+    for step in range(max(len(c) for c in cuts)):
+        calls = [i for i, c in enumerate(cuts) if step < len(c)]
+        ends = [step == len(cuts[i]) - 1 for i in calls]
+        outs = push_many([together[i] for i in calls], [cuts[i][step] for i in calls], ends)
+        for i, end, out in zip(calls, ends, outs):
+            got[i].append(out)
+            want[i].append(alone[i].push(cuts[i][step]))
+            if end:
+                want[i].append(alone[i].end())
+    for g, w, wave in zip(got, want, waves):
+        torch.testing.assert_close(torch.cat(g), torch.cat(w), rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.cat(g), duplex_log_mel(wave, settings), rtol=0, atol=2e-6)
+
+
 def test_a_clip_too_short_to_featurize_is_refused():
     stream = MelStream(duplex_settings(N_MELS))
     stream.push(torch.zeros(256))

@@ -51,7 +51,7 @@ from mstar.engine.state_pool import StatePool
 from mstar.layers.paged_kv import to_device
 from mstar.model.fastconformer.features import MelSettings
 from mstar.model.fastconformer.stream import EncoderStreams
-from mstar.model.nemotron_duplex.features import MIN_SAMPLES, MelStream, _Bank
+from mstar.model.nemotron_duplex.features import MIN_SAMPLES, MelStream, _Bank, push_many
 from mstar.model.nemotron_duplex.modeling import SpeechEncoder
 
 
@@ -90,8 +90,9 @@ class EncoderEngine(Engine):
             self.graphs.capture_all()
 
     def run(self, items: list[EngineItem]) -> list[EngineOutput]:
-        """Every call's front end on its own, then the subsampling per window shape and the
-        conformer blocks once over all their new frames, then the projection."""
+        """The calls' front ends (one STFT batch per signal length), then the subsampling per
+        window shape and the conformer blocks once over all their new frames, then the
+        projection."""
         for item in items:  # before any call's state moves: the worker then retries each alone
             if item.chunk is not None and item.chunk.last:
                 front = self.fronts.get(item.request_id)
@@ -100,20 +101,17 @@ class EncoderEngine(Engine):
                     raise ValueError(f"the call ended with {heard} samples, too short to featurize "
                                      f"(at least {MIN_SAMPLES}, about 16 ms)")
         with torch.inference_mode():
-            slots, mels, lasts = [], [], []
+            fronts = []
             for item in items:
                 front = self.fronts.get(item.request_id)
                 if front is None:
                     slot = self.pool.allocate(item.request_id)  # OutOfSlots fails the item: admission prevents it
                     self.streams.open(slot)
                     front = self.fronts[item.request_id] = MelStream(self.settings, self.bank)
-                mel = front.push(item.inputs["audio"].reshape(-1).to(torch.float32))
-                last = item.chunk is not None and item.chunk.last
-                if last:
-                    mel = torch.cat([mel, front.end()])
-                slots.append(self.pool.slot(item.request_id))
-                mels.append(mel)
-                lasts.append(last)
+                fronts.append(front)
+            lasts = [item.chunk is not None and item.chunk.last for item in items]
+            mels = push_many(fronts, [item.inputs["audio"].reshape(-1) for item in items], lasts)
+            slots = [self.pool.slot(item.request_id) for item in items]
             chunk = self.streams.subsample(slots, mels, lasts)
             outputs = [EngineOutput({}) for _ in items]
             if chunk is None:

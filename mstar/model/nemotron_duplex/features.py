@@ -36,12 +36,13 @@ class _Bank:
                                       settings.sample_rate / 2).to(device, torch.float32)
 
     def frames(self, padded: torch.Tensor) -> torch.Tensor:
-        """Log-mels ``[frames, n_mels]`` of an already padded signal (no centring)."""
+        """Log-mels ``[frames, n_mels]`` of an already padded signal (no centring); of a batch
+        of equal-length signals ``[B, n]``, ``[B, frames, n_mels]``."""
         s = self.settings
         stft = torch.stft(padded, s.n_fft, hop_length=s.hop_length, win_length=s.win_length, window=self.window,
                           center=False, return_complex=True)
         power = torch.view_as_real(stft).pow(2).sum(-1)
-        return torch.log(self.filters @ power + LOG_GUARD).T.contiguous()
+        return torch.log(self.filters @ power + LOG_GUARD).transpose(-1, -2).contiguous()
 
 
 def _check(n: int) -> None:
@@ -83,30 +84,65 @@ class MelStream:
         self.ended = False
 
     def push(self, samples: torch.Tensor) -> torch.Tensor:
+        self._take(samples)
+        return self._frames(self._final())
+
+    def end(self) -> torch.Tensor:
+        return self._frames(self._end())
+
+    def _take(self, samples: torch.Tensor) -> None:
         wave = torch.as_tensor(samples).to(torch.float32).flatten()
         if wave.numel():
             coefficient = self.settings.preemphasis or 0.0
             self.y = torch.cat([self.y, preemphasis(wave, coefficient, self.last_raw)])
             self.last_raw = float(wave[-1])
             self.received += wave.numel()
-        hop, half = self.settings.hop_length, self.settings.n_fft // 2
-        final = (self.received - half) // hop + 1 if self.received >= MIN_SAMPLES else 0  # 160 t + 256 <= N
-        return self._frames(final)
 
-    def end(self) -> torch.Tensor:
+    def _final(self) -> int:
+        """The mel frames final so far (``160 t + 256 <= N``)."""
+        hop, half = self.settings.hop_length, self.settings.n_fft // 2
+        return (self.received - half) // hop + 1 if self.received >= MIN_SAMPLES else 0
+
+    def _end(self) -> int:
+        """Ends the input: every frame is final, those reading the reflected right edge too."""
         _check(self.received)
         self.ended = True
-        return self._frames(self.received // self.settings.hop_length + 1)
+        return self.received // self.settings.hop_length + 1
 
     def _frames(self, upto: int) -> torch.Tensor:
+        segment = self._segment(upto)
+        return torch.zeros(0, self.settings.n_mels) if segment is None else self.bank.frames(segment)
+
+    def _segment(self, upto: int) -> torch.Tensor | None:
+        """The padded signal frames ``[done, upto)`` read (None: no new frame); moves on."""
         if upto <= self.done:
-            return torch.zeros(0, self.settings.n_mels)
+            return None
         hop, half, n = self.settings.hop_length, self.settings.n_fft // 2, self.received
         index = torch.arange(self.done * hop - half, (upto - 1) * hop + half)
         index = torch.where(index < 0, -index, index)  # the reflected left edge
         index = torch.where(index >= n, 2 * n - 2 - index, index)  # the right one (only at the end)
-        out = self.bank.frames(self.y[index - self.start])
+        segment = self.y[index - self.start]
         self.done = upto
         keep = max(0, self.done * hop - 2 * half)  # what the next frames (or the right reflection) read
         self.y, self.start = self.y[keep - self.start:], keep
-        return out
+        return segment
+
+
+def push_many(streams: list[MelStream], samples: list[torch.Tensor], ends: list[bool]) -> list[torch.Tensor]:
+    """Each stream's ``push`` of its samples (then its ``end`` where ``ends``), the STFTs of the
+    streams whose new frames read equally long signals (every call of a steady tick) in one
+    batch."""
+    segments = []
+    for stream, wave, end in zip(streams, samples, ends, strict=True):
+        stream._take(wave)
+        segments.append(stream._segment(stream._end() if end else stream._final()))
+    out = [torch.zeros(0, stream.settings.n_mels) for stream in streams]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, segment in enumerate(segments):
+        if segment is not None:
+            groups.setdefault((segment.shape[0], id(streams[i].bank)), []).append(i)
+    for group in groups.values():
+        frames = streams[group[0]].bank.frames(torch.stack([segments[i] for i in group]))
+        for row, i in enumerate(group):
+            out[i] = frames[row]
+    return out
