@@ -14,7 +14,8 @@ time, each output read before the next replay), and replays it. Its front ends:
   copied out. Whisper's encoder replays through it (padded with zero mels).
 * ``DecodeGraphs``: the autoregressive engine's decode-only steps on ``BucketGraphs``, the
   input ids and paged-attention metadata in static buffers, plus any per-row inputs of the
-  model's (Whisper's cross-attention slot). Padded rows are token 0 at position 0 whose K/V
+  model's: an index (Whisper's cross-attention slot, a Mamba state slot) or a row of any width
+  (the duplex LLM's fused input embedding). Padded rows are token 0 at position 0 whose K/V
   go to, and are read from, a **scratch page** no sequence owns.
 * ``PrefillGraphs``: the engine's fresh prefill of one sequence (no cached prefix) per token
   bucket: the prompt padded to the bucket, padded tokens' K/V into the scratch page, the
@@ -171,14 +172,15 @@ class BucketGraphs:
 class DecodeGraphs:
     """Decode-only steps (one new token per sequence) as per-bucket replays of
     ``step(input_ids, meta, rows)``, where ``rows`` holds the model's per-row inputs besides
-    the ids and metadata (``row_pads``: name -> a padded row's value). ``scratch_page`` is a
-    page of the KV caches the engine never gives a sequence; ``max_pages_per_seq`` the width
-    of the static page table (steps with a wider one do not fit)."""
+    the ids and metadata (``row_pads``: name -> a padded row's value: an int, for an int64
+    index per row, or a tensor, for a row of its shape and dtype). ``scratch_page`` is a page
+    of the KV caches the engine never gives a sequence; ``max_pages_per_seq`` the width of
+    the static page table (steps with a wider one do not fit)."""
 
     def __init__(self, step: Callable[[torch.Tensor, PagedAttentionMetadata, dict[str, torch.Tensor]], torch.Tensor],
                  *, device: torch.device, page_size: int, max_pages_per_seq: int, scratch_page: int,
                  batch_sizes: Iterable[int] = DEFAULT_BATCH_SIZES, backend: str = "triton",
-                 row_pads: dict[str, int] | None = None) -> None:
+                 row_pads: dict[str, int | torch.Tensor] | None = None) -> None:
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}")
         if device.type == "cuda" and backend == "torch":
@@ -190,16 +192,23 @@ class DecodeGraphs:
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.backend = backend
-        self.row_pads = dict(row_pads or {})
+        self.row_pads = {name: pad.to(device) if isinstance(pad, torch.Tensor) else pad
+                         for name, pad in (row_pads or {}).items()}
         n = max(int(s) for s in batch_sizes)
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int64, device=device)
 
+        def row_buffer(pad: int | torch.Tensor) -> torch.Tensor:
+            if isinstance(pad, torch.Tensor):
+                return torch.zeros((n, *pad.shape), dtype=pad.dtype, device=device)
+            return zeros(n)
+
         table_pad = zeros(max_pages_per_seq)
         table_pad[0] = scratch_page
         buffers = {"input_ids": zeros(n), "positions": zeros(n), "slot_mapping": zeros(n), "seq_lens": zeros(n),
-                   "page_table": zeros(n, max_pages_per_seq)} | {name: zeros(n) for name in self.row_pads}
+                   "page_table": zeros(n, max_pages_per_seq)} | {name: row_buffer(pad)
+                                                                  for name, pad in self.row_pads.items()}
         pads = {"input_ids": 0, "positions": 0, "slot_mapping": scratch_page * page_size, "seq_lens": 1,
                 "page_table": table_pad} | self.row_pads
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=device)  # one token per sequence

@@ -46,14 +46,16 @@ class Forward:
     def __init__(self, model: Decoder) -> None:
         self.model = model
         # The per-row inputs a decode graph reads besides the ids and the paged metadata, each
-        # with the value of a padded row; None: decode steps never replay a graph.
-        self.graph_rows: dict[str, int] | None = {}
+        # with the value of a padded row (an index, or a row tensor of the input's shape and
+        # dtype); None: decode steps never replay a graph.
+        self.graph_rows: dict[str, int | torch.Tensor] | None = {}
 
     def prepare(self, items: list[EngineItem], input_ids: torch.Tensor, meta: PagedAttentionMetadata,
                 counts: list[int] | None) -> dict[str, Any]:
         """The step's inputs besides the ids and metadata, for ``hidden`` (a request's first
         step takes its state here). ``counts[b]``: item ``b``'s new tokens (None: one each).
-        With ``graph_rows``, exactly those inputs, one value per row."""
+        With ``graph_rows``, a decode-only step's (``counts`` None) are exactly those inputs, one
+        value per row."""
         return {}
 
     def hidden(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
@@ -97,7 +99,7 @@ class SlotForward(Forward):
 
     def __init__(self, model: Any, max_slots: int) -> None:
         super().__init__(model)
-        self.graph_rows = None
+        self.graph_rows = None  # a subclass whose decode step reads its slots by index may graph it
         self.states = StatePool(max_slots)
         self.lost: set[str] = set()
 

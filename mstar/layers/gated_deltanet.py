@@ -190,6 +190,12 @@ class StateBatch:
 
         return cls(as_tensor(rows), as_tensor(single_slots), tuple(spans))
 
+    @classmethod
+    def decodes(cls, slots: torch.Tensor) -> StateBatch:
+        """A step of one token per sequence, row ``b`` in slot ``slots[b]`` (a device tensor):
+        built on the device, without a host read, so a CUDA graph can record it."""
+        return cls(torch.arange(slots.shape[0], device=slots.device), slots, ())
+
 
 class GatedRMSNorm(nn.Module):
     """RMS norm of each head's output, scaled by ``weight`` and gated by ``silu(gate)``

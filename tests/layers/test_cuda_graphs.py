@@ -201,6 +201,28 @@ def test_engine_with_decode_graphs_on_cpu() -> None:
         AutoregressiveEngine(model, layout, attention_backend="nope", **kwargs)
 
 
+def test_decode_graphs_take_row_inputs_of_any_width() -> None:
+    """A per-row input given as a row tensor (the duplex LLM's input embedding) gets a buffer
+    of that row's shape and dtype; padded rows hold the given row, index inputs their int."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def step(ids: torch.Tensor, meta: PagedAttentionMetadata, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        seen.append({name: value.clone() for name, value in rows.items()})
+        return rows["embeds"].sum(-1) + rows["slot"]
+
+    pad = torch.tensor([0.5, 0.0, -1.0], dtype=torch.float64)
+    graphs = DecodeGraphs(step, device=torch.device("cpu"), page_size=PAGE_SIZE, max_pages_per_seq=2,
+                          scratch_page=9, batch_sizes=(4,), backend="torch", row_pads={"slot": 7, "embeds": pad})
+    pool = PagePool(8, PAGE_SIZE)
+    meta = step_meta(pool, [("a", 3, 4), ("b", 0, 1)], torch.device("cpu"))
+    embeds = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    out = graphs.run(torch.tensor([5, 6]), meta, {"slot": torch.tensor([1, 2]), "embeds": embeds})
+    assert out.tolist() == [7.0, 17.0]
+    assert seen[-1]["embeds"].dtype == torch.float64
+    assert seen[-1]["embeds"].tolist() == [*embeds.tolist(), pad.tolist(), pad.tolist()]
+    assert seen[-1]["slot"].tolist() == [1, 2, 7, 7]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda(triton=True))])
 def test_prefill_graphs_generate_like_eager(device: str) -> None:
     """A request's whole prompt alone in a step replays a prefill graph per token bucket (off

@@ -193,6 +193,37 @@ def test_input_embeds_replace_the_lookup(ours: NemotronHForCausalLM) -> None:
 
 
 @torch.no_grad()
+def test_decode_graphs_equal_eager(ours: NemotronHForCausalLM) -> None:
+    """Token decodes through the decode graphs (run eagerly on the CPU over the same buckets
+    and padding): three sequences in bucket 4, one padded row on the sink slot, then two; every
+    step's logits as eager's, a later joiner's one-token first step through a bucket too."""
+    params = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12], "c": list(range(20, 40))}
+    logits = []
+    for graphs in (False, True):
+        extra = {"cuda_graphs": True, "graph_batch_sizes": (1, 4)} if graphs else {}
+        engine = nemotron_h_engine(ours, max_slots=5, state_dtype=torch.float32, num_pages=40, page_size=8,
+                                   max_seq_len=256, device=torch.device("cpu"), dtype=torch.float32, **extra)
+        with recording(ours) as recorded:
+            last = {r: o.outputs["token"] for r, o in zip(prompts, engine.run(
+                [EngineItem(r, "prefill", 0, {"prompt_ids": torch.tensor(p)}, params) for r, p in prompts.items()]))}
+            for step in range(4):
+                if step == 2:
+                    engine.release("b")
+                    del last["b"]
+                    last |= {"d": engine.run([EngineItem("d", "prefill", 0, {"prompt_ids": torch.tensor([3])},
+                                                         params)])[0].outputs["token"]}
+                outs = engine.run([EngineItem(r, "decode", 0, {"token": t}, params) for r, t in last.items()])
+                last = {r: o.outputs["token"] for r, o in zip(last, outs)}
+        logits.append(recorded)
+        if graphs:
+            assert engine.graphs.captured_batch_sizes == (1, 4)
+    assert len(logits[0]) == len(logits[1])
+    for x, y in zip(*logits):  # a graph computes its bucket's rows: the batch's come first
+        assert y.shape[0] in (x.shape[0], 4) and rel_err(y[:x.shape[0]], x) <= TOL
+
+
+@torch.no_grad()
 def test_failed_step_frees_fresh_slots_and_poisons_advanced_ones(ours: NemotronHForCausalLM) -> None:
     engine = _engine(ours, max_slots=3)
     params = {"sampling": {"temperature": 0.0}}

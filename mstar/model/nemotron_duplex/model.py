@@ -76,7 +76,8 @@ class DuplexKnobs(Knobs):
     """Subtracted from the logit of every agent text token the call said (the specials
     excepted); 0 is off. A request's ``model_kwargs.presence_penalty`` overrides it."""
     attention_backend: Literal["torch", "triton"] = "torch"
-    """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``)."""
+    """The nano LLM's paged-attention kernels (``docs/nemotron_h.md``); with ``cuda_graphs`` on
+    CUDA the nano LLM runs ``triton`` (the torch reference cannot be captured)."""
     speaker: str | None = None
     """The talker's voice: a speaker latent of the checkpoint (None: its first)."""
     encoder_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -307,13 +308,28 @@ class NemotronDuplex(ModelSpec):
             inner = nemotron_h_engine(llm.eval(), max_slots=state_slots(self.config, "mamba_state"),
                                       state_dtype=torch.float32, num_pages=kv.max_num_pages, page_size=kv.page_size,
                                       max_seq_len=self.config.max_seq_len, device=device, dtype=dtype,
-                                      attention_backend=self.knobs.attention_backend,
-                                      rules=duplex_rules(config))
+                                      rules=duplex_rules(config), **self._nano_graphs(device))
+            if inner.graphs is not None:  # every bucket now: no call waits on a capture mid-stream
+                inner.graphs.capture_all()
             engines[NANO] = NanoEngine(inner, llm, pad_token_id=config.agent_pad_token_id,
                                        user_weight=config.user_channel_weight,
                                        text_weight=config.text_channel_weight,
                                        function_weight=config.function_channel_weight)
         return engines
+
+    def _nano_graphs(self, device: torch.device) -> dict:
+        """The nano LLM engine's attention backend and graph switches. With ``cuda_graphs`` its
+        one-token steps replay a graph per batch bucket up to ``max_concurrent_requests``, and on
+        CUDA the attention runs the Triton kernels whatever ``attention_backend`` says: the torch
+        reference reads the step's lengths back on the host, which a capture cannot hold (off
+        CUDA the graphs run eagerly, and the torch reference is kept)."""
+        if not self.knobs.cuda_graphs:
+            return {"attention_backend": self.knobs.attention_backend}
+        from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+
+        most = self.config.max_concurrent_requests
+        return {"attention_backend": "triton" if device.type == "cuda" else self.knobs.attention_backend,
+                "cuda_graphs": True, "graph_batch_sizes": tuple(n for n in DEFAULT_BATCH_SIZES if n < most) + (most,)}
 
     def _talker(self, config: DuplexConfig, device: torch.device, dtype: torch.dtype):
         from mstar.model.eartts.engine import TalkerEngine, Warmup
