@@ -13,6 +13,7 @@ import torch
 from mstar.engine.base import EngineItem
 from tests.e2e.test_nemotron_duplex_served import _config, checkpoint  # noqa: F401  (checkpoint: a fixture)
 from tests.model.nemotron_duplex.test_duplex_build_dtype import spec_of
+from tests.support.host_reads import HostReads
 
 TALKER = "eartts_talker"
 
@@ -53,6 +54,14 @@ def test_the_talker_with_cuda_graphs_speaks_as_eager(checkpoint: Path):  # noqa:
     for rid in ("a", "c"):  # still speaking: their last codes
         assert torch.equal(graphed.talker.sessions[rid].prev, eager.talker.sessions[rid].prev), rid
     assert graphed.talker.slots_used == 2 and graphed.talker.pages_used > 0
+    # a graphed tick waits for the device once (the tick's PCM read back), as the eager one; the
+    # CPU's graph attends with the torch reference, whose lengths read back (paged_kv.py: on CUDA
+    # the Triton kernels, whose recorded step test_eartts_frame_graphs.py pins at zero reads)
+    items = [EngineItem(rid, "", ticks, {"token": torch.tensor([9])}, {"talker_seed": 0},
+                        chunk=SimpleNamespace(last=False)) for rid in ("a", "c")]
+    with HostReads(ignore=("layers/paged_kv.py",)) as seen:
+        graphed.run(items)
+    assert seen.count() == 2 and not seen.uploads, seen.report()  # tolist of the host tokens, .cpu() of the PCM
     for rid in ("a", "c"):
         graphed.release(rid)
     assert graphed.talker.slots_used == 0 and graphed.talker.pages_used == 0
