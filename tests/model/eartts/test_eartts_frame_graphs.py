@@ -137,6 +137,8 @@ def test_the_recorded_step_reads_nothing_back(model):
     from mstar.layers import triton_attention
     from tests.support.triton_interpreter import kernels_runnable
 
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check: the fixture's tensors are host tensors, which the compiled kernels refuse")
     if not kernels_runnable(triton_attention):
         pytest.skip("triton was imported before TRITON_INTERPRET was set")
     if triton_attention.INTERPRET:
