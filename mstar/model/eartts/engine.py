@@ -12,6 +12,11 @@ speaker latent and the warm-up text) together with its first token, as one chunk
 the other sessions of that step decode one token per stream, all in one packed batch. Codes
 at or past ``codebook_size`` (the warm-up's pad code) are decoded as the silence frame.
 
+With ``cuda_graphs`` a step's steady sessions (past their warm-up, on the engine's default
+sampling) run as one replay of a CUDA graph per batch bucket (``frame_graphs.py``), captured
+at start-up (``capture_all``) for buckets up to ``max_sessions``; the sessions warming up, or
+sampling with other knobs, step eagerly beside them in the same call, as before.
+
 The API the duplex graph drives (``nemotron_duplex``'s ``eartts_talker`` node):
 ``open(session, warmup, seed)``, ``step({session: text_token})`` -> ``{session: Frame}``,
 ``close(session)`` -> the decoder's last samples, with ``pages_used`` / ``slots_used`` for
@@ -29,6 +34,7 @@ from mstar.engine.state_pool import StatePool
 from mstar.layers.paged_kv import PagedAttentionMetadata, allocate_kv_cache, to_device
 from mstar.model.eartts.checkpoint import EarTTS
 from mstar.model.eartts.codec import CodecState
+from mstar.model.eartts.frame_graphs import SteadyFrames, buckets_up_to
 from mstar.model.eartts.talker import FrameNoise
 
 
@@ -96,23 +102,56 @@ class _Session:
 
 class TalkerEngine:
     def __init__(self, model: EarTTS, *, max_sessions: int, num_pages: int, page_size: int = 16,
-                 text_eos_id: int | None = None, kv_head_dim: int | None = None) -> None:
+                 text_eos_id: int | None = None, kv_head_dim: int | None = None, max_positions: int | None = None,
+                 attention_backend: str = "torch", cuda_graphs: bool = False) -> None:
         """``kv_head_dim``: the KV pool's head dim when a kernel needs a wider one than the
-        talker's 72 (q/k/v are zero-padded to it, which is exact)."""
+        talker's 72 (q/k/v are zero-padded to it, which is exact). ``max_positions``: the most
+        positions a session's stream may hold (its warm-up and its frames; a step past it is
+        refused): a sliding window at least that wide is left out on the ``"triton"`` backend
+        (which has none), and it sizes the graphs' page tables. ``cuda_graphs``: steady
+        frames from CUDA graphs (module docstring); on CUDA it needs ``"triton"``."""
         self.model = model
         self.config = model.config.talker
         param = model.talker.bos_emb
         self.device, self.dtype = param.device, param.dtype
         talker = self.config
+        self.max_positions, self.backend = max_positions, attention_backend
+        windows = {w for w in map(talker.window, range(talker.num_hidden_layers)) if w is not None}
+        if attention_backend != "torch" and windows and (max_positions is None or min(windows) < max_positions):
+            raise ValueError(f"the {attention_backend!r} attention backend has no sliding window: the talker's "
+                             f"({min(windows)}) must be at least max_positions ({max_positions})")
+        if cuda_graphs and max_positions is None:
+            raise ValueError("cuda_graphs needs max_positions (the graphs' page tables)")
+        if cuda_graphs and self.device.type == "cuda" and attention_backend == "torch":
+            raise ValueError("the 'torch' attention backend synchronises with the host and cannot be captured "
+                             "in a CUDA graph; use 'triton'")
         self.pages = PagePool(num_pages, page_size)
-        self.kv = allocate_kv_cache(talker.num_hidden_layers, num_pages, page_size, talker.num_key_value_heads,
+        # the last page is scratch: padded graph rows write their K/V there
+        self.kv = allocate_kv_cache(talker.num_hidden_layers, num_pages + 1, page_size, talker.num_key_value_heads,
                                     max(talker.head_dim, kv_head_dim or 0), self.dtype, self.device)
-        self.slots = StatePool(max_sessions + 1)  # StatePool keeps one slot back (the sink)
-        self.codec_state = [torch.zeros(max_sessions, *shape, device=self.device,
+        self.slots = StatePool(max_sessions + 1)  # StatePool keeps one slot back (the sink: padded graph rows)
+        self.codec_state = [torch.zeros(max_sessions + 1, *shape, device=self.device,
                                         dtype=torch.float32 if len(shape) == 1 else self.dtype)
                             for shape in model.codec.state_shapes()]
         self.text_eos_id = text_eos_id
+        self.sampling = Sampling(talker.guidance_scale, talker.top_p, talker.noise_scale)
         self.sessions: dict[str, _Session] = {}
+        self.steady: SteadyFrames | None = None
+        if cuda_graphs:
+            # each slot's previous codes, which a graphed frame reads and writes
+            self.prev_codes = torch.zeros(max_sessions + 1, talker.num_quantizers, dtype=torch.long,
+                                          device=self.device)
+            self.steady = SteadyFrames(
+                model, self.kv, self.codec_state, self.prev_codes, guidance=self.sampling.guidance,
+                top_p=self.sampling.top_p, noise_scale=self.sampling.noise_scale, sink=self.slots.sink,
+                page_size=page_size, max_pages=-(-max_positions // page_size), scratch_page=num_pages,
+                longest=max_positions, backend=attention_backend, batch_sizes=buckets_up_to(max_sessions))
+
+    def capture_all(self) -> None:
+        """Capture the steady frames' graphs of every bucket now (start-up; nothing to do off
+        CUDA or without ``cuda_graphs``)."""
+        if self.steady is not None:
+            self.steady.capture_all()
 
     # -- sessions --------------------------------------------------------------------------
     def open(self, session: str, warmup: Warmup, seed: int, sampling: Sampling | None = None) -> None:
@@ -122,8 +161,7 @@ class TalkerEngine:
         slot = self.slots.allocate(session)
         for tensor in self.codec_state:
             tensor[slot].zero_()
-        cfg = self.config
-        sampling = sampling or Sampling(cfg.guidance_scale, cfg.top_p, cfg.noise_scale)
+        sampling = sampling or self.sampling
         self.sessions[session] = _Session(warmup, generator, sampling, warmup.codes[-1].clone(),
                                           slot=slot)
 
@@ -157,31 +195,69 @@ class TalkerEngine:
             return {}
         order = list(tokens)
         sessions = [self.sessions[s] for s in order]
-        ids = to_device(torch.tensor([tokens[sid] for sid in order]), self.device)
-        texts = self.model.talker.text(ids)  # [B, H]
-        embeds, counts = [], []
-        for b, (sid, state) in enumerate(zip(order, sessions, strict=True)):
-            audio, text = self._inputs(state, tokens[sid], texts[b:b + 1])
-            for uncond in (False, True):  # the CFG pair: same audio, the second with null text
-                flags = torch.full((audio.shape[0],), uncond, dtype=torch.bool, device=self.device)
-                embeds.append(self.model.talker.fuse(audio, text, flags))
-                counts.append(audio.shape[0])
-        meta = self._reserve(order, sessions, counts)  # refused (OutOfPages) before anything moves
         given = noise or {}
-        noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
-                                  for sid, s in zip(order, sessions, strict=True)])
-        hidden = self.model.talker.hidden(torch.cat(embeds), meta, self.kv)
-        last = to_device(torch.tensor(meta.query_starts[1:]) - 1, self.device)
-        pairs = hidden.index_select(0, last).view(len(order), 2, -1)
-        codes = self._sample(sessions, pairs, noise)
-        pcm, _ = self._decode(sessions, codes)
+        counts = [1 if s.warmup is None else s.warmup.codes.shape[0] + 1 for s in sessions]
+        starts = self._reserve(order, sessions, counts)  # refused (OutOfPages) before anything moves
+        graphed = [b for b, (sid, s) in enumerate(zip(order, sessions, strict=True))
+                   if s.warmup is None and s.sampling == self.sampling and sid not in given]
+        if graphed and (self.steady is None or not self.steady.fits(
+                len(graphed), self.pages.pages_needed(max(starts[b] for b in graphed) + 1))):
+            graphed = []
+        eager = sorted(set(range(len(order))) - set(graphed))
+        codes: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
+        pcm: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
+        for part, run in ((eager, self._eager), (graphed, self._steady)):
+            if part:
+                frame_codes, frame_pcm = run([order[b] for b in part], [sessions[b] for b in part],
+                                             [tokens[order[b]] for b in part], [starts[b] for b in part], given)
+                for i, b in enumerate(part):
+                    codes[b], pcm[b] = frame_codes[i], frame_pcm[i]
         # The codec's padding leads a session's first frame: known here, not read from the codec.
         leads = [self.model.codec.config.overlap // 2 if state.warmup is not None else 0 for state in sessions]
         frames = {}
         for b, (sid, state) in enumerate(zip(order, sessions, strict=True)):
             state.prev, state.warmup = codes[b], None
-            frames[sid] = Frame(codes[b], pcm[b, leads[b]:])
+            frames[sid] = Frame(codes[b], pcm[b][leads[b]:])
         return frames
+
+    def _eager(self, order: list[str], sessions: list[_Session], tokens: list[int], starts: list[int],
+               given: dict[str, FrameNoise]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sessions' frames as one eager pass: (codes ``[B, Q]``, PCM ``[B, samples]``)."""
+        ids = to_device(torch.tensor(tokens), self.device)
+        texts = self.model.talker.text(ids)  # [B, H]
+        embeds, counts = [], []
+        for b, (state, token) in enumerate(zip(sessions, tokens, strict=True)):
+            audio, text = self._inputs(state, token, texts[b:b + 1])
+            for uncond in (False, True):  # the CFG pair: same audio, the second with null text
+                flags = torch.full((audio.shape[0],), uncond, dtype=torch.bool, device=self.device)
+                embeds.append(self.model.talker.fuse(audio, text, flags))
+                counts.append(audio.shape[0])
+        meta = self._metadata(order, starts, counts)
+        noise = FrameNoise.stack([given[sid] if sid in given else FrameNoise.draw(self.config, s.generator, self.device)
+                                  for sid, s in zip(order, sessions, strict=True)])
+        longest = self.max_positions if self.backend != "torch" else None  # the torch reference keeps its window
+        hidden = self.model.talker.hidden(torch.cat(embeds), meta, self.kv, longest)
+        last = to_device(torch.tensor(meta.query_starts[1:]) - 1, self.device)
+        pairs = hidden.index_select(0, last).view(len(order), 2, -1)
+        codes = self._sample(sessions, pairs, noise)
+        pcm, _ = self._decode(sessions, codes)
+        if self.steady is not None:  # a graphed frame reads them next
+            index = to_device(torch.tensor([s.slot for s in sessions]), self.device)
+            self.prev_codes.index_copy_(0, index, codes)
+        return codes, pcm
+
+    def _steady(self, order: list[str], sessions: list[_Session], tokens: list[int], starts: list[int],
+                given: dict[str, FrameNoise]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steady sessions' frames as one graph replay (``SteadyFrames``)."""
+        eos = self.text_eos_id
+        rows, tables = [], []
+        for sid, state, token, start in zip(order, sessions, tokens, starts, strict=True):
+            cond, uncond = self._streams(sid)
+            rows.append([token, state.slot, int(token == eos), start,
+                         self.pages.slot(cond, start), self.pages.slot(uncond, start)])
+            tables += [self.pages.page_table(cond), self.pages.page_table(uncond)]
+        uniform, gauss = self.steady.noise([s.generator for s in sessions])
+        return self.steady.run(rows, tables, uniform, gauss)
 
     def _inputs(self, state: _Session, token: int, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A session's audio and text embeddings for this step (its warm-up first, on its
@@ -198,34 +274,49 @@ class TalkerEngine:
             text = torch.cat([talker.text(w.text_ids.to(dev), w.text_mask.to(dev)), text])
         return audio.to(self.dtype), text.to(self.dtype)
 
-    def _reserve(self, order: list[str], sessions: list[_Session], counts: list[int]) -> PagedAttentionMetadata:
-        missing = sum(self.pages.pages_missing(stream, state.length + counts[2 * i])
+    def _reserve(self, order: list[str], sessions: list[_Session], counts: list[int]) -> list[int]:
+        """Grow each session's two streams by its count, or refuse the whole step before any
+        grows; each session's first new position."""
+        if self.max_positions is not None:
+            over = [sid for sid, s, n in zip(order, sessions, counts, strict=True) if s.length + n > self.max_positions]
+            if over:
+                raise OutOfPages(f"talker KV: sessions {over} would pass max_positions ({self.max_positions})")
+        missing = sum(self.pages.pages_missing(stream, state.length + counts[i])
                       for i, (sid, state) in enumerate(zip(order, sessions, strict=True))
                       for stream in self._streams(sid))
         if missing > self.pages.num_free_pages:  # refused before any session's streams grow
             raise OutOfPages(f"talker KV: the step needs {missing} more pages, {self.pages.num_free_pages} free")
-        positions, slots, tables, lens = [], [], [], []
-        for i, (sid, state) in enumerate(zip(order, sessions, strict=True)):
-            start, new = state.length, counts[2 * i]
+        starts = []
+        for sid, state, new in zip(order, sessions, counts, strict=True):
             for stream in self._streams(sid):
-                self.pages.reserve(stream, start + new)
+                self.pages.reserve(stream, state.length + new)
+            starts.append(state.length)
+            state.length += new
+        return starts
+
+    def _metadata(self, order: list[str], starts: list[int], counts: list[int]) -> PagedAttentionMetadata:
+        """An eager pass's metadata: each session's two streams (``counts`` a stream) packed."""
+        positions, slots, tables, lens = [], [], [], []
+        for i, (sid, start) in enumerate(zip(order, starts, strict=True)):
+            new = counts[2 * i]
+            for stream in self._streams(sid):
                 positions.extend(range(start, start + new))
                 slots.extend(self.pages.slots(stream, start, start + new))
                 tables.append(self.pages.page_table(stream))
                 lens.append(start + new)
-            state.length = start + new
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
+
         def up(tensor: torch.Tensor) -> torch.Tensor:
             return to_device(tensor, self.device)
 
         return PagedAttentionMetadata(
             positions=up(torch.tensor(positions)), slot_mapping=up(torch.tensor(slots)),
             query_start_loc=up(torch.tensor(starts)), seq_lens=up(torch.tensor(lens)),
-            page_table=up(table), page_size=self.pages.page_size,
+            page_table=up(table), page_size=self.pages.page_size, backend=self.backend,
             host_query_start_loc=tuple(starts), host_seq_lens=tuple(lens))
 
     def _sample(self, sessions: list[_Session], pairs: torch.Tensor, noise: FrameNoise) -> torch.Tensor:

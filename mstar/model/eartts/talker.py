@@ -87,7 +87,10 @@ class Attention(nn.Module):
         self.q_norm = GemmaNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: PagedAttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: PagedAttentionMetadata, kv_cache: torch.Tensor,
+                longest: int | None = None) -> torch.Tensor:
+        """``longest``: the most positions any sequence of the cache can reach; a window at
+        least that wide never binds and is left out (exact; the Triton kernels have none)."""
         tokens = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
@@ -97,7 +100,8 @@ class Attention(nn.Module):
         if width > self.head_dim:  # a pool padded to a kernel's head dim (FlashInfer: 64/128/256)
             pad = (0, width - self.head_dim)  # zero lanes add nothing to q.k nor to the output
             q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)[..., : self.head_dim]
+        window = None if longest is not None and self.window is not None and self.window >= longest else self.window
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=window)[..., : self.head_dim]
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -112,8 +116,9 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, meta: PagedAttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta, kv_cache))
+    def forward(self, x: torch.Tensor, meta: PagedAttentionMetadata, kv_cache: torch.Tensor,
+                longest: int | None = None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta, kv_cache, longest))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -123,9 +128,10 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+                longest: int | None = None) -> torch.Tensor:
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, meta, cache)
+            x = layer(x, meta, cache, longest)
         return self.norm(x)
 
 
@@ -237,6 +243,17 @@ def _active_iterations(num_quantizers: int, num_iter: int, exponent: float) -> i
     return sum(1 for k in unmask_schedule(num_quantizers, num_iter, exponent) if k)
 
 
+def noise_shape(config: TalkerConfig) -> tuple[int, int, int]:
+    """A frame's noise per session: (active iterations, mixture components, latent size)."""
+    active = _active_iterations(config.num_quantizers, config.num_iter, config.exponent)
+    return active, config.mog_num_predictions, config.latent_size
+
+
+def gumbel(uniform: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Gumbel noise from uniform draws (elementwise: the same per element however batched)."""
+    return -torch.log(-torch.log(uniform + eps) + eps)
+
+
 @dataclass
 class FrameNoise:
     """One frame's sampling noise for ``B`` sessions: per active unmasking iteration, Gumbel
@@ -246,14 +263,12 @@ class FrameNoise:
     gauss: torch.Tensor
 
     @staticmethod
-    def draw(config: TalkerConfig, generator: torch.Generator, device: torch.device | str = "cpu",
-             eps: float = 1e-8) -> FrameNoise:
+    def draw(config: TalkerConfig, generator: torch.Generator, device: torch.device | str = "cpu") -> FrameNoise:
         """One session's noise ``[I, 1, ...]`` from its own generator."""
-        active = _active_iterations(config.num_quantizers, config.num_iter, config.exponent)
-        u = torch.rand(active, 1, config.mog_num_predictions, generator=generator, device=device)
-        gumbel = -torch.log(-torch.log(u + eps) + eps)
-        gauss = torch.randn(active, 1, config.latent_size, generator=generator, device=device)
-        return FrameNoise(gumbel, gauss)
+        active, components, latent = noise_shape(config)
+        u = torch.rand(active, 1, components, generator=generator, device=device)
+        gauss = torch.randn(active, 1, latent, generator=generator, device=device)
+        return FrameNoise(gumbel(u), gauss)
 
     @staticmethod
     def stack(noises: list[FrameNoise]) -> FrameNoise:
@@ -337,9 +352,10 @@ class EarTTSTalker(nn.Module):
         text = torch.where(uncond[:, None], self.null_emb.to(text.dtype), text)
         return self.gated_fusion_audio_text(audio, text)
 
-    def hidden(self, embeds: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor]
-               ) -> torch.Tensor:
-        return self.backbone(embeds, meta, kv_caches)
+    def hidden(self, embeds: torch.Tensor, meta: PagedAttentionMetadata, kv_caches: list[torch.Tensor],
+               longest: int | None = None) -> torch.Tensor:
+        """The backbone's last hidden states; ``longest``: as ``Attention.forward``'s."""
+        return self.backbone(embeds, meta, kv_caches, longest)
 
     # -- sampling --------------------------------------------------------------------------
     def sample_codes(self, cond: torch.Tensor, uncond: torch.Tensor | None, noise: FrameNoise, *,

@@ -333,7 +333,7 @@ class NemotronDuplex(ModelSpec):
 
     def _talker(self, config: DuplexConfig, device: torch.device, dtype: torch.dtype):
         from mstar.model.eartts.engine import TalkerEngine, Warmup
-        from mstar.model.nemotron_duplex.talker import TalkerNode, dummy_talker, prompt_frames
+        from mstar.model.nemotron_duplex.talker import TalkerNode, dummy_talker, prompt_frames, warmup_positions
 
         talker_config = config.talker
         if self.config.load_format == "dummy":
@@ -355,8 +355,15 @@ class NemotronDuplex(ModelSpec):
                                     text_pad_id=config.agent_pad_token_id, text_eos_id=config.eos_token_id,
                                     codebook_size=talker_config.talker.codebook_size)
         pages, page_size, _ = self.talker_kv()
+        # With graphs on CUDA the Triton kernels (no host sync; no window, and the released one
+        # is wider than a call's stream: the engine checks it against max_positions).
+        graphs = self.knobs.cuda_graphs
         engine = TalkerEngine(model, max_sessions=state_slots(self.config, "codec_state") - 1, num_pages=pages,
-                              page_size=page_size, text_eos_id=config.eos_token_id)
+                              page_size=page_size, text_eos_id=config.eos_token_id,
+                              max_positions=warmup_positions(talker_config) + self.max_frames,
+                              attention_backend="triton" if graphs and device.type == "cuda" else "torch",
+                              cuda_graphs=graphs)
+        engine.capture_all()  # every bucket up to the deployment's calls, before any call
         return TalkerNode(engine, warmup)
 
 

@@ -79,6 +79,13 @@ def checkpoint_talker(config: EarTTSConfig, folder: Path, vocab: dict[str, int],
     return model
 
 
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor | None:
+    """A call's PCM of a step (None: it said nothing); one frame as it is (no copy a call)."""
+    if not pieces:
+        return None
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 class TalkerNode(Engine):
     """Node ``eartts_talker``: ``token`` (a chunk's agent text tokens) -> ``audio`` (their PCM)."""
 
@@ -103,7 +110,7 @@ class TalkerNode(Engine):
             if item.chunk is not None and item.chunk.last:
                 pcm[item.request_id].append(self.talker.close(item.request_id))
         # Every call's PCM leaves in one read back (the step's one wait for the device), then is split.
-        parts = [torch.cat(pcm[item.request_id]) if pcm[item.request_id] else None for item in items]
+        parts = [_joined(pcm[item.request_id]) for item in items]
         spoken = [p for p in parts if p is not None]
         host = iter(torch.cat(spoken).float().cpu().split([p.shape[0] for p in spoken]) if spoken else ())
         return [EngineOutput({"audio": next(host)}) if p is not None else EngineOutput({}) for p in parts]
