@@ -139,7 +139,9 @@ class SteadyFrames:
         pair = (batch, 2, audio.shape[-1])
         embeds = talker.fuse(audio[:, None].expand(pair).reshape(2 * batch, -1),
                              text[:, None].expand(pair).reshape(2 * batch, -1), self.uncond[:2 * batch])
-        positions = rows["position"][:, None].expand(batch, 2).reshape(-1)
+        # contiguous: at one row the flattened expand is a stride-0 view, which the Triton
+        # kernels (reading by element) would take for the padding after it
+        positions = rows["position"][:, None].expand(batch, 2).contiguous().view(-1)
         meta = PagedAttentionMetadata(
             positions=positions, slot_mapping=rows["kv_slot"].reshape(-1),
             query_start_loc=self.query_start_loc[:2 * batch + 1], seq_lens=positions + 1,
