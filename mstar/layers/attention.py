@@ -29,6 +29,7 @@ def paged_attention(
     *,
     write_kv: bool = True,
     window: int | None = None,
+    merge_in_kernel: bool = False,
 ) -> torch.Tensor:
     """Paged attention with the implementation named by ``meta.backend``.
 
@@ -36,7 +37,9 @@ def paged_attention(
     ``kv_cache`` at ``meta.slot_mapping`` (unless ``write_kv`` is False: the caller already
     did, e.g. the fused RoPE kernel), then attend. Returns ``[T, Hq, D]``. ``window`` (a
     sliding-window layer): a token at position ``p`` sees only positions ``> p - window``, in
-    the pages of ``meta.windowed`` when the step has them.
+    the pages of ``meta.windowed`` when the step has them. ``merge_in_kernel``: the Triton
+    decode kernel merges its KV splits itself, no combine kernel (see
+    ``triton_paged_attention``; the torch backend has nothing to merge).
     """
     if window is not None and meta.windowed is not None:
         meta = meta.windowed
@@ -47,7 +50,8 @@ def paged_attention(
     if meta.backend == "triton":
         from mstar.layers.triton_attention import triton_paged_attention
 
-        return triton_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv)
+        return triton_paged_attention(q, k, v, kv_cache, meta, scale, write_kv=write_kv,
+                                      merge_in_kernel=merge_in_kernel)
     raise ValueError(f"unknown attention backend {meta.backend!r}; expected one of {ATTENTION_BACKENDS}")
 
 

@@ -12,7 +12,9 @@ Two kernels do the attention:
   16 for ``tl.dot``), so each K/V block is read once per group. Long contexts are split into
   ``num_splits`` contiguous KV ranges processed in parallel ("flash-decoding"); each split
   writes a normalised partial output and its log-sum-exp, and a small combine kernel merges
-  them. Online softmax in fp32 (base-2 exponentials), fp32/fp16/bf16 inputs.
+  them (or, with ``merge_in_kernel``, the last split of each group to finish does, as the
+  GEMV kernels' split-K does: one launch where a step is bound by its kernel count).
+  Online softmax in fp32 (base-2 exponentials), fp32/fp16/bf16 inputs.
 * **prefill** (sequences with several new tokens, including chunked-prefill continuations):
   one program per (query block of ``BLOCK_M`` new tokens of one sequence, query head),
   looping over the sequence's KV blocks up to the block's last position with a causal mask.
@@ -58,18 +60,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_kernel(
-        Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE,
+        Q, K_CACHE, V_CACHE, OUT, PART_O, PART_LSE, COUNTERS,
         SEQ_INDEX, QUERY_START, POSITIONS, SEQ_LENS, PAGE_TABLE,
         qk_scale, tokens_per_split, num_splits,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_c_page, stride_c_slot, stride_c_head, stride_pt_seq,
-        SPLIT: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
+        SPLIT: tl.constexpr, MERGE: tl.constexpr, USE_SEQ_INDEX: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr,
+        MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One (decode item, KV head, KV split): the group's query heads over a KV range."""
+        """One (decode item, KV head, KV split): the group's query heads over a KV range.
+        With ``SPLIT`` and ``MERGE`` the last split of an (item, KV head) to finish merges
+        all the splits' partials into ``OUT`` (``_merge_splits``) instead of a combine kernel."""
         pdl_start(PDL)
         pdl_wait(PDL)
         item = tl.program_id(0)
@@ -129,6 +133,43 @@ if HAS_TRITON:
             tl.store(PART_LSE + part, lse, mask=head_ok)
             tl.store(PART_O + part[:, None] * HEAD_DIM + offs_d[None, :], acc / safe_l[:, None],
                      mask=head_ok[:, None] & d_ok[None, :])
+            if MERGE:
+                _merge_splits(PART_O, PART_LSE, OUT, COUNTERS + item * tl.num_programs(1) + kv_head,
+                              part - split, row, heads, head_ok, num_splits, stride_o_tok, stride_o_head,
+                              BLOCK_H, HEAD_DIM, BLOCK_D, MAX_SPLITS)
+
+    @triton.jit
+    def _merge_splits(PART_O, PART_LSE, OUT, COUNTER, first, row, heads, head_ok, num_splits,
+                      stride_o_tok, stride_o_head,
+                      BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+        """``_combine_kernel``'s merge, run by the last of a group's ``num_splits`` programs to
+        store its partials (``first``: the partial index of split 0 of each of the group's
+        heads). Each program counts itself in on ``COUNTER`` after its stores (the barrier puts
+        all of them before the acq_rel atomic); the last reads every split past L1 (not
+        coherent with the other programs' stores), merges them in split order (so the result
+        does not depend on which program finished last) and puts the counter back to zero for
+        the next launch. The others' loads and stores are masked off."""
+        tl.debug_barrier()
+        last = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+        offs_s = tl.arange(0, MAX_SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = head_ok[:, None] & (offs_d[None, :] < HEAD_DIM) & last
+        lse = tl.load(PART_LSE + first[:, None] + offs_s[None, :],
+                      mask=head_ok[:, None] & (offs_s[None, :] < num_splits) & last, other=float("-inf"),
+                      cache_modifier=".cg")
+        top = tl.max(lse, 1)
+        weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])  # [BLOCK_H, MAX_SPLITS]
+        out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for s in range(0, num_splits):
+            w = tl.sum(tl.where(offs_s[None, :] == s, weight, 0.0), 1)
+            o = tl.load(PART_O + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg")
+            out += w[:, None] * o
+        total = tl.sum(weight, 1)
+        out = out / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(OUT + row * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(COUNTER, 0, mask=last)
 
     @triton.jit
     def _combine_kernel(
@@ -268,9 +309,29 @@ def _split_plan(
     return max(1, math.ceil(max_kv_len / per_split)), per_split
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, groups: int) -> torch.Tensor:
+    """The arrival counters (int32 zeros) of ``groups`` (decode item, KV head) groups on
+    ``device``: one buffer per device, left zeroed by the kernels (the last program of a group
+    resets its counter), shared by every launch. Launches on one stream run one at a time;
+    kernels on two streams at once must not both merge in the kernel. It grows only outside a
+    CUDA-graph capture (a capture would record the zero fill instead of running it): a
+    captured step must have run once before, as the graph runners' warm-ups do."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < groups:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode attention's merge counters must be allocated before a CUDA-graph "
+                               "capture: run the step once eagerly first")
+        buf = _counters[device] = torch.zeros(max(groups, 1 << 14), dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, out: torch.Tensor,
     qk_scale: float, num_items: int, seq_index: torch.Tensor | None, num_splits: int | None,
+    merge_in_kernel: bool = False,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -278,30 +339,32 @@ def _launch_decode(
     tiling = _tiling(q.device, head_dim)
     max_kv_len = meta.page_table.shape[1] * meta.page_size
     splits, per_split = _split_plan(q.device, num_items, num_kv_heads, max_kv_len, tiling, num_splits)
+    merge = merge_in_kernel and splits > 1
     if splits > 1:
         part_o = torch.empty(num_items, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_items, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    counters = _merge_counters(q.device, num_items * num_kv_heads) if merge else out  # else unused
     use_index = seq_index is not None
     index = seq_index if seq_index is not None else meta.seq_lens  # unused placeholder
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = max(16, _next_pow2(head_dim))
     on = pdl(q)
     _decode_kernel[(num_items, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_o, part_lse,
+        q, k_cache, v_cache, out, part_o, part_lse, counters,
         index, meta.query_start_loc, meta.positions, meta.seq_lens, meta.page_table,
         qk_scale, per_split, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0),
-        SPLIT=splits > 1, USE_SEQ_INDEX=use_index,
+        SPLIT=splits > 1, MERGE=merge, USE_SEQ_INDEX=use_index,
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=meta.page_size, BLOCK_N=tiling.decode_block_n,
-        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype), PDL=on,
+        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype), MAX_SPLITS=_MAX_SPLITS, PDL=on,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **launch_options(on),
     )
-    if splits > 1:
+    if splits > 1 and not merge:
         _combine_kernel[(num_items, num_heads)](
             part_o, part_lse, out, index, meta.query_start_loc, out.stride(0), out.stride(1), splits,
             BLOCK_S=_MAX_SPLITS, USE_SEQ_INDEX=use_index,
@@ -388,13 +451,17 @@ def triton_paged_attention(
     *,
     num_kv_splits: int | None = None,
     write_kv: bool = True,
+    merge_in_kernel: bool = False,
 ) -> torch.Tensor:
     """Paged attention with Triton kernels; the contract of ``torch_paged_attention``.
 
     ``q`` is ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``; the metadata tensors must be on
     ``q``'s device. Returns ``[T, Hq, D]`` in ``q``'s dtype. ``num_kv_splits`` forces the
-    number of KV splits of the decode kernel (default: chosen from the shapes). A
-    decode-only batch (``T == B``) runs without host synchronisation (CUDA-graph safe).
+    number of KV splits of the decode kernel (default: chosen from the shapes);
+    ``merge_in_kernel`` has the decode kernel merge them itself (its last split to finish
+    per KV head), one launch instead of two (see ``_merge_counters`` for its one-stream
+    rule). A decode-only batch (``T == B``) runs without host synchronisation (CUDA-graph
+    safe).
     """
     _check(q, k, v, kv_cache, meta)
     if write_kv:  # else the caller wrote them (e.g. the fused RoPE kernel)
@@ -406,7 +473,7 @@ def triton_paged_attention(
         return out
     qk_scale = scale * _LOG2E
     if num_tokens == num_seqs:  # decode only: one new token per sequence, no host sync
-        _launch_decode(q, kv_cache, meta, out, qk_scale, num_seqs, None, num_kv_splits)
+        _launch_decode(q, kv_cache, meta, out, qk_scale, num_seqs, None, num_kv_splits, merge_in_kernel)
         return out
 
     # A mixed batch is split on the host, once per step: the metadata's host copies, and the
@@ -420,7 +487,7 @@ def triton_paged_attention(
         if seq_index is None:
             seq_index = meta.step_tensors["triton_decode_rows"] = to_device(
                 torch.tensor(decode, dtype=torch.int32), q.device)
-        _launch_decode(q, kv_cache, meta, out, qk_scale, len(decode), seq_index, num_kv_splits)
+        _launch_decode(q, kv_cache, meta, out, qk_scale, len(decode), seq_index, num_kv_splits, merge_in_kernel)
     if prefill:
         _launch_prefill(q, kv_cache, meta, out, qk_scale, prefill, counts)
     return out

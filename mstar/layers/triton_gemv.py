@@ -17,6 +17,14 @@ kernels and their launches disappear:
   program waits on another; the programs of the first output block also store the sum. The
   cost grows with the rows: from about four rows a separate ``add_rmsnorm`` kernel then
   ``gemv`` is faster (``benchmarks/check_gemv.py``). ``silu_mul`` as for ``gemv``.
+* ``layernorm_gemv(x, residual, norm_weight, norm_bias, eps, weight, bias)``: the same with
+  ``torch_add_layernorm`` (LayerNorm with a bias, as Whisper's decoder has) as the prologue;
+  its statistics take a second pass over the summed rows (the centred squares).
+* ``gelu=True`` (``gemv``, ``layernorm_gemv``): ``F.gelu`` (erf) of the rounded output, for
+  an MLP's first projection.
+* ``kv_write=KVWrite(kv_cache, slot_mapping, first)``: the epilogue also stores the keys and
+  values among the output features (a fused q/k/v projection's) into their paged-cache
+  slots, so no cache-write kernels follow (the attention then runs with ``write_kv=False``).
 
 How: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` steps. The
 input rows are padded to 16, 32 or 64 columns and the step is a tensor-core ``tl.dot`` of the
@@ -178,16 +186,20 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, store_sum,
-                  K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                  M_ROWS: tl.constexpr):
-        """RMSNorm's ``rsqrt(mean(s^2) + eps)`` of the summed rows ``s = x + residual``, as a
-        ``[M_ROWS]`` vector (zero past the ``M_STAT`` rows); ``s`` is stored to ``SUM_OUT``
-        where ``store_sum``. The rows are read as ``[M_STAT, BLOCK_S]`` tiles (only the real
-        rows, padded to a power of two) in an unrolled loop, so the loads go out together:
-        every program pays about one L2 round trip here, not one per step."""
+    def _row_stats(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, store_sum,
+                   K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, M_STAT: tl.constexpr,
+                   BLOCK_S: tl.constexpr, M_ROWS: tl.constexpr):
+        """The norm's statistics of the summed rows ``s = x + residual``, as two ``[M_ROWS]``
+        vectors ``(mean, rstd)`` (zero past the ``M_STAT`` rows): RMSNorm's ``(0, rsqrt(mean(s^2)
+        + eps))``, or with ``LAYER_NORM`` the mean and ``rsqrt(mean((s - mean)^2) + eps)`` (a
+        second pass over the rows for the centred squares, as ``add_layernorm`` computes them).
+        ``s`` is stored to ``SUM_OUT`` where ``store_sum``. The rows are read as ``[M_STAT,
+        BLOCK_S]`` tiles (only the real rows, padded to a power of two) in an unrolled loop, so
+        the loads go out together: every program pays about one L2 round trip a pass here, not
+        one per step."""
         rows = tl.arange(0, M_STAT)
         row_mask = rows < M
+        total = tl.zeros([M_STAT], dtype=tl.float32)
         square_sum = tl.zeros([M_STAT], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_S):
             ks = k0 + tl.arange(0, BLOCK_S)
@@ -197,11 +209,25 @@ if HAS_TRITON:
             if HAS_RESIDUAL:
                 tl.store(SUM_OUT + rows[:, None] * stride_s + ks[None, :], s, mask=mask & store_sum)
             s = s.to(tl.float32)
+            total += tl.sum(s, axis=1)
             square_sum += tl.sum(s * s, axis=1)
+        mean = tl.zeros([M_STAT], dtype=tl.float32)
+        if LAYER_NORM:
+            mean = total / K
+            square_sum = tl.zeros([M_STAT], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_S):
+                ks = k0 + tl.arange(0, BLOCK_S)
+                mask = row_mask[:, None] & (ks[None, :] < K)
+                s = _summed(X, RESIDUAL, rows[:, None] * stride_x + ks[None, :],
+                            rows[:, None] * stride_r + ks[None, :], mask, HAS_RESIDUAL)
+                centred = tl.where(mask, s.to(tl.float32) - mean[:, None], 0.0)
+                square_sum += tl.sum(centred * centred, axis=1)
         rstd = tl.where(row_mask, tl.rsqrt(square_sum / K + eps), 0.0)
-        # Spread onto the dot's padded columns: column m takes row m's value.
+        # Spread onto the dot's padded columns: column m takes row m's values.
         cols = tl.arange(0, M_ROWS)
-        return tl.sum(tl.where(cols[:, None] == rows[None, :], rstd[None, :], 0.0), axis=1)
+        same = cols[:, None] == rows[None, :]
+        return (tl.sum(tl.where(same, mean[None, :], 0.0), axis=1),
+                tl.sum(tl.where(same, rstd[None, :], 0.0), axis=1))
 
     @triton.jit
     def _sum_splits(acc, SPLITS, split_stride, pid_k, mask, SPLIT_K: tl.constexpr):
@@ -228,10 +254,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a padding
     def _gemv_kernel(
-        X, RESIDUAL, NORM_W, W, BIAS, Y, SUM_OUT, PARTIAL, COUNTERS,
-        M, N_OUT, eps,
+        X, RESIDUAL, NORM_W, NORM_B, W, BIAS, Y, SUM_OUT, PARTIAL, COUNTERS, CACHE, SLOTS,
+        M, N_OUT, eps, cache_kv_stride,
         stride_x, stride_r, stride_w, stride_y, stride_s,
-        K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+        K: tl.constexpr, NORM: tl.constexpr, LAYER_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, GELU: tl.constexpr,
+        WRITE_KV: tl.constexpr, KV_FIRST: tl.constexpr, KV_WIDTH: tl.constexpr,
         M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_STAT: tl.constexpr, BLOCK_S: tl.constexpr,
         SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
         PREFETCH_K: tl.constexpr, LATE_TRIGGER: tl.constexpr,
@@ -241,7 +269,12 @@ if HAS_TRITON:
 
         With ``SILU_MUL`` the weight holds ``2 * N_OUT`` rows ``[gate | up]`` and the program
         also computes the up rows ``N_OUT + n``. With ``NORM`` the GEMV's input is
-        ``rmsnorm(x + residual) * NORM_W`` (rounded as ``torch_add_rmsnorm``). K is a
+        ``rmsnorm(x + residual) * NORM_W`` (rounded as ``torch_add_rmsnorm``), or with
+        ``LAYER_NORM`` too ``layernorm(x + residual) * NORM_W + NORM_B`` (as
+        ``torch_add_layernorm``). ``GELU`` applies erf GELU to the (rounded) output. With
+        ``WRITE_KV`` output features ``[KV_FIRST, +KV_WIDTH)`` are also stored as keys and the
+        next ``KV_WIDTH`` as values into the paged cache ``CACHE`` (flat ``[2, slots,
+        KV_WIDTH]``, values ``cache_kv_stride`` after the keys) at row m's slot ``SLOTS[m]``. K is a
         compile-time constant: one compiled kernel per weight shape. Launched with PDL, the
         program first asks L2 for its first ``PREFETCH_K`` weights of each feature (while the
         kernel before may still run), then waits for that kernel. It lets the next kernel start
@@ -275,12 +308,14 @@ if HAS_TRITON:
             # Statistics over the whole rows first; then each step re-derives its slice of
             # the normalised rows from L2 (never stored), its loads issued one step ahead
             # (``s_next``, ``g_next``) so that their latency hides behind the step before.
-            rstd = _row_rstd(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s, (pid == 0) & (pid_k == 0),
-                             K, HAS_RESIDUAL, M_STAT, BLOCK_S, M_ROWS)
+            mean, rstd = _row_stats(X, RESIDUAL, SUM_OUT, M, eps, stride_x, stride_r, stride_s,
+                                    (pid == 0) & (pid_k == 0), K, HAS_RESIDUAL, LAYER_NORM, M_STAT, BLOCK_S, M_ROWS)
             x_offs = rows[None, :] * stride_x + offs_k[:, None]
             r_offs = rows[None, :] * stride_r + offs_k[:, None]
             s_next = _summed(X, RESIDUAL, x_offs, r_offs, row_mask[None, :] & (offs_k[:, None] < K), HAS_RESIDUAL)
             g_next = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0)
+            if LAYER_NORM:
+                b_next = tl.load(NORM_B + offs_k, mask=offs_k < K, other=0.0)
 
         acc = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, M_ROWS], dtype=tl.float32)
@@ -294,8 +329,14 @@ if HAS_TRITON:
                 s_next = _summed(X, RESIDUAL, x_offs, r_offs, row_mask[None, :] & (ks_next[:, None] < K),
                                  HAS_RESIDUAL)
                 g_next = tl.load(NORM_W + ks_next, mask=ks_next < K, other=0.0)
-                normed = (s.to(tl.float32) * rstd[None, :]).to(dtype).to(tl.float32)
-                xt = (g.to(tl.float32)[:, None] * normed).to(dtype)
+                if LAYER_NORM:  # fp32 throughout, one rounding at the end (as nn.LayerNorm)
+                    b = b_next
+                    b_next = tl.load(NORM_B + ks_next, mask=ks_next < K, other=0.0)
+                    centred = s.to(tl.float32) - mean[None, :]
+                    xt = (centred * rstd[None, :] * g.to(tl.float32)[:, None] + b.to(tl.float32)[:, None]).to(dtype)
+                else:
+                    normed = (s.to(tl.float32) * rstd[None, :]).to(dtype).to(tl.float32)
+                    xt = (g.to(tl.float32)[:, None] * normed).to(dtype)
             else:
                 mask = row_mask[None, :] & (ks[:, None] < K)
                 xt = tl.load(X + rows[None, :] * stride_x + ks[:, None], mask=mask, other=0.0)
@@ -355,7 +396,17 @@ if HAS_TRITON:
             up = acc_up.to(dtype).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             y = (silu * up).to(dtype)
+        if GELU:  # F.gelu of the rounded GEMM output: erf form, fp32, one rounding
+            h = y.to(tl.float32)
+            y = (0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))).to(dtype)
         tl.store(Y + rows[None, :] * stride_y + ns[:, None], y, mask=out_mask)
+        if WRITE_KV:  # the keys and values among the features, into their cache slots
+            f = ns - KV_FIRST
+            in_kv = (f >= 0) & (f < 2 * KV_WIDTH)
+            dst = tl.where(f >= KV_WIDTH, f - KV_WIDTH + cache_kv_stride, f)
+            slot = tl.load(SLOTS + rows, mask=row_mask, other=0).to(tl.int64)
+            tl.store(CACHE + slot[None, :] * KV_WIDTH + dst[:, None], y.to(CACHE.dtype.element_ty),
+                     mask=out_mask & in_kv[:, None])
 
 
 # -------------------------------------------------------------------------- wrappers
@@ -379,11 +430,41 @@ def _prefetch_columns(enabled: bool, programs: int, rows_per_program: int, k_spl
     return min(1 << (budget.bit_length() - 1), 1 << (k_split.bit_length() - 1))
 
 
+@dataclass(frozen=True)
+class KVWrite:
+    """A GEMV epilogue's write of keys and values into a paged KV cache: output features
+    ``[first, first + width)`` are row m's keys and the next ``width`` its values (``width =
+    heads * head_dim`` of ``kv_cache [2, pages, page_size, heads, head_dim]``, contiguous),
+    stored at flat slot ``slot_mapping[m]``, as ``mstar.layers.paged_kv.write_kv_cache``
+    stores them. The GEMV's output still holds them."""
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    first: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_cache.shape[3] * self.kv_cache.shape[4]
+
+    def check(self, x: torch.Tensor, rows: int, n_out: int) -> None:
+        cache, slots = self.kv_cache, self.slot_mapping
+        if cache.dim() != 5 or cache.shape[0] != 2 or not cache.is_contiguous():
+            raise ValueError(f"kv_cache must be a contiguous [2, pages, page_size, heads, head_dim], "
+                             f"got {tuple(cache.shape)}")
+        if not 0 <= self.first <= n_out - 2 * self.width:
+            raise ValueError(f"keys and values at features [{self.first}, +{2 * self.width}) do not fit "
+                             f"{n_out} output features")
+        if tuple(slots.shape) != (rows,) or cache.device != x.device or slots.device != x.device:
+            raise ValueError(f"slot_mapping {tuple(slots.shape)} on {slots.device} does not fit {rows} rows "
+                             f"on {x.device} (cache on {cache.device})")
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-            config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+            config: GemvConfig | None, *, norm_bias: torch.Tensor | None = None, gelu: bool = False,
+            kv_write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate, launch, and return ``(y, summed)`` (``summed`` is ``x`` without a residual
-    or without the norm)."""
+    or without the norm). ``norm_bias`` makes the norm a LayerNorm."""
     check_runnable(x, "GEMV Triton kernels", __name__)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (its last is K)")
@@ -396,15 +477,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     _check_same(x, "bias", bias, (n,))
     _check_same(x, "residual", residual, tuple(x.shape))
     _check_same(x, "norm_weight", norm_weight, (k,))
+    _check_same(x, "norm_bias", norm_bias, (k,))
     if weight.stride(1) != 1:
         raise ValueError("weight must be contiguous along K (its last dimension)")
     if silu_mul and n % 2:
         raise ValueError(f"silu_mul needs a [gate | up] weight with an even number of rows, got {n}")
+    if silu_mul and gelu:
+        raise ValueError("silu_mul and gelu are two epilogues: take one")
     n_out = n // 2 if silu_mul else n
     xs = as_rows(x)
     m = xs.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"GEMV kernels take at most GEMV_MAX_ROWS={GEMV_MAX_ROWS} rows, got {m}")
+    if kv_write is not None:
+        kv_write.check(x, m, n_out)
     norm = norm_weight is not None
     with_sum = norm and residual is not None
     rs = as_rows(residual) if with_sum else xs
@@ -433,12 +519,16 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
                                        weight.element_size())
         m_stat = triton.next_power_of_2(m)
         block_s = min(triton.next_power_of_2(k), (64 if INTERPRET else 4096) // m_stat)
+        cache, slots = (kv_write.kv_cache, kv_write.slot_mapping) if kv_write is not None else (y, y)
         _gemv_kernel[(tiles, split)](
-            xs, rs, norm_weight if norm else xs, w_arg, bias if bias is not None else weight, y, summed,
-            partial, counters,
-            m, n_out, eps,
+            xs, rs, norm_weight if norm else xs, norm_bias if norm_bias is not None else xs, w_arg,
+            bias if bias is not None else weight, y, summed, partial, counters, cache, slots,
+            m, n_out, eps, cache.stride(0) if kv_write is not None else 0,
             xs.stride(0), rs.stride(0), weight.stride(0), y.stride(0), summed.stride(0),
-            K=k, NORM=norm, HAS_RESIDUAL=with_sum, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+            K=k, NORM=norm, LAYER_NORM=norm and norm_bias is not None, HAS_RESIDUAL=with_sum,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, GELU=gelu, WRITE_KV=kv_write is not None,
+            KV_FIRST=kv_write.first if kv_write is not None else 0,
+            KV_WIDTH=kv_write.width if kv_write is not None else 0,
             M_ROWS=m_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_STAT=m_stat, BLOCK_S=block_s,
             SPLIT_K=split, K_SPLIT=k_split, TMA=tma, PDL=on, PREFETCH_K=prefetch_k, LATE_TRIGGER=pdl_late_trigger(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(on),
@@ -448,11 +538,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, *,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         gelu: bool = False, kv_write: KVWrite | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` of at most ``GEMV_MAX_ROWS`` rows
     (``config`` overrides the launch table, for benchmarks). With ``silu_mul`` the weight is
-    ``[gate | up]`` and the result ``torch_silu_and_mul`` of the product, ``[..., N / 2]``."""
-    return _launch(x, None, None, 0.0, weight, bias, silu_mul, config)[0]
+    ``[gate | up]`` and the result ``torch_silu_and_mul`` of the product, ``[..., N / 2]``;
+    with ``gelu``, ``F.gelu`` of it. ``kv_write`` also stores the keys and values among the
+    output features into a paged cache."""
+    return _launch(x, None, None, 0.0, weight, bias, silu_mul, config, gelu=gelu, kv_write=kv_write)[0]
 
 
 def rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -465,3 +557,16 @@ def rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     if norm_weight is None:
         raise ValueError("rmsnorm_gemv needs norm_weight")
     return _launch(x, residual, norm_weight, eps, weight, bias, silu_mul, config)
+
+
+def layernorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                   norm_bias: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   gelu: bool = False, kv_write: KVWrite | None = None,
+                   config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(normed, weight, bias), summed)`` where ``(normed, summed) =
+    torch_add_layernorm(x, residual, norm_weight, norm_bias, eps)``, in one kernel; ``gelu``
+    and ``kv_write`` as for ``gemv``. Without ``residual``, ``summed`` is ``x`` itself."""
+    if norm_weight is None or norm_bias is None:
+        raise ValueError("layernorm_gemv needs norm_weight and norm_bias")
+    return _launch(x, residual, norm_weight, eps, weight, bias, False, config, norm_bias=norm_bias, gelu=gelu,
+                   kv_write=kv_write)

@@ -197,6 +197,16 @@ def test_check_gemv_smoke():
     assert "all ok" in result.stdout and "FAIL" not in result.stdout
 
 
+def test_check_whisper_step_smoke():
+    """benchmarks/check_whisper_step.py --smoke: Whisper's decoder layers on the GEMV path
+    against the previous fused path at 1, 2 and 4 rows, on the CPU (a process of its own)."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "benchmarks/check_whisper_step.py", "--smoke"], cwd=root,
+                            env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.stdout.count("hidden rel. err") == 3
+
+
 def test_check_moe_smoke(tmp_path):
     """benchmarks/check_moe.py --smoke (a process of its own, for Triton's interpreter): the
     fused MoE kernels, the expert loop and grouped_mm at 1, 5 and 37 tokens, on the CPU."""

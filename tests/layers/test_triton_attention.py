@@ -107,14 +107,16 @@ def make_step(
     return q, k, v, cache, meta
 
 
-def check_against_reference(q, k, v, cache, meta, *, num_kv_splits: int | None = None) -> None:
+def check_against_reference(q, k, v, cache, meta, *, num_kv_splits: int | None = None,
+                            merge_in_kernel: bool = False) -> None:
     scale = q.shape[-1] ** -0.5
     ref_cache = cache.float()
     ref = torch_paged_attention(q.float(), k.float(), v.float(), ref_cache, meta, scale)
     expected_cache = cache.clone()
     write_kv_cache(k, v, expected_cache, meta.slot_mapping)
 
-    out = triton_paged_attention(q, k, v, cache, meta, scale, num_kv_splits=num_kv_splits)
+    out = triton_paged_attention(q, k, v, cache, meta, scale, num_kv_splits=num_kv_splits,
+                                 merge_in_kernel=merge_in_kernel)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.equal(cache, expected_cache), "cache writes differ"
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -165,6 +167,33 @@ def test_decode_with_wide_page_table_and_large_pages() -> None:
 def test_odd_head_dim_and_single_sequence() -> None:
     check_against_reference(*make_step([1], [33], head_dim=80, seed=5), num_kv_splits=2)
     check_against_reference(*make_step([21], [0], head_dim=80, seed=6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
+def test_splits_merged_in_the_decode_kernel(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """``merge_in_kernel``: the last split of each (sequence, KV head) merges them, no combine
+    kernel; decode-only and mixed steps (the decode rows through the sequence index), a
+    padded table whose last splits are empty; the arrival counters are left at zero."""
+    num_heads, num_kv_heads = heads
+    launches = []
+    combine = triton_attention._combine_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return combine[grid]
+
+    triton_attention._combine_kernel = Counted()
+    try:
+        for case, splits, extra in ((DECODE, 3, 0), (DECODE, 9, 6), (MIXED, 4, 0)):
+            step = make_step(*case, num_heads=num_heads, num_kv_heads=num_kv_heads, extra_width=extra, dtype=dtype,
+                             seed=7)
+            check_against_reference(*step, num_kv_splits=splits, merge_in_kernel=True)
+    finally:
+        triton_attention._combine_kernel = combine
+    assert not launches
+    assert not triton_attention._counters[DEVICE].any()
 
 
 def test_dispatch_through_paged_attention() -> None:

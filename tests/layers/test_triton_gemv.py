@@ -14,8 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from mstar.layers import triton_gemv  # noqa: E402
-from mstar.layers.triton_fused import torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
-from mstar.layers.triton_gemv import GEMV_MAX_ROWS, GemvConfig, gemv, rmsnorm_gemv  # noqa: E402
+from mstar.layers.paged_kv import write_kv_cache  # noqa: E402
+from mstar.layers.triton_fused import torch_add_layernorm, torch_add_rmsnorm, torch_silu_and_mul  # noqa: E402
+from mstar.layers.triton_gemv import (  # noqa: E402
+    GEMV_MAX_ROWS,
+    GemvConfig,
+    KVWrite,
+    gemv,
+    layernorm_gemv,
+    rmsnorm_gemv,
+)
 from mstar.model.llama import LlamaConfig, LlamaForCausalLM, modeling  # noqa: E402
 from mstar.model.llama.modeling import GemvRule  # noqa: E402
 from tests.support.markers import needs_cuda
@@ -110,6 +118,96 @@ def test_rmsnorm_gemv_silu_mul_matches_torch(dtype: torch.dtype, with_bias: bool
         assert rel_err(summed, ref_sum) < TOL[dtype]
 
 
+def layer_norm_params(gen: torch.Generator, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = torch.empty(k).uniform_(0.5, 1.5, generator=gen).to(DEVICE, dtype)
+    return weight, rand(gen, k, dtype=dtype, scale=0.5)
+
+
+@runnable
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_gemv_matches_norm_then_linear(dtype: torch.dtype, with_bias: bool, with_residual: bool) -> None:
+    """Rows with a large common offset, so a one-pass variance would lose the fp32 digits."""
+    gen = torch.Generator().manual_seed(11)
+    weight = rand(gen, N, K, dtype=dtype, scale=K**-0.5)
+    bias = rand(gen, N, dtype=dtype) if with_bias else None
+    norm_w, norm_b = layer_norm_params(gen, K, dtype)
+    for rows in range(1, 5):
+        x = rand(gen, rows, K, dtype=dtype, scale=3.0) + 20.0
+        residual = rand(gen, rows, K, dtype=dtype) if with_residual else None
+        kept = None if residual is None else residual.clone()
+        normed, ref_sum = torch_add_layernorm(x, residual, norm_w, norm_b, 1e-5)
+        y, summed = layernorm_gemv(x, residual, norm_w, norm_b, 1e-5, weight, bias)
+        assert y.shape == (rows, N) and y.dtype == dtype
+        assert rel_err(y, F.linear(normed, weight, bias)) < TOL[dtype], rows
+        if with_residual:
+            assert torch.equal(residual, kept)
+            exact = dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter truncates to bf16
+            assert torch.equal(summed, ref_sum) if exact else rel_err(summed, ref_sum) < TOL[dtype]
+        else:
+            assert summed is x
+
+
+@runnable
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_epilogue_matches_torch(dtype: torch.dtype) -> None:
+    """``F.gelu`` of the GEMM output, plain and after the LayerNorm prologue (leading batch
+    dimensions kept)."""
+    gen = torch.Generator().manual_seed(12)
+    weight, bias = rand(gen, N, K, dtype=dtype, scale=2 * K**-0.5), rand(gen, N, dtype=dtype)
+    norm_w, norm_b = layer_norm_params(gen, K, dtype)
+    for rows in range(1, 5):
+        x, residual = rand(gen, rows, 1, K, dtype=dtype), rand(gen, rows, 1, K, dtype=dtype)
+        ref = F.gelu(F.linear(x, weight, bias))
+        y = gemv(x, weight, bias, gelu=True)
+        assert y.shape == (rows, 1, N) and rel_err(y, ref) < TOL[dtype], rows
+        normed, _ = torch_add_layernorm(x, residual, norm_w, norm_b, 1e-5)
+        y, _ = layernorm_gemv(x, residual, norm_w, norm_b, 1e-5, weight, bias, gelu=True)
+        assert rel_err(y, F.gelu(F.linear(normed, weight, bias))) < TOL[dtype], rows
+
+
+def qkv_cache_case(gen: torch.Generator, rows: int, dtype: torch.dtype):
+    """A fused ``[q | k | v]`` weight of 3 heads of 8 (K = ``K``), a paged cache of 5 pages of
+    4 slots, and ``rows`` distinct slots."""
+    heads, head_dim, pages, page_size = 3, 8, 5, 4
+    width = heads * head_dim
+    weight, bias = rand(gen, 3 * width, K, dtype=dtype, scale=K**-0.5), rand(gen, 3 * width, dtype=dtype)
+    cache = rand(gen, 2, pages, page_size, heads, head_dim, dtype=dtype)
+    slots = torch.randperm(pages * page_size, generator=gen)[:rows].to(DEVICE)
+    return weight, bias, cache, slots, (heads, head_dim)
+
+
+@runnable
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_write_stores_keys_and_values_as_write_kv_cache(dtype: torch.dtype, split: int) -> None:
+    """The q/k/v GEMV's epilogue writes k and v into the cache exactly as ``write_kv_cache``
+    writes the GEMM's k and v (with and without split K; the other slots untouched), after
+    the LayerNorm prologue too."""
+    gen = torch.Generator().manual_seed(13)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=split)
+    norm_w, norm_b = layer_norm_params(gen, K, dtype)
+    for rows in (1, 3):
+        weight, bias, cache, slots, (heads, head_dim) = qkv_cache_case(gen, rows, dtype)
+        width = heads * head_dim
+        x, residual = rand(gen, rows, K, dtype=dtype), rand(gen, rows, K, dtype=dtype)
+        for norm in (False, True):
+            got, want = cache.clone(), cache.clone()
+            write = KVWrite(got, slots, first=width)
+            if norm:
+                normed, _ = torch_add_layernorm(x, residual, norm_w, norm_b, 1e-5)
+                ref = F.linear(normed, weight, bias)
+                y, _ = layernorm_gemv(x, residual, norm_w, norm_b, 1e-5, weight, bias, kv_write=write, config=config)
+            else:
+                ref = F.linear(x, weight, bias)
+                y = gemv(x, weight, bias, kv_write=write, config=config)
+            assert rel_err(y, ref) < TOL[dtype]
+            _, k, v = y.unflatten(-1, (3, heads, head_dim)).unbind(-3)
+            write_kv_cache(k, v, want, slots)
+            assert torch.equal(got, want), (rows, norm)
+
+
 @runnable
 def test_gemv_takes_up_to_the_row_limit() -> None:
     gen = torch.Generator().manual_seed(3)
@@ -179,6 +277,17 @@ def test_wrappers_reject_bad_shapes() -> None:
         rmsnorm_gemv(x, None, t(8), 1e-6, t(7, 8), silu_mul=True)
     with pytest.raises(ValueError, match="even number of rows"):
         gemv(x, t(7, 8), silu_mul=True)
+    with pytest.raises(ValueError, match="two epilogues"):
+        gemv(x, w, silu_mul=True, gelu=True)
+    with pytest.raises(ValueError, match="norm_bias has shape"):
+        layernorm_gemv(x, None, t(8), t(7), 1e-5, w)
+    cache = t(2, 3, 2, 1, 2)  # keys and values 2 features wide
+    with pytest.raises(ValueError, match="do not fit 6 output features"):
+        gemv(x, w, kv_write=KVWrite(cache, torch.zeros(2, dtype=torch.int64, device=DEVICE), first=3))
+    with pytest.raises(ValueError, match="does not fit 2 rows"):
+        gemv(x, w, kv_write=KVWrite(cache, torch.zeros(3, dtype=torch.int64, device=DEVICE), first=2))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(x, w, kv_write=KVWrite(cache.transpose(1, 2), torch.zeros(2, dtype=torch.int64, device=DEVICE), first=2))
 
 
 # ------------------------------------------------------------------------------ model

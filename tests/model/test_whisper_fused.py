@@ -1,6 +1,7 @@
 """Whisper's decoder with ``fused_kernels`` (one q/k/v GEMM, the attention scale in the
-kernels, residual add + LayerNorm in one Triton kernel, no cross-attention sink writes)
-against the plain decoder, on tiny random models in float32.
+kernels, residual add + LayerNorm in one Triton kernel, no cross-attention sink writes; at a
+few rows every projection a Triton GEMV with the norm, GELU and KV write folded in) against
+the plain decoder, on tiny random models in float32, and the kernels a layer's step launches.
 
 Without a GPU the Triton kernels run under the interpreter; as in test_whisper_triton.py, when
 Triton was imported before ``TRITON_INTERPRET`` was set the tests rerun this file in a fresh
@@ -13,6 +14,7 @@ import copy
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,12 @@ from test_whisper_cross_slots import (  # noqa: E402
 from test_whisper_overlap import make_engine, request, serve  # noqa: E402
 
 from mstar.engine.page_pool import PagePool  # noqa: E402
-from mstar.layers import triton_fused  # noqa: E402
+from mstar.layers import triton_attention, triton_fused, triton_gemv  # noqa: E402
 from mstar.layers.paged_kv import allocate_kv_cache  # noqa: E402
 from mstar.model.whisper.cross_kv import CrossAttentionBatch  # noqa: E402
+from mstar.model.whisper.modeling import DECODE_GEMV_ROWS  # noqa: E402
+from tests.support.host_reads import HostReads
+from tests.support.kernel_count import KernelCount
 from tests.support.triton_interpreter import (
     DEVICE,
     REASON,
@@ -105,6 +110,76 @@ def test_fused_decoder_matches_plain_over_prefill_and_decodes(backend: str) -> N
         assert rel_err(hidden["fused"], hidden["plain"]) <= TOL, chunks
     for fused, want in zip(caches["fused"], caches["plain"]):
         assert rel_err(fused, want) <= TOL
+
+
+def one_layer_step(model, rows: int) -> tuple[KernelCount, HostReads]:
+    """The kernels and host reads of decoder layer 0's ``forward_fused`` in a Triton-backend
+    step of ``rows`` sequences, each one new token at position 5 (for ``rows`` > 3: one
+    sequence's prefill of ``rows`` tokens), after a first call (the one-time buffers)."""
+    layers, heads, head_dim = model.kv_layout()
+    cross, slot = written_slots(model, DEVICE)
+    kv = allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE)
+    pool = PagePool(16, PAGE_SIZE)
+    if rows <= 3:
+        chunks, counts = [(r, 5, 6) for r in "abc"[:rows]], None
+    else:
+        chunks, counts = [("a", 0, rows)], [rows]
+    meta = step_meta(pool, chunks, "triton", DEVICE)
+    batch = CrossAttentionBatch.build(torch.tensor([slot[r] for r, _, _ in chunks], device=DEVICE), counts,
+                                      frames=FRAMES, sink=cross.sink, backend="triton")
+    delta, x = torch.randn(2, sum(end - start for _, start, end in chunks), model.config.d_model).to(DEVICE)
+    layer = model.model.decoder.layers[0]
+    with torch.no_grad():
+        layer.forward_fused(delta, x, meta, kv[0], cross.layers[0], batch)  # a warm-up, as before a capture
+        with HostReads() as reads, KernelCount(triton_gemv, triton_fused, triton_attention) as seen:
+            layer.forward_fused(delta, x, meta, kv[0], cross.layers[0], batch)
+    return seen, reads
+
+
+@runnable
+def test_a_few_row_step_is_eight_kernels_a_layer(monkeypatch) -> None:
+    """Up to ``DECODE_GEMV_ROWS`` rows a layer is three LayerNorm + GEMV kernels (qkv with the
+    KV write, cross q, fc1 with GELU), three GEMVs (o, cross o, fc2) and the two attention
+    kernels, their KV splits merged in the kernel: no ATen compute op, no host read
+    (CUDA-graph capture). Above, ``forward_fused`` as before: 14 at this five-token prefill (a
+    one-row step took 15 that way here, the cross-attention's split combine included; on a GPU
+    both attentions split, and cuBLAS may add split-K reduces). The KV is split more finely
+    than the CPU's tiling would, as a one-row GPU step splits it (there: into some 14 ranges at
+    Whisper large's 20 heads). A change that adds a kernel to the small step must change
+    this count."""
+    tiling = triton_attention._tiling(torch.device("cpu"), 8)
+    monkeypatch.setattr(triton_attention, "_tiling", lambda device, head_dim: replace(tiling, min_tokens_per_split=4))
+    model = fused_twin(tiny_model(DEVICE))
+    for rows in (1, 2, 3):
+        assert rows <= DECODE_GEMV_ROWS
+        seen, reads = one_layer_step(model, rows)
+        assert seen.kernels == {"triton:_gemv_kernel": 6, "triton:_decode_kernel": 2}, seen.report()
+        assert reads.count() == 0 and not reads.uploads, reads.report()
+    seen, _ = one_layer_step(model, DECODE_GEMV_ROWS + 1)
+    assert seen.total() == 14 and seen.kernels["triton:_gemv_kernel"] == 0, seen.report()
+
+
+@runnable
+def test_gemv_step_without_exact_gelu_applies_the_activation() -> None:
+    """An activation other than erf GELU (ReLU here) runs as its own op between fc1 and
+    fc2: the same hidden states as the plain decoder at one row."""
+    plain = tiny_model(DEVICE)
+    for layer in plain.model.decoder.layers:
+        layer.act = torch.nn.functional.relu
+    fused = fused_twin(plain)
+    layers, heads, head_dim = plain.kv_layout()
+    cross, slot = written_slots(plain, DEVICE)
+    pool = PagePool(16, PAGE_SIZE)
+    meta = step_meta(pool, [("a", 0, 1)], "triton", DEVICE)
+    batch = CrossAttentionBatch.build(torch.tensor([slot["a"]], device=DEVICE), None, frames=FRAMES,
+                                      sink=cross.sink, backend="triton")
+    ids = torch.tensor([SOT], device=DEVICE)
+    hidden = []
+    for model in (plain, fused):
+        kv = allocate_kv_cache(layers, 16, PAGE_SIZE, heads, head_dim, torch.float32, DEVICE)
+        with torch.no_grad():
+            hidden.append(model.decode(ids, meta, kv, cross.layers, batch))
+    assert rel_err(hidden[1], hidden[0]) <= TOL
 
 
 @runnable

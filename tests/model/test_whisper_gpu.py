@@ -48,7 +48,8 @@ def test_engine_with_cuda_graphs_matches_eager_engine() -> None:
 @pytest.mark.parametrize("batch", [1, 32])
 def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
     """32 slots of 1500 frames x 20 heads x 64 (one layer), bf16: decode queries of ``batch``
-    sequences in shuffled slots."""
+    sequences in shuffled slots, the KV splits merged by a combine kernel and in the decode
+    kernel."""
     cross = CrossKVSlots(1, 32, 1500, 20, 64, torch.bfloat16, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(batch)
     cross.layers[0][:, :32].normal_(generator=gen)
@@ -56,9 +57,11 @@ def test_triton_cross_attention_at_large_v3_shapes(batch: int) -> None:
     q = torch.randn(batch, 20, 64, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.125
     want = cross_attention(q, cross.layers[0], CrossAttentionBatch.build(
         slots, None, frames=1500, sink=cross.sink, backend="torch"))
-    got = cross_attention(q, cross.layers[0], CrossAttentionBatch.build(
-        slots, None, frames=1500, sink=cross.sink, backend="triton"))
+    triton_batch = CrossAttentionBatch.build(slots, None, frames=1500, sink=cross.sink, backend="triton")
+    got = cross_attention(q, cross.layers[0], triton_batch)
     assert rel_err(got, want) <= 2e-2
+    merged = cross_attention(q, cross.layers[0], triton_batch, merge_in_kernel=True)  # forward_gemv's form
+    assert rel_err(merged, want) <= 2e-2
 
 
 @needs_cuda(triton=True)

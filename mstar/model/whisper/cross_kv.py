@@ -160,13 +160,15 @@ class CrossAttentionBatch:
 
 
 def cross_attention(q: torch.Tensor, cache: torch.Tensor, batch: CrossAttentionBatch, scale: float = 1.0,
-                    write_sink: bool = True) -> torch.Tensor:
+                    write_sink: bool = True, merge_in_kernel: bool = False) -> torch.Tensor:
     """Queries ``[T, H, Dh]`` of a step attend (no mask) to their sequences' slots of one layer's
     ``cache`` ``[2, slots, frames, H, Dh]``, logits scaled by ``scale`` (1 for pre-scaled
     queries); returns ``[T, H, Dh]``. ``write_sink`` False skips the paged backend's write of
-    the "new K/V" into the sink (two copies per layer nobody reads)."""
+    the "new K/V" into the sink (two copies per layer nobody reads); ``merge_in_kernel`` as for
+    ``paged_attention``."""
     if batch.paged is not None:  # the "new K/V" its contract writes (q itself) land in the sink
-        return paged_attention(q, q, q, cache, batch.paged, scale=scale, write_kv=write_sink)
+        return paged_attention(q, q, q, cache, batch.paged, scale=scale, write_kv=write_sink,
+                               merge_in_kernel=merge_in_kernel)
     if batch.token_seq is None and q.device.type == "cpu":
         return _attend_slot_views(q, cache, batch.slots, scale)
     keys = cache[0].index_select(0, batch.slots).transpose(1, 2)  # [B, H, frames, Dh]

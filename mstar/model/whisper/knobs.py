@@ -22,7 +22,9 @@ from mstar.model.knobs import (
 class WhisperKnobs(CudaGraphs, FusedKernels, OverlapScheduling):
     """``cuda_graphs`` replays decode steps per batch bucket (``cuda_graph_batch_sizes``) with
     the Triton attention kernels; ``fused_kernels`` runs decode steps with one q/k/v GEMM, the
-    attention scale in the kernels and Triton residual add + LayerNorm."""
+    attention scale in the kernels and Triton residual add + LayerNorm, and steps of a few
+    rows with every projection a Triton GEMV that folds in the norm, GELU and the KV write
+    (``WhisperDecoderLayer.forward_gemv``)."""
 
     interpreted_on_cpu = True  # its kernels' tests run them on the CPU under the interpreter
 

@@ -31,6 +31,14 @@ from mstar.model.whisper.cross_kv import CrossAttentionBatch, cross_attention
 
 CrossKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [S, H, Dh] each
 
+DECODE_GEMV_ROWS = 4
+"""With ``fused_kernels``, steps of at most this many rows take ``forward_gemv`` (every
+projection a Triton GEMV with its LayerNorm, GELU and KV-cache write folded in, the
+attention's split combines in its kernel: 8 kernels a layer against ``forward_fused``'s 14
+to 16, counted on the CPU, ``tests/model/test_whisper_fused.py``). Not yet measured on a GPU: the
+norm prologue is re-derived by every program, a cost that grows with the rows (at Llama-8B's
+4096 features it lost to a separate norm kernel from 4 rows; Whisper large-v3 has 1280)."""
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_new": partial(F.gelu, approximate="tanh"),
@@ -190,7 +198,10 @@ class WhisperDecoderLayer(nn.Module):
         left pending), each residual add runs in one Triton kernel with the next LayerNorm,
         q/k/v come from one GEMM, and the attention kernels apply the 1/sqrt(d) scale (q is
         not multiplied). Cross-attention does not write the sink slot. Returns the pending
-        ``(delta, residual)`` of the block's output."""
+        ``(delta, residual)`` of the block's output. Steps of at most ``DECODE_GEMV_ROWS``
+        rows take ``forward_gemv``."""
+        if delta.shape[0] <= DECODE_GEMV_ROWS:
+            return self.forward_gemv(delta, residual, meta, kv_cache, cross_cache, cross)
         attn, cross_attn = self.self_attn, self.encoder_attn
         h, x = _add_norm(delta, residual, self.self_attn_layer_norm)
         q, k, v = attn.qkv(h)
@@ -200,6 +211,41 @@ class WhisperDecoderLayer(nn.Module):
         c = cross_attn.output(cross_attention(q, cross_cache, cross, scale=cross_attn.scale, write_sink=False))
         h, x = _add_norm(c, x, self.final_layer_norm)
         return self.fc2(self.act(self.fc1(h))), x
+
+    def forward_gemv(
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+        cross_cache: torch.Tensor,
+        cross: CrossAttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_fused`` for a step of a few rows, every projection one Triton GEMV
+        (``mstar.layers.triton_gemv``) that also does the element-wise work around it: the
+        pending residual add + LayerNorm as the prologue of the qkv, cross q and fc1 kernels,
+        the keys and values stored into the paged cache by the qkv kernel's epilogue (the
+        attention then skips its write), GELU as fc1's epilogue, and each attention's KV
+        splits merged in its decode kernel. Eight kernels a layer: three norm + GEMV, o, cross
+        o, fc2, and the two attentions (a step with a prefill also runs the prefill kernel)."""
+        from mstar.layers.triton_gemv import KVWrite, gemv, layernorm_gemv
+
+        attn, cross_attn = self.self_attn, self.encoder_attn
+        heads = (attn.num_heads, attn.head_dim)
+        norm = self.self_attn_layer_norm
+        qkv, x = layernorm_gemv(delta, residual, norm.weight, norm.bias, norm.eps, attn.qkv_weight, attn.qkv_bias,
+                                kv_write=KVWrite(kv_cache, meta.slot_mapping, first=attn.q_proj.weight.shape[0]))
+        q, k, v = qkv.unflatten(-1, (3, *heads)).unbind(-3)
+        out = paged_attention(q, k, v, kv_cache, meta, scale=attn.scale, write_kv=False, merge_in_kernel=True)
+        a = gemv(out.flatten(-2), attn.out_proj.weight, attn.out_proj.bias)
+        norm, proj = self.encoder_attn_layer_norm, cross_attn.q_proj
+        q, x = layernorm_gemv(a, x, norm.weight, norm.bias, norm.eps, proj.weight, proj.bias)
+        out = cross_attention(q.unflatten(-1, (cross_attn.num_heads, cross_attn.head_dim)), cross_cache, cross,
+                              scale=cross_attn.scale, write_sink=False, merge_in_kernel=True)
+        c = gemv(out.flatten(-2), cross_attn.out_proj.weight, cross_attn.out_proj.bias)
+        norm, exact_gelu = self.final_layer_norm, self.act is F.gelu
+        h, x = layernorm_gemv(c, x, norm.weight, norm.bias, norm.eps, self.fc1.weight, self.fc1.bias, gelu=exact_gelu)
+        return gemv(h if exact_gelu else self.act(h), self.fc2.weight, self.fc2.bias), x
 
 
 def _add_norm(delta: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
