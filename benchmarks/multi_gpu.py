@@ -71,6 +71,7 @@ class Settings:
     workdir: Path
     pd_prompt_len: int = 1024  # the disaggregation run's prompts: prefill is what it moves off the decoder
     layers: int | None = None  # GLM-5.2's and Command A+'s decoder layers (None: as many as fit a card)
+    eager: bool = False  # no fast paths: the Llama runs' Triton attention and CUDA graphs, Qwen's Triton attention
 
     @property
     def device(self) -> str:
@@ -80,10 +81,18 @@ class Settings:
     def dtype(self) -> str:
         return "float32" if self.smoke else "bfloat16"
 
+    def fast_paths(self, cuda_graphs: bool = True) -> dict[str, Any]:
+        """The decode fast paths' ``model_kwargs`` (Triton paged attention, CUDA-graph decode
+        steps) on CUDA unless ``eager``: gpu_checks.sh found the eager engine too slow at 64
+        streams for one command. None on the CPU."""
+        if self.smoke or self.eager:
+            return {}
+        return {"attention_backend": "triton"} | ({"cuda_graphs": True} if cuda_graphs else {})
+
     def describe(self) -> dict[str, Any]:
         return {"smoke": self.smoke, "streams": list(self.streams), "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "runs": self.runs, "warmup_tokens": self.warmup_tokens,
-                "pd_prompt_len": self.pd_prompt_len, "layers": self.layers, "seed": self.seed,
+                "pd_prompt_len": self.pd_prompt_len, "layers": self.layers, "eager": self.eager, "seed": self.seed,
                 "device": self.device, "dtype": self.dtype, "load_format": "dummy",
                 "sampling": "greedy", "ignore_eos": True}
 
@@ -214,7 +223,7 @@ def llama_settings(settings: Settings, yaml_name: str, model_dir: Path, page_siz
     tokens = settings.prompt_len + settings.new_tokens
     return deployment(settings, yaml_name, model_dir, max_seq_len=tokens + 2 * page_size, max_concurrent_requests=n,
                       resources={"kv_cache": {"max_num_pages": pages(n, tokens, page_size), "page_size": page_size}},
-                      **overrides)
+                      model_kwargs=settings.fast_paths(), **overrides)
 
 
 def llama_arms(settings: Settings, arms: dict[str, Any], yaml_name: str, page_size: int,
@@ -319,10 +328,12 @@ def run_flux2_cfg(settings: Settings, arms: dict[str, Any]) -> list[Metric]:
 
 
 def run_wan22_sp2(settings: Settings, arms: dict[str, Any]) -> list[Metric]:
-    """Wan2.2-TI2V-5B: the DiT over two GPUs by Ulysses SP against one GPU (S8's clips)."""
+    """Wan2.2-TI2V-5B: the DiT over two GPUs by Ulysses SP against one GPU (S8's clips at
+    832 x 480, 81 frames, 50 steps)."""
     from benchmarks import s8_wan22 as s8
 
-    s8s = s8.settings_from(s8.parse_args(["--smoke", "--steps", "4"] if settings.smoke else ["--steps", "20"]))
+    # 81 frames (5 s at 16 fps): SP pays where attention over the clip's tokens (8,190 here) dominates
+    s8s = s8.settings_from(s8.parse_args(["--smoke", "--steps", "4"] if settings.smoke else ["--frames", "81"]))
     model_dir = s8.wan_dir(settings.workdir / "wan", s8s)
     for label, yaml_name in (("sp=1", "wan22.yaml"), ("sp=2", "wan22_sp2.yaml")):
         shipped = deployment(settings, yaml_name, model_dir)
@@ -378,7 +389,7 @@ def run_qwen3_8_tp4(settings: Settings, arms: dict[str, Any]) -> list[Metric]:
     image_tokens = (side // (8 if settings.smoke else 32)) ** 2
     return big_chat_run(settings, arms, "qwen3_8_tp4", "qwen3_8_27b_tp4.yaml", model_dir, 16 if settings.smoke else 128,
                         "tp=4", image_side=side, image_tokens=image_tokens,
-                        model_kwargs={"max_image_pixels": side * side},
+                        model_kwargs={"max_image_pixels": side * side, **settings.fast_paths(cuda_graphs=False)},
                         resources={"gdn_state": {"max_slots": n + 1, "state_dtype": "auto"}})
 
 
@@ -414,18 +425,18 @@ class Run:
 
 
 RUNS = [
-    Run("llama_tp2", 2, 5, "Llama-3.1-8B shapes, TP=2 vs TP=1 over HTTP at 1 and 64 streams", run_llama_tp2),
-    Run("llama_dp2", 2, 5, "Llama-3.1-8B shapes, 2 data-parallel replicas vs 1 at 1 and 64 streams", run_llama_dp2),
-    Run("llama_pd", 2, 4, "Llama-3.1-8B shapes, 1024-token prompts: prefill/decode on two GPUs vs colocated, "
+    Run("llama_tp2", 2, 3, "Llama-3.1-8B shapes, TP=2 vs TP=1 over HTTP at 1 and 64 streams", run_llama_tp2),
+    Run("llama_dp2", 2, 3, "Llama-3.1-8B shapes, 2 data-parallel replicas vs 1 at 1 and 64 streams", run_llama_dp2),
+    Run("llama_pd", 2, 3, "Llama-3.1-8B shapes, 1024-token prompts: prefill/decode on two GPUs vs colocated, "
         "TTFT and ITL at 64 streams",
         run_llama_pd),
     Run("flux2_cfg", 2, 6, "FLUX.2 klein base 1024^2, 50 steps: CFG branches on two GPUs vs the batched pair",
         run_flux2_cfg),
-    Run("wan22_sp2", 2, 8, "Wan2.2-TI2V-5B 832x480x33, 20 steps: Ulysses SP=2 vs SP=1, s/step and s/clip",
+    Run("wan22_sp2", 2, 5, "Wan2.2-TI2V-5B 832x480x81, 50 steps: Ulysses SP=2 vs SP=1, s/step and s/clip",
         run_wan22_sp2),
-    Run("qwen3_8_tp4", 4, 7, "Qwen3.8-27B TP4 decode at 1 and 64 streams, and chats with one 1024^2 image",
+    Run("qwen3_8_tp4", 4, 5, "Qwen3.8-27B TP4 decode at 1 and 64 streams, and chats with one 1024^2 image",
         run_qwen3_8_tp4),
-    Run("command_a_tp4", 4, 8, "Command A+ TP4 decode at 1 and 64 streams (layers that fit a card)",
+    Run("command_a_tp4", 4, 6, "Command A+ TP4 decode at 1 and 64 streams (layers that fit a card)",
         run_command_a_tp4),
     Run("glm52_tp8", 8, 9, "GLM-5.2 TP8 decode at 1 and 64 streams (layers that fit a card)", run_glm52_tp8),
 ]
@@ -509,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pd-prompt-len", type=int, default=None, help="llama_pd's prompt tokens (default 1024; smoke 24)")
     p.add_argument("--layers", type=int, default=None,
                    help="GLM-5.2's and Command A+'s decoder layers (default: as many as fit one card)")
+    p.add_argument("--eager", action="store_true",
+                   help="no fast paths (Llama: Triton attention and CUDA graphs; Qwen3.8: Triton attention)")
     p.add_argument("--batches", type=int, default=None, help="timed batches per stream count (default 2; smoke 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory of the JSON records (default $OUT, else benchmarks/results)")
@@ -536,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                                 new_tokens=args.new_tokens or (6 if args.smoke else 128),
                                 runs=args.batches or (1 if args.smoke else 2), warmup_tokens=4 if args.smoke else 16,
                                 seed=args.seed, workdir=Path(tmp),
-                                pd_prompt_len=args.pd_prompt_len or (24 if args.smoke else 1024), layers=args.layers)
+                                pd_prompt_len=args.pd_prompt_len or (24 if args.smoke else 1024), layers=args.layers,
+                                eager=args.eager)
             record = measure(run, settings, args.out)
             summary += record["summary"]
             failed += bool(record["errors"])

@@ -71,6 +71,19 @@ def test_a_failed_or_stopped_run_still_writes_the_arms_it_finished(tmp_path, sto
     assert record["arms"] == {"tp=1": {"startup_s": 1.0}} and record["errors"]["fake"]
 
 
+def test_fast_paths_on_cuda_unless_eager(tmp_path):
+    base = dict(streams=(1, 64), prompt_len=128, new_tokens=128, runs=2, warmup_tokens=16, seed=0, workdir=tmp_path)
+    cuda = mg.Settings(smoke=False, **base)
+    assert cuda.fast_paths() == {"attention_backend": "triton", "cuda_graphs": True}
+    assert cuda.fast_paths(cuda_graphs=False) == {"attention_backend": "triton"}
+    assert mg.Settings(smoke=False, eager=True, **base).fast_paths() == {}
+    assert mg.Settings(smoke=True, **base).fast_paths() == {}
+    config = mg.llama_settings(cuda, "llama_tp2.yaml", tmp_path, 16, **mg.ONE_GPU)
+    assert config["model_kwargs"] == {"attention_backend": "triton", "cuda_graphs": True}
+    assert (config["gpus"], config["max_concurrent_requests"], config["max_seq_len"]) == ([0], 64, 288)
+    assert config["resources"]["kv_cache"] == {"max_num_pages": 64 * 16 + 8, "page_size": 16}
+
+
 # ------------------------------------------------------------------------------ shapes
 def test_shapes_are_the_released_configs_the_repository_records():
     from benchmarks.s16_glm52_layers import CMDA
