@@ -404,16 +404,19 @@ def deployment(settings: Settings, model_dir: Path, vae_dtype: str = "float32") 
             "model_kwargs": kwargs}
 
 
-def run_ours(settings: Settings, model_dir: Path, vae_dtype: str = "float32") -> dict[str, Any]:
+def run_ours(settings: Settings, model_dir: Path, vae_dtype: str = "float32",
+             config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Seconds per clip through an in-process ``wan22`` deployment (a short warm-up request
-    first), its VAE in ``vae_dtype``."""
+    first), its VAE in ``vae_dtype``. ``config`` replaces the deployment; one that places
+    nodes (``node_groups``, e.g. the DiT split by SP) runs its ranks in worker processes."""
     import mstar.model.wan22.model  # noqa: F401  (registers wan22)
     from mstar.config import parse_config
     from mstar.contract import GenerateSpec
     from mstar.runtime.launch import start
 
     t0 = time.perf_counter()
-    d = start(parse_config(deployment(settings, model_dir, vae_dtype), "s8 config"), in_process=True)
+    config = config or deployment(settings, model_dir, vae_dtype)
+    d = start(parse_config(config, "s8 config"), in_process=not config.get("node_groups"))
     out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "vae_dtype": vae_dtype}
     log.info("ours: wan22 deployment ready in %.1f s", out["startup_s"])
     expected = settings.frames * settings.height * settings.width * 3
