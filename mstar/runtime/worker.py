@@ -65,6 +65,20 @@ class TensorStore:
         versions = self._values.get((request_id, var))
         return None if versions is None else versions.get(version)
 
+    def get_all(self, request_id: str, var: str, versions: list[int]) -> list[torch.Tensor] | None:
+        """The values of these versions of a stream variable, or None while one is missing
+        (a codec window of 28 items: one look-up of the variable, not 28)."""
+        held = self._values.get((request_id, var))
+        if held is None:
+            return None
+        values = []
+        for version in versions:  # (``None in values`` would compare each tensor with None: slow)
+            value = held.get(version)
+            if value is None:
+                return None
+            values.append(value)
+        return values
+
     def released(self, request_id: str) -> bool:
         return request_id in self._released
 
@@ -121,8 +135,9 @@ class Worker:
             by_node.setdefault(item.node, []).append(item)
         for node, items in by_node.items():
             ready = [i for i in items if id(i) in inputs]
-            failed = [i for i in items if id(i) not in inputs]
-            results += [ItemResult(i.request_id, i.step, error=self._why_missing(i)) for i in failed]
+            if len(ready) < len(items):
+                results += [ItemResult(i.request_id, i.step, error=self._why_missing(i))
+                            for i in items if id(i) not in inputs]
             start = time.perf_counter()
             with torch.profiler.record_function(f"mstar.node.{node}"):  # a labelled range in GPU profiles
                 results += self._run_node(node, ready, inputs)
@@ -140,8 +155,9 @@ class Worker:
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
-        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[id(i)], self.params.get(i.request_id, {}),
-                            i.chunk, self._session(node, i)) for i in items]
+        params = self.params
+        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[id(i)], params.get(i.request_id, {}), i.chunk,
+                            None if i.session is None else self._session(node, i)) for i in items]
         try:
             outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
         except Exception as err:
@@ -234,11 +250,17 @@ class Worker:
     def _chunk_input(self, item: WorkItem) -> torch.Tensor | None:
         """The chunk's items concatenated along the first dimension, once all are here."""
         chunk = item.chunk
-        parts = [self.store.get(item.request_id, chunk.var, v) for v in chunk.versions]
-        if any(p is None for p in parts):
+        parts = self.store.get_all(item.request_id, chunk.var, chunk.versions)
+        if parts is None:
             return None
         # A part of one dimension or more is its own rows: only a scalar needs a view (a window
-        # of 28 Orpheus codes is 28 parts, and a reshape each cost more than the cat).
+        # of 28 Orpheus codes is 28 parts, and a reshape each cost more than the cat), and
+        # ``cat`` itself refuses a scalar, so the parts are looked at only then.
+        try:
+            return torch.cat(parts)
+        except RuntimeError:
+            if all(p.dim() for p in parts):
+                raise
         return torch.cat([p if p.dim() else p.reshape(1) for p in parts])
 
     def _why_missing(self, item: WorkItem) -> str:
