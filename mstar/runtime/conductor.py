@@ -413,7 +413,8 @@ class Conductor:
                 after = walk_cursor.progress(walk.body, live.cursor, ctx)
                 if after is None or after[0] != before[0]:
                     self._progress.append(Progress(live.spec.request_id, before[0] + 1, before[1]))
-        self._check_done(live)
+        if live.streams or live.cursor == walk_cursor.DONE:  # else ``_check_done`` has nothing to do
+            self._check_done(live)
 
     def _requeue(self, live: _Live, step: Step) -> None:
         """The engine gave ``step`` back unrun (preempted: its KV pages went to older
