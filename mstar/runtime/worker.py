@@ -23,6 +23,7 @@ from mstar.runtime.protocol import (
     ItemResult,
     StepPlan,
     StepResult,
+    VarRef,
     WorkItem,
     emit_batch_key,
     emit_key,
@@ -64,6 +65,18 @@ class TensorStore:
     def get(self, request_id: str, var: str, version: int) -> torch.Tensor | None:
         versions = self._values.get((request_id, var))
         return None if versions is None else versions.get(version)
+
+    def get_reads(self, request_id: str, reads: dict[str, VarRef]) -> dict[str, torch.Tensor] | None:
+        """The value each port of ``reads`` reads (port -> its variable's version), or None
+        while one is missing (asked for every item of every plan)."""
+        values = {}
+        for port, ref in reads.items():
+            held = self._values.get((request_id, ref.var))
+            value = None if held is None else held.get(ref.version)
+            if value is None:
+                return None
+            values[port] = value
+        return values
 
     def get_all(self, request_id: str, var: str, versions: list[int]) -> list[torch.Tensor] | None:
         """The values of these versions of a stream variable, or None while one is missing
@@ -232,12 +245,15 @@ class Worker:
         while True:
             still = []
             for item in pending:
-                values = {port: self.store.get(item.request_id, ref.var, ref.version)
-                          for port, ref in item.reads.items()}
-                if item.chunk is not None:
-                    values[item.chunk.port] = self._chunk_input(item)
-                if all(v is not None for v in values.values()):
-                    found[id(item)] = values  # type: ignore[assignment]
+                values = self.store.get_reads(item.request_id, item.reads)
+                if values is not None and item.chunk is not None:
+                    chunk = self._chunk_input(item)
+                    if chunk is None:
+                        values = None
+                    else:
+                        values[item.chunk.port] = chunk
+                if values is not None:
+                    found[id(item)] = values
                 elif not self.store.released(item.request_id):
                     still.append(item)
             pending = still
