@@ -166,6 +166,8 @@ class AutoregressiveEngine(Engine):
             SlidingWindowPages(num_pages, page_size, layout.window, window_pages) if layout.window is not None
             else PagePool(num_pages, page_size))
         self.max_seq_len = max_seq_len
+        # the most tokens one sequence's pages may hold: a decode asks ``_check_fits`` only past it
+        self._pool_tokens = self.pool.num_pages * page_size
         self.device = device
         cache_pages = num_pages + 1 if cuda_graphs else num_pages
         if self.windowed:
@@ -222,15 +224,17 @@ class AutoregressiveEngine(Engine):
         """The reference: one step per plan, its tokens read back before ``run`` returns."""
         seqs = [self._admit(item) for item in items]
         runs = self._make_room(items, seqs, list(range(len(items))))
-        outputs = [EngineOutput(preempted=True) for _ in items]
         if not runs:
-            return outputs
+            return [EngineOutput(preempted=True) for _ in items]
         chosen = [seqs[i] for i in runs]
         with torch.inference_mode():
             next_ids = self.rules.choose(self._logits([items[i] for i in runs], chosen), chosen, self.sample)
             host = next_ids.cpu()
         tokens = host.tolist()
         values = host.view(-1, 1).unbind(0)
+        if len(runs) == len(items):  # every row ran (runs is in plan order)
+            return [self._advance(seq, token, value) for seq, token, value in zip(seqs, tokens, values)]
+        outputs = [EngineOutput(preempted=True) for _ in items]
         for row, i in enumerate(runs):
             outputs[i] = self._advance(seqs[i], tokens[row], values[row])
         return outputs
@@ -275,6 +279,12 @@ class AutoregressiveEngine(Engine):
     def _make_room(self, items: list[EngineItem], seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Reserve the pages of the new tokens of ``rows`` (plan indices), preempting as the
         class doc says; the rows that run now, in plan order."""
+        # The steady case first: rows that all hold pages grow together when the free pages
+        # cover them all (``PagePool.grow``), which is what the rest would decide row by row
+        # (every decode holding pages reserves, oldest first, and none is short of pages).
+        grows = type(self.pool) is PagePool and all(items[i].op == "decode" for i in rows)
+        if grows and self.pool.grow([items[i].request_id for i in rows], [len(seqs[i].tokens) for i in rows]):
+            return rows
         if not self.forward.preemptible:
             for i in rows:
                 self.pool.reserve(items[i].request_id, len(seqs[i].tokens))
@@ -301,12 +311,13 @@ class AutoregressiveEngine(Engine):
                     self.pool.reserve(request_id, len(seq.tokens))
                     runs.append(i)
         spent = 0  # new tokens of the rows taken below (max_prefill_tokens)
+        held = set(holding)
         for i in by_age:
-            if i in holding:
+            if i in held:
                 continue
             new = len(seqs[i].tokens) - seqs[i].computed
             if spent and self.max_prefill_tokens is not None and spent + new > self.max_prefill_tokens:
-                self.deferred += sum(1 for j in by_age[by_age.index(i):] if j not in holding)
+                self.deferred += sum(1 for j in by_age[by_age.index(i):] if j not in held)
                 break  # the step's prefill budget is spent: the newer ones come again next step
             if not self.pool.can_reserve(items[i].request_id, len(seqs[i].tokens)):
                 break  # first come, first served: the newer ones wait too
@@ -465,7 +476,8 @@ class AutoregressiveEngine(Engine):
             if (seq.computed != len(seq.tokens) - 1 and not preempted) or (
                     token is not seq.written and _first_id(token) != seq.tokens[-1]):
                 raise RuntimeError(f"request {item.request_id}: decode input does not follow its history")
-            self._check_fits(item.request_id, len(seq.tokens))
+            if len(seq.tokens) > self._pool_tokens:
+                self._check_fits(item.request_id, len(seq.tokens))
         else:
             raise ValueError(f"autoregressive engine has no op {item.op!r}")
         return seq
@@ -607,7 +619,7 @@ class AutoregressiveEngine(Engine):
         reason = None
         if token in seq.stop_ids:
             reason = "stop"
-        elif seq.generated >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+        elif len(seq.tokens) - seq.prompt_len >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
         out = {"token": value}
         if self.rules.extra_outputs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mstar.graph.nodes import Step
 from mstar.graph.walk import Loop, Parallel, Section, Sequential
@@ -39,8 +39,10 @@ class LoopContext:
         return int(self.params[limit]) if isinstance(limit, str) else limit
 
 
-@dataclass(frozen=True)
-class ReadyStep:
+class ReadyStep(NamedTuple):
+    """A step that can be dispatched (a tuple: one is made per request and tick, and a
+    frozen dataclass takes half as long again to make)."""
+
     step: Step
     iteration: int  # iteration of the innermost enclosing Loop (0 outside loops)
 
@@ -65,24 +67,27 @@ def is_done(cursor: Any) -> bool:
 def ready(section: Section, cursor: Any, iteration: int = 0) -> list[ReadyStep]:
     """The steps that can be dispatched now."""
     # ``ready`` and ``_update`` run for every request every tick: the kinds of section are
-    # told apart by their exact type (no section type has subclasses), cheaper than isinstance.
-    if cursor == DONE:
-        return []
-    kind = type(section)
-    if kind is Step:
-        return [ReadyStep(section, iteration)] if cursor == PENDING else []
-    if kind is Sequential:
-        _, index, child = cursor
-        return ready(section.parts[index], child, iteration)
-    if kind is Loop:
-        _, it, child = cursor
-        return ready(section.body, child, it)
-    if kind is Parallel:
-        out: list[ReadyStep] = []
-        for branch, child in zip(section.branches, cursor[1]):
-            out += ready(branch, child, iteration)
-        return out
-    raise TypeError(f"not a walk section: {section!r}")
+    # told apart by their exact type (no section type has subclasses), cheaper than isinstance,
+    # and a Sequential's or Loop's one current part is walked down in a loop, not by a call
+    # per level; only a Parallel recurses, into each branch.
+    while cursor != DONE:
+        kind = type(section)
+        if kind is Step:
+            return [ReadyStep(section, iteration)] if cursor == PENDING else []
+        if kind is Sequential:
+            _, index, cursor = cursor
+            section = section.parts[index]
+        elif kind is Loop:
+            _, iteration, cursor = cursor
+            section = section.body
+        elif kind is Parallel:
+            out: list[ReadyStep] = []
+            for branch, child in zip(section.branches, cursor[1]):
+                out += ready(branch, child, iteration)
+            return out
+        else:
+            raise TypeError(f"not a walk section: {section!r}")
+    return []
 
 
 def has_progress(section: Section) -> bool:
@@ -115,41 +120,50 @@ def progress(section: Section, cursor: Any, ctx: LoopContext) -> tuple[int, int]
 
 
 def mark_running(section: Section, cursor: Any, step: Step) -> Any:
-    return _update(section, cursor, step, lambda state: RUNNING if state == PENDING else state, None)
+    return _update(section, cursor, step, PENDING, RUNNING, None)
 
 
 def mark_pending(section: Section, cursor: Any, step: Step) -> Any:
     """The cursor with a running ``step`` ready again (its engine gave it back unrun)."""
-    return _update(section, cursor, step, lambda state: PENDING if state == RUNNING else state, None)
+    return _update(section, cursor, step, RUNNING, PENDING, None)
 
 
 def complete(section: Section, cursor: Any, step: Step, ctx: LoopContext) -> Any:
     """The cursor after ``step`` finished; sequences and loops advance past it."""
-    return _update(section, cursor, step, lambda state: DONE, ctx)
+    return _update(section, cursor, step, None, DONE, ctx)
 
 
-def _update(section: Section, cursor: Any, step: Step, change, ctx: LoopContext | None) -> Any:
-    if cursor == DONE:
-        return cursor
-    kind = type(section)  # exact types, as in ``ready``
-    if kind is Step:
-        return change(cursor) if section is step else cursor
-    if kind is Sequential:
-        _, index, child = cursor
-        child = _update(section.parts[index], child, step, change, ctx)
-        if child == DONE and ctx is not None:
-            return _seq_from(section, index + 1, ctx)
-        return ("seq", index, child)
-    if kind is Loop:
-        _, it, child = cursor
-        child = _update(section.body, child, step, change, ctx)
-        if child == DONE and ctx is not None:
-            return _loop_from(section, it + 1, ctx)
-        return ("loop", it, child)
-    if kind is Parallel:
-        children = tuple(_update(b, c, step, change, ctx) for b, c in zip(section.branches, cursor[1]))
-        return _par(children)
-    raise TypeError(f"not a walk section: {section!r}")
+def _update(section: Section, cursor: Any, step: Step, was: str | None, now: str,
+            ctx: LoopContext | None) -> Any:
+    """The cursor with ``step`` turned to state ``now`` if it is in state ``was`` (None: in
+    any); with ``ctx``, a Sequential or Loop whose current part is done moves on."""
+    # Down through the Sequential and Loop levels in a loop (as in ``ready``), noting each
+    # level's cursor; then the new cursor is built back up through them.
+    levels: list[tuple[Section, Any]] = []
+    while cursor != DONE:
+        kind = type(section)  # exact types, as in ``ready``
+        if kind is Step:
+            if section is step and (was is None or cursor == was):
+                cursor = now
+            break
+        if kind is Sequential:
+            levels.append((section, cursor))
+            section, cursor = section.parts[cursor[1]], cursor[2]
+        elif kind is Loop:
+            levels.append((section, cursor))
+            section, cursor = section.body, cursor[2]
+        elif kind is Parallel:
+            cursor = _par(tuple(_update(b, c, step, was, now, ctx) for b, c in zip(section.branches, cursor[1])))
+            break
+        else:
+            raise TypeError(f"not a walk section: {section!r}")
+    for section, outer in reversed(levels):
+        tag, n, _ = outer
+        if cursor == DONE and ctx is not None:
+            cursor = _seq_from(section, n + 1, ctx) if tag == "seq" else _loop_from(section, n + 1, ctx)
+        else:
+            cursor = (tag, n, cursor)
+    return cursor
 
 
 def _seq_from(section: Sequential, index: int, ctx: LoopContext) -> Any:
@@ -168,7 +182,7 @@ def _par(children: tuple) -> Any:
 def _loop_from(section: Loop, iteration: int, ctx: LoopContext) -> Any:
     if ctx.loop_exits(section, iteration):
         return DONE
-    child = start(section.body, ctx)
+    child = PENDING if type(section.body) is Step else start(section.body, ctx)
     if child == DONE:  # a body with nothing to do would spin forever
         return DONE
     return ("loop", iteration, child)

@@ -50,7 +50,9 @@ class TextStream(OutputStream):
     def feed(self, modality: str, value: torch.Tensor) -> OutputEvent | None:
         if self._stopped:
             return None
-        new = value.reshape(-1).tolist()
+        # a decode step's token comes as a [1] row (a reshape per token cost more than the rest of
+        # this method's Python)
+        new = value.tolist() if value.dim() == 1 else value.reshape(-1).tolist()
         self.ids += new
         seen = self._decode(self.ids[self.prefix:self.read])
         window = self._decode(self.ids[self.prefix:])

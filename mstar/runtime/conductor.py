@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mstar.config import StreamPacingConfig
-from mstar.graph import Graph, Step
+from mstar.graph import Graph, Step, Walk
 from mstar.graph import cursor as walk_cursor
 from mstar.graph.walk import iter_steps
 from mstar.runtime.pacing import Pace, held_streams
@@ -62,6 +62,9 @@ class Finished:
 class _Live:
     spec: RequestSpec
     cursor: Any
+    walk: Walk  # the walk ``spec.walk`` names, and its routes: looked up once, not per step
+    routes: Routes
+    ctx: walk_cursor.LoopContext  # what its loops consult: its flags and parameters (new when flags change)
     flags: frozenset[str] = frozenset()
     versions: dict[str, int] = field(default_factory=dict)
     next_version: int = 1
@@ -198,15 +201,14 @@ class Conductor:
     def on_result(self, result: StepResult) -> None:
         if self.busy.get(result.rank) == result.plan_id:
             del self.busy[result.rank]
-        share = {node: seconds / max(1, len(result.results)) for node, seconds in result.profile.items()}
+        share = [(node, seconds / max(1, len(result.results))) for node, seconds in result.profile.items()]
         for item in result.results:
             live = self.live.get(item.request_id)
             if live is not None:
                 prof = live.profile
-                for node, seconds in share.items():
+                for node, seconds in share:
                     prof[node] = prof.get(node, 0.0) + seconds
-        for item in result.results:
-            self._apply(item)
+                self._apply(item, live)
 
     def on_rank_failed(self, rank: int, error: str) -> list[str]:
         """A worker died: every request with work there fails, and none is sent there again.
@@ -262,8 +264,7 @@ class Conductor:
                 if not live.in_flight:
                     self._release(live)
                 continue
-            walk = self.graph.walk(live.spec.walk)
-            routes = self.routes[walk.name]
+            walk, routes = live.walk, live.routes
             steps = walk_cursor.ready(walk.body, live.cursor)
             dead = next((r for r in (routes.rank(s.step) for s in steps) if r in self.failed_ranks),
                         None) if self.failed_ranks else None
@@ -274,23 +275,24 @@ class Conductor:
                 if not live.in_flight:
                     self._release(live)
                 continue
-            for ready in () if live.spec.request_id in held else steps:
-                rank = routes.rank(ready.step)
+            for ready in () if held and live.spec.request_id in held else steps:
+                rank = routes.step_rank[id(ready.step)]
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
                 items[rank].append(self._dispatch(live, ready.step, ready.iteration, rank, routes))
-            for stream, facts in zip(live.streams, self._edges[walk.name]):
+            for stream, facts in zip(live.streams, self._edges[walk.name]) if live.streams else ():
                 stream.observe(now)
-                rank = routes.rank(stream.edge.into)
+                rank = routes.step_rank[id(stream.edge.into)]
                 if rank in self.busy or rank in self.failed_ranks:
                     continue
-                if any(var not in live.versions for var in facts.other_reads):
+                if facts.other_reads and any(var not in live.versions for var in facts.other_reads):
                     continue  # its other inputs (a primed state) are not written yet
                 chunk = stream.next_chunk()
                 if chunk is not None:
                     ref = stream.take(chunk)
                     items[rank].append(self._dispatch(live, stream.edge.into, chunk.index, rank, routes, ref))
-            self._check_done(live)
+            if live.streams or live.cursor == walk_cursor.DONE:  # else ``_check_done`` has nothing to do
+                self._check_done(live)
         decisions = Decisions(finished=self._ended, progress=self._progress)
         self._ended, self._progress = [], []
         self.pacing_wait = None
@@ -326,7 +328,7 @@ class Conductor:
                 self.in_use[name] += units
             walk = self.graph.walk(spec.walk)
             ctx = walk_cursor.LoopContext(frozenset(), spec.params)
-            live = _Live(spec, walk_cursor.start(walk.body, ctx))
+            live = _Live(spec, walk_cursor.start(walk.body, ctx), walk, self.routes[walk.name], ctx)
             live.versions = {var: 0 for var in walk.inputs}
             live.streams = [StreamState(edge, droppable=edge.source in self._droppable[walk.name],
                                         edge_times=self._edge_times.setdefault(id(edge), EdgeTimes()))
@@ -344,16 +346,19 @@ class Conductor:
 
     def _dispatch(self, live: _Live, step: Step, iteration: int, rank: int, routes: Routes,
                   chunk: ChunkRef | None = None) -> WorkItem:
-        walk = self.graph.walk(live.spec.walk)
         if chunk is None:
-            live.cursor = walk_cursor.mark_running(walk.body, live.cursor, step)
-        reads = {port: VarRef(var, live.versions[var]) for port, var in step.reads
-                 if chunk is None or port != chunk.port}
+            live.cursor = walk_cursor.mark_running(live.walk.body, live.cursor, step)
+        versions = live.versions
+        reads = {port: VarRef(var, versions[var]) for port, var in step.reads if chunk is None or port != chunk.port}
         writes: dict[str, VarRef] = {}
+        written: dict[str, int] = {}
+        version = live.next_version
         for port, var in step.writes:
-            writes[port] = VarRef(var, live.next_version)
-            live.next_version += 1
-        live.in_flight[id(step)] = (rank, {ref.var: ref.version for ref in writes.values()})
+            writes[port] = VarRef(var, version)
+            written[var] = version
+            version += 1
+        live.next_version = version
+        live.in_flight[id(step)] = (rank, written)
         outlets = self._outlets.get((id(step), rank))
         if outlets is None:
             send = {port: dests for port, var in step.writes if (dests := routes.destinations(var, exclude=rank))}
@@ -365,13 +370,12 @@ class Conductor:
         return WorkItem(live.spec.request_id, step.node, step.op, step.name, iteration, reads, writes,
                         send, emit, live.spec.params if first else None, chunk, live.spec.session)
 
-    def _apply(self, item: ItemResult) -> None:
-        live = self.live.get(item.request_id)
-        if live is None:
-            return
-        walk = self.graph.walk(live.spec.walk)
-        step = next((s for s in self._steps_named[walk.name].get(item.step, ()) if id(s) in live.in_flight), None)
-        if step is None:
+    def _apply(self, item: ItemResult, live: _Live) -> None:
+        walk = live.walk
+        for step in self._steps_named[walk.name].get(item.step, ()):
+            if id(step) in live.in_flight:
+                break
+        else:
             return
         _, written = live.in_flight.pop(id(step))
         if item.silent:
@@ -400,15 +404,17 @@ class Conductor:
                 stream.versions.append(written[stream.edge.source])
         if item.flags:
             live.flags = live.flags | frozenset(item.flags)
+            live.ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
         if not chunk_done:
-            ctx = walk_cursor.LoopContext(live.flags, live.spec.params)
+            ctx = live.ctx
             before = walk_cursor.progress(walk.body, live.cursor, ctx) if walk.name in self._reports_progress else None
             live.cursor = walk_cursor.complete(walk.body, live.cursor, step, ctx)
             if before is not None:  # an iteration ended when the loop moved on (or was left)
                 after = walk_cursor.progress(walk.body, live.cursor, ctx)
                 if after is None or after[0] != before[0]:
                     self._progress.append(Progress(live.spec.request_id, before[0] + 1, before[1]))
-        self._check_done(live)
+        if live.streams or live.cursor == walk_cursor.DONE:  # else ``_check_done`` has nothing to do
+            self._check_done(live)
 
     def _requeue(self, live: _Live, step: Step) -> None:
         """The engine gave ``step`` back unrun (preempted: its KV pages went to older
@@ -419,7 +425,7 @@ class Conductor:
             live.ending = Finished(live.spec.request_id, "error", f"step {step.name!r} was preempted, and a "
                                    "stream-edge step cannot run again", live.emitted, live.profile)
             return
-        live.cursor = walk_cursor.mark_pending(self.graph.walk(live.spec.walk).body, live.cursor, step)
+        live.cursor = walk_cursor.mark_pending(live.walk.body, live.cursor, step)
 
     def _check_done(self, live: _Live) -> None:
         """Streams close (see ``_close_streams``); the request ends once its body is done and
@@ -427,7 +433,8 @@ class Conductor:
         if live.ending is not None:
             return
         body_done = walk_cursor.is_done(live.cursor)
-        self._close_streams(live, body_done)
+        if live.streams:
+            self._close_streams(live, body_done)
         if not body_done:
             return
         if not live.in_flight and all(stream.drained for stream in live.streams):

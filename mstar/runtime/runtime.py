@@ -553,6 +553,8 @@ class Runtime:
                 continue
             with tracked.lock:
                 versions = tracked.steps.pop(item.step, {})
+                if item.error is None and not item.preempted and not item.silent:
+                    continue  # all it emits is on its way (most steps)
                 gone = {v for port, v in versions.items()
                         if item.error is not None or item.preempted or port in item.silent}
                 if gone:

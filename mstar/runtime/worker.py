@@ -23,6 +23,7 @@ from mstar.runtime.protocol import (
     ItemResult,
     StepPlan,
     StepResult,
+    VarRef,
     WorkItem,
     emit_batch_key,
     emit_key,
@@ -64,6 +65,32 @@ class TensorStore:
     def get(self, request_id: str, var: str, version: int) -> torch.Tensor | None:
         versions = self._values.get((request_id, var))
         return None if versions is None else versions.get(version)
+
+    def get_reads(self, request_id: str, reads: dict[str, VarRef]) -> dict[str, torch.Tensor] | None:
+        """The value each port of ``reads`` reads (port -> its variable's version), or None
+        while one is missing (asked for every item of every plan)."""
+        values = {}
+        for port, ref in reads.items():
+            held = self._values.get((request_id, ref.var))
+            value = None if held is None else held.get(ref.version)
+            if value is None:
+                return None
+            values[port] = value
+        return values
+
+    def get_all(self, request_id: str, var: str, versions: list[int]) -> list[torch.Tensor] | None:
+        """The values of these versions of a stream variable, or None while one is missing
+        (a codec window of 28 items: one look-up of the variable, not 28)."""
+        held = self._values.get((request_id, var))
+        if held is None:
+            return None
+        values = []
+        for version in versions:  # (``None in values`` would compare each tensor with None: slow)
+            value = held.get(version)
+            if value is None:
+                return None
+            values.append(value)
+        return values
 
     def released(self, request_id: str) -> bool:
         return request_id in self._released
@@ -121,8 +148,9 @@ class Worker:
             by_node.setdefault(item.node, []).append(item)
         for node, items in by_node.items():
             ready = [i for i in items if id(i) in inputs]
-            failed = [i for i in items if id(i) not in inputs]
-            results += [ItemResult(i.request_id, i.step, error=self._why_missing(i)) for i in failed]
+            if len(ready) < len(items):
+                results += [ItemResult(i.request_id, i.step, error=self._why_missing(i))
+                            for i in items if id(i) not in inputs]
             start = time.perf_counter()
             with torch.profiler.record_function(f"mstar.node.{node}"):  # a labelled range in GPU profiles
                 results += self._run_node(node, ready, inputs)
@@ -140,8 +168,9 @@ class Worker:
 
     def _run_node(self, node: str, items: list[WorkItem], inputs: dict) -> list[ItemResult]:
         engine = self.engines[node]
-        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[id(i)], self.params.get(i.request_id, {}),
-                            i.chunk, self._session(node, i)) for i in items]
+        params = self.params
+        batch = [EngineItem(i.request_id, i.op, i.iteration, inputs[id(i)], params.get(i.request_id, {}), i.chunk,
+                            None if i.session is None else self._session(node, i)) for i in items]
         try:
             outputs: list[EngineOutput | BaseException] = list(engine.run(batch))
         except Exception as err:
@@ -216,12 +245,15 @@ class Worker:
         while True:
             still = []
             for item in pending:
-                values = {port: self.store.get(item.request_id, ref.var, ref.version)
-                          for port, ref in item.reads.items()}
-                if item.chunk is not None:
-                    values[item.chunk.port] = self._chunk_input(item)
-                if all(v is not None for v in values.values()):
-                    found[id(item)] = values  # type: ignore[assignment]
+                values = self.store.get_reads(item.request_id, item.reads)
+                if values is not None and item.chunk is not None:
+                    chunk = self._chunk_input(item)
+                    if chunk is None:
+                        values = None
+                    else:
+                        values[item.chunk.port] = chunk
+                if values is not None:
+                    found[id(item)] = values
                 elif not self.store.released(item.request_id):
                     still.append(item)
             pending = still
@@ -234,11 +266,17 @@ class Worker:
     def _chunk_input(self, item: WorkItem) -> torch.Tensor | None:
         """The chunk's items concatenated along the first dimension, once all are here."""
         chunk = item.chunk
-        parts = [self.store.get(item.request_id, chunk.var, v) for v in chunk.versions]
-        if any(p is None for p in parts):
+        parts = self.store.get_all(item.request_id, chunk.var, chunk.versions)
+        if parts is None:
             return None
         # A part of one dimension or more is its own rows: only a scalar needs a view (a window
-        # of 28 Orpheus codes is 28 parts, and a reshape each cost more than the cat).
+        # of 28 Orpheus codes is 28 parts, and a reshape each cost more than the cat), and
+        # ``cat`` itself refuses a scalar, so the parts are looked at only then.
+        try:
+            return torch.cat(parts)
+        except RuntimeError:
+            if all(p.dim() for p in parts):
+                raise
         return torch.cat([p if p.dim() else p.reshape(1) for p in parts])
 
     def _why_missing(self, item: WorkItem) -> str:

@@ -102,6 +102,23 @@ def test_out_of_pages_leaves_state_unchanged() -> None:
     pool.check_invariants()
 
 
+def test_grow_is_all_or_none() -> None:
+    pool = PagePool(num_pages=4, page_size=4)
+    pool.reserve("a", 4)
+    pool.reserve("b", 3)
+    assert pool.grow(["a", "b"], [5, 4])  # "a" takes a page, "b" fits its last one
+    assert pool.page_table("a") == [0, 2] and pool.seq_len("b") == 4
+    assert not pool.grow(["a", "b"], [9, 9])  # 3 pages wanted, 1 free: nothing changes
+    assert (pool.seq_len("a"), pool.seq_len("b"), pool.num_free_pages) == (5, 4, 1)
+    assert not pool.grow(["a", "c"], [6, 1])  # "c" holds no pages
+    assert pool.seq_len("a") == 5
+    with pytest.raises(ValueError, match="shrink"):
+        pool.grow(["a"], [4])
+    with pytest.raises(ValueError, match=">= 0"):
+        pool.grow(["a"], [-1])
+    pool.check_invariants()
+
+
 def test_can_reserve() -> None:
     pool = PagePool(3, 4)
     assert pool.can_reserve("a", 12)
@@ -274,6 +291,32 @@ class PagePoolMachine(RuleBasedStateMachine):
     def grow(self, data: st.DataObject, extra: int) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.lens)))
         self._try_reserve(seq_id, self.lens[seq_id] + extra)
+
+    @precondition(lambda self: self.lens)
+    @rule(data=st.data())
+    def grow_together(self, data: st.DataObject) -> None:
+        """A decode step's rows grow at once (``grow``): all or none, as ``reserve`` row by row
+        would decide when every row fits, else the pool unchanged."""
+        pool = self.pool
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.lens)), min_size=1, unique=True))
+        lens = [self.lens[seq_id] + data.draw(st.integers(0, 20)) for seq_id in ids]
+        unknown = data.draw(st.booleans())
+        if unknown:
+            ids, lens = [*ids, "no-such-seq"], [*lens, 1]
+        before = {seq_id: pool.page_table(seq_id) for seq_id in ids if pool.has(seq_id)}
+        before_free = pool.num_free_pages
+        extra = sum(max(0, pool.pages_needed(n) - len(before[seq_id])) for seq_id, n in zip(ids, lens)
+                    if seq_id in before)
+        grown = pool.grow(ids, lens)
+        assert grown == (not unknown and extra <= before_free)
+        if not grown:
+            assert pool.num_free_pages == before_free
+            assert {seq_id: pool.page_table(seq_id) for seq_id in before} == before
+            return
+        assert pool.num_free_pages == before_free - extra
+        for seq_id, n in zip(ids, lens):
+            assert pool.page_table(seq_id)[:len(before[seq_id])] == before[seq_id]
+            self.lens[seq_id] = n
 
     @precondition(lambda self: self.lens)
     @rule(data=st.data())
