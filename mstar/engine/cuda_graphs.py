@@ -46,6 +46,12 @@ DEFAULT_MAX_GRAPHS = 16
 DEFAULT_PREFILL_TOKENS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 
 
+def buckets_up_to(most: int, sizes: Iterable[int] = DEFAULT_BATCH_SIZES) -> tuple[int, ...]:
+    """The batch buckets a deployment of at most ``most`` rows captures: ``sizes`` below it,
+    then ``most`` itself."""
+    return (*(n for n in sorted(sizes) if n < most), most)
+
+
 class GraphRunner:
     """``step(key)`` captured per key on ``device`` and replayed; run eagerly off CUDA. The
     step's output is a tensor or any structure of them (the graph's own)."""

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mstar.engine import cuda_graphs
 from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
 from mstar.layers.paged_kv import PagedAttentionMetadata, to_device
 from mstar.model.eartts.checkpoint import EarTTS
@@ -48,10 +49,10 @@ _HEAD = ("text", "slot", "eos", "position", "kv_slot_c", "kv_slot_u")  # a row's
 
 
 def buckets_up_to(sessions: int, sizes: Iterable[int] = DEFAULT_BATCH_SIZES) -> tuple[int, ...]:
-    """The batch buckets a deployment of ``sessions`` concurrent sessions captures: ``sizes``
-    below it and the smallest one that holds it (``sessions`` itself past the largest)."""
-    below = [s for s in sorted(sizes) if s < sessions]
-    return (*below, next((s for s in sorted(sizes) if s >= sessions), sessions))
+    """The batch buckets a deployment of ``sessions`` concurrent sessions captures: the
+    engine's ``buckets_up_to`` of the smallest of ``sizes`` that holds it (``sessions`` itself
+    past the largest)."""
+    return cuda_graphs.buckets_up_to(next((s for s in sorted(sizes) if s >= sessions), sessions), sizes)
 
 
 class SteadyFrames:

@@ -22,7 +22,7 @@ from mstar.contract import (
     Transcription,
     TranscriptionSpec,
 )
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+from mstar.engine.cuda_graphs import buckets_up_to
 from mstar.graph import Emit, Graph, Loop, Node, Sequential, Step, Walk
 from mstar.model.decoding import state_capacity, state_slots
 from mstar.model.fastconformer.checkpoint import TransducerCheckpoint
@@ -127,8 +127,7 @@ class Transducer(ModelSpec):
                                 seed=self.knobs.seed)
         buckets = None
         if self.knobs.cuda_graphs:  # a bucket for every batch the slots allow
-            most = self.max_slots
-            buckets = [n for n in DEFAULT_BATCH_SIZES if n < most] + [most]
+            buckets = buckets_up_to(self.max_slots)
         return transducer_engines(model, nodes, max_slots=self.max_slots,
                                   steps_per_iteration=self.knobs.steps_per_iteration, lookahead=self.lookahead(),
                                   device=device, dtype=self.config.torch_dtype(), device_loop=self.knobs.device_loop,

@@ -43,7 +43,7 @@ import torch
 
 from mstar.engine.autoregressive import AutoregressiveEngine
 from mstar.engine.base import Engine, EngineItem, EngineOutput
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
+from mstar.engine.cuda_graphs import BucketGraphs, buckets_up_to
 from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sampler import penalise_repeats
 from mstar.engine.sequence import Sequence
@@ -73,13 +73,12 @@ class EncoderEngine(Engine):
         if cuda_graphs:
             streams = self.streams
             calls = self.pool.capacity
-            sizes = [n for n in DEFAULT_BATCH_SIZES if n < calls] + [calls]
             buffers = {"x": torch.zeros(calls, 1, model.encoder.config.hidden_size, dtype=streams.dtype,
                                         device=streams.device),
                        **{name: torch.zeros(calls, dtype=torch.int64, device=streams.device)
                           for name in ("slots", "filled", "sizes")}}
             pads = {"x": 0, "slots": self.pool.sink, "filled": 0, "sizes": 0}  # padded rows: the sink's state
-            self.graphs = BucketGraphs(self._frame, buffers, pads, sizes)
+            self.graphs = BucketGraphs(self._frame, buffers, pads, buckets_up_to(calls))
 
     def _frame(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """One new frame per call: the blocks and the projection (what a graph records)."""

@@ -325,11 +325,10 @@ class NemotronDuplex(ModelSpec):
         CUDA the graphs run eagerly, and the torch reference is kept)."""
         if not self.knobs.cuda_graphs:
             return {"attention_backend": self.knobs.attention_backend}
-        from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+        from mstar.engine.cuda_graphs import buckets_up_to
 
-        most = self.config.max_concurrent_requests
         return {"attention_backend": "triton" if device.type == "cuda" else self.knobs.attention_backend,
-                "cuda_graphs": True, "graph_batch_sizes": tuple(n for n in DEFAULT_BATCH_SIZES if n < most) + (most,)}
+                "cuda_graphs": True, "graph_batch_sizes": buckets_up_to(self.config.max_concurrent_requests)}
 
     def _talker(self, config: DuplexConfig, device: torch.device, dtype: torch.dtype):
         from mstar.model.eartts.engine import TalkerEngine, Warmup

@@ -12,7 +12,7 @@ import torch
 
 from mstar.contract import GenerateSpec, RequestError, SpeechSpec, Voice
 from mstar.engine.base import StatelessEngine
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+from mstar.engine.cuda_graphs import buckets_up_to
 from mstar.graph import (
     Emit,
     Graph,
@@ -145,7 +145,7 @@ class Orpheus(ModelSpec):
             if self.knobs.cuda_graphs:  # every window but a short stream's last: one replay
                 most = self.config.max_concurrent_requests
                 graphs = talk.SnacGraphs(decoder, WINDOW // talk.TOKENS_PER_FRAME,
-                                         [n for n in DEFAULT_BATCH_SIZES if n < most] + [most])
+                                         buckets_up_to(most))
                 graphs.capture_all()
             engines["snac_decoder"] = StatelessEngine(talk.snac_fn(decoder, graphs))
         return engines

@@ -13,7 +13,7 @@ import torch
 from mstar.config import ConfigError, DeploymentConfig
 from mstar.engine.autoregressive import AutoregressiveEngine, KVLayout
 from mstar.engine.base import Engine, EngineItem, StatelessEngine
-from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs
+from mstar.engine.cuda_graphs import DEFAULT_BATCH_SIZES, BucketGraphs, buckets_up_to
 from mstar.engine.forward import Forward
 from mstar.layers.paged_kv import PagedAttentionMetadata, to_device
 from mstar.model.whisper.cross_kv import CrossAttentionBatch, CrossKVSlots
@@ -159,8 +159,7 @@ def whisper_engines(model, tokens: WhisperTokens, knobs: WhisperKnobs, config: D
     if "encoder" in nodes:
         graphs = None
         if knobs.encoder_cuda_graphs:
-            most = config.max_concurrent_requests
-            graphs = EncoderGraphs(model, [n for n in knobs.cuda_graph_batch_sizes if n < most] + [most])
+            graphs = EncoderGraphs(model, buckets_up_to(config.max_concurrent_requests, knobs.cuda_graph_batch_sizes))
             graphs.capture_all()
         engines["encoder"] = StatelessEngine(encoder_fn(model, graphs))
     if "decoder" in nodes:
