@@ -619,7 +619,7 @@ class AutoregressiveEngine(Engine):
         reason = None
         if token in seq.stop_ids:
             reason = "stop"
-        elif len(seq.tokens) - seq.prompt_len >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+        elif seq.generated >= seq.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
         out = {"token": value}
         if self.rules.extra_outputs:

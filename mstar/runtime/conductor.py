@@ -291,8 +291,7 @@ class Conductor:
                 if chunk is not None:
                     ref = stream.take(chunk)
                     items[rank].append(self._dispatch(live, stream.edge.into, chunk.index, rank, routes, ref))
-            if live.streams or live.cursor == walk_cursor.DONE:  # else ``_check_done`` has nothing to do
-                self._check_done(live)
+            self._check_done(live)
         decisions = Decisions(finished=self._ended, progress=self._progress)
         self._ended, self._progress = [], []
         self.pacing_wait = None
@@ -413,8 +412,7 @@ class Conductor:
                 after = walk_cursor.progress(walk.body, live.cursor, ctx)
                 if after is None or after[0] != before[0]:
                     self._progress.append(Progress(live.spec.request_id, before[0] + 1, before[1]))
-        if live.streams or live.cursor == walk_cursor.DONE:  # else ``_check_done`` has nothing to do
-            self._check_done(live)
+        self._check_done(live)
 
     def _requeue(self, live: _Live, step: Step) -> None:
         """The engine gave ``step`` back unrun (preempted: its KV pages went to older
