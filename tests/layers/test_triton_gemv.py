@@ -91,12 +91,19 @@ def test_rmsnorm_gemv_matches_norm_then_linear(dtype: torch.dtype, with_bias: bo
         y, summed = rmsnorm_gemv(x, residual, norm_w, 1e-5, weight, bias)
         assert y.shape == (rows, N) and y.dtype == dtype
         assert rel_err(y, F.linear(normed, weight, bias)) < TOL[dtype], rows
-        if with_residual:
-            assert torch.equal(residual, kept)
-            exact = dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter truncates to bf16
-            assert torch.equal(summed, ref_sum) if exact else rel_err(summed, ref_sum) < TOL[dtype]
-        else:
-            assert summed is x
+        check_summed(x, residual, kept, summed, ref_sum)
+
+
+def check_summed(x: torch.Tensor, residual: torch.Tensor | None, kept: torch.Tensor | None, summed: torch.Tensor,
+                 ref_sum: torch.Tensor) -> None:
+    """A norm prologue's residual sum: the residual left as it was and the sum exact (the
+    interpreter truncates bf16 sums), or ``x`` itself without a residual."""
+    if residual is None:
+        assert summed is x
+        return
+    assert torch.equal(residual, kept)
+    exact = x.dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter truncates to bf16
+    assert torch.equal(summed, ref_sum) if exact else rel_err(summed, ref_sum) < TOL[x.dtype]
 
 
 @runnable
@@ -141,12 +148,7 @@ def test_layernorm_gemv_matches_norm_then_linear(dtype: torch.dtype, with_bias: 
         y, summed = layernorm_gemv(x, residual, norm_w, norm_b, 1e-5, weight, bias)
         assert y.shape == (rows, N) and y.dtype == dtype
         assert rel_err(y, F.linear(normed, weight, bias)) < TOL[dtype], rows
-        if with_residual:
-            assert torch.equal(residual, kept)
-            exact = dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter truncates to bf16
-            assert torch.equal(summed, ref_sum) if exact else rel_err(summed, ref_sum) < TOL[dtype]
-        else:
-            assert summed is x
+        check_summed(x, residual, kept, summed, ref_sum)
 
 
 @runnable
