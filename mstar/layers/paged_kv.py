@@ -63,6 +63,15 @@ class PagedAttentionMetadata:
         return self.seq_lens.tolist()
 
     @functools.cached_property
+    def strided(self) -> str | None:
+        """The first of the index tensors that is not contiguous (a kernel reading them by
+        element would misread it), or None; worked out once per step."""
+        for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            if not getattr(self, name).is_contiguous():
+                return name
+        return "page_table" if self.page_table.stride(-1) != 1 else None
+
+    @functools.cached_property
     def step_tensors(self) -> dict[object, torch.Tensor]:
         """Device tensors a backend derives from this step's metadata, made by the first
         layer that needs them and reused by the others (keys are the backend's own)."""

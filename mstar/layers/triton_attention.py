@@ -433,12 +433,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head dimension must be contiguous")
-    # the kernels index these by element: a strided view (an expanded row) would be misread
-    for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens"):
-        if not getattr(meta, name).is_contiguous():
-            raise ValueError(f"the metadata's {name} must be contiguous (got strides {getattr(meta, name).stride()})")
-    if meta.page_table.stride(-1) != 1:
-        raise ValueError("the metadata's page table rows must be contiguous")
+    if meta.strided is not None:  # the kernels index it by element: a strided view would be misread
+        raise ValueError(f"the metadata's {meta.strided} must be contiguous "
+                         f"(got strides {getattr(meta, meta.strided).stride()})")
 
 
 def triton_paged_attention(
