@@ -35,13 +35,18 @@ def activation(name: str):
     return _ACTIVATIONS[name]
 
 
+def sinusoids(distances: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sinusoidal embeddings ``[len(distances), dim]`` of float32 relative distances: sine and
+    cosine of each frequency side by side."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=distances.device) / dim))
+    angles = distances[:, None] * inv_freq[None, :]
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(len(distances), dim).to(dtype)
+
+
 def relative_positions(length: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Sinusoidal embeddings ``[2 * length - 1, dim]`` of the relative positions
-    ``length - 1, ..., -(length - 1)``: sine and cosine of each frequency side by side."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    positions = torch.arange(length - 1, -length, -1, device=device, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]
-    return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(2 * length - 1, dim).to(dtype)
+    """``sinusoids`` ``[2 * length - 1, dim]`` of the relative positions ``length - 1, ...,
+    -(length - 1)``."""
+    return sinusoids(torch.arange(length - 1, -length, -1, device=device, dtype=torch.float32), dim, dtype)
 
 
 def lengths_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.layers.paged_kv import to_device
-from mstar.model.fastconformer.encoder import ConformerBlock, FastConformerEncoder, RelPositionAttention
+from mstar.model.fastconformer.encoder import ConformerBlock, FastConformerEncoder, RelPositionAttention, sinusoids
 
 _REACH = 2  # encoder frames of extra mel context the subsampling window takes
 
@@ -123,12 +123,8 @@ class EncoderStreams:
         """The sinusoids ``[width + 2n - 1, hidden]`` of the relative distances ``width + n - 1``
         down to ``-(n - 1)`` (made once per ``n``)."""
         if n not in self._positions:
-            width = self.encoder.config.hidden_size
-            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, dtype=torch.float32, device=self.device) / width))
             distances = torch.arange(self.width + n - 1, -n, -1, dtype=torch.float32, device=self.device)
-            angles = distances[:, None] * inv_freq[None, :]
-            table = torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(len(distances), width)
-            self._positions[n] = table.to(self.dtype)
+            self._positions[n] = sinusoids(distances, self.encoder.config.hidden_size, self.dtype)
         return self._positions[n]
 
     def push(self, slots: list[int], mels: list[torch.Tensor], lasts: list[bool]) -> list[torch.Tensor]:
