@@ -23,6 +23,7 @@ from mstar.layers import triton_attention  # noqa: E402
 from mstar.layers.attention import paged_attention, torch_paged_attention  # noqa: E402
 from mstar.layers.paged_kv import PagedAttentionMetadata, write_kv_cache  # noqa: E402
 from mstar.layers.triton_attention import triton_paged_attention  # noqa: E402
+from tests.support.triton_interpreter import index_interpreted_scalars  # noqa: E402
 
 if DEVICE.type == "cpu" and not (
     triton_attention.INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
@@ -30,25 +31,8 @@ if DEVICE.type == "cpu" and not (
     pytest.skip("triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 
-def _interpreter_numpy_shim() -> None:
-    """Triton's interpreter turns scalars into 1-element arrays and ``int()``s them, which
-    NumPy >= 2.4 refuses (``range(start, end)`` on runtime bounds); index the element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_mstar_shim", False):
-        return
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._mstar_shim = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
 if triton_attention.INTERPRET:
-    _interpreter_numpy_shim()
+    index_interpreted_scalars()
 
 # Max error relative to the reference's largest magnitude. The interpreter rounds fp32 to
 # bf16 by truncation (up to one ulp, 2**-7); compiled kernels also round P to 16 bits.

@@ -18,6 +18,7 @@ import torch
 from tests.support.triton_interpreter import (  # first: before anything imports Triton
     DEVICE,
     REASON,
+    index_interpreted_scalars,
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
@@ -50,26 +51,8 @@ LLM = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layer
 CHANNELS, MAX_LATENT = 4, 16
 
 
-def _index_scalars_in_interpreter() -> None:
-    """NumPy >= 2.4 refuses ``int()`` of the 1-element arrays the interpreter makes of scalar
-    loop bounds; give its tensors an ``__index__`` that reads the element (as the Whisper
-    Triton tests do)."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "_index_element", False):
-        return
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._index_element = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
 if RUNNABLE and triton_attention.INTERPRET:
-    _index_scalars_in_interpreter()
+    index_interpreted_scalars()
 
 
 def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:

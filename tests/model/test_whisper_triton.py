@@ -36,6 +36,7 @@ from mstar.model.whisper.cross_kv import (  # noqa: E402
 from tests.support.triton_interpreter import (
     DEVICE,
     REASON,
+    index_interpreted_scalars,
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
@@ -48,25 +49,8 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
-def _index_scalars_in_interpreter() -> None:
-    """NumPy >= 2.4 refuses ``int()`` of the 1-element arrays the interpreter makes of scalar
-    loop bounds; give its tensors an ``__index__`` that reads the element."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "_index_element", False):
-        return
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._index_element = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
 if RUNNABLE and triton_attention.INTERPRET:
-    _index_scalars_in_interpreter()
+    index_interpreted_scalars()
 
 
 @pytest.mark.slow  # a whole pytest process of its own

@@ -46,3 +46,20 @@ def rerun_in_fresh_interpreter(test_file: str, *, allow_skips: bool = False) -> 
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout, result.stdout[-2000:]
     assert allow_skips or "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def index_interpreted_scalars() -> None:
+    """Under NumPy >= 2.4 the interpreter's 1-element arrays (scalar loop bounds) refuse
+    ``int()``: give its tensors an ``__index__`` that reads their element. Once a process."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "indexes_scalars", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.indexes_scalars = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched

@@ -102,23 +102,6 @@ def test_engine_refuses_what_a_graph_cannot_run(model):
         TalkerEngine(model, max_sessions=1, num_pages=8, page_size=PAGE, cuda_graphs=True)
 
 
-def _interpreted_scalars_index() -> None:
-    """Under NumPy >= 2.4 the interpreter's 1-element scalars refuse ``int()``: give its
-    tensors an ``__index__`` reading their element (as ``tests/model/test_whisper_triton.py``)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "indexes_scalars", False):
-        return
-
-    def patch(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch.indexes_scalars = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patch
-
-
 def _wide_window(model: EarTTS) -> EarTTS:
     """The fixture with a window no session reaches (as the released 4096 against 2039)."""
     talker = dataclasses.replace(model.config.talker, sliding_window=64)
@@ -135,14 +118,14 @@ def test_the_recorded_step_reads_nothing_back(model):
     kernels under Triton's interpreter on the CPU), makes no host read; the window dropped
     (wider than any stream) gives the same frames as the torch reference with it."""
     from mstar.layers import triton_attention
-    from tests.support.triton_interpreter import kernels_runnable
+    from tests.support.triton_interpreter import index_interpreted_scalars, kernels_runnable
 
     if torch.cuda.is_available():
         pytest.skip("a CPU check: the fixture's tensors are host tensors, which the compiled kernels refuse")
     if not kernels_runnable(triton_attention):
         pytest.skip("triton was imported before TRITON_INTERPRET was set")
     if triton_attention.INTERPRET:
-        _interpreted_scalars_index()
+        index_interpreted_scalars()
     wide = _wide_window(model)
     # few steps (the interpreted kernels are slow); ``a`` steps alone at first: one graphed
     # row, whose flattened positions once were a stride-0 view the kernels misread
