@@ -42,6 +42,7 @@ from tests.support.kernel_count import KernelCount
 from tests.support.triton_interpreter import (
     DEVICE,
     REASON,
+    index_interpreted_scalars,
     kernels_runnable,
     rerun_in_fresh_interpreter,
 )
@@ -51,9 +52,7 @@ runnable = pytest.mark.skipif(not RUNNABLE, reason=REASON)
 TOL = 1e-5
 
 if RUNNABLE and triton_fused.INTERPRET:
-    from test_whisper_triton import _index_scalars_in_interpreter
-
-    _index_scalars_in_interpreter()
+    index_interpreted_scalars()
 
 
 @pytest.mark.slow  # a whole pytest process of its own
