@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mstar.engine.base import EngineItem
 from tests.e2e.test_nemotron_duplex_served import FRAME, _config, checkpoint, speech  # noqa: F401  (a fixture)
 from tests.model.nemotron_duplex.test_duplex_build_dtype import spec_of
+from tests.support.graph_device import DEVICE
 from tests.support.host_reads import HostReads
 
 ENCODER = "conformer_encoder"
@@ -29,7 +30,7 @@ LAST = {"a": 6, "b": 8, "c": 9}
 
 def build(folder: Path, graphs: bool):
     kwargs = _config(folder)["model_kwargs"] | {"cuda_graphs": graphs}
-    return spec_of(folder, model_kwargs=kwargs).build_engines({ENCODER}, torch.device("cpu"))[ENCODER]
+    return spec_of(folder, model_kwargs=kwargs).build_engines({ENCODER}, DEVICE)[ENCODER]
 
 
 def run_schedule(engine) -> dict[tuple[str, int], torch.Tensor]:

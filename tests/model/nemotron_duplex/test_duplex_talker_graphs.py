@@ -13,6 +13,7 @@ import torch
 from mstar.engine.base import EngineItem
 from tests.e2e.test_nemotron_duplex_served import _config, checkpoint  # noqa: F401  (checkpoint: a fixture)
 from tests.model.nemotron_duplex.test_duplex_build_dtype import spec_of
+from tests.support.graph_device import DEVICE
 from tests.support.host_reads import HostReads
 
 TALKER = "eartts_talker"
@@ -20,7 +21,7 @@ TALKER = "eartts_talker"
 
 def talker_node(folder: Path, graphs: bool):
     kwargs = _config(folder)["model_kwargs"] | {"cuda_graphs": graphs}
-    return spec_of(folder, model_kwargs=kwargs).build_engines({TALKER}, torch.device("cpu"))[TALKER]
+    return spec_of(folder, model_kwargs=kwargs).build_engines({TALKER}, DEVICE)[TALKER]
 
 
 def speak(node, ticks: int) -> dict[str, list[torch.Tensor]]:

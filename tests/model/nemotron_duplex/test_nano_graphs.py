@@ -25,6 +25,7 @@ import torch
 from mstar.engine.base import EngineItem
 from tests.e2e.test_nemotron_duplex_served import _config, checkpoint  # noqa: F401  (checkpoint: a fixture)
 from tests.model.nemotron_duplex.test_duplex_build_dtype import spec_of
+from tests.support.graph_device import DEVICE
 from tests.support.host_reads import HostReads
 
 NANO = "nano_llm"
@@ -52,7 +53,7 @@ def spec(folder: Path, cuda_graphs: bool, calls: int = 4):
 
 
 def nano(folder: Path, cuda_graphs: bool):
-    return spec(folder, cuda_graphs).build_engines({NANO}, torch.device("cpu"))[NANO]
+    return spec(folder, cuda_graphs).build_engines({NANO}, DEVICE)[NANO]
 
 
 def recorded(engine) -> list[torch.Tensor]:
