@@ -11,10 +11,17 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this once, at its first import: set here, before any test module can import
+    # it (torch._dynamo does, e.g. through transformers), the kernel tests run in-process under
+    # the interpreter (tests/support/triton_interpreter.py) and need no fresh-interpreter rerun.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
