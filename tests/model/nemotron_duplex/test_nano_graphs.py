@@ -25,7 +25,7 @@ import torch
 from mstar.engine.base import EngineItem
 from tests.e2e.test_nemotron_duplex_served import _config, checkpoint  # noqa: F401  (checkpoint: a fixture)
 from tests.model.nemotron_duplex.test_duplex_build_dtype import spec_of
-from tests.support.graph_device import DEVICE
+from tests.support.graph_device import DEVICE, REPLAYS_RUN_PYTHON, on_cuda_replays_run_no_python
 from tests.support.host_reads import HostReads
 
 NANO = "nano_llm"
@@ -136,7 +136,8 @@ def test_graphed_states_and_pages_equal_eager_and_padding_writes_the_sink(folder
         engine.run([EngineItem(c, "prime", 0, {"prompt_ids": torch.tensor([1, 40, 2])}, PARAMS) for c in "xyz"])
         for tick in range(3):
             engine.run([EngineItem(c, "frame", tick, {"frame": frame(c, tick, hidden)}, PARAMS) for c in "xyz"])
-    assert graphed.inner.graphs.captured_batch_sizes == (4,)  # three calls: bucket 4, one padded row
+    if REPLAYS_RUN_PYTHON:
+        assert graphed.inner.graphs.captured_batch_sizes == (4,)  # three calls: bucket 4, one padded row
     for call in "xyz":
         for x, y in zip(state_of(eager, call), state_of(graphed, call)):
             assert (x - y).abs().max() <= TOL * max(y.abs().max(), 1e-6)
@@ -152,6 +153,7 @@ def test_graphed_states_and_pages_equal_eager_and_padding_writes_the_sink(folder
         assert engine.inner.forward.states.num_used == 0 and engine.inner.pool.num_used_pages == 0
 
 
+@on_cuda_replays_run_no_python  # on CUDA the capture itself fails on a host read
 def test_the_recorded_step_reads_nothing_on_the_host(folder: Path) -> None:
     graphed = nano(folder, True)
     hidden = graphed.model.config.hidden_size
