@@ -50,6 +50,11 @@ class StreamState:
     clock: StreamClock = field(default_factory=StreamClock)
     seen: int = 0
     seen_at: float | None = None
+    # whether the clock's averages are this stream's own yet: until its first measurement they
+    # are the edge's, a stand-in (a stream that joins a bigger batch is made slower than the
+    # streams before it were), so the first measurement replaces them instead of blending in
+    own_item_s: bool = False
+    own_chunk_s: bool = False
     taken_at: float | None = None
     out_covered: int = 0  # items covered by the chunk results in so far
     # whether the policy is timed, asked twice per tick (an ABC's isinstance is slow)
@@ -67,10 +72,13 @@ class StreamState:
         item_s, chunk_s, until, last = clock.item_s, clock.chunk_s, clock.played_until, clock.last_items
         if len(self.versions) > self.seen:
             if self.seen_at is not None:
-                item_s = shared.item_s = _average(item_s, (now - self.seen_at) / (len(self.versions) - self.seen))
+                interval = (now - self.seen_at) / (len(self.versions) - self.seen)
+                item_s = shared.item_s = _average(item_s if self.own_item_s else None, interval)
+                self.own_item_s = True
             self.seen, self.seen_at = len(self.versions), now
         if self.taken_at is not None and not self.running:
-            chunk_s = shared.chunk_s = _average(chunk_s, now - self.taken_at)
+            chunk_s = shared.chunk_s = _average(chunk_s if self.own_chunk_s else None, now - self.taken_at)
+            self.own_chunk_s = True
             last, self.out_covered = self.covered - self.out_covered, self.covered  # one chunk runs at a time
             play = last * self.edge.policy.item_play_s
             if play > 0:  # the player plays on, or restarts now if it ran dry before this result
