@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +310,34 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered), math.ceil(q * len(ordered))) - 1)]
 
 
+def first_dry(timing: StreamTiming, bytes_per_s: float) -> tuple[int, float] | None:
+    """Where a player started at the first sample first runs dry: the late chunk's index and
+    how late it came (ms), or None (``StreamTiming.viable``'s rule)."""
+    start, received = timing.arrivals[0][0], 0
+    for index, (at, size) in enumerate(timing.arrivals):
+        late = at - start - received / bytes_per_s
+        if late > 0:
+            return index, 1e3 * late
+        received += size
+    return None
+
+
+def dry_report(timings: list[StreamTiming]) -> dict[str, Any]:
+    """Which chunk first ran each player dry, how late, and one such stream's chunks (ms after
+    its first audio, ms of audio): what the next run needs to tell a ramp's fault from a slow
+    batch."""
+    dry = [(t, first_dry(t, FLOAT_BYTES_PER_S)) for t in timings if t.arrivals]
+    dry = [(t, d) for t, d in dry if d is not None]
+    if not dry:
+        return {}
+    late = sorted(ms for _, (_, ms) in dry)
+    first = dry[0][0]
+    chunks = [(round(1e3 * (at - first.arrivals[0][0]), 1), round(1e3 * size / FLOAT_BYTES_PER_S, 1))
+              for at, size in first.arrivals]
+    return {"first_dry_chunk": dict(sorted(Counter(i for _, (i, _) in dry).items())),
+            "late_ms_p50": statistics.median(late), "late_ms_max": late[-1], "a_dry_stream_chunks": chunks}
+
+
 def summarise(n: int, frames: int, frame_s: float, runs: list[tuple[float, list[StreamTiming]]]) -> dict[str, Any]:
     """One stream count's figures over every request of every run."""
     timings = [t for _, ts in runs for t in ts]
@@ -321,7 +350,7 @@ def summarise(n: int, frames: int, frame_s: float, runs: list[tuple[float, list[
             "ttfa_ms_max": 1e3 * ttfa[-1], "rtf_min": min(per_stream), "rtf_median": statistics.median(per_stream),
             "viable_streams": sum(viable) / len(runs), "viable_share": sum(viable) / len(viable),
             "frames_per_s": n * frames / statistics.median(walls), "wall_s": walls, "audio_s_per_stream": audio_s,
-            "chunks_per_stream": statistics.median(len(t.arrivals) for t in timings)}
+            "chunks_per_stream": statistics.median(len(t.arrivals) for t in timings), "dry": dry_report(timings)}
 
 
 @contextmanager

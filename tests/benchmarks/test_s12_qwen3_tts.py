@@ -93,3 +93,17 @@ def test_smoke_run_with_the_fast_path_flags(tmp_path) -> None:
     assert s12.deployment(settings, tmp_path)["model_kwargs"]["codec_ramp"] == "adaptive"
     profile = data["ours"]["1"]["profile"]
     assert profile["steps"] >= 8 and profile["host_ms_per_step"] > 0
+
+
+def test_the_dry_report_names_the_late_chunk() -> None:
+    second = s12.FLOAT_BYTES_PER_S // 1  # bytes of one second of audio
+    fed = StreamTiming(0.0, 0.1, 1.0, 0, [(0.1, int(0.08 * second)), (0.15, int(0.24 * second))])
+    late = StreamTiming(0.0, 0.1, 1.0, 0, [(0.1, int(0.08 * second)), (0.25, int(0.24 * second)),
+                                          (0.4, int(0.64 * second))])
+    assert s12.first_dry(fed, s12.FLOAT_BYTES_PER_S) is None and fed.viable(s12.FLOAT_BYTES_PER_S)
+    index, ms = s12.first_dry(late, s12.FLOAT_BYTES_PER_S)
+    assert index == 1 and ms == pytest.approx(70.0) and not late.viable(s12.FLOAT_BYTES_PER_S)
+    report = s12.dry_report([fed, late])
+    assert report["first_dry_chunk"] == {1: 1} and report["late_ms_max"] == pytest.approx(70.0)
+    assert report["a_dry_stream_chunks"] == [(0.0, 80.0), (150.0, 240.0), (300.0, 640.0)]
+    assert s12.dry_report([fed]) == {}
