@@ -208,9 +208,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     p.add_argument("--batch", type=int, default=1, help="streams, images or clips submitted at once")
-    p.add_argument("--fused-kernels", action="store_true", help="s7: the vocoder's fused AdaIN kernels")
+    p.add_argument("--fused-kernels", action="store_true", help=
+                   "s7: the vocoder's fused AdaIN kernels (others: passed on)")
     p.add_argument("--compile", action="store_true", help="s10: the action expert's blocks compiled")
-    p.add_argument("--cuda-graphs", action="store_true", help="s10: each denoise step from a CUDA graph")
+    p.add_argument("--cuda-graphs", action="store_true", help=
+                   "s10: each denoise step from a CUDA graph (others: passed on)")
     p.add_argument("--top", type=int, default=20, help="rows per table")
     p.add_argument("--warmups", type=int, default=2, help="unprofiled batches first (captures, compiles)")
     p.add_argument("--smoke", action="store_true", help="the scenario's tiny model on the CPU")
@@ -219,6 +221,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeline", type=float, default=None, metavar="MS",
                    help="also print the nodes' host ranges and every GPU-idle stretch of at least MS ms")
     args, rest = p.parse_known_args(argv)
+    # the two flags this parser takes for s7 and s10 are the other scenarios' own: pass them on
+    # (until 2026-12-07 they were swallowed, and e.g. an S4 profile "with graphs" ran eagerly)
+    for flag, owner in (("fused_kernels", "s7"), ("cuda_graphs", "s10")):
+        if getattr(args, flag) and args.scenario != owner:
+            rest.append("--" + flag.replace("_", "-"))
     args.scenario_args = rest  # the scenario script's own flags (e.g. --cuda-graphs)
     return args
 
