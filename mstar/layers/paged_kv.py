@@ -192,9 +192,12 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``, copied without waiting for the device (pinned memory,
     non-blocking), so launching a step never stalls on the previous one. A tensor already on
-    a device is moved as ``.to`` would."""
-    if tensor.device.type != "cpu" or torch.device(device).type == "cpu":
+    a device is moved as ``.to`` would; one on the host staying there is itself (what ``.to``
+    returns, without the op's dispatch)."""
+    if tensor.device.type != "cpu":
         return tensor.to(device)
+    if torch.device(device).type == "cpu":
+        return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
