@@ -326,10 +326,10 @@ class Worker:
 def _profiling() -> bool:
     """Whether a torch profiler (or ``emit_nvtx``) is recording, so a node's labelled range
     would be seen. Entering and leaving ``record_function`` goes through torch's op
-    dispatcher, ~7 us a node a plan on a warm CPU and a sixth of S3's host work per step at
-    one stream (CPU, ``benchmarks/host_overhead.py --model orpheus``), paid while nothing
-    records it. torch's own compiled code asks the same flag; a torch without it labels
-    always."""
+    dispatcher, ~7 us a node a plan on a warm CPU (more on one the model's step left cold),
+    paid while nothing records it. ``torch.profiler.profile`` (every thread's too) and
+    ``emit_nvtx`` set this flag, and torch's compiled code asks it for its own ranges; a
+    torch without it labels always."""
     return getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
 
 
