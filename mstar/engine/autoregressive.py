@@ -35,6 +35,7 @@ from mstar.layers.paged_kv import (
     ATTENTION_BACKENDS,
     PagedAttentionMetadata,
     allocate_kv_cache,
+    int64_tensor,
     to_device,
 )
 
@@ -560,7 +561,7 @@ class AutoregressiveEngine(Engine):
             positions = [start for _, start, _ in spans]
             slots = [t[p // page_size] * page_size + p % page_size for t, p in zip(tables, positions)]
             gap = [0] * gaps[0]
-            packed = torch.tensor(positions + gap + slots + gap + tail, dtype=torch.int64)
+            packed = int64_tensor(positions + gap + slots + gap + tail)
         else:
             starts = torch.tensor([start for _, start, _ in spans], dtype=torch.int64)
             host_table = torch.tensor(table, dtype=torch.int64).view(batch, width)
@@ -570,10 +571,13 @@ class AutoregressiveEngine(Engine):
             positions_t = starts[row_of] + torch.arange(total) - first[row_of]
             slots_t = host_table[row_of, positions_t // page_size] * page_size + positions_t % page_size
             gap_t = torch.zeros(gaps[0], dtype=torch.int64)
-            packed = torch.cat([positions_t, gap_t, slots_t, gap_t, torch.tensor(tail, dtype=torch.int64)])
-        on_device = self._to_device(packed)
-        parts = on_device.split([n + gap for n, gap in zip(sizes, gaps)])
-        positions_d, slots_d, qsl_d, lens_d, ids_d, table_d = (part[:n] for part, n in zip(parts, sizes))
+            packed = torch.cat([positions_t, gap_t, slots_t, gap_t, int64_tensor(tail)])
+        # One split cuts out every part and every gap as views (a gap is a piece of its own, so
+        # no part needs slicing after): the step's metadata views in one op.
+        pieces = [n for size, gap in zip(sizes, gaps) for n in ((size, 1) if gap else (size,))]
+        parts = self._to_device(packed).split_with_sizes(pieces)
+        positions_d, slots_d, qsl_d, lens_d, ids_d, table_d = (
+            parts[i] for i in itertools.accumulate((1 + gap for gap in gaps[:-1]), initial=0))
         meta = PagedAttentionMetadata(
             positions=positions_d,
             slot_mapping=slots_d,

@@ -13,6 +13,7 @@ describes it in one ``PagedAttentionMetadata``. The backends themselves are in
 
 from __future__ import annotations
 
+import array
 import functools
 from dataclasses import dataclass, field
 
@@ -179,12 +180,24 @@ def head_major_slots(slots: torch.Tensor, rows: int, num_kv_heads: int) -> torch
     return (slots.view(rows, 1, -1) * num_kv_heads + heads.view(1, -1, 1)).flatten()
 
 
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64)`` on the host, made ~3x faster (3.3 -> 1.1 us
+    for 12 ids, 12.9 -> 3.9 us for 200): ``array`` packs the ints in C and the tensor shares
+    its buffer (keeping it alive). A step's metadata is built from one such list."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``, copied without waiting for the device (pinned memory,
     non-blocking), so launching a step never stalls on the previous one. A tensor already on
-    a device is moved as ``.to`` would."""
-    if tensor.device.type != "cpu" or torch.device(device).type == "cpu":
+    a device is moved as ``.to`` would; one on the host staying there is itself (what ``.to``
+    returns, without the op's dispatch)."""
+    if tensor.device.type != "cpu":
         return tensor.to(device)
+    if torch.device(device).type == "cpu":
+        return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

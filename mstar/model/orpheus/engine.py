@@ -79,12 +79,19 @@ class TalkerRules(TokenRules):
         return {"code": code_value(code)}
 
 
-@functools.cache
 def code_value(code: int) -> torch.Tensor:
-    """The ``code`` output ``[1]`` of an audio code, made once per code and shared by every
-    row that writes it (outputs are never written to): a new tensor per row and step was a
-    tenth of the talker's host work per row at 32 streams."""
-    return torch.tensor([code], dtype=torch.int64)
+    """The ``code`` output ``[1]`` of an audio code, shared by every row that writes it
+    (outputs are never written to): a new tensor per row and step was a tenth of the talker's
+    host work per row at 32 streams."""
+    return _code_values()[code]
+
+
+@functools.cache
+def _code_values() -> tuple[torch.Tensor, ...]:
+    """Every code's ``[1]`` output, made at once on first use (one op, views of one tensor):
+    made one by one as codes first came up, a stream paid a ``torch.tensor`` on most of its
+    first few thousand steps."""
+    return torch.arange(CODEBOOK, dtype=torch.int64).view(-1, 1).unbind(0)
 
 
 def restrict_to_audio_codes(logits: torch.Tensor, seqs: list[Sequence], lead: int = 0) -> torch.Tensor:
