@@ -24,8 +24,14 @@ import argparse
 import os
 import statistics
 import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository root must be importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from benchmarks.common import time_calls
 
 LARGE_V3 = dict(vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=1, encoder_attention_heads=20,
                 decoder_layers=32, decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
@@ -94,15 +100,7 @@ def run_path(model, path: str, inputs, graph: bool, replays: int) -> tuple[float
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = step()
-            times = []
-            for _ in range(replays):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            return statistics.median(times), out.clone()
+            return 1e3 * statistics.median(time_calls(g.replay, "cuda", replays, warmup=0)), out.clone()
     finally:
         modeling.DECODE_GEMV_ROWS = saved
 
