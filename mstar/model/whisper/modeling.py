@@ -35,9 +35,11 @@ DECODE_GEMV_ROWS = 4
 """With ``fused_kernels``, steps of at most this many rows take ``forward_gemv`` (every
 projection a Triton GEMV with its LayerNorm, GELU and KV-cache write folded in, the
 attention's split combines in its kernel: 8 kernels a layer against ``forward_fused``'s 14
-to 16, counted on the CPU, ``tests/model/test_whisper_fused.py``). Not yet measured on a GPU: the
-norm prologue is re-derived by every program, a cost that grows with the rows (at Llama-8B's
-4096 features it lost to a separate norm kernel from 4 rows; Whisper large-v3 has 1280)."""
+to 16, counted on the CPU, ``tests/model/test_whisper_fused.py``). On an H100 (2026-12-07,
+``benchmarks/check_whisper_step.py``) it was only 1-3% faster a step than ``forward_fused`` at
+1-4 rows: the GEMV configs at Whisper's widths are untuned (docs/benchmarks.md, S4). The norm
+prologue is re-derived by every program, a cost that grows with the rows (at Llama-8B's 4096
+features it lost to a separate norm kernel from 4 rows; Whisper large-v3 has 1280)."""
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
