@@ -363,6 +363,8 @@ def clip_rows(args, device, dtype, bandwidth, tflops) -> list[Metric]:
         try:
             base = time_pipeline(call, device, args.clip_runs)
         except torch.OutOfMemoryError:
+            base = None  # retried below, once the failed call's frames (and tensors) are gone
+        if base is None:
             # the whole clip's float32 decode beside the resident tower outgrows an 80 GB card
             # (H100, 2026-12-07): diffusers' own answer is the VAE's tiled decode
             free_device(device)
