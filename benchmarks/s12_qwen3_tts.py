@@ -123,6 +123,7 @@ class Settings:
     codec_graphs: bool = False
     codec_ramp: str = "fixed"
     codec_ramp_margin: float = 0.2
+    fused_kernels: bool = False
     profile: bool = False
 
     def describe(self) -> dict[str, Any]:
@@ -133,7 +134,8 @@ class Settings:
                 "runs": self.runs, "seed": self.seed, "text": TEXT, "voice": VOICE,
                 "cuda_graphs": self.cuda_graphs, "overlap_scheduling": self.overlap,
                 "codec_cuda_graphs": self.codec_graphs, "codec_ramp": self.codec_ramp,
-                "codec_ramp_margin": self.codec_ramp_margin, "profile": self.profile,
+                "codec_ramp_margin": self.codec_ramp_margin, "fused_kernels": self.fused_kernels,
+                "profile": self.profile,
                 "eos": "masked at every frame (each request speaks exactly `frames` frames)"}
 
 
@@ -154,7 +156,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed,
                     cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
                     codec_graphs=args.codec_graphs and not args.smoke, codec_ramp=args.codec_ramp,
-                    codec_ramp_margin=args.codec_ramp_margin, profile=args.profile)
+                    codec_ramp_margin=args.codec_ramp_margin, fused_kernels=args.fused_kernels and not args.smoke,
+                    profile=args.profile)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -252,7 +255,8 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
                              "codec_chunk_frames": 25, "codec_left_context": 72, "seed": settings.seed,
                              "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
                              "codec_cuda_graphs": settings.codec_graphs, "codec_ramp": settings.codec_ramp,
-                             "codec_ramp_margin": settings.codec_ramp_margin}}
+                             "codec_ramp_margin": settings.codec_ramp_margin,
+                             "fused_kernels": settings.fused_kernels}}
 
 
 class OursRunner:
@@ -391,6 +395,57 @@ def step_profile(device: torch.device):
     log.info("profile: %s", result)
 
 
+@contextmanager
+def ramp_trace(enabled: bool = True):
+    """The windows the adaptive ramp releases while this holds: ``(time, view, frames)`` per
+    release, ``view`` being what the rule saw (``mstar.model.qwen3_tts.ramp.RampView``). The
+    conductor runs in this process (``in_process``), so wrapping ``RampRule.release`` sees
+    every decision; nothing is traced when not ``enabled``."""
+    from mstar.model.qwen3_tts.ramp import RampRule
+
+    entries: list[tuple[float, Any, int]] = []
+    if not enabled:
+        yield entries
+        return
+    original = RampRule.release
+
+    seen: set = set()
+
+    def traced(self, view):
+        size = original(self, view)
+        if size and (view, size) not in seen:  # asked again in one tick (``StreamState.drained``)
+            seen.add((view, size))
+            entries.append((time.perf_counter(), view, size))
+        return size
+
+    RampRule.release = traced
+    try:
+        yield entries
+    finally:
+        RampRule.release = original
+
+
+def ramp_report(entries: list[tuple[float, Any, int]], start: float, windows: int = 4) -> dict[str, Any]:
+    """The first ``windows`` windows of every stream, by index: the sizes chosen, and [min,
+    median, max] over the streams of when (ms after ``start``), the rate and codec time the
+    rule assumed, the player's buffer and the frames made: where an estimate was off."""
+    def spread(values: list[float | None]) -> list[float] | None:
+        known = sorted(v for v in values if v is not None)
+        return [round(known[0], 1), round(statistics.median(known), 1), round(known[-1], 1)] if known else None
+
+    out: dict[str, Any] = {}
+    for index in range(windows):
+        rows = [(at, view, size) for at, view, size in entries if view.windows == index]
+        if rows:
+            out[str(index)] = {"sizes": dict(sorted(Counter(size for _, _, size in rows).items())),
+                               "at_ms": spread([1e3 * (at - start) for at, _, _ in rows]),
+                               "frame_ms": spread([view.frame_ms for _, view, _ in rows]),
+                               "codec_ms": spread([view.codec_ms for _, view, _ in rows]),
+                               "buffer_ms": spread([view.released_ms - view.played_ms for _, view, _ in rows]),
+                               "produced": spread([view.produced for _, view, _ in rows])}
+    return out
+
+
 def run_ours(settings: Settings, model_dir: Path) -> tuple[dict[str, Any], int, int]:
     """Every stream count (after one warm-up pass over them); the figures, the prompt's rows
     and the samples per frame."""
@@ -408,8 +463,15 @@ def run_ours(settings: Settings, model_dir: Path) -> tuple[dict[str, Any], int, 
                 runner.run(n, settings.warmup_frames, settings.seed)
             out["warmup_s"] = time.perf_counter() - t0
             for n in settings.streams:
-                runs = [runner.run(n, settings.frames, settings.seed + 1000 * (r + 1)) for r in range(settings.runs)]
+                runs, ramp = [], {}
+                for r in range(settings.runs):  # the first run's ramp decisions are traced
+                    with ramp_trace(settings.codec_ramp == "adaptive" and r == 0) as entries:
+                        start = time.perf_counter()
+                        runs.append(runner.run(n, settings.frames, settings.seed + 1000 * (r + 1)))
+                    ramp = ramp_report(entries, start) if entries else ramp
                 out[n] = summarise(n, settings.frames, frame_s, runs)
+                if ramp:
+                    out[n]["ramp"] = ramp
                 if settings.profile:  # one more batch, profiled (its timing is not in the figures)
                     with step_profile(torch.device(settings.device)) as prof:
                         runner.run(n, settings.frames, settings.seed)
@@ -478,6 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.codec_ramp: the fixed 1/3/8/16/25 windows, or sized from each stream's rate")
     p.add_argument("--codec-ramp-margin", type=float, default=0.2,
                    help="model_kwargs.codec_ramp_margin (adaptive): a window's wait padded by this share of itself")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="model_kwargs.fused_kernels: the talker's and predictor's layers as Llama's fused kernels")
     p.add_argument("--profile", action="store_true",
                    help="after each stream count's runs, one more profiled: host vs device ms per talker step")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")

@@ -121,6 +121,11 @@ _TUNED = {
     (64, 4096, 4096, False): GemvConfig(64, 128, 4, 3, 4),  # o 14.7, 14.8 (11.6)
     (64, 14336, 4096, True): GemvConfig(64, 64, 4, 3, 1),  # gate_up 61.8, 64.1 (69.2)
     (64, 4096, 14336, False): GemvConfig(64, 128, 4, 3, 4),  # down 35.1, 35.5 (36.2)
+    # Whisper large's o / cross o (1280 -> 1280) and fc2 (5120 -> 1280), swept on an H100
+    # (CHECK_GEMV_DIMS=1280,3840,5120 check_gemv.py --rows 1 4 --sweep 16; 2026-12-07): the
+    # rules above give 40 programs and no K split there (o 4.5 us, fc2 9.9, cuBLAS 5.0, 9.0)
+    (16, 1280, 1280, False): GemvConfig(64, 128, 4, 6, 1),  # o 4.2
+    (16, 1280, 5120, False): GemvConfig(32, 256, 4, 3, 4),  # fc2 8.2
 }
 
 

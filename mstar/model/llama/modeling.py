@@ -436,6 +436,15 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
+def use_fused_kernels(root: nn.Module, enabled: bool = True) -> None:
+    """Switch every Llama-style layer under ``root`` (norms, SwiGLU, attention, decoder
+    layers: a model that embeds ``LlamaModel`` decoders, such as a TTS talker) to the fused
+    Triton kernels, or back to eager torch."""
+    for module in root.modules():
+        if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention, LlamaDecoderLayer)):
+            module.fused_kernels = enabled
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama decoder with a language-model head, running one paged step per ``forward``."""
 
@@ -464,9 +473,7 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_kernels(self, enabled: bool = True) -> None:
         """Switch the element-wise work of every step to the fused Triton kernels (CUDA
         tensors, or CPU ones under Triton's interpreter) or back to eager torch."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention, LlamaDecoderLayer)):
-                module.fused_kernels = enabled
+        use_fused_kernels(self, enabled)
 
     @property
     def fused_kernels(self) -> bool:

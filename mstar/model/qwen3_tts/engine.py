@@ -36,6 +36,7 @@ from mstar.engine.rules import Sample, TokenRules
 from mstar.engine.sequence import Sequence
 from mstar.layers.paged_kv import to_device
 from mstar.model.audio_watermark import AudioSealGenerator, AudioWatermarkKnobs, WatermarkStream
+from mstar.model.llama.modeling import use_fused_kernels
 from mstar.model.qwen3_tts.codec import Qwen3TTSCodec, with_prefix
 from mstar.model.qwen3_tts.config import Qwen3TTSConfig
 from mstar.model.qwen3_tts.prompt import talker_prompt
@@ -316,13 +317,16 @@ class CodecEngine(StatelessEngine):
 def talker_engine(talker: Qwen3TTSTalker, config: Qwen3TTSConfig, *, num_pages: int, page_size: int,
                   max_seq_len: int, device: torch.device, dtype: torch.dtype, max_requests: int = 64,
                   attention_backend: str = "torch", cuda_graphs: bool = False, overlap_scheduling: bool = False,
+                  fused_kernels: bool = False,
                   graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> TalkerEngine:
     """The talker node's engine. ``max_requests``: requests held at once. ``cuda_graphs``: a
     decode step's talker layers replay the engine's decode graphs and the code predictor's
     frame its own (``FramePredictor``), per batch bucket of ``graph_batch_sizes``, all
     captured now on CUDA (with the Triton attention kernels, whatever ``attention_backend``
     says); off CUDA the bucketed path runs eagerly. ``overlap_scheduling``: the next decode
-    step is launched before this one's codes are read back."""
+    step is launched before this one's codes are read back. ``fused_kernels``: the talker's
+    and the predictor's layers run Llama's fused kernels (``use_fused_kernels``)."""
+    use_fused_kernels(talker, fused_kernels)
     backend = "triton" if cuda_graphs and device.type == "cuda" else attention_backend
     forward = TalkerStepForward(talker, max_requests)
     frames = FramePredictor(talker, backend=backend, cuda_graphs=cuda_graphs, batch_sizes=graph_batch_sizes)

@@ -9,15 +9,21 @@ from pydantic import Field, field_validator
 
 from mstar.model.audio_watermark import AudioWatermarkKnobs
 from mstar.model.decoding import SamplingKnobs
-from mstar.model.knobs import CudaGraphs, OverlapScheduling, require_cuda
+from mstar.model.knobs import CudaGraphs, FusedKernels, OverlapScheduling, require_cuda
 from mstar.model.voice_cloning import ConditioningCacheKnobs
 
 
-class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling):
+class Qwen3TTSKnobs(CudaGraphs, OverlapScheduling, FusedKernels):
     """The talker's fast path is opt-in: ``cuda_graphs`` (CUDA) replays a decode step's talker
     layers and its code predictor's frame (15 passes and their sampling) from graphs per batch
     bucket, with the Triton attention kernels; ``overlap_scheduling`` launches decode step k+1
-    before step k's codes are read back. Eager is the reference; both give its codes."""
+    before step k's codes are read back. Eager is the reference; both give its codes.
+    ``fused_kernels`` runs the talker's and the code predictor's layers as Llama's fused
+    kernels (norms, RoPE with the cache write, and at decode row counts the GEMV kernels with
+    the norm and SiLU * up folded in): the same sums in other orders, so logits agree to
+    rounding, not bit for bit."""
+
+    interpreted_on_cpu = True  # its test runs the kernels on the CPU under Triton's interpreter
 
     max_new_frames: int = Field(2048, ge=2)
     """Codec frames (12.5 a second) a request may speak when it does not send ``max_tokens``."""

@@ -262,7 +262,8 @@ class Qwen3TTS(ModelSpec):
                                             # input slots (12 KiB each at 1.7B): room to spare
                                             max_requests=4 * self.config.max_concurrent_requests,
                                             cuda_graphs=self.knobs.cuda_graphs,
-                                            overlap_scheduling=self.knobs.overlap_scheduling)
+                                            overlap_scheduling=self.knobs.overlap_scheduling,
+                                            fused_kernels=self.knobs.fused_kernels)
         if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
             codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
             marks = self.knobs.audio_watermark

@@ -10,6 +10,7 @@ import torch
 
 from mstar.config import parse_config
 from mstar.engine.base import EngineItem
+from mstar.model.llama.modeling import LlamaDecoderLayer
 from mstar.model.qwen3_tts.checkpoint import Qwen3TTSCheckpoint
 from mstar.model.qwen3_tts.codec import stream_windows
 from mstar.model.qwen3_tts.engine import CodecEngine, conv_frames, packed_windows, talker_engine
@@ -139,13 +140,16 @@ def test_concurrent_seeded_requests_equal_their_solo_codes(tiny, eager) -> None:
     assert len(firsts) > 2
 
 
-FAST = [{"cuda_graphs": True}, {"overlap_scheduling": True}, {"cuda_graphs": True, "overlap_scheduling": True}]
+FAST = [{"cuda_graphs": True}, {"overlap_scheduling": True}, {"cuda_graphs": True, "overlap_scheduling": True},
+        {"cuda_graphs": True, "overlap_scheduling": True, "fused_kernels": True}]
 
 
-@pytest.mark.parametrize("knobs", FAST, ids=["graphs", "overlap", "graphs+overlap"])
+@pytest.mark.parametrize("knobs", FAST, ids=["graphs", "overlap", "graphs+overlap", "graphs+overlap+fused"])
 def test_fast_path_equals_eager(tiny, eager, knobs) -> None:
-    """Graphs (on the CPU: the same buckets, padding and static buffers, run eagerly) and
-    overlap scheduling give the eager engine's codes for 8 seeded requests stepped together."""
+    """Graphs (on the CPU: the same buckets, padding and static buffers, run eagerly), overlap
+    scheduling and the fused kernels (on the CPU under Triton's interpreter: float32 sums in
+    other orders, the same codes here) give the eager engine's codes for 8 seeded requests
+    stepped together."""
     items = [request(tiny, i) for i in range(8)]
     engine = make_engine(tiny, graph_batch_sizes=(1, 2, 4, 8), **knobs)
     fast = run_together(engine, items)
@@ -153,6 +157,8 @@ def test_fast_path_equals_eager(tiny, eager, knobs) -> None:
         assert torch.equal(torch.cat(fast[item.request_id]), torch.cat(eager[item.request_id])), item.request_id
     if knobs.get("cuda_graphs"):
         assert engine.engine.graphs is not None and engine.engine.rules.frames.graphs is not None
+    layers = [m for m in tiny[1].modules() if isinstance(m, LlamaDecoderLayer)]
+    assert len(layers) > 2 and all(m.fused_kernels == knobs.get("fused_kernels", False) for m in layers)
     assert engine.stats()["talker_input_slots_used"] == 0  # every slot freed at release
 
 
