@@ -5,8 +5,9 @@ Shapes of ``Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice`` (the ``qwen3_tts_1p7b`` key):
 3072, text embedding 151936 x 2048), the code predictor (5 layers, hidden 1024, FFN 3072, 15
 heads of 2048 codes) and the released 12 Hz codec decoder (16 codebooks, 1920 samples a frame
 at 24 kHz). The checkpoint directory is written without weights and served with ``load_format:
-dummy``: seeded random weights, the talker in bf16 and the codec in float32 (as the family
-always runs it), both on one GPU (one worker: ``node_groups [talker, codec]``).
+dummy``: seeded random weights, the talker in bf16 and the codec in float32 (the family's
+default; ``--codec-dtype bfloat16`` for bf16), both on one GPU (one worker: ``node_groups
+[talker, codec]``).
 
 Ours is that deployment in process: N streaming speech requests of one fixed text, built by the
 family's ``prepare_speech`` and submitted to the runtime at once (as S7 does), timed at the
@@ -124,11 +125,13 @@ class Settings:
     codec_ramp: str = "fixed"
     codec_ramp_margin: float = 0.2
     fused_kernels: bool = False
+    codec_dtype: str = "float32"
     profile: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
-                "codec_dtype": "float32", "key": KEY, "talker": "tiny test config" if self.smoke else TALKER_1P7B,
+                "codec_dtype": self.codec_dtype, "key": KEY,
+                "talker": "tiny test config" if self.smoke else TALKER_1P7B,
                 "codec": "tiny test config" if self.smoke else "released decoder (CodecConfig defaults)",
                 "streams": list(self.streams), "frames": self.frames, "warmup_frames": self.warmup_frames,
                 "runs": self.runs, "seed": self.seed, "text": TEXT, "voice": VOICE,
@@ -157,7 +160,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
                     codec_graphs=args.codec_graphs and not args.smoke, codec_ramp=args.codec_ramp,
                     codec_ramp_margin=args.codec_ramp_margin, fused_kernels=args.fused_kernels and not args.smoke,
-                    profile=args.profile)
+                    codec_dtype=args.codec_dtype, profile=args.profile)
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -256,7 +259,7 @@ def deployment(settings: Settings, model_dir: Path) -> dict[str, Any]:
                              "cuda_graphs": settings.cuda_graphs, "overlap_scheduling": settings.overlap,
                              "codec_cuda_graphs": settings.codec_graphs, "codec_ramp": settings.codec_ramp,
                              "codec_ramp_margin": settings.codec_ramp_margin,
-                             "fused_kernels": settings.fused_kernels}}
+                             "fused_kernels": settings.fused_kernels, "codec_dtype": settings.codec_dtype}}
 
 
 class OursRunner:
@@ -542,6 +545,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model_kwargs.codec_ramp_margin (adaptive): a window's wait padded by this share of itself")
     p.add_argument("--fused-kernels", action="store_true",
                    help="model_kwargs.fused_kernels: the talker's and predictor's layers as Llama's fused kernels")
+    p.add_argument("--codec-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model_kwargs.codec_dtype: the codec decoder's dtype")
     p.add_argument("--profile", action="store_true",
                    help="after each stream count's runs, one more profiled: host vs device ms per talker step")
     p.add_argument("--out", default=None, help="directory of the JSON record (default $OUT, else benchmarks/results)")

@@ -308,6 +308,7 @@ class CodecEngine(StatelessEngine):
             raise ValueError(f"model_kwargs.audio_watermark.generator: its hop of {watermark.cfg.hop} samples "
                              f"does not divide the codec's {codec.samples_per_frame} samples a frame")
         self.streams: dict[str, WatermarkStream] = {}
+        self.codec = codec
         super().__init__(codec_fn(codec, left_context, watermark, marks, self.streams, cuda_graphs, max_frames))
 
     def release(self, request_id: str) -> None:

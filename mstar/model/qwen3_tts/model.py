@@ -264,8 +264,8 @@ class Qwen3TTS(ModelSpec):
                                             cuda_graphs=self.knobs.cuda_graphs,
                                             overlap_scheduling=self.knobs.overlap_scheduling,
                                             fused_kernels=self.knobs.fused_kernels)
-        if CODEC in nodes:  # float32: the reference decoder's numerics, and it is small
-            codec = ckpt.codec(device, torch.float32, dummy=dummy, seed=seed + 1)
+        if CODEC in nodes:  # float32 by default: the reference decoder's numerics
+            codec = ckpt.codec(device, getattr(torch, self.knobs.codec_dtype), dummy=dummy, seed=seed + 1)
             marks = self.knobs.audio_watermark
             engines[CODEC] = CodecEngine(codec, marks.build(device, dummy=dummy, seed=seed + 3), marks,
                                          left_context=self.knobs.codec_left_context,

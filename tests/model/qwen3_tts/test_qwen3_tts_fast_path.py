@@ -257,3 +257,28 @@ def windows(request_id: str, codes: torch.Tensor, ramp=(1, 3, 8, 6), left=4) -> 
     return [EngineItem(request_id, "decode", i, {"codes": codes[:, start - ctx:start + new].T.contiguous()}, {},
                        chunk=ChunkRef("codes", "codes", [], i, ctx, ctx + new, last=i == len(spans) - 1))
             for i, (start, ctx, new) in enumerate(spans)]
+
+
+def test_bfloat16_codec_tracks_float32(tiny, tmp_path) -> None:
+    """``codec_dtype: bfloat16`` reaches the codec engine, and a bf16 window's audio follows the
+    float32 window's to bf16's rounding. The dummy codec's wide weights (drawn to be audible)
+    amplify any rounding into other audio, so both take them halved: a well-scaled decoder."""
+    root = write_checkpoint(tmp_path / "ckpt")
+    base = {"model": "qwen3_tts", "model_path": str(root), "load_format": "dummy", "device": "cpu", "dtype": "float32",
+            "max_seq_len": 256, "node_groups": [{"node_names": ["talker", "codec"], "ranks": [0]}]}
+    spec = model_class("qwen3_tts")(parse_config(base | {"model_kwargs": {"codec_dtype": "bfloat16"}}))
+    engine = spec.build_engines({"codec"}, torch.device("cpu"))["codec"]
+    assert {p.dtype for p in engine.codec.parameters()} == {torch.bfloat16}
+    full = tiny[0].codec("cpu", torch.float32, dummy=True, seed=1)
+    with torch.no_grad():
+        for p in full.parameters():
+            if p.dim() > 1:
+                p.mul_(0.5)
+    half = tiny[0].codec("cpu", torch.bfloat16, dummy=True, seed=1)
+    half.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.state_dict().items()})
+    torch.manual_seed(3)
+    codes = torch.randint(0, 64, (2, full.config.num_quantizers, 20))
+    with torch.no_grad():
+        want, got = full.decode_window(codes, 4), half.decode_window(codes, 4).float()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()  # measured 7.5e-3
+
