@@ -152,9 +152,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         device, dtype, streams, frames = "cuda", torch.bfloat16, streams or (1, 8, 32), args.frames or 50
     if frames < 2:
         raise SystemExit("--frames must be at least 2")
-    if args.smoke and (args.cuda_graphs or args.codec_graphs):
-        log.warning("--cuda-graphs and --codec-graphs are ignored on the CPU (the knobs need CUDA; the tests "
-                    "run their bucketed paths eagerly)")
+    if args.smoke and (args.cuda_graphs or args.codec_graphs or args.fused_kernels):
+        log.warning("--cuda-graphs, --codec-graphs and --fused-kernels are ignored on the CPU (the knobs need "
+                    "CUDA; the tests run their bucketed paths eagerly and the kernels interpreted)")
     return Settings(smoke=args.smoke, device=device, dtype=dtype, streams=streams, frames=frames,
                     warmup_frames=min(frames, 4 if args.smoke else 30), runs=args.runs, seed=args.seed,
                     cuda_graphs=args.cuda_graphs and not args.smoke, overlap=args.overlap,
