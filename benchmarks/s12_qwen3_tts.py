@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -361,6 +361,18 @@ def summarise(n: int, frames: int, frame_s: float, runs: list[tuple[float, list[
 
 
 @contextmanager
+def wrapped(cls: type, name: str, wrapper):
+    """``cls.<name>`` replaced by ``wrapper(original)`` while this holds. The deployment runs
+    in this process (``in_process``), so patching a class reaches its engines and conductor."""
+    original = getattr(cls, name)
+    setattr(cls, name, wrapper(original))
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
+@contextmanager
 def step_profile(device: torch.device):
     """Host and device time of the talker's steps while this holds: each ``TalkerEngine.run``
     call's wall time on the host, and (CUDA) the GPU kernels' time over the same span from
@@ -370,25 +382,22 @@ def step_profile(device: torch.device):
     from mstar.model.qwen3_tts.engine import TalkerEngine
 
     walls: list[float] = []
-    original = TalkerEngine.run
 
-    def timed(self, items):
-        t0 = time.perf_counter()
-        try:
-            return original(self, items)
-        finally:
-            walls.append(time.perf_counter() - t0)
+    def timing(original):
+        def timed(self, items):
+            t0 = time.perf_counter()
+            try:
+                return original(self, items)
+            finally:
+                walls.append(time.perf_counter() - t0)
+        return timed
 
     result: dict[str, Any] = {}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    TalkerEngine.run = timed
-    try:
-        with torch.profiler.profile(activities=activities) as prof:
-            yield result
-    finally:
-        TalkerEngine.run = original
+    with wrapped(TalkerEngine, "run", timing), torch.profiler.profile(activities=activities) as prof:
+        yield result
     steps = max(len(walls), 1)
     result.update({"steps": len(walls), "host_ms_per_step": 1e3 * sum(walls) / steps})
     if device.type == "cuda":
@@ -399,33 +408,26 @@ def step_profile(device: torch.device):
 
 
 @contextmanager
-def ramp_trace(enabled: bool = True):
+def ramp_trace():
     """The windows the adaptive ramp releases while this holds: ``(time, view, frames)`` per
-    release, ``view`` being what the rule saw (``mstar.model.qwen3_tts.ramp.RampView``). The
-    conductor runs in this process (``in_process``), so wrapping ``RampRule.release`` sees
-    every decision; nothing is traced when not ``enabled``."""
+    release, ``view`` being what the rule saw (``mstar.model.qwen3_tts.ramp.RampView``), from
+    ``RampRule.release`` wrapped in the conductor's process."""
     from mstar.model.qwen3_tts.ramp import RampRule
 
     entries: list[tuple[float, Any, int]] = []
-    if not enabled:
-        yield entries
-        return
-    original = RampRule.release
-
     seen: set = set()
 
-    def traced(self, view):
-        size = original(self, view)
-        if size and (view, size) not in seen:  # asked again in one tick (``StreamState.drained``)
-            seen.add((view, size))
-            entries.append((time.perf_counter(), view, size))
-        return size
+    def tracing(original):
+        def traced(self, view):
+            size = original(self, view)
+            if size and (view, size) not in seen:  # asked again in one tick (``StreamState.drained``)
+                seen.add((view, size))
+                entries.append((time.perf_counter(), view, size))
+            return size
+        return traced
 
-    RampRule.release = traced
-    try:
+    with wrapped(RampRule, "release", tracing):
         yield entries
-    finally:
-        RampRule.release = original
 
 
 def ramp_report(entries: list[tuple[float, Any, int]], start: float, windows: int = 4) -> dict[str, Any]:
@@ -468,7 +470,8 @@ def run_ours(settings: Settings, model_dir: Path) -> tuple[dict[str, Any], int, 
             for n in settings.streams:
                 runs, ramp = [], {}
                 for r in range(settings.runs):  # the first run's ramp decisions are traced
-                    with ramp_trace(settings.codec_ramp == "adaptive" and r == 0) as entries:
+                    traced = settings.codec_ramp == "adaptive" and r == 0
+                    with ramp_trace() if traced else nullcontext([]) as entries:
                         start = time.perf_counter()
                         runs.append(runner.run(n, settings.frames, settings.seed + 1000 * (r + 1)))
                     ramp = ramp_report(entries, start) if entries else ramp

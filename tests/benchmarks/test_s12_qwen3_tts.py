@@ -93,6 +93,13 @@ def test_smoke_run_with_the_fast_path_flags(tmp_path) -> None:
     assert s12.deployment(settings, tmp_path)["model_kwargs"]["codec_ramp"] == "adaptive"
     profile = data["ours"]["1"]["profile"]
     assert profile["steps"] >= 8 and profile["host_ms_per_step"] > 0
+    # the adaptive ramp's first window as the rule saw it: one window, nothing buffered yet
+    first = data["ours"]["1"]["ramp"]["0"]
+    assert sum(first["sizes"].values()) >= 1 and first["buffer_ms"] == [0.0, 0.0, 0.0]
+    from mstar.model.qwen3_tts.engine import TalkerEngine
+    from mstar.model.qwen3_tts.ramp import RampRule
+
+    assert RampRule.release.__name__ == "release" and TalkerEngine.run.__name__ == "run"  # unpatched after
 
 
 def test_the_dry_report_names_the_late_chunk() -> None:
