@@ -36,8 +36,9 @@ DECODE_GEMV_ROWS = 4
 projection a Triton GEMV with its LayerNorm, GELU and KV-cache write folded in, the
 attention's split combines in its kernel: 8 kernels a layer against ``forward_fused``'s 14
 to 16, counted on the CPU, ``tests/model/test_whisper_fused.py``). On an H100 (2026-12-07,
-``benchmarks/check_whisper_step.py``) it was only 1-3% faster a step than ``forward_fused`` at
-1-4 rows: the GEMV configs at Whisper's widths are untuned (docs/benchmarks.md, S4). The norm
+``benchmarks/check_whisper_step.py``) it was 1-3% faster a step than ``forward_fused`` at 1-4
+rows, and 5.7% once o and fc2 took configs swept at Whisper's widths (``_TUNED`` in
+``mstar.layers.triton_gemv``; docs/benchmarks.md, S4): each kernel is latency-bound there. The norm
 prologue is re-derived by every program, a cost that grows with the rows (at Llama-8B's 4096
 features it lost to a separate norm kernel from 4 rows; Whisper large-v3 has 1280)."""
 
