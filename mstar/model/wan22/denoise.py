@@ -35,7 +35,7 @@ from mstar.engine.base import Engine, EngineItem, EngineOutput
 
 OPS = ("step", "velocity", "guide")
 
-# predict(latents [B, C, F, h, w], time x 1000 per token [B, N], text [B, L, D]) -> flow [B, C, F, h, w]
+# predict(latents [B, C, F, h, w], time x 1000 [B, 1] or per token [B, N], text [B, L, D]) -> flow
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -67,13 +67,18 @@ class WanDenoiseEngine(Engine):
             self.schedules[item.request_id] = self.scheduler.timesteps(int(item.params["num_steps"]))
         return self.schedules[item.request_id]
 
-    def _time(self, item: EngineItem) -> torch.Tensor:
-        """The DiT's time per token ``[N]``: the step's timestep, 0 on a condition frame's tokens."""
-        t = self._schedule(item)[1][item.iteration].float()
+    def _time(self, item: EngineItem, per_token: bool) -> torch.Tensor:
+        """The DiT's time: per token ``[N]`` (the step's timestep, 0 on a condition frame's
+        tokens) when ``per_token``, else the step's timestep alone ``[1]``, which the DiT
+        broadcasts over the tokens: the same numbers, without reading a ``[N, 6, D]`` modulation
+        per token in every block."""
+        t = float(self._schedule(item)[1][item.iteration].float())
+        # made where the DiT runs: a host tensor copied up would make the host wait for the GPU
+        if not per_token:
+            return torch.full((1,), t, device=self.device)
         c, f, h, w = item.inputs["latents"].shape
         pt, ph, pw = self.patch
-        # made where the DiT runs: a host tensor copied up would make the host wait for the GPU
-        time = torch.full((f // pt, h // ph, w // pw), float(t), device=self.device)
+        time = torch.full((f // pt, h // ph, w // pw), t, device=self.device)
         if "condition" in item.inputs:
             time[0] = 0.0
         return time.flatten()
@@ -133,7 +138,8 @@ class WanDenoiseEngine(Engine):
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
                 latents = torch.stack([dit_input(items[i]) for i, _ in chunk]).to(self.device)
-                time = torch.stack([self._time(items[i]) for i, _ in chunk]).to(self.device)
+                per_token = any("condition" in items[i].inputs for i, _ in chunk)  # an i2v row
+                time = torch.stack([self._time(items[i], per_token) for i, _ in chunk])
                 text = torch.stack([items[i].inputs[name] for i, name in chunk]).to(self.device)
                 self.forward_rows.append(len(chunk))
                 out.update(zip(chunk, self.predict(latents, time, text).float()))
