@@ -16,6 +16,27 @@ from mstar.layers.linear import (
 GATE_UP = ("gate_proj", "up_proj")
 
 
+@torch.library.custom_op("mstar::linear_gelu_tanh", mutates_args=())
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x W^T + b)``. On CUDA one cuBLASLt product whose epilogue adds the bias and
+    applies the tanh GELU as it stores (``torch._addmm_activation``): the hidden activation is
+    written once, not written, read and written again by a separate GELU pass. The epilogue
+    rounds once where the two-pass path rounds the product before the GELU, so the results
+    agree to the dtype's rounding, not bit for bit. Elsewhere it is the two-pass path.
+
+    A ``torch.library`` custom op, so inductor calls it as one opaque kernel instead of
+    splitting the bias and GELU back out into its own element-wise kernel."""
+    if not x.is_cuda:
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@linear_gelu_tanh.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, with the Hugging Face parameter names
     (``gate_proj``, ``up_proj``, ``down_proj``) Llama, Qwen and their kin use.

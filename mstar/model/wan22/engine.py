@@ -11,11 +11,13 @@ import torch
 from mstar.config import DeploymentConfig
 from mstar.engine.base import Engine, StatelessEngine
 from mstar.model.diffusion_engines import text_encoder_engine
+from mstar.model.wan22 import transformer
+from mstar.model.wan22 import vae as wan_vae
 from mstar.model.wan22.checkpoint import WanCheckpoint
 from mstar.model.wan22.denoise import WanDenoiseEngine
 from mstar.model.wan22.knobs import WanKnobs
 from mstar.model.wan22.transformer import WanTransformer
-from mstar.model.wan22.vae import WanVAE, frames_uint8, use_fused_kernels
+from mstar.model.wan22.vae import WanVAE, frames_uint8
 
 # Kept in float32 in a bf16 deployment, as diffusers keeps them (its _keep_in_fp32_modules): the
 # time MLP, the modulation tables and the cross-attention norm.
@@ -42,6 +44,7 @@ def wan_engines(ckpt: WanCheckpoint, knobs: WanKnobs, config: DeploymentConfig, 
 
 def dit_engine(dit: WanTransformer, ckpt: WanCheckpoint, knobs: WanKnobs, device: torch.device,
                dtype: torch.dtype) -> WanDenoiseEngine:
+    transformer.use_fused_kernels(dit, knobs.fused_kernels)
     if knobs.compile:
         for block in dit.blocks:
             block.compile(backend=knobs.compile_backend)
@@ -56,7 +59,7 @@ def dit_engine(dit: WanTransformer, ckpt: WanCheckpoint, knobs: WanKnobs, device
 
 
 def vae_engine(vae: WanVAE, knobs: WanKnobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:
-    use_fused_kernels(vae, knobs.fused_kernels)
+    wan_vae.use_fused_kernels(vae, knobs.fused_kernels)
     decode = knobs.vae_decode(vae)
 
     def run(op, items):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from mstar.layers.mlp import TextProjection
+from mstar.layers.mlp import TextProjection, linear_gelu_tanh
 from mstar.layers.norm import WideRMSNorm
 from mstar.layers.ulysses import SequenceShards, UlyssesAttention, full_attention
 from mstar.model.flux2.transformer import timestep_sinusoid
@@ -133,13 +133,19 @@ class WanAttention(nn.Module):
 
 
 class GeluProjection(nn.Module):
-    """``proj`` then tanh-approximated GELU (diffusers' ``GELU`` activation module)."""
+    """``proj`` then tanh-approximated GELU (diffusers' ``GELU`` activation module). With
+    ``fused_kernels`` (set by ``use_fused_kernels``) on CUDA, the bias and the GELU are the
+    product's epilogue (``mstar.layers.mlp.linear_gelu_tanh``)."""
+
+    fused_kernels: bool = False
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.proj = ColumnParallelLinear(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_kernels and x.is_cuda and self.proj.qweight is None and not self.proj.gather_output:
+            return linear_gelu_tanh(x, self.proj.weight, self.proj.bias)
         return F.gelu(self.proj(x), approximate="tanh")
 
 
@@ -218,6 +224,14 @@ class ConditionEmbedder(nn.Module):
         rows = torch.arange(t.shape[0], device=t.device)[:, None]
         where = 2 * rows + (t == high).long()
         return temb[where], proj[where].unflatten(-1, (6, -1))
+
+
+def use_fused_kernels(dit: nn.Module, enabled: bool = True) -> None:
+    """Turn the DiT's fused paths on or off: each feed-forward's GELU as its first product's
+    epilogue (CUDA only; the CPU keeps the two-pass path)."""
+    for module in dit.modules():
+        if isinstance(module, GeluProjection):
+            module.fused_kernels = enabled
 
 
 class WanTransformer(nn.Module):
