@@ -5,17 +5,18 @@
     python3 benchmarks/profile_gpu.py s2 --batch 1 [--runtime-compile]
     python3 benchmarks/profile_gpu.py s3 --batch 32 --attention-backend triton --cuda-graphs --overlap
     python3 benchmarks/profile_gpu.py s7 --batch 32 [--fused-kernels]
+    python3 benchmarks/profile_gpu.py s8 --runtime-compile --fused-kernels --steps 6 --timeline 1
     python3 benchmarks/profile_gpu.py s10 --batch 1 [--compile] [--cuda-graphs]
 
-The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``, S10's
-Pi0.5 ``Ours``; S3's deployment in process, its speech requests through the backend rather than HTTP) starts the
-deployment on dummy weights, runs the batch ``--warmups`` times (2) unprofiled (kernels compiled,
-graphs captured), then once inside ``torch.profiler``. Printed: the batch's wall time, how
-long the GPU was busy in it (the union of kernel intervals) and so how much of the wall was
-host-bound, the time of each runtime node (``mstar.node.<name>`` ranges the worker opens),
-the kernels by total GPU time and the host ops by self CPU time. ``--out DIR`` also writes
-the full tables and (``--trace``) a Chrome trace there. ``--smoke`` runs on the CPU with the
-scenario's tiny model (no GPU figures).
+The scenario's own runner (S1's, S2's, S4's or S7's ``OursRunner``/``ImageRunner``, S8's
+``OursClips``, S10's Pi0.5 ``Ours``; S3's deployment in process, its speech requests through
+the backend rather than HTTP) starts the deployment on dummy weights, runs the batch
+``--warmups`` times (2) unprofiled (kernels compiled, graphs captured), then once inside
+``torch.profiler``. Printed: the batch's wall time, how long the GPU was busy in it (the union
+of kernel intervals) and so how much of the wall was host-bound, the time of each runtime node
+(``mstar.node.<name>`` ranges the worker opens), the kernels by total GPU time and the host
+ops by self CPU time. ``--out DIR`` also writes the full tables and (``--trace``) a Chrome
+trace there. ``--smoke`` runs on the CPU with the scenario's tiny model (no GPU figures).
 """
 
 from __future__ import annotations
@@ -115,7 +116,20 @@ def _s10(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callabl
     return (lambda: runner.run(args.batch)), runner.close
 
 
-SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4, "s7": _s7, "s10": _s10}
+def _s8(args: argparse.Namespace, tmp: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """S8's ``wan22`` deployment in process and one clip of ``--steps`` (default 6) denoise
+    steps: a short clip, so the GPU-idle stretches between steps show in the timeline."""
+    from benchmarks import s8_wan22 as s8
+
+    rest = list(args.scenario_args)
+    if "--steps" not in rest:
+        rest += ["--steps", "6"]
+    settings = s8.settings_from(s8.parse_args(rest + (["--smoke"] if args.smoke else [])))
+    runner = s8.OursClips(settings, s8.wan_dir(Path(tmp) / "model", settings), settings.vae_dtype.split(",")[0])
+    return (lambda: runner.clip(settings.steps)), runner.close
+
+
+SCENARIOS = {"s1": _s1, "s2": _s2, "s3": _s3, "s4": _s4, "s7": _s7, "s8": _s8, "s10": _s10}
 
 
 def busy_seconds(events) -> float:

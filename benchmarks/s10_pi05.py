@@ -126,6 +126,7 @@ class Settings:
     skip_ours: bool
     skip_baseline: bool
     seed: int
+    skip_eager: bool = False
 
     @property
     def state_dim(self) -> int:
@@ -154,7 +155,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(smoke=args.smoke, device=device, dtype=dtype, lerobot=dict(lerobot), cameras=args.cameras,
                     batches=batches, runs=runs, compile=args.compile, cuda_graphs=args.cuda_graphs,
                     baseline_compile=args.baseline_compile,
-                    skip_ours=args.skip_ours, skip_baseline=args.skip_baseline, seed=args.seed)
+                    skip_ours=args.skip_ours, skip_baseline=args.skip_baseline, seed=args.seed,
+                    skip_eager=args.skip_eager)
 
 
 def lerobot_config(settings: Settings) -> dict[str, Any]:
@@ -593,6 +595,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run ours with model_kwargs.cuda_graphs (each denoise step from a CUDA graph)")
     p.add_argument("--baseline-compile", action="store_true", help="transformers' model with model.compile()")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
+    p.add_argument("--skip-eager", action="store_true", help="run only ours' fast-path variants asked for")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     add_run_args(p)
     return p.parse_args(argv)
@@ -656,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
 def variants(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
     """Ours' deployments to run: eager, then each fast path asked for (``model_kwargs``)."""
     compiled = {"compile": True, "compile_backend": "inductor"}
-    out: list[tuple[str, dict[str, Any]]] = [("eager", {})]
+    out: list[tuple[str, dict[str, Any]]] = [] if settings.skip_eager else [("eager", {})]
     if settings.compile:
         out.append(("compile", compiled))
     if settings.cuda_graphs:
