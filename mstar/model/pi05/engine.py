@@ -94,7 +94,7 @@ class Pi05Engine(Engine):
         if self.prefill_graphs is not None and rows is not None and len(set(counts)) == 1 and counts[0]:
             self._prefill_graphed(items, request_ids, pixels, rows)
         else:
-            images = model.encode_images(pixels.to(self.device, non_blocking=True)).split(counts)
+            images = model.encode_images(to_device(pixels, self.device)).split(counts)
             ids = [to_device(item.inputs["prompt_ids"], self.device) for item in items]
             keys = self.prefix_keys(request_ids, lengths)
             model.prefill(model.embed_prefix(images, ids), self.caches, ChunkKeys(*self._on_device(keys)))
@@ -119,7 +119,7 @@ class Pi05Engine(Engine):
         lengths = torch.tensor([image_tokens + len(ids) for ids in prompts])
         keys = self.row_keys(request_ids, lengths, rows, image_tokens + width)
         inputs = (pixels, ids, *keys)
-        self.prefill_graphs((rows, images, width), *(t.to(self.device, non_blocking=True) for t in inputs))
+        self.prefill_graphs((rows, images, width), *(to_device(t, self.device) for t in inputs))
 
     def row_keys(self, request_ids: list[str], lengths: torch.Tensor, rows: int,
                  length: int) -> tuple[torch.Tensor, ...]:
@@ -219,8 +219,9 @@ class Pi05Engine(Engine):
         return ChunkKeys(positions.reshape(-1), write_slots.reshape(-1), key_slots, visible)
 
     def _on_device(self, keys: ChunkKeys) -> tuple[torch.Tensor, ...]:
-        # the fields one by one: dataclasses.astuple would deep-copy every tensor first
-        return tuple(None if t is None else t.to(self.device, non_blocking=True)
+        # the fields one by one: dataclasses.astuple would deep-copy every tensor first; each
+        # through pinned memory (a pageable copy may make the host wait for the queued kernels)
+        return tuple(None if t is None else to_device(t, self.device)
                      for t in (getattr(keys, f.name) for f in dataclasses.fields(keys)))
 
     def _denoise(self, x: torch.Tensor, time: torch.Tensor, dt: torch.Tensor, positions: torch.Tensor,
