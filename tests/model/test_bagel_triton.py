@@ -79,14 +79,15 @@ def generate(backend: str, dtype: torch.dtype, side: int, steps: int, edit: bool
     and the loop takes three CFG variants; else text to image (two)."""
     llm, proj = models(dtype)
     layers, heads, head_dim = llm.cache_shape()
-    kv = allocate_kv_cache(layers, 64, PAGE, heads, head_dim, dtype, DEVICE)
     gen = torch.Generator().manual_seed(side + edit)
     tokens = side * side
+    per_context = 2 * (tokens + 40) // PAGE + 2  # a context's tokens and its flow queries' scratch
+    kv = allocate_kv_cache(layers, 3 * per_context, PAGE, heads, head_dim, dtype, DEVICE)
     positions = latent_position_ids(side, side, MAX_LATENT).to(DEVICE)
-    pages = iter(range(64))
+    pages = iter(range(3 * per_context))
 
     def context() -> KVContext:
-        return KVContext([next(pages) for _ in range(2 * (tokens + 40) // PAGE + 2)])
+        return KVContext([next(pages) for _ in range(per_context)])
 
     text = text_segment(llm, [5, 17, 33, 2, 64, 8, 41, 12, 7], TOKENS)
     full, no_text = context(), context()
