@@ -33,7 +33,7 @@ _AS_RATE = {"ms/token": ("tok/s", 1e-3), "s/image": ("images/s", 1.0)}
 _SIDES = {"s5_shared_prefix": ("ours, prefix cache on", "ours, prefix cache off")}
 _BASELINES = {"s1_llama_decode": "transformers", "s2_flux2_klein": "diffusers", "s4_whisper": "transformers",
               "s9_qwen3_omni": "transformers", "s10_pi05": "transformers", "s11_world": "no baseline",
-              "s13_qwen3_asr": "transformers"}
+              "s13_qwen3_asr": "transformers", "s10_bagel": "bagel2"}
 COLOURS = {"ours": "#1f77b4", "baseline": "#ff7f0e", "floor": "#9e9e9e", "other": "#2ca02c"}
 
 

@@ -519,7 +519,7 @@ def metrics_from(settings: Settings, rates: dict[str, float], ours: dict | None,
                    "floor_s_three_variants": floor["s_three_variants"],
                    "floor_weight_read_s_per_step": floor["weight_read_s_per_step"],
                    "floor_leaves_out": "the prompt contexts and the VAE decode"}
-    batch.notes = {"baseline_is": f"{n} images one after the other (bagel2 has no batching across requests)"}
+    batch.notes = {"baseline_is": f"bagel2, {n} images one after the other (it has no batching across requests)"}
     ttft.notes = {"chat": f"one {settings.chat_image}x{settings.chat_image} image and a question, greedy"}
     tpot.notes = {"tokens": settings.chat_tokens, "floor_is": "one read of the understanding weights per token"}
     if ref:
