@@ -670,10 +670,12 @@ class Runtime:
                                 completion_tokens=tracked.stream.generated,
                                 error_status=_error_status(done) if error else None,
                                 error_field=done.field if error else None)
+            # the id is free before the client hears of the end: its next request may reuse it
+            # at once (after the end, a resubmission could race the release and get a 409)
+            self.tracked.pop(request_id, None)
+            self._forget_id(tracked.client_id)
             tracked.sink(final)
             tracked.sink(None)
-        self.tracked.pop(request_id, None)
-        self._forget_id(tracked.client_id)
 
 
 

@@ -143,6 +143,35 @@ def test_an_id_in_use_is_refused_and_an_ended_one_runs_under_a_fresh_id(loop):
         time.sleep(0.001)
 
 
+def test_the_id_is_free_when_the_client_hears_the_end(loop):
+    """A client that sends its next request under the same id the moment the last one's end
+    reaches it is not refused: the id is released before the end is delivered (it was after,
+    and a quick resubmission met a 409 now and then)."""
+    runtime, workers = loop
+    heard: list[object] = []
+
+    def sink(event) -> None:
+        if event is not None and event.finish_reason is not None:
+            try:
+                submit(runtime, "a")
+                heard.append("resubmitted")
+            except RequestError as err:
+                heard.append(err)
+
+    request = WalkRequest("chat", {"prompt": torch.tensor([1, 2])}, {"max_decode_steps": 3})
+    runtime.submit("a", request, Stream(), sink)
+    first = workers.next_plan()
+    runtime.cancel("a")
+    workers.finish(first)
+    deadline = time.monotonic() + TIMEOUT
+    while not heard:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert heard == ["resubmitted"]
+    runtime.cancel("a")
+    workers.finish(workers.next_plan())
+
+
 def test_a_submission_ends_the_wait_for_worker_events(loop):
     runtime, workers = loop
     runtime._poll_timeout = lambda: 30.0  # a wait only a worker event or a wake can end
