@@ -307,14 +307,14 @@ def run_dit(settings: Settings) -> dict[str, Any]:
         from mstar.model.wan22.transformer import use_fused_kernels
 
         use_fused_kernels(ours, settings.fused_kernels)
+        for model in (ours, theirs):  # compiled lazily, at each variant's first call below
+            for block in model.blocks:
+                block.compile(dynamic=False, backend=settings.compile_backend)
         # A text-to-video step as ours' engine runs it: one time per row, which the DiT
         # broadcasts over the tokens (the baseline takes the same time per token).
         row_time = {n: {**x, "t": x["t"][:, -1:]} for n, x in inputs.items()}
         for name, model, feed in (("ours_compiled", ours, inputs), ("ours_compiled_row_time", ours, row_time),
                                   ("baseline_compiled", theirs, inputs)):
-            if name != "ours_compiled_row_time":
-                for block in model.blocks:
-                    block.compile(dynamic=False, backend=settings.compile_backend)
             call = _scoped(settings, model) if name.startswith("ours") else _theirs(model)
             t0 = time.perf_counter()
             try:
@@ -559,6 +559,12 @@ def scenario_name(settings: Settings) -> str:
     return f"{SCENARIO} (smoke: tiny model, CPU)" if settings.smoke else SCENARIO
 
 
+# The DiT step rows: (metric label, (ours' variant, the baseline's variant) in ``run_dit``'s result)
+DIT_ROWS = (("eager", ("ours_eager", "baseline_eager")),
+            ("compiled", ("ours_compiled", "baseline_compiled")),
+            ("compiled, ours with one time per row (t2v)", ("ours_compiled_row_time", "baseline_compiled")))
+
+
 def metrics_from(settings: Settings, rates: dict[str, float], flops: dict[str, Any], dit: dict | None,
                  ours: dict | None, pipelines: dict[str, dict], ours_more: dict[str, dict] | None = None
                  ) -> list[Metric]:
@@ -566,13 +572,12 @@ def metrics_from(settings: Settings, rates: dict[str, float], flops: dict[str, A
     scenario = scenario_name(settings)
     for n in settings.batches:
         floor_ms = flops["dit_step"][n] / (rates["bf16"] * 1e12) * 1e3
-        for kind in ("eager", "compiled", "compiled_row_time"):
-            if kind != "eager" and not settings.compile:
+        for label, keys in DIT_ROWS:
+            if label != "eager" and not settings.compile:
                 continue
-            label = "compiled, ours with one time per row (t2v)" if kind == "compiled_row_time" else kind
             row = Metric(scenario, f"dit_step@{n} {label}", "ms", "lower", floor=floor_ms)
-            for side in ("ours", "baseline"):
-                value = (dit or {}).get(f"{side}_{kind}" if side == "ours" else f"{side}_{kind.split('_')[0]}", {})
+            for side, key in zip(("ours", "baseline"), keys, strict=True):
+                value = (dit or {}).get(key, {})
                 if n in value:
                     setattr(row, side, value[n] * 1e3)
                 elif "error" in value:
