@@ -29,8 +29,7 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
     model.eval()
     engine = Pi05Engine(model.to(device), lambda name: Embodiment(IDENTITY, IDENTITY), torch.device(device),
                         torch.float32,
-                        num_pages=64, page_size=4, cuda_graphs=cuda_graphs, batch_sizes=(1, 4),
-                        prefill_exact=1)
+                        num_pages=64, page_size=4, cuda_graphs=cuda_graphs, batch_sizes=(2, 4))
     g = torch.Generator().manual_seed(1)
     requests = {  # id -> (pixels, ids, noise, steps)
         "a": (torch.rand(2, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 90, (11,), generator=g),
@@ -71,12 +70,14 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
                 done[it.request_id] = out.outputs["action"]
     assert max(engine.forward_rows) == 3  # a's, b's and c's steps shared forwards
     assert engine.pool.num_used_pages == 0
-    if cuda_graphs:  # one request padded to bucket 1, two or three to bucket 4; keys to multiples of 64
-        assert {rows for rows, _ in engine.graphs.inputs} == {1, 4}
-        assert all(length % 64 == 0 for _, length in engine.graphs.inputs)
-        # prefills: a alone (two images, 11 prompt tokens), b and c padded to bucket 4 past
-        # prefill_exact (one image, 7 and 19 prompt tokens: the prompts padded to 32)
-        assert set(engine.prefill_graphs.inputs) == {(1, 2, 16), (4, 1, 32)}
+    if cuda_graphs:  # one or two requests' steps in bucket 2, three padded to 4; keys to multiples of 64
+        # a key length's first step captured both buckets, whichever it needed
+        lengths = {length for _, length in engine.graphs.inputs}
+        assert set(engine.graphs.inputs) == {(rows, length) for rows in (2, 4) for length in lengths}
+        assert all(length % 64 == 0 for length in lengths)
+        # prefills: a alone padded to bucket 2 (two images, 11 prompt tokens), b and c in one
+        # graph of 2 (one image, 7 and 19 prompt tokens: the prompts padded to 32)
+        assert set(engine.prefill_graphs.inputs) == {(2, 2, 16), (2, 1, 32)}
     for r, (pixels, ids, noise, steps) in requests.items():
         want = model.sample_actions([pixels.to(device)], [ids.to(device)], noise[None].to(device), num_steps=steps,
                                     page_size=4)[0, :, :5].cpu()
@@ -84,3 +85,20 @@ def test_interleaved_requests_equal_eager(cuda_graphs: bool, device: str) -> Non
         tol = 1e-5 if device == "cpu" else 1e-4  # TF32 and other kernels on the GPU
         assert float((done[r] - want).abs().max()) <= tol * max(1.0, float(want.abs().max()))
         assert float((want - noise[:, :5]).abs().max()) > 0.1
+
+
+def test_a_graphed_prefill_runs_as_parts_of_the_batch_buckets() -> None:
+    """Any count of requests replays a few graphs: the largest bucket that fits, again and
+    again, a rest below every bucket padded up to the smallest."""
+    model = Pi05Policy(Pi05Config.from_lerobot(tiny_lerobot_config()))
+
+    def parts(sizes, count):
+        engine = Pi05Engine(model, lambda name: Embodiment(IDENTITY, IDENTITY), torch.device("cpu"), torch.float32,
+                            num_pages=8, page_size=4, cuda_graphs=True, batch_sizes=sizes)
+        return engine.prefill_parts(count)
+
+    assert parts((1, 2, 4, 8, 16), 15) == [(8, 8), (4, 4), (2, 2), (1, 1)]
+    assert parts((1, 2, 4, 8, 16), 16) == [(16, 16)]
+    assert parts((1, 2, 4, 8, 16), 37) == [(16, 16), (16, 16), (4, 4), (1, 1)]
+    assert parts((2, 4), 1) == [(1, 2)]
+    assert parts((2, 4), 7) == [(4, 4), (2, 2), (1, 2)]

@@ -6,14 +6,16 @@ Ops (ports in brackets):
   action chunk), encode every camera image of every request in the batch in one SigLIP
   forward, and run all their prefixes through the language model in one forward. ``prefix``
   is the prefix length, a marker the denoise steps read. With ``cuda_graphs`` a prefill of
-  requests bringing the same number of images replays from a graph (``_prefill_graphed``).
+  requests bringing the same number of images replays from graphs of the batch buckets' sizes
+  (``_prefill_graphed``): 15 requests as 8 + 4 + 2 + 1, so every count reuses a few graphs.
 - ``step`` [actions, prefix -> actions]: one Euler step of the flow from time 1 to 0, for every
   request in the batch in one expert forward (each at its own iteration and step count). Its
   attention takes the step as ``ChunkKeys``: every request's keys gathered to one padded length
   and attended to at once. With ``cuda_graphs`` the whole step (time embedding, expert, Euler
   update) replays from a CUDA graph per (batch bucket, key-length bucket): a step of a small
   expert is hundreds of launches whose host time exceeds their GPU time. Padded rows write to a
-  scratch page no request owns.
+  scratch page no request owns. A key-length bucket's first step captures every batch bucket
+  at once: how many requests a step holds depends on when they arrived.
 - ``finish`` [actions -> action]: the chunk cut to the embodiment's action width and
   unnormalised with its statistics, float32 on the host; the pages are freed.
 """
@@ -42,7 +44,7 @@ PROMPT_BUCKET = 16  # a graphed prefill's prompt length is rounded up to a multi
 class Pi05Engine(Engine):
     def __init__(self, model: Pi05Policy, embodiments: Callable[[str], Embodiment], device: torch.device,
                  dtype: torch.dtype, num_pages: int, page_size: int, cuda_graphs: bool = False,
-                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, max_graphs: int = 32, prefill_exact: int = 16):
+                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, max_graphs: int = 32):
         self.model = model
         self.embodiments = embodiments
         self.device = device
@@ -53,9 +55,9 @@ class Pi05Engine(Engine):
         self.caches = allocate_kv_cache(dims.num_layers, num_pages + int(cuda_graphs), page_size, dims.num_kv_heads,
                                         dims.head_dim, dtype, device)
         self.batch_sizes = tuple(sorted(batch_sizes))
-        self.prefill_exact = prefill_exact  # graphed prefills of up to this many requests: one graph per count
         self.graphs = ShapeGraphs(self._denoise, device, max_graphs) if cuda_graphs else None
         self.prefill_graphs = ShapeGraphs(self._prefill_rows, device, max_graphs) if cuda_graphs else None
+        self.step_lengths: set[int] = set()  # the key lengths whose step graphs were captured
         self.prefix_lens: dict[str, int] = {}
         self.forward_rows: list[int] = []  # requests of each recent denoise forward (batch log)
 
@@ -87,12 +89,13 @@ class Pi05Engine(Engine):
         # one host-to-device copy of every image (a copy per request waits on each)
         pixels = torch.cat([item.inputs["pixels"] for item in items])
         counts = [len(item.inputs["pixels"]) for item in items]
-        # a prefill's rows are not padded up to prefill_exact: requests trickle in from the front
-        # end, so prefills of every count come, and a padded row costs a whole prefix of GPU work
-        count = len(items)
-        rows = count if count <= self.prefill_exact else next((b for b in self.batch_sizes if b >= count), None)
-        if self.prefill_graphs is not None and rows is not None and len(set(counts)) == 1 and counts[0]:
-            self._prefill_graphed(items, request_ids, pixels, rows)
+        if self.prefill_graphs is not None and len(set(counts)) == 1 and counts[0]:
+            start = 0
+            for size, rows in self.prefill_parts(len(items)):
+                part = slice(start, start + size)
+                self._prefill_graphed(items[part], request_ids[part],
+                                      pixels[start * counts[0]:(start + size) * counts[0]], rows)
+                start += size
         else:
             images = model.encode_images(to_device(pixels, self.device)).split(counts)
             ids = [to_device(item.inputs["prompt_ids"], self.device) for item in items]
@@ -100,12 +103,30 @@ class Pi05Engine(Engine):
             model.prefill(model.embed_prefix(images, ids), self.caches, ChunkKeys(*self._on_device(keys)))
         return [{"prefix": torch.tensor([n])} for n in lengths]
 
+    def prefill_parts(self, count: int) -> list[tuple[int, int]]:
+        """A graphed prefill of ``count`` requests as ``(requests, rows)`` parts, one replay
+        each: the largest batch bucket that fits what is left, again and again (15 as 8, 4, 2, 1
+        with the default buckets); a rest smaller than every bucket padded up to the smallest.
+
+        Requests arrive from the front end in any number, and a graph per count (as until
+        2026-12-07) met new counts long after warm-up, each one's capture (three forwards of
+        the whole prefix) stalling its batch. Padding every count up to its bucket would cost
+        up to a whole prefix of GPU work per padded row."""
+        parts, rest = [], count
+        while rest:
+            size = next((b for b in reversed(self.batch_sizes) if b <= rest), None)
+            if size is None:
+                return [*parts, (rest, self.batch_sizes[0])]
+            parts.append((size, size))
+            rest -= size
+        return parts
+
     def _prefill_graphed(self, items: list[EngineItem], request_ids: list[str], pixels: torch.Tensor,
                          rows: int) -> None:
-        """The prefill replayed from a graph per (requests, or their batch bucket past
-        ``prefill_exact``; images a request; prompt bucket): every prefix laid out as one row of
-        its images' tokens and its prompt padded to a multiple of ``PROMPT_BUCKET`` (the padding
-        written to the scratch page, never visible), the rows past the requests padding too."""
+        """The prefill replayed from a graph per (rows; images a request; prompt bucket): every
+        prefix laid out as one row of its images' tokens and its prompt padded to a multiple of
+        ``PROMPT_BUCKET`` (the padding written to the scratch page, never visible), the rows
+        past the requests padding too."""
         images = len(items[0].inputs["pixels"])
         prompts = [item.inputs["prompt_ids"].reshape(-1) for item in items]
         width = -(-max(len(ids) for ids in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -189,26 +210,53 @@ class Pi05Engine(Engine):
         if rows is None:
             inputs = (x, to_device(time, self.device), to_device(dt, self.device), *self._on_device(keys)[:4])
             return [{"actions": row} for row in self._denoise(*inputs)]
-        pad = rows - count
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-        time, dt = torch.cat([time, torch.ones(pad)]), torch.cat([dt, torch.zeros(pad)])
-        inputs = (x, to_device(time, self.device), to_device(dt, self.device), *self._on_device(keys)[:4])
-        out = self.graphs((rows, keys.key_slots.shape[1]), *inputs)
+        length = keys.key_slots.shape[1]
+        if length not in self.step_lengths:
+            self.step_lengths.add(length)
+            self._capture_steps(length)
+        out = self.graphs((rows, length), *self._step_inputs(x, time, dt, keys, rows))
         return [{"actions": row} for row in out[:count]]
 
-    def chunk_keys(self, request_ids: list[str], rows: int, bucket: bool) -> ChunkKeys:
+    def _step_inputs(self, x: torch.Tensor, time: torch.Tensor, dt: torch.Tensor, keys: ChunkKeys,
+                     rows: int) -> tuple[torch.Tensor, ...]:
+        """A graphed step's inputs on the device, the rows past ``x``'s padding (at time 1
+        with step 0)."""
+        pad = rows - len(x)
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        time, dt = torch.cat([time, torch.ones(pad)]), torch.cat([dt, torch.zeros(pad)])
+        return x, to_device(time, self.device), to_device(dt, self.device), *self._on_device(keys)[:4]
+
+    def _capture_steps(self, length: int) -> None:
+        """Capture a step of every batch bucket at key length ``length``, over padding rows
+        only (their writes go to the scratch page). A step's count of requests depends on when
+        they arrived (16 submitted together ran as steps of 1, 2, 8 and 16 on an H100): captured
+        one by one as each count first came, every capture stalled its batch by ~0.2 s long
+        after warm-up (the prefix lengths, hence the key buckets, are fewer)."""
+        x = torch.zeros(0, self.model.config.chunk_size, self.model.config.max_action_dim, device=self.device)
+        for rows in reversed(self.batch_sizes):  # the largest first: the graphs' pool is sized once
+            if (rows, length) not in self.graphs.inputs:
+                keys = self.chunk_keys([], rows, True, length)
+                self.graphs((rows, length), *self._step_inputs(x, torch.zeros(0), torch.zeros(0), keys, rows))
+
+    def chunk_keys(self, request_ids: list[str], rows: int, bucket: bool, length: int | None = None) -> ChunkKeys:
         """The step of ``request_ids`` (each writing its chunk after its prefix) as host
         ``ChunkKeys`` over ``rows >= len(request_ids)`` rows: the rows past the requests write
-        to and read the scratch page. ``bucket``: the key length rounded up to ``KEY_BUCKET``."""
+        to and read the scratch page. ``bucket``: the key length rounded up to ``KEY_BUCKET``;
+        ``length``: that length given (a capture's padding rows only, ``request_ids`` empty)."""
         chunk, page_size = self.model.config.chunk_size, self.pool.page_size
-        starts = torch.tensor([self.prefix_lens[r] for r in request_ids])
-        length = int(starts.max()) + chunk
-        if bucket:
-            length = -(-length // KEY_BUCKET) * KEY_BUCKET
+        starts = torch.tensor([self.prefix_lens[r] for r in request_ids], dtype=torch.int64)
+        if length is None:
+            length = int(starts.max()) + chunk
+            if bucket:
+                length = -(-length // KEY_BUCKET) * KEY_BUCKET
         pos = torch.arange(length)
-        slots, key_slots, visible = self._key_grid(request_ids, starts + chunk, length)
-        positions = starts[:, None] + torch.arange(chunk)
-        write_slots = slots.gather(1, positions)
+        if request_ids:
+            slots, key_slots, visible = self._key_grid(request_ids, starts + chunk, length)
+            positions = starts[:, None] + torch.arange(chunk)
+            write_slots = slots.gather(1, positions)
+        else:
+            positions = write_slots = torch.zeros(0, chunk, dtype=torch.int64)
+            key_slots, visible = torch.zeros(0, length, dtype=torch.int64), torch.zeros(0, length, dtype=torch.bool)
         pad = rows - len(request_ids)
         if pad:
             scratch = self.scratch * page_size
