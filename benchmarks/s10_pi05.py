@@ -348,6 +348,7 @@ class Ours:
                                                               enumerate(self.images)],
                               ["action"], {"state": self.state, "seed": i}) for i in range(n)]
         sinks = [TimedSink() for _ in specs]
+        graphs_before = self.graph_keys()
         start = time.perf_counter()
         requests = list(self.front.map(spec.prepare_generate, specs))
         prepared = time.perf_counter()
@@ -361,7 +362,15 @@ class Ours:
             if sink.error or sink.data_bytes != chunk_bytes:
                 raise RuntimeError(f"request {i}: error {sink.error!r}, {sink.data_bytes} bytes of action")
         return {"wall_s": ended - start, "front_s": prepared - start,
-                "latency_s": [s.first_data - s.submitted for s in sinks]}
+                "latency_s": [s.first_data - s.submitted for s in sinks],
+                "captured": sorted(self.graph_keys() - graphs_before)}
+
+    def graph_keys(self) -> set[str]:
+        """The CUDA graphs the engine holds (``cuda_graphs``), as ``"prefill (rows, images,
+        width)"`` / ``"step (rows, keys)"``: a run that captures one waits for the capture."""
+        engine = self.deployment.runtime.workers.workers[0].engines["policy"]
+        return {f"{name} {key}" for name, graphs in (("prefill", engine.prefill_graphs), ("step", engine.graphs))
+                if graphs is not None for key in graphs.inputs}
 
     def prompt_len(self) -> int:
         from mstar.model.pi05.model import prompt_text
@@ -390,6 +399,7 @@ def run_ours(settings: Settings, policy_dir: Path, name: str, variant: dict[str,
             out[n] = {"wall_s": [r["wall_s"] for r in runs], "wall_ms_median": wall * 1e3,
                       "front_ms_median": 1e3 * statistics.median(r["front_s"] for r in runs),
                       "latency_ms_median": 1e3 * statistics.median(t for r in runs for t in r["latency_s"]),
+                      "captured": [r["captured"] for r in runs],
                       "chunks_per_s": n / wall}
             log.info("ours (%s) at %d: %.1f ms per batch, %.2f chunks/s", name, n, wall * 1e3, n / wall)
     finally:
