@@ -22,6 +22,7 @@ def test_smoke_runs_ours_and_the_baseline(tmp_path):
     assert not data["errors"]
     rows = {m["metric"]: m for m in data["metrics"]}
     names = {f"{m} {v}" for m in ("latency@1", "chunks/s@4", "actions/s@4") for v in ("eager", "compile")}
+    names |= {f"chunks/s@4 {v}, inputs prepared" for v in ("eager", "compile")}
     assert names == set(rows)
     for name in names:
         row = rows[name]
@@ -30,6 +31,7 @@ def test_smoke_runs_ours_and_the_baseline(tmp_path):
     chunk = s10.TINY["chunk_size"]
     for v in ("eager", "compile"):
         assert rows[f"actions/s@4 {v}"]["ours"] == pytest.approx(chunk * rows[f"chunks/s@4 {v}"]["ours"])
+        assert rows[f"chunks/s@4 {v}, inputs prepared"]["ours"] > rows[f"chunks/s@4 {v}"]["ours"]  # less time
     baseline = data["baseline"]
     assert baseline["rel_err_vs_ours_eager"] < 1e-5  # the same weights copied in: the same chunk
     assert data["ours"]["eager"]["prompt_len"] == rows["latency@1 eager"]["notes"]["prompt_tokens"] > 6
