@@ -258,15 +258,25 @@ def test_codec_window_graphs_equal_eager_on_cuda(tiny) -> None:
     eager, graphs = CodecEngine(codec, left_context=4), CodecEngine(codec, left_context=4, cuda_graphs=True)
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    # each stream's audio against its own peak. The halved codec speaks quietly (stream peaks
+    # ~4e-3) next to its activations, so float32 rounding shows at ~1e-4 of the output: on an
+    # H100 (2026-12-07) a first window (one frame, peak 9e-4) differed by 2.8e-7, 7e-5 of its
+    # stream's peak. A graph replaying stale or misplaced rows differs by the audio itself.
+    audio: dict[tuple[str, int], list[torch.Tensor]] = {}
     try:
         for step in zip(*streams):
-            for _ in range(2):  # captured, then replayed
-                for a, b in zip(graphs.run(list(step)), eager.run(list(step))):
-                    peak = b.outputs["audio"].abs().max()
-                    err = (a.outputs["audio"] - b.outputs["audio"]).abs().max()
-                    assert err <= 1e-4 * peak, f"{err / peak:.2e} of peak, window {b.outputs['audio'].shape}"
+            for replay in range(2):  # captured, then replayed
+                for item, a, b in zip(step, graphs.run(list(step)), eager.run(list(step))):
+                    audio.setdefault((item.request_id, replay), []).append(a.outputs["audio"] - b.outputs["audio"])
+                    audio.setdefault((item.request_id, -1 - replay), []).append(b.outputs["audio"])
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    for (request_id, replay), diffs in audio.items():
+        if replay >= 0:
+            peak = torch.cat(audio[request_id, -1 - replay]).abs().max()
+            err = torch.cat(diffs).abs().max()
+            assert err <= 1e-3 * peak, f"{request_id}: {err / peak:.2e} of the stream's peak"
+            assert peak > 1e-3  # not silence
 
 
 def windows(request_id: str, codes: torch.Tensor, ramp=(1, 3, 8, 6), left=4) -> list[EngineItem]:
