@@ -3,11 +3,11 @@ prints and writes. The embedded models (smollm2, whisper_base, piper, the voice 
 their real weights, all from one ``mstar serve voice_agent``: it serves each of its parts by
 the part's own name and routes, so ``chat_smollm2.py`` sends there what it sends to ``mstar
 serve smollm2`` (the single-model servers' routes have their own e2e tests). The families whose
-weights are not on a CI machine run on tiny ``load_format: dummy`` deployments with the model
-in the server process (``--in-process``: no worker process to start), so their checks are
-about the serving path (a WAV at the family's rate, streamed audio, the same text from two
+weights are not on a CI machine run on tiny ``load_format: dummy`` deployments, so their checks
+are about the serving path (a WAV at the family's rate, streamed audio, the same text from two
 routes, a PNG of the size asked), not about what is said. ``llama`` runs on SmolLM2's embedded
-GGUF. Every script is also compiled.
+GGUF. Those, and ``llama``, serve with the model in the server process (``--in-process``: no
+worker process to start). Every script is also compiled.
 
 LiveKit Agents and Pipecat run from the interpreter that has them: the one named by
 ``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON``, this one, or ``.venv-agents`` (their own
@@ -206,8 +206,8 @@ def clip_file(work: Path, seconds: float = 2.0) -> Path:
     return path
 
 
-# The model in the server process: these checks are about the routes, and a worker process
-# to spawn (torch imported, the model built again) was a third of each launch.
+# The model in the server process: these checks are about the routes, and spawning a worker
+# process (torch imported, the model built again) was about 4 s of each ~11 s test.
 IN_PROCESS = ["--in-process"]
 
 
