@@ -5,29 +5,60 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from mstar.config import ConfigError
 from mstar.contract import TASKS
-from mstar.model.spec import ModelSpec
+
+if TYPE_CHECKING:  # a lookup imports torch with the family; an unknown key is reported without it
+    from mstar.model.spec import ModelSpec
 
 _REGISTRY: dict[str, type[ModelSpec]] = {}
 
-# Families are imported on first lookup so that `import mstar` stays light.
-_FAMILIES = ("mstar.model.llama.model", "mstar.model.whisper.model", "mstar.model.orpheus.model",
-             "mstar.model.flux2.model", "mstar.model.flux2.guided",
-             "mstar.model.qwen3_5.model", "mstar.model.qwen3_omni.model",
-             "mstar.model.z_image.model", "mstar.model.wan22.model", "mstar.model.ltx2_5.model",
-             "mstar.model.fastconformer.model",
-             "mstar.model.canary.model",
-             "mstar.model.glm52.model",
-             "mstar.model.higgs_audio.model", "mstar.model.qwen3_asr.model",
-             "mstar.model.canary_qwen.model", "mstar.model.kokoro.model",
-             "mstar.model.chatterbox.model", "mstar.model.cosyvoice3.model", "mstar.model.piper.model",
-             "mstar.model.pi05.model", "mstar.model.voice_agent", "mstar.model.bagel.model",
-             "mstar.model.vjepa2.model", "mstar.model.waypoint.model", "mstar.model.lingbot.model",
-             "mstar.model.omniasr.model", "mstar.model.qwen3_tts.model", "mstar.model.omnivoice.model",
-             "mstar.model.nemotron_h.model", "mstar.model.cosmos3.model", "mstar.model.fish_s2_pro.model",
-             "mstar.model.command_a_plus.model", "mstar.model.nemotron_duplex.model")
+# Each family's module and the keys it registers. A lookup imports the one module it needs,
+# so that `import mstar` stays light and a key that does not exist is reported at once (the
+# CLI's startup errors cost no more than their check). Models registered from elsewhere (a
+# plugin, a test's toy model) are found once their module has been imported.
+_FAMILIES: dict[str, tuple[str, ...]] = {
+    "mstar.model.llama.model": ("llama", "smollm2"),
+    "mstar.model.whisper.model": ("whisper", "whisper_base", "whisper_large", "whisper_large_v3_turbo"),
+    "mstar.model.orpheus.model": ("orpheus",),
+    "mstar.model.flux2.model": ("flux2_klein", "flux2_klein_9b"),
+    "mstar.model.flux2.guided": ("flux2_klein_base",),
+    "mstar.model.qwen3_5.model": ("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b", "qwen3_5_9b", "qwen3_5_27b",
+                                  "qwen3_8_27b"),
+    "mstar.model.qwen3_omni.model": ("qwen3_omni",),
+    "mstar.model.z_image.model": ("z_image_turbo",),
+    "mstar.model.wan22.model": ("wan22",),
+    "mstar.model.ltx2_5.model": ("ltx2_5",),
+    "mstar.model.fastconformer.model": ("parakeet", "nemotron_asr"),
+    "mstar.model.canary.model": ("canary",),
+    "mstar.model.glm52.model": ("glm52",),
+    "mstar.model.higgs_audio.model": ("higgs_audio",),
+    "mstar.model.qwen3_asr.model": ("qwen3_asr", "qwen3_asr_realtime"),
+    "mstar.model.canary_qwen.model": ("canary_qwen",),
+    "mstar.model.kokoro.model": ("kokoro",),
+    "mstar.model.chatterbox.model": ("chatterbox", "chatterbox_multilingual", "chatterbox_turbo"),
+    "mstar.model.cosyvoice3.model": ("cosyvoice3",),
+    "mstar.model.piper.model": ("piper",),
+    "mstar.model.pi05.model": ("pi05",),
+    "mstar.model.voice_agent": ("voice_agent",),
+    "mstar.model.bagel.model": ("bagel",),
+    "mstar.model.vjepa2.model": ("vjepa2", "vjepa2_ac"),
+    "mstar.model.waypoint.model": ("waypoint",),
+    "mstar.model.lingbot.model": ("lingbot_world_1_3b",),
+    "mstar.model.omniasr.model": ("omnilingual_asr_ctc_300m", "omnilingual_asr_ctc_1b", "omnilingual_asr_ctc_3b",
+                                  "omnilingual_asr_ctc_7b"),
+    "mstar.model.qwen3_tts.model": ("qwen3_tts", "qwen3_tts_1p7b", "qwen3_tts_base", "qwen3_tts_voicedesign"),
+    "mstar.model.omnivoice.model": ("omnivoice",),
+    "mstar.model.nemotron_h.model": ("nemotron_h",),
+    "mstar.model.cosmos3.model": ("cosmos3", "cosmos3_droid", "cosmos3_edge", "cosmos3_edge_droid", "cosmos3_super",
+                                  "cosmos3_super_i2v_4step", "cosmos3_super_t2i_4step"),
+    "mstar.model.fish_s2_pro.model": ("fish_s2_pro",),
+    "mstar.model.command_a_plus.model": ("command_a_plus",),
+    "mstar.model.nemotron_duplex.model": ("nemotron_duplex",),
+}
+_MODULE_OF = {key: module for module, keys in _FAMILIES.items() for key in keys}
 
 
 def register(cls: type[ModelSpec]) -> type[ModelSpec]:
@@ -41,33 +72,34 @@ def register(cls: type[ModelSpec]) -> type[ModelSpec]:
     return cls
 
 
-_UNAVAILABLE: dict[str, str] = {}  # family module -> why it could not be imported
-
-
-def _load_families() -> None:
-    """Import every family; one whose optional dependencies are missing (soundfile for the
-    speech families, say) is skipped, and named if its key is asked for."""
-    for module in _FAMILIES:
-        if module in _UNAVAILABLE:
-            continue
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            _UNAVAILABLE[module] = str(err)
+def _import_family(module: str) -> str | None:
+    """Import one family's module; why it cannot be (its optional dependencies missing:
+    soundfile for the speech families, say), or None."""
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        return str(err)
+    return None
 
 
 def model_class(key: str) -> type[ModelSpec]:
-    _load_families()
-    try:
-        return _REGISTRY[key]
-    except KeyError:
-        missing = "".join(f"; {m} is unavailable ({why})" for m, why in _UNAVAILABLE.items())
+    if key not in _MODULE_OF and key not in _REGISTRY:
         raise ConfigError(f"model: unknown model {key!r}; `mstar models` lists the registered ones "
-                          f"({', '.join(sorted(_REGISTRY))}){missing}") from None
+                          f"({', '.join(sorted(_MODULE_OF.keys() | _REGISTRY.keys()))})")
+    if key not in _REGISTRY:
+        module = _MODULE_OF[key]
+        why = _import_family(module)
+        if why is not None:
+            raise ConfigError(f"model: {key!r} is unavailable here: {module} cannot be imported ({why})")
+        if key not in _REGISTRY:
+            raise ValueError(f"{module} did not register model key {key!r}, as the registry's _FAMILIES says")
+    return _REGISTRY[key]
 
 
 def registered() -> list[str]:
-    _load_families()
+    """Every key whose family can be imported here, and those registered from elsewhere."""
+    for module in _FAMILIES:
+        _import_family(module)
     return sorted(_REGISTRY)
 
 

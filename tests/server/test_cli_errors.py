@@ -11,6 +11,7 @@ checked against the registry; an unexpected error keeps its traceback.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import resource
 import socket
@@ -24,7 +25,7 @@ import torch
 
 from mstar import cli
 from mstar.config import ConfigError, parse_config
-from mstar.model.registry import model_class, registered
+from mstar.model.registry import _FAMILIES, model_class, registered
 from mstar.runtime.launch import start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,3 +149,37 @@ def test_models_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
     assert by_key["llama"][6:] == ["no:", "needs", "model_path", "(no", "default", "weights)"]
     assert by_key["orpheus"][2:5] == ["text", "->", "audio"]
     assert by_key["qwen3_5_4b"][2:5] == ["text,image,video", "->", "text"]
+
+
+def test_each_family_module_registers_the_keys_the_registry_names_for_it() -> None:
+    """A lookup imports only the module ``_FAMILIES`` names for the key, so the map must
+    say exactly what each module registers: checked both ways, in a fresh interpreter."""
+    script = ("import importlib, json\n"
+              "from mstar.model import registry\n"
+              "found = {}\n"
+              "for module in registry._FAMILIES:\n"
+              "    before = set(registry._REGISTRY)\n"
+              "    importlib.import_module(module)\n"
+              "    found[module] = sorted(set(registry._REGISTRY) - before)\n"
+              "print(json.dumps(found))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    found = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True, timeout=HANG_S).stdout)
+    assert found == {module: sorted(keys) for module, keys in _FAMILIES.items()}
+
+
+def test_an_unknown_model_is_named_without_importing_a_family(tmp_path: Path) -> None:
+    script = ("import sys\n"
+              "from mstar.model.registry import model_class\n"
+              "from mstar.config import ConfigError\n"
+              "try:\n"
+              "    model_class('no_such_model')\n"
+              "except ConfigError as err:\n"
+              "    print(err)\n"
+              "print(sorted(m for m in sys.modules if m.startswith('mstar.model.') and m.endswith('.model')))\n"
+              "print('torch' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    message, families, torch_loaded = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                                     text=True, check=True, timeout=HANG_S).stdout.splitlines()
+    assert "unknown model 'no_such_model'" in message and "smollm2" in message and "cosmos3_super" in message
+    assert (families, torch_loaded) == ("[]", "False")
