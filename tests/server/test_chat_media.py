@@ -306,9 +306,8 @@ def test_media_are_fetched_concurrently_and_a_failure_cancels_the_rest(
 
     monkeypatch.setattr(bodies_module, "fetch_media", slow_fetch)
     client = TestClient(create_app(media_backend))
-    started = time.monotonic()
     assert chat(client, *[image("ok")] * 4).status_code == 200
-    assert peak == 4 and time.monotonic() - started < 1.0  # four 0.3 s fetches overlapped
+    assert peak == 4  # all four 0.3 s fetches in flight at once (a wall-clock bound flaked under load)
     assert media_backend.chat_specs[-1].messages[0]["content"] == [{"type": "image", "data": b"ok"}] * 4
 
     started = time.monotonic()
