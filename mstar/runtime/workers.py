@@ -461,11 +461,14 @@ def worker_threads(config_data: dict[str, Any], num_ranks: int) -> int:
     (a pipeline, a split group), so they share the cores: oversubscribed BLAS threads thrash.
     The parts of a many-model deployment take turns (a voice agent hears, then thinks, then
     speaks), so each of its workers gets every core: on 2 cores a third each made the voice
-    agent's reply start 0.98 s after the user's turn instead of 0.52 s."""
+    agent's reply start 0.98 s after the user's turn instead of 0.52 s.
+
+    Local ``replicas`` serve at once, so they split the cores too: two SmolLM2 replicas of a
+    thread per core each on 2 cores took a test's 32 requests 8x longer under load."""
     from mstar.model.composite import ComposedSpec
     from mstar.model.registry import model_class
 
-    cores = os.cpu_count() or 1
+    cores = max(1, (os.cpu_count() or 1) // max(1, int(config_data.get("replicas") or 1)))
     return cores if issubclass(model_class(config_data["model"]), ComposedSpec) else max(1, cores // num_ranks)
 
 

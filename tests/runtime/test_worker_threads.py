@@ -17,3 +17,10 @@ def test_ranks_of_one_model_share_the_cores():
 
 def test_the_parts_of_a_many_model_deployment_take_turns():
     assert worker_threads({"model": "voice_agent"}, 3) == (os.cpu_count() or 1)
+
+
+def test_local_replicas_split_the_cores():
+    cores = os.cpu_count() or 1
+    assert worker_threads({"model": "smollm2", "replicas": 2}, 1) == max(1, cores // 2)
+    assert worker_threads({"model": "smollm2", "replicas": 2}, 2) == max(1, cores // 4)
+    assert worker_threads({"model": "voice_agent", "replicas": 2}, 3) == max(1, cores // 2)
