@@ -49,13 +49,17 @@ def dit_engine(dit: WanTransformer, ckpt: WanCheckpoint, knobs: WanKnobs, device
         for block in dit.blocks:
             block.compile(backend=knobs.compile_backend)
 
-    def predict(latents, time, text):
+    def predict(latents, time, prompt):
         # latents and the sampler stay in float32 (as the pipeline keeps them); the DiT runs in
         # the deployment dtype.
         with knobs.attention_scope():
-            return dit(latents.to(dtype), time, text.to(dtype))
+            return dit(latents.to(dtype), time, prompt=prompt)
 
-    return WanDenoiseEngine(predict, ckpt.schedule(), dit.config.patch_size, device, **knobs.batching)
+    def encode(text):  # the prompts' cross-attention keys and values, reused while the rows stay
+        return dit.prompt_keys(text.to(dtype))
+
+    return WanDenoiseEngine(predict, ckpt.schedule(), dit.config.patch_size, device, encode=encode,
+                            **knobs.batching)
 
 
 def vae_engine(vae: WanVAE, knobs: WanKnobs, device: torch.device, dtype: torch.dtype) -> StatelessEngine:

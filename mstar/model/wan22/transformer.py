@@ -41,6 +41,8 @@ from mstar.model.flux2.transformer import timestep_sinusoid
 from mstar.model.wan22.config import WanTransformerConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [N, head_dim / 2]
+KeysValues = tuple[torch.Tensor, torch.Tensor]  # an attention's k, v
+PromptKeys = list[KeysValues]  # every block's cross-attention key and value projections of a prompt
 
 
 def layer_norm32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
@@ -114,20 +116,34 @@ class WanAttention(nn.Module):
         self.norm_k = WideRMSNorm(dim, eps, self.head_dim)
         self.attention = full_attention if cross else UlyssesAttention(full_attention)
 
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_q(self.to_q(x)).unflatten(2, (-1, self.head_dim))
+
+    def keys_values(self, kv: torch.Tensor | None, projected: KeysValues | None = None) -> KeysValues:
+        """``k, v [B, L, H, D]`` of ``kv``, the keys normed (not yet rotated), or of its
+        ``projected`` keys and values (``to_k(kv), to_v(kv)``)."""
+        k, v = projected if projected is not None else (self.to_k(kv), self.to_v(kv))
+        heads = (-1, self.head_dim)
+        return self.norm_k(k).unflatten(2, heads), v.unflatten(2, heads)
+
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v [B, S, H, D]``: normed queries and keys, rotated by ``rope`` when given."""
-        kv = x if context is None else context
-        heads = (-1, self.head_dim)
-        q = self.norm_q(self.to_q(x)).unflatten(2, heads)
-        k = self.norm_k(self.to_k(kv)).unflatten(2, heads)
-        v = self.to_v(kv).unflatten(2, heads)
+        q = self.query(x)
+        k, v = self.keys_values(x if context is None else context)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
-        q, k, v = self.project(x, context, rope)
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rope: Rope | None = None,
+                projected: KeysValues | None = None) -> torch.Tensor:
+        """Self-attention, or cross-attention to ``context``, or to its keys and values
+        ``projected`` already (``to_k(context), to_v(context)``: a prompt's are the same at
+        every step)."""
+        if projected is None:
+            q, k, v = self.project(x, context, rope)
+        else:
+            q, (k, v) = self.query(x), self.keys_values(None, projected)
         out = self.attention(q, k, v)
         return self.to_out[0](out.flatten(2).type_as(q))
 
@@ -174,14 +190,15 @@ class WanBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, time: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """``x [B, N, D]``, ``context [B, L, D]``, ``time [B, 1 or N, 6, D]`` (float32)."""
+    def forward(self, x: torch.Tensor, prompt: KeysValues, time: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """``x [B, N, D]``, ``prompt``: the cross-attention's key and value projections of
+        the prompt, ``time [B, 1 or N, 6, D]`` (float32)."""
         mods = (self.scale_shift_table + time.float()).unbind(2)
         shift, scale, gate, c_shift, c_scale, c_gate = mods
         h = (layer_norm32(x, self.norm1) * (1 + scale) + shift).type_as(x)
         x = (x.float() + self.attn1(h, rope=rope) * gate).type_as(x)
         h = x if self.norm2 is None else layer_norm32(x, self.norm2).type_as(x)
-        x = x + self.attn2(h, context)
+        x = x + self.attn2(h, projected=prompt)
         h = (layer_norm32(x, self.norm3) * (1 + c_scale) + c_shift).type_as(x)
         return (x.float() + self.ffn(h).float() * c_gate).type_as(x)
 
@@ -250,10 +267,21 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.sequence = SequenceShards()
 
-    def forward(self, latents: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def prompt_keys(self, text: torch.Tensor) -> PromptKeys:
+        """Every block's cross-attention key and value projections of ``text [B, L, text_dim]``
+        (the pipeline's zero-padded prompt features), ``[B, L, D]`` each. They are the same at
+        every denoise step of a request: a loop computes them once and passes them to each
+        ``forward``. The keys' RMS norm is left to the step: under TP it sums over the ranks,
+        and this must be no collective (each rank decides for itself when to recompute)."""
+        context = self.condition_embedder.text_embedder(text)
+        return [(block.attn2.to_k(context), block.attn2.to_v(context)) for block in self.blocks]
+
+    def forward(self, latents: torch.Tensor, t: torch.Tensor, text: torch.Tensor | None = None,
+                prompt: PromptKeys | None = None) -> torch.Tensor:
         """One DiT evaluation. ``latents [B, C, F, H, W]``; ``t``: the time x 1000 (1000 = noise),
         ``[B]`` or per token ``[B, N]``; ``text [B, L, text_dim]`` (the pipeline's zero-padded
-        prompt features). Returns the flow prediction ``[B, out_channels, F, H, W]``.
+        prompt features), or ``prompt``, their ``prompt_keys``. Returns the flow prediction
+        ``[B, out_channels, F, H, W]``.
 
         Under sequence parallelism every rank of the SP group takes the whole inputs and
         returns the whole output; in between it holds only its shard of the video tokens."""
@@ -266,10 +294,11 @@ class WanTransformer(nn.Module):
         t = t[:, None] if t.ndim == 1 else t
         if t.shape[1] > 1:  # per-token times (TI2V): this rank's tokens
             t = shard(t)
-        temb, time = self.condition_embedder.time(t, text.dtype)
-        context = self.condition_embedder.text_embedder(text)
-        for block in self.blocks:
-            x = block(x, context, time, rope)
+        if prompt is None:
+            prompt = self.prompt_keys(text)
+        temb, time = self.condition_embedder.time(t, prompt[0][1].dtype)
+        for block, keys in zip(self.blocks, prompt, strict=True):
+            x = block(x, keys, time, rope)
         shift, scale = (self.scale_shift_table[:, None] + temb[:, :, None]).unbind(2)
         x = (layer_norm32(x, self.norm_out) * (1 + scale) + shift).type_as(x)
         x = self.sequence.gather(self.proj_out(x)).reshape(b, *grid, pt, ph, pw, -1)

@@ -51,9 +51,16 @@ def test_cfg_parallel_matches_diffusers(checkpoint, deployment, monkeypatch, i2v
         async for event in deployment.backend.generate(spec):
             assert not event.error, event.error
 
+    workers = deployment.runtime.workers.workers
+    dits = {engine for worker in workers.values() for engine in (worker.engines.get("dit"),
+                                                                  worker.engines.get("dit_uncond")) if engine}
+    encoded = []
+    for engine in dits:
+        monkeypatch.setattr(engine, "encode", lambda text, encode=engine.encode: encoded.append(1) or encode(text))
     with vae_inputs(deployment) as seen:
         asyncio.run(run())
     [ours] = seen.values()
+    assert len(encoded) == 2  # each branch's prompt once, not once a step (the branches alternate on one rank)
     extra = {"image": make_image(8)} if i2v else {}
     want = checkpoint.pipeline(image=i2v)(
         prompt=prompt, negative_prompt="", height=HEIGHT, width=WIDTH, num_frames=FRAMES,
@@ -62,14 +69,13 @@ def test_cfg_parallel_matches_diffusers(checkpoint, deployment, monkeypatch, i2v
     err = ((ours - want).abs().max() / want.abs().max()).item()
     print(f"[parity] cfg_parallel {deployment.placement_name} i2v={i2v}: latents rel err {err:.2e}")
     assert err <= 1e-5
-    workers = deployment.runtime.workers.workers
     dit = workers[0].engines["dit"]
     if deployment.placement_name == "one-rank":
         assert dit is workers[0].engines["dit_uncond"]
     else:
         assert "dit_uncond" not in workers[0].engines and "dit" not in workers[1].engines
         assert not workers[1].engines["dit_uncond"].schedules
-    assert not dit.schedules and not dit.solvers
+    assert not dit.schedules and not dit.solvers and not dit.prompts
     assert np.isfinite(ours.numpy()).all()
 
 

@@ -22,7 +22,8 @@ def build(device: torch.device) -> tuple[WanDenoiseEngine, dict[str, torch.Tenso
     moving a module to the GPU is itself a copy up)."""
     torch.manual_seed(0)
     dit = WanTransformer(WanTransformerConfig.from_dict(DIT)).to(device).eval()
-    engine = WanDenoiseEngine(lambda x, t, text: dit(x, t, text), UniPC.from_config(SCHEDULER), (1, 2, 2), device)
+    engine = WanDenoiseEngine(lambda x, t, prompt: dit(x, t, prompt=prompt), UniPC.from_config(SCHEDULER), (1, 2, 2),
+                              device, encode=dit.prompt_keys)
     inputs = {"latents": torch.randn(4, 2, 4, 6, device=device), "text": torch.randn(5, 32, device=device),
               "negative_text": torch.randn(5, 32, device=device)}
     return engine, inputs

@@ -136,7 +136,17 @@ def test_two_concurrent_requests_equal_their_solo_runs(deployment):
         alone = generate(deployment, rid + "-alone", prompt, files, seed=seed, **kwargs)
         assert np.abs(got - alone).max() <= 1
     assert np.abs(batched[0] - batched[1]).max() > 1
-    assert not dit.schedules and not dit.solvers  # per-request state released
+    assert not dit.schedules and not dit.solvers and not dit.prompts  # per-request state released
+
+
+def test_a_request_encodes_its_prompts_once(deployment, monkeypatch):
+    """The DiT's cross-attention keys and values of the guided pair's prompts are computed at
+    the first step and reused while the forward's rows stay the same."""
+    dit = engine(deployment, "dit")
+    encoded = []
+    monkeypatch.setattr(dit, "encode", lambda text, encode=dit.encode: encoded.append(len(text)) or encode(text))
+    generate(deployment, "once", "a dog", num_inference_steps=3, guidance_scale=3.0)
+    assert encoded == [2]
 
 
 @pytest.mark.parametrize("kwargs, files, field", [
