@@ -15,7 +15,15 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite runs two test processes on two cores, and many tests start servers whose workers
+# take a thread per core: far more OpenMP threads than cores. GNU OpenMP's threads spin while
+# waiting for work by default, and spinning threads that outnumber the cores starve the ones
+# with work (a replicas test: 42 s under load, 6 s with passive waits). libgomp reads this when
+# it loads, with torch: set before the import, and inherited by every server a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton reads this once, at its first import: set here, before any test module can import
