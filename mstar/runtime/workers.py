@@ -464,11 +464,12 @@ def worker_threads(config_data: dict[str, Any], num_ranks: int) -> int:
     agent's reply start 0.98 s after the user's turn instead of 0.52 s.
 
     Local ``replicas`` serve at once, so they split the cores too: two SmolLM2 replicas of a
-    thread per core each on 2 cores took a test's 32 requests 8x longer under load."""
+    thread per core each on 2 cores, two busy processes beside them, took 42 s for a test's 32
+    requests against 8 s with a thread each."""
     from mstar.model.composite import ComposedSpec
     from mstar.model.registry import model_class
 
-    cores = max(1, (os.cpu_count() or 1) // max(1, int(config_data.get("replicas") or 1)))
+    cores = max(1, (os.cpu_count() or 1) // config_data.get("replicas", 1))
     return cores if issubclass(model_class(config_data["model"]), ComposedSpec) else max(1, cores // num_ranks)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,6 +50,15 @@ OPS = ("step", "velocity", "guide")
 Predict = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # encode(text [B, L, D]) -> what predict takes of the rows' prompts
 Encode = Callable[[torch.Tensor], Any]
+
+
+class _Prompt(NamedTuple):
+    """A forward's encoded prompts, kept for the next steps with the same rows."""
+
+    requests: set[str]  # the rows' request ids (freed with any of them)
+    texts: list[torch.Tensor]  # the rows' prompt tensors, held so that their id()s stay theirs
+    encoded: Any
+    last_call: int  # the last call of ``_predict`` that used it
 
 
 def guidance_scale(item: EngineItem) -> float:
@@ -68,9 +77,7 @@ class WanDenoiseEngine(Engine):
                  max_batch_size: int | None = None, encode: Encode = lambda text: text):
         self.predict = predict
         self.encode = encode
-        # id() of each row's prompt tensor -> (the rows' request ids, their tensors, encoded, the
-        # last call to use it); the tensors are held, so their ids stay theirs while kept
-        self.prompts: dict[tuple[int, ...], tuple[set[str], list[torch.Tensor], Any, int]] = {}
+        self.prompts: dict[tuple[int, ...], _Prompt] = {}  # by the id() of each row's prompt tensor
         self.calls = 0
         self.scheduler = scheduler
         self.patch = patch
@@ -164,14 +171,14 @@ class WanDenoiseEngine(Engine):
                 texts = [items[i].inputs[name] for i, name in chunk]
                 key = tuple(map(id, texts))
                 kept = self.prompts.get(key)
-                prompt = kept[2] if kept else self.encode(torch.stack(texts).to(self.device))
-                self.prompts[key] = ({items[i].request_id for i, _ in chunk}, texts, prompt, self.calls)
+                prompt = kept.encoded if kept else self.encode(torch.stack(texts).to(self.device))
+                self.prompts[key] = _Prompt({items[i].request_id for i, _ in chunk}, texts, prompt, self.calls)
                 self.forward_rows.append(len(chunk))
                 out.update(zip(chunk, self.predict(latents, time, prompt).float()))
-        self.prompts = {key: kept for key, kept in self.prompts.items() if kept[3] >= self.calls - 1}
+        self.prompts = {key: kept for key, kept in self.prompts.items() if kept.last_call >= self.calls - 1}
         return out
 
     def release(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
         self.solvers.pop(request_id, None)
-        self.prompts = {key: kept for key, kept in self.prompts.items() if request_id not in kept[0]}
+        self.prompts = {key: kept for key, kept in self.prompts.items() if request_id not in kept.requests}

@@ -119,10 +119,9 @@ class WanAttention(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_q(self.to_q(x)).unflatten(2, (-1, self.head_dim))
 
-    def keys_values(self, kv: torch.Tensor | None, projected: KeysValues | None = None) -> KeysValues:
-        """``k, v [B, L, H, D]`` of ``kv``, the keys normed (not yet rotated), or of its
-        ``projected`` keys and values (``to_k(kv), to_v(kv)``)."""
-        k, v = projected if projected is not None else (self.to_k(kv), self.to_v(kv))
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> KeysValues:
+        """``k, v [B, L, H, D]`` of the key and value projections ``[B, L, D]``, the keys
+        normed (not yet rotated)."""
         heads = (-1, self.head_dim)
         return self.norm_k(k).unflatten(2, heads), v.unflatten(2, heads)
 
@@ -130,7 +129,8 @@ class WanAttention(nn.Module):
                 rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v [B, S, H, D]``: normed queries and keys, rotated by ``rope`` when given."""
         q = self.query(x)
-        k, v = self.keys_values(x if context is None else context)
+        kv = x if context is None else context
+        k, v = self.keys_values(self.to_k(kv), self.to_v(kv))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q, k, v
@@ -143,7 +143,7 @@ class WanAttention(nn.Module):
         if projected is None:
             q, k, v = self.project(x, context, rope)
         else:
-            q, (k, v) = self.query(x), self.keys_values(None, projected)
+            q, (k, v) = self.query(x), self.keys_values(*projected)
         out = self.attention(q, k, v)
         return self.to_out[0](out.flatten(2).type_as(q))
 
