@@ -151,6 +151,13 @@ def test_models_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
     assert by_key["qwen3_5_4b"][2:5] == ["text,image,video", "->", "text"]
 
 
+def _fresh_python(script: str) -> str:
+    """What ``script`` prints, run in a fresh interpreter (nothing imported yet)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                          timeout=HANG_S).stdout
+
+
 def test_each_family_module_registers_the_keys_the_registry_names_for_it() -> None:
     """A lookup imports only the module ``_FAMILIES`` names for the key, so the map must
     say exactly what each module registers: checked both ways, in a fresh interpreter."""
@@ -162,13 +169,11 @@ def test_each_family_module_registers_the_keys_the_registry_names_for_it() -> No
               "    importlib.import_module(module)\n"
               "    found[module] = sorted(set(registry._REGISTRY) - before)\n"
               "print(json.dumps(found))\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    found = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                                      check=True, timeout=HANG_S).stdout)
+    found = json.loads(_fresh_python(script))
     assert found == {module: sorted(keys) for module, keys in _FAMILIES.items()}
 
 
-def test_an_unknown_model_is_named_without_importing_a_family(tmp_path: Path) -> None:
+def test_an_unknown_model_is_named_without_importing_a_family() -> None:
     script = ("import sys\n"
               "from mstar.model.registry import model_class\n"
               "from mstar.config import ConfigError\n"
@@ -178,8 +183,6 @@ def test_an_unknown_model_is_named_without_importing_a_family(tmp_path: Path) ->
               "    print(err)\n"
               "print(sorted(m for m in sys.modules if m.startswith('mstar.model.') and m.endswith('.model')))\n"
               "print('torch' in sys.modules)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    message, families, torch_loaded = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                                                     text=True, check=True, timeout=HANG_S).stdout.splitlines()
+    message, families, torch_loaded = _fresh_python(script).splitlines()
     assert "unknown model 'no_such_model'" in message and "smollm2" in message and "cosmos3_super" in message
     assert (families, torch_loaded) == ("[]", "False")
