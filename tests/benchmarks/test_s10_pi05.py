@@ -97,3 +97,16 @@ def test_ours_prepares_every_observation_before_submitting_any(tmp_path):
     assert calls == ["prepare"] * 4 + ["submit"] * 4
     assert 0 < result["front_s"] < result["wall_s"]
     assert all(result["front_s"] < t <= result["wall_s"] for t in result["latency_s"])  # from the first front end
+
+
+def test_front_end_sweep_smoke(tmp_path):
+    """benchmarks/s10_pi05_front.py --smoke: every part of the thread sweep is timed and recorded."""
+    from benchmarks import s10_pi05_front
+
+    assert s10_pi05_front.main(["--smoke", "--observations", "4", "--threads", "1,2", "--runs", "1",
+                                "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("s10_pi05_front-*.json")
+    results = json.loads(path.read_text())["results"]
+    for part in ("prepare", "prepare_closed", "decode"):
+        assert set(results[part]) == {"1", "2"} and all(ms > 0 for ms in results[part].values())
+    assert set(results["switch"]) == {"2"}
