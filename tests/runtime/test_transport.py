@@ -246,17 +246,44 @@ def _segments(*ts: TensorTransport) -> list[str]:
     return [p for t in ts for p in glob.glob(f"/dev/shm/{t.segment_prefix}*")]  # type: ignore[attr-defined]
 
 
+def _large() -> torch.Tensor:
+    """A tensor just over what the shm transport sends inline: it goes through a segment."""
+    from mstar.runtime.transport.shm import INLINE_MAX_BYTES
+
+    return torch.arange(INLINE_MAX_BYTES // 4 + 1, dtype=torch.float32)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_shm_sends_small_messages_inline_and_large_ones_through_a_segment() -> None:
+    from mstar.runtime.transport.shm import INLINE_MAX_BYTES
+
+    a, b = make_transport("shm", 0), make_transport("shm", 1)
+    try:
+        a.connect({1: b.address})
+        at_limit = {"x": torch.arange(INLINE_MAX_BYTES // 8, dtype=torch.int64), "empty": torch.ones(0)}
+        a.send(1, "small", at_limit)
+        assert _segments(a) == []  # no segment for a message at the limit
+        a.send(1, "large", {"x": _large(), "y": torch.ones(3)})
+        assert len(_segments(a)) == 1
+        [(k1, small), (k2, large)] = _recv_n(b, 2)
+        assert (k1, k2) == ("small", "large") and _segments(a) == []
+        assert _same_dict(small, at_limit) and _same_dict(large, {"x": _large(), "y": torch.ones(3)})
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 @pytest.mark.parametrize("first_closed", ["sender", "receiver"])
 def test_shm_unconsumed_segments_removed_on_close(first_closed: str) -> None:
     a, b = make_transport("shm", 0), make_transport("shm", 1)
     a.connect({1: b.address})
     b.connect({0: a.address})
-    a.send(1, "consumed", {"x": torch.ones(10)})
+    a.send(1, "consumed", {"x": _large()})
     assert [k for k, _ in _recv_n(b, 1)] == ["consumed"]
     assert _segments(a) == []
     for i in range(3):
-        a.send(1, f"m{i}", {"x": torch.ones(1000)})
+        a.send(1, f"m{i}", {"x": _large()})
     assert len(_segments(a)) == 3
     (a if first_closed == "sender" else b).close()
     (b if first_closed == "sender" else a).close()
@@ -268,15 +295,20 @@ def test_shm_unconsumed_segments_removed_on_close(first_closed: str) -> None:
 # ------------------------------------------------------- across processes
 
 
-def _exchange_as_child(protocol: str, parent_address: str, conn) -> str:
+def _payload(variant: str) -> dict[str, torch.Tensor]:
+    """The sample, plus a tensor that takes shm's segment path for ``shm-large``."""
+    return {**_sample(), "large": _large()} if variant == "shm-large" else _sample()
+
+
+def _exchange_as_child(variant: str, parent_address: str, conn) -> str:
     """Rank 1 in the child: send the sample to rank 0 and check its echo."""
-    t = make_transport(protocol, 1)
+    t = make_transport(variant.removesuffix("-large"), 1)
     try:
         conn.send((t.address, getattr(t, "segment_prefix", "")))
         t.connect({0: parent_address})
-        t.send(0, "from-child", _sample())
+        t.send(0, "from-child", _payload(variant))
         [(key, got)] = _recv_n(t, 1)
-        ok = key == "echo" and _same_dict(got, {**_sample(), "ack": torch.tensor(True)})
+        ok = key == "echo" and _same_dict(got, {**_payload(variant), "ack": torch.tensor(True)})
         return "ok" if ok else f"bad echo: {key}"
     finally:
         t.close()
@@ -306,17 +338,18 @@ def child_conn():
     assert child.exitcode == 0
 
 
-@pytest.mark.parametrize("protocol", ["shm", "tcp"])
-def test_across_processes(child_conn, protocol: str) -> None:
+@pytest.mark.parametrize("variant", ["shm", "shm-large", "tcp"])
+def test_across_processes(child_conn, variant: str) -> None:
+    protocol = variant.removesuffix("-large")
     parent = make_transport(protocol, 0)
     try:
-        child_conn.send((protocol, parent.address))
+        child_conn.send((variant, parent.address))
         assert child_conn.poll(30), "child did not start its transport"
         child_address, child_prefix = child_conn.recv()
         parent.connect({1: child_address})
         [(key, got)] = _recv_n(parent, 1, timeout=30)
         assert key == "from-child"
-        assert _same_dict(got, _sample())
+        assert _same_dict(got, _payload(variant))
         parent.send(1, "echo", {**got, "ack": torch.tensor(True)})
         assert child_conn.poll(30), "child did not answer"
         assert child_conn.recv() == "ok"
@@ -331,7 +364,7 @@ def _send_and_die(parent_address: str, conn) -> None:
     """A rank that sends a message nobody reads and dies without closing its transport."""
     t = make_transport("shm", 1)
     t.connect({0: parent_address})
-    t.send(0, "never-read", {"x": torch.ones(1000)})
+    t.send(0, "never-read", {"x": _large()})
     conn.send((t.address, t.segment_prefix))
     conn.recv()  # killed while waiting here
 

@@ -1,9 +1,13 @@
 """Same-host shared-memory transport (POSIX).
 
-The sender writes all tensors of a message into one fresh POSIX shared-memory segment
-(``/dev/shm/mstar_<tag>_<n>`` on Linux) and sends only the msgpack header over a
-ZeroMQ ``ipc://`` PUSH/PULL socket. The receiver attaches, copies the tensors out into
-memory it owns and unlinks the segment.
+A message over ``INLINE_MAX_BYTES`` of tensors goes through one fresh POSIX shared-memory
+segment (``/dev/shm/mstar_<tag>_<n>`` on Linux): the sender writes every tensor into it
+and sends only the msgpack header over a ZeroMQ ``ipc://`` PUSH/PULL socket; the receiver
+attaches, copies the tensors out into memory it owns and unlinks the segment. A smaller
+message travels inside the ZeroMQ message itself, as over TCP (``inline_frames``): a fresh
+segment costs its creation, mapping and page faults on both sides, more than copying a
+few hundred KB through the socket (``benchmarks/transport_cost.py``). Most messages are
+small: a request's prompt ids, a step's sampled tokens, a codec window.
 
 Cleanup: consumed segments are unlinked by the receiver; ``close()`` on the receiver
 unlinks segments of messages it never read, and ``close()`` on the sender unlinks
@@ -38,7 +42,7 @@ from mstar.runtime.transport.base import (
     to_wire_tensor,
     write_bytes,
 )
-from mstar.runtime.transport.tcp import ZmqTransport
+from mstar.runtime.transport.tcp import ZmqTransport, from_inline_frames, inline_frames
 
 try:
     import _posixshmem
@@ -54,6 +58,9 @@ _PRUNE_MIN = 256
 """Number of outstanding segment names that triggers a check for consumed ones."""
 
 _SHM_DIR = "/dev/shm"
+
+INLINE_MAX_BYTES = 1 << 20
+"""Messages with at most this many bytes of tensors travel inside the ZeroMQ message."""
 
 
 def _create_segment(name: str, size: int) -> mmap.mmap:
@@ -137,6 +144,8 @@ class ShmTransport(ZmqTransport):
         return f"tcp://127.0.0.1:{port}"
 
     def _encode(self, key: str, tensors: Mapping[str, torch.Tensor]) -> list[zmq.Frame | bytes]:
+        if sum(t.numel() * t.element_size() for t in tensors.values()) <= INLINE_MAX_BYTES:
+            return inline_frames(self.rank, key, tensors)
         wires = [(name, to_wire_tensor(tensor)) for name, tensor in tensors.items()]
         offsets: list[int] = []
         size = 0
@@ -167,6 +176,8 @@ class ShmTransport(ZmqTransport):
         return [encode_header(MessageHeader(key=key, src=self.rank, tensors=metas))]
 
     def _decode(self, frames: list[zmq.Frame]) -> Message:
+        if len(frames) > 1:  # tensors inline (a segment's header travels alone)
+            return from_inline_frames(frames)
         header = decode_header(frames[0].buffer)
         attached: dict[str, mmap.mmap] = {}
         try:
