@@ -131,6 +131,7 @@ class Settings:
     skip_baseline: bool
     seed: int
     skip_eager: bool = False
+    front_threads: int | None = None  # None: asyncio.to_thread's default executor's size
 
     @property
     def state_dim(self) -> int:
@@ -140,7 +141,8 @@ class Settings:
         return {"smoke": self.smoke, "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
                 "config": self.lerobot, "cameras": self.cameras, "batches": list(self.batches), "runs": self.runs,
                 "compile": self.compile, "cuda_graphs": self.cuda_graphs, "baseline_compile": self.baseline_compile,
-                "task": TASK, "seed": self.seed, "page_size": PAGE_SIZE, "load_format": "dummy"}
+                "task": TASK, "seed": self.seed, "page_size": PAGE_SIZE, "load_format": "dummy",
+                "front_threads": self.front_threads}
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -160,7 +162,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     batches=batches, runs=runs, compile=args.compile, cuda_graphs=args.cuda_graphs,
                     baseline_compile=args.baseline_compile,
                     skip_ours=args.skip_ours, skip_baseline=args.skip_baseline, seed=args.seed,
-                    skip_eager=args.skip_eager)
+                    skip_eager=args.skip_eager, front_threads=args.front_threads)
 
 
 def lerobot_config(settings: Settings) -> dict[str, Any]:
@@ -336,7 +338,8 @@ class Ours:
         self.images = camera_pngs(settings, settings.seed + 1)
         self.state = state(settings, settings.seed + 2)
         self.calls = 0
-        self.front = ThreadPoolExecutor()  # asyncio.to_thread's default executor: min(32, cores + 4)
+        # None: asyncio.to_thread's default executor, min(32, cores + 4) threads
+        self.front = ThreadPoolExecutor(settings.front_threads)
 
     def run(self, n: int, timeout_s: float = 600.0) -> dict[str, Any]:
         """``n`` observations arriving at once: each through the front end, then all submitted
@@ -620,6 +623,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-compile", action="store_true", help="transformers' model with model.compile()")
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
     p.add_argument("--skip-eager", action="store_true", help="run only ours' fast-path variants asked for")
+    p.add_argument("--front-threads", type=int, default=None,
+                   help="threads preparing observations (default: asyncio's default executor, min(32, cores + 4))")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     add_run_args(p)
     return p.parse_args(argv)
