@@ -624,7 +624,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-ours", action="store_true", help="do not run M*")
     p.add_argument("--skip-eager", action="store_true", help="run only ours' fast-path variants asked for")
     p.add_argument("--front-threads", type=int, default=None,
-                   help="threads preparing observations (default: asyncio's default executor, min(32, cores + 4))")
+                   help="threads preparing observations, as the YAML key prepare_threads "
+                        "(default: asyncio's default executor)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run transformers")
     add_run_args(p)
     return p.parse_args(argv)

@@ -103,6 +103,11 @@ class DeploymentConfig(_Strict):
     replicas: int = Field(1, ge=1)
     ray_address: str | None = None
     request_timeout_s: float | None = Field(None, gt=0)
+    # Threads that prepare requests (templates, tokenising, decoding uploaded media) before they
+    # reach the runtime. None: asyncio's default executor, min(32, cores + 4) threads. Preparing
+    # holds the GIL part of the time, so more threads can be slower: Pi0.5's camera images
+    # prepared fastest on 4 threads of a 16-core host (docs/benchmarks.md, S10).
+    prepare_threads: int | None = Field(None, ge=1)
     stream_pacing: StreamPacingConfig | None = None  # None: every ready step runs as soon as it can
     # Sessions (``mstar.runtime.sessions``): idle sessions kept per deployment (the least
     # recently used past it are evicted), the bytes their state may hold on one worker rank

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -89,12 +90,14 @@ class SentenceCutter:
 class ComposedBackend(OnRuntime):
     """A ``ServingBackend`` (and ``RespondingBackend``) over a many-model deployment."""
 
-    def __init__(self, spec: ComposedSpec, runtime: Runtime, *, timeout_s: float | None = None):
+    def __init__(self, spec: ComposedSpec, runtime: Runtime, *, timeout_s: float | None = None,
+                 prepare_pool: Executor | None = None):
         self.spec = spec
         self.runtime = runtime
         self.model_id = spec.config.model
         self.tasks = spec.tasks
-        self.parts = {part: RuntimeBackend(view, runtime, timeout_s=timeout_s)  # type: ignore[arg-type]
+        self.parts = {part: RuntimeBackend(view, runtime, timeout_s=timeout_s,  # type: ignore[arg-type]
+                                           prepare_pool=prepare_pool)
                       for part, view in spec.views.items()}
         for backend in self.parts.values():
             backend.model_id = self.model_id  # errors name the deployment the client asked for

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from contextlib import aclosing
+from typing import Any
 
 from mstar.contract import (
     ChatSpec,
@@ -55,13 +58,23 @@ class OnRuntime:
 
 
 class RuntimeBackend(OnRuntime):
-    def __init__(self, spec: ModelSpec, runtime: Runtime, *, timeout_s: float | None = None):
+    def __init__(self, spec: ModelSpec, runtime: Runtime, *, timeout_s: float | None = None,
+                 prepare_pool: Executor | None = None):
         self.spec = spec
         self.runtime = runtime
         self.model_id = spec.config.model
         self.tasks = spec.tasks
         self.max_model_len = spec.max_model_len
         self.timeout_s = timeout_s
+        self.prepare_pool = prepare_pool  # None: asyncio's default executor
+
+    async def _prepared(self, prepare: Callable[[], Any]) -> Any:
+        """``prepare()`` off the event loop (tokenising and decoding media can take a while),
+        on the deployment's ``prepare_threads`` pool when it has one."""
+        if self.prepare_pool is None:
+            return await asyncio.to_thread(prepare)
+        call = contextvars.copy_context().run  # as asyncio.to_thread does
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, call, prepare)
 
     def gauges(self) -> dict[str, float]:
         """The runtime's gauges, and a cloning model's clip memo as ``conditioning_cache_*``."""
@@ -208,7 +221,7 @@ class RuntimeBackend(OnRuntime):
         """One walk's events, or, when ``prepare`` returns a list (a family that speaks long
         text as sentence pieces, one walk each), the pieces' walks as one stream in order,
         the next piece already running while one streams (``stream_pieces``)."""
-        planned: WalkRequest | list[WalkRequest] = await asyncio.to_thread(prepare)
+        planned: WalkRequest | list[WalkRequest] = await self._prepared(prepare)
         if not isinstance(planned, list):
             planned = [planned]
         if not planned:
@@ -257,8 +270,7 @@ class RuntimeBackend(OnRuntime):
 
     async def _run(self, request_id: str, prepare, stop: list[str],
                    session: SessionSpec | None = None) -> AsyncIterator[OutputEvent]:
-        # Tokenising and applying templates can take a while: keep it off the event loop.
-        request: WalkRequest = await asyncio.to_thread(prepare)
+        request: WalkRequest = await self._prepared(prepare)
         capacity = self.runtime.conductor.capacity
         for name, units in (request.peak | request.cost).items():
             units = max(units, request.peak.get(name, 0))

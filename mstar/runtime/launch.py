@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ class Deployment:
     spec: ModelSpec
     runtime: Runtime | Replicas
     backend: RuntimeBackend | ComposedBackend
+    prepare_pool: ThreadPoolExecutor | None = None  # config.prepare_threads' pool
     closed: bool = False
 
     def close(self) -> None:
@@ -50,6 +52,8 @@ class Deployment:
         if not self.closed:
             self.closed = True
             self.runtime.close()
+            if self.prepare_pool is not None:
+                self.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool = False,
@@ -96,13 +100,15 @@ def start(config: DeploymentConfig, *, in_process: bool = False, log_stats: bool
                 for i in range(config.replicas)]
     runtime: Runtime | Replicas = runtimes[0] if len(runtimes) == 1 else Replicas(runtimes)
     runtime.supervise(max_worker_restarts, on_give_up)
+    pool = None if config.prepare_threads is None else \
+        ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="mstar-prepare")
     backend: RuntimeBackend | ComposedBackend
     if isinstance(spec, ComposedSpec):
-        backend = ComposedBackend(spec, runtime, timeout_s=config.request_timeout_s)
+        backend = ComposedBackend(spec, runtime, timeout_s=config.request_timeout_s, prepare_pool=pool)
     else:
-        backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s)
+        backend = RuntimeBackend(spec, runtime, timeout_s=config.request_timeout_s, prepare_pool=pool)
     log.info("model %s ready in %.1f s", config.model, time.monotonic() - started)
-    return Deployment(config, spec, runtime, backend)
+    return Deployment(config, spec, runtime, backend, prepare_pool=pool)
 
 
 def _start_replica(config: DeploymentConfig, spec: ModelSpec, graph, placement, capacity, num_ranks: int,

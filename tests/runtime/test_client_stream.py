@@ -7,6 +7,7 @@ every engine state and stored item, and the stream's cap is counted before any n
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -371,3 +372,37 @@ def test_concurrent_calls_equal_their_solo_runs(deployment):
         assert tokens == expected(i, [s for a in appends for s in a]), rid
         assert last.finish_reason == "stop"
     _wait_free(deployment)
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_requests_prepare_on_the_configured_pool(threads):
+    """``prepare_threads``: a request's ``prepare_generate`` runs on the deployment's own pool
+    (threads named ``mstar-prepare``), else on asyncio's default executor; the answer is the
+    same, and closing the deployment shuts its pool down."""
+    d = start(parse_config({"model": "toy_duplex", "max_concurrent_requests": 4, "prepare_threads": threads}),
+              in_process=True)
+    seen = []
+    prepare = d.spec.prepare_generate
+
+    def recording(spec):
+        seen.append(threading.current_thread().name)
+        return prepare(spec)
+
+    d.spec.prepare_generate = recording
+
+    async def go():
+        out = []
+        async for event in d.backend.generate(GenerateSpec("pooled", "", [], ["text"], {
+                "clip": [2, 0, 4, 0, 6], "one_shot": True})):
+            out += event.token_ids
+        return out
+
+    try:
+        assert asyncio.run(go()) == expected(0, [2, 0, 4, 0, 6])
+        assert len(seen) == 1 and seen[0].startswith("mstar-prepare") == (threads is not None)
+    finally:
+        d.close()
+    assert (d.prepare_pool is None) == (threads is None)
+    if d.prepare_pool is not None:
+        with pytest.raises(RuntimeError):  # shut down with the deployment
+            d.prepare_pool.submit(print)

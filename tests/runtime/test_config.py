@@ -27,6 +27,7 @@ def test_defaults_and_yaml_file(tmp_path):
     [
         ({"model": "smollm2", "max_seq_lenn": 5}, "max_seq_lenn"),
         ({"model": "smollm2", "max_concurrent_requests": 0}, "max_concurrent_requests"),
+        ({"model": "smollm2", "prepare_threads": 0}, "prepare_threads"),
         ({"model": "smollm2", "resources": {"kv_cache": {"page_size": 0}}}, "resources.kv_cache.page_size"),
         ({"model": "smollm2", "resources": {"kv_cache": {"pages": 3}}}, "resources.kv_cache.pages"),
         ({"model": "smollm2", "node_groups": [{"node_names": [], "ranks": [0]}]}, "node_groups.0.node_names"),
