@@ -266,15 +266,19 @@ def test_appends_flow_in_order_and_end_input_ends_the_call(deployment):
     _wait_free(deployment)
 
 
-def test_one_shot_upload_is_one_append_with_end_input(deployment):
+def _one_shot(d, rid: str, clip: list[float]) -> list[int]:
+    """A whole clip uploaded at once (one append, then end of input): its tokens."""
     async def go():
         out = []
-        async for event in deployment.backend.generate(GenerateSpec("once", "", [], ["text"], {
-                "clip": [2, 0, 4, 0, 6], "one_shot": True})):
+        async for event in d.backend.generate(GenerateSpec(rid, "", [], ["text"], {"clip": clip, "one_shot": True})):
             out += event.token_ids
         return out
 
-    assert asyncio.run(go()) == expected(0, [2, 0, 4, 0, 6])
+    return asyncio.run(go())
+
+
+def test_one_shot_upload_is_one_append_with_end_input(deployment):
+    assert _one_shot(deployment, "once", [2, 0, 4, 0, 6]) == expected(0, [2, 0, 4, 0, 6])
     _wait_free(deployment)
 
 
@@ -389,16 +393,8 @@ def test_requests_prepare_on_the_configured_pool(threads):
         return prepare(spec)
 
     d.spec.prepare_generate = recording
-
-    async def go():
-        out = []
-        async for event in d.backend.generate(GenerateSpec("pooled", "", [], ["text"], {
-                "clip": [2, 0, 4, 0, 6], "one_shot": True})):
-            out += event.token_ids
-        return out
-
     try:
-        assert asyncio.run(go()) == expected(0, [2, 0, 4, 0, 6])
+        assert _one_shot(d, "pooled", [2, 0, 4, 0, 6]) == expected(0, [2, 0, 4, 0, 6])
         assert len(seen) == 1 and seen[0].startswith("mstar-prepare") == (threads is not None)
     finally:
         d.close()
