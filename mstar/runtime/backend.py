@@ -70,10 +70,9 @@ class RuntimeBackend(OnRuntime):
 
     async def _prepared(self, prepare: Callable[[], Any]) -> Any:
         """``prepare()`` off the event loop (tokenising and decoding media can take a while),
-        on the deployment's ``prepare_threads`` pool when it has one."""
-        if self.prepare_pool is None:
-            return await asyncio.to_thread(prepare)
-        call = contextvars.copy_context().run  # as asyncio.to_thread does
+        on the deployment's ``prepare_threads`` pool, else on asyncio's default executor (as
+        ``asyncio.to_thread``, context variables included)."""
+        call = contextvars.copy_context().run
         return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, call, prepare)
 
     def gauges(self) -> dict[str, float]:
