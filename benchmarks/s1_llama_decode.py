@@ -95,6 +95,7 @@ class Settings:
     fused_kernels: bool = False
     tp_sizes: tuple[int, ...] = ()  # empty: one in-process deployment; else one per TP size
     long_context: tuple[int, int] | None = None  # (streams, prompt_len) of the long-context row
+    prepare_threads: int | None = None  # the YAML key; None: asyncio's default executor
 
     @property
     def shapes(self) -> list[tuple[int | str, int, int]]:
@@ -139,6 +140,7 @@ class Settings:
             "long_context": (None if self.long_context is None
                              else {"streams": self.long_context[0], "prompt_len": self.long_context[1]}),
             "kv_cache_pages": self.kv_pages, "page_size": PAGE_SIZE, "max_seq_len": self.max_seq_len,
+            "prepare_threads": self.prepare_threads,
         }
 
 
@@ -170,7 +172,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         warmup_tokens=min(args.warmup_tokens, new_tokens), latency_runs=args.latency_runs,
         baseline_runs=args.baseline_runs, attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs, overlap=args.overlap, seed=args.seed, fused_kernels=args.fused_kernels,
-        tp_sizes=tp_sizes, long_context=long_context,
+        tp_sizes=tp_sizes, long_context=long_context, prepare_threads=args.prepare_threads,
     )
 
 
@@ -322,7 +324,8 @@ def deployment_config(settings: Settings, model_dir: Path, tp_size: int | None =
     if settings.attention_backend:
         kwargs["attention_backend"] = settings.attention_backend
     kwargs.update(model_kwargs or {})
-    return {
+    config: dict[str, Any] = {"prepare_threads": settings.prepare_threads} if settings.prepare_threads else {}
+    return config | {
         "model": "llama",
         "model_path": str(model_dir),
         "load_format": "dummy",
@@ -739,6 +742,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http", action="store_true",
                    help="also run the same deployment behind a real `mstar serve` process, driven by N "
                         "concurrent streaming chat requests; rows `... http` beside the in-process ones")
+    p.add_argument("--prepare-threads", type=int, default=None,
+                   help="the deployment's prepare_threads (default unset: asyncio's default executor)")
     add_run_args(p)
     args = p.parse_args(argv)
     if args.http and args.tp_sizes:
