@@ -6,9 +6,11 @@ activations of hundreds of megabytes, op by op that is a reduction, a division, 
 the activation, each a pass over the tensor. ``channel_norm`` reads the tensor twice (the sum of
 squares per pixel, then the normalised, scaled, activated values) and writes it once.
 
-Each program takes one row ``b`` and a block of ``BLOCK_S`` pixels (contiguous in memory) and
-walks the channels in tiles of ``BLOCK_C`` (the channel count is a compile-time constant: a
-network has a few); sums are kept in float32 whatever the dtype.
+Each program takes one row ``b`` and a block of ``BLOCK_S`` pixels and walks the channels in
+tiles of ``BLOCK_C`` (the channel count is a compile-time constant: a network has a few); sums
+are kept in float32 whatever the dtype. The tensor is read in its own layout: contiguous
+(pixels of a channel adjacent) or channels-last (channels of a pixel adjacent, cuDNN's native
+layout for convolutions), and the output keeps it.
 ``torch_channel_norm`` is the reference on tensors. Kernels run on CUDA tensors, or on CPU
 tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first import); without
 Triton the module imports and ``channel_norm`` raises.
@@ -38,8 +40,8 @@ def torch_channel_norm(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> tor
 if HAS_TRITON:
 
     @triton.jit
-    def _channel_norm_kernel(x_ptr, w_ptr, out_ptr, pixels, channels: tl.constexpr, SILU: tl.constexpr,
-                             BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _channel_norm_kernel(x_ptr, w_ptr, out_ptr, pixels, stride_c, stride_s, channels: tl.constexpr,
+                             SILU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         blocks = tl.cdiv(pixels, BLOCK_S)
         row = tl.program_id(0) // blocks
         s = (tl.program_id(0) % blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -49,14 +51,14 @@ if HAS_TRITON:
         for c0 in range(0, channels, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             mask = (c < channels)[:, None] & inside[None, :]
-            at = base + c.to(tl.int64)[:, None] * pixels + s[None, :]
+            at = base + c.to(tl.int64)[:, None] * stride_c + s.to(tl.int64)[None, :] * stride_s
             v = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
             squares += tl.sum(v * v, axis=0)
         inv = 1.0 / tl.maximum(tl.sqrt(squares), 1e-12)
         for c0 in range(0, channels, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             mask = (c < channels)[:, None] & inside[None, :]
-            at = base + c.to(tl.int64)[:, None] * pixels + s[None, :]
+            at = base + c.to(tl.int64)[:, None] * stride_c + s.to(tl.int64)[None, :] * stride_s
             v = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + c, mask=c < channels, other=0.0).to(tl.float32)
             y = v * inv[None, :] * w[:, None]
@@ -66,15 +68,29 @@ if HAS_TRITON:
 
 
 def channel_norm(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
-    """``torch_channel_norm`` in one kernel: ``x [B, C, ...]`` (made contiguous), ``weight`` ``C``
-    values (any shape)."""
+    """``torch_channel_norm`` in one kernel: ``x [B, C, ...]``, contiguous or channels-last (any
+    other layout is made contiguous), ``weight`` ``C`` values (any shape). The output has ``x``'s
+    layout."""
     check_runnable(x, "the channel norm kernel", __name__)
-    x = x.contiguous()
     b, c = x.shape[:2]
+    if channels_last(x):
+        stride_c, stride_s = 1, c
+    else:
+        x = x.contiguous()
+        stride_c, stride_s = x[0, 0].numel(), 1
     pixels = x[0, 0].numel()
     weight = weight.reshape(c).contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x)  # the same strides as x: a dense tensor keeps its layout
     if x.numel():
         grid = (b * triton.cdiv(pixels, _BLOCK_S),)
-        _channel_norm_kernel[grid](x, weight, out, pixels, channels=c, SILU=silu, BLOCK_S=_BLOCK_S, BLOCK_C=_BLOCK_C)
+        _channel_norm_kernel[grid](x, weight, out, pixels, stride_c, stride_s, channels=c, SILU=silu,
+                                   BLOCK_S=_BLOCK_S, BLOCK_C=_BLOCK_C)
     return out
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether ``x [B, C, ...]`` is dense with its channels innermost (``[B, ..., C]`` contiguous)
+    and not also contiguous (one channel, or one pixel, is both; it is read as contiguous)."""
+    if x.is_contiguous() or x.ndim < 3:
+        return False
+    return x.movedim(1, -1).is_contiguous()

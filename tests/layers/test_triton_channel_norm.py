@@ -14,7 +14,13 @@ import torch
 
 from mstar.layers import triton_channel_norm  # noqa: E402
 from mstar.layers.triton_channel_norm import channel_norm, torch_channel_norm  # noqa: E402
-from mstar.model.wan22.vae import RMSNorm, WanVAE, WanVAEConfig, use_fused_kernels  # noqa: E402
+from mstar.model.wan22.vae import (  # noqa: E402
+    RMSNorm,
+    WanVAE,
+    WanVAEConfig,
+    use_channels_last,
+    use_fused_kernels,
+)
 from tests.support.triton_interpreter import DEVICE, REASON, kernels_runnable, rerun_in_fresh_interpreter
 
 RUNNABLE = kernels_runnable(triton_channel_norm)
@@ -43,6 +49,24 @@ def test_kernel_matches_the_torch_reference(shape, silu):
 
 
 @runnable
+@pytest.mark.parametrize("shape", [(2, 37, 3, 5, 19), (3, 64, 2, 4)], ids=["5d", "4d"])
+def test_channels_last_is_read_in_place_and_kept(shape):
+    """A channels-last activation (cuDNN's layout) is normalised as it lies: the same numbers as
+    the contiguous one, and the output channels-last too, so no layout conversion is added."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g).to(DEVICE)
+    weight = torch.randn(shape[1], generator=g).to(DEVICE)
+    layout = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+    last = x.contiguous(memory_format=layout)
+    got = channel_norm(last, weight, True)
+    assert triton_channel_norm.channels_last(last) and not triton_channel_norm.channels_last(x)
+    assert got.is_contiguous(memory_format=layout) and not got.is_contiguous()
+    assert (got - torch_channel_norm(x, weight, True)).abs().max() < 1e-5
+    strided = x.transpose(2, 3)  # neither layout: read through a contiguous copy
+    assert (channel_norm(strided, weight, False) - torch_channel_norm(strided, weight, False)).abs().max() < 1e-5
+
+
+@runnable
 def test_bfloat16_keeps_its_dtype():
     x = torch.randn(2, 40, 70).to(DEVICE, torch.bfloat16)
     weight = torch.rand(40).to(DEVICE)
@@ -67,7 +91,10 @@ def test_vae_norm_fused_equals_eager(images):
 
 
 @runnable
-def test_vae_decode_fused_equals_eager(monkeypatch):
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_vae_decode_fused_equals_eager(monkeypatch, channels_last):
+    """With ``channels_last`` the fused decode runs on channels-last weights (on CUDA, cuDNN then
+    hands every norm channels-last activations; on the CPU the convolutions return contiguous)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions would swamp 1e-4
     torch.manual_seed(0)
     vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE)).to(DEVICE).eval()
@@ -78,6 +105,7 @@ def test_vae_decode_fused_equals_eager(monkeypatch):
         latents = torch.randn(1, 4, 2, 2, 3, device=DEVICE)
         eager = vae.decode(latents)
         use_fused_kernels(vae)
+        use_channels_last(vae, channels_last)
         fused = vae.decode(latents)
     assert (fused - eager).abs().max() < 1e-4
 

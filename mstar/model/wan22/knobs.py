@@ -33,6 +33,15 @@ class WanKnobs(DiffusionKnobs, FusedKernels):
     """Latent frames the VAE decodes together after the first (1, as diffusers). The same video;
     larger chunks make fewer, larger convolutions and hold several times the activations."""
 
+    vae_channels_last: bool = False
+    """On CUDA, the VAE's convolution weights and so its activations channels-last (cuDNN's own
+    layout: no NCHW <-> NHWC conversion around each convolution). The same frames."""
+
+    vae_autotune: bool = False
+    """On CUDA, cuDNN times its convolution algorithms for each new activation shape the VAE meets
+    (``torch.backends.cudnn.benchmark`` while it runs) and keeps the fastest; the first decode of
+    each video size pays the search."""
+
     max_video_pixels: int = Field(1 << 28, ge=1)
     """The largest ``width * height * num_frames`` a request may ask for (2^28: about 3.6x the
     default 1280x704x81 clip)."""
