@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.triton_channel_norm import channels_last
+
 CACHE_FRAMES = 2  # past input frames a kernel-3 causal convolution needs
 DECODE_CHUNK = 1  # latent frames decoded together after the first (as the reference)
 
@@ -249,14 +251,34 @@ class Upsample(nn.Module):
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if self.time_conv is not None:
             if self in cache:
-                b, c, t, h, w = x.shape
-                x = self.time_conv(x, cache).view(b, 2, c, t, h, w)
-                x = torch.stack([x[:, 0], x[:, 1]], dim=3).reshape(b, c, 2 * t, h, w)
+                x = interleave_frames(self.time_conv(x, cache))
             else:
                 cache[self] = True  # the first chunk: its frame is not doubled
-        b, c, t, h, w = x.shape  # frames as channels: the 2D kernel (the 3D one is ~3x slower on a GPU)
-        x = F.interpolate(x.reshape(b, c * t, h, w), scale_factor=2.0, mode="nearest-exact")  # copies values
-        return conv_frames(self.resample[1], x.view(b, c, t, 2 * h, 2 * w))
+        return conv_frames(self.resample[1], double_space(x))
+
+
+def interleave_frames(x: torch.Tensor) -> torch.Tensor:
+    """``[B, 2C, T, H, W]`` (two halves of channels: each frame's two successors) -> ``[B, C, 2T, H,
+    W]`` with frame ``2i`` from the first half and ``2i + 1`` from the second; in ``x``'s layout."""
+    b, c2, t, h, w = x.shape
+    c = c2 // 2
+    if channels_last(x):  # [B, T, H, W, 2, C] in memory -> [B, T, 2, H, W, C]
+        pixels = x.permute(0, 2, 3, 4, 1).view(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5)
+        return pixels.reshape(b, 2 * t, h, w, c).permute(0, 4, 1, 2, 3)
+    x = x.view(b, 2, c, t, h, w)
+    return torch.stack([x[:, 0], x[:, 1]], dim=3).reshape(b, c, 2 * t, h, w)
+
+
+def double_space(x: torch.Tensor) -> torch.Tensor:
+    """Nearest upsampling of ``[B, C, T, H, W]`` to ``2H x 2W`` (each pixel repeated; what
+    ``nearest-exact`` gives at a scale of 2), in ``x``'s layout."""
+    b, c, t, h, w = x.shape
+    if channels_last(x):  # one copy of [B, T, H, W, C] with every pixel written four times
+        pixels = x.permute(0, 2, 3, 4, 1)[:, :, :, None, :, None].expand(b, t, h, 2, w, 2, c)
+        return pixels.reshape(b, t, 2 * h, 2 * w, c).permute(0, 4, 1, 2, 3)
+    # frames as channels: the 2D kernel (the 3D one is ~3x slower on a GPU)
+    x = F.interpolate(x.reshape(b, c * t, h, w), scale_factor=2.0, mode="nearest-exact")  # copies values
+    return x.view(b, c, t, 2 * h, 2 * w)
 
 
 def avg_down(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int) -> torch.Tensor:
@@ -274,9 +296,13 @@ def dup_up(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int, first_ch
     chunk keeps only its last ``1`` of ``factor_t`` frames."""
     b, c, t, h, w = x.shape
     repeat = out_dim * factor_t * factor_s * factor_s // c  # each channel repeated in place, as a view
-    x = x[:, :, None].expand(b, c, repeat, t, h, w).reshape(b, out_dim, factor_t, factor_s, factor_s, t, h, w)
-    x = x.permute(0, 1, 5, 2, 6, 3, 7, 4)
-    x = x.reshape(b, out_dim, t * factor_t, h * factor_s, w * factor_s)
+    if channels_last(x):  # [B, T, ft, H, fs, W, fs, out] in memory: the activation's layout
+        x = x.permute(0, 2, 3, 4, 1)[..., None].expand(b, t, h, w, c, repeat)
+        x = x.reshape(b, t, h, w, out_dim, factor_t, factor_s, factor_s).permute(0, 1, 5, 2, 6, 3, 7, 4)
+        x = x.reshape(b, t * factor_t, h * factor_s, w * factor_s, out_dim).permute(0, 4, 1, 2, 3)
+    else:
+        x = x[:, :, None].expand(b, c, repeat, t, h, w).reshape(b, out_dim, factor_t, factor_s, factor_s, t, h, w)
+        x = x.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, out_dim, t * factor_t, h * factor_s, w * factor_s)
     return x[:, :, factor_t - 1:] if first_chunk else x
 
 

@@ -128,3 +128,25 @@ def test_wan22_checkpoint_refuses_wan21_layout(tmp_path):
     assert not WanVAEConfig.from_dict({**TINY, "is_residual": False, "patch_size": None}).residual
     with pytest.raises(ValueError, match="is_residual"):
         WanCheckpoint(tmp_path).vae_config()
+
+
+@pytest.mark.parametrize("first_chunk", [True, False])
+def test_reshaping_ops_keep_a_channels_last_activation(first_chunk):
+    """With ``vae_channels_last`` cuDNN hands the decoder channels-last activations; the nearest
+    upsampling, the temporal upsampler's frame interleave and the up blocks' shortcut give the same
+    numbers on them as on contiguous ones, and keep them channels-last (no layout conversion
+    before the next convolution). On the CPU the convolutions return contiguous tensors, so this
+    runs the ops alone."""
+    from mstar.layers.triton_channel_norm import channels_last
+    from mstar.model.wan22.vae import double_space, dup_up, interleave_frames
+
+    x = torch.randn(2, 8, 3, 5, 7)
+    last = x.contiguous(memory_format=torch.channels_last_3d)
+    for name, op in (("double_space", double_space), ("interleave_frames", interleave_frames),
+                     ("dup_up", lambda v: dup_up(v, 4, 2, 2, first_chunk))):
+        want, got = op(x), op(last)
+        assert torch.equal(got, want), name
+        assert got.stride(1) == 1 and want.stride(-1) == 1, name  # channels innermost, as they came
+        assert channels_last(got) or (name == "dup_up" and first_chunk), name  # a frame cut off: not dense
+    want = torch.nn.functional.interpolate(x.flatten(1, 2), scale_factor=2.0, mode="nearest-exact")
+    assert torch.equal(double_space(x).flatten(1, 2), want)
