@@ -105,6 +105,8 @@ def time_vae(settings, runs: int) -> dict[str, Any]:
                 last = frames_uint8(ours.decode(z.contiguous(memory_format=torch.channels_last_3d))[0]).cpu()
                 out["channels_last_levels_max"] = int((last.int() - reference.int()).abs().max())
                 timed("ours_fp32_fused_cudnn_benchmark_channels_last", ours_decode(ours, torch.float32))
+                out["profile_ours_fp32_fused_cudnn_benchmark_channels_last"] = kernel_table(
+                    ours_decode(ours, torch.float32), 25)
             timed("ours_fp32_fused_channels_last", ours_decode(ours, torch.float32))
             use_channels_last(ours, False)
         bf16 = WanVAE(WanVAEConfig.from_dict(settings.vae)).to(device, torch.bfloat16).eval()

@@ -10,7 +10,9 @@ Each program takes one row ``b`` and a block of ``BLOCK_S`` pixels and walks the
 tiles of ``BLOCK_C`` (the channel count is a compile-time constant: a network has a few); sums
 are kept in float32 whatever the dtype. The tensor is read in its own layout: contiguous
 (pixels of a channel adjacent) or channels-last (channels of a pixel adjacent, cuDNN's native
-layout for convolutions), and the output keeps it.
+layout for convolutions), and the output keeps it; the output may also be a slice of a larger
+buffer (a causal convolution's input with its past frames in front, so no concatenation copies
+the activation again).
 ``torch_channel_norm`` is the reference on tensors. Kernels run on CUDA tensors, or on CPU
 tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first import); without
 Triton the module imports and ``channel_norm`` raises.
@@ -40,52 +42,65 @@ def torch_channel_norm(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> tor
 if HAS_TRITON:
 
     @triton.jit
-    def _channel_norm_kernel(x_ptr, w_ptr, out_ptr, pixels, stride_c, stride_s, channels: tl.constexpr,
-                             SILU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _channel_norm_kernel(x_ptr, w_ptr, out_ptr, pixels, x_b, x_c, x_s, out_b, out_c, out_s,
+                             channels: tl.constexpr, SILU: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
         blocks = tl.cdiv(pixels, BLOCK_S)
-        row = tl.program_id(0) // blocks
-        s = (tl.program_id(0) % blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        row = (tl.program_id(0) // blocks).to(tl.int64)
+        s = ((tl.program_id(0) % blocks) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
         inside = s < pixels
-        base = row.to(tl.int64) * channels * pixels
         squares = tl.zeros([BLOCK_S], dtype=tl.float32)
         for c0 in range(0, channels, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
+            c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
             mask = (c < channels)[:, None] & inside[None, :]
-            at = base + c.to(tl.int64)[:, None] * stride_c + s.to(tl.int64)[None, :] * stride_s
-            v = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_ptr + row * x_b + c[:, None] * x_c + s[None, :] * x_s, mask=mask, other=0.0).to(tl.float32)
             squares += tl.sum(v * v, axis=0)
         inv = 1.0 / tl.maximum(tl.sqrt(squares), 1e-12)
         for c0 in range(0, channels, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
+            c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
             mask = (c < channels)[:, None] & inside[None, :]
-            at = base + c.to(tl.int64)[:, None] * stride_c + s.to(tl.int64)[None, :] * stride_s
-            v = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_ptr + row * x_b + c[:, None] * x_c + s[None, :] * x_s, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + c, mask=c < channels, other=0.0).to(tl.float32)
             y = v * inv[None, :] * w[:, None]
             if SILU:
                 y = y / (1.0 + tl.exp(-y))
-            tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + row * out_b + c[:, None] * out_c + s[None, :] * out_s,
+                     y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def channel_norm(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
-    """``torch_channel_norm`` in one kernel: ``x [B, C, ...]``, contiguous or channels-last (any
-    other layout is made contiguous), ``weight`` ``C`` values (any shape). The output has ``x``'s
-    layout."""
+def channel_norm(x: torch.Tensor, weight: torch.Tensor, silu: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch_channel_norm`` in one kernel: ``x [B, C, ...]``, ``weight`` ``C`` values (any shape).
+    ``out``: where to write (``x``'s shape and dtype), e.g. a slice of a larger buffer; by default
+    a new tensor in ``x``'s layout. Either may be contiguous, channels-last, or a slice along the
+    first pixel dimension (frames) of either; any other layout of ``x`` is read through a copy."""
     check_runnable(x, "the channel norm kernel", __name__)
     b, c = x.shape[:2]
-    if channels_last(x):
-        stride_c, stride_s = 1, c
-    else:
+    pixels = x[0, 0].numel() if x.numel() else 0
+    if pixel_strides(x) is None:
         x = x.contiguous()
-        stride_c, stride_s = x[0, 0].numel(), 1
-    pixels = x[0, 0].numel()
+    if out is None:
+        out = torch.empty_like(x)  # the same strides as x: a dense tensor keeps its layout
+    elif out.shape != x.shape or out.dtype != x.dtype or pixel_strides(out) is None:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} (layout {out.stride()}) cannot hold the norm "
+                         f"of {tuple(x.shape)} {x.dtype}")
     weight = weight.reshape(c).contiguous()
-    out = torch.empty_like(x)  # the same strides as x: a dense tensor keeps its layout
-    if x.numel():
+    if pixels:
         grid = (b * triton.cdiv(pixels, _BLOCK_S),)
-        _channel_norm_kernel[grid](x, weight, out, pixels, stride_c, stride_s, channels=c, SILU=silu,
-                                   BLOCK_S=_BLOCK_S, BLOCK_C=_BLOCK_C)
+        _channel_norm_kernel[grid](x, weight, out, pixels, *pixel_strides(x), *pixel_strides(out), channels=c,
+                                   SILU=silu, BLOCK_S=_BLOCK_S, BLOCK_C=_BLOCK_C)
     return out
+
+
+def pixel_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(batch, channel, pixel)`` strides of ``x [B, C, ...]`` when its pixels (every dimension
+    after ``C``, flattened) sit at one stride from each other, else None."""
+    step = x.stride(-1) if x.ndim > 2 else 1
+    expected = step
+    for size, stride in zip(reversed(x.shape[2:]), reversed(x.stride()[2:])):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    return x.stride(0), x.stride(1), step
 
 
 def channels_last(x: torch.Tensor) -> bool:

@@ -67,6 +67,24 @@ def test_channels_last_is_read_in_place_and_kept(shape):
 
 
 @runnable
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d],
+                         ids=["contiguous", "channels_last"])
+def test_writes_into_a_slice_of_frames(layout):
+    """``out`` a slice along the frames of a larger buffer (a causal convolution's input with its
+    past frames in front): the norm lands there, the frames in front stay as they were."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 40, 3, 5, 9, generator=g).to(DEVICE).contiguous(memory_format=layout)
+    weight = torch.randn(40, generator=g).to(DEVICE)
+    buffer = torch.full((2, 40, 5, 5, 9), 7.0, device=DEVICE).contiguous(memory_format=layout)
+    got = channel_norm(x, weight, True, out=buffer[:, :, 2:])
+    assert got.data_ptr() == buffer[:, :, 2:].data_ptr()
+    assert (buffer[:, :, 2:] - torch_channel_norm(x, weight, True)).abs().max() < 1e-5
+    assert (buffer[:, :, :2] == 7.0).all()
+    with pytest.raises(ValueError, match="cannot hold"):
+        channel_norm(x, weight, True, out=buffer[:, :, :, 1:])  # rows cut short: pixels not at one stride
+
+
+@runnable
 def test_bfloat16_keeps_its_dtype():
     x = torch.randn(2, 40, 70).to(DEVICE, torch.bfloat16)
     weight = torch.rand(40).to(DEVICE)

@@ -128,6 +128,35 @@ class CausalConv3d(nn.Conv3d):
                 cache[self] = x[:, :, -CACHE_FRAMES:].clone()  # not a view: it would hold the whole chunk
         return super().forward(x)
 
+    def padded_input(self, like: torch.Tensor, cache: FrameCache | None) -> torch.Tensor:
+        """An uninitialised input of ``like``'s shape and layout with this convolution's past
+        frames (the cached ones, or zeros) already in front: write the input into
+        ``[:, :, time_pad:]``, then call ``forward_padded``. No concatenation copies the input."""
+        b, c, t, h, w = like.shape
+        layout = torch.channels_last_3d if channels_last(like) else torch.contiguous_format
+        padded = torch.empty((b, c, self.time_pad + t, h, w), device=like.device, dtype=like.dtype,
+                             memory_format=layout)
+        past = cache.get(self) if cache is not None else None
+        front = padded[:, :, : self.time_pad]
+        front.zero_() if past is None else front.copy_(past)
+        return padded
+
+    def forward_padded(self, padded: torch.Tensor, cache: FrameCache | None) -> torch.Tensor:
+        """``forward`` of an input from ``padded_input``, its front frames filled there."""
+        if cache is not None:
+            cache[self] = padded[:, :, -CACHE_FRAMES:].clone()
+        return super().forward(padded)
+
+
+def norm_conv(norm: RMSNorm, conv: CausalConv3d, x: torch.Tensor, cache: FrameCache | None) -> torch.Tensor:
+    """``conv(norm(x, silu=True), cache)``; under the fused kernels the norm writes straight into
+    the convolution's input behind its past frames (one pass over the activation fewer)."""
+    if not norm.fused or not conv.time_pad:
+        return conv(norm(x, silu=True), cache)
+    padded = conv.padded_input(x, cache)
+    norm(x, silu=True, out=padded[:, :, conv.time_pad:])
+    return conv.forward_padded(padded, cache)
+
 
 def conv_frames(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """A 2D convolution applied to every frame of ``[B, C, T, H, W]``, as a 3D convolution whose
@@ -146,11 +175,14 @@ class RMSNorm(nn.Module):
         self.gamma = nn.Parameter(torch.ones(dim, 1, 1) if images else torch.ones(dim, 1, 1, 1))
         self.fused = False
 
-    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` (fused only): where the kernel writes, e.g. a convolution's padded input."""
         if self.fused:
             from mstar.layers.triton_channel_norm import channel_norm
 
-            return channel_norm(x, self.gamma * self.scale, silu)
+            return channel_norm(x, self.gamma * self.scale, silu, out=out)
+        if out is not None:
+            raise ValueError("RMSNorm writes into out= only with the fused kernel")
         low = x.dtype in (torch.float16, torch.bfloat16)
         y = F.normalize(x.float() if low else x, dim=1)
         y = y.to(x.dtype) if low else y
@@ -187,8 +219,8 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        x = self.conv1(self.norm1(x, silu=True), cache)
-        return self.conv2(self.norm2(x, silu=True), cache).add_(skip)
+        x = norm_conv(self.norm1, self.conv1, x, cache)
+        return norm_conv(self.norm2, self.conv2, x, cache).add_(skip)
 
 
 class AttentionBlock(nn.Module):
@@ -382,7 +414,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, cache)
         x = self.mid_block(x, cache)
-        return self.conv_out(self.norm_out(x, silu=True), cache)
+        return norm_conv(self.norm_out, self.conv_out, x, cache)
 
 
 class Decoder(nn.Module):
@@ -407,7 +439,7 @@ class Decoder(nn.Module):
         x = self.mid_block(self.conv_in(x, cache), cache)
         for block in self.up_blocks:
             x = block(x, cache, first_chunk)
-        return self.conv_out(self.norm_out(x, silu=True), cache)
+        return norm_conv(self.norm_out, self.conv_out, x, cache)
 
 
 def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
