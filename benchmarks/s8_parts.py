@@ -52,6 +52,7 @@ def time_vae(settings, runs: int) -> dict[str, Any]:
 
     from mstar.model.wan22.vae import (
         DECODE_CHUNK,
+        Upsample,
         WanVAE,
         WanVAEConfig,
         frames_uint8,
@@ -95,6 +96,12 @@ def time_vae(settings, runs: int) -> dict[str, Any]:
         fused = ours_decode(ours, torch.float32)()
         out["fused_levels_max"] = int((fused.int() - reference.int()).abs().max())
         timed("ours_fp32_fused", ours_decode(ours, torch.float32))
+        upsamplers = [m for m in ours.modules() if isinstance(m, Upsample)]
+        for m in upsamplers:  # the upsamplers' convolutions on the doubled frames, as before
+            m.fused = False
+        timed("ours_fp32_fused_norms_only", ours_decode(ours, torch.float32))
+        for m in upsamplers:
+            m.fused = fuse
         if device.type == "cuda":
             # cuDNN's own algorithm search per shape (the first call of each shape pays it), then
             # activations channels-last (cuDNN's native layout: no NCHW <-> NHWC conversions).

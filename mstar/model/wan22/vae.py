@@ -191,9 +191,10 @@ class RMSNorm(nn.Module):
 
 
 def use_fused_kernels(vae: nn.Module, enabled: bool = True) -> None:
-    """Run every VAE ``RMSNorm`` under ``vae`` (with its SiLU) as one Triton kernel."""
+    """Run every VAE ``RMSNorm`` under ``vae`` (with its SiLU) as one Triton kernel, and every
+    upsampler's convolution on the frames before they are doubled (``upsample_conv``)."""
     for module in vae.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, (RMSNorm, Upsample)):
             module.fused = enabled
 
 
@@ -279,6 +280,8 @@ class Upsample(nn.Module):
         self.resample = nn.Sequential(nn.Upsample(scale_factor=(2.0, 2.0), mode="nearest-exact"),
                                       nn.Conv2d(dim, out_dim or dim, 3, padding=1))
         self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
+        self.fused = False
+        self._phases: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if self.time_conv is not None:
@@ -286,7 +289,64 @@ class Upsample(nn.Module):
                 x = interleave_frames(self.time_conv(x, cache))
             else:
                 cache[self] = True  # the first chunk: its frame is not doubled
+        if self.fused:
+            return upsample_conv(x, *self.phase_weights())
         return conv_frames(self.resample[1], double_space(x))
+
+    def phase_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``phase_kernels`` of the convolution, made again only when its weights change."""
+        conv = self.resample[1]
+        key = (conv.weight.data_ptr(), tensor_version(conv.weight), conv.weight.dtype, conv.weight.device)
+        if self._phases is None or self._phases[0] != key:
+            bias = None if conv.bias is None else conv.bias.repeat(4)
+            self._phases = (key, phase_kernels(conv.weight), bias)
+        return self._phases[1], self._phases[2]
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place write counter; -1 for a tensor made under inference mode, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def phase_kernels(weight: torch.Tensor) -> torch.Tensor:
+    """A 3x3 kernel ``[O, I, 3, 3]`` applied after nearest 2x upsampling, as four 2x2 kernels on
+    the frames before it, stacked ``[4 O, I, 1, 2, 2]`` (phase ``2r + s`` makes the output pixels
+    ``(2i + r, 2j + s)``). An upsampled row ``2i + r`` repeats row ``i``, so the kernel's three
+    rows fall on two input rows: ``i - 1`` and ``i`` for ``r = 0`` (taps 0 and 1 + 2), ``i`` and
+    ``i + 1`` for ``r = 1`` (taps 0 + 1 and 2); columns likewise. Zero padding maps to zero padding."""
+    def halves(k: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Three taps along ``dim`` -> the two-tap kernels of phase 0 and phase 1."""
+        a, b, c = k.unbind(dim)
+        return torch.stack([a, b + c], dim), torch.stack([a + b, c], dim)
+
+    summed = weight.to(torch.promote_types(weight.dtype, torch.float32))  # sums of bf16 taps in float32
+    phases = [p for rows in halves(summed, 2) for p in halves(rows, 3)]
+    layout = torch.channels_last_3d if channels_last(weight.unsqueeze(2)) else torch.contiguous_format
+    return torch.cat(phases).unsqueeze(2).to(weight.dtype).contiguous(memory_format=layout)
+
+
+def upsample_conv(x: torch.Tensor, kernels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``conv_frames`` of ``double_space(x)`` (a 3x3 convolution, padding 1) without making the
+    upsampled frames: one convolution of ``x`` with the four ``phase_kernels`` (4/9 of the
+    products), each phase's pixels then put in place. The same numbers up to rounding."""
+    b, c, t, h, w = x.shape
+    out = F.conv3d(x, kernels, bias, padding=(0, 1, 1))  # [B, 4 O, T, H + 1, W + 1]
+    o = kernels.shape[0] // 4
+    if channels_last(out):
+        video = torch.empty((b, t, h, 2, w, 2, o), device=x.device, dtype=out.dtype)
+        pixels = out.permute(0, 2, 3, 4, 1)
+        for r in (0, 1):
+            for s in (0, 1):
+                video[:, :, :, r, :, s] = pixels[:, :, r:r + h, s:s + w, (2 * r + s) * o:(2 * r + s + 1) * o]
+        return video.view(b, t, 2 * h, 2 * w, o).permute(0, 4, 1, 2, 3)
+    video = torch.empty((b, o, t, h, 2, w, 2), device=x.device, dtype=out.dtype)
+    for r in (0, 1):
+        for s in (0, 1):
+            video[:, :, :, :, r, :, s] = out[:, (2 * r + s) * o:(2 * r + s + 1) * o, :, r:r + h, s:s + w]
+    return video.view(b, o, t, 2 * h, 2 * w)
 
 
 def interleave_frames(x: torch.Tensor) -> torch.Tensor:

@@ -150,3 +150,20 @@ def test_reshaping_ops_keep_a_channels_last_activation(first_chunk):
         assert channels_last(got) or (name == "dup_up" and first_chunk), name  # a frame cut off: not dense
     want = torch.nn.functional.interpolate(x.flatten(1, 2), scale_factor=2.0, mode="nearest-exact")
     assert torch.equal(double_space(x).flatten(1, 2), want)
+
+
+def test_upsampler_convolution_on_the_frames_before_doubling():
+    """Under ``fused_kernels`` an upsampler convolves the frames before they are doubled, with
+    four 2x2 phase kernels: in float64 the same as the 3x3 kernel on the doubled frames (to
+    rounding), borders included; a change of the weights makes new phase kernels."""
+    from mstar.model.wan22.vae import Upsample, conv_frames, double_space
+
+    torch.manual_seed(0)
+    up = Upsample(6, temporal=False, out_dim=5).double()
+    x = torch.randn(2, 6, 3, 4, 7, dtype=torch.float64)
+    want = conv_frames(up.resample[1], double_space(x))
+    up.fused = True
+    assert (up(x, {}) - want).abs().max() < 1e-12
+    with torch.no_grad():
+        up.resample[1].weight.mul_(2.0)
+    assert (up(x, {}) - conv_frames(up.resample[1], double_space(x))).abs().max() < 1e-12
