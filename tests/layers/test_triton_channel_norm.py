@@ -111,9 +111,20 @@ def test_vae_norm_fused_equals_eager(images):
 @runnable
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
 def test_vae_decode_fused_equals_eager(monkeypatch, channels_last):
-    """With ``channels_last`` the fused decode runs on channels-last weights (on CUDA, cuDNN then
-    hands every norm channels-last activations; on the CPU the convolutions return contiguous)."""
+    """With ``channels_last`` the fused decode runs on channels-last weights, and every 3D
+    convolution returns channels-last activations as cuDNN does on CUDA (the CPU's return
+    contiguous ones, so off CUDA the test makes them so): every op after a convolution then
+    meets that layout."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions would swamp 1e-4
+    if channels_last and DEVICE.type != "cuda":
+        conv3d = torch.nn.functional.conv3d
+
+        def as_cudnn(x, weight, *args, **kwargs):
+            out = conv3d(x, weight, *args, **kwargs)
+            on = triton_channel_norm.channels_last(x) or triton_channel_norm.channels_last(weight)
+            return out.contiguous(memory_format=torch.channels_last_3d) if on else out
+
+        monkeypatch.setattr(torch.nn.functional, "conv3d", as_cudnn)
     torch.manual_seed(0)
     vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE)).to(DEVICE).eval()
     with torch.no_grad():
