@@ -135,8 +135,7 @@ class Settings:
     attention_backend: str = "sdpa"
     fused_kernels: bool = False
     vae_dtype: str = "float32"
-    vae_channels_last: bool = False
-    vae_autotune: bool = False
+    vae_channels_last: bool = True
     seed: int = 0
 
     def describe(self) -> dict[str, Any]:
@@ -178,8 +177,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     clip_runs=clip_runs, compile=not args.no_compile, compile_backend=backend,
                     runtime_compile=args.runtime_compile, vae_compile=args.vae_compile and not args.smoke,
                     attention_backend=args.attention_backend, fused_kernels=args.fused_kernels and not args.smoke,
-                    vae_dtype=args.vae_dtype, seed=args.seed, vae_channels_last=args.vae_channels_last,
-                    vae_autotune=args.vae_autotune)
+                    vae_dtype=args.vae_dtype, seed=args.seed, vae_channels_last=not args.vae_contiguous)
 
 
 # --------------------------------------------------------------------------- the bound
@@ -410,9 +408,8 @@ def deployment(settings: Settings, model_dir: Path, vae_dtype: str = "float32") 
         kwargs["fused_kernels"] = True
     if vae_dtype != "float32":
         kwargs["vae_dtype"] = vae_dtype
-    for knob in ("vae_channels_last", "vae_autotune"):
-        if getattr(settings, knob):
-            kwargs[knob] = True
+    if not settings.vae_channels_last:
+        kwargs["vae_channels_last"] = False
     return {"model": "wan22", "model_path": str(model_dir), "load_format": "dummy", "device": settings.device,
             "dtype": str(settings.dtype).removeprefix("torch."), "max_concurrent_requests": 2,
             "model_kwargs": kwargs}
@@ -634,8 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vae-dtype", default="float32",
                    help="ours' VAE dtype (model_kwargs.vae_dtype), or a comma list (one deployment each: "
                         "float32,bfloat16); the baseline's stays float32")
-    p.add_argument("--vae-channels-last", action="store_true", help="model_kwargs.vae_channels_last=true")
-    p.add_argument("--vae-autotune", action="store_true", help="model_kwargs.vae_autotune=true")
+    p.add_argument("--vae-contiguous", action="store_true",
+                   help="model_kwargs.vae_channels_last=false (ours' VAE activations contiguous, as before)")
     p.add_argument("--skip-dit", action="store_true", help="do not time DiT steps")
     p.add_argument("--skip-clips", action="store_true", help="do not time whole clips")
     p.add_argument("--skip-eager-pipeline", action="store_true", help="no eager WanPipeline clip")

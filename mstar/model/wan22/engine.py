@@ -66,18 +66,8 @@ def vae_engine(vae: WanVAE, knobs: WanKnobs, device: torch.device, dtype: torch.
     wan_vae.use_fused_kernels(vae, knobs.fused_kernels)
     wan_vae.use_channels_last(vae, knobs.vae_channels_last and device.type == "cuda")
     decode = knobs.vae_decode(vae)
-    autotune = knobs.vae_autotune and device.type == "cuda"
 
     def run(op, items):
-        if not autotune:
-            return run_items(op, items)
-        before, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, True
-        try:
-            return run_items(op, items)
-        finally:
-            torch.backends.cudnn.benchmark = before
-
-    def run_items(op, items):
         port = {"encode": "pixels", "decode": "latents"}.get(op)
         if port is None:
             raise ValueError(f"the Wan VAE has no op {op!r} (it has ['encode', 'decode'])")
